@@ -1,0 +1,57 @@
+"""Package set-up for megalite.
+
+Keeps a torch that is already installed; on a machine without torch it pins
+torch==2.13.0 so pip takes the CPU wheel instead of multi-GB CUDA wheels.
+The optional csrc extension is described in csrc/build.py.
+"""
+
+import os
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+TORCH_PIN = "torch==2.13.0"
+
+
+def torch_requirement() -> str:
+    """'torch' when the target environment already has it, else the pin.
+
+    pip may run this file in an isolated build environment that hides the
+    user's site-packages, so the check runs in a clean child interpreter.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+    probe = "import importlib.metadata as m; print(m.version('torch'))"
+    try:
+        found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return TORCH_PIN
+    return "torch" if found.returncode == 0 and found.stdout.strip() else TORCH_PIN
+
+
+def extension_kwargs() -> dict:
+    """ext_modules and cmdclass for the optional fused-kernel extension."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    build = os.path.join(here, "csrc", "build.py")
+    if os.environ.get("MEGALITE_NO_EXT") == "1" or not os.path.exists(build):
+        return {}
+    sys.path.insert(0, os.path.join(here, "csrc"))
+    try:
+        import build as csrc_build
+    finally:
+        sys.path.pop(0)
+    return csrc_build.extension_kwargs(here)
+
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Megatron-style model-parallel training for PyTorch that runs on CPU (gloo) and GPU (NCCL)",
+    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard"],
+    extras_require={"test": ["pytest", "transformers", "safetensors"]},
+    **extension_kwargs(),
+)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install megalite with its test extra and run the whole suite.
+# pytest's exit code 5 (no tests collected) counts as a failure: a suite that
+# ran nothing proves nothing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q -e ".[test]" || exit 1
+export OMP_NUM_THREADS=1
+python -m pytest -q tests "$@"
+code=$?
+if [ "$code" -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+fi
+exit "$code"
