@@ -1,0 +1,256 @@
+"""GPT pretraining samples cut from an indexed dataset, plus splitting and blending.
+
+A :class:`GPTDataset` lays its documents end to end, each epoch in a fresh
+seeded order, and cuts the stream into samples of ``seq_length + 1`` tokens
+(inputs plus the shifted label) that start every ``seq_length`` tokens, so
+samples cross document boundaries and consecutive samples share one token.
+The sample order is then shuffled by the same seed.  The three index arrays
+are cached as ``.npy`` files keyed by a hash of everything they depend on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+from megalite.data.indexed_dataset import IndexedDataset
+
+_INDEX_VERSION = 1
+
+
+def _save_atomic(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """``num_samples`` samples ``{"tokens": LongTensor[seq_length + 1]}`` from ``documents``.
+
+    ``documents`` are ids of documents in ``indexed`` (one split).  As many
+    epochs over them are used as ``num_samples`` needs.  With ``cache_dir`` the
+    index arrays are loaded from, or saved to, ``cache_dir``.
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents, num_samples: int, seq_length: int, seed: int,
+                 cache_dir: str | None = None, name: str = "gpt"):
+        documents = np.asarray(documents, dtype=np.int64)
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be positive, got {seq_length}")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if documents.ndim != 1 or len(documents) == 0:
+            raise ValueError(f"dataset {name!r} needs a non-empty 1-D array of document ids, "
+                             f"got shape {documents.shape}")
+        if documents.min() < 0 or documents.max() >= len(indexed):
+            raise ValueError(f"dataset {name!r}: document ids span [{documents.min()}, {documents.max()}], "
+                             f"but {indexed.prefix} has {len(indexed)} documents")
+        sizes = np.asarray(indexed.sizes)[documents].astype(np.int64)
+        tokens_per_epoch = int(sizes.sum())
+        if tokens_per_epoch == 0:
+            raise ValueError(f"dataset {name!r}: its {len(documents)} documents hold no tokens")
+        self.indexed = indexed
+        self.name = name
+        self.seq_length = seq_length
+        self.num_samples = num_samples
+        self.seed = seed
+        self.num_epochs = math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
+
+        key = hashlib.sha256(json.dumps({
+            "version": _INDEX_VERSION, "name": name, "num_samples": num_samples,
+            "seq_length": seq_length, "seed": seed}).encode())
+        key.update(documents.tobytes())
+        key.update(sizes.tobytes())
+        self.cache_key = key.hexdigest()[:16]
+        paths = None
+        if cache_dir is not None:
+            stem = os.path.join(cache_dir, f"{name}_{self.cache_key}")
+            paths = [f"{stem}_{part}.npy" for part in ("doc_idx", "sample_idx", "shuffle_idx")]
+        if paths is not None and all(os.path.isfile(p) for p in paths):
+            self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(p, mmap_mode="r") for p in paths)
+        else:
+            rng = np.random.RandomState(seed)
+            self.doc_idx = self._build_doc_idx(documents, rng)
+            self.sample_idx = self._build_sample_idx(indexed, self.doc_idx, num_samples, seq_length)
+            self.shuffle_idx = rng.permutation(num_samples).astype(np.int64)
+            if paths is not None:
+                os.makedirs(cache_dir, exist_ok=True)
+                for path, array in zip(paths, (self.doc_idx, self.sample_idx, self.shuffle_idx)):
+                    _save_atomic(path, array)
+
+    def _build_doc_idx(self, documents: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+        """The documents of every epoch, each epoch in its own random order."""
+        epochs = []
+        for _ in range(self.num_epochs):
+            order = documents.copy()
+            rng.shuffle(order)
+            epochs.append(order)
+        return np.concatenate(epochs)
+
+    @staticmethod
+    def _build_sample_idx(indexed: IndexedDataset, doc_idx: np.ndarray, num_samples: int,
+                          seq_length: int) -> np.ndarray:
+        """Row i is (position in doc_idx, token offset) where sample i starts."""
+        sizes = np.asarray(indexed.sizes)[doc_idx].astype(np.int64)
+        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        positions = np.arange(num_samples, dtype=np.int64) * seq_length
+        slot = np.searchsorted(starts, positions, side="right") - 1
+        return np.stack([slot, positions - starts[slot]], axis=1)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range for {self.num_samples} samples")
+        slot, offset = (int(v) for v in self.sample_idx[self.shuffle_idx[idx]])
+        needed = self.seq_length + 1
+        pieces = []
+        while needed:
+            doc = int(self.doc_idx[slot])
+            piece = self.indexed.get(doc, offset, min(needed, int(self.indexed.sizes[doc]) - offset))
+            pieces.append(piece)
+            needed -= len(piece)
+            slot, offset = slot + 1, 0
+        return {"tokens": torch.from_numpy(np.concatenate(pieces).astype(np.int64))}
+
+    @property
+    def max_token_id(self) -> int:
+        return self.indexed.max_token_id
+
+
+def _blend_counts(weights: np.ndarray, size: int) -> np.ndarray:
+    """Greedy interleave: sample i goes to the dataset furthest behind its share."""
+    choice = np.empty(size, dtype=np.int64)
+    counts = np.zeros(len(weights), dtype=np.int64)
+    for i in range(size):
+        pick = int(np.argmax(weights * (i + 1) - counts))
+        choice[i] = pick
+        counts[pick] += 1
+    return choice
+
+
+def normalize_weights(weights) -> np.ndarray:
+    """Weights as float64 summing to one; ValueError if any is negative or all are zero."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.ndim != 1 or len(weights) == 0 or (weights < 0).any() or weights.sum() <= 0:
+        raise ValueError(f"blend weights must be non-negative with a positive sum, got {weights.tolist()}")
+    return weights / weights.sum()
+
+
+def blend_samples_needed(weights, size: int) -> list[int]:
+    """How many samples each dataset must hold for a :class:`BlendedDataset` of ``size``."""
+    return [int(math.ceil(w * size)) + 1 for w in normalize_weights(weights)]
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """``size`` samples drawn from ``datasets`` in proportion to ``weights``.
+
+    Dataset counts are exact (each within one of ``weight * size``): samples are
+    assigned greedily to the dataset furthest behind its share, then the
+    assignment order is shuffled by ``seed``.  Dataset k serves its own samples
+    0, 1, 2, ... in its (already shuffled) order.
+    """
+
+    def __init__(self, datasets, weights, size: int, seed: int):
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        if size < 1:
+            raise ValueError(f"size must be positive, got {size}")
+        self.datasets = list(datasets)
+        self.weights = normalize_weights(weights)
+        choice = _blend_counts(self.weights, size)
+        choice = choice[np.random.RandomState(seed).permutation(size)]
+        self.dataset_index = choice
+        self.dataset_sample_index = np.empty(size, dtype=np.int64)
+        for k, dataset in enumerate(self.datasets):
+            mine = choice == k
+            count = int(mine.sum())
+            if count > len(dataset):
+                raise ValueError(f"blended dataset {k} must supply {count} samples but holds {len(dataset)}")
+            self.dataset_sample_index[mine] = np.arange(count)
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, idx: int):
+        return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
+
+    @property
+    def max_token_id(self) -> int:
+        return max(d.max_token_id for d in self.datasets)
+
+
+def parse_split(split: str) -> list[float]:
+    """"949,50,1" -> train/valid/test fractions; missing parts count as zero."""
+    try:
+        parts = [float(p) for p in str(split).replace("/", ",").split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"split {split!r} must be up to three comma-separated numbers") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split {split!r} must be one to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_documents(num_docs: int, split: str = "949,50,1") -> list[np.ndarray]:
+    """Document ids of the train, valid and test splits: consecutive ranges in that order."""
+    bounds = np.round(np.cumsum([0.0] + parse_split(split)) * num_docs).astype(np.int64)
+    bounds[-1] = num_docs
+    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
+    """["prefix"] or ["w1", "prefix1", "w2", "prefix2", ...] -> (weights, prefixes)."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    if len(data_path) == 1:
+        return [1.0], list(data_path)
+    if len(data_path) == 0 or len(data_path) % 2:
+        raise ValueError(f"data_path must be one prefix or weight/prefix pairs, got {len(data_path)} items: "
+                         f"{data_path}")
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        raise ValueError(f"data_path weights must be numbers, got {data_path[0::2]}") from None
+    return weights, list(data_path[1::2])
+
+
+def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
+                                    train_valid_test_num_samples, cache_dir: str | None = None):
+    """(train, valid, test) datasets over one prefix or a weighted blend of prefixes.
+
+    Each prefix is split by documents according to ``split``.  A split gets
+    None when it is asked for no samples or, for valid and test, when it holds
+    no documents; an empty train split that is asked for samples is an error.
+    """
+    weights, prefixes = parse_data_path(data_path)
+    weights = normalize_weights(weights)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    splits = [split_documents(len(ds), split) for ds in indexed]
+    results = []
+    for part, name in enumerate(("train", "valid", "test")):
+        wanted = int(train_valid_test_num_samples[part])
+        if wanted <= 0:
+            results.append(None)
+            continue
+        empty = [p for p, s in zip(prefixes, splits) if len(s[part]) == 0]
+        if empty:
+            if part == 0:
+                raise ValueError(f"split {split!r} leaves no training documents in {empty[0]} "
+                                 f"({len(indexed[prefixes.index(empty[0])])} documents)")
+            results.append(None)
+            continue
+        counts = [wanted] if len(prefixes) == 1 else blend_samples_needed(weights, wanted)
+        parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir,
+                            name=f"{os.path.basename(p)}_{name}")
+                 for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
+        results.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted, seed))
+    return tuple(results)
