@@ -1,0 +1,92 @@
+"""Causal self-attention with grouped-query attention over tensor-parallel heads.
+
+QKV layout of ``linear_qkv`` (Megatron's grouped layout).  With ``ng`` query
+groups, ``nq`` heads, ``r = nq // ng`` heads per group and head dim ``d``, the
+full (master) weight has ``ng * (r + 2) * d`` output rows ordered group by
+group: ``[q_g0 (r*d rows), k_g0 (d), v_g0 (d), q_g1, k_g1, v_g1, ...]``, where
+query head ``j`` belongs to group ``j // r``.  TP rank ``i`` holds the
+contiguous block of groups ``i*ng/tp .. (i+1)*ng/tp``, so the same master
+weight serves every TP size.  The bias follows the same layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import kernels, topology
+from megalite.models.init import normal_init, scaled_normal_init
+from megalite.models.kv_cache import KVCache
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, offset: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v with a causal mask; ``[s, b, n, d]`` in, ``[s, b, n*d]`` out.
+
+    ``k``/``v`` may have fewer (grouped) heads than ``q`` and ``offset`` more
+    (cached) positions in front: query ``i`` sees keys ``0 .. offset + i``.
+    Attention dropout runs on the model-parallel RNG state, since each TP rank
+    holds different heads.  Runs on torch's scaled_dot_product_attention
+    (flash kernels on GPU).
+    """
+    s, b, heads, d = q.shape
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    mask = None
+    if offset and s > 1:
+        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    causal = offset == 0 and s > 1
+    gqa = k.shape[1] != heads
+    if dropout > 0.0:
+        with get_rng_tracker().fork():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class SelfAttention(nn.Module):
+    """``linear_qkv`` (column-parallel) -> rotary -> core attention -> ``linear_proj`` (row-parallel).
+
+    Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); returns
+    ``(output, proj_bias)`` with the bias left for the fused bias-dropout-add.
+    """
+
+    def __init__(self, config, layer_number: int, *, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        tp = topology.group_size(tp_group)
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.num_groups_local = config.num_query_groups // tp
+        self.attention_dropout = config.attention_dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+        qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+            tp_group=tp_group, init_method=normal_init(config.init_method_std))
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, sequence_parallel=sequence_parallel, tp_group=tp_group,
+            init_method=scaled_normal_init(config.init_method_std, config.num_layers))
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_cache: KVCache | None = None):
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if rotary is not None:
+            q, k = kernels.apply_rotary(q, k, *rotary)
+        offset = 0
+        if kv_cache is not None:
+            offset = kv_cache.offset
+            k, v = kv_cache.append(self.layer_number, k, v)
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.recompute_core and self.training and kv_cache is None:
+            context = checkpoint(core_attention, q, k, v, dropout, offset)
+        else:
+            context = core_attention(q, k, v, dropout, offset)
+        return self.linear_proj(context)

@@ -1,0 +1,304 @@
+"""Decoder-only GPT built from megalite's tensor-parallel layers.
+
+``GPTModel`` is one pipeline chunk: the embedding when ``pre_process``, the
+transformer layers ``layer_range``, and the final norm and output layer when
+``post_process``.  Activations are ``[s, b, h]`` inside (``[s/tp, b, h]``
+between the embedding and the output layer under sequence parallelism).
+
+Parameter names (HF-convertible)::
+
+    embedding.word_embeddings.weight              [v_pad/tp, h]  (vocab rows, TP-split)
+    embedding.position_embeddings.weight          [max_pos, h]   (learned_absolute only)
+    decoder.layers.{i}.input_layernorm.{weight,bias}
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   grouped QKV layout, see attention.py
+    decoder.layers.{i}.self_attention.linear_proj.{weight,bias}
+    decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
+    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              [gate_i; up_i] for SwiGLU, see mlp.py
+    decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
+    decoder.final_layernorm.{weight,bias}
+    output_layer.weight                            [v_pad/tp, h]  (untied, or tied on a separate last stage)
+
+``{i}`` is the global layer index.  The vocabulary is padded to a multiple of
+``make_vocab_size_divisible_by * tp``; padding rows are zero and padding
+logits are masked, so neither changes the function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from megalite import topology
+from megalite.models.embedding import GPTEmbedding
+from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
+from megalite.models.kv_cache import KVCache
+from megalite.models.rotary import RotaryEmbedding
+from megalite.models.transformer_block import TransformerBlock
+from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear, pad_vocab_size,
+                                      vocab_parallel_cross_entropy)
+
+if TYPE_CHECKING:
+    from megalite.moe import MoEConfig
+
+PADDING_LOGIT = -1.0e4
+"""Logit given to padding vocabulary ids: exp() of it underflows to exactly 0, yet it stays finite."""
+
+_CHOICES = {
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "activation": ("gelu", "gelu_tanh", "swiglu"),
+    "recompute_granularity": (None, "full", "selective"),
+}
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a GPT model (parallel layout and training options live elsewhere).
+
+    ``ffn_hidden_size`` defaults to ``4h`` (GELU) or Megatron's SwiGLU size
+    ``int(8h/3 / 64) * 64``; ``num_query_groups`` defaults to the number of
+    heads (plain multi-head attention).  ``moe_layer_freq`` is an int ``k``
+    (layers ``0, k, 2k, ...`` are MoE) or a per-layer list of 0/1.  ``seed``
+    fixes the initial weights under every parallel layout.
+    """
+
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    max_position_embeddings: int = 1024
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000
+    normalization: str = "LayerNorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    recompute_granularity: str | None = None
+    moe: MoEConfig | None = None
+    moe_layer_freq: int | list[int] = 1
+    seed: int = 1234
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Head dimension."""
+        return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` uses the MoE MLP."""
+        if self.moe is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer_number % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_number])
+
+    def validate(self, tp_size: int = 1) -> None:
+        """Raise ValueError naming the numbers if this config cannot run with ``tp_size``."""
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor-parallel size must be a positive integer, got {tp_size!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        h, heads, groups, ffn = self.hidden_size, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
+        if h % heads:
+            raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
+        if heads % groups:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
+        if heads % tp_size:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by the tensor-parallel size {tp_size}")
+        if groups % tp_size:
+            raise ValueError(f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}")
+        if ffn % tp_size:
+            raise ValueError(f"ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp_size}")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ValueError(f"rope needs an even head dimension, got hidden_size/num_attention_heads = "
+                             f"{h}/{heads} = {self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"GPTConfig.norm_eps must be positive, got {self.norm_eps}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"GPTConfig.init_method_std must be positive, got {self.init_method_std}")
+        self._validate_moe_layers()
+
+    def _validate_moe_layers(self) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            if freq < 1:
+                raise ValueError(f"GPTConfig.moe_layer_freq must be >= 1, got {freq}")
+        elif len(freq) != self.num_layers or any(f not in (0, 1) for f in freq):
+            raise ValueError(f"GPTConfig.moe_layer_freq as a list needs num_layers={self.num_layers} entries of "
+                             f"0/1, got {list(freq)}")
+
+
+def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6N plus attention.
+
+    N counts the matmul weights a token passes through (QKV, projection, MLP or
+    its top-k experts and router, output layer over the real vocabulary); the
+    attention term is ``12 * layers * heads * d * seq_length`` (QK^T and AV,
+    without a causal discount, as in PaLM's MFU).
+    """
+    h, d = config.hidden_size, config.kv_channels
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 4 * seq_length * heads * d
+    forward = 2.0 * h * config.vocab_size
+    for layer in range(config.num_layers):
+        forward += attention
+        if config.is_moe_layer(layer):
+            moe = config.moe
+            matrices = 3 if moe.activation == "swiglu" else 2
+            forward += moe.topk * 2 * h * moe.ffn_hidden_size * matrices + 2 * h * moe.num_experts
+        else:
+            forward += 2 * h * config.ffn_hidden_size * (3 if config.activation == "swiglu" else 2)
+    return 3.0 * forward
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk of a GPT model (the whole model with the defaults).
+
+    ``forward(input_ids, labels, position_ids, kv_cache)`` takes ``[b, s]``
+    ids.  A chunk without ``pre_process`` reads its input from
+    :meth:`set_input_tensor`; a chunk without ``post_process`` returns the
+    hidden states ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
+    The last chunk returns the per-token loss ``[b, s]`` (fp32) with
+    ``labels``, else the logits ``[b, s, v_pad/tp]`` (exactly
+    ``[b, s, vocab_size]`` at tp=1; padding columns masked at tp>1).
+    """
+
+    def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
+                 layer_range: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_group=None,
+                 ep_group=None, expert_tp_group=None):
+        super().__init__()
+        self.tp_group = topology.resolve_group(tp_group, "tp")
+        ep_group = topology.resolve_group(ep_group, "ep")
+        expert_tp_group = topology.resolve_group(expert_tp_group, "expert_tp")
+        self.tp_size = topology.group_size(self.tp_group)
+        self.tp_rank = topology.group_rank(self.tp_group)
+        config.validate(self.tp_size)
+        start, end = (0, config.num_layers) if layer_range is None else layer_range
+        if not 0 <= start <= end <= config.num_layers:
+            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start <= end <= "
+                             f"num_layers={config.num_layers}")
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = (start, end)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size)
+        self.input_tensor = None
+        tied = not config.untie_embeddings_and_output_weights
+
+        self.embedding = None
+        if pre_process:
+            with init_stream(config.seed, EMBEDDING_STREAM):
+                self.embedding = GPTEmbedding(config, self.padded_vocab_size, tp_group=self.tp_group,
+                                              sequence_parallel=self.sequence_parallel)
+            if tied and not post_process:
+                self.embedding.word_embeddings.weight.shared_embedding = True
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base)
+        self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
+                                        ep_group=ep_group, expert_tp_group=expert_tp_group,
+                                        sequence_parallel=self.sequence_parallel)
+        self.output_layer = None
+        if post_process and not (tied and pre_process):
+            # Untied: its own stream.  Tied across stages: the embedding's stream,
+            # whose first draw is the word embedding, so both copies start equal.
+            with init_stream(config.seed, EMBEDDING_STREAM if tied else OUTPUT_LAYER_STREAM):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, bias=False, sequence_parallel=self.sequence_parallel,
+                    tp_group=self.tp_group, init_method=vocab_init(config.init_method_std, config.vocab_size))
+            if tied:
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """The hidden states ``[s, b, h]`` this chunk receives from the previous pipeline stage."""
+        self.input_tensor = tensor
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        offset = 0 if kv_cache is None else kv_cache.offset
+        if self.pre_process:
+            if input_ids is None or input_ids.dim() != 2:
+                shape = None if input_ids is None else tuple(input_ids.shape)
+                raise ValueError(f"GPTModel.forward needs input_ids of shape [b, s], got {shape}")
+            seq = input_ids.shape[1]
+            if position_ids is None:
+                if self.embedding.position_embeddings is not None and offset + seq > self.config.max_position_embeddings:
+                    raise ValueError(f"positions up to {offset + seq} exceed max_position_embeddings="
+                                     f"{self.config.max_position_embeddings}")
+                position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand_as(input_ids)
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise ValueError("GPTModel without pre_process needs set_input_tensor() before forward")
+            hidden = self.input_tensor
+            seq = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(seq)
+        if not self.post_process:
+            return hidden
+        return self._head(hidden, labels)
+
+    def _rotary(self, seq: int, offset: int, position_ids: torch.Tensor | None, device):
+        if self.rotary is None:
+            return None
+        if position_ids is None:
+            positions = torch.arange(offset, offset + seq, device=device)
+        else:
+            positions = position_ids[0]
+            if position_ids.shape[1] != seq or bool((position_ids != positions).any()):
+                raise ValueError(f"rope needs the same {seq} positions for every sequence of the batch, got "
+                                 f"position_ids of shape {tuple(position_ids.shape)} with differing rows")
+        return self.rotary(positions)
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Output layer and loss: ``[s(/tp), b, h]`` -> loss ``[b, s]`` or logits ``[b, s, v_local]``."""
+        if self.output_layer is None:
+            logits = column_parallel_linear(hidden, self.embedding.word_embeddings.weight, tp_group=self.tp_group,
+                                            sequence_parallel=self.sequence_parallel)
+        else:
+            logits = self.output_layer(hidden)
+        logits = self._drop_padding(logits)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
+        return loss.t().contiguous()
+
+    def _drop_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Remove (tp=1) or mask (tp>1) the logits of padding vocabulary ids."""
+        vocab = self.config.vocab_size
+        if self.tp_size == 1:
+            return logits[..., :vocab]
+        local = logits.shape[-1]
+        first_padding = vocab - self.tp_rank * local
+        if first_padding >= local:
+            return logits
+        padding = torch.arange(local, device=logits.device) >= first_padding
+        return logits.masked_fill(padding, PADDING_LOGIT)
