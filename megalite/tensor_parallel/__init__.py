@@ -17,11 +17,12 @@ from megalite.tensor_parallel.mappings import (copy_to_tensor_parallel_region, g
 from megalite.tensor_parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
                                              model_parallel_seed)
 from megalite.tensor_parallel.recompute import checkpoint
+from megalite.tensor_parallel.utils import divide
 from megalite.tensor_parallel.vocab_embedding import VocabParallelEmbedding, pad_vocab_size
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "column_parallel_linear", "VocabParallelEmbedding",
-    "pad_vocab_size", "normal_init",
+    "pad_vocab_size", "normal_init", "divide",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",

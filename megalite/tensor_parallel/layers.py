@@ -16,11 +16,7 @@ from torch import nn
 from megalite import topology
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.initialization import InitMethod, mark_tensor_parallel, sharded_master_weight
-
-
-def _check_divisible(name: str, value: int, tp_size: int) -> None:
-    if value % tp_size:
-        raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp_size}")
+from megalite.tensor_parallel.utils import divide
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -93,7 +89,8 @@ class ColumnParallelLinear(nn.Module):
 
     Returns the output (``[..., out/tp]``, or ``[..., out]`` when
     ``gather_output``), or ``(output, bias)`` with ``skip_bias_add=True`` so the
-    caller can fuse the bias add.  ``forward(input, weight=...)`` uses an
+    caller can fuse the bias add (the bias matches the output: gathered too
+    when ``gather_output``).  ``forward(input, weight=...)`` uses an
     external weight shard (tied embeddings).
     """
 
@@ -105,11 +102,10 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = topology.resolve_group(tp_group, "tp")
         self.tp_size = topology.group_size(self.tp_group)
         self.tp_rank = topology.group_rank(self.tp_group)
-        _check_divisible("out_features", out_features, self.tp_size)
+        self.output_size_per_partition = divide(out_features, self.tp_size, "out_features")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
         self.in_features, self.out_features = in_features, out_features
-        self.output_size_per_partition = out_features // self.tp_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.async_grad_allreduce = async_grad_allreduce
@@ -130,9 +126,11 @@ class ColumnParallelLinear(nn.Module):
         output = column_parallel_linear(input, weight, fused_bias, tp_group=self.tp_group,
                                         sequence_parallel=self.sequence_parallel, gather_output=self.gather_output,
                                         async_grad_allreduce=self.async_grad_allreduce)
-        if self.skip_bias_add:
-            return output, self.bias
-        return output
+        if not self.skip_bias_add:
+            return output
+        if self.gather_output and self.bias is not None:
+            return output, mappings.gather_from_tensor_parallel_region(self.bias, self.tp_group)
+        return output, self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp_size={self.tp_size}, "
@@ -157,9 +155,8 @@ class RowParallelLinear(nn.Module):
         self.tp_group = topology.resolve_group(tp_group, "tp")
         self.tp_size = topology.group_size(self.tp_group)
         self.tp_rank = topology.group_rank(self.tp_group)
-        _check_divisible("in_features", in_features, self.tp_size)
+        self.input_size_per_partition = divide(in_features, self.tp_size, "in_features")
         self.in_features, self.out_features = in_features, out_features
-        self.input_size_per_partition = in_features // self.tp_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.weight = mark_tensor_parallel(nn.Parameter(sharded_master_weight(

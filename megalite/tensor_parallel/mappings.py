@@ -41,9 +41,7 @@ def split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_last(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension."""
-    parts = _size(group)
-    stacked = torch.empty((parts,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(stacked, x.contiguous(), group=group)
+    stacked = gather_first(x, group).view((_size(group),) + tuple(x.shape))
     return torch.cat(stacked.unbind(0), dim=-1)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from megalite import topology
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.initialization import InitMethod, mark_tensor_parallel, sharded_master_weight
+from megalite.tensor_parallel.utils import divide
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
@@ -37,11 +38,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = topology.resolve_group(tp_group, "tp")
         self.tp_size = topology.group_size(self.tp_group)
         self.tp_rank = topology.group_rank(self.tp_group)
-        if num_embeddings % self.tp_size:
-            raise ValueError(f"num_embeddings={num_embeddings} is not divisible by the tensor-parallel size "
-                             f"{self.tp_size}; pad it with pad_vocab_size()")
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "num_embeddings")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_per_partition = num_embeddings // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and self.tp_size > 1
