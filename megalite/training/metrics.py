@@ -1,0 +1,112 @@
+"""Where logged training metrics go: a JSON-lines file, TensorBoard and a compact stdout line.
+
+Only the rank that owns a :class:`MetricsLogger` with ``enabled=True`` (rank 0)
+writes; values arrive already reduced across data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+
+import torch
+
+# Peak dense tensor-core TFLOP/s by GPU name fragment and dtype, for MFU.
+_PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+}
+
+
+def peak_tflops(dtype: str) -> float | None:
+    """This GPU's peak TFLOP/s for ``dtype`` ('bf16', 'fp16', 'fp32'), or None when unknown or on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for fragment, peaks in _PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks[dtype]
+    return None
+
+
+def memory_gib() -> dict[str, float]:
+    """Peak memory of this process: GPU allocator peak on GPU, resident set peak on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"mem_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+                "mem_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30}
+    return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+
+
+def _fmt(value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    if value != 0 and abs(value) < 1e-2:
+        return f"{value:.3E}"
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and prints a line."""
+
+    _SHOWN = ("loss", "valid_loss", "valid_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
+              "iter_ms", "tflops", "mfu", "skipped")
+
+    def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,
+                 train_iters: int | None = None, stream=None):
+        self.enabled = enabled
+        self.train_iters = train_iters
+        self.stream = stream or sys.stdout
+        self.metrics_file = metrics_file if enabled else None
+        self.writer = None
+        if enabled and self.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+
+    def log(self, iteration: int, values: dict, tensorboard_extra: dict | None = None) -> None:
+        """Record ``values`` for ``iteration`` in every sink; ``tensorboard_extra`` goes to TensorBoard only."""
+        if not self.enabled:
+            return
+        record = {"iteration": iteration, **{k: _plain(v) for k, v in values.items()}}
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in {**record, **(tensorboard_extra or {})}.items():
+                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(_tb_name(key), value, iteration)
+            self.writer.flush()
+        total = f"/{self.train_iters}" if self.train_iters else ""
+        parts = [f"iteration {iteration}{total}"]
+        parts += [f"{k} {_fmt(record[k])}" for k in self._SHOWN if k in record]
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def _tb_name(key: str) -> str:
+    """Group TensorBoard scalars: train/*, valid/*, memory/*, moe/*, throughput/*."""
+    if key.startswith("valid_"):
+        return "valid/" + key[len("valid_"):]
+    if key.startswith(("mem_", "max_rss")):
+        return "memory/" + key
+    if key.startswith("moe_"):
+        return "moe/" + key[len("moe_"):]
+    if key in ("tokens_per_sec", "tflops", "mfu", "iter_ms"):
+        return "throughput/" + key
+    return "train/" + key

@@ -1,0 +1,326 @@
+"""``pretrain``: the Megatron-style loop that ties topology, model, data, optimizer and logging together.
+
+A script supplies three callables, as in Megatron:
+
+- ``model_provider(args, *, pre_process, post_process, layer_range) -> nn.Module``
+  builds one model chunk holding global layers ``range(*layer_range)``;
+  ``pre_process`` chunks own the embedding, ``post_process`` chunks the loss.
+- ``train_valid_test_datasets_provider(args, num_samples) -> (train, valid, test)``
+  where ``num_samples`` is the sample count each split must supply.
+- ``forward_step_func(data_iterator, model) -> (output, loss_func)`` with
+  ``loss_func(output) -> (loss, metrics)``, as the pipeline schedule expects.
+
+Every iteration runs through the pipeline schedule (one stage is plain
+gradient accumulation), so all layouts share one code path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite import topology
+from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.training.checkpointing import load_checkpoint, save_checkpoint
+from megalite.training.data_checks import check_data
+from megalite.training.lr_schedule import LRScheduler
+from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
+from megalite.training.signals import SigtermFlag
+
+
+def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_data_func=None):
+    """Parse and validate the flags, create the process groups and agree on one config.
+
+    Everything that can be checked from the flags and the data files is
+    checked before the process group exists.  Afterwards rank 0's config is
+    broadcast to every rank and printed once.  Returns ``(args, topology)``.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(argv, extra_args_provider, args_defaults)
+    validate_args(args, world)
+    if args.data_path is not None:
+        check_data(args)
+    topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                               vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
+                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+    if prepare_data_func is not None and args.data_path is None:
+        prepare_data_func(args)
+        if args.data_path is not None:
+            check_data(args)
+    holder = [args if topo.global_rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    args = holder[0]
+    if topo.global_rank == 0:
+        print(format_args(args), flush=True)
+    return args, topo
+
+
+def _param_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def build_model(model_provider, args, topo) -> list:
+    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+    from megalite.pipeline import split_layers
+
+    ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
+                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    mine = ranges[topo.pp.rank]
+    ddp_config = DDPConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    chunks = []
+    for index, layer_range in enumerate(mine):
+        module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
+                                post_process=topo.is_last_stage() and index == len(mine) - 1,
+                                layer_range=layer_range)
+        module.to(device=_device(), dtype=_param_dtype(args))
+        chunks.append(DistributedDataParallel(module, ddp_config, topo.dp.group, topo.expert_dp.group))
+    return chunks
+
+
+def build_optimizer(args, model_chunks):
+    from megalite.optim import ConstantGradScaler, OptimizerConfig, get_optimizer
+
+    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                             initial_loss_scale=args.initial_loss_scale,
+                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_optimizer(config, model_chunks)
+    if args.fp16 and args.loss_scale:
+        optimizer.scaler = ConstantGradScaler(args.loss_scale)
+    return optimizer
+
+
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _num_samples(args) -> list[int]:
+    train = args.train_iters * args.global_batch_size
+    if not args.eval_interval or not args.eval_iters:
+        return [train, 0, 0]
+    evals = args.train_iters // args.eval_interval + 1
+    return [train, evals * args.eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
+
+
+def _iterator(dataset, consumed_samples, args, topo):
+    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp."""
+    from megalite.data.sampler import MicroBatchSampler, build_data_iterator
+
+    if dataset is None:
+        return None
+
+    def one():
+        sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                    args.global_batch_size, topo.dp.rank, topo.dp.size)
+        return build_data_iterator(dataset, sampler)
+
+    vpp = args.virtual_pipeline_model_parallel_size
+    return one() if vpp is None else [one() for _ in range(vpp)]
+
+
+class Trainer:
+    """State of one training run: the step, evaluation, logging and checkpoint calls."""
+
+    def __init__(self, args, topo, model_chunks, optimizer, scheduler, forward_step_func, flops_per_token=None):
+        self.args = args
+        self.topo = topo
+        self.chunks = model_chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.forward_step_func = forward_step_func
+        self.flops_per_token = flops_per_token
+        seq = args.seq_length // (topo.tp.size if args.sequence_parallel else 1)
+        self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
+        self.recorder = None
+        if args.timeline_dir:
+            from megalite.pipeline.timeline import PipelineRecorder
+
+            self.recorder = PipelineRecorder(stage=topo.pp.rank)
+        self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
+                                    args.train_iters)
+        self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
+                       "vpp": args.virtual_pipeline_model_parallel_size,
+                       "distributed_optimizer": args.use_distributed_optimizer}
+
+    def _finalize_grads(self, chunks):
+        finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
+        """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
+        from megalite.pipeline import forward_backward
+
+        results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
+                                   tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
+                                   forward_only=forward_only, pp_group=self.topo.pp.group,
+                                   finalize_grads_func=None if forward_only else self._finalize_grads,
+                                   scale_loss=None if forward_only else self.optimizer.scale_loss,
+                                   recorder=None if forward_only else self.recorder)
+        return self._reduce_metrics(results)
+
+    def _reduce_metrics(self, results) -> dict[str, float]:
+        """Mean over micro-batches on the last stage, mean over DP, then sent to every pipeline stage."""
+        from megalite.pipeline import broadcast_from_last_stage
+
+        keys = sorted(results[0]) if results else []
+        local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
+                             dtype=torch.float64, device=_device())
+        if keys and self.topo.dp.size > 1:
+            dist.all_reduce(local, group=self.topo.dp.group)
+            local /= self.topo.dp.size
+        values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
+        return values
+
+    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float]:
+        """Forward, backward and optimizer step on one global batch: (metrics, update applied, grad norm)."""
+        for chunk in self.chunks:
+            chunk.train()
+        self.optimizer.zero_grad()
+        metrics = self._run_schedule(data_iterator, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step()
+        return metrics, ok, float(grad_norm) if grad_norm is not None else float("nan")
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator) -> dict[str, float]:
+        """Mean loss over ``--eval-iters`` global batches of validation data, and its perplexity."""
+        for chunk in self.chunks:
+            chunk.eval()
+        totals: dict[str, float] = {}
+        for _ in range(self.args.eval_iters):
+            for key, value in self._run_schedule(data_iterator, forward_only=True).items():
+                totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
+        for chunk in self.chunks:
+            chunk.train()
+        loss = totals.get("lm_loss", totals.get("loss", next(iter(totals.values()), float("nan"))))
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(20.0, loss))}
+
+    def throughput(self, seconds_per_iter: float) -> dict[str, float]:
+        """Tokens/s of the whole job, plus per-GPU TFLOP/s and MFU when on a GPU."""
+        tokens = self.args.global_batch_size * self.args.seq_length / seconds_per_iter
+        values = {"tokens_per_sec": tokens, "iter_ms": 1000.0 * seconds_per_iter}
+        if torch.cuda.is_available() and self.flops_per_token is not None:
+            tflops = self.flops_per_token * tokens / self.topo.world_size / 1e12
+            values["tflops"] = tflops
+            dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+            peak = peak_tflops(dtype)
+            if peak:
+                values["mfu"] = tflops / peak
+        return values
+
+    def save(self, iteration: int, consumed_samples: int) -> None:
+        save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
+                        layout=self.layout, args=self.args)
+        if self.topo.global_rank == 0:
+            print(f"saved checkpoint at iteration {iteration} to {self.args.save}", flush=True)
+
+    def load(self) -> tuple[int, int]:
+        iteration, consumed = load_checkpoint(self.args.load, self.chunks, self.optimizer, self.scheduler,
+                                              layout=self.layout)
+        if self.topo.global_rank == 0 and iteration:
+            print(f"loaded checkpoint at iteration {iteration} from {self.args.load}", flush=True)
+        return iteration, consumed
+
+    def save_timeline(self) -> None:
+        if self.recorder is not None:
+            os.makedirs(self.args.timeline_dir, exist_ok=True)
+            self.recorder.save(os.path.join(self.args.timeline_dir, f"rank_{self.topo.global_rank:05d}.json"))
+
+
+def _synchronize():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, consumed_samples: int,
+          sigterm: SigtermFlag) -> int:
+    """Run iterations ``iteration+1 .. --train-iters``; returns the last iteration completed."""
+    args = trainer.args
+    interval_loss: dict[str, float] = {}
+    interval_iters = 0
+    interval_start = time.perf_counter()
+    saved_at = None
+    while iteration < args.train_iters:
+        metrics, ok, grad_norm = trainer.train_step(train_iterator)
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        for key, value in metrics.items():
+            interval_loss[key] = interval_loss.get(key, 0.0) + value
+        interval_iters += 1
+        evaluated = {}
+        if valid_iterator is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            evaluated = trainer.evaluate(valid_iterator)
+        if iteration % args.log_interval == 0 or evaluated or iteration == args.train_iters:
+            _synchronize()
+            elapsed = (time.perf_counter() - interval_start) / interval_iters
+            values = {k: v / interval_iters for k, v in interval_loss.items()}
+            if "lm_loss" in values:
+                values["loss"] = values.pop("lm_loss")
+            values.update(lr=trainer.scheduler.lr_at(iteration), grad_norm=grad_norm,
+                          loss_scale=float(trainer.optimizer.get_loss_scale()), skipped=int(not ok),
+                          consumed_samples=consumed_samples, **trainer.throughput(elapsed), **evaluated)
+            trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
+            interval_loss, interval_iters = {}, 0
+            interval_start = time.perf_counter()
+        stop = sigterm.agreed()
+        if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
+            trainer.save(iteration, consumed_samples)
+            saved_at = iteration
+        if stop:
+            if trainer.topo.global_rank == 0:
+                print(f"SIGTERM received: stopping after iteration {iteration}", flush=True)
+            break
+    if args.save and saved_at != iteration:
+        trainer.save(iteration, consumed_samples)
+    return iteration
+
+
+def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, args_defaults=None,
+             extra_args_provider=None, *, argv=None, prepare_data_func=None, flops_per_token_func=None):
+    """Train a model with Megatron-style flags; returns the last iteration completed.
+
+    ``argv`` defaults to ``sys.argv[1:]``.  ``prepare_data_func(args)`` runs
+    on every rank after the process groups exist when no ``--data-path`` was
+    given, and may set ``args.data_path``/``args.tokenizer_model``.
+    ``flops_per_token_func(args)`` gives training FLOPs per token for the
+    TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
+    every rank before any collective that could hang.
+    """
+    args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
+    _seed(args, topo)
+    chunks = build_model(model_provider, args, topo)
+    optimizer = build_optimizer(args, chunks)
+    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                            args.lr_decay_style)
+    flops = flops_per_token_func(args) if flops_per_token_func is not None else None
+    trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
+    iteration, consumed_samples = trainer.load() if args.load else (0, 0)
+    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, _num_samples(args))
+    train_iterator = _iterator(train_ds, consumed_samples, args, topo)
+    valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
+        if args.eval_interval else 0
+    valid_iterator = _iterator(valid_ds, valid_consumed, args, topo)
+    sigterm = SigtermFlag()
+    try:
+        iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
+        trainer.save_timeline()
+    finally:
+        sigterm.restore()
+        trainer.logger.close()
+    return iteration
+
+
+def _seed(args, topo) -> None:
+    """Same seed on every rank for weight init; the TP tracker gives each TP rank its own dropout stream."""
+    from megalite.tensor_parallel import model_parallel_seed
+
+    model_parallel_seed(args.seed, topo.tp.rank)
