@@ -1,0 +1,14 @@
+"""Mixture of Experts with expert parallelism: router, token dispatchers, experts and the MoE layer."""
+
+from megalite.moe.config import MoEConfig
+from megalite.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, make_dispatcher
+from megalite.moe.experts import Experts
+from megalite.moe.layer import MoELayer, set_aux_loss_scale
+from megalite.moe.losses import attach_loss, load_balancing_loss, z_loss
+from megalite.moe.router import Routing, TopKRouter, capacity, keep_mask
+
+__all__ = [
+    "MoEConfig", "MoELayer", "set_aux_loss_scale", "TopKRouter", "Routing", "capacity", "keep_mask",
+    "Experts", "AllToAllDispatcher", "AllGatherDispatcher", "make_dispatcher",
+    "load_balancing_loss", "z_loss", "attach_loss",
+]

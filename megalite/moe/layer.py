@@ -1,0 +1,97 @@
+"""The MoE MLP: router, token dispatcher and experts, a drop-in replacement for the dense MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite import topology
+from megalite.moe.config import MoEConfig
+from megalite.moe.dispatcher import make_dispatcher
+from megalite.moe.experts import Experts
+from megalite.moe.losses import attach_loss
+from megalite.moe.router import TopKRouter
+from megalite.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+
+
+def _real(group):
+    """None for a missing or single-rank group, so size-1 axes cost no collective."""
+    return group if topology.group_size(group) > 1 else None
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts MLP taking and returning the dense MLP's layout.
+
+    ``x`` is ``[s, b, h]`` replicated over TP, or ``[s/tp, b, h]`` with
+    ``sequence_parallel``.  Inside the layer every rank dispatches its own tokens:
+    without sequence parallelism the router runs on all (replicated) tokens and
+    each TP rank then dispatches its 1/tp block of them, gathering the outputs
+    at the end.  Experts ``ep_rank * E/ep ...`` live on this rank, each split over
+    ``expert_tp_group``.
+
+    Router losses are not returned: the backward pass adds
+    ``aux_loss_scale * d(aux_coeff * aux + z_coeff * z)`` by itself.  The default
+    scale 1.0 treats them as part of this micro-batch's loss; a trainer that
+    scales each micro-batch's loss (1/num_microbatches, an fp16 loss scale) sets
+    the same factor with :func:`set_aux_loss_scale`.  ``last_stats`` holds the
+    latest forward's micro-batch statistics for logging.
+    """
+
+    def __init__(self, hidden_size: int, config: MoEConfig, *, layer_number: int = 0, tp_group=None,
+                 ep_group=None, expert_tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_group = _real(topology.resolve_group(tp_group, "tp"))
+        self.ep_group = _real(topology.resolve_group(ep_group, "ep"))
+        self.expert_tp_group = _real(topology.resolve_group(expert_tp_group, "expert_tp"))
+        ep_size = topology.group_size(self.ep_group)
+        config.validate(ep_size, topology.group_size(self.expert_tp_group))
+        self.hidden_size, self.config, self.layer_number = hidden_size, config, layer_number
+        self.sequence_parallel = sequence_parallel
+        self.aux_loss_scale = 1.0
+        self.last_stats: dict | None = None
+
+        self.router = TopKRouter(hidden_size, config)
+        if sequence_parallel and self.tp_group is not None:
+            self.router.weight.sequence_parallel = True
+        num_local = config.num_experts // ep_size
+        self.experts = Experts(hidden_size, config, num_local, topology.group_rank(self.ep_group) * num_local,
+                               topology.group_rank(self.expert_tp_group),
+                               topology.group_size(self.expert_tp_group))
+        self.dispatcher = make_dispatcher(config.dispatcher, config.num_experts, self.ep_group,
+                                          self.expert_tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer: input {tuple(x.shape)} has hidden size {x.shape[-1]}, "
+                             f"expected {self.hidden_size}")
+        split = self.tp_group is not None and not self.sequence_parallel
+        tp = topology.group_size(self.tp_group)
+        tokens = x.reshape(-1, self.hidden_size)
+        if split and tokens.shape[0] % tp:
+            raise ValueError(f"MoELayer: {tokens.shape[0]} tokens (input {tuple(x.shape)}) do not split "
+                             f"evenly over the tensor-parallel size {tp}")
+        routing = self.router(tokens, stats_group=self.tp_group if self.sequence_parallel else None)
+        self.last_stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
+                           "tokens_per_expert": routing.tokens_per_expert}
+        probs, indices = routing.probs, routing.indices
+        if routing.loss is not None:
+            probs = attach_loss(probs, routing.loss, self.aux_loss_scale)
+        if split:
+            tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
+            probs = scatter_to_sequence_parallel_region(probs, self.tp_group)
+            block = indices.shape[0] // tp
+            start = topology.group_rank(self.tp_group) * block
+            indices = indices[start:start + block]
+
+        rows, counts, plan = self.dispatcher.dispatch(tokens, probs, indices)
+        out = self.dispatcher.combine(self.experts(rows, counts), plan)
+        if split:
+            out = gather_from_sequence_parallel_region(out, self.tp_group, tensor_parallel_output_grad=False)
+        return out.to(x.dtype).view(x.shape)
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Set the factor on the router-loss gradients of every MoE layer in ``model``."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.aux_loss_scale = scale

@@ -1,0 +1,117 @@
+"""Top-k router: a linear gate, top-k selection, optional capacity dropping and the router losses."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.moe.config import MoEConfig
+from megalite.moe.losses import load_balancing_loss, z_loss
+
+
+@dataclass
+class Routing:
+    """Where each token goes.
+
+    ``probs`` [T, k] are the combine weights (they sum to 1 per token; a dropped
+    assignment's weight is 0), ``indices`` [T, k] the expert ids with -1 for a
+    dropped assignment.  ``loss`` is this rank's share of
+    ``aux_coeff * aux + z_coeff * z`` (differentiable, or None when both
+    coefficients are 0); ``aux_loss``/``z_loss`` are the micro-batch's values
+    and ``tokens_per_expert`` its routed assignments per expert, before dropping.
+    """
+
+    probs: torch.Tensor
+    indices: torch.Tensor
+    loss: torch.Tensor | None
+    aux_loss: float
+    z_loss: float
+    tokens_per_expert: list[int]
+    dropped: int
+
+
+def capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Assignments an expert accepts from ``num_tokens`` tokens: ceil(factor * T * k / E)."""
+    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+
+
+def keep_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, limit: int, policy: str) -> torch.Tensor:
+    """[T, k] bool: the assignments kept when every expert takes at most ``limit`` of them.
+
+    ``policy="probs"`` keeps each expert's highest-weight assignments,
+    ``"position"`` its earliest tokens.
+    """
+    num_tokens = probs.shape[0]
+    routed = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=probs.device)
+    routed.scatter_(1, indices, True)
+    if policy == "position":
+        kept = routed & (routed.long().cumsum(0) <= limit)
+    else:
+        weight = torch.full((num_tokens, num_experts), -1.0, dtype=probs.dtype, device=probs.device)
+        weight.scatter_(1, indices, probs.detach())
+        best = weight.topk(min(limit, num_tokens), dim=0).indices
+        kept = torch.zeros_like(routed).scatter_(0, best, True) & routed
+    return kept.gather(1, indices)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate ``[h] -> [E]`` followed by top-k routing.
+
+    ``stats_group`` is the group over which one micro-batch's tokens are split
+    (the TP group under sequence parallelism, else None): token counts and
+    loss values are summed over it so that every rank sees micro-batch
+    statistics.  Capacity dropping looks at this rank's tokens only.
+    """
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        with torch.no_grad():
+            self.weight.normal_(0.0, config.init_method_std)
+
+    def forward(self, tokens: torch.Tensor, stats_group=None) -> Routing:
+        cfg = self.config
+        logits = F.linear(tokens.float(), self.weight.float())
+        scores = torch.softmax(logits, dim=-1)
+        if cfg.router_order == "softmax_topk":
+            top, indices = scores.topk(cfg.topk, dim=-1)
+            probs = top / top.sum(-1, keepdim=True)
+        else:
+            top, indices = logits.topk(cfg.topk, dim=-1)
+            probs = torch.softmax(top, dim=-1)
+
+        counts = torch.bincount(indices.reshape(-1), minlength=cfg.num_experts)
+        stats = torch.cat([counts.double(), scores.detach().sum(0).double(),
+                           torch.logsumexp(logits.detach(), -1).square().sum().double().view(1),
+                           torch.tensor([tokens.shape[0]], dtype=torch.float64, device=tokens.device)])
+        if stats_group is not None:
+            dist.all_reduce(stats, group=stats_group)
+        num_experts = cfg.num_experts
+        total_counts = stats[:num_experts].round().long()
+        total_scores = stats[num_experts:2 * num_experts]
+        num_tokens = max(int(stats[-1].item()), 1)
+
+        aux_value = float(num_experts * (total_scores * total_counts).sum() / (num_tokens ** 2 * cfg.topk))
+        z_value = float(stats[-2] / num_tokens)
+        loss = None
+        if cfg.aux_loss_coeff > 0:
+            loss = cfg.aux_loss_coeff * load_balancing_loss(scores, total_counts, num_tokens, cfg.topk)
+        if cfg.z_loss_coeff > 0:
+            z = cfg.z_loss_coeff * z_loss(logits, num_tokens)
+            loss = z if loss is None else loss + z
+
+        dropped = 0
+        if cfg.capacity_factor is not None:
+            limit = capacity(tokens.shape[0], num_experts, cfg.topk, cfg.capacity_factor)
+            kept = keep_mask(probs, indices, num_experts, limit, cfg.token_drop_policy)
+            dropped = int((~kept).sum())
+            probs = probs * kept
+            indices = indices.masked_fill(~kept, -1)
+        return Routing(probs=probs, indices=indices, loss=loss, aux_loss=aux_value, z_loss=z_value,
+                       tokens_per_expert=total_counts.tolist(), dropped=dropped)
