@@ -154,7 +154,7 @@ def scaled_masked_softmax(x, mask, scale: float):
     if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
         raise ValueError(f"scaled_masked_softmax: mask {tuple(mask.shape)} broadcasts x {tuple(x.shape)} "
                          f"to a larger shape")
-    if 2 <= x.dim() <= 4 and _float_dtype(x) and _qualifies(x):
+    if 2 <= x.dim() <= 4 and mask.device == x.device and _float_dtype(x) and _qualifies(x):
         return _fused.scaled_masked_softmax(x, mask, scale)
     return reference.scaled_masked_softmax(x, mask, scale)
 

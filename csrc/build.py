@@ -1,0 +1,95 @@
+"""Build description of the optional megalite._C extension (used by setup.py).
+
+The CPU kernels build wherever a C++ compiler and torch are present; the CUDA
+kernels are added when torch has CUDA and nvcc is found.  Any failure (no
+torch in the build environment, no compiler, a compile error) only warns:
+megalite then runs on its plain-torch fallbacks.  MEGALITE_NO_EXT=1 (read by
+setup.py) skips the extension entirely; MEGALITE_NATIVE=0 builds without
+-march=native (use it when the .so must run on other CPUs than the build
+machine's).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+EXT_NAME = "megalite._C"
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"megalite: {message}; megalite will use its plain-torch kernels", stacklevel=2)
+
+
+def _native_flag_works(compiler: str) -> bool:
+    """True when the C++ compiler accepts -march=native."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "probe.cpp")
+        with open(source, "w") as f:
+            f.write("int main() { return 0; }\n")
+        try:
+            done = subprocess.run([compiler, "-march=native", "-c", source, "-o", os.path.join(tmp, "probe.o")],
+                                  capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return done.returncode == 0
+
+
+def _cxx_flags(compiler: str) -> list[str]:
+    flags = ["-O3", "-fno-math-errno"]
+    if os.environ.get("MEGALITE_NATIVE", "1") != "0" and _native_flag_works(compiler):
+        flags.append("-march=native")
+    return flags
+
+
+def _cuda_available(cpp_extension) -> bool:
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and (
+        shutil.which("nvcc") is not None or os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")))
+
+
+def _rel(repo_root: str, paths) -> list[str]:
+    return sorted(os.path.relpath(p, repo_root) for p in paths)
+
+
+def extension_kwargs(repo_root: str) -> dict:
+    """setup() keyword arguments (ext_modules, cmdclass) for the extension, or {} when it cannot build."""
+    try:
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
+    except ImportError:
+        _warn("torch is not importable in the build environment (install with --no-build-isolation to build "
+              "the fused kernels), skipping the extension")
+        return {}
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        _warn(f"no C++ compiler ({compiler}) found, skipping the extension")
+        return {}
+
+    csrc = os.path.join(repo_root, "csrc")
+    sources = _rel(repo_root, [os.path.join(csrc, "megalite.cpp"), os.path.join(csrc, "cpu", "ops.cpp")])
+    compile_args = {"cxx": _cxx_flags(compiler)}
+    if _cuda_available(cpp_extension):
+        sources += _rel(repo_root, glob.glob(os.path.join(csrc, "cuda", "*.cu")) +
+                        glob.glob(os.path.join(csrc, "cuda", "*.cpp")))
+        compile_args["cxx"].append("-DMEGALITE_WITH_CUDA")
+        compile_args["nvcc"] = ["-O3", "-DMEGALITE_WITH_CUDA"]
+        extension = cpp_extension.CUDAExtension(EXT_NAME, sources, extra_compile_args=compile_args)
+    else:
+        extension = cpp_extension.CppExtension(EXT_NAME, sources, extra_compile_args=compile_args)
+
+    class BuildOrWarn(cpp_extension.BuildExtension):
+        """BuildExtension that turns a failed build into a warning."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as error:  # any build failure must leave a working pure-torch install
+                _warn(f"building the fused-kernel extension failed ({error})")
+
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildOrWarn}}

@@ -1,0 +1,742 @@
+// CPU kernels of every megalite op.
+//
+// Each kernel makes one pass over its rows (two for a norm backward, which
+// also reduces weight gradients), works in float whatever the storage dtype,
+// and splits rows over threads with at::parallel_for.  exp is a branch-free
+// polynomial so that the inner loops vectorize.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace megalite {
+namespace {
+
+constexpr int64_t kGrain = 2048;  // elements of work below which a kernel stays on one thread
+
+// exp(x) for x in roughly [-87, 88] (inputs outside are clamped), ~1 ulp.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+
+constexpr float kGeluC0 = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC1 = 0.044715f;
+
+// Rows [begin, end) of a [rows, cols] problem, split over threads by rows.
+template <typename F>
+void for_rows(int64_t rows, int64_t cols, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, f);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+template <typename T>
+inline void load_row_bias(const T* src, const T* bias, float* dst, int64_t n) {
+  if (bias == nullptr) return load_row(src, dst, n);
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]) + static_cast<float>(bias[j]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "megalite: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "megalite: ", name, " must be contiguous");
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "megalite: ", name, " must be float32, got ", t.scalar_type());
+}
+
+// Column sums of per-thread partial rows: partial is [chunks, cols].
+at::Tensor sum_partials(const std::vector<float>& partial, int64_t chunks, int64_t cols) {
+  at::Tensor out = at::zeros({cols}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = partial.data() + c * cols;
+    for (int64_t j = 0; j < cols; ++j) o[j] += p[j];
+  }
+  return out;
+}
+
+// Runs f(chunk, row_begin, row_end) over at most num_threads contiguous row chunks.
+template <typename F>
+int64_t for_row_chunks(int64_t rows, const F& f) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  const int64_t per = (rows + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) f(c, c * per, std::min(rows, (c + 1) * per));
+  });
+  return chunks;
+}
+
+// ---------------------------------------------------------------- norms
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                              const at::Tensor& bias, double eps) {
+  check_cpu(x, "x");
+  check_float(weight, "weight");
+  check_float(bias, "bias");
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(weight.numel() == h && bias.numel() == h, "megalite::layer_norm_fwd: weight/bias size != ", h);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const float* w = weight.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  float* mp = mean.data_ptr<float>();
+  float* rp = rstd.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(xp + r * h, buf.data(), h);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < h; ++j) sum += buf[j];
+        const float mu = sum / h;
+        float var = 0.0f;
+        for (int64_t j = 0; j < h; ++j) {
+          const float c = buf[j] - mu;
+          var += c * c;
+        }
+        const float rs = 1.0f / std::sqrt(var / h + static_cast<float>(eps));
+        for (int64_t j = 0; j < h; ++j) buf[j] = (buf[j] - mu) * rs * w[j] + b[j];
+        store_row(buf.data(), yp + r * h, h);
+        mp[r] = mu;
+        rp[r] = rs;
+      }
+    });
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& grad, const at::Tensor& x,
+                                                              const at::Tensor& weight, const at::Tensor& mean,
+                                                              const at::Tensor& rstd) {
+  check_cpu(grad, "grad");
+  check_cpu(x, "x");
+  check_float(weight, "weight");
+  check_float(mean, "mean");
+  check_float(rstd, "rstd");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(), "megalite::layer_norm_bwd: grad/x mismatch");
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  at::Tensor gx = at::empty_like(x);
+  const float* w = weight.data_ptr<float>();
+  const float* mp = mean.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  std::vector<float> pw(max_chunks * h, 0.0f), pb(max_chunks * h, 0.0f);
+  int64_t chunks = 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_bwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    scalar_t* op = gx.data_ptr<scalar_t>();
+    chunks = for_row_chunks(rows, [&](int64_t c, int64_t r0, int64_t r1) {
+      std::vector<float> xh(h), g(h);
+      float* gw = pw.data() + c * h;
+      float* gb = pb.data() + c * h;
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(xp + r * h, xh.data(), h);
+        load_row(gp + r * h, g.data(), h);
+        const float mu = mp[r], rs = rp[r];
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int64_t j = 0; j < h; ++j) {
+          xh[j] = (xh[j] - mu) * rs;
+          gw[j] += g[j] * xh[j];
+          gb[j] += g[j];
+          g[j] *= w[j];
+          s1 += g[j];
+          s2 += g[j] * xh[j];
+        }
+        s1 /= h;
+        s2 /= h;
+        for (int64_t j = 0; j < h; ++j) g[j] = rs * (g[j] - s1 - xh[j] * s2);
+        store_row(g.data(), op + r * h, h);
+      }
+    });
+  });
+  return {gx, sum_partials(pw, chunks, h), sum_partials(pb, chunks, h)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_float(weight, "weight");
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(weight.numel() == h, "megalite::rms_norm_fwd: weight size ", weight.numel(), " != ", h);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const float* w = weight.data_ptr<float>();
+  float* rp = rstd.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(xp + r * h, buf.data(), h);
+        float ss = 0.0f;
+        for (int64_t j = 0; j < h; ++j) ss += buf[j] * buf[j];
+        const float rs = 1.0f / std::sqrt(ss / h + static_cast<float>(eps));
+        for (int64_t j = 0; j < h; ++j) buf[j] = buf[j] * rs * w[j];
+        store_row(buf.data(), yp + r * h, h);
+        rp[r] = rs;
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& rstd) {
+  check_cpu(grad, "grad");
+  check_cpu(x, "x");
+  check_float(weight, "weight");
+  check_float(rstd, "rstd");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(), "megalite::rms_norm_bwd: grad/x mismatch");
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  at::Tensor gx = at::empty_like(x);
+  const float* w = weight.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  std::vector<float> pw(max_chunks * h, 0.0f);
+  int64_t chunks = 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_bwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    scalar_t* op = gx.data_ptr<scalar_t>();
+    chunks = for_row_chunks(rows, [&](int64_t c, int64_t r0, int64_t r1) {
+      std::vector<float> xh(h), g(h);
+      float* gw = pw.data() + c * h;
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(xp + r * h, xh.data(), h);
+        load_row(gp + r * h, g.data(), h);
+        const float rs = rp[r];
+        float s = 0.0f;
+        for (int64_t j = 0; j < h; ++j) {
+          xh[j] *= rs;
+          gw[j] += g[j] * xh[j];
+          g[j] *= w[j];
+          s += g[j] * xh[j];
+        }
+        s /= h;
+        for (int64_t j = 0; j < h; ++j) g[j] = rs * (g[j] - xh[j] * s);
+        store_row(g.data(), op + r * h, h);
+      }
+    });
+  });
+  return {gx, sum_partials(pw, chunks, h)};
+}
+
+// ---------------------------------------------------------------- activations
+
+const at::Tensor* optional_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check_cpu(*bias, "bias");
+  TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "megalite: bias dtype ", bias->scalar_type(), " != x dtype ", x.scalar_type());
+  TORCH_CHECK(bias->numel() == x.size(-1), "megalite: bias size ", bias->numel(), " != last dim ", x.size(-1));
+  return &*bias;
+}
+
+template <typename scalar_t>
+const scalar_t* bias_ptr(const at::Tensor* bias) {
+  return bias == nullptr ? nullptr : bias->data_ptr<scalar_t>();
+}
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  const at::Tensor* b = optional_bias(bias, x);
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  at::Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* bp = bias_ptr<scalar_t>(b);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row_bias(xp + r * h, bp, buf.data(), h);
+        for (int64_t j = 0; j < h; ++j) {
+          const float v = buf[j];
+          buf[j] = 0.5f * v * (1.0f + fast_tanh(kGeluC0 * (v + kGeluC1 * v * v * v)));
+        }
+        store_row(buf.data(), yp + r * h, h);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor bias_gelu_bwd(const at::Tensor& grad, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_cpu(grad, "grad");
+  check_cpu(x, "x");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(), "megalite::bias_gelu_bwd: grad/x mismatch");
+  const at::Tensor* b = optional_bias(bias, x);
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  at::Tensor gx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_bwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    const scalar_t* bp = bias_ptr<scalar_t>(b);
+    scalar_t* op = gx.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(h), g(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row_bias(xp + r * h, bp, v.data(), h);
+        load_row(gp + r * h, g.data(), h);
+        for (int64_t j = 0; j < h; ++j) {
+          const float u = v[j];
+          const float t = fast_tanh(kGeluC0 * (u + kGeluC1 * u * u * u));
+          const float d = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * u * u);
+          g[j] *= d;
+        }
+        store_row(g.data(), op + r * h, h);
+      }
+    });
+  });
+  return gx;
+}
+
+at::Tensor bias_swiglu_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  const at::Tensor* b = optional_bias(bias, x);
+  const int64_t h = x.size(-1), half = h / 2, rows = x.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(h % 2 == 0, "megalite::bias_swiglu_fwd: last dim ", h, " is odd");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = half;
+  at::Tensor y = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_swiglu_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* bp = bias_ptr<scalar_t>(b);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row_bias(xp + r * h, bp, buf.data(), h);
+        for (int64_t j = 0; j < half; ++j) {
+          const float gate = buf[j];
+          buf[j] = gate * sigmoid(gate) * buf[j + half];
+        }
+        store_row(buf.data(), yp + r * half, half);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor bias_swiglu_bwd(const at::Tensor& grad, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  check_cpu(grad, "grad");
+  check_cpu(x, "x");
+  const at::Tensor* b = optional_bias(bias, x);
+  const int64_t h = x.size(-1), half = h / 2, rows = x.numel() / std::max<int64_t>(h, 1);
+  TORCH_CHECK(grad.numel() * 2 == x.numel() && grad.scalar_type() == x.scalar_type(), "megalite::bias_swiglu_bwd: grad/x mismatch");
+  at::Tensor gx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_swiglu_bwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    const scalar_t* bp = bias_ptr<scalar_t>(b);
+    scalar_t* op = gx.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(h), g(half);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row_bias(xp + r * h, bp, v.data(), h);
+        load_row(gp + r * half, g.data(), half);
+        for (int64_t j = 0; j < half; ++j) {
+          const float gate = v[j], up = v[j + half];
+          const float s = sigmoid(gate);
+          v[j] = g[j] * up * s * (1.0f + gate * (1.0f - s));
+          v[j + half] = g[j] * gate * s;
+        }
+        store_row(v.data(), op + r * h, h);
+      }
+    });
+  });
+  return gx;
+}
+
+// ---------------------------------------------------------------- rotary
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  check_cpu(x, "x");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  TORCH_CHECK(x.dim() == 4, "megalite::rotary: x must be [s, b, n, d]");
+  const int64_t s = x.size(0), d = x.size(3), half = d / 2, per_pos = x.size(1) * x.size(2);
+  TORCH_CHECK(d % 2 == 0 && cos.numel() == s * d && sin.numel() == s * d, "megalite::rotary: bad cos/sin or odd d");
+  at::Tensor out = at::empty_like(x);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  // Forward: o1 = x1 c1 - x2 s1, o2 = x2 c2 + x1 s2.  Backward: g1 c1 + g2 s2, g2 c2 - g1 s1.
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(s * per_pos, d, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(d);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* c = cp + (r / per_pos) * d;
+        const float* sn = sp + (r / per_pos) * d;
+        const scalar_t* xr = xp + r * d;
+        if (backward) {
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = xr[j], b = xr[j + half];
+            buf[j] = a * c[j] + b * sn[j + half];
+            buf[j + half] = b * c[j + half] - a * sn[j];
+          }
+        } else {
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = xr[j], b = xr[j + half];
+            buf[j] = a * c[j] - b * sn[j];
+            buf[j + half] = b * c[j + half] + a * sn[j + half];
+          }
+        }
+        store_row(buf.data(), op + r * d, d);
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- bias + dropout + residual
+
+at::Tensor bias_dropout_add_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& residual,
+                                const c10::optional<at::Tensor>& mask, double scale) {
+  check_cpu(x, "x");
+  check_cpu(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "megalite::bias_dropout_add_fwd: residual/x mismatch");
+  const at::Tensor* b = optional_bias(bias, x);
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    check_cpu(*mask, "mask");
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == x.sizes(), "megalite::bias_dropout_add_fwd: mask must be bool shaped like x");
+    mp = mask->data_ptr<bool>();
+  }
+  const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
+  const float sc = static_cast<float>(scale);
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bias_dropout_add_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* bp = bias_ptr<scalar_t>(b);
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(h);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row_bias(xp + r * h, bp, buf.data(), h);
+        const scalar_t* res = rp + r * h;
+        if (mp != nullptr) {
+          const bool* m = mp + r * h;
+          for (int64_t j = 0; j < h; ++j) buf[j] = static_cast<float>(res[j]) + (m[j] ? buf[j] * sc : 0.0f);
+        } else {
+          for (int64_t j = 0; j < h; ++j) buf[j] += static_cast<float>(res[j]);
+        }
+        store_row(buf.data(), op + r * h, h);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor dropout_bwd(const at::Tensor& grad, const at::Tensor& mask, double scale) {
+  check_cpu(grad, "grad");
+  check_cpu(mask, "mask");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.sizes() == grad.sizes(), "megalite::dropout_bwd: mask must be bool shaped like grad");
+  const int64_t n = grad.numel();
+  const float sc = static_cast<float>(scale);
+  at::Tensor out = at::empty_like(grad);
+  const bool* mp = mask.data_ptr<bool>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "dropout_bwd", [&] {
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain * 8, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) op[i] = static_cast<scalar_t>(mp[i] ? static_cast<float>(gp[i]) * sc : 0.0f);
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- softmax
+
+// y = softmax(v) over v[0, n) where masked entries (keep == false) get 0; a row with nothing kept is all 0.
+inline void softmax_row(float* v, const bool* masked, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, masked != nullptr && masked[j] ? -INFINITY : v[j]);
+  if (mx == -INFINITY) {
+    std::fill(v, v + n, 0.0f);
+    return;
+  }
+  float sum = 0.0f;
+  if (masked != nullptr) {
+    for (int64_t j = 0; j < n; ++j) {
+      v[j] = masked[j] ? 0.0f : fast_exp(v[j] - mx);
+      sum += v[j];
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      v[j] = fast_exp(v[j] - mx);
+      sum += v[j];
+    }
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < n; ++j) v[j] *= inv;
+}
+
+at::Tensor causal_softmax_fwd(const at::Tensor& x, double scale) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() >= 2 && x.size(-1) == x.size(-2), "megalite::causal_softmax_fwd: x must be [..., s, s]");
+  const int64_t s = x.size(-1), rows = x.numel() / std::max<int64_t>(s, 1);
+  const float sc = static_cast<float>(scale);
+  at::Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "causal_softmax_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, s, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(s);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = r % s + 1;
+        const scalar_t* xr = xp + r * s;
+        for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(xr[j]) * sc;
+        softmax_row(buf.data(), nullptr, n);
+        std::fill(buf.begin() + n, buf.end(), 0.0f);
+        store_row(buf.data(), yp + r * s, s);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor masked_softmax_fwd(const at::Tensor& x, const at::Tensor& mask, double scale) {
+  check_cpu(x, "x");
+  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kBool, "megalite::masked_softmax_fwd: mask must be a CPU bool tensor");
+  TORCH_CHECK(x.dim() == 4 && mask.sizes() == x.sizes() && mask.stride(3) == 1,
+              "megalite::masked_softmax_fwd: x must be 4-d and mask expanded to x with unit last stride");
+  const int64_t d1 = x.size(1), d2 = x.size(2), sk = x.size(3), rows = x.numel() / std::max<int64_t>(sk, 1);
+  const int64_t st0 = mask.stride(0), st1 = mask.stride(1), st2 = mask.stride(2);
+  const float sc = static_cast<float>(scale);
+  const bool* mp = mask.data_ptr<bool>();
+  at::Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "masked_softmax_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, sk, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(sk);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i2 = r % d2, i1 = (r / d2) % d1, i0 = r / (d2 * d1);
+        load_row(xp + r * sk, buf.data(), sk);
+        for (int64_t j = 0; j < sk; ++j) buf[j] *= sc;
+        softmax_row(buf.data(), mp + i0 * st0 + i1 * st1 + i2 * st2, sk);
+        store_row(buf.data(), yp + r * sk, sk);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor softmax_bwd(const at::Tensor& grad, const at::Tensor& y, double scale) {
+  check_cpu(grad, "grad");
+  check_cpu(y, "y");
+  TORCH_CHECK(grad.sizes() == y.sizes() && grad.scalar_type() == y.scalar_type(), "megalite::softmax_bwd: grad/y mismatch");
+  const int64_t n = y.size(-1), rows = y.numel() / std::max<int64_t>(n, 1);
+  const float sc = static_cast<float>(scale);
+  at::Tensor gx = at::empty_like(y);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "softmax_bwd", [&] {
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    scalar_t* op = gx.data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t r0, int64_t r1) {
+      std::vector<float> yv(n), g(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(yp + r * n, yv.data(), n);
+        load_row(gp + r * n, g.data(), n);
+        float dot = 0.0f;
+        for (int64_t j = 0; j < n; ++j) dot += g[j] * yv[j];
+        for (int64_t j = 0; j < n; ++j) g[j] = sc * yv[j] * (g[j] - dot);
+        store_row(g.data(), op + r * n, n);
+      }
+    });
+  });
+  return gx;
+}
+
+// ---------------------------------------------------------------- MoE permute / unpermute
+
+// inverse[t * k + slot] = row j of that assignment in the permuted layout, or -1 when it was dropped.
+std::vector<int64_t> inverse_map(const at::Tensor& row_map, int64_t assignments) {
+  check_cpu(row_map, "row_map");
+  TORCH_CHECK(row_map.scalar_type() == at::kLong, "megalite: row_map must be int64");
+  std::vector<int64_t> inverse(assignments, -1);
+  const int64_t* rm = row_map.data_ptr<int64_t>();
+  for (int64_t j = 0; j < row_map.numel(); ++j) {
+    TORCH_CHECK(rm[j] >= 0 && rm[j] < assignments, "megalite: row_map entry ", rm[j], " outside [0, ", assignments, ")");
+    inverse[rm[j]] = j;
+  }
+  return inverse;
+}
+
+at::Tensor permute_fwd(const at::Tensor& tokens, const at::Tensor& row_map, int64_t k) {
+  check_cpu(tokens, "tokens");
+  check_cpu(row_map, "row_map");
+  TORCH_CHECK(tokens.dim() == 2 && row_map.scalar_type() == at::kLong && k > 0, "megalite::permute_fwd: bad arguments");
+  const int64_t n = row_map.numel(), h = tokens.size(1), assignments = tokens.size(0) * k;
+  at::Tensor out = at::empty({n, h}, tokens.options());
+  const int64_t* rm = row_map.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(rm[j] >= 0 && rm[j] < assignments, "megalite::permute_fwd: row_map entry ", rm[j], " outside [0, ", assignments, ")");
+  }
+  const int64_t bytes = h * tokens.element_size();
+  const char* src = static_cast<const char*>(tokens.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for_rows(n, h, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) std::memcpy(dst + j * bytes, src + (rm[j] / k) * bytes, bytes);
+  });
+  return out;
+}
+
+at::Tensor permute_bwd(const at::Tensor& grad, const at::Tensor& row_map, int64_t num_tokens, int64_t k) {
+  check_cpu(grad, "grad");
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == row_map.numel() && k > 0, "megalite::permute_bwd: bad arguments");
+  const std::vector<int64_t> inverse = inverse_map(row_map, num_tokens * k);
+  const int64_t h = grad.size(1);
+  at::Tensor out = at::empty({num_tokens, h}, grad.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "permute_bwd", [&] {
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(num_tokens, h * k, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(h);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t slot = 0; slot < k; ++slot) {
+          const int64_t j = inverse[t * k + slot];
+          if (j < 0) continue;
+          const scalar_t* g = gp + j * h;
+          for (int64_t c = 0; c < h; ++c) acc[c] += static_cast<float>(g[c]);
+        }
+        store_row(acc.data(), op + t * h, h);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor unpermute_fwd(const at::Tensor& permuted, const at::Tensor& row_map, const at::Tensor& probs, int64_t num_tokens) {
+  check_cpu(permuted, "permuted");
+  check_float(probs, "probs");
+  TORCH_CHECK(permuted.dim() == 2 && permuted.size(0) == row_map.numel() && probs.dim() == 2 && probs.size(0) == num_tokens,
+              "megalite::unpermute_fwd: bad arguments");
+  const int64_t k = probs.size(1), h = permuted.size(1);
+  const std::vector<int64_t> inverse = inverse_map(row_map, num_tokens * k);
+  const float* pp = probs.data_ptr<float>();
+  at::Tensor out = at::empty({num_tokens, h}, permuted.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, permuted.scalar_type(), "unpermute_fwd", [&] {
+    const scalar_t* xp = permuted.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(num_tokens, h * k, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(h);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t slot = 0; slot < k; ++slot) {
+          const int64_t j = inverse[t * k + slot];
+          if (j < 0) continue;
+          const float w = pp[t * k + slot];
+          const scalar_t* row = xp + j * h;
+          for (int64_t c = 0; c < h; ++c) acc[c] += w * static_cast<float>(row[c]);
+        }
+        store_row(acc.data(), op + t * h, h);
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad, const at::Tensor& permuted, const at::Tensor& row_map,
+                                                 const at::Tensor& probs) {
+  check_cpu(grad, "grad");
+  check_cpu(permuted, "permuted");
+  check_float(probs, "probs");
+  const int64_t num_tokens = probs.size(0), k = probs.size(1), n = permuted.size(0), h = permuted.size(1);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == num_tokens && grad.size(1) == h && grad.scalar_type() == permuted.scalar_type(),
+              "megalite::unpermute_bwd: bad arguments");
+  inverse_map(row_map, num_tokens * k);
+  const int64_t* rm = row_map.data_ptr<int64_t>();
+  const float* pp = probs.data_ptr<float>();
+  at::Tensor gperm = at::empty_like(permuted);
+  at::Tensor gprobs = at::zeros_like(probs);
+  float* gpp = gprobs.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, permuted.scalar_type(), "unpermute_bwd", [&] {
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    const scalar_t* xp = permuted.data_ptr<scalar_t>();
+    scalar_t* op = gperm.data_ptr<scalar_t>();
+    for_rows(n, h, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t a = rm[j];
+        const float w = pp[a];
+        const scalar_t* g = gp + (a / k) * h;
+        const scalar_t* x = xp + j * h;
+        scalar_t* o = op + j * h;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < h; ++c) {
+          const float gc = static_cast<float>(g[c]);
+          o[c] = static_cast<scalar_t>(w * gc);
+          dot += gc * static_cast<float>(x[c]);
+        }
+        gpp[a] = dot;
+      }
+    });
+  });
+  return {gperm, gprobs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megalite, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd);
+  m.impl("rms_norm_fwd", &rms_norm_fwd);
+  m.impl("rms_norm_bwd", &rms_norm_bwd);
+  m.impl("bias_gelu_fwd", &bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &bias_gelu_bwd);
+  m.impl("bias_swiglu_fwd", &bias_swiglu_fwd);
+  m.impl("bias_swiglu_bwd", &bias_swiglu_bwd);
+  m.impl("rotary", &rotary);
+  m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd);
+  m.impl("dropout_bwd", &dropout_bwd);
+  m.impl("causal_softmax_fwd", &causal_softmax_fwd);
+  m.impl("masked_softmax_fwd", &masked_softmax_fwd);
+  m.impl("softmax_bwd", &softmax_bwd);
+  m.impl("permute_fwd", &permute_fwd);
+  m.impl("permute_bwd", &permute_bwd);
+  m.impl("unpermute_fwd", &unpermute_fwd);
+  m.impl("unpermute_bwd", &unpermute_bwd);
+}
+
+}  // namespace megalite
