@@ -42,7 +42,10 @@ class SentencePieceTokenizer:
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"sentencepiece model {model_path!r} does not exist")
         self.model_path = model_path
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except RuntimeError as err:
+            raise ValueError(f"{model_path}: not a valid sentencepiece model ({err})") from None
         size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:

@@ -45,6 +45,9 @@ def test_build_tokenizer_kinds_and_errors(tmp_path):
     assert isinstance(build_tokenizer("ignored", kind="byte"), ByteTokenizer)
     with pytest.raises(FileNotFoundError, match="missing.model"):
         build_tokenizer(str(tmp_path / "missing.model"))
+    (tmp_path / "bad.model").write_text("not a model")
+    with pytest.raises(ValueError, match="bad.model: not a valid sentencepiece model"):
+        build_tokenizer(str(tmp_path / "bad.model"))
     with pytest.raises(ValueError, match="tokenizer kind"):
         build_tokenizer(None, kind="gpt2")
     with pytest.raises(ValueError, match="model path"):
