@@ -9,6 +9,8 @@ traceback and the ranks that hung.  A failing test never hangs the suite.
 
 Processes come from a fork server that has imported torch once, so starting
 ranks is cheap; ``fn`` and its arguments must be picklable (module-level).
+Results travel as pickled bytes, so CPU tensors can be returned even though
+the rank process exits before the parent reads them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -68,7 +71,7 @@ def _worker(rank, world_size, host, port, backend, timeout_s, fn, args, kwargs, 
             from megalite import topology
 
             topology.destroy()
-        results.put((rank, "ok", value))
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
@@ -128,4 +131,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
         for r in sorted(errors):
             parts.append(f"--- rank {r} ---\n{errors[r]}")
         raise AssertionError("\n".join(parts))
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
