@@ -1,0 +1,138 @@
+"""Every fused op against its plain-torch reference: forward and backward, odd sizes, three dtypes."""
+
+import pytest
+import torch
+
+import megalite.kernels as K
+from megalite.kernels import reference as R
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# fp32 must match to 1e-5; half types to a few units in their last place.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+       torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def _randn(*shape, device, dtype, requires_grad=True):
+    return torch.randn(*shape, device=device).to(dtype).requires_grad_(requires_grad)
+
+
+def _cases(device, dtype):
+    """name -> (args builder, public fn, reference fn); args are rebuilt from a fixed seed."""
+    mk = dict(device=device, dtype=dtype)
+
+    def norm_args():
+        return (_randn(3, 5, 37, **mk), torch.randn(37, device=device, requires_grad=True),
+                torch.randn(37, device=device, requires_grad=True))
+
+    def rotary_args():
+        angles = torch.randn(7, 5, device=device)
+        emb = torch.cat((angles, angles), dim=-1)
+        return _randn(7, 2, 3, 10, **mk), _randn(7, 2, 1, 10, **mk), emb.cos(), emb.sin()
+
+    def causal_mask():
+        return torch.rand(2, 1, 6, 9, device=device) < 0.4
+
+    def permute_args():
+        experts = torch.randint(-1, 5, (13, 2), device=device)
+        experts[3] = -1
+        return _randn(13, 11, **mk), experts
+
+    def unpermute_args():
+        tokens, experts = permute_args()
+        permuted, row_map = R.permute(tokens.detach(), experts)
+        return permuted.requires_grad_(), row_map, torch.rand(13, 2, device=device, requires_grad=True), 13
+
+    return {
+        "layer_norm": (lambda: (*norm_args(), 1e-5), K.layer_norm, R.layer_norm),
+        "rms_norm": (lambda: (*norm_args()[:2], 1e-6), K.rms_norm, R.rms_norm),
+        "bias_gelu": (lambda: (_randn(4, 3, 37, **mk), _randn(37, **mk)), K.bias_gelu, R.bias_gelu),
+        "bias_gelu_no_bias": (lambda: (_randn(5, 37, **mk) * 3, None), K.bias_gelu, R.bias_gelu),
+        "bias_swiglu": (lambda: (_randn(4, 3, 38, **mk), _randn(38, **mk)), K.bias_swiglu, R.bias_swiglu),
+        "bias_swiglu_no_bias": (lambda: (_randn(7, 22, **mk), None), K.bias_swiglu, R.bias_swiglu),
+        "apply_rotary": (rotary_args, K.apply_rotary, R.apply_rotary),
+        "bias_dropout_add_eval": (lambda: (_randn(3, 4, 37, **mk), _randn(37, **mk), _randn(3, 4, 37, **mk), 0.3, False),
+                                  K.bias_dropout_add, R.bias_dropout_add),
+        "bias_dropout_add_train": (lambda: (_randn(3, 4, 37, **mk), _randn(37, **mk), _randn(3, 4, 37, **mk), 0.3, True),
+                                   K.bias_dropout_add, R.bias_dropout_add),
+        "dropout_add_no_bias": (lambda: (_randn(5, 33, **mk), None, _randn(5, 33, **mk), 0.5, True),
+                                K.bias_dropout_add, R.bias_dropout_add),
+        "causal_softmax": (lambda: (_randn(2, 3, 9, 9, **mk) * 4, 0.37), K.scaled_upper_triang_masked_softmax,
+                           R.scaled_upper_triang_masked_softmax),
+        "causal_softmax_3d": (lambda: (_randn(3, 17, 17, **mk), 1.0), K.scaled_upper_triang_masked_softmax,
+                              R.scaled_upper_triang_masked_softmax),
+        "masked_softmax": (lambda: (_randn(2, 3, 6, 9, **mk) * 4, causal_mask(), 0.37), K.scaled_masked_softmax,
+                           R.scaled_masked_softmax),
+        "masked_softmax_2d_mask": (lambda: (_randn(2, 3, 6, 9, **mk), torch.rand(6, 9, device=device) < 0.5, 1.3),
+                                   K.scaled_masked_softmax, R.scaled_masked_softmax),
+        "masked_softmax_key_mask": (lambda: (_randn(2, 3, 6, 9, **mk), torch.rand(2, 1, 1, 9, device=device) < 0.5, 1.0),
+                                    K.scaled_masked_softmax, R.scaled_masked_softmax),
+        "masked_softmax_query_mask": (lambda: (_randn(3, 6, 9, **mk), torch.rand(3, 6, 1, device=device) < 0.5, 1.0),
+                                      K.scaled_masked_softmax, R.scaled_masked_softmax),
+        "permute": (permute_args, K.permute, R.permute),
+        "permute_top1": (lambda: (_randn(9, 5, **mk), torch.randint(-1, 3, (9, 1), device=device)), K.permute, R.permute),
+        "unpermute": (unpermute_args, K.unpermute, R.unpermute),
+    }
+
+
+CASE_NAMES = list(_cases("cpu", torch.float32))
+
+
+def _run(fn, args, grads_seed):
+    """Outputs and input gradients of fn(*args) under a random upstream gradient."""
+    torch.manual_seed(1234)
+    out = fn(*args)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+    gen = torch.Generator().manual_seed(grads_seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(loss, leaves)
+    return [o.detach() for o in outs], list(grads)
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_fused_matches_reference(name, device, dtype):
+    make_args, fused_fn, reference_fn = _cases(device, dtype)[name]
+    torch.manual_seed(0)
+    args = make_args()
+    assert K.fused_enabled()
+    fused_out, fused_grads = _run(fused_fn, args, grads_seed=7)
+    ref_out, ref_grads = _run(reference_fn, args, grads_seed=7)
+    assert len(fused_out) == len(ref_out) and len(fused_grads) == len(ref_grads) > 0
+    for got, want in zip(fused_out + fused_grads, ref_out + ref_grads):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOL[got.dtype])
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.parametrize("device", DEVICES)
+def test_fully_masked_row_gives_zero_probs_and_grads(device):
+    x = torch.randn(1, 2, 4, 5, device=device, requires_grad=True)
+    mask = torch.zeros(1, 1, 4, 5, dtype=torch.bool, device=device)
+    mask[0, 0, 1] = True
+    y = K.scaled_masked_softmax(x, mask, 0.5)
+    (y * torch.randn_like(y)).sum().backward()
+    assert torch.equal(y[:, :, 1], torch.zeros_like(y[:, :, 1]))
+    assert torch.equal(x.grad[:, :, 1], torch.zeros_like(x.grad[:, :, 1]))
+    torch.testing.assert_close(y[:, :, 0].sum(-1), torch.ones(1, 2, device=device))
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_uses_default_generator(device):
+    """Same seed, same mask; a forked RNG replays it (activation recompute); about p of x is dropped."""
+    x, residual = torch.randn(64, 65, device=device), torch.zeros(64, 65, device=device)
+    torch.manual_seed(3)
+    first = K.bias_dropout_add(x, None, residual, 0.25, True)
+    with torch.random.fork_rng(devices=[torch.device(device)] if device == "cuda" else []):
+        torch.manual_seed(3)
+        replay = K.bias_dropout_add(x, None, residual, 0.25, True)
+    second = K.bias_dropout_add(x, None, residual, 0.25, True)
+    assert torch.equal(first, replay)
+    assert not torch.equal(first, second)
+    kept = first != 0
+    assert 0.2 < 1 - kept.float().mean().item() < 0.3
+    torch.testing.assert_close(first[kept], x[kept] / 0.75)
