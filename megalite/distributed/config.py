@@ -1,0 +1,26 @@
+"""Configuration of data-parallel gradient reduction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DDPConfig:
+    """How :class:`~megalite.distributed.DistributedDataParallel` reduces gradients.
+
+    bucket_size: elements per communication bucket; None puts every gradient in one bucket.
+    grad_reduce_in_fp32: accumulate and reduce gradients in fp32 even for bf16/fp16 parameters.
+    overlap_grad_reduce: start a bucket's reduction during backward as soon as it is complete.
+    use_distributed_optimizer: pad buckets to a multiple of the DP size and reduce-scatter them,
+        so each rank receives only the gradient shard its ZeRO-1 optimizer updates.
+    """
+
+    bucket_size: int | None = 40_000_000
+    grad_reduce_in_fp32: bool = True
+    overlap_grad_reduce: bool = True
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size}")

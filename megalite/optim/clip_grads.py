@@ -1,0 +1,84 @@
+"""Global gradient norm across data-parallel shards and model-parallel ranks, and clipping."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.topology import group_rank, group_size, resolve_group
+
+
+def _sum_over(value: torch.Tensor, groups) -> torch.Tensor:
+    for group in groups:
+        if group is not None and group_size(group) > 1:
+            dist.all_reduce(value, group=group)
+    return value
+
+
+def _counts_once(param, tp_group, expert_tp_group, pp_group) -> bool:
+    """False for copies another rank already counts: TP-replicated params off TP rank 0, and the
+    shared embedding off the first pipeline stage."""
+    if getattr(param, "shared_embedding", False) and group_rank(pp_group) != 0:
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    tp = expert_tp_group if getattr(param, "expert_parallel", False) else tp_group
+    return group_rank(tp) == 0
+
+
+def global_grad_norm(params: list, grads: list[torch.Tensor], dense_groups: list, expert_groups: list,
+                     tp_group=None, expert_tp_group=None, pp_group=None) -> torch.Tensor:
+    """L2 norm of ``grads`` (``grads[i]`` belongs to ``params[i]``) over all ranks.
+
+    Squares of dense gradients are summed over each group in ``dense_groups`` in turn, those of
+    expert gradients over ``expert_groups``; summing over orthogonal axis groups one after another
+    sums over their product.  Every rank must call this with the same list of group kinds.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    parts = {True: [], False: []}
+    for param, grad in zip(params, grads):
+        if _counts_once(param, tp_group, expert_tp_group, pp_group):
+            parts[bool(getattr(param, "expert_parallel", False))].append(grad)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for expert, groups in ((False, dense_groups), (True, expert_groups)):
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        if parts[expert]:
+            sq += torch.stack(torch._foreach_norm(parts[expert])).float().square().sum()
+        total = total + _sum_over(sq, groups)[0]
+    return total.sqrt()
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm``."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def clip_grad_norm(params, max_norm: float, model_parallel_group=None, *, tp_group=None, pp_group=None,
+                   ep_group=None, expert_tp_group=None) -> float:
+    """Clip the gradients of ``params`` by their global L2 norm and return that norm.
+
+    Each parameter's gradient is its ``main_grad`` when it has one (DDP), else ``.grad``.  Dense
+    squares are summed over ``model_parallel_group`` (TP x PP, default the topology's "model"
+    group); expert squares over the expert-TP, EP and PP groups.  TP-sharded parameters count on
+    every TP rank, TP-replicated ones once.  Every DP rank must hold the full reduced gradients.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    tp_group = resolve_group(tp_group, "tp")
+    pp_group = resolve_group(pp_group, "pp")
+    expert_tp_group = resolve_group(expert_tp_group, "expert_tp")
+    dense = [resolve_group(model_parallel_group, "model")]
+    expert = [expert_tp_group, resolve_group(ep_group, "ep"), pp_group]
+    with_grads = []
+    for p in params:
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        if grad is not None:
+            with_grads.append((p, grad))
+    ps = [p for p, _ in with_grads]
+    grads = [g for _, g in with_grads]
+    norm = global_grad_norm(ps, grads, dense, expert, tp_group, expert_tp_group, pp_group)
+    clip_grads_(grads, max_norm, norm)
+    return norm.item()

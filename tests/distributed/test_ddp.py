@@ -1,0 +1,139 @@
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite import topology
+from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.testing import run_distributed
+from tests.distributed.models import batch, local_rows, mlp, reference_adamw, rel_err
+
+LR, WD, STEPS = 1e-2, 0.01, 5
+
+
+def _train(overlap: bool, accum: int, bucket_size):
+    """5 DDP steps on this rank's rows vs. one process on the global batch; returns errors and params."""
+    rank, size = topology.current().dp.rank, topology.current().dp.size
+    model = mlp()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=bucket_size, overlap_grad_reduce=overlap))
+    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=0.0), [ddp])
+    ref_opt = reference_adamw(ref, LR, WD)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        micro = local_rows(x, rank, size).chunk(accum), local_rows(y, rank, size).chunk(accum)
+        for i, (xm, ym) in enumerate(zip(*micro)):
+            loss = F.mse_loss(ddp(xm), ym) / accum
+            if i < accum - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        ddp.finish_grad_sync()
+        assert all(p.grad is None for p in model.parameters())
+        assert opt.step()[0]
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    errors = {n: rel_err(p, r) for (n, p), r in zip(model.named_parameters(), ref.parameters())}
+    return errors, [p.detach().tolist() for p in model.parameters()]
+
+
+def _train_modes():
+    topology.initialize()
+    return [_train(True, 1, 100), _train(False, 1, None), _train(True, 2, 200)]
+
+
+def _check(results):
+    for errors, _ in results:
+        assert max(errors.values()) <= 1e-6, errors
+    for _, params in results[1:]:
+        assert params == results[0][1], "DP ranks diverged"
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_ddp_matches_single_process(dp):
+    overlapped, plain, accumulated = zip(*run_distributed(_train_modes, dp, timeout=180))
+    for results in (overlapped, plain, accumulated):
+        _check(results)
+    for a, b in zip(overlapped[0][1], plain[0][1]):
+        assert rel_err(torch.tensor(a), torch.tensor(b)) <= 1e-6
+
+
+def test_main_grad_buffer_layout_single_process():
+    model = mlp()
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=200))
+    ref = copy.deepcopy(model)
+    x, y = batch(0)
+    F.mse_loss(ddp(x), y).backward()
+    F.mse_loss(ref(x), y).backward()
+    params = list(model.parameters())
+    (buffer,) = ddp.buffers
+    assert buffer.params == params[::-1]
+    assert buffer.grad_data.numel() == sum(p.numel() for p in params)
+    assert len(buffer.buckets) > 1
+    for p, r in zip(params, ref.parameters()):
+        assert p.grad is None
+        assert p.main_grad.data_ptr() >= buffer.grad_data.data_ptr()
+        torch.testing.assert_close(p.main_grad, r.grad, rtol=0, atol=1e-7)
+    ddp.finish_grad_sync()
+    ddp.scale_gradients(0.5)
+    torch.testing.assert_close(params[0].main_grad, 0.5 * next(ref.parameters()).grad, rtol=0, atol=1e-7)
+    ddp.zero_grad_buffer()
+    assert not buffer.grad_data.any()
+
+
+def test_bad_config_and_second_backward_without_no_sync():
+    with pytest.raises(ValueError, match="bucket_size must be a positive number of elements or None, got 0"):
+        DDPConfig(bucket_size=0)
+    ddp = DistributedDataParallel(mlp(), DDPConfig(bucket_size=None))
+    x, y = batch(0)
+    F.mse_loss(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        F.mse_loss(ddp(x), y).backward()
+
+
+def _expert_and_finalize():
+    """ep=2 on 4 ranks: expert grads average over expert_dp (size 2) scaled by 1/dp (4);
+    sequence-parallel grads sum over TP; shared embeddings sum over the embedding group."""
+    topo = topology.initialize(ep=2)
+    me = dist.get_rank()
+    model = torch.nn.Linear(3, 2)
+    model.weight.expert_parallel = True
+    model.bias.sequence_parallel = True
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=None))
+    ddp(torch.ones(1, 3) * (me + 1)).sum().backward()
+    finalize_model_grads([ddp])
+    edp = topo.expert_dp.ranks
+    expected_w = torch.full((2, 3), float(sum(r + 1 for r in edp)) / topo.dp.size)
+    torch.testing.assert_close(model.weight.main_grad, expected_w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.bias.main_grad, torch.ones(2), rtol=0, atol=1e-6)
+    return edp
+
+
+def test_expert_grads_reduce_over_expert_dp():
+    results = run_distributed(_expert_and_finalize, 4, timeout=180)
+    assert results[0] == [0, 2] and results[1] == [1, 3]
+
+
+def _finalize_tp_and_embedding():
+    topo = topology.initialize(tp=2, pp=2)
+    me = dist.get_rank()
+    model = torch.nn.Linear(2, 2, bias=True)
+    model.bias.sequence_parallel = True
+    model.weight.shared_embedding = True
+    ddp = DistributedDataParallel(model)
+    ddp(torch.ones(1, 2) * (me + 1)).sum().backward()
+    finalize_model_grads([ddp])
+    tp_sum = float(len(topo.tp.ranks))
+    emb_sum = float(sum(r + 1 for r in topo.embedding.ranks))
+    torch.testing.assert_close(model.bias.main_grad, torch.full((2,), tp_sum), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.weight.main_grad, torch.full((2, 2), emb_sum), rtol=0, atol=1e-6)
+
+
+def test_finalize_sums_sequence_parallel_and_shared_embedding_grads():
+    run_distributed(_finalize_tp_and_embedding, 4, timeout=180)
