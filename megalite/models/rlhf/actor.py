@@ -1,0 +1,93 @@
+"""The actor's per-token log-probs and entropy from vocabulary-sharded logits.
+
+Log-probs and entropy come from ``vocab_parallel_log_probs`` and
+``vocab_parallel_entropy``: only per-token statistics cross TP ranks, the full
+vocabulary is never gathered.  Under pipeline parallelism a forward-only
+schedule computes them micro-batch by micro-batch on the last stage and
+broadcasts them to every stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.pipeline import broadcast_from_last_stage, forward_backward
+from megalite.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from megalite.topology import resolve_group
+
+
+def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                    chunk_size: int | None = None, with_entropy: bool = False,
+                    tp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / temperature)[token]`` ``[b, s]`` and optionally the entropy ``[b, s]`` (fp32).
+
+    ``logits_shard [b, s, v/tp]``.  ``chunk_size`` bounds how many sequence
+    positions are processed at once, which bounds the fp32 temporaries.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if tuple(tokens.shape) != tuple(logits_shard.shape[:2]):
+        raise ValueError(f"tokens {tuple(tokens.shape)} do not match logits {tuple(logits_shard.shape)}")
+    seq = tokens.shape[1]
+    step = seq if chunk_size is None else chunk_size
+    if step < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    log_probs, entropies = [], []
+    for start in range(0, seq, step):
+        logits = logits_shard[:, start:start + step]
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs.append(vocab_parallel_log_probs(logits, tokens[:, start:start + step], tp_group=tp_group))
+        if with_entropy:
+            entropies.append(vocab_parallel_entropy(logits, tp_group=tp_group))
+    return torch.cat(log_probs, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
+
+
+def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       temperature: float = 1.0, chunk_size: int | None = None,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[b, s-1]`` of ``input_ids[:, 1:]`` given their prefixes, with a whole (unpipelined) model."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    logits = masked_forward(model, input_ids, attention_mask)[:, :-1]
+    return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
+                           tp_group=_tp_group(model))
+
+
+def _tp_group(model):
+    return unwrap(model).tp_group
+
+
+def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: float = 1.0,
+                       chunk_size: int | None = None, with_entropy: bool = False,
+                       pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only log-probs over micro-batches of a pipelined model, on every stage.
+
+    ``micro_batches``: dicts with ``input_ids`` and ``attention_mask`` ``[mb, s]``
+    (every stage gets the same list).  Returns the concatenated ``[B, s-1]``
+    log-probs (and entropy) on every pipeline rank, on the CPU.
+    """
+    if not micro_batches:
+        raise ValueError("pipeline_log_probs needs at least one micro-batch, got 0")
+    pp_group = resolve_group(pp_group, "pp")
+
+    def forward_step(iterator, chunk):
+        batch = next(iterator)
+        output = masked_forward(chunk, batch["input_ids"], batch["attention_mask"])
+
+        def collect(logits):
+            lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,
+                                      with_entropy, tp_group=_tp_group(chunk))
+            return lp.sum() * 0.0, {"log_probs": lp, "entropy": ent}
+
+        return output, collect
+
+    with torch.no_grad():
+        results = forward_backward(forward_step, iter(micro_batches), model_chunks, len(micro_batches),
+                                   forward_only=True, pp_group=pp_group)
+    results = broadcast_from_last_stage([(r["log_probs"].cpu(), None if r["entropy"] is None else r["entropy"].cpu())
+                                         for r in results], pp_group)
+    log_probs = torch.cat([lp for lp, _ in results])
+    entropy = torch.cat([ent for _, ent in results]) if with_entropy else None
+    return log_probs, entropy

@@ -1,0 +1,192 @@
+"""PPO math: KL penalty estimators, clipped policy and value losses, loss aggregation, GAE, whitening.
+
+Every function takes per-token tensors ``[b, t]`` with a 0/1 ``mask`` of the
+response tokens that count.  Losses are *sums* divided by a caller-given
+``normalizer`` (the global token or sequence count of the whole batch, over
+every micro-batch and DP rank), so splitting a batch differently gives the same
+total loss and gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite import topology
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean")
+
+
+@dataclass
+class PPOConfig:
+    """Hyper-parameters of the PPO objective.
+
+    ``clip_eps``/``clip_eps_high``: the ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]``
+    (``clip_eps_high`` defaults to ``clip_eps``).  ``dual_clip``: bound (> 1) on the loss of
+    negative-advantage tokens, ``None`` disables it.  ``kl_coef`` weighs the KL penalty to the
+    reference model, estimated by ``kl_estimator`` and clamped to ``[-kl_clamp, kl_clamp]``.
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = 3.0
+    value_clip: float = 0.2
+    kl_coef: float = 0.05
+    kl_estimator: str = "k3"
+    kl_clamp: float = 10.0
+    entropy_coef: float = 0.0
+    loss_aggregation: str = "token-mean"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+    def __post_init__(self):
+        if self.clip_eps_high is None:
+            self.clip_eps_high = self.clip_eps
+        if not 0.0 < self.clip_eps < 1.0 or self.clip_eps_high <= 0.0:
+            raise ValueError(f"clip_eps must be in (0, 1) and clip_eps_high positive, got {self.clip_eps} and "
+                             f"{self.clip_eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
+        if self.kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be positive, got {self.kl_clamp}")
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3",
+               clamp: float = 10.0) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs.
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r with
+    ``log r = log_probs - ref_log_probs`` clamped to ``[-clamp, clamp]`` (so k3's
+    exponential stays finite), and the estimate clamped to the same range.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = (log_probs - ref_log_probs).clamp(-clamp, clamp)
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        kl = torch.exp(-log_ratio) - 1.0 + log_ratio
+    return kl.clamp(-clamp, clamp)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float) -> torch.Tensor:
+    """Reduce a per-token loss ``[b, t]`` to a scalar share of the global mean.
+
+    ``token-mean``: the masked sum divided by ``normalizer`` = the global number
+    of response tokens.  ``seq-mean``: each sequence's mean over its tokens,
+    summed, divided by ``normalizer`` = the global number of sequences.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+    if normalizer <= 0:
+        raise ValueError(f"loss normalizer must be positive, got {normalizer}")
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        return (per_token * mask).sum() / normalizer
+    lengths = mask.sum(dim=-1).clamp(min=1.0)
+    return ((per_token * mask).sum(dim=-1) / lengths).sum() / normalizer
+
+
+def global_normalizer(mask: torch.Tensor, mode: str, dp_group=None) -> float:
+    """The ``normalizer`` of :func:`aggregate` for a whole batch split over DP ranks.
+
+    ``mask`` is this rank's whole share of the batch (every micro-batch).
+    """
+    local = mask.sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]))
+    total = local.detach().to(torch.float64).reshape(1).clone()
+    group = topology.resolve_group(dp_group, "dp")
+    if topology.group_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return float(total.item())
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, config: PPOConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate loss with dual clip; returns ``(loss, metrics)``.
+
+    Per token: ``max(-A r, -A clip(r, 1 - eps, 1 + eps_high))``, and for ``A < 0``
+    additionally at most ``-A * dual_clip``.
+    """
+    log_ratio = log_probs - old_log_probs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - config.clip_eps, 1.0 + config.clip_eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    if config.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * config.dual_clip), loss)
+    m = mask.to(loss.dtype)
+    count = m.sum().clamp(min=1.0)
+    with torch.no_grad():
+        metrics = {"clip_fraction": float(((clipped > unclipped).to(m.dtype) * m).sum() / count),
+                   "approx_kl": float((-log_ratio * m).sum() / count)}
+    return aggregate(loss, mask, config.loss_aggregation, normalizer), metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               config: PPOConfig, normalizer: float) -> torch.Tensor:
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_old + clip(v - v_old, +-c) - R)^2)``."""
+    clipped = old_values + (values - old_values).clamp(-config.value_clip, config.value_clip)
+    loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+    return aggregate(loss, mask, config.loss_aggregation, normalizer)
+
+
+@torch.no_grad()
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimates and returns ``[b, t]`` over the masked tokens.
+
+    Masked-out positions are skipped: the recursion links each response token
+    to the next *unmasked* one, and the value after the last one is 0.
+    Advantages and returns are 0 outside the mask.
+    """
+    if rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same shape")
+    m = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    last_gae = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        last_gae = m[:, t] * gae + (1.0 - m[:, t]) * last_gae
+        next_value = m[:, t] * values[:, t] + (1.0 - m[:, t]) * next_value
+        advantages[:, t] = m[:, t] * gae
+    return advantages, (advantages + values) * m
+
+
+@torch.no_grad()
+def whiten(values: torch.Tensor, mask: torch.Tensor, dp_group=None, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """Normalize the masked entries to zero mean and unit (unbiased) variance across DP ranks.
+
+    With ``shift_mean=False`` the mean is added back (only the scale changes).
+    Entries outside the mask come back as 0.
+    """
+    m = mask.to(values.dtype)
+    stats = torch.stack([(values * m).sum(), m.sum()]).to(torch.float64)
+    group = topology.resolve_group(dp_group, "dp")
+    if topology.group_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    total, count = stats[0], stats[1]
+    if count < 2:
+        raise ValueError(f"whitening needs at least 2 masked entries over all DP ranks, got {int(count)}")
+    mean = total / count
+    centered = (values.to(torch.float64) - mean) * m
+    var = centered.square().sum().reshape(1)
+    if topology.group_size(group) > 1:
+        dist.all_reduce(var, group=group)
+    var = var[0] / (count - 1)
+    out = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return (out * m).to(values.dtype)
