@@ -1,0 +1,174 @@
+"""Autoregressive decoding with a tensor- and pipeline-parallel GPT and a KV cache.
+
+Prompts come left-padded (``prompt_mask`` marks the real tokens), so every
+row's next token sits in the last column.  Each step runs the new tokens
+through this rank's pipeline chunk (receiving/sending hidden states between
+stages); the last stage gathers only the last position's logits over TP,
+picks the next token (greedy, or sampled with temperature, top-k, top-p) and
+broadcasts it to every rank of the model replica.  Rows stop at ``eos_id``;
+decoding stops when every row has stopped or after ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite import topology
+from megalite.models.kv_cache import KVCache
+from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.tensor_parallel import gather_from_tensor_parallel_region
+
+
+@dataclass
+class SamplingConfig:
+    """How the next token is chosen; ``top_k=0`` and ``top_p=1`` disable those filters."""
+
+    max_new_tokens: int
+    eos_id: int | None = None
+    pad_id: int = 0
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationOutput:
+    """``tokens``/``attention_mask`` ``[b, p + n]`` (prompt then response, pad after EOS);
+    ``log_probs``/``response_mask`` ``[b, n]`` for the generated tokens (EOS included, 0 after it).
+    Log-probs are those of the temperature-scaled distribution before top-k/top-p filtering."""
+
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    log_probs: torch.Tensor
+    response_mask: torch.Tensor
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (rows of ``[b, v]``)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+def choose_tokens(logits: torch.Tensor, config: SamplingConfig,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens ``[b]`` from full-vocabulary logits ``[b, v]`` and their log-probs ``[b]``."""
+    scaled = logits.float() / config.temperature
+    log_probs = scaled.log_softmax(dim=-1)
+    if config.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class _Stages:
+    """One decoding step through this rank's pipeline chunk, with the hidden-state hand-offs."""
+
+    def __init__(self, model, pp_group):
+        self.model = unwrap(model)
+        self.group = pp_group
+        self.size, self.rank = topology.group_size(pp_group), topology.group_rank(pp_group)
+        self.dtype = next(self.model.parameters()).dtype
+
+    def _peer(self, rank):
+        return dist.get_global_rank(self.group, rank)
+
+    def __call__(self, input_ids, attention_mask, cache) -> torch.Tensor | None:
+        """Last-position logits ``[b, v_pad/tp]`` on the last stage, None elsewhere."""
+        model = self.model
+        if self.rank > 0:
+            seq = input_ids.shape[1] // (model.tp_size if model.sequence_parallel else 1)
+            hidden = torch.empty(seq, input_ids.shape[0], model.config.hidden_size, dtype=self.dtype,
+                                 device=input_ids.device)
+            dist.recv(hidden, src=self._peer(self.rank - 1), group=self.group)
+            model.set_input_tensor(hidden)
+        output = masked_forward(model, input_ids, attention_mask, cache)
+        if self.rank < self.size - 1:
+            dist.send(output.contiguous(), dst=self._peer(self.rank + 1), group=self.group)
+            return None
+        return output[:, -1]
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,
+             generator: torch.Generator | None = None, use_cache: bool = True, pp_group=None) -> GenerationOutput:
+    """Decode continuations of left-padded ``prompts [b, p]`` with this rank's chunk of the model.
+
+    Every rank of a model replica (its TP and PP ranks) calls this with the
+    same prompts; the tokens chosen on TP rank 0 of the last stage are used
+    everywhere.  Without ``use_cache`` each step reruns the whole sequence.
+    """
+    if prompts.dim() != 2 or tuple(prompt_mask.shape) != tuple(prompts.shape):
+        raise ValueError(f"prompts must be [b, p] with a prompt_mask of the same shape, got "
+                         f"{tuple(prompts.shape)} and {tuple(prompt_mask.shape)}")
+    if bool((prompt_mask.sum(dim=1) == 0).any()):
+        raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
+    inner = unwrap(model)
+    total = prompts.shape[1] + config.max_new_tokens
+    if total > inner.config.max_position_embeddings:
+        raise ValueError(f"prompt length {prompts.shape[1]} + max_new_tokens {config.max_new_tokens} = {total} "
+                         f"exceeds max_position_embeddings={inner.config.max_position_embeddings}")
+    pp_group = topology.resolve_group(pp_group, "pp")
+    stages = _Stages(model, pp_group)
+    last_stage = stages.rank == stages.size - 1
+    tp_group = inner.tp_group
+    was_training = inner.training
+    inner.eval()
+    b, device = prompts.shape[0], prompts.device
+    tokens, mask = prompts.clone(), prompt_mask.to(prompts.dtype).clone()
+    cache = KVCache() if use_cache else None
+    step_ids = tokens
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    new_tokens, new_log_probs, new_mask = [], [], []
+    for _ in range(config.max_new_tokens):
+        logits = stages(step_ids if use_cache else tokens, mask, cache)
+        chosen = torch.empty(b, dtype=torch.long, device=device)
+        log_prob = torch.empty(b, dtype=torch.float32, device=device)
+        if last_stage:
+            full = gather_from_tensor_parallel_region(logits, tp_group)[:, :inner.config.vocab_size]
+            chosen, log_prob = choose_tokens(full, config, generator)
+            if topology.group_size(tp_group) > 1:
+                src = dist.get_global_rank(tp_group, 0)
+                dist.broadcast(chosen, src=src, group=tp_group)
+                dist.broadcast(log_prob, src=src, group=tp_group)
+        if stages.size > 1:
+            src = stages._peer(stages.size - 1)
+            dist.broadcast(chosen, src=src, group=pp_group)
+            dist.broadcast(log_prob, src=src, group=pp_group)
+        alive = ~done
+        chosen = torch.where(alive, chosen, torch.full_like(chosen, config.pad_id))
+        new_tokens.append(chosen)
+        new_log_probs.append(torch.where(alive, log_prob, torch.zeros_like(log_prob)))
+        new_mask.append(alive.to(prompts.dtype))
+        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+        mask = torch.cat([mask, alive.to(mask.dtype)[:, None]], dim=1)
+        step_ids = chosen[:, None]
+        if config.eos_id is not None:
+            done = done | (chosen == config.eos_id)
+        if bool(done.all()):
+            break
+    inner.train(was_training)
+    return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=torch.stack(new_log_probs, dim=1),
+                            response_mask=torch.stack(new_mask, dim=1))
