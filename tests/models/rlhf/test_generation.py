@@ -1,0 +1,76 @@
+"""KV-cache generation against uncached decoding, the actor's log-probs, and tp=2 / pp=2 against tp=1."""
+
+import pytest
+import torch
+
+from megalite import topology
+from megalite.models import GPTModel
+from megalite.models.rlhf.actor import sequence_log_probs
+from megalite.models.rlhf.generation import SamplingConfig, filter_logits, generate
+from megalite.testing import device, run_distributed
+from tests.models.rlhf.common import config, padded_prompts
+
+GREEDY = SamplingConfig(max_new_tokens=6, eos_id=5, greedy=True)
+SAMPLED = SamplingConfig(max_new_tokens=6, eos_id=5, temperature=0.8, top_k=20, top_p=0.9)
+
+
+def _generate(model, sampling, use_cache=True, seed=11):
+    ids, mask = (t.to(device()) for t in padded_prompts())
+    return generate(model, ids, mask, sampling, torch.Generator(device()).manual_seed(seed), use_cache=use_cache)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_kv_cache_greedy_equals_uncached_and_log_probs_match_actor(kind):
+    model = GPTModel(config(kind))
+    cached, uncached = _generate(model, GREEDY), _generate(model, GREEDY, use_cache=False)
+    assert torch.equal(cached.tokens, uncached.tokens)
+    assert cached.tokens.shape[1] > 6
+    torch.testing.assert_close(cached.log_probs, uncached.log_probs, rtol=0, atol=1e-5)
+    out = _generate(model, SAMPLED)
+    n = out.log_probs.shape[1]
+    with torch.no_grad():
+        actor, _ = sequence_log_probs(model, out.tokens, out.attention_mask, SAMPLED.temperature)
+    torch.testing.assert_close(actor[:, -n:] * out.response_mask, out.log_probs, rtol=0, atol=1e-5)
+
+
+def test_eos_stops_rows_and_pads_after():
+    model = GPTModel(config())
+    first = _generate(model, GREEDY)
+    eos = int(first.tokens[0, 6])
+    out = _generate(model, SamplingConfig(max_new_tokens=6, eos_id=eos, greedy=True, pad_id=0))
+    assert out.tokens[0, 6] == eos and out.response_mask[0, 0] == 1
+    assert bool((out.response_mask[0, 1:] == 0).all()) and bool((out.tokens[0, 7:] == 0).all())
+
+
+def test_filters_keep_top_k_and_nucleus():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True, True]]
+    probs = logits.softmax(-1)[0]
+    p = float(probs[0] + probs[1]) - 1e-4
+    assert torch.isinf(filter_logits(logits, top_p=p)).tolist() == [[False, False, True, True, True]]
+
+
+def test_bad_sampling_config_raises():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=2, top_p=1.5)
+    with pytest.raises(ValueError, match="30"):
+        _generate(GPTModel(config()), SamplingConfig(max_new_tokens=24))
+
+
+def _parallel_rank(kind, tp, pp):
+    cfg = config(kind)
+    reference = GPTModel(cfg).to(device())
+    expected = [_generate(reference, s) for s in (GREEDY, SAMPLED)]
+    topo = topology.initialize(tp=tp, pp=pp)
+    first, last = topo.is_first_stage(), topo.is_last_stage()
+    layers = (0, 2) if pp == 1 else (0, 1) if first else (1, 2)
+    model = GPTModel(cfg, pre_process=first, post_process=last, layer_range=layers).to(device())
+    for sampling, want in zip((GREEDY, SAMPLED), expected):
+        got = _generate(model, sampling)
+        assert torch.equal(got.tokens, want.tokens), (sampling, got.tokens, want.tokens)
+        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,tp,pp", [("gpt2", 2, 1), ("llama", 2, 1), ("gpt2", 1, 2)])
+def test_parallel_generation_equals_single_rank(kind, tp, pp):
+    run_distributed(_parallel_rank, tp * pp, kind, tp, pp, timeout=180)
