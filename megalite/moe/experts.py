@@ -48,12 +48,16 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def grouped_mm_usable(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
-    """True when torch's grouped matmul takes these operands (CPU, or bf16 on GPU; 16-byte strides)."""
+    """True when torch's grouped matmul takes these operands and its output.
+
+    It needs CPU tensors or bf16 on GPU, 16-byte aligned pointers, and 16-byte
+    row strides for both operands and the output (also needed by its backward).
+    """
     if _GROUPED_MM is None:
         return False
     if x.device.type != "cpu" and x.dtype != torch.bfloat16:
         return False
-    return _aligned(x) and _aligned(weight_t)
+    return _aligned(x) and _aligned(weight_t) and (weight_t.shape[-1] * x.element_size()) % 16 == 0
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], rows_expert: torch.Tensor,
