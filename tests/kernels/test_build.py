@@ -1,0 +1,59 @@
+"""The build description and the CUDA sources, which must compile with nvcc alone (no torch headers)."""
+
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CUDA_SOURCES = sorted(glob.glob(os.path.join(REPO, "csrc", "cuda", "*.cu")))
+
+
+def _load_build():
+    spec = importlib.util.spec_from_file_location("megalite_csrc_build", os.path.join(REPO, "csrc", "build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_sources_exist():
+    names = {os.path.basename(p) for p in CUDA_SOURCES}
+    assert {"norm.cu", "softmax.cu", "pointwise.cu", "permute.cu"} <= names
+
+
+def test_cuda_kernel_sources_are_free_of_torch():
+    for path in CUDA_SOURCES + glob.glob(os.path.join(REPO, "csrc", "cuda", "*.h")) + glob.glob(
+            os.path.join(REPO, "csrc", "cuda", "*.cuh")):
+        with open(path) as f:
+            text = f.read()
+        for header in ("<torch/", "<ATen/", "<c10/"):
+            assert f"#include {header}" not in text, f"{path} includes {header}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+    """Every .cu compiles with `nvcc -c` (run side by side to keep the test short)."""
+    jobs = {os.path.basename(src): subprocess.Popen(
+        ["nvcc", "-c", "-std=c++17", "-O1", src, "-o", str(tmp_path / (os.path.basename(src) + ".o"))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for src in CUDA_SOURCES}
+    failures = {}
+    for name, job in jobs.items():
+        output, _ = job.communicate(timeout=600)
+        if job.returncode != 0 or not (tmp_path / (name + ".o")).stat().st_size:
+            failures[name] = output
+    assert not failures, failures
+
+
+def test_extension_kwargs_describe_the_extension():
+    import torch
+
+    kwargs = _load_build().extension_kwargs(REPO)
+    (extension,) = kwargs["ext_modules"]
+    assert extension.name == "megalite._C"
+    assert "csrc/megalite.cpp" in extension.sources and "csrc/cpu/ops.cpp" in extension.sources
+    has_cu = any(s.endswith(".cu") for s in extension.sources)
+    assert has_cu == (torch.version.cuda is not None and shutil.which("nvcc") is not None)
+    assert "build_ext" in kwargs["cmdclass"]
