@@ -32,7 +32,11 @@ def _input_setter(chunk):
 
 
 def _free_storage(output):
-    """Shrink a sent activation to a one-element placeholder; its graph stays usable for backward."""
+    """Shrink a sent activation to a one-element placeholder; its graph stays usable for backward.
+
+    Autograd saves outputs as aliases, so the placeholder never reaches backward, but a
+    saved-tensor hook that keeps the very tensor object it is handed would see it.
+    """
     if output is None or not output.requires_grad or output._base is not None or output.dim() == 0:
         return
     output.data = torch.empty(1, dtype=output.dtype, device=output.device).expand(output.shape)

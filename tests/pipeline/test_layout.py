@@ -1,0 +1,46 @@
+import pytest
+
+from megalite.pipeline import split_layers
+
+
+def _flatten_in_virtual_order(ranges):
+    pp, vpp = len(ranges), len(ranges[0])
+    return [ranges[v % pp][v // pp] for v in range(pp * vpp)]
+
+
+def test_even_split():
+    assert split_layers(8, 2) == [[(0, 4)], [(4, 8)]]
+    assert split_layers(8, 4) == [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]]
+    assert split_layers(3, 1) == [[(0, 3)]]
+
+
+def test_interleaved_chunks_follow_virtual_stage_order():
+    assert split_layers(8, 2, vpp=2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    ranges = split_layers(24, 4, vpp=3)
+    flat = _flatten_in_virtual_order(ranges)
+    assert flat[0][0] == 0 and flat[-1][1] == 24
+    assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
+    assert all(end - start == 2 for start, end in flat)
+
+
+def test_first_and_last_stage_overrides():
+    assert split_layers(10, 4, first=1, last=3) == [[(0, 1)], [(1, 4)], [(4, 7)], [(7, 10)]]
+    assert split_layers(7, 3, first=1) == [[(0, 1)], [(1, 4)], [(4, 7)]]
+    assert split_layers(5, 2, first=2, last=3) == [[(0, 2)], [(2, 5)]]
+    assert split_layers(12, 2, vpp=2, first=4) == [[(0, 2), (6, 8)], [(2, 6), (8, 12)]]
+    assert split_layers(6, 3, first=0, last=0) == [[(0, 0)], [(0, 6)], [(6, 6)]]
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((6, 4), {}, "num_layers=6 is not divisible by pipeline size pp=4"),
+    ((8, 2), {"vpp": 3}, "stage 0 has 4 layers, not divisible by vpp=3"),
+    ((10, 4), {"first": 2}, "the 8 layers left after first=2, last=None do not divide evenly over the other 3"),
+    ((5, 2), {"first": 1, "last": 5}, "first=1 and last=5 pipeline-stage layers exceed num_layers=5"),
+    ((5, 2), {"first": 1, "last": 3}, r"first=1 \+ last=3 layers != num_layers=5 with pp=2"),
+    ((4, 1), {"first": 2}, "with one pipeline stage the first stage holds all 4 layers, got first=2"),
+    ((4, 0), {}, "pp must be a positive integer, got 0"),
+    ((4, 2), {"first": -1}, "first must be a non-negative integer, got -1"),
+])
+def test_bad_splits(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        split_layers(*args, **kwargs)
