@@ -1,0 +1,49 @@
+"""The critic: a GPT whose last stage ends in a scalar value head instead of the output layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.models.rlhf.masked_forward import masked_forward
+
+VALUE_HEAD_STREAM = 7_000_001
+"""Offset added to the config seed for the value head's initial weights."""
+
+
+class CriticModel(nn.Module):
+    """One pipeline chunk of a GPT critic; the last chunk returns values ``[b, s]`` (fp32).
+
+    The embeddings are untied (the critic has no output layer to tie them to),
+    and the value head ``Linear(h, 1)`` is replicated over TP and initialized
+    from the config seed, so every layout starts from the same critic.
+    """
+
+    def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
+                 layer_range: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_group=None):
+        super().__init__()
+        config = dataclasses.replace(config, untie_embeddings_and_output_weights=True)
+        self.gpt = GPTModel(config, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                            sequence_parallel=sequence_parallel, tp_group=tp_group)
+        self.gpt.output_layer = None
+        self.value_head = None
+        if post_process:
+            generator = torch.Generator().manual_seed(config.seed + VALUE_HEAD_STREAM)
+            weight = torch.randn(1, config.hidden_size, generator=generator) * config.init_method_std
+            self.value_head = nn.Linear(config.hidden_size, 1)
+            with torch.no_grad():
+                self.value_head.weight.copy_(weight)
+                self.value_head.bias.zero_()
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.gpt.set_input_tensor(tensor)
+
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``[b, s]`` on the last chunk, hidden states ``[s, b, h]`` on the others."""
+        if self.value_head is None:
+            return masked_forward(self.gpt, input_ids, attention_mask)
+        hidden = masked_forward(self.gpt, input_ids, attention_mask, return_hidden=True)
+        return self.value_head(hidden).squeeze(-1).t().float()

@@ -1,0 +1,63 @@
+"""The reference policy: a frozen copy of the initial actor, optionally parked in CPU memory.
+
+With ``offload=True`` the weights live in (pinned, when CUDA is available)
+CPU memory and are copied to the device asynchronously only for the duration
+of a forward, so the reference model costs no device memory between uses.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from megalite.models.rlhf.actor import sequence_log_probs
+from megalite.models.rlhf.masked_forward import unwrap
+
+
+class ReferenceModel(nn.Module):
+    """Frozen, eval-mode copy of ``actor`` (a GPTModel chunk, optionally DDP-wrapped)."""
+
+    def __init__(self, actor: nn.Module, offload: bool = False):
+        super().__init__()
+        self.module = copy.deepcopy(unwrap(actor)).eval()
+        self.module.requires_grad_(False)
+        self.offload = offload
+        self.device = next(self.module.parameters()).device
+        self._host: dict[str, torch.Tensor] = {}
+        if offload:
+            pin = torch.cuda.is_available()
+            for name, tensor in self._tensors():
+                host = tensor.detach().to("cpu", copy=True)
+                self._host[name] = host.pin_memory() if pin else host
+                tensor.data = self._host[name]
+
+    def _tensors(self):
+        yield from self.module.named_parameters()
+        yield from self.module.named_buffers()
+
+    @contextmanager
+    def on_device(self):
+        """Inside the block the weights are on the device; afterwards the device copies are dropped."""
+        if not self.offload:
+            yield self.module
+            return
+        for name, tensor in self._tensors():
+            tensor.data = self._host[name].to(self.device, non_blocking=True)
+        try:
+            yield self.module
+        finally:
+            for name, tensor in self._tensors():
+                tensor.data = self._host[name]
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                  chunk_size: int | None = None) -> torch.Tensor:
+        """Reference log-probs ``[b, s-1]`` of ``input_ids[:, 1:]`` (a whole, unpipelined model).
+
+        Pipelined chunks go through ``with ref.on_device() as chunk: pipeline_log_probs(chunk, ...)``.
+        """
+        with self.on_device() as module:
+            return sequence_log_probs(module, input_ids, attention_mask, temperature, chunk_size)[0]
