@@ -1,5 +1,8 @@
 """Atomic per-rank checkpoints: model, optimizer, LR schedule, RNG states and data position.
 
+The optimizer is stored through its ``sharded_state_dict`` (entries tagged with
+parameter names and offsets), which a later resharding format can reuse.
+
 Layout under ``save_dir``::
 
     latest                  text file holding the newest complete iteration
@@ -111,7 +114,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
         "world_size": world,
         "layout": layout or {},
         "model": [_unwrap(c).state_dict() for c in model_chunks],
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": get_rng_state(),
         "args": vars(args) if args is not None else None,
@@ -186,7 +189,7 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *,
     for chunk, chunk_state in zip(model_chunks, state["model"]):
         _unwrap(chunk).load_state_dict(chunk_state)
     if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_sharded_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

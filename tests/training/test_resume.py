@@ -1,0 +1,40 @@
+"""Checkpoints: a run stopped by SIGTERM and resumed reproduces the uninterrupted run exactly.
+
+The uninterrupted run also passes --load with an empty directory, which must start from scratch.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megalite.training.checkpointing import iteration_dir, read_latest
+from tests.training.helpers import train
+
+DISTOPT_DP2 = ["--use-distributed-optimizer", "--eval-interval", "4", "--eval-iters", "1"]
+
+
+def test_sigterm_save_and_resume_match_uninterrupted_run(tiny_data, tmp_path):
+    _, full = train(tiny_data, tmp_path / "full", 2, *DISTOPT_DP2, "--load", str(tmp_path / "empty"), iters=8)
+    save = str(tmp_path / "ckpt")
+
+    stopped_at, first = train(tiny_data, tmp_path / "first", 2, *DISTOPT_DP2, "--save", save, iters=8,
+                              sigterm_in_iteration=3)
+    assert stopped_at == 3
+    assert read_latest(save) == 3
+    assert sorted(os.listdir(iteration_dir(save, 3))) == ["rank_00000.pt", "rank_00001.pt"]
+    state = torch.load(os.path.join(iteration_dir(save, 3), "rank_00001.pt"), weights_only=False)
+    assert state["consumed_samples"] == 24 and set(state["rng"]) >= {"cpu", "python", "numpy", "tp_tracker"}
+
+    finished_at, second = train(tiny_data, tmp_path / "second", 2, *DISTOPT_DP2, "--load", save, "--save", save,
+                                iters=8)
+    assert finished_at == 8 and read_latest(save) == 8
+    assert [r["iteration"] for r in first] == [1, 2, 3]
+    assert [r["iteration"] for r in second] == [4, 5, 6, 7, 8]
+    for resumed, uninterrupted in zip(first + second, full):
+        for key in ("loss", "lr", "grad_norm", "consumed_samples"):
+            assert resumed[key] == uninterrupted[key], (resumed["iteration"], key)
+        assert resumed.get("valid_loss") == uninterrupted.get("valid_loss")
+    assert "valid_loss" in full[3] and "valid_ppl" in full[7]
+    assert full[-1]["loss"] < full[0]["loss"]
+
