@@ -89,7 +89,10 @@ class Experts(nn.Module):
 
     Every rank draws all ``config.num_experts`` full weights from the default
     generator in expert order and keeps its own, so one seed gives one model
-    under every EP/ETP layout.  All parameters carry ``expert_parallel=True``.
+    under every EP/ETP layout.  All parameters carry ``expert_parallel=True``;
+    the ETP shards (fc1 weight and bias, fc2 weight) also ``tensor_model_parallel``
+    with their ``partition_dim`` (for SwiGLU, fc1 keeps matching gate and up
+    blocks), so gradient norms count them on every ETP rank.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, num_local: int, first: int,
@@ -120,6 +123,9 @@ class Experts(nn.Module):
                     self.fc2_weight[local].copy_(fc2[:, cols])
         for param in self.parameters():
             param.expert_parallel = True
+        for param, dim in ((self.fc1_weight, 1), (self.fc1_bias, 1), (self.fc2_weight, 2)):
+            if param is not None:
+                param.tensor_model_parallel, param.partition_dim = True, dim
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.activation == "swiglu":

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.models import GPTConfig, GPTModel
 from megalite.moe import MoEConfig
+from megalite.optim.clip_grads import clip_grad_norm
 from megalite.tensor_parallel import pad_vocab_size
 from megalite.testing import run_distributed
 
@@ -37,7 +38,8 @@ def _reference(kind: str, dp: int):
     model = GPTModel(_config(kind))
     losses = [model(*_batch(d)[:1], labels=_batch(d)[1]) for d in range(dp)]
     torch.stack(losses).sum().backward()
-    return {n: (p.detach(), p.grad) for n, p in model.named_parameters()}, [loss.detach() for loss in losses]
+    norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().item()
+    return {n: (p.detach(), p.grad) for n, p in model.named_parameters()}, [loss.detach() for loss in losses], norm
 
 
 def _dense_shard(name, full, param, cfg, tp_rank, tp):
@@ -73,7 +75,11 @@ def _all_reduce(t, group):
 
 
 def _check(cases):
-    """cases: (kind, layout, sequence_parallel); returns the worst error per case and quantity."""
+    """cases: (kind, layout, sequence_parallel); returns the worst error per case and quantity.
+
+    Gradients are reduced as DDP would (summed over the data-parallel or expert-data-parallel
+    group); their global norm from the gradient clipper must match the one-rank norm.
+    """
     references = {(kind, WORLD // layout.get("tp", 1)): None for kind, layout, _ in cases}
     for key in references:
         references[key] = _reference(*key)
@@ -81,7 +87,7 @@ def _check(cases):
     for kind, layout, sp in cases:
         cfg = _config(kind)
         topo = topology.initialize(**layout)
-        ref_params, ref_losses = references[(kind, topo.dp.size)]
+        ref_params, ref_losses, ref_norm = references[(kind, topo.dp.size)]
         model = GPTModel(cfg, sequence_parallel=sp)
         ids, labels = _batch(topo.dp.rank)
         loss = model(ids, labels=labels)
@@ -101,6 +107,8 @@ def _check(cases):
                     grad = _all_reduce(grad, topo.tp.group)
             errors[f"weight {name}"] = (param.detach() - weight).abs().max().item()
             errors[f"grad {name}"] = (grad - expected).abs().max().item()
+            param.grad = grad
+        errors["grad norm"] = abs(clip_grad_norm(list(model.parameters()), max_norm=1e9) - ref_norm)
         report.append(errors)
     return report
 
