@@ -11,6 +11,8 @@ same layout.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,15 +37,19 @@ def swiglu_fc1_init(std: float, tp: int):
     return init
 
 
-def _gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.gelu(x if bias is None else x + bias)
-
-
-ACTIVATIONS = {"gelu": _gelu, "gelu_tanh": kernels.bias_gelu, "swiglu": kernels.bias_swiglu}
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": partial(kernels.bias_gelu, bias=None),
+    "swiglu": partial(kernels.bias_swiglu, bias=None),
+}
 
 
 class MLP(nn.Module):
-    """``fc2(act(fc1(x)))``; returns ``(output, fc2_bias)`` for the fused bias-dropout-add."""
+    """``fc2(act(fc1(x)))``; returns ``(output, fc2_bias)`` for the fused bias-dropout-add.
+
+    fc1 adds its bias inside the matmul (one fused addmm), so the activation
+    runs without a separate bias pass.
+    """
 
     def __init__(self, config, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
@@ -52,7 +58,7 @@ class MLP(nn.Module):
         ffn = config.ffn_hidden_size
         self.activation = ACTIVATIONS[config.activation]
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, 2 * ffn if gated else ffn, bias=config.add_bias_linear, skip_bias_add=True,
+            config.hidden_size, 2 * ffn if gated else ffn, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, tp_group=tp_group,
             init_method=swiglu_fc1_init(std, topology.group_size(tp_group)) if gated else normal_init(std))
         self.linear_fc2 = RowParallelLinear(
@@ -61,5 +67,4 @@ class MLP(nn.Module):
             init_method=scaled_normal_init(std, config.num_layers))
 
     def forward(self, x: torch.Tensor):
-        hidden, bias = self.linear_fc1(x)
-        return self.linear_fc2(self.activation(hidden, bias))
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
