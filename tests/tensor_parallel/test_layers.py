@@ -117,6 +117,7 @@ def _shard_attributes():
     col = ColumnParallelLinear(4, 6)
     row = RowParallelLinear(6, 4, sequence_parallel=True)
     plain_row = RowParallelLinear(6, 4)
+    dist.barrier()  # no rank tears down its groups while another is still connecting them
     return dict(
         col_w=(col.weight.tensor_model_parallel, col.weight.partition_dim, tuple(col.weight.shape)),
         col_b=(col.bias.tensor_model_parallel, col.bias.partition_dim, tuple(col.bias.shape)),

@@ -52,6 +52,7 @@ def _seeding():
     default = torch.rand(4)
     with get_rng_tracker().fork():
         parallel = torch.rand(4)
+    dist.barrier()  # no rank tears down its groups while another is still connecting them
     return default, parallel
 
 

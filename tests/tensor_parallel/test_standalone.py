@@ -70,10 +70,9 @@ def _standalone():
 
 
 def test_trains_two_steps_in_a_plain_module_like_one_process():
-    for world in (2, 4):
-        for rank, errors in enumerate(run_distributed(_standalone, world, timeout=180)):
-            assert len(errors) == 6 + 2 + 1, errors
-            assert all(v <= 1e-5 for v in errors.values()), (world, rank, errors)
+    for rank, errors in enumerate(run_distributed(_standalone, 4, timeout=180)):
+        assert len(errors) == 6 + 2 + 1, errors
+        assert all(v <= 1e-5 for v in errors.values()), (rank, errors)
 
 
 def test_imports_only_topology_from_megalite():
