@@ -9,6 +9,8 @@ from torch import nn
 
 from megalite.models.gpt import GPTConfig, GPTModel
 from megalite.models.rlhf.masked_forward import masked_forward
+from megalite.pipeline import broadcast_from_last_stage, forward_backward
+from megalite.topology import resolve_group
 
 VALUE_HEAD_STREAM = 7_000_001
 """Offset added to the config seed for the value head's initial weights."""
@@ -47,3 +49,19 @@ class CriticModel(nn.Module):
             return masked_forward(self.gpt, input_ids, attention_mask)
         hidden = masked_forward(self.gpt, input_ids, attention_mask, return_hidden=True)
         return self.value_head(hidden).squeeze(-1).t().float()
+
+
+def pipeline_values(chunk, micro_batches: list[dict], pp_group=None) -> torch.Tensor:
+    """Forward-only critic values ``[B, s]`` over micro-batches (``input_ids``/``attention_mask``), on every stage."""
+    if not micro_batches:
+        raise ValueError("pipeline_values needs at least one micro-batch, got 0")
+
+    def forward_step(iterator, model):
+        mb = next(iterator)
+        return model(mb["input_ids"], mb["attention_mask"]), lambda values: (values.sum() * 0.0, {"values": values})
+
+    pp_group = resolve_group(pp_group, "pp")
+    with torch.no_grad():
+        results = forward_backward(forward_step, iter(micro_batches), chunk, len(micro_batches), forward_only=True,
+                                   pp_group=pp_group)
+    return torch.cat(broadcast_from_last_stage([r["values"].cpu() for r in results], pp_group))

@@ -7,7 +7,6 @@ of a forward, so the reference model costs no device memory between uses.
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 
 import torch
@@ -18,11 +17,18 @@ from megalite.models.rlhf.masked_forward import unwrap
 
 
 class ReferenceModel(nn.Module):
-    """Frozen, eval-mode copy of ``actor`` (a GPTModel chunk, optionally DDP-wrapped)."""
+    """Frozen, eval-mode ``model`` (a freshly built GPTModel chunk of the actor's shape).
 
-    def __init__(self, actor: nn.Module, offload: bool = False):
+    With ``source`` (the actor chunk, optionally DDP-wrapped) its current
+    weights are copied in; building a fresh chunk instead of deep-copying the
+    actor keeps the actor's DDP hooks and process groups out of the copy.
+    """
+
+    def __init__(self, model: nn.Module, source: nn.Module | None = None, offload: bool = False):
         super().__init__()
-        self.module = copy.deepcopy(unwrap(actor)).eval()
+        self.module = unwrap(model).eval()
+        if source is not None:
+            self.module.load_state_dict(unwrap(source).state_dict())
         self.module.requires_grad_(False)
         self.offload = offload
         self.device = next(self.module.parameters()).device

@@ -1,0 +1,123 @@
+"""A training backend for RL loops written outside megalite.
+
+The caller hands over whole batches (this DP rank's share) as dicts of
+``[b, ...]`` tensors and gets plain metric dicts back; tensor, pipeline and
+data parallelism stay inside.  Losses are normalized by the global token (or
+sequence) count, so the update does not depend on the micro-batch size or
+the number of DP ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megalite import topology
+from megalite.distributed import finalize_model_grads
+from megalite.models.rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megalite.models.rlhf.ppo import global_normalizer
+from megalite.pipeline import broadcast_from_last_stage, forward_backward
+
+
+class TrainingBackend:
+    """``forward_backward(batch)``, ``optim_step()``, ``generate(...)`` and checkpoints for one model.
+
+    ``chunk``: this rank's DDP-wrapped pipeline chunk; ``optimizer``: megalite's
+    optimizer over it; ``objective``: see :mod:`megalite.models.rlhf.objectives`.
+    Gradients of one ``forward_backward`` call are applied by the next
+    ``optim_step`` (one call each per update).
+    """
+
+    def __init__(self, chunk, optimizer, objective, micro_batch_size: int, topo: topology.Topology | None = None):
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.chunk, self.optimizer, self.objective = chunk, optimizer, objective
+        self.micro_batch_size = micro_batch_size
+        self.topo = topo or topology.current()
+        self._pending = False
+
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        size = batch["input_ids"].shape[0]
+        if size % self.micro_batch_size:
+            raise ValueError(f"batch of {size} sequences is not divisible by micro_batch_size={self.micro_batch_size}")
+        for key, value in batch.items():
+            if value.shape[0] != size:
+                raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, input_ids has {size}")
+        return [{k: v[i:i + self.micro_batch_size] for k, v in batch.items()}
+                for i in range(0, size, self.micro_batch_size)]
+
+    def forward_backward(self, batch: dict) -> dict[str, float]:
+        """Accumulate the gradient of the objective's global mean over ``batch``; return its metrics."""
+        if self._pending:
+            raise RuntimeError("forward_backward was called twice without optim_step in between")
+        micro_batches = self._micro_batches(batch)
+        topo = self.topo
+        normalizer = global_normalizer(self.objective.normalizer_mask(batch), self.objective.mode, topo.dp.group)
+        scale = len(micro_batches) * topo.dp.size
+
+        def forward_step(iterator, chunk):
+            mb = next(iterator)
+            output = self.objective.forward(chunk, mb)
+
+            def loss_func(out):
+                loss, metrics = self.objective.loss(out, mb, normalizer, chunk)
+                return loss * scale, metrics
+
+            return output, loss_func
+
+        self.chunk.train()
+        results = forward_backward(forward_step, iter(micro_batches), self.chunk, len(micro_batches),
+                                   pp_group=topo.pp.group, scale_loss=self.optimizer.scale_loss,
+                                   finalize_grads_func=lambda chunks: finalize_model_grads(
+                                       chunks, topo.tp.group, topo.embedding.group))
+        self._pending = True
+        return self._reduce(results)
+
+    def _reduce(self, results: list[dict]) -> dict[str, float]:
+        """Loss-like metrics (global-mean shares) are summed, the others averaged, over micro-batches and DP."""
+        keys = sorted(results[0]) if results else []
+        values = []
+        for key in keys:
+            total = sum(float(r[key]) for r in results)
+            summed = key.endswith("loss") or key == "entropy"
+            values.append(total if summed else total / len(results) / self.topo.dp.size)
+        device = next(self.chunk.parameters()).device
+        local = torch.tensor(values, dtype=torch.float64, device=device)
+        if keys and self.topo.dp.size > 1:
+            dist.all_reduce(local, group=self.topo.dp.group)
+        return broadcast_from_last_stage(dict(zip(keys, local.tolist())), self.topo.pp.group)
+
+    def optim_step(self) -> dict[str, float]:
+        """Apply the accumulated gradient and clear it."""
+        ok, grad_norm, _ = self.optimizer.step()
+        self.optimizer.zero_grad()
+        self._pending = False
+        return {"update_applied": float(ok), "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
+
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        """Decode continuations of this DP rank's left-padded prompts (see :func:`generation.generate`)."""
+        return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
+
+    def state_dict(self) -> dict:
+        """This rank's model shard and optimizer state."""
+        return {"model": self.chunk.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.chunk.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save(self, directory: str) -> None:
+        """Write every rank's state to ``directory/rank_XXXXX.pt`` (same layout to load)."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"rank_{self.topo.global_rank:05d}.pt")
+        torch.save(self.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, f"rank_{self.topo.global_rank:05d}.pt")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no backend checkpoint for rank {self.topo.global_rank} at {path}")
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))

@@ -1,0 +1,84 @@
+"""What a training backend computes per micro-batch: the model call and the loss.
+
+Each objective has ``forward(chunk, micro_batch)`` (this rank's pipeline
+chunk, possibly DDP-wrapped), ``normalizer_mask(batch)`` (which tokens or
+sequences the loss is averaged over, see :func:`ppo.global_normalizer`) and,
+on the last stage, ``loss(output, micro_batch, normalizer) -> (loss, metrics)``
+returning this micro-batch's share of the global mean.
+Micro-batch keys: ``input_ids``/``attention_mask`` ``[b, s]``; per-token
+tensors ``[b, s-1]`` are aligned with ``input_ids[:, 1:]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.models.rlhf.actor import token_log_probs
+from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.models.rlhf.ppo import PPOConfig, aggregate, policy_loss, value_loss
+
+
+class LanguageModelObjective:
+    """Next-token cross entropy over ``loss_mask [b, s-1]`` (token-mean), e.g. for pretraining the actor."""
+
+    mode = "token-mean"
+
+    def normalizer_mask(self, batch: dict) -> torch.Tensor:
+        return batch["loss_mask"]
+
+    def forward(self, chunk, mb: dict) -> torch.Tensor:
+        return masked_forward(chunk, mb["input_ids"], mb["attention_mask"])
+
+    def loss(self, logits, mb: dict, normalizer: float, chunk):
+        log_probs, _ = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], tp_group=unwrap(chunk).tp_group)
+        loss = aggregate(-log_probs, mb["loss_mask"], self.mode, normalizer)
+        return loss, {"lm_loss": loss.detach()}
+
+
+class PPOActorObjective:
+    """Clipped PPO surrogate minus ``entropy_coef`` x entropy, over ``response_mask``.
+
+    Needs ``old_log_probs`` and ``advantages``.
+    """
+
+    def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None):
+        self.config, self.temperature, self.chunk_size = config, temperature, chunk_size
+        self.mode = config.loss_aggregation
+
+    def normalizer_mask(self, batch: dict) -> torch.Tensor:
+        return batch["response_mask"]
+
+    def forward(self, chunk, mb: dict) -> torch.Tensor:
+        return masked_forward(chunk, mb["input_ids"], mb["attention_mask"])
+
+    def loss(self, logits, mb: dict, normalizer: float, chunk):
+        with_entropy = self.config.entropy_coef > 0
+        log_probs, entropy = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], self.temperature,
+                                             self.chunk_size, with_entropy, tp_group=unwrap(chunk).tp_group)
+        mask = mb["response_mask"]
+        loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer)
+        metrics["policy_loss"] = loss.detach()
+        if with_entropy:
+            entropy_term = aggregate(entropy, mask, self.mode, normalizer)
+            metrics["entropy"] = entropy_term.detach()
+            loss = loss - self.config.entropy_coef * entropy_term
+        return loss, metrics
+
+
+class PPOCriticObjective:
+    """Clipped value loss of a :class:`CriticModel` over ``response_mask``; needs ``old_values``, ``returns``."""
+
+    def __init__(self, config: PPOConfig):
+        self.config = config
+        self.mode = config.loss_aggregation
+
+    def normalizer_mask(self, batch: dict) -> torch.Tensor:
+        return batch["response_mask"]
+
+    def forward(self, chunk, mb: dict) -> torch.Tensor:
+        return chunk(mb["input_ids"], mb["attention_mask"])
+
+    def loss(self, values, mb: dict, normalizer: float, chunk):
+        loss = value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["response_mask"], self.config,
+                          normalizer)
+        return loss, {"value_loss": loss.detach()}
