@@ -27,7 +27,8 @@ class MoELayer(nn.Module):
     without sequence parallelism the router runs on all (replicated) tokens and
     each TP rank then dispatches its 1/tp block of them, gathering the outputs
     at the end.  Experts ``ep_rank * E/ep ...`` live on this rank, each split over
-    ``expert_tp_group``.
+    ``expert_tp_group``.  A capacity limit applies to the tokens one rank routes:
+    the whole micro-batch without sequence parallelism, the rank's 1/tp of it with.
 
     Router losses are not returned: the backward pass adds
     ``aux_loss_scale * d(aux_coeff * aux + z_coeff * z)`` by itself.  The default

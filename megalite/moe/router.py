@@ -23,7 +23,8 @@ class Routing:
     dropped assignment.  ``loss`` is this rank's share of
     ``aux_coeff * aux + z_coeff * z`` (differentiable, or None when both
     coefficients are 0); ``aux_loss``/``z_loss`` are the micro-batch's values
-    and ``tokens_per_expert`` its routed assignments per expert, before dropping.
+    and ``tokens_per_expert`` its routed assignments per expert, before dropping;
+    ``dropped`` counts the assignments this rank dropped for capacity.
     """
 
     probs: torch.Tensor
