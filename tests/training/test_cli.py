@@ -1,0 +1,117 @@
+"""examples/pretrain_gpt.py from the command line: bad input fails fast with one clear line; SIGTERM saves."""
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megalite.data.indexed_dataset import IndexedDatasetBuilder
+from megalite.training.checkpointing import read_latest
+from tests.training.helpers import read_metrics, tiny_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+
+
+def _env():
+    """Environment of a one-process run, on a free port so parallel runs do not collide."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+
+
+def _bad_inputs(tiny_data, tmp):
+    """(name, command, expected message fragment) of every bad-input case."""
+    corrupt = os.path.join(tmp, "corrupt")
+    for suffix in (".idx", ".bin"):
+        with open(corrupt + suffix, "wb") as f:
+            f.write(b"this is not an index" * 4)
+    wide = os.path.join(tmp, "wide")
+    with IndexedDatasetBuilder(wide) as builder:
+        builder.add_document(np.arange(250, 300))
+    python = [sys.executable, SCRIPT]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+                "--log-dir", os.path.join(tmp, "torchrun"), "--redirects", "3", SCRIPT]
+    return [
+        ("missing-data", python + ["--data-path", os.path.join(tmp, "nowhere")],
+         f"error: indexed dataset file '{os.path.join(tmp, 'nowhere')}.idx' does not exist"),
+        ("corrupt-data", python + ["--data-path", corrupt], "not a megalite index"),
+        ("vocab-too-small", python + ["--data-path", wide],
+         f"error: dataset {wide} holds token id 299, but the vocabulary has only 259 ids (from the byte tokenizer)"),
+        ("batch", python + ["--data-path", tiny_data, "--micro-batch-size", "3", "--global-batch-size", "8"],
+         "error: global batch size 8 is not divisible by micro batch size 3 * data-parallel size 1 = 3"),
+        ("heads-tp", torchrun + ["--data-path", tiny_data, "--tensor-model-parallel-size", "2",
+                                 "--num-attention-heads", "3", "--hidden-size", "48"],
+         "error: number of attention heads 3 is not divisible by tensor-parallel size 2"),
+        ("seq-max-pos", python + ["--data-path", tiny_data, "--seq-length", "128", "--max-position-embeddings", "64"],
+         "error: sequence length 128 is greater than max position embeddings 64"),
+        ("unknown-flag", python + ["--data-path", tiny_data, "--no-such-flag", "3"],
+         "error: unrecognized arguments: --no-such-flag 3"),
+        ("context-parallel", python + ["--context-parallel-size", "2"],
+         "error: context parallelism is reserved: --context-parallel-size must be 1, got 2"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tiny_data, tmp_path_factory):
+    """Launch every bad-input command at once; map name -> (fragment, exit code, each rank's output).
+
+    A torchrun launch redirects each rank's output to files, so the launcher's own failure report
+    stays out of what is checked.
+    """
+    tmp = str(tmp_path_factory.mktemp("bad"))
+    cases = _bad_inputs(tiny_data, tmp)
+    procs = {name: (fragment, subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True))
+             for name, cmd, fragment in cases}
+    results = {}
+    for name, (fragment, proc) in procs.items():
+        out, err = proc.communicate(timeout=180)
+        ranks = [out + err]
+        if "torch.distributed.run" in proc.args:
+            ranks = [_read_rank_logs(os.path.join(tmp, "torchrun"), rank) for rank in (0, 1)]
+        results[name] = (fragment, proc.returncode, ranks)
+    return results
+
+
+def _read_rank_logs(log_dir, local_rank):
+    paths = glob.glob(os.path.join(log_dir, "*", "attempt_0", str(local_rank), "std*.log"))
+    assert len(paths) == 2, paths
+    return "".join(open(p).read() for p in sorted(paths))
+
+
+@pytest.mark.parametrize("name", ["missing-data", "corrupt-data", "vocab-too-small", "batch", "heads-tp",
+                                  "seq-max-pos", "unknown-flag", "context-parallel"])
+def test_bad_input_gives_one_error_line(bad_runs, name):
+    """Rank 0 prints exactly one line, ``error: ...``; other ranks print nothing; the exit code is non-zero."""
+    fragment, code, ranks = bad_runs[name]
+    assert code != 0
+    assert len(ranks[0].strip().splitlines()) == 1, ranks[0]
+    assert ranks[0].startswith("error: ") and fragment in ranks[0], ranks[0]
+    assert all(not other.strip() for other in ranks[1:]), ranks[1:]
+
+
+def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
+    save = tmp_path / "ckpt"
+    argv = tiny_argv(tiny_data, tmp_path, "--train-iters", "10000", "--save", str(save))
+    proc = subprocess.Popen([sys.executable, SCRIPT, *argv], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    last = read_metrics(metrics)[-1]["iteration"]
+    assert read_latest(str(save)) == last < 10000
+    assert f"stopping after iteration {last}" in out
