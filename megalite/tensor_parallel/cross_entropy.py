@@ -80,7 +80,9 @@ class _VocabParallelEntropy(torch.autograd.Function):
     def forward(ctx, logits_shard, group):
         shifted = _shifted_logits(logits_shard, group)
         exp = shifted.exp()
-        stats = _all_reduce_(torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)]), group)
+        # Masked (-inf) logits have zero probability and contribute nothing, not 0 * -inf.
+        weighted = torch.where(exp > 0, exp * shifted, 0.0)
+        stats = _all_reduce_(torch.stack([exp.sum(dim=-1), weighted.sum(dim=-1)]), group)
         mean_logit = stats[1] / stats[0]
         probs = exp.div_(stats[0].unsqueeze(-1))
         ctx.save_for_backward(probs, shifted, mean_logit)
@@ -90,7 +92,8 @@ class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_entropy):
         probs, shifted, mean_logit = ctx.saved_tensors
-        grad = probs * (mean_logit.unsqueeze(-1) - shifted) * grad_entropy.unsqueeze(-1)
+        grad = torch.where(probs > 0, probs * (mean_logit.unsqueeze(-1) - shifted), 0.0)
+        grad = grad * grad_entropy.unsqueeze(-1)
         return grad.to(ctx.dtype), None
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import topology
-from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megalite.testing import device, run_distributed
 
 from ._util import assert_all_small, block, master, max_err
@@ -88,6 +88,27 @@ def _row_case(group, sp, bias_mode, input_is_parallel, errors):
         errors[name + " db"] = max_err(grad, ref.bias.grad)
 
 
+def _tied_output_case(group, errors):
+    """An output layer reusing the word-embedding shard as its weight."""
+    tp, r = topology.group_size(group), topology.group_rank(group)
+    vocab, h = 16, 8
+    torch.manual_seed(9)
+    embedding = VocabParallelEmbedding(vocab, h, tp_group=group, device=device())
+    head = ColumnParallelLinear(h, vocab, bias=False, tp_group=group, device=device())
+    ref_weight = master((vocab, h), 9).requires_grad_()
+    x, dy = torch.randn(S, B, h), torch.randn(S, B, vocab)
+    x_ref = x.clone().requires_grad_()
+    y_ref = F.linear(x_ref, ref_weight)
+    y_ref.backward(dy)
+    x_in = x.clone().to(device()).requires_grad_()
+    y = head(x_in, weight=embedding.weight)
+    y.backward(block(dy, -1, r, tp).to(device()))
+    errors["tied out"] = max_err(y, block(y_ref, -1, r, tp))
+    errors["tied dx"] = max_err(x_in.grad, x_ref.grad)
+    errors["tied dw"] = max_err(embedding.weight.grad, block(ref_weight.grad, 0, r, tp))
+    errors["tied head weight unused"] = float(head.weight.grad is not None)
+
+
 def _linear_parity(tp):
     topology.initialize(tp=tp)
     group = topology.current().tp.group
@@ -100,6 +121,7 @@ def _linear_parity(tp):
                                                               (True, False)):
         if not (sp and not input_is_parallel):
             _row_case(group, sp, bias_mode, input_is_parallel, errors)
+    _tied_output_case(group, errors)
     return errors
 
 
@@ -109,7 +131,7 @@ def test_linear_parity(tp):
         (False, True), ("bias", "skip", "none"), (False, True), (True, False)) if not (sp and g))
     row = sum(4 if b != "none" else 3 for sp, b, i in itertools.product(
         (False, True), ("bias", "skip", "none"), (True, False)) if not (sp and not i))
-    assert_all_small(run_distributed(_linear_parity, tp, tp, timeout=180), col + row)
+    assert_all_small(run_distributed(_linear_parity, tp, tp, timeout=180), col + row + 4)
 
 
 def _shard_attributes():

@@ -87,6 +87,19 @@ def test_vocab_parity(tp):
     assert_all_small(run_distributed(_vocab_parity, tp, tp, timeout=180), 2 * 3 + 5 * 3)
 
 
+def test_entropy_ignores_masked_logits():
+    logits = torch.randn(3, 8, requires_grad=True)
+    masked = logits.masked_fill(torch.arange(8) >= 6, float("-inf"))
+    got = vocab_parallel_entropy(masked)
+    got.sum().backward()
+    grad, logits.grad = logits.grad.clone(), None
+    want = torch.distributions.Categorical(logits=logits[:, :6]).entropy()
+    want.sum().backward()
+    assert max_err(got, want) <= 1e-6
+    assert max_err(grad[:, :6], logits.grad[:, :6]) <= 1e-6
+    assert torch.equal(grad[:, 6:], torch.zeros(3, 2))
+
+
 def test_pad_vocab_size():
     assert pad_vocab_size(50257, 128, 1) == 50304
     assert pad_vocab_size(50257, 128, 8) == 51200
