@@ -111,6 +111,7 @@ class DistributedDataParallel(nn.Module):
         self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Copy ``state_dict`` into the wrapped module's parameters in place (keeping buffer views)."""
         self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict)
