@@ -40,7 +40,7 @@ def _native_flag_works(compiler: str) -> bool:
 
 
 def _cxx_flags(compiler: str) -> list[str]:
-    flags = ["-O3", "-fno-math-errno"]
+    flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
     if os.environ.get("MEGALITE_NATIVE", "1") != "0" and _native_flag_works(compiler):
         flags.append("-march=native")
     return flags

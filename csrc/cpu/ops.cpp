@@ -3,7 +3,8 @@
 // Each kernel makes one pass over its rows (two for a norm backward, which
 // also reduces weight gradients), works in float whatever the storage dtype,
 // and splits rows over threads with at::parallel_for.  exp is a branch-free
-// polynomial so that the inner loops vectorize.
+// polynomial and reductions carry `omp simd` (built with -fopenmp-simd, no
+// OpenMP runtime) so that the inner loops vectorize.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -124,9 +125,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
       for (int64_t r = r0; r < r1; ++r) {
         load_row(xp + r * h, buf.data(), h);
         float sum = 0.0f;
+_Pragma("omp simd reduction(+ : sum)")
         for (int64_t j = 0; j < h; ++j) sum += buf[j];
         const float mu = sum / h;
         float var = 0.0f;
+_Pragma("omp simd reduction(+ : var)")
         for (int64_t j = 0; j < h; ++j) {
           const float c = buf[j] - mu;
           var += c * c;
@@ -172,6 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
         load_row(gp + r * h, g.data(), h);
         const float mu = mp[r], rs = rp[r];
         float s1 = 0.0f, s2 = 0.0f;
+_Pragma("omp simd reduction(+ : s1, s2)")
         for (int64_t j = 0; j < h; ++j) {
           xh[j] = (xh[j] - mu) * rs;
           gw[j] += g[j] * xh[j];
@@ -207,6 +211,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
       for (int64_t r = r0; r < r1; ++r) {
         load_row(xp + r * h, buf.data(), h);
         float ss = 0.0f;
+_Pragma("omp simd reduction(+ : ss)")
         for (int64_t j = 0; j < h; ++j) ss += buf[j] * buf[j];
         const float rs = 1.0f / std::sqrt(ss / h + static_cast<float>(eps));
         for (int64_t j = 0; j < h; ++j) buf[j] = buf[j] * rs * w[j];
@@ -244,6 +249,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad, const at
         load_row(gp + r * h, g.data(), h);
         const float rs = rp[r];
         float s = 0.0f;
+_Pragma("omp simd reduction(+ : s)")
         for (int64_t j = 0; j < h; ++j) {
           xh[j] *= rs;
           gw[j] += g[j] * xh[j];
@@ -490,6 +496,7 @@ at::Tensor dropout_bwd(const at::Tensor& grad, const at::Tensor& mask, double sc
 // y = softmax(v) over v[0, n) where masked entries (keep == false) get 0; a row with nothing kept is all 0.
 inline void softmax_row(float* v, const bool* masked, int64_t n) {
   float mx = -INFINITY;
+_Pragma("omp simd reduction(max : mx)")
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, masked != nullptr && masked[j] ? -INFINITY : v[j]);
   if (mx == -INFINITY) {
     std::fill(v, v + n, 0.0f);
@@ -497,11 +504,13 @@ inline void softmax_row(float* v, const bool* masked, int64_t n) {
   }
   float sum = 0.0f;
   if (masked != nullptr) {
+_Pragma("omp simd reduction(+ : sum)")
     for (int64_t j = 0; j < n; ++j) {
       v[j] = masked[j] ? 0.0f : fast_exp(v[j] - mx);
       sum += v[j];
     }
   } else {
+_Pragma("omp simd reduction(+ : sum)")
     for (int64_t j = 0; j < n; ++j) {
       v[j] = fast_exp(v[j] - mx);
       sum += v[j];
@@ -579,6 +588,7 @@ at::Tensor softmax_bwd(const at::Tensor& grad, const at::Tensor& y, double scale
         load_row(yp + r * n, yv.data(), n);
         load_row(gp + r * n, g.data(), n);
         float dot = 0.0f;
+_Pragma("omp simd reduction(+ : dot)")
         for (int64_t j = 0; j < n; ++j) dot += g[j] * yv[j];
         for (int64_t j = 0; j < n; ++j) g[j] = sc * yv[j] * (g[j] - dot);
         store_row(g.data(), op + r * n, n);
@@ -704,6 +714,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad, const a
         const scalar_t* x = xp + j * h;
         scalar_t* o = op + j * h;
         float dot = 0.0f;
+_Pragma("omp simd reduction(+ : dot)")
         for (int64_t c = 0; c < h; ++c) {
           const float gc = static_cast<float>(g[c]);
           o[c] = static_cast<scalar_t>(w * gc);

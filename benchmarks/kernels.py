@@ -1,0 +1,165 @@
+"""Fused kernels against eager torch and torch.compile of the same reference, forward + backward.
+
+    python benchmarks/kernels.py [--dtype float32|bfloat16] [--no-compile] [--threads 1] [--repeats 10]
+
+Times every megalite.kernels op (fused path) on one process next to its plain
+torch reference (megalite.kernels.reference) run eagerly and compiled with
+torch.compile, and prints the times and the eager/fused and compiled/fused
+ratios (> 1 means the fused op is faster).  On a GPU it also prints the fused
+op's forward bandwidth in GB/s next to a measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import torch
+
+import megalite.kernels as K
+from megalite.kernels import reference as R
+
+
+def _cases(device, dtype, small):
+    """name -> (fused fn, reference fn, make_args); tensors needing grads are created with requires_grad."""
+    rows, h = (2048, 1024) if not small else (256, 256)
+    b, heads, s = (4, 8, 256) if not small else (2, 2, 64)
+    tokens, top_k, experts = (4096, 2, 8) if not small else (256, 2, 4)
+
+    def t(*shape, grad=True, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
+
+    def rotary_args():
+        angles = torch.randn(s, 32, device=device)
+        emb = torch.cat((angles, angles), -1)
+        return t(s, b, heads, 64), t(s, b, heads // 2, 64), emb.cos(), emb.sin()
+
+    def unpermute_args():
+        idx = torch.randint(0, experts, (tokens, top_k), device=device)
+        permuted, row_map = R.permute(torch.randn(tokens, h // 2, device=device, dtype=dtype), idx)
+        return permuted.requires_grad_(), row_map, torch.rand(tokens, top_k, device=device, requires_grad=True), tokens
+
+    return {
+        "layer_norm": (K.layer_norm, R.layer_norm,
+                       lambda: (t(rows, h), t(h, dt=torch.float32), t(h, dt=torch.float32), 1e-5)),
+        "rms_norm": (K.rms_norm, R.rms_norm, lambda: (t(rows, h), t(h, dt=torch.float32), 1e-5)),
+        "bias_gelu": (K.bias_gelu, R.bias_gelu, lambda: (t(rows, h), t(h))),
+        "bias_swiglu": (K.bias_swiglu, R.bias_swiglu, lambda: (t(rows, h), t(h))),
+        "apply_rotary": (K.apply_rotary, R.apply_rotary, rotary_args),
+        "bias_dropout_add": (K.bias_dropout_add, R.bias_dropout_add, lambda: (t(rows, h), t(h), t(rows, h), 0.1, True)),
+        "causal_softmax": (K.scaled_upper_triang_masked_softmax, R.scaled_upper_triang_masked_softmax,
+                           lambda: (t(b, heads, s, s), 0.125)),
+        "masked_softmax": (K.scaled_masked_softmax, R.scaled_masked_softmax,
+                           lambda: (t(b, heads, s, s), torch.rand(b, 1, s, s, device=device) < 0.3, 0.125)),
+        "permute": (K.permute, R.permute,
+                    lambda: (t(tokens, h // 2), torch.randint(0, experts, (tokens, top_k), device=device))),
+        "unpermute": (K.unpermute, R.unpermute, unpermute_args),
+    }
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc malloc to keep freed blocks instead of returning them to the OS.
+
+    Otherwise every multi-MB tensor is a fresh mmap whose page faults cost
+    more than the kernels being compared (and, on a loaded machine, vary a
+    lot); a long-running training process reaches this steady state anyway.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_trim_threshold, 2**30)
+    libc.mallopt(m_mmap_threshold, 2**30)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step(fn, args):
+    """Forward and backward of fn(*args) with unit upstream gradients; returns the forward outputs."""
+    out = fn(*args)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+    return outs
+
+
+def _time(fn, args, device, repeats, forward_only=False):
+    """Median seconds per call after two warm-up calls.
+
+    On CPU this is process CPU time, not wall time: the benchmark machine is
+    shared, and with --threads 1 CPU time is the op's own cost whatever else
+    runs.  On GPU it is wall time between synchronizations.
+    """
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    run = (lambda: fn(*args)) if forward_only else (lambda: _step(fn, args))
+    for _ in range(2):
+        run()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = clock()
+        run()
+        _sync(device)
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def _copy_bandwidth(device):
+    """Device-to-device copy bandwidth in GB/s (read + write), the practical peak."""
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _time(lambda: dst.copy_(src), (), device, 20, forward_only=True)
+    return 2 * src.numel() / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--small", action="store_true", help="tiny shapes, for a quick smoke run")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    _keep_freed_memory()
+    torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    peak = _copy_bandwidth(device) if device.type == "cuda" else None
+
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{args.threads} thread(s)'}), "
+          f"dtype {args.dtype}, fused ops built: {K.fused_enabled()}, forward + backward, median of {args.repeats} "
+          f"({'wall' if device.type == 'cuda' else 'process CPU'} time)")
+    if peak:
+        print(f"measured copy bandwidth: {peak:.0f} GB/s")
+    header = f"{'op':18s} {'fused ms':>9s} {'eager ms':>9s} {'eager/fused':>11s}"
+    header += "" if args.no_compile else f" {'compile ms':>10s} {'compile/fused':>13s}"
+    header += "" if not peak else f" {'fwd GB/s':>9s} {'% of copy':>9s}"
+    print(header)
+    for name, (fused_fn, reference_fn, make_args) in _cases(device, dtype, args.small).items():
+        inputs = make_args()
+        fused_s = _time(fused_fn, inputs, device, args.repeats)
+        eager_s = _time(reference_fn, inputs, device, args.repeats)
+        line = f"{name:18s} {fused_s * 1e3:9.3f} {eager_s * 1e3:9.3f} {eager_s / fused_s:11.2f}"
+        if not args.no_compile:
+            torch._dynamo.reset()
+            compiled_s = _time(torch.compile(reference_fn), inputs, device, args.repeats)
+            line += f" {compiled_s * 1e3:10.3f} {compiled_s / fused_s:13.2f}"
+        if peak:
+            with torch.no_grad():
+                outs = fused_fn(*inputs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            moved = sum(t.numel() * t.element_size() for t in (*inputs, *outs) if isinstance(t, torch.Tensor))
+            forward_s = _time(fused_fn, inputs, device, args.repeats, forward_only=True)
+            line += f" {moved / forward_s / 1e9:9.0f} {100 * moved / forward_s / 1e9 / peak:8.0f}%"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
