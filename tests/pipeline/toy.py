@@ -28,10 +28,10 @@ class Chunk(nn.Module):
 
     def forward(self, x=None):
         h = x if x is not None else self.input_tensor
-        if self.sleep_s:
-            h = _Sleep.apply(h, self.sleep_s)
         for layer in self.layers:
             h = torch.tanh(layer(h))
+        if self.sleep_s:
+            h = _Sleep.apply(h, self.sleep_s)
         return h
 
 

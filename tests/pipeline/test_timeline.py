@@ -1,0 +1,102 @@
+"""Recorder files, the Gantt chart tool and the measured bubble fraction."""
+
+import importlib.util
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from megalite import topology
+from megalite.pipeline import PipelineRecorder, bubble_fraction, forward_backward, split_layers
+from megalite.testing import run_distributed
+from tests.pipeline import toy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _read_png(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
+        chunks[tag] = chunks.get(tag, b"") + body
+        pos += 12 + length
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_recorder_round_trip_and_gantt_chart(tmp_path):
+    # Two stages over 10 s: stage 0 busy 0-2 and 6-10 (idle 4 s), stage 1 busy 2-6 (idle 6 s).
+    a = PipelineRecorder(0, [("F", 0, 0, 100.0, 102.0), ("B", 0, 0, 106.0, 110.0)])
+    b = PipelineRecorder(1, [("F", 0, 0, 102.0, 104.0), ("B", 0, 0, 104.0, 106.0)])
+    a.save(tmp_path / "rank0.json")
+    b.save(tmp_path / "rank1.json")
+    loaded = PipelineRecorder.load(tmp_path / "rank1.json")
+    assert loaded.stage == 1 and loaded.events == b.events
+    assert bubble_fraction([a, b]) == pytest.approx((0.4 + 0.6) / 2)
+
+    out = tmp_path / "gantt.png"
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_pipeline.py"), str(tmp_path), "--out", str(out),
+                           "--width", "220"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "bubble fraction: 0.5000" in done.stdout
+    image = _read_png(out)
+    assert image.shape[1] == 220
+    # 200 px for 10 s: lane 0 (top) is blue at 1 s, white at 4 s, green at 8 s; lane 1 blue at 3 s.
+    lane0, lane1 = 10 + 12, 10 + 24 + 6 + 12
+    px = lambda y, t: tuple(image[y, 10 + int(t * 20)])  # noqa: E731
+    assert px(lane0, 1) == (60, 110, 200) and px(lane0, 4) == (255, 255, 255) and px(lane0, 8) == (60, 160, 80)
+    assert px(lane1, 3) == (60, 110, 200) and px(lane1, 8) == (255, 255, 255)
+
+
+def test_plot_tool_rejects_empty_input(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_pipeline", ROOT / "tools" / "plot_pipeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("error: no timeline files found")
+    assert not list(tmp_path.iterdir())
+
+
+SLEEP_S, PP, M = 0.05, 4, 8
+
+
+def _timed_schedules():
+    rank = topology.initialize(pp=PP).pp.rank
+    events = {}
+    # An untimed first run pays the one-time costs (autograd's first backward with grad_tensors imports
+    # torch.fx shape helpers, ~1 s), which would otherwise read as bubble.
+    for vpp, sleep_s in ((2, 0.0), (None, SLEEP_S), (2, SLEEP_S)):
+        chunks_per_rank = vpp or 1
+        num_layers = PP * chunks_per_rank
+        layers = toy.full_stack(num_layers)
+        # Equal, fixed cost per stage: each chunk sleeps its share of the stage's time.
+        chunks = [toy.Chunk(layers, s, e, sleep_s / chunks_per_rank) for s, e in split_layers(num_layers, PP, vpp)[rank]]
+        batches = toy.microbatches(M)
+        step = toy.make_forward_step(chunks[0] if rank == 0 else None, chunks[-1] if rank == PP - 1 else None)
+        iterators = [iter(batches) for _ in chunks]
+        recorder = PipelineRecorder()
+        dist.barrier()
+        forward_backward(step, iterators if vpp else iterators[0], chunks if vpp else chunks[0], M,
+                         tensor_shape=(3, 2, toy.HIDDEN), recorder=recorder)
+        events[vpp] = recorder.events
+    return events
+
+
+def test_measured_bubble_fraction():
+    per_rank = run_distributed(_timed_schedules, PP, timeout=180)
+    measured = {vpp: bubble_fraction([PipelineRecorder(r, e[vpp]) for r, e in enumerate(per_rank)])
+                for vpp in (None, 2)}
+    theory = (PP - 1) / (M + PP - 1)
+    assert measured[None] == pytest.approx(theory, rel=0.10), measured
+    assert measured[2] < measured[None], measured
