@@ -1,0 +1,61 @@
+"""Exported weights load into Hugging Face models that reproduce megalite's logits; tp=2 x pp=2 equals tp=1."""
+
+import pytest
+import torch
+
+from megalite import topology
+from megalite.models import GPTModel
+from megalite.models.rlhf.export import export_hf_weights
+from megalite.testing import device, run_distributed
+from tests.models.rlhf.common import config, padded_prompts
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_model(kind, cfg):
+    if kind == "gpt2":
+        hf_config = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
+                                            n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+                                            n_head=cfg.num_attention_heads, activation_function="gelu_new",
+                                            layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=True)
+        return transformers.GPT2LMHeadModel(hf_config)
+    hf_config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                         intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+                                         num_attention_heads=cfg.num_attention_heads,
+                                         num_key_value_heads=cfg.num_query_groups, rms_norm_eps=cfg.norm_eps,
+                                         max_position_embeddings=cfg.max_position_embeddings,
+                                         rope_theta=cfg.rotary_base, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(hf_config)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_exported_weights_reproduce_logits_in_hugging_face(kind):
+    cfg = config(kind, activation="gelu_tanh") if kind == "gpt2" else config(kind)
+    model = GPTModel(cfg).eval()
+    exported = dict(export_hf_weights(model))
+    hf = _hf_model(kind, cfg).eval()
+    expected = {k for k in hf.state_dict() if k != "lm_head.weight" and not k.endswith(".attn.bias")
+                and not k.endswith("masked_bias")}
+    assert set(exported) == expected
+    hf.load_state_dict(exported, strict=False)
+    ids, _ = padded_prompts()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
+
+
+def _parallel_rank(kind, tp, pp):
+    cfg = config(kind)
+    expected = {k: v.clone() for k, v in export_hf_weights(GPTModel(cfg).to(device()))}
+    topo = topology.initialize(tp=tp, pp=pp)
+    first, last = topo.is_first_stage(), topo.is_last_stage()
+    layers = (0, 2) if pp == 1 else (0, 1) if first else (1, 2)
+    chunk = GPTModel(cfg, pre_process=first, post_process=last, layer_range=layers).to(device())
+    got = dict(export_hf_weights(chunk))
+    assert sorted(got) == sorted(expected)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_tp2_pp2_equals_single_rank(kind):
+    run_distributed(_parallel_rank, 4, kind, 2, 2, timeout=180)
