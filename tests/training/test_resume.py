@@ -15,7 +15,9 @@ DISTOPT_DP2 = ["--use-distributed-optimizer", "--eval-interval", "4", "--eval-it
 
 
 def test_sigterm_save_and_resume_match_uninterrupted_run(tiny_data, tmp_path):
-    _, full = train(tiny_data, tmp_path / "full", 2, *DISTOPT_DP2, "--load", str(tmp_path / "empty"), iters=8)
+    tensorboard = str(tmp_path / "tb")
+    _, full = train(tiny_data, tmp_path / "full", 2, *DISTOPT_DP2, "--load", str(tmp_path / "empty"),
+                    "--tensorboard-dir", tensorboard, iters=8)
     save = str(tmp_path / "ckpt")
 
     stopped_at, first = train(tiny_data, tmp_path / "first", 2, *DISTOPT_DP2, "--save", save, iters=8,
@@ -37,4 +39,18 @@ def test_sigterm_save_and_resume_match_uninterrupted_run(tiny_data, tmp_path):
         assert resumed.get("valid_loss") == uninterrupted.get("valid_loss")
     assert "valid_loss" in full[3] and "valid_ppl" in full[7]
     assert full[-1]["loss"] < full[0]["loss"]
+    assert {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "loss_scale"} <= set(full[0])
+    _check_tensorboard(tensorboard, full)
+
+
+def _check_tensorboard(directory, records):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(directory)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "throughput/tokens_per_sec",
+            "memory/max_rss_gib", "valid/loss", "valid/ppl"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [r["iteration"] for r in records]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
 
