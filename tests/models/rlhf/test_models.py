@@ -1,0 +1,82 @@
+"""Critic (tp=2 vs tp=1), reference model offload, and the training backend's DP/micro-batch invariance."""
+
+import torch
+
+from megalite import topology
+from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.models.rlhf import (CriticModel, PPOActorObjective, PPOConfig, ReferenceModel, TrainingBackend,
+                                  policy_loss, sequence_log_probs)
+from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.testing import device, run_distributed
+from tests.models.rlhf.common import config, padded_prompts
+
+
+def _critic_rank():
+    cfg = config()
+    ids, mask = (t.to(device()) for t in padded_prompts())
+    reference = CriticModel(cfg).to(device())
+    ref_values = reference(ids, mask)
+    (ref_values * mask).sum().backward()
+    topology.initialize(tp=2)
+    critic = CriticModel(cfg).to(device())
+    values = critic(ids, mask)
+    (values * mask).sum().backward()
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-5)
+    for name in ("value_head.weight", "gpt.decoder.final_layernorm.weight"):
+        got = dict(critic.named_parameters())[name].grad
+        torch.testing.assert_close(got, dict(reference.named_parameters())[name].grad, rtol=0, atol=1e-5)
+    assert critic.gpt.output_layer is None and values.shape == ids.shape
+
+
+def test_critic_tp2_equals_tp1():
+    run_distributed(_critic_rank, 2, timeout=180)
+
+
+def test_reference_offload_keeps_weights_on_host_and_matches_actor():
+    actor = GPTModel(config())
+    ids, mask = padded_prompts()
+    for offload in (False, True):
+        reference = ReferenceModel(GPTModel(config(seed=99)), source=actor, offload=offload)
+        with torch.no_grad():
+            want, _ = sequence_log_probs(actor, ids, mask)
+        torch.testing.assert_close(reference.log_probs(ids, mask), want, rtol=0, atol=0)
+        assert not any(p.requires_grad for p in reference.parameters())
+        assert all(p.device.type == "cpu" for p in reference.parameters())
+
+
+def _batch(rows):
+    ids, mask = padded_prompts(seed=4, b=4, p=8)
+    g = torch.Generator().manual_seed(9)
+    response = torch.zeros(4, 7)
+    response[:, 4:] = 1
+    return {"input_ids": ids[rows], "attention_mask": mask[rows], "response_mask": response[rows],
+            "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows]}
+
+
+def _backend_rank(mode):
+    cfg = config()
+    ppo = PPOConfig(loss_aggregation=mode, entropy_coef=0.01)
+    plain = GPTModel(cfg)
+    whole = _batch(slice(0, 4))
+    log_probs, entropy = sequence_log_probs(plain, whole["input_ids"], whole["attention_mask"], with_entropy=True)
+    norm = float(whole["response_mask"].sum()) if mode == "token-mean" else 4.0
+    ref_loss, _ = policy_loss(log_probs, whole["old_log_probs"], whole["advantages"], whole["response_mask"], ppo, norm)
+    mask = whole["response_mask"]
+    bonus = (entropy * mask).sum() / norm if mode == "token-mean" else ((entropy * mask).sum(1) / mask.sum(1)).sum() / norm
+    (ref_loss - 0.01 * bonus).backward()
+    topo = topology.initialize()
+    chunk = DistributedDataParallel(GPTModel(cfg), DDPConfig())
+    backend = TrainingBackend(chunk, get_optimizer(OptimizerConfig(clip_grad=0.0), [chunk]),
+                              PPOActorObjective(ppo), micro_batch_size=1)
+    rows = slice(2 * topo.dp.rank, 2 * topo.dp.rank + 2)
+    metrics = backend.forward_backward(_batch(rows))
+    assert abs(metrics["policy_loss"] - float(ref_loss)) < 1e-6
+    for (name, param), ref in zip(chunk.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(param.main_grad, ref.grad, rtol=0, atol=1e-6, msg=name)
+    backend.optim_step()
+
+
+def test_backend_gradient_independent_of_micro_batches_and_dp():
+    for mode in ("token-mean", "seq-mean"):
+        run_distributed(_backend_rank, 2, mode, timeout=180)
