@@ -1,63 +1,39 @@
-"""Atomic per-rank checkpoints: model, optimizer, LR schedule, RNG states and data position.
+"""The trainer's checkpoints: megalite's resharding format plus LR schedule, RNG and data position.
 
-The optimizer is stored through its ``sharded_state_dict`` (entries tagged with
-parameter names and offsets), which a later resharding format can reuse.
+Model and optimizer go through :mod:`megalite.checkpoint` as pieces of layout-free global
+tensors, so ``--load`` works under any (tp, pp, vpp, dp, ep) layout, whatever the layout of
+``--save`` was.  Each rank file also carries the scheduler state, the data position
+(``consumed_samples``), the rank's RNG states and the flags.
 
 Layout under ``save_dir``::
 
-    latest                  text file holding the newest complete iteration
+    latest                         the newest complete iteration
     iter_0000100/rank_00000.pt ... one file per global rank
 
-Every rank writes its file into ``iter_0000100.tmp`` and fsyncs it; after a
-barrier rank 0 renames the directory into place, fsyncs the parent and then
-replaces ``latest`` through a fsynced temporary file.  A crash at any moment
-leaves the previous ``latest`` checkpoint intact.  Resuming needs the same
-world size and layout; a later format will reshard.
+Writes are atomic (a temporary directory renamed into place, then ``latest`` replaced), so a
+crash at any moment leaves the previous checkpoint intact.  RNG states are restored only when the
+world size and layout match the saved ones; after resharding, the seeds of the new run apply.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import shutil
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT_VERSION = 1
-LATEST = "latest"
+from megalite import checkpoint
+from megalite.checkpoint.format import iteration_dir, read_latest
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_latest", "iteration_dir", "get_rng_state", "set_rng_state"]
 
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def iteration_dir(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
-
-
-def _rank_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.pt")
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unwrap(chunk):
-    return getattr(chunk, "module", chunk)
 
 
 def get_rng_state() -> dict:
@@ -95,102 +71,30 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
                     *, layout: dict | None = None, args=None) -> str:
     """Write this rank's state for ``iteration`` and publish it atomically; returns the directory.
 
-    Collective over the default group (two barriers) when one exists.
-    ``layout`` (e.g. tp/pp/dp sizes) is stored and checked on load.
+    Collective over the default group when one exists.  ``layout`` (e.g. tp/pp/dp sizes) is
+    stored; a load under another layout reshards.
     """
-    rank, world = _rank_and_world()
-    final = iteration_dir(save_dir, iteration)
-    tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    _barrier()
-    state = {
-        "version": FORMAT_VERSION,
-        "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        "world_size": world,
-        "layout": layout or {},
-        "model": [_unwrap(c).state_dict() for c in model_chunks],
-        "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": get_rng_state(),
-        "args": vars(args) if args is not None else None,
-    }
-    path = _rank_file(tmp, rank)
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _barrier()
-    if rank == 0:
-        _publish(save_dir, tmp, final, iteration)
-    _barrier()
-    return final
-
-
-def _publish(save_dir: str, tmp: str, final: str, iteration: int) -> None:
-    """Move a complete temporary directory into place, then point ``latest`` at it."""
-    _fsync_path(tmp)
-    old = None
-    if os.path.exists(final):
-        old = final + ".old"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(save_dir)
-    pointer = os.path.join(save_dir, LATEST)
-    pointer_tmp = pointer + ".tmp"
-    with open(pointer_tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, pointer)
-    _fsync_path(save_dir)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def read_latest(load_dir: str) -> int | None:
-    """The iteration named by ``load_dir/latest``, or None when there is no checkpoint."""
-    pointer = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    text = open(pointer).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"checkpoint pointer {pointer} is corrupt: {text[:40]!r} is not an iteration number")
-    return int(text)
+    extra = {"consumed_samples": consumed_samples,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "rng": get_rng_state(), "args": vars(args) if args is not None else None}
+    return checkpoint.save_checkpoint(save_dir, iteration, model_chunks, optimizer, extra=extra, layout=layout)
 
 
 def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *,
                     layout: dict | None = None) -> tuple[int, int]:
     """Restore the newest checkpoint in ``load_dir``; returns ``(iteration, consumed_samples)``.
 
-    Returns ``(0, 0)`` and changes nothing when ``load_dir`` holds no
-    checkpoint.  Raises ValueError when the checkpoint was written by a
-    different world size or layout.
+    Returns ``(0, 0)`` and changes nothing when ``load_dir`` holds no checkpoint.  Loads under
+    any layout; raises ValueError on missing or truncated files or another architecture.
     """
-    iteration = read_latest(load_dir)
-    if iteration is None:
+    if not os.path.isdir(load_dir) or read_latest(load_dir) is None:
         return 0, 0
     rank, world = _rank_and_world()
-    path = _rank_file(iteration_dir(load_dir, iteration), rank)
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {iteration_dir(load_dir, iteration)} has no file for rank {rank}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["world_size"] != world or (layout is not None and state["layout"] != layout):
-        raise ValueError(f"checkpoint at iteration {iteration} was saved with world size {state['world_size']} "
-                         f"and layout {state['layout']}, but this run has world size {world} and layout {layout}")
-    if len(state["model"]) != len(model_chunks):
-        raise ValueError(f"checkpoint holds {len(state['model'])} model chunks, this rank has {len(model_chunks)}")
-    for chunk, chunk_state in zip(model_chunks, state["model"]):
-        _unwrap(chunk).load_state_dict(chunk_state)
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_sharded_state_dict(state["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
+    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer)
+    same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
+    state = reader.rank_state(rank if same_layout else 0)
+    if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return state["iteration"], state["consumed_samples"]
+    if same_layout and state.get("rng") is not None:
+        set_rng_state(state["rng"])
+    return reader.iteration, state.get("consumed_samples", 0)

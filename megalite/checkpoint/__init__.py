@@ -1,0 +1,112 @@
+"""Checkpoints that reshard across parallel layouts, single-process loading, and global-tensor I/O.
+
+- :func:`save_checkpoint` / :func:`load_checkpoint`: model chunks and optimizer under any
+  (tp, pp, vpp, dp, ep) layout, stored as pieces of layout-free global tensors.
+- :func:`load_model`: a checkpoint as one single-process GPTModel.
+- :func:`save_global_checkpoint` / :func:`read_global_tensors`: whole global tensors, as the
+  Hugging Face converter writes and reads them.
+
+``python -m megalite.checkpoint inspect DIR`` prints a checkpoint's layout and tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite import topology
+from megalite.checkpoint.format import (CheckpointReader, config_to_dict, iteration_dir, read_latest,
+                                        write_checkpoint)
+from megalite.checkpoint.sharding import ShardContext, global_param
+from megalite.checkpoint.state import load_into, save_checkpoint
+
+
+def load_checkpoint(path: str, model_chunks, optimizer=None, *, tp_group=None, ep_group=None,
+                    expert_tp_group=None) -> CheckpointReader:
+    """Load ``path`` (a save directory or an iteration directory) into this rank's chunks and optimizer.
+
+    Works under any layout; raises ValueError (before changing anything) on a missing or
+    truncated file or an architecture mismatch.  Returns the reader, whose ``rank_state(r)``
+    gives the free-form state rank ``r`` saved.
+    """
+    reader = CheckpointReader(path)
+    load_into(reader, model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
+              expert_tp_group=expert_tp_group)
+    return reader
+
+
+def _check_single_process() -> None:
+    if topology.is_initialized():
+        topo = topology.current()
+        sizes = {"tp": topo.tp.size, "ep": topo.ep.size, "expert_tp": topo.expert_tp.size}
+        if any(size > 1 for size in sizes.values()):
+            raise ValueError(f"load_model builds a single-process model, but the current topology has {sizes}; "
+                             "call it outside the parallel run or use load_checkpoint")
+
+
+def load_model(path: str, device="cpu"):
+    """The checkpoint at ``path`` as a single-process GPTModel (tp = pp = 1) in eval mode on ``device``.
+
+    Calling it on input ids ``[batch, seq]`` without labels returns logits ``[batch, seq, vocab]``.
+    """
+    from megalite.models import GPTModel
+
+    reader = CheckpointReader(path)
+    config = reader.config
+    if config is None:
+        raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig, so no GPTModel can be built from it")
+    _check_single_process()
+    model = GPTModel(config)
+    load_into(reader, [model])
+    return model.to(device).eval()
+
+
+def global_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every global model tensor of ``config``."""
+    from megalite.models import GPTModel
+
+    _check_single_process()
+    with torch.device("meta"):
+        model = GPTModel(config)
+    shapes = {}
+    for name, param in model.named_parameters():
+        gp = global_param(name, param, config, ShardContext())
+        if not gp.alias:
+            shapes[gp.name] = gp.shape
+    return shapes
+
+
+def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tensor], *, iteration: int = 0,
+                           extra: dict | None = None) -> str:
+    """Write whole global model tensors as a single-rank checkpoint that loads under any layout.
+
+    ``tensors`` must hold exactly the tensors of ``config``'s model with their global shapes.
+    """
+    expected = global_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"tensors do not match the model of this config: missing {missing[:5]}, "
+                         f"unexpected {unknown[:5]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config needs {shape}")
+    state = {"config": config_to_dict(config), "layout": {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": None},
+             "optimizer": None, **(extra or {}),
+             "tensors": {name: {"shape": expected[name],
+                                "pieces": [((0,) * len(expected[name]), tensors[name].detach().cpu().contiguous())]}
+                         for name in sorted(expected)}}
+    return write_checkpoint(save_dir, iteration, state)
+
+
+def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dict]:
+    """``(config, tensors, rank 0's free-form state)``: every global model tensor of a checkpoint."""
+    reader = CheckpointReader(path)
+    config = reader.config
+    if config is None:
+        raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
+    tensors = {name: reader.read(name) for name in reader.shapes if not name.startswith("optimizer.")}
+    return config, tensors, reader.rank_state(0)
+
+
+__all__ = ["CheckpointReader", "load_checkpoint", "load_model", "save_checkpoint", "save_global_checkpoint",
+           "read_global_tensors", "global_shapes", "read_latest", "iteration_dir"]

@@ -1,0 +1,344 @@
+"""Conversion between Hugging Face GPT-2 / Llama checkpoints (safetensors + config.json) and megalite's.
+
+megalite checkpoints are written as whole global tensors (one rank file); the resharding loader
+splits them for any tensor-parallel size, so no target layout is needed here.  Weight layouts:
+
+- GPT-2 uses Conv1D, whose weights are ``[in, out]``: they are transposed.  Its fused ``c_attn``
+  is ``[q; k; v]`` over all heads; megalite's grouped QKV is ``[q_0, k_0, v_0, q_1, ...]`` per head.
+- Llama's separate q/k/v projections (grouped-query attention allowed) are interleaved group by
+  group into megalite's QKV; ``gate_proj`` and ``up_proj`` become the global ``[gate; up]`` fc1.
+
+The original config.json, key prefix and whether a tied ``lm_head.weight`` was stored travel in
+the megalite checkpoint, so converting back reproduces the Hugging Face files exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from megalite.checkpoint import read_global_tensors, save_global_checkpoint
+from megalite.checkpoint.safetensors_io import read_safetensors, write_safetensors
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                     "gelu": "gelu"}
+
+
+def read_hf_checkpoint(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config.json contents, tensors)`` of a Hugging Face model directory."""
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"Hugging Face directory {hf_dir} does not exist")
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{hf_dir} has no config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    single, index = os.path.join(hf_dir, SAFETENSORS), os.path.join(hf_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            files = [os.path.join(hf_dir, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        raise ValueError(f"{hf_dir} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX}")
+    tensors = {}
+    for path in files:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}, listed in {index}, does not exist")
+        tensors.update(read_safetensors(path)[0])
+    return hf_config, {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+
+
+def _prefix(tensors: dict, prefix: str) -> str:
+    return prefix if any(k.startswith(prefix) for k in tensors) else ""
+
+
+class _Taker:
+    """Takes named tensors out of a dict, so leftovers can be reported at the end."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str):
+        self.tensors, self.source = dict(tensors), source
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.source} has no tensor {name!r}")
+        return self.tensors.pop(name)
+
+    def finish(self) -> None:
+        if self.tensors:
+            raise ValueError(f"{self.source} has tensors this converter does not know: {sorted(self.tensors)[:5]}")
+
+
+def _gpt2_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+    from megalite.models import GPTConfig
+
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in _GPT2_ACTIVATIONS:
+        raise ValueError(f"GPT-2 activation_function {activation!r} is not one of {sorted(_GPT2_ACTIVATIONS)}")
+    for flag, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+        if hf.get(flag, wanted) != wanted:
+            raise ValueError(f"GPT-2 {flag}={hf[flag]} is not supported (megalite needs {wanted})")
+    h, heads, layers = hf["n_embd"], hf["n_head"], hf["n_layer"]
+    tied = hf.get("tie_word_embeddings", True)
+    config = GPTConfig(vocab_size=hf["vocab_size"], num_layers=layers, hidden_size=h, num_attention_heads=heads,
+                       ffn_hidden_size=hf.get("n_inner") or 4 * h, max_position_embeddings=hf["n_positions"],
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=_GPT2_ACTIVATIONS[activation],
+                       hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
+                       untie_embeddings_and_output_weights=not tied)
+    config.validate()
+    pre = _prefix(tensors, "transformer.")
+    take = _Taker(tensors, "the GPT-2 checkpoint")
+    d = h // heads
+    out = {"embedding.word_embeddings.weight": take(pre + "wte.weight"),
+           "embedding.position_embeddings.weight": take(pre + "wpe.weight")}
+    for i in range(layers):
+        src, dst = f"{pre}h.{i}.", f"decoder.layers.{i}."
+        qkv_w, qkv_b = take(src + "attn.c_attn.weight").t(), take(src + "attn.c_attn.bias")
+        out.update({
+            dst + "input_layernorm.weight": take(src + "ln_1.weight"),
+            dst + "input_layernorm.bias": take(src + "ln_1.bias"),
+            dst + "self_attention.linear_qkv.weight": qkv_w.reshape(3, heads, d, h).transpose(0, 1).reshape(3 * h, h),
+            dst + "self_attention.linear_qkv.bias": qkv_b.reshape(3, heads, d).transpose(0, 1).reshape(3 * h),
+            dst + "self_attention.linear_proj.weight": take(src + "attn.c_proj.weight").t(),
+            dst + "self_attention.linear_proj.bias": take(src + "attn.c_proj.bias"),
+            dst + "pre_mlp_layernorm.weight": take(src + "ln_2.weight"),
+            dst + "pre_mlp_layernorm.bias": take(src + "ln_2.bias"),
+            dst + "mlp.linear_fc1.weight": take(src + "mlp.c_fc.weight").t(),
+            dst + "mlp.linear_fc1.bias": take(src + "mlp.c_fc.bias"),
+            dst + "mlp.linear_fc2.weight": take(src + "mlp.c_proj.weight").t(),
+            dst + "mlp.linear_fc2.bias": take(src + "mlp.c_proj.bias"),
+        })
+    out["decoder.final_layernorm.weight"] = take(pre + "ln_f.weight")
+    out["decoder.final_layernorm.bias"] = take(pre + "ln_f.bias")
+    lm_head_stored = "lm_head.weight" in take.tensors
+    if tied:
+        if lm_head_stored and not torch.equal(take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
+            raise ValueError("tie_word_embeddings is true but lm_head.weight differs from wte.weight")
+    else:
+        out["output_layer.weight"] = take("lm_head.weight")
+    take.finish()
+    return config, out, {"prefix": pre, "lm_head_stored": lm_head_stored}
+
+
+def _rope_theta(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"Llama rope type {kind!r} is not supported (only the default rotary embedding)")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+    from megalite.models import GPTConfig
+
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act {hf['hidden_act']!r} is not supported (megalite's SwiGLU uses silu)")
+    bias = bool(hf.get("attention_bias", False))
+    if bool(hf.get("mlp_bias", False)) != bias:
+        raise ValueError(f"attention_bias={bias} with mlp_bias={hf.get('mlp_bias')} is not supported: megalite "
+                         "uses biases on every linear layer or on none")
+    h, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    groups = hf.get("num_key_value_heads") or heads
+    d = h // heads
+    if hf.get("head_dim", d) != d:
+        raise ValueError(f"Llama head_dim={hf['head_dim']} differs from hidden_size/heads = {h}/{heads} = {d}")
+    tied = hf.get("tie_word_embeddings", False)
+    config = GPTConfig(vocab_size=hf["vocab_size"], num_layers=layers, hidden_size=h, num_attention_heads=heads,
+                       num_query_groups=groups, ffn_hidden_size=hf["intermediate_size"],
+                       max_position_embeddings=hf["max_position_embeddings"], position_embedding_type="rope",
+                       rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       activation="swiglu", add_bias_linear=bias, attention_dropout=hf.get("attention_dropout", 0.0),
+                       untie_embeddings_and_output_weights=not tied)
+    config.validate()
+    pre = _prefix(tensors, "model.")
+    take = _Taker(tensors, "the Llama checkpoint")
+    r = heads // groups
+    out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
+    for i in range(layers):
+        src, dst = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        names = ["weight"] + (["bias"] if bias else [])
+        for kind in names:
+            q, k, v = (take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
+            rest = q.shape[1:]
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = torch.cat(
+                [q.reshape(groups, r * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
+                dim=1).reshape(-1, *rest)
+            out[f"{dst}self_attention.linear_proj.{kind}"] = take(f"{src}self_attn.o_proj.{kind}")
+            out[f"{dst}mlp.linear_fc1.{kind}"] = torch.cat([take(f"{src}mlp.gate_proj.{kind}"),
+                                                           take(f"{src}mlp.up_proj.{kind}")])
+            out[f"{dst}mlp.linear_fc2.{kind}"] = take(f"{src}mlp.down_proj.{kind}")
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+    out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
+    lm_head_stored = "lm_head.weight" in take.tensors
+    if tied:
+        if lm_head_stored and not torch.equal(take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
+            raise ValueError("tie_word_embeddings is true but lm_head.weight differs from embed_tokens.weight")
+    else:
+        out["output_layer.weight"] = take("lm_head.weight")
+    take.finish()
+    return config, out, {"prefix": pre, "lm_head_stored": lm_head_stored}
+
+
+def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
+    """``(GPTConfig, global megalite tensors, conversion info)`` of a GPT-2 or Llama checkpoint."""
+    kind = hf_config.get("model_type")
+    if kind == "gpt2":
+        config, out, info = _gpt2_to_megalite(hf_config, tensors)
+    elif kind == "llama":
+        config, out, info = _llama_to_megalite(hf_config, tensors)
+    else:
+        raise ValueError(f"model_type {kind!r} is not supported; the converter knows 'gpt2' and 'llama'")
+    return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
+
+
+def _family(config) -> str:
+    """'gpt2' or 'llama': the Hugging Face family this megalite architecture matches."""
+    gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "add_bias_linear": True}
+    llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "activation": "swiglu"}
+    if config.moe is not None:
+        raise ValueError("MoE models have no Hugging Face GPT-2/Llama equivalent")
+    for name, wanted in (("gpt2", gpt2), ("llama", llama)):
+        if all(getattr(config, k) == v for k, v in wanted.items()):
+            if name == "gpt2" and (config.activation not in ("gelu", "gelu_tanh")
+                                   or config.num_query_groups != config.num_attention_heads):
+                break
+            return name
+    raise ValueError(f"no Hugging Face family fits position_embedding_type={config.position_embedding_type!r}, "
+                     f"normalization={config.normalization!r}, activation={config.activation!r}, "
+                     f"add_bias_linear={config.add_bias_linear}, num_query_groups={config.num_query_groups}: "
+                     "GPT-2 needs learned_absolute/LayerNorm/gelu/biases/MHA, Llama rope/RMSNorm/swiglu")
+
+
+def _gpt2_from_megalite(config, tensors: dict, base: dict, pre: str) -> tuple[dict, dict]:
+    h, heads = config.hidden_size, config.num_attention_heads
+    d = h // heads
+    inner = None if config.ffn_hidden_size == 4 * h else config.ffn_hidden_size
+    activation = base.get("activation_function")
+    if _GPT2_ACTIVATIONS.get(activation) != config.activation:
+        activation = "gelu" if config.activation == "gelu" else "gelu_new"
+    hf = {**base, "model_type": "gpt2", "architectures": base.get("architectures", ["GPT2LMHeadModel"]),
+          "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings, "n_embd": h,
+          "n_layer": config.num_layers, "n_head": heads, "activation_function": activation,
+          "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.hidden_dropout,
+          "attn_pdrop": config.attention_dropout,
+          "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
+    if inner is not None or "n_inner" in base:
+        hf["n_inner"] = base["n_inner"] if inner is None else inner
+    out = {pre + "wte.weight": tensors["embedding.word_embeddings.weight"],
+           pre + "wpe.weight": tensors["embedding.position_embeddings.weight"]}
+    for i in range(config.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"{pre}h.{i}."
+        qkv_w = tensors[src + "self_attention.linear_qkv.weight"].reshape(heads, 3, d, h).transpose(0, 1)
+        qkv_b = tensors[src + "self_attention.linear_qkv.bias"].reshape(heads, 3, d).transpose(0, 1)
+        out.update({
+            dst + "ln_1.weight": tensors[src + "input_layernorm.weight"],
+            dst + "ln_1.bias": tensors[src + "input_layernorm.bias"],
+            dst + "attn.c_attn.weight": qkv_w.reshape(3 * h, h).t(),
+            dst + "attn.c_attn.bias": qkv_b.reshape(3 * h),
+            dst + "attn.c_proj.weight": tensors[src + "self_attention.linear_proj.weight"].t(),
+            dst + "attn.c_proj.bias": tensors[src + "self_attention.linear_proj.bias"],
+            dst + "ln_2.weight": tensors[src + "pre_mlp_layernorm.weight"],
+            dst + "ln_2.bias": tensors[src + "pre_mlp_layernorm.bias"],
+            dst + "mlp.c_fc.weight": tensors[src + "mlp.linear_fc1.weight"].t(),
+            dst + "mlp.c_fc.bias": tensors[src + "mlp.linear_fc1.bias"],
+            dst + "mlp.c_proj.weight": tensors[src + "mlp.linear_fc2.weight"].t(),
+            dst + "mlp.c_proj.bias": tensors[src + "mlp.linear_fc2.bias"],
+        })
+    out[pre + "ln_f.weight"] = tensors["decoder.final_layernorm.weight"]
+    out[pre + "ln_f.bias"] = tensors["decoder.final_layernorm.bias"]
+    return hf, out
+
+
+def _llama_from_megalite(config, tensors: dict, base: dict, pre: str) -> tuple[dict, dict]:
+    h, heads, groups = config.hidden_size, config.num_attention_heads, config.num_query_groups
+    d, r = h // heads, heads // groups
+    hf = {**base, "model_type": "llama", "architectures": base.get("architectures", ["LlamaForCausalLM"]),
+          "vocab_size": config.vocab_size, "hidden_size": h, "intermediate_size": config.ffn_hidden_size,
+          "num_hidden_layers": config.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
+          "head_dim": d, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+          "rms_norm_eps": config.norm_eps, "attention_bias": config.add_bias_linear,
+          "mlp_bias": config.add_bias_linear, "attention_dropout": config.attention_dropout,
+          "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
+    if isinstance(base.get("rope_parameters"), dict):
+        hf["rope_parameters"] = {**base["rope_parameters"], "rope_theta": config.rotary_base}
+    else:
+        hf["rope_theta"] = config.rotary_base
+    out = {pre + "embed_tokens.weight": tensors["embedding.word_embeddings.weight"]}
+    for i in range(config.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"{pre}layers.{i}."
+        for kind in ["weight"] + (["bias"] if config.add_bias_linear else []):
+            qkv = tensors[f"{src}self_attention.linear_qkv.{kind}"]
+            rest = qkv.shape[1:]
+            q, k, v = qkv.reshape(groups, (r + 2) * d, *rest).split([r * d, d, d], dim=1)
+            out[f"{dst}self_attn.q_proj.{kind}"] = q.reshape(heads * d, *rest)
+            out[f"{dst}self_attn.k_proj.{kind}"] = k.reshape(groups * d, *rest)
+            out[f"{dst}self_attn.v_proj.{kind}"] = v.reshape(groups * d, *rest)
+            out[f"{dst}self_attn.o_proj.{kind}"] = tensors[f"{src}self_attention.linear_proj.{kind}"]
+            gate, up = tensors[f"{src}mlp.linear_fc1.{kind}"].chunk(2)
+            out[f"{dst}mlp.gate_proj.{kind}"], out[f"{dst}mlp.up_proj.{kind}"] = gate, up
+            out[f"{dst}mlp.down_proj.{kind}"] = tensors[f"{src}mlp.linear_fc2.{kind}"]
+        out[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = tensors[src + "pre_mlp_layernorm.weight"]
+    out[pre + "norm.weight"] = tensors["decoder.final_layernorm.weight"]
+    return hf, out
+
+
+def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dict, dict]:
+    """``(config.json contents, Hugging Face tensors)`` of a megalite GPTConfig and its global tensors."""
+    info = info or {}
+    family = _family(config)
+    base = dict(info.get("config") or {})
+    if base.get("model_type", family) != family:
+        base = {}
+    pre = info.get("prefix", "transformer." if family == "gpt2" else "model.")
+    convert = _gpt2_from_megalite if family == "gpt2" else _llama_from_megalite
+    hf, out = convert(config, tensors, base, pre)
+    if config.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = tensors["output_layer.weight"]
+    elif info.get("lm_head_stored"):
+        out["lm_head.weight"] = tensors["embedding.word_embeddings.weight"]
+    return hf, {k: v.contiguous() for k, v in out.items()}
+
+
+def _fresh_output(output: str) -> str:
+    """A temporary sibling of ``output``; ValueError when ``output`` exists and is not empty."""
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ValueError(f"output {output} already exists and is not empty; refusing to overwrite it")
+    tmp = output.rstrip(os.sep) + ".converting"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def _move_into_place(tmp: str, output: str) -> None:
+    if os.path.isdir(output):
+        os.rmdir(output)
+    os.rename(tmp, output)
+
+
+def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
+    """Write the Hugging Face checkpoint ``hf_dir`` as a megalite checkpoint (global tensors) in ``output``."""
+    hf_config, tensors = read_hf_checkpoint(hf_dir)
+    config, global_tensors, info = hf_to_megalite(hf_config, tensors)
+    tmp = _fresh_output(output)
+    save_global_checkpoint(tmp, config, global_tensors, extra={"hf": info})
+    _move_into_place(tmp, output)
+
+
+def convert_megalite_to_hf(path: str, output: str) -> None:
+    """Write the megalite checkpoint ``path`` as config.json + model.safetensors in ``output``."""
+    config, tensors, state = read_global_tensors(path)
+    hf_config, hf_tensors = megalite_to_hf(config, tensors, state.get("hf"))
+    tmp = _fresh_output(output)
+    os.makedirs(tmp)
+    write_safetensors(os.path.join(tmp, SAFETENSORS), hf_tensors, {"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    _move_into_place(tmp, output)
