@@ -225,6 +225,9 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
                                         ep_group=ep_group, expert_tp_group=expert_tp_group,
                                         sequence_parallel=self.sequence_parallel)
+        # The output projection uses ``output_layer.weight`` (or the word
+        # embedding when tied on one stage); at tp=1 only its real vocabulary
+        # rows, so no logits are computed for padding ids.
         self.output_layer = None
         if post_process and not (tied and pre_process):
             # Untied: its own stream.  Tied across stages: the embedding's stream,
@@ -280,24 +283,23 @@ class GPTModel(nn.Module):
 
     def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Output layer and loss: ``[s(/tp), b, h]`` -> loss ``[b, s]`` or logits ``[b, s, v_local]``."""
-        if self.output_layer is None:
-            logits = column_parallel_linear(hidden, self.embedding.word_embeddings.weight, tp_group=self.tp_group,
-                                            sequence_parallel=self.sequence_parallel)
-        else:
-            logits = self.output_layer(hidden)
-        logits = self._drop_padding(logits)
+        layer = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
+        weight = layer.weight
+        if self.tp_size == 1:
+            weight = weight[:self.config.vocab_size]
+        logits = column_parallel_linear(hidden, weight, tp_group=self.tp_group,
+                                        sequence_parallel=self.sequence_parallel)
+        if self.tp_size > 1:
+            logits = self._mask_padding(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
         return loss.t().contiguous()
 
-    def _drop_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """Remove (tp=1) or mask (tp>1) the logits of padding vocabulary ids."""
-        vocab = self.config.vocab_size
-        if self.tp_size == 1:
-            return logits[..., :vocab]
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set the logits of this rank's padding vocabulary ids to PADDING_LOGIT."""
         local = logits.shape[-1]
-        first_padding = vocab - self.tp_rank * local
+        first_padding = self.config.vocab_size - self.tp_rank * local
         if first_padding >= local:
             return logits
         padding = torch.arange(local, device=logits.device) >= first_padding
