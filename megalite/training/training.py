@@ -184,6 +184,11 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
+        if self.args.num_experts:
+            from megalite.moe import set_aux_loss_scale
+
+            for chunk in self.chunks:
+                set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -203,6 +208,28 @@ class Trainer:
             chunk.train()
         loss = totals.get("lm_loss", totals.get("loss", next(iter(totals.values()), float("nan"))))
         return {"valid_loss": loss, "valid_ppl": math.exp(min(20.0, loss))}
+
+    def moe_stats(self) -> dict[str, float]:
+        """Router losses (mean over MoE layers) and expert load imbalance (max/mean tokens per expert).
+
+        Taken from each MoE layer's last forward and summed over pipeline
+        stages, so every rank of a pipeline sees the whole model's figures.
+        """
+        from megalite.moe import MoELayer
+
+        layers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoELayer) and m.last_stats]
+        totals = torch.zeros(3 + self.args.num_experts, dtype=torch.float64, device=_device())
+        for layer in layers:
+            stats = layer.last_stats
+            totals[0] += float(stats["aux_loss"])
+            totals[1] += float(stats["z_loss"])
+            totals[2] += 1
+            totals[3:] += torch.as_tensor(stats["tokens_per_expert"], dtype=totals.dtype, device=totals.device)
+        if self.topo.pp.size > 1:
+            dist.all_reduce(totals, group=self.topo.pp.group)
+        count, tokens = max(1.0, totals[2].item()), totals[3:]
+        return {"moe_aux_loss": totals[0].item() / count, "moe_z_loss": totals[1].item() / count,
+                "moe_load_imbalance": (tokens.max() / tokens.mean().clamp_min(1e-12)).item()}
 
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
         """Tokens/s of the whole job, plus per-GPU TFLOP/s and MFU when on a GPU."""
@@ -268,7 +295,10 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             values.update(lr=trainer.scheduler.lr_at(iteration), grad_norm=grad_norm,
                           loss_scale=float(trainer.optimizer.get_loss_scale()), skipped=int(not ok),
                           consumed_samples=consumed_samples, **trainer.throughput(elapsed), **evaluated)
-            trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
+            extra = memory_gib()
+            if args.num_experts:
+                extra.update(trainer.moe_stats())
+            trainer.logger.log(iteration, values, tensorboard_extra=extra)
             interval_loss, interval_iters = {}, 0
             interval_start = time.perf_counter()
         stop = sigterm.agreed()

@@ -1,4 +1,6 @@
-"""pretrain() under TP x DP layouts matches the single-rank run iteration by iteration."""
+"""pretrain() under TP x DP (and TP x PP) layouts matches the single-rank run iteration by iteration."""
+
+import os
 
 import pytest
 
@@ -14,11 +16,28 @@ def reference(tiny_data, tmp_path_factory):
     [],
     ["--sequence-parallel"],
     ["--use-distributed-optimizer"],
-], ids=["tp2dp2", "tp2dp2-sp", "tp2dp2-distopt"])
-def test_tp2_dp2_matches_one_rank(tiny_data, tmp_path, reference, flags):
+    ["--pipeline-model-parallel-size", "2", "--sequence-parallel", "--timeline-dir", "timeline"],
+], ids=["tp2dp2", "tp2dp2-sp", "tp2dp2-distopt", "tp2pp2-sp"])
+def test_four_rank_layouts_match_one_rank(tiny_data, tmp_path, reference, flags):
+    flags = [str(tmp_path / f) if f == "timeline" else f for f in flags]
     _, got = train(tiny_data, tmp_path, 4, "--tensor-model-parallel-size", "2", *flags)
     assert [r["iteration"] for r in got] == list(range(1, 21))
     assert reference[-1]["loss"] < 0.9 * reference[0]["loss"], "the reference run did not learn"
     for ref, mine in zip(reference, got):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["lr"] == ref["lr"]
+    if "--timeline-dir" in flags:
+        _check_timelines(tmp_path / "timeline")
+
+
+def _check_timelines(directory):
+    """One timeline per rank; each pipeline stage ran 4 forwards and 4 backwards per iteration."""
+    from megalite.pipeline import PipelineRecorder
+
+    files = sorted(os.listdir(directory))
+    assert files == [f"rank_{r:05d}.json" for r in range(4)]
+    for rank, name in enumerate(files):
+        recorder = PipelineRecorder.load(directory / name)
+        kinds = [kind for kind, _, _ in recorder.order()]
+        assert recorder.stage == rank // 2
+        assert kinds.count("F") == kinds.count("B") == 20 * 4
