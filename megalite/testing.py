@@ -67,6 +67,8 @@ def _worker(rank, world_size, host, port, backend, timeout_s, fn, args, kwargs, 
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             value = fn(*args, **kwargs)
+            # No rank tears its groups down while a peer may still be connecting them.
+            dist.barrier()
         finally:
             from megalite import topology
 
