@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from megalite.pipeline import split_layers
+
 
 class _RaisingParser(argparse.ArgumentParser):
     """An ArgumentParser that raises ValueError instead of printing usage and exiting."""
@@ -283,8 +285,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
 def _check_pipeline_split(args):
     """Let the pipeline package reject layer counts that do not split over the stages."""
-    from megalite.pipeline import split_layers
-
     split_layers(args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 

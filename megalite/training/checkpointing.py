@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.checkpoint.format import iteration_dir, read_latest
+from megalite.tensor_parallel import get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_latest", "iteration_dir", "get_rng_state", "set_rng_state"]
 
@@ -41,9 +42,7 @@ def get_rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    tracker = _tp_rng_tracker()
-    if tracker is not None:
-        state["tp_tracker"] = tracker.get_states()
+    state["tp_tracker"] = get_rng_tracker().get_states()
     return state
 
 
@@ -53,18 +52,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    tracker = _tp_rng_tracker()
-    if tracker is not None and "tp_tracker" in state:
-        tracker.set_states(state["tp_tracker"])
-
-
-def _tp_rng_tracker():
-    """The tensor-parallel RNG tracker, when the tensor_parallel package provides one."""
-    try:
-        from megalite.tensor_parallel.random import get_rng_tracker
-    except ImportError:
-        return None
-    return get_rng_tracker()
+    get_rng_tracker().set_states(state["tp_tracker"])
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler, consumed_samples: int,

@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
+from megalite.moe import MoEConfig
+from megalite.training.training import LOSS_METRIC
 
 
 def gpt_config_from_args(args) -> GPTConfig:
     """The model architecture the Megatron flags describe."""
     moe = None
     if args.num_experts:
-        from megalite.moe import MoEConfig
-
         moe = MoEConfig(num_experts=args.num_experts, ffn_hidden_size=args.moe_ffn_hidden_size,
                         topk=args.moe_router_topk, activation="swiglu" if args.swiglu else "gelu",
                         aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
@@ -41,8 +43,6 @@ def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: 
 
 def train_valid_test_datasets_provider(args, num_samples):
     """GPT datasets over ``--data-path``, split by documents according to ``--split``."""
-    from megalite.data.gpt_dataset import build_train_valid_test_datasets
-
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
                                            args.data_cache_path)
 
@@ -50,7 +50,7 @@ def train_valid_test_datasets_provider(args, num_samples):
 def loss_func(per_token_loss: torch.Tensor):
     """Mean language-model loss of one micro-batch."""
     loss = per_token_loss.float().mean()
-    return loss, {"lm_loss": loss.detach()}
+    return loss, {LOSS_METRIC: loss.detach()}
 
 
 def forward_step(data_iterator, model):
@@ -67,8 +67,6 @@ def flops_per_token(args) -> float:
 
 def prepare_default_data(args) -> None:
     """Point the flags at the cached synthetic corpus and tokenizer; rank 0 builds them, the rest wait."""
-    from megalite.data.synthetic import build_default_data
-
     if dist.get_rank() == 0:
         build_default_data(args.data_cache_path)
     dist.barrier()

@@ -8,7 +8,8 @@ A script supplies three callables, as in Megatron:
 - ``train_valid_test_datasets_provider(args, num_samples) -> (train, valid, test)``
   where ``num_samples`` is the sample count each split must supply.
 - ``forward_step_func(data_iterator, model) -> (output, loss_func)`` with
-  ``loss_func(output) -> (loss, metrics)``, as the pipeline schedule expects.
+  ``loss_func(output) -> (loss, metrics)``, as the pipeline schedule expects;
+  the metric named ``lm_loss`` is logged as ``loss``.
 
 Every iteration runs through the pipeline schedule (one stage is plain
 gradient accumulation), so all layouts share one code path.
@@ -24,13 +25,21 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.moe import MoELayer, set_aux_loss_scale
+from megalite.optim import ConstantGradScaler, OptimizerConfig, get_optimizer
+from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
+from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import format_args, parse_args, validate_args
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.signals import SigtermFlag
+
+LOSS_METRIC = "lm_loss"
+"""The metric of a loss function's report that is logged as the loss (and gives the perplexity)."""
 
 
 def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_data_func=None):
@@ -66,8 +75,6 @@ def _param_dtype(args) -> torch.dtype:
 
 def build_model(model_provider, args, topo) -> list:
     """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
-    from megalite.pipeline import split_layers
-
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
                           args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     mine = ranges[topo.pp.rank]
@@ -83,8 +90,6 @@ def build_model(model_provider, args, topo) -> list:
 
 
 def build_optimizer(args, model_chunks):
-    from megalite.optim import ConstantGradScaler, OptimizerConfig, get_optimizer
-
     config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
@@ -113,8 +118,6 @@ def _num_samples(args) -> list[int]:
 
 def _iterator(dataset, consumed_samples, args, topo):
     """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp."""
-    from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-
     if dataset is None:
         return None
 
@@ -142,8 +145,6 @@ class Trainer:
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.recorder = None
         if args.timeline_dir:
-            from megalite.pipeline.timeline import PipelineRecorder
-
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
@@ -156,8 +157,6 @@ class Trainer:
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
-        from megalite.pipeline import forward_backward
-
         results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
                                    tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
@@ -168,8 +167,6 @@ class Trainer:
 
     def _reduce_metrics(self, results) -> dict[str, float]:
         """Mean over micro-batches on the last stage, mean over DP, then sent to every pipeline stage."""
-        from megalite.pipeline import broadcast_from_last_stage
-
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
                              dtype=torch.float64, device=_device())
@@ -179,25 +176,26 @@ class Trainer:
         values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
         return values
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float]:
-        """Forward, backward and optimizer step on one global batch: (metrics, update applied, grad norm)."""
+    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None]:
+        """Forward, backward and optimizer step on one global batch: (metrics, update applied, grad norm).
+
+        The grad norm is None when clipping is off or an fp16 step was skipped.
+        """
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
         if self.args.num_experts:
-            from megalite.moe import set_aux_loss_scale
-
             for chunk in self.chunks:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step()
-        return metrics, ok, float(grad_norm) if grad_norm is not None else float("nan")
+        return metrics, ok, None if grad_norm is None else float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self, data_iterator) -> dict[str, float]:
-        """Mean loss over ``--eval-iters`` global batches of validation data, and its perplexity."""
+        """Metrics averaged over ``--eval-iters`` validation batches, as ``valid_*``; the loss's perplexity."""
         for chunk in self.chunks:
             chunk.eval()
         totals: dict[str, float] = {}
@@ -206,8 +204,10 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
         for chunk in self.chunks:
             chunk.train()
-        loss = totals.get("lm_loss", totals.get("loss", next(iter(totals.values()), float("nan"))))
-        return {"valid_loss": loss, "valid_ppl": math.exp(min(20.0, loss))}
+        values = {"valid_" + _logged_name(k): v for k, v in totals.items()}
+        if LOSS_METRIC in totals:
+            values["valid_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
+        return values
 
     def moe_stats(self) -> dict[str, float]:
         """Router losses (mean over MoE layers) and expert load imbalance (max/mean tokens per expert).
@@ -215,8 +215,6 @@ class Trainer:
         Taken from each MoE layer's last forward and summed over pipeline
         stages, so every rank of a pipeline sees the whole model's figures.
         """
-        from megalite.moe import MoELayer
-
         layers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoELayer) and m.last_stats]
         totals = torch.zeros(3 + self.args.num_experts, dtype=torch.float64, device=_device())
         for layer in layers:
@@ -264,43 +262,46 @@ class Trainer:
 
 
 def _synchronize():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
 
 
 def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, consumed_samples: int,
           sigterm: SigtermFlag) -> int:
-    """Run iterations ``iteration+1 .. --train-iters``; returns the last iteration completed."""
+    """Run iterations ``iteration+1 .. --train-iters``; returns the last iteration completed.
+
+    Logged losses are means over the iterations since the last log; throughput
+    counts training steps only, not evaluation or checkpointing.
+    """
     args = trainer.args
-    interval_loss: dict[str, float] = {}
-    interval_iters = 0
-    interval_start = time.perf_counter()
+    sums: dict[str, float] = {}
+    steps, skipped, seconds = 0, 0, 0.0
     saved_at = None
     while iteration < args.train_iters:
+        start = time.perf_counter()
         metrics, ok, grad_norm = trainer.train_step(train_iterator)
+        _synchronize()
+        seconds += time.perf_counter() - start
         iteration += 1
         consumed_samples += args.global_batch_size
         for key, value in metrics.items():
-            interval_loss[key] = interval_loss.get(key, 0.0) + value
-        interval_iters += 1
+            sums[key] = sums.get(key, 0.0) + value
+        steps, skipped = steps + 1, skipped + int(not ok)
         evaluated = {}
         if valid_iterator is not None and args.eval_interval and iteration % args.eval_interval == 0:
             evaluated = trainer.evaluate(valid_iterator)
         if iteration % args.log_interval == 0 or evaluated or iteration == args.train_iters:
-            _synchronize()
-            elapsed = (time.perf_counter() - interval_start) / interval_iters
-            values = {k: v / interval_iters for k, v in interval_loss.items()}
-            if "lm_loss" in values:
-                values["loss"] = values.pop("lm_loss")
-            values.update(lr=trainer.scheduler.lr_at(iteration), grad_norm=grad_norm,
-                          loss_scale=float(trainer.optimizer.get_loss_scale()), skipped=int(not ok),
-                          consumed_samples=consumed_samples, **trainer.throughput(elapsed), **evaluated)
+            values = {_logged_name(k): v / steps for k, v in sums.items()}
+            values.update(lr=trainer.scheduler.lr_at(iteration), loss_scale=float(trainer.optimizer.get_loss_scale()),
+                          skipped=skipped, consumed_samples=consumed_samples, **trainer.throughput(seconds / steps),
+                          **evaluated)
+            if grad_norm is not None:
+                values["grad_norm"] = grad_norm
             extra = memory_gib()
             if args.num_experts:
                 extra.update(trainer.moe_stats())
             trainer.logger.log(iteration, values, tensorboard_extra=extra)
-            interval_loss, interval_iters = {}, 0
-            interval_start = time.perf_counter()
+            sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = sigterm.agreed()
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
@@ -312,6 +313,11 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     if args.save and saved_at != iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
+
+
+def _logged_name(key: str) -> str:
+    """The loss function's ``lm_loss`` metric is logged as ``loss``; other metrics keep their names."""
+    return "loss" if key == LOSS_METRIC else key
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, args_defaults=None,
@@ -351,6 +357,4 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
 
 def _seed(args, topo) -> None:
     """Same seed on every rank for weight init; the TP tracker gives each TP rank its own dropout stream."""
-    from megalite.tensor_parallel import model_parallel_seed
-
     model_parallel_seed(args.seed, topo.tp.rank)

@@ -30,8 +30,6 @@ def test_round_trip_restores_model_rng_and_position(tmp_path):
     assert load_checkpoint(str(tmp_path), [restored], None, None, layout={"tp": 1}) == (3, 48)
     assert torch.equal(restored.weight, torch.ones(2, 2))
     assert torch.equal(torch.rand(3), expected)
-    with pytest.raises(ValueError, match=r"saved with world size 1 and layout \{'tp': 1\}.*layout \{'tp': 2\}"):
-        load_checkpoint(str(tmp_path), [restored], None, None, layout={"tp": 2})
 
 
 def test_crash_while_writing_keeps_last_good_checkpoint(tmp_path):
