@@ -215,6 +215,7 @@ def pretrain(args, topo, config, device) -> DistributedDataParallel:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    owns_process_group = not dist.is_initialized()
     topo = topology.initialize(tp=args.tp, pp=args.pp)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)
@@ -255,7 +256,8 @@ def main(argv=None) -> int:
     if reward_model is not None:
         reward_model.close()
     logger.close()
-    topology.destroy()
+    if owns_process_group:
+        topology.destroy()
     return 0
 
 

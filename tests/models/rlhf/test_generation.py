@@ -57,20 +57,19 @@ def test_bad_sampling_config_raises():
         _generate(GPTModel(config()), SamplingConfig(max_new_tokens=24))
 
 
-def _parallel_rank(kind, tp, pp):
-    cfg = config(kind)
-    reference = GPTModel(cfg).to(device())
-    expected = [_generate(reference, s) for s in (GREEDY, SAMPLED)]
+def _parallel_rank(kinds, tp, pp):
+    expected = {kind: [_generate(GPTModel(config(kind)).to(device()), s) for s in (GREEDY, SAMPLED)] for kind in kinds}
     topo = topology.initialize(tp=tp, pp=pp)
     first, last = topo.is_first_stage(), topo.is_last_stage()
     layers = (0, 2) if pp == 1 else (0, 1) if first else (1, 2)
-    model = GPTModel(cfg, pre_process=first, post_process=last, layer_range=layers).to(device())
-    for sampling, want in zip((GREEDY, SAMPLED), expected):
-        got = _generate(model, sampling)
-        assert torch.equal(got.tokens, want.tokens), (sampling, got.tokens, want.tokens)
-        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+    for kind in kinds:
+        model = GPTModel(config(kind), pre_process=first, post_process=last, layer_range=layers).to(device())
+        for sampling, want in zip((GREEDY, SAMPLED), expected[kind]):
+            got = _generate(model, sampling)
+            assert torch.equal(got.tokens, want.tokens), (kind, sampling, got.tokens, want.tokens)
+            torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("gpt2", 2, 1), ("llama", 2, 1), ("gpt2", 1, 2)])
-def test_parallel_generation_equals_single_rank(kind, tp, pp):
-    run_distributed(_parallel_rank, tp * pp, kind, tp, pp, timeout=180)
+@pytest.mark.parametrize("kinds,tp,pp", [(("gpt2", "llama"), 2, 1), (("gpt2",), 1, 2)])
+def test_parallel_generation_equals_single_rank(kinds, tp, pp):
+    run_distributed(_parallel_rank, tp * pp, kinds, tp, pp, timeout=180)
