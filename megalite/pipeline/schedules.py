@@ -7,7 +7,7 @@
   ``c`` on rank ``r`` is virtual stage ``c * pp + r``.
 
 Every schedule has a forward-only mode.  Each sent activation's storage is
-released on the sender right after the send (its autograd graph stays valid);
+released on the sender once its send completes (its autograd graph stays valid);
 gradients are synchronized once, at each chunk's last backward, and
 ``finalize_grads_func`` runs after the last micro-batch.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
@@ -122,8 +123,7 @@ def _one_f_one_b(steps: _Steps, link: StageLink) -> None:
 
     def send_forward(output):
         if not last:
-            link.send_forward(output)
-            _free_storage(output)
+            link.send_forward(output, on_sent=partial(_free_storage, output))
 
     def forward(microbatch, input_tensor):
         output = steps.forward(microbatch, 0, input_tensor)
@@ -148,8 +148,7 @@ def _one_f_one_b(steps: _Steps, link: StageLink) -> None:
             continue
         output_grad = None
         if not last:
-            output_grad = link.send_forward_recv_backward(output)
-            _free_storage(output)
+            output_grad = link.send_forward_recv_backward(output, on_sent=partial(_free_storage, output))
         input_grad = backward(i, output_grad)
         if first:
             input_tensor = None
@@ -204,9 +203,8 @@ def _interleaved(steps: _Steps, link: StageLink) -> None:
         return None if steps.is_first(chunk) else input_grad
 
     def exchange(output, input_grad, recv_prev, recv_next, forward_chunk, backward_chunk):
-        from_prev, from_next = link.exchange(send_next=output, send_prev=input_grad,
-                                             recv_prev=recv_prev, recv_next=recv_next)
-        _free_storage(output)
+        from_prev, from_next = link.exchange(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
+                                             recv_next=recv_next, on_sent=partial(_free_storage, output))
         if recv_prev:
             inputs[forward_chunk].append(steps.received(from_prev))
         if recv_next:
@@ -310,6 +308,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
     else:
         link = StageLink(group, tensor_shape, dtype, _device_of(chunks))
         (_interleaved if vpp > 1 else _one_f_one_b)(steps, link)
+        link.flush()
     if not forward_only and finalize_grads_func is not None:
         finalize_grads_func(chunks)
     return steps.metrics if rank == pp - 1 else []

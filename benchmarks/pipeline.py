@@ -1,0 +1,188 @@
+"""megalite pipeline schedules vs torch.distributed.pipelining, same 4-stage model, same ranks, one run.
+
+Four pipeline ranks (gloo on CPU, or one GPU per rank under NCCL) train an MLP stack split into 4 stages
+(8 virtual stages when interleaved) on m=8 micro-batches.  Pairs compared, alternating step by step:
+megalite 1F1B vs torch Schedule1F1B, megalite interleaved 1F1B vs torch ScheduleInterleaved1F1B.
+Prints the median step time of the slowest rank, the ratio megalite/torch, the grad difference between
+the two sides (same weights, same data), and megalite's measured bubble.  Writes Gantt charts of one
+megalite step of each schedule with tools/plot_pipeline.py's renderer.
+
+    python benchmarks/pipeline.py [--steps 6] [--hidden 256] [--seq 64] [--batch 4] [--png-dir benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from megalite import topology
+from megalite.pipeline import PipelineRecorder, bubble_fraction, forward_backward, split_layers
+from megalite.testing import device, run_distributed
+
+PP, M, LAYERS_PER_VIRTUAL_STAGE_MAX = 4, 8, 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Stage(nn.Module):
+    """A run of blocks; megalite feeds non-first stages through set_input_tensor."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x=None):
+        return self.blocks(self.input_tensor if x is None else x)
+
+
+def build_chunks(hidden, vpp, rank):
+    """This rank's stage modules, cut from one seeded full model (8 blocks)."""
+    torch.manual_seed(0)
+    blocks = [Block(hidden) for _ in range(PP * LAYERS_PER_VIRTUAL_STAGE_MAX)]
+    for b in blocks:
+        b.to(device())
+    return [Stage(blocks[s:e]) for s, e in split_layers(len(blocks), PP, vpp)[rank]]
+
+
+def make_data(hidden, seq, batch):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M * batch, seq, hidden, generator=g).to(device())
+    y = torch.randn(M * batch, seq, hidden, generator=g).to(device())
+    return x, y
+
+
+def megalite_step(chunks, x, y, batch, rank, recorder=None):
+    """One forward_backward over M micro-batches; activations are [s, b, h] between stages."""
+    mbs = [(x[i * batch:(i + 1) * batch].transpose(0, 1), y[i * batch:(i + 1) * batch].transpose(0, 1))
+           for i in range(M)]
+    first, last = chunks[0] if rank == 0 else None, chunks[-1] if rank == PP - 1 else None
+
+    def forward_step(data_iterator, chunk):
+        inp, target = next(data_iterator)
+        out = chunk(inp if chunk is first else None)
+        return out, (lambda o: (nn.functional.mse_loss(o, target), {})) if chunk is last else None
+
+    iterators = [iter(mbs) for _ in chunks]
+    shape = (x.shape[1], batch, x.shape[2])
+    interleaved = len(chunks) > 1
+    forward_backward(forward_step, iterators if interleaved else iterators[0], chunks if interleaved else chunks[0],
+                     M, tensor_shape=shape, recorder=recorder)
+
+
+def torch_schedule(chunks, hidden, seq, batch, rank, group):
+    vpp = len(chunks)
+    stages = []
+    for c, chunk in enumerate(chunks):
+        index = c * PP + rank
+        # Received activations must require grad so that input grads flow back upstream.
+        example = torch.empty(batch, seq, hidden, device=device(), requires_grad=index > 0)
+        stages.append(PipelineStage(chunk, index, PP * vpp, device(), input_args=example, group=group))
+    loss = nn.functional.mse_loss
+    return Schedule1F1B(stages[0], M, loss_fn=loss) if vpp == 1 else ScheduleInterleaved1F1B(stages, M, loss_fn=loss)
+
+
+def torch_step(schedule, x, y, rank):
+    if rank == 0:
+        schedule.step(x)
+    elif rank == PP - 1:
+        schedule.step(target=y, losses=[])
+    else:
+        schedule.step()
+
+
+def grads(chunks):
+    return [p.grad.clone() for c in chunks for p in c.parameters()]
+
+
+def zero(chunks):
+    for c in chunks:
+        for p in c.parameters():
+            p.grad = None
+
+
+def bench(steps, hidden, seq, batch):
+    topo = topology.initialize(pp=PP)
+    rank, group = topo.pp.rank, topo.pp.group
+    x, y = make_data(hidden, seq, batch)
+    results = {}
+    for vpp in (None, 2):
+        mine = build_chunks(hidden, vpp, rank)
+        theirs = build_chunks(hidden, vpp, rank)
+        schedule = torch_schedule(theirs, hidden, seq, batch, rank, group)
+        times = {"megalite": [], "torch": []}
+        for step in range(steps + 2):
+            for name in ("megalite", "torch") if step % 2 == 0 else ("torch", "megalite"):
+                chunks = mine if name == "megalite" else theirs
+                zero(chunks)
+                dist.barrier(group)
+                start = time.perf_counter()
+                if name == "megalite":
+                    megalite_step(chunks, x, y, batch, rank)
+                else:
+                    torch_step(schedule, x, y, rank)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                if step >= 2:
+                    times[name].append(elapsed.item())
+        diff = max((a - b).abs().max().item() for a, b in zip(grads(mine), grads(theirs)))
+        zero(mine)
+        recorder = PipelineRecorder()
+        dist.barrier(group)
+        megalite_step(mine, x, y, batch, rank, recorder)
+        diff_t = torch.tensor([diff])
+        dist.all_reduce(diff_t, op=dist.ReduceOp.MAX, group=group)
+        results[vpp] = {"megalite": statistics.median(times["megalite"]), "torch": statistics.median(times["torch"]),
+                        "grad_diff": diff_t.item(), "events": recorder.events}
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--png-dir", default=os.path.join(ROOT, "benchmarks"))
+    args = parser.parse_args()
+    per_rank = run_distributed(bench, PP, args.steps, args.hidden, args.seq, args.batch, timeout=900)
+
+    spec = importlib.util.spec_from_file_location("plot_pipeline", os.path.join(ROOT, "tools", "plot_pipeline.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    print(f"pp={PP}, m={M}, hidden={args.hidden}, micro-batch {args.batch}x{args.seq} tokens, "
+          f"{args.steps} timed steps (median of the slowest rank), device={device()}")
+    print(f"{'schedule':<22}{'torch':>12}{'megalite':>12}{'ratio':>8}{'max |grad diff|':>18}{'bubble':>9}")
+    for vpp, name, png in ((None, "1F1B", "pipeline_1f1b.png"), (2, "interleaved 1F1B v=2", "pipeline_interleaved.png")):
+        r = per_rank[0][vpp]
+        recorders = [PipelineRecorder(rank, res[vpp]["events"]) for rank, res in enumerate(per_rank)]
+        bubble = bubble_fraction(recorders)
+        print(f"{name:<22}{r['torch'] * 1e3:>10.1f}ms{r['megalite'] * 1e3:>10.1f}ms{r['megalite'] / r['torch']:>8.3f}"
+              f"{r['grad_diff']:>18.2e}{bubble:>9.3f}")
+        if args.png_dir:
+            path = os.path.join(args.png_dir, png)
+            plot.write_png(path, plot.render(recorders, 900))
+            print(f"  Gantt chart of one megalite step: {path}")
+
+
+if __name__ == "__main__":
+    main()
