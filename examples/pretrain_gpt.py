@@ -3,22 +3,22 @@
     torchrun --nproc_per_node 8 examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2
 
-With no --data-path it trains on megalite's cached synthetic corpus.  The
-defaults below give a model that visibly learns within a few minutes on CPU.
+With no --data-path it trains on megalite's cached synthetic corpus (rank 0
+builds it once).  The defaults below give a model whose loss falls from ~4.9
+to ~1.5 in 150 iterations, in about two minutes on 8 CPU ranks.  Resume with
+--load checkpoints/gpt; TensorBoard logs go to runs/.
 """
 
-import os
 import sys
 
 import torch
 
-from megalite.training import pretrain, run_cli
-from megalite.training import gpt
+from megalite.training import gpt, pretrain, run_cli
 
 DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,
     "micro_batch_size": 4, "global_batch_size": 32, "train_iters": 150,
-    "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 15, "lr_decay_style": "cosine",
+    "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
     "hidden_dropout": 0.0, "attention_dropout": 0.0, "weight_decay": 0.01,
     "log_interval": 10, "eval_interval": 50, "eval_iters": 2,
     "save": "checkpoints/gpt", "tensorboard_dir": "runs/",
@@ -31,6 +31,5 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     sys.exit(run_cli(main))

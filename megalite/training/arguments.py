@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from megalite.data.gpt_dataset import parse_split
 from megalite.pipeline import split_layers
 
 
@@ -82,6 +83,8 @@ def _optim_flags(parser):
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -106,7 +109,8 @@ def _data_flags(parser):
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="needed when there is no --tokenizer-model")
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset indexes are cached and the default corpus is built")
 
 
 def _logging_flags(parser):
@@ -248,6 +252,10 @@ def _check_schedule(args):
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
+                 f"--lr-warmup-fraction must be between 0 and 1, got {args.lr_warmup_fraction}")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     _require(0 <= args.lr_warmup_iters <= args.lr_decay_iters,
              f"--lr-warmup-iters {args.lr_warmup_iters} must be between 0 and --lr-decay-iters "
              f"{args.lr_decay_iters}")
@@ -255,13 +263,7 @@ def _check_schedule(args):
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    split = [s for s in args.split.replace("/", ",").split(",") if s.strip()]
-    try:
-        weights = [float(s) for s in split]
-    except ValueError:
-        raise ValueError(f"--split {args.split!r} must be comma-separated numbers") from None
-    _require(len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
-             f"--split {args.split!r} must be up to three non-negative numbers with a positive sum")
+    parse_split(args.split)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:

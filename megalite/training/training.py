@@ -176,10 +176,12 @@ class Trainer:
         values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
         return values
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None]:
-        """Forward, backward and optimizer step on one global batch: (metrics, update applied, grad norm).
+    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None, float]:
+        """Forward, backward and optimizer step on one global batch.
 
-        The grad norm is None when clipping is off or an fp16 step was skipped.
+        Returns (metrics, update applied, grad norm, learning rate used).  The
+        grad norm is None when clipping is off or an fp16 step was skipped; a
+        skipped step does not advance the LR schedule.
         """
         for chunk in self.chunks:
             chunk.train()
@@ -188,10 +190,11 @@ class Trainer:
             for chunk in self.chunks:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
+        lr = self.scheduler.get_lr()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step()
-        return metrics, ok, None if grad_norm is None else float(grad_norm)
+        return metrics, ok, None if grad_norm is None else float(grad_norm), lr
 
     @torch.no_grad()
     def evaluate(self, data_iterator) -> dict[str, float]:
@@ -279,7 +282,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     saved_at = None
     while iteration < args.train_iters:
         start = time.perf_counter()
-        metrics, ok, grad_norm = trainer.train_step(train_iterator)
+        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
@@ -292,7 +295,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             evaluated = trainer.evaluate(valid_iterator)
         if iteration % args.log_interval == 0 or evaluated or iteration == args.train_iters:
             values = {_logged_name(k): v / steps for k, v in sums.items()}
-            values.update(lr=trainer.scheduler.lr_at(iteration), loss_scale=float(trainer.optimizer.get_loss_scale()),
+            values.update(lr=lr, loss_scale=float(trainer.optimizer.get_loss_scale()),
                           skipped=skipped, consumed_samples=consumed_samples, **trainer.throughput(seconds / steps),
                           **evaluated)
             if grad_norm is not None:

@@ -15,6 +15,8 @@ def test_derived_sizes():
     assert args.ffn_hidden_size == 4 * args.hidden_size
     assert args.lr_decay_iters == args.train_iters
     assert _args(world=4).global_batch_size == 4
+    assert _args("--lr-warmup-fraction", "0.25", "--train-iters", "40").lr_warmup_iters == 10
+    assert _args("--lr-warmup-fraction", "0.25", "--lr-warmup-iters", "3").lr_warmup_iters == 3
 
 
 def test_megatron_spellings_and_defaults():
