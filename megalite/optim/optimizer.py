@@ -179,6 +179,8 @@ class MixedPrecisionOptimizer:
         if len(state["main"]) != len(self.shards):
             raise ValueError(f"state holds {len(state['main'])} main parameters, this optimizer has {len(self.shards)}")
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch replaces its param-group dicts on load; the scheduler must set lr on the new ones.
+        self.param_groups = self.optimizer.param_groups
         with torch.no_grad():
             for s, main in zip(self.shards, state["main"]):
                 s.main.copy_(main)

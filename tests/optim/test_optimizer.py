@@ -305,3 +305,12 @@ def test_same_layout_state_dict_round_trip():
     for a, b in zip(opt.shards, other.shards):
         torch.testing.assert_close(a.main, b.main, rtol=0, atol=0)
         torch.testing.assert_close(opt.optimizer.state[a.main]["exp_avg"], other.optimizer.state[b.main]["exp_avg"])
+
+
+def test_lr_set_after_load_state_dict_reaches_the_update():
+    opt = get_optimizer(OptimizerConfig(lr=LR), [DistributedDataParallel(mlp())])
+    other = get_optimizer(OptimizerConfig(lr=LR), [DistributedDataParallel(mlp(seed=1))])
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for group in other.param_groups:
+        group["lr"] = 0.123
+    assert [g["lr"] for g in other.optimizer.param_groups] == [0.123] * len(other.optimizer.param_groups)
