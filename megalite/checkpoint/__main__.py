@@ -1,0 +1,64 @@
+"""``python -m megalite.checkpoint inspect DIR``: a checkpoint's layout, iteration, tensors and sizes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megalite.checkpoint.format import CheckpointReader
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def describe(path: str) -> str:
+    """The text that ``inspect`` prints for the checkpoint at ``path``."""
+    reader = CheckpointReader(path)
+    head = reader.rank_state(0)
+    layout = ", ".join(f"{k}={v}" for k, v in reader.layout.items()) or "not recorded"
+    lines = [f"checkpoint {reader.directory}", f"iteration {reader.iteration}, written by {reader.world_size} "
+             f"rank file(s); saved layout: {layout}"]
+    if reader.config_dict is not None:
+        arch = ", ".join(f"{k}={v}" for k, v in reader.config_dict.items() if v is not None)
+        lines.append(f"architecture: {arch}")
+    optimizer = head.get("optimizer")
+    lines.append("optimizer: none" if optimizer is None else f"optimizer: {optimizer['num_steps']} steps taken")
+    if head.get("consumed_samples") is not None:
+        lines.append(f"consumed samples: {head['consumed_samples']}")
+    rows, total = [], 0
+    for name in sorted(reader.shapes):
+        pieces = reader.pieces[name]
+        nbytes = sum(t.numel() * t.element_size() for _, t in pieces)
+        total += nbytes
+        shape = "x".join(str(s) for s in reader.shapes[name]) or "scalar"
+        rows.append((name, shape, str(pieces[0][1].dtype).replace("torch.", ""), str(len(pieces)), _size(nbytes)))
+    lines.append(f"{len(rows)} tensors, {_size(total)}:")
+    widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else [0] * 5
+    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(("name", "shape", "dtype", "pieces", "size"), widths)))
+    for row in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megalite.checkpoint",
+                                     description="Inspect a megalite checkpoint.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="print the layout, iteration, tensors and sizes")
+    inspect.add_argument("directory", help="a save directory (its latest iteration) or an iteration directory")
+    args = parser.parse_args(argv)
+    try:
+        print(describe(args.directory))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Convert checkpoints between Hugging Face (GPT-2, Llama; safetensors + config.json) and megalite.
+
+    python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
+    python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR
+
+A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-
+or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
+is needed.  The output directory must not exist or be empty; nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="source", choices=("hf", "megalite"), required=True)
+    parser.add_argument("--to", dest="target", choices=("hf", "megalite"), required=True)
+    parser.add_argument("--input", required=True, help="Hugging Face model directory or megalite checkpoint")
+    parser.add_argument("--output", required=True, help="directory to create")
+    args = parser.parse_args(argv)
+    if args.source == args.target:
+        parser.error(f"--from and --to are both {args.source!r}; nothing to convert")
+    convert = convert_hf_to_megalite if args.source == "hf" else convert_megalite_to_hf
+    try:
+        convert(args.input, args.output)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.target} checkpoint to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
