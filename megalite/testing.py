@@ -28,7 +28,7 @@ _GRACE_S = 5.0
 
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megalite.topology"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "megalite.topology"])
     return ctx
 
 

@@ -181,6 +181,15 @@ class Topology:
 _CURRENT: Topology | None = None
 
 
+def _free_port() -> int:
+    """A free TCP port for a single-process run, so concurrent runs never clash."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _default_backend() -> str:
     import torch
 
@@ -213,7 +222,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "MASTER_ADDR" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend=backend, timeout=timeout)
