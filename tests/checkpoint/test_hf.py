@@ -1,0 +1,109 @@
+"""Hugging Face conversion: GPT-2 and Llama (GQA, untied) into megalite give the same logits, and back losslessly."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megalite.checkpoint import load_model
+from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf, read_hf_checkpoint
+from megalite.checkpoint.safetensors_io import read_safetensors, write_safetensors
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 70
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                         resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                          tie_word_embeddings=False, rope_theta=500.0)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_round_trip_matches_logits_and_is_lossless(kind, tmp_path):
+    model = _hf_model(kind)
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "megalite"))
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = load_model(str(tmp_path / "megalite"))(ids)
+    assert logits.shape == (2, 10, VOCAB)
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+    convert_megalite_to_hf(str(tmp_path / "megalite"), str(tmp_path / "back"))
+    config, tensors = read_hf_checkpoint(str(tmp_path / "hf"))
+    config_back, tensors_back = read_hf_checkpoint(str(tmp_path / "back"))
+    assert config_back == config
+    assert sorted(tensors_back) == sorted(tensors)
+    for name in tensors:
+        assert torch.equal(tensors_back[name], tensors[name]), name
+    reloaded = type(model).from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+
+
+def test_safetensors_io_agrees_with_the_safetensors_package(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 2).bfloat16(),
+               "d": torch.tensor(True)}
+    write_safetensors(str(tmp_path / "ours.safetensors"), tensors, {"format": "pt"})
+    theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
+    safetensors_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"k": "v"})
+    ours, metadata = read_safetensors(str(tmp_path / "theirs.safetensors"))
+    assert metadata == {"k": "v"}
+    for name, value in tensors.items():
+        assert torch.equal(theirs[name], value) and theirs[name].dtype == value.dtype
+        assert torch.equal(ours[name], value) and ours[name].dtype == value.dtype
+
+
+def test_command_line_and_bad_input(tmp_path):
+    _hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+    def run(*args):
+        return subprocess.run(tool + list(args), capture_output=True, text=True, env=env, timeout=120)
+
+    done = run("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "m"))
+    assert done.returncode == 0, done.stderr
+    inspect = subprocess.run([sys.executable, "-m", "megalite.checkpoint", "inspect", str(tmp_path / "m")],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert inspect.returncode == 0, inspect.stderr
+    assert "iteration 0, written by 1 rank file(s)" in inspect.stdout
+    assert re.search(r"decoder\.layers\.1\.self_attention\.linear_qkv\.weight +96x32 +float32 +1 +12\.0 KiB",
+                     inspect.stdout)
+
+    missing = run("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "nowhere"), "--output",
+                  str(tmp_path / "m2"))
+    assert missing.returncode == 2
+    assert f"error: Hugging Face directory {tmp_path / 'nowhere'} does not exist" in missing.stderr
+    assert not os.path.exists(tmp_path / "m2")
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    taken = run("--from", "megalite", "--to", "hf", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "taken"))
+    assert taken.returncode == 2 and "already exists and is not empty; refusing to overwrite" in taken.stderr
+    assert os.listdir(tmp_path / "taken") == ["keep.txt"]
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "m3"))
+    assert not os.path.exists(tmp_path / "m3")

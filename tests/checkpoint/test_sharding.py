@@ -1,0 +1,36 @@
+"""Flat ZeRO ranges cut into boxes, and the SwiGLU fc1 / padded-vocabulary shard placement."""
+
+import itertools
+
+import torch
+
+from megalite.checkpoint.sharding import ShardContext, box_slices, flat_boxes, global_param
+
+
+def test_flat_boxes_cover_exactly_the_range():
+    shape = (3, 4, 5)
+    numbered = torch.arange(60).view(shape)
+    for lo, hi in itertools.combinations(range(0, 61, 7), 2):
+        got = []
+        for box, start in flat_boxes(lo, hi, shape):
+            values = numbered[box_slices(box)].reshape(-1)
+            assert values.tolist() == list(range(start, start + values.numel()))
+            got.extend(values.tolist())
+        assert got == list(range(lo, hi))
+
+
+def test_gated_fc1_and_vocab_pieces():
+    from megalite.models import GPTConfig
+
+    config = GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=8,
+                       activation="swiglu")
+    fc1 = torch.nn.Parameter(torch.empty(4, 8))
+    fc1.tensor_model_parallel, fc1.partition_dim = True, 0
+    gp = global_param("decoder.layers.0.mlp.linear_fc1.weight", fc1, config, ShardContext(tp_rank=1, tp_size=4))
+    assert gp.shape == (16, 8)
+    assert [(p.local, p.offset) for p in gp.pieces] == [(((0, 2), (0, 8)), (2, 0)), (((2, 4), (0, 8)), (10, 0))]
+    vocab = torch.nn.Parameter(torch.empty(4, 8))
+    vocab.tensor_model_parallel, vocab.partition_dim = True, 0
+    gp = global_param("output_layer.weight", vocab, config, ShardContext(tp_rank=2, tp_size=3))
+    assert gp.name == "embedding.word_embeddings.weight" and gp.alias and gp.shape == (10, 8)
+    assert [(p.local, p.offset) for p in gp.pieces] == [(((0, 2), (0, 8)), (8, 0))]
