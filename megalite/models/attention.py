@@ -15,27 +15,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import kernels, topology
+from megalite import topology
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.models.kv_cache import KVCache
+from megalite.models.rotary import apply_rotary
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 
 
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, offset: int) -> torch.Tensor:
+def padding_causal_mask(attention_mask: torch.Tensor, seq: int, offset: int) -> torch.Tensor:
+    """Boolean ``[b, 1, seq, offset + seq]`` (True = may attend) for the last ``seq`` of ``offset + seq`` tokens.
+
+    ``attention_mask [b, offset + seq]`` marks real tokens (1) and padding (0).
+    Query ``i`` sees the real keys ``0 .. offset + i`` and always itself, so a
+    padding query has one key and its (unused) output stays finite.
+    """
+    total = offset + seq
+    device = attention_mask.device
+    causal = torch.ones(seq, total, dtype=torch.bool, device=device).tril(diagonal=offset)
+    allowed = causal & attention_mask.bool()[:, None, :]
+    allowed[:, torch.arange(seq, device=device), offset + torch.arange(seq, device=device)] = True
+    return allowed.unsqueeze(1)
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, offset: int,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v with a causal mask; ``[s, b, n, d]`` in, ``[s, b, n*d]`` out.
 
     ``k``/``v`` may have fewer (grouped) heads than ``q`` and ``offset`` more
     (cached) positions in front: query ``i`` sees keys ``0 .. offset + i``.
-    Attention dropout runs on the model-parallel RNG state, since each TP rank
-    holds different heads.  Runs on torch's scaled_dot_product_attention
-    (flash kernels on GPU).
+    An explicit boolean ``mask`` (see :func:`padding_causal_mask`) replaces the
+    causal mask.  Attention dropout runs on the model-parallel RNG state, since
+    each TP rank holds different heads.  Runs on torch's
+    scaled_dot_product_attention (flash kernels on GPU without ``mask``).
     """
     s, b, heads, d = q.shape
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    mask = None
-    if offset and s > 1:
-        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=offset)
-    causal = offset == 0 and s > 1
+    causal = False
+    if mask is None:
+        causal = offset == 0 and s > 1
+        if offset and s > 1:
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=offset)
     gqa = k.shape[1] != heads
     if dropout > 0.0:
         with get_rng_tracker().fork():
@@ -49,8 +68,10 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: f
 class SelfAttention(nn.Module):
     """``linear_qkv`` (column-parallel) -> rotary -> core attention -> ``linear_proj`` (row-parallel).
 
-    Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); returns
-    ``(output, proj_bias)`` with the bias left for the fused bias-dropout-add.
+    Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``rotary``
+    is a pair of cos/sin tables from :class:`RotaryEmbedding` and ``mask`` an
+    optional :func:`padding_causal_mask`.  Returns ``(output, proj_bias)`` with
+    the bias left for the fused bias-dropout-add.
     """
 
     def __init__(self, config, layer_number: int, *, tp_group=None, sequence_parallel: bool = False):
@@ -72,21 +93,21 @@ class SelfAttention(nn.Module):
             init_method=scaled_normal_init(config.init_method_std, config.num_layers))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None):
+                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary is not None:
-            q, k = kernels.apply_rotary(q, k, *rotary)
+            q, k = apply_rotary(q, k, *rotary)
         offset = 0
         if kv_cache is not None:
             offset = kv_cache.offset
             k, v = kv_cache.append(self.layer_number, k, v)
         dropout = self.attention_dropout if self.training else 0.0
         if self.recompute_core and self.training and kv_cache is None:
-            context = checkpoint(core_attention, q, k, v, dropout, offset)
+            context = checkpoint(core_attention, q, k, v, dropout, offset, mask)
         else:
-            context = core_attention(q, k, v, dropout, offset)
+            context = core_attention(q, k, v, dropout, offset, mask)
         return self.linear_proj(context)

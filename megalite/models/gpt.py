@@ -32,12 +32,14 @@ import torch
 from torch import nn
 
 from megalite import topology
+from megalite.models.attention import padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
 from megalite.models.kv_cache import KVCache
 from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
-from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear, pad_vocab_size,
+from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
+                                      gather_from_sequence_parallel_region, pad_vocab_size,
                                       vocab_parallel_cross_entropy)
 
 if TYPE_CHECKING:
@@ -181,13 +183,24 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
 class GPTModel(nn.Module):
     """One pipeline chunk of a GPT model (the whole model with the defaults).
 
-    ``forward(input_ids, labels, position_ids, kv_cache)`` takes ``[b, s]``
-    ids.  A chunk without ``pre_process`` reads its input from
-    :meth:`set_input_tensor`; a chunk without ``post_process`` returns the
-    hidden states ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
-    The last chunk returns the per-token loss ``[b, s]`` (fp32) with
-    ``labels``, else the logits ``[b, s, v_pad/tp]`` (exactly
-    ``[b, s, vocab_size]`` at tp=1; padding columns masked at tp>1).
+    ``forward(input_ids, labels, position_ids, kv_cache, attention_mask,
+    return_hidden)`` takes ``[b, s]`` ids.  A chunk without ``pre_process``
+    reads its input from :meth:`set_input_tensor`; a chunk without
+    ``post_process`` returns the hidden states ``[s, b, h]`` (``[s/tp, b, h]``
+    under sequence parallelism).  The last chunk returns the per-token loss
+    ``[b, s]`` (fp32) with ``labels``, the final-norm hidden states
+    ``[b, s, h]`` with ``return_hidden=True`` (e.g. for a value head), else the
+    logits ``[b, s, v_pad/tp]`` (exactly ``[b, s, vocab_size]`` at tp=1;
+    padding columns masked at tp>1).
+
+    Padded batches: ``attention_mask [b, offset + s]`` (1 = real token,
+    0 = padding; ``offset`` tokens already in ``kv_cache`` come first) is
+    combined with the causal mask, and positions then default to each row's
+    count of real tokens before it, so a left-padded row computes what the
+    unpadded row would.  Without it attention is plain causal (packed data,
+    the fast ``is_causal`` path).  ``position_ids [b, s]`` may differ per row
+    for learned and rotary positions; every chunk of a pipeline needs the same
+    ``attention_mask``/``position_ids``.
     """
 
     def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
@@ -244,42 +257,70 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
                 shape = None if input_ids is None else tuple(input_ids.shape)
                 raise ValueError(f"GPTModel.forward needs input_ids of shape [b, s], got {shape}")
-            seq = input_ids.shape[1]
-            if position_ids is None:
-                if self.embedding.position_embeddings is not None and offset + seq > self.config.max_position_embeddings:
-                    raise ValueError(f"positions up to {offset + seq} exceed max_position_embeddings="
-                                     f"{self.config.max_position_embeddings}")
-                position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand_as(input_ids)
-            hidden = self.embedding(input_ids, position_ids)
+            b, seq = input_ids.shape
         else:
             if self.input_tensor is None:
                 raise ValueError("GPTModel without pre_process needs set_input_tensor() before forward")
+            b = self.input_tensor.shape[1]
+            seq = self.input_tensor.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        if labels is not None and return_hidden:
+            raise ValueError("GPTModel.forward takes labels or return_hidden=True, not both")
+        explicit_positions = position_ids is not None
+        if explicit_positions and tuple(position_ids.shape) != (b, seq):
+            raise ValueError(f"position_ids must be [b, s] = [{b}, {seq}], got {tuple(position_ids.shape)}")
+        mask = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (b, offset + seq):
+                raise ValueError(f"attention_mask must be [b, offset + s] = [{b}, {offset + seq}] ({offset} cached "
+                                 f"tokens), got {tuple(attention_mask.shape)}")
+            if position_ids is None:
+                position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)[:, -seq:]
+            mask = padding_causal_mask(attention_mask, seq, offset)
+        if self.pre_process:
+            if self.embedding.position_embeddings is not None:
+                self._check_positions(offset + seq, position_ids if explicit_positions else None)
+            if position_ids is None:
+                position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand(b, seq)
+            hidden = self.embedding(input_ids, position_ids)
+        else:
             hidden = self.input_tensor
-            seq = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
-        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache)
+        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if not self.post_process:
             return hidden
+        if return_hidden:
+            if self.sequence_parallel:
+                hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=False)
+            return hidden.transpose(0, 1)
         return self._head(hidden, labels)
 
+    def _check_positions(self, total: int, position_ids: torch.Tensor | None) -> None:
+        """Learned positions must index the table: ``0 .. total-1`` by default, else ``position_ids``'s range."""
+        limit = self.config.max_position_embeddings
+        if position_ids is None:
+            if total > limit:
+                raise ValueError(f"positions up to {total} exceed max_position_embeddings={limit}")
+            return
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= limit:
+            raise ValueError(f"position_ids range over [{low}, {high}], outside [0, {limit - 1}] "
+                             f"(max_position_embeddings={limit})")
+
     def _rotary(self, seq: int, offset: int, position_ids: torch.Tensor | None, device):
+        """cos/sin tables ``[s, d]`` for the default positions, else ``[s, b, d]`` per row."""
         if self.rotary is None:
             return None
         if position_ids is None:
-            positions = torch.arange(offset, offset + seq, device=device)
-        else:
-            positions = position_ids[0]
-            if position_ids.shape[1] != seq or bool((position_ids != positions).any()):
-                raise ValueError(f"rope needs the same {seq} positions for every sequence of the batch, got "
-                                 f"position_ids of shape {tuple(position_ids.shape)} with differing rows")
-        return self.rotary(positions)
+            return self.rotary(torch.arange(offset, offset + seq, device=device))
+        return self.rotary(position_ids.t())
 
     def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Output layer and loss: ``[s(/tp), b, h]`` -> loss ``[b, s]`` or logits ``[b, s, v_local]``."""

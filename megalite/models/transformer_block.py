@@ -39,8 +39,8 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, kv_cache)
+                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, kv_cache, mask)
         x = self._bias_dropout_add(out, bias, x)
         normed = self.pre_mlp_layernorm(x)
         out, bias = (self.mlp(normed), None) if self.is_moe else self.mlp(normed)
@@ -81,10 +81,11 @@ class TransformerBlock(nn.Module):
             self.final_layernorm = None
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: an optional boolean attention mask ``[b, 1, s, t]`` shared by every layer."""
         recompute = self.recompute_full and self.training and kv_cache is None
         for layer in self.layers.values():
-            x = checkpoint(layer, x, rotary) if recompute else layer(x, rotary, kv_cache)
+            x = checkpoint(layer, x, rotary, None, mask) if recompute else layer(x, rotary, kv_cache, mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megalite.models import GPTConfig
+from megalite.tensor_parallel import pad_vocab_size
 
 VOCAB = 100
 
@@ -25,3 +26,26 @@ def batch(seed: int = 0, b: int = 2, s: int = 8) -> tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (b, s + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def full_to_shard(name, full, param, cfg, rank, tp):
+    """This TP rank's block of a tp=1 tensor (weight or grad), in megalite's per-rank layout."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    if "word_embeddings" in name or "output_layer" in name:
+        padded = pad_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, tp)
+        full = torch.cat([full[:VOCAB], full.new_zeros(padded - VOCAB, *full.shape[1:])])
+    if "linear_fc1" in name and cfg.activation == "swiglu":
+        ffn = cfg.ffn_hidden_size
+        full = full.view(2, tp, ffn // tp, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+def left_padded(seed: int = 0, b: int = 3, s: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ids (pad id 0), next-token labels and masks ``[b, s]``; row ``r > 0`` has ``r + 1`` pads."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (b, s + 1), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    for row in range(1, b):
+        mask[row, :row + 1] = 0
+    return tokens[:, :-1] * mask, tokens[:, 1:] * mask, mask

@@ -7,22 +7,9 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.tensor_parallel import model_parallel_seed, pad_vocab_size
+from megalite.tensor_parallel import model_parallel_seed
 from megalite.testing import device, run_distributed
-from tests.models.common import VOCAB, batch, config
-
-
-def _full_to_shard(name, full, param, cfg, rank, tp):
-    """This TP rank's block of a tp=1 tensor (weight or grad), in megalite's per-rank layout."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    if "word_embeddings" in name or "output_layer" in name:
-        padded = pad_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, tp)
-        full = torch.cat([full[:VOCAB], full.new_zeros(padded - VOCAB, *full.shape[1:])])
-    if "linear_fc1" in name and cfg.activation == "swiglu":
-        ffn = cfg.ffn_hidden_size
-        full = full.view(2, tp, ffn // tp, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
-    return full.chunk(tp, dim=param.partition_dim)[rank]
+from tests.models.common import VOCAB, batch, config, full_to_shard
 
 
 def _reference(cfg, ids, labels):
@@ -49,13 +36,13 @@ def _check_tp_parity(kinds):
             params = dict(model.named_parameters())
             assert sorted(params) == sorted(ref_params), where
             for name, param in params.items():
-                expected = _full_to_shard(name, ref_params[name].detach(), param, cfg, rank, tp)
+                expected = full_to_shard(name, ref_params[name].detach(), param, cfg, rank, tp)
                 assert torch.equal(param.detach(), expected), f"{where}: weight {name}"
             with torch.no_grad():
                 logits = model(ids)
             assert logits.shape == (2, 8, 56), where
-            local = _full_to_shard("output_layer", ref_logits.transpose(0, 2), params["embedding.word_embeddings.weight"],
-                                   cfg, rank, tp).transpose(0, 2)
+            local = full_to_shard("output_layer", ref_logits.transpose(0, 2), params["embedding.word_embeddings.weight"],
+                                  cfg, rank, tp).transpose(0, 2)
             real = min(56, max(0, VOCAB - rank * 56))
             torch.testing.assert_close(logits[..., :real], local[..., :real], rtol=0, atol=1e-5, msg=where)
             assert bool((logits[..., real:] == -1.0e4).all()), where
@@ -66,7 +53,7 @@ def _check_tp_parity(kinds):
                 grad = param.grad
                 if getattr(param, "sequence_parallel", False):
                     dist.all_reduce(grad, group=topo.tp.group)
-                expected = _full_to_shard(name, ref_params[name].grad, param, cfg, rank, tp)
+                expected = full_to_shard(name, ref_params[name].grad, param, cfg, rank, tp)
                 torch.testing.assert_close(grad, expected, rtol=0, atol=1e-5, msg=f"{where}: grad {name}")
 
 

@@ -6,14 +6,13 @@ from megalite.models.rlhf.backend import TrainingBackend
 from megalite.models.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.models.rlhf.critic import CriticModel, pipeline_values
 from megalite.models.rlhf.generation import GenerationOutput, SamplingConfig, generate
-from megalite.models.rlhf.masked_forward import masked_forward
 from megalite.models.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.models.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
                                       value_loss, whiten)
 from megalite.models.rlhf.reference import ReferenceModel
 
 __all__ = [
-    "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "masked_forward", "generate", "SamplingConfig",
+    "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "SamplingConfig",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "CentralizedModel", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",

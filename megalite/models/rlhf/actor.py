@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.models.rlhf.unwrap import unwrap
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 from megalite.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from megalite.topology import resolve_group
@@ -50,7 +50,7 @@ def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     """Log-probs ``[b, s-1]`` of ``input_ids[:, 1:]`` given their prefixes, with a whole (unpipelined) model."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    logits = masked_forward(model, input_ids, attention_mask)[:, :-1]
+    logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
     return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
                            tp_group=_tp_group(model))
 
@@ -74,7 +74,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
     def forward_step(iterator, chunk):
         batch = next(iterator)
-        output = masked_forward(chunk, batch["input_ids"], batch["attention_mask"])
+        output = chunk(batch["input_ids"], attention_mask=batch["attention_mask"])
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from megalite.models.gpt import GPTConfig, GPTModel
-from megalite.models.rlhf.masked_forward import masked_forward
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 from megalite.topology import resolve_group
 
@@ -46,9 +45,9 @@ class CriticModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
         """Values ``[b, s]`` on the last chunk, hidden states ``[s, b, h]`` on the others."""
         if self.value_head is None:
-            return masked_forward(self.gpt, input_ids, attention_mask)
-        hidden = masked_forward(self.gpt, input_ids, attention_mask, return_hidden=True)
-        return self.value_head(hidden).squeeze(-1).t().float()
+            return self.gpt(input_ids, attention_mask=attention_mask)
+        hidden = self.gpt(input_ids, attention_mask=attention_mask, return_hidden=True)
+        return self.value_head(hidden).squeeze(-1).float()
 
 
 def pipeline_values(chunk, micro_batches: list[dict], pp_group=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.models.rlhf.masked_forward import unwrap
+from megalite.models.rlhf.unwrap import unwrap
 
 _GPT2 = {
     "input_layernorm": "ln_1", "pre_mlp_layernorm": "ln_2", "self_attention.linear_proj": "attn.c_proj",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.models.kv_cache import KVCache
-from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.models.rlhf.unwrap import unwrap
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
 
@@ -104,7 +104,7 @@ class _Stages:
                                  device=input_ids.device)
             dist.recv(hidden, src=self._peer(self.rank - 1), group=self.group)
             model.set_input_tensor(hidden)
-        output = masked_forward(model, input_ids, attention_mask, cache)
+        output = model(input_ids, kv_cache=cache, attention_mask=attention_mask)
         if self.rank < self.size - 1:
             dist.send(output.contiguous(), dst=self._peer(self.rank + 1), group=self.group)
             return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megalite.models.rlhf.actor import token_log_probs
-from megalite.models.rlhf.masked_forward import masked_forward, unwrap
+from megalite.models.rlhf.unwrap import unwrap
 from megalite.models.rlhf.ppo import PPOConfig, aggregate, policy_loss, value_loss
 
 
@@ -27,7 +27,7 @@ class LanguageModelObjective:
         return batch["loss_mask"]
 
     def forward(self, chunk, mb: dict) -> torch.Tensor:
-        return masked_forward(chunk, mb["input_ids"], mb["attention_mask"])
+        return chunk(mb["input_ids"], attention_mask=mb["attention_mask"])
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         log_probs, _ = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], tp_group=unwrap(chunk).tp_group)
@@ -49,7 +49,7 @@ class PPOActorObjective:
         return batch["response_mask"]
 
     def forward(self, chunk, mb: dict) -> torch.Tensor:
-        return masked_forward(chunk, mb["input_ids"], mb["attention_mask"])
+        return chunk(mb["input_ids"], attention_mask=mb["attention_mask"])
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0

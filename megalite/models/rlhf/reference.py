@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megalite.models.rlhf.actor import sequence_log_probs
-from megalite.models.rlhf.masked_forward import unwrap
+from megalite.models.rlhf.unwrap import unwrap
 
 
 class ReferenceModel(nn.Module):

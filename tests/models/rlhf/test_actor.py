@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.models.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
-from megalite.models.rlhf.masked_forward import masked_forward
 from megalite.testing import device, run_distributed
 from tests.models.rlhf.common import config, padded_prompts
 
@@ -54,12 +53,12 @@ def test_vocab_parallel_log_probs_and_entropy_match_full_vocab_tp2_and_tp4():
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_masked_forward_matches_model_and_unpadded_rows(kind):
+def test_attention_mask_matches_model_and_unpadded_rows(kind):
     model = GPTModel(config(kind)).eval()
     ids, mask = padded_prompts()
     with torch.no_grad():
-        torch.testing.assert_close(masked_forward(model, ids, torch.ones_like(ids)), model(ids), rtol=0, atol=1e-5)
-        padded = masked_forward(model, ids, mask)
+        torch.testing.assert_close(model(ids, attention_mask=torch.ones_like(ids)), model(ids), rtol=0, atol=1e-5)
+        padded = model(ids, attention_mask=mask)
         for row in range(ids.shape[0]):
             real = int(mask[row].sum())
             alone = model(ids[row:row + 1, -real:])
@@ -70,7 +69,7 @@ def test_bad_mask_shape_raises():
     model = GPTModel(config())
     ids, mask = padded_prompts()
     with pytest.raises(ValueError, match=r"\[3, 6\]"):
-        masked_forward(model, ids, mask[:, 1:])
+        model(ids, attention_mask=mask[:, 1:])
 
 
 def _pipeline_rank():
