@@ -8,12 +8,13 @@ import sys
 from megalite.checkpoint.format import CheckpointReader
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         nbytes /= 1024
-    return ""
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
 
 
 def describe(path: str) -> str:

@@ -200,16 +200,14 @@ def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
 
 def _family(config) -> str:
     """'gpt2' or 'llama': the Hugging Face family this megalite architecture matches."""
-    gpt2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "add_bias_linear": True}
-    llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "activation": "swiglu"}
     if config.moe is not None:
         raise ValueError("MoE models have no Hugging Face GPT-2/Llama equivalent")
-    for name, wanted in (("gpt2", gpt2), ("llama", llama)):
-        if all(getattr(config, k) == v for k, v in wanted.items()):
-            if name == "gpt2" and (config.activation not in ("gelu", "gelu_tanh")
-                                   or config.num_query_groups != config.num_attention_heads):
-                break
-            return name
+    if (config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm"
+            and config.add_bias_linear and config.activation in ("gelu", "gelu_tanh")
+            and config.num_query_groups == config.num_attention_heads):
+        return "gpt2"
+    if config.position_embedding_type == "rope" and config.normalization == "RMSNorm" and config.activation == "swiglu":
+        return "llama"
     raise ValueError(f"no Hugging Face family fits position_embedding_type={config.position_embedding_type!r}, "
                      f"normalization={config.normalization!r}, activation={config.activation!r}, "
                      f"add_bias_linear={config.add_bias_linear}, num_query_groups={config.num_query_groups}: "
