@@ -11,7 +11,8 @@ class OptimizerConfig:
 
     clip_grad: maximum global L2 norm of the gradients; 0 disables clipping.
     bf16 / fp16: the model parameters' dtype; the optimizer keeps fp32 main copies.  fp16 adds a
-        dynamic loss scaler (initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis).
+        loss scaler: the constant ``loss_scale`` when set, else a dynamic one (initial_loss_scale,
+        min_loss_scale, loss_scale_window, hysteresis).
     use_distributed_optimizer: ZeRO-1, main parameters and Adam state sharded over DP (the model
         must be wrapped with ``DDPConfig(use_distributed_optimizer=True)``).
     overlap_param_gather: leave the all-gather of updated parameters in flight after ``step`` and
@@ -27,6 +28,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     bf16: bool = False
     fp16: bool = False
+    loss_scale: float | None = None
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -39,3 +41,5 @@ class OptimizerConfig:
             raise ValueError("bf16 and fp16 are exclusive; got bf16=True and fp16=True")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"loss_scale must be positive or None (dynamic), got {self.loss_scale}")

@@ -18,7 +18,7 @@ from torch import nn
 
 from megalite.optim.clip_grads import clip_grads_, global_grad_norm
 from megalite.optim.config import OptimizerConfig
-from megalite.optim.grad_scaler import DynamicGradScaler
+from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.topology import group_rank, group_size, resolve_group
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -72,7 +72,9 @@ class MixedPrecisionOptimizer:
         self.groups = groups
         self.sharded = config.use_distributed_optimizer
         self.scaler = None
-        if config.fp16:
+        if config.fp16 and config.loss_scale is not None:
+            self.scaler = ConstantGradScaler(config.loss_scale)
+        elif config.fp16:
             self.scaler = DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
                                             growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
         self.num_steps = 0

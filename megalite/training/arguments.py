@@ -250,6 +250,8 @@ def _check_batch(args):
 
 def _check_schedule(args):
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    _require(args.loss_scale is None or args.loss_scale > 0,
+             f"--loss-scale must be positive (omit it for a dynamic scale), got {args.loss_scale}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:

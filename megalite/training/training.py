@@ -28,7 +28,7 @@ from megalite import topology
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
-from megalite.optim import ConstantGradScaler, OptimizerConfig, get_optimizer
+from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import format_args, parse_args, validate_args
@@ -93,13 +93,10 @@ def build_optimizer(args, model_chunks):
     config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                              clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                             initial_loss_scale=args.initial_loss_scale,
+                             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                              hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
-    optimizer = get_optimizer(config, model_chunks)
-    if args.fp16 and args.loss_scale:
-        optimizer.scaler = ConstantGradScaler(args.loss_scale)
-    return optimizer
+    return get_optimizer(config, model_chunks)
 
 
 def _device() -> torch.device:

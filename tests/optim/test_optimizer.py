@@ -277,9 +277,25 @@ def test_dynamic_scaler_hysteresis_backoff_and_growth():
         DynamicGradScaler(2.0, min_scale=4.0)
 
 
+def test_static_loss_scale_is_constant_and_dynamic_is_default():
+    """``loss_scale`` gives a fixed scale that survives overflows; leaving it None keeps the dynamic one."""
+    model = mlp(dtype=torch.float16)
+    opt = get_optimizer(OptimizerConfig(fp16=True, loss_scale=128.0, lr=LR), [DistributedDataParallel(model)])
+    assert isinstance(opt.scaler, ConstantGradScaler) and opt.get_loss_scale() == 128.0
+    assert opt.scale_loss(torch.tensor(2.0)).item() == 256.0
+    next(model.parameters()).main_grad.fill_(float("inf"))
+    ok, _, _ = opt.step()
+    assert not ok and opt.get_loss_scale() == 128.0
+    dynamic = get_optimizer(OptimizerConfig(fp16=True, initial_loss_scale=64.0),
+                            [DistributedDataParallel(mlp(dtype=torch.float16))])
+    assert isinstance(dynamic.scaler, DynamicGradScaler) and dynamic.get_loss_scale() == 64.0
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="bf16=True and fp16=True"):
         OptimizerConfig(bf16=True, fp16=True)
+    with pytest.raises(ValueError, match="loss_scale must be positive or None .*got 0.0"):
+        OptimizerConfig(fp16=True, loss_scale=0.0)
     with pytest.raises(ValueError, match="model chunk 0 is a Sequential"):
         get_optimizer(OptimizerConfig(), [mlp()])
     with pytest.raises(ValueError, match="use_distributed_optimizer=True but chunk 0 has DDPConfig"):

@@ -43,6 +43,7 @@ def test_megatron_spellings_and_defaults():
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
      "number of experts 3 is not divisible by expert-parallel size 2"),
     (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
+    (["--fp16", "--loss-scale", "0"], 1, "--loss-scale must be positive .*got 0.0"),
     (["--lr-warmup-iters", "200"], 1, "--lr-warmup-iters 200 must be between 0 and --lr-decay-iters 100"),
     (["--lr-decay-style", "step"], 1, "argument --lr-decay-style: invalid choice: 'step'"),
     (["--num-layers"], 1, "argument --num-layers: expected one argument"),
