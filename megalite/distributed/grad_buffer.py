@@ -59,21 +59,31 @@ class GradBuffer:
         self.params = params
         device = params[0].device
 
-        ranges, bucket_bounds = [], []
+        ranges, bucket_bounds, bucket_params = [], [], []
         offset = bucket_start = 0
-        bucket_params: list[list] = [[]]
-        for i, p in enumerate(params):
+        current: list = []
+
+        def close_bucket():
+            nonlocal offset, bucket_start, current
+            if shard:
+                offset += -offset % self.dp_size
+            bucket_bounds.append((bucket_start, offset))
+            bucket_params.append(current)
+            bucket_start, current = offset, []
+
+        for p in params:
+            # A tied embedding gets a bucket of its own, so its ZeRO-1 shards cover the same elements
+            # on the first and the last pipeline stage, whose shards finalize_model_grads sums.
+            alone = getattr(p, "shared_embedding", False)
+            if alone and current:
+                close_bucket()
             ranges.append((offset, offset + p.numel()))
             offset += p.numel()
-            bucket_params[-1].append(p)
-            last = i == len(params) - 1
-            if last or (bucket_size is not None and offset - bucket_start >= bucket_size):
-                if shard:
-                    offset += -offset % self.dp_size
-                bucket_bounds.append((bucket_start, offset))
-                bucket_start = offset
-                if not last:
-                    bucket_params.append([])
+            current.append(p)
+            if alone or (bucket_size is not None and offset - bucket_start >= bucket_size):
+                close_bucket()
+        if current:
+            close_bucket()
         self.numel = offset
 
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)

@@ -137,3 +137,31 @@ def _finalize_tp_and_embedding():
 
 def test_finalize_sums_sequence_parallel_and_shared_embedding_grads():
     run_distributed(_finalize_tp_and_embedding, 4, timeout=180)
+
+
+def _sharded_embedding_sum():
+    """pp=2 x dp=2 with ZeRO-1: the tied embedding sits at different buffer offsets on the first and
+    last stage, yet each rank's shard of its grad must be the DP mean summed over both stages."""
+    topo = topology.initialize(pp=2)
+    me = dist.get_rank()
+    embedding = torch.nn.Parameter(torch.zeros(5, 3))
+    embedding.shared_embedding = True
+    other = torch.nn.Parameter(torch.zeros(7))
+    model = torch.nn.Module()
+    if topo.is_first_stage():
+        model.embedding, model.other = embedding, other
+    else:
+        model.other, model.embedding = other, embedding
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=None, use_distributed_optimizer=True))
+    coeff = torch.arange(15.0).view(5, 3)
+    ((embedding * coeff).sum() * (me + 1) + other.sum()).backward()
+    finalize_model_grads([ddp])
+    buffer = next(b for b in ddp.buffers if embedding in b.range_of)
+    lo, hi = buffer.local_range(embedding)
+    stage_means = [sum(r + 1 for r in dp_ranks) / topo.dp.size for dp_ranks in topo.all_groups["dp"]]
+    expected = coeff.view(-1) * sum(stage_means)
+    torch.testing.assert_close(embedding.main_grad.view(-1)[lo:hi], expected[lo:hi], rtol=0, atol=1e-5)
+
+
+def test_zero1_shards_of_tied_embedding_sum_over_stages():
+    run_distributed(_sharded_embedding_sum, 4, timeout=180)
