@@ -35,7 +35,8 @@ class MoELayer(nn.Module):
     scale 1.0 treats them as part of this micro-batch's loss; a trainer that
     scales each micro-batch's loss (1/num_microbatches, an fp16 loss scale) sets
     the same factor with :func:`set_aux_loss_scale`.  ``last_stats`` holds the
-    latest forward's micro-batch statistics for logging.
+    latest training-mode forward's micro-batch statistics for logging (evaluation
+    forwards leave it alone).
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, layer_number: int = 0, tp_group=None,
@@ -72,8 +73,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: {tokens.shape[0]} tokens (input {tuple(x.shape)}) do not split "
                              f"evenly over the tensor-parallel size {tp}")
         routing = self.router(tokens, stats_group=self.tp_group if self.sequence_parallel else None)
-        self.last_stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
-                           "tokens_per_expert": routing.tokens_per_expert}
+        if self.training:
+            self.last_stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
+                               "tokens_per_expert": routing.tokens_per_expert}
         probs, indices = routing.probs, routing.indices
         if routing.loss is not None:
             probs = attach_loss(probs, routing.loss, self.aux_loss_scale)

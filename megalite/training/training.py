@@ -210,24 +210,37 @@ class Trainer:
         return values
 
     def moe_stats(self) -> dict[str, float]:
-        """Router losses (mean over MoE layers) and expert load imbalance (max/mean tokens per expert).
+        """Router statistics of the last training micro-batch, for the metrics file and TensorBoard.
 
-        Taken from each MoE layer's last forward and summed over pipeline
-        stages, so every rank of a pipeline sees the whole model's figures.
+        ``moe_aux_loss``/``moe_z_loss`` are means over MoE layers and DP ranks;
+        ``moe_tokens_expert_<e>`` counts the (token, slot) assignments routed to
+        expert e, summed over MoE layers and DP ranks (TP ranks see the same
+        tokens and are not summed); ``moe_load_imbalance`` is max/mean of those
+        per-layer counts, averaged over layers.  Layers are indexed by their
+        global number, so summing over pipeline stages assembles the model.
         """
-        layers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoELayer) and m.last_stats]
-        totals = torch.zeros(3 + self.args.num_experts, dtype=torch.float64, device=_device())
-        for layer in layers:
-            stats = layer.last_stats
-            totals[0] += float(stats["aux_loss"])
-            totals[1] += float(stats["z_loss"])
-            totals[2] += 1
-            totals[3:] += torch.as_tensor(stats["tokens_per_expert"], dtype=totals.dtype, device=totals.device)
-        if self.topo.pp.size > 1:
-            dist.all_reduce(totals, group=self.topo.pp.group)
-        count, tokens = max(1.0, totals[2].item()), totals[3:]
-        return {"moe_aux_loss": totals[0].item() / count, "moe_z_loss": totals[1].item() / count,
-                "moe_load_imbalance": (tokens.max() / tokens.mean().clamp_min(1e-12)).item()}
+        experts = self.args.num_experts
+        rows = torch.zeros(self.args.num_layers, 3 + experts, dtype=torch.float64, device=_device())
+        for chunk in self.chunks:
+            for layer in chunk.modules():
+                if isinstance(layer, MoELayer) and layer.last_stats is not None:
+                    stats = layer.last_stats
+                    rows[layer.layer_number, :3] += torch.tensor([stats["aux_loss"], stats["z_loss"], 1.0],
+                                                                 dtype=rows.dtype)
+                    rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype)
+        for group in (self.topo.pp.group, self.topo.dp.group):
+            if topology.group_size(group) > 1:
+                dist.all_reduce(rows, group=group)
+        rows = rows[rows[:, 2] > 0]
+        if rows.shape[0] == 0:
+            return {}
+        seen = rows[:, 2].sum().item()
+        tokens = rows[:, 3:]
+        imbalance = tokens.max(1).values / tokens.mean(1).clamp_min(1e-12)
+        values = {"moe_aux_loss": rows[:, 0].sum().item() / seen, "moe_z_loss": rows[:, 1].sum().item() / seen,
+                  "moe_load_imbalance": imbalance.mean().item()}
+        values.update({f"moe_tokens_expert_{e}": int(count) for e, count in enumerate(tokens.sum(0).tolist())})
+        return values
 
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
         """Tokens/s of the whole job, plus per-GPU TFLOP/s and MFU when on a GPU."""
@@ -297,10 +310,9 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                           **evaluated)
             if grad_norm is not None:
                 values["grad_norm"] = grad_norm
-            extra = memory_gib()
             if args.num_experts:
-                extra.update(trainer.moe_stats())
-            trainer.logger.log(iteration, values, tensorboard_extra=extra)
+                values.update(trainer.moe_stats())
+            trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = sigterm.agreed()
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
