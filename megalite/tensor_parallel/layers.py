@@ -170,15 +170,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, input: torch.Tensor):
         if not self.input_is_parallel:
             input = mappings.scatter_to_tensor_parallel_region(input, self.tp_group)
+        if self.tp_size == 1:
+            output = F.linear(input, self.weight, None if self.skip_bias_add else self.bias)
+            return (output, self.bias) if self.skip_bias_add else output
         partial = F.linear(input, self.weight)
         if self.sequence_parallel:
             output = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
-            output = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
+            output = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group, inplace=True)
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:
-            output = output + self.bias
+            # The reduced output is a fresh tensor that no backward reads: add the bias in place.
+            output = output.add_(self.bias)
         return output
 
     def extra_repr(self) -> str:

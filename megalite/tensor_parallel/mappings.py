@@ -84,12 +84,16 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, group, inplace):
+        if not inplace:
+            return all_reduce(x, group)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -161,10 +165,14 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     return x if group is None else _CopyToRegion.apply(x, group)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-reduce forward; identity backward (output of a row-parallel layer)."""
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None, *, inplace: bool = False) -> torch.Tensor:
+    """All-reduce forward; identity backward (output of a row-parallel layer).
+
+    ``inplace=True`` sums into ``x`` itself (when contiguous), saving a copy; only for a
+    fresh partial result that nothing else reads, such as a row-parallel layer's product.
+    """
     group = _resolve(group)
-    return x if group is None else _ReduceFromRegion.apply(x, group)
+    return x if group is None else _ReduceFromRegion.apply(x, group, inplace and x.is_contiguous())
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
