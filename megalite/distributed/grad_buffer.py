@@ -124,10 +124,12 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self._next = bucket.index + 1
-        if self.dp_size == 1:
-            return
+        # Scale even without a collective: an expert buffer whose expert-DP group has one rank
+        # still averages over the dense DP replicas.
         if self.scale != 1.0:
             bucket.grad.mul_(self.scale)
+        if self.dp_size == 1:
+            return
         if self.shard:
             out = bucket.shard(bucket.grad, self.dp_rank)
             bucket.grad_handle = _reduce_scatter(out, bucket.grad, group=self.group, async_op=True)

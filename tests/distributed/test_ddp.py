@@ -165,3 +165,21 @@ def _sharded_embedding_sum():
 
 def test_zero1_shards_of_tied_embedding_sum_over_stages():
     run_distributed(_sharded_embedding_sum, 4, timeout=180)
+
+
+def _expert_grads_with_single_rank_expert_dp():
+    """ep=2 on 2 ranks: expert-DP has one rank, yet expert grads are still averaged over dense DP."""
+    topo = topology.initialize(ep=2)
+    assert topo.expert_dp.size == 1 and topo.dp.size == 2
+    weight = torch.nn.Parameter(torch.zeros(3))
+    weight.expert_parallel = True
+    model = torch.nn.Module()
+    model.weight = weight
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=None))
+    (weight.sum() * (dist.get_rank() + 1)).backward()
+    finalize_model_grads([ddp])
+    torch.testing.assert_close(weight.main_grad, torch.full((3,), (dist.get_rank() + 1) / 2), rtol=0, atol=1e-6)
+
+
+def test_expert_grads_scaled_when_expert_dp_is_one_rank():
+    run_distributed(_expert_grads_with_single_rank_expert_dp, 2, timeout=180)
