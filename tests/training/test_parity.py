@@ -41,3 +41,12 @@ def _check_timelines(directory):
         kinds = [kind for kind, _, _ in recorder.order()]
         assert recorder.stage == rank // 2
         assert kinds.count("F") == kinds.count("B") == 20 * 4
+
+
+def test_pipeline_with_distributed_optimizer_matches_one_rank(tiny_data, tmp_path, reference):
+    """pp=2 x dp=2 with ZeRO-1: the tied embedding's shards must line up across the two stages."""
+    _, got = train(tiny_data, tmp_path, 4, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer")
+    assert [r["iteration"] for r in got] == list(range(1, 21))
+    for ref, mine in zip(reference, got):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
