@@ -92,11 +92,11 @@ def _resharded_rank(path, data, workdir):
     return results
 
 
-def test_checkpoint_saved_at_tp2_pp2_dp2_loads_and_resumes_under_other_layouts(tiny_data, tmp_path):
+def test_checkpoint_saved_at_tp2_pp2_dp2_zero1_loads_and_resumes_under_other_layouts(tiny_data, tmp_path):
     save, reference_run = str(tmp_path / "ckpt"), str(tmp_path / "reference")
     os.makedirs(reference_run)
     run_distributed(_pretrain, 8, _argv(tiny_data, reference_run, "--tensor-model-parallel-size", "2",
-                                        "--pipeline-model-parallel-size", "2",
+                                        "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                         "--train-iters", "5", "--save", save, "--save-interval", "3"), timeout=300)
     at3 = str(tmp_path / "at3")
     shutil.copytree(iteration_dir(save, 3), iteration_dir(at3, 3))
