@@ -23,6 +23,7 @@ TORCH_LIBRARY(megalite, m) {
   m.def("causal_softmax_fwd(Tensor x, float scale) -> Tensor");
   m.def("masked_softmax_fwd(Tensor x, Tensor mask, float scale) -> Tensor");
   m.def("softmax_bwd(Tensor grad, Tensor y, float scale) -> Tensor");
+  m.def("permute_row_map(Tensor expert_indices) -> Tensor");
   m.def("permute_fwd(Tensor tokens, Tensor row_map, int k) -> Tensor");
   m.def("permute_bwd(Tensor grad, Tensor row_map, int num_tokens, int k) -> Tensor");
   m.def("unpermute_fwd(Tensor permuted, Tensor row_map, Tensor probs, int num_tokens) -> Tensor");

@@ -441,11 +441,12 @@ at::Tensor bias_dropout_add_fwd(const at::Tensor& x, const c10::optional<at::Ten
   check_cpu(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "megalite::bias_dropout_add_fwd: residual/x mismatch");
   const at::Tensor* b = optional_bias(bias, x);
-  const bool* mp = nullptr;
+  // The bool mask is read as bytes (0 or 1) and multiplied in, a branch-free loop that vectorizes.
+  const uint8_t* mp = nullptr;
   if (mask.has_value() && mask->defined()) {
     check_cpu(*mask, "mask");
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == x.sizes(), "megalite::bias_dropout_add_fwd: mask must be bool shaped like x");
-    mp = mask->data_ptr<bool>();
+    mp = reinterpret_cast<const uint8_t*>(mask->data_ptr<bool>());
   }
   const int64_t h = x.size(-1), rows = x.numel() / std::max<int64_t>(h, 1);
   const float sc = static_cast<float>(scale);
@@ -461,8 +462,8 @@ at::Tensor bias_dropout_add_fwd(const at::Tensor& x, const c10::optional<at::Ten
         load_row_bias(xp + r * h, bp, buf.data(), h);
         const scalar_t* res = rp + r * h;
         if (mp != nullptr) {
-          const bool* m = mp + r * h;
-          for (int64_t j = 0; j < h; ++j) buf[j] = static_cast<float>(res[j]) + (m[j] ? buf[j] * sc : 0.0f);
+          const uint8_t* m = mp + r * h;
+          for (int64_t j = 0; j < h; ++j) buf[j] = static_cast<float>(res[j]) + buf[j] * (static_cast<float>(m[j]) * sc);
         } else {
           for (int64_t j = 0; j < h; ++j) buf[j] += static_cast<float>(res[j]);
         }
@@ -480,12 +481,12 @@ at::Tensor dropout_bwd(const at::Tensor& grad, const at::Tensor& mask, double sc
   const int64_t n = grad.numel();
   const float sc = static_cast<float>(scale);
   at::Tensor out = at::empty_like(grad);
-  const bool* mp = mask.data_ptr<bool>();
+  const uint8_t* mp = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "dropout_bwd", [&] {
     const scalar_t* gp = grad.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain * 8, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) op[i] = static_cast<scalar_t>(mp[i] ? static_cast<float>(gp[i]) * sc : 0.0f);
+      for (int64_t i = i0; i < i1; ++i) op[i] = static_cast<scalar_t>(static_cast<float>(gp[i]) * (static_cast<float>(mp[i]) * sc));
     });
   });
   return out;
@@ -611,6 +612,40 @@ std::vector<int64_t> inverse_map(const at::Tensor& row_map, int64_t assignments)
     inverse[rm[j]] = j;
   }
   return inverse;
+}
+
+// Flat indices of the kept (>= 0) assignments grouped by expert id, in the order a stable argsort
+// gives.  A counting sort (one pass to count, one to place) when the ids are small next to the
+// number of assignments, as router outputs are; a stable comparison sort otherwise.
+at::Tensor permute_row_map(const at::Tensor& expert_indices) {
+  check_cpu(expert_indices, "expert_indices");
+  TORCH_CHECK(expert_indices.scalar_type() == at::kLong, "megalite::permute_row_map: expert_indices must be int64");
+  const int64_t n = expert_indices.numel();
+  const int64_t* e = expert_indices.data_ptr<int64_t>();
+  int64_t experts = 0, kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    experts = std::max(experts, e[i] + 1);
+    kept += e[i] >= 0;
+  }
+  at::Tensor out = at::empty({kept}, expert_indices.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  if (experts > 2 * n + 1024) {
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (e[i] >= 0) o[j++] = i;
+    }
+    std::stable_sort(o, o + kept, [e](int64_t a, int64_t b) { return e[a] < e[b]; });
+    return out;
+  }
+  std::vector<int64_t> next(experts + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] >= 0) ++next[e[i] + 1];
+  }
+  for (int64_t x = 0; x < experts; ++x) next[x + 1] += next[x];
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] >= 0) o[next[e[i]]++] = i;
+  }
+  return out;
 }
 
 at::Tensor permute_fwd(const at::Tensor& tokens, const at::Tensor& row_map, int64_t k) {
@@ -744,6 +779,7 @@ TORCH_LIBRARY_IMPL(megalite, CPU, m) {
   m.impl("causal_softmax_fwd", &causal_softmax_fwd);
   m.impl("masked_softmax_fwd", &masked_softmax_fwd);
   m.impl("softmax_bwd", &softmax_bwd);
+  m.impl("permute_row_map", &permute_row_map);
   m.impl("permute_fwd", &permute_fwd);
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute_fwd", &unpermute_fwd);

@@ -11,6 +11,7 @@ megalite.kernels, which checks the inputs first.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import reference
 
@@ -187,6 +188,11 @@ def _register() -> None:
     autograd("megalite::causal_softmax_fwd", causal_softmax_backward, setup_context=softmax_setup)
     autograd("megalite::masked_softmax_fwd", masked_softmax_backward, setup_context=softmax_setup)
 
+    # MoE: the row map's length is the number of kept assignments, known only from the data.
+    @fake("megalite::permute_row_map")
+    def _(expert_indices):
+        return expert_indices.new_empty(torch.library.get_ctx().new_dynamic_size())
+
     # MoE permute/unpermute over a precomputed row map.
     @fake("megalite::permute_fwd")
     def _(tokens, row_map, k):
@@ -232,6 +238,10 @@ if BUILT:
 
 
 def layer_norm(x, weight, bias, eps):
+    """torch's own LayerNorm for fp32 on CPU, which is already one fused, vectorized kernel per pass
+    and has a faster backward than ours; the extension's kernel for half types and on GPU."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return F.layer_norm(x, (x.shape[-1],), weight.float(), bias.float(), eps)
     return torch.ops.megalite.layer_norm_fwd(x, weight.float(), bias.float(), eps)[0]
 
 
@@ -253,9 +263,12 @@ def apply_rotary(q, k, cos, sin):
 
 
 def bias_dropout_add(x, bias, residual, p, training):
+    """Without dropout nothing is left to fuse but two adds: torch's add (the bias added in place)
+    costs less than a custom op's autograd wrapper at transformer sizes, and no mask is drawn."""
     if training and p > 0.0:
         return torch.ops.megalite.bias_dropout_add_fwd(x, bias, residual, reference.dropout_mask(x, p), 1.0 / (1.0 - p))
-    return torch.ops.megalite.bias_dropout_add_fwd(x, bias, residual, None, 1.0)
+    out = torch.add(residual, x)
+    return out if bias is None else out.add_(bias)
 
 
 def scaled_upper_triang_masked_softmax(x, scale):
@@ -272,7 +285,11 @@ def scaled_masked_softmax(x, mask, scale):
 
 
 def permute(tokens, expert_indices):
-    row_map = reference.permute_row_map(expert_indices)
+    """On CPU the row map comes from the extension's counting sort (same order as the stable argsort)."""
+    if expert_indices.device.type == "cpu":
+        row_map = torch.ops.megalite.permute_row_map(expert_indices)
+    else:
+        row_map = reference.permute_row_map(expert_indices)
     return torch.ops.megalite.permute_fwd(tokens, row_map, expert_indices.shape[1]), row_map
 
 

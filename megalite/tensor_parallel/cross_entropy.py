@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite import topology
 
@@ -108,7 +109,14 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     _check_target(logits_shard, target)
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, float(label_smoothing), _resolve(tp_group))
+    group = _resolve(tp_group)
+    vocab = logits_shard.shape[-1]
+    if group is None and not bool(((target < 0) | (target >= vocab)).any()):
+        # One rank holds the whole vocabulary: torch's fused log-softmax + NLL makes fewer passes
+        # over the logits.  Out-of-range targets keep the general path and its documented loss.
+        return F.cross_entropy(logits_shard.float().reshape(-1, vocab), target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(target.shape)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, float(label_smoothing), group)
 
 
 def vocab_parallel_log_probs(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
