@@ -66,18 +66,45 @@ def _check_last_dim(name: str, x, param_name: str, param) -> None:
                          f"to match the last dim of x {tuple(x.shape)}")
 
 
+def _import_apex_norms():
+    """apex's fused norm module when NVIDIA apex imports, else None: apex is optional."""
+    try:
+        from apex.normalization import fused_layer_norm
+    except Exception:
+        return None
+    return fused_layer_norm
+
+
+_APEX_NORMS = _import_apex_norms()
+
+
+def _apex_applies(x, *params) -> bool:
+    return (_APEX_NORMS is not None and fused_enabled() and x.is_cuda
+            and all(p is not None for p in params) and _float_dtype(x))
+
+
 def layer_norm(x, weight, bias, eps: float):
-    """LayerNorm over the last dim of x with weight and bias of size x.shape[-1]."""
+    """LayerNorm over the last dim of x with weight and bias of size x.shape[-1].
+
+    On GPU, apex's fused LayerNorm when apex imports; otherwise megalite's own kernel.
+    """
     _check_last_dim("layer_norm", x, "weight", weight)
     _check_last_dim("layer_norm", x, "bias", bias)
+    if _apex_applies(x, weight, bias):
+        return _APEX_NORMS.fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
     if weight is not None and bias is not None and _float_dtype(x) and _qualifies(x, weight, bias):
         return _fused.layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
 
 
 def rms_norm(x, weight, eps: float):
-    """RMSNorm over the last dim of x with weight of size x.shape[-1]."""
+    """RMSNorm over the last dim of x with weight of size x.shape[-1].
+
+    On GPU, apex's fused RMSNorm when apex imports; otherwise megalite's own kernel.
+    """
     _check_last_dim("rms_norm", x, "weight", weight)
+    if _apex_applies(x, weight):
+        return _APEX_NORMS.fused_rms_norm_affine(x, weight, (x.shape[-1],), eps)
     if weight is not None and _float_dtype(x) and _qualifies(x, weight):
         return _fused.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)

@@ -118,3 +118,17 @@ def test_fused_ops_trace_under_torch_compile():
     torch.testing.assert_close(compiled, eager)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_apex_norms_only_on_gpu_and_only_when_apex_imports():
+    """The PyPI package named apex is unrelated: only NVIDIA apex's norm module is ever used."""
+    x = torch.randn(4, 8)
+    w, b = torch.randn(8), torch.randn(8)
+    assert not K._apex_applies(x, w, b)
+    torch.testing.assert_close(K.layer_norm(x, w, b, 1e-5), K.reference.layer_norm(x, w, b, 1e-5))
+    if K._APEX_NORMS is None or not torch.cuda.is_available():
+        return
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    assert K._apex_applies(xc, wc, bc)
+    torch.testing.assert_close(K.layer_norm(xc, wc, bc, 1e-5).cpu(), K.reference.layer_norm(x, w, b, 1e-5))
+    torch.testing.assert_close(K.rms_norm(xc, wc, 1e-5).cpu(), K.reference.rms_norm(x, w, 1e-5))
