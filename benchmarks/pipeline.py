@@ -3,7 +3,8 @@
 Four pipeline ranks (gloo on CPU, or one GPU per rank under NCCL) train an MLP stack split into 4 stages
 (8 virtual stages when interleaved) on m=8 micro-batches.  Pairs compared, alternating step by step:
 megalite 1F1B vs torch Schedule1F1B, megalite interleaved 1F1B vs torch ScheduleInterleaved1F1B.
-Prints the median step time of the slowest rank, the ratio megalite/torch, the grad difference between
+Prints the median step time of the slowest rank, the ratio megalite/torch, the median CPU time summed over
+ranks (gloo threads included; far less disturbed by other load on the machine), the grad difference between
 the two sides (same weights, same data), and megalite's measured bubble.  Writes Gantt charts of one
 megalite step of each schedule with tools/plot_pipeline.py's renderer.
 
@@ -130,20 +131,24 @@ def bench(steps, hidden, seq, batch):
         theirs = build_chunks(hidden, vpp, rank)
         schedule = torch_schedule(theirs, hidden, seq, batch, rank, group)
         times = {"megalite": [], "torch": []}
+        cpu = {"megalite": [], "torch": []}
         for step in range(steps + 2):
             for name in ("megalite", "torch") if step % 2 == 0 else ("torch", "megalite"):
                 chunks = mine if name == "megalite" else theirs
                 zero(chunks)
                 dist.barrier(group)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 if name == "megalite":
                     megalite_step(chunks, x, y, batch, rank)
                 else:
                     torch_step(schedule, x, y, rank)
-                elapsed = torch.tensor([time.perf_counter() - start])
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                cpu_time = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(cpu_time, group=group)
                 if step >= 2:
                     times[name].append(elapsed.item())
+                    cpu[name].append(cpu_time.item())
         diff = max((a - b).abs().max().item() for a, b in zip(grads(mine), grads(theirs)))
         zero(mine)
         recorder = PipelineRecorder()
@@ -152,7 +157,8 @@ def bench(steps, hidden, seq, batch):
         diff_t = torch.tensor([diff])
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX, group=group)
         results[vpp] = {"megalite": statistics.median(times["megalite"]), "torch": statistics.median(times["torch"]),
-                        "grad_diff": diff_t.item(), "events": recorder.events}
+                        "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+                        "grad_diff": diff_t.item(), "events": recorder.events, "load": os.getloadavg()[0]}
     return results
 
 
@@ -171,13 +177,15 @@ def main():
     spec.loader.exec_module(plot)
     print(f"pp={PP}, m={M}, hidden={args.hidden}, micro-batch {args.batch}x{args.seq} tokens, "
           f"{args.steps} timed steps (median of the slowest rank), device={device()}")
-    print(f"{'schedule':<22}{'torch':>12}{'megalite':>12}{'ratio':>8}{'max |grad diff|':>18}{'bubble':>9}")
+    print(f"{'schedule':<22}{'torch':>12}{'megalite':>12}{'ratio':>8}{'max |grad diff|':>18}{'bubble':>9}"
+          f"{'CPU torch':>12}{'CPU megalite':>14}{'CPU ratio':>11}{'load':>6}")
     for vpp, name, png in ((None, "1F1B", "pipeline_1f1b.png"), (2, "interleaved 1F1B v=2", "pipeline_interleaved.png")):
         r = per_rank[0][vpp]
         recorders = [PipelineRecorder(rank, res[vpp]["events"]) for rank, res in enumerate(per_rank)]
         bubble = bubble_fraction(recorders)
         print(f"{name:<22}{r['torch'] * 1e3:>10.1f}ms{r['megalite'] * 1e3:>10.1f}ms{r['megalite'] / r['torch']:>8.3f}"
-              f"{r['grad_diff']:>18.2e}{bubble:>9.3f}")
+              f"{r['grad_diff']:>18.2e}{bubble:>9.3f}{r['cpu']['torch'] * 1e3:>10.1f}ms{r['cpu']['megalite'] * 1e3:>12.1f}ms"
+              f"{r['cpu']['megalite'] / r['cpu']['torch']:>11.3f}{r['load']:>6.1f}")
         if args.png_dir:
             path = os.path.join(args.png_dir, png)
             plot.write_png(path, plot.render(recorders, 900))
