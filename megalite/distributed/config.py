@@ -14,13 +14,21 @@ class DDPConfig:
     overlap_grad_reduce: start a bucket's reduction during backward as soon as it is complete.
     use_distributed_optimizer: pad buckets to a multiple of the DP size and reduce-scatter them,
         so each rank receives only the gradient shard its ZeRO-1 optimizer updates.
+    shard_collectives: how ZeRO-1 buffers move shards. "scatter_gather" reduce-scatters grads and
+        all-gathers params; "reduce_broadcast" all-reduces grads and broadcasts each rank's param shard,
+        the same bytes in collectives that gloo runs about twice as fast; "auto" picks
+        "reduce_broadcast" on gloo and "scatter_gather" otherwise.
     """
 
     bucket_size: int | None = 40_000_000
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = True
     use_distributed_optimizer: bool = False
+    shard_collectives: str = "auto"
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size}")
+        if self.shard_collectives not in ("auto", "scatter_gather", "reduce_broadcast"):
+            raise ValueError(f"shard_collectives must be auto, scatter_gather or reduce_broadcast, "
+                             f"got {self.shard_collectives!r}")

@@ -43,7 +43,8 @@ class DistributedDataParallel(nn.Module):
             grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else dtype
             group = self.expert_dp_group if expert else self.dp_group
             buffer = GradBuffer(params, grad_dtype, group, scale, self.config.bucket_size,
-                                shard=self.config.use_distributed_optimizer)
+                                shard=self.config.use_distributed_optimizer,
+                                shard_collectives=self.config.shard_collectives)
             self.buffers.append(buffer)
             for p in params:
                 self._buffer_of[p] = buffer

@@ -47,15 +47,20 @@ class GradBuffer:
     scale: factor applied before the sum-reduction (1/DP size, so the result is the DP mean).
     shard: pad every bucket to a multiple of the group size, reduce-scatter instead of
         all-reduce, and move the parameters into a flat buffer that can be all-gathered.
+    shard_collectives: see :class:`~megalite.distributed.DDPConfig`.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, group, scale: float,
-                 bucket_size: int | None, shard: bool):
+                 bucket_size: int | None, shard: bool, shard_collectives: str = "auto"):
         self.group = group
         self.dp_size = group_size(group)
         self.dp_rank = group_rank(group)
         self.scale = scale
         self.shard = shard
+        if shard_collectives == "auto":
+            gloo = group is not None and dist.get_backend(group) == "gloo"
+            shard_collectives = "reduce_broadcast" if gloo else "scatter_gather"
+        self.reduce_broadcast = shard_collectives == "reduce_broadcast"
         self.params = params
         device = params[0].device
 
@@ -130,7 +135,7 @@ class GradBuffer:
             bucket.grad.mul_(self.scale)
         if self.dp_size == 1:
             return
-        if self.shard:
+        if self.shard and not self.reduce_broadcast:
             out = bucket.shard(bucket.grad, self.dp_rank)
             bucket.grad_handle = _reduce_scatter(out, bucket.grad, group=self.group, async_op=True)
         else:
@@ -164,12 +169,19 @@ class GradBuffer:
         if self.dp_size == 1:
             return
         for bucket in reversed(self.buckets):
-            local = bucket.shard(bucket.param, self.dp_rank).clone()
-            bucket.param_handle = _all_gather(bucket.param, local, group=self.group, async_op=True)
+            if self.reduce_broadcast:
+                bucket.param_handle = [
+                    dist.broadcast(bucket.shard(bucket.param, r), dist.get_global_rank(self.group, r),
+                                   group=self.group, async_op=True)
+                    for r in range(self.dp_size)]
+            else:
+                local = bucket.shard(bucket.param, self.dp_rank).clone()
+                bucket.param_handle = [_all_gather(bucket.param, local, group=self.group, async_op=True)]
 
     def wait_param_sync(self, bucket: Bucket) -> None:
         if bucket.param_handle is not None:
-            bucket.param_handle.wait()
+            for handle in bucket.param_handle:
+                handle.wait()
             bucket.param_handle = None
 
     def finish_param_sync(self) -> None:

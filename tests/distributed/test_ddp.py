@@ -183,3 +183,8 @@ def _expert_grads_with_single_rank_expert_dp():
 
 def test_expert_grads_scaled_when_expert_dp_is_one_rank():
     run_distributed(_expert_grads_with_single_rank_expert_dp, 2, timeout=180)
+
+
+def test_unknown_shard_collectives_is_rejected():
+    with pytest.raises(ValueError, match="shard_collectives must be auto, scatter_gather or reduce_broadcast, got 'x'"):
+        DDPConfig(shard_collectives="x")

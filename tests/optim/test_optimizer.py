@@ -53,13 +53,14 @@ def _shard(full: torch.Tensor, param, tp: int, tp_rank: int) -> torch.Tensor:
     return full
 
 
-def _zero_parity(tp: int, overlap_param_gather: bool, steps: int = 5):
+def _zero_parity(tp: int, overlap_param_gather: bool, collectives: str = "auto", steps: int = 5):
     """ZeRO-1 (with clipping) on TPMLP vs. torch AdamW + clip_grad_norm_ in one process."""
     topo = topology.initialize(tp=tp)
     torch.manual_seed(0)
     model = TPMLP()
     ref = _reference()
-    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=64, use_distributed_optimizer=True))
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=64, use_distributed_optimizer=True,
+                                                   shard_collectives=collectives))
     opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True,
                                         overlap_param_gather=overlap_param_gather), [ddp])
     ref_opt = reference_adamw(ref, LR, WD)
@@ -82,9 +83,11 @@ def _zero_parity(tp: int, overlap_param_gather: bool, steps: int = 5):
     return errors, norms
 
 
-@pytest.mark.parametrize("dp, tp, overlap", [(2, 1, True), (4, 1, False), (2, 2, False)])
-def test_zero1_matches_torch_adamw(dp, tp, overlap):
-    for errors, norms in run_distributed(_zero_parity, dp * tp, tp, overlap, timeout=180):
+@pytest.mark.parametrize("dp, tp, overlap, collectives", [
+    (2, 1, True, "auto"), (4, 1, False, "auto"), (2, 2, False, "auto"),
+    (2, 1, True, "scatter_gather"), (4, 1, False, "scatter_gather"), (2, 2, False, "reduce_broadcast")])
+def test_zero1_matches_torch_adamw(dp, tp, overlap, collectives):
+    for errors, norms in run_distributed(_zero_parity, dp * tp, tp, overlap, collectives, timeout=180):
         assert max(errors.values()) <= 1e-6, errors
         for norm, ref_norm in norms:
             assert abs(norm - ref_norm) <= 1e-6 * ref_norm
