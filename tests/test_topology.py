@@ -92,14 +92,24 @@ def _all_reduce_each_axis():
     import torch
     import torch.distributed as dist
 
-    topo = topology.initialize(tp=2, pp=2, ep=2)
+    topo = topology.initialize(tp=2, pp=2, vpp=2, ep=2)
     me = dist.get_rank()
+    expected = rank_groups(8, tp=2, pp=2, ep=2)
     sums = {}
-    for axis in ("tp", "pp", "dp", "model", "embedding", "ep", "expert_tp", "expert_dp"):
+    for axis in ("tp", "pp", "dp", "cp", "model", "embedding", "ep", "expert_tp", "expert_dp"):
         a = getattr(topo, axis)
+        ranks = next(g for g in expected[axis] if me in g)
+        assert (a.ranks, a.rank, a.size) == (ranks, ranks.index(me), len(ranks)), axis
+        assert dist.get_world_size(a.group) == len(ranks), axis
         t = torch.tensor([float(me)])
         dist.all_reduce(t, group=a.group)
-        sums[axis] = (t.item(), float(sum(a.ranks)))
+        sums[axis] = (t.item(), float(sum(ranks)))
+    stage, peers = me // 4, [me % 4, me % 4 + 4]
+    assert (topo.next_rank, topo.prev_rank) == (peers[1 - stage], peers[1 - stage])
+    assert topo.is_first_stage() == (stage == 0) and topo.is_last_stage() == (stage == 1)
+    topo.virtual_stage = 1
+    assert not topo.is_first_stage(ignore_virtual=False)
+    assert topo.is_last_stage(ignore_virtual=False) == (stage == 1)
     return sums
 
 
