@@ -33,6 +33,37 @@ def test_kv_cache_greedy_equals_uncached_and_log_probs_match_actor(kind):
     torch.testing.assert_close(actor[:, -n:] * out.response_mask, out.log_probs, rtol=0, atol=1e-5)
 
 
+def _naive_greedy(model, ids, mask, max_new_tokens, eos_id):
+    """Row by row, the unpadded prompt rerun in full each step: argmax token and its log-prob."""
+    rows = []
+    with torch.no_grad():
+        for row in range(ids.shape[0]):
+            seq, picked = ids[row, -int(mask[row].sum()):][None], []
+            for _ in range(max_new_tokens):
+                log_probs = torch.log_softmax(model(seq)[0, -1, :config().vocab_size].float(), dim=-1)
+                token = int(log_probs.argmax())
+                picked.append((token, float(log_probs[token])))
+                seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+                if token == eos_id:
+                    break
+            rows.append(picked)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_kv_cache_greedy_equals_naive_full_recompute(kind):
+    """Independent of generate(): no cache, no padding, no batching, one plain forward per token."""
+    model = GPTModel(config(kind)).eval()
+    ids, mask = padded_prompts()
+    out = generate(model, ids, mask, GREEDY)
+    p = ids.shape[1]
+    for row, picked in enumerate(_naive_greedy(model, ids, mask, GREEDY.max_new_tokens, GREEDY.eos_id)):
+        n = len(picked)
+        assert out.tokens[row, p:p + n].tolist() == [t for t, _ in picked], (row, out.tokens[row], picked)
+        assert bool((out.tokens[row, p + n:] == GREEDY.pad_id).all()) and int(out.response_mask[row].sum()) == n
+        torch.testing.assert_close(out.log_probs[row, :n], torch.tensor([lp for _, lp in picked]), rtol=0, atol=1e-5)
+
+
 def test_eos_stops_rows_and_pads_after():
     model = GPTModel(config())
     first = _generate(model, GREEDY)
