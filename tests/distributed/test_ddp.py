@@ -188,3 +188,42 @@ def test_expert_grads_scaled_when_expert_dp_is_one_rank():
 def test_unknown_shard_collectives_is_rejected():
     with pytest.raises(ValueError, match="shard_collectives must be auto, scatter_gather or reduce_broadcast, got 'x'"):
         DDPConfig(shard_collectives="x")
+
+
+def _launch_timing():
+    """Which buckets have a collective in flight: none during no_sync micro-batches; with overlap, the
+    first bucket (the last layers) is launched while backward still runs through the first layer."""
+    topo = topology.initialize()
+    model = mlp()
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=100, overlap_grad_reduce=True))
+    (buffer,) = ddp.buffers
+    seen = {}
+
+    def launched():
+        return [b.grad_handle is not None for b in buffer.buckets]
+
+    def record(grad):
+        seen.setdefault("inside backward", launched())
+
+    def watch(module, args, out):
+        out.register_hook(record)
+
+    model[0].register_forward_hook(watch)
+    x, y = batch(0)
+    xs, ys = local_rows(x, topo.dp.rank, 2).chunk(2), local_rows(y, topo.dp.rank, 2).chunk(2)
+    with ddp.no_sync():
+        F.mse_loss(ddp(xs[0]), ys[0]).backward()
+    seen["after no_sync"] = launched()
+    seen.pop("inside backward")
+    F.mse_loss(ddp(xs[1]), ys[1]).backward()
+    seen["after last backward"] = launched()
+    ddp.finish_grad_sync()
+    return len(buffer.buckets), seen
+
+
+def test_buckets_launch_during_last_backward_only():
+    for count, seen in run_distributed(_launch_timing, 2, timeout=180):
+        assert count >= 3
+        assert seen["after no_sync"] == [False] * count
+        assert seen["inside backward"][0] and not seen["inside backward"][-1], seen
+        assert seen["after last backward"] == [True] * count
