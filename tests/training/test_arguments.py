@@ -38,6 +38,8 @@ def test_megatron_spellings_and_defaults():
     (["--tensor-model-parallel-size", "2"], 3, r"world size 3 is not divisible by tp\*pp = 2\*1 = 2"),
     (["--context-parallel-size", "2"], 2, "context parallelism is reserved"),
     (["--pipeline-model-parallel-size", "3"], 3, "num_layers=4 is not divisible by pipeline size pp=3"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"], 2,
+     "first=5 and last=None pipeline-stage layers exceed num_layers=4"),
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
       "--global-batch-size", "3"], 2, "number of micro-batches 3 .* to be divisible by pipeline size 2"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
