@@ -141,9 +141,13 @@ def apply_rotary(q, k, cos, sin):
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != (s, d):
             raise ValueError(f"apply_rotary: {name} has shape {tuple(t.shape)}, expected ({s}, {d})")
-    if (_float_dtype(q, k) and not cos.requires_grad and not sin.requires_grad
-            and cos.device == q.device and sin.device == q.device and _qualifies(q, k)):
-        return _fused.apply_rotary(q, k, cos, sin)
+    if (fused_enabled() and _float_dtype(q, k) and not cos.requires_grad and not sin.requires_grad
+            and cos.device == q.device and sin.device == q.device):
+        # q and k are usually strided views into the fused QKV projection: one copy each for the
+        # fused kernel still beats the eager rotate-half.
+        q_dense, k_dense = q.contiguous(), k.contiguous()
+        if _qualifies(q_dense, k_dense):
+            return _fused.apply_rotary(q_dense, k_dense, cos, sin)
     return reference.apply_rotary(q, k, cos, sin)
 
 

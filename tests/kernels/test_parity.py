@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megalite.kernels as K
+from megalite.kernels import fused
 from megalite.kernels import reference as R
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -30,6 +31,12 @@ def _cases(device, dtype):
         emb = torch.cat((angles, angles), dim=-1)
         return _randn(7, 2, 3, 10, **mk), _randn(7, 2, 1, 10, **mk), emb.cos(), emb.sin()
 
+    def strided_rotary_args():
+        """q and k as the attention layer makes them: views into one [s, b, groups, heads + 2, d] QKV tensor."""
+        _, _, cos, sin = rotary_args()
+        qkv = _randn(7, 2, 1, 5, 10, **mk)
+        return qkv[:, :, :, :3].reshape(7, 2, 3, 10), qkv[:, :, :, -2], cos, sin
+
     def causal_mask():
         return torch.rand(2, 1, 6, 9, device=device) < 0.4
 
@@ -51,6 +58,7 @@ def _cases(device, dtype):
         "bias_swiglu": (lambda: (_randn(4, 3, 38, **mk), _randn(38, **mk)), K.bias_swiglu, R.bias_swiglu),
         "bias_swiglu_no_bias": (lambda: (_randn(7, 22, **mk), None), K.bias_swiglu, R.bias_swiglu),
         "apply_rotary": (rotary_args, K.apply_rotary, R.apply_rotary),
+        "apply_rotary_strided": (strided_rotary_args, K.apply_rotary, R.apply_rotary),
         "bias_dropout_add_eval": (lambda: (_randn(3, 4, 37, **mk), _randn(37, **mk), _randn(3, 4, 37, **mk), 0.3, False),
                                   K.bias_dropout_add, R.bias_dropout_add),
         "bias_dropout_add_train": (lambda: (_randn(3, 4, 37, **mk), _randn(37, **mk), _randn(3, 4, 37, **mk), 0.3, True),
@@ -94,12 +102,16 @@ def _run(fn, args, grads_seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_fused_matches_reference(name, device, dtype):
+def test_fused_matches_reference(name, device, dtype, monkeypatch):
     make_args, fused_fn, reference_fn = _cases(device, dtype)[name]
     torch.manual_seed(0)
     args = make_args()
     assert K.fused_enabled()
+    op = fused_fn.__name__
+    real, calls = getattr(fused, op), []
+    monkeypatch.setattr(fused, op, lambda *a: calls.append(op) or real(*a))
     fused_out, fused_grads = _run(fused_fn, args, grads_seed=7)
+    assert calls == [op], f"{name} did not take the fused path"
     ref_out, ref_grads = _run(reference_fn, args, grads_seed=7)
     assert len(fused_out) == len(ref_out) and len(fused_grads) == len(ref_grads) > 0
     for got, want in zip(fused_out + fused_grads, ref_out + ref_grads):
