@@ -1,10 +1,8 @@
-"""Resharding: a checkpoint saved at tp=2 x pp=2 x dp=2 loads under other layouts.
+"""Resharding: a checkpoint saved at tp=2 x pp=2 x dp=2 with ZeRO-1 loads under other layouts.
 
 Loaded at tp=1 (one process, ``load_model``), tp=4, pp=4 and tp=2 x pp=2 x vpp=2 the model gives the
-same logits; training resumed at tp=4, pp=4 and tp=1 x dp=4 continues with the losses of the
-run that never resharded (same global batch), which needs the optimizer state resharded too (into
-ZeRO-1 shards at dp=4).  The saving run does not use ZeRO-1 because pp>1 x dp>1 with the distributed
-optimizer currently trains differently from one rank (a grad-norm issue outside the checkpoint code).
+same logits; training resumed at tp=4, pp=4 and tp=1 x dp=4 (ZeRO-1) continues with the losses of the
+run that never resharded (same global batch), which needs the sharded optimizer state resharded too.
 """
 
 import json

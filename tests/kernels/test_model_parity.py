@@ -11,7 +11,7 @@ from megalite.moe import MoEConfig
 pytestmark = pytest.mark.usefixtures("require_extension")
 
 VOCAB = 50
-# fp32 to 1e-5; bf16 to about two units in its last place, relative to the largest gradient entry.
+# fp32 to 1e-5; bf16 to about one unit in its last place (2^-7), relative to the largest gradient entry.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
