@@ -74,6 +74,9 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     other_before = _snapshot(other)
     with pytest.raises(ValueError, match="hidden_size is 16 in the checkpoint but 32 in the model"):
         load_checkpoint(tp2, [other])
+    with pytest.raises(ValueError, match=f"checkpoint directory {missing} does not exist"):
+        load_checkpoint(missing, [target])
+    assert not os.path.exists(missing)
     assert _unchanged(target, before) and _unchanged(other, other_before)
 
 
