@@ -57,3 +57,25 @@ def test_extension_kwargs_describe_the_extension():
     has_cu = any(s.endswith(".cu") for s in extension.sources)
     assert has_cu == (torch.version.cuda is not None and shutil.which("nvcc") is not None)
     assert "build_ext" in kwargs["cmdclass"]
+
+
+def test_missing_compiler_only_warns(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-megalite")
+    with pytest.warns(UserWarning, match=r"no C\+\+ compiler \(no-such-compiler-megalite\) found"):
+        assert _load_build().extension_kwargs(REPO) == {}
+
+
+def test_failed_build_only_warns(monkeypatch):
+    """A compile error inside build_ext becomes a warning, so `pip install` still succeeds on the fallbacks."""
+    from setuptools import Distribution
+    from torch.utils import cpp_extension
+
+    kwargs = _load_build().extension_kwargs(REPO)
+    command = kwargs["cmdclass"]["build_ext"](Distribution({"ext_modules": kwargs["ext_modules"]}))
+
+    def broken(self):
+        raise RuntimeError("simulated compiler error")
+
+    monkeypatch.setattr(cpp_extension.BuildExtension, "run", broken)
+    with pytest.warns(UserWarning, match=r"building the fused-kernel extension failed \(simulated compiler error\)"):
+        command.run()
