@@ -54,9 +54,30 @@ def _batch(rows):
             "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows]}
 
 
-def _backend_rank():
+def _backend_rank(directory):
     for mode in ("token-mean", "seq-mean"):
-        _check_backend(mode)
+        backend = _check_backend(mode)
+    _check_save_load(backend, directory)
+
+
+def _new_backend(cfg, ppo):
+    chunk = DistributedDataParallel(GPTModel(cfg), DDPConfig())
+    return TrainingBackend(chunk, get_optimizer(OptimizerConfig(clip_grad=0.0), [chunk]), PPOActorObjective(ppo),
+                           micro_batch_size=1)
+
+
+def _check_save_load(backend, directory):
+    """A backend loaded from save() holds the same weights and Adam state: its next update is identical."""
+    backend.save(directory)
+    ppo = backend.objective.config
+    restored = _new_backend(config(seed=99), ppo)
+    restored.load(directory)
+    rows = slice(2 * topology.current().dp.rank, 2 * topology.current().dp.rank + 2)
+    for b in (backend, restored):
+        b.forward_backward(_batch(rows))
+        b.optim_step()
+    for (name, got), want in zip(restored.chunk.module.named_parameters(), backend.chunk.module.parameters()):
+        assert torch.equal(got, want), name
 
 
 def _check_backend(mode):
@@ -71,16 +92,16 @@ def _check_backend(mode):
     bonus = (entropy * mask).sum() / norm if mode == "token-mean" else ((entropy * mask).sum(1) / mask.sum(1)).sum() / norm
     (ref_loss - 0.01 * bonus).backward()
     topo = topology.current() if topology.is_initialized() else topology.initialize()
-    chunk = DistributedDataParallel(GPTModel(cfg), DDPConfig())
-    backend = TrainingBackend(chunk, get_optimizer(OptimizerConfig(clip_grad=0.0), [chunk]),
-                              PPOActorObjective(ppo), micro_batch_size=1)
+    backend = _new_backend(cfg, ppo)
+    chunk = backend.chunk
     rows = slice(2 * topo.dp.rank, 2 * topo.dp.rank + 2)
     metrics = backend.forward_backward(_batch(rows))
     assert abs(metrics["policy_loss"] - float(ref_loss)) < 1e-6
     for (name, param), ref in zip(chunk.module.named_parameters(), plain.parameters()):
         torch.testing.assert_close(param.main_grad, ref.grad, rtol=0, atol=1e-6, msg=name)
     backend.optim_step()
+    return backend
 
 
-def test_backend_gradient_independent_of_micro_batches_and_dp():
-    run_distributed(_backend_rank, 2, timeout=180)
+def test_backend_gradient_independent_of_micro_batches_and_dp_and_save_load(tmp_path):
+    run_distributed(_backend_rank, 2, str(tmp_path), timeout=180)
