@@ -12,7 +12,7 @@ GAE advantages.  With ``--use-centralized-critic`` the reward model lives on
 one rank only (``--critic-owner-rank``) and scores the next iteration's
 rollouts while the current iteration trains (``--critic-prefetch-depth``).
 Each PPO iteration is printed and written to ``--metrics-file`` (JSON lines)
-and ``--tensorboard-dir``.
+and TensorBoard (``--tensorboard-dir``, default runs/rlhf_ppo).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
     p.add_argument("--save", default=None, help="save the pretrained actor here (before PPO)")
     p.add_argument("--metrics-file", default=None)
-    p.add_argument("--tensorboard-dir", default=None)
+    p.add_argument("--tensorboard-dir", default="runs/rlhf_ppo")
     return p.parse_args(argv)
 
 
