@@ -1,4 +1,5 @@
-"""The centralized critic equals a local critic, and with prefetch it runs while the training step runs."""
+"""The centralized critic equals a local critic (an MLP and the GPT CriticModel), and with prefetch it runs while the
+training step runs."""
 
 import time
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.models.rlhf import CriticModel
 from megalite.models.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.testing import run_distributed
+from tests.models.rlhf.common import config, padded_prompts
 
 CRITIC_SECONDS = 1.0
 
@@ -62,6 +65,35 @@ def test_prefetch_overlaps_critic_with_training_step():
         step_start, step_end = steps[i]
         critic_start, critic_end = critic[i + 1]
         assert critic_start < step_end and step_start < critic_end, (steps, critic)
+
+
+def _serve_gpt_critic(critic):
+    """One critic run on every rank's left-padded batch, concatenated; each rank gets its own rows back."""
+    def run(per_rank):
+        sizes = [ids.shape[0] for ids, _ in per_rank]
+        with torch.no_grad():
+            values = critic(torch.cat([ids for ids, _ in per_rank]), torch.cat([mask for _, mask in per_rank]))
+        return list(values.split(sizes))
+    return run
+
+
+def _gpt_critic_rank(owner):
+    rank = dist.get_rank()
+    central = CentralizedModel(_serve_gpt_critic(CriticModel(config())) if rank == owner else None, owner=owner)
+    assert (central.model_fn is None) == (rank != owner)
+    ids, mask = padded_prompts(seed=20 + rank, b=2 + rank, p=6)
+    values = central((ids, mask))
+    central.close()
+    with torch.no_grad():
+        local = CriticModel(config())(ids, mask)
+    assert values.shape == ids.shape
+    torch.testing.assert_close(values, local, rtol=0, atol=1e-5)
+    return len(central.intervals)
+
+
+def test_centralized_gpt_critic_equals_local_critic_on_padded_batches():
+    runs = run_distributed(_gpt_critic_rank, 3, 2, timeout=180)
+    assert runs == [0, 0, 1]
 
 
 def _bad_owner():
