@@ -33,8 +33,9 @@ def full_to_shard(name, full, param, cfg, rank, tp):
     if not getattr(param, "tensor_model_parallel", False):
         return full
     if "word_embeddings" in name or "output_layer" in name:
-        padded = pad_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, tp)
-        full = torch.cat([full[:VOCAB], full.new_zeros(padded - VOCAB, *full.shape[1:])])
+        vocab = cfg.vocab_size
+        padded = pad_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
+        full = torch.cat([full[:vocab], full.new_zeros(padded - vocab, *full.shape[1:])])
     if "linear_fc1" in name and cfg.activation == "swiglu":
         ffn = cfg.ffn_hidden_size
         full = full.view(2, tp, ffn // tp, *full.shape[1:]).transpose(0, 1).reshape(full.shape)

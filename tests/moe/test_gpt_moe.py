@@ -9,8 +9,8 @@ from megalite import topology
 from megalite.models import GPTConfig, GPTModel
 from megalite.moe import MoEConfig
 from megalite.optim.clip_grads import clip_grad_norm
-from megalite.tensor_parallel import pad_vocab_size
 from megalite.testing import run_distributed
+from tests.models.common import full_to_shard
 
 VOCAB, TOL = 64, 1e-5
 WORLD = 4
@@ -40,18 +40,6 @@ def _reference(kind: str, dp: int):
     torch.stack(losses).sum().backward()
     norm = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt().item()
     return {n: (p.detach(), p.grad) for n, p in model.named_parameters()}, [loss.detach() for loss in losses], norm
-
-
-def _dense_shard(name, full, param, cfg, tp_rank, tp):
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    if "word_embeddings" in name or "output_layer" in name:
-        padded = pad_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, tp)
-        full = torch.cat([full[:VOCAB], full.new_zeros(padded - VOCAB, *full.shape[1:])])
-    if "linear_fc1" in name and cfg.activation == "swiglu":
-        gate, up = full.chunk(2)
-        return torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
-    return full.chunk(tp, dim=param.partition_dim)[tp_rank]
 
 
 def _expert_shard(name, full, topo, cfg):
@@ -100,8 +88,8 @@ def _check(cases):
                 expected = _expert_shard(name, ref_grad, topo, cfg)
                 grad = _all_reduce(param.grad, topo.expert_dp.group)
             else:
-                weight = _dense_shard(name, ref_weight, param, cfg, topo.tp.rank, topo.tp.size)
-                expected = _dense_shard(name, ref_grad, param, cfg, topo.tp.rank, topo.tp.size)
+                weight = full_to_shard(name, ref_weight, param, cfg, topo.tp.rank, topo.tp.size)
+                expected = full_to_shard(name, ref_grad, param, cfg, topo.tp.rank, topo.tp.size)
                 grad = _all_reduce(param.grad, topo.dp.group)
                 if getattr(param, "sequence_parallel", False):
                     grad = _all_reduce(grad, topo.tp.group)
