@@ -116,14 +116,19 @@ def _gpt2_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
         })
     out["decoder.final_layernorm.weight"] = take(pre + "ln_f.weight")
     out["decoder.final_layernorm.bias"] = take(pre + "ln_f.bias")
+    return config, out, _finish_output_layer(take, out, tied, pre, "wte.weight")
+
+
+def _finish_output_layer(take, out: dict, tied: bool, pre: str, embedding_name: str) -> dict:
+    """Read the untied lm_head (a tied one must equal the embedding) and check every tensor was used."""
     lm_head_stored = "lm_head.weight" in take.tensors
     if tied:
         if lm_head_stored and not torch.equal(take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
-            raise ValueError("tie_word_embeddings is true but lm_head.weight differs from wte.weight")
+            raise ValueError(f"tie_word_embeddings is true but lm_head.weight differs from {embedding_name}")
     else:
         out["output_layer.weight"] = take("lm_head.weight")
     take.finish()
-    return config, out, {"prefix": pre, "lm_head_stored": lm_head_stored}
+    return {"prefix": pre, "lm_head_stored": lm_head_stored}
 
 
 def _rope_theta(hf: dict) -> float:
@@ -176,14 +181,7 @@ def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
     out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
-    lm_head_stored = "lm_head.weight" in take.tensors
-    if tied:
-        if lm_head_stored and not torch.equal(take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
-            raise ValueError("tie_word_embeddings is true but lm_head.weight differs from embed_tokens.weight")
-    else:
-        out["output_layer.weight"] = take("lm_head.weight")
-    take.finish()
-    return config, out, {"prefix": pre, "lm_head_stored": lm_head_stored}
+    return config, out, _finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
 
 
 def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
