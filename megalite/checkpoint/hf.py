@@ -20,7 +20,7 @@ import shutil
 
 import torch
 
-from megalite.checkpoint import read_global_tensors, save_global_checkpoint
+from megalite.checkpoint import global_shapes, read_global_tensors, save_global_checkpoint
 from megalite.checkpoint.safetensors_io import read_safetensors, write_safetensors
 
 SAFETENSORS = "model.safetensors"
@@ -196,7 +196,7 @@ def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
     return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
 
 
-def _family(config) -> str:
+def hf_family(config) -> str:
     """'gpt2' or 'llama': the Hugging Face family this megalite architecture matches."""
     if config.moe is not None:
         raise ValueError("MoE models have no Hugging Face GPT-2/Llama equivalent")
@@ -212,53 +212,77 @@ def _family(config) -> str:
                      "GPT-2 needs learned_absolute/LayerNorm/gelu/biases/MHA, Llama rope/RMSNorm/swiglu")
 
 
-def _gpt2_from_megalite(config, tensors: dict, base: dict, pre: str) -> tuple[dict, dict]:
-    h, heads = config.hidden_size, config.num_attention_heads
-    d = h // heads
+def default_prefix(family: str) -> str:
+    return "transformer." if family == "gpt2" else "model."
+
+
+_GPT2_NAMES = {"input_layernorm": "ln_1", "pre_mlp_layernorm": "ln_2", "self_attention.linear_proj": "attn.c_proj",
+               "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj"}
+_LLAMA_NAMES = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm",
+                "self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str | None = None
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face ``(name, tensor)`` pairs of one global megalite model tensor.
+
+    Used tensor by tensor, so weight export can stream a sharded model without holding it whole.
+    """
+    family = hf_family(config)
+    gpt2 = family == "gpt2"
+    pre = default_prefix(family) if prefix is None else prefix
+    top = {"embedding.word_embeddings.weight": pre + ("wte.weight" if gpt2 else "embed_tokens.weight"),
+           "embedding.position_embeddings.weight": pre + "wpe.weight",
+           "decoder.final_layernorm.weight": pre + ("ln_f.weight" if gpt2 else "norm.weight"),
+           "decoder.final_layernorm.bias": pre + "ln_f.bias",
+           "output_layer.weight": "lm_head.weight"}
+    if name in top:
+        return [(top[name], tensor)]
+    _, _, index, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    dst = f"{pre}h.{index}." if gpt2 else f"{pre}layers.{index}."
+    if module == "self_attention.linear_qkv":
+        groups, d = config.num_query_groups, config.kv_channels
+        r, shape = config.num_attention_heads // groups, tensor.shape[1:]
+        q, k, v = tensor.reshape(groups, (r + 2) * d, *shape).split([r * d, d, d], dim=1)
+        q, k, v = (t.reshape(-1, *shape) for t in (q, k, v))
+        if not gpt2:
+            return [(f"{dst}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+        pairs = [(f"{dst}attn.c_attn.{kind}", torch.cat([q, k, v]))]
+    elif module == "mlp.linear_fc1" and not gpt2:
+        gate, up = tensor.chunk(2)
+        return [(f"{dst}mlp.gate_proj.{kind}", gate), (f"{dst}mlp.up_proj.{kind}", up)]
+    else:
+        pairs = [(f"{dst}{(_GPT2_NAMES if gpt2 else _LLAMA_NAMES)[module]}.{kind}", tensor)]
+    if gpt2 and kind == "weight":
+        pairs = [(n, t.t() if n[len(dst):-len(".weight")] in _CONV1D else t) for n, t in pairs]
+    return pairs
+
+
+def _gpt2_hf_config(config, base: dict) -> dict:
+    h = config.hidden_size
     inner = None if config.ffn_hidden_size == 4 * h else config.ffn_hidden_size
     activation = base.get("activation_function")
     if _GPT2_ACTIVATIONS.get(activation) != config.activation:
         activation = "gelu" if config.activation == "gelu" else "gelu_new"
     hf = {**base, "model_type": "gpt2", "architectures": base.get("architectures", ["GPT2LMHeadModel"]),
           "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings, "n_embd": h,
-          "n_layer": config.num_layers, "n_head": heads, "activation_function": activation,
+          "n_layer": config.num_layers, "n_head": config.num_attention_heads, "activation_function": activation,
           "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.hidden_dropout,
           "attn_pdrop": config.attention_dropout,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
     if inner is not None or "n_inner" in base:
         hf["n_inner"] = base["n_inner"] if inner is None else inner
-    out = {pre + "wte.weight": tensors["embedding.word_embeddings.weight"],
-           pre + "wpe.weight": tensors["embedding.position_embeddings.weight"]}
-    for i in range(config.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"{pre}h.{i}."
-        qkv_w = tensors[src + "self_attention.linear_qkv.weight"].reshape(heads, 3, d, h).transpose(0, 1)
-        qkv_b = tensors[src + "self_attention.linear_qkv.bias"].reshape(heads, 3, d).transpose(0, 1)
-        out.update({
-            dst + "ln_1.weight": tensors[src + "input_layernorm.weight"],
-            dst + "ln_1.bias": tensors[src + "input_layernorm.bias"],
-            dst + "attn.c_attn.weight": qkv_w.reshape(3 * h, h).t(),
-            dst + "attn.c_attn.bias": qkv_b.reshape(3 * h),
-            dst + "attn.c_proj.weight": tensors[src + "self_attention.linear_proj.weight"].t(),
-            dst + "attn.c_proj.bias": tensors[src + "self_attention.linear_proj.bias"],
-            dst + "ln_2.weight": tensors[src + "pre_mlp_layernorm.weight"],
-            dst + "ln_2.bias": tensors[src + "pre_mlp_layernorm.bias"],
-            dst + "mlp.c_fc.weight": tensors[src + "mlp.linear_fc1.weight"].t(),
-            dst + "mlp.c_fc.bias": tensors[src + "mlp.linear_fc1.bias"],
-            dst + "mlp.c_proj.weight": tensors[src + "mlp.linear_fc2.weight"].t(),
-            dst + "mlp.c_proj.bias": tensors[src + "mlp.linear_fc2.bias"],
-        })
-    out[pre + "ln_f.weight"] = tensors["decoder.final_layernorm.weight"]
-    out[pre + "ln_f.bias"] = tensors["decoder.final_layernorm.bias"]
-    return hf, out
+    return hf
 
 
-def _llama_from_megalite(config, tensors: dict, base: dict, pre: str) -> tuple[dict, dict]:
+def _llama_hf_config(config, base: dict) -> dict:
     h, heads, groups = config.hidden_size, config.num_attention_heads, config.num_query_groups
-    d, r = h // heads, heads // groups
     hf = {**base, "model_type": "llama", "architectures": base.get("architectures", ["LlamaForCausalLM"]),
           "vocab_size": config.vocab_size, "hidden_size": h, "intermediate_size": config.ffn_hidden_size,
           "num_hidden_layers": config.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-          "head_dim": d, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+          "head_dim": h // heads, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
           "rms_norm_eps": config.norm_eps, "attention_bias": config.add_bias_linear,
           "mlp_bias": config.add_bias_linear, "attention_dropout": config.attention_dropout,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
@@ -266,39 +290,22 @@ def _llama_from_megalite(config, tensors: dict, base: dict, pre: str) -> tuple[d
         hf["rope_parameters"] = {**base["rope_parameters"], "rope_theta": config.rotary_base}
     else:
         hf["rope_theta"] = config.rotary_base
-    out = {pre + "embed_tokens.weight": tensors["embedding.word_embeddings.weight"]}
-    for i in range(config.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"{pre}layers.{i}."
-        for kind in ["weight"] + (["bias"] if config.add_bias_linear else []):
-            qkv = tensors[f"{src}self_attention.linear_qkv.{kind}"]
-            rest = qkv.shape[1:]
-            q, k, v = qkv.reshape(groups, (r + 2) * d, *rest).split([r * d, d, d], dim=1)
-            out[f"{dst}self_attn.q_proj.{kind}"] = q.reshape(heads * d, *rest)
-            out[f"{dst}self_attn.k_proj.{kind}"] = k.reshape(groups * d, *rest)
-            out[f"{dst}self_attn.v_proj.{kind}"] = v.reshape(groups * d, *rest)
-            out[f"{dst}self_attn.o_proj.{kind}"] = tensors[f"{src}self_attention.linear_proj.{kind}"]
-            gate, up = tensors[f"{src}mlp.linear_fc1.{kind}"].chunk(2)
-            out[f"{dst}mlp.gate_proj.{kind}"], out[f"{dst}mlp.up_proj.{kind}"] = gate, up
-            out[f"{dst}mlp.down_proj.{kind}"] = tensors[f"{src}mlp.linear_fc2.{kind}"]
-        out[dst + "input_layernorm.weight"] = tensors[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = tensors[src + "pre_mlp_layernorm.weight"]
-    out[pre + "norm.weight"] = tensors["decoder.final_layernorm.weight"]
-    return hf, out
+    return hf
 
 
 def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dict, dict]:
     """``(config.json contents, Hugging Face tensors)`` of a megalite GPTConfig and its global tensors."""
     info = info or {}
-    family = _family(config)
+    family = hf_family(config)
     base = dict(info.get("config") or {})
     if base.get("model_type", family) != family:
         base = {}
-    pre = info.get("prefix", "transformer." if family == "gpt2" else "model.")
-    convert = _gpt2_from_megalite if family == "gpt2" else _llama_from_megalite
-    hf, out = convert(config, tensors, base, pre)
-    if config.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = tensors["output_layer.weight"]
-    elif info.get("lm_head_stored"):
+    pre = info.get("prefix", default_prefix(family))
+    hf = (_gpt2_hf_config if family == "gpt2" else _llama_hf_config)(config, base)
+    out = {}
+    for name in global_shapes(config):
+        out.update(megalite_tensor_to_hf(config, name, tensors[name], pre))
+    if not config.untie_embeddings_and_output_weights and info.get("lm_head_stored"):
         out["lm_head.weight"] = tensors["embedding.word_embeddings.weight"]
     return hf, {k: v.contiguous() for k, v in out.items()}
 

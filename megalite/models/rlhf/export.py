@@ -1,12 +1,11 @@
 """Stream a TP/PP-sharded GPT's weights as full tensors under Hugging Face names.
 
 For inference engines that take weight updates name by name: each parameter
-is all-gathered over TP, re-laid-out (vocabulary padding dropped, grouped QKV
-split into q/k/v, SwiGLU's per-rank [gate; up] blocks regrouped), broadcast
-from the pipeline stage that holds it, and yielded one at a time, so at most
-one full tensor is alive per call.  Names follow GPT-2 (``transformer.h.{i}.*``)
-for LayerNorm/GELU/learned-position configs and Llama (``model.layers.{i}.*``)
-for RMSNorm/SwiGLU/RoPE configs; GPT-2's Conv1D weights are transposed.
+is all-gathered over TP, put in the checkpoint's global layout (vocabulary
+padding dropped, SwiGLU's per-rank [gate; up] blocks regrouped), broadcast from
+the pipeline stage that holds it, and named and split by the Hugging Face
+converter (megalite.checkpoint.hf), one at a time, so at most one full tensor
+is alive per call.
 """
 
 from __future__ import annotations
@@ -17,63 +16,18 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.checkpoint.hf import megalite_tensor_to_hf
 from megalite.models.rlhf.unwrap import unwrap
 
-_GPT2 = {
-    "input_layernorm": "ln_1", "pre_mlp_layernorm": "ln_2", "self_attention.linear_proj": "attn.c_proj",
-    "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj",
-}
-_LLAMA = {
-    "input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm",
-    "self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj",
-}
 
-
-def hf_style(config) -> str:
-    """``"llama"`` for RMSNorm/SwiGLU/RoPE configs, ``"gpt2"`` for LayerNorm/GELU/learned positions."""
-    if (config.normalization, config.activation, config.position_embedding_type) == ("RMSNorm", "swiglu", "rope"):
-        return "llama"
-    if config.normalization == "LayerNorm" and config.activation.startswith("gelu") \
-            and config.position_embedding_type == "learned_absolute":
-        return "gpt2"
-    raise ValueError(f"no Hugging Face naming for normalization={config.normalization}, activation="
-                     f"{config.activation}, position_embedding_type={config.position_embedding_type}")
-
-
-def _convert(name: str, full: torch.Tensor, config, tp: int) -> list[tuple[str, torch.Tensor]]:
-    """One full megalite tensor -> its Hugging Face (name, tensor) pairs."""
-    style = hf_style(config)
-    llama = style == "llama"
-    top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight" if llama else "transformer.wte.weight",
-           "embedding.position_embeddings.weight": "transformer.wpe.weight",
-           "output_layer.weight": "lm_head.weight",
-           "decoder.final_layernorm.weight": "model.norm.weight" if llama else "transformer.ln_f.weight",
-           "decoder.final_layernorm.bias": "transformer.ln_f.bias"}
-    if name in top:
-        if "word_embeddings" in name or "output_layer" in name:
-            full = full[:config.vocab_size]
-        return [(top[name], full)]
-    _, _, index, rest = name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    prefix = f"model.layers.{index}." if llama else f"transformer.h.{index}."
-    groups, d = config.num_query_groups, config.kv_channels
-    per_group = config.num_attention_heads // groups
-    if module == "self_attention.linear_qkv":
-        blocks = full.view(groups, per_group + 2, d, *full.shape[1:])
-        q = blocks[:, :per_group].reshape(-1, *full.shape[1:])
-        k, v = blocks[:, per_group].reshape(-1, *full.shape[1:]), blocks[:, per_group + 1].reshape(-1, *full.shape[1:])
-        if llama:
-            return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
-        qkv = torch.cat([q, k, v])
-        return [(f"{prefix}attn.c_attn.{kind}", qkv.t().contiguous() if kind == "weight" else qkv)]
-    if module == "mlp.linear_fc1" and llama:
-        halves = full.view(tp, 2, -1, *full.shape[1:])
-        gate, up = (halves[:, i].reshape(-1, *full.shape[1:]) for i in (0, 1))
-        return [(f"{prefix}mlp.gate_proj.{kind}", gate), (f"{prefix}mlp.up_proj.{kind}", up)]
-    mapped = (_LLAMA if llama else _GPT2)[module]
-    if not llama and kind == "weight" and module.startswith(("self_attention", "mlp")):
-        full = full.t().contiguous()
-    return [(f"{prefix}{mapped}.{kind}", full)]
+def _global_layout(name: str, full: torch.Tensor, config, tp: int) -> torch.Tensor:
+    """A TP-gathered tensor in the checkpoint's global layout: vocabulary padding dropped, and
+    SwiGLU's per-rank ``[gate_i; up_i]`` blocks regrouped into ``[gate; up]``."""
+    if "word_embeddings" in name or "output_layer" in name:
+        return full[:config.vocab_size]
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")) and config.activation == "swiglu":
+        return full.view(tp, 2, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+    return full
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -120,4 +74,4 @@ def export_hf_weights(model_chunk, pp_group=None) -> Iterator[tuple[str, torch.T
             if len(listing) > 1:
                 dist.broadcast(full.contiguous() if stage == me else full, src=dist.get_global_rank(pp_group, stage),
                                group=pp_group)
-            yield from _convert(name, full, config, tp)
+            yield from megalite_tensor_to_hf(config, name, _global_layout(name, full, config, tp))
