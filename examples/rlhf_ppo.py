@@ -31,7 +31,7 @@ from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTConfig, GPTModel
-from megalite.models.rlhf import (CentralizedModel, CriticModel, LanguageModelObjective, PPOActorObjective, PPOConfig,
+from megalite.rlhf import (CentralizedModel, CriticModel, LanguageModelObjective, PPOActorObjective, PPOConfig,
                                   PPOCriticObjective, Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend,
                                   compute_gae, kl_penalty, pipeline_log_probs, pipeline_values, whiten)
 from megalite.optim import OptimizerConfig, get_optimizer

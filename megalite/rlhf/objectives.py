@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from megalite.models.rlhf.actor import token_log_probs
-from megalite.models.rlhf.unwrap import unwrap
-from megalite.models.rlhf.ppo import PPOConfig, aggregate, policy_loss, value_loss
+from megalite.rlhf.actor import token_log_probs
+from megalite.rlhf.unwrap import unwrap
+from megalite.rlhf.ppo import PPOConfig, aggregate, policy_loss, value_loss
 
 
 class LanguageModelObjective:

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megalite.testing import run_distributed
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "rlhf_ppo.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rlhf_ppo.py")
 
 
 def _run(argv):

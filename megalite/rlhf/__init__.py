@@ -1,15 +1,15 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math,
 a centralized critic/reward model with prefetch, a training backend for outside RL loops and weight export."""
 
-from megalite.models.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
-from megalite.models.rlhf.backend import TrainingBackend
-from megalite.models.rlhf.centralized_critic import CentralizedModel, Prefetcher
-from megalite.models.rlhf.critic import CriticModel, pipeline_values
-from megalite.models.rlhf.generation import GenerationOutput, SamplingConfig, generate
-from megalite.models.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
-from megalite.models.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
+from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
+from megalite.rlhf.backend import TrainingBackend
+from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
+from megalite.rlhf.critic import CriticModel, pipeline_values
+from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
+from megalite.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
                                       value_loss, whiten)
-from megalite.models.rlhf.reference import ReferenceModel
+from megalite.rlhf.reference import ReferenceModel
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "SamplingConfig",

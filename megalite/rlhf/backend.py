@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.distributed import finalize_model_grads
-from megalite.models.rlhf.generation import GenerationOutput, SamplingConfig, generate
-from megalite.models.rlhf.ppo import global_normalizer
+from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megalite.rlhf.ppo import global_normalizer
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 
 
@@ -25,7 +25,7 @@ class TrainingBackend:
     """``forward_backward(batch)``, ``optim_step()``, ``generate(...)`` and checkpoints for one model.
 
     ``chunk``: this rank's DDP-wrapped pipeline chunk; ``optimizer``: megalite's
-    optimizer over it; ``objective``: see :mod:`megalite.models.rlhf.objectives`.
+    optimizer over it; ``objective``: see :mod:`megalite.rlhf.objectives`.
     Gradients of one ``forward_backward`` call are applied by the next
     ``optim_step`` (one call each per update).
     """

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.models.kv_cache import KVCache
-from megalite.models.rlhf.unwrap import unwrap
+from megalite.rlhf.unwrap import unwrap
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
 

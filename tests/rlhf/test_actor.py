@@ -6,9 +6,9 @@ import torch.nn.functional as F
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.models.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
+from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
 from megalite.testing import device, run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 TEMPERATURE = 0.7
 

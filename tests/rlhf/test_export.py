@@ -5,9 +5,9 @@ import torch
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.models.rlhf.export import export_hf_weights
+from megalite.rlhf.export import export_hf_weights
 from megalite.testing import device, run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite import topology
-from megalite.models.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
+from megalite.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
                                       value_loss, whiten)
 from megalite.testing import run_distributed
 

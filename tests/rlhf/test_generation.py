@@ -5,10 +5,10 @@ import torch
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.models.rlhf.actor import sequence_log_probs
-from megalite.models.rlhf.generation import SamplingConfig, filter_logits, generate
+from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.generation import SamplingConfig, filter_logits, generate
 from megalite.testing import device, run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 GREEDY = SamplingConfig(max_new_tokens=6, eos_id=5, greedy=True)
 SAMPLED = SamplingConfig(max_new_tokens=6, eos_id=5, temperature=0.8, top_k=20, top_p=0.9)

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from megalite.models.rlhf.actor import sequence_log_probs
-from megalite.models.rlhf.unwrap import unwrap
+from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.unwrap import unwrap
 
 
 class ReferenceModel(nn.Module):

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.models.rlhf import CriticModel
-from megalite.models.rlhf.centralized_critic import CentralizedModel, Prefetcher
+from megalite.rlhf import CriticModel
+from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.testing import run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 CRITIC_SECONDS = 1.0
 

@@ -5,11 +5,11 @@ import torch
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTModel
-from megalite.models.rlhf import (PPOActorObjective, PPOConfig, ReferenceModel, TrainingBackend, policy_loss,
+from megalite.rlhf import (PPOActorObjective, PPOConfig, ReferenceModel, TrainingBackend, policy_loss,
                                   sequence_log_probs)
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.testing import run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 
 def test_reference_offload_keeps_weights_on_host_and_matches_actor():

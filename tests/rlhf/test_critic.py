@@ -5,11 +5,11 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel
-from megalite.models.rlhf import (CriticModel, PPOConfig, PPOCriticObjective, TrainingBackend, global_normalizer,
+from megalite.rlhf import (CriticModel, PPOConfig, PPOCriticObjective, TrainingBackend, global_normalizer,
                                   pipeline_values, value_loss)
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.testing import device, run_distributed
-from tests.models.rlhf.common import config, padded_prompts
+from tests.rlhf.common import config, padded_prompts
 
 
 def _full_grad(name, param, cfg, tp_group):
