@@ -23,11 +23,14 @@ _MAX_DIMS = 7
 
 
 class _Transfers:
-    """Tagged, shape-headed isend/irecv with the ranks of the pp group."""
+    """Tagged isend/irecv with the ranks of the pp group; a shape header precedes each tensor
+    unless the shape is fixed.  Receives can be posted ahead of need (:meth:`post`)."""
 
-    def __init__(self, group, dtype, device):
+    def __init__(self, group, tensor_shape, dtype, device):
         self.group, self.dtype, self.device = group, dtype, device
+        self.tensor_shape = None if tensor_shape is None else tuple(tensor_shape)
         self._in_flight: list = []
+        self._posted: dict = {}
 
     def _global(self, rank):
         return dist.get_global_rank(self.group, rank)
@@ -37,18 +40,31 @@ class _Transfers:
             raise ValueError(f"pipeline tensor has dtype {tensor.dtype}, the schedule communicates {self.dtype}")
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"pipeline tensors may have at most {_MAX_DIMS} dims, got shape {tuple(tensor.shape)}")
-        header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim()), dtype=torch.int64,
-                              device=self.device)
-        payload = tensor.contiguous()
-        works = [dist.isend(header, self._global(rank), group=self.group, tag=tag),
-                 dist.isend(payload, self._global(rank), group=self.group, tag=tag)]
-        self._in_flight.append((works, [header, payload], on_sent))
+        buffers = [tensor.contiguous()]
+        if self.tensor_shape is None:
+            buffers.insert(0, torch.tensor([tensor.dim(), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim()),
+                                           dtype=torch.int64, device=self.device))
+        works = [dist.isend(b, self._global(rank), group=self.group, tag=tag) for b in buffers]
+        self._in_flight.append((works, buffers, on_sent))
         self._reap()
 
-    def recv(self, rank, tag):
-        header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        dist.irecv(header, self._global(rank), group=self.group, tag=tag).wait()
-        values = header.tolist()
+    def post(self, key, rank, tag):
+        """Post the receive for ``key`` (the tensor itself, or its shape header) without waiting."""
+        if key in self._posted:
+            return
+        if self.tensor_shape is None:
+            buffer = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+        else:
+            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+        self._posted[key] = (dist.irecv(buffer, self._global(rank), group=self.group, tag=tag), buffer, rank, tag)
+
+    def recv(self, key, rank, tag):
+        self.post(key, rank, tag)
+        work, buffer, _, _ = self._posted.pop(key)
+        work.wait()
+        if self.tensor_shape is not None:
+            return buffer
+        values = buffer.tolist()
         tensor = torch.empty(values[1:1 + values[0]], dtype=self.dtype, device=self.device)
         dist.irecv(tensor, self._global(rank), group=self.group, tag=tag).wait()
         return tensor
@@ -68,40 +84,53 @@ class _Transfers:
         self._in_flight.clear()
 
 
-def run_ops(steps, ops, stage_rank, group, dtype, device, free_storage) -> None:
+def run_ops(steps, ops, stage_rank, group, tensor_shape, dtype, device, free_storage, lookahead=2) -> None:
     """Execute this rank's ``ops`` with ``steps`` (the schedule's F/B/W runner).
 
     ``stage_rank(stage)`` is the pp rank holding a stage; ``steps.stage_of(chunk)``
     the stage of a local chunk.  ``free_storage(output)`` shrinks a sent output.
+    The receives of the next ``lookahead`` ops are posted before an op runs, so a
+    neighbour's data can land while this rank computes.
     """
     me = steps.pp_rank
     num_stages = steps.num_stages
-    transfers = _Transfers(group, dtype, device)
+    transfers = _Transfers(group, tensor_shape, dtype, device)
     local: dict = {}
     saved: dict = {}
     stores: dict = {}
 
-    def tag(stage, downstream):
-        return 2 * stage + (0 if downstream else 1)
+    def source(kind, microbatch, chunk):
+        """``(key, owner rank, tag)`` of what op (kind, microbatch, chunk) receives, or None."""
+        stage = steps.stage_of(chunk)
+        if kind == "F" and stage > 0:
+            edge = stage - 1
+        elif kind == "B" and stage < num_stages - 1:
+            edge = stage
+        else:
+            return None
+        owner = stage_rank(stage - 1 if kind == "F" else stage + 1)
+        return (kind, microbatch, stage), owner, 2 * edge + (0 if kind == "F" else 1)
 
-    def take(kind, microbatch, from_stage, to_stage):
-        """The activation (F) or gradient (B) that ``from_stage`` passes to ``to_stage``."""
-        owner = stage_rank(from_stage)
-        if owner == me:
-            return local.pop((kind, microbatch, to_stage))
-        return transfers.recv(owner, tag(min(from_stage, to_stage), kind == "F"))
+    def take(kind, microbatch, chunk):
+        key, owner, tag = source(kind, microbatch, chunk)
+        return local.pop(key) if owner == me else transfers.recv(key, owner, tag)
 
     def give(kind, microbatch, tensor, from_stage, to_stage, on_sent=None):
         owner = stage_rank(to_stage)
         if owner == me:
             local[kind, microbatch, to_stage] = tensor.detach() if kind == "F" else tensor
         else:
-            transfers.send(tensor, owner, tag(min(from_stage, to_stage), kind == "F"), on_sent)
+            edge = min(from_stage, to_stage)
+            transfers.send(tensor, owner, 2 * edge + (0 if kind == "F" else 1), on_sent)
 
-    for kind, microbatch, chunk in ops:
+    for index, (kind, microbatch, chunk) in enumerate(ops):
+        for ahead in ops[index:index + 1 + lookahead]:
+            found = source(*ahead) if ahead[0] != "W" else None
+            if found is not None and found[1] != me:
+                transfers.post(*found)
         stage = steps.stage_of(chunk)
         if kind == "F":
-            input_tensor = None if stage == 0 else steps.received(take("F", microbatch, stage - 1, stage))
+            input_tensor = None if stage == 0 else steps.received(take("F", microbatch, chunk))
             output = steps.forward(microbatch, chunk, input_tensor)
             if not steps.forward_only:
                 saved[microbatch, chunk] = (input_tensor, output)
@@ -109,7 +138,7 @@ def run_ops(steps, ops, stage_rank, group, dtype, device, free_storage) -> None:
                 give("F", microbatch, output, stage, stage + 1, on_sent=partial(free_storage, output))
         elif kind == "B":
             input_tensor, output = saved.pop((microbatch, chunk))
-            output_grad = None if stage == num_stages - 1 else take("B", microbatch, stage + 1, stage)
+            output_grad = None if stage == num_stages - 1 else take("B", microbatch, chunk)
             store = WeightGradStore()
             input_grad = steps.backward(microbatch, chunk, input_tensor, output, output_grad, store=store)
             stores[microbatch, chunk] = store

@@ -350,7 +350,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
         def stage_rank(stage):
             return (stage if stage < pp else 2 * pp - 1 - stage) if schedule == "zbv" else stage
 
-        run_ops(steps, ops, stage_rank, group, dtype, _device_of(chunks), _free_storage)
+        run_ops(steps, ops, stage_rank, group, tensor_shape, dtype, _device_of(chunks), _free_storage)
     else:
         link = StageLink(group, tensor_shape, dtype, _device_of(chunks))
         (_interleaved if vpp > 1 else _one_f_one_b)(steps, link)

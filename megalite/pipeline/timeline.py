@@ -6,9 +6,12 @@ import json
 import time
 from contextlib import contextmanager
 
+from megalite.pipeline.zero_bubble import simulate, zbv_order, zbv_stage
+
 
 class PipelineRecorder:
-    """Logs each forward ('F') and backward ('B') with its micro-batch, chunk and wall-clock span.
+    """Logs each forward ('F'), backward ('B') and deferred weight-gradient pass ('W') with its
+    micro-batch, chunk and wall-clock span.
 
     ``events`` holds ``(kind, microbatch, chunk, t_start, t_end)`` tuples in
     execution order; ``stage`` is the pipeline rank (set by the schedule).
@@ -53,3 +56,21 @@ def bubble_fraction(recorders) -> float:
         raise ValueError(f"recorded span is {total} s; nothing to measure")
     idle = [1.0 - sum(e - s for _, _, _, s, e in r.events) / total for r in recorders]
     return sum(idle) / len(idle)
+
+
+def analytic_bubble(schedule: str, pp: int, m: int, vpp: int = 1) -> float:
+    """The bubble fraction a schedule reaches when a stage's F, B and W take equal times.
+
+    1F1B ``(p-1)/(m+p-1)``; interleaved ``(p-1)/(vpp*m+p-1)``; ZB-H1 ``(p-1)/(3m+p-1)``;
+    ZBV has no closed form here: its op lists are replayed with equal op costs.
+    """
+    if schedule == "1f1b":
+        return (pp - 1) / (m + pp - 1)
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) / (vpp * m + pp - 1)
+    if schedule == "zero-bubble-h1":
+        return (pp - 1) / (3 * m + pp - 1)
+    if schedule == "zbv":
+        orders = [zbv_order(pp, rank, m) for rank in range(pp)]
+        return simulate(orders, lambda rank, chunk: zbv_stage(pp, rank, chunk), {"F": 1.0, "B": 1.0, "W": 1.0})
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
