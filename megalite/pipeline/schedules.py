@@ -334,7 +334,8 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
             raise ValueError(f"model chunk {index} on pipeline rank {rank} takes its input from the previous "
                              f"stage but has no set_input_tensor()")
     if recorder is not None:
-        recorder.stage = rank
+        recorder.stage, recorder.schedule = rank, schedule
+        recorder.start_iteration()
 
     steps = _Steps(forward_step_func, iterators, chunks, num_microbatches, forward_only, scale_loss,
                    recorder, rank, pp, v_shape=schedule == "zbv")

@@ -14,13 +14,21 @@ class PipelineRecorder:
     micro-batch, chunk and wall-clock span.
 
     ``events`` holds ``(kind, microbatch, chunk, t_start, t_end)`` tuples in
-    execution order; ``stage`` is the pipeline rank (set by the schedule).
-    Times come from ``time.time()`` so timelines of ranks on one host align.
+    execution order; ``iterations`` the index in ``events`` where each call of
+    the schedule began; ``stage`` is the pipeline rank and ``schedule`` the
+    schedule's name (both set by the schedule).  Times come from ``time.time()``
+    so timelines of ranks on one host align.
     """
 
-    def __init__(self, stage: int | None = None, events=None):
+    def __init__(self, stage: int | None = None, events=None, iterations=None, schedule: str | None = None):
         self.stage = stage
+        self.schedule = schedule
         self.events: list[tuple[str, int, int, float, float]] = list(events or [])
+        self.iterations: list[int] = list(iterations if iterations is not None else [0] if self.events else [])
+
+    def start_iteration(self) -> None:
+        """Mark where the next schedule call's events begin."""
+        self.iterations.append(len(self.events))
 
     @contextmanager
     def record(self, kind: str, microbatch: int, chunk: int):
@@ -34,15 +42,25 @@ class PipelineRecorder:
         """The ops in execution order, without times."""
         return [(kind, mb, chunk) for kind, mb, chunk, _, _ in self.events]
 
+    def iteration(self, index: int) -> "PipelineRecorder":
+        """A recorder holding only the events of iteration ``index`` (0-based; negative counts from the end)."""
+        count = len(self.iterations)
+        if not -count <= index < count:
+            raise ValueError(f"iteration {index} is out of range: rank {self.stage} recorded {count} iterations")
+        index %= count
+        end = self.iterations[index + 1] if index + 1 < count else len(self.events)
+        return PipelineRecorder(self.stage, self.events[self.iterations[index]:end], [0], self.schedule)
+
     def save(self, path) -> None:
         with open(path, "w") as f:
-            json.dump({"stage": self.stage, "events": [list(e) for e in self.events]}, f)
+            json.dump({"stage": self.stage, "schedule": self.schedule, "iterations": self.iterations,
+                       "events": [list(e) for e in self.events]}, f)
 
     @classmethod
     def load(cls, path) -> "PipelineRecorder":
         with open(path) as f:
             data = json.load(f)
-        return cls(data["stage"], [tuple(e) for e in data["events"]])
+        return cls(data["stage"], [tuple(e) for e in data["events"]], data.get("iterations"), data.get("schedule"))
 
 
 def bubble_fraction(recorders) -> float:

@@ -1,13 +1,11 @@
 """Recorder files, the Gantt chart tool and the measured bubble fraction."""
 
 import importlib.util
-import struct
+import json
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -19,44 +17,32 @@ from tests.pipeline import toy
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _read_png(path):
-    data = Path(path).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
-        chunks[tag] = chunks.get(tag, b"") + body
-        pos += 12 + length
-    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
-    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()
-    return rows[:, 1:].reshape(height, width, 3)
-
-
-def test_recorder_round_trip_and_gantt_chart(tmp_path):
-    # Two stages over 10 s: stage 0 busy 0-2 and 6-10 (idle 4 s), stage 1 busy 2-6 (idle 6 s).
-    a = PipelineRecorder(0, [("F", 0, 0, 100.0, 102.0), ("B", 0, 0, 106.0, 110.0)])
-    b = PipelineRecorder(1, [("F", 0, 0, 102.0, 104.0), ("B", 0, 0, 104.0, 106.0)])
+def test_recorder_round_trip_gantt_chart_and_trace(tmp_path):
+    # Iteration 0 is a throw-away; iteration 1 spans 10 s: stage 0 busy 0-2 and 6-10 (idle 4 s),
+    # stage 1 busy 2-6 (idle 6 s), with a deferred W pass on stage 1.
+    a = PipelineRecorder(0, [("F", 0, 0, 0.0, 1.0), ("F", 0, 0, 100.0, 102.0), ("B", 0, 0, 106.0, 110.0)],
+                         iterations=[0, 1], schedule="zero-bubble-h1")
+    b = PipelineRecorder(1, [("F", 0, 0, 0.0, 1.0), ("F", 0, 0, 102.0, 104.0), ("B", 0, 0, 104.0, 105.0),
+                             ("W", 0, 0, 105.0, 106.0)], iterations=[0, 1], schedule="zero-bubble-h1")
     a.save(tmp_path / "rank0.json")
     b.save(tmp_path / "rank1.json")
     loaded = PipelineRecorder.load(tmp_path / "rank1.json")
-    assert loaded.stage == 1 and loaded.events == b.events
-    assert bubble_fraction([a, b]) == pytest.approx((0.4 + 0.6) / 2)
+    assert (loaded.stage, loaded.events, loaded.iterations, loaded.schedule) == (1, b.events, [0, 1], "zero-bubble-h1")
+    assert bubble_fraction([a.iteration(1), b.iteration(1)]) == pytest.approx((0.4 + 0.6) / 2)
+    with pytest.raises(ValueError, match="iteration 2 is out of range"):
+        a.iteration(2)
 
     out = tmp_path / "gantt.png"
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_pipeline.py"), str(tmp_path), "--out", str(out),
-                           "--width", "220"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                           "--iteration", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "bubble fraction: 0.5000" in done.stdout
-    image = _read_png(out)
-    assert image.shape[1] == 220
-    # 200 px for 10 s: lane 0 (top) is blue at 1 s, white at 4 s, green at 8 s; lane 1 blue at 3 s.
-    lane0, lane1 = 10 + 12, 10 + 24 + 6 + 12
-    px = lambda y, t: tuple(image[y, 10 + int(t * 20)])  # noqa: E731
-    assert px(lane0, 1) == (60, 110, 200) and px(lane0, 4) == (255, 255, 255) and px(lane0, 8) == (60, 160, 80)
-    assert px(lane1, 3) == (60, 110, 200) and px(lane1, 8) == (255, 255, 255)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "gantt.trace.json").read_text())["traceEvents"]
+    ops = [e for e in trace if e["ph"] == "X"]
+    assert len(ops) == 7 and {e["tid"] for e in ops} == {0, 1}
+    w = next(e for e in ops if e["cat"] == "W")
+    assert (w["ts"], w["dur"], w["args"]["iteration"]) == (105e6, 1e6, 1)
 
 
 def test_plot_tool_rejects_empty_input(tmp_path, capsys):
