@@ -3,10 +3,11 @@
 Used by the zero-bubble schedules.  Each op receives what it needs just before
 it runs (blocking) and posts its sends without waiting, so any op order that is
 consistent across ranks (as :func:`zero_bubble.simulate` checks) cannot
-deadlock.  Every stage boundary and direction has its own message tag, so
+deadlock.  Every stage boundary and direction has its own message tags, so
 activations and gradients between the same pair of ranks never mix, whatever
-the order in which the two ranks post them; a shape header precedes each
-tensor, so shapes may vary.  Hand-offs between two chunks of the same rank
+the order in which the two ranks post them.  Without a fixed ``tensor_shape`` a
+shape header (on a tag of its own) precedes each tensor, so shapes may vary.
+Receives of the next few ops are posted ahead, so data lands while a rank computes.  Hand-offs between two chunks of the same rank
 (the turn of ZBV's V) stay local.
 """
 
@@ -44,7 +45,10 @@ class _Transfers:
         if self.tensor_shape is None:
             buffers.insert(0, torch.tensor([tensor.dim(), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim()),
                                            dtype=torch.int64, device=self.device))
-        works = [dist.isend(b, self._global(rank), group=self.group, tag=tag) for b in buffers]
+        # Headers and tensors travel on tags of their own, so a header receive posted ahead
+        # can never match a tensor.
+        tags = [2 * tag + 1] if self.tensor_shape is not None else [2 * tag, 2 * tag + 1]
+        works = [dist.isend(b, self._global(rank), group=self.group, tag=t) for b, t in zip(buffers, tags)]
         self._in_flight.append((works, buffers, on_sent))
         self._reap()
 
@@ -56,7 +60,8 @@ class _Transfers:
             buffer = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
         else:
             buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-        self._posted[key] = (dist.irecv(buffer, self._global(rank), group=self.group, tag=tag), buffer, rank, tag)
+        first_tag = 2 * tag + (1 if self.tensor_shape is not None else 0)
+        self._posted[key] = (dist.irecv(buffer, self._global(rank), group=self.group, tag=first_tag), buffer, rank, tag)
 
     def recv(self, key, rank, tag):
         self.post(key, rank, tag)
@@ -66,7 +71,7 @@ class _Transfers:
             return buffer
         values = buffer.tolist()
         tensor = torch.empty(values[1:1 + values[0]], dtype=self.dtype, device=self.device)
-        dist.irecv(tensor, self._global(rank), group=self.group, tag=tag).wait()
+        dist.irecv(tensor, self._global(rank), group=self.group, tag=2 * tag + 1).wait()
         return tensor
 
     def _reap(self):

@@ -328,7 +328,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
         iterators = [data_iterator] * vpp
     group = resolve_group(pp_group, "pp")
     pp, rank = group_size(group), group_rank(group)
-    schedule = check_schedule(schedule, pp, vpp, num_microbatches)
+    schedule = check_schedule(schedule, pp, vpp, num_microbatches, forward_only)
     for index, chunk in enumerate(chunks):
         if (rank > 0 or index > 0) and _input_setter(chunk) is None:
             raise ValueError(f"model chunk {index} on pipeline rank {rank} takes its input from the previous "
@@ -341,15 +341,15 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
                    recorder, rank, pp, v_shape=schedule == "zbv")
     if pp == 1:
         _no_pipelining(steps)
-    elif schedule in ("zero-bubble-h1", "zbv") and not (forward_only and schedule == "zero-bubble-h1"):
+    elif _uses_op_list(schedule, pp, num_microbatches, forward_only):
         steps.split_backward = not forward_only
         if forward_only:
-            ops = [("F", mb, c) for c in range(vpp) for mb in range(num_microbatches)]
+            ops = _forward_only_ops(pp, vpp, num_microbatches)
         else:
             ops = (zbv_order if schedule == "zbv" else zb_h1_order)(pp, rank, num_microbatches)
 
         def stage_rank(stage):
-            return (stage if stage < pp else 2 * pp - 1 - stage) if schedule == "zbv" else stage
+            return (stage if stage < pp else 2 * pp - 1 - stage) if schedule == "zbv" else stage % pp
 
         run_ops(steps, ops, stage_rank, group, tensor_shape, dtype, _device_of(chunks), _free_storage)
     else:
@@ -361,8 +361,26 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
     return steps.metrics if rank == last_stage_rank(pp, schedule) else []
 
 
-def check_schedule(schedule, pp: int, vpp: int, num_microbatches: int) -> str:
-    """The schedule to run (filling in the default); ValueError naming the numbers when it cannot run."""
+def _uses_op_list(schedule: str, pp: int, m: int, forward_only: bool) -> bool:
+    """Whether the op-list executor runs this call: the zero-bubble schedules (ZB-H1's forward-only
+    run is 1F1B's), and forward-only interleaving over a micro-batch count not divisible by pp."""
+    if schedule == "zbv":
+        return True
+    if schedule == "zero-bubble-h1":
+        return not forward_only
+    return forward_only and schedule == "interleaved-1f1b" and m % pp != 0
+
+
+def _forward_only_ops(pp: int, vpp: int, m: int) -> list[tuple[str, int, int]]:
+    """Forwards in groups of ``pp`` micro-batches, each group through chunk 0, 1, ... (Megatron's
+    interleaved order; the last group may be smaller, so any ``m`` works)."""
+    return [("F", mb, c) for first in range(0, m, pp) for c in range(vpp) for mb in range(first, min(first + pp, m))]
+
+
+def check_schedule(schedule, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False) -> str:
+    """The schedule to run (filling in the default); ValueError naming the numbers when it cannot run.
+
+    Forward-only runs take any number of micro-batches."""
     if schedule is None:
         schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
     if schedule not in SCHEDULES:
@@ -375,7 +393,7 @@ def check_schedule(schedule, pp: int, vpp: int, num_microbatches: int) -> str:
     if schedule == "interleaved-1f1b":
         if vpp == 1:
             raise ValueError("the interleaved-1f1b schedule needs more than one model chunk per rank, got 1")
-        if num_microbatches % pp:
+        if num_microbatches % pp and not forward_only:
             raise ValueError(f"the interleaved schedule needs num_microbatches divisible by pp: "
                              f"{num_microbatches} micro-batches, pp={pp}")
     return schedule
