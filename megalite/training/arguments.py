@@ -244,7 +244,7 @@ def _check_batch(args):
              f"* data-parallel size {dp} = {micro * dp}")
     args.num_microbatches = args.global_batch_size // (micro * dp)
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and args.pipeline_schedule != "zbv":
+    if vpp is not None and vpp > 1 and args.pipeline_schedule in (None, "interleaved-1f1b"):
         _require(args.num_microbatches % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches {args.num_microbatches} "
                  f"(global batch {args.global_batch_size} / (micro batch {micro} * dp {dp})) to be divisible "

@@ -55,7 +55,8 @@ def test_plot_tool_rejects_empty_input(tmp_path, capsys):
 
 
 SLEEP_S, PP, M = 0.1, 4, 8
-# (schedule, chunks per rank); each stage's F, B and W sleep SLEEP_S in all (B+W when not split).
+# (schedule, chunks per rank); every chunk's F, B and W sleep SLEEP_S each (B+W when not split), so each
+# op's fixed overhead weighs the same in every schedule.
 TIMED = (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble-h1", 1), ("zbv", 2))
 
 
@@ -69,7 +70,7 @@ def _timed_schedules():
         num_layers = PP * chunks_per_rank
         layers = toy.full_stack(num_layers)
         ranges = split_layers(num_layers, PP, chunks_per_rank, v_shape=schedule == "zbv")[rank]
-        chunks = [toy.Chunk(layers, s, e, sleep_s / chunks_per_rank) for s, e in ranges]
+        chunks = [toy.Chunk(layers, s, e, sleep_s) for s, e in ranges]
         batches = toy.microbatches(M)
         if schedule == "zbv":
             step = toy.make_forward_step(chunks[0] if rank == 0 else None, chunks[1] if rank == 0 else None)
