@@ -9,10 +9,11 @@ ScheduleZBVZeroBubble.  Prints the median step time of the slowest rank, the rat
 median CPU time summed over ranks (gloo threads included; far less disturbed by other load on the
 machine), the grad difference between the two sides (same weights, same data), and one line per schedule
 ``bubble <schedule> measured <x> analytic <y>`` (megalite's measured bubble of one extra step; the
-analytic value assumes equal F, B and W times).  Writes Gantt charts and Chrome traces of that step
-with tools/plot_pipeline.py.
+analytic value assumes equal F, B and W times).  Writes Gantt charts (and, with --trace-dir, Chrome
+traces) of that step with tools/plot_pipeline.py.
 
     python benchmarks/pipeline.py [--steps 6] [--hidden 256] [--seq 64] [--batch 4] [--png-dir benchmarks]
+                                  [--trace-dir DIR]
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ def main():
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--png-dir", default=os.path.join(ROOT, "benchmarks"))
+    parser.add_argument("--trace-dir", default=None, help="also write each Gantt step as a Chrome trace JSON here")
     args = parser.parse_args()
     per_rank = run_distributed(bench, PP, args.steps, args.hidden, args.seq, args.batch, timeout=900)
 
@@ -214,9 +216,12 @@ def main():
         if args.png_dir:
             path = os.path.join(args.png_dir, png)
             plot.plot(recorders, path, f"megalite {schedule}, pp={PP}, m={M}: measured bubble {bubble:.1%}")
-            with open(os.path.splitext(path)[0] + ".trace.json", "w") as f:
+            print(f"  Gantt chart of one megalite step: {path}")
+        if args.trace_dir:
+            path = os.path.join(args.trace_dir, os.path.splitext(png)[0] + ".trace.json")
+            with open(path, "w") as f:
                 json.dump(plot.chrome_trace(recorders), f)
-            print(f"  Gantt chart and trace of one megalite step: {path}")
+            print(f"  Chrome trace of that step: {path}")
     for schedule, vpp, _, _ in SCHEDULES:
         print(f"bubble {schedule} measured {bubbles[schedule]:.4f} analytic {analytic_bubble(schedule, PP, M, vpp):.4f}")
 
