@@ -43,26 +43,24 @@ def _check_timelines(directory):
         assert kinds.count("F") == kinds.count("B") == 20 * 4
 
 
-@pytest.mark.parametrize("schedule", [[], ["--pipeline-schedule", "zero-bubble-h1"]], ids=["1f1b", "zb-h1"])
-def test_pipeline_with_distributed_optimizer_matches_one_rank(tiny_data, tmp_path, reference, schedule):
-    """pp=2 x dp=2 with ZeRO-1: the tied embedding's shards must line up across the two stages.
-
-    Under ZB-H1 the weight gradients arrive in deferred W passes, after the bucket hooks of the B passes."""
-    _, got = train(tiny_data, tmp_path, 4, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                   *schedule)
+def test_pipeline_with_distributed_optimizer_matches_one_rank(tiny_data, tmp_path, reference):
+    """pp=2 x dp=2 with ZeRO-1: the tied embedding's shards must line up across the two stages."""
+    _, got = train(tiny_data, tmp_path, 4, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer")
     assert [r["iteration"] for r in got] == list(range(1, 21))
     for ref, mine in zip(reference, got):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
 
 
-def test_zbv_with_distributed_optimizer_matches_one_rank(tiny_data, tmp_path):
-    """--pipeline-schedule zbv (two chunks per rank in a V, untied output layer) x dp=2 x ZeRO-1."""
+def test_zero_bubble_schedules_with_distributed_optimizer_match_one_rank(tiny_data, tmp_path):
+    """--pipeline-schedule zero-bubble-h1 and zbv (two chunks per rank in a V, so an untied output layer)
+    x dp=2 x ZeRO-1: weight gradients arrive in deferred W passes, after the bucket hooks of the B passes."""
     untied = ["--untie-embeddings-and-output-weights", "--num-layers", "4"]
     reference = train(tiny_data, tmp_path / "ref", 1, *untied, iters=8)[1]
-    _, got = train(tiny_data, tmp_path / "zbv", 4, *untied, "--pipeline-model-parallel-size", "2",
-                   "--pipeline-schedule", "zbv", "--use-distributed-optimizer", iters=8)
-    assert [r["iteration"] for r in got] == list(range(1, 9))
-    for ref, mine in zip(reference, got):
-        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
-        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
+    for schedule in ("zero-bubble-h1", "zbv"):
+        _, got = train(tiny_data, tmp_path / schedule, 4, *untied, "--pipeline-model-parallel-size", "2",
+                       "--pipeline-schedule", schedule, "--use-distributed-optimizer", iters=8)
+        assert [r["iteration"] for r in got] == list(range(1, 9))
+        for ref, mine in zip(reference, got):
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), (schedule, ref["iteration"])
+            assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (schedule, ref["iteration"])
