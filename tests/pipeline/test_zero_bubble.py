@@ -142,6 +142,12 @@ def _gpt(schedule, reference, tp=1, pp=2, ep=1, m=4, num_layers=4, recompute=Non
         _set_aux_scale(model, m)
         chunks.append(DistributedDataParallel(model, DDPConfig(bucket_size=2000)))
     loss_err = grad_err = 0.0
+    mine = _microbatches(0, dp * m)[topo.dp.rank * m:(topo.dp.rank + 1) * m]
+    metrics = forward_backward(_forward_step, [iter(mine) for _ in chunks] if vpp else iter(mine),
+                               chunks if vpp else chunks[0], m, forward_only=True, schedule=schedule)
+    losses = broadcast_from_last_stage([mt["loss"].item() for mt in metrics], last_rank=last_stage_rank(pp, schedule))
+    want = ref_losses[0][topo.dp.rank * m:(topo.dp.rank + 1) * m]
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, want))  # forward-only first
     for it in range(ITERS):
         mine = _microbatches(it, dp * m)[topo.dp.rank * m:(topo.dp.rank + 1) * m]
         iterators = [iter(mine) for _ in chunks]
