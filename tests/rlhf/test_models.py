@@ -1,5 +1,7 @@
 """Reference model offload, and the training backend's DP/micro-batch invariance and checkpoints."""
 
+import math
+
 import torch
 
 from megalite import topology
@@ -9,7 +11,7 @@ from megalite.rlhf import (PPOActorObjective, PPOConfig, ReferenceModel, Trainin
                                   sequence_log_probs)
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.testing import run_distributed
-from tests.rlhf.common import config, padded_prompts
+from tests.rlhf.common import VOCAB, config, padded_prompts
 
 
 def test_reference_offload_keeps_weights_on_host_and_matches_actor():
@@ -31,7 +33,7 @@ def _batch(rows):
     response[:, 4:] = 1
     return {"input_ids": ids[rows], "attention_mask": mask[rows], "response_mask": response[rows],
             "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows],
-            "ref_log_probs": (-torch.rand(4, 7, generator=g))[rows], "is_weights": torch.rand(4, 7, generator=g)[rows]}
+            "ref_log_probs": (0.3 * torch.randn(4, 7, generator=g) - math.log(VOCAB))[rows], "is_weights": torch.rand(4, 7, generator=g)[rows]}
 
 
 def _backend_rank(directory):
