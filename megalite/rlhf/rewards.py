@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from megalite.data.synthetic import arithmetic_answer
 from megalite.rlhf.ppo import kl_penalty
 
 
@@ -27,6 +28,11 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def arithmetic_reward(prompt: str, response: str) -> float:
+    """1 for the right answer to an "a+b=" prompt, else 0 (the rule examples/rlhf_ppo.py uses by default)."""
+    return float(response == arithmetic_answer(prompt))
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
