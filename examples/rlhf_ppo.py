@@ -49,6 +49,7 @@ from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedMod
                            overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
                            truncated_is_weights, varied_groups)
 from megalite.rlhf.ppo import LOSS_AGGREGATIONS
+from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
 from megalite.training.metrics import MetricsLogger
@@ -100,6 +101,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("rollouts and rewards")
     g.add_argument("--reward-fn", default="megalite.rlhf.rewards:arithmetic_reward",
                    help="module:function taking (prompt, response) and returning a float")
+    g.add_argument("--reward-model", default=None,
+                   help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=3)
     g.add_argument("--offload-reference", action="store_true", help="keep the reference model in CPU memory")
@@ -147,10 +150,26 @@ def validate(args, world_size: int) -> None:
                          kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
                          loss_aggregation=args.loss_agg_mode, use_kl_loss=args.use_kl_loss,
                          rollout_is_cap=args.rollout_is_cap)
-    args.reward = load_reward_fn(args.reward_fn)
+    if args.reward_model:
+        check_reward_model(args.reward_model, TOKENIZER.vocab_size)
+    else:
+        args.reward = load_reward_fn(args.reward_fn)
 
 
 TOKENIZER = ByteTokenizer()
+
+
+def reward_function(args, build: bool):
+    """The ``(prompt, response) -> float`` reward on this rank (None where ``build`` is False).
+
+    A reward model runs unsharded; building it needs a one-rank TP group, made collectively here.
+    """
+    if not args.reward_model:
+        return args.reward if build else None
+    single, _ = dist.new_subgroups(group_size=1)
+    if not build:
+        return None
+    return RewardModelScorer(args.reward_model, TOKENIZER.tokenize, TOKENIZER.eod, TOKENIZER.vocab_size, single)
 
 
 def problem(rng: random.Random, max_operand: int) -> str:
@@ -220,8 +239,9 @@ class Rollouts:
     """Draws prompts, samples groups of responses, scores them (local reward) and computes reference
     log-probs and values; every rollout records the policy version (``self.version``) that made it."""
 
-    def __init__(self, args, topo, actor, reference, critic_chunk, device):
+    def __init__(self, args, topo, actor, reference, critic_chunk, device, reward):
         self.args, self.topo, self.actor, self.reference, self.critic = args, topo, actor, reference, critic_chunk
+        self.reward = reward
         self.device = device
         self.version = 0
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
@@ -258,7 +278,7 @@ class Rollouts:
         rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
                    "response_mask": response_mask, "rollout_log_probs": log_probs}
         if not self.args.use_centralized_critic:
-            rollout["scores"] = score_batches(self.args.reward, [(prompts, responses)])[0].to(self.device)
+            rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
         return rollout
 
     def rollout(self, iteration: int) -> dict:
@@ -417,11 +437,12 @@ def main(argv=None) -> int:
         critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
         critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
                                  topo)
-    rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device)
+    owner = topo.global_rank == args.critic_owner_rank
+    reward = reward_function(args, owner or not args.use_centralized_critic)
+    rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device, reward)
     reward_model = None
     if args.use_centralized_critic:
-        owner = topo.global_rank == args.critic_owner_rank
-        reward_model = CentralizedModel((lambda per_rank: score_batches(args.reward, per_rank)) if owner else None,
+        reward_model = CentralizedModel((lambda per_rank: score_batches(reward, per_rank)) if owner else None,
                                         owner=args.critic_owner_rank)
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["prompts"], r["responses"]))
