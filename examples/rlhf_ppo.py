@@ -48,7 +48,9 @@ from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedMod
                            ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages, load_reward_fn,
                            overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
                            truncated_is_weights, varied_groups)
+from megalite.rlhf.generation import generate
 from megalite.rlhf.ppo import LOSS_AGGREGATIONS
+from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
@@ -106,6 +108,9 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=3)
     g.add_argument("--offload-reference", action="store_true", help="keep the reference model in CPU memory")
+    g.add_argument("--rollout-world-size", type=int, default=0,
+                   help="ranks that only generate (the last ones); 0: rollouts run on the training ranks")
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
     g.add_argument("--use-centralized-critic", action="store_true",
                    help="score rollouts with a reward function held by one rank only")
     g.add_argument("--critic-owner-rank", type=int, default=0)
@@ -118,11 +123,21 @@ def parse_args(argv=None):
 def validate(args, world_size: int) -> None:
     """Every size check before any collective; fills ``args.dp`` and the per-rank batch sizes."""
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise ValueError(f"world size {world_size} is not divisible by tensor-model-parallel-size "
-                         f"{args.tensor_model_parallel_size} x pipeline-model-parallel-size "
-                         f"{args.pipeline_model_parallel_size}")
-    args.dp = world_size // model_parallel
+    rollout, rollout_tp = args.rollout_world_size, args.rollout_tensor_parallel_size
+    if rollout:
+        if not 0 < rollout < world_size:
+            raise ValueError(f"--rollout-world-size {rollout} leaves no trainer ranks in the world of {world_size}")
+        if rollout_tp < 1 or rollout % rollout_tp:
+            raise ValueError(f"--rollout-world-size {rollout} is not a multiple of --rollout-tensor-parallel-size "
+                             f"{rollout_tp}")
+        if args.use_centralized_critic or args.dynamic_sampling:
+            raise ValueError("--rollout-world-size runs with a local reward and without --dynamic-sampling")
+    trainers = world_size - rollout
+    if trainers % model_parallel:
+        raise ValueError(f"{trainers} trainer ranks (world size {world_size} - --rollout-world-size {rollout}) are "
+                         f"not divisible by tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+                         f"pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.dp = trainers // model_parallel
     for name in ("global_batch_size", "pretrain_global_batch_size"):
         if getattr(args, name) % args.dp:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is not divisible by the "
@@ -159,17 +174,17 @@ def validate(args, world_size: int) -> None:
 TOKENIZER = ByteTokenizer()
 
 
-def reward_function(args, build: bool):
+def reward_function(args, build: bool, single_group):
     """The ``(prompt, response) -> float`` reward on this rank (None where ``build`` is False).
 
-    A reward model runs unsharded; building it needs a one-rank TP group, made collectively here.
+    A reward model runs unsharded, in ``single_group`` (a one-rank group).
     """
-    if not args.reward_model:
-        return args.reward if build else None
-    single, _ = dist.new_subgroups(group_size=1)
     if not build:
         return None
-    return RewardModelScorer(args.reward_model, TOKENIZER.tokenize, TOKENIZER.eod, TOKENIZER.vocab_size, single)
+    if not args.reward_model:
+        return args.reward
+    return RewardModelScorer(args.reward_model, TOKENIZER.tokenize, TOKENIZER.eod, TOKENIZER.vocab_size,
+                             single_group)
 
 
 def problem(rng: random.Random, max_operand: int) -> str:
@@ -220,9 +235,74 @@ def build(model_cls, config, topo, lr, device):
     return chunk, get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
 
 
-def generate_rollouts(actor: TrainingBackend, prompts, prompt_mask, sampling, generator):
+def generate_rollouts(model, prompts, prompt_mask, sampling, generator):
     """The one call that samples responses (switch the rollout engine here)."""
-    return actor.generate(prompts, prompt_mask, sampling, generator)
+    return generate(model, prompts, prompt_mask, sampling, generator)
+
+
+def sample_shard(model, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int, device):
+    """One generation round of DP shard ``shard``: prompts x n samples, padded to a fixed width
+    ``[b, P + N]`` so rounds concatenate and the tensors can be sent: (tokens, attention mask,
+    response mask and rollout log-probs, the last two aligned with ``tokens[:, 1:]``)."""
+    n, width, new = args.n_samples_per_prompt, prompt_width(args), args.max_new_tokens
+    prompts = [p for p in (problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)) for _ in range(n)]
+    ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
+    generator = torch.Generator(device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt + shard)
+    out = generate_rollouts(model, ids.to(device), mask.to(device), sampling, generator)
+    b, fill = len(prompts), new - out.response_mask.shape[1]
+    tokens = torch.cat([out.tokens, out.tokens.new_full((b, fill), TOKENIZER.pad)], dim=1)
+    attention = torch.cat([out.attention_mask, out.attention_mask.new_zeros(b, fill)], dim=1)
+    response_mask = torch.cat([out.response_mask.new_zeros(b, width - 1), out.response_mask,
+                               out.response_mask.new_zeros(b, fill)], dim=1)
+    log_probs = torch.cat([out.log_probs.new_zeros(b, width - 1), out.log_probs, out.log_probs.new_zeros(b, fill)],
+                          dim=1)
+    return tokens.long(), attention.long(), response_mask.float(), log_probs.float()
+
+
+def prompt_width(args) -> int:
+    return len(f"{args.max_operand}+{args.max_operand}=")
+
+
+def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
+    """Shapes and dtypes of :func:`sample_shard`'s tensors, known to sender and receiver alike."""
+    b, width = args.prompts_per_rank * args.n_samples_per_prompt, prompt_width(args) + args.max_new_tokens
+    return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
+            ((b, width - 1), torch.float32)]
+
+
+def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]) -> None:
+    """A rollout rank's loop: receive weights, generate its DP shards' rollouts, send them to the trainers.
+
+    Iteration ``i`` is generated with the weights after update ``max(0, i - 1 - S)``, so up to S
+    iterations are generated while the trainers train.  ``trainer_dp[r]`` is global rank r's trainer
+    DP rank (-1 for rollout ranks)."""
+    world = len(trainer_dp)
+    first = world - args.rollout_world_size
+    local = dist.get_rank() - first
+    rtp = args.rollout_tensor_parallel_size
+    replica, tp_rank = local // rtp, local % rtp
+    replicas = args.rollout_world_size // rtp
+    model = GPTModel(config, tp_group=rollout_tp_group).to(device)
+    sync = WeightSync(model, SyncRole(ROLLOUT, replica, tp_rank, rtp))
+    sync.sync()
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad,
+                              temperature=args.temperature)
+    shards = [d for d in range(args.dp) if d % replicas == replica]
+    rngs = {d: random.Random(args.seed * 1000 + d) for d in shards}
+    pending = []
+    for iteration in range(1, args.train_iters + 1):
+        if iteration > args.max_staleness + 1:
+            sync.sync()
+            for work, _ in pending:
+                work.wait()
+            pending = []
+        for shard in shards:
+            tensors = sample_shard(model, args, sampling, rngs[shard], iteration, 0, shard, device)
+            if tp_rank == 0:
+                for dst in (r for r, d in enumerate(trainer_dp) if d == shard):
+                    pending += [(dist.isend(t, dst), t) for t in tensors]
+    for work, _ in pending:
+        work.wait()
 
 
 def lookahead(items, depth: int):
@@ -242,12 +322,15 @@ class Rollouts:
     def __init__(self, args, topo, actor, reference, critic_chunk, device, reward):
         self.args, self.topo, self.actor, self.reference, self.critic = args, topo, actor, reference, critic_chunk
         self.reward = reward
+        self.rollout_source = None
+        if args.rollout_world_size:
+            replicas = args.rollout_world_size // args.rollout_tensor_parallel_size
+            self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
         self.version = 0
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
-        self.prompt_width = len(f"{args.max_operand}+{args.max_operand}=")
 
     def __iter__(self):
         for iteration in range(1, self.args.train_iters + 1):
@@ -258,23 +341,20 @@ class Rollouts:
         return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
 
     def _sample(self, iteration: int, attempt: int) -> dict:
-        """One generation round: prompts x n samples, padded to a fixed width so rounds concatenate."""
-        n, width, new = self.args.n_samples_per_prompt, self.prompt_width, self.args.max_new_tokens
-        prompts = [p for p in (problem(self.rng, self.args.max_operand) for _ in range(self.args.prompts_per_rank))
-                   for _ in range(n)]
-        ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
-        seed = self.args.seed + 7919 * iteration + 104729 * attempt + self.topo.dp.rank
-        generator = torch.Generator(self.device).manual_seed(seed)
-        out = generate_rollouts(self.actor, ids.to(self.device), mask.to(self.device), self.sampling, generator)
-        fill = new - out.response_mask.shape[1]
-        tokens = torch.cat([out.tokens, out.tokens.new_full((len(prompts), fill), TOKENIZER.pad)], dim=1)
-        attention = torch.cat([out.attention_mask, out.attention_mask.new_zeros(len(prompts), fill)], dim=1)
-        response_mask = torch.cat([out.response_mask.new_zeros(len(prompts), width - 1), out.response_mask,
-                                   out.response_mask.new_zeros(len(prompts), fill)], dim=1).float()
-        log_probs = torch.cat([out.log_probs.new_zeros(len(prompts), width - 1), out.log_probs,
-                               out.log_probs.new_zeros(len(prompts), fill)], dim=1)
+        """One generation round of this DP rank, generated here or received from its rollout rank."""
+        if self.rollout_source is None:
+            tensors = sample_shard(self.actor.chunk, self.args, self.sampling, self.rng, iteration, attempt,
+                                   self.topo.dp.rank, self.device)
+        else:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
+            for t in tensors:
+                dist.recv(t, src=self.rollout_source)
+            tensors = [t.to(self.device) for t in tensors]
+        tokens, attention, response_mask, log_probs = tensors
+        width = prompt_width(self.args)
+        prompts = [TOKENIZER.detokenize(row) for row in tokens[:, :width].tolist()]
         responses = [response_text([int(t) for t, m in zip(row, keep) if m])
-                     for row, keep in zip(out.tokens[:, width:], out.response_mask)]
+                     for row, keep in zip(tokens[:, width:], response_mask[:, width - 1:])]
         rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
                    "response_mask": response_mask, "rollout_log_probs": log_probs}
         if not self.args.use_centralized_critic:
@@ -291,7 +371,8 @@ class Rollouts:
         micro_batches = self._micro_batches(rollout["input_ids"], rollout["attention_mask"])
         with self.reference.on_device() as reference:
             ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
-        rollout.update(iteration=iteration, version=self.version, ref_log_probs=ref_log_probs.to(self.device),
+        version = self.version if self.rollout_source is None else max(0, iteration - 1 - self.args.max_staleness)
+        rollout.update(iteration=iteration, version=version, ref_log_probs=ref_log_probs.to(self.device),
                        kept_fraction=kept_fraction, generate_s=generate_s)
         if self.critic is not None:
             rollout["old_values"] = pipeline_values(self.critic, micro_batches).to(self.device)[:, :-1]
@@ -417,18 +498,37 @@ def main(argv=None) -> int:
     validate(args, world_size)
     torch.set_num_threads(1)
     owns_process_group = not dist.is_initialized()
-    topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+    trainers = world_size - args.rollout_world_size
+    topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                               ranks=list(range(trainers)))
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)
     config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=16,
                        make_vocab_size_divisible_by=8, seed=args.seed)
+    single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model else None
+    sync = None
+    if args.rollout_world_size:
+        rtp = args.rollout_tensor_parallel_size
+        rollout_tp_groups = {start: dist.new_group(list(range(start, start + rtp)))
+                             for start in range(trainers, world_size, rtp)}
+        trainer_dp = [None] * world_size
+        dist.all_gather_object(trainer_dp, topo.dp.rank if topo.global_rank < trainers else -1)
+        if topo.global_rank >= trainers:
+            start = trainers + (topo.global_rank - trainers) // rtp * rtp
+            serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp)
+            if owns_process_group:
+                topology.destroy()
+            return 0
     start = time.monotonic()
     actor_chunk = pretrain(args, topo, config, device)
     layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
     reference = ReferenceModel(GPTModel(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
                                         layer_range=layer_range).to(device),
                                source=actor_chunk, offload=args.offload_reference)
+    if args.rollout_world_size:
+        sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
+        sync.sync()
     actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
                                                                        clip_grad=1.0), [actor_chunk]),
                             PPOActorObjective(args.ppo, args.temperature), args.micro_batch_size, topo)
@@ -438,7 +538,7 @@ def main(argv=None) -> int:
         critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
                                  topo)
     owner = topo.global_rank == args.critic_owner_rank
-    reward = reward_function(args, owner or not args.use_centralized_critic)
+    reward = reward_function(args, owner or not args.use_centralized_critic, single_group)
     rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device, reward)
     reward_model = None
     if args.use_centralized_critic:
@@ -447,12 +547,16 @@ def main(argv=None) -> int:
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["prompts"], r["responses"]))
     else:
-        stream = ((r, r["scores"]) for r in lookahead(rollouts, args.max_staleness))
+        stream = ((r, r["scores"]) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
     logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                            stream=open(os.devnull, "w"))
     for rollout, scores in stream:
         metrics = rl_update(rollout, scores, args, topo, actor, critic, device, rollouts.version)
         rollouts.version += 1
+        if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
+            start_sync, sent = time.monotonic(), sync.bytes_sent
+            sync.sync()
+            metrics.update(time_sync_s=time.monotonic() - start_sync, sync_bytes_sent=float(sync.bytes_sent - sent))
         logger.log(rollout["iteration"], metrics)
         if topo.global_rank == 0:
             print(f"rl iteration {rollout['iteration']}/{args.train_iters} | "

@@ -27,6 +27,11 @@ def _run(argv):
     return _module().main(argv)
 
 
+def text_reward(prompt: str, response: str) -> float:
+    """A reward that varies within the groups of an untrained policy (for the equality checks)."""
+    return float(sum(map(ord, response)) % 7)
+
+
 def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -59,6 +64,28 @@ def test_grpo_example_with_dapo_and_kl_loss(tmp_path):
         assert "kl_loss" in record and "value_loss" not in record and 0.0 <= record["kept_group_fraction"] <= 1.0
 
 
+def test_disaggregated_equals_colocated_and_runs_async(tmp_path):
+    """One trainer rank and one rollout rank (weights synced after each update) give exactly the colocated
+    run's metrics over two on-policy iterations; a tp2 rollout replica with --max-staleness 1 runs."""
+    base = TINY + ["--tensor-model-parallel-size", "1", "--global-batch-size", "2", "--n-samples-per-prompt", "2",
+                   "--advantage-estimator", "grpo", "--train-iters", "2", "--tensorboard-dir", "",
+                   "--reward-fn", "tests.rlhf.test_example:text_reward", "--ppo-epochs", "2"]
+    paths = [tmp_path / "colocated.jsonl", tmp_path / "disaggregated.jsonl", tmp_path / "async.jsonl"]
+    assert run_distributed(_run, 1, base + ["--metrics-file", str(paths[0])], timeout=180) == [0]
+    assert run_distributed(_run, 2, base + ["--rollout-world-size", "1", "--metrics-file", str(paths[1])],
+                           timeout=180) == [0, 0]
+    colocated, disaggregated = _records(paths[0]), _records(paths[1])
+    assert all(r["policy_loss"] != 0.0 and r["reward"] > 0 for r in colocated)  # the second epoch moved the policy
+    assert disaggregated[0]["sync_bytes_sent"] > 0 and "sync_bytes_sent" not in disaggregated[1]
+    for a, b in zip(colocated, disaggregated):
+        assert {k: v for k, v in a.items() if not k.startswith("time_")} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_"))}
+    argv = base + ["--train-iters", "3", "--rollout-world-size", "2", "--rollout-tensor-parallel-size", "2",
+                   "--max-staleness", "1", "--metrics-file", str(paths[2])]
+    assert run_distributed(_run, 3, argv, timeout=180) == [0, 0, 0]
+    assert [r["staleness"] for r in _records(paths[2])] == [0.0, 1.0, 1.0]
+
+
 def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
     lookahead = _module().lookahead
     for depth in (0, 1, 2):
@@ -85,7 +112,10 @@ def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
     (["--advantage-estimator", "rloo"], "'rloo' needs at least 2 samples per prompt, got 1"),
     (["--reward-fn", "no_such_module_xyz:score"], "cannot import reward module 'no_such_module_xyz'"),
     (["--global-batch-size", "3"], "--global-batch-size 3 is not divisible by the data-parallel size 2"),
-    (["--tensor-model-parallel-size", "3"], "world size 4 is not divisible by tensor-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "3"], "4 trainer ranks .* not divisible by tensor-model-parallel-size 3"),
+    (["--rollout-world-size", "4"], "--rollout-world-size 4 leaves no trainer ranks in the world of 4"),
+    (["--tensor-model-parallel-size", "1", "--rollout-world-size", "3", "--rollout-tensor-parallel-size", "2"],
+     "--rollout-world-size 3 is not a multiple of --rollout-tensor-parallel-size 2"),
 ])
 def test_example_bad_input(extra, message):
     module = _module()
