@@ -550,6 +550,7 @@ def main(argv=None) -> int:
         stream = ((r, r["scores"]) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
     logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                            stream=open(os.devnull, "w"))
+    last = time.monotonic()
     for rollout, scores in stream:
         metrics = rl_update(rollout, scores, args, topo, actor, critic, device, rollouts.version)
         rollouts.version += 1
@@ -557,6 +558,7 @@ def main(argv=None) -> int:
             start_sync, sent = time.monotonic(), sync.bytes_sent
             sync.sync()
             metrics.update(time_sync_s=time.monotonic() - start_sync, sync_bytes_sent=float(sync.bytes_sent - sent))
+        metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
         logger.log(rollout["iteration"], metrics)
         if topo.global_rank == 0:
             print(f"rl iteration {rollout['iteration']}/{args.train_iters} | "
