@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--data-path", default=None, help="preference JSONL (default: a synthetic set in --save)")
     p.add_argument("--synthetic-pairs", type=int, default=4000)
     p.add_argument("--held-out-pairs", type=int, default=256)
-    p.add_argument("--train-iters", type=int, default=150)
+    p.add_argument("--train-iters", type=int, default=400)
     p.add_argument("--global-batch-size", type=int, default=64, help="pairs per step over all DP ranks")
     p.add_argument("--micro-batch-size", type=int, default=16, help="pairs per forward on one rank")
     p.add_argument("--lr", type=float, default=1e-3)
