@@ -1,6 +1,6 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
-estimators (GAE, GRPO, RLOO, REINFORCE++), rewards,
-a centralized critic/reward model with prefetch, a training backend for outside RL loops and weight export."""
+estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward model
+with prefetch, a training backend for outside RL loops, weight export and trainer -> rollout weight sync."""
 
 from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
                                       discounted_returns, grpo_advantages, rloo_advantages)
@@ -12,7 +12,9 @@ from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
                                truncated_is_weights, value_loss, whiten)
+from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
 from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
+from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
 
 __all__ = [
@@ -22,4 +24,5 @@ __all__ = [
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
     "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
+    "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync",
 ]

@@ -43,7 +43,7 @@ class BradleyTerryObjective:
 
     def normalizer_mask(self, batch: dict) -> torch.Tensor:
         """One 1 per pair, so the normalizer is the global number of pairs."""
-        return torch.ones(batch["input_ids"].shape[0] // 2)
+        return torch.ones(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
 
     def forward(self, chunk, mb: dict) -> torch.Tensor:
         if mb["input_ids"].shape[0] % 2:

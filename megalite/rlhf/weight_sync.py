@@ -96,10 +96,10 @@ def build_plan(descriptions: list[dict]) -> list[Transfer]:
     trainer_dp = max(d["role"].replica for d in trainers.values()) + 1
     sources: dict[tuple[int, str], list] = {}
     for rank, desc in trainers.items():
-        for name, (gname, shape, pieces, replicated, alias, _) in desc["params"].items():
+        for name, (gname, shape, pieces, replicated, alias, dtype) in desc["params"].items():
             if alias or ("tp" in replicated and desc["role"].tp_rank != 0):
                 continue
-            sources.setdefault((desc["role"].replica, gname), []).append((rank, name, shape, pieces, desc["params"][name][5]))
+            sources.setdefault((desc["role"].replica, gname), []).append((rank, name, shape, pieces, dtype))
     plan = []
     for dst, desc in sorted(rollouts.items()):
         replica = desc["role"].replica % trainer_dp

@@ -33,7 +33,8 @@ def _batch(rows):
     response[:, 4:] = 1
     return {"input_ids": ids[rows], "attention_mask": mask[rows], "response_mask": response[rows],
             "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows],
-            "ref_log_probs": (0.3 * torch.randn(4, 7, generator=g) - math.log(VOCAB))[rows], "is_weights": torch.rand(4, 7, generator=g)[rows]}
+            "ref_log_probs": (0.3 * torch.randn(4, 7, generator=g) - math.log(VOCAB))[rows],
+            "is_weights": torch.rand(4, 7, generator=g)[rows]}
 
 
 def _backend_rank(directory):
@@ -75,7 +76,9 @@ def _check_backend(mode, kl_loss):
     mask = whole["response_mask"]
 
     def mean(x):
-        return ((x * mask).sum(1) / mask.sum(1)).sum() / norm if mode == "seq-mean-token-mean" else (x * mask).sum() / norm
+        if mode == "seq-mean-token-mean":
+            return ((x * mask).sum(1) / mask.sum(1)).sum() / norm
+        return (x * mask).sum() / norm
 
     total = ref_loss - 0.01 * mean(entropy)
     if kl_loss:

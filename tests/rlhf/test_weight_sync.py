@@ -9,7 +9,6 @@ import torch.distributed as dist
 from megalite.models import GPTModel
 from megalite.pipeline import split_layers
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync, build_plan
-from megalite.tensor_parallel import pad_vocab_size
 from megalite.testing import run_distributed
 from tests.models.common import full_to_shard
 from tests.rlhf.common import config
@@ -59,7 +58,8 @@ def _scenario(name, bucket_numel):
     else:
         local = me - trainers
         tp_rank, replica = local % rtp, local // rtp
-        model = GPTModel(config(kind, num_layers=2, seed=55), tp_group=made[tuple(range(me - tp_rank, me - tp_rank + rtp))])
+        tp_group = made[tuple(range(me - tp_rank, me - tp_rank + rtp))]
+        model = GPTModel(config(kind, num_layers=2, seed=55), tp_group=tp_group)
         role = SyncRole(ROLLOUT, replica, tp_rank, rtp)
     sync = WeightSync(model, role, group=group, bucket_numel=bucket_numel)
     if role.side == ROLLOUT:
