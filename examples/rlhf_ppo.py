@@ -54,22 +54,20 @@ from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
+from megalite.training.arguments import add_flag
 from megalite.training.metrics import MetricsLogger
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("parallelism and model (the pretraining flags)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
+                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
+        add_flag(g, name, default)
     g = p.add_argument_group("batches (global = over all data-parallel ranks)")
-    g.add_argument("--global-batch-size", type=int, default=128, help="prompts per RL iteration")
+    add_flag(g, "--global-batch-size", 128, "prompts per RL iteration")
     g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses sampled per prompt (a group)")
-    g.add_argument("--micro-batch-size", type=int, default=32, help="sequences per forward on one rank")
+    add_flag(g, "--micro-batch-size", 32, "sequences per forward on one rank")
     g.add_argument("--pretrain-global-batch-size", type=int, default=64, help="sequences per pretraining step")
     g = p.add_argument_group("pretraining")
     g.add_argument("--max-operand", type=int, default=9, help="problems are a+b with 0 <= a, b <= this")
@@ -78,7 +76,7 @@ def parse_args(argv=None):
     g.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
     g.add_argument("--save", default=None, help="save the pretrained actor here (before RL)")
     g = p.add_argument_group("RL algorithm")
-    g.add_argument("--train-iters", type=int, default=100, help="RL iterations")
+    add_flag(g, "--train-iters", 100, "RL iterations")
     g.add_argument("--advantage-estimator", default="gae", help=f"one of {ADVANTAGE_ESTIMATORS}")
     g.add_argument("--no-norm-adv-by-std", action="store_true", help="grpo: do not divide by the group's std")
     g.add_argument("--gamma", type=float, default=1.0)
@@ -115,8 +113,8 @@ def parse_args(argv=None):
                    help="score rollouts with a reward function held by one rank only")
     g.add_argument("--critic-owner-rank", type=int, default=0)
     g = p.add_argument_group("logging")
-    g.add_argument("--metrics-file", default=None)
-    g.add_argument("--tensorboard-dir", default="runs/rlhf_ppo")
+    add_flag(g, "--metrics-file", None)
+    add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
     return p.parse_args(argv)
 
 

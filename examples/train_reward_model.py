@@ -31,6 +31,7 @@ from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
 from megalite.rlhf import CriticModel, TrainingBackend, pipeline_values
+from megalite.training.arguments import add_flag
 from megalite.rlhf.reward_model import (BradleyTerryObjective, last_token_scores, read_preferences,
                                         write_arithmetic_preferences)
 
@@ -39,21 +40,18 @@ TOKENIZER = ByteTokenizer()
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-attention-heads", type=int, default=4)
+    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
+                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
+        add_flag(p, name, default)
     p.add_argument("--data-path", default=None, help="preference JSONL (default: a synthetic set in --save)")
     p.add_argument("--synthetic-pairs", type=int, default=4000)
     p.add_argument("--held-out-pairs", type=int, default=256)
-    p.add_argument("--train-iters", type=int, default=400)
-    p.add_argument("--global-batch-size", type=int, default=64, help="pairs per step over all DP ranks")
-    p.add_argument("--micro-batch-size", type=int, default=16, help="pairs per forward on one rank")
-    p.add_argument("--lr", type=float, default=1e-3)
+    add_flag(p, "--train-iters", 400)
+    add_flag(p, "--global-batch-size", 64, "pairs per step over all DP ranks")
+    add_flag(p, "--micro-batch-size", 16, "pairs per forward on one rank")
+    add_flag(p, "--lr", 1e-3)
     p.add_argument("--save", required=True)
-    p.add_argument("--metrics-file", default=None)
+    add_flag(p, "--metrics-file", None)
     return p.parse_args(argv)
 
 
