@@ -223,7 +223,8 @@ def main():
                 json.dump(plot.chrome_trace(recorders), f)
             print(f"  Chrome trace of that step: {path}")
     for schedule, vpp, _, _ in SCHEDULES:
-        print(f"bubble {schedule} measured {bubbles[schedule]:.4f} analytic {analytic_bubble(schedule, PP, M, vpp):.4f}")
+        analytic = analytic_bubble(schedule, PP, M, vpp)
+        print(f"bubble {schedule} measured {bubbles[schedule]:.4f} analytic {analytic:.4f}")
 
 
 if __name__ == "__main__":

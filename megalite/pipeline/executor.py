@@ -7,8 +7,9 @@ deadlock.  Every stage boundary and direction has its own message tags, so
 activations and gradients between the same pair of ranks never mix, whatever
 the order in which the two ranks post them.  Without a fixed ``tensor_shape`` a
 shape header (on a tag of its own) precedes each tensor, so shapes may vary.
-Receives of the next few ops are posted ahead, so data lands while a rank computes.  Hand-offs between two chunks of the same rank
-(the turn of ZBV's V) stay local.
+Receives of the next few ops are posted ahead, so data lands while a rank
+computes.  Hand-offs between two chunks of the same rank (the turn of ZBV's V)
+stay local.
 """
 
 from __future__ import annotations
