@@ -55,7 +55,7 @@ def test_plot_tool_rejects_empty_input(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-SLEEP_S, PP, M = 0.2, 4, 8
+SLEEP_S, PP, M = 0.2, 4, 4
 # (schedule, chunks per rank); every chunk's F, B and W sleep SLEEP_S each (B+W when not split), so each
 # op's fixed overhead weighs the same in every schedule.
 TIMED = (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble-h1", 1), ("zbv", 2))
@@ -94,11 +94,12 @@ def _timed_schedules():
 
 
 def test_measured_bubble_fraction():
-    """1F1B, interleaved and ZB-H1 reach their analytic bubble within 10%; ZBV is below half of 1F1B's.
+    """Every schedule's measured bubble is within 10% of its analytic value (ZBV: its equal-cost replay).
 
-    The ops sleep (200 ms each), so the run costs little CPU and the core count cannot hide idle time."""
+    The ops sleep (200 ms each), so the run costs little CPU and the core count cannot hide idle time.
+    m = pp = 4 keeps the bubbles large against the few ms of per-op overhead."""
     per_rank = run_distributed(_timed_schedules, PP, timeout=180)
     measured = {s: bubble_fraction([PipelineRecorder(r, e[s]) for r, e in enumerate(per_rank)]) for s, _ in TIMED}
-    for schedule, chunks in TIMED[:3]:
+    for schedule, chunks in TIMED:
         assert measured[schedule] == pytest.approx(analytic_bubble(schedule, PP, M, chunks), rel=0.10), measured
-    assert measured["zbv"] < measured["1f1b"] / 2, measured
+    assert measured["zero-bubble-h1"] < measured["1f1b"] / 2, measured
