@@ -18,10 +18,14 @@ import torch
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
-def check_context_parallel(seq_length: int, cp: int, comm_type: str = "p2p") -> None:
-    """Raise ValueError naming the numbers if ``seq_length`` cannot be split over ``cp`` ranks with ``comm_type``."""
+def check_comm_type(comm_type: str) -> None:
     if comm_type not in COMM_TYPES:
         raise ValueError(f"unknown context-parallel comm type {comm_type!r}; choose one of {', '.join(COMM_TYPES)}")
+
+
+def check_context_parallel(seq_length: int, cp: int, comm_type: str = "p2p") -> None:
+    """Raise ValueError naming the numbers if ``seq_length`` cannot be split over ``cp`` ranks with ``comm_type``."""
+    check_comm_type(comm_type)
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"context-parallel size must be a positive integer, got {cp!r}")
     if cp > 1 and seq_length % (2 * cp):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from megalite.context_parallel import COMM_TYPES, check_context_parallel
 from megalite.data.gpt_dataset import parse_split
 from megalite.pipeline import split_layers
 
@@ -32,7 +33,9 @@ def _parallel_flags(parser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="reserved: only 1 is supported")
+                   help="split every sequence over this many ranks (2*cp load-balanced chunks)")
+    g.add_argument("--cp-comm-type", choices=COMM_TYPES, default="p2p",
+                   help="context-parallel attention: ring (p2p), all-gathered keys/values, or Ulysses all-to-all")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
@@ -111,6 +114,10 @@ def _data_flags(parser):
     g.add_argument("--vocab-size", type=int, default=None, help="needed when there is no --tokenizer-model")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indexes are cached and the default corpus is built")
+    g.add_argument("--reset-position-ids", action="store_true", help="restart positions after each eod token")
+    g.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod tokens")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input is eod (the tokenizer's end-of-document id)")
 
 
 def _logging_flags(parser):
@@ -211,11 +218,11 @@ def _check_model(args):
 def _check_parallel(args, world_size):
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
-    _require(cp == 1, f"context parallelism is reserved: --context-parallel-size must be 1, got {cp}")
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    _check_context_parallel(args)
     etp = args.expert_tensor_parallel_size or tp
     ep = args.expert_model_parallel_size
     _require(world_size % (etp * ep * pp) == 0,
@@ -229,6 +236,20 @@ def _check_parallel(args, world_size):
         _require(args.seq_length % tp == 0,
                  f"sequence length {args.seq_length} is not divisible by tensor-parallel size {tp} "
                  f"(needed by --sequence-parallel)")
+
+
+def _check_context_parallel(args):
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    check_context_parallel(args.seq_length, cp, args.cp_comm_type)
+    if cp > 1 and args.cp_comm_type == "a2a":
+        heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp
+        _require(heads % cp == 0 and groups % cp == 0,
+                 f"--cp-comm-type a2a needs the attention heads {heads} and query groups {groups} per tensor-parallel "
+                 f"rank to be divisible by the context-parallel size {cp}")
+    if cp > 1 or args.reset_attention_mask:
+        _require(args.attention_dropout == 0.0,
+                 f"--attention-dropout {args.attention_dropout} is not supported with context parallelism or "
+                 f"--reset-attention-mask; set it to 0")
 
 
 def _check_batch(args):
