@@ -33,7 +33,7 @@ class TransformerLayer(nn.Module):
             from megalite.moe import MoELayer
 
             self.mlp = MoELayer(config.hidden_size, config.moe, layer_number=layer_number, tp_group=tp_group,
-                                ep_group=ep_group, expert_tp_group=expert_tp_group,
+                                ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=cp_group,
                                 sequence_parallel=sequence_parallel)
         else:
             self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel)

@@ -251,7 +251,7 @@ class Trainer:
                     rows[layer.layer_number, :3] += torch.tensor([stats["aux_loss"], stats["z_loss"], 1.0],
                                                                  dtype=rows.dtype)
                     rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype)
-        for group in (self.topo.pp.group, self.topo.dp_cp.group):
+        for group in (self.topo.pp.group, self.topo.dp.group):
             if topology.group_size(group) > 1:
                 dist.all_reduce(rows, group=group)
         rows = rows[rows[:, 2] > 0]

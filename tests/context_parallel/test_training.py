@@ -23,9 +23,25 @@ def _assert_matches(reference, got):
 
 @pytest.mark.parametrize("world,flags", [
     (2, CP2),
-    (2, CP2 + ["--cp-comm-type", "all_gather"]),
+    (2, CP2 + ["--cp-comm-type", "all_gather", "--recompute-granularity", "selective"]),
     (2, CP2 + ["--cp-comm-type", "a2a"]),
     (4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p"]),
-], ids=["cp2-p2p", "cp2-all_gather", "cp2-a2a", "cp4-p2p"])
+    (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    (4, CP2 + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full"]),
+    (4, CP2 + ["--use-distributed-optimizer"]),
+], ids=["cp2-p2p", "cp2-all_gather-recompute", "cp2-a2a", "cp4-p2p", "tp2cp2-sp", "cp2pp2-recompute", "cp2dp2-zero1"])
 def test_context_parallel_matches_one_rank(tiny_data, tmp_path, reference, world, flags):
     _assert_matches(reference, train(tiny_data, tmp_path, world, *flags, iters=ITERS)[1])
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+
+
+def test_context_parallel_moe_matches_one_rank(tiny_data, tmp_path):
+    """cp2 x ep2 (dp2, expert-DP 2) with router aux and z losses on: their statistics are summed over CP."""
+    reference = train(tiny_data, tmp_path / "ref", 1, *MOE, iters=ITERS)[1]
+    got = train(tiny_data, tmp_path / "cp", 4, *MOE, *CP2, "--expert-model-parallel-size", "2", iters=ITERS)[1]
+    _assert_matches(reference, got)
+    for record in got:
+        # One whole micro-batch (both CP halves) per layer and DP rank: 2 layers x dp 2 x (2 x 16 tokens) x top-2.
+        assert sum(record[f"moe_tokens_expert_{e}"] for e in range(4)) == 2 * 2 * 2 * 16 * 2, record["iteration"]
