@@ -45,3 +45,17 @@ def test_context_parallel_moe_matches_one_rank(tiny_data, tmp_path):
     for record in got:
         # One whole micro-batch (both CP halves) per layer and DP rank: 2 layers x dp 2 x (2 x 16 tokens) x top-2.
         assert sum(record[f"moe_tokens_expert_{e}"] for e in range(4)) == 2 * 2 * 2 * 16 * 2, record["iteration"]
+
+
+def test_checkpoint_saved_at_cp2_loads_at_cp1(tiny_data, tmp_path, reference):
+    """cp shards no weights: a cp2 run with ZeRO-1 (optimizer sharded over dp x cp) resumes at cp1 exactly."""
+    save = str(tmp_path / "ckpt")
+    stopped_at, first = train(tiny_data, tmp_path / "first", 2, *CP2, "--use-distributed-optimizer", "--save", save,
+                              iters=ITERS, sigterm_in_iteration=ITERS // 2)
+    assert stopped_at == ITERS // 2
+    _, second = train(tiny_data, tmp_path / "second", 1, "--load", save, iters=ITERS)
+    assert [r["iteration"] for r in first + second] == list(range(1, ITERS + 1))
+    for ref, mine in zip(reference, first + second):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-4), ref["iteration"]
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
+        assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-12), ref["iteration"]
