@@ -98,8 +98,17 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
     return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)), new
 
 
-def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float):
-    """Output ``[b, n, sq, d]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key)."""
+def _count(stats: dict | None, key: str, q: torch.Tensor, rows: int, cols: int) -> None:
+    if stats is not None:
+        b, heads, _, d = q.shape
+        stats[key] = stats.get(key, 0) + 4 * b * heads * rows * cols * d
+
+
+def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stats: dict | None = None):
+    """Output ``[b, n, sq, d]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key).
+
+    ``stats``, when a dict, accumulates the matmul FLOPs of the tiles computed (``forward_flops``).
+    """
     q, k, v = q.float(), _expand(k.float(), q.shape[1]), _expand(v.float(), q.shape[1])
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -109,6 +118,7 @@ def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float):
             mask = _tile_mask(queries, qt, keys, kt)
             if mask is None:
                 continue
+            _count(stats, "forward_flops", q, qb - qa, kb - ka)
             scores = torch.matmul(q[:, :, qa:qb], k[:, :, ka:kb].transpose(-1, -2)) * scale
             if mask is not True:
                 scores = scores.masked_fill(~mask, float("-inf"))
@@ -120,7 +130,8 @@ def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float):
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, scale: float):
+def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, scale: float,
+                       stats: dict | None = None):
     """Gradients ``(dq, dk, dv)`` (fp32) of this key block, given the final ``out``/``lse`` of the queries."""
     groups, heads = k.shape[1], q.shape[1]
     q, k, v, dout = q.float(), _expand(k.float(), heads), _expand(v.float(), heads), dout.float()
@@ -132,6 +143,7 @@ def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, s
             mask = _tile_mask(queries, qt, keys, kt)
             if mask is None:
                 continue
+            _count(stats, "backward_flops", q, 2 * (qb - qa), kb - ka)
             q_t, k_t, v_t, do_t = q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], dout[:, :, qa:qb]
             scores = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
             if mask is not True:

@@ -39,8 +39,8 @@ class RingAttention(torch.autograd.Function):
     """``q [b, n, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d]`` -> output ``[b, n, s/cp, d]``.
 
     ``key_tokens[j]`` describes the tokens CP rank ``j`` holds.  ``stats``, when
-    a dict, accumulates the seconds spent waiting on receives (``wait_s``) and
-    in the whole attention (``total_s``).
+    a dict, accumulates the seconds spent waiting on receives (``wait_s``), in
+    the whole attention (``total_s``), and the tiles' matmul FLOPs.
     """
 
     @staticmethod
@@ -53,7 +53,8 @@ class RingAttention(torch.autograd.Function):
             requests = None
             if step < size - 1:
                 received, requests = _exchange(kv, group)
-            block_out, block_lse = attention_forward(q, kv[0], kv[1], queries, key_tokens[(rank - step) % size], scale)
+            block_out, block_lse = attention_forward(q, kv[0], kv[1], queries, key_tokens[(rank - step) % size], scale,
+                                                     stats)
             out, lse = merge(out, lse, block_out, block_lse)
             if requests is not None:
                 _wait(requests, stats)
@@ -78,7 +79,7 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:
                 received, requests = _exchange(kv, group)
             keys = ctx.key_tokens[(rank - step) % size]
-            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale)
+            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats)
             dq = dq_b if dq is None else dq + dq_b
             dkv[0] += dk_b
             dkv[1] += dv_b
