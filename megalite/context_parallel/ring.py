@@ -72,8 +72,7 @@ class RingAttention(torch.autograd.Function):
         group, stats = ctx.group, ctx.stats
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        dq = None
+        dq = pending = None
         for step in range(size):
             requests = None
             if step < size - 1:
@@ -81,15 +80,21 @@ class RingAttention(torch.autograd.Function):
             keys = ctx.key_tokens[(rank - step) % size]
             dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats)
             dq = dq_b if dq is None else dq + dq_b
-            dkv[0] += dk_b
-            dkv[1] += dv_b
-            # The accumulator follows its block: after the last step it goes to the block's owner.
-            dkv_received, dkv_requests = _exchange(dkv, group)
-            _wait(dkv_requests, stats)
-            dkv = dkv_received
+            # The block's gradient accumulator arrives from the previous rank while this step computes.
+            if pending is None:
+                dkv = torch.stack([dk_b, dv_b])
+            else:
+                _wait(pending[1], stats)
+                dkv = pending[0]
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+            pending = _exchange(dkv, group) + (dkv,)
             if requests is not None:
                 _wait(requests, stats)
                 kv = received
+        # After a full turn each accumulator is back with its block's owner.
+        _wait(pending[1], stats)
+        dkv = pending[0]
         if stats is not None:
             stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
