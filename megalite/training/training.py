@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.context_parallel import PackedSequenceConfig, prepare_batch
+from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
-from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.optim import get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.training.arguments import (ddp_config, format_args, optimizer_config, packing_config, parse_args,
+                                         validate_args)
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.lr_schedule import LRScheduler
@@ -79,7 +80,7 @@ def build_model(model_provider, args, topo) -> list:
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
                           args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     mine = ranges[topo.pp.rank]
-    ddp_config = DDPConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp = ddp_config(args)
     chunks = []
     for index, layer_range in enumerate(mine):
         module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
@@ -87,17 +88,12 @@ def build_model(model_provider, args, topo) -> list:
                                 layer_range=layer_range)
         module.to(device=_device(), dtype=_param_dtype(args))
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
-        chunks.append(DistributedDataParallel(module, ddp_config, topo.dp_cp.group, topo.expert_dp.group))
+        chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
 
 def build_optimizer(args, model_chunks):
-    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+    config = optimizer_config(args)
     return get_optimizer(config, model_chunks)
 
 
@@ -115,15 +111,6 @@ def _num_samples(args) -> list[int]:
     return [train, evals * args.eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 
-def packing_config(args) -> PackedSequenceConfig:
-    """The packed-sequence flags as a config (the eod id comes from the tokenizer, see ``eod_token_id``)."""
-    packing = PackedSequenceConfig(reset_position_ids=args.reset_position_ids,
-                                   reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss)
-    if packing.enabled:
-        packing.eod_token_id = eod_token_id(args)
-    return packing
-
-
 def _iterator(dataset, consumed_samples, args, topo):
     """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
 
@@ -135,6 +122,8 @@ def _iterator(dataset, consumed_samples, args, topo):
     if dataset is None:
         return None
     packing = packing_config(args)
+    if packing.enabled:
+        packing.eod_token_id = eod_token_id(args)
     prepare = packing.enabled or topo.cp.size > 1
 
     def one():

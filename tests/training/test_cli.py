@@ -50,13 +50,13 @@ def _bad_inputs(tiny_data, tmp):
          "error: global batch size 8 is not divisible by micro batch size 3 * data-parallel size 1 = 3"),
         ("heads-tp", torchrun + ["--data-path", tiny_data, "--tensor-model-parallel-size", "2",
                                  "--num-attention-heads", "3", "--hidden-size", "48"],
-         "error: number of attention heads 3 is not divisible by tensor-parallel size 2"),
+         "error: num_attention_heads=3 is not divisible by the tensor-parallel size 2"),
         ("seq-max-pos", python + ["--data-path", tiny_data, "--seq-length", "128", "--max-position-embeddings", "64"],
          "error: sequence length 128 is greater than max position embeddings 64"),
         ("unknown-flag", python + ["--data-path", tiny_data, "--no-such-flag", "3"],
          "error: unrecognized arguments: --no-such-flag 3"),
         ("context-parallel", python + ["--context-parallel-size", "2"],
-         "error: context parallelism is reserved: --context-parallel-size must be 1, got 2"),
+         "error: world size 1 is not divisible by tp*pp*cp = 1*1*2 = 2"),
     ]
 
 
