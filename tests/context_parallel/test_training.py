@@ -74,3 +74,12 @@ def test_packed_sequences_at_cp2_match_cp1(packed_data, tmp_path):
     reference = train(packed_data, tmp_path / "ref", 1, *PACKED, iters=ITERS)[1]
     got = train(packed_data, tmp_path / "cp2", 2, *PACKED, *CP2, iters=ITERS)[1]
     _assert_matches(reference, got)
+
+
+def test_context_parallel_with_interleaved_pipeline_matches_one_rank(tiny_data, tmp_path):
+    """cp2 x pp2 with two virtual chunks per stage (4 layers, so every virtual stage holds one)."""
+    layers = ["--num-layers", "4"]
+    reference = train(tiny_data, tmp_path / "ref", 1, *layers, iters=ITERS)[1]
+    got = train(tiny_data, tmp_path / "cp", 4, *layers, *CP2, "--pipeline-model-parallel-size", "2",
+                "--virtual-pipeline-model-parallel-size", "2", "--cp-comm-type", "a2a", iters=ITERS)[1]
+    _assert_matches(reference, got)
