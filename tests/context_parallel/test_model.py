@@ -3,8 +3,10 @@
 One 4-rank launch checks, per CP layout (cp4: learned positions, 4 heads;
 cp2: RoPE with grouped-query attention) and comm type, the per-token losses
 and every parameter's gradient (summed over CP) against one rank, for plain
-causal samples and for packed samples (reset positions, document masks).  The
-packed single-rank losses themselves equal each document run alone.
+causal samples and for packed samples (reset positions, document masks), and
+tp2 x cp2 with sequence parallelism on packed samples (every TP shard's
+gradient).  The packed single-rank losses themselves equal each document run
+alone.
 """
 
 import pytest
@@ -15,7 +17,7 @@ from megalite import topology
 from megalite.context_parallel import chunk_indices, document_ids, reset_position_ids, slice_for_rank
 from megalite.models import GPTModel
 from megalite.testing import run_distributed
-from tests.models.common import VOCAB, config
+from tests.models.common import VOCAB, config, full_to_shard
 
 EOD = 0
 SEQ = 24  # chunks of 3 tokens at cp4, 6 at cp2
@@ -74,6 +76,26 @@ def _compare(cfg, ids, labels, docs, references, topo, comm):
     return errors
 
 
+def _compare_tp_sp(cfg, ids, labels, docs, packed_reference):
+    """tp2 x cp2 with sequence parallelism, packed samples: losses and every TP shard's gradient."""
+    topo = topology.initialize(tp=2, cp=2)
+    cp, rank = topo.cp.size, topo.cp.rank
+    model = GPTModel(cfg, sequence_parallel=True)
+    index = chunk_indices(SEQ, cp, rank)
+    loss, grads = _run(model, slice_for_rank(ids, cp, rank), slice_for_rank(labels, cp, rank),
+                       position_ids=slice_for_rank(reset_position_ids(docs), cp, rank), document_ids=docs)
+    params = dict(model.named_parameters())
+    error = 0.0
+    for name, grad in grads.items():
+        if getattr(params[name], "sequence_parallel", False):
+            dist.all_reduce(grad, group=topo.tp.group)
+        dist.all_reduce(grad, group=topo.cp.group)
+        want = full_to_shard(name, packed_reference[1][name], params[name], cfg, topo.tp.rank, topo.tp.size)
+        error = max(error, (grad - want).abs().max().item())
+    return {"tp2cp2-sp-packed-loss": (loss - packed_reference[0][:, index]).abs().max().item(),
+            "tp2cp2-sp-packed-grads": error}
+
+
 def _rank_fn():
     ids, labels = _packed_batch()
     docs = document_ids(ids, EOD)
@@ -86,6 +108,7 @@ def _rank_fn():
         topo = topology.initialize(cp=cp)
         for comm in ("p2p", "all_gather", "a2a"):
             errors.update(_compare(configs[cp], ids, labels, docs, references[cp], topo, comm))
+    errors.update(_compare_tp_sp(configs[2], ids, labels, docs, references[2][1]))
     with pytest.raises(ValueError, match="a2a needs the attention heads 4 and key/value heads 2"):
         GPTModel(configs[2], cp_group=topology.initialize(cp=4).cp.group, cp_comm_type="a2a")
     # Generation (KV cache) and padding masks are for cp=1; a model trained at any cp loads there.
@@ -96,6 +119,6 @@ def _rank_fn():
 
 def test_context_parallel_gpt_matches_single_rank():
     for errors in run_distributed(_rank_fn, 4, timeout=240):
-        assert len(errors) == 2 + 2 * 3 * 4
+        assert len(errors) == 2 + 2 * 3 * 4 + 2
         for key, error in errors.items():
             assert error < 1e-5, (key, error)
