@@ -31,7 +31,10 @@ from megalite.tensor_parallel.mappings import gather_first, reduce_scatter_first
 
 
 class _GatherKV(torch.autograd.Function):
-    """``[b, g, s/cp, d]`` -> every rank's block concatenated along the sequence (rank order); adjoint: reduce-scatter."""
+    """``[b, g, s/cp, d]`` -> every rank's block concatenated along the sequence (rank order).
+
+    The adjoint reduce-scatters the gradient back to each rank's block.
+    """
 
     @staticmethod
     def forward(ctx, x, group):

@@ -49,7 +49,10 @@ def _tiles(positions: list[int], tile: int) -> list[tuple[int, int]]:
 
 
 def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int):
-    """``None`` to skip the tile pair, ``True`` when fully visible, else a boolean mask ``[Tq, Tk]`` or ``[b, 1, Tq, Tk]``."""
+    """``None`` to skip the tile pair, ``True`` when fully visible, else a boolean mask.
+
+    The mask is ``[Tq, Tk]`` (causal only) or ``[b, 1, Tq, Tk]`` (documents).
+    """
     q_first, q_last = queries.bounds[qt]
     k_first, k_last = keys.bounds[kt]
     if k_first > q_last:
