@@ -21,6 +21,7 @@ import math
 from dataclasses import MISSING, dataclass
 
 from megalite.data.gpt_dataset import parse_split
+from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
@@ -151,8 +152,13 @@ FLAGS: tuple[Flag, ...] = (
 
     Flag("--data-path", DATA, nargs="+", help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'"),
     Flag("--split", DATA, default="969,30,1"),
-    Flag("--tokenizer-model", DATA),
-    Flag("--vocab-size", DATA, type=int, help="needed when there is no --tokenizer-model"),
+    Flag("--tokenizer-type", DATA, choices=TOKENIZER_TYPES,
+         help="None: SentencePieceTokenizer with --tokenizer-model, else ByteTokenizer"),
+    Flag("--tokenizer-model", DATA, help="a sentencepiece model, or a Hugging Face tokenizer directory"),
+    Flag("--vocab-file", DATA, help="GPT2BPETokenizer's vocab.json"),
+    Flag("--merge-file", DATA, help="GPT2BPETokenizer's merges.txt"),
+    Flag("--vocab-size", DATA, type=int,
+         help="the model's vocabulary without a tokenizer; NullTokenizer's ids (eod is one more)"),
     Flag("--data-cache-path", DATA, help="where dataset indexes are cached and the default corpus is built"),
 
     Flag("--save", LOG),

@@ -26,7 +26,7 @@ def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: 
 def train_valid_test_datasets_provider(args, num_samples):
     """GPT datasets over ``--data-path``, split by documents according to ``--split``."""
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                           args.data_cache_path)
+                                           args.data_cache_path, vocab_size=args.vocab_size)
 
 
 def loss_func(per_token_loss: torch.Tensor):

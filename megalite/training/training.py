@@ -147,8 +147,35 @@ class Trainer:
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
 
+    def _fetch_batches(self, data_iterator):
+        """This iteration's micro-batches, read before the schedule starts; ranks agree none failed.
+
+        Reading a batch may raise ValueError (e.g. a token id outside the
+        vocabulary).  Raised inside the schedule on one rank it would leave the
+        others waiting in a collective, so every rank reads first, then one
+        all-reduce tells all of them, and each raises the first failing rank's message.
+        """
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        batches, error = [], ""
+        for iterator in iterators:
+            try:
+                batches.append(None if iterator is None else
+                               [next(iterator) for _ in range(self.args.num_microbatches)])
+            except ValueError as err:
+                error = str(err)
+                break
+        failed = torch.tensor([1.0 if error else 0.0], device=_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, error)
+            raise ValueError(next(m for m in messages if m))
+        fresh = [None if b is None else iter(b) for b in batches]
+        return fresh if isinstance(data_iterator, list) else fresh[0]
+
     def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
+        data_iterator = self._fetch_batches(data_iterator)
         results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
                                    tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
