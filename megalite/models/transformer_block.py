@@ -56,8 +56,18 @@ class TransformerLayer(nn.Module):
         return kernels.bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
 
 
+def _run_layers(layers, x, rotary, mask):
+    for layer in layers:
+        x = layer(x, rotary, None, mask)
+    return x
+
+
 class TransformerBlock(nn.Module):
     """The transformer layers ``layer_range = (start, end)`` (global indices), plus the final norm.
+
+    Full recompute (Megatron's methods): "uniform" checkpoints groups of
+    ``recompute_num_layers`` consecutive layers; "block" checkpoints the first
+    ``recompute_num_layers`` layers of this chunk and runs the rest normally.
 
     ``layers`` is keyed by the global layer index, so parameter names are the
     same whichever pipeline chunk holds a layer.  Layer ``i`` is built in the
@@ -68,6 +78,8 @@ class TransformerBlock(nn.Module):
                  ep_group=None, expert_tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
+        self.recompute_num_layers = config.recompute_num_layers or 1
         self.layers = nn.ModuleDict()
         for number in range(*layer_range):
             with init_stream(config.seed, layer_stream(number)):
@@ -83,9 +95,18 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: an optional boolean attention mask ``[b, 1, s, t]`` shared by every layer."""
-        recompute = self.recompute_full and self.training and kv_cache is None
-        for layer in self.layers.values():
-            x = checkpoint(layer, x, rotary, None, mask) if recompute else layer(x, rotary, kv_cache, mask)
+        layers = list(self.layers.values())
+        if not (self.recompute_full and self.training and kv_cache is None):
+            for layer in layers:
+                x = layer(x, rotary, kv_cache, mask)
+        elif self.recompute_method == "uniform":
+            n = self.recompute_num_layers
+            for start in range(0, len(layers), n):
+                x = checkpoint(_run_layers, layers[start:start + n], x, rotary, mask)
+        else:
+            for index, layer in enumerate(layers):
+                x = checkpoint(layer, x, rotary, None, mask) if index < self.recompute_num_layers \
+                    else layer(x, rotary, None, mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

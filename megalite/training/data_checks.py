@@ -8,7 +8,7 @@ from megalite.data.tokenizer import tokenizer_from_args
 
 
 def check_data(args) -> None:
-    """Open every ``--data-path`` dataset and settle the vocabulary size.
+    """Open every ``--data-path`` dataset (none under ``--mock-data``) and settle the vocabulary size.
 
     The vocabulary is the tokenizer's (``--tokenizer-type``/``--tokenizer-model``);
     without one it is ``--vocab-size`` if given, else the byte tokenizer's.  Sets
@@ -17,7 +17,7 @@ def check_data(args) -> None:
     so token ids are checked batch by batch during training.  Every rank runs this
     identically, so all fail together and none hangs.
     """
-    _, prefixes = parse_data_path(args.data_path)
+    _, prefixes = parse_data_path(args.data_path) if args.data_path is not None else ([], [])
     try:
         for prefix in prefixes:
             IndexedDataset(prefix)
