@@ -87,14 +87,15 @@ def _checkpoint_to_load(args, rank: int) -> dict | None:
     """
     needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
              if on]
+    verb = "needs" if len(needs) == 1 else "need"
     if not args.load:
         if needs:
-            raise ValueError(f"{' and '.join(needs)} need --load")
+            raise ValueError(f"{' and '.join(needs)} {verb} --load")
         return None
     info = checkpoint_info(args.load)
     if info is None:
         if needs:
-            raise ValueError(f"{' and '.join(needs)} need a checkpoint, but --load {args.load} holds none")
+            raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
         if rank == 0:
             print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
                   file=sys.stderr, flush=True)
