@@ -14,9 +14,16 @@ from megalite.data.preprocess import INPUT_FORMATS, preprocess
 from megalite.data.tokenizer import TOKENIZER_TYPES
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one ``error: ...`` line and exit status 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--input", required=True, help="a jsonl corpus, or plain text with --input-format")
     parser.add_argument("--input-format", choices=INPUT_FORMATS, default="jsonl",
                         help="jsonl; lines: one document per line; blocks: documents separated by blank lines")

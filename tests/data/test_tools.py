@@ -80,6 +80,10 @@ def test_preprocess_reports_bad_input(tmp_path):
     done = _tool("preprocess_data.py", "--input", str(bad), "--output-prefix", str(tmp_path / "x"),
                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path))
     assert done.returncode == 2 and f"error: {tmp_path} holds no Hugging Face tokenizer" in done.stderr
+    done = _tool("preprocess_data.py", "--input", str(bad), "--output-prefix", str(tmp_path / "x"),
+                 "--tokenizer-type", "WordPiece")
+    assert done.returncode == 2 and done.stderr.startswith("error: argument --tokenizer-type: invalid choice")
+    assert len(done.stderr.strip().splitlines()) == 1
     done = _tool("train_tokenizer.py", "--input", str(tmp_path / "none.txt"), "--model-prefix",
                  str(tmp_path / "t"), "--vocab-size", "50")
     assert done.returncode == 2 and "none.txt" in done.stderr

@@ -19,7 +19,7 @@ from megalite.models import GPTConfig
 from megalite.testing import run_distributed
 from megalite.training.arguments import architecture_differences, parse_args, use_checkpoint_architecture
 from megalite.training.training import initialize
-from tests.data.megatron_fixture import FIXTURE_DIR, FIXTURE_PREFIX
+from tests.data.megatron_fixture import FIXTURE_PREFIX
 from tests.training.helpers import read_metrics
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
