@@ -26,6 +26,7 @@ altered file is one ValueError naming it, before anything is read into a model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,7 @@ import math
 import os
 import pickle
 import shutil
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -279,8 +281,9 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_ShardSavePlanner(shards),
-                 process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
+        with _quiet_single_process():
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_ShardSavePlanner(shards),
+                     process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
         if rank == 0:
             _write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
                                                   "iteration": iteration, "world_size": world, **(state or {})})
@@ -315,6 +318,14 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
                                    f"{os.path.basename(tmp)} was removed and latest still names "
                                    f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
     return final
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Silence DCP's notice that a call without a process group runs in one process (which is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
 
 
 def _first_line(err: Exception) -> str:
@@ -553,7 +564,9 @@ class CheckpointReader:
         for region in regions:
             self.check_region(region)
         if regions:
-            dcp.load({}, storage_reader=_SafeReader(self.directory), planner=_RegionLoadPlanner(regions), no_dist=True)
+            with _quiet_single_process():
+                dcp.load({}, storage_reader=_SafeReader(self.directory), planner=_RegionLoadPlanner(regions),
+                         no_dist=True)
 
     def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Whole global tensors ``names``."""

@@ -118,6 +118,8 @@ def _logging_flags(parser):
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on (one save in flight)")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=10)

@@ -32,6 +32,7 @@ from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.checkpoint import AsyncSaver
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
@@ -145,6 +146,7 @@ class Trainer:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
+        self.saver = AsyncSaver() if args.save and args.async_save else None
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
                        "distributed_optimizer": args.use_distributed_optimizer}
@@ -256,10 +258,17 @@ class Trainer:
         return values
 
     def save(self, iteration: int, consumed_samples: int) -> None:
+        """Save (with --async-save: wait for the previous save, then start this one in the background)."""
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
-                        layout=self.layout, args=self.args)
+                        layout=self.layout, args=self.args, saver=self.saver)
         if self.topo.global_rank == 0:
-            print(f"saved checkpoint at iteration {iteration} to {self.args.save}", flush=True)
+            started = "started saving" if self.saver is not None else "saved"
+            print(f"{started} checkpoint at iteration {iteration} to {self.args.save}", flush=True)
+
+    def finish_saves(self) -> None:
+        """Wait until the background save in flight (if any) is written, verified and published."""
+        if self.saver is not None:
+            self.saver.close()
 
     def load(self) -> tuple[int, int]:
         iteration, consumed = load_checkpoint(self.args.load, self.chunks, self.optimizer, self.scheduler,
@@ -360,6 +369,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
+        trainer.finish_saves()
         trainer.save_timeline()
     finally:
         sigterm.restore()
