@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
@@ -293,7 +294,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         for name in mine:
             path = os.path.join(tmp, name)
             files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    except Exception as err:  # DCP wraps I/O errors of any rank in its own exception type
+    except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         error = f"{type(err).__name__}: {_first_line(err)}"
     reports = _all_gather((error, files), group)
     errors = [e for e, _ in reports if e]
@@ -330,9 +331,8 @@ def _quiet_single_process():
 
 def _first_line(err: Exception) -> str:
     failures = getattr(err, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        err = getattr(inner, "exception", inner)
+    if failures:  # {rank: (exception, traceback summary)}
+        err = next(iter(failures.values()))[0]
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -564,9 +564,12 @@ class CheckpointReader:
         for region in regions:
             self.check_region(region)
         if regions:
-            with _quiet_single_process():
-                dcp.load({}, storage_reader=_SafeReader(self.directory), planner=_RegionLoadPlanner(regions),
-                         no_dist=True)
+            try:
+                with _quiet_single_process():
+                    dcp.load({}, storage_reader=_SafeReader(self.directory), planner=_RegionLoadPlanner(regions),
+                             no_dist=True)
+            except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+                raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
 
     def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Whole global tensors ``names``."""
