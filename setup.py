@@ -51,7 +51,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
-    install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard"],
-    extras_require={"test": ["pytest", "transformers", "safetensors"]},
+    install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors"],
+    extras_require={"test": ["pytest", "transformers"]},
     **extension_kwargs(),
 )

@@ -8,8 +8,6 @@ fp32 tensor, copied back after each step.  Gradients come from ``param.main_grad
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
 
 import torch
@@ -252,19 +250,6 @@ class MixedPrecisionOptimizer:
         self.num_steps = states[0]["num_steps"]
         if self.scaler is not None and states[0]["scaler"] is not None:
             self.scaler.load_state_dict(states[0]["scaler"])
-
-    def save_sharded(self, directory: str) -> None:
-        """Write this rank's :meth:`sharded_state_dict` to ``directory/optim_rank<global rank>.pt``."""
-        os.makedirs(directory, exist_ok=True)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save(self.sharded_state_dict(), os.path.join(directory, f"optim_rank{rank}.pt"))
-
-    def load_sharded(self, directory: str) -> None:
-        """Load the state every rank wrote with :meth:`save_sharded`, whatever their DP size was."""
-        files = sorted(glob.glob(os.path.join(directory, "optim_rank*.pt")))
-        if not files:
-            raise ValueError(f"no optim_rank*.pt files in {directory}")
-        self.load_sharded_state_dict([torch.load(f, weights_only=False) for f in files])
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, tp_group=None, pp_group=None, ep_group=None,
