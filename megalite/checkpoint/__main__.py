@@ -21,6 +21,7 @@ def _size(nbytes: float) -> str:
 def describe(path: str) -> str:
     """The text that ``inspect`` prints for the checkpoint at ``path`` (every file is verified first)."""
     reader = CheckpointReader(path)
+    reader.verify_all()
     state = reader.state
     layout = ", ".join(f"{k}={v}" for k, v in reader.layout.items()) or "not recorded"
     lines = [f"checkpoint {reader.directory}", f"iteration {reader.iteration}, written by {reader.world_size} "

@@ -29,8 +29,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
+import mmap
 import os
 import pickle
 import shutil
@@ -43,7 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -117,6 +120,54 @@ def check_jsonable(value, what: str) -> None:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{what} must be plain JSON data: {err}") from None
+
+
+class _HashingStream:
+    """A write stream that hashes what passes through it (DCP writes its files front to back)."""
+
+    def __init__(self, stream):
+        self._stream, self.digest, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+
+    def write(self, data):
+        written = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += view.nbytes
+        return written
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording ``{file name: (size, sha256)}`` of the files it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            self.digests[os.path.basename(str(path))] = {"size": hashing.size, "sha256": hashing.digest.hexdigest()}
+
+
+class _HashingWriter(dcp.FileSystemWriter):
+    """DCP's file writer (fsyncing every file) that hashes the data files while writing them."""
+
+    def __init__(self, path: str):
+        super().__init__(path, sync_files=True)
+        self.fs = _HashingFileSystem()
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
@@ -208,10 +259,48 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the allow-listed metadata unpickler."""
+    """DCP's file reader with the allow-listed metadata unpickler, checking each data file's hash as it is read.
+
+    Each file is memory-mapped once and hashed; each stored chunk is deserialized once (with
+    ``weights_only=True``) however many requested regions overlap it.
+    """
+
+    def __init__(self, path: str, manifest: dict):
+        super().__init__(path)
+        self.manifest = manifest
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         return read_dcp_metadata(str(self.path))
+
+    def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
+        per_file: dict[str, dict] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise ValueError(f"{self.path} holds non-tensor data, which megalite checkpoints never store")
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
+        for relative, by_chunk in per_file.items():
+            path = os.path.join(str(self.path), relative)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
+                if problem:
+                    raise ValueError(problem)
+                for index, items in by_chunk.items():
+                    info = self.storage_data[index]
+                    if info.transform_descriptors:
+                        raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
+                    stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
+                                        weights_only=True)
+                    for item in items:
+                        source = stored
+                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            source = source.narrow(dim, start, length)
+                        target = planner.resolve_tensor(item).detach()
+                        target.copy_(source)
+                        planner.commit_tensor(item, target)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
@@ -282,8 +371,9 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
+        writer = _HashingWriter(tmp)
         with _quiet_single_process():
-            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_ShardSavePlanner(shards),
+            dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
         if rank == 0:
             _write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
@@ -293,7 +383,9 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
         for name in mine:
             path = os.path.join(tmp, name)
-            files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+            files[name] = writer.fs.digests.get(name) if name.startswith("__") else None
+            if files[name] is None or files[name]["size"] != os.path.getsize(path):
+                files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         error = f"{type(err).__name__}: {_first_line(err)}"
     reports = _all_gather((error, files), group)
@@ -453,18 +545,29 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
-def verify_files(directory: str, manifest: dict, names=None) -> str | None:
-    """The first problem (missing file, wrong size, wrong hash) among ``names`` (default: all), or None."""
+def check_file(path: str, manifest: dict, size: int, sha256) -> str | None:
+    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` hashes it), or None."""
+    entry = manifest["files"].get(os.path.basename(path))
+    if entry is None:
+        return f"checkpoint file {path} is not listed in the manifest"
+    if size != entry["size"]:
+        return f"checkpoint file {path} has {size} bytes, the manifest records {entry['size']} (truncated or corrupt)"
+    if sha256() != entry["sha256"]:
+        return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+    return None
+
+
+def verify_files(directory: str, manifest: dict, names=None, hashed: bool = True) -> str | None:
+    """The first problem (missing file, wrong size, and with ``hashed`` wrong hash) among ``names`` (default:
+    all), or None."""
     for name in sorted(manifest["files"] if names is None else names):
-        entry = manifest["files"][name]
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             return f"checkpoint file {path} is missing"
-        size = os.path.getsize(path)
-        if size != entry["size"]:
-            return f"checkpoint file {path} has {size} bytes, the manifest records {entry['size']} (truncated or corrupt)"
-        if _sha256(path) != entry["sha256"]:
-            return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+        problem = check_file(path, manifest, os.path.getsize(path), (lambda: _sha256(path)) if hashed else (
+            lambda: manifest["files"][name]["sha256"]))
+        if problem:
+            return problem
     return None
 
 
@@ -472,25 +575,22 @@ class CheckpointReader:
     """One checkpoint: its verified files, JSON state, global tensor shapes, and region reads through DCP.
 
     ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
-    On opening, every file is checked against the manifest; with ``group`` (collective: every
-    rank of it opens the same checkpoint) the files are split over the ranks and the outcome
-    shared, so all ranks fail alike.  Every problem raises ValueError naming the file.
+    On opening, every file listed in the manifest must exist with its size, and the small files
+    (metadata, JSON state) must match their hashes; each data file's hash is checked when it is
+    read, before its tensors are used.  With ``collective`` (every rank of ``group`` opens the
+    same checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail
+    alike.  Every problem raises ValueError naming the file.
     """
 
     def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
         self.directory = resolve_directory(path)
+        self.group, self.collective = group, collective
         manifest = read_manifest(self.directory)
-        problem = None
+        small = [name for name in manifest["files"] if not name.startswith("__")]
+        problem = verify_files(self.directory, manifest, small if verify else [META])
         if verify:
-            rank, world = _group_rank_and_size(group) if collective else (0, 1)
-            names = sorted(manifest["files"])
-            problem = verify_files(self.directory, manifest, names[rank::world])
-            if collective:
-                problem = next((p for p in _all_gather(problem, group) if p), None)
-        else:
-            problem = verify_files(self.directory, manifest, [META])
-        if problem:
-            raise ValueError(problem)
+            problem = problem or verify_files(self.directory, manifest, hashed=False)
+        self.agree(problem)
         self.manifest = manifest
         meta = _read_json(os.path.join(self.directory, META), "checkpoint state")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -501,6 +601,17 @@ class CheckpointReader:
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
         self._metadata = None
+
+    def agree(self, problem: str | None) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
+        if self.collective:
+            problem = next((p for p in _all_gather(problem, self.group) if p), None)
+        if problem:
+            raise ValueError(problem)
+
+    def verify_all(self) -> None:
+        """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
+        self.agree(verify_files(self.directory, self.manifest))
 
     @property
     def metadata(self) -> dcp_metadata.Metadata:
@@ -560,13 +671,17 @@ class CheckpointReader:
                              f"{filled} of {out.numel()} elements")
 
     def read_regions(self, regions: list[Region]) -> None:
-        """Fill every region's ``out`` (checked first: nothing is read when one is not covered)."""
+        """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
+
+        Local to this rank (no collective); a collective caller then calls :meth:`agree`.
+        """
         for region in regions:
             self.check_region(region)
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(self.directory), planner=_RegionLoadPlanner(regions),
+                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest),
+                             planner=_RegionLoadPlanner(regions),
                              no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
                 raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None

@@ -67,9 +67,9 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
 
     shards: list[TensorShard] = []
 
-    def add(name, shape, offset, tensor, owned=False):
+    def add(name, shape, offset, tensor):
         tensor = tensor.detach()
-        if copy and not owned:
+        if copy:
             tensor = tensor.to("cpu", copy=True)
         shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor))
 
@@ -82,7 +82,7 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
 
     optimizer_meta = None
     if optimizer is not None:
-        saved = optimizer.sharded_state_dict()
+        saved = optimizer.sharded_state_dict(copy=False)
         for shard in optimizer.shards:
             gp = layouts[shard.param]
             if not writes(gp, sharded):
@@ -97,8 +97,7 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
                 for key in keys:
                     block = entry[key][start - shard.lo:start - shard.lo + count].view(shape)
                     for part, offset in regions(box, gp.pieces):
-                        add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))],
-                            owned=True)
+                        add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))])
         optimizer_meta = {"num_steps": saved["num_steps"], "scaler": saved["scaler"],
                           "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
                                            for g in saved["param_groups"]]}
@@ -155,18 +154,34 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     """Fill the chunks (and optimizer) with this rank's regions of ``reader``'s global tensors.
 
     Everything is read and checked before any parameter changes, so a bad checkpoint leaves the
-    model as it was.
+    model as it was; with a collective reader all ranks agree first, so all fail alike.
     """
+    problem, loaded, state = None, [], None
+    try:
+        loaded, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
+    except ValueError as err:
+        problem = str(err)
+    reader.agree(problem)
+    with torch.no_grad():
+        for param, value in loaded:
+            param.copy_(value)
+    if state is not None:
+        optimizer.load_sharded_state_dict(state)
+
+
+def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group):
+    """``(params with their loaded values, the optimizer state to load or None)`` of this rank."""
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     config = model_config(model_chunks)
     reader.check_architecture(config)
-    loaded, layouts, wanted = [], {}, []
+    loaded, layouts, values, wanted = [], {}, {}, []
     for param, gp in _named_tensors(model_chunks, config, ctx):
         _check_shape(reader, gp)
         layouts[param] = gp
         value = torch.zeros(param.shape, dtype=param.dtype)
         wanted += [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
         loaded.append((param, value))
+        values[param] = value
 
     state = None
     if optimizer is not None:
@@ -177,22 +192,24 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
         meta = {**meta, "param_groups": [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
                                          for g in meta["param_groups"]]}
         keys = OPTIMIZER_KEYS if meta["num_steps"] > 0 else ()
-        entries = {}
+        entries, fp32_mains = {}, []
         for shard in optimizer.shards:
             gp = layouts[shard.param]
             shape = tuple(shard.param.shape)
-            main = f"optimizer.main.{gp.name}"
             entry = {"shape": shape, "offset": shard.lo}
-            for key, name in [("main", main if reader.has(main) else gp.name)] + [
-                    (k, f"optimizer.{k}.{gp.name}") for k in keys]:
+            main = f"optimizer.main.{gp.name}"
+            names = [(k, f"optimizer.{k}.{gp.name}") for k in keys]
+            if not reader.has(main) and shard.param.dtype == torch.float32:
+                fp32_mains.append((entry, values[shard.param], shard.lo, shard.hi))  # main is the param itself
+            else:
+                names.insert(0, ("main", main if reader.has(main) else gp.name))
+            for key, name in names:
                 entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
                 wanted += more
             entries[shard.key] = entry
         state = {"entries": entries, **meta}
     reader.read_regions(wanted)
-
-    with torch.no_grad():
-        for param, value in loaded:
-            param.copy_(value)
     if state is not None:
-        optimizer.load_sharded_state_dict(state)
+        for entry, value, lo, hi in fp32_mains:
+            entry["main"] = value.reshape(-1)[lo:hi].float()
+    return loaded, state

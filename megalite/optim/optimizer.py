@@ -188,17 +188,21 @@ class MixedPrecisionOptimizer:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, copy: bool = True) -> dict:
         """This rank's state, each entry tagged with its parameter's name, global shape and offset.
 
         Keys are ``"<name>@tp<r>.pp<r>"`` (``"@etp<r>.ep<r>.pp<r>"`` for experts), so the state
-        of a model-parallel rank can be reassembled from any data-parallel layout.
+        of a model-parallel rank can be reassembled from any data-parallel layout.  ``copy=False``
+        returns views of the live tensors (for a caller that writes them out before the next step).
         """
+        def take(tensor):
+            return tensor.detach().clone() if copy else tensor.detach()
+
         entries = {}
         for s in self.shards:
             state = self.optimizer.state.get(s.main, {})
-            entries[s.key] = {"shape": tuple(s.param.shape), "offset": s.lo, "main": s.main.detach().clone(),
-                              **{k: state[k].detach().clone() for k in _STATE_KEYS if k in state}}
+            entries[s.key] = {"shape": tuple(s.param.shape), "offset": s.lo, "main": take(s.main),
+                              **{k: take(state[k]) for k in _STATE_KEYS if k in state}}
         return {"entries": entries, "num_steps": self.num_steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "scaler": None if self.scaler is None else self.scaler.state_dict()}
