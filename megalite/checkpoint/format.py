@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -265,12 +266,12 @@ class _SafeReader(dcp.FileSystemReader):
     ``weights_only=True``) however many requested regions overlap it.
     """
 
-    def __init__(self, path: str, manifest: dict):
+    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata):
         super().__init__(path)
-        self.manifest = manifest
+        self.manifest, self._metadata = manifest, metadata
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        return read_dcp_metadata(str(self.path))
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         per_file: dict[str, dict] = {}
@@ -600,7 +601,6 @@ class CheckpointReader:
         self.world_size: int = meta["world_size"]
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
-        self._metadata = None
 
     def agree(self, problem: str | None) -> None:
         """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
@@ -613,13 +613,11 @@ class CheckpointReader:
         """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
         self.agree(verify_files(self.directory, self.manifest))
 
-    @property
+    @functools.cached_property
     def metadata(self) -> dcp_metadata.Metadata:
-        if self._metadata is None:
-            self._metadata = read_dcp_metadata(self.directory)
-        return self._metadata
+        return read_dcp_metadata(self.directory)
 
-    @property
+    @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(md.size) for name, md in self.metadata.state_dict_metadata.items()
                 if isinstance(md, dcp_metadata.TensorStorageMetadata)}
@@ -680,7 +678,7 @@ class CheckpointReader:
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest),
+                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata),
                              planner=_RegionLoadPlanner(regions),
                              no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
