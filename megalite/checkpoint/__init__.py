@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite import topology
 from megalite.checkpoint.format import (AsyncSaver, CheckpointReader, CheckpointWriteError, TensorShard,
@@ -28,13 +27,13 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, *, group=None, tp_g
                     expert_tp_group=None) -> CheckpointReader:
     """Load ``path`` (a save directory or an iteration directory) into this rank's chunks and optimizer.
 
-    Collective over ``group`` (default: the default group when one exists): the files are
-    verified against the manifest, split over the ranks, and all ranks agree before reading.
     Works under any layout; raises ValueError (before changing anything) on a missing, truncated
     or altered file or an architecture mismatch.  ``optimizer=None`` skips the optimizer state.
+    ``group``: the ranks that load this checkpoint together (e.g. ``dist.group.WORLD`` in the
+    trainer); they share every error, so all fail alike.  None: this rank alone, no collective.
     Returns the reader (``reader.state``: rank 0's JSON state; ``reader.rank_state(r)``: rank r's).
     """
-    reader = CheckpointReader(path, group=group, collective=dist.is_initialized())
+    reader = CheckpointReader(path, group=group, collective=group is not None)
     load_into(reader, model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
               expert_tp_group=expert_tp_group)
     return reader

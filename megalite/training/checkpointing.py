@@ -106,7 +106,8 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     if not os.path.isdir(load_dir) or read_latest(load_dir) is None:
         return 0, 0
     rank, world = _rank_and_world()
-    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer if load_optimizer else None)
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer if load_optimizer else None, group=group)
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
     if scheduler is not None and state.get("scheduler") is not None:
