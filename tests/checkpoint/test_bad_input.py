@@ -51,6 +51,22 @@ def _save_tp2(path):
     save_checkpoint(path, 1, [_model()])
 
 
+def _load_tp2_error(path):
+    """Every rank's error when all ranks load ``path`` at tp=2 together (they agree, so none hangs)."""
+    import torch.distributed as dist
+
+    from megalite import topology
+
+    topology.initialize(tp=2)
+    model = _model(seed=99)
+    before = _snapshot(model)
+    try:
+        load_checkpoint(path, [model], group=dist.group.WORLD)
+    except ValueError as err:
+        return str(err), _unchanged(model, before)
+    return None, _unchanged(model, before)
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst, os.path.join(dst, "iter_0000001")
@@ -117,6 +133,8 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
         load_checkpoint(broken, [target])
     with pytest.raises(ValueError, match="fails its content hash check"):
         load_model(broken)
+    for error, unchanged in run_distributed(_load_tp2_error, 2, broken, timeout=120):
+        assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
     with pytest.raises(ValueError, match="different architecture: num_layers is 2 in the checkpoint but 3 in the model"):
         load_checkpoint(tp2, [_model(num_layers=3)])
