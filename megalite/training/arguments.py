@@ -13,6 +13,7 @@ import math
 
 from megalite.data.gpt_dataset import parse_split
 from megalite.pipeline import split_layers
+from megalite.training.nan_guard import NanGuardConfig
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -126,11 +127,26 @@ def _logging_flags(parser):
     g.add_argument("--timeline-dir", default=None, help="save each rank's pipeline timeline here")
 
 
+def _reliability_flags(parser):
+    g = parser.add_argument_group("faults and safety")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop with an error when the loss or a gradient is nan/inf (default on)")
+    g.add_argument("--skip-nan-iterations", type=int, default=0,
+                   help="skip the update of up to this many consecutive non-finite iterations before stopping")
+    g.add_argument("--loss-spike-factor", type=float, default=None,
+                   help="warn when the loss exceeds this multiple of the running median")
+    g.add_argument("--override-existing-checkpoints", action="store_true",
+                   help="let --save write over checkpoints of a run that this run did not --load")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective may wait for a rank before the job fails")
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser)`` may add script-specific flags."""
     parser = _RaisingParser(prog="pretrain", allow_abbrev=False,
                             description="Megatron-style GPT pretraining on megalite")
-    for add in (_parallel_flags, _model_flags, _moe_flags, _optim_flags, _data_flags, _logging_flags):
+    for add in (_parallel_flags, _model_flags, _moe_flags, _optim_flags, _data_flags, _logging_flags,
+                _reliability_flags):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -282,6 +298,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_batch(args)
     _check_schedule(args)
     _check_pipeline_split(args)
+    NanGuardConfig.from_args(args).validate()
+    _require(args.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if not math.isfinite(args.lr) or args.lr < 0:
         raise ValueError(f"--lr must be a non-negative number, got {args.lr}")
     return args

@@ -36,6 +36,10 @@ from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
+from megalite.training.nan_guard import NanGuard, NanGuardConfig, check_finite_weights
+from megalite.training.save_dir import (SaveDirLock, check_not_overwriting, check_writable_with_room,
+                                        checkpoint_bytes)
+from megalite.training.parent_death import exit_with_parent
 from megalite.training.signals import SigtermFlag
 
 LOSS_METRIC = "lm_loss"
@@ -56,7 +60,8 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
         check_data(args)
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
-                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                               timeout_s=args.distributed_timeout_minutes * 60)
     if prepare_data_func is not None and args.data_path is None:
         prepare_data_func(args)
         if args.data_path is not None:
@@ -145,6 +150,8 @@ class Trainer:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
+        self.nan_guard = NanGuard(NanGuardConfig.from_args(args), check_grads=not args.fp16,
+                                  log=topo.global_rank == 0)
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
                        "distributed_optimizer": args.use_distributed_optimizer}
@@ -173,12 +180,14 @@ class Trainer:
         values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
         return values
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None, float]:
-        """Forward, backward and optimizer step on one global batch.
+    def train_step(self, data_iterator, iteration: int) -> tuple[dict[str, float], bool, float | None, float]:
+        """Forward, backward and optimizer step on one global batch, the ``iteration``-th.
 
         Returns (metrics, update applied, grad norm, learning rate used).  The
-        grad norm is None when clipping is off or an fp16 step was skipped; a
-        skipped step does not advance the LR schedule.
+        grad norm is None when clipping is off or a step was skipped (fp16
+        overflow, or a non-finite iteration under ``--skip-nan-iterations``); a
+        skipped step does not advance the LR schedule.  A non-finite loss or
+        gradient otherwise raises :class:`NonFiniteError` before the update.
         """
         for chunk in self.chunks:
             chunk.train()
@@ -188,6 +197,9 @@ class Trainer:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
         lr = self.scheduler.get_lr()
+        grads = [buffer.grad_data for chunk in self.chunks for buffer in chunk.buffers]
+        if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
+            return metrics, False, None, lr
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step()
@@ -256,6 +268,8 @@ class Trainer:
         return values
 
     def save(self, iteration: int, consumed_samples: int) -> None:
+        if self.nan_guard.config.check_for_nan_in_loss_and_grad:
+            check_finite_weights(self.chunks, iteration)
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
                         layout=self.layout, args=self.args)
         if self.topo.global_rank == 0:
@@ -289,14 +303,16 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     args = trainer.args
     sums: dict[str, float] = {}
     steps, skipped, seconds = 0, 0, 0.0
-    saved_at = None
+    saved_at, first_iteration = None, iteration
     while iteration < args.train_iters:
         start = time.perf_counter()
-        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator)
+        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator, iteration + 1)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
         consumed_samples += args.global_batch_size
+        trainer.nan_guard.observe_loss(iteration, metrics.get(LOSS_METRIC), consumed_samples - args.global_batch_size,
+                                       consumed_samples)
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value
         steps, skipped = steps + 1, skipped + int(not ok)
@@ -322,7 +338,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if trainer.topo.global_rank == 0:
                 print(f"SIGTERM received: stopping after iteration {iteration}", flush=True)
             break
-    if args.save and saved_at != iteration:
+    if args.save and saved_at != iteration and iteration > first_iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
 
@@ -343,6 +359,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
     every rank before any collective that could hang.
     """
+    exit_with_parent()
     args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
     _seed(args, topo)
     chunks = build_model(model_provider, args, topo)
@@ -351,12 +368,19 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                             args.lr_decay_style)
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
+    needed = checkpoint_bytes(chunks, topo.dp.size) if args.save else 0
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
+    if iteration >= args.train_iters:
+        if topo.global_rank == 0:
+            print(f"this run is already finished: --load {args.load} holds iteration {iteration} and --train-iters "
+                  f"is {args.train_iters}; nothing to train and nothing written", flush=True)
+        return iteration
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, _num_samples(args))
     train_iterator = _iterator(train_ds, consumed_samples, args, topo)
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
     valid_iterator = _iterator(valid_ds, valid_consumed, args, topo)
+    lock = _claim_save_dir(args, iteration, needed, topo) if args.save else None
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
@@ -364,7 +388,33 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     finally:
         sigterm.restore()
         trainer.logger.close()
+        if lock is not None:
+            lock.release()
     return iteration
+
+
+def _claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo) -> SaveDirLock | None:
+    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
+
+    Returns rank 0's lock, None elsewhere.
+    """
+    lock, message = None, None
+    if topo.global_rank == 0:
+        try:
+            check_writable_with_room(args.save, needed_bytes)
+            lock = SaveDirLock(args.save)
+            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
+            if warning:
+                print(warning, flush=True)
+        except ValueError as err:
+            message = str(err)
+            if lock is not None:
+                lock.release()
+    holder = [message]
+    dist.broadcast_object_list(holder, src=0)
+    if holder[0] is not None:
+        raise ValueError(holder[0])
+    return lock
 
 
 def _seed(args, topo) -> None:
