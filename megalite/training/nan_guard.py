@@ -102,7 +102,7 @@ class NanGuard:
         grad_ranks = _ranks_with(flags, _GRAD)
         if grad_ranks:
             parts.append(f"gradients hold nan/inf on ranks {grad_ranks}")
-        what = f"iteration {iteration}: {' and '.join(parts)} (seen first by rank {int(flags.nonzero()[0])})"
+        what = f"iteration {iteration}: {' and '.join(parts)}"
         limit = self.config.skip_nan_iterations
         if self.consecutive <= limit:
             if self.log:
