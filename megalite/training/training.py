@@ -401,9 +401,9 @@ def _claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo) -> Sav
     lock, message = None, None
     if topo.global_rank == 0:
         try:
+            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
             check_writable_with_room(args.save, needed_bytes)
             lock = SaveDirLock(args.save)
-            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
             if warning:
                 print(warning, flush=True)
         except ValueError as err:
