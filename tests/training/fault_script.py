@@ -3,8 +3,8 @@
 ``MEGALITE_TEST_FAULTS`` lists ``attempt:rank:iteration:action`` entries separated by ``;``: in
 supervisor attempt ``attempt`` (``MEGALITE_RESTART_ATTEMPT``, 0 without a supervisor), global rank
 ``rank`` does ``action`` during the forward of the ``iteration``-th iteration of this launch:
-``kill`` (SIGKILL itself), ``kill-launcher`` (SIGKILL its parent, the torchrun agent) or
-``stall`` (sleep for an hour).  With ``MEGALITE_TEST_PID_DIR`` each rank writes its pid to
+``kill`` (SIGKILL itself), ``kill-launcher`` (SIGKILL its parent, the torchrun agent, then go on
+after a minute, so an orphan would outlive the test's 10 s) or ``stall`` (sleep for an hour).  With ``MEGALITE_TEST_PID_DIR`` each rank writes its pid to
 ``attempt<a>_rank<r>`` there first.
 """
 
@@ -46,6 +46,7 @@ class FaultyForwardStep:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "kill-launcher":
                 os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(60)
             elif action == "stall":
                 time.sleep(3600)
         return gpt.forward_step(data_iterator, model)
