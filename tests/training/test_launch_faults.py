@@ -142,3 +142,26 @@ def _reference_run(tiny_data, workdir, world, flags):
     workdir.mkdir()
     run_distributed(pretrain_on_rank, world, tiny_argv(tiny_data, workdir, *flags), timeout=300)
     return None, read_metrics(workdir / "metrics.jsonl")
+
+
+def test_two_agent_multi_node_run_matches_one_agent(tiny_data, tmp_path):
+    """Two torchrun agents (--nnodes 2 --nproc_per_node 4, c10d rendezvous on 127.0.0.1) train tp2 x pp2 x dp2
+    and log the same losses as the 8 ranks of one launch."""
+    flags = ["--train-iters", "3", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    _, reference = _reference_run(tiny_data, tmp_path / "reference", 8, flags)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = tiny_argv(tiny_data, tmp_path, *flags)
+    launch = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "megalite-two-agents")
+    agents = [subprocess.Popen(_torchrun(tmp_path / f"node{n}", 4, *launch) + [PRETRAIN, *argv], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+              for n in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    for record, expected in zip(records, reference):
+        for key in ("loss", "lr", "grad_norm"):
+            assert record[key] == expected[key], (record["iteration"], key)
