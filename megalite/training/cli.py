@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from megalite import topology
-from megalite.training.stalls import describe_timeout, is_timeout
+from megalite.training.stalls import describe_timeout, is_peer_failure, is_timeout
 
 
 def rank_prefix() -> str:
@@ -26,8 +26,9 @@ def run_cli(main) -> int:
 
     Each rank prints its own line, before the process group is torn down, so the message reaches
     the user even when the launcher kills the other ranks first.  A ValueError (bad input) is just
-    that line; a collective that timed out names its group and the ranks that did not arrive;
-    other exceptions are bugs and print their traceback first.  The process group is destroyed
+    that line; a collective that timed out names its group and the ranks that did not arrive; a
+    dropped connection points at the peer that failed; other exceptions are bugs and print their
+    traceback first.  The process group is destroyed
     in every case, as gloo aborts otherwise.
     """
     try:
@@ -38,6 +39,9 @@ def run_cli(main) -> int:
     except Exception as err:
         if is_timeout(err):
             _error_line(describe_timeout(err))
+        elif is_peer_failure(err):
+            _error_line(f"lost the connection to another rank, which failed or was killed first (see its error "
+                        f"line): {str(err).splitlines()[0][:200]}")
         else:
             traceback.print_exc()
             _error_line(f"{type(err).__name__}: {err}")

@@ -30,6 +30,13 @@ def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
+def is_peer_failure(err: BaseException) -> bool:
+    """True for the error a backend raises when a peer rank's connection drops (that rank failed)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        cause in text for cause in ("connection closed by peer", "connection reset by peer", "broken pipe"))
+
+
 def _axis_of(group) -> tuple[str, list[int]] | None:
     if group is None:
         return None

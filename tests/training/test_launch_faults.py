@@ -130,6 +130,9 @@ def test_supervisor_restarts_killed_worker_and_launcher_without_orphans(tiny_dat
         proc.kill()
     assert proc.returncode == 0, out
     assert out.count("supervise: attempt") == 2, out
+    survivor = _rank_log(tmp_path / "logs", 0)
+    assert "[rank 0] error: lost the connection to another rank, which failed or was killed first" in survivor
+    assert "Traceback" not in survivor
     assert read_latest(str(save)) == 10
     resumed = {r["iteration"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
     assert sorted(resumed) == list(range(1, 11))
