@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 @dataclass
 class NanGuardConfig:
-    """What the guard checks and how it reacts; mapped from the flags of the same names."""
+    """What the guard checks and how it reacts; the flags of the same names set it."""
 
     check_for_nan_in_loss_and_grad: bool = True
     skip_nan_iterations: int = 0
@@ -41,11 +41,6 @@ class NanGuardConfig:
             raise ValueError(f"--loss-spike-factor must be greater than 1, got {self.loss_spike_factor}")
         if self.loss_spike_window < 1:
             raise ValueError(f"loss_spike_window must be >= 1, got {self.loss_spike_window}")
-
-    @classmethod
-    def from_args(cls, args) -> "NanGuardConfig":
-        return cls(check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-                   skip_nan_iterations=args.skip_nan_iterations, loss_spike_factor=args.loss_spike_factor)
 
 
 class NonFiniteError(ValueError):

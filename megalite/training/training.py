@@ -26,17 +26,18 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
-from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.optim import get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.training.arguments import (ddp_config, format_args, nan_guard_config, optimizer_config, parse_args,
+                                         validate_args)
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
-from megalite.training.nan_guard import NanGuard, NanGuardConfig, check_finite_weights
+from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.save_dir import (SaveDirLock, check_not_overwriting, check_writable_with_room,
                                         checkpoint_bytes)
 from megalite.training.parent_death import exit_with_parent
@@ -83,24 +84,19 @@ def build_model(model_provider, args, topo) -> list:
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
                           args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     mine = ranges[topo.pp.rank]
-    ddp_config = DDPConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp = ddp_config(args)
     chunks = []
     for index, layer_range in enumerate(mine):
         module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
                                 post_process=topo.is_last_stage() and index == len(mine) - 1,
                                 layer_range=layer_range)
         module.to(device=_device(), dtype=_param_dtype(args))
-        chunks.append(DistributedDataParallel(module, ddp_config, topo.dp.group, topo.expert_dp.group))
+        chunks.append(DistributedDataParallel(module, ddp, topo.dp.group, topo.expert_dp.group))
     return chunks
 
 
 def build_optimizer(args, model_chunks):
-    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+    config = optimizer_config(args)
     return get_optimizer(config, model_chunks)
 
 
@@ -150,7 +146,7 @@ class Trainer:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
-        self.nan_guard = NanGuard(NanGuardConfig.from_args(args), check_grads=not args.fp16,
+        self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
                                   log=topo.global_rank == 0)
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
