@@ -27,7 +27,7 @@ _PEER_WAIT_S = 5.0
 def is_timeout(err: BaseException) -> bool:
     """True for the error a backend raises when a collective exceeds the process-group timeout."""
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return isinstance(err, RuntimeError) and ("timed out" in text or "collective operation timeout" in text)
 
 
 def is_peer_failure(err: BaseException) -> bool:

@@ -113,7 +113,7 @@ def test_supervisor_restarts_killed_worker_and_launcher_without_orphans(tiny_dat
     save, pid_dir = tmp_path / "ckpt", tmp_path / "pids"
     pid_dir.mkdir()
     flags = ["--train-iters", "10"]
-    _, reference = _reference_run(tiny_data, tmp_path / "reference", 2, flags)
+    reference = _reference_run(tiny_data, tmp_path / "reference", 2, flags)
     argv = tiny_argv(tiny_data, tmp_path, *flags, "--save", str(save), "--load", str(save), "--save-interval", "2")
     command = [sys.executable, os.path.join(ROOT, "tools", "supervise.py"), "--max-restarts", "2",
                "--restart-delay", "1", "--", *_torchrun(tmp_path / "logs"), FAULT_SCRIPT, *argv]
@@ -144,14 +144,14 @@ def test_supervisor_restarts_killed_worker_and_launcher_without_orphans(tiny_dat
 def _reference_run(tiny_data, workdir, world, flags):
     workdir.mkdir()
     run_distributed(pretrain_on_rank, world, tiny_argv(tiny_data, workdir, *flags), timeout=300)
-    return None, read_metrics(workdir / "metrics.jsonl")
+    return read_metrics(workdir / "metrics.jsonl")
 
 
 def test_two_agent_multi_node_run_matches_one_agent(tiny_data, tmp_path):
     """Two torchrun agents (--nnodes 2 --nproc_per_node 4, c10d rendezvous on 127.0.0.1) train tp2 x pp2 x dp2
     and log the same losses as the 8 ranks of one launch."""
     flags = ["--train-iters", "3", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    _, reference = _reference_run(tiny_data, tmp_path / "reference", 8, flags)
+    reference = _reference_run(tiny_data, tmp_path / "reference", 8, flags)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
