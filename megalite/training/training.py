@@ -38,9 +38,9 @@ from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.nan_guard import NanGuard, check_finite_weights
+from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import (SaveDirLock, check_not_overwriting, check_writable_with_room,
                                         checkpoint_bytes)
-from megalite.training.parent_death import exit_with_parent
 from megalite.training.signals import SigtermFlag
 
 LOSS_METRIC = "lm_loss"
@@ -370,6 +370,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         if topo.global_rank == 0:
             print(f"this run is already finished: --load {args.load} holds iteration {iteration} and --train-iters "
                   f"is {args.train_iters}; nothing to train and nothing written", flush=True)
+        trainer.logger.close()
         return iteration
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, _num_samples(args))
     train_iterator = _iterator(train_ds, consumed_samples, args, topo)
