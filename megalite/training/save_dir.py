@@ -23,7 +23,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.format import read_latest
+from megalite.training.checkpointing import read_latest
 
 LOCK_NAME = ".megalite.lock"
 
