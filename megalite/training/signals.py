@@ -72,7 +72,9 @@ class SigtermFlag:
             frames.append(frame)
             frame = frame.f_back
         named = group_in_stack(reversed(frames))
-        where = f"in a collective on the {named[0]} group (ranks {named[1]})" if named else "before the next iteration"
+        where = f"at {os.path.basename(frames[0].f_code.co_filename)}:{frames[0].f_lineno}" if frames else ""
+        if named:
+            where = f"in a collective on the {named[0]} group (ranks {named[1]}) {where}"
         print(f"{rank_prefix()}error: SIGTERM received {self.blocked_exit_s:.0f} s ago, but this rank is still "
               f"blocked {where}; exiting without saving", file=sys.stderr, flush=True)
         os._exit(128 + self.sig)

@@ -84,8 +84,9 @@ def test_sigterm_while_blocked_in_a_collective_exits_within_30s(tiny_data, tmp_p
         proc.kill()
         proc.communicate()
     rank0 = _rank_log(logs, 0)
-    assert ("[rank 0] error: SIGTERM received 20 s ago, but this rank is still blocked in a collective on the dp "
-            "group (ranks [0, 1]); exiting without saving") in rank0, rank0
+    # Where it is blocked (group, file:line) is best effort; that it says so and exits is the contract.
+    assert "[rank 0] error: SIGTERM received 20 s ago, but this rank is still blocked" in rank0, rank0
+    assert "; exiting without saving" in rank0, rank0
 
 
 def test_sigterm_to_the_agent_saves_and_workers_exit_cleanly(tiny_data, tmp_path):
