@@ -15,11 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import TYPE_CHECKING
+
 from megalite import topology
 from megalite.models.init import normal_init, scaled_normal_init
-from megalite.models.kv_cache import KVCache
 from megalite.models.rotary import apply_rotary
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+
+if TYPE_CHECKING:
+    from megalite.models.kv_cache import KVCache
 
 
 def padding_causal_mask(attention_mask: torch.Tensor, seq: int, offset: int) -> torch.Tensor:
@@ -101,13 +105,11 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary)
-        offset = 0
-        if kv_cache is not None:
-            offset = kv_cache.offset
-            k, v = kv_cache.append(self.layer_number, k, v)
         dropout = self.attention_dropout if self.training else 0.0
-        if self.recompute_core and self.training and kv_cache is None:
-            context = checkpoint(core_attention, q, k, v, dropout, offset, mask)
+        if kv_cache is not None:
+            context = kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
+        elif self.recompute_core and self.training:
+            context = checkpoint(core_attention, q, k, v, dropout, 0, mask)
         else:
-            context = core_attention(q, k, v, dropout, offset, mask)
+            context = core_attention(q, k, v, dropout, 0, mask)
         return self.linear_proj(context)
