@@ -4,7 +4,8 @@ Verification is exact rejection sampling (Leviathan et al., Chen et al.):
 draft token ``x`` proposed with probability ``q(x)`` is accepted with
 probability ``min(1, p(x) / q(x))``; on rejection the token is drawn from
 ``max(p - q, 0)`` renormalised, and when every draft is accepted one more is
-drawn from the target's next distribution.  The emitted tokens then follow
+drawn from the target's next distribution.  megalite's drafters propose
+deterministically (``q`` a point mass).  The emitted tokens then follow
 the target distribution ``p`` exactly.  Greedy verification accepts a draft
 iff it is the target's argmax, so greedy output is unchanged.
 """
@@ -44,12 +45,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator,
-           draft_probs: torch.Tensor | None = None, argmax: list[int] | None = None) -> list[int]:
+           argmax: list[int] | None = None) -> list[int]:
     """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``.
 
-    ``draft_probs [len(drafts), v]`` is the drafter's distribution (None: each
-    draft was proposed deterministically, a point mass).  ``argmax`` may pass
-    precomputed greedy choices.  Without drafts this samples one token.
+    Drafts are proposed deterministically (a point mass ``q``), so draft ``x``
+    is accepted with probability ``p(x)`` and a rejection draws from ``p``
+    without ``x``.  ``argmax`` may pass precomputed greedy choices.  Without
+    drafts this samples one token.
     """
     if params.greedy:
         best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
@@ -63,18 +65,11 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
     out = []
     for i, draft in enumerate(drafts):
         p = probs[i]
-        q = draft_probs[i].cpu() if draft_probs is not None else None
-        q_x = 1.0 if q is None else float(q[draft])
-        if float(torch.rand((), generator=generator)) * q_x < float(p[draft]):
+        if float(torch.rand((), generator=generator)) < float(p[draft]):
             out.append(draft)
             continue
-        if q is None:
-            residual = p.clone()
-            residual[draft] = 0.0
-        else:
-            residual = (p - q).clamp(min=0.0)
-        if float(residual.sum()) <= 0.0:
-            residual = p
+        residual = p.clone()
+        residual[draft] = 0.0
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))

@@ -102,7 +102,7 @@ class Scheduler:
             return []
         room = seq.request.params.max_new_tokens - seq.num_generated - 1
         k = min(self.num_draft_tokens, room)
-        return self.drafter.propose(seq.tokens, k) if k > 0 else []
+        return self.drafter.propose(seq, k) if k > 0 else []
 
     def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
         """The next step's plan (empty when nothing can run) and who is in it."""
