@@ -1,0 +1,54 @@
+"""TP2 engine == TP1 engine (greedy and seeded sampling), and engine log-probs == the actor's within 1e-5."""
+
+import pytest
+import torch
+
+from megalite import topology
+from megalite.inference import LLM, EngineConfig, SamplingParams
+from megalite.rlhf.actor import sequence_log_probs
+from megalite.testing import run_distributed
+from tests.inference.common import VOCAB, tiny_model
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [31, 4], [5] * 13, [11]]
+ENGINE = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=24)
+
+
+def _run(llm):
+    greedy = [SamplingParams(max_new_tokens=6 + i, temperature=0, logprobs=True) for i in range(len(PROMPTS))]
+    sampled = [SamplingParams(max_new_tokens=5, n=2, temperature=0.8, top_k=12, seed=i, logprobs=True)
+               for i in range(len(PROMPTS))]
+    outputs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS, sampled)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+def _actor_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        log_probs, _ = sequence_log_probs(model, ids, temperature=temperature)
+    return log_probs[0, len(prompt) - 1:].tolist()
+
+
+def _tp_ranks(kind):
+    reference = _run(LLM.from_model(tiny_model(kind), engine_config=ENGINE))
+    topology.initialize(tp=2)
+    model = tiny_model(kind)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        LLM.from_model(model).generate([[VOCAB + 3]], SamplingParams())
+    llm = LLM.from_model(model, engine_config=ENGINE)
+    got = _run(llm)
+    worst = 0.0
+    for i, (ref_request, request) in enumerate(zip(reference, got)):
+        temperature = 1.0 if i < len(PROMPTS) else 0.8
+        prompt = PROMPTS[i % len(PROMPTS)]
+        for (ref_tokens, ref_lp), (tokens, lp) in zip(ref_request, request):
+            assert tokens == ref_tokens, (i, tokens, ref_tokens)
+            actor = _actor_logprobs(model, prompt, tokens, temperature)
+            worst = max(worst, max(abs(a - b) for a, b in zip(actor, lp)), max(abs(a - b) for a, b in zip(ref_lp, lp)))
+    assert llm.engine.allocator.num_used() == 0
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tp2_matches_tp1_and_actor_log_probs(kind):
+    worst = run_distributed(_tp_ranks, 2, kind)
+    assert max(worst) <= 1e-5
