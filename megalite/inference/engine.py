@@ -145,6 +145,10 @@ class LLMEngine:
         """Tell the other TP ranks' :meth:`run_worker` loops to return."""
         self._broadcast_plan(StepPlan(stop=True))
 
+    def heartbeat(self) -> None:
+        """An empty plan, so idle workers' collectives do not time out (a server between requests)."""
+        self._broadcast_plan(StepPlan())
+
     def run_worker(self) -> None:
         """TP ranks other than 0: execute rank 0's plans until it sends ``stop``."""
         src = dist.get_global_rank(self.tp_group, 0)
@@ -153,7 +157,8 @@ class LLMEngine:
             dist.broadcast_object_list(box, src=src, group=self.tp_group)
             if box[0].stop:
                 return
-            self.execute(box[0])
+            if box[0].token_ids:
+                self.execute(box[0])
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
