@@ -165,13 +165,17 @@ class LLMEngine:
         """Run one packed forward; full-vocabulary fp32 logits ``[len(plan.sample_rows), v]``."""
         model = self.model
         was_training = model.training
-        model.eval()
+        if was_training:
+            model.eval()
         self.pool.copy_blocks(plan.copies)
         ids = torch.tensor([plan.token_ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
-        hidden = model(ids, position_ids=positions, kv_cache=PagedStep(self.pool, plan, self.device),
-                       return_hidden=True)
-        model.train(was_training)
+        try:
+            hidden = model(ids, position_ids=positions, kv_cache=PagedStep(self.pool, plan, self.device),
+                           return_hidden=True)
+        finally:
+            if was_training:
+                model.train()
         if not plan.sample_rows:
             return None
         rows = torch.tensor(plan.sample_rows, device=self.device)

@@ -66,27 +66,28 @@ class _Group:
     """Index tensors for one SDPA call over sequences padded to ``Q`` queries and ``C`` keys."""
 
     def __init__(self, members, plan: StepPlan, offsets: list[int], block_size: int, device):
-        q_max = max(plan.lengths[i] for i in members)
-        c_max = max(plan.starts[i] + plan.lengths[i] for i in members)
-        s = len(members)
+        starts = torch.tensor([plan.starts[i] for i in members])
+        lengths = torch.tensor([plan.lengths[i] for i in members])
+        first = torch.tensor([offsets[i] for i in members])
+        widest = max(len(plan.block_tables[i]) for i in members)
+        tables = torch.tensor([plan.block_tables[i] + [0] * (widest - len(plan.block_tables[i])) for i in members])
+        ctx = starts + lengths
+        q_max, c_max = int(lengths.max()), int(ctx.max())
         key_pos = torch.arange(c_max)
-        gather = torch.zeros(s, c_max, dtype=torch.long)
-        queries = torch.zeros(s, q_max, dtype=torch.long)
-        mask = torch.zeros(s, 1, q_max, c_max, dtype=torch.bool)
-        rows, tokens = [], []
-        for r, i in enumerate(members):
-            start, length = plan.starts[i], plan.lengths[i]
-            ctx = start + length
-            table = torch.tensor(plan.block_tables[i], dtype=torch.long)
-            gather[r, :ctx] = table[key_pos[:ctx] // block_size] * block_size + key_pos[:ctx] % block_size
-            queries[r, :length] = torch.arange(offsets[i], offsets[i] + length)
-            mask[r, 0, :length, :ctx] = key_pos[:ctx][None, :] <= (start + torch.arange(length))[:, None]
-            mask[r, 0, length:, 0] = True
-            rows.extend(range(r * q_max, r * q_max + length))
-            tokens.extend(range(offsets[i], offsets[i] + length))
-        self.gather, self.queries, self.mask = gather.to(device), queries.to(device), mask.to(device)
-        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
-        self.tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        query_pos = torch.arange(q_max)
+        has_key = key_pos[None, :] < ctx[:, None]
+        gather = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        has_query = query_pos[None, :] < lengths[:, None]
+        mask = (key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]) & has_key[:, None, :]
+        mask &= has_query[:, :, None]
+        mask[:, :, 0] |= ~has_query
+        tokens = first[:, None] + query_pos[None, :]
+        self.gather = torch.where(has_key, gather, 0).flatten().to(device)
+        self.queries = torch.where(has_query, tokens, 0).flatten().to(device)
+        self.shape = (len(members), q_max, c_max)
+        self.mask = mask.unsqueeze(1).to(device)
+        self.rows = has_query.flatten().nonzero().squeeze(1).to(device)
+        self.tokens = tokens[has_query].to(device)
 
 
 class PagedStep:
@@ -118,13 +119,14 @@ class PagedStep:
         values.index_copy_(0, self.slots, v[:, 0].to(values.dtype))
         t, _, heads, d = q.shape
         out = q.new_empty(t, heads * d)
+        groups = keys.shape[1]
         for g in self.groups:
-            query = q[:, 0][g.queries].transpose(1, 2)
-            key = keys[g.gather].transpose(1, 2)
-            value = values[g.gather].transpose(1, 2)
-            context = F.scaled_dot_product_attention(query, key, value, attn_mask=g.mask,
-                                                     enable_gqa=key.shape[1] != heads)
-            out[g.tokens] = context.transpose(1, 2).reshape(-1, heads * d)[g.rows]
+            s, q_max, c_max = g.shape
+            query = q[:, 0].index_select(0, g.queries).view(s, q_max, heads, d).transpose(1, 2)
+            key = keys.index_select(0, g.gather).view(s, c_max, groups, d).transpose(1, 2)
+            value = values.index_select(0, g.gather).view(s, c_max, groups, d).transpose(1, 2)
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=g.mask, enable_gqa=groups != heads)
+            out[g.tokens] = context.transpose(1, 2).reshape(-1, heads * d).index_select(0, g.rows)
         return out.unsqueeze(1)
 
     def advance(self, num_tokens: int) -> None:
