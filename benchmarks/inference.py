@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 from megalite.checkpoint.hf import convert_hf_to_megalite  # noqa: E402
 from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
 
-VOCAB = 8192
+VOCAB = 14000
 
 OLD_RUNNER = r"""
 import json, sys, time, torch

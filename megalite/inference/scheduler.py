@@ -60,9 +60,9 @@ class Scheduler:
         bs, alloc = self.block_size, self.allocator
         shared = [i for i in range(start // bs, min(self._blocks_for(end), len(seq.block_table)))
                   if alloc.refcount[seq.block_table[i]] > 1 or seq.block_table[i] in alloc.cached]
-        needed = self._blocks_for(end) - len(seq.block_table) + len(shared)
+        needed = max(0, self._blocks_for(end) - len(seq.block_table)) + len(shared)
         fresh = []
-        for _ in range(max(needed, 0)):
+        for _ in range(needed):
             block = alloc.allocate()
             if block is None:
                 for b in fresh:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megalite import topology
+from megalite.checkpoint import save_checkpoint
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.testing import run_distributed
@@ -28,12 +29,18 @@ def _actor_logprobs(model, prompt, completion, temperature):
     return log_probs[0, len(prompt) - 1:].tolist()
 
 
-def _tp_ranks(kind):
-    reference = _run(LLM.from_model(tiny_model(kind), engine_config=ENGINE))
+def _tp_ranks(checkpoint):
+    kinds = ("gpt2", "llama")
+    references = {kind: _run(LLM.from_model(tiny_model(kind), engine_config=ENGINE)) for kind in kinds}
     topology.initialize(tp=2)
-    model = tiny_model(kind)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        LLM.from_model(model).generate([[VOCAB + 3]], SamplingParams())
+        LLM.from_model(tiny_model()).generate([[VOCAB + 3]], SamplingParams())
+    loaded = _run(LLM(checkpoint, tensor_parallel_size=2, engine_config=ENGINE))
+    assert [[t for t, _ in r] for r in loaded] == [[t for t, _ in r] for r in references["llama"]]
+    return max(_compare(tiny_model(kind), references[kind]) for kind in kinds)
+
+
+def _compare(model, reference):
     llm = LLM.from_model(model, engine_config=ENGINE)
     got = _run(llm)
     worst = 0.0
@@ -48,7 +55,9 @@ def _tp_ranks(kind):
     return worst
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_tp2_matches_tp1_and_actor_log_probs(kind):
-    worst = run_distributed(_tp_ranks, 2, kind)
+def test_tp2_matches_tp1_and_actor_log_probs(tmp_path):
+    """GPT-2 and Llama (GQA) live models and a checkpoint loaded at tp=2, one launch; bad input raises on both
+    ranks before any collective."""
+    save_checkpoint(str(tmp_path / "ckpt"), 1, [tiny_model("llama")])
+    worst = run_distributed(_tp_ranks, 2, str(tmp_path / "ckpt"))
     assert max(worst) <= 1e-5
