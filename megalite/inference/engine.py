@@ -265,15 +265,18 @@ class LLMEngine:
             self.run_worker()
             box = [None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+            if box[0] is None:
+                raise RuntimeError("tensor-parallel rank 0 of the inference engine failed (see its error)")
             return box[0]
+        outputs = None
         try:
             requests = [self.add_request(p, s) for p, s in zip(checked, params_list)]
             while self.has_unfinished():
                 self.step()
+            outputs = [r.output() for r in requests]
         finally:
             if self.tp_size > 1:
                 self.stop_workers()
-        outputs = [r.output() for r in requests]
-        if self.tp_size > 1:
-            dist.broadcast_object_list([outputs], src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+                dist.broadcast_object_list([outputs], src=dist.get_global_rank(self.tp_group, 0),
+                                           group=self.tp_group)
         return outputs
