@@ -144,6 +144,7 @@ def main():
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="static batch size for the padded baselines")
     parser.add_argument("--old-commit", default="3b80930")
+    parser.add_argument("--skip-hf-continuous", action="store_true", help="transformers' generate_batch is slow on CPU")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="megalite_inference_bench_")
@@ -155,24 +156,20 @@ def main():
         useful = sum(m for _, m in work)
         print(f"model: Llama-style, {params / 1e6:.1f}M parameters; {len(work)} requests, "
               f"{sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; 1 thread")
-        rows = []
-        t_engine, engine_out, engine = run_engine(ckpt, work)
-        rows.append(("megalite engine", t_engine, useful))
-        t_hf, hf_out = run_hf_static(hf, work, args.batch)
-        rows.append((f"transformers generate, static batches of {args.batch}", t_hf, useful))
-        same = sum(a == b for a, b in zip(engine_out, hf_out))
-        try:
-            t_cb, made = run_hf_continuous(hf, work)
-            rows.append(("transformers generate_batch (continuous batching)", t_cb, made))
-        except Exception as error:  # an API that changes between versions: report, keep going
-            print(f"transformers continuous batching unavailable: {type(error).__name__}: {error}")
-        t_old, old_out = run_old(ckpt, work, args.batch, args.old_commit, tmp)
-        rows.append((f"megalite static generate at {args.old_commit}, batches of {args.batch}", t_old, useful))
-        print(f"greedy outputs identical to transformers: {same}/{len(work)}; to the old generate: "
-              f"{sum(a == b for a, b in zip(engine_out, old_out))}/{len(work)}")
+        t_engine, engine_out, _ = run_engine(ckpt, work)
         print(f"{'system':60s} {'seconds':>8s} {'tokens/s':>9s} {'engine x':>9s}")
-        for name, seconds, tokens in rows:
-            print(f"{name:60s} {seconds:8.2f} {tokens / seconds:9.1f} {(useful / t_engine) / (tokens / seconds):9.2f}")
+
+        def row(name, seconds, tokens):
+            print(f"{name:60s} {seconds:8.2f} {tokens / seconds:9.1f} {(useful / t_engine) / (tokens / seconds):9.2f}",
+                  flush=True)
+
+        row("megalite engine", t_engine, useful)
+        t_hf, hf_out = run_hf_static(hf, work, args.batch)
+        row(f"transformers generate, static batches of {args.batch}", t_hf, useful)
+        t_old, old_out = run_old(ckpt, work, args.batch, args.old_commit, tmp)
+        row(f"megalite static generate at {args.old_commit}, batches of {args.batch}", t_old, useful)
+        print(f"greedy outputs identical to transformers: {sum(a == b for a, b in zip(engine_out, hf_out))}/"
+              f"{len(work)}; to the old generate: {sum(a == b for a, b in zip(engine_out, old_out))}/{len(work)}")
 
         rng = random.Random(1)
         system = [rng.randrange(VOCAB) for _ in range(64)]
@@ -182,7 +179,7 @@ def main():
         unshared = 8 * sum(len(p) for p in shared)
         computed = llm.engine.scheduler.prefill_tokens
         print(f"prefix sharing, 16 prompts x n=8: prefill tokens {computed} with sharing vs {unshared} without "
-              f"= {computed / unshared:.4f} (target <= {1 / 8 + 0.05:.4f})")
+              f"= {computed / unshared:.4f} (target <= {1 / 8 + 0.05:.4f})", flush=True)
 
         spec_work = [((list(range(100 + 7 * i, 116 + 7 * i)) * 4)[:48], 96) for i in range(8)]
         for name, spec_config, draft, items in [
@@ -196,7 +193,13 @@ def main():
             stats = spec_engine.stats
             per_forward = stats["tokens_from_decoding"] / max(stats["target_forwards_decoding"], 1)
             print(f"speculative, {name}: {per_forward:.2f} tokens per target forward, {t_plain:.2f}s -> "
-                  f"{t_spec:.2f}s ({t_plain / t_spec:.2f}x); outputs identical: {plain_out == spec_out}")
+                  f"{t_spec:.2f}s ({t_plain / t_spec:.2f}x); outputs identical: {plain_out == spec_out}", flush=True)
+        if not args.skip_hf_continuous:
+            try:
+                t_cb, made = run_hf_continuous(hf, work)
+                row("transformers generate_batch (continuous batching)", t_cb, made)
+            except Exception as error:  # an API that changes between versions: report, keep going
+                print(f"transformers continuous batching unavailable: {type(error).__name__}: {error}")
         print(f"uptime: {os.popen('uptime').read().strip()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

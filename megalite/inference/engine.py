@@ -236,8 +236,6 @@ class LLMEngine:
         """Append verified tokens up to a stop; accepted drafts' KV stays valid."""
         params = seq.request.params
         logprobs = token_logprobs(rows, tokens, params) if params.logprobs else [None] * len(tokens)
-        if seq.request.first_token_time is None:
-            seq.request.first_token_time = time.perf_counter()
         for token, logprob in zip(tokens, logprobs):
             seq.append(token, logprob)
             self.stats["generated_tokens"] += 1

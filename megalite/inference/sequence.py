@@ -57,7 +57,6 @@ class Request:
         self.sequences = [Sequence(self, 0, prompt)]
         self.cancelled = False
         self.arrival_time: float | None = None
-        self.first_token_time: float | None = None
 
     @property
     def forked(self) -> bool:
