@@ -1,5 +1,7 @@
 """TP2 engine == TP1 engine (greedy and seeded sampling), and engine log-probs == the actor's within 1e-5."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -37,7 +39,28 @@ def _tp_ranks(checkpoint):
         LLM.from_model(tiny_model()).generate([[VOCAB + 3]], SamplingParams())
     loaded = _run(LLM(checkpoint, tensor_parallel_size=2, engine_config=ENGINE))
     assert [[t for t, _ in r] for r in loaded] == [[t for t, _ in r] for r in references["llama"]]
-    return max(_compare(tiny_model(kind), references[kind]) for kind in kinds)
+    worst = max(_compare(tiny_model(kind), references[kind]) for kind in kinds)
+    _serve_under_tp(references["llama"])
+    return worst
+
+
+def _serve_under_tp(reference):
+    """The HTTP server at tp=2: rank 0 serves (and broadcasts plans), rank 1 runs the worker loop."""
+    from tests.inference.test_serve import _with_server
+
+    engine = LLM.from_model(tiny_model("llama"), engine_config=ENGINE).engine
+    if engine.tp_rank != 0:
+        engine.run_worker()
+        return
+
+    async def body(session, url, loop):
+        async def one(i):
+            request = {"prompt": PROMPTS[i], "max_tokens": 6 + i, "temperature": 0}
+            async with session.post(f"{url}/v1/completions", json=request) as response:
+                return (await response.json())["choices"][0]["token_ids"]
+        return await asyncio.gather(*[one(i) for i in range(3)])
+
+    assert asyncio.run(_with_server(engine, body)) == [reference[i][0][0] for i in range(3)]
 
 
 def _compare(model, reference):
