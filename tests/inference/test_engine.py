@@ -91,3 +91,27 @@ def test_abort_and_many_requests_leave_the_pool_as_it_was():
     assert engine.allocator.num_used() == 0 and not engine.requests
     free = engine.allocator.num_free()
     assert free == engine.allocator.num_blocks
+
+
+class _Letters:
+    """A toy tokenizer: lowercase letters are ids 1..26."""
+
+    def tokenize(self, text):
+        return [ord(c) - 96 for c in text]
+
+    def detokenize(self, ids):
+        return "".join(chr(96 + i) if 1 <= i <= 26 else "?" for i in ids)
+
+
+def test_string_prompts_with_a_tokenizer():
+    model = tiny_model()
+    llm = LLM.from_model(model, tokenizer=_Letters())
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    by_text = llm.generate(["abc", "hello"], params)
+    by_ids = LLM.from_model(model).generate([[1, 2, 3], [8, 5, 12, 12, 15]], params)
+    assert [o.prompt_token_ids for o in by_text] == [[1, 2, 3], [8, 5, 12, 12, 15]]
+    for text, ids in zip(by_text, by_ids):
+        assert text.outputs[0].token_ids == ids.outputs[0].token_ids
+        assert text.outputs[0].text == _Letters().detokenize(ids.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        LLM.from_model(model).generate("abc", params)
