@@ -115,3 +115,18 @@ def test_string_prompts_with_a_tokenizer():
         assert text.outputs[0].text == _Letters().detokenize(ids.outputs[0].token_ids)
     with pytest.raises(ValueError, match="string prompts need a tokenizer"):
         LLM.from_model(model).generate("abc", params)
+
+
+def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
+    """With the target as its own draft model, each verify forward emits all k drafts plus one token."""
+    model = tiny_model()
+    k = 3
+    llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=64, speculative="draft",
+                                                           num_speculative_tokens=k), draft_model=model)
+    out = llm.generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=1 + 4 * (k + 1), temperature=0))
+    stats = llm.engine.stats
+    assert stats["target_forwards_decoding"] == 2 * 4
+    assert stats["tokens_from_decoding"] == 2 * 4 * (k + 1)
+    plain = LLM.from_model(model).generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=17,
+                                                                                       temperature=0))
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
