@@ -52,6 +52,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard"],
-    extras_require={"test": ["pytest", "transformers", "safetensors", "aiohttp"], "serve": ["aiohttp"]},
+    extras_require={"test": ["pytest", "transformers", "safetensors", "matplotlib", "aiohttp"],
+                    "plot": ["matplotlib"], "serve": ["aiohttp"]},
     **extension_kwargs(),
 )

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.distributed import finalize_model_grads
-from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, generate
+from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 
@@ -103,9 +103,9 @@ class TrainingBackend:
         Runs on the inference engine (:func:`generation.engine_generate`); with
         pipeline stages, which the engine does not support yet, on the static decoder.
         """
-        if self.topo.pp.size > 1:
-            return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
-        return engine_generate(self.chunk, prompts, prompt_mask, sampling, generator)
+        if engine_supports(self.chunk):
+            return engine_generate(self.chunk, prompts, prompt_mask, sampling, generator)
+        return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
 
     def state_dict(self) -> dict:
         """This rank's model shard and optimizer state."""
