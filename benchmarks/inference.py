@@ -175,8 +175,8 @@ def main():
 
         def row(name, times, tokens):
             wall, cpu = times
-            print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {(useful / t_engine[1]) / (tokens / cpu):9.2f}",
-                  flush=True)
+            speedup = (useful / t_engine[1]) / (tokens / cpu)
+            print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {speedup:9.2f}", flush=True)
 
         row("megalite engine", t_engine, useful)
         t_hf, hf_out = run_hf_static(hf, work, args.batch)

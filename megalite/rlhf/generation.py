@@ -223,7 +223,8 @@ def engine_generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, con
     else:
         seeds = [None] * b
     stop = [] if config.eos_id is None else [config.eos_id]
-    params = [SamplingParams(max_new_tokens=config.max_new_tokens, temperature=0 if config.greedy else config.temperature,
+    temperature = 0 if config.greedy else config.temperature
+    params = [SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
                              top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop, logprobs=True)
               for seed in seeds]
     blocks = b * -(-(p + config.max_new_tokens) // block_size)

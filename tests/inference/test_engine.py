@@ -76,7 +76,8 @@ def test_lru_eviction_drops_unreferenced_leaves_first():
 
 
 def test_abort_and_many_requests_leave_the_pool_as_it_was():
-    llm = LLM.from_model(tiny_model(), engine_config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8))
+    engine_config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    llm = LLM.from_model(tiny_model(), engine_config=engine_config)
     engine = llm.engine
     request = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(n=3, max_new_tokens=20))
     for _ in range(4):

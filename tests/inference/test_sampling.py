@@ -1,4 +1,4 @@
-"""Sampling: per-request seeds reproduce, and first-token (and speculative) frequencies match the target distribution."""
+"""Sampling: per-request seeds reproduce; first-token (and speculative) frequencies match the target distribution."""
 
 import torch
 

@@ -95,8 +95,8 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
         assert _idle(engine)
 
         for i in range(200):
-            async with session.post(f"{url}/v1/completions",
-                                    json={"prompt": [1, 2, 3, 4, 5, 6, 7, 8, i % VOCAB], "max_tokens": 2, "n": 1 + i % 2}) as response:
+            request = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8, i % VOCAB], "max_tokens": 2, "n": 1 + i % 2}
+            async with session.post(f"{url}/v1/completions", json=request) as response:
                 assert response.status == 200
                 payload = await response.json()
                 assert len(payload["choices"]) == 1 + i % 2
