@@ -42,6 +42,9 @@ class LLMEngine:
         if not (model.pre_process and model.post_process):
             raise ValueError("the inference engine does not support pipeline parallelism yet: it needs a model "
                              "chunk with both the embedding and the output layer (pp=1)")
+        if getattr(model, "cp_size", 1) > 1:
+            raise ValueError(f"the inference engine does not support context parallelism (cp={model.cp_size}); "
+                             "build the model at cp=1")
         if model.sequence_parallel:
             raise ValueError("the inference engine does not support sequence parallelism; build the model "
                              "without it (the weights are the same)")

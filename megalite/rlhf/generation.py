@@ -193,11 +193,11 @@ def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: Sa
 
 
 def engine_supports(model) -> bool:
-    """Whether the inference engine can run ``model``: one whole chunk (pp=1), no sequence parallelism."""
+    """Whether the inference engine can run ``model``: one whole chunk (pp=1), no sequence or context parallelism."""
     if isinstance(model, (list, tuple)):
         return False
     inner = unwrap(model)
-    return inner.pre_process and inner.post_process and not inner.sequence_parallel
+    return inner.pre_process and inner.post_process and not inner.sequence_parallel and inner.cp_size == 1
 
 
 @torch.no_grad()
