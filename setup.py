@@ -52,7 +52,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
-    extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"],
-                    "test": ["pytest", "transformers", "tokenizers", "matplotlib"]},
+    extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"], "serve": ["aiohttp"],
+                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp"]},
     **extension_kwargs(),
 )

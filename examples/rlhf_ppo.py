@@ -48,7 +48,7 @@ from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedMod
                            ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages, load_reward_fn,
                            overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
                            truncated_is_weights, varied_groups)
-from megalite.rlhf.generation import generate
+from megalite.rlhf.generation import engine_generate, engine_supports, generate
 from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
@@ -234,7 +234,10 @@ def build(model_cls, config, topo, lr, device):
 
 
 def generate_rollouts(model, prompts, prompt_mask, sampling, generator):
-    """The one call that samples responses (switch the rollout engine here)."""
+    """The one call that samples responses: the inference engine where it runs the model (pp=1), else the
+    static pipelined decoder."""
+    if engine_supports(model):
+        return engine_generate(model, prompts, prompt_mask, sampling, generator)
     return generate(model, prompts, prompt_mask, sampling, generator)
 
 

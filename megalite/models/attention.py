@@ -11,6 +11,8 @@ weight serves every TP size.  The bias follows the same layout.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,9 +20,11 @@ from torch import nn
 from megalite import topology
 from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
-from megalite.models.kv_cache import KVCache
 from megalite.models.rotary import apply_rotary
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+
+if TYPE_CHECKING:
+    from megalite.models.kv_cache import KVCache
 
 
 def padding_causal_mask(attention_mask: torch.Tensor, seq: int, offset: int) -> torch.Tensor:
@@ -118,12 +122,10 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary)
-        offset = 0
-        if kv_cache is not None:
-            offset = kv_cache.offset
-            k, v = kv_cache.append(self.layer_number, k, v)
         dropout = self.attention_dropout if self.training else 0.0
-        if self.context_parallel or documents is not None:
+        if kv_cache is not None:
+            context = kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
+        elif self.context_parallel or documents is not None:
             if dropout > 0.0:
                 raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) "
                                  f"attention; set it to 0")
@@ -131,10 +133,10 @@ class SelfAttention(nn.Module):
                 context = checkpoint(self._document_attention, q, k, v, documents)
             else:
                 context = self._document_attention(q, k, v, documents)
-        elif self.recompute_core and self.training and kv_cache is None:
-            context = checkpoint(core_attention, q, k, v, dropout, offset, mask)
+        elif self.recompute_core and self.training:
+            context = checkpoint(core_attention, q, k, v, dropout, 0, mask)
         else:
-            context = core_attention(q, k, v, dropout, offset, mask)
+            context = core_attention(q, k, v, dropout, 0, mask)
         return self.linear_proj(context)
 
     def _document_attention(self, q, k, v, documents):

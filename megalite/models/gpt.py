@@ -36,7 +36,6 @@ from megalite.context_parallel import check_comm_type, check_context_parallel, c
 from megalite.models.attention import padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
-from megalite.models.kv_cache import KVCache
 from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
@@ -44,6 +43,7 @@ from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_line
                                       vocab_parallel_cross_entropy)
 
 if TYPE_CHECKING:
+    from megalite.models.kv_cache import KVCache
     from megalite.moe import MoEConfig
 
 PADDING_LOGIT = -1.0e4
@@ -371,8 +371,11 @@ class GPTModel(nn.Module):
             return self.rotary(torch.arange(offset, offset + seq, device=device))
         return self.rotary(position_ids.t())
 
-    def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """Output layer and loss: ``[s(/tp), b, h]`` -> loss ``[b, s]`` or logits ``[b, s, v_local]``."""
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer on final-norm hidden states: ``[s(/tp), b, h]`` -> logits ``[s, b, v_local]``.
+
+        Public so an inference engine can project only the positions it samples from.
+        """
         layer = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
         weight = layer.weight
         if self.tp_size == 1:
@@ -381,6 +384,11 @@ class GPTModel(nn.Module):
                                         sequence_parallel=self.sequence_parallel)
         if self.tp_size > 1:
             logits = self._mask_padding(logits)
+        return logits
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Output layer and loss: ``[s(/tp), b, h]`` -> loss ``[b, s]`` or logits ``[b, s, v_local]``."""
+        logits = self.output_logits(hidden)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)

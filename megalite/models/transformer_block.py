@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from typing import TYPE_CHECKING
+
 from megalite import kernels
 from megalite.models.attention import SelfAttention
 from megalite.models.init import init_stream, layer_stream
-from megalite.models.kv_cache import KVCache
 from megalite.models.mlp import MLP
 from megalite.models.norms import build_norm
 from megalite.tensor_parallel import checkpoint, get_rng_tracker
+
+if TYPE_CHECKING:
+    from megalite.models.kv_cache import KVCache
 
 
 class TransformerLayer(nn.Module):

@@ -8,7 +8,7 @@ from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_lo
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
-from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
                                truncated_is_weights, value_loss, whiten)
@@ -18,7 +18,8 @@ from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
 
 __all__ = [
-    "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "SamplingConfig",
+    "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
+    "SamplingConfig",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "CentralizedModel", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",

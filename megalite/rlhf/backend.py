@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint import load_checkpoint, save_checkpoint
 from megalite.distributed import finalize_model_grads
-from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 
@@ -98,7 +98,13 @@ class TrainingBackend:
 
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator | None = None) -> GenerationOutput:
-        """Decode continuations of this DP rank's left-padded prompts (see :func:`generation.generate`)."""
+        """Decode continuations of this DP rank's left-padded prompts (see :func:`generation.generate`).
+
+        Runs on the inference engine (:func:`generation.engine_generate`); with
+        pipeline stages, which the engine does not support yet, on the static decoder.
+        """
+        if engine_supports(self.chunk):
+            return engine_generate(self.chunk, prompts, prompt_mask, sampling, generator)
         return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
 
     def state_dict(self) -> dict:

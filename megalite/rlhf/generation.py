@@ -1,4 +1,10 @@
-"""Autoregressive decoding with a tensor- and pipeline-parallel GPT and a KV cache.
+"""Rollout generation: the inference engine for pp=1, static pipelined decoding otherwise.
+
+:func:`engine_generate` runs left-padded rollout batches through
+:class:`megalite.inference.LLMEngine` on the actor's weights in place
+(continuous batching, paged KV, TP) and packs the result like
+:func:`generate`.  :func:`generate` below is the static-batch decoder that
+also runs across pipeline stages, which the engine does not support yet.
 
 Prompts come left-padded (``prompt_mask`` marks the real tokens), so every
 row's next token sits in the last column.  Each step runs the new tokens
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.inference import EngineConfig, LLMEngine, SamplingParams
 from megalite.models.kv_cache import KVCache
 from megalite.rlhf.unwrap import unwrap
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
@@ -183,3 +190,56 @@ def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: Sa
         chunk.train(was_training)
     return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=torch.stack(new_log_probs, dim=1),
                             response_mask=torch.stack(new_mask, dim=1))
+
+
+def engine_supports(model) -> bool:
+    """Whether the inference engine can run ``model``: one whole chunk (pp=1), no sequence or context parallelism."""
+    if isinstance(model, (list, tuple)):
+        return False
+    inner = unwrap(model)
+    return inner.pre_process and inner.post_process and not inner.sequence_parallel and inner.cp_size == 1
+
+
+@torch.no_grad()
+def engine_generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,
+                    generator: torch.Generator | None = None, block_size: int = 16) -> GenerationOutput:
+    """:func:`generate`'s contract on the inference engine (pp=1): same inputs, same output layout.
+
+    Row ``i`` samples with a seed drawn from ``generator`` (or from the
+    engine's default seed), so rollouts are reproducible.  A fresh engine (and
+    KV pool sized for the whole batch) is built per call: the weights change
+    between calls, so no cached prefix may outlive one.
+    """
+    if prompts.dim() != 2 or tuple(prompt_mask.shape) != tuple(prompts.shape):
+        raise ValueError(f"prompts must be [b, p] with a prompt_mask of the same shape, got "
+                         f"{tuple(prompts.shape)} and {tuple(prompt_mask.shape)}")
+    b, p = prompts.shape
+    lengths = prompt_mask.sum(dim=1).tolist()
+    if min(lengths) == 0:
+        raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
+    rows = [prompts[i, p - n:].tolist() for i, n in enumerate(lengths)]
+    if generator is not None:
+        seeds = torch.randint(2 ** 62, (b,), generator=generator, device=generator.device).tolist()
+    else:
+        seeds = [None] * b
+    stop = [] if config.eos_id is None else [config.eos_id]
+    temperature = 0 if config.greedy else config.temperature
+    params = [SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
+                             top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop, logprobs=True)
+              for seed in seeds]
+    blocks = b * -(-(p + config.max_new_tokens) // block_size)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=blocks,
+                                           max_num_batched_tokens=max(512, p), max_num_seqs=b))
+    completions = [o.outputs[0] for o in engine.generate(rows, params)]
+    n = max(len(c.token_ids) for c in completions)
+    tokens = torch.full((b, p + n), config.pad_id, dtype=prompts.dtype, device=prompts.device)
+    tokens[:, :p] = prompts
+    mask = torch.zeros(b, p + n, dtype=prompts.dtype, device=prompts.device)
+    mask[:, :p] = prompt_mask
+    log_probs = torch.zeros(b, n, dtype=torch.float32, device=prompts.device)
+    for i, c in enumerate(completions):
+        k = len(c.token_ids)
+        tokens[i, p:p + k] = torch.tensor(c.token_ids, dtype=prompts.dtype)
+        mask[i, p:p + k] = 1
+        log_probs[i, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=log_probs, response_mask=mask[:, p:].clone())

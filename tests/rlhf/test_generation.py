@@ -104,3 +104,23 @@ def _parallel_rank(kinds, tp, pp):
 @pytest.mark.parametrize("kinds,tp,pp", [(("gpt2", "llama"), 2, 1), (("gpt2",), 1, 2)])
 def test_parallel_generation_equals_single_rank(kinds, tp, pp):
     run_distributed(_parallel_rank, tp * pp, kinds, tp, pp, timeout=180)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_engine_generate_equals_static_generate(kind):
+    """The engine path the backend uses: same greedy tokens, masks and log-probs; sampled log-probs are the actor's."""
+    from megalite.rlhf.generation import engine_generate
+
+    model = GPTModel(config(kind)).eval()
+    ids, mask = padded_prompts()
+    static, engine = generate(model, ids, mask, GREEDY), engine_generate(model, ids, mask, GREEDY)
+    assert torch.equal(engine.tokens, static.tokens) and torch.equal(engine.attention_mask, static.attention_mask)
+    assert torch.equal(engine.response_mask, static.response_mask)
+    torch.testing.assert_close(engine.log_probs, static.log_probs, rtol=0, atol=1e-5)
+    out = engine_generate(model, ids, mask, SAMPLED, torch.Generator().manual_seed(3))
+    again = engine_generate(model, ids, mask, SAMPLED, torch.Generator().manual_seed(3))
+    assert torch.equal(out.tokens, again.tokens)
+    n = out.log_probs.shape[1]
+    with torch.no_grad():
+        actor, _ = sequence_log_probs(model, out.tokens, out.attention_mask, SAMPLED.temperature)
+    torch.testing.assert_close(actor[:, -n:] * out.response_mask, out.log_probs, rtol=0, atol=1e-5)

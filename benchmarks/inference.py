@@ -1,0 +1,225 @@
+"""Inference engine vs transformers generate (padded static batches), transformers continuous batching, and
+megalite's old static-batch generate (run from the commit before the engine), side by side in one run.
+
+    python benchmarks/inference.py [--requests 64] [--old-commit 3b80930]
+
+Workload: ``--requests`` greedy requests with prompt lengths 16-256 and output lengths 16-128 (seeded) on a
+~20M-parameter Llama-style model with random weights (built with transformers, converted to megalite).
+Times are wall and CPU seconds (the machine is shared; the ratio uses CPU time).
+Output tokens/s counts the tokens each request asked for (a static batch decodes until its longest row is
+done, but only requested tokens count).  Then: prefix sharing (16 prompts x n=8: prefill tokens computed
+with sharing over those without) and speculative decoding (accepted tokens per target forward and speedup,
+n-gram lookup on a repetitive workload, a draft model made of the target's first layers on random prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megalite.checkpoint.hf import convert_hf_to_megalite  # noqa: E402
+from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
+
+VOCAB = 14000
+
+OLD_RUNNER = r"""
+import json, sys, time, torch
+from megalite.checkpoint import load_model
+from megalite.rlhf.generation import SamplingConfig, generate
+ckpt, work, batch = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3])
+torch.set_num_threads(1)
+model = load_model(ckpt)
+start, cpu = time.perf_counter(), time.process_time()
+outs = []
+for i in range(0, len(work), batch):
+    group = work[i:i + batch]
+    p = max(len(w[0]) for w in group)
+    ids = torch.tensor([[0] * (p - len(w[0])) + w[0] for w in group])
+    mask = torch.tensor([[0] * (p - len(w[0])) + [1] * len(w[0]) for w in group])
+    out = generate(model, ids, mask, SamplingConfig(max_new_tokens=max(w[1] for w in group), greedy=True))
+    outs += [out.tokens[j, p:p + w[1]].tolist() for j, w in enumerate(group)]
+print(json.dumps({"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu, "outputs": outs}))
+"""
+
+
+def build_model(directory: str):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(os.path.join(directory, "hf"))
+    convert_hf_to_megalite(os.path.join(directory, "hf"), os.path.join(directory, "ckpt"))
+    return model
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(VOCAB) for _ in range(rng.randint(16, 256))], rng.randint(16, 128)) for _ in range(n)]
+
+
+class Clock:
+    """Wall and CPU seconds (this process, all threads) of a block: on a shared, loaded machine the CPU time
+    is the comparable number."""
+
+    def __enter__(self):
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.times = (time.perf_counter() - self.start, time.process_time() - self.cpu_start)
+
+
+def run_engine(ckpt, work, config=None, draft=None):
+    llm = LLM(ckpt, engine_config=config or EngineConfig(block_size=16, num_blocks=2048), draft_model=draft)
+    params = [SamplingParams(max_new_tokens=m, temperature=0) for _, m in work]
+    with Clock() as clock:
+        outputs = llm.generate([p for p, _ in work], params)
+    return clock.times, [o.outputs[0].token_ids for o in outputs], llm.engine
+
+
+def run_hf_static(model, work, batch):
+    clock, outs = Clock().__enter__(), []
+    for i in range(0, len(work), batch):
+        group = work[i:i + batch]
+        p = max(len(w[0]) for w in group)
+        ids = torch.tensor([[0] * (p - len(w[0])) + w[0] for w in group])
+        mask = torch.tensor([[0] * (p - len(w[0])) + [1] * len(w[0]) for w in group])
+        new = max(w[1] for w in group)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                                 pad_token_id=0, eos_token_id=None)
+        outs += [out[j, p:p + w[1]].tolist() for j, w in enumerate(group)]
+    clock.__exit__()
+    return clock.times, outs
+
+
+def run_hf_continuous(model, work):
+    """transformers' generate_batch (one max_new_tokens for all: the longest asked; tokens/s counts what it made)."""
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=max(m for _, m in work), do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)
+    with Clock() as clock, torch.no_grad():
+        out = model.generate_batch([p for p, _ in work], generation_config=config)
+    return clock.times, sum(len(o.generated_tokens) for o in out.values())
+
+
+def run_old(ckpt, work, batch, commit, tmp):
+    """megalite's static generate at ``commit`` in a fresh process (that commit's package, this extension)."""
+    old = os.path.join(tmp, "old")
+    os.makedirs(old)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", commit, "megalite"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", old], input=archive.stdout, check=True)
+    for ext in glob.glob(os.path.join(ROOT, "megalite", "_C*.so")):
+        shutil.copy(ext, os.path.join(old, "megalite"))
+    path = os.path.join(tmp, "work.json")
+    with open(path, "w") as f:
+        json.dump(work, f)
+    env = {**os.environ, "PYTHONPATH": old, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", OLD_RUNNER, ckpt, path, str(batch)], env=env, check=True,
+                         capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return (result["seconds"], result["cpu"]), result["outputs"]
+
+
+def draft_from_target(ckpt, num_layers):
+    """A smaller megalite GPT: the target's embedding, first ``num_layers`` layers, final norm and output layer."""
+    from dataclasses import replace
+
+    from megalite.checkpoint import load_model
+    from megalite.models import GPTModel
+
+    target = load_model(ckpt)
+    draft = GPTModel(replace(target.config, num_layers=num_layers))
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return draft.eval()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="static batch size for the padded baselines")
+    parser.add_argument("--old-commit", default="3b80930")
+    parser.add_argument("--hf-continuous", action="store_true",
+                        help="also run transformers' generate_batch (on CPU it is slow and, at 64 requests, was "
+                             "killed for memory on a 24 GiB machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="megalite_inference_bench_")
+    try:
+        hf = build_model(tmp)
+        ckpt = os.path.join(tmp, "ckpt")
+        params = sum(p.numel() for p in hf.parameters())
+        work = workload(args.requests)
+        useful = sum(m for _, m in work)
+        print(f"model: Llama-style, {params / 1e6:.1f}M parameters; {len(work)} requests, "
+              f"{sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; 1 thread")
+        t_engine, engine_out, _ = run_engine(ckpt, work)
+        print(f"{'system':60s} {'wall s':>8s} {'CPU s':>8s} {'tok/CPU s':>9s} {'engine x':>9s}")
+
+        def row(name, times, tokens):
+            wall, cpu = times
+            speedup = (useful / t_engine[1]) / (tokens / cpu)
+            print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {speedup:9.2f}", flush=True)
+
+        row("megalite engine", t_engine, useful)
+        t_hf, hf_out = run_hf_static(hf, work, args.batch)
+        row(f"transformers generate, static batches of {args.batch}", t_hf, useful)
+        t_old, old_out = run_old(ckpt, work, args.batch, args.old_commit, tmp)
+        row(f"megalite static generate at {args.old_commit}, batches of {args.batch}", t_old, useful)
+        print(f"greedy outputs identical to transformers: {sum(a == b for a, b in zip(engine_out, hf_out))}/"
+              f"{len(work)}; to the old generate: {sum(a == b for a, b in zip(engine_out, old_out))}/{len(work)}")
+
+        rng = random.Random(1)
+        system = [rng.randrange(VOCAB) for _ in range(64)]
+        shared = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(8, 64))] for _ in range(16)]
+        llm = LLM(ckpt, engine_config=EngineConfig(block_size=16, num_blocks=1024))
+        llm.generate(shared, SamplingParams(n=8, max_new_tokens=16, temperature=1.0, seed=0))
+        unshared = 8 * sum(len(p) for p in shared)
+        computed = llm.engine.scheduler.prefill_tokens
+        print(f"prefix sharing, 16 prompts x n=8: prefill tokens {computed} with sharing vs {unshared} without "
+              f"= {computed / unshared:.4f} (target <= {1 / 8 + 0.05:.4f})", flush=True)
+
+        spec_work = [((list(range(100 + 7 * i, 116 + 7 * i)) * 4)[:48], 96) for i in range(8)]
+        for name, spec_config, draft, items in [
+                ("n-gram lookup, repetitive prompts", EngineConfig(speculative="ngram", num_speculative_tokens=4),
+                 None, spec_work),
+                ("draft model (target's first 4 of 6 layers), random prompts",
+                 EngineConfig(speculative="draft", num_speculative_tokens=3), draft_from_target(ckpt, 4),
+                 workload(8, seed=5))]:
+            t_plain, plain_out, _ = run_engine(ckpt, items)
+            t_spec, spec_out, spec_engine = run_engine(ckpt, items, spec_config, draft)
+            stats = spec_engine.stats
+            per_forward = stats["tokens_from_decoding"] / max(stats["target_forwards_decoding"], 1)
+            print(f"speculative, {name}: {per_forward:.2f} tokens per target forward, CPU {t_plain[1]:.2f}s -> "
+                  f"{t_spec[1]:.2f}s ({t_plain[1] / t_spec[1]:.2f}x; wall {t_plain[0]:.2f}s -> {t_spec[0]:.2f}s); "
+                  f"outputs identical: {plain_out == spec_out}", flush=True)
+        if args.hf_continuous:
+            try:
+                t_cb, made = run_hf_continuous(hf, work)
+                row("transformers generate_batch (continuous batching)", t_cb, made)
+            except Exception as error:  # an API that changes between versions: report, keep going
+                print(f"transformers continuous batching unavailable: {type(error).__name__}: {error}")
+        print(f"uptime: {os.popen('uptime').read().strip()}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

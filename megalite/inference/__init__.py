@@ -1,0 +1,18 @@
+"""Inference: a continuous-batching engine over a paged KV cache, on megalite's model weights in place.
+
+- ``params.py``: :class:`SamplingParams`, :class:`RequestOutput`, :class:`CompletionOutput`.
+- ``config.py``: :class:`EngineConfig`.
+- ``block_allocator.py``: refcounted KV blocks; ``paged_cache.py``: the KV pool and the per-step paged view.
+- ``prefix_cache.py``: radix tree of cached prefixes, LRU eviction.
+- ``sequence.py`` / ``scheduler.py``: request state; continuous batching, chunked prefill, preemption.
+- ``sampler.py``: sampling and exact speculative verification; ``speculative.py``: drafters.
+- ``engine.py``: :class:`LLMEngine` (TP rank 0 schedules, broadcasts the plan); ``llm.py``: :class:`LLM`.
+- ``serve.py``: the OpenAI-compatible HTTP server (``python -m megalite.inference.serve``).
+"""
+
+from megalite.inference.config import EngineConfig
+from megalite.inference.engine import LLMEngine
+from megalite.inference.llm import LLM
+from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,37 @@
+"""Engine options: KV pool, scheduler limits, prefix caching and speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out its KV pool and batches work.
+
+    ``num_blocks`` blocks of ``block_size`` tokens per rank (per layer);
+    ``max_num_batched_tokens`` bounds the tokens of one step (chunked prefill
+    splits longer prompts) and ``max_num_seqs`` the sequences admitted.
+    ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
+    passed to the engine) proposing ``num_speculative_tokens`` per step.
+    ``seed`` draws the seeds of requests that bring none.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")

@@ -1,0 +1,172 @@
+"""Continuous batching: which tokens of which sequences one step computes, under a token budget.
+
+Every step walks the running sequences first (oldest first) and gives each
+the tokens it still needs (one for a decode, plus any speculative drafts; the
+rest of its prompt, or a chunk of it, for a prefill), then admits waiting
+sequences first-come-first-served while the budget and the sequence limit
+allow.  A long prompt is split into chunks across steps (chunked prefill) and
+shares the steps with decodes.  When KV blocks run out, the newest running
+sequence is preempted: its blocks are released and it waits to be recomputed
+from its tokens (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from megalite.inference.block_allocator import BlockAllocator
+from megalite.inference.paged_cache import StepPlan
+from megalite.inference.prefix_cache import PrefixCache
+from megalite.inference.sequence import Sequence
+
+
+@dataclass
+class Scheduled:
+    """One sequence's share of a step: ``length`` tokens from ``start``, ``drafts`` among them at the end."""
+
+    seq: Sequence
+    start: int
+    length: int
+    drafts: list[int]
+    sample: bool
+
+
+class Scheduler:
+    """FCFS scheduler over a block allocator (and an optional prefix cache) for one model replica."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 prefix_cache: PrefixCache | None = None, drafter=None, num_draft_tokens: int = 0):
+        self.allocator, self.block_size = allocator, block_size
+        self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
+        self.prefix_cache = prefix_cache
+        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefill_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _reserve(self, seq: Sequence, start: int, end: int, copies: list) -> bool:
+        """Give ``seq`` blocks for positions below ``end``, copying shared blocks it writes from ``start`` on."""
+        bs, alloc = self.block_size, self.allocator
+        shared = [i for i in range(start // bs, min(self._blocks_for(end), len(seq.block_table)))
+                  if alloc.refcount[seq.block_table[i]] > 1 or seq.block_table[i] in alloc.cached]
+        needed = max(0, self._blocks_for(end) - len(seq.block_table)) + len(shared)
+        fresh = []
+        for _ in range(needed):
+            block = alloc.allocate()
+            if block is None:
+                for b in fresh:
+                    alloc.release(b)
+                return False
+            fresh.append(block)
+        for i in shared:
+            new = fresh.pop()
+            copies.append((seq.block_table[i], new))
+            alloc.release(seq.block_table[i])
+            seq.block_table[i] = new
+        seq.block_table.extend(fresh)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq`` (finished, cancelled or preempted)."""
+        for block in seq.block_table:
+            self.allocator.release(block)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Release blocks past the sequence's tokens (left over from rejected drafts)."""
+        keep = self._blocks_for(len(seq.tokens))
+        for block in seq.block_table[keep:]:
+            self.allocator.release(block)
+        del seq.block_table[keep:]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.free(seq)
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        if self.drafter is None or seq.num_computed != len(seq.tokens) - 1:
+            return []
+        room = seq.request.params.max_new_tokens - seq.num_generated - 1
+        k = min(self.num_draft_tokens, room)
+        return self.drafter.propose(seq, k) if k > 0 else []
+
+    def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
+        """The next step's plan (empty when nothing can run) and who is in it."""
+        budget, copies, entries = self.max_tokens, [], []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            drafts = self._drafts(seq)
+            length = min(len(seq.tokens) - seq.num_computed + len(drafts), budget)
+            drafts = drafts[:max(0, length - (len(seq.tokens) - seq.num_computed))]
+            if not self._reserve(seq, seq.num_computed, seq.num_computed + length, copies):
+                victim = self.running[-1]
+                self._preempt(victim)
+                continue
+            entries.append(self._entry(seq, length, drafts))
+            budget -= length
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if self.prefix_cache is not None and not seq.block_table:
+                seq.block_table = self.prefix_cache.match(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
+                seq.num_computed = len(seq.block_table) * self.block_size
+            length = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed, seq.num_computed + length, copies):
+                self.free(seq)
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            entries.append(self._entry(seq, length, []))
+            budget -= length
+        return self._plan(entries, copies), entries
+
+    def _entry(self, seq: Sequence, length: int, drafts: list[int]) -> Scheduled:
+        start = seq.num_computed
+        sample = start + length - len(drafts) == len(seq.tokens)
+        self.prefill_tokens += max(0, min(start + length, len(seq.request.prompt)) - start)
+        return Scheduled(seq, start, length, drafts, sample)
+
+    @staticmethod
+    def _plan(entries: list[Scheduled], copies: list) -> StepPlan:
+        plan = StepPlan(copies=copies)
+        for e in entries:
+            ids = e.seq.tokens[e.start:e.start + e.length - len(e.drafts)] + e.drafts
+            row = len(plan.token_ids)
+            plan.token_ids.extend(ids)
+            plan.positions.extend(range(e.start, e.start + e.length))
+            plan.starts.append(e.start)
+            plan.lengths.append(e.length)
+            plan.block_tables.append(list(e.seq.block_table))
+            if e.sample:
+                plan.sample_rows.extend(range(row + e.length - len(e.drafts) - 1, row + e.length))
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Cache the finished sequence's full blocks and release them."""
+        self.cache_blocks(seq)
+        self.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's fully computed blocks to the prefix cache."""
+        if self.prefix_cache is not None:
+            full = seq.num_computed // self.block_size
+            self.prefix_cache.insert(seq.tokens, seq.block_table, full)

@@ -1,0 +1,48 @@
+"""A tiny random GPT for the engine tests, an independent top-k/top-p reference, and a chi-square p-value."""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.models import GPTConfig, GPTModel
+
+VOCAB = 40
+
+
+def tiny_model(kind: str = "llama", **overrides) -> GPTModel:
+    """A 2-layer model whose logits are far from uniform (large init std), in eval mode."""
+    base = dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+                make_vocab_size_divisible_by=8, init_method_std=0.5, seed=11)
+    if kind == "llama":
+        base.update(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", num_query_groups=2,
+                    add_bias_linear=False, ffn_hidden_size=48)
+    base.update(overrides)
+    return GPTModel(GPTConfig(**base)).eval()
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k, then to the smallest prefix reaching top_p, renormalised."""
+    probs = (logits.double() / temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k else order
+    sub = probs[kept] / probs[kept].sum()
+    keep, total = [], 0.0
+    for token, p in zip(kept, sub.tolist()):
+        keep.append(token)
+        total += p
+        if total >= top_p:
+            break
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of observed ``counts`` under ``probs`` (cells with zero probability must be empty)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "samples outside the support"
+    n = counts.sum().double()
+    expected = probs[support].double() * n
+    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

@@ -1,0 +1,143 @@
+"""The HTTP server: 8 concurrent streams give the offline API's tokens; bad requests get 400; disconnects and
+many requests leave no KV blocks behind; /metrics reports the engine."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalite.inference import LLM, EngineConfig, SamplingParams
+from megalite.inference.serve import EngineLoop, build_app, parse_args
+from tests.inference.common import VOCAB, tiny_model
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+ENGINE = EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=32)
+PROMPTS = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(8)]
+
+
+async def _with_server(engine, body):
+    loop = EngineLoop(engine)
+    loop.start()
+    runner = web.AppRunner(build_app(loop, max_body_bytes=4096, max_tokens_limit=250))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await body(session, url, loop)
+    finally:
+        await runner.cleanup()
+        loop.stop()
+
+
+async def _stream(session, url, prompt, max_tokens, seed):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "seed": seed, "stream": True,
+            "logprobs": True}
+    tokens, events = [], 0
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        async for line in response.content:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            events += 1
+            for choice in json.loads(line[6:])["choices"]:
+                tokens += choice["token_ids"]
+    return tokens, events
+
+
+def _idle(engine):
+    return engine.allocator.num_used() == 0 and not engine.requests and not engine.has_unfinished()
+
+
+def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
+    model = tiny_model(max_position_embeddings=256)
+    offline = LLM.from_model(model, engine_config=ENGINE).generate(
+        PROMPTS, [SamplingParams(max_new_tokens=5 + i, temperature=0.9, seed=100 + i) for i in range(8)])
+    expected = [o.outputs[0].token_ids for o in offline]
+    engine = LLM.from_model(model, engine_config=ENGINE).engine
+
+    async def body(session, url, loop):
+        results = await asyncio.gather(*[_stream(session, url, p, 5 + i, 100 + i) for i, p in enumerate(PROMPTS)])
+        assert [tokens for tokens, _ in results] == expected
+        assert all(events > 1 for _, events in results)
+
+        bad = [b"{not json", json.dumps({"max_tokens": 3}).encode(), json.dumps([1, 2]).encode()]
+        bad += [json.dumps({"prompt": [1, 2], **extra}).encode() for extra in (
+            {"n": 0}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 251}, {"max_tokens": "3"},
+            {"stream": "yes"}, {"unknown": 1}, {"stop_token_ids": ["a"]})]
+        bad += [json.dumps({"prompt": [1, VOCAB]}).encode(), json.dumps({"prompt": "text"}).encode(),
+                json.dumps({"prompt": [1] * 300}).encode()]
+        for data in bad:
+            async with session.post(f"{url}/v1/completions", data=data) as response:
+                assert response.status == 400, data
+                assert (await response.json())["error"]["message"]
+        async with session.post(f"{url}/v1/completions", data=b"[" + b"1," * 3000 + b"1]") as response:
+            assert response.status == 413
+
+        # A client that goes away mid-stream: its request is aborted and its blocks freed.
+        response = await session.post(f"{url}/v1/completions",
+                                      json={"prompt": [1, 2, 3], "max_tokens": 240, "stream": True})
+        await response.content.readline()
+        response.close()
+        for _ in range(200):
+            if _idle(engine):
+                break
+            await asyncio.sleep(0.05)
+        assert _idle(engine)
+
+        for i in range(200):
+            request = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8, i % VOCAB], "max_tokens": 2, "n": 1 + i % 2}
+            async with session.post(f"{url}/v1/completions", json=request) as response:
+                assert response.status == 200
+                payload = await response.json()
+                assert len(payload["choices"]) == 1 + i % 2
+                assert all(len(c["token_ids"]) == 2 for c in payload["choices"])
+        assert _idle(engine)
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+        values = dict(line.split() for line in text.splitlines())
+        assert float(values["megalite_time_to_first_token_seconds_count"]) >= 208
+        assert float(values["megalite_kv_blocks_used"]) == 0
+        assert float(values["megalite_requests_aborted_total"]) == 1
+        assert float(values["megalite_generation_tokens_per_second"]) > 0
+        assert 0 < float(values["megalite_prefix_cache_hit_rate"]) <= 1
+
+    asyncio.run(_with_server(engine, body))
+
+
+def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
+    assert parse_args(["--load", "x"]).host == "127.0.0.1"
+    from megalite.checkpoint import save_checkpoint
+
+    model = tiny_model("gpt2")
+    save_checkpoint(str(tmp_path / "ckpt"), 1, [model])
+    expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.split()[-1]
+
+        async def request():
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/v1/completions",
+                                        json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}) as response:
+                    return await response.json()
+
+        payload = asyncio.run(request())
+        assert payload["choices"][0]["token_ids"] == expected[0].outputs[0].token_ids
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
