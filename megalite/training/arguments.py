@@ -37,6 +37,27 @@ def _parallel_flags(parser):
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
 
+def _fsdp_flags(parser):
+    g = parser.add_argument_group("fully sharded data parallelism (torch FSDP2)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer state over DP with torch's fully_shard")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2: free gathered parameters after forward and gather again in backward")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="FSDP2: reduce-scatter gradients in fp32 under --bf16/--fp16 (DDP always does)")
+
+
+def _check_fsdp(args):
+    if not args.use_torch_fsdp2:
+        return
+    _require(not args.use_distributed_optimizer,
+             "--use-torch-fsdp2 and --use-distributed-optimizer are alternatives (FSDP2 already shards the "
+             "optimizer state); pass one")
+    _require(args.data_parallel_size > 1,
+             f"--use-torch-fsdp2 needs a data-parallel size > 1, got dp={args.data_parallel_size} (world size "
+             f"{args.world_size} / (tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size}))")
+
+
 def _model_flags(parser):
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -130,7 +151,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser)`` may add script-specific flags."""
     parser = _RaisingParser(prog="pretrain", allow_abbrev=False,
                             description="Megatron-style GPT pretraining on megalite")
-    for add in (_parallel_flags, _model_flags, _moe_flags, _optim_flags, _data_flags, _logging_flags):
+    for add in (_parallel_flags, _fsdp_flags, _model_flags, _moe_flags, _optim_flags, _data_flags, _logging_flags):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -279,6 +300,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "micro_batch_size", "train_iters", "log_interval")
     _check_model(args)
     _check_parallel(args, world_size)
+    _check_fsdp(args)
     _check_batch(args)
     _check_schedule(args)
     _check_pipeline_split(args)

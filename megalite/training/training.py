@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+from megalite.distributed import (DDPConfig, DistributedDataParallel, FSDPConfig, FullyShardedDataParallel,
+                                  finalize_model_grads)
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
@@ -84,9 +85,21 @@ def build_model(model_provider, args, topo) -> list:
         module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
                                 post_process=topo.is_last_stage() and index == len(mine) - 1,
                                 layer_range=layer_range)
-        module.to(device=_device(), dtype=_param_dtype(args))
-        chunks.append(DistributedDataParallel(module, ddp_config, topo.dp.group, topo.expert_dp.group))
+        if args.use_torch_fsdp2:
+            module.to(device=_device())
+            chunks.append(FullyShardedDataParallel(module, _fsdp_config(args), topo.dp.group, topo.expert_dp.group))
+        else:
+            module.to(device=_device(), dtype=_param_dtype(args))
+            chunks.append(DistributedDataParallel(module, ddp_config, topo.dp.group, topo.expert_dp.group))
     return chunks
+
+
+def _fsdp_config(args) -> FSDPConfig:
+    """FSDP2 keeps fp32 sharded main weights; --bf16/--fp16 set the gather and compute dtype."""
+    dtype = _param_dtype(args)
+    return FSDPConfig(reshard_after_forward=args.reshard_after_forward,
+                      param_dtype=None if dtype == torch.float32 else dtype,
+                      grad_reduce_in_fp32=dtype == torch.float32 or args.accumulate_allreduce_grads_in_fp32)
 
 
 def build_optimizer(args, model_chunks):
@@ -147,7 +160,7 @@ class Trainer:
                                     args.train_iters)
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
-                       "distributed_optimizer": args.use_distributed_optimizer}
+                       "distributed_optimizer": args.use_distributed_optimizer, "fsdp2": args.use_torch_fsdp2}
 
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
