@@ -4,7 +4,8 @@ Model weights are written once: by data-parallel rank 0 (expert-data-parallel ra
 parameters) and, for parameters replicated over (expert) TP, by TP rank 0.  The optimizer's fp32
 state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32) is written as
 the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
-parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  Loading
+parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  FSDP2
+parameters (DTensors sharded by rows over DP) are written the same way, by every DP rank.  Loading
 reads exactly the regions this rank holds, so any (tp, pp, vpp, dp, ep) layout loads any other.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.checkpoint.format import CheckpointReader, config_to_dict, write_checkpoint
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, flat_boxes, global_param, regions
+from megalite.distributed.fsdp import owned_flat_range
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -60,6 +63,16 @@ class _Pieces:
         entry = self.tensors.setdefault(name, {"shape": tuple(shape), "pieces": []})
         entry["pieces"].append((tuple(offset), _compact(tensor).cpu()))
 
+    def add_flat(self, name: str, gp: GlobalParam, shape: tuple[int, ...], flat: torch.Tensor, lo: int,
+                 hi: int) -> None:
+        """Add ``flat``, elements ``[lo, hi)`` of a flattened local parameter of ``shape`` (a ZeRO-1 or
+        FSDP2 shard), cut into boxes placed like the parameter ``gp``."""
+        for box, start in flat_boxes(lo, hi, shape):
+            count = int(torch.Size(_box_shape(box)).numel())
+            block = flat[start - lo:start - lo + count].view(_box_shape(box))
+            for part, offset in regions(box, gp.pieces):
+                self.add(name, gp.shape, offset, block[box_slices(part, _origin(box))])
+
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
                     layout: dict | None = None, tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
@@ -84,7 +97,11 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
     layouts = {}
     for param, gp in _named_tensors(model_chunks, config, ctx):
         layouts[param] = gp
-        if writes(gp, False):
+        if isinstance(param, DTensor):
+            if writes(gp, True):
+                lo, hi = owned_flat_range(param)
+                pieces.add_flat(gp.name, gp, tuple(param.shape), param.to_local().detach().reshape(-1), lo, hi)
+        elif writes(gp, False):
             for piece in gp.pieces:
                 pieces.add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
 
@@ -99,13 +116,9 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
             keys = [k for k in OPTIMIZER_KEYS if k in entry]
             if shard.param.dtype != torch.float32:
                 keys.append("main")
-            for box, start in flat_boxes(shard.lo, shard.hi, tuple(shard.param.shape)):
-                shape = _box_shape(box)
-                count = int(torch.Size(shape).numel())
-                for key in keys:
-                    block = entry[key][start - shard.lo:start - shard.lo + count].view(shape)
-                    for part, offset in regions(box, gp.pieces):
-                        pieces.add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))])
+            for key in keys:
+                pieces.add_flat(f"optimizer.{key}.{gp.name}", gp, tuple(shard.param.shape), entry[key],
+                                shard.lo, shard.hi)
         optimizer_meta = {k: saved[k] for k in ("num_steps", "param_groups", "scaler")}
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -148,6 +161,10 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     for param, gp in _named_tensors(model_chunks, config, ctx):
         _check_shape(reader, gp)
         layouts[param] = gp
+        if isinstance(param, DTensor):
+            lo, hi = owned_flat_range(param)
+            loaded.append((param.to_local().detach().view(-1), _read_flat(reader, gp.name, gp, param.shape, lo, hi)))
+            continue
         value = torch.zeros(param.shape, dtype=param.dtype)
         for piece in gp.pieces:
             reader.read_into(gp.name, value[box_slices(piece.local)], piece.offset)
