@@ -100,6 +100,8 @@ class FullyShardedDataParallel(nn.Module):
             for sub in experts:
                 fully_shard(sub, mesh=expert_mesh, **options)
                 sub.set_gradient_divide_factor(float(group_size(self.dp_group)))
+                # A divide factor other than the group size is a PREMUL_SUM, which gloo lacks: sum, then divide.
+                sub.set_force_sum_reduction_for_comms(True)
         for layer in _transformer_layers(module):
             fully_shard(layer, mesh=dense_mesh, **options)
         fully_shard(module, mesh=dense_mesh, **options)
