@@ -36,11 +36,11 @@ def _max_weight_diff(a, b) -> float:
 
 @pytest.mark.parametrize("arch,flags", [
     ("dense", []),
-    ("dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full"]),
     ("dense", ["--pipeline-model-parallel-size", "2"]),
     ("deep", [*FOUR_LAYERS, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
     ("moe", [*MOE, "--expert-model-parallel-size", "2", "--no-reshard-after-forward"]),
-], ids=["dp4", "tp2dp2-sp", "pp2dp2", "pp2vpp2dp2", "ep2-edp2"])
+], ids=["dp4", "tp2dp2-sp-recompute", "pp2dp2", "pp2vpp2dp2", "ep2-edp2"])
 def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, flags):
     reference, ref_ckpt = references[arch]
     _, got = train(tiny_data, tmp_path, 4, "--use-torch-fsdp2", *flags, "--save", str(tmp_path / "ckpt"),
@@ -54,13 +54,20 @@ def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, fla
     assert _max_weight_diff(ref_ckpt, tmp_path / "ckpt") <= 1e-5
 
 
-def test_fsdp2_bf16_tracks_bf16_ddp(tiny_data, tmp_path):
-    _, ddp = train(tiny_data, tmp_path / "ddp", 4, "--bf16", iters=ITERS)
-    _, fsdp = train(tiny_data, tmp_path / "fsdp", 4, "--bf16", "--use-torch-fsdp2",
-                    "--accumulate-allreduce-grads-in-fp32", iters=ITERS)
+@pytest.mark.parametrize("precision", [["--bf16", "--accumulate-allreduce-grads-in-fp32"],
+                                       ["--fp16", "--initial-loss-scale", "131072", "--hysteresis", "1"]],
+                         ids=["bf16", "fp16"])
+def test_fsdp2_half_precision_tracks_ddp(tiny_data, tmp_path, precision):
+    """bf16/fp16 compute on fp32 sharded main weights tracks DDP at dp=4 within half-precision tolerance;
+    under fp16 the loss scaler's inf checks skip the same steps and back off the same way."""
+    _, ddp = train(tiny_data, tmp_path / "ddp", 4, precision[0], iters=ITERS, *precision[1:])
+    _, fsdp = train(tiny_data, tmp_path / "fsdp", 4, "--use-torch-fsdp2", *precision, iters=ITERS)
     for ref, mine in zip(ddp, fsdp):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=2e-2), ref["iteration"]
+        assert (mine["skipped"], mine["loss_scale"], mine["lr"]) == (ref["skipped"], ref["loss_scale"], ref["lr"])
     assert fsdp[-1]["loss"] < fsdp[0]["loss"]
+    if precision[0] == "--fp16":
+        assert sum(r["skipped"] for r in fsdp) > 0, "no step overflowed: the skip path went untested"
 
 
 @pytest.mark.parametrize("first,second", [
@@ -72,11 +79,14 @@ def test_resume_across_strategies(tiny_data, tmp_path, references, first, second
     """Weights and Adam state saved by one strategy continue the run under the other, at another layout."""
     reference, _ = references["dense"]
     ckpt = str(tmp_path / "ckpt")
-    train(tiny_data, tmp_path / "a", 4, *first, "--save", ckpt, iters=ITERS // 2)
+    stopped_at, _ = train(tiny_data, tmp_path / "a", 4, *first, "--save", ckpt, iters=ITERS,
+                          sigterm_in_iteration=ITERS // 2)
+    assert stopped_at == ITERS // 2
     _, resumed = train(tiny_data, tmp_path / "b", 4, *second, "--load", ckpt, iters=ITERS)
     assert [r["iteration"] for r in resumed] == list(range(ITERS // 2 + 1, ITERS + 1))
     for ref, mine in zip(reference[ITERS // 2:], resumed):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
 
 
 @pytest.mark.parametrize("flags,message", [
