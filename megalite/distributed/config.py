@@ -44,9 +44,10 @@ class FSDPConfig:
         in backward (less memory, one more all-gather per layer).
     param_dtype: the dtype parameters are gathered and computed in (None: their own, fp32); the
         sharded main weights and the optimizer state stay fp32.
-    grad_reduce_in_fp32: reduce-scatter gradients in fp32 (else in ``param_dtype``).
+    grad_reduce_in_fp32: reduce-scatter gradients in fp32 even when ``param_dtype`` is bf16/fp16
+        (Megatron's ``--accumulate-allreduce-grads-in-fp32``); fp32 training always reduces in fp32.
     """
 
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = False

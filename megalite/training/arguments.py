@@ -1,18 +1,184 @@
-"""Megatron-compatible command-line flags and their validation.
+"""Megatron-compatible command-line flags, mapped onto the config dataclasses in one table.
+
+``FLAGS`` is the only place a flag is defined.  A flag whose ``fields`` name
+config fields (``"GPTConfig.hidden_size"``) takes its default from that
+dataclass and its value goes into that field, so the CLI and the Python API
+share defaults and validation; the other flags are trainer options (layout,
+batch, data, logging) with their default in the table.  Adding a flag is one
+``Flag(...)`` line.
 
 ``parse_args`` turns argv into a Namespace and ``validate_args`` checks it
-against the world size alone, filling in derived values (data-parallel size,
-global batch, number of micro-batches).  Both run before any process group
+against the world size alone, building the configs (which validate
+themselves) and filling in derived values.  Both run before any process group
 exists, so a bad flag raises one ValueError on every rank and nothing hangs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from dataclasses import MISSING, dataclass
 
 from megalite.data.gpt_dataset import parse_split
+import torch
+
+from megalite.distributed import DDPConfig, FSDPConfig
+from megalite.models import GPTConfig
+from megalite.moe import MoEConfig
+from megalite.optim import OptimizerConfig
 from megalite.pipeline import split_layers
+
+_UNSET = object()
+"""Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
+
+CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig)}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag.
+
+    ``fields``: the config fields it sets (``"Class.field"``); the first one's
+    dataclass default is the flag's default unless ``default`` is given (only
+    for a field the trainer derives, or one without a default).  ``sets``: for
+    a switch, the value the fields take when it is given (else they keep their
+    defaults).  The remaining keywords go to ``argparse.add_argument``.
+    """
+
+    name: str
+    group: str
+    fields: tuple[str, ...] = ()
+    default: object = _UNSET
+    sets: object = _UNSET
+    type: object = None
+    choices: tuple | None = None
+    nargs: object = None
+    help: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    def resolved_default(self):
+        if self.default is not _UNSET or not self.fields:
+            return None if self.default is _UNSET else self.default
+        if self.sets is not _UNSET:
+            return False
+        cls_name, field = self.fields[0].split(".")
+        spec = {f.name: f for f in dataclasses.fields(CONFIGS[cls_name])}[field]
+        if spec.default is MISSING:
+            raise ValueError(f"flag {self.name}: {self.fields[0]} has no default, so the table must give one")
+        return spec.default
+
+
+PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
+                                   "checkpoints, evaluation and logging")
+_BOTH_OPT = ("OptimizerConfig.use_distributed_optimizer", "DDPConfig.use_distributed_optimizer")
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--tensor-model-parallel-size", PAR, default=1, type=int),
+    Flag("--pipeline-model-parallel-size", PAR, default=1, type=int),
+    Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
+    Flag("--decoder-first-pipeline-num-layers", PAR, type=int),
+    Flag("--decoder-last-pipeline-num-layers", PAR, type=int),
+    Flag("--expert-model-parallel-size", PAR, default=1, type=int),
+    Flag("--expert-tensor-parallel-size", PAR, type=int, help="None: the tensor-parallel size"),
+    Flag("--context-parallel-size", PAR, default=1, type=int, help="reserved: only 1 is supported"),
+    Flag("--sequence-parallel", PAR, default=False),
+    Flag("--use-distributed-optimizer", PAR, _BOTH_OPT, type=bool),
+    Flag("--overlap-grad-reduce", PAR, ("DDPConfig.overlap_grad_reduce",), type=bool),
+    Flag("--overlap-param-gather", PAR, ("OptimizerConfig.overlap_param_gather",), type=bool),
+    Flag("--use-torch-fsdp2", PAR, default=False,
+         help="shard parameters, gradients and optimizer state over DP with torch's fully_shard (FSDP2)"),
+    Flag("--reshard-after-forward", PAR, ("FSDPConfig.reshard_after_forward",), type=bool,
+         help="FSDP2: free gathered parameters after forward and gather them again in backward"),
+    Flag("--accumulate-allreduce-grads-in-fp32", PAR, ("FSDPConfig.grad_reduce_in_fp32",), type=bool,
+         help="FSDP2: reduce-scatter gradients in fp32 under --bf16/--fp16 (DDP always reduces in fp32)"),
+
+    Flag("--num-layers", MODEL, ("GPTConfig.num_layers",), default=4, type=int),
+    Flag("--hidden-size", MODEL, ("GPTConfig.hidden_size",), default=128, type=int),
+    Flag("--ffn-hidden-size", MODEL, ("GPTConfig.ffn_hidden_size",), type=int,
+         help="None: 4*hidden, or int(8*hidden/3/64)*64 with --swiglu"),
+    Flag("--num-attention-heads", MODEL, ("GPTConfig.num_attention_heads",), default=4, type=int),
+    Flag("--group-query-attention", MODEL, default=False),
+    Flag("--num-query-groups", MODEL, ("GPTConfig.num_query_groups",), type=int),
+    Flag("--seq-length", MODEL, default=64, type=int),
+    Flag("--max-position-embeddings", MODEL, ("GPTConfig.max_position_embeddings",), default=None, type=int,
+         help="None: --seq-length"),
+    Flag("--position-embedding-type", MODEL, ("GPTConfig.position_embedding_type",),
+         choices=("learned_absolute", "rope")),
+    Flag("--rotary-base", MODEL, ("GPTConfig.rotary_base",), type=float),
+    Flag("--normalization", MODEL, ("GPTConfig.normalization",), choices=("LayerNorm", "RMSNorm")),
+    Flag("--norm-epsilon", MODEL, ("GPTConfig.norm_eps",), type=float),
+    Flag("--swiglu", MODEL, ("GPTConfig.activation",), sets="swiglu"),
+    Flag("--untie-embeddings-and-output-weights", MODEL, ("GPTConfig.untie_embeddings_and_output_weights",),
+         type=bool),
+    Flag("--disable-bias-linear", MODEL, ("GPTConfig.add_bias_linear",), sets=False),
+    Flag("--hidden-dropout", MODEL, ("GPTConfig.hidden_dropout",), type=float),
+    Flag("--attention-dropout", MODEL, ("GPTConfig.attention_dropout",), type=float),
+    Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
+    Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
+    Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),
+
+    Flag("--num-experts", MOE, ("MoEConfig.num_experts",), default=None, type=int, help="None: a dense model"),
+    Flag("--moe-ffn-hidden-size", MOE, ("MoEConfig.ffn_hidden_size",), default=None, type=int,
+         help="None: --ffn-hidden-size"),
+    Flag("--moe-router-topk", MOE, ("MoEConfig.topk",), type=int),
+    Flag("--moe-layer-freq", MOE, ("GPTConfig.moe_layer_freq",), type=int),
+    Flag("--moe-aux-loss-coeff", MOE, ("MoEConfig.aux_loss_coeff",), type=float),
+    Flag("--moe-z-loss-coeff", MOE, ("MoEConfig.z_loss_coeff",), type=float),
+    Flag("--moe-expert-capacity-factor", MOE, ("MoEConfig.capacity_factor",), type=float),
+    Flag("--moe-token-drop-policy", MOE, ("MoEConfig.token_drop_policy",), choices=("probs", "position")),
+    Flag("--moe-token-dispatcher-type", MOE, ("MoEConfig.dispatcher",), choices=("alltoall", "allgather")),
+    Flag("--moe-grouped-gemm", MOE, ("MoEConfig.grouped_gemm",), type=bool),
+
+    Flag("--micro-batch-size", OPT, default=1, type=int),
+    Flag("--global-batch-size", OPT, type=int, help="None: micro-batch size * dp"),
+    Flag("--train-iters", OPT, default=100, type=int),
+    Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
+    Flag("--min-lr", OPT, ("OptimizerConfig.min_lr",), type=float),
+    Flag("--lr-warmup-iters", OPT, default=0, type=int),
+    Flag("--lr-warmup-fraction", OPT, type=float,
+         help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0"),
+    Flag("--lr-decay-style", OPT, default="linear", choices=("constant", "linear", "cosine")),
+    Flag("--lr-decay-iters", OPT, type=int, help="None: --train-iters"),
+    Flag("--weight-decay", OPT, ("OptimizerConfig.weight_decay",), type=float),
+    Flag("--adam-beta1", OPT, ("OptimizerConfig.adam_beta1",), type=float),
+    Flag("--adam-beta2", OPT, ("OptimizerConfig.adam_beta2",), type=float),
+    Flag("--adam-eps", OPT, ("OptimizerConfig.adam_eps",), type=float),
+    Flag("--clip-grad", OPT, ("OptimizerConfig.clip_grad",), type=float),
+    Flag("--bf16", OPT, ("OptimizerConfig.bf16",), type=bool),
+    Flag("--fp16", OPT, ("OptimizerConfig.fp16",), type=bool),
+    Flag("--loss-scale", OPT, ("OptimizerConfig.loss_scale",), type=float, help="None: a dynamic scale"),
+    Flag("--initial-loss-scale", OPT, ("OptimizerConfig.initial_loss_scale",), type=float),
+    Flag("--min-loss-scale", OPT, ("OptimizerConfig.min_loss_scale",), type=float),
+    Flag("--loss-scale-window", OPT, ("OptimizerConfig.loss_scale_window",), type=int),
+    Flag("--hysteresis", OPT, ("OptimizerConfig.hysteresis",), type=int),
+    Flag("--seed", OPT, ("GPTConfig.seed",), type=int),
+
+    Flag("--data-path", DATA, nargs="+", help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'"),
+    Flag("--split", DATA, default="969,30,1"),
+    Flag("--tokenizer-model", DATA),
+    Flag("--vocab-size", DATA, type=int, help="needed when there is no --tokenizer-model"),
+    Flag("--data-cache-path", DATA, help="where dataset indexes are cached and the default corpus is built"),
+
+    Flag("--save", LOG),
+    Flag("--load", LOG),
+    Flag("--save-interval", LOG, type=int),
+    Flag("--eval-interval", LOG, default=1000, type=int),
+    Flag("--eval-iters", LOG, default=10, type=int),
+    Flag("--log-interval", LOG, default=10, type=int),
+    Flag("--tensorboard-dir", LOG),
+    Flag("--metrics-file", LOG, help="append one JSON object per logged iteration"),
+    Flag("--timeline-dir", LOG, help="save each rank's pipeline timeline here"),
+)
+
+
+def flag_for_field(cls_name: str, field: str) -> str | None:
+    """The flag that sets ``cls_name.field``, for messages that name what a user types."""
+    target = f"{cls_name}.{field}"
+    return next((f.name for f in FLAGS if target in f.fields), None)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -22,137 +188,26 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def _parallel_flags(parser):
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="reserved: only 1 is supported")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-
-
-def _fsdp_flags(parser):
-    g = parser.add_argument_group("fully sharded data parallelism (torch FSDP2)")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="shard parameters, gradients and optimizer state over DP with torch's fully_shard")
-    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP2: free gathered parameters after forward and gather again in backward")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="FSDP2: reduce-scatter gradients in fp32 under --bf16/--fp16 (DDP always does)")
-
-
-def _check_fsdp(args):
-    if not args.use_torch_fsdp2:
+def _add(group, flag: Flag) -> None:
+    default = flag.resolved_default()
+    help_text = f"{flag.help} (default: %(default)s)" if flag.help else "default: %(default)s"
+    if flag.sets is not _UNSET or flag.type is bool or (flag.type is None and isinstance(default, bool)):
+        action = "store_true" if not default else argparse.BooleanOptionalAction
+        group.add_argument(flag.name, action=action, default=default, help=help_text)
         return
-    _require(not args.use_distributed_optimizer,
-             "--use-torch-fsdp2 and --use-distributed-optimizer are alternatives (FSDP2 already shards the "
-             "optimizer state); pass one")
-    _require(args.data_parallel_size > 1,
-             f"--use-torch-fsdp2 needs a data-parallel size > 1, got dp={args.data_parallel_size} (world size "
-             f"{args.world_size} / (tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size}))")
-
-
-def _model_flags(parser):
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4*hidden, or 2/3 of that rounded down to 64 with --swiglu")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-
-
-def _moe_flags(parser):
-    g = parser.add_argument_group("mixture of experts")
-    g.add_argument("--num-experts", type=int, default=None)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-layer-freq", type=int, default=1)
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0)
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
-    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs")
-    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="allgather")
-    g.add_argument("--moe-grouped-gemm", action="store_true")
-
-
-def _optim_flags(parser):
-    g = parser.add_argument_group("batch and optimizer")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch size * dp")
-    g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale; default: dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--seed", type=int, default=1234)
-
-
-def _data_flags(parser):
-    g = parser.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="needed when there is no --tokenizer-model")
-    g.add_argument("--data-cache-path", default=None,
-                   help="where dataset indexes are cached and the default corpus is built")
-
-
-def _logging_flags(parser):
-    g = parser.add_argument_group("checkpoints, evaluation and logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
-    g.add_argument("--timeline-dir", default=None, help="save each rank's pipeline timeline here")
+    group.add_argument(flag.name, type=flag.type, default=default, choices=flag.choices, nargs=flag.nargs,
+                       help=help_text)
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser)`` may add script-specific flags."""
     parser = _RaisingParser(prog="pretrain", allow_abbrev=False,
                             description="Megatron-style GPT pretraining on megalite")
-    for add in (_parallel_flags, _fsdp_flags, _model_flags, _moe_flags, _optim_flags, _data_flags, _logging_flags):
-        add(parser)
+    groups = {}
+    for flag in FLAGS:
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
+        _add(groups[flag.group], flag)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -170,6 +225,51 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None) -> argpa
     return parser.parse_args(argv)
 
 
+def _config_values(args, cls_name: str) -> dict:
+    """The ``cls_name`` fields the flags set; a switch that was not given leaves its field alone."""
+    values = {}
+    for flag in FLAGS:
+        for target in flag.fields:
+            owner, field = target.split(".")
+            if owner != cls_name:
+                continue
+            value = getattr(args, flag.dest)
+            if flag.sets is _UNSET:
+                values[field] = value
+            elif value:
+                values[field] = flag.sets
+    return values
+
+
+def gpt_config(args, vocab_size: int | None = None) -> GPTConfig:
+    """The model architecture the flags describe (``vocab_size`` defaults to ``--vocab-size``)."""
+    values = _config_values(args, "GPTConfig")
+    values["vocab_size"] = vocab_size if vocab_size is not None else args.vocab_size
+    if values["max_position_embeddings"] is None:
+        values["max_position_embeddings"] = args.seq_length
+    config = GPTConfig(**values)
+    if args.num_experts is not None:
+        moe = _config_values(args, "MoEConfig")
+        if moe["ffn_hidden_size"] is None:
+            moe["ffn_hidden_size"] = config.ffn_hidden_size
+        config.moe = MoEConfig(**moe, activation=config.activation, init_method_std=config.init_method_std)
+    return config
+
+
+def optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(**_config_values(args, "OptimizerConfig"))
+
+
+def ddp_config(args) -> DDPConfig:
+    return DDPConfig(**_config_values(args, "DDPConfig"))
+
+
+def fsdp_config(args) -> FSDPConfig:
+    """FSDP2 keeps fp32 sharded main weights; --bf16/--fp16 set the gather and compute dtype."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    return FSDPConfig(**_config_values(args, "FSDPConfig"), param_dtype=dtype)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -182,51 +282,26 @@ def _positive(args, *names):
 
 
 def _check_model(args):
-    tp = args.tensor_model_parallel_size
-    heads = args.num_attention_heads
-    _require(args.hidden_size % heads == 0,
-             f"hidden size {args.hidden_size} is not divisible by the number of attention heads {heads}")
-    _require(heads % tp == 0,
-             f"number of attention heads {heads} is not divisible by tensor-parallel size {tp}")
-    if args.num_query_groups is None:
-        _require(not args.group_query_attention, "--group-query-attention needs --num-query-groups")
-        args.num_query_groups = heads
-    groups = args.num_query_groups
-    _require(heads % groups == 0,
-             f"number of attention heads {heads} is not divisible by number of query groups {groups}")
-    _require(groups % tp == 0, f"number of query groups {groups} is not divisible by tensor-parallel size {tp}")
-    _require(args.ffn_hidden_size is None or args.ffn_hidden_size % tp == 0,
-             f"ffn hidden size {args.ffn_hidden_size} is not divisible by tensor-parallel size {tp}")
-    if args.position_embedding_type == "rope":
-        _require(args.hidden_size // heads % 2 == 0,
-                 f"rope needs an even head dimension, got hidden size {args.hidden_size} / {heads} heads")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.position_embedding_type == "learned_absolute":
-        _require(args.seq_length <= args.max_position_embeddings,
-                 f"sequence length {args.seq_length} is greater than max position embeddings "
-                 f"{args.max_position_embeddings}")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-        if args.swiglu:
-            args.ffn_hidden_size = max(64, int(args.ffn_hidden_size * 2 / 3) // 64 * 64)
-        _require(args.ffn_hidden_size % tp == 0,
-                 f"ffn hidden size {args.ffn_hidden_size} is not divisible by tensor-parallel size {tp}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(args, name)
-        _require(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    if args.num_experts is not None:
-        _positive(args, "num_experts")
-        ep = args.expert_model_parallel_size
-        _require(args.num_experts % ep == 0,
-                 f"number of experts {args.num_experts} is not divisible by expert-parallel size {ep}")
-        _require(1 <= args.moe_router_topk <= args.num_experts,
-                 f"--moe-router-topk {args.moe_router_topk} must be between 1 and the number of experts "
-                 f"{args.num_experts}")
-        if args.moe_ffn_hidden_size is None:
-            args.moe_ffn_hidden_size = args.ffn_hidden_size
+    """Build the configs (their own validation runs) and copy the sizes they derive into ``args``."""
+    _require(args.num_query_groups is not None or not args.group_query_attention,
+             "--group-query-attention needs --num-query-groups")
+    config = gpt_config(args, vocab_size=args.vocab_size or 1)
+    config.validate(args.tensor_model_parallel_size)
+    if config.moe is not None:
+        config.moe.validate(args.expert_model_parallel_size,
+                            args.expert_tensor_parallel_size or args.tensor_model_parallel_size)
+        args.moe_ffn_hidden_size = config.moe.ffn_hidden_size
     elif args.expert_model_parallel_size != 1:
         raise ValueError(f"expert-parallel size {args.expert_model_parallel_size} needs --num-experts")
+    args.ffn_hidden_size = config.ffn_hidden_size
+    args.num_query_groups = config.num_query_groups
+    args.max_position_embeddings = config.max_position_embeddings
+    if config.position_embedding_type == "learned_absolute":
+        _require(args.seq_length <= config.max_position_embeddings,
+                 f"sequence length {args.seq_length} is greater than max position embeddings "
+                 f"{config.max_position_embeddings}")
+    optimizer_config(args)
+    ddp_config(args)
 
 
 def _check_parallel(args, world_size):
@@ -252,6 +327,17 @@ def _check_parallel(args, world_size):
                  f"(needed by --sequence-parallel)")
 
 
+def _check_fsdp(args):
+    if not args.use_torch_fsdp2:
+        return
+    _require(not args.use_distributed_optimizer,
+             "--use-torch-fsdp2 and --use-distributed-optimizer are alternatives (FSDP2 already shards the "
+             "optimizer state); pass one")
+    _require(args.data_parallel_size > 1,
+             f"--use-torch-fsdp2 needs a data-parallel size > 1, got dp={args.data_parallel_size} (world size "
+             f"{args.world_size} / (tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size}))")
+
+
 def _check_batch(args):
     micro, dp = args.micro_batch_size, args.data_parallel_size
     if args.global_batch_size is None:
@@ -270,9 +356,6 @@ def _check_batch(args):
 
 
 def _check_schedule(args):
-    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
-    _require(args.loss_scale is None or args.loss_scale > 0,
-             f"--loss-scale must be positive (omit it for a dynamic scale), got {args.loss_scale}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
@@ -296,8 +379,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     ``data_parallel_size`` and ``num_microbatches``.
     """
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-              "micro_batch_size", "train_iters", "log_interval")
+              "expert_model_parallel_size", "seq_length", "micro_batch_size", "train_iters", "log_interval")
     _check_model(args)
     _check_parallel(args, world_size)
     _check_fsdp(args)

@@ -8,31 +8,13 @@ import torch.distributed as dist
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
 from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
-from megalite.moe import MoEConfig
+from megalite.training.arguments import gpt_config
 from megalite.training.training import LOSS_METRIC
 
 
 def gpt_config_from_args(args) -> GPTConfig:
-    """The model architecture the Megatron flags describe."""
-    moe = None
-    if args.num_experts:
-        moe = MoEConfig(num_experts=args.num_experts, ffn_hidden_size=args.moe_ffn_hidden_size,
-                        topk=args.moe_router_topk, activation="swiglu" if args.swiglu else "gelu",
-                        aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
-                        capacity_factor=args.moe_expert_capacity_factor,
-                        token_drop_policy=args.moe_token_drop_policy, dispatcher=args.moe_token_dispatcher_type,
-                        grouped_gemm=args.moe_grouped_gemm, init_method_std=args.init_method_std)
-    return GPTConfig(vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                     num_query_groups=args.num_query_groups, max_position_embeddings=args.max_position_embeddings,
-                     position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-                     norm_eps=args.norm_epsilon, activation="swiglu" if args.swiglu else "gelu",
-                     add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
-                     attention_dropout=args.attention_dropout,
-                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                     init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     recompute_granularity=args.recompute_granularity, moe=moe, moe_layer_freq=args.moe_layer_freq,
-                     seed=args.seed)
+    """The model architecture the flags describe."""
+    return gpt_config(args)
 
 
 def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: tuple[int, int]) -> GPTModel:

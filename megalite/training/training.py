@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import (DDPConfig, DistributedDataParallel, FSDPConfig, FullyShardedDataParallel,
-                                  finalize_model_grads)
+from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
-from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.optim import get_optimizer
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.training.arguments import (ddp_config, format_args, fsdp_config, optimizer_config, parse_args,
+                                         validate_args)
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data
 from megalite.training.lr_schedule import LRScheduler
@@ -79,7 +79,7 @@ def build_model(model_provider, args, topo) -> list:
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
                           args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     mine = ranges[topo.pp.rank]
-    ddp_config = DDPConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp = ddp_config(args)
     chunks = []
     for index, layer_range in enumerate(mine):
         module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
@@ -87,28 +87,15 @@ def build_model(model_provider, args, topo) -> list:
                                 layer_range=layer_range)
         if args.use_torch_fsdp2:
             module.to(device=_device())
-            chunks.append(FullyShardedDataParallel(module, _fsdp_config(args), topo.dp.group, topo.expert_dp.group))
+            chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp.group, topo.expert_dp.group))
         else:
             module.to(device=_device(), dtype=_param_dtype(args))
-            chunks.append(DistributedDataParallel(module, ddp_config, topo.dp.group, topo.expert_dp.group))
+            chunks.append(DistributedDataParallel(module, ddp, topo.dp.group, topo.expert_dp.group))
     return chunks
 
 
-def _fsdp_config(args) -> FSDPConfig:
-    """FSDP2 keeps fp32 sharded main weights; --bf16/--fp16 set the gather and compute dtype."""
-    dtype = _param_dtype(args)
-    return FSDPConfig(reshard_after_forward=args.reshard_after_forward,
-                      param_dtype=None if dtype == torch.float32 else dtype,
-                      grad_reduce_in_fp32=dtype == torch.float32 or args.accumulate_allreduce_grads_in_fp32)
-
-
 def build_optimizer(args, model_chunks):
-    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                             min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                             hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer)
+    config = optimizer_config(args)
     return get_optimizer(config, model_chunks)
 
 

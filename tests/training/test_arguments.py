@@ -1,6 +1,11 @@
 import pytest
 
-from megalite.training.arguments import format_args, parse_args, validate_args
+from megalite.distributed import DDPConfig
+from megalite.models import GPTConfig
+from megalite.moe import MoEConfig
+from megalite.optim import OptimizerConfig
+from megalite.training.arguments import (FLAGS, build_parser, ddp_config, format_args, gpt_config, optimizer_config, parse_args,
+                                         validate_args)
 
 
 def _args(*argv, world=1, defaults=None):
@@ -31,8 +36,8 @@ def test_megatron_spellings_and_defaults():
     (["--global-batch-size", "6", "--micro-batch-size", "2"], 2,
      r"global batch size 6 is not divisible by micro batch size 2 \* data-parallel size 2 = 4"),
     (["--num-attention-heads", "6", "--hidden-size", "48", "--tensor-model-parallel-size", "4"], 4,
-     "number of attention heads 6 is not divisible by tensor-parallel size 4"),
-    (["--num-query-groups", "3"], 1, "number of attention heads 4 is not divisible by number of query groups 3"),
+     "num_attention_heads=6 is not divisible by the tensor-parallel size 4"),
+    (["--num-query-groups", "3"], 1, "num_attention_heads=4 is not divisible by num_query_groups=3"),
     (["--seq-length", "65", "--max-position-embeddings", "64"], 1,
      "sequence length 65 is greater than max position embeddings 64"),
     (["--tensor-model-parallel-size", "2"], 3, r"world size 3 is not divisible by tp\*pp = 2\*1 = 2"),
@@ -43,9 +48,10 @@ def test_megatron_spellings_and_defaults():
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
       "--global-batch-size", "3"], 2, "number of micro-batches 3 .* to be divisible by pipeline size 2"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
-     "number of experts 3 is not divisible by expert-parallel size 2"),
-    (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are mutually exclusive"),
-    (["--fp16", "--loss-scale", "0"], 1, "--loss-scale must be positive .*got 0.0"),
+     "num_experts 3 is not divisible by the expert-parallel size 2"),
+    (["--bf16", "--fp16"], 1, "bf16 and fp16 are exclusive"),
+    (["--fp16", "--loss-scale", "0"], 1, "loss_scale must be positive .*got 0.0"),
+    (["--swiglu", "--hidden-size", "16"], 1, "GPTConfig.ffn_hidden_size must be a positive integer, got 0"),
     (["--lr-warmup-iters", "200"], 1, "--lr-warmup-iters 200 must be between 0 and --lr-decay-iters 100"),
     (["--lr-decay-style", "step"], 1, "argument --lr-decay-style: invalid choice: 'step'"),
     (["--num-layers"], 1, "argument --num-layers: expected one argument"),
@@ -58,3 +64,31 @@ def test_bad_flags(argv, world, message):
 def test_unknown_default_is_rejected():
     with pytest.raises(ValueError, match="args_defaults names unknown flags: no_such"):
         parse_args([], args_defaults={"no_such": 1})
+
+
+def test_cli_and_api_build_identical_configs():
+    """One definition per option: the same inputs through the flags and through the dataclasses agree,
+    including the SwiGLU ffn size and the MoE dispatcher, whose defaults once differed between the two."""
+    args = _args("--swiglu", "--hidden-size", "96", "--num-attention-heads", "6", "--num-layers", "2",
+                 "--seq-length", "32", "--num-experts", "4", "--vocab-size", "100")
+    api = GPTConfig(vocab_size=100, num_layers=2, hidden_size=96, num_attention_heads=6, activation="swiglu",
+                    max_position_embeddings=32)
+    api.moe = MoEConfig(num_experts=4, ffn_hidden_size=api.ffn_hidden_size, activation="swiglu")
+    assert gpt_config(args) == api
+    assert api.ffn_hidden_size == 256 and api.moe.dispatcher == "alltoall"
+    assert optimizer_config(_args()) == OptimizerConfig() and ddp_config(_args()) == DDPConfig()
+    flags = _args("--lr", "3e-4", "--no-overlap-grad-reduce", "--use-distributed-optimizer", "--rotary-base",
+                  "500000", "--disable-bias-linear", "--position-embedding-type", "rope")
+    assert optimizer_config(flags) == OptimizerConfig(lr=3e-4, use_distributed_optimizer=True)
+    assert ddp_config(flags) == DDPConfig(overlap_grad_reduce=False, use_distributed_optimizer=True)
+    model = gpt_config(flags, vocab_size=8)
+    assert (model.rotary_base, model.add_bias_linear, model.position_embedding_type) == (500000, False, "rope")
+
+
+def test_help_shows_every_default():
+    text = " ".join(build_parser().format_help().split())
+    for flag in FLAGS:
+        assert flag.name in text
+    assert "--hidden-dropout HIDDEN_DROPOUT default: 0.0" in text
+    assert "--moe-token-dispatcher-type {alltoall,allgather} default: alltoall" in text
+

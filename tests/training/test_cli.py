@@ -50,7 +50,7 @@ def _bad_inputs(tiny_data, tmp):
          "error: global batch size 8 is not divisible by micro batch size 3 * data-parallel size 1 = 3"),
         ("heads-tp", torchrun + ["--data-path", tiny_data, "--tensor-model-parallel-size", "2",
                                  "--num-attention-heads", "3", "--hidden-size", "48"],
-         "error: number of attention heads 3 is not divisible by tensor-parallel size 2"),
+         "error: num_attention_heads=3 is not divisible by the tensor-parallel size 2"),
         ("seq-max-pos", python + ["--data-path", tiny_data, "--seq-length", "128", "--max-position-embeddings", "64"],
          "error: sequence length 128 is greater than max position embeddings 64"),
         ("unknown-flag", python + ["--data-path", tiny_data, "--no-such-flag", "3"],
