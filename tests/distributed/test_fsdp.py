@@ -13,6 +13,7 @@ from tests.training.helpers import train
 
 ITERS = 8
 FOUR_LAYERS = ("--num-layers", "4")
+EVAL = ("--eval-interval", "4", "--eval-iters", "1")
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall")
 
 
@@ -22,7 +23,7 @@ def references(tiny_data, tmp_path_factory):
     runs = {}
     for name, flags in (("dense", ()), ("deep", FOUR_LAYERS), ("moe", MOE)):
         workdir = tmp_path_factory.mktemp(f"ref-{name}")
-        runs[name] = (train(tiny_data, workdir, 1, *flags, "--save", str(workdir / "ckpt"), iters=ITERS)[1],
+        runs[name] = (train(tiny_data, workdir, 1, *flags, *EVAL, "--save", str(workdir / "ckpt"), iters=ITERS)[1],
                       workdir / "ckpt")
     return runs
 
@@ -35,7 +36,7 @@ def _max_weight_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("arch,flags", [
-    ("dense", []),
+    ("dense", [*EVAL]),
     ("dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full"]),
     ("dense", ["--pipeline-model-parallel-size", "2"]),
     ("deep", [*FOUR_LAYERS, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
@@ -51,6 +52,10 @@ def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, fla
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
         assert mine["lr"] == ref["lr"]
+        if "--eval-interval" in flags:
+            assert mine.get("valid_loss") == pytest.approx(ref.get("valid_loss"), rel=1e-4), ref["iteration"]
+    if "--eval-interval" in flags:
+        assert "valid_loss" in got[3] and "valid_loss" in got[7]
     assert _max_weight_diff(ref_ckpt, tmp_path / "ckpt") <= 1e-5
 
 
