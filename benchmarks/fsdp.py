@@ -170,7 +170,8 @@ def main() -> None:
     print(f"  megalite FSDP2 / plain torch FSDP2: step {t['megalite_fsdp2'] / t['plain_fsdp2']:.3f} "
           f"(target <= 1.05), CPU {c['megalite_fsdp2'] / c['plain_fsdp2']:.3f}")
     print(f"  megalite FSDP2 / megalite ZeRO-1: step {t['megalite_fsdp2'] / t['megalite_zero1']:.3f}, "
-          f"CPU {c['megalite_fsdp2'] / c['megalite_zero1']:.3f}, memory {m['megalite_fsdp2'] / m['megalite_zero1']:.3f}")
+          f"CPU {c['megalite_fsdp2'] / c['megalite_zero1']:.3f}, "
+          f"memory {m['megalite_fsdp2'] / m['megalite_zero1']:.3f}")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,34 @@ def _resident_bytes(chunk, optimizer) -> int:
     return sum(storages.values())
 
 
+class _CountReduceScatters:
+    """Counts the reduce-scatter collectives FSDP2 issues inside the ``with`` block."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.count, self._original = 0, dist.reduce_scatter_tensor
+        self._single = getattr(dist, "reduce_scatter_single", None)
+
+        def counted(original):
+            def call(*args, **kwargs):
+                self.count += 1
+                return original(*args, **kwargs)
+            return call
+
+        dist.reduce_scatter_tensor = counted(self._original)
+        if self._single is not None:
+            dist.reduce_scatter_single = counted(self._single)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.reduce_scatter_tensor = self._original
+        if self._single is not None:
+            dist.reduce_scatter_single = self._single
+
+
 def _memory_and_backend_rank():
     from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel
     from megalite.models import GPTConfig, GPTModel
@@ -141,7 +169,12 @@ def _memory_and_backend_rank():
         backend = TrainingBackend(chunk, optimizer, LanguageModelObjective(), micro_batch_size=1)
         losses = []
         for _ in range(3):
-            losses.append(backend.forward_backward(batch)["lm_loss"])
+            with _CountReduceScatters() as reduce_scatters:
+                losses.append(backend.forward_backward(batch)["lm_loss"])
+            if name == "fsdp":
+                # Two micro-batches, three FSDP units (two layers, the rest of the model): one reduce-scatter
+                # per unit per step.
+                assert reduce_scatters.count == 3, reduce_scatters.count
             grad_norm = backend.optim_step()["grad_norm"]
         backend.forward_backward(batch)
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
