@@ -151,6 +151,7 @@ def _memory_and_backend_rank():
     from megalite.models import GPTConfig, GPTModel
     from megalite.optim import OptimizerConfig, get_optimizer
     from megalite.rlhf.backend import TrainingBackend
+    from megalite.rlhf.generation import SamplingConfig
     from megalite.rlhf.objectives import LanguageModelObjective
 
     topo = topology.initialize()
@@ -177,17 +178,21 @@ def _memory_and_backend_rank():
                 assert reduce_scatters.count == 3, reduce_scatters.count
             grad_norm = backend.optim_step()["grad_norm"]
         backend.forward_backward(batch)
+        prompts = ids[rows, :4]
+        generated = backend.generate(prompts, torch.ones_like(prompts), SamplingConfig(max_new_tokens=3, greedy=True))
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                    for n, p in chunk.module.named_parameters()}
-        results[name] = (losses, grad_norm, weights, _resident_bytes(chunk, optimizer))
+        results[name] = (losses, grad_norm, weights, _resident_bytes(chunk, optimizer), generated.log_probs)
     return results
 
 
 def test_memory_and_training_backend():
     """At dp=4 each rank holds <= 1/4 + 2% of DDP's parameter + gradient + Adam bytes, and TrainingBackend
-    steps an FSDP2 chunk exactly like a DDP one."""
+    steps (and generates with) an FSDP2 chunk exactly like a DDP one."""
     for rank in run_distributed(_memory_and_backend_rank, 4):
-        (ddp_losses, ddp_norm, ddp_weights, ddp_bytes), (losses, norm, weights, fsdp_bytes) = rank["ddp"], rank["fsdp"]
+        (ddp_losses, ddp_norm, ddp_weights, ddp_bytes, ddp_generated), (losses, norm, weights, fsdp_bytes, generated) \
+            = rank["ddp"], rank["fsdp"]
+        assert torch.allclose(generated, ddp_generated, atol=1e-5)
         assert losses == pytest.approx(ddp_losses, rel=1e-5)
         assert norm == pytest.approx(ddp_norm, rel=1e-5)
         for name, want in ddp_weights.items():
