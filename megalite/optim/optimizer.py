@@ -93,7 +93,8 @@ class MixedPrecisionOptimizer:
                 if shard is not None:
                     (no_decay if _no_weight_decay(name, param) else decay).append(shard)
         self.shards = decay + no_decay
-        device = next(model_chunks[0].parameters()).device
+        first = next(iter(model_chunks[0].parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
         self.optimizer = _make_adamw([
             {"params": [s.main for s in decay]},
             {"params": [s.main for s in no_decay], "weight_decay": 0.0},
