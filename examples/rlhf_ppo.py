@@ -1,18 +1,29 @@
-"""PPO on single-digit additions with a tensor/pipeline/data-parallel GPT actor and critic.
+"""RL (PPO, GRPO, RLOO, REINFORCE++) on single-digit additions with a tensor/pipeline/data-parallel GPT.
 
-    torchrun --nproc_per_node 4 examples/rlhf_ppo.py            # TP2 x DP2 (default --tp 2)
-    python examples/rlhf_ppo.py --tp 1                          # one process
+    torchrun --nproc_per_node 4 examples/rlhf_ppo.py             # TP2 x DP2, PPO with a critic (GAE)
+    torchrun --nproc_per_node 4 examples/rlhf_ppo.py --advantage-estimator grpo --n-samples-per-prompt 4 \\
+        --global-batch-size 32 --use-kl-loss                      # GRPO
+    python examples/rlhf_ppo.py --tensor-model-parallel-size 1    # one process
 
 The script first pretrains a small GPT on "a+b=c<eod>" problems just long
 enough to learn the format and some of the sums (or loads it with ``--load``),
-then runs PPO: the actor samples answers to "a+b=" prompts, the reward is 1
-for a correct answer followed by end-of-document, a KL penalty to the frozen
-reference model is added per token, and a GPT critic with a value head gives
-GAE advantages.  With ``--use-centralized-critic`` the reward model lives on
-one rank only (``--critic-owner-rank``) and scores the next iteration's
-rollouts while the current iteration trains (``--critic-prefetch-depth``).
-Each PPO iteration is printed and written to ``--metrics-file`` (JSON lines)
-and TensorBoard (``--tensorboard-dir``, default runs/rlhf_ppo).
+then runs RL: the actor samples ``--n-samples-per-prompt`` answers to each
+"a+b=" prompt, a reward function (``--reward-fn module:function``, default the
+arithmetic rule) scores them, the KL to the frozen reference model goes into
+the per-token reward or, with ``--use-kl-loss``, into the loss, and
+``--advantage-estimator`` turns rewards into advantages (gae trains a GPT
+critic).  DAPO's pieces: ``--clip-ratio-low/--clip-ratio-high``,
+``--dynamic-sampling`` (groups whose rewards are all equal are dropped and the
+batch refilled) and ``--overlong-buffer-len`` shaping.
+
+``--max-staleness S`` generates the rollouts of up to S later iterations ahead
+of the update that trains on the current one; each rollout carries the policy
+version that made it, the logged ``staleness`` never exceeds S, and a stale
+rollout's loss is corrected by truncated importance sampling
+(``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-centralized-critic``
+the reward function runs on one rank only (``--critic-owner-rank``) and scores
+the rollouts drawn ahead in the background.  Each iteration is printed and
+written to ``--metrics-file`` (JSON lines) and TensorBoard.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import os
 import random
 import sys
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -31,74 +43,166 @@ from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTConfig, GPTModel
-from megalite.rlhf import (CentralizedModel, CriticModel, LanguageModelObjective, PPOActorObjective, PPOConfig,
-                                  PPOCriticObjective, Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend,
-                                  compute_gae, kl_penalty, pipeline_log_probs, pipeline_values, whiten)
+from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedModel, CriticModel,
+                           LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, Prefetcher,
+                           ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages, load_reward_fn,
+                           overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
+                           truncated_is_weights, varied_groups)
+from megalite.rlhf.generation import generate
+from megalite.rlhf.ppo import LOSS_AGGREGATIONS
+from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
+from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
+from megalite.training.arguments import add_flag
 from megalite.training.metrics import MetricsLogger
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--max-operand", type=int, default=9, help="problems are a+b with 0 <= a, b <= this")
-    p.add_argument("--pretrain-iters", type=int, default=80)
-    p.add_argument("--pretrain-batch-size", type=int, default=32, help="sequences per DP rank")
-    p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--ppo-iters", type=int, default=100)
-    p.add_argument("--rollout-batch-size", type=int, default=64, help="prompts per DP rank and iteration")
-    p.add_argument("--micro-batch-size", type=int, default=32)
-    p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--actor-lr", type=float, default=5e-4)
-    p.add_argument("--critic-lr", type=float, default=2e-3)
-    p.add_argument("--kl-coef", type=float, default=0.01)
-    p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
-    p.add_argument("--entropy-coef", type=float, default=0.0)
-    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=3)
-    p.add_argument("--offload-reference", action="store_true", help="keep the reference model in CPU memory")
-    p.add_argument("--use-centralized-critic", action="store_true",
-                   help="score rollouts with a reward model held by one rank only")
-    p.add_argument("--critic-owner-rank", type=int, default=0)
-    p.add_argument("--critic-prefetch-depth", type=int, default=1)
-    p.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
-    p.add_argument("--save", default=None, help="save the pretrained actor here (before PPO)")
-    p.add_argument("--metrics-file", default=None)
-    p.add_argument("--tensorboard-dir", default="runs/rlhf_ppo")
+    g = p.add_argument_group("parallelism and model (the pretraining flags)")
+    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
+                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
+        add_flag(g, name, default)
+    g = p.add_argument_group("batches (global = over all data-parallel ranks)")
+    add_flag(g, "--global-batch-size", 128, "prompts per RL iteration")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses sampled per prompt (a group)")
+    add_flag(g, "--micro-batch-size", 32, "sequences per forward on one rank")
+    g.add_argument("--pretrain-global-batch-size", type=int, default=64, help="sequences per pretraining step")
+    g = p.add_argument_group("pretraining")
+    g.add_argument("--max-operand", type=int, default=9, help="problems are a+b with 0 <= a, b <= this")
+    g.add_argument("--pretrain-iters", type=int, default=80)
+    g.add_argument("--pretrain-lr", type=float, default=3e-3)
+    g.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
+    g.add_argument("--save", default=None, help="save the pretrained actor here (before RL)")
+    g = p.add_argument_group("RL algorithm")
+    add_flag(g, "--train-iters", 100, "RL iterations")
+    g.add_argument("--advantage-estimator", default="gae", help=f"one of {ADVANTAGE_ESTIMATORS}")
+    g.add_argument("--no-norm-adv-by-std", action="store_true", help="grpo: do not divide by the group's std")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    g.add_argument("--loss-agg-mode", default="token-mean", choices=LOSS_AGGREGATIONS)
+    g.add_argument("--ppo-epochs", type=int, default=2)
+    g.add_argument("--clip-ratio-low", type=float, default=0.2)
+    g.add_argument("--clip-ratio-high", type=float, default=None, help="default: --clip-ratio-low (DAPO: 0.28)")
+    g.add_argument("--actor-lr", type=float, default=5e-4)
+    g.add_argument("--critic-lr", type=float, default=2e-3)
+    g.add_argument("--kl-coef", type=float, default=0.01)
+    g.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
+    g.add_argument("--use-kl-loss", action="store_true", help="KL as a loss term instead of in the reward")
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="drop groups whose rewards are all equal and generate more to refill the batch")
+    g.add_argument("--max-num-gen-batches", type=int, default=4, help="dynamic sampling: generation rounds at most")
+    g.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping window (0: off)")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
+    g.add_argument("--max-staleness", type=int, default=0, help="rollouts may be this many updates old")
+    g.add_argument("--rollout-is-cap", type=float, default=2.0, help="truncation of the stale-rollout IS weight")
+    g = p.add_argument_group("rollouts and rewards")
+    g.add_argument("--reward-fn", default="megalite.rlhf.rewards:arithmetic_reward",
+                   help="module:function taking (prompt, response) and returning a float")
+    g.add_argument("--reward-model", default=None,
+                   help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=3)
+    g.add_argument("--offload-reference", action="store_true", help="keep the reference model in CPU memory")
+    g.add_argument("--rollout-world-size", type=int, default=0,
+                   help="ranks that only generate (the last ones); 0: rollouts run on the training ranks")
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--use-centralized-critic", action="store_true",
+                   help="score rollouts with a reward function held by one rank only")
+    g.add_argument("--critic-owner-rank", type=int, default=0)
+    g = p.add_argument_group("logging")
+    add_flag(g, "--metrics-file", None)
+    add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
     return p.parse_args(argv)
+
+
+def validate(args, world_size: int) -> None:
+    """Every size check before any collective; fills ``args.dp`` and the per-rank batch sizes."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    rollout, rollout_tp = args.rollout_world_size, args.rollout_tensor_parallel_size
+    if rollout:
+        if not 0 < rollout < world_size:
+            raise ValueError(f"--rollout-world-size {rollout} leaves no trainer ranks in the world of {world_size}")
+        if rollout_tp < 1 or rollout % rollout_tp:
+            raise ValueError(f"--rollout-world-size {rollout} is not a multiple of --rollout-tensor-parallel-size "
+                             f"{rollout_tp}")
+        if args.use_centralized_critic or args.dynamic_sampling:
+            raise ValueError("--rollout-world-size runs with a local reward and without --dynamic-sampling")
+    trainers = world_size - rollout
+    if trainers % model_parallel:
+        raise ValueError(f"{trainers} trainer ranks (world size {world_size} - --rollout-world-size {rollout}) are "
+                         f"not divisible by tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+                         f"pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.dp = trainers // model_parallel
+    for name in ("global_batch_size", "pretrain_global_batch_size"):
+        if getattr(args, name) % args.dp:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is not divisible by the "
+                             f"data-parallel size {args.dp}")
+    args.prompts_per_rank = args.global_batch_size // args.dp
+    args.pretrain_batch_per_rank = args.pretrain_global_batch_size // args.dp
+    rows = args.prompts_per_rank * args.n_samples_per_prompt
+    if rows % args.micro_batch_size:
+        raise ValueError(f"{rows} sequences per DP rank ({args.prompts_per_rank} prompts x "
+                         f"{args.n_samples_per_prompt} samples) are not divisible by --micro-batch-size "
+                         f"{args.micro_batch_size}")
+    if args.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_centralized_critic):
+        raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
+                         f"and a local reward (not --use-centralized-critic)")
+    if args.overlong_buffer_len > args.max_new_tokens:
+        raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
+                         f"{args.max_new_tokens}")
+    if not 0 <= args.critic_owner_rank < world_size:
+        raise ValueError(f"--critic-owner-rank {args.critic_owner_rank} is outside the world of {world_size} ranks")
+    args.advantage = AdvantageConfig(args.advantage_estimator, args.n_samples_per_prompt, args.gamma, args.lam,
+                                     not args.no_norm_adv_by_std)
+    args.ppo = PPOConfig(clip_eps=args.clip_ratio_low, clip_eps_high=args.clip_ratio_high, kl_coef=args.kl_coef,
+                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
+                         loss_aggregation=args.loss_agg_mode, use_kl_loss=args.use_kl_loss,
+                         rollout_is_cap=args.rollout_is_cap)
+    if args.reward_model:
+        check_reward_model(args.reward_model, TOKENIZER.vocab_size)
+    else:
+        args.reward = load_reward_fn(args.reward_fn)
 
 
 TOKENIZER = ByteTokenizer()
 
 
-def problem(rng: random.Random, max_operand: int) -> tuple[str, str]:
-    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-    prompt = f"{a}+{b}="
-    return prompt, arithmetic_answer(prompt)
+def reward_function(args, build: bool, single_group):
+    """The ``(prompt, response) -> float`` reward on this rank (None where ``build`` is False).
+
+    A reward model runs unsharded, in ``single_group`` (a one-rank group).
+    """
+    if not build:
+        return None
+    if not args.reward_model:
+        return args.reward
+    return RewardModelScorer(args.reward_model, TOKENIZER.tokenize, TOKENIZER.eod, TOKENIZER.vocab_size,
+                             single_group)
 
 
-def score(prompt: str, response_ids: list[int]) -> float:
-    """1 for the right answer followed by end-of-document, else 0."""
-    if TOKENIZER.eod not in response_ids:
-        return 0.0
-    answer = TOKENIZER.detokenize(response_ids[:response_ids.index(TOKENIZER.eod)])
-    return float(answer == arithmetic_answer(prompt))
+def problem(rng: random.Random, max_operand: int) -> str:
+    return f"{rng.randint(0, max_operand)}+{rng.randint(0, max_operand)}="
 
 
-def score_batches(per_rank: list) -> list:
-    """The reward model: scores every rank's (prompts, responses) in one call."""
-    return [torch.tensor([score(p, r) for p, r in zip(prompts, responses)]) for prompts, responses in per_rank]
+def response_text(response_ids: list[int]) -> str:
+    """The response up to (without) end-of-document."""
+    if TOKENIZER.eod in response_ids:
+        response_ids = response_ids[:response_ids.index(TOKENIZER.eod)]
+    return TOKENIZER.detokenize(response_ids)
 
 
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
+def score_batches(reward, per_rank: list) -> list:
+    """Scores every rank's (prompts, responses) in one call (the centralized model's function)."""
+    return [torch.tensor([reward(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+            for prompts, responses in per_rank]
+
+
+def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     return ids, mask
@@ -107,9 +211,9 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 def pretrain_batch(rng: random.Random, args) -> dict:
     """Right-padded "a+b=c<eod>" sequences; the loss covers the answer and end-of-document."""
     rows, answer_starts = [], []
-    for _ in range(args.pretrain_batch_size):
-        prompt, answer = problem(rng, args.max_operand)
-        rows.append(TOKENIZER.tokenize(prompt + answer) + [TOKENIZER.eod])
+    for _ in range(args.pretrain_batch_per_rank):
+        prompt = problem(rng, args.max_operand)
+        rows.append(TOKENIZER.tokenize(prompt + arithmetic_answer(prompt)) + [TOKENIZER.eod])
         answer_starts.append(len(prompt))
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [TOKENIZER.pad] * (width - len(r)) for r in rows])
@@ -129,41 +233,185 @@ def build(model_cls, config, topo, lr, device):
     return chunk, get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
 
 
-class Rollouts:
-    """Draws prompts, samples responses and computes old log-probs, reference log-probs and values."""
+def generate_rollouts(model, prompts, prompt_mask, sampling, generator):
+    """The one call that samples responses (switch the rollout engine here)."""
+    return generate(model, prompts, prompt_mask, sampling, generator)
 
-    def __init__(self, args, topo, actor, reference, critic_chunk, device):
+
+def sample_shard(model, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int, device):
+    """One generation round of DP shard ``shard``: prompts x n samples, padded to a fixed width
+    ``[b, P + N]`` so rounds concatenate and the tensors can be sent: (tokens, attention mask,
+    response mask and rollout log-probs, the last two aligned with ``tokens[:, 1:]``)."""
+    n, width, new = args.n_samples_per_prompt, prompt_width(args), args.max_new_tokens
+    prompts = [p for p in (problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)) for _ in range(n)]
+    ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
+    generator = torch.Generator(device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt + shard)
+    out = generate_rollouts(model, ids.to(device), mask.to(device), sampling, generator)
+    b, fill = len(prompts), new - out.response_mask.shape[1]
+    tokens = torch.cat([out.tokens, out.tokens.new_full((b, fill), TOKENIZER.pad)], dim=1)
+    attention = torch.cat([out.attention_mask, out.attention_mask.new_zeros(b, fill)], dim=1)
+    response_mask = torch.cat([out.response_mask.new_zeros(b, width - 1), out.response_mask,
+                               out.response_mask.new_zeros(b, fill)], dim=1)
+    log_probs = torch.cat([out.log_probs.new_zeros(b, width - 1), out.log_probs, out.log_probs.new_zeros(b, fill)],
+                          dim=1)
+    return tokens.long(), attention.long(), response_mask.float(), log_probs.float()
+
+
+def prompt_width(args) -> int:
+    return len(f"{args.max_operand}+{args.max_operand}=")
+
+
+def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
+    """Shapes and dtypes of :func:`sample_shard`'s tensors, known to sender and receiver alike."""
+    b, width = args.prompts_per_rank * args.n_samples_per_prompt, prompt_width(args) + args.max_new_tokens
+    return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
+            ((b, width - 1), torch.float32)]
+
+
+def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]) -> None:
+    """A rollout rank's loop: receive weights, generate its DP shards' rollouts, send them to the trainers.
+
+    Iteration ``i`` is generated with the weights after update ``max(0, i - 1 - S)``, so up to S
+    iterations are generated while the trainers train.  ``trainer_dp[r]`` is global rank r's trainer
+    DP rank (-1 for rollout ranks)."""
+    world = len(trainer_dp)
+    first = world - args.rollout_world_size
+    local = dist.get_rank() - first
+    rtp = args.rollout_tensor_parallel_size
+    replica, tp_rank = local // rtp, local % rtp
+    replicas = args.rollout_world_size // rtp
+    model = GPTModel(config, tp_group=rollout_tp_group).to(device)
+    sync = WeightSync(model, SyncRole(ROLLOUT, replica, tp_rank, rtp))
+    sync.sync()
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad,
+                              temperature=args.temperature)
+    shards = [d for d in range(args.dp) if d % replicas == replica]
+    rngs = {d: random.Random(args.seed * 1000 + d) for d in shards}
+    pending = []
+    for iteration in range(1, args.train_iters + 1):
+        if iteration > args.max_staleness + 1:
+            sync.sync()
+            for work, _ in pending:
+                work.wait()
+            pending = []
+        for shard in shards:
+            tensors = sample_shard(model, args, sampling, rngs[shard], iteration, 0, shard, device)
+            if tp_rank == 0:
+                for dst in (r for r, d in enumerate(trainer_dp) if d == shard):
+                    pending += [(dist.isend(t, dst), t) for t in tensors]
+    for work, _ in pending:
+        work.wait()
+
+
+def lookahead(items, depth: int):
+    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(item)
+        if len(pending) > depth:
+            yield pending.popleft()
+    yield from pending
+
+
+class Rollouts:
+    """Draws prompts, samples groups of responses, scores them (local reward) and computes reference
+    log-probs and values; every rollout records the policy version (``self.version``) that made it."""
+
+    def __init__(self, args, topo, actor, reference, critic_chunk, device, reward):
         self.args, self.topo, self.actor, self.reference, self.critic = args, topo, actor, reference, critic_chunk
+        self.reward = reward
+        self.rollout_source = None
+        if args.rollout_world_size:
+            replicas = args.rollout_world_size // args.rollout_tensor_parallel_size
+            self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
+        self.version = 0
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
 
     def __iter__(self):
-        for iteration in range(1, self.args.ppo_iters + 1):
+        for iteration in range(1, self.args.train_iters + 1):
             yield self.rollout(iteration)
 
     def _micro_batches(self, ids, mask):
         mb = self.args.micro_batch_size
         return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
 
+    def _sample(self, iteration: int, attempt: int) -> dict:
+        """One generation round of this DP rank, generated here or received from its rollout rank."""
+        if self.rollout_source is None:
+            tensors = sample_shard(self.actor.chunk, self.args, self.sampling, self.rng, iteration, attempt,
+                                   self.topo.dp.rank, self.device)
+        else:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
+            for t in tensors:
+                dist.recv(t, src=self.rollout_source)
+            tensors = [t.to(self.device) for t in tensors]
+        tokens, attention, response_mask, log_probs = tensors
+        width = prompt_width(self.args)
+        prompts = [TOKENIZER.detokenize(row) for row in tokens[:, :width].tolist()]
+        responses = [response_text([int(t) for t, m in zip(row, keep) if m])
+                     for row, keep in zip(tokens[:, width:], response_mask[:, width - 1:])]
+        rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
+                   "response_mask": response_mask, "rollout_log_probs": log_probs}
+        if not self.args.use_centralized_critic:
+            rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
+        return rollout
+
     def rollout(self, iteration: int) -> dict:
-        prompts = [problem(self.rng, self.args.max_operand)[0] for _ in range(self.args.rollout_batch_size)]
-        ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad)
-        generator = torch.Generator(self.device).manual_seed(self.args.seed + 7919 * iteration + self.topo.dp.rank)
-        out = self.actor.generate(ids.to(self.device), mask.to(self.device), self.sampling, generator)
-        p = ids.shape[1]
-        micro_batches = self._micro_batches(out.tokens, out.attention_mask)
+        start = time.monotonic()
+        rollout = self._sample(iteration, 0)
+        kept_fraction = 1.0
+        if self.args.dynamic_sampling:
+            rollout, kept_fraction = self._refill(rollout, iteration)
+        generate_s = time.monotonic() - start
+        micro_batches = self._micro_batches(rollout["input_ids"], rollout["attention_mask"])
         with self.reference.on_device() as reference:
             ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
-        values = pipeline_values(self.critic, micro_batches).to(self.device)
-        response_mask = torch.cat([out.response_mask.new_zeros(len(prompts), p - 1), out.response_mask], dim=1)
-        old_log_probs = torch.cat([out.log_probs.new_zeros(len(prompts), p - 1), out.log_probs], dim=1)
-        responses = [[int(t) for t, m in zip(row, keep) if m] for row, keep in zip(out.tokens[:, p:], out.response_mask)]
-        return {"iteration": iteration, "prompts": prompts, "responses": responses, "input_ids": out.tokens,
-                "attention_mask": out.attention_mask, "response_mask": response_mask.float(),
-                "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs.to(self.device),
-                "old_values": values[:, :-1]}
+        version = self.version if self.rollout_source is None else max(0, iteration - 1 - self.args.max_staleness)
+        rollout.update(iteration=iteration, version=version, ref_log_probs=ref_log_probs.to(self.device),
+                       kept_fraction=kept_fraction, generate_s=generate_s)
+        if self.critic is not None:
+            rollout["old_values"] = pipeline_values(self.critic, micro_batches).to(self.device)[:, :-1]
+        rollout["log_probs_s"] = time.monotonic() - start - generate_s
+        return rollout
+
+    def _refill(self, first: dict, iteration: int) -> tuple[dict, float]:
+        """DAPO dynamic sampling: keep groups whose shaped scores vary; generate more rounds until the batch
+        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups."""
+        n, need = self.args.n_samples_per_prompt, self.args.prompts_per_rank
+        kept, dropped, seen = [], [], 0
+        rollout, attempt = first, 0
+        while True:
+            varied = varied_groups(shaped_scores(rollout["scores"], rollout["response_mask"], self.args), n)
+            for group, keep in enumerate(varied.tolist()):
+                (kept if keep else dropped).append(_rows(rollout, group * n, group * n + n))
+            seen += len(varied)
+            attempt += 1
+            if len(kept) >= need or attempt >= self.args.max_num_gen_batches:
+                break
+            rollout = self._sample(iteration, attempt)
+        fraction = min(len(kept), need) / need
+        return _concat((kept + dropped)[:need]), fraction
+
+
+def _rows(rollout: dict, start: int, end: int) -> dict:
+    return {k: v[start:end] for k, v in rollout.items()}
+
+
+def _concat(parts: list[dict]) -> dict:
+    return {k: (torch.cat([p[k] for p in parts]) if isinstance(parts[0][k], torch.Tensor)
+                else [x for p in parts for x in p[k]]) for k in parts[0]}
+
+
+def shaped_scores(scores: torch.Tensor, response_mask: torch.Tensor, args) -> torch.Tensor:
+    """The reward plus DAPO's overlong penalty (when ``--overlong-buffer-len`` > 0)."""
+    if not args.overlong_buffer_len:
+        return scores
+    lengths = response_mask.sum(dim=1)
+    return scores + overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer_len,
+                                     args.overlong_penalty_factor).to(scores.device)
 
 
 def dp_mean(value: float, topo, device) -> float:
@@ -172,25 +420,55 @@ def dp_mean(value: float, topo, device) -> float:
     return float(t) / topo.dp.size
 
 
-def ppo_update(rollout: dict, scores: torch.Tensor, args, topo, ppo, actor, critic, device) -> dict:
-    mask = rollout["response_mask"]
-    kl = kl_penalty(rollout["old_log_probs"], rollout["ref_log_probs"], ppo.kl_estimator, ppo.kl_clamp) * mask
-    rewards = -ppo.kl_coef * kl
-    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (mask > 0)
-    rewards = rewards + last.float() * scores.to(device)[:, None]
-    advantages, returns = compute_gae(rewards, rollout["old_values"], mask, ppo.gamma, ppo.lam)
-    batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask", "old_log_probs", "old_values")}
-    batch.update(advantages=whiten(advantages, mask, topo.dp.group), returns=returns)
+def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int) -> dict:
+    """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``."""
+    staleness = version - rollout["version"]
+    if not 0 <= staleness <= args.max_staleness:
+        raise RuntimeError(f"rollout of policy version {rollout['version']} is {staleness} updates old at version "
+                           f"{version}; --max-staleness is {args.max_staleness}")
+    start = time.monotonic()
+    ppo, mask = args.ppo, rollout["response_mask"]
+    old_log_probs, old_values = rollout["rollout_log_probs"], rollout.get("old_values")
+    batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    if staleness:
+        micro_batches = [{"input_ids": rollout["input_ids"][i:i + args.micro_batch_size],
+                          "attention_mask": rollout["attention_mask"][i:i + args.micro_batch_size]}
+                         for i in range(0, len(mask), args.micro_batch_size)]
+        old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
+        batch["is_weights"] = truncated_is_weights(old_log_probs, rollout["rollout_log_probs"], ppo.rollout_is_cap)
+        if critic is not None:
+            old_values = pipeline_values(critic.chunk, micro_batches).to(device)[:, :-1]
+    scores = shaped_scores(raw_scores.to(device), mask, args)
+    rewards, kl = token_rewards(scores, mask, old_log_probs, rollout["ref_log_probs"],
+                                0.0 if ppo.use_kl_loss else ppo.kl_coef, ppo.kl_estimator, ppo.kl_clamp)
+    advantages, returns = compute_advantages(args.advantage, rewards, mask, old_values, topo.dp.group)
+    batch.update(old_log_probs=old_log_probs, advantages=advantages)
+    if ppo.use_kl_loss:
+        batch["ref_log_probs"] = rollout["ref_log_probs"]
+    log_probs_s = time.monotonic() - start
+    critic_batch = None
+    if critic is not None:
+        critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
+                        "old_values": old_values, "returns": returns}
     for _ in range(args.ppo_epochs):
         actor_metrics = actor.forward_backward(batch)
         actor.optim_step()
-        critic_metrics = critic.forward_backward(batch)
-        critic.optim_step()
-    kl_mean = dp_mean(float(kl.sum() / mask.sum().clamp(min=1)), topo, device)
-    return {"reward": dp_mean(float(scores.mean()), topo, device), "kl": kl_mean,
-            "policy_loss": actor_metrics["policy_loss"], "value_loss": critic_metrics["value_loss"],
-            "clip_fraction": actor_metrics["clip_fraction"],
-            "response_length": dp_mean(float(mask.sum(dim=1).mean()), topo, device)}
+        if critic is not None:
+            critic_metrics = critic.forward_backward(critic_batch)
+            critic.optim_step()
+    metrics = {"reward": dp_mean(float(raw_scores.mean()), topo, device),
+               "kl": dp_mean(float(kl.sum() / mask.sum().clamp(min=1)), topo, device),
+               "policy_loss": actor_metrics["policy_loss"], "clip_fraction": actor_metrics["clip_fraction"],
+               "response_length": dp_mean(float(mask.sum(dim=1).mean()), topo, device),
+               "staleness": float(staleness), "kept_group_fraction": dp_mean(rollout["kept_fraction"], topo, device),
+               "time_generate_s": rollout["generate_s"],
+               "time_log_probs_s": rollout["log_probs_s"] + log_probs_s,
+               "time_train_s": time.monotonic() - start - log_probs_s}
+    if critic is not None:
+        metrics["value_loss"] = critic_metrics["value_loss"]
+    if ppo.use_kl_loss:
+        metrics["kl_loss"] = actor_metrics["kl_loss"]
+    return metrics
 
 
 def pretrain(args, topo, config, device) -> DistributedDataParallel:
@@ -214,43 +492,74 @@ def pretrain(args, topo, config, device) -> DistributedDataParallel:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args, world_size)
     torch.set_num_threads(1)
     owns_process_group = not dist.is_initialized()
-    topo = topology.initialize(tp=args.tp, pp=args.pp)
+    trainers = world_size - args.rollout_world_size
+    topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                               ranks=list(range(trainers)))
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)
     config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=16,
                        make_vocab_size_divisible_by=8, seed=args.seed)
-    ppo = PPOConfig(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
-                    gamma=1.0, lam=args.lam)
+    single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model else None
+    sync = None
+    if args.rollout_world_size:
+        rtp = args.rollout_tensor_parallel_size
+        rollout_tp_groups = {start: dist.new_group(list(range(start, start + rtp)))
+                             for start in range(trainers, world_size, rtp)}
+        trainer_dp = [None] * world_size
+        dist.all_gather_object(trainer_dp, topo.dp.rank if topo.global_rank < trainers else -1)
+        if topo.global_rank >= trainers:
+            start = trainers + (topo.global_rank - trainers) // rtp * rtp
+            serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp)
+            if owns_process_group:
+                topology.destroy()
+            return 0
     start = time.monotonic()
     actor_chunk = pretrain(args, topo, config, device)
     layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
     reference = ReferenceModel(GPTModel(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
                                         layer_range=layer_range).to(device),
                                source=actor_chunk, offload=args.offload_reference)
+    if args.rollout_world_size:
+        sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
+        sync.sync()
     actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
                                                                        clip_grad=1.0), [actor_chunk]),
-                            PPOActorObjective(ppo, args.temperature), args.micro_batch_size, topo)
-    critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
-    critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(ppo), args.micro_batch_size, topo)
-    rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device)
+                            PPOActorObjective(args.ppo, args.temperature), args.micro_batch_size, topo)
+    critic = critic_chunk = None
+    if args.advantage.needs_critic:
+        critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
+        critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
+                                 topo)
+    owner = topo.global_rank == args.critic_owner_rank
+    reward = reward_function(args, owner or not args.use_centralized_critic, single_group)
+    rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device, reward)
     reward_model = None
     if args.use_centralized_critic:
-        reward_model = CentralizedModel(score_batches if topo.global_rank == args.critic_owner_rank else None,
+        reward_model = CentralizedModel((lambda per_rank: score_batches(reward, per_rank)) if owner else None,
                                         owner=args.critic_owner_rank)
-        stream = Prefetcher(reward_model, rollouts, args.critic_prefetch_depth,
+        stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["prompts"], r["responses"]))
     else:
-        stream = ((r, score_batches([(r["prompts"], r["responses"])])[0]) for r in rollouts)
-    logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.ppo_iters,
+        stream = ((r, r["scores"]) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
+    logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                            stream=open(os.devnull, "w"))
+    last = time.monotonic()
     for rollout, scores in stream:
-        metrics = ppo_update(rollout, scores, args, topo, ppo, actor, critic, device)
+        metrics = rl_update(rollout, scores, args, topo, actor, critic, device, rollouts.version)
+        rollouts.version += 1
+        if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
+            start_sync, sent = time.monotonic(), sync.bytes_sent
+            sync.sync()
+            metrics.update(time_sync_s=time.monotonic() - start_sync, sync_bytes_sent=float(sync.bytes_sent - sent))
+        metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
         logger.log(rollout["iteration"], metrics)
         if topo.global_rank == 0:
-            print(f"ppo iteration {rollout['iteration']}/{args.ppo_iters} | "
+            print(f"rl iteration {rollout['iteration']}/{args.train_iters} | "
                   + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                   + f" | elapsed {time.monotonic() - start:.0f}s", flush=True)
     if reward_model is not None:

@@ -198,12 +198,14 @@ def _default_backend() -> str:
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1,
                etp: int | None = None, order: str = DEFAULT_ORDER, backend: str | None = None,
-               timeout_s: float = 600.0) -> Topology:
+               timeout_s: float = 600.0, ranks: list[int] | None = None) -> Topology:
     """Create the process groups for this layout and make them the current topology.
 
     Initializes the default group from torchrun's environment when needed.
     Every rank validates the layout before any collective, so bad sizes raise
-    ValueError on all ranks instead of hanging.
+    ValueError on all ranks instead of hanging.  ``ranks`` lays the grid over
+    those global ranks only (e.g. the trainer ranks when others serve rollouts);
+    every rank still calls this, and a rank outside gets axes of size 0 (no group).
     """
     global _CURRENT
     import torch
@@ -216,7 +218,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
+        rank_groups(world if ranks is None else len(ranks), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
         backend = backend or _default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -227,7 +229,11 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep
             os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend=backend, timeout=timeout)
     world, me = dist.get_world_size(), dist.get_rank()
-    groups = rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
+    members = list(range(world)) if ranks is None else list(ranks)
+    if len(set(members)) != len(members) or not all(0 <= r < world for r in members):
+        raise ValueError(f"topology ranks {members} must be distinct ranks of the world of {world}")
+    groups = {name: [[members[i] for i in g] for g in axis_groups] for name, axis_groups in
+              rank_groups(len(members), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order).items()}
 
     made: dict[tuple[int, ...], object] = {}
     axes = {}
@@ -243,7 +249,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep
             axes[name] = Axis(name, None, [], -1)
         else:
             axes[name] = Axis(name, made[tuple(mine)], list(mine), mine.index(me))
-    _CURRENT = Topology(world_size=world, global_rank=me, vpp=vpp, all_groups=groups, **axes)
+    _CURRENT = Topology(world_size=len(members), global_rank=me, vpp=vpp, all_groups=groups, **axes)
     return _CURRENT
 
 

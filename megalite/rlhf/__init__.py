@@ -1,14 +1,20 @@
-"""RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math,
-a centralized critic/reward model with prefetch, a training backend for outside RL loops and weight export."""
+"""RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
+estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward model
+with prefetch, a training backend for outside RL loops, weight export and trainer -> rollout weight sync."""
 
+from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
+                                      discounted_returns, grpo_advantages, rloo_advantages)
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
-from megalite.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
-                                      value_loss, whiten)
+from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
+                               truncated_is_weights, value_loss, whiten)
+from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
+from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
+from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
 
 __all__ = [
@@ -16,4 +22,7 @@ __all__ = [
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "CentralizedModel", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
+    "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
+    "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
+    "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync",
 ]

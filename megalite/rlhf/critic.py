@@ -15,21 +15,22 @@ VALUE_HEAD_STREAM = 7_000_001
 """Offset added to the config seed for the value head's initial weights."""
 
 
-class CriticModel(nn.Module):
-    """One pipeline chunk of a GPT critic; the last chunk returns values ``[b, s]`` (fp32).
+class CriticModel(GPTModel):
+    """One pipeline chunk of a GPT critic (or reward model); the last chunk returns values ``[b, s]`` (fp32).
 
-    The embeddings are untied (the critic has no output layer to tie them to),
-    and the value head ``Linear(h, 1)`` is replicated over TP and initialized
-    from the config seed, so every layout starts from the same critic.
+    A GPTModel whose output layer is replaced by a value head ``Linear(h, 1)``, so
+    parameter names, and therefore checkpoints, follow the GPT's.  The embeddings
+    are untied (there is no output layer to tie them to), and the value head is
+    replicated over TP and initialized from the config seed, so every layout
+    starts from the same critic.
     """
 
     def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_group=None):
-        super().__init__()
         config = dataclasses.replace(config, untie_embeddings_and_output_weights=True)
-        self.gpt = GPTModel(config, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
-                            sequence_parallel=sequence_parallel, tp_group=tp_group)
-        self.gpt.output_layer = None
+        super().__init__(config, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                         sequence_parallel=sequence_parallel, tp_group=tp_group)
+        self.output_layer = None
         self.value_head = None
         if post_process:
             generator = torch.Generator().manual_seed(config.seed + VALUE_HEAD_STREAM)
@@ -39,14 +40,11 @@ class CriticModel(nn.Module):
                 self.value_head.weight.copy_(weight)
                 self.value_head.bias.zero_()
 
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        self.gpt.set_input_tensor(tensor)
-
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
         """Values ``[b, s]`` on the last chunk, hidden states ``[s, b, h]`` on the others."""
         if self.value_head is None:
-            return self.gpt(input_ids, attention_mask=attention_mask)
-        hidden = self.gpt(input_ids, attention_mask=attention_mask, return_hidden=True)
+            return super().forward(input_ids, attention_mask=attention_mask)
+        hidden = super().forward(input_ids, attention_mask=attention_mask, return_hidden=True)
         return self.value_head(hidden).squeeze(-1).float()
 
 

@@ -15,7 +15,7 @@ import torch
 
 from megalite.rlhf.actor import token_log_probs
 from megalite.rlhf.unwrap import unwrap
-from megalite.rlhf.ppo import PPOConfig, aggregate, policy_loss, value_loss
+from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
 
 
 class LanguageModelObjective:
@@ -38,7 +38,9 @@ class LanguageModelObjective:
 class PPOActorObjective:
     """Clipped PPO surrogate minus ``entropy_coef`` x entropy, over ``response_mask``.
 
-    Needs ``old_log_probs`` and ``advantages``.
+    Needs ``old_log_probs`` and ``advantages``; with ``config.use_kl_loss`` also
+    ``ref_log_probs`` (adds ``kl_coef`` x the aggregated KL estimate); an optional
+    ``is_weights`` multiplies the surrogate per token (stale rollouts).
     """
 
     def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None):
@@ -56,8 +58,14 @@ class PPOActorObjective:
         log_probs, entropy = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], self.temperature,
                                              self.chunk_size, with_entropy, tp_group=unwrap(chunk).tp_group)
         mask = mb["response_mask"]
-        loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer)
+        loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer,
+                                    mb.get("is_weights"))
         metrics["policy_loss"] = loss.detach()
+        if self.config.use_kl_loss:
+            kl = kl_penalty(log_probs, mb["ref_log_probs"], self.config.kl_estimator, self.config.kl_clamp)
+            kl_term = aggregate(kl, mask, self.mode, normalizer)
+            metrics["kl_loss"] = kl_term.detach()
+            loss = loss + self.config.kl_coef * kl_term
         if with_entropy:
             entropy_term = aggregate(entropy, mask, self.mode, normalizer)
             metrics["entropy"] = entropy_term.detach()

@@ -1,4 +1,4 @@
-"""PPO math: KL penalty estimators, clipped policy and value losses, loss aggregation, GAE, whitening.
+"""PPO math: KL penalty estimators, clipped policy and value losses, loss aggregation, whitening.
 
 Every function takes per-token tensors ``[b, t]`` with a 0/1 ``mask`` of the
 response tokens that count.  Losses are *sums* divided by a caller-given
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megalite import topology
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 @dataclass
@@ -25,9 +25,13 @@ class PPOConfig:
     """Hyper-parameters of the PPO objective.
 
     ``clip_eps``/``clip_eps_high``: the ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]``
-    (``clip_eps_high`` defaults to ``clip_eps``).  ``dual_clip``: bound (> 1) on the loss of
-    negative-advantage tokens, ``None`` disables it.  ``kl_coef`` weighs the KL penalty to the
-    reference model, estimated by ``kl_estimator`` and clamped to ``[-kl_clamp, kl_clamp]``.
+    (``clip_eps_high`` defaults to ``clip_eps``; DAPO's clip-higher sets it larger).  ``dual_clip``:
+    bound (> 1) on the loss of negative-advantage tokens, ``None`` disables it.  ``kl_coef`` weighs
+    the KL to the reference model, estimated by ``kl_estimator`` and clamped to
+    ``[-kl_clamp, kl_clamp]``: subtracted from the per-token reward, or with ``use_kl_loss`` added
+    to the actor loss instead (GRPO style).  ``rollout_is_cap``: truncation of the importance weight
+    between the policy at the start of the update and a stale rollout policy (bounded-staleness
+    training); ``None`` means no correction.
     """
 
     clip_eps: float = 0.2
@@ -39,8 +43,8 @@ class PPOConfig:
     kl_clamp: float = 10.0
     entropy_coef: float = 0.0
     loss_aggregation: str = "token-mean"
-    gamma: float = 1.0
-    lam: float = 0.95
+    use_kl_loss: bool = False
+    rollout_is_cap: float | None = None
 
     def __post_init__(self):
         if self.clip_eps_high is None:
@@ -56,6 +60,8 @@ class PPOConfig:
             raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
         if self.kl_clamp <= 0:
             raise ValueError(f"kl_clamp must be positive, got {self.kl_clamp}")
+        if self.rollout_is_cap is not None and self.rollout_is_cap < 1.0:
+            raise ValueError(f"rollout_is_cap must be >= 1 (or None), got {self.rollout_is_cap}")
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3",
@@ -82,15 +88,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalizer
     """Reduce a per-token loss ``[b, t]`` to a scalar share of the global mean.
 
     ``token-mean``: the masked sum divided by ``normalizer`` = the global number
-    of response tokens.  ``seq-mean``: each sequence's mean over its tokens,
-    summed, divided by ``normalizer`` = the global number of sequences.
+    of response tokens.  ``seq-mean-token-sum``: each sequence's sum over its
+    tokens, summed, divided by ``normalizer`` = the global number of sequences.
+    ``seq-mean-token-mean``: the same with each sequence's mean over its tokens.
     """
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
     if normalizer <= 0:
         raise ValueError(f"loss normalizer must be positive, got {normalizer}")
     mask = mask.to(per_token.dtype)
-    if mode == "token-mean":
+    if mode != "seq-mean-token-mean":
         return (per_token * mask).sum() / normalizer
     lengths = mask.sum(dim=-1).clamp(min=1.0)
     return ((per_token * mask).sum(dim=-1) / lengths).sum() / normalizer
@@ -101,6 +108,8 @@ def global_normalizer(mask: torch.Tensor, mode: str, dp_group=None) -> float:
 
     ``mask`` is this rank's whole share of the batch (every micro-batch).
     """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
     local = mask.sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]))
     total = local.detach().to(torch.float64).reshape(1).clone()
     group = topology.resolve_group(dp_group, "dp")
@@ -109,12 +118,20 @@ def global_normalizer(mask: torch.Tensor, mode: str, dp_group=None) -> float:
     return float(total.item())
 
 
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """``min(pi_old / pi_rollout, cap)`` per token: corrects a loss on stale rollouts (no gradient)."""
+    return torch.exp(old_log_probs - rollout_log_probs).clamp(max=cap).detach()
+
+
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, config: PPOConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
+                mask: torch.Tensor, config: PPOConfig, normalizer: float,
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate loss with dual clip; returns ``(loss, metrics)``.
 
     Per token: ``max(-A r, -A clip(r, 1 - eps, 1 + eps_high))``, and for ``A < 0``
-    additionally at most ``-A * dual_clip``.
+    additionally at most ``-A * dual_clip``; times ``is_weights`` when given
+    (see :func:`truncated_is_weights`).
     """
     log_ratio = log_probs - old_log_probs
     ratio = torch.exp(log_ratio)
@@ -123,6 +140,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     loss = torch.maximum(unclipped, clipped)
     if config.dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * config.dual_clip), loss)
+    if is_weights is not None:
+        loss = loss * is_weights
     m = mask.to(loss.dtype)
     count = m.sum().clamp(min=1.0)
     with torch.no_grad():
@@ -137,31 +156,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = old_values + (values - old_values).clamp(-config.value_clip, config.value_clip)
     loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
     return aggregate(loss, mask, config.loss_aggregation, normalizer)
-
-
-@torch.no_grad()
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimates and returns ``[b, t]`` over the masked tokens.
-
-    Masked-out positions are skipped: the recursion links each response token
-    to the next *unmasked* one, and the value after the last one is 0.
-    Advantages and returns are 0 outside the mask.
-    """
-    if rewards.shape != values.shape or rewards.shape != mask.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same shape")
-    m = mask.to(values.dtype)
-    next_value = torch.zeros_like(values[:, 0])
-    last_gae = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        gae = delta + gamma * lam * last_gae
-        last_gae = m[:, t] * gae + (1.0 - m[:, t]) * last_gae
-        next_value = m[:, t] * values[:, t] + (1.0 - m[:, t]) * next_value
-        advantages[:, t] = m[:, t] * gae
-    return advantages, (advantages + values) * m
 
 
 @torch.no_grad()

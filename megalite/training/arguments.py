@@ -199,6 +199,18 @@ def _add(group, flag: Flag) -> None:
                        help=help_text)
 
 
+def add_flag(group, name: str, default=_UNSET, help: str | None = None) -> None:
+    """Add ``FLAGS``' flag ``name`` to another script's parser (the RL examples), with that script's default
+    and help when given, so the same option keeps one spelling and type."""
+    flag = next((f for f in FLAGS if f.name == name), None)
+    if flag is None:
+        raise ValueError(f"{name} is not a pretraining flag")
+    changes = {"help": help} if help else {}
+    if default is not _UNSET:
+        changes.update(default=default, fields=())
+    _add(group, dataclasses.replace(flag, **changes))
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser)`` may add script-specific flags."""
     parser = _RaisingParser(prog="pretrain", allow_abbrev=False,

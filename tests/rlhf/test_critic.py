@@ -50,7 +50,7 @@ def _tp_rank():
         values = critic(ids, mask)
         (values * weights).sum().backward()
         torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-5)
-        assert critic.gpt.output_layer is None and values.shape == ids.shape
+        assert critic.output_layer is None and values.shape == ids.shape
         params = dict(critic.named_parameters())
         assert sorted(params) == sorted(ref_grads)
         for name, param in params.items():

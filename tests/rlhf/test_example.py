@@ -1,5 +1,6 @@
-"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2 and writes one metrics record and TensorBoard
-scalar per iteration."""
+"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a centralized reward and one-step
+staleness, and GRPO with DAPO's pieces and the KL loss; one metrics record and TensorBoard scalar per iteration,
+and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
 
 import importlib.util
 import json
@@ -11,27 +12,112 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megalite.testing import run_distributed
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rlhf_ppo.py")
+TINY = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3",
+        "--train-iters", "3", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1"]
 
 
-def _run(argv):
+def _module():
     spec = importlib.util.spec_from_file_location("rlhf_ppo_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(argv)
+    return module
 
 
-def test_example_runs_and_writes_metrics(tmp_path):
+def _run(argv):
+    return _module().main(argv)
+
+
+def text_reward(prompt: str, response: str) -> float:
+    """A reward that varies within the groups of an untrained policy (for the equality checks)."""
+    return float(sum(map(ord, response)) % 7)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_ppo_example_with_centralized_reward_and_staleness(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--tp", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3", "--ppo-iters", "2",
-            "--rollout-batch-size", "8", "--micro-batch-size", "4", "--pretrain-batch-size", "8", "--ppo-epochs", "1",
-            "--use-centralized-critic", "--critic-prefetch-depth", "1", "--metrics-file", str(metrics),
-            "--tensorboard-dir", str(tmp_path / "tb")]
+    argv = TINY + ["--global-batch-size", "8", "--use-centralized-critic", "--max-staleness", "1",
+                   "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb")]
     assert run_distributed(_run, 2, argv, timeout=180) == [0, 0]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [1, 2]
+    records = _records(metrics)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert [r["staleness"] for r in records] == [0.0, 1.0, 1.0]
     for record in records:
-        assert {"reward", "kl", "policy_loss"} <= set(record) and 0.0 <= record["reward"] <= 1.0
+        assert {"reward", "kl", "policy_loss", "value_loss"} <= set(record) and 0.0 <= record["reward"] <= 1.0
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/reward")]
     assert logged == [(r["iteration"], pytest.approx(r["reward"])) for r in records]
+
+
+def test_grpo_example_with_dapo_and_kl_loss(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    argv = TINY + ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo",
+                   "--use-kl-loss", "--dynamic-sampling", "--clip-ratio-high", "0.28", "--overlong-buffer-len", "1",
+                   "--loss-agg-mode", "seq-mean-token-sum", "--metrics-file", str(metrics), "--tensorboard-dir", ""]
+    assert run_distributed(_run, 2, argv, timeout=180) == [0, 0]
+    records = _records(metrics)
+    assert [r["staleness"] for r in records] == [0.0, 0.0, 0.0]
+    for record in records:
+        assert "kl_loss" in record and "value_loss" not in record and 0.0 <= record["kept_group_fraction"] <= 1.0
+
+
+def test_disaggregated_equals_colocated_and_runs_async(tmp_path):
+    """One trainer rank and one rollout rank (weights synced after each update) give exactly the colocated
+    run's metrics over two on-policy iterations; a tp2 rollout replica with --max-staleness 1 runs."""
+    base = TINY + ["--tensor-model-parallel-size", "1", "--global-batch-size", "2", "--n-samples-per-prompt", "2",
+                   "--advantage-estimator", "grpo", "--train-iters", "2", "--tensorboard-dir", "",
+                   "--reward-fn", "tests.rlhf.test_example:text_reward", "--ppo-epochs", "2"]
+    paths = [tmp_path / "colocated.jsonl", tmp_path / "disaggregated.jsonl", tmp_path / "async.jsonl"]
+    assert run_distributed(_run, 1, base + ["--metrics-file", str(paths[0])], timeout=180) == [0]
+    assert run_distributed(_run, 2, base + ["--rollout-world-size", "1", "--metrics-file", str(paths[1])],
+                           timeout=180) == [0, 0]
+    colocated, disaggregated = _records(paths[0]), _records(paths[1])
+    assert all(r["policy_loss"] != 0.0 and r["reward"] > 0 for r in colocated)  # the second epoch moved the policy
+    assert disaggregated[0]["sync_bytes_sent"] > 0 and "sync_bytes_sent" not in disaggregated[1]
+    for a, b in zip(colocated, disaggregated):
+        assert {k: v for k, v in a.items() if not k.startswith("time_")} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_"))}
+    argv = base + ["--train-iters", "3", "--rollout-world-size", "2", "--rollout-tensor-parallel-size", "2",
+                   "--max-staleness", "1", "--metrics-file", str(paths[2])]
+    assert run_distributed(_run, 3, argv, timeout=180) == [0, 0, 0]
+    assert [r["staleness"] for r in _records(paths[2])] == [0.0, 1.0, 1.0]
+
+
+def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
+    lookahead = _module().lookahead
+    for depth in (0, 1, 2):
+        events, version = [], 0
+
+        def produce():
+            for i in range(5):
+                events.append(("generate", i, version))
+                yield i, version
+
+        for item, made_by in lookahead(produce(), depth):
+            events.append(("train", item, version))
+            assert version - made_by <= depth
+            version += 1
+        if depth == 0:
+            assert events == [e for i in range(5) for e in (("generate", i, i), ("train", i, i))]
+        assert max(t[2] - g[2] for g in events if g[0] == "generate" for t in events
+                   if t[0] == "train" and t[1] == g[1]) == depth
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--advantage-estimator", "ppo2"], "advantage estimator must be one of"),
+    (["--advantage-estimator", "grpo"], "'grpo' needs at least 2 samples per prompt, got 1"),
+    (["--advantage-estimator", "rloo"], "'rloo' needs at least 2 samples per prompt, got 1"),
+    (["--reward-fn", "no_such_module_xyz:score"], "cannot import reward module 'no_such_module_xyz'"),
+    (["--global-batch-size", "3"], "--global-batch-size 3 is not divisible by the data-parallel size 2"),
+    (["--tensor-model-parallel-size", "3"], "4 trainer ranks .* not divisible by tensor-model-parallel-size 3"),
+    (["--rollout-world-size", "4"], "--rollout-world-size 4 leaves no trainer ranks in the world of 4"),
+    (["--tensor-model-parallel-size", "1", "--rollout-world-size", "3", "--rollout-tensor-parallel-size", "2"],
+     "--rollout-world-size 3 is not a multiple of --rollout-tensor-parallel-size 2"),
+])
+def test_example_bad_input(extra, message):
+    module = _module()
+    with pytest.raises(ValueError, match=message):
+        module.validate(module.parse_args(TINY + ["--global-batch-size", "8"] + extra), 4)

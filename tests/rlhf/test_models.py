@@ -1,5 +1,7 @@
 """Reference model offload, and the training backend's DP/micro-batch invariance and checkpoints."""
 
+import math
+
 import torch
 
 from megalite import topology
@@ -9,7 +11,7 @@ from megalite.rlhf import (PPOActorObjective, PPOConfig, ReferenceModel, Trainin
                                   sequence_log_probs)
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.testing import run_distributed
-from tests.rlhf.common import config, padded_prompts
+from tests.rlhf.common import VOCAB, config, padded_prompts
 
 
 def test_reference_offload_keeps_weights_on_host_and_matches_actor():
@@ -30,12 +32,14 @@ def _batch(rows):
     response = torch.zeros(4, 7)
     response[:, 4:] = 1
     return {"input_ids": ids[rows], "attention_mask": mask[rows], "response_mask": response[rows],
-            "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows]}
+            "old_log_probs": (-torch.rand(4, 7, generator=g))[rows], "advantages": torch.randn(4, 7, generator=g)[rows],
+            "ref_log_probs": (0.3 * torch.randn(4, 7, generator=g) - math.log(VOCAB))[rows],
+            "is_weights": torch.rand(4, 7, generator=g)[rows]}
 
 
 def _backend_rank(directory):
-    for mode in ("token-mean", "seq-mean"):
-        backend = _check_backend(mode)
+    for mode, kl_loss in (("token-mean", False), ("seq-mean-token-mean", False), ("seq-mean-token-sum", True)):
+        backend = _check_backend(mode, kl_loss)
     _check_save_load(backend, directory)
 
 
@@ -59,17 +63,28 @@ def _check_save_load(backend, directory):
         assert torch.equal(got, want), name
 
 
-def _check_backend(mode):
+def _check_backend(mode, kl_loss):
+    """Entropy bonus, the KL loss term and IS weights included: the DP x micro-batch gradient equals the whole."""
     cfg = config()
-    ppo = PPOConfig(loss_aggregation=mode, entropy_coef=0.01)
+    ppo = PPOConfig(loss_aggregation=mode, entropy_coef=0.01, use_kl_loss=kl_loss, kl_coef=0.3, kl_estimator="k3")
     plain = GPTModel(cfg)
     whole = _batch(slice(0, 4))
     log_probs, entropy = sequence_log_probs(plain, whole["input_ids"], whole["attention_mask"], with_entropy=True)
     norm = float(whole["response_mask"].sum()) if mode == "token-mean" else 4.0
-    ref_loss, _ = policy_loss(log_probs, whole["old_log_probs"], whole["advantages"], whole["response_mask"], ppo, norm)
+    ref_loss, _ = policy_loss(log_probs, whole["old_log_probs"], whole["advantages"], whole["response_mask"], ppo, norm,
+                              whole["is_weights"])
     mask = whole["response_mask"]
-    bonus = (entropy * mask).sum() / norm if mode == "token-mean" else ((entropy * mask).sum(1) / mask.sum(1)).sum() / norm
-    (ref_loss - 0.01 * bonus).backward()
+
+    def mean(x):
+        if mode == "seq-mean-token-mean":
+            return ((x * mask).sum(1) / mask.sum(1)).sum() / norm
+        return (x * mask).sum() / norm
+
+    total = ref_loss - 0.01 * mean(entropy)
+    if kl_loss:
+        d = log_probs - whole["ref_log_probs"]
+        total = total + 0.3 * mean(torch.exp(-d) - 1 + d)
+    total.backward()
     topo = topology.current() if topology.is_initialized() else topology.initialize()
     backend = _new_backend(cfg, ppo)
     chunk = backend.chunk

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from megalite import topology
-from megalite.rlhf.ppo import (PPOConfig, aggregate, compute_gae, global_normalizer, kl_penalty, policy_loss,
-                                      value_loss, whiten)
+from megalite.rlhf.advantages import compute_gae
+from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss, truncated_is_weights,
+                               value_loss, whiten)
 from megalite.testing import run_distributed
 
 
@@ -33,8 +34,8 @@ def test_kl_estimators_match_elementwise_reference(estimator):
             assert abs(float(got[i, j]) - min(max(want, -5.0), 5.0)) < 1e-5
 
 
-def _reference_policy_loss(logp, old, adv, mask, eps_lo, eps_hi, dual, mode):
-    per_seq, total, count = [], 0.0, 0
+def _reference_policy_loss(logp, old, adv, mask, eps_lo, eps_hi, dual, mode, weights=None):
+    per_seq, seq_sums, total, count = [], [], 0.0, 0
     for i in range(logp.shape[0]):
         seq_sum, seq_n = 0.0, 0
         for j in range(logp.shape[1]):
@@ -45,13 +46,20 @@ def _reference_policy_loss(logp, old, adv, mask, eps_lo, eps_hi, dual, mode):
             loss = max(-a * r, -a * min(max(r, 1 - eps_lo), 1 + eps_hi))
             if a < 0:
                 loss = min(loss, -a * dual)
+            if weights is not None:
+                loss *= float(weights[i, j])
             seq_sum, seq_n = seq_sum + loss, seq_n + 1
         per_seq.append(seq_sum / seq_n)
+        seq_sums.append(seq_sum)
         total, count = total + seq_sum, count + seq_n
-    return total / count if mode == "token-mean" else sum(per_seq) / len(per_seq)
+    if mode == "token-mean":
+        return total / count
+    if mode == "seq-mean-token-sum":
+        return sum(seq_sums) / len(seq_sums)
+    return sum(per_seq) / len(per_seq)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_policy_loss_matches_reference(mode):
     logp, old, adv, mask = _data(1)
     config = PPOConfig(clip_eps=0.2, clip_eps_high=0.28, dual_clip=3.0, loss_aggregation=mode)
@@ -59,6 +67,13 @@ def test_policy_loss_matches_reference(mode):
     loss, metrics = policy_loss(logp, old, adv, mask, config, norm)
     assert abs(float(loss) - _reference_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, mode)) < 1e-5
     assert 0.0 < metrics["clip_fraction"] < 1.0
+    rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    weights = truncated_is_weights(old, rollout, cap=1.5)
+    for i in range(old.shape[0]):
+        for j in range(old.shape[1]):
+            assert abs(float(weights[i, j]) - min(math.exp(float(old[i, j] - rollout[i, j])), 1.5)) < 1e-6
+    loss, _ = policy_loss(logp, old, adv, mask, config, norm, weights)
+    assert abs(float(loss) - _reference_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, mode, weights)) < 1e-5
 
 
 def test_value_loss_matches_reference():
@@ -99,12 +114,20 @@ def test_bad_config_raises():
         kl_penalty(torch.zeros(1), torch.zeros(1), "k9")
     with pytest.raises(ValueError, match="normalizer"):
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "token-mean", 0.0)
+    with pytest.raises(ValueError, match="seq-mean"):
+        PPOConfig(loss_aggregation="seq-mean")
+    with pytest.raises(ValueError, match="rollout_is_cap"):
+        PPOConfig(rollout_is_cap=0.5)
 
 
-def _split_rank(mode):
+def _split_rank():
     """Each of 2 DP ranks takes half the batch in 2 micro-batches; the summed loss and grad equal the whole."""
     topology.initialize()
-    dp = topology.current().dp
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        _check_split(mode, topology.current().dp)
+
+
+def _check_split(mode, dp):
     logp, old, adv, mask = _data(4, b=8)
     config = PPOConfig(loss_aggregation=mode)
     whole_logp = logp.clone().requires_grad_(True)
@@ -129,6 +152,5 @@ def _split_rank(mode):
     assert torch.allclose(whitened, (ref * mask)[rows], atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean"])
-def test_loss_and_whitening_independent_of_micro_batches_and_dp(mode):
-    run_distributed(_split_rank, 2, mode, timeout=120)
+def test_loss_and_whitening_independent_of_micro_batches_and_dp():
+    run_distributed(_split_rank, 2, timeout=120)
