@@ -52,6 +52,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard"],
-    extras_require={"test": ["pytest", "transformers", "safetensors"]},
+    extras_require={"test": ["pytest", "transformers", "safetensors", "matplotlib"], "plot": ["matplotlib"]},
     **extension_kwargs(),
 )

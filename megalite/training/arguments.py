@@ -27,7 +27,8 @@ from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.pipeline import split_layers
+from megalite.pipeline import SCHEDULES, split_layers
+from megalite.pipeline.schedules import check_schedule
 
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
@@ -80,6 +81,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-model-parallel-size", PAR, default=1, type=int),
     Flag("--pipeline-model-parallel-size", PAR, default=1, type=int),
     Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
+    Flag("--pipeline-schedule", PAR, choices=SCHEDULES,
+         help="None: 1f1b, or interleaved-1f1b with a virtual size; zbv implies a virtual size of 2"),
     Flag("--decoder-first-pipeline-num-layers", PAR, type=int),
     Flag("--decoder-last-pipeline-num-layers", PAR, type=int),
     Flag("--expert-model-parallel-size", PAR, default=1, type=int),
@@ -360,7 +363,7 @@ def _check_batch(args):
              f"* data-parallel size {dp} = {micro * dp}")
     args.num_microbatches = args.global_batch_size // (micro * dp)
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
+    if vpp is not None and vpp > 1 and args.pipeline_schedule in (None, "interleaved-1f1b"):
         _require(args.num_microbatches % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches {args.num_microbatches} "
                  f"(global batch {args.global_batch_size} / (micro batch {micro} * dp {dp})) to be divisible "
@@ -396,6 +399,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_parallel(args, world_size)
     _check_fsdp(args)
     _check_batch(args)
+    _check_pipeline_schedule(args)
     _check_schedule(args)
     _check_pipeline_split(args)
     if not math.isfinite(args.lr) or args.lr < 0:
@@ -403,10 +407,25 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
+def _check_pipeline_schedule(args):
+    """--pipeline-schedule against the pipeline sizes; zbv fills in its two chunks per rank."""
+    schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
+    if schedule is None or pp == 1 and schedule != "zbv":
+        return
+    if schedule == "zbv":
+        if args.virtual_pipeline_model_parallel_size is None:
+            args.virtual_pipeline_model_parallel_size = 2
+        _require(not (pp > 1 and not args.untie_embeddings_and_output_weights),
+                 f"--pipeline-schedule zbv puts the first and last stage on pipeline rank 0; tied embeddings "
+                 f"need --untie-embeddings-and-output-weights (pp={pp})")
+    check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
+
+
 def _check_pipeline_split(args):
     """Let the pipeline package reject layer counts that do not split over the stages."""
     split_layers(args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
-                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                 v_shape=args.pipeline_schedule == "zbv")
 
 
 def format_args(args: argparse.Namespace) -> str:

@@ -29,7 +29,8 @@ from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import get_optimizer
-from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
+from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
+                               split_layers)
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import (ddp_config, format_args, fsdp_config, optimizer_config, parse_args,
                                          validate_args)
@@ -76,15 +77,19 @@ def _param_dtype(args) -> torch.dtype:
 
 def build_model(model_provider, args, topo) -> list:
     """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+    v_shape = args.pipeline_schedule == "zbv"
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
-                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, v_shape)
     mine = ranges[topo.pp.rank]
     ddp = ddp_config(args)
     chunks = []
     for index, layer_range in enumerate(mine):
-        module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
-                                post_process=topo.is_last_stage() and index == len(mine) - 1,
-                                layer_range=layer_range)
+        if v_shape:  # chunk 0 on rank r is stage r, chunk 1 is stage 2*pp-1-r
+            first, last = topo.pp.rank == 0 and index == 0, topo.pp.rank == 0 and index == 1
+        else:
+            first = topo.is_first_stage() and index == 0
+            last = topo.is_last_stage() and index == len(mine) - 1
+        module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
         if args.use_torch_fsdp2:
             module.to(device=_device())
             chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp.group, topo.expert_dp.group))
@@ -159,7 +164,8 @@ class Trainer:
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
                                    finalize_grads_func=None if forward_only else self._finalize_grads,
                                    scale_loss=None if forward_only else self.optimizer.scale_loss,
-                                   recorder=None if forward_only else self.recorder)
+                                   recorder=None if forward_only else self.recorder,
+                                   schedule=self.args.pipeline_schedule)
         return self._reduce_metrics(results)
 
     def _reduce_metrics(self, results) -> dict[str, float]:
@@ -170,7 +176,8 @@ class Trainer:
         if keys and self.topo.dp.size > 1:
             dist.all_reduce(local, group=self.topo.dp.group)
             local /= self.topo.dp.size
-        values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
+        values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group,
+                                           last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values
 
     def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None, float]:
