@@ -348,6 +348,9 @@ def _check_fsdp(args):
     _require(not args.use_distributed_optimizer,
              "--use-torch-fsdp2 and --use-distributed-optimizer are alternatives (FSDP2 already shards the "
              "optimizer state); pass one")
+    _require(args.pipeline_schedule not in ("zero-bubble-h1", "zbv"),
+             f"--use-torch-fsdp2 does not compose with --pipeline-schedule {args.pipeline_schedule}: it defers "
+             "weight gradients past the backward in which FSDP2 reduce-scatters them; use 1f1b or interleaved-1f1b")
     _require(args.data_parallel_size > 1,
              f"--use-torch-fsdp2 needs a data-parallel size > 1, got dp={args.data_parallel_size} (world size "
              f"{args.world_size} / (tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size}))")

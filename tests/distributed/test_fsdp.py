@@ -96,6 +96,8 @@ def test_resume_across_strategies(tiny_data, tmp_path, references, first, second
 
 @pytest.mark.parametrize("flags,message", [
     (["--use-torch-fsdp2", "--use-distributed-optimizer"], "are alternatives"),
+    (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble-h1",
+      "--global-batch-size", "8"], "does not compose with --pipeline-schedule zero-bubble-h1"),
     (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      "needs a data-parallel size > 1, got dp=1 (world size 4 / (tp 2 * pp 2))"),
 ])
