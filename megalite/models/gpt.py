@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megalite import topology
+from megalite.context_parallel import check_comm_type, check_context_parallel, chunk_indices
 from megalite.models.attention import padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
@@ -201,13 +202,27 @@ class GPTModel(nn.Module):
     the fast ``is_causal`` path).  ``position_ids [b, s]`` may differ per row
     for learned and rotary positions; every chunk of a pipeline needs the same
     ``attention_mask``/``position_ids``.
+
+    Packed samples: ``document_ids [b, S]`` (the whole sequence's document
+    index per token) stops attention at document boundaries.
+
+    Context parallelism (``cp_group`` of ``cp`` ranks, ``cp_comm_type``):
+    ``input_ids``, ``labels`` and ``position_ids`` hold this rank's tokens
+    ``[b, S/cp]`` (chunks ``r`` and ``2cp-1-r`` of ``2cp``, see
+    :func:`megalite.context_parallel.chunk_indices`), positions default to
+    those tokens' global indices, and the loss comes back for them.  Padding
+    masks and the KV cache (generation) need cp = 1.
     """
 
     def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_group=None,
-                 ep_group=None, expert_tp_group=None):
+                 ep_group=None, expert_tp_group=None, cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.tp_group = topology.resolve_group(tp_group, "tp")
+        self.cp_group = topology.resolve_group(cp_group, "cp")
+        self.cp_size = topology.group_size(self.cp_group)
+        self.cp_rank = topology.group_rank(self.cp_group)
+        check_comm_type(cp_comm_type)
         ep_group = topology.resolve_group(ep_group, "ep")
         expert_tp_group = topology.resolve_group(expert_tp_group, "expert_tp")
         self.tp_size = topology.group_size(self.tp_group)
@@ -236,8 +251,8 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base)
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
-                                        ep_group=ep_group, expert_tp_group=expert_tp_group,
-                                        sequence_parallel=self.sequence_parallel)
+                                        ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=self.cp_group,
+                                        cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)
         # The output projection uses ``output_layer.weight`` (or the word
         # embedding when tied on one stage); at tp=1 only its real vocabulary
         # rows, so no logits are computed for padding ids.
@@ -258,7 +273,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
@@ -272,6 +288,18 @@ class GPTModel(nn.Module):
             seq = self.input_tensor.shape[0] * (self.tp_size if self.sequence_parallel else 1)
         if labels is not None and return_hidden:
             raise ValueError("GPTModel.forward takes labels or return_hidden=True, not both")
+        if self.cp_size > 1 and (kv_cache is not None or attention_mask is not None):
+            raise ValueError(f"padding masks and the KV cache (generation) are not supported with context "
+                             f"parallelism (cp={self.cp_size}); run them at cp=1")
+        if document_ids is not None and (kv_cache is not None or attention_mask is not None):
+            raise ValueError("document_ids (packed sequences) cannot be combined with attention_mask or a KV cache")
+        if document_ids is not None and tuple(document_ids.shape) != (b, seq * self.cp_size):
+            raise ValueError(f"document_ids must be [b, S] = [{b}, {seq * self.cp_size}] (the whole sequence), got "
+                             f"{tuple(document_ids.shape)}")
+        if self.cp_size > 1 and position_ids is None:
+            check_context_parallel(seq * self.cp_size, self.cp_size)
+            device = input_ids.device if self.pre_process else self.input_tensor.device
+            position_ids = chunk_indices(seq * self.cp_size, self.cp_size, self.cp_rank, device=device).expand(b, seq)
         explicit_positions = position_ids is not None
         if explicit_positions and tuple(position_ids.shape) != (b, seq):
             raise ValueError(f"position_ids must be [b, s] = [{b}, {seq}], got {tuple(position_ids.shape)}")
@@ -291,7 +319,8 @@ class GPTModel(nn.Module):
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask)
+        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask,
+                              document_ids)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if not self.post_process:

@@ -20,9 +20,10 @@ import dataclasses
 import math
 from dataclasses import MISSING, dataclass
 
-from megalite.data.gpt_dataset import parse_split
 import torch
 
+from megalite.context_parallel import COMM_TYPES, ContextParallelConfig, PackedSequenceConfig, check_context_parallel
+from megalite.data.gpt_dataset import parse_split
 from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
@@ -33,7 +34,8 @@ from megalite.pipeline.schedules import check_schedule
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
 
-CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig)}
+CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
+                                         ContextParallelConfig, PackedSequenceConfig)}
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--decoder-last-pipeline-num-layers", PAR, type=int),
     Flag("--expert-model-parallel-size", PAR, default=1, type=int),
     Flag("--expert-tensor-parallel-size", PAR, type=int, help="None: the tensor-parallel size"),
-    Flag("--context-parallel-size", PAR, default=1, type=int, help="reserved: only 1 is supported"),
+    Flag("--context-parallel-size", PAR, default=1, type=int,
+         help="split every sequence over this many ranks (2*cp load-balanced chunks)"),
+    Flag("--cp-comm-type", PAR, ("ContextParallelConfig.comm_type",), choices=COMM_TYPES,
+         help="context-parallel attention: ring (p2p), all-gathered keys/values, or Ulysses all-to-all (a2a)"),
     Flag("--sequence-parallel", PAR, default=False),
     Flag("--use-distributed-optimizer", PAR, _BOTH_OPT, type=bool),
     Flag("--overlap-grad-reduce", PAR, ("DDPConfig.overlap_grad_reduce",), type=bool),
@@ -165,6 +170,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tokenizer-model", DATA),
     Flag("--vocab-size", DATA, type=int, help="needed when there is no --tokenizer-model"),
     Flag("--data-cache-path", DATA, help="where dataset indexes are cached and the default corpus is built"),
+    Flag("--reset-position-ids", DATA, ("PackedSequenceConfig.reset_position_ids",), type=bool,
+         help="restart positions after each end-of-document token"),
+    Flag("--reset-attention-mask", DATA, ("PackedSequenceConfig.reset_attention_mask",), type=bool,
+         help="no attention across end-of-document tokens"),
+    Flag("--eod-mask-loss", DATA, ("PackedSequenceConfig.eod_mask_loss",), type=bool,
+         help="no loss where the input is the tokenizer's end-of-document token"),
 
     Flag("--save", LOG),
     Flag("--load", LOG),
@@ -285,6 +296,15 @@ def fsdp_config(args) -> FSDPConfig:
     return FSDPConfig(**_config_values(args, "FSDPConfig"), param_dtype=dtype)
 
 
+def context_parallel_config(args) -> ContextParallelConfig:
+    return ContextParallelConfig(**_config_values(args, "ContextParallelConfig"))
+
+
+def packing_config(args) -> PackedSequenceConfig:
+    """The packed-sequence flags; the trainer fills in the tokenizer's end-of-document id."""
+    return PackedSequenceConfig(**_config_values(args, "PackedSequenceConfig"))
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -317,16 +337,17 @@ def _check_model(args):
                  f"{config.max_position_embeddings}")
     optimizer_config(args)
     ddp_config(args)
+    context_parallel_config(args)
 
 
 def _check_parallel(args, world_size):
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
-    _require(cp == 1, f"context parallelism is reserved: --context-parallel-size must be 1, got {cp}")
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    _check_context_parallel(args)
     etp = args.expert_tensor_parallel_size or tp
     ep = args.expert_model_parallel_size
     _require(world_size % (etp * ep * pp) == 0,
@@ -351,9 +372,26 @@ def _check_fsdp(args):
     _require(args.pipeline_schedule not in ("zero-bubble-h1", "zbv"),
              f"--use-torch-fsdp2 does not compose with --pipeline-schedule {args.pipeline_schedule}: it defers "
              "weight gradients past the backward in which FSDP2 reduce-scatters them; use 1f1b or interleaved-1f1b")
-    _require(args.data_parallel_size > 1,
-             f"--use-torch-fsdp2 needs a data-parallel size > 1, got dp={args.data_parallel_size} (world size "
-             f"{args.world_size} / (tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size}))")
+    replicas = args.data_parallel_size * args.context_parallel_size
+    _require(replicas > 1,
+             f"--use-torch-fsdp2 needs data-parallel x context-parallel size > 1 to shard over, got "
+             f"dp={args.data_parallel_size} x cp={args.context_parallel_size} (world size {args.world_size} / "
+             f"(tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size} * "
+             f"cp {args.context_parallel_size}))")
+
+
+def _check_context_parallel(args):
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    check_context_parallel(args.seq_length, cp, args.cp_comm_type)
+    if cp > 1 and args.cp_comm_type == "a2a":
+        heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp
+        _require(heads % cp == 0 and groups % cp == 0,
+                 f"--cp-comm-type a2a needs the attention heads {heads} and query groups {groups} per tensor-parallel "
+                 f"rank to be divisible by the context-parallel size {cp}")
+    if cp > 1 or args.reset_attention_mask:
+        _require(args.attention_dropout == 0.0,
+                 f"--attention-dropout {args.attention_dropout} is not supported with context parallelism or "
+                 f"--reset-attention-mask; set it to 0")
 
 
 def _check_batch(args):

@@ -34,3 +34,13 @@ def check_data(args) -> None:
         if dataset.max_token_id >= args.vocab_size:
             raise ValueError(f"dataset {dataset.prefix} holds token id {dataset.max_token_id}, but the vocabulary "
                              f"has only {args.vocab_size} ids (from {source})")
+
+
+def eod_token_id(args) -> int:
+    """The end-of-document id of the tokenizer (the byte tokenizer without ``--tokenizer-model``)."""
+    eod = build_tokenizer(args.tokenizer_model).eod
+    if args.vocab_size is not None and eod >= args.vocab_size:
+        raise ValueError(f"the end-of-document id {eod} of {args.tokenizer_model or 'the byte tokenizer'} is outside "
+                         f"the vocabulary of {args.vocab_size} ids (needed by --reset-position-ids, "
+                         f"--reset-attention-mask and --eod-mask-loss)")
+    return eod

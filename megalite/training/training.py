@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
@@ -32,10 +33,10 @@ from megalite.optim import get_optimizer
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (ddp_config, format_args, fsdp_config, optimizer_config, parse_args,
-                                         validate_args)
+from megalite.training.arguments import (ddp_config, format_args, fsdp_config, optimizer_config, packing_config,
+                                         parse_args, validate_args)
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
-from megalite.training.data_checks import check_data
+from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.signals import SigtermFlag
@@ -90,12 +91,13 @@ def build_model(model_provider, args, topo) -> list:
             first = topo.is_first_stage() and index == 0
             last = topo.is_last_stage() and index == len(mine) - 1
         module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
+        # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
         if args.use_torch_fsdp2:
             module.to(device=_device())
-            chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp.group, topo.expert_dp.group))
+            chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
         else:
             module.to(device=_device(), dtype=_param_dtype(args))
-            chunks.append(DistributedDataParallel(module, ddp, topo.dp.group, topo.expert_dp.group))
+            chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
 
@@ -119,14 +121,27 @@ def _num_samples(args) -> list[int]:
 
 
 def _iterator(dataset, consumed_samples, args, topo):
-    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp."""
+    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
+
+    With context parallelism or packed-sequence flags each micro-batch becomes
+    this CP rank's chunks plus their positions, documents and loss mask
+    (:func:`megalite.context_parallel.prepare_batch`); otherwise it stays
+    ``{"tokens": [mb, seq+1]}``.
+    """
     if dataset is None:
         return None
+    packing = packing_config(args)
+    if packing.enabled:
+        packing.eod_token_id = eod_token_id(args)
+    prepare = packing.enabled or topo.cp.size > 1
 
     def one():
         sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                     args.global_batch_size, topo.dp.rank, topo.dp.size)
-        return build_data_iterator(dataset, sampler)
+        batches = build_data_iterator(dataset, sampler)
+        if not prepare:
+            return batches
+        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank) for batch in batches)
 
     vpp = args.virtual_pipeline_model_parallel_size
     return one() if vpp is None else [one() for _ in range(vpp)]
@@ -143,14 +158,15 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.flops_per_token = flops_per_token
-        seq = args.seq_length // (topo.tp.size if args.sequence_parallel else 1)
+        seq = args.seq_length // topo.cp.size // (topo.tp.size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.recorder = None
         if args.timeline_dir:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
-        self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
+        self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
+                       "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
                        "distributed_optimizer": args.use_distributed_optimizer, "fsdp2": args.use_torch_fsdp2}
 
@@ -169,13 +185,13 @@ class Trainer:
         return self._reduce_metrics(results)
 
     def _reduce_metrics(self, results) -> dict[str, float]:
-        """Mean over micro-batches on the last stage, mean over DP, then sent to every pipeline stage."""
+        """Mean over micro-batches on the last stage, mean over DP x CP, then sent to every pipeline stage."""
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
                              dtype=torch.float64, device=_device())
-        if keys and self.topo.dp.size > 1:
-            dist.all_reduce(local, group=self.topo.dp.group)
-            local /= self.topo.dp.size
+        if keys and self.topo.dp_cp.size > 1:
+            dist.all_reduce(local, group=self.topo.dp_cp.group)
+            local /= self.topo.dp_cp.size
         values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group,
                                            last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values

@@ -99,7 +99,8 @@ def test_resume_across_strategies(tiny_data, tmp_path, references, first, second
     (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble-h1",
       "--global-batch-size", "8"], "does not compose with --pipeline-schedule zero-bubble-h1"),
     (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-     "needs a data-parallel size > 1, got dp=1 (world size 4 / (tp 2 * pp 2))"),
+     "needs data-parallel x context-parallel size > 1 to shard over, got dp=1 x cp=1 (world size 4 / "
+     "(tp 2 * pp 2 * cp 1))"),
 ])
 def test_bad_flags(flags, message):
     args = parse_args(["--vocab-size", "64", *flags])

@@ -56,7 +56,7 @@ def _bad_inputs(tiny_data, tmp):
         ("unknown-flag", python + ["--data-path", tiny_data, "--no-such-flag", "3"],
          "error: unrecognized arguments: --no-such-flag 3"),
         ("context-parallel", python + ["--context-parallel-size", "2"],
-         "error: context parallelism is reserved: --context-parallel-size must be 1, got 2"),
+         "error: world size 1 is not divisible by tp*pp*cp = 1*1*2 = 2"),
     ]
 
 
