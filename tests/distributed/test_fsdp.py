@@ -1,5 +1,5 @@
-"""FSDP2 (--use-torch-fsdp2) matches the single-rank run under dp, tp x dp (SP), pp x dp, interleaved pp and
-EP; bf16 tracks bf16 DDP; resident memory is a quarter of DDP's at dp=4; checkpoints resume across strategies;
+"""FSDP2 (--use-torch-fsdp2) matches the single-rank run under dp, tp x dp (SP), pp x dp, interleaved pp, EP
+and cp x dp; bf16 tracks bf16 DDP; resident memory is a quarter of DDP's at dp=4; checkpoints resume across strategies;
 TrainingBackend trains through it; bad flag combinations fail before any collective."""
 
 import pytest
@@ -41,7 +41,8 @@ def _max_weight_diff(a, b) -> float:
     ("dense", ["--pipeline-model-parallel-size", "2"]),
     ("deep", [*FOUR_LAYERS, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
     ("moe", [*MOE, "--expert-model-parallel-size", "2", "--no-reshard-after-forward"]),
-], ids=["dp4", "tp2dp2-sp-recompute", "pp2dp2", "pp2vpp2dp2", "ep2-edp2"])
+    ("dense", ["--context-parallel-size", "2"]),
+], ids=["dp4", "tp2dp2-sp-recompute", "pp2dp2", "pp2vpp2dp2", "ep2-edp2", "cp2dp2"])
 def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, flags):
     reference, ref_ckpt = references[arch]
     _, got = train(tiny_data, tmp_path, 4, "--use-torch-fsdp2", *flags, "--save", str(tmp_path / "ckpt"),
