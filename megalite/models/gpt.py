@@ -54,6 +54,7 @@ _CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "activation": ("gelu", "gelu_tanh", "swiglu"),
     "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
 }
 
 
@@ -63,7 +64,11 @@ class GPTConfig:
 
     ``ffn_hidden_size`` defaults to ``4h`` (GELU) or Megatron's SwiGLU size
     ``int(8h/3 / 64) * 64``; ``num_query_groups`` defaults to the number of
-    heads (plain multi-head attention).  ``moe_layer_freq`` is an int ``k``
+    heads (plain multi-head attention) and ``kv_channels`` (the head dimension)
+    to ``hidden_size / num_attention_heads``.  RoPE rotates the first
+    ``rotary_percent`` of each head's channels.  Full recompute uses
+    ``recompute_method`` ("uniform" or "block", default uniform) over
+    ``recompute_num_layers`` layers (default 1).  ``moe_layer_freq`` is an int ``k``
     (layers ``0, k, 2k, ...`` are MoE) or a per-layer list of 0/1.  ``seed``
     fixes the initial weights under every parallel layout.
     """
@@ -74,9 +79,11 @@ class GPTConfig:
     num_attention_heads: int
     ffn_hidden_size: int | None = None
     num_query_groups: int | None = None
+    kv_channels: int | None = None
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000
+    rotary_percent: float = 1.0
     normalization: str = "LayerNorm"
     norm_eps: float = 1e-5
     activation: str = "gelu"
@@ -87,6 +94,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     moe: MoEConfig | None = None
     moe_layer_freq: int | list[int] = 1
     seed: int = 1234
@@ -99,11 +108,13 @@ class GPTConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
 
     @property
-    def kv_channels(self) -> int:
-        """Head dimension."""
-        return self.hidden_size // self.num_attention_heads
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return int(self.kv_channels * self.rotary_percent)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` uses the MoE MLP."""
@@ -116,7 +127,7 @@ class GPTConfig:
     def validate(self, tp_size: int = 1) -> None:
         """Raise ValueError naming the numbers if this config cannot run with ``tp_size``."""
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by"):
+                     "num_query_groups", "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -136,9 +147,18 @@ class GPTConfig:
             raise ValueError(f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}")
         if ffn % tp_size:
             raise ValueError(f"ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp_size}")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ValueError(f"rope needs an even head dimension, got hidden_size/num_attention_heads = "
-                             f"{h}/{heads} = {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(f"rope needs an even, positive number of rotated channels, got kv_channels "
+                             f"{self.kv_channels} * rotary_percent {self.rotary_percent} = {self.rotary_dim}")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError(f"GPTConfig.recompute_method={self.recompute_method!r} needs recompute_granularity "
+                             f"'full', got {self.recompute_granularity!r}")
+        if self.recompute_num_layers is not None and (self.recompute_granularity != "full"
+                                                      or self.recompute_num_layers < 1):
+            raise ValueError(f"GPTConfig.recompute_num_layers={self.recompute_num_layers} needs a positive value "
+                             f"and recompute_granularity 'full', got {self.recompute_granularity!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -249,7 +269,7 @@ class GPTModel(nn.Module):
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
         if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base)
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
                                         ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=self.cp_group,
                                         cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)

@@ -57,8 +57,18 @@ class TransformerLayer(nn.Module):
         return kernels.bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
 
 
+def _run_layers(layers, x, rotary, mask, documents):
+    for layer in layers:
+        x = layer(x, rotary, None, mask, documents)
+    return x
+
+
 class TransformerBlock(nn.Module):
     """The transformer layers ``layer_range = (start, end)`` (global indices), plus the final norm.
+
+    Full recompute (Megatron's methods): "uniform" checkpoints groups of
+    ``recompute_num_layers`` consecutive layers; "block" checkpoints the first
+    ``recompute_num_layers`` layers of this chunk and runs the rest normally.
 
     ``layers`` is keyed by the global layer index, so parameter names are the
     same whichever pipeline chunk holds a layer.  Layer ``i`` is built in the
@@ -70,6 +80,8 @@ class TransformerBlock(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
+        self.recompute_num_layers = config.recompute_num_layers or 1
         self.layers = nn.ModuleDict()
         for number in range(*layer_range):
             with init_stream(config.seed, layer_stream(number)):
@@ -87,12 +99,18 @@ class TransformerBlock(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: an optional boolean attention mask ``[b, 1, s, t]`` shared by every layer;
         ``documents [b, s]``: document ids of the whole sequence for packed samples."""
-        recompute = self.recompute_full and self.training and kv_cache is None
-        for layer in self.layers.values():
-            if recompute:
-                x = checkpoint(layer, x, rotary, None, mask, documents)
-            else:
+        layers = list(self.layers.values())
+        if not (self.recompute_full and self.training and kv_cache is None):
+            for layer in layers:
                 x = layer(x, rotary, kv_cache, mask, documents)
+        elif self.recompute_method == "uniform":
+            n = self.recompute_num_layers
+            for start in range(0, len(layers), n):
+                x = checkpoint(_run_layers, layers[start:start + n], x, rotary, mask, documents)
+        else:
+            for index, layer in enumerate(layers):
+                x = checkpoint(layer, x, rotary, None, mask, documents) if index < self.recompute_num_layers \
+                    else layer(x, rotary, None, mask, documents)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -24,6 +24,7 @@ import torch
 
 from megalite.context_parallel import COMM_TYPES, ContextParallelConfig, PackedSequenceConfig, check_context_parallel
 from megalite.data.gpt_dataset import parse_split
+from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
@@ -119,7 +120,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--rotary-base", MODEL, ("GPTConfig.rotary_base",), type=float),
     Flag("--normalization", MODEL, ("GPTConfig.normalization",), choices=("LayerNorm", "RMSNorm")),
     Flag("--norm-epsilon", MODEL, ("GPTConfig.norm_eps",), type=float),
+    Flag("--kv-channels", MODEL, ("GPTConfig.kv_channels",), type=int, help="None: hidden / heads"),
+    Flag("--rotary-percent", MODEL, ("GPTConfig.rotary_percent",), type=float),
     Flag("--swiglu", MODEL, ("GPTConfig.activation",), sets="swiglu"),
+    Flag("--openai-gelu", MODEL, ("GPTConfig.activation",), sets="gelu_tanh", help="tanh-approximated GELU (GPT-2)"),
     Flag("--untie-embeddings-and-output-weights", MODEL, ("GPTConfig.untie_embeddings_and_output_weights",),
          type=bool),
     Flag("--disable-bias-linear", MODEL, ("GPTConfig.add_bias_linear",), sets=False),
@@ -128,6 +132,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),
+    Flag("--recompute-activations", MODEL, ("GPTConfig.recompute_granularity",), sets="selective",
+         help="same as --recompute-granularity selective"),
+    Flag("--recompute-method", MODEL, ("GPTConfig.recompute_method",), choices=("uniform", "block"),
+         help="with --recompute-granularity full; None: uniform"),
+    Flag("--recompute-num-layers", MODEL, ("GPTConfig.recompute_num_layers",), type=int, help="None: 1"),
 
     Flag("--num-experts", MOE, ("MoEConfig.num_experts",), default=None, type=int, help="None: a dense model"),
     Flag("--moe-ffn-hidden-size", MOE, ("MoEConfig.ffn_hidden_size",), default=None, type=int,
@@ -143,7 +152,8 @@ FLAGS: tuple[Flag, ...] = (
 
     Flag("--micro-batch-size", OPT, default=1, type=int),
     Flag("--global-batch-size", OPT, type=int, help="None: micro-batch size * dp"),
-    Flag("--train-iters", OPT, default=100, type=int),
+    Flag("--train-iters", OPT, type=int, help="None: --train-samples / global batch, else 100"),
+    Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
     Flag("--min-lr", OPT, ("OptimizerConfig.min_lr",), type=float),
     Flag("--lr-warmup-iters", OPT, default=0, type=int),
@@ -167,8 +177,14 @@ FLAGS: tuple[Flag, ...] = (
 
     Flag("--data-path", DATA, nargs="+", help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'"),
     Flag("--split", DATA, default="969,30,1"),
-    Flag("--tokenizer-model", DATA),
-    Flag("--vocab-size", DATA, type=int, help="needed when there is no --tokenizer-model"),
+    Flag("--tokenizer-type", DATA, choices=TOKENIZER_TYPES,
+         help="None: SentencePieceTokenizer with --tokenizer-model, else ByteTokenizer"),
+    Flag("--tokenizer-model", DATA, help="a sentencepiece model, or a Hugging Face tokenizer directory"),
+    Flag("--vocab-file", DATA, help="GPT2BPETokenizer's vocab.json"),
+    Flag("--merge-file", DATA, help="GPT2BPETokenizer's merges.txt"),
+    Flag("--vocab-size", DATA, type=int,
+         help="the model's vocabulary without a tokenizer; NullTokenizer's ids (eod is one more)"),
+    Flag("--mock-data", DATA, default=False, help="Megatron's synthetic documents instead of --data-path"),
     Flag("--data-cache-path", DATA, help="where dataset indexes are cached and the default corpus is built"),
     Flag("--reset-position-ids", DATA, ("PackedSequenceConfig.reset_position_ids",), type=bool,
          help="restart positions after each end-of-document token"),
@@ -180,6 +196,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save", LOG),
     Flag("--load", LOG),
     Flag("--save-interval", LOG, type=int),
+    Flag("--use-checkpoint-args", LOG, default=False, help="take the model architecture from the --load checkpoint"),
+    Flag("--finetune", LOG, default=False,
+         help="load only the model weights: iteration 0, a fresh optimizer and schedule; needs a checkpoint"),
+    Flag("--no-load-optim", LOG, default=False),
+    Flag("--no-load-rng", LOG, default=False),
+    Flag("--no-save-optim", LOG, default=False),
+    Flag("--no-save-rng", LOG, default=False),
+    Flag("--exit-interval", LOG, type=int, help="save (with --save) and exit when the iteration is a multiple"),
+    Flag("--exit-duration-in-mins", LOG, type=float, help="save (with --save) and exit after this much training"),
+    Flag("--log-throughput", LOG, default=False, help="log TFLOP/s per device (and MFU on a GPU)"),
     Flag("--eval-interval", LOG, default=1000, type=int),
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),
@@ -320,6 +346,7 @@ def _check_model(args):
     """Build the configs (their own validation runs) and copy the sizes they derive into ``args``."""
     _require(args.num_query_groups is not None or not args.group_query_attention,
              "--group-query-attention needs --num-query-groups")
+    _require(not (args.swiglu and args.openai_gelu), "--swiglu and --openai-gelu are mutually exclusive")
     config = gpt_config(args, vocab_size=args.vocab_size or 1)
     config.validate(args.tensor_model_parallel_size)
     if config.moe is not None:
@@ -412,6 +439,15 @@ def _check_batch(args):
 
 
 def _check_schedule(args):
+    if args.train_samples is not None:
+        _require(args.train_iters is None, f"--train-iters {args.train_iters} and --train-samples "
+                                           f"{args.train_samples} are mutually exclusive")
+        _require(args.train_samples >= args.global_batch_size,
+                 f"--train-samples {args.train_samples} is less than one global batch of {args.global_batch_size}")
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.train_iters is None:
+        args.train_iters = 100
+    _positive(args, "train_iters")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
@@ -422,6 +458,9 @@ def _check_schedule(args):
              f"--lr-warmup-iters {args.lr_warmup_iters} must be between 0 and --lr-decay-iters "
              f"{args.lr_decay_iters}")
     _require(0.0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None:
+            _require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
@@ -435,7 +474,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     ``data_parallel_size`` and ``num_microbatches``.
     """
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "seq_length", "micro_batch_size", "train_iters", "log_interval")
+              "expert_model_parallel_size", "seq_length", "micro_batch_size", "log_interval")
     _check_model(args)
     _check_parallel(args, world_size)
     _check_fsdp(args)
@@ -467,6 +506,67 @@ def _check_pipeline_split(args):
     split_layers(args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
                  v_shape=args.pipeline_schedule == "zbv")
+
+
+ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                       "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
+                       "rotary_base", "rotary_percent", "normalization", "norm_eps", "activation", "add_bias_linear",
+                       "untie_embeddings_and_output_weights", "moe_layer_freq")
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk")
+
+
+def _flags_of(cls_name: str, field: str) -> str:
+    names = [f.name for f in FLAGS if f"{cls_name}.{field}" in f.fields]
+    return "/".join(names) if names else f"--{field.replace('_', '-')}"
+
+
+def _saved_config(saved: dict) -> GPTConfig:
+    """A saved config dict as a GPTConfig, so defaults added since it was written are filled in."""
+    values = dict(saved)
+    moe = values.pop("moe", None)
+    config = GPTConfig(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(GPTConfig)}})
+    config.moe = None if moe is None else MoEConfig(**moe)
+    return config
+
+
+def architecture_differences(saved: dict, config: GPTConfig) -> list[str]:
+    """Every architecture field where a saved config dict and ``config`` differ, named by its flag."""
+    old = _saved_config(saved)
+    out = [f"{_flags_of('GPTConfig', name)} is {getattr(old, name)!r} in the checkpoint but "
+           f"{getattr(config, name)!r} in this run" for name in ARCHITECTURE_FIELDS
+           if getattr(old, name) != getattr(config, name)]
+    if (old.moe is None) != (config.moe is None):
+        out.append(f"--num-experts is {old.moe and old.moe.num_experts} in the checkpoint but "
+                   f"{config.moe and config.moe.num_experts} in this run")
+    elif old.moe is not None:
+        out += [f"{_flags_of('MoEConfig', name)} is {getattr(old.moe, name)!r} in the checkpoint but "
+                f"{getattr(config.moe, name)!r} in this run" for name in MOE_ARCHITECTURE_FIELDS
+                if getattr(old.moe, name) != getattr(config.moe, name)]
+    return out
+
+
+def use_checkpoint_architecture(args, saved: dict) -> list[str]:
+    """Set every architecture flag on ``args`` from a saved config dict (``--use-checkpoint-args``).
+
+    Returns the flags as they were set, for printing.
+    """
+    config = _saved_config(saved)
+    values = {f"GPTConfig.{name}": getattr(config, name) for name in ARCHITECTURE_FIELDS}
+    if config.moe is not None:
+        values.update({f"MoEConfig.{name}": getattr(config.moe, name) for name in MOE_ARCHITECTURE_FIELDS})
+    set_flags = []
+    for flag in FLAGS:
+        target = next((t for t in flag.fields if t in values), None)
+        if target is None:
+            continue
+        value = values[target] if flag.sets is _UNSET else values[target] == flag.sets
+        setattr(args, flag.dest, value)
+        set_flags.append(flag.name if value is True else f"{flag.name} {value}" if value is not False else "")
+    if config.moe is None:
+        args.num_experts = None
+    args.vocab_size = config.vocab_size
+    args.group_query_attention = config.num_query_groups != config.num_attention_heads
+    return [f for f in set_flags if f]
 
 
 def format_args(args: argparse.Namespace) -> str:

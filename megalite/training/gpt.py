@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
+from megalite.data.tokenizer import tokenizer_from_args
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
 from megalite.training.arguments import context_parallel_config, gpt_config
 from megalite.training.training import LOSS_METRIC
@@ -27,9 +29,14 @@ def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: 
 
 
 def train_valid_test_datasets_provider(args, num_samples):
-    """GPT datasets over ``--data-path``, split by documents according to ``--split``."""
+    """GPT datasets over ``--data-path`` (or ``--mock-data``), split by documents according to ``--split``."""
+    if args.mock_data:
+        named = args.tokenizer_type is not None or args.tokenizer_model is not None
+        eod = tokenizer_from_args(args).eod if named else args.vocab_size - 1
+        return build_mock_datasets(args.split, args.seq_length, args.seed, num_samples, args.vocab_size, eod,
+                                   args.data_cache_path)
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                           args.data_cache_path)
+                                           args.data_cache_path, vocab_size=args.vocab_size)
 
 
 def loss_func(per_token_loss: torch.Tensor):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import torch
@@ -33,9 +34,10 @@ from megalite.optim import get_optimizer
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (ddp_config, format_args, fsdp_config, optimizer_config, packing_config,
-                                         parse_args, validate_args)
-from megalite.training.checkpointing import load_checkpoint, save_checkpoint
+from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
+                                         optimizer_config, packing_config, parse_args, use_checkpoint_architecture,
+                                         validate_args)
+from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
@@ -53,14 +55,20 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
     broadcast to every rank and printed once.  Returns ``(args, topology)``.
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     args = parse_args(argv, extra_args_provider, args_defaults)
+    saved = _checkpoint_to_load(args, rank)
     validate_args(args, world)
-    if args.data_path is not None:
+    if args.data_path is not None or args.mock_data:
         check_data(args)
+    if saved is not None and saved["config"] is not None and args.vocab_size is not None:
+        differences = architecture_differences(saved["config"], gpt_config(args))
+        if differences:
+            raise ValueError(f"checkpoint {args.load} holds a different architecture: {'; '.join(differences)}")
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
                                ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
-    if prepare_data_func is not None and args.data_path is None:
+    if prepare_data_func is not None and args.data_path is None and not args.mock_data:
         prepare_data_func(args)
         if args.data_path is not None:
             check_data(args)
@@ -70,6 +78,38 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
     if topo.global_rank == 0:
         print(format_args(args), flush=True)
     return args, topo
+
+
+def _checkpoint_to_load(args, rank: int) -> dict | None:
+    """Settle what ``--load`` gives, before any collective: the checkpoint's info, or None.
+
+    A ``--load`` without a checkpoint warns once and training starts fresh (Megatron's
+    behaviour, so the first launch of a restartable job works); under ``--finetune`` or
+    ``--use-checkpoint-args`` it is an error.  ``--use-checkpoint-args`` sets the architecture
+    flags from the checkpoint.
+    """
+    needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
+             if on]
+    verb = "needs" if len(needs) == 1 else "need"
+    if not args.load:
+        if needs:
+            raise ValueError(f"{' and '.join(needs)} {verb} --load")
+        return None
+    info = checkpoint_info(args.load)
+    if info is None:
+        if needs:
+            raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
+        if rank == 0:
+            print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
+                  file=sys.stderr, flush=True)
+        return None
+    if args.use_checkpoint_args:
+        if info["config"] is None:
+            raise ValueError(f"--use-checkpoint-args: checkpoint {args.load} stores no model architecture")
+        flags = use_checkpoint_architecture(args, info["config"])
+        if rank == 0:
+            print(f"architecture from checkpoint {args.load}: {' '.join(flags)}", flush=True)
+    return info
 
 
 def _param_dtype(args) -> torch.dtype:
@@ -173,8 +213,35 @@ class Trainer:
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
 
+    def _fetch_batches(self, data_iterator):
+        """This iteration's micro-batches, read before the schedule starts; ranks agree none failed.
+
+        Reading a batch may raise ValueError (e.g. a token id outside the
+        vocabulary).  Raised inside the schedule on one rank it would leave the
+        others waiting in a collective, so every rank reads first, then one
+        all-reduce tells all of them, and each raises the first failing rank's message.
+        """
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        batches, error = [], ""
+        for iterator in iterators:
+            try:
+                batches.append(None if iterator is None else
+                               [next(iterator) for _ in range(self.args.num_microbatches)])
+            except ValueError as err:
+                error = str(err)
+                break
+        failed = torch.tensor([1.0 if error else 0.0], device=_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, error)
+            raise ValueError(next(m for m in messages if m))
+        fresh = [None if b is None else iter(b) for b in batches]
+        return fresh if isinstance(data_iterator, list) else fresh[0]
+
     def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
+        data_iterator = self._fetch_batches(data_iterator)
         results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
                                    tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
@@ -217,8 +284,8 @@ class Trainer:
         return metrics, ok, None if grad_norm is None else float(grad_norm), lr
 
     @torch.no_grad()
-    def evaluate(self, data_iterator) -> dict[str, float]:
-        """Metrics averaged over ``--eval-iters`` validation batches, as ``valid_*``; the loss's perplexity."""
+    def evaluate(self, data_iterator, split: str = "valid") -> dict[str, float]:
+        """Metrics averaged over ``--eval-iters`` batches of ``split``, as ``{split}_*``; the loss's perplexity."""
         for chunk in self.chunks:
             chunk.eval()
         totals: dict[str, float] = {}
@@ -227,9 +294,9 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
         for chunk in self.chunks:
             chunk.train()
-        values = {"valid_" + _logged_name(k): v for k, v in totals.items()}
+        values = {f"{split}_{_logged_name(k)}": v for k, v in totals.items()}
         if LOSS_METRIC in totals:
-            values["valid_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
+            values[f"{split}_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
         return values
 
     def moe_stats(self) -> dict[str, float]:
@@ -266,10 +333,10 @@ class Trainer:
         return values
 
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
-        """Tokens/s of the whole job, plus per-GPU TFLOP/s and MFU when on a GPU."""
+        """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a known GPU)."""
         tokens = self.args.global_batch_size * self.args.seq_length / seconds_per_iter
         values = {"tokens_per_sec": tokens, "iter_ms": 1000.0 * seconds_per_iter}
-        if torch.cuda.is_available() and self.flops_per_token is not None:
+        if self.args.log_throughput and self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens / self.topo.world_size / 1e12
             values["tflops"] = tflops
             dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
@@ -280,21 +347,31 @@ class Trainer:
 
     def save(self, iteration: int, consumed_samples: int) -> None:
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
-                        layout=self.layout, args=self.args)
+                        layout=self.layout, args=self.args, save_optim=not self.args.no_save_optim,
+                        save_rng=not self.args.no_save_rng)
         if self.topo.global_rank == 0:
             print(f"saved checkpoint at iteration {iteration} to {self.args.save}", flush=True)
 
     def load(self) -> tuple[int, int]:
-        iteration, consumed = load_checkpoint(self.args.load, self.chunks, self.optimizer, self.scheduler,
-                                              layout=self.layout)
-        if self.topo.global_rank == 0 and iteration:
-            print(f"loaded checkpoint at iteration {iteration} from {self.args.load}", flush=True)
-        return iteration, consumed
+        """Restore ``--load`` under the flags' options; prints one line: path, iteration, layout change."""
+        args = self.args
+        result = load_checkpoint(args.load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
+                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                 finetune=args.finetune)
+        if self.topo.global_rank == 0 and result.saved_layout:
+            start = " (--finetune: model weights only, starting at iteration 0)" if args.finetune else ""
+            print(f"loaded checkpoint {args.load} at iteration {result.saved_iteration}{start}, layout "
+                  f"{_layout_text(result.saved_layout)} -> {_layout_text(self.layout)}", flush=True)
+        return result.iteration, result.consumed_samples
 
     def save_timeline(self) -> None:
         if self.recorder is not None:
             os.makedirs(self.args.timeline_dir, exist_ok=True)
             self.recorder.save(os.path.join(self.args.timeline_dir, f"rank_{self.topo.global_rank:05d}.json"))
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "ep", "vpp") if k in layout)
 
 
 def _synchronize():
@@ -337,17 +414,30 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                 values.update(trainer.moe_stats())
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
-        stop = sigterm.agreed()
+        stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
             saved_at = iteration
         if stop:
             if trainer.topo.global_rank == 0:
-                print(f"SIGTERM received: stopping after iteration {iteration}", flush=True)
+                print(f"{stop}: stopping after iteration {iteration}", flush=True)
             break
     if args.save and saved_at != iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
+
+
+def _exit_reason(args, iteration: int, start_time: float) -> str | None:
+    """Why Megatron's --exit-interval / --exit-duration-in-mins stop training now (all ranks agree), or None."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval} reached"
+    if args.exit_duration_in_mins:
+        late = torch.tensor([time.time() - start_time > 60.0 * args.exit_duration_in_mins], dtype=torch.int32,
+                            device=_device())
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if late.item():
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+    return None
 
 
 def _logged_name(key: str) -> str:
@@ -366,16 +456,24 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
     every rank before any collective that could hang.
     """
+    start_time = time.time()
     args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
     _seed(args, topo)
     chunks = build_model(model_provider, args, topo)
+    _print_parameter_count(chunks, topo)
     optimizer = build_optimizer(args, chunks)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style)
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
+    trainer.start_time = start_time
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
-    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, _num_samples(args))
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, _num_samples(args))
+    if topo.global_rank == 0:
+        sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
+        source = "mock data" if args.mock_data else " ".join(args.data_path or [])
+        print(f"data: {source}; train/valid/test samples {sizes}; seq length {args.seq_length}, vocabulary "
+              f"{args.vocab_size}", flush=True)
     train_iterator = _iterator(train_ds, consumed_samples, args, topo)
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
@@ -384,10 +482,31 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
         trainer.save_timeline()
+        if test_ds is not None and args.eval_iters and iteration == args.train_iters:
+            trainer.logger.log(iteration, trainer.evaluate(_iterator(test_ds, 0, args, topo), split="test"))
     finally:
         sigterm.restore()
         trainer.logger.close()
     return iteration
+
+
+def _print_parameter_count(chunks, topo) -> None:
+    """Rank 0 prints the model's parameter count: each parameter counted on the ranks that own its pieces."""
+    local = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            if getattr(param, "expert_parallel", False):
+                owner = topo.expert_dp.rank == 0 and (sharded or topo.expert_tp.rank == 0)
+            else:
+                owner = topo.dp.rank == 0 and (sharded or topo.tp.rank == 0)
+            if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
+                owner = False
+            local += param.numel() if owner else 0
+    count = torch.tensor([local], dtype=torch.int64, device=_device())
+    dist.all_reduce(count)
+    if topo.global_rank == 0:
+        print(f"model: {count.item():,} parameters", flush=True)
 
 
 def _seed(args, topo) -> None:
