@@ -1,6 +1,6 @@
 """FSDP2 (--use-torch-fsdp2) matches the single-rank run under dp, tp x dp (SP), pp x dp, interleaved pp, EP
 and cp x dp; bf16 tracks bf16 DDP; resident memory is a quarter of DDP's at dp=4; checkpoints resume across strategies;
-TrainingBackend trains through it; bad flag combinations fail before any collective."""
+TrainingBackend trains, saves and loads through it; bad flag combinations fail before any collective."""
 
 import pytest
 import torch
@@ -152,7 +152,7 @@ class _CountReduceScatters:
             dist.reduce_scatter_single = self._single
 
 
-def _memory_and_backend_rank():
+def _memory_and_backend_rank(directory):
     from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel
     from megalite.models import GPTConfig, GPTModel
     from megalite.optim import OptimizerConfig, get_optimizer
@@ -183,19 +183,45 @@ def _memory_and_backend_rank():
                 # per unit per step.
                 assert reduce_scatters.count == 3, reduce_scatters.count
             grad_norm = backend.optim_step()["grad_norm"]
+        if name == "fsdp":
+            backend.save(directory)
         backend.forward_backward(batch)
         prompts = ids[rows, :4]
         generated = backend.generate(prompts, torch.ones_like(prompts), SamplingConfig(max_new_tokens=3, greedy=True))
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                    for n, p in chunk.module.named_parameters()}
         results[name] = (losses, grad_norm, weights, _resident_bytes(chunk, optimizer), generated.log_probs)
+        if name == "fsdp":
+            _check_backend_save_load(backend, config, batch, directory)
     return results
 
 
-def test_memory_and_training_backend():
-    """At dp=4 each rank holds <= 1/4 + 2% of DDP's parameter + gradient + Adam bytes, and TrainingBackend
-    steps (and generates with) an FSDP2 chunk exactly like a DDP one."""
-    for rank in run_distributed(_memory_and_backend_rank, 4):
+def _check_backend_save_load(backend, config, batch, directory):
+    """An FSDP2 backend loaded from ``save()`` (same layout, other initial weights) holds the saved weights and
+    Adam state: its next update is bit-identical to the original's."""
+    from megalite.distributed import FullyShardedDataParallel
+    from megalite.models import GPTModel
+    from megalite.optim import OptimizerConfig, get_optimizer
+    from megalite.rlhf.backend import TrainingBackend
+    from megalite.rlhf.objectives import LanguageModelObjective
+
+    torch.manual_seed(1)
+    chunk = FullyShardedDataParallel(GPTModel(config))
+    restored = TrainingBackend(chunk, get_optimizer(OptimizerConfig(lr=1e-3), [chunk]), LanguageModelObjective(),
+                               micro_batch_size=1)
+    restored.load(directory)
+    assert restored.optimizer.num_steps == backend.optimizer.num_steps == 3
+    restored.forward_backward(batch)
+    for b in (backend, restored):
+        b.optim_step()
+    for (name, got), want in zip(restored.chunk.module.named_parameters(), backend.chunk.module.parameters()):
+        assert torch.equal(got.to_local(), want.to_local()), name
+
+
+def test_memory_and_training_backend(tmp_path):
+    """At dp=4 each rank holds <= 1/4 + 2% of DDP's parameter + gradient + Adam bytes; TrainingBackend
+    steps (and generates with) an FSDP2 chunk exactly like a DDP one, and saves and loads it."""
+    for rank in run_distributed(_memory_and_backend_rank, 4, str(tmp_path / "backend")):
         (ddp_losses, ddp_norm, ddp_weights, ddp_bytes, ddp_generated), (losses, norm, weights, fsdp_bytes, generated) \
             = rank["ddp"], rank["fsdp"]
         assert torch.allclose(generated, ddp_generated, atol=1e-5)
