@@ -4,19 +4,23 @@ Model weights are written once: by data-parallel rank 0 (expert-data-parallel ra
 parameters) and, for parameters replicated over (expert) TP, by TP rank 0.  The optimizer's fp32
 state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32) is written as
 the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
-parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  Every
-box is a :class:`TensorShard` of the DCP format.  Loading reads exactly the regions this rank holds,
+parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  FSDP2
+parameters (DTensors holding rows of the local parameter, also a flat range) and their optimizer
+state are written the same way, by every DP rank.  Every box is a :class:`TensorShard` of the DCP
+format.  Loading reads exactly the regions this rank holds,
 so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.checkpoint.format import (AsyncSaver, CheckpointReader, Region, TensorShard, check_jsonable,
                                         config_to_dict, iteration_dir, write_checkpoint)
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, flat_boxes, global_param, regions
+from megalite.distributed.fsdp import owned_flat_range
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -73,10 +77,21 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
             tensor = tensor.to("cpu", copy=True)
         shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor))
 
+    def add_flat(name, gp, shape, flat, lo, hi):
+        # ``flat`` holds elements [lo, hi) of a flattened local tensor of ``shape`` (a ZeRO-1 or FSDP2 shard).
+        for box, start in flat_boxes(lo, hi, shape):
+            block = flat[start - lo:start - lo + int(torch.Size(_box_shape(box)).numel())].view(_box_shape(box))
+            for part, offset in regions(box, gp.pieces):
+                add(name, gp.shape, offset, block[box_slices(part, _origin(box))])
+
     layouts = {}
     for param, gp in _named_tensors(model_chunks, config, ctx):
         layouts[param] = gp
-        if writes(gp, False):
+        if isinstance(param, DTensor):
+            if writes(gp, True):
+                lo, hi = owned_flat_range(param)
+                add_flat(gp.name, gp, tuple(param.shape), param.to_local().detach().reshape(-1), lo, hi)
+        elif writes(gp, False):
             for piece in gp.pieces:
                 add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
 
@@ -91,13 +106,8 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
             keys = [k for k in OPTIMIZER_KEYS if k in entry]
             if shard.param.dtype != torch.float32:
                 keys.append("main")
-            for box, start in flat_boxes(shard.lo, shard.hi, tuple(shard.param.shape)):
-                shape = _box_shape(box)
-                count = int(torch.Size(shape).numel())
-                for key in keys:
-                    block = entry[key][start - shard.lo:start - shard.lo + count].view(shape)
-                    for part, offset in regions(box, gp.pieces):
-                        add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))])
+            for key in keys:
+                add_flat(f"optimizer.{key}.{gp.name}", gp, tuple(shard.param.shape), entry[key], shard.lo, shard.hi)
         optimizer_meta = {"num_steps": saved["num_steps"], "scaler": saved["scaler"],
                           "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
                                            for g in saved["param_groups"]]}
@@ -178,10 +188,18 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
     for param, gp in _named_tensors(model_chunks, config, ctx):
         _check_shape(reader, gp)
         layouts[param] = gp
+        if isinstance(param, DTensor):
+            # An FSDP2 parameter: read only this rank's rows, as the flat range they cover.
+            lo, hi = owned_flat_range(param)
+            flat, more = _flat_regions(gp.name, gp, tuple(param.shape), lo, hi)
+            wanted += more
+            loaded.append((param.to_local().detach().view(-1), flat))
+            values[param] = (flat, lo)
+            continue
         value = torch.zeros(param.shape, dtype=param.dtype)
         wanted += [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
         loaded.append((param, value))
-        values[param] = value
+        values[param] = (value.reshape(-1), 0)
 
     state = None
     if optimizer is not None:
@@ -210,6 +228,6 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
         state = {"entries": entries, **meta}
     reader.read_regions(wanted)
     if state is not None:
-        for entry, value, lo, hi in fp32_mains:
-            entry["main"] = value.reshape(-1)[lo:hi].float()
+        for entry, (flat, start), lo, hi in fp32_mains:
+            entry["main"] = flat[lo - start:hi - start].float()
     return loaded, state

@@ -1,7 +1,8 @@
-"""Data parallelism: bucketed gradient averaging and the post-backward gradient reductions."""
+"""Data parallelism: bucketed gradient averaging (DDP, ZeRO-1), FSDP2 sharding, post-backward reductions."""
 
-from megalite.distributed.config import DDPConfig
+from megalite.distributed.config import DDPConfig, FSDPConfig
 from megalite.distributed.data_parallel import DistributedDataParallel
 from megalite.distributed.finalize import finalize_model_grads
+from megalite.distributed.fsdp import FullyShardedDataParallel
 
-__all__ = ["DDPConfig", "DistributedDataParallel", "finalize_model_grads"]
+__all__ = ["DDPConfig", "FSDPConfig", "DistributedDataParallel", "FullyShardedDataParallel", "finalize_model_grads"]

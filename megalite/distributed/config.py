@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class DDPConfig:
@@ -32,3 +34,20 @@ class DDPConfig:
         if self.shard_collectives not in ("auto", "scatter_gather", "reduce_broadcast"):
             raise ValueError(f"shard_collectives must be auto, scatter_gather or reduce_broadcast, "
                              f"got {self.shard_collectives!r}")
+
+
+@dataclass
+class FSDPConfig:
+    """How :class:`~megalite.distributed.FullyShardedDataParallel` shards a model chunk (torch FSDP2).
+
+    reshard_after_forward: free the gathered parameters after each forward and gather them again
+        in backward (less memory, one more all-gather per layer).
+    param_dtype: the dtype parameters are gathered and computed in (None: their own, fp32); the
+        sharded main weights and the optimizer state stay fp32.
+    grad_reduce_in_fp32: reduce-scatter gradients in fp32 even when ``param_dtype`` is bf16/fp16
+        (Megatron's ``--accumulate-allreduce-grads-in-fp32``); fp32 training always reduces in fp32.
+    """
+
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    grad_reduce_in_fp32: bool = False

@@ -89,6 +89,10 @@ class DistributedDataParallel(nn.Module):
         for buffer in self.buffers:
             buffer.finish_grad_sync()
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients (the contiguous buffers), e.g. for finiteness checks."""
+        return [buffer.grad_data for buffer in self.buffers]
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (and drop stray autograd grads) before the next iteration."""
         for buffer in self.buffers:
@@ -111,6 +115,25 @@ class DistributedDataParallel(nn.Module):
         """Wait until every parameter all-gather has landed."""
         for buffer in self.buffers:
             buffer.finish_param_sync()
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether the optimizer keeps only this rank's shard (ZeRO-1)."""
+        return self.config.use_distributed_optimizer
+
+    def owned_range(self, param) -> tuple[int, int] | None:
+        """The part ``(lo, hi)`` of ``param.view(-1)`` this rank's optimizer updates, or None."""
+        return self._buffer_of[param].local_range(param)
+
+    def owned_values(self, param) -> torch.Tensor:
+        """The elements of ``param`` in :meth:`owned_range`, as a flat tensor aliasing the parameter."""
+        lo, hi = self.owned_range(param)
+        return param.detach().view(-1)[lo:hi]
+
+    def owned_grad(self, param) -> torch.Tensor:
+        """The reduced gradient of the elements in :meth:`owned_range`."""
+        lo, hi = self.owned_range(param)
+        return param.main_grad.view(-1)[lo:hi]
 
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()

@@ -1,9 +1,10 @@
-"""Mixed-precision AdamW over DDP gradient buffers, optionally sharded over DP (ZeRO-1).
+"""Mixed-precision AdamW over DDP gradient buffers or FSDP2 shards, optionally sharded over DP.
 
 Each rank keeps, for every parameter, the fp32 "main" copy of the part it updates: the whole
-parameter normally, or its slice of the DDP bucket shards under the distributed optimizer.  For
-fp32 parameters the main copy is a view of the parameter itself; for bf16/fp16 it is a separate
-fp32 tensor, copied back after each step.  Gradients come from ``param.main_grad``.
+parameter normally, its slice of the DDP bucket shards under the distributed optimizer (ZeRO-1),
+or the rows FSDP2 placed on it.  Each chunk says which part that is (``owned_range``).  For fp32
+parameters the main copy is a view of the parameter itself; for bf16/fp16 it is a separate fp32
+tensor, copied back after each step.  Gradients come from ``param.main_grad``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.distributed.fsdp import FullyShardedDataParallel
 from megalite.optim.clip_grads import clip_grads_, global_grad_norm
 from megalite.optim.config import OptimizerConfig
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -30,6 +32,7 @@ class ParamShard:
     param: nn.Parameter
     lo: int
     hi: int
+    values: torch.Tensor
     main: torch.Tensor
     grad_src: torch.Tensor
     expert: bool
@@ -68,7 +71,7 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.chunks = model_chunks
         self.groups = groups
-        self.sharded = config.use_distributed_optimizer
+        self.sharded = any(chunk.shards_optimizer_state for chunk in model_chunks)
         self.scaler = None
         if config.fp16 and config.loss_scale is not None:
             self.scaler = ConstantGradScaler(config.loss_scale)
@@ -88,7 +91,8 @@ class MixedPrecisionOptimizer:
                 if shard is not None:
                     (no_decay if _no_weight_decay(name, param) else decay).append(shard)
         self.shards = decay + no_decay
-        device = model_chunks[0].buffers[0].grad_data.device if model_chunks[0].buffers else torch.device("cpu")
+        first = next(iter(model_chunks[0].parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
         self.optimizer = _make_adamw([
             {"params": [s.main for s in decay]},
             {"params": [s.main for s in no_decay], "weight_decay": 0.0},
@@ -96,19 +100,18 @@ class MixedPrecisionOptimizer:
         self.param_groups = self.optimizer.param_groups
 
     def _make_shard(self, name, param, chunk, coords) -> ParamShard | None:
-        buffer = chunk._buffer_of[param]
-        local = buffer.local_range(param)
+        local = chunk.owned_range(param)
         if local is None:
             return None
         lo, hi = local
         expert = bool(getattr(param, "expert_parallel", False))
         where = (f"etp{coords['expert_tp']}.ep{coords['ep']}.pp{coords['pp']}" if expert
                  else f"tp{coords['tp']}.pp{coords['pp']}")
-        flat = param.detach().view(-1)[lo:hi]
-        main = flat if param.dtype == torch.float32 else flat.float()
-        grad_src = param.main_grad.view(-1)[lo:hi]
+        values = chunk.owned_values(param)
+        main = values if values.dtype == torch.float32 else values.float()
+        grad_src = chunk.owned_grad(param)
         main.grad = grad_src if grad_src.dtype == torch.float32 else torch.zeros_like(main)
-        return ParamShard(f"{name}@{where}", param, lo, hi, main, grad_src, expert)
+        return ParamShard(f"{name}@{where}", param, lo, hi, values, main, grad_src, expert)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -159,8 +162,8 @@ class MixedPrecisionOptimizer:
         self.optimizer.step()
         self.num_steps += 1
         for s in self.shards:
-            if s.param.dtype != torch.float32:
-                s.param.detach().view(-1)[s.lo:s.hi].copy_(s.main)
+            if s.values is not s.main:
+                s.values.copy_(s.main)
         if self.sharded:
             for chunk in self.chunks:
                 chunk.start_param_sync()
@@ -258,7 +261,7 @@ class MixedPrecisionOptimizer:
 
 def get_optimizer(config: OptimizerConfig, model_chunks, tp_group=None, pp_group=None, ep_group=None,
                   dp_group=None, expert_dp_group=None, expert_tp_group=None) -> MixedPrecisionOptimizer:
-    """Build the optimizer for DDP-wrapped ``model_chunks`` (one chunk per virtual pipeline stage).
+    """Build the optimizer for DDP- or FSDP-wrapped ``model_chunks`` (one chunk per virtual pipeline stage).
 
     Groups default to the current topology's; the DP groups default to those of the first chunk.
     """
@@ -266,10 +269,14 @@ def get_optimizer(config: OptimizerConfig, model_chunks, tp_group=None, pp_group
     if not chunks:
         raise ValueError("get_optimizer needs at least one model chunk, got 0")
     for i, chunk in enumerate(chunks):
-        if not hasattr(chunk, "buffers") or not hasattr(chunk, "zero_grad_buffer"):
+        if not hasattr(chunk, "owned_range") or not hasattr(chunk, "zero_grad_buffer"):
             raise ValueError(f"model chunk {i} is a {type(chunk).__name__}; wrap it in "
-                             "megalite.distributed.DistributedDataParallel first")
-        if chunk.config.use_distributed_optimizer != config.use_distributed_optimizer:
+                             "megalite.distributed.DistributedDataParallel or FullyShardedDataParallel first")
+        if isinstance(chunk, FullyShardedDataParallel):
+            if config.use_distributed_optimizer:
+                raise ValueError(f"OptimizerConfig.use_distributed_optimizer=True but chunk {i} is sharded by "
+                                 "FullyShardedDataParallel (FSDP2 already shards the optimizer state); use one")
+        elif chunk.config.use_distributed_optimizer != config.use_distributed_optimizer:
             raise ValueError(f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but chunk "
                              f"{i} has DDPConfig.use_distributed_optimizer={chunk.config.use_distributed_optimizer}")
     groups = {

@@ -24,7 +24,8 @@ from megalite.pipeline import broadcast_from_last_stage, forward_backward
 class TrainingBackend:
     """``forward_backward(batch)``, ``optim_step()``, ``generate(...)`` and checkpoints for one model.
 
-    ``chunk``: this rank's DDP-wrapped pipeline chunk; ``optimizer``: megalite's
+    ``chunk``: this rank's pipeline chunk wrapped by DDP (optionally ZeRO-1) or by
+    ``FullyShardedDataParallel`` (FSDP2); ``optimizer``: megalite's
     optimizer over it; ``objective``: see :mod:`megalite.rlhf.objectives`.
     Gradients of one ``forward_backward`` call are applied by the next
     ``optim_step`` (one call each per update).

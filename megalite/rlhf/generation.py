@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
@@ -193,11 +194,14 @@ def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: Sa
 
 
 def engine_supports(model) -> bool:
-    """Whether the inference engine can run ``model``: one whole chunk (pp=1), no sequence or context parallelism."""
+    """Whether the inference engine can run ``model``: one whole chunk (pp=1), no sequence or context
+    parallelism, and whole weights (the engine calls the layers directly, so FSDP2's DTensor shards would
+    never be gathered)."""
     if isinstance(model, (list, tuple)):
         return False
     inner = unwrap(model)
-    return inner.pre_process and inner.post_process and not inner.sequence_parallel and inner.cp_size == 1
+    return (inner.pre_process and inner.post_process and not inner.sequence_parallel and inner.cp_size == 1
+            and not any(isinstance(p, DTensor) for p in inner.parameters()))
 
 
 @torch.no_grad()

@@ -20,10 +20,12 @@ import dataclasses
 import math
 from dataclasses import MISSING, dataclass
 
+import torch
+
 from megalite.context_parallel import COMM_TYPES, ContextParallelConfig, PackedSequenceConfig, check_context_parallel
 from megalite.data.gpt_dataset import parse_split
 from megalite.data.tokenizer import TOKENIZER_TYPES
-from megalite.distributed import DDPConfig
+from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
@@ -34,8 +36,8 @@ from megalite.training.nan_guard import NanGuardConfig
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
 
-CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, ContextParallelConfig,
-                                         PackedSequenceConfig, NanGuardConfig)}
+CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
+                                         ContextParallelConfig, PackedSequenceConfig, NanGuardConfig)}
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--use-distributed-optimizer", PAR, _BOTH_OPT, type=bool),
     Flag("--overlap-grad-reduce", PAR, ("DDPConfig.overlap_grad_reduce",), type=bool),
     Flag("--overlap-param-gather", PAR, ("OptimizerConfig.overlap_param_gather",), type=bool),
+    Flag("--use-torch-fsdp2", PAR, default=False,
+         help="shard parameters, gradients and optimizer state over DP with torch's fully_shard (FSDP2)"),
+    Flag("--reshard-after-forward", PAR, ("FSDPConfig.reshard_after_forward",), type=bool,
+         help="FSDP2: free gathered parameters after forward and gather them again in backward"),
+    Flag("--accumulate-allreduce-grads-in-fp32", PAR, ("FSDPConfig.grad_reduce_in_fp32",), type=bool,
+         help="FSDP2: reduce-scatter gradients in fp32 under --bf16/--fp16 (DDP always reduces in fp32)"),
 
     Flag("--num-layers", MODEL, ("GPTConfig.num_layers",), default=4, type=int),
     Flag("--hidden-size", MODEL, ("GPTConfig.hidden_size",), default=128, type=int),
@@ -323,6 +331,12 @@ def ddp_config(args) -> DDPConfig:
     return DDPConfig(**_config_values(args, "DDPConfig"))
 
 
+def fsdp_config(args) -> FSDPConfig:
+    """FSDP2 keeps fp32 sharded main weights; --bf16/--fp16 set the gather and compute dtype."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    return FSDPConfig(**_config_values(args, "FSDPConfig"), param_dtype=dtype)
+
+
 def context_parallel_config(args) -> ContextParallelConfig:
     return ContextParallelConfig(**_config_values(args, "ContextParallelConfig"))
 
@@ -395,6 +409,23 @@ def _check_parallel(args, world_size):
                  f"(needed by --sequence-parallel)")
 
 
+def _check_fsdp(args):
+    if not args.use_torch_fsdp2:
+        return
+    _require(not args.use_distributed_optimizer,
+             "--use-torch-fsdp2 and --use-distributed-optimizer are alternatives (FSDP2 already shards the "
+             "optimizer state); pass one")
+    _require(args.pipeline_schedule not in ("zero-bubble-h1", "zbv"),
+             f"--use-torch-fsdp2 does not compose with --pipeline-schedule {args.pipeline_schedule}: it defers "
+             "weight gradients past the backward in which FSDP2 reduce-scatters them; use 1f1b or interleaved-1f1b")
+    replicas = args.data_parallel_size * args.context_parallel_size
+    _require(replicas > 1,
+             f"--use-torch-fsdp2 needs data-parallel x context-parallel size > 1 to shard over, got "
+             f"dp={args.data_parallel_size} x cp={args.context_parallel_size} (world size {args.world_size} / "
+             f"(tp {args.tensor_model_parallel_size} * pp {args.pipeline_model_parallel_size} * "
+             f"cp {args.context_parallel_size}))")
+
+
 def _check_context_parallel(args):
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     check_context_parallel(args.seq_length, cp, args.cp_comm_type)
@@ -465,6 +496,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "expert_model_parallel_size", "seq_length", "micro_batch_size", "log_interval")
     _check_model(args)
     _check_parallel(args, world_size)
+    _check_fsdp(args)
     _check_batch(args)
     _check_pipeline_schedule(args)
     _check_schedule(args)

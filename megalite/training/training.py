@@ -29,13 +29,13 @@ from megalite import topology
 from megalite.checkpoint import AsyncSaver
 from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import DistributedDataParallel, finalize_model_grads
+from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import get_optimizer
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, ddp_config, format_args, gpt_config,
+from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
                                          nan_guard_config, optimizer_config, packing_config, parse_args,
                                          use_checkpoint_architecture, validate_args)
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
@@ -138,9 +138,13 @@ def build_model(model_provider, args, topo) -> list:
             first = topo.is_first_stage() and index == 0
             last = topo.is_last_stage() and index == len(mine) - 1
         module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
-        module.to(device=_device(), dtype=_param_dtype(args))
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
-        chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
+        if args.use_torch_fsdp2:
+            module.to(device=_device())
+            chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
+        else:
+            module.to(device=_device(), dtype=_param_dtype(args))
+            chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
 
@@ -214,7 +218,7 @@ class Trainer:
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
                        "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
-                       "distributed_optimizer": args.use_distributed_optimizer}
+                       "distributed_optimizer": args.use_distributed_optimizer, "fsdp2": args.use_torch_fsdp2}
 
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
@@ -286,7 +290,7 @@ class Trainer:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
         lr = self.scheduler.get_lr()
-        grads = [buffer.grad_data for chunk in self.chunks for buffer in chunk.buffers]
+        grads = [grad for chunk in self.chunks for grad in chunk.grad_tensors()]
         if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
             return metrics, False, None, lr
         ok, grad_norm, _ = self.optimizer.step()
