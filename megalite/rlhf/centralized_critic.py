@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _MAX_OUTPUTS, _MAX_TAIL = 4, 3
-_HEADER = 3 + _MAX_OUTPUTS * (2 + _MAX_TAIL)  # ok, version, message bytes; per output: dtype, ndim, tail dims
+_SLOT = 3 + _MAX_TAIL  # per output: dtype, per-token (0/1), ndim of the tail, tail dims
+_HEADER = 3 + _MAX_OUTPUTS * _SLOT  # failed, version, message bytes, then the outputs
 
 
 @dataclass
@@ -56,7 +57,8 @@ class CentralizedModel:
 
     ``model_fn(ids, mask)`` takes one batch ``[N, S]`` (every rank's rows, right-padded
     to ``S`` with mask 0) and returns a tensor or a tuple of tensors whose first dims
-    are ``[N, S]`` (``per_token=True``) or ``[N]``.  Each rank receives its own rows
+    are ``[N, S]`` (per-token) or ``[N]`` (per-row); ``per_token`` says which, for all
+    outputs or one bool per output (owner only; the others learn it from the header).  Each rank receives its own rows
     (and columns) as a tuple.  ``model_fn`` is only needed, and only called, on the
     owner.  ``replicated=True`` is the fallback where every rank holds its own copy
     (every rank passes ``model_fn``; no communication, same numbers).  The owner sets
@@ -64,7 +66,7 @@ class CentralizedModel:
     that produced them.  Construction is collective unless replicated.
     """
 
-    def __init__(self, model_fn: Callable | None, owner: int = 0, per_token: bool = True,
+    def __init__(self, model_fn: Callable | None, owner: int = 0, per_token: bool | tuple[bool, ...] = True,
                  replicated: bool = False, device: torch.device | str | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not 0 <= owner < world:
@@ -156,18 +158,25 @@ class CentralizedModel:
             outputs = self.model_fn(batch_ids, batch_mask)
         self.intervals.append((start, time.monotonic()))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        for out in outputs:
-            expected = (batch_ids.shape[0], cols) if self.per_token else (batch_ids.shape[0],)
+        flags = self._per_token_flags(len(outputs))
+        for out, per_token in zip(outputs, flags):
+            expected = (batch_ids.shape[0], cols) if per_token else (batch_ids.shape[0],)
             if not isinstance(out, torch.Tensor) or tuple(out.shape[:len(expected)]) != expected:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"centralized model_fn must return tensors of leading shape {expected}, got {got}")
         per_rank, start_row = [], 0
         for ids in ids_list:
             rows = slice(start_row, start_row + ids.shape[0])
-            per_rank.append(tuple((o[rows, :ids.shape[1]] if self.per_token else o[rows]).contiguous()
-                                  for o in outputs))
+            per_rank.append(tuple((o[rows, :ids.shape[1]] if per_token else o[rows]).contiguous()
+                                  for o, per_token in zip(outputs, flags)))
             start_row += ids.shape[0]
         return per_rank
+
+    def _per_token_flags(self, count: int) -> tuple:
+        flags = self.per_token if isinstance(self.per_token, tuple) else (self.per_token,) * count
+        if len(flags) != count:
+            raise ValueError(f"centralized model_fn returned {count} outputs for {len(flags)} per_token flags")
+        return flags
 
     def _results(self, shapes: list, rows: int, cols: int, gathered) -> Served:
         header = self._buffer("header", _HEADER, torch.int64)
@@ -178,7 +187,7 @@ class CentralizedModel:
                 ids_list = [g[0, :r, :c] for g, (r, c, _) in zip(gathered, shapes)]
                 mask_list = [g[1, :r, :c] for g, (r, c, _) in zip(gathered, shapes)]
                 outputs = self._run(ids_list, mask_list)
-                _describe(header, outputs[0], self.version, 2 if self.per_token else 1)
+                _describe(header, outputs[0], self.version, self._per_token_flags(len(outputs[0])))
             except Exception as error:  # noqa: BLE001 - every failure of the owner's model goes to every rank
                 message = "".join(traceback.format_exception_only(type(error), error)).strip().encode()
                 header[0], header[2] = 1, len(message)
@@ -190,10 +199,9 @@ class CentralizedModel:
             dist.broadcast(text, src=self.owner, group=self.group)
             raise RuntimeError(f"centralized model on rank {self.owner} failed: {bytes(text.cpu().tolist()).decode()}")
         version, results = int(header[1]), []
-        lead = (rows, cols) if self.per_token else (rows,)
         my_rows, my_cols = shapes[self.rank][0], shapes[self.rank][1]
-        for index, (dtype, tail) in enumerate(_outputs(header)):
-            shape = lead + tail
+        for index, (dtype, per_token, tail) in enumerate(_outputs(header)):
+            shape = ((rows, cols) if per_token else (rows,)) + tail
             numel = int(torch.Size(shape).numel())
             recv = self._buffer(f"recv_out{index}", numel, dtype).view(shape)
             chunks = None
@@ -202,14 +210,14 @@ class CentralizedModel:
                 send.zero_()
                 for r, out in enumerate(outputs):
                     part = out[index]
-                    target = send[r, :part.shape[0], :part.shape[1]] if self.per_token else send[r, :part.shape[0]]
+                    target = send[r, :part.shape[0], :part.shape[1]] if per_token else send[r, :part.shape[0]]
                     target.copy_(part)
                 chunks = list(send.unbind(0))
                 self.bytes_sent += (self.world - 1) * numel * recv.element_size()
             else:
                 self.bytes_received += numel * recv.element_size()
             dist.scatter(recv, chunks, src=self.owner, group=self.group)
-            mine = recv[:my_rows, :my_cols] if self.per_token else recv[:my_rows]
+            mine = recv[:my_rows, :my_cols] if per_token else recv[:my_rows]
             results.append(mine.clone())
         return Served(tuple(results), version)
 
@@ -226,29 +234,30 @@ def _check_inputs(ids, mask) -> str | None:
     return None
 
 
-def _describe(header: torch.Tensor, outputs: tuple, version: int, lead: int) -> None:
+def _describe(header: torch.Tensor, outputs: tuple, version: int, per_token: tuple) -> None:
     """Fill the header with the owner's version and one rank's output dtypes and per-row tail shapes."""
     if len(outputs) > _MAX_OUTPUTS:
         raise ValueError(f"centralized model_fn returned {len(outputs)} tensors; at most {_MAX_OUTPUTS}")
     header[1] = version
-    for i, out in enumerate(outputs):
-        tail = tuple(out.shape[lead:])
+    for i, (out, flag) in enumerate(zip(outputs, per_token)):
+        tail = tuple(out.shape[2 if flag else 1:])
         if out.dtype not in _DTYPES or len(tail) > _MAX_TAIL:
             raise ValueError(f"centralized model output {i} has dtype {out.dtype} and {out.dim()} dims; "
                              f"supported: {_DTYPES}, at most {_MAX_TAIL} dims after the leading ones")
-        base = 3 + i * (2 + _MAX_TAIL)
-        header[base], header[base + 1] = _DTYPES.index(out.dtype) + 1, len(tail)
+        base = 3 + i * _SLOT
+        header[base], header[base + 1], header[base + 2] = _DTYPES.index(out.dtype) + 1, int(flag), len(tail)
         for j, size in enumerate(tail):
-            header[base + 2 + j] = size
+            header[base + 3 + j] = size
 
 
-def _outputs(header: torch.Tensor) -> list[tuple[torch.dtype, tuple]]:
+def _outputs(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple]]:
     values, described = header.tolist(), []
     for i in range(_MAX_OUTPUTS):
-        base = 3 + i * (2 + _MAX_TAIL)
+        base = 3 + i * _SLOT
         if values[base] == 0:
             break
-        described.append((_DTYPES[values[base] - 1], tuple(values[base + 2:base + 2 + values[base + 1]])))
+        described.append((_DTYPES[values[base] - 1], bool(values[base + 1]),
+                          tuple(values[base + 3:base + 3 + values[base + 2]])))
     return described
 
 
