@@ -17,6 +17,7 @@ from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
 from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
 from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.service import ParallelLayout, TrainingService
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "SamplingConfig",
@@ -26,5 +27,5 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
     "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
-    "teacher_fn", "teacher_rewards",
+    "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
 ]
