@@ -36,6 +36,7 @@ import torch
 from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig
 
+STARTUP_SECONDS = 300.0  # the first call (workers import torch and build the model) waits at least this long
 OBJECTIVES = {"language_model": "megalite.rlhf.objectives:LanguageModelObjective",
               "ppo_actor": "megalite.rlhf.objectives:PPOActorObjective",
               "ppo_critic": "megalite.rlhf.objectives:PPOCriticObjective"}
@@ -97,7 +98,7 @@ class _Options:
         resolve_objective(loss_fn)
         spec = ServiceSpec(model, optimizer, loss_fn, parallel, checkpoint_dir, seed, self.with_gpus)
         service = TrainingService(spec, self.procs, self.timeout, asyncio.get_running_loop())
-        await service._call("ready", None)
+        await service._call("ready", None, deadline=max(self.timeout, STARTUP_SECONDS))
         return service
 
 
@@ -120,8 +121,9 @@ class TrainingService:
         for worker in self._workers:
             worker.start()
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future, str, float, dict]] = {}
+        self._pending: dict[int, tuple[asyncio.Future, str, float, float, dict]] = {}
         self._last = ["none"] * procs
+        self._last_reply = 0.0
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -193,7 +195,7 @@ class TrainingService:
             raise ValueError(f"batch of {rows} sequences is not divisible by dp={layout.dp} x "
                              f"micro_batch_size={layout.micro_batch_size}")
 
-    def _call(self, method: str, payload) -> asyncio.Future:
+    def _call(self, method: str, payload, deadline: float | None = None) -> asyncio.Future:
         if self._closed:
             raise RuntimeError(f"TrainingService.{method} called after shutdown")
         future = self._loop.create_future()
@@ -202,7 +204,7 @@ class TrainingService:
                 future.set_exception(RuntimeError(self._failure))
                 return future
             call_id = next(self._ids)
-            self._pending[call_id] = (future, method, time.monotonic(), {})
+            self._pending[call_id] = (future, method, time.monotonic(), deadline or self.timeout, {})
         for inbox in self._inboxes:
             inbox.put((call_id, method, payload))
         return future
@@ -220,8 +222,9 @@ class TrainingService:
                 entry = self._pending.get(call_id)
                 if entry is None:
                     continue
-                future, method, _, replies = entry
+                future, method, _, _, replies = entry
                 self._last[rank] = f"{method} #{call_id} ({'ok' if ok else 'failed'})"
+                self._last_reply = time.monotonic()
                 replies[rank] = (ok, value)
                 if len(replies) < self.procs:
                     continue
@@ -250,11 +253,12 @@ class TrainingService:
                            f"its last message: {self._last[rank]}")
                 break
         with self._lock:
-            for call_id, (_, method, start, replies) in self._pending.items():
-                if problem is None and now - start > self.timeout:
+            for call_id, (_, method, start, allowed, replies) in self._pending.items():
+                # A queued call's clock starts when it was issued or when the workers last answered.
+                if problem is None and now - max(start, self._last_reply) > allowed:
                     missing = [r for r in range(self.procs) if r not in replies]
                     problem = (f"training worker {missing[0]} did not answer {method} #{call_id} within "
-                               f"{self.timeout:.0f} s; its last message: {self._last[missing[0]]}")
+                               f"{allowed:.0f} s; its last message: {self._last[missing[0]]}")
             if problem is None:
                 return
             self._failure = problem

@@ -1,6 +1,6 @@
 """TrainingService: workers at tp2 train exactly like one worker (same seed, same batches, pipelined calls),
 weights and checkpoints move between layouts, a killed worker fails pending and later calls with its name and last
-message, shutdown leaves no process, and bad input is one clear error."""
+message (so does one that hangs past the timeout), shutdown leaves no process, and bad input is one clear error."""
 
 import asyncio
 import os
@@ -96,6 +96,23 @@ async def _killed(tmp_path):
 
 def test_killed_worker_fails_pending_and_later_calls(tmp_path):
     asyncio.run(_killed(tmp_path))
+
+
+async def _hung(tmp_path):
+    service = await TrainingService.options(procs=2, timeout=5.0).as_service(
+        model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
+        checkpoint_dir=str(tmp_path))
+    os.kill(service.pids[0], signal.SIGSTOP)
+    with pytest.raises(RuntimeError, match=r"training worker 0 did not answer optim_step #\d+ within 5 s; its last "
+                                           r"message: ready #\d+ \(ok\)"):
+        await service.optim_step()
+    pids = service.pids
+    await service.shutdown()
+    assert _alive(pids) == []
+
+
+def test_hung_worker_times_out(tmp_path):
+    asyncio.run(_hung(tmp_path))
 
 
 def test_procs_must_match_layout(tmp_path):
