@@ -75,9 +75,11 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
                 etp: int | None = None, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
     """Return every axis's rank groups for a world of ``world_size`` ranks.
 
-    Keys: tp, pp, dp, cp, model (tp x pp), embedding (first and last pipeline
-    stage), ep, expert_tp, expert_dp.  Raises ValueError on sizes that do not
-    divide the world or on a malformed ``order``.
+    Keys: tp, pp, dp, cp, dp_cp (dp x cp: the ranks that hold replicas of the
+    dense weights, over which their gradients reduce), model (tp x pp),
+    embedding (first and last pipeline stage), ep, expert_tp, expert_dp.
+    Raises ValueError on sizes that do not divide the world or on a malformed
+    ``order``.
     """
     etp = tp if etp is None else etp
     _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
@@ -99,6 +101,7 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
         "pp": _grid_groups(dense_sizes, names, ("pp",)),
         "dp": _grid_groups(dense_sizes, names, ("dp",)),
         "cp": _grid_groups(dense_sizes, names, ("cp",)),
+        "dp_cp": _grid_groups(dense_sizes, names, ("dp", "cp")),
         "model": _grid_groups(dense_sizes, names, ("tp", "pp")),
         "ep": _grid_groups(expert_sizes, names, ("ep",)),
         "expert_tp": _grid_groups(expert_sizes, names, ("tp",)),
@@ -143,6 +146,7 @@ class Topology:
     pp: Axis
     dp: Axis
     cp: Axis
+    dp_cp: Axis
     ep: Axis
     expert_tp: Axis
     expert_dp: Axis

@@ -1,69 +1,31 @@
-"""Draw pipeline timelines as a Gantt chart PNG and print the measured bubble fraction.
+"""Draw a pipeline timeline as a Gantt chart, write a Chrome/Perfetto trace, print the measured bubble.
 
-Usage: python tools/plot_pipeline.py TIMELINE.json|DIR [...] [--out gantt.png] [--width 1200]
+Usage: python tools/plot_pipeline.py TIMELINE.json|DIR [...] [--iteration N] [--out gantt.png]
+                                     [--trace trace.json]
 
 Each input is a PipelineRecorder.save() file (one per rank; a directory means
-every *.json in it).  One lane per pipeline stage, time left to right; forwards
-are blue, backwards green, a lighter shade for each later model chunk, and odd
-micro-batches slightly darker so neighbours stay distinguishable.  Idle time is
-white.  The PNG is written with zlib + struct + numpy, no imaging library.
+every *.json in it), e.g. from ``--timeline-dir``.  The chart (matplotlib, the
+``[plot]`` extra) shows one iteration (``--iteration``, default the last): one
+lane per pipeline stage, time in ms, forward / input-gradient / weight-gradient
+passes in their colours (a lighter shade for a rank's second model chunk), the
+micro-batch number in each box, and the measured bubble in the title.  The
+trace (``--trace``, default next to the PNG) holds every rank's ops of every
+iteration; open it in chrome://tracing or https://ui.perfetto.dev to zoom in.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
-import struct
 import sys
-import zlib
-
-import numpy as np
 
 from megalite.pipeline.timeline import PipelineRecorder, bubble_fraction
 
-LANE, GAP, MARGIN = 24, 6, 10
-BASE = {"F": np.array([60, 110, 200]), "B": np.array([60, 160, 80])}
-IDLE, EDGE = np.array([255, 255, 255]), np.array([40, 40, 40])
-
-
-def write_png(path: str, rgb: np.ndarray) -> None:
-    """Write an [h, w, 3] uint8 image as an 8-bit RGB PNG."""
-    height, width, _ = rgb.shape
-    rows = np.concatenate([np.zeros((height, 1), np.uint8), rgb.reshape(height, width * 3)], axis=1)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
-                + chunk(b"IEND", b""))
-
-
-def color(kind: str, microbatch: int, chunk: int) -> np.ndarray:
-    shade = BASE[kind] + chunk * 45 - (microbatch % 2) * 25
-    return np.clip(shade, 0, 255)
-
-
-def render(recorders: list[PipelineRecorder], width: int) -> np.ndarray:
-    """The Gantt chart of ``recorders`` (sorted by stage) as an RGB array."""
-    begin = min(s for r in recorders for _, _, _, s, _ in r.events)
-    end = max(e for r in recorders for _, _, _, _, e in r.events)
-    scale = (width - 2 * MARGIN) / max(end - begin, 1e-9)
-    height = 2 * MARGIN + len(recorders) * LANE + (len(recorders) - 1) * GAP
-    image = np.empty((height, width, 3), np.uint8)
-    image[:] = IDLE
-    for lane, recorder in enumerate(recorders):
-        top = MARGIN + lane * (LANE + GAP)
-        image[top - 1, MARGIN:width - MARGIN] = EDGE
-        image[top + LANE, MARGIN:width - MARGIN] = EDGE
-        for kind, microbatch, chunk, start, stop in recorder.events:
-            x0 = MARGIN + int(round((start - begin) * scale))
-            x1 = max(x0 + 1, MARGIN + int(round((stop - begin) * scale)))
-            image[top:top + LANE, x0:x1] = color(kind, microbatch, chunk)
-            image[top:top + LANE, x0] = EDGE
-    return image
+COLORS = {"F": "#3b6fc4", "B": "#3c9a50", "W": "#e08a2c"}
+NAMES = {"F": "forward (F)", "B": "backward, input grad (B)", "W": "backward, weight grad (W)"}
+LIGHTER = 0.45  # blend towards white for chunk 1, 2, ...
 
 
 def load_all(paths: list[str]) -> list[PipelineRecorder]:
@@ -78,21 +40,92 @@ def load_all(paths: list[str]) -> list[PipelineRecorder]:
     return sorted(recorders, key=lambda r: -1 if r.stage is None else r.stage)
 
 
+def _shade(color: str, chunk: int) -> tuple[float, float, float]:
+    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    mix = min(chunk * LIGHTER, 0.8)
+    return tuple(c + (1 - c) * mix for c in rgb)
+
+
+def plot(recorders: list[PipelineRecorder], path: str, title: str) -> None:
+    """Write the Gantt chart of ``recorders`` (one iteration each, sorted by stage) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    begin = min(e[3] for r in recorders for e in r.events)
+    span_ms = (max(e[4] for r in recorders for e in r.events) - begin) * 1e3
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(recorders) + 1.6))
+    for lane, recorder in enumerate(recorders):
+        for kind, microbatch, chunk, start, stop in recorder.events:
+            left, width = (start - begin) * 1e3, (stop - start) * 1e3
+            ax.barh(lane, width, left=left, height=0.8, color=_shade(COLORS.get(kind, "#888888"), chunk),
+                    edgecolor="black", linewidth=0.4)
+            if width > span_ms / 150:
+                ax.text(left + width / 2, lane, str(microbatch), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(recorders)))
+    ax.set_yticklabels([f"stage {r.stage}" for r in recorders])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("time (ms)")
+    kinds = [k for k in COLORS if any(e[0] == k for r in recorders for e in r.events)]
+    handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
+    if any(e[2] > 0 for r in recorders for e in r.events):
+        handles.append(Patch(color=_shade("#777777", 1), label="lighter: second model chunk"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(recorders) < 4 else -0.2),
+              ncol=len(handles), fontsize=8, frameon=False)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def chrome_trace(recorders: list[PipelineRecorder]) -> dict:
+    """Every rank's ops as Chrome trace events (one thread per stage, times in microseconds)."""
+    begin = min(e[3] for r in recorders for e in r.events)
+    events = []
+    for recorder in recorders:
+        tid = recorder.stage if recorder.stage is not None else -1
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"stage {tid}"}})
+        starts = set(recorder.iterations)
+        iteration = -1
+        for index, (kind, microbatch, chunk, start, stop) in enumerate(recorder.events):
+            iteration += index in starts
+            events.append({"name": f"{kind}{microbatch}", "cat": kind, "ph": "X", "pid": 0, "tid": tid,
+                           "ts": (start - begin) * 1e6, "dur": (stop - start) * 1e6,
+                           "args": {"microbatch": microbatch, "chunk": chunk, "iteration": iteration}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("timelines", nargs="+", help="PipelineRecorder JSON files or directories of them")
+    parser.add_argument("--iteration", type=int, default=-1, help="iteration to draw, 0-based (default: the last)")
     parser.add_argument("--out", default="pipeline_gantt.png")
-    parser.add_argument("--width", type=int, default=1200)
+    parser.add_argument("--trace", default=None, help="Chrome trace JSON (default: OUT with .trace.json)")
     args = parser.parse_args(argv)
     try:
         recorders = load_all(args.timelines)
+        chosen = [r.iteration(args.iteration) for r in recorders if r.events]
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    write_png(args.out, render(recorders, args.width))
-    print(f"wrote {args.out}: {len(recorders)} stages, "
-          f"{sum(len(r.events) for r in recorders)} ops (F blue, B green; lighter = later chunk)")
-    print(f"bubble fraction: {bubble_fraction(recorders):.4f}")
+    bubble = bubble_fraction(chosen)
+    schedule = next((r.schedule for r in recorders if r.schedule), None) or "pipeline"
+    count = len(recorders[0].iterations)
+    shown = args.iteration % count
+    try:
+        plot(chosen, args.out, f"{schedule}, {len(chosen)} stages, iteration {shown} of {count}: "
+                               f"measured bubble {bubble:.1%}")
+    except ImportError:
+        print("error: drawing needs matplotlib: pip install 'megalite[plot]'", file=sys.stderr)
+        return 1
+    trace = args.trace or os.path.splitext(args.out)[0] + ".trace.json"
+    with open(trace, "w") as f:
+        json.dump(chrome_trace(recorders), f)
+    print(f"wrote {args.out} (iteration {shown}) and {trace} ({sum(len(r.events) for r in recorders)} ops)")
+    print(f"bubble fraction: {bubble:.4f}")
     return 0
 
 

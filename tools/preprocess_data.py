@@ -1,38 +1,58 @@
-"""Tokenize a jsonl corpus into a memory-mapped indexed dataset (PREFIX.bin + PREFIX.idx).
+"""Tokenize a corpus into Megatron indexed datasets, with Megatron's preprocess_data.py flags.
 
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
-        --tokenizer-model tok.model --workers 4 --append-eod
+    python tools/preprocess_data.py --input docs.jsonl --json-keys text --output-prefix data/docs \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model hf_tokenizer/ --append-eod --workers 4
 
-Every line is a JSON object whose --json-key field (default "text") is one
-document.  Progress goes to stderr.
+writes data/docs_text_document.{bin,idx}.  A tqdm bar on stderr tracks the input
+bytes; the last line of stdout sums up documents, tokens, tokens/s and outputs.
 """
 
 import argparse
 import sys
 
-from megalite.data.preprocess import preprocess_jsonl
+from megalite.data.preprocess import INPUT_FORMATS, preprocess
+from megalite.data.tokenizer import TOKENIZER_TYPES
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one ``error: ...`` line and exit status 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input", required=True, help="a .jsonl corpus")
-    parser.add_argument("--output-prefix", required=True)
-    which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--tokenizer-model", help="a sentencepiece .model file")
-    which.add_argument("--tokenizer", choices=["byte"], help="the byte-level tokenizer, which needs no model")
-    parser.add_argument("--workers", type=int, default=1)
+    parser = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--input", required=True, help="a jsonl corpus, or plain text with --input-format")
+    parser.add_argument("--input-format", choices=INPUT_FORMATS, default="jsonl",
+                        help="jsonl; lines: one document per line; blocks: documents separated by blank lines")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields, one dataset each")
+    parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="None: SentencePieceTokenizer with --tokenizer-model, else ByteTokenizer")
+    parser.add_argument("--tokenizer-model", default=None, help="sentencepiece file or HF tokenizer directory")
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod id")
-    parser.add_argument("--json-key", default="text")
-    args = parser.parse_args(argv)
-    kind = "byte" if args.tokenizer == "byte" else "sentencepiece"
+    parser.add_argument("--workers", type=int, default=1)
     try:
-        prefix = preprocess_jsonl(args.input, args.output_prefix, tokenizer_model=args.tokenizer_model,
-                                  tokenizer_kind=kind, workers=args.workers, append_eod=args.append_eod,
-                                  key=args.json_key)
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+            "vocab_file": args.vocab_file, "merge_file": args.merge_file, "vocab_size": args.vocab_size}
+    try:
+        summary = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys,
+                             input_format=args.input_format, workers=args.workers, append_eod=args.append_eod)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {prefix}.bin and {prefix}.idx")
+    seconds = max(summary["seconds"], 1e-9)
+    outputs = ", ".join(f"{p}.bin/.idx" for p in summary["prefixes"])
+    print(f"{summary['documents']} documents, {summary['tokens']} tokens in {seconds:.1f} s "
+          f"({summary['tokens'] / seconds:.0f} tokens/s); wrote {outputs}")
     return 0
 
 

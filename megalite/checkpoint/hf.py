@@ -22,6 +22,7 @@ import torch
 
 from megalite.checkpoint import global_shapes, read_global_tensors, save_global_checkpoint
 from megalite.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from megalite.checkpoint.tokenizer_export import run_tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -150,12 +151,10 @@ def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
                          "uses biases on every linear layer or on none")
     h, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     groups = hf.get("num_key_value_heads") or heads
-    d = h // heads
-    if hf.get("head_dim", d) != d:
-        raise ValueError(f"Llama head_dim={hf['head_dim']} differs from hidden_size/heads = {h}/{heads} = {d}")
+    d = hf.get("head_dim") or h // heads
     tied = hf.get("tie_word_embeddings", False)
     config = GPTConfig(vocab_size=hf["vocab_size"], num_layers=layers, hidden_size=h, num_attention_heads=heads,
-                       num_query_groups=groups, ffn_hidden_size=hf["intermediate_size"],
+                       num_query_groups=groups, kv_channels=d, ffn_hidden_size=hf["intermediate_size"],
                        max_position_embeddings=hf["max_position_embeddings"], position_embedding_type="rope",
                        rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
                        activation="swiglu", add_bias_linear=bias, attention_dropout=hf.get("attention_dropout", 0.0),
@@ -202,9 +201,11 @@ def hf_family(config) -> str:
         raise ValueError("MoE models have no Hugging Face GPT-2/Llama equivalent")
     if (config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm"
             and config.add_bias_linear and config.activation in ("gelu", "gelu_tanh")
-            and config.num_query_groups == config.num_attention_heads):
+            and config.num_query_groups == config.num_attention_heads
+            and config.kv_channels * config.num_attention_heads == config.hidden_size):
         return "gpt2"
-    if config.position_embedding_type == "rope" and config.normalization == "RMSNorm" and config.activation == "swiglu":
+    if (config.position_embedding_type == "rope" and config.normalization == "RMSNorm" and config.activation == "swiglu"
+            and config.rotary_percent == 1.0):
         return "llama"
     raise ValueError(f"no Hugging Face family fits position_embedding_type={config.position_embedding_type!r}, "
                      f"normalization={config.normalization!r}, activation={config.activation!r}, "
@@ -282,7 +283,7 @@ def _llama_hf_config(config, base: dict) -> dict:
     hf = {**base, "model_type": "llama", "architectures": base.get("architectures", ["LlamaForCausalLM"]),
           "vocab_size": config.vocab_size, "hidden_size": h, "intermediate_size": config.ffn_hidden_size,
           "num_hidden_layers": config.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-          "head_dim": h // heads, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+          "head_dim": config.kv_channels, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
           "rms_norm_eps": config.norm_eps, "attention_bias": config.add_bias_linear,
           "mlp_bias": config.add_bias_linear, "attention_dropout": config.attention_dropout,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
@@ -336,11 +337,19 @@ def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
 
 
 def convert_megalite_to_hf(path: str, output: str) -> None:
-    """Write the megalite checkpoint ``path`` as config.json + model.safetensors in ``output``."""
+    """Write the megalite checkpoint ``path`` as config.json + model.safetensors in ``output``.
+
+    When the run that saved it used a Hugging Face tokenizer directory, its files are copied and
+    its bos/eos ids written into config.json (see :mod:`megalite.checkpoint.tokenizer_export`).
+    """
     config, tensors, state = read_global_tensors(path)
     hf_config, hf_tensors = megalite_to_hf(config, tensors, state.get("hf"))
+    tokenizer_files, token_ids = run_tokenizer(state.get("args"))
+    hf_config.update(token_ids)
     tmp = _fresh_output(output)
     os.makedirs(tmp)
+    for source, name in tokenizer_files:
+        shutil.copy(source, os.path.join(tmp, name))
     write_safetensors(os.path.join(tmp, SAFETENSORS), hf_tensors, {"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

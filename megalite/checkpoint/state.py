@@ -5,7 +5,7 @@ parameters) and, for parameters replicated over (expert) TP, by TP rank 0.  The 
 state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32) is written as
 the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
 parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  Loading
-reads exactly the regions this rank holds, so any (tp, pp, vpp, dp, ep) layout loads any other.
+reads exactly the regions this rank holds, so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
     per-rank state stored beside the tensors (e.g. scheduler, RNG, data position).
     """
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
-    dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp"))
+    dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp_cp"))
     edp_rank = topology.group_rank(topology.resolve_group(expert_dp_group, "expert_dp"))
     config = model_config(model_chunks)
     sharded = bool(getattr(optimizer, "sharded", False))

@@ -34,11 +34,14 @@ class GPTDataset(torch.utils.data.Dataset):
 
     ``documents`` are ids of documents in ``indexed`` (one split).  As many
     epochs over them are used as ``num_samples`` needs.  With ``cache_dir`` the
-    index arrays are loaded from, or saved to, ``cache_dir``.
+    index arrays are loaded from, or saved to, ``cache_dir``.  With
+    ``vocab_size`` every sample's ids are checked against it: indexed files
+    carry no vocabulary, so an id out of range raises ValueError naming the
+    dataset, the document and the id before it reaches a model.
     """
 
     def __init__(self, indexed: IndexedDataset, documents, num_samples: int, seq_length: int, seed: int,
-                 cache_dir: str | None = None, name: str = "gpt"):
+                 cache_dir: str | None = None, name: str = "gpt", vocab_size: int | None = None):
         documents = np.asarray(documents, dtype=np.int64)
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -56,6 +59,7 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(f"dataset {name!r}: its {len(documents)} documents hold no tokens")
         self.indexed = indexed
         self.name = name
+        self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = seed
@@ -115,14 +119,14 @@ class GPTDataset(torch.utils.data.Dataset):
         while needed:
             doc = int(self.doc_idx[slot])
             piece = self.indexed.get(doc, offset, min(needed, int(self.indexed.sizes[doc]) - offset))
+            if self.vocab_size is not None and piece.size and (piece.max() >= self.vocab_size or piece.min() < 0):
+                bad = int(piece.max() if piece.max() >= self.vocab_size else piece.min())
+                raise ValueError(f"dataset {self.indexed.prefix}: document {doc} holds token id {bad}, outside "
+                                 f"the vocabulary of {self.vocab_size} ids")
             pieces.append(piece)
             needed -= len(piece)
             slot, offset = slot + 1, 0
         return {"tokens": torch.from_numpy(np.concatenate(pieces).astype(np.int64))}
-
-    @property
-    def max_token_id(self) -> int:
-        return self.indexed.max_token_id
 
 
 def _blend_counts(weights: np.ndarray, size: int) -> np.ndarray:
@@ -182,10 +186,6 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int):
         return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
 
-    @property
-    def max_token_id(self) -> int:
-        return max(d.max_token_id for d in self.datasets)
-
 
 def parse_split(split: str) -> list[float]:
     """"949,50,1" -> train/valid/test fractions; missing parts count as zero."""
@@ -224,12 +224,14 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
 
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
-                                    train_valid_test_num_samples, cache_dir: str | None = None):
+                                    train_valid_test_num_samples, cache_dir: str | None = None,
+                                    vocab_size: int | None = None):
     """(train, valid, test) datasets over one prefix or a weighted blend of prefixes.
 
     Each prefix is split by documents according to ``split``.  A split gets
     None when it is asked for no samples or, for valid and test, when it holds
     no documents; an empty train split that is asked for samples is an error.
+    ``vocab_size`` turns on the per-sample token-id check (see :class:`GPTDataset`).
     """
     weights, prefixes = parse_data_path(data_path)
     weights = normalize_weights(weights)
@@ -250,7 +252,7 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             continue
         counts = [wanted] if len(prefixes) == 1 else blend_samples_needed(weights, wanted)
         parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir,
-                            name=f"{os.path.basename(p)}_{name}")
+                            name=f"{os.path.basename(p)}_{name}", vocab_size=vocab_size)
                  for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
         results.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted, seed))
     return tuple(results)

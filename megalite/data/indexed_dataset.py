@@ -1,19 +1,23 @@
-"""Memory-mapped token datasets: a ``.bin`` of token ids and an ``.idx`` describing it.
+"""Memory-mapped token datasets in Megatron-Core's indexed format: ``PREFIX.bin`` + ``PREFIX.idx``.
 
-The ``.idx`` file is a fixed little-endian header followed by two arrays::
+The ``.idx`` file is a little-endian header followed by three arrays, exactly
+as Megatron-Core's ``IndexedDatasetBuilder`` writes it::
 
-    magic        8 bytes   b"MGLTIDX\\0"
-    version      uint64    1
-    dtype code   uint8     (+7 bytes padding)
-    num_docs     uint64
-    num_tokens   uint64
-    max_token_id int64     -1 when there are no tokens
-    sizes        int32[num_docs]       tokens per document
-    offsets      int64[num_docs + 1]   token offset of each document in .bin
+    magic             9 bytes   b"MMIDIDX\\x00\\x00"
+    version           uint64    1
+    dtype code        uint8     Megatron's codes: 1 uint8, 2 int8, 3 int16, 4 int32,
+                                5 int64, 6 float64, 7 float32, 8 uint16
+    sequence count    uint64
+    document count    uint64    sequence count + 1 (document boundaries, see below)
+    sequence_lengths  int32[sequence count]    tokens per sequence
+    sequence_pointers int64[sequence count]    byte offset of each sequence in .bin
+    document_indices  int64[document count]    0, then the sequence count after each document
 
-The ``.bin`` file is the documents' tokens back to back in the header's dtype.
-Storing ``max_token_id`` lets a trainer check a tokenizer's vocabulary against
-the data before training, without reading the tokens.
+The ``.bin`` file is every sequence's tokens back to back.  megalite writes one
+sequence per document (as Megatron's preprocess_data does without sentence
+splitting) and trains on sequences, as Megatron's GPTDataset does.  The
+format stores no vocabulary, so token ids are checked against it batch by
+batch (:class:`~megalite.data.gpt_dataset.GPTDataset`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import struct
 
 import numpy as np
 
-MAGIC = b"MGLTIDX\x00"
+MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-_HEADER = struct.Struct("<8sQB7xQQq")
-_DTYPES = {1: np.uint8, 2: np.uint16, 3: np.int32, 4: np.int64, 5: np.uint32}
+_HEADER = struct.Struct("<9sQBQQ")
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+           8: np.uint16}
 _CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
 
 
@@ -39,20 +44,20 @@ def data_file(prefix: str) -> str:
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
-    """The smallest supported dtype that holds every id below ``vocab_size``."""
-    return np.dtype(np.uint16 if vocab_size <= 2 ** 16 else np.int32)
+    """Megatron's choice: uint16 for fewer than 65500 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32)
 
 
 def _token_dtype(dtype) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in _CODES:
-        names = ", ".join(np.dtype(t).name for t in _DTYPES.values())
+    if dtype not in _CODES or not np.issubdtype(dtype, np.integer):
+        names = ", ".join(np.dtype(t).name for t in _DTYPES.values() if np.issubdtype(t, np.integer))
         raise ValueError(f"token dtype must be one of {names}, got {dtype.name}")
     return dtype
 
 
 class IndexedDatasetBuilder:
-    """Writes documents to ``prefix.bin``/``prefix.idx``.
+    """Writes documents to ``prefix.bin``/``prefix.idx``, byte-identical to Megatron-Core's builder.
 
     Data goes to temporary files that :meth:`finalize` renames into place, so a
     reader never sees a half-written dataset.  Used as a context manager it
@@ -69,7 +74,6 @@ class IndexedDatasetBuilder:
         self._idx_tmp = f"{index_file(prefix)}.tmp{os.getpid()}"
         self._bin = open(self._bin_tmp, "wb")
         self._sizes: list[int] = []
-        self._max = -1
 
     def add_document(self, ids) -> None:
         """Append one document of token ids (any integer sequence, may be empty)."""
@@ -83,7 +87,6 @@ class IndexedDatasetBuilder:
             if low < self._info.min or high > self._info.max:
                 raise ValueError(f"token ids span [{low}, {high}], outside {self.dtype.name}'s range "
                                  f"[{self._info.min}, {self._info.max}]")
-            self._max = max(self._max, high)
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(array.size))
 
@@ -91,12 +94,15 @@ class IndexedDatasetBuilder:
         """Write the index and move both files into place."""
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
-        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        if len(sizes) > 1:
+            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        documents = np.arange(len(sizes) + 1, dtype=np.int64)
         with open(self._idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODES[self.dtype], len(sizes), int(offsets[-1]), self._max))
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODES[self.dtype], len(sizes), len(documents)))
             f.write(sizes.tobytes())
-            f.write(offsets.tobytes())
+            f.write(pointers.tobytes())
+            f.write(documents.tobytes())
         os.replace(self._bin_tmp, data_file(self.prefix))
         os.replace(self._idx_tmp, index_file(self.prefix))
 
@@ -118,10 +124,10 @@ class IndexedDatasetBuilder:
 
 
 class IndexedDataset:
-    """Read-only view of ``prefix.bin``/``prefix.idx``; ``ds[i]`` is document ``i``.
+    """Read-only view of ``prefix.bin``/``prefix.idx``; ``ds[i]`` is sequence (document) ``i``.
 
-    Opening validates the header and checks every size against the files'
-    lengths, raising FileNotFoundError or ValueError that names the file.
+    Opening validates the header and checks every length and pointer against
+    the files' sizes, raising FileNotFoundError or ValueError that names the file.
     """
 
     def __init__(self, prefix: str):
@@ -134,33 +140,37 @@ class IndexedDataset:
         if idx_bytes < _HEADER.size:
             raise ValueError(f"{idx_path}: {idx_bytes} bytes is shorter than the {_HEADER.size}-byte header")
         with open(idx_path, "rb") as f:
-            magic, version, code, num_docs, num_tokens, max_id = _HEADER.unpack(f.read(_HEADER.size))
+            magic, version, code, num_seqs, num_docs = _HEADER.unpack(f.read(_HEADER.size))
         if magic != MAGIC:
-            raise ValueError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r}; not a megalite index")
+            raise ValueError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r}; not a Megatron indexed dataset")
         if version != VERSION:
             raise ValueError(f"{idx_path}: unsupported index version {version}, expected {VERSION}")
-        if code not in _DTYPES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code}, expected one of {sorted(_DTYPES)}")
-        expected = _HEADER.size + 4 * num_docs + 8 * (num_docs + 1)
+        if code not in _DTYPES or not np.issubdtype(_DTYPES[code], np.integer):
+            raise ValueError(f"{idx_path}: dtype code {code} is not an integer token type; expected one of "
+                             f"{sorted(c for c, t in _DTYPES.items() if np.issubdtype(t, np.integer))}")
+        expected = _HEADER.size + 4 * num_seqs + 8 * num_seqs + 8 * num_docs
         if idx_bytes != expected:
-            raise ValueError(f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_docs} documents")
+            raise ValueError(f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_seqs} sequences and "
+                             f"{num_docs} document indices (truncated or corrupt)")
         self.dtype = np.dtype(_DTYPES[code])
-        self.max_token_id = int(max_id)
-        self.num_tokens = int(num_tokens)
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        self.sizes = index[_HEADER.size:_HEADER.size + 4 * num_docs].view(np.int32)
-        self.doc_offsets = index[_HEADER.size + 4 * num_docs:].view(np.int64)
-        if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
-            raise ValueError(f"{idx_path}: document offsets run from {self.doc_offsets[0]} to "
-                             f"{self.doc_offsets[-1]}, expected 0 to {num_tokens}")
-        if not np.array_equal(np.diff(self.doc_offsets), self.sizes):
-            raise ValueError(f"{idx_path}: document sizes disagree with the document offsets")
+        start = _HEADER.size
+        self.sizes = index[start:start + 4 * num_seqs].view(np.int32)
+        start += 4 * num_seqs
+        self.pointers = index[start:start + 8 * num_seqs].view(np.int64)
+        self.document_indices = index[start + 8 * num_seqs:].view(np.int64)
+        itemsize = self.dtype.itemsize
+        if num_seqs and (self.sizes.min() < 0 or not np.array_equal(
+                self.pointers[1:] - self.pointers[:-1], self.sizes[:-1].astype(np.int64) * itemsize)
+                or self.pointers[0] != 0):
+            raise ValueError(f"{idx_path}: sequence pointers disagree with the sequence lengths")
+        self.num_tokens = int(self.sizes.astype(np.int64).sum())
         bin_bytes = os.path.getsize(bin_path)
-        expected = num_tokens * self.dtype.itemsize
+        expected = self.num_tokens * itemsize
         if bin_bytes != expected:
             raise ValueError(f"{bin_path}: {bin_bytes} bytes, expected {expected} "
-                             f"({num_tokens} tokens of {self.dtype.name})")
-        if num_tokens:
+                             f"({self.num_tokens} tokens of {self.dtype.name}; truncated or corrupt)")
+        if self.num_tokens:
             self._tokens = np.memmap(bin_path, mode="r", dtype=self.dtype)
         else:
             self._tokens = np.zeros(0, dtype=self.dtype)
@@ -172,7 +182,7 @@ class IndexedDataset:
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens ``offset .. offset+length`` of document ``i`` (to its end when length is None)."""
+        """Tokens ``offset .. offset+length`` of sequence ``i`` (to its end when length is None)."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"document {i} out of range for {n} documents")
@@ -182,14 +192,8 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"offset {offset} and length {length} do not fit document {i} of {size} tokens")
-        start = int(self.doc_offsets[i]) + offset
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
         return np.array(self._tokens[start:start + length])
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if the data holds an id that a ``vocab_size`` vocabulary lacks."""
-        if self.max_token_id >= vocab_size:
-            raise ValueError(f"{index_file(self.prefix)}: the data's largest token id is {self.max_token_id}, "
-                             f"but the tokenizer's vocabulary has only {vocab_size} ids")
 
     def __getstate__(self):
         return {"prefix": self.prefix}

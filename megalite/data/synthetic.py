@@ -16,7 +16,7 @@ import shutil
 import tempfile
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megalite", "default_data")
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 _NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "June"]
@@ -86,7 +86,7 @@ def build_default_data(cache_dir: str | None = None, seed: int = 1234, num_docs:
     build happens in a temporary directory that is renamed into place when
     complete, so concurrent or interrupted builds never leave a partial cache.
     """
-    from megalite.data.preprocess import preprocess_jsonl
+    from megalite.data.preprocess import preprocess
     from megalite.data.tokenizer import train_sentencepiece
 
     cache_dir = cache_dir or DEFAULT_CACHE_DIR
@@ -104,8 +104,8 @@ def build_default_data(cache_dir: str | None = None, seed: int = 1234, num_docs:
             for text in texts:
                 f.write(json.dumps({"text": text}) + "\n")
         train_sentencepiece(texts, os.path.join(tmp, "tokenizer"), vocab_size)
-        preprocess_jsonl(corpus, os.path.join(tmp, "corpus_text_document"),
-                         tokenizer_model=os.path.join(tmp, "tokenizer.model"), progress=False)
+        preprocess(corpus, os.path.join(tmp, "corpus"), {"tokenizer_model": os.path.join(tmp, "tokenizer.model")},
+                   append_eod=True, progress=False)
         try:
             os.rename(tmp, final)
         except OSError:

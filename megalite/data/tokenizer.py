@@ -1,8 +1,11 @@
-"""Tokenizers: a byte-level one that needs no training, and a sentencepiece wrapper.
+"""Tokenizers, chosen by Megatron's ``--tokenizer-type`` names, each a thin wrapper over its library.
 
-Both expose the same small interface the data pipeline and trainer use:
+Every tokenizer exposes the small interface the data pipeline and trainer use:
 ``vocab_size``, ``eod``, ``pad``, ``bos`` (None when absent), ``tokenize(text)``
-and ``detokenize(ids)``.
+and ``detokenize(ids)``.  The ids are exactly those of the reference library
+(sentencepiece, transformers); only ``ByteTokenizer`` (UTF-8 bytes, megalite's
+default when no tokenizer is named) and ``NullTokenizer`` (ids written as
+numbers) need none.  transformers is the optional ``[hf]`` extra.
 """
 
 from __future__ import annotations
@@ -67,19 +70,129 @@ class SentencePieceTokenizer:
         return self._sp.decode(kept)
 
 
-def build_tokenizer(tokenizer_model: str | None, kind: str = "auto"):
-    """Make a tokenizer: ``kind`` is "byte", "sentencepiece" or "auto".
+class NullTokenizer:
+    """Megatron's NullTokenizer: the text is space-separated ids; ``eod`` is ``vocab_size`` (one extra id)."""
 
-    "auto" gives the byte tokenizer when ``tokenizer_model`` is None and a
-    sentencepiece tokenizer loaded from it otherwise.
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self.eod = self.pad = int(vocab_size)
+        self.bos = None
+        self.vocab_size = int(vocab_size) + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _transformers(kind: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{kind} needs the transformers package: pip install 'megalite[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face tokenizer directory, loaded with ``AutoTokenizer`` (as Megatron does).
+
+    ``eod`` is the tokenizer's ``eos_token_id``; ``vocab_size`` is ``len(tokenizer)``
+    (added tokens included); ``tokenize`` is ``tokenizer(text).input_ids``.
     """
-    if kind not in ("auto", "byte", "sentencepiece"):
-        raise ValueError(f"tokenizer kind must be 'auto', 'byte' or 'sentencepiece', got {kind!r}")
-    if kind == "byte" or (kind == "auto" and tokenizer_model is None):
+
+    _FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+    def __init__(self, path: str):
+        transformers = _transformers("HuggingFaceTokenizer")
+        if path is None or not os.path.isdir(path):
+            raise ValueError(f"HuggingFaceTokenizer needs --tokenizer-model to be a local directory, got {path!r}")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in self._FILES):
+            raise ValueError(f"{path} holds no Hugging Face tokenizer (none of {', '.join(self._FILES)})")
+        try:
+            self._tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: cannot load a Hugging Face tokenizer ({str(err).splitlines()[0]})") from None
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"{path}: the tokenizer has no eos token, which marks the end of a document")
+        self.path = path
+        self.eod = self._tok.eos_token_id
+        self.bos = self._tok.bos_token_id
+        self.pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eod
+        self.vocab_size = len(self._tok)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok(text).input_ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt).
+
+    Like Megatron's (OpenAI's) encoder it gives special-token text no special
+    treatment; ``eod`` is the id of ``<|endoftext|>``.  Runs on the tokenizers library.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if path is None or not os.path.isfile(path):
+                raise ValueError(f"GPT2BPETokenizer needs {flag} to name an existing file, got {path!r}")
+        try:
+            import tokenizers
+        except ImportError:
+            raise ValueError("GPT2BPETokenizer needs the tokenizers package: pip install 'megalite[hf]'") from None
+        self._tok = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file)
+        eod = self._tok.token_to_id("<|endoftext|>")
+        if eod is None:
+            raise ValueError(f"{vocab_file} has no <|endoftext|> token")
+        self.eod = self.pad = eod
+        self.bos = None
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
+                   "ByteTokenizer")
+
+
+def build_tokenizer(tokenizer_model: str | None = None, tokenizer_type: str | None = None, *,
+                    vocab_file: str | None = None, merge_file: str | None = None, vocab_size: int | None = None):
+    """The tokenizer Megatron's flags describe.
+
+    ``tokenizer_type`` None means SentencePieceTokenizer when ``tokenizer_model``
+    is given and ByteTokenizer otherwise.  Bad names or missing files raise
+    ValueError (FileNotFoundError for a missing sentencepiece model).
+    """
+    if tokenizer_type is None:
+        tokenizer_type = "SentencePieceTokenizer" if tokenizer_model is not None else "ByteTokenizer"
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_model is None:
-        raise ValueError("a sentencepiece tokenizer needs a model path, got None")
+        raise ValueError("SentencePieceTokenizer needs --tokenizer-model, got None")
     return SentencePieceTokenizer(tokenizer_model)
+
+
+def tokenizer_from_args(args):
+    """``build_tokenizer`` from the Megatron flags on ``args``."""
+    return build_tokenizer(args.tokenizer_model, args.tokenizer_type, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, vocab_size=args.vocab_size)
 
 
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,

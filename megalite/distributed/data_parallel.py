@@ -19,7 +19,8 @@ class DistributedDataParallel(nn.Module):
     ``config.grad_reduce_in_fp32``) laid out in backward order.  A post-accumulate-grad hook moves
     each autograd gradient into ``main_grad`` and frees ``param.grad``; with
     ``overlap_grad_reduce`` a bucket starts its asynchronous reduction as soon as all of its
-    gradients have arrived in the last micro-batch.  Parameters marked ``expert_parallel`` reduce
+    gradients have arrived in the last micro-batch (under a split backward, when the last weight
+    gradient ran).  Parameters marked ``expert_parallel`` reduce
     over ``expert_dp_group`` instead of ``dp_group``.  Both are scaled by 1/DP size, so the result
     is the mean of per-rank losses.
     """
@@ -55,9 +56,12 @@ class DistributedDataParallel(nn.Module):
                     sub.register_forward_pre_hook(self._wait_params_hook)
 
     def _grad_hook(self, param: nn.Parameter) -> None:
-        if param.grad is not None:
-            param.main_grad.add_(param.grad)
-            param.grad = None
+        # A call without a gradient (a weight gradient deferred by a split backward, to arrive
+        # later) does not mark the parameter ready; finish_grad_sync launches what is left.
+        if param.grad is None:
+            return
+        param.main_grad.add_(param.grad)
+        param.grad = None
         if self.config.overlap_grad_reduce and self.is_last_microbatch:
             self._buffer_of[param].mark_ready(param)
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import topology
+from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.models.kv_cache import KVCache
 from megalite.models.rotary import apply_rotary
@@ -72,11 +73,26 @@ class SelfAttention(nn.Module):
     is a pair of cos/sin tables from :class:`RotaryEmbedding` and ``mask`` an
     optional :func:`padding_causal_mask`.  Returns ``(output, proj_bias)`` with
     the bias left for the fused bias-dropout-add.
+
+    With a context-parallel group of more than one rank (``cp_group``), ``s``
+    is this rank's share of the sequence and the core attention is
+    :func:`context_parallel_attention` (``cp_comm_type``); so it is for packed
+    sequences (``documents [b, s]``), which attend within their document only.
     """
 
-    def __init__(self, config, layer_number: int, *, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, config, layer_number: int, *, tp_group=None, cp_group=None, cp_comm_type: str = "p2p",
+                 sequence_parallel: bool = False):
         super().__init__()
         tp = topology.group_size(tp_group)
+        self.cp_group = cp_group
+        self.cp_comm_type = cp_comm_type
+        cp = topology.group_size(cp_group)
+        if cp > 1:
+            check_heads(config.num_attention_heads // tp, config.num_query_groups // tp, cp, cp_comm_type)
+            if config.attention_dropout > 0.0:
+                raise ValueError(f"attention dropout {config.attention_dropout} is not supported with context "
+                                 f"parallelism (cp={cp}); set it to 0")
+        self.context_parallel = cp > 1
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
@@ -93,7 +109,8 @@ class SelfAttention(nn.Module):
             init_method=scaled_normal_init(config.init_method_std, config.num_layers))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None):
+                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
@@ -106,8 +123,20 @@ class SelfAttention(nn.Module):
             offset = kv_cache.offset
             k, v = kv_cache.append(self.layer_number, k, v)
         dropout = self.attention_dropout if self.training else 0.0
-        if self.recompute_core and self.training and kv_cache is None:
+        if self.context_parallel or documents is not None:
+            if dropout > 0.0:
+                raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) "
+                                 f"attention; set it to 0")
+            if self.recompute_core and self.training:
+                context = checkpoint(self._document_attention, q, k, v, documents)
+            else:
+                context = self._document_attention(q, k, v, documents)
+        elif self.recompute_core and self.training and kv_cache is None:
             context = checkpoint(core_attention, q, k, v, dropout, offset, mask)
         else:
             context = core_attention(q, k, v, dropout, offset, mask)
         return self.linear_proj(context)
+
+    def _document_attention(self, q, k, v, documents):
+        return context_parallel_attention(q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
+                                          documents=documents)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megalite import topology
+from megalite.context_parallel import check_comm_type, check_context_parallel, chunk_indices
 from megalite.models.attention import padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
@@ -53,6 +54,7 @@ _CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "activation": ("gelu", "gelu_tanh", "swiglu"),
     "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
 }
 
 
@@ -62,7 +64,11 @@ class GPTConfig:
 
     ``ffn_hidden_size`` defaults to ``4h`` (GELU) or Megatron's SwiGLU size
     ``int(8h/3 / 64) * 64``; ``num_query_groups`` defaults to the number of
-    heads (plain multi-head attention).  ``moe_layer_freq`` is an int ``k``
+    heads (plain multi-head attention) and ``kv_channels`` (the head dimension)
+    to ``hidden_size / num_attention_heads``.  RoPE rotates the first
+    ``rotary_percent`` of each head's channels.  Full recompute uses
+    ``recompute_method`` ("uniform" or "block", default uniform) over
+    ``recompute_num_layers`` layers (default 1).  ``moe_layer_freq`` is an int ``k``
     (layers ``0, k, 2k, ...`` are MoE) or a per-layer list of 0/1.  ``seed``
     fixes the initial weights under every parallel layout.
     """
@@ -73,9 +79,11 @@ class GPTConfig:
     num_attention_heads: int
     ffn_hidden_size: int | None = None
     num_query_groups: int | None = None
+    kv_channels: int | None = None
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000
+    rotary_percent: float = 1.0
     normalization: str = "LayerNorm"
     norm_eps: float = 1e-5
     activation: str = "gelu"
@@ -86,6 +94,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     moe: MoEConfig | None = None
     moe_layer_freq: int | list[int] = 1
     seed: int = 1234
@@ -98,11 +108,13 @@ class GPTConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
 
     @property
-    def kv_channels(self) -> int:
-        """Head dimension."""
-        return self.hidden_size // self.num_attention_heads
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return int(self.kv_channels * self.rotary_percent)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` uses the MoE MLP."""
@@ -115,7 +127,7 @@ class GPTConfig:
     def validate(self, tp_size: int = 1) -> None:
         """Raise ValueError naming the numbers if this config cannot run with ``tp_size``."""
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "num_query_groups", "max_position_embeddings", "make_vocab_size_divisible_by"):
+                     "num_query_groups", "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -135,9 +147,18 @@ class GPTConfig:
             raise ValueError(f"num_query_groups={groups} is not divisible by the tensor-parallel size {tp_size}")
         if ffn % tp_size:
             raise ValueError(f"ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp_size}")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ValueError(f"rope needs an even head dimension, got hidden_size/num_attention_heads = "
-                             f"{h}/{heads} = {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(f"rope needs an even, positive number of rotated channels, got kv_channels "
+                             f"{self.kv_channels} * rotary_percent {self.rotary_percent} = {self.rotary_dim}")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError(f"GPTConfig.recompute_method={self.recompute_method!r} needs recompute_granularity "
+                             f"'full', got {self.recompute_granularity!r}")
+        if self.recompute_num_layers is not None and (self.recompute_granularity != "full"
+                                                      or self.recompute_num_layers < 1):
+            raise ValueError(f"GPTConfig.recompute_num_layers={self.recompute_num_layers} needs a positive value "
+                             f"and recompute_granularity 'full', got {self.recompute_granularity!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -201,13 +222,27 @@ class GPTModel(nn.Module):
     the fast ``is_causal`` path).  ``position_ids [b, s]`` may differ per row
     for learned and rotary positions; every chunk of a pipeline needs the same
     ``attention_mask``/``position_ids``.
+
+    Packed samples: ``document_ids [b, S]`` (the whole sequence's document
+    index per token) stops attention at document boundaries.
+
+    Context parallelism (``cp_group`` of ``cp`` ranks, ``cp_comm_type``):
+    ``input_ids``, ``labels`` and ``position_ids`` hold this rank's tokens
+    ``[b, S/cp]`` (chunks ``r`` and ``2cp-1-r`` of ``2cp``, see
+    :func:`megalite.context_parallel.chunk_indices`), positions default to
+    those tokens' global indices, and the loss comes back for them.  Padding
+    masks and the KV cache (generation) need cp = 1.
     """
 
     def __init__(self, config: GPTConfig, *, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, sequence_parallel: bool = False, tp_group=None,
-                 ep_group=None, expert_tp_group=None):
+                 ep_group=None, expert_tp_group=None, cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.tp_group = topology.resolve_group(tp_group, "tp")
+        self.cp_group = topology.resolve_group(cp_group, "cp")
+        self.cp_size = topology.group_size(self.cp_group)
+        self.cp_rank = topology.group_rank(self.cp_group)
+        check_comm_type(cp_comm_type)
         ep_group = topology.resolve_group(ep_group, "ep")
         expert_tp_group = topology.resolve_group(expert_tp_group, "expert_tp")
         self.tp_size = topology.group_size(self.tp_group)
@@ -234,10 +269,10 @@ class GPTModel(nn.Module):
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
         if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base)
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
-                                        ep_group=ep_group, expert_tp_group=expert_tp_group,
-                                        sequence_parallel=self.sequence_parallel)
+                                        ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=self.cp_group,
+                                        cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)
         # The output projection uses ``output_layer.weight`` (or the word
         # embedding when tied on one stage); at tp=1 only its real vocabulary
         # rows, so no logits are computed for padding ids.
@@ -258,7 +293,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
@@ -272,6 +308,18 @@ class GPTModel(nn.Module):
             seq = self.input_tensor.shape[0] * (self.tp_size if self.sequence_parallel else 1)
         if labels is not None and return_hidden:
             raise ValueError("GPTModel.forward takes labels or return_hidden=True, not both")
+        if self.cp_size > 1 and (kv_cache is not None or attention_mask is not None):
+            raise ValueError(f"padding masks and the KV cache (generation) are not supported with context "
+                             f"parallelism (cp={self.cp_size}); run them at cp=1")
+        if document_ids is not None and (kv_cache is not None or attention_mask is not None):
+            raise ValueError("document_ids (packed sequences) cannot be combined with attention_mask or a KV cache")
+        if document_ids is not None and tuple(document_ids.shape) != (b, seq * self.cp_size):
+            raise ValueError(f"document_ids must be [b, S] = [{b}, {seq * self.cp_size}] (the whole sequence), got "
+                             f"{tuple(document_ids.shape)}")
+        if self.cp_size > 1 and position_ids is None:
+            check_context_parallel(seq * self.cp_size, self.cp_size)
+            device = input_ids.device if self.pre_process else self.input_tensor.device
+            position_ids = chunk_indices(seq * self.cp_size, self.cp_size, self.cp_rank, device=device).expand(b, seq)
         explicit_positions = position_ids is not None
         if explicit_positions and tuple(position_ids.shape) != (b, seq):
             raise ValueError(f"position_ids must be [b, s] = [{b}, {seq}], got {tuple(position_ids.shape)}")
@@ -291,7 +339,8 @@ class GPTModel(nn.Module):
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask)
+        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask,
+                              document_ids)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if not self.post_process:

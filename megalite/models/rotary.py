@@ -38,8 +38,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     """Rotate ``q [s, b, nq, d]`` and ``k [s, b, nk, d]`` by tables ``[s, d]`` (shared) or ``[s, b, d]`` (per row).
 
     Per-row tables fold the batch into the sequence dimension, so both cases
-    run on :func:`megalite.kernels.apply_rotary`.
+    run on :func:`megalite.kernels.apply_rotary`.  Tables narrower than the
+    head (``rotary_percent < 1``) rotate the leading channels only, as Megatron does.
     """
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :rot], k[..., :rot], cos, sin)
+        return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
     if cos.dim() == 2:
         return kernels.apply_rotary(q, k, cos, sin)
     s, b = q.shape[:2]

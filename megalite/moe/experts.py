@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.moe.config import MoEConfig
+from megalite.tensor_parallel.weight_grad import current_weight_grad_store
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -42,6 +43,38 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _SplitGroupedLinear(torch.autograd.Function):
+    """Row block e of ``x`` times ``weight[e].T`` with a deferrable weight gradient (split backward).
+
+    Used only while a :class:`WeightGradStore` is active: the input gradient is
+    computed in backward, the ``[E, out, in]`` weight gradient is pushed to the store.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return torch.cat([F.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts))])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        blocks = grad.split(ctx.counts)
+        grad_x = torch.cat([g.matmul(weight[e]) for e, g in enumerate(blocks)]) if ctx.needs_input_grad[0] else None
+
+        def weight_grad():
+            return torch.stack([g.t().matmul(rows) for g, rows in zip(blocks, x.split(ctx.counts))])
+
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            store = current_weight_grad_store()
+            if store is None:
+                grad_weight = weight_grad()
+            else:
+                store.push(lambda: torch.autograd.backward(weight, weight_grad()))
+        return grad_x, grad_weight, None
+
+
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
@@ -65,7 +98,9 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], ro
     """Row block e of ``x`` times ``weight[e].T`` (+ ``bias[e]``) for every expert e."""
     weight_t = weight.transpose(1, 2)
     x = x.contiguous()
-    if grouped_mm_usable(x, weight_t):
+    if current_weight_grad_store() is not None:
+        out = _SplitGroupedLinear.apply(x, weight, counts)
+    elif grouped_mm_usable(x, weight_t):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         out = _ContiguousGrad.apply(_GROUPED_MM(x, weight_t, offs=offsets))
     else:
@@ -135,11 +170,15 @@ class Experts(nn.Module):
         return F.gelu(x, approximate=approximate)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x`` [N, h] holds ``counts[e]`` rows for local expert e, in order; returns [N, h]."""
+        """``x`` [N, h] holds ``counts[e]`` rows for local expert e, in order; returns [N, h].
+
+        While a weight-grad store is active (a zero-bubble schedule) both paths use the
+        grouped form with a deferrable weight gradient.
+        """
         fc2_bias = None
         if self.fc2_bias is not None:
             fc2_bias = _FirstRankOnly.apply(self.fc2_bias, self.first_etp_rank)
-        if not self.config.grouped_gemm:
+        if not self.config.grouped_gemm and current_weight_grad_store() is None:
             outputs = []
             for e, rows in enumerate(x.split(counts)):
                 hidden = F.linear(rows, self.fc1_weight[e], None if self.fc1_bias is None else self.fc1_bias[e])

@@ -37,12 +37,18 @@ class MoELayer(nn.Module):
     the same factor with :func:`set_aux_loss_scale`.  ``last_stats`` holds the
     latest training-mode forward's micro-batch statistics for logging (evaluation
     forwards leave it alone).
+
+    Under context parallelism (``cp_group``) each rank routes its share of the
+    sequence: statistics are summed over CP, and each rank's router loss is its
+    part of the micro-batch's; since replicated weights average their
+    gradients over CP, that part is weighted by the CP size.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, layer_number: int = 0, tp_group=None,
-                 ep_group=None, expert_tp_group=None, sequence_parallel: bool = False):
+                 ep_group=None, expert_tp_group=None, cp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.tp_group = _real(topology.resolve_group(tp_group, "tp"))
+        self.cp_group = _real(topology.resolve_group(cp_group, "cp"))
         self.ep_group = _real(topology.resolve_group(ep_group, "ep"))
         self.expert_tp_group = _real(topology.resolve_group(expert_tp_group, "expert_tp"))
         ep_size = topology.group_size(self.ep_group)
@@ -72,13 +78,14 @@ class MoELayer(nn.Module):
         if split and tokens.shape[0] % tp:
             raise ValueError(f"MoELayer: {tokens.shape[0]} tokens (input {tuple(x.shape)}) do not split "
                              f"evenly over the tensor-parallel size {tp}")
-        routing = self.router(tokens, stats_group=self.tp_group if self.sequence_parallel else None)
+        stats_groups = [g for g in (self.tp_group if self.sequence_parallel else None, self.cp_group) if g is not None]
+        routing = self.router(tokens, stats_groups)
         if self.training:
             self.last_stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
                                "tokens_per_expert": routing.tokens_per_expert}
         probs, indices = routing.probs, routing.indices
         if routing.loss is not None:
-            probs = attach_loss(probs, routing.loss, self.aux_loss_scale)
+            probs = attach_loss(probs, routing.loss, self.aux_loss_scale * topology.group_size(self.cp_group))
         if split:
             tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
             probs = scatter_to_sequence_parallel_region(probs, self.tp_group)

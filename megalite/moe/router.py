@@ -63,10 +63,10 @@ def keep_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, limi
 class TopKRouter(nn.Module):
     """Linear gate ``[h] -> [E]`` followed by top-k routing.
 
-    ``stats_group`` is the group over which one micro-batch's tokens are split
-    (the TP group under sequence parallelism, else None): token counts and
-    loss values are summed over it so that every rank sees micro-batch
-    statistics.  Capacity dropping looks at this rank's tokens only.
+    ``stats_groups`` are the groups over which one micro-batch's tokens are
+    split (the TP group under sequence parallelism, the CP group): token counts
+    and loss values are summed over each in turn so that every rank sees
+    micro-batch statistics.  Capacity dropping looks at this rank's tokens only.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig):
@@ -76,7 +76,7 @@ class TopKRouter(nn.Module):
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
 
-    def forward(self, tokens: torch.Tensor, stats_group=None) -> Routing:
+    def forward(self, tokens: torch.Tensor, stats_groups=()) -> Routing:
         cfg = self.config
         logits = F.linear(tokens.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1)
@@ -91,8 +91,8 @@ class TopKRouter(nn.Module):
         stats = torch.cat([counts.double(), scores.detach().sum(0).double(),
                            torch.logsumexp(logits.detach(), -1).square().sum().double().view(1),
                            torch.tensor([tokens.shape[0]], dtype=torch.float64, device=tokens.device)])
-        if stats_group is not None:
-            dist.all_reduce(stats, group=stats_group)
+        for group in stats_groups:
+            dist.all_reduce(stats, group=group)
         num_experts = cfg.num_experts
         total_counts = stats[:num_experts].round().long()
         total_scores = stats[num_experts:2 * num_experts]

@@ -18,17 +18,20 @@ def _to_cpu(value):
     return value
 
 
-def broadcast_from_last_stage(values, pp_group=None):
+def broadcast_from_last_stage(values, pp_group=None, last_rank=None):
     """Return the last pipeline stage's ``values`` on every rank of the pipeline group.
 
     ``values`` is any picklable object (e.g. the metrics list returned by
     forward_backward); tensors in it arrive on the CPU.  Other stages' argument
     is ignored.  Without a pipeline (size 1) the values come back unchanged.
+    ``last_rank`` is the pp rank holding the last stage (default ``pp - 1``; 0
+    under the zbv schedule, see ``schedules.last_stage_rank``).
     """
     group = resolve_group(pp_group, "pp")
     size = group_size(group)
     if size == 1:
         return values
-    box = [_to_cpu(values) if group_rank(group) == size - 1 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, size - 1), group=group)
+    src = size - 1 if last_rank is None else last_rank
+    box = [_to_cpu(values) if group_rank(group) == src else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
     return box[0]

@@ -2,7 +2,9 @@
 
 Virtual stage ``v`` runs layers in global order; model chunk ``c`` on pipeline
 rank ``r`` is virtual stage ``c * pp + r`` (Megatron's interleaving), so a
-micro-batch visits every rank ``vpp`` times.
+micro-batch visits every rank ``vpp`` times.  With ``v_shape`` (the zbv
+schedule, two chunks) chunk 1 on rank ``r`` is stage ``2 * pp - 1 - r``: the
+stages go down the ranks and back up, so rank 0 holds the first and last stage.
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ def _stage_counts(num_layers: int, pp: int, first: int | None, last: int | None)
 
 
 def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | None = None,
-                 last: int | None = None) -> list[list[tuple[int, int]]]:
+                 last: int | None = None, v_shape: bool = False) -> list[list[tuple[int, int]]]:
     """Global layer range ``(start, end)`` of every model chunk: ``result[pp_rank][chunk]``.
 
     Layers spread evenly over the ``pp`` stages unless ``first``/``last`` fix
     the layer count of the first/last pipeline stage; the other stages then
     share the rest evenly.  With ``vpp`` chunks per rank, each rank's layers
-    divide evenly over its chunks.  Raises ValueError naming the numbers when
+    divide evenly over its chunks.  ``v_shape`` places the two chunks of each rank
+    in a V (see the module docstring).  Raises ValueError naming the numbers when
     the split is not even.
     """
     _check_count("num_layers", num_layers, allow_zero=False)
@@ -62,6 +65,8 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
     for name, value in (("first", first), ("last", last)):
         if value is not None:
             _check_count(name, value, allow_zero=True)
+    if v_shape and chunks != 2:
+        raise ValueError(f"a V-shaped layout has 2 model chunks per pipeline rank, got vpp={vpp}")
     per_rank = _stage_counts(num_layers, pp, first, last)
     for rank, count in enumerate(per_rank):
         if count % chunks:
@@ -70,7 +75,7 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     start = 0
     for virtual in range(pp * chunks):
-        rank = virtual % pp
+        rank = (virtual if virtual < pp else 2 * pp - 1 - virtual) if v_shape else virtual % pp
         size = per_rank[rank] // chunks
         ranges[rank].append((start, start + size))
         start += size

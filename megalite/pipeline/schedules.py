@@ -4,7 +4,12 @@
 * one chunk per rank: 1F1B (``pp - rank - 1`` warm-up forwards, then
   one-forward-one-backward, then the cool-down backwards);
 * several chunks per rank: interleaved 1F1B over virtual stages, where chunk
-  ``c`` on rank ``r`` is virtual stage ``c * pp + r``.
+  ``c`` on rank ``r`` is virtual stage ``c * pp + r``;
+* ``schedule="zero-bubble-h1"`` / ``"zbv"``: the zero-bubble schedules of
+  :mod:`megalite.pipeline.zero_bubble`, which split each backward into B (input
+  gradient) and W (weight gradient, deferred through a
+  :class:`~megalite.tensor_parallel.weight_grad.WeightGradStore`), run by
+  :mod:`megalite.pipeline.executor`.
 
 Every schedule has a forward-only mode.  Each sent activation's storage is
 released on the sender once its send completes (its autograd graph stays valid);
@@ -20,8 +25,13 @@ from functools import partial
 
 import torch
 
+from megalite.pipeline.executor import run_ops
 from megalite.pipeline.p2p import StageLink
+from megalite.pipeline.zero_bubble import zb_h1_order, zbv_order, zbv_stage
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.topology import group_rank, group_size, resolve_group
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble-h1", "zbv")
 
 
 def _input_setter(chunk):
@@ -47,7 +57,7 @@ class _Steps:
     """Runs one forward or backward of a model chunk and keeps the bookkeeping of a schedule."""
 
     def __init__(self, forward_step_func, iterators, chunks, num_microbatches, forward_only, scale_loss,
-                 recorder, pp_rank, pp_size):
+                 recorder, pp_rank, pp_size, v_shape=False):
         self.forward_step_func = forward_step_func
         self.iterators = iterators
         self.chunks = chunks
@@ -56,14 +66,26 @@ class _Steps:
         self.scale_loss = scale_loss
         self.recorder = recorder
         self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.v_shape = v_shape
+        self.num_stages = pp_size * len(chunks)
         self.metrics: list[dict] = []
         self.backwards_left = [num_microbatches] * len(chunks)
+        self.weights_left = [num_microbatches] * len(chunks)
+        # Under a split backward the forward, too, runs with a store active, so layers pick
+        # their splittable backward; nothing is pushed during a forward.
+        self.split_backward = False
+
+    def stage_of(self, chunk: int) -> int:
+        """The pipeline stage of a local chunk: ``chunk * pp + rank``, or the ZBV V."""
+        if self.v_shape:
+            return zbv_stage(self.pp_size, self.pp_rank, chunk)
+        return chunk * self.pp_size + self.pp_rank
 
     def is_first(self, chunk: int) -> bool:
-        return self.pp_rank == 0 and chunk == 0
+        return self.stage_of(chunk) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return self.pp_rank == self.pp_size - 1 and chunk == len(self.chunks) - 1
+        return self.stage_of(chunk) == self.num_stages - 1
 
     def _record(self, kind, microbatch, chunk):
         return nullcontext() if self.recorder is None else self.recorder.record(kind, microbatch, chunk)
@@ -79,7 +101,8 @@ class _Steps:
         model = self.chunks[chunk]
         if not self.is_first(chunk):
             _input_setter(model).set_input_tensor(input_tensor)
-        with self._record("F", microbatch, chunk), torch.set_grad_enabled(not self.forward_only):
+        split = defer_weight_grads(WeightGradStore()) if self.split_backward else nullcontext()
+        with self._record("F", microbatch, chunk), torch.set_grad_enabled(not self.forward_only), split:
             output, loss_func = self.forward_step_func(self.iterators[chunk], model)
             if self.is_last(chunk):
                 loss, metrics = loss_func(output)
@@ -89,19 +112,32 @@ class _Steps:
                     output = self.scale_loss(output)
         return output
 
-    def backward(self, microbatch: int, chunk: int, input_tensor, output, output_grad):
-        """Backprop one micro-batch through a chunk; returns the grad to send upstream."""
-        self.backwards_left[chunk] -= 1
+    def _sync(self, chunk: int, last_one: bool):
+        """DDP's ``no_sync()`` for all but a chunk's last gradient pass."""
         model = self.chunks[chunk]
-        last_one = self.backwards_left[chunk] == 0
-        sync = nullcontext() if last_one or not hasattr(model, "no_sync") else model.no_sync()
-        with self._record("B", microbatch, chunk), sync:
+        return nullcontext() if last_one or not hasattr(model, "no_sync") else model.no_sync()
+
+    def backward(self, microbatch: int, chunk: int, input_tensor, output, output_grad, store=None):
+        """Backprop one micro-batch through a chunk; returns the grad to send upstream.
+
+        With ``store`` this is the B half of a split backward: weight gradients of
+        splittable layers are deferred into ``store`` for :meth:`weight`.
+        """
+        self.backwards_left[chunk] -= 1
+        split = nullcontext() if store is None else defer_weight_grads(store)
+        with self._record("B", microbatch, chunk), self._sync(chunk, self.backwards_left[chunk] == 0), split:
             torch.autograd.backward(output, grad_tensors=output_grad)
         if input_tensor is None:
             return None
         if input_tensor.grad is None:
             return torch.zeros_like(input_tensor)
         return input_tensor.grad
+
+    def weight(self, microbatch: int, chunk: int, store: WeightGradStore) -> None:
+        """The W half of a split backward: the weight gradients ``store`` deferred."""
+        self.weights_left[chunk] -= 1
+        with self._record("W", microbatch, chunk), self._sync(chunk, self.weights_left[chunk] == 0):
+            store.run()
 
 
 def _no_pipelining(steps: _Steps) -> None:
@@ -262,7 +298,7 @@ def _device_of(chunks) -> torch.device:
 
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches, *, tensor_shape=None,
                      dtype=torch.float32, forward_only=False, pp_group=None, finalize_grads_func=None,
-                     scale_loss=None, recorder=None) -> list[dict]:
+                     scale_loss=None, recorder=None, schedule=None) -> list[dict]:
     """Run forward (and backward) passes over ``num_microbatches`` micro-batches.
 
     ``model`` is one module or a list of model chunks (several ⇒ interleaved).
@@ -270,6 +306,9 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
     last stage ``loss_func(output) -> (loss, metrics)`` and the schedule
     backprops ``loss / num_microbatches`` (through ``scale_loss`` if given).
     ``tensor_shape`` fixes the shape sent between stages; None communicates it.
+    ``schedule`` is one of :data:`SCHEDULES`; None means 1f1b, or
+    interleaved-1f1b with several chunks.  zbv takes two chunks per rank, chunk 1
+    on rank r being stage ``2*pp-1-r`` (so the last stage is on pp rank 0).
     Returns the per-micro-batch metrics on the last stage, ``[]`` elsewhere.
     Bad sizes raise ValueError before any communication.
     """
@@ -289,26 +328,77 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
         iterators = [data_iterator] * vpp
     group = resolve_group(pp_group, "pp")
     pp, rank = group_size(group), group_rank(group)
-    if pp == 1 and vpp > 1:
-        raise ValueError(f"{vpp} model chunks need a pipeline of more than one stage, got pp={pp}")
-    if vpp > 1 and num_microbatches % pp:
-        raise ValueError(f"the interleaved schedule needs num_microbatches divisible by pp: "
-                         f"{num_microbatches} micro-batches, pp={pp}")
+    schedule = check_schedule(schedule, pp, vpp, num_microbatches, forward_only)
     for index, chunk in enumerate(chunks):
         if (rank > 0 or index > 0) and _input_setter(chunk) is None:
             raise ValueError(f"model chunk {index} on pipeline rank {rank} takes its input from the previous "
                              f"stage but has no set_input_tensor()")
     if recorder is not None:
-        recorder.stage = rank
+        recorder.stage, recorder.schedule = rank, schedule
+        recorder.start_iteration()
 
     steps = _Steps(forward_step_func, iterators, chunks, num_microbatches, forward_only, scale_loss,
-                   recorder, rank, pp)
+                   recorder, rank, pp, v_shape=schedule == "zbv")
     if pp == 1:
         _no_pipelining(steps)
+    elif _uses_op_list(schedule, pp, num_microbatches, forward_only):
+        steps.split_backward = not forward_only
+        if forward_only:
+            ops = _forward_only_ops(pp, vpp, num_microbatches)
+        else:
+            ops = (zbv_order if schedule == "zbv" else zb_h1_order)(pp, rank, num_microbatches)
+
+        def stage_rank(stage):
+            return (stage if stage < pp else 2 * pp - 1 - stage) if schedule == "zbv" else stage % pp
+
+        run_ops(steps, ops, stage_rank, group, tensor_shape, dtype, _device_of(chunks), _free_storage)
     else:
         link = StageLink(group, tensor_shape, dtype, _device_of(chunks))
         (_interleaved if vpp > 1 else _one_f_one_b)(steps, link)
         link.flush()
     if not forward_only and finalize_grads_func is not None:
         finalize_grads_func(chunks)
-    return steps.metrics if rank == pp - 1 else []
+    return steps.metrics if rank == last_stage_rank(pp, schedule) else []
+
+
+def _uses_op_list(schedule: str, pp: int, m: int, forward_only: bool) -> bool:
+    """Whether the op-list executor runs this call: the zero-bubble schedules (ZB-H1's forward-only
+    run is 1F1B's), and forward-only interleaving over a micro-batch count not divisible by pp."""
+    if schedule == "zbv":
+        return True
+    if schedule == "zero-bubble-h1":
+        return not forward_only
+    return forward_only and schedule == "interleaved-1f1b" and m % pp != 0
+
+
+def _forward_only_ops(pp: int, vpp: int, m: int) -> list[tuple[str, int, int]]:
+    """Forwards in groups of ``pp`` micro-batches, each group through chunk 0, 1, ... (Megatron's
+    interleaved order; the last group may be smaller, so any ``m`` works)."""
+    return [("F", mb, c) for first in range(0, m, pp) for c in range(vpp) for mb in range(first, min(first + pp, m))]
+
+
+def check_schedule(schedule, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False) -> str:
+    """The schedule to run (filling in the default); ValueError naming the numbers when it cannot run.
+
+    Forward-only runs take any number of micro-batches."""
+    if schedule is None:
+        schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if pp == 1 and vpp > 1:
+        raise ValueError(f"{vpp} model chunks need a pipeline of more than one stage, got pp={pp}")
+    chunks = {"1f1b": 1, "zero-bubble-h1": 1, "zbv": 2}.get(schedule)
+    if chunks is not None and vpp != chunks:
+        raise ValueError(f"the {schedule} schedule runs {chunks} model chunk(s) per pipeline rank, got {vpp}")
+    if schedule == "interleaved-1f1b":
+        if vpp == 1:
+            raise ValueError("the interleaved-1f1b schedule needs more than one model chunk per rank, got 1")
+        if num_microbatches % pp and not forward_only:
+            raise ValueError(f"the interleaved schedule needs num_microbatches divisible by pp: "
+                             f"{num_microbatches} micro-batches, pp={pp}")
+    return schedule
+
+
+def last_stage_rank(pp: int, schedule: str | None) -> int:
+    """The pipeline rank that holds the last stage (and the loss): ``pp - 1``, or 0 under zbv's V."""
+    return 0 if schedule == "zbv" else pp - 1

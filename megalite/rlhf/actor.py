@@ -59,13 +59,21 @@ def _tp_group(model):
     return unwrap(model).tp_group
 
 
+def _iterators(model_chunks, micro_batches):
+    """One iterator over the micro-batches per model chunk (each chunk reads its masks)."""
+    if isinstance(model_chunks, (list, tuple)):
+        return [iter(micro_batches) for _ in model_chunks]
+    return iter(micro_batches)
+
+
 def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: float = 1.0,
                        chunk_size: int | None = None, with_entropy: bool = False,
                        pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only log-probs over micro-batches of a pipelined model, on every stage.
 
     ``micro_batches``: dicts with ``input_ids`` and ``attention_mask`` ``[mb, s]``
-    (every stage gets the same list).  Returns the concatenated ``[B, s-1]``
+    (every stage gets the same list).  ``model_chunks`` is this rank's chunk, or
+    its list of chunks under an interleaved (vpp > 1) pipeline.  Returns the concatenated ``[B, s-1]``
     log-probs (and entropy) on every pipeline rank, on the CPU.
     """
     if not micro_batches:
@@ -84,7 +92,8 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
         return output, collect
 
     with torch.no_grad():
-        results = forward_backward(forward_step, iter(micro_batches), model_chunks, len(micro_batches),
+        results = forward_backward(forward_step, _iterators(model_chunks, micro_batches), model_chunks,
+                                   len(micro_batches),
                                    forward_only=True, pp_group=pp_group)
     results = broadcast_from_last_stage([(r["log_probs"].cpu(), None if r["entropy"] is None else r["entropy"].cpu())
                                          for r in results], pp_group)

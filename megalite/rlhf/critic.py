@@ -49,7 +49,9 @@ class CriticModel(GPTModel):
 
 
 def pipeline_values(chunk, micro_batches: list[dict], pp_group=None) -> torch.Tensor:
-    """Forward-only critic values ``[B, s]`` over micro-batches (``input_ids``/``attention_mask``), on every stage."""
+    """Forward-only critic values ``[B, s]`` over micro-batches (``input_ids``/``attention_mask``), on every stage.
+
+    ``chunk`` is this rank's model chunk, or its list of chunks under an interleaved pipeline."""
     if not micro_batches:
         raise ValueError("pipeline_values needs at least one micro-batch, got 0")
 
@@ -59,6 +61,7 @@ def pipeline_values(chunk, micro_batches: list[dict], pp_group=None) -> torch.Te
 
     pp_group = resolve_group(pp_group, "pp")
     with torch.no_grad():
-        results = forward_backward(forward_step, iter(micro_batches), chunk, len(micro_batches), forward_only=True,
+        iterators = [iter(micro_batches) for _ in chunk] if isinstance(chunk, (list, tuple)) else iter(micro_batches)
+        results = forward_backward(forward_step, iterators, chunk, len(micro_batches), forward_only=True,
                                    pp_group=pp_group)
     return torch.cat(broadcast_from_last_stage([r["values"].cpu() for r in results], pp_group))

@@ -84,37 +84,45 @@ def choose_tokens(logits: torch.Tensor, config: SamplingConfig,
 
 
 class _Stages:
-    """One decoding step through this rank's pipeline chunk, with the hidden-state hand-offs."""
+    """One decoding step through this rank's pipeline chunks, with the hidden-state hand-offs.
 
-    def __init__(self, model, pp_group):
-        self.model = unwrap(model)
+    Chunk ``c`` on rank ``r`` is virtual stage ``c * pp + r`` (interleaving); its
+    input comes from the previous rank, wrapping from the last rank to rank 0's next chunk.
+    """
+
+    def __init__(self, chunks, pp_group):
+        self.models = [unwrap(chunk) for chunk in chunks]
         self.group = pp_group
         self.size, self.rank = topology.group_size(pp_group), topology.group_rank(pp_group)
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = next(self.models[0].parameters()).dtype
 
     def _peer(self, rank):
-        return dist.get_global_rank(self.group, rank)
+        return dist.get_global_rank(self.group, rank % self.size)
 
-    def __call__(self, input_ids, attention_mask, cache) -> torch.Tensor | None:
+    def __call__(self, input_ids, attention_mask, caches) -> torch.Tensor | None:
         """Last-position logits ``[b, v_pad/tp]`` on the last stage, None elsewhere."""
-        model = self.model
-        if self.rank > 0:
-            seq = input_ids.shape[1] // (model.tp_size if model.sequence_parallel else 1)
-            hidden = torch.empty(seq, input_ids.shape[0], model.config.hidden_size, dtype=self.dtype,
-                                 device=input_ids.device)
-            dist.recv(hidden, src=self._peer(self.rank - 1), group=self.group)
-            model.set_input_tensor(hidden)
-        output = model(input_ids, kv_cache=cache, attention_mask=attention_mask)
-        if self.rank < self.size - 1:
-            dist.send(output.contiguous(), dst=self._peer(self.rank + 1), group=self.group)
-            return None
-        return output[:, -1]
+        last = len(self.models) - 1
+        for index, model in enumerate(self.models):
+            cache = None if caches is None else caches[index]
+            if self.rank > 0 or index > 0:
+                seq = input_ids.shape[1] // (model.tp_size if model.sequence_parallel else 1)
+                hidden = torch.empty(seq, input_ids.shape[0], model.config.hidden_size, dtype=self.dtype,
+                                     device=input_ids.device)
+                dist.recv(hidden, src=self._peer(self.rank - 1), group=self.group)
+                model.set_input_tensor(hidden)
+            output = model(input_ids, kv_cache=cache, attention_mask=attention_mask)
+            if self.rank < self.size - 1 or index < last:
+                dist.send(output.contiguous(), dst=self._peer(self.rank + 1), group=self.group)
+            else:
+                return output[:, -1]
+        return None
 
 
 @torch.no_grad()
 def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,
              generator: torch.Generator | None = None, use_cache: bool = True, pp_group=None) -> GenerationOutput:
-    """Decode continuations of left-padded ``prompts [b, p]`` with this rank's chunk of the model.
+    """Decode continuations of left-padded ``prompts [b, p]`` with this rank's chunk of the model
+    (or its list of chunks under an interleaved pipeline).
 
     Every rank of a model replica (its TP and PP ranks) calls this with the
     same prompts; the tokens chosen on TP rank 0 of the last stage are used
@@ -125,25 +133,27 @@ def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: Sa
                          f"{tuple(prompts.shape)} and {tuple(prompt_mask.shape)}")
     if bool((prompt_mask.sum(dim=1) == 0).any()):
         raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
-    inner = unwrap(model)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    inner = unwrap(chunks[0])
     total = prompts.shape[1] + config.max_new_tokens
     if total > inner.config.max_position_embeddings:
         raise ValueError(f"prompt length {prompts.shape[1]} + max_new_tokens {config.max_new_tokens} = {total} "
                          f"exceeds max_position_embeddings={inner.config.max_position_embeddings}")
     pp_group = topology.resolve_group(pp_group, "pp")
-    stages = _Stages(model, pp_group)
+    stages = _Stages(chunks, pp_group)
     last_stage = stages.rank == stages.size - 1
     tp_group = inner.tp_group
     was_training = inner.training
-    inner.eval()
+    for chunk in stages.models:
+        chunk.eval()
     b, device = prompts.shape[0], prompts.device
     tokens, mask = prompts.clone(), prompt_mask.to(prompts.dtype).clone()
-    cache = KVCache() if use_cache else None
+    caches = [KVCache() for _ in chunks] if use_cache else None
     step_ids = tokens
     done = torch.zeros(b, dtype=torch.bool, device=device)
     new_tokens, new_log_probs, new_mask = [], [], []
     for _ in range(config.max_new_tokens):
-        logits = stages(step_ids if use_cache else tokens, mask, cache)
+        logits = stages(step_ids if use_cache else tokens, mask, caches)
         chosen = torch.empty(b, dtype=torch.long, device=device)
         log_prob = torch.empty(b, dtype=torch.float32, device=device)
         if last_stage:
@@ -169,6 +179,7 @@ def generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: Sa
             done = done | (chosen == config.eos_id)
         if bool(done.all()):
             break
-    inner.train(was_training)
+    for chunk in stages.models:
+        chunk.train(was_training)
     return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=torch.stack(new_log_probs, dim=1),
                             response_mask=torch.stack(new_mask, dim=1))

@@ -17,6 +17,50 @@ from megalite import topology
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.initialization import InitMethod, mark_tensor_parallel, sharded_master_weight
 from megalite.tensor_parallel.utils import divide
+from megalite.tensor_parallel.weight_grad import current_weight_grad_store
+
+
+def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
+    """``grad_output^T @ input`` over all leading dims: the gradient of an ``[out, in]`` weight."""
+    return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+
+
+def _defer_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> bool:
+    """Push this weight's gradient to the active :class:`WeightGradStore`; False when it must be computed now.
+
+    Only a leaf weight (a parameter) can be deferred: its closure accumulates through autograd.
+    """
+    store = current_weight_grad_store()
+    if store is None or not weight.is_leaf:
+        return False
+    store.push(lambda: torch.autograd.backward(weight, _weight_grad(grad_output, total_input)))
+    return True
+
+
+class _LinearFn(torch.autograd.Function):
+    """``linear(input, weight)`` whose weight gradient may be deferred (split backward, no communication)."""
+
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.save_for_backward(input, weight)
+        return F.linear(input, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and not _defer_weight_grad(weight, grad_output, input):
+            grad_weight = _weight_grad(grad_output, input)
+        return grad_input, grad_weight
+
+
+def _linear(input, weight, bias=None):
+    """``F.linear``, or under an active weight-grad store the form whose weight gradient can be deferred."""
+    if current_weight_grad_store() is None:
+        return F.linear(input, weight, bias)
+    output = _LinearFn.apply(input, weight)
+    return output if bias is None else output + bias
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -24,7 +68,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     Backward computes the input gradient first and launches its reduction
     (all-reduce, or reduce-scatter under sequence parallelism) asynchronously,
-    then computes the weight gradient while the reduction is in flight.
+    then computes the weight gradient while the reduction is in flight, or
+    defers it to the active :class:`WeightGradStore` (split backward).
     """
 
     @staticmethod
@@ -50,9 +95,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
             if not ctx.overlap:
                 work.wait()
         grad_weight = grad_bias = None
-        if need_weight:
-            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        if need_weight and not _defer_weight_grad(weight, grad_output, total):
+            grad_weight = _weight_grad(grad_output, total)
         if need_bias and ctx.has_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if work is not None and ctx.overlap:
@@ -73,7 +117,7 @@ def column_parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: torc
     """
     group = topology.resolve_group(tp_group, "tp")
     if topology.group_size(group) == 1:
-        output = F.linear(input, weight, bias)
+        output = _linear(input, weight, bias)
     else:
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
@@ -171,9 +215,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             input = mappings.scatter_to_tensor_parallel_region(input, self.tp_group)
         if self.tp_size == 1:
-            output = F.linear(input, self.weight, None if self.skip_bias_add else self.bias)
+            output = _linear(input, self.weight, None if self.skip_bias_add else self.bias)
             return (output, self.bias) if self.skip_bias_add else output
-        partial = F.linear(input, self.weight)
+        partial = _linear(input, self.weight)
         if self.sequence_parallel:
             output = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

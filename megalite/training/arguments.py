@@ -20,17 +20,21 @@ import dataclasses
 import math
 from dataclasses import MISSING, dataclass
 
+from megalite.context_parallel import COMM_TYPES, ContextParallelConfig, PackedSequenceConfig, check_context_parallel
 from megalite.data.gpt_dataset import parse_split
+from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.pipeline import split_layers
+from megalite.pipeline import SCHEDULES, split_layers
+from megalite.pipeline.schedules import check_schedule
 
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
 
-CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig)}
+CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, ContextParallelConfig,
+                                         PackedSequenceConfig)}
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-model-parallel-size", PAR, default=1, type=int),
     Flag("--pipeline-model-parallel-size", PAR, default=1, type=int),
     Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
+    Flag("--pipeline-schedule", PAR, choices=SCHEDULES,
+         help="None: 1f1b, or interleaved-1f1b with a virtual size; zbv implies a virtual size of 2"),
     Flag("--decoder-first-pipeline-num-layers", PAR, type=int),
     Flag("--decoder-last-pipeline-num-layers", PAR, type=int),
     Flag("--expert-model-parallel-size", PAR, default=1, type=int),
     Flag("--expert-tensor-parallel-size", PAR, type=int, help="None: the tensor-parallel size"),
-    Flag("--context-parallel-size", PAR, default=1, type=int, help="reserved: only 1 is supported"),
+    Flag("--context-parallel-size", PAR, default=1, type=int,
+         help="split every sequence over this many ranks (2*cp load-balanced chunks)"),
+    Flag("--cp-comm-type", PAR, ("ContextParallelConfig.comm_type",), choices=COMM_TYPES,
+         help="context-parallel attention: ring (p2p), all-gathered keys/values, or Ulysses all-to-all (a2a)"),
     Flag("--sequence-parallel", PAR, default=False),
     Flag("--use-distributed-optimizer", PAR, _BOTH_OPT, type=bool),
     Flag("--overlap-grad-reduce", PAR, ("DDPConfig.overlap_grad_reduce",), type=bool),
@@ -103,7 +112,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--rotary-base", MODEL, ("GPTConfig.rotary_base",), type=float),
     Flag("--normalization", MODEL, ("GPTConfig.normalization",), choices=("LayerNorm", "RMSNorm")),
     Flag("--norm-epsilon", MODEL, ("GPTConfig.norm_eps",), type=float),
+    Flag("--kv-channels", MODEL, ("GPTConfig.kv_channels",), type=int, help="None: hidden / heads"),
+    Flag("--rotary-percent", MODEL, ("GPTConfig.rotary_percent",), type=float),
     Flag("--swiglu", MODEL, ("GPTConfig.activation",), sets="swiglu"),
+    Flag("--openai-gelu", MODEL, ("GPTConfig.activation",), sets="gelu_tanh", help="tanh-approximated GELU (GPT-2)"),
     Flag("--untie-embeddings-and-output-weights", MODEL, ("GPTConfig.untie_embeddings_and_output_weights",),
          type=bool),
     Flag("--disable-bias-linear", MODEL, ("GPTConfig.add_bias_linear",), sets=False),
@@ -112,6 +124,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),
+    Flag("--recompute-activations", MODEL, ("GPTConfig.recompute_granularity",), sets="selective",
+         help="same as --recompute-granularity selective"),
+    Flag("--recompute-method", MODEL, ("GPTConfig.recompute_method",), choices=("uniform", "block"),
+         help="with --recompute-granularity full; None: uniform"),
+    Flag("--recompute-num-layers", MODEL, ("GPTConfig.recompute_num_layers",), type=int, help="None: 1"),
 
     Flag("--num-experts", MOE, ("MoEConfig.num_experts",), default=None, type=int, help="None: a dense model"),
     Flag("--moe-ffn-hidden-size", MOE, ("MoEConfig.ffn_hidden_size",), default=None, type=int,
@@ -127,7 +144,8 @@ FLAGS: tuple[Flag, ...] = (
 
     Flag("--micro-batch-size", OPT, default=1, type=int),
     Flag("--global-batch-size", OPT, type=int, help="None: micro-batch size * dp"),
-    Flag("--train-iters", OPT, default=100, type=int),
+    Flag("--train-iters", OPT, type=int, help="None: --train-samples / global batch, else 100"),
+    Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
     Flag("--min-lr", OPT, ("OptimizerConfig.min_lr",), type=float),
     Flag("--lr-warmup-iters", OPT, default=0, type=int),
@@ -151,13 +169,35 @@ FLAGS: tuple[Flag, ...] = (
 
     Flag("--data-path", DATA, nargs="+", help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'"),
     Flag("--split", DATA, default="969,30,1"),
-    Flag("--tokenizer-model", DATA),
-    Flag("--vocab-size", DATA, type=int, help="needed when there is no --tokenizer-model"),
+    Flag("--tokenizer-type", DATA, choices=TOKENIZER_TYPES,
+         help="None: SentencePieceTokenizer with --tokenizer-model, else ByteTokenizer"),
+    Flag("--tokenizer-model", DATA, help="a sentencepiece model, or a Hugging Face tokenizer directory"),
+    Flag("--vocab-file", DATA, help="GPT2BPETokenizer's vocab.json"),
+    Flag("--merge-file", DATA, help="GPT2BPETokenizer's merges.txt"),
+    Flag("--vocab-size", DATA, type=int,
+         help="the model's vocabulary without a tokenizer; NullTokenizer's ids (eod is one more)"),
+    Flag("--mock-data", DATA, default=False, help="Megatron's synthetic documents instead of --data-path"),
     Flag("--data-cache-path", DATA, help="where dataset indexes are cached and the default corpus is built"),
+    Flag("--reset-position-ids", DATA, ("PackedSequenceConfig.reset_position_ids",), type=bool,
+         help="restart positions after each end-of-document token"),
+    Flag("--reset-attention-mask", DATA, ("PackedSequenceConfig.reset_attention_mask",), type=bool,
+         help="no attention across end-of-document tokens"),
+    Flag("--eod-mask-loss", DATA, ("PackedSequenceConfig.eod_mask_loss",), type=bool,
+         help="no loss where the input is the tokenizer's end-of-document token"),
 
     Flag("--save", LOG),
     Flag("--load", LOG),
     Flag("--save-interval", LOG, type=int),
+    Flag("--use-checkpoint-args", LOG, default=False, help="take the model architecture from the --load checkpoint"),
+    Flag("--finetune", LOG, default=False,
+         help="load only the model weights: iteration 0, a fresh optimizer and schedule; needs a checkpoint"),
+    Flag("--no-load-optim", LOG, default=False),
+    Flag("--no-load-rng", LOG, default=False),
+    Flag("--no-save-optim", LOG, default=False),
+    Flag("--no-save-rng", LOG, default=False),
+    Flag("--exit-interval", LOG, type=int, help="save (with --save) and exit when the iteration is a multiple"),
+    Flag("--exit-duration-in-mins", LOG, type=float, help="save (with --save) and exit after this much training"),
+    Flag("--log-throughput", LOG, default=False, help="log TFLOP/s per device (and MFU on a GPU)"),
     Flag("--eval-interval", LOG, default=1000, type=int),
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),
@@ -268,6 +308,15 @@ def ddp_config(args) -> DDPConfig:
     return DDPConfig(**_config_values(args, "DDPConfig"))
 
 
+def context_parallel_config(args) -> ContextParallelConfig:
+    return ContextParallelConfig(**_config_values(args, "ContextParallelConfig"))
+
+
+def packing_config(args) -> PackedSequenceConfig:
+    """The packed-sequence flags; the trainer fills in the tokenizer's end-of-document id."""
+    return PackedSequenceConfig(**_config_values(args, "PackedSequenceConfig"))
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -283,6 +332,7 @@ def _check_model(args):
     """Build the configs (their own validation runs) and copy the sizes they derive into ``args``."""
     _require(args.num_query_groups is not None or not args.group_query_attention,
              "--group-query-attention needs --num-query-groups")
+    _require(not (args.swiglu and args.openai_gelu), "--swiglu and --openai-gelu are mutually exclusive")
     config = gpt_config(args, vocab_size=args.vocab_size or 1)
     config.validate(args.tensor_model_parallel_size)
     if config.moe is not None:
@@ -300,16 +350,17 @@ def _check_model(args):
                  f"{config.max_position_embeddings}")
     optimizer_config(args)
     ddp_config(args)
+    context_parallel_config(args)
 
 
 def _check_parallel(args, world_size):
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
-    _require(cp == 1, f"context parallelism is reserved: --context-parallel-size must be 1, got {cp}")
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    _check_context_parallel(args)
     etp = args.expert_tensor_parallel_size or tp
     ep = args.expert_model_parallel_size
     _require(world_size % (etp * ep * pp) == 0,
@@ -325,6 +376,20 @@ def _check_parallel(args, world_size):
                  f"(needed by --sequence-parallel)")
 
 
+def _check_context_parallel(args):
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    check_context_parallel(args.seq_length, cp, args.cp_comm_type)
+    if cp > 1 and args.cp_comm_type == "a2a":
+        heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp
+        _require(heads % cp == 0 and groups % cp == 0,
+                 f"--cp-comm-type a2a needs the attention heads {heads} and query groups {groups} per tensor-parallel "
+                 f"rank to be divisible by the context-parallel size {cp}")
+    if cp > 1 or args.reset_attention_mask:
+        _require(args.attention_dropout == 0.0,
+                 f"--attention-dropout {args.attention_dropout} is not supported with context parallelism or "
+                 f"--reset-attention-mask; set it to 0")
+
+
 def _check_batch(args):
     micro, dp = args.micro_batch_size, args.data_parallel_size
     if args.global_batch_size is None:
@@ -335,7 +400,7 @@ def _check_batch(args):
              f"* data-parallel size {dp} = {micro * dp}")
     args.num_microbatches = args.global_batch_size // (micro * dp)
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
+    if vpp is not None and vpp > 1 and args.pipeline_schedule in (None, "interleaved-1f1b"):
         _require(args.num_microbatches % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches {args.num_microbatches} "
                  f"(global batch {args.global_batch_size} / (micro batch {micro} * dp {dp})) to be divisible "
@@ -343,6 +408,15 @@ def _check_batch(args):
 
 
 def _check_schedule(args):
+    if args.train_samples is not None:
+        _require(args.train_iters is None, f"--train-iters {args.train_iters} and --train-samples "
+                                           f"{args.train_samples} are mutually exclusive")
+        _require(args.train_samples >= args.global_batch_size,
+                 f"--train-samples {args.train_samples} is less than one global batch of {args.global_batch_size}")
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.train_iters is None:
+        args.train_iters = 100
+    _positive(args, "train_iters")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
@@ -353,6 +427,9 @@ def _check_schedule(args):
              f"--lr-warmup-iters {args.lr_warmup_iters} must be between 0 and --lr-decay-iters "
              f"{args.lr_decay_iters}")
     _require(0.0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None:
+            _require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
@@ -366,10 +443,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     ``data_parallel_size`` and ``num_microbatches``.
     """
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "seq_length", "micro_batch_size", "train_iters", "log_interval")
+              "expert_model_parallel_size", "seq_length", "micro_batch_size", "log_interval")
     _check_model(args)
     _check_parallel(args, world_size)
     _check_batch(args)
+    _check_pipeline_schedule(args)
     _check_schedule(args)
     _check_pipeline_split(args)
     if not math.isfinite(args.lr) or args.lr < 0:
@@ -377,10 +455,86 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
+def _check_pipeline_schedule(args):
+    """--pipeline-schedule against the pipeline sizes; zbv fills in its two chunks per rank."""
+    schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
+    if schedule is None or pp == 1 and schedule != "zbv":
+        return
+    if schedule == "zbv":
+        if args.virtual_pipeline_model_parallel_size is None:
+            args.virtual_pipeline_model_parallel_size = 2
+        _require(not (pp > 1 and not args.untie_embeddings_and_output_weights),
+                 f"--pipeline-schedule zbv puts the first and last stage on pipeline rank 0; tied embeddings "
+                 f"need --untie-embeddings-and-output-weights (pp={pp})")
+    check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
+
+
 def _check_pipeline_split(args):
     """Let the pipeline package reject layer counts that do not split over the stages."""
     split_layers(args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
-                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                 v_shape=args.pipeline_schedule == "zbv")
+
+
+ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                       "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
+                       "rotary_base", "rotary_percent", "normalization", "norm_eps", "activation", "add_bias_linear",
+                       "untie_embeddings_and_output_weights", "moe_layer_freq")
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk")
+
+
+def _flags_of(cls_name: str, field: str) -> str:
+    names = [f.name for f in FLAGS if f"{cls_name}.{field}" in f.fields]
+    return "/".join(names) if names else f"--{field.replace('_', '-')}"
+
+
+def _saved_config(saved: dict) -> GPTConfig:
+    """A saved config dict as a GPTConfig, so defaults added since it was written are filled in."""
+    values = dict(saved)
+    moe = values.pop("moe", None)
+    config = GPTConfig(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(GPTConfig)}})
+    config.moe = None if moe is None else MoEConfig(**moe)
+    return config
+
+
+def architecture_differences(saved: dict, config: GPTConfig) -> list[str]:
+    """Every architecture field where a saved config dict and ``config`` differ, named by its flag."""
+    old = _saved_config(saved)
+    out = [f"{_flags_of('GPTConfig', name)} is {getattr(old, name)!r} in the checkpoint but "
+           f"{getattr(config, name)!r} in this run" for name in ARCHITECTURE_FIELDS
+           if getattr(old, name) != getattr(config, name)]
+    if (old.moe is None) != (config.moe is None):
+        out.append(f"--num-experts is {old.moe and old.moe.num_experts} in the checkpoint but "
+                   f"{config.moe and config.moe.num_experts} in this run")
+    elif old.moe is not None:
+        out += [f"{_flags_of('MoEConfig', name)} is {getattr(old.moe, name)!r} in the checkpoint but "
+                f"{getattr(config.moe, name)!r} in this run" for name in MOE_ARCHITECTURE_FIELDS
+                if getattr(old.moe, name) != getattr(config.moe, name)]
+    return out
+
+
+def use_checkpoint_architecture(args, saved: dict) -> list[str]:
+    """Set every architecture flag on ``args`` from a saved config dict (``--use-checkpoint-args``).
+
+    Returns the flags as they were set, for printing.
+    """
+    config = _saved_config(saved)
+    values = {f"GPTConfig.{name}": getattr(config, name) for name in ARCHITECTURE_FIELDS}
+    if config.moe is not None:
+        values.update({f"MoEConfig.{name}": getattr(config.moe, name) for name in MOE_ARCHITECTURE_FIELDS})
+    set_flags = []
+    for flag in FLAGS:
+        target = next((t for t in flag.fields if t in values), None)
+        if target is None:
+            continue
+        value = values[target] if flag.sets is _UNSET else values[target] == flag.sets
+        setattr(args, flag.dest, value)
+        set_flags.append(flag.name if value is True else f"{flag.name} {value}" if value is not False else "")
+    if config.moe is None:
+        args.num_experts = None
+    args.vocab_size = config.vocab_size
+    args.group_query_attention = config.num_query_groups != config.num_attention_heads
+    return [f for f in set_flags if f]
 
 
 def format_args(args: argparse.Namespace) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
+from megalite.data.tokenizer import tokenizer_from_args
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
-from megalite.training.arguments import gpt_config
+from megalite.training.arguments import context_parallel_config, gpt_config
 from megalite.training.training import LOSS_METRIC
 
 
@@ -20,13 +24,19 @@ def gpt_config_from_args(args) -> GPTConfig:
 def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: tuple[int, int]) -> GPTModel:
     """One GPT chunk on the current topology's groups."""
     return GPTModel(gpt_config_from_args(args), pre_process=pre_process, post_process=post_process,
-                    layer_range=layer_range, sequence_parallel=args.sequence_parallel)
+                    layer_range=layer_range, sequence_parallel=args.sequence_parallel,
+                    cp_comm_type=context_parallel_config(args).comm_type)
 
 
 def train_valid_test_datasets_provider(args, num_samples):
-    """GPT datasets over ``--data-path``, split by documents according to ``--split``."""
+    """GPT datasets over ``--data-path`` (or ``--mock-data``), split by documents according to ``--split``."""
+    if args.mock_data:
+        named = args.tokenizer_type is not None or args.tokenizer_model is not None
+        eod = tokenizer_from_args(args).eod if named else args.vocab_size - 1
+        return build_mock_datasets(args.split, args.seq_length, args.seed, num_samples, args.vocab_size, eod,
+                                   args.data_cache_path)
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                           args.data_cache_path)
+                                           args.data_cache_path, vocab_size=args.vocab_size)
 
 
 def loss_func(per_token_loss: torch.Tensor):
@@ -35,12 +45,33 @@ def loss_func(per_token_loss: torch.Tensor):
     return loss, {LOSS_METRIC: loss.detach()}
 
 
+def masked_loss_func(loss_mask: torch.Tensor, normalizer: torch.Tensor, per_token_loss: torch.Tensor):
+    """Loss over the unmasked tokens of this rank divided by ``normalizer`` (see ``prepare_batch``).
+
+    Under context parallelism the mean of this over the CP ranks (which DDP's
+    dp x cp averaging takes) is the micro-batch's mean loss.
+    """
+    loss = (per_token_loss.float() * loss_mask).sum() / normalizer
+    return loss, {LOSS_METRIC: loss.detach()}
+
+
 def forward_step(data_iterator, model):
-    """Next micro-batch through ``model``: inputs are tokens[:-1], labels tokens[1:]."""
-    tokens = next(data_iterator)["tokens"]
+    """Next micro-batch through ``model``.
+
+    A plain batch ``{"tokens": [b, s+1]}`` gives inputs tokens[:-1] and labels
+    tokens[1:]; a prepared one (context parallelism, packed sequences; see
+    :func:`megalite.context_parallel.prepare_batch`) already holds this rank's
+    inputs, labels, positions, documents and loss mask.
+    """
+    batch = next(data_iterator)
     device = next(model.parameters()).device
-    tokens = tokens.to(device, non_blocking=True)
-    return model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), loss_func
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    tokens = batch["tokens"]
+    if "labels" not in batch:
+        return model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), loss_func
+    output = model(tokens, batch["labels"], position_ids=batch.get("position_ids"),
+                   document_ids=batch.get("document_ids"))
+    return output, partial(masked_loss_func, batch["loss_mask"], batch["loss_normalizer"])
 
 
 def flops_per_token(args) -> float:

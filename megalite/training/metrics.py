@@ -52,7 +52,7 @@ def _fmt(value) -> str:
 class MetricsLogger:
     """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and prints a line."""
 
-    _SHOWN = ("loss", "valid_loss", "valid_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
+    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
               "iter_ms", "tflops", "mfu", "skipped")
 
     def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,
@@ -101,8 +101,9 @@ def _plain(value):
 
 def _tb_name(key: str) -> str:
     """Group TensorBoard scalars: train/*, valid/*, memory/*, moe/*, throughput/*."""
-    if key.startswith("valid_"):
-        return "valid/" + key[len("valid_"):]
+    if key.startswith(("valid_", "test_")):
+        split, name = key.split("_", 1)
+        return f"{split}/{name}"
     if key.startswith(("mem_", "max_rss")):
         return "memory/" + key
     if key.startswith("moe_"):

@@ -19,21 +19,26 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import get_optimizer
-from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, split_layers
+from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
+                               split_layers)
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import ddp_config, format_args, optimizer_config, parse_args, validate_args
-from megalite.training.checkpointing import load_checkpoint, save_checkpoint
-from megalite.training.data_checks import check_data
+from megalite.training.arguments import (architecture_differences, ddp_config, format_args, gpt_config,
+                                         optimizer_config, packing_config, parse_args, use_checkpoint_architecture,
+                                         validate_args)
+from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
+from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.signals import SigtermFlag
@@ -50,14 +55,20 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
     broadcast to every rank and printed once.  Returns ``(args, topology)``.
     """
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     args = parse_args(argv, extra_args_provider, args_defaults)
+    saved = _checkpoint_to_load(args, rank)
     validate_args(args, world)
-    if args.data_path is not None:
+    if args.data_path is not None or args.mock_data:
         check_data(args)
+    if saved is not None and saved["config"] is not None and args.vocab_size is not None:
+        differences = architecture_differences(saved["config"], gpt_config(args))
+        if differences:
+            raise ValueError(f"checkpoint {args.load} holds a different architecture: {'; '.join(differences)}")
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
                                ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
-    if prepare_data_func is not None and args.data_path is None:
+    if prepare_data_func is not None and args.data_path is None and not args.mock_data:
         prepare_data_func(args)
         if args.data_path is not None:
             check_data(args)
@@ -69,23 +80,60 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
     return args, topo
 
 
+def _checkpoint_to_load(args, rank: int) -> dict | None:
+    """Settle what ``--load`` gives, before any collective: the checkpoint's info, or None.
+
+    A ``--load`` without a checkpoint warns once and training starts fresh (Megatron's
+    behaviour, so the first launch of a restartable job works); under ``--finetune`` or
+    ``--use-checkpoint-args`` it is an error.  ``--use-checkpoint-args`` sets the architecture
+    flags from the checkpoint.
+    """
+    needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
+             if on]
+    verb = "needs" if len(needs) == 1 else "need"
+    if not args.load:
+        if needs:
+            raise ValueError(f"{' and '.join(needs)} {verb} --load")
+        return None
+    info = checkpoint_info(args.load)
+    if info is None:
+        if needs:
+            raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
+        if rank == 0:
+            print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
+                  file=sys.stderr, flush=True)
+        return None
+    if args.use_checkpoint_args:
+        if info["config"] is None:
+            raise ValueError(f"--use-checkpoint-args: checkpoint {args.load} stores no model architecture")
+        flags = use_checkpoint_architecture(args, info["config"])
+        if rank == 0:
+            print(f"architecture from checkpoint {args.load}: {' '.join(flags)}", flush=True)
+    return info
+
+
 def _param_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def build_model(model_provider, args, topo) -> list:
     """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+    v_shape = args.pipeline_schedule == "zbv"
     ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
-                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, v_shape)
     mine = ranges[topo.pp.rank]
     ddp = ddp_config(args)
     chunks = []
     for index, layer_range in enumerate(mine):
-        module = model_provider(args, pre_process=topo.is_first_stage() and index == 0,
-                                post_process=topo.is_last_stage() and index == len(mine) - 1,
-                                layer_range=layer_range)
+        if v_shape:  # chunk 0 on rank r is stage r, chunk 1 is stage 2*pp-1-r
+            first, last = topo.pp.rank == 0 and index == 0, topo.pp.rank == 0 and index == 1
+        else:
+            first = topo.is_first_stage() and index == 0
+            last = topo.is_last_stage() and index == len(mine) - 1
+        module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
         module.to(device=_device(), dtype=_param_dtype(args))
-        chunks.append(DistributedDataParallel(module, ddp, topo.dp.group, topo.expert_dp.group))
+        # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
+        chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
 
@@ -109,14 +157,27 @@ def _num_samples(args) -> list[int]:
 
 
 def _iterator(dataset, consumed_samples, args, topo):
-    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp."""
+    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
+
+    With context parallelism or packed-sequence flags each micro-batch becomes
+    this CP rank's chunks plus their positions, documents and loss mask
+    (:func:`megalite.context_parallel.prepare_batch`); otherwise it stays
+    ``{"tokens": [mb, seq+1]}``.
+    """
     if dataset is None:
         return None
+    packing = packing_config(args)
+    if packing.enabled:
+        packing.eod_token_id = eod_token_id(args)
+    prepare = packing.enabled or topo.cp.size > 1
 
     def one():
         sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                     args.global_batch_size, topo.dp.rank, topo.dp.size)
-        return build_data_iterator(dataset, sampler)
+        batches = build_data_iterator(dataset, sampler)
+        if not prepare:
+            return batches
+        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank) for batch in batches)
 
     vpp = args.virtual_pipeline_model_parallel_size
     return one() if vpp is None else [one() for _ in range(vpp)]
@@ -133,39 +194,69 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.flops_per_token = flops_per_token
-        seq = args.seq_length // (topo.tp.size if args.sequence_parallel else 1)
+        seq = args.seq_length // topo.cp.size // (topo.tp.size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.recorder = None
         if args.timeline_dir:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
-        self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
+        self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
+                       "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
                        "distributed_optimizer": args.use_distributed_optimizer}
 
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
 
+    def _fetch_batches(self, data_iterator):
+        """This iteration's micro-batches, read before the schedule starts; ranks agree none failed.
+
+        Reading a batch may raise ValueError (e.g. a token id outside the
+        vocabulary).  Raised inside the schedule on one rank it would leave the
+        others waiting in a collective, so every rank reads first, then one
+        all-reduce tells all of them, and each raises the first failing rank's message.
+        """
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        batches, error = [], ""
+        for iterator in iterators:
+            try:
+                batches.append(None if iterator is None else
+                               [next(iterator) for _ in range(self.args.num_microbatches)])
+            except ValueError as err:
+                error = str(err)
+                break
+        failed = torch.tensor([1.0 if error else 0.0], device=_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, error)
+            raise ValueError(next(m for m in messages if m))
+        fresh = [None if b is None else iter(b) for b in batches]
+        return fresh if isinstance(data_iterator, list) else fresh[0]
+
     def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
+        data_iterator = self._fetch_batches(data_iterator)
         results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
                                    tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
                                    finalize_grads_func=None if forward_only else self._finalize_grads,
                                    scale_loss=None if forward_only else self.optimizer.scale_loss,
-                                   recorder=None if forward_only else self.recorder)
+                                   recorder=None if forward_only else self.recorder,
+                                   schedule=self.args.pipeline_schedule)
         return self._reduce_metrics(results)
 
     def _reduce_metrics(self, results) -> dict[str, float]:
-        """Mean over micro-batches on the last stage, mean over DP, then sent to every pipeline stage."""
+        """Mean over micro-batches on the last stage, mean over DP x CP, then sent to every pipeline stage."""
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
                              dtype=torch.float64, device=_device())
-        if keys and self.topo.dp.size > 1:
-            dist.all_reduce(local, group=self.topo.dp.group)
-            local /= self.topo.dp.size
-        values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group)
+        if keys and self.topo.dp_cp.size > 1:
+            dist.all_reduce(local, group=self.topo.dp_cp.group)
+            local /= self.topo.dp_cp.size
+        values = broadcast_from_last_stage({k: v for k, v in zip(keys, local.tolist())}, self.topo.pp.group,
+                                           last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values
 
     def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None, float]:
@@ -189,8 +280,8 @@ class Trainer:
         return metrics, ok, None if grad_norm is None else float(grad_norm), lr
 
     @torch.no_grad()
-    def evaluate(self, data_iterator) -> dict[str, float]:
-        """Metrics averaged over ``--eval-iters`` validation batches, as ``valid_*``; the loss's perplexity."""
+    def evaluate(self, data_iterator, split: str = "valid") -> dict[str, float]:
+        """Metrics averaged over ``--eval-iters`` batches of ``split``, as ``{split}_*``; the loss's perplexity."""
         for chunk in self.chunks:
             chunk.eval()
         totals: dict[str, float] = {}
@@ -199,9 +290,9 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
         for chunk in self.chunks:
             chunk.train()
-        values = {"valid_" + _logged_name(k): v for k, v in totals.items()}
+        values = {f"{split}_{_logged_name(k)}": v for k, v in totals.items()}
         if LOSS_METRIC in totals:
-            values["valid_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
+            values[f"{split}_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
         return values
 
     def moe_stats(self) -> dict[str, float]:
@@ -238,10 +329,10 @@ class Trainer:
         return values
 
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
-        """Tokens/s of the whole job, plus per-GPU TFLOP/s and MFU when on a GPU."""
+        """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a known GPU)."""
         tokens = self.args.global_batch_size * self.args.seq_length / seconds_per_iter
         values = {"tokens_per_sec": tokens, "iter_ms": 1000.0 * seconds_per_iter}
-        if torch.cuda.is_available() and self.flops_per_token is not None:
+        if self.args.log_throughput and self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens / self.topo.world_size / 1e12
             values["tflops"] = tflops
             dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
@@ -252,21 +343,31 @@ class Trainer:
 
     def save(self, iteration: int, consumed_samples: int) -> None:
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
-                        layout=self.layout, args=self.args)
+                        layout=self.layout, args=self.args, save_optim=not self.args.no_save_optim,
+                        save_rng=not self.args.no_save_rng)
         if self.topo.global_rank == 0:
             print(f"saved checkpoint at iteration {iteration} to {self.args.save}", flush=True)
 
     def load(self) -> tuple[int, int]:
-        iteration, consumed = load_checkpoint(self.args.load, self.chunks, self.optimizer, self.scheduler,
-                                              layout=self.layout)
-        if self.topo.global_rank == 0 and iteration:
-            print(f"loaded checkpoint at iteration {iteration} from {self.args.load}", flush=True)
-        return iteration, consumed
+        """Restore ``--load`` under the flags' options; prints one line: path, iteration, layout change."""
+        args = self.args
+        result = load_checkpoint(args.load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
+                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                 finetune=args.finetune)
+        if self.topo.global_rank == 0 and result.saved_layout:
+            start = " (--finetune: model weights only, starting at iteration 0)" if args.finetune else ""
+            print(f"loaded checkpoint {args.load} at iteration {result.saved_iteration}{start}, layout "
+                  f"{_layout_text(result.saved_layout)} -> {_layout_text(self.layout)}", flush=True)
+        return result.iteration, result.consumed_samples
 
     def save_timeline(self) -> None:
         if self.recorder is not None:
             os.makedirs(self.args.timeline_dir, exist_ok=True)
             self.recorder.save(os.path.join(self.args.timeline_dir, f"rank_{self.topo.global_rank:05d}.json"))
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "ep", "vpp") if k in layout)
 
 
 def _synchronize():
@@ -309,17 +410,30 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                 values.update(trainer.moe_stats())
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
-        stop = sigterm.agreed()
+        stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
             saved_at = iteration
         if stop:
             if trainer.topo.global_rank == 0:
-                print(f"SIGTERM received: stopping after iteration {iteration}", flush=True)
+                print(f"{stop}: stopping after iteration {iteration}", flush=True)
             break
     if args.save and saved_at != iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
+
+
+def _exit_reason(args, iteration: int, start_time: float) -> str | None:
+    """Why Megatron's --exit-interval / --exit-duration-in-mins stop training now (all ranks agree), or None."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval} reached"
+    if args.exit_duration_in_mins:
+        late = torch.tensor([time.time() - start_time > 60.0 * args.exit_duration_in_mins], dtype=torch.int32,
+                            device=_device())
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if late.item():
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+    return None
 
 
 def _logged_name(key: str) -> str:
@@ -338,16 +452,24 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
     every rank before any collective that could hang.
     """
+    start_time = time.time()
     args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
     _seed(args, topo)
     chunks = build_model(model_provider, args, topo)
+    _print_parameter_count(chunks, topo)
     optimizer = build_optimizer(args, chunks)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style)
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
+    trainer.start_time = start_time
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
-    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, _num_samples(args))
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, _num_samples(args))
+    if topo.global_rank == 0:
+        sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
+        source = "mock data" if args.mock_data else " ".join(args.data_path or [])
+        print(f"data: {source}; train/valid/test samples {sizes}; seq length {args.seq_length}, vocabulary "
+              f"{args.vocab_size}", flush=True)
     train_iterator = _iterator(train_ds, consumed_samples, args, topo)
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
@@ -356,10 +478,31 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
         trainer.save_timeline()
+        if test_ds is not None and args.eval_iters and iteration == args.train_iters:
+            trainer.logger.log(iteration, trainer.evaluate(_iterator(test_ds, 0, args, topo), split="test"))
     finally:
         sigterm.restore()
         trainer.logger.close()
     return iteration
+
+
+def _print_parameter_count(chunks, topo) -> None:
+    """Rank 0 prints the model's parameter count: each parameter counted on the ranks that own its pieces."""
+    local = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            if getattr(param, "expert_parallel", False):
+                owner = topo.expert_dp.rank == 0 and (sharded or topo.expert_tp.rank == 0)
+            else:
+                owner = topo.dp.rank == 0 and (sharded or topo.tp.rank == 0)
+            if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
+                owner = False
+            local += param.numel() if owner else 0
+    count = torch.tensor([local], dtype=torch.int64, device=_device())
+    dist.all_reduce(count)
+    if topo.global_rank == 0:
+        print(f"model: {count.item():,} parameters", flush=True)
 
 
 def _seed(args, topo) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tests.data.megatron_fixture import FIXTURE_PREFIX as FIXTURE
 
 
 def _random_docs(seed, count=40, high=1000):
@@ -24,33 +25,34 @@ def _write(prefix, docs, dtype=np.uint16):
 
 
 def _naive_read(prefix):
-    """Parse both files with struct alone, following the documented layout."""
+    """Parse both files with struct alone, following Megatron-Core's documented layout."""
     with open(prefix + ".idx", "rb") as f:
         raw = f.read()
-    assert raw[:8] == b"MGLTIDX\x00"
-    (version,) = struct.unpack("<Q", raw[8:16])
-    code = raw[16]
-    num_docs, num_tokens, max_id = struct.unpack("<QQq", raw[24:48])
-    sizes = struct.unpack(f"<{num_docs}i", raw[48:48 + 4 * num_docs])
-    offsets = struct.unpack(f"<{num_docs + 1}q", raw[48 + 4 * num_docs:])
-    fmt = {1: "B", 2: "H", 3: "i", 4: "q", 5: "I"}[code]
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    (version,) = struct.unpack("<Q", raw[9:17])
+    code = raw[17]
+    num_seqs, num_docs = struct.unpack("<QQ", raw[18:34])
+    sizes = struct.unpack(f"<{num_seqs}i", raw[34:34 + 4 * num_seqs])
+    pointers = struct.unpack(f"<{num_seqs}q", raw[34 + 4 * num_seqs:34 + 12 * num_seqs])
+    documents = struct.unpack(f"<{num_docs}q", raw[34 + 12 * num_seqs:])
+    fmt, width = {4: ("i", 4), 8: ("H", 2)}[code]
     with open(prefix + ".bin", "rb") as f:
-        tokens = struct.unpack(f"<{num_tokens}{fmt}", f.read())
-    docs = [list(tokens[offsets[i]:offsets[i] + sizes[i]]) for i in range(num_docs)]
-    return version, max_id, docs
+        data = f.read()
+    docs = [list(struct.unpack(f"<{sizes[i]}{fmt}", data[pointers[i]:pointers[i] + width * sizes[i]]))
+            for i in range(num_seqs)]
+    return version, documents, docs
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_matches_naive_reader(tmp_path, dtype):
     docs = _random_docs(0)
     prefix = _write(tmp_path / "ds", docs, dtype)
-    version, max_id, naive = _naive_read(prefix)
+    version, documents, naive = _naive_read(prefix)
     ds = IndexedDataset(prefix)
     assert version == 1 and len(ds) == len(docs) == len(naive)
+    assert list(documents) == list(range(len(docs) + 1))
     assert ds.dtype == np.dtype(dtype)
-    assert ds.max_token_id == max_id == max(int(d.max()) for d in docs if len(d))
     assert ds.sizes.tolist() == [len(d) for d in docs]
-    assert ds.doc_offsets.tolist() == np.concatenate([[0], np.cumsum([len(d) for d in docs])]).tolist()
     for i, doc in enumerate(docs):
         assert ds[i].tolist() == naive[i] == doc.tolist()
     assert ds[-1].tolist() == docs[-1].tolist()
@@ -63,15 +65,17 @@ def test_matches_naive_reader(tmp_path, dtype):
         ds[len(docs)]
     clone = pickle.loads(pickle.dumps(ds))
     assert clone[long].tolist() == docs[long].tolist()
+    assert len(IndexedDataset(_write(tmp_path / "empty", []))) == 0
 
 
-def test_empty_dataset_and_vocab_check(tmp_path):
-    empty = IndexedDataset(_write(tmp_path / "empty", []))
-    assert len(empty) == 0 and empty.max_token_id == -1
-    ds = IndexedDataset(_write(tmp_path / "ds", [[1, 2, 300], [7]]))
-    ds.check_vocab(301)
-    with pytest.raises(ValueError, match="largest token id is 300.*only 300 ids"):
-        ds.check_vocab(300)
+def test_byte_identical_to_megatron_fixture(tmp_path):
+    """The reader reads, and the builder rewrites byte for byte, files made by Megatron-Core's own builder."""
+    ds = IndexedDataset(FIXTURE)
+    assert (len(ds), ds.num_tokens, ds.dtype) == (207, 12616, np.dtype(np.uint16))
+    copy = _write(tmp_path / "copy", [ds[i] for i in range(len(ds))])
+    for suffix in (".bin", ".idx"):
+        with open(copy + suffix, "rb") as mine, open(FIXTURE + suffix, "rb") as theirs:
+            assert mine.read() == theirs.read(), suffix
 
 
 def test_builder_rejects_ids_outside_the_dtype(tmp_path):
@@ -85,6 +89,8 @@ def test_builder_rejects_ids_outside_the_dtype(tmp_path):
     builder.discard()
     with pytest.raises(ValueError, match="float32"):
         IndexedDatasetBuilder(str(tmp_path / "f"), np.float32)
+    with pytest.raises(ValueError, match="uint32"):
+        IndexedDatasetBuilder(str(tmp_path / "f"), np.uint32)
 
 
 def test_builder_context_manager_leaves_nothing_on_error(tmp_path):
@@ -108,7 +114,7 @@ def test_truncated_or_padded_bin(tmp_path):
     prefix = _write(tmp_path / "ds", [[1, 2, 3], [4, 5]])
     with open(prefix + ".bin", "r+b") as f:
         f.truncate(8)
-    with pytest.raises(ValueError, match=r"ds\.bin: 8 bytes, expected 10 \(5 tokens of uint16\)"):
+    with pytest.raises(ValueError, match=r"ds\.bin: 8 bytes, expected 10 \(5 tokens of uint16; truncated"):
         IndexedDataset(prefix)
     with open(prefix + ".bin", "ab") as f:
         f.write(b"\0" * 4)
@@ -127,10 +133,10 @@ def test_corrupt_index(tmp_path):
         with pytest.raises(ValueError, match=pattern):
             IndexedDataset(prefix)
 
-    check(b"NOTANIDX" + good[8:], "bad magic")
-    check(good[:8] + struct.pack("<Q", 7) + good[16:], "version 7")
-    check(good[:16] + bytes([99]) + good[17:], "dtype code 99")
-    check(good[:-8], f"{len(good) - 8} bytes, expected {len(good)} for 2 documents")
-    check(good[:10], "shorter than the 48-byte header")
-    sizes_at = 48
-    check(good[:sizes_at] + struct.pack("<i", 2) + good[sizes_at + 4:], "sizes disagree")
+    check(b"MGLTIDX\x00\x00" + good[9:], r"bad magic b'MGLTIDX\\x00\\x00', expected b'MMIDIDX\\x00\\x00'")
+    check(good[:9] + struct.pack("<Q", 7) + good[17:], "version 7")
+    check(good[:17] + bytes([99]) + good[18:], "dtype code 99")
+    check(good[:17] + bytes([7]) + good[18:], "dtype code 7 is not an integer")
+    check(good[:-8], f"{len(good) - 8} bytes, expected {len(good)} for 2 sequences and 3 document indices")
+    check(good[:10], "shorter than the 34-byte header")
+    check(good[:34] + struct.pack("<i", 2) + good[38:], "pointers disagree")

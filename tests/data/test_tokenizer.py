@@ -1,8 +1,12 @@
+import json
+import sys
+
 import pytest
 import sentencepiece
 
 from megalite.data.synthetic import generate_corpus
 from megalite.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, build_tokenizer, train_sentencepiece
+from tests.data.megatron_fixture import FIXTURE_DIR
 
 
 def test_byte_tokenizer_round_trip_and_specials():
@@ -40,15 +44,59 @@ def test_sentencepiece_without_pad_gets_an_appended_id(tmp_path):
     assert tok.eod == tok._sp.eos_id()
 
 
-def test_build_tokenizer_kinds_and_errors(tmp_path):
+def test_build_tokenizer_types_and_errors(tmp_path, monkeypatch):
     assert isinstance(build_tokenizer(None), ByteTokenizer)
-    assert isinstance(build_tokenizer("ignored", kind="byte"), ByteTokenizer)
+    assert isinstance(build_tokenizer("ignored", "ByteTokenizer"), ByteTokenizer)
     with pytest.raises(FileNotFoundError, match="missing.model"):
         build_tokenizer(str(tmp_path / "missing.model"))
     (tmp_path / "bad.model").write_text("not a model")
     with pytest.raises(ValueError, match="bad.model: not a valid sentencepiece model"):
         build_tokenizer(str(tmp_path / "bad.model"))
-    with pytest.raises(ValueError, match="tokenizer kind"):
-        build_tokenizer(None, kind="gpt2")
-    with pytest.raises(ValueError, match="model path"):
-        build_tokenizer(None, kind="sentencepiece")
+    with pytest.raises(ValueError, match="unknown tokenizer type 'GPT3Tokenizer'; choose one of Sentence"):
+        build_tokenizer(None, "GPT3Tokenizer")
+    with pytest.raises(ValueError, match="SentencePieceTokenizer needs --tokenizer-model"):
+        build_tokenizer(None, "SentencePieceTokenizer")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file to name an existing file"):
+        build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=__file__, merge_file=str(tmp_path / "no.txt"))
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --vocab-file"):
+        build_tokenizer(tokenizer_type="GPT2BPETokenizer")
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no Hugging Face tokenizer"):
+        build_tokenizer(str(tmp_path), "HuggingFaceTokenizer")
+    with pytest.raises(ValueError, match="NullTokenizer needs --vocab-size"):
+        build_tokenizer(tokenizer_type="NullTokenizer")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ValueError, match=r"HuggingFaceTokenizer needs the transformers package: pip install "
+                                         r"'megalite\[hf\]'"):
+        build_tokenizer(FIXTURE_DIR + "/hf_tokenizer", "HuggingFaceTokenizer")
+
+
+TEXTS = ["Hello world, héllo ✓ 12+7=19", "  two  spaces\n\nand a blank line", "<|endoftext|> inside", ""]
+
+
+def test_ids_equal_the_reference_libraries(tmp_path):
+    """Every type against its library, called directly: tokenizers for the HF files, transformers' GPT-2
+    tokenizer with special tokens split (as Megatron's OpenAI encoder does), sentencepiece."""
+    import tokenizers
+    import transformers
+
+    hf_dir = FIXTURE_DIR + "/hf_tokenizer"
+    hf = build_tokenizer(hf_dir, "HuggingFaceTokenizer")
+    reference = tokenizers.Tokenizer.from_file(hf_dir + "/tokenizer.json")
+    texts = TEXTS + [json.loads(line)["text"] for line in open(FIXTURE_DIR + "/docs.jsonl")][:50]
+    assert (hf.eod, hf.vocab_size) == (0, 512)
+    for text in texts:
+        assert hf.tokenize(text) == reference.encode(text).ids, text
+    reference.model.save(str(tmp_path))
+    gpt2 = build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                           merge_file=str(tmp_path / "merges.txt"))
+    bpe = transformers.GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert (gpt2.eod, gpt2.vocab_size) == (bpe.convert_tokens_to_ids("<|endoftext|>"), 512)
+    for text in texts:
+        assert gpt2.tokenize(text) == bpe.encode(text, split_special_tokens=True), text
+    null = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=100)
+    assert null.tokenize("3 17  5\n99") == [3, 17, 5, 99] and (null.eod, null.vocab_size) == (100, 101)
+    assert null.detokenize([3, 17]) == "3 17"
+    model = train_sentencepiece(generate_corpus(200, seed=0), str(tmp_path / "sp"), vocab_size=100)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    for text in texts:
+        assert build_tokenizer(model, "SentencePieceTokenizer").tokenize(text) == sp.encode(text), text

@@ -58,22 +58,26 @@ def _check_tp_parity(kinds):
 
 
 def test_tensor_parallel_matches_single_rank():
-    run_distributed(_check_tp_parity, 2, ("gpt2", "llama"), timeout=240)
+    run_distributed(_check_tp_parity, 2, ("gpt2", "llama", "llama_kv"), timeout=240)
 
 
 def _check_recompute_under_sequence_parallel():
     topo = topology.initialize(tp=2)
     ids, labels = (t.to(device()) for t in batch())
     results = {}
-    for granularity in (None, "full", "selective"):
-        cfg = config("llama", hidden_dropout=0.2, attention_dropout=0.3, recompute_granularity=granularity)
+    modes = {None: {}, "full": {}, "selective": {}, "uniform-2": {"recompute_method": "uniform",
+                                                                  "recompute_num_layers": 2},
+             "block-1": {"recompute_method": "block", "recompute_num_layers": 1}}
+    for granularity, method in modes.items():
+        cfg = config("llama", hidden_dropout=0.2, attention_dropout=0.3,
+                     recompute_granularity="full" if method else granularity, **method)
         model = GPTModel(cfg, sequence_parallel=True).to(ids.device)
         model_parallel_seed(42, topo.tp.rank)
         loss = model(ids, labels=labels)
         loss.sum().backward()
         results[granularity] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     loss, grads = results[None]
-    for granularity in ("full", "selective"):
+    for granularity in ("full", "selective", "uniform-2", "block-1"):
         torch.testing.assert_close(results[granularity][0], loss, rtol=0, atol=1e-6)
         for name, grad in grads.items():
             torch.testing.assert_close(results[granularity][1][name], grad, rtol=0, atol=1e-6,

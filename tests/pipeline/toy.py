@@ -5,6 +5,8 @@ import time
 import torch
 from torch import nn
 
+from megalite.tensor_parallel.weight_grad import current_weight_grad_store
+
 HIDDEN = 8
 
 
@@ -36,7 +38,11 @@ class Chunk(nn.Module):
 
 
 class _Sleep(torch.autograd.Function):
-    """Identity that costs a fixed time in forward and in backward (twice as long, like real layers)."""
+    """Identity that costs a fixed time in forward and in backward (twice as long, like real layers).
+
+    Under a split backward (a weight-grad store is active) half of the backward's time is
+    the deferred W pass, so F, B and W cost the same.
+    """
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -46,7 +52,13 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
+        store = current_weight_grad_store()
+        seconds = ctx.seconds
+        if store is None:
+            time.sleep(2 * seconds)
+        else:
+            time.sleep(seconds)
+            store.push(lambda: time.sleep(seconds))
         return grad, None
 
 

@@ -36,19 +36,25 @@ def _bad_inputs(tiny_data, tmp):
             f.write(b"this is not an index" * 4)
     wide = os.path.join(tmp, "wide")
     with IndexedDatasetBuilder(wide) as builder:
-        builder.add_document(np.arange(250, 300))
+        for doc in range(24):
+            builder.add_document(np.full(40, 300 if doc % 4 == 0 else 7))
     python = [sys.executable, SCRIPT]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-                "--log-dir", os.path.join(tmp, "torchrun"), "--redirects", "3", SCRIPT]
+
+    def torchrun(name):
+        port = _env()["MASTER_PORT"]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                "--log-dir", os.path.join(tmp, "torchrun", name), "--redirects", "3", SCRIPT]
+
     return [
         ("missing-data", python + ["--data-path", os.path.join(tmp, "nowhere")],
          f"error: indexed dataset file '{os.path.join(tmp, 'nowhere')}.idx' does not exist"),
-        ("corrupt-data", python + ["--data-path", corrupt], "not a megalite index"),
-        ("vocab-too-small", python + ["--data-path", wide],
-         f"error: dataset {wide} holds token id 299, but the vocabulary has only 259 ids (from the byte tokenizer)"),
+        ("corrupt-data", python + ["--data-path", corrupt], "not a Megatron indexed dataset"),
+        ("vocab-too-small", torchrun("vocab-too-small") + ["--data-path", wide, "--split", "1,0,0", "--train-iters", "2",
+                                        "--global-batch-size", "8", "--eval-iters", "0"],
+         (f"error: dataset {wide}: document ", " holds token id 300, outside the vocabulary of 259 ids")),
         ("batch", python + ["--data-path", tiny_data, "--micro-batch-size", "3", "--global-batch-size", "8"],
          "error: global batch size 8 is not divisible by micro batch size 3 * data-parallel size 1 = 3"),
-        ("heads-tp", torchrun + ["--data-path", tiny_data, "--tensor-model-parallel-size", "2",
+        ("heads-tp", torchrun("heads-tp") + ["--data-path", tiny_data, "--tensor-model-parallel-size", "2",
                                  "--num-attention-heads", "3", "--hidden-size", "48"],
          "error: num_attention_heads=3 is not divisible by the tensor-parallel size 2"),
         ("seq-max-pos", python + ["--data-path", tiny_data, "--seq-length", "128", "--max-position-embeddings", "64"],
@@ -56,7 +62,9 @@ def _bad_inputs(tiny_data, tmp):
         ("unknown-flag", python + ["--data-path", tiny_data, "--no-such-flag", "3"],
          "error: unrecognized arguments: --no-such-flag 3"),
         ("context-parallel", python + ["--context-parallel-size", "2"],
-         "error: context parallelism is reserved: --context-parallel-size must be 1, got 2"),
+         "error: world size 1 is not divisible by tp*pp*cp = 1*1*2 = 2"),
+        ("finetune-without-checkpoint", python + ["--data-path", tiny_data, "--finetune", "--load", tmp],
+         f"error: --finetune needs a checkpoint, but --load {tmp} holds none"),
     ]
 
 
@@ -77,7 +85,7 @@ def bad_runs(tiny_data, tmp_path_factory):
         out, err = proc.communicate(timeout=180)
         ranks = [out + err]
         if "torch.distributed.run" in proc.args:
-            ranks = [_read_rank_logs(os.path.join(tmp, "torchrun"), rank) for rank in (0, 1)]
+            ranks = [_read_rank_logs(os.path.join(tmp, "torchrun", name), rank) for rank in (0, 1)]
         results[name] = (fragment, proc.returncode, ranks)
     return results
 
@@ -89,13 +97,17 @@ def _read_rank_logs(log_dir, local_rank):
 
 
 @pytest.mark.parametrize("name", ["missing-data", "corrupt-data", "vocab-too-small", "batch", "heads-tp",
-                                  "seq-max-pos", "unknown-flag", "context-parallel"])
+                                  "seq-max-pos", "unknown-flag", "context-parallel", "finetune-without-checkpoint"])
 def test_bad_input_gives_one_error_line(bad_runs, name):
-    """Rank 0 prints exactly one line, ``error: ...``; other ranks print nothing; the exit code is non-zero."""
-    fragment, code, ranks = bad_runs[name]
+    """Rank 0 prints exactly one line ``error: ...`` (its only line when the flags or files are bad; a bad
+    token id is found once training runs); other ranks print nothing; the exit code is non-zero."""
+    fragments, code, ranks = bad_runs[name]
     assert code != 0
-    assert len(ranks[0].strip().splitlines()) == 1, ranks[0]
-    assert ranks[0].startswith("error: ") and fragment in ranks[0], ranks[0]
+    lines = ranks[0].strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and (len(lines) == 1 or name == "vocab-too-small"), ranks[0]
+    for fragment in (fragments if isinstance(fragments, tuple) else (fragments,)):
+        assert fragment in errors[0], ranks[0]
     assert all(not other.strip() for other in ranks[1:]), ranks[1:]
 
 

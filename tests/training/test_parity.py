@@ -50,3 +50,17 @@ def test_pipeline_with_distributed_optimizer_matches_one_rank(tiny_data, tmp_pat
     for ref, mine in zip(reference, got):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
+
+
+def test_zero_bubble_schedules_with_distributed_optimizer_match_one_rank(tiny_data, tmp_path):
+    """--pipeline-schedule zero-bubble-h1 and zbv (two chunks per rank in a V, so an untied output layer)
+    x dp=2 x ZeRO-1: weight gradients arrive in deferred W passes, after the bucket hooks of the B passes."""
+    untied = ["--untie-embeddings-and-output-weights", "--num-layers", "4"]
+    reference = train(tiny_data, tmp_path / "ref", 1, *untied, iters=8)[1]
+    for schedule in ("zero-bubble-h1", "zbv"):
+        _, got = train(tiny_data, tmp_path / schedule, 4, *untied, "--pipeline-model-parallel-size", "2",
+                       "--pipeline-schedule", schedule, "--use-distributed-optimizer", iters=8)
+        assert [r["iteration"] for r in got] == list(range(1, 9))
+        for ref, mine in zip(reference, got):
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), (schedule, ref["iteration"])
+            assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (schedule, ref["iteration"])

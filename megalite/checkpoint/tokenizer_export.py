@@ -1,0 +1,42 @@
+"""What a Hugging Face export takes from the tokenizer of the run that saved a checkpoint.
+
+The trainer stores its flags in the checkpoint; from ``--tokenizer-type``/``--tokenizer-model``
+(or ``--vocab-file``/``--merge-file``) the export copies the tokenizer files under the names
+Hugging Face loads, and writes the bos/eos ids into config.json.  A tokenizer that no longer
+exists where the run found it is left out.
+"""
+
+from __future__ import annotations
+
+import os
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                       "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
+
+
+def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
+    """``([(source path, file name in the export)], {"bos_token_id": .., "eos_token_id": ..})`` of a run."""
+    from megalite.data.tokenizer import build_tokenizer
+
+    if not run_args:
+        return [], {}
+    kind, model = run_args.get("tokenizer_type"), run_args.get("tokenizer_model")
+    if kind is None and model is None:
+        return [], {}
+    files = []
+    if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
+        files = [(os.path.join(model, n), n) for n in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(model, n))]
+    elif kind == "GPT2BPETokenizer":
+        files = [(run_args.get("vocab_file"), "vocab.json"), (run_args.get("merge_file"), "merges.txt")]
+    elif kind in (None, "SentencePieceTokenizer") and model:
+        files = [(model, "tokenizer.model")]
+    files = [(src, name) for src, name in files if src and os.path.isfile(src)]
+    try:
+        tokenizer = build_tokenizer(model, kind, vocab_file=run_args.get("vocab_file"),
+                                    merge_file=run_args.get("merge_file"), vocab_size=run_args.get("vocab_size"))
+    except (OSError, ValueError):
+        return files, {}
+    ids = {"eos_token_id": tokenizer.eod}
+    if tokenizer.bos is not None:
+        ids["bos_token_id"] = tokenizer.bos
+    return files, ids

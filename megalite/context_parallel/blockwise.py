@@ -1,0 +1,176 @@
+"""Causal, document-aware attention computed tile by tile, with the log-sum-exp kept for exact merging.
+
+Queries and keys carry their global sequence index (``positions``, ``[s]``)
+and optionally their document id (``documents``, ``[b, s]``, non-decreasing
+along the sequence).  Query ``i`` may attend key ``j`` when ``pos_j <= pos_i``
+and both lie in the same document.  Work is cut into tiles of at most
+``tile`` consecutive positions: a tile pair that is entirely masked is
+skipped, one that is entirely visible runs without a mask, and only the
+partial pairs build a ``[tile, tile]`` mask, so no ``s x s`` mask is ever made.
+
+The forward returns the normalized output and the log-sum-exp of each query's
+scores; :func:`merge` combines partial results over disjoint key sets exactly.
+The backward recomputes the scores from the *final* output and log-sum-exp
+(as flash attention does), so the gradient of one key block is exact even when
+that block was only part of what a query attended to.  All math is fp32;
+tensors are ``[b, heads, s, d]``, and keys/values may have fewer (grouped)
+heads than queries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_TILE = 512
+
+
+class Tokens:
+    """The global indices (``[s]``) and optional document ids (``[b, s]``) of a block of tokens, cut into tiles."""
+
+    def __init__(self, positions: torch.Tensor, documents: torch.Tensor | None, tile: int = DEFAULT_TILE):
+        self.positions = positions
+        self.documents = documents
+        self.tiles = _tiles(positions.tolist(), tile)
+        # Per tile: first and last global index, and each row's first and last document.
+        self.bounds = [(positions[a].item(), positions[b - 1].item()) for a, b in self.tiles]
+        self.doc_bounds = None
+        if documents is not None:
+            self.doc_bounds = [(documents[:, a], documents[:, b - 1]) for a, b in self.tiles]
+
+
+def _tiles(positions: list[int], tile: int) -> list[tuple[int, int]]:
+    """Local ``[start, end)`` slices: runs of consecutive global indices, each cut to at most ``tile``."""
+    tiles, start = [], 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1 or i - start == tile:
+            tiles.append((start, i))
+            start = i
+    return tiles
+
+
+def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int):
+    """``None`` to skip the tile pair, ``True`` when fully visible, else a boolean mask.
+
+    The mask is ``[Tq, Tk]`` (causal only) or ``[b, 1, Tq, Tk]`` (documents).
+    """
+    q_first, q_last = queries.bounds[qt]
+    k_first, k_last = keys.bounds[kt]
+    if k_first > q_last:
+        return None
+    causal_full = k_last <= q_first
+    doc_full = True
+    if queries.documents is not None:
+        qd_first, qd_last = queries.doc_bounds[qt]
+        kd_first, kd_last = keys.doc_bounds[kt]
+        if bool(((kd_first > qd_last) | (kd_last < qd_first)).all()):
+            return None
+        doc_full = bool(((qd_first == qd_last) & (kd_first == kd_last) & (qd_first == kd_first)).all())
+    if causal_full and doc_full:
+        return True
+    qa, qb = queries.tiles[qt]
+    ka, kb = keys.tiles[kt]
+    mask = keys.positions[ka:kb][None, :] <= queries.positions[qa:qb][:, None]
+    if not doc_full:
+        same = queries.documents[:, qa:qb, None] == keys.documents[:, None, ka:kb]
+        mask = (mask & same).unsqueeze(1)
+    return mask
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped keys/values ``[b, g, s, d]`` -> one per query head ``[b, heads, s, d]``."""
+    groups = kv.shape[1]
+    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Adjoint of :func:`_expand`: sum the per-head gradients of each group."""
+    b, heads, s, d = grad.shape
+    return grad if groups == heads else grad.view(b, groups, heads // groups, s, d).sum(dim=2)
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Combine two softmax-normalized partial results over disjoint key sets into one (exact)."""
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    safe = _safe(new)
+    return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)), new
+
+
+def _count(stats: dict | None, key: str, q: torch.Tensor, rows: int, cols: int) -> None:
+    if stats is not None:
+        b, heads, _, d = q.shape
+        stats[key] = stats.get(key, 0) + 4 * b * heads * rows * cols * d
+
+
+def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stats: dict | None = None):
+    """Output ``[b, n, sq, d]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key).
+
+    ``stats``, when a dict, accumulates the matmul FLOPs of the tiles computed (``forward_flops``).
+    """
+    q, k, v = q.float(), _expand(k.float(), q.shape[1]), _expand(v.float(), q.shape[1])
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for qt, (qa, qb) in enumerate(queries.tiles):
+        acc, acc_lse = None, None
+        for kt, (ka, kb) in enumerate(keys.tiles):
+            mask = _tile_mask(queries, qt, keys, kt)
+            if mask is None:
+                continue
+            _count(stats, "forward_flops", q, qb - qa, kb - ka)
+            scores = torch.matmul(q[:, :, qa:qb], k[:, :, ka:kb].transpose(-1, -2)) * scale
+            if mask is not True:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            tile_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - _safe(tile_lse).unsqueeze(-1))
+            acc, acc_lse = merge(acc, acc_lse, torch.matmul(probs, v[:, :, ka:kb]), tile_lse)
+        if acc is not None:
+            out[:, :, qa:qb], lse[:, :, qa:qb] = acc, acc_lse
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, scale: float,
+                       stats: dict | None = None):
+    """Gradients ``(dq, dk, dv)`` (fp32) of this key block, given the final ``out``/``lse`` of the queries."""
+    groups, heads = k.shape[1], q.shape[1]
+    q, k, v, dout = q.float(), _expand(k.float(), heads), _expand(v.float(), heads), dout.float()
+    delta = (dout * out).sum(dim=-1)
+    lse = _safe(lse)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qt, (qa, qb) in enumerate(queries.tiles):
+        for kt, (ka, kb) in enumerate(keys.tiles):
+            mask = _tile_mask(queries, qt, keys, kt)
+            if mask is None:
+                continue
+            _count(stats, "backward_flops", q, 2 * (qb - qa), kb - ka)
+            q_t, k_t, v_t, do_t = q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], dout[:, :, qa:qb]
+            scores = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
+            if mask is not True:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.exp(scores - lse[:, :, qa:qb].unsqueeze(-1))
+            dv[:, :, ka:kb] += torch.matmul(probs.transpose(-1, -2), do_t)
+            dscores = probs * (torch.matmul(do_t, v_t.transpose(-1, -2)) - delta[:, :, qa:qb].unsqueeze(-1))
+            dq[:, :, qa:qb] += torch.matmul(dscores, k_t) * scale
+            dk[:, :, ka:kb] += torch.matmul(dscores.transpose(-1, -2), q_t) * scale
+    return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Autograd wrapper of :func:`attention_forward` for one rank's queries against keys it holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, queries: Tokens, keys: Tokens, scale: float):
+        out, lse = attention_forward(q, k, v, queries, keys, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tokens, ctx.scale = (queries, keys), scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.tokens, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

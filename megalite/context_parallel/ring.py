@@ -1,0 +1,100 @@
+"""Ring attention (``p2p``): key/value blocks travel around the CP ring while the block in hand is attended.
+
+Step ``t`` on rank ``r`` attends the local queries to the keys/values of rank
+``(r - t) mod cp``, having already posted the send of that block to ``r + 1``
+and the receive of the next one from ``r - 1``, so the transfer overlaps the
+attention.  Partial results merge exactly through their log-sum-exp.  The
+backward sends the blocks around again, each with its gradient accumulator,
+which after a full turn lands back on the block's owner.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite.context_parallel.blockwise import Tokens, attention_backward, attention_forward, merge
+
+
+def _exchange(tensor: torch.Tensor, group):
+    """Post the send of ``tensor`` to the next ring rank and the receive from the previous one."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests, stats: dict | None) -> None:
+    start = time.perf_counter()
+    for request in requests:
+        request.wait()
+    if stats is not None:
+        stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - start
+
+
+class RingAttention(torch.autograd.Function):
+    """``q [b, n, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d]`` -> output ``[b, n, s/cp, d]``.
+
+    ``key_tokens[j]`` describes the tokens CP rank ``j`` holds.  ``stats``, when
+    a dict, accumulates the seconds spent waiting on receives (``wait_s``), in
+    the whole attention (``total_s``), and the tiles' matmul FLOPs.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, queries: Tokens, key_tokens: list, scale: float, stats: dict | None):
+        start = time.perf_counter()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        kv = torch.stack([k, v]).contiguous()
+        out = lse = None
+        for step in range(size):
+            requests = None
+            if step < size - 1:
+                received, requests = _exchange(kv, group)
+            block_out, block_lse = attention_forward(q, kv[0], kv[1], queries, key_tokens[(rank - step) % size], scale,
+                                                     stats)
+            out, lse = merge(out, lse, block_out, block_lse)
+            if requests is not None:
+                _wait(requests, stats)
+                kv = received
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.queries, ctx.key_tokens, ctx.scale, ctx.stats = group, queries, key_tokens, scale, stats
+        if stats is not None:
+            stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        start = time.perf_counter()
+        q, k, v, out, lse = ctx.saved_tensors
+        group, stats = ctx.group, ctx.stats
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        kv = torch.stack([k, v]).contiguous()
+        dq = pending = None
+        for step in range(size):
+            requests = None
+            if step < size - 1:
+                received, requests = _exchange(kv, group)
+            keys = ctx.key_tokens[(rank - step) % size]
+            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats)
+            dq = dq_b if dq is None else dq + dq_b
+            # The block's gradient accumulator arrives from the previous rank while this step computes.
+            if pending is None:
+                dkv = torch.stack([dk_b, dv_b])
+            else:
+                _wait(pending[1], stats)
+                dkv = pending[0]
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+            pending = _exchange(dkv, group) + (dkv,)
+            if requests is not None:
+                _wait(requests, stats)
+                kv = received
+        # After a full turn each accumulator is back with its block's owner.
+        _wait(pending[1], stats)
+        dkv = pending[0]
+        if stats is not None:
+            stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

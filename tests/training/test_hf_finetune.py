@@ -1,0 +1,98 @@
+"""Fine-tuning a Hugging Face model: convert, train at tp=2 with only data and tokenizer flags, convert back.
+
+GPT-2 (tanh GELU, learned positions) and a Llama-3-style model (GQA, rope_theta 500000, untied
+output, a head dimension other than hidden/heads) are built with transformers.  The first
+iteration's loss equals the HF model's loss on the same batch; the exported model's logits equal
+megalite's; the export carries the run's tokenizer.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from megalite.checkpoint import load_model
+from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
+from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.sampler import MicroBatchSampler
+from megalite.testing import run_distributed
+from tests.data.megatron_fixture import FIXTURE_DIR, FIXTURE_PREFIX
+from tests.training.helpers import read_metrics
+
+transformers = pytest.importorskip("transformers")
+VOCAB, SEQ, BATCH = 512, 32, 4
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                         activation_function="gelu_new", resid_pdrop=0.0, attn_pdrop=0.0,
+                                         embd_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                          max_position_embeddings=64, tie_word_embeddings=False, rope_theta=500000.0)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def _first_batch():
+    """The first global batch pretrain() reads with the flags below (default seed, no eval samples)."""
+    train, _, _ = build_train_valid_test_datasets([FIXTURE_PREFIX], "100,0,0", SEQ, 1234, [BATCH, 0, 0])
+    indices = next(iter(MicroBatchSampler(len(train), 0, BATCH, BATCH, 0, 1)))
+    return torch.stack([train[i]["tokens"] for i in indices])
+
+
+def _finetune_on_rank(argv):
+    """pretrain() on this rank; returns what it printed."""
+    from megalite.training import gpt, pretrain
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_finetune_hf_model_at_tp2_and_export(kind, tmp_path):
+    model = _hf_model(kind)
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "converted"))
+    tokens = _first_batch()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
+
+    argv = ["--data-path", FIXTURE_PREFIX, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", os.path.join(FIXTURE_DIR, "hf_tokenizer"), "--split", "100,0,0",
+            "--load", str(tmp_path / "converted"), "--use-checkpoint-args", "--finetune",
+            "--tensor-model-parallel-size", "2", "--seq-length", str(SEQ), "--micro-batch-size", str(BATCH),
+            "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-decay-style", "constant",
+            "--save", str(tmp_path / "tuned"), "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    printed = run_distributed(_finetune_on_rank, 2, argv, timeout=240)[0]
+    loss = read_metrics(tmp_path / "metrics.jsonl")[0]["loss"]
+    assert abs(loss - hf_loss) <= 1e-4 * hf_loss, (loss, hf_loss)
+    assert (f"loaded checkpoint {tmp_path / 'converted'} at iteration 0 (--finetune: model weights only, starting "
+            f"at iteration 0), layout tp=1 pp=1 dp=1 ep=1 vpp=None -> tp=2 pp=1 dp=1 ep=1 vpp=None") in printed
+    assert "--num-layers 2 --hidden-size 32" in printed
+
+    convert_megalite_to_hf(str(tmp_path / "tuned"), str(tmp_path / "back"))
+    back = type(model).from_pretrained(str(tmp_path / "back")).eval()
+    ids = tokens[:2, :16]
+    with torch.no_grad():
+        expected = load_model(str(tmp_path / "tuned"))(ids)
+        assert (back(ids).logits - expected).abs().max().item() <= 1e-4
+        assert (back(ids).logits - model(ids).logits).abs().max().item() > 1e-4, "the step changed nothing"
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["eos_token_id"], exported["bos_token_id"]) == (0, 0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert tokenizer("hello world").input_ids == \
+        transformers.AutoTokenizer.from_pretrained(os.path.join(FIXTURE_DIR, "hf_tokenizer"))("hello world").input_ids
