@@ -9,7 +9,8 @@ rank holds its own copy (the replicated fallback).  Printed per mode:
   fp32 values + ``k`` int64 indices (top-k), plus one fp32 next-token log-prob, back to them;
 - memory: teacher weights + transport buffers (tensor bytes) and the process's peak RSS growth, on the
   owner and a non-owner (CUDA peak allocated bytes on GPU);
-- step time (waiting for the teacher included; the first step warms up) with prefetch on (depth 1: the teacher works on batch i+1 while the student trains on i) and off,
+- step time (waiting for the teacher included; the first step warms up) with prefetch on (depth 1: the
+  teacher works on batch i+1 while the student trains on i) and off,
   and the ratio to the every-rank-copy peer.
 
     python benchmarks/centralized_critic.py [--world 2] [--vocab 8192] [--topk 16] [--iters 8]
@@ -40,7 +41,7 @@ def _rss_bytes() -> int:
 
 
 def _rank(args, mode: str, topk, depth: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.set_num_threads(1)
     rss_start = _rss_bytes()
@@ -118,8 +119,8 @@ def main(argv=None) -> int:
         print(f"\n{label}")
         print(f"  bytes moved per iteration: {moved / mib:.2f} MiB (analytic "
               f"{(0 if mode == 'replicated' else analytic_bytes(args, topk, args.world)) / mib:.2f} MiB)")
-        print(f"  owner:     teacher weights {owner['weights'] / mib:.1f} MiB, buffers {owner['buffers'] / mib:.1f} MiB, "
-              f"peak growth {owner['peak'] / mib:.1f} MiB")
+        print(f"  owner:     teacher weights {owner['weights'] / mib:.1f} MiB, buffers {owner['buffers'] / mib:.1f} "
+              f"MiB, peak growth {owner['peak'] / mib:.1f} MiB")
         print(f"  non-owner: teacher weights {other['weights'] / mib:.1f} MiB, buffers {other['buffers'] / mib:.1f} "
               f"MiB, peak growth {other['peak'] / mib:.1f} MiB")
         print(f"  step time: prefetch on {timings[1]:.1f} ms, off {timings[0]:.1f} ms; "

@@ -1,6 +1,7 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
-estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward/teacher model
-with tensor transport and prefetch, distillation from a teacher's top-k, a training backend for outside RL loops, weight export and trainer -> rollout weight sync."""
+estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward/teacher
+model with tensor transport and prefetch, distillation from a teacher's top-k, a training backend and a training
+service for outside RL loops, weight export and trainer -> rollout weight sync."""
 
 from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
                                       discounted_returns, grpo_advantages, rloo_advantages)

@@ -153,7 +153,8 @@ def _distill_rank():
     teacher_logits = torch.randn(2, 5, VOCAB) * 2
     ids = torch.randint(0, VOCAB, (2, 5))
     full = TeacherOutput.from_outputs(teacher_fn(lambda i, attention_mask: teacher_logits)(ids, torch.ones_like(ids)))
-    top = TeacherOutput.from_outputs(teacher_fn(lambda i, attention_mask: teacher_logits, topk=6)(ids, torch.ones_like(ids)))
+    top = TeacherOutput.from_outputs(teacher_fn(lambda i, attention_mask: teacher_logits, topk=6)(ids,
+                                                                                                 torch.ones_like(ids)))
     full_kl = (torch.log_softmax(teacher_logits, -1).exp()
                * (torch.log_softmax(teacher_logits, -1) - torch.log_softmax(logits, -1))).sum(-1)
     torch.testing.assert_close(_kl_reference(logits, full), full_kl, rtol=0, atol=1e-5)

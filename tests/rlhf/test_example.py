@@ -1,6 +1,6 @@
 """examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a centralized reward and top-k teacher
-(distillation loss and log-prob rewards) and one-step staleness, and GRPO with DAPO's pieces and the KL loss; one metrics record and TensorBoard scalar per iteration,
-and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
+(distillation loss and log-prob rewards) and one-step staleness, and GRPO with DAPO's pieces and the KL loss; one
+metrics record and TensorBoard scalar per iteration, and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
 
 import importlib.util
 import json
@@ -40,7 +40,8 @@ def test_ppo_example_with_centralized_reward_and_staleness(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = TINY + ["--global-batch-size", "8", "--use-centralized-critic", "--max-staleness", "1",
                    "--critic-owner-rank", "1", "--critic-topk", "4", "--distill-coef", "0.1",
-                   "--teacher-reward-coef", "0.01", "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb")]
+                   "--teacher-reward-coef", "0.01", "--metrics-file", str(metrics),
+                   "--tensorboard-dir", str(tmp_path / "tb")]
     assert run_distributed(_run, 2, argv, timeout=180) == [0, 0]
     records = _records(metrics)
     assert [r["iteration"] for r in records] == [1, 2, 3]
