@@ -19,6 +19,7 @@ from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_reward
 from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
 from megalite.rlhf.service import ParallelLayout, TrainingService
+from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "SamplingConfig",
@@ -29,4 +30,5 @@ __all__ = [
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
     "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
     "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
+    "PolyakTarget",
 ]
