@@ -1,6 +1,6 @@
 """The centralized critic/teacher over tensor collectives equals a local copy on every rank (GPT critic values,
 teacher full logits and top-k), as does the replicated fallback; an exception in the owner's forward reaches every
-rank as the same error; prefetch overlaps the owner's work with the training step and records staleness; the
+rank as the same error, as does one rank's malformed request; prefetch overlaps the owner's work with the training step and records staleness; the
 forward KL on the teacher's support is TP-parallel exact."""
 
 import time
@@ -92,8 +92,13 @@ def _failing_rank(owner):
     with pytest.raises(RuntimeError) as error:
         central(ids, mask)
     after = central(ids, mask)[0]
-    central.close()
     assert torch.equal(after, ids.float() * mask)
+    # One rank's malformed request is refused on every rank before any payload moves.
+    bad_ids = ids[0] if rank == 2 else ids
+    with pytest.raises(ValueError, match=r"invalid inputs on rank\(s\) \[2\]"):
+        central(bad_ids, mask if rank != 2 else mask[0])
+    assert torch.equal(central(ids, mask)[0], ids.float() * mask)
+    central.close()
     return str(error.value)
 
 
