@@ -51,8 +51,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
-    install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "tqdm"],
+    install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
     extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"],
-                    "test": ["pytest", "transformers", "tokenizers", "safetensors", "matplotlib"]},
+                    "test": ["pytest", "transformers", "tokenizers", "matplotlib"]},
     **extension_kwargs(),
 )

@@ -22,12 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to", dest="target", choices=("hf", "megalite"), required=True)
     parser.add_argument("--input", required=True, help="Hugging Face model directory or megalite checkpoint")
     parser.add_argument("--output", required=True, help="directory to create")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="to hf: above this size the safetensors output is split into "
+                             "model-0000k-of-0000n.safetensors files with an index (default 5GB)")
     args = parser.parse_args(argv)
     if args.source == args.target:
         parser.error(f"--from and --to are both {args.source!r}; nothing to convert")
-    convert = convert_hf_to_megalite if args.source == "hf" else convert_megalite_to_hf
     try:
-        convert(args.input, args.output)
+        if args.source == "hf":
+            convert_hf_to_megalite(args.input, args.output)
+        else:
+            convert_megalite_to_hf(args.input, args.output, args.max_shard_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

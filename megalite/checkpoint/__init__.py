@@ -1,7 +1,10 @@
 """Checkpoints that reshard across parallel layouts, single-process loading, and global-tensor I/O.
 
 - :func:`save_checkpoint` / :func:`load_checkpoint`: model chunks and optimizer under any
-  (tp, pp, vpp, dp, ep) layout, stored as pieces of layout-free global tensors.
+  (tp, pp, vpp, dp, ep) layout, stored through torch.distributed.checkpoint as shards of
+  layout-free global tensors (sync, or in the background with an :class:`AsyncSaver`).
+- :func:`read_checkpoint_info`: a checkpoint's iteration, saved config, layout and JSON state,
+  without reading tensors.
 - :func:`load_model`: a checkpoint as one single-process GPTModel.
 - :func:`save_global_checkpoint` / :func:`read_global_tensors`: whole global tensors, as the
   Hugging Face converter writes and reads them.
@@ -14,24 +17,34 @@ from __future__ import annotations
 import torch
 
 from megalite import topology
-from megalite.checkpoint.format import (CheckpointReader, config_to_dict, iteration_dir, read_latest,
-                                        write_checkpoint)
+from megalite.checkpoint.format import (AsyncSaver, CheckpointReader, CheckpointWriteError, TensorShard,
+                                        config_to_dict, iteration_dir, read_latest, write_checkpoint)
 from megalite.checkpoint.sharding import ShardContext, global_param
-from megalite.checkpoint.state import load_into, save_checkpoint
+from megalite.checkpoint.state import load_into, local_shards, save_checkpoint
 
 
-def load_checkpoint(path: str, model_chunks, optimizer=None, *, tp_group=None, ep_group=None,
+def load_checkpoint(path: str, model_chunks, optimizer=None, *, group=None, tp_group=None, ep_group=None,
                     expert_tp_group=None) -> CheckpointReader:
     """Load ``path`` (a save directory or an iteration directory) into this rank's chunks and optimizer.
 
-    Works under any layout; raises ValueError (before changing anything) on a missing or
-    truncated file or an architecture mismatch.  Returns the reader, whose ``rank_state(r)``
-    gives the free-form state rank ``r`` saved.
+    Works under any layout; raises ValueError (before changing anything) on a missing, truncated
+    or altered file or an architecture mismatch.  ``optimizer=None`` skips the optimizer state.
+    ``group``: the ranks that load this checkpoint together (e.g. ``dist.group.WORLD`` in the
+    trainer); they share every error, so all fail alike.  None: this rank alone, no collective.
+    Returns the reader (``reader.state``: rank 0's JSON state; ``reader.rank_state(r)``: rank r's).
     """
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, group=group, collective=group is not None)
     load_into(reader, model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
               expert_tp_group=expert_tp_group)
     return reader
+
+
+def read_checkpoint_info(path: str) -> dict:
+    """``{"directory", "iteration", "world_size", "config" (GPTConfig or None), "layout", "state"}`` of a
+    checkpoint, from its JSON files only (for --use-checkpoint-args, --finetune and inspection)."""
+    reader = CheckpointReader(path, verify=False)
+    return {"directory": reader.directory, "iteration": reader.iteration, "world_size": reader.world_size,
+            "config": reader.config, "layout": reader.layout, "state": reader.state}
 
 
 def _check_single_process() -> None:
@@ -91,22 +104,22 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config needs {shape}")
     state = {"config": config_to_dict(config), "layout": {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": None},
-             "optimizer": None, **(extra or {}),
-             "tensors": {name: {"shape": expected[name],
-                                "pieces": [((0,) * len(expected[name]), tensors[name].detach().cpu().contiguous())]}
-                         for name in sorted(expected)}}
-    return write_checkpoint(save_dir, iteration, state)
+             "optimizer": None, **(extra or {})}
+    shards = [TensorShard(name, expected[name], (0,) * len(expected[name]), tensors[name].detach().cpu())
+              for name in sorted(expected)]
+    return write_checkpoint(save_dir, iteration, shards, state, collective=False)
 
 
 def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dict]:
-    """``(config, tensors, rank 0's free-form state)``: every global model tensor of a checkpoint."""
+    """``(config, tensors, rank 0's JSON state)``: every global model tensor of a checkpoint."""
     reader = CheckpointReader(path)
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
-    tensors = {name: reader.read(name) for name in reader.shapes if not name.startswith("optimizer.")}
-    return config, tensors, reader.rank_state(0)
+    names = [name for name in reader.shapes if not name.startswith("optimizer.")]
+    return config, reader.read_all(names), reader.state
 
 
-__all__ = ["CheckpointReader", "load_checkpoint", "load_model", "save_checkpoint", "save_global_checkpoint",
-           "read_global_tensors", "global_shapes", "read_latest", "iteration_dir"]
+__all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_checkpoint", "load_model",
+           "local_shards", "read_checkpoint_info", "save_checkpoint", "save_global_checkpoint", "read_global_tensors",
+           "global_shapes", "read_latest", "iteration_dir"]

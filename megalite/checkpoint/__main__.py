@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from megalite.checkpoint.format import CheckpointReader
+from megalite.checkpoint.format import MANIFEST, CheckpointReader
 
 
 def _size(nbytes: float) -> str:
@@ -18,29 +19,31 @@ def _size(nbytes: float) -> str:
 
 
 def describe(path: str) -> str:
-    """The text that ``inspect`` prints for the checkpoint at ``path``."""
+    """The text that ``inspect`` prints for the checkpoint at ``path`` (every file is verified first)."""
     reader = CheckpointReader(path)
-    head = reader.rank_state(0)
+    reader.verify_all()
+    state = reader.state
     layout = ", ".join(f"{k}={v}" for k, v in reader.layout.items()) or "not recorded"
     lines = [f"checkpoint {reader.directory}", f"iteration {reader.iteration}, written by {reader.world_size} "
-             f"rank file(s); saved layout: {layout}"]
+             f"rank(s); saved layout: {layout}",
+             f"{len(reader.manifest['files'])} files, all match their sha256 in {MANIFEST}"]
     if reader.config_dict is not None:
         arch = ", ".join(f"{k}={v}" for k, v in reader.config_dict.items() if v is not None)
         lines.append(f"architecture: {arch}")
-    optimizer = head.get("optimizer")
+    optimizer = state.get("optimizer")
     lines.append("optimizer: none" if optimizer is None else f"optimizer: {optimizer['num_steps']} steps taken")
-    if head.get("consumed_samples") is not None:
-        lines.append(f"consumed samples: {head['consumed_samples']}")
+    if state.get("consumed_samples") is not None:
+        lines.append(f"consumed samples: {state['consumed_samples']}")
     rows, total = [], 0
-    for name in sorted(reader.shapes):
-        pieces = reader.pieces[name]
-        nbytes = sum(t.numel() * t.element_size() for _, t in pieces)
+    for name, shape in sorted(reader.shapes.items()):
+        dtype = reader.dtype(name)
+        nbytes = math.prod(shape) * dtype.itemsize
         total += nbytes
-        shape = "x".join(str(s) for s in reader.shapes[name]) or "scalar"
-        rows.append((name, shape, str(pieces[0][1].dtype).replace("torch.", ""), str(len(pieces)), _size(nbytes)))
+        text = "x".join(str(s) for s in shape) or "scalar"
+        rows.append((name, text, str(dtype).replace("torch.", ""), str(len(reader.chunks(name))), _size(nbytes)))
     lines.append(f"{len(rows)} tensors, {_size(total)}:")
     widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else [0] * 5
-    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(("name", "shape", "dtype", "pieces", "size"), widths)))
+    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(("name", "shape", "dtype", "chunks", "size"), widths)))
     for row in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
     return "\n".join(lines)

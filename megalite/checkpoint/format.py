@@ -1,34 +1,64 @@
-"""The on-disk checkpoint format: atomic per-rank files of global-tensor pieces.
+"""The on-disk checkpoint format: torch.distributed.checkpoint (DCP) chunks of global tensors, JSON state,
+and a manifest of content hashes.
 
 Layout under a save directory::
 
-    latest                       the newest complete iteration, as text
-    iter_0000100/rank_00000.pt   one file per saving rank
+    latest                        the newest verified iteration, as text
+    iter_0000100/.metadata        DCP: every global tensor's shape, dtype and saved chunks
+    iter_0000100/__0_0.distcp     DCP: the chunks rank 0 wrote (one file per writing rank)
+    iter_0000100/megalite.json    format tag, iteration, world size and rank 0's state (config, layout, ...)
+    iter_0000100/rank_00000.json  each rank's own state (RNG streams), plain JSON
+    iter_0000100/manifest.json    size and sha256 of every other file
 
-Each rank file is a ``torch.save`` dict holding ``iteration``, ``world_size``, ``rank``, the
-model's ``config`` (a GPTConfig as a dict), the ``layout`` it was saved under and ``tensors``:
-``{global name: {"shape": global shape, "pieces": [(offset, tensor), ...]}}``.  Every piece is a
-box of the global tensor starting at ``offset``; pieces of one tensor never overlap, and together
-the files cover every global tensor.  Other keys (optimizer scalars, scheduler, RNG, data
-position) are free-form per-rank state.
+Tensors are stored under their global names (see :mod:`megalite.checkpoint.sharding`) as DCP chunks
+(:class:`TensorShard`: a box of a global tensor at an offset), so ``dcp_to_torch_save`` or any DCP
+loader sees whole global tensors, and a reader can fetch any region under any layout.  Nothing is
+pickled by megalite: state is JSON, tensors go through ``torch.load(weights_only=True)`` inside DCP,
+and the DCP ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes.
 
-Writes are atomic: ranks write into ``iter_N.tmp``, then rank 0 renames it to ``iter_N`` and
-replaces ``latest`` through a temporary file, fsyncing along the way.  A save killed at any moment
-leaves the previous checkpoint and pointer intact.
+Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files; rank 0
+collects the hashes, writes the manifest, renames the directory and only then replaces ``latest``,
+fsyncing along the way.  A save killed at any moment leaves the previous checkpoint and pointer
+intact; a failed write (disk full, I/O error) removes the partial directory and raises one
+:class:`CheckpointWriteError`.  Loading checks the manifest first, so a missing, truncated or
+altered file is one ValueError naming it, before anything is read into a model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import hashlib
+import io
+import json
+import math
+import mmap
 import os
+import pickle
 import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.checkpoint.sharding import box_slices, intersect
+from megalite.checkpoint.sharding import intersect
 
-FORMAT_VERSION = 2
+FORMAT = "megalite"
+FORMAT_VERSION = 3
 LATEST = "latest"
+MANIFEST = "manifest.json"
+META = "megalite.json"
+DCP_METADATA = ".metadata"
 
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
@@ -37,12 +67,29 @@ ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "router_order")
 
 
+class CheckpointWriteError(OSError):
+    """A save failed (disk full, I/O error); its partial directory was removed and ``latest`` is unchanged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShard:
+    """``tensor`` is the box of global tensor ``name`` (shape ``global_shape``) that starts at ``offset``.
+
+    The one unit the format stores: TP/EP/ZeRO-1 pieces and DTensor local shards all become these.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor
+
+
 def iteration_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
-def rank_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.pt")
+def rank_state_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.json")
 
 
 def _fsync(path: str) -> None:
@@ -53,37 +100,342 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, state: dict) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, allow_nan=True)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_checkpoint(save_dir: str, iteration: int, state: dict, *, rank: int = 0, world_size: int = 1,
-                     barrier=None) -> str:
-    """Write this rank's ``state`` for ``iteration`` and publish the checkpoint atomically.
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
-    Every rank of the default group calls this; ``barrier`` (a no-argument callable, None for a
-    single process) separates creating the temporary directory, writing, and publishing.
-    Returns the final iteration directory.
+
+def check_jsonable(value, what: str) -> None:
+    """ValueError when ``value`` is not plain JSON data (dicts, lists, strings, numbers, booleans, None)."""
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be plain JSON data: {err}") from None
+
+
+class _HashingStream:
+    """A write stream that hashes what passes through it (DCP writes its files front to back)."""
+
+    def __init__(self, stream):
+        self._stream, self.digest, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+
+    def write(self, data):
+        written = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += view.nbytes
+        return written
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording ``{file name: (size, sha256)}`` of the files it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            self.digests[os.path.basename(str(path))] = {"size": hashing.size, "sha256": hashing.digest.hexdigest()}
+
+
+class _HashingWriter(dcp.FileSystemWriter):
+    """DCP's file writer (fsyncing every file) that hashes the data files while writing them."""
+
+    def __init__(self, path: str):
+        super().__init__(path, sync_files=True)
+        self.fs = _HashingFileSystem()
+
+
+class _ShardSavePlanner(DefaultSavePlanner):
+    """Writes each :class:`TensorShard` as one DCP chunk of its global tensor."""
+
+    def __init__(self, shards: list[TensorShard]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._shards = {(s.name, tuple(s.offset)): s for s in shards}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (name, offset), shard in self._shards.items():
+            offsets = torch.Size(offset)
+            items.append(WriteItem(
+                index=dcp_metadata.MetadataIndex(name, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=dcp_metadata.ChunkStorageMetadata(offsets=offsets, sizes=shard.tensor.size()),
+                    properties=dcp_metadata.TensorProperties.create_from_tensor(shard.tensor),
+                    size=torch.Size(shard.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Read the box of global tensor ``name`` that starts at ``offset`` into ``out`` (any dtype)."""
+
+    name: str
+    offset: tuple[int, ...]
+    out: torch.Tensor
+
+
+class _RegionLoadPlanner(DefaultLoadPlanner):
+    """Reads :class:`Region` requests from the saved chunks that overlap them."""
+
+    def __init__(self, regions: list[Region]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._regions = regions
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for i, region in enumerate(self._regions):
+            chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(region.offset), sizes=region.out.size())
+            for item in create_read_items_for_chunk_list(region.name, self.metadata.state_dict_metadata[region.name],
+                                                         [chunk]):
+                index = dcp_metadata.MetadataIndex(region.name, item.dest_index.offset, i)
+                items.append(dataclasses.replace(item, dest_index=index))
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        out = self._regions[read_item.dest_index.index].out
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            out = out.narrow(dim, start, length)
+        return out
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only its metadata classes and torch dtypes/layouts (no code)."""
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the allow-listed metadata unpickler, checking each data file's hash as it is read.
+
+    Each file is memory-mapped once and hashed; each stored chunk is deserialized once (with
+    ``weights_only=True``) however many requested regions overlap it.
     """
-    barrier = barrier or (lambda: None)
+
+    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata):
+        super().__init__(path)
+        self.manifest, self._metadata = manifest, metadata
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
+        per_file: dict[str, dict] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise ValueError(f"{self.path} holds non-tensor data, which megalite checkpoints never store")
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
+        for relative, by_chunk in per_file.items():
+            path = os.path.join(str(self.path), relative)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
+                if problem:
+                    raise ValueError(problem)
+                for index, items in by_chunk.items():
+                    info = self.storage_data[index]
+                    if info.transform_descriptors:
+                        raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
+                    stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
+                                        weights_only=True)
+                    for item in items:
+                        source = stored
+                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            source = source.narrow(dim, start, length)
+                        target = planner.resolve_tensor(item).detach()
+                        target.copy_(source)
+                        planner.commit_tensor(item, target)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
+    path = os.path.join(directory, DCP_METADATA)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ValueError(f"{directory} has no DCP metadata file {DCP_METADATA}") from None
+    except Exception as err:
+        raise ValueError(f"checkpoint metadata {path} is unreadable (truncated, corrupt or unsafe): {err}") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise ValueError(f"checkpoint metadata {path} is not DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+_NO_GROUP = object()
+"""Marks a write by one process inside a distributed run: no collective at all."""
+
+
+def _group_rank_and_size(group) -> tuple[int, int]:
+    if not dist.is_initialized() or group is _NO_GROUP:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather(value, group):
+    """Every rank's ``value`` (in-memory exchange between the job's own ranks)."""
+    if _group_rank_and_size(group)[1] == 1:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], state: dict | None,
+                     rank_state: dict | None = None, *, group=None, collective: bool = True) -> str:
+    """Write this rank's shards and state for ``iteration``, verify, and publish atomically.
+
+    Collective over ``group`` (default: the default group, when one exists) unless
+    ``collective`` is False (one process writes a whole checkpoint).  ``state`` is
+    stored once, from group rank 0 (config, layout, scheduler, ...); ``rank_state`` per rank.
+    Both must be plain JSON data.  Returns the final iteration directory; raises
+    :class:`CheckpointWriteError` on every rank when any rank's write failed.
+    """
+    rank, world = _group_rank_and_size(group) if collective else (0, 1)
+    if not collective:
+        group = _NO_GROUP
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
+    error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    barrier()
-    _write_file(rank_file(tmp, rank), {"version": FORMAT_VERSION, "iteration": iteration,
-                                       "world_size": world_size, "rank": rank, **state})
-    barrier()
-    if rank == 0:
-        _publish(save_dir, tmp, final, iteration)
-    barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _remove(tmp)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = f"cannot create {tmp}: {err}"
+    errors = [e for e in _all_gather(error, group) if e]
+    if errors:
+        raise CheckpointWriteError(f"saving iteration {iteration} failed: {errors[0]}")
+
+    files, error = {}, None
+    try:
+        writer = _HashingWriter(tmp)
+        with _quiet_single_process():
+            dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
+                     process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
+        if rank == 0:
+            _write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
+                                                  "iteration": iteration, "world_size": world, **(state or {})})
+        _write_json(rank_state_file(tmp, rank), rank_state or {})
+        mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
+            rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
+        for name in mine:
+            path = os.path.join(tmp, name)
+            files[name] = writer.fs.digests.get(name) if name.startswith("__") else None
+            if files[name] is None or files[name]["size"] != os.path.getsize(path):
+                files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+        error = f"{type(err).__name__}: {_first_line(err)}"
+    reports = _all_gather((error, files), group)
+    errors = [e for e, _ in reports if e]
+    if not errors:
+        failure = None
+        if rank == 0:
+            try:
+                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration, "files": {}}
+                for _, rank_files in reports:
+                    manifest["files"].update(rank_files)
+                _write_json(os.path.join(tmp, MANIFEST), manifest)
+                _publish(save_dir, tmp, final, iteration)
+            except OSError as err:
+                failure = f"{type(err).__name__}: {err}"
+        failure = _broadcast_from_zero(failure, group)
+        errors = [failure] if failure else []
+    if errors:
+        if rank == 0:
+            _remove(tmp)
+        previous = read_latest(save_dir) if os.path.isdir(save_dir) else None
+        raise CheckpointWriteError(f"saving iteration {iteration} to {save_dir} failed: {errors[0]}; the partial "
+                                   f"{os.path.basename(tmp)} was removed and latest still names "
+                                   f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
     return final
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Silence DCP's notice that a call without a process group runs in one process (which is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _first_line(err: Exception) -> str:
+    failures = getattr(err, "failures", None)
+    if failures:  # {rank: (exception, traceback summary)}
+        err = next(iter(failures.values()))[0]
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _broadcast_from_zero(value, group):
+    if _group_rank_and_size(group)[1] == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return holder[0]
 
 
 def _publish(save_dir: str, tmp: str, final: str, iteration: int) -> None:
@@ -92,8 +444,7 @@ def _publish(save_dir: str, tmp: str, final: str, iteration: int) -> None:
     previous = None
     if os.path.exists(final):
         previous = final + ".old"
-        if os.path.exists(previous):
-            shutil.rmtree(previous)
+        _remove(previous)
         os.rename(final, previous)
     os.rename(tmp, final)
     _fsync(save_dir)
@@ -105,7 +456,41 @@ def _publish(save_dir: str, tmp: str, final: str, iteration: int) -> None:
     os.replace(pointer + ".tmp", pointer)
     _fsync(save_dir)
     if previous is not None:
-        shutil.rmtree(previous)
+        _remove(previous)
+
+
+class AsyncSaver:
+    """Runs checkpoint writes on a background thread, at most one in flight.
+
+    Construct it on every rank at the same point (it creates a gloo group of its own, so the
+    write's collectives never interleave with training's).  :meth:`submit` waits for the previous
+    write, then starts ``fn(group)``; :meth:`wait` blocks until the write in flight is published
+    and re-raises its error.
+    """
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
+        self._future: Future | None = None
+
+    def submit(self, fn) -> None:
+        self.wait()
+        self._future = self._executor.submit(fn, self.group)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def wait(self) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
 
 
 def read_latest(save_dir: str) -> int | None:
@@ -118,6 +503,197 @@ def read_latest(save_dir: str) -> int | None:
     if not text.isdigit():
         raise ValueError(f"checkpoint pointer {pointer} is corrupt: {text[:40]!r} is not an iteration number")
     return int(text)
+
+
+def resolve_directory(path: str) -> str:
+    """The iteration directory of ``path``: a save directory (its ``latest``) or an iteration directory."""
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint directory {path} does not exist")
+    iteration = read_latest(path)
+    if iteration is None:
+        if not os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.isfile(os.path.join(path, DCP_METADATA)):
+            raise ValueError(f"{path} holds no checkpoint: no 'latest' file and no {MANIFEST}")
+        return path
+    directory = iteration_dir(path, iteration)
+    if not os.path.isdir(directory):
+        raise ValueError(f"{path}/latest names iteration {iteration}, but {directory} does not exist")
+    return directory
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{what} {path} is unreadable (truncated or corrupt): {err}") from None
+
+
+def read_manifest(directory: str) -> dict:
+    """The manifest of a megalite checkpoint directory; ValueError for a foreign DCP directory."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(directory, DCP_METADATA)):
+            raise ValueError(f"{directory} is a torch.distributed.checkpoint directory but not a megalite checkpoint "
+                             f"(no {MANIFEST} or {META})")
+        raise ValueError(f"{directory} holds no checkpoint: {MANIFEST} is missing")
+    manifest = _read_json(path, "checkpoint manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{path} is not a megalite checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format version {manifest.get('version')}, this megalite reads {FORMAT_VERSION}")
+    return manifest
+
+
+def check_file(path: str, manifest: dict, size: int, sha256) -> str | None:
+    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` hashes it), or None."""
+    entry = manifest["files"].get(os.path.basename(path))
+    if entry is None:
+        return f"checkpoint file {path} is not listed in the manifest"
+    if size != entry["size"]:
+        return f"checkpoint file {path} has {size} bytes, the manifest records {entry['size']} (truncated or corrupt)"
+    if sha256() != entry["sha256"]:
+        return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+    return None
+
+
+def verify_files(directory: str, manifest: dict, names=None, hashed: bool = True) -> str | None:
+    """The first problem (missing file, wrong size, and with ``hashed`` wrong hash) among ``names`` (default:
+    all), or None."""
+    for name in sorted(manifest["files"] if names is None else names):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"checkpoint file {path} is missing"
+        problem = check_file(path, manifest, os.path.getsize(path), (lambda: _sha256(path)) if hashed else (
+            lambda: manifest["files"][name]["sha256"]))
+        if problem:
+            return problem
+    return None
+
+
+class CheckpointReader:
+    """One checkpoint: its verified files, JSON state, global tensor shapes, and region reads through DCP.
+
+    ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
+    On opening, every file listed in the manifest must exist with its size, and the small files
+    (metadata, JSON state) must match their hashes; each data file's hash is checked when it is
+    read, before its tensors are used.  With ``collective`` (every rank of ``group`` opens the
+    same checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail
+    alike.  Every problem raises ValueError naming the file.
+    """
+
+    def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
+        self.directory = resolve_directory(path)
+        self.group, self.collective = group, collective
+        manifest = read_manifest(self.directory)
+        small = [name for name in manifest["files"] if not name.startswith("__")]
+        problem = verify_files(self.directory, manifest, small if verify else [META])
+        if verify:
+            problem = problem or verify_files(self.directory, manifest, hashed=False)
+        self.agree(problem)
+        self.manifest = manifest
+        meta = _read_json(os.path.join(self.directory, META), "checkpoint state")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{self.directory}/{META} is not megalite checkpoint state")
+        self.state: dict = meta
+        self.iteration: int = meta["iteration"]
+        self.world_size: int = meta["world_size"]
+        self.config_dict = meta.get("config")
+        self.layout = meta.get("layout") or {}
+
+    def agree(self, problem: str | None) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
+        if self.collective:
+            problem = next((p for p in _all_gather(problem, self.group) if p), None)
+        if problem:
+            raise ValueError(problem)
+
+    def verify_all(self) -> None:
+        """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
+        self.agree(verify_files(self.directory, self.manifest))
+
+    @functools.cached_property
+    def metadata(self) -> dcp_metadata.Metadata:
+        return read_dcp_metadata(self.directory)
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(md.size) for name, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, dcp_metadata.TensorStorageMetadata)}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.metadata.state_dict_metadata[name].properties.dtype
+
+    def chunks(self, name: str) -> list:
+        return list(self.metadata.state_dict_metadata[name].chunks)
+
+    def rank_state(self, rank: int) -> dict:
+        """The JSON state that ``rank`` saved for itself (e.g. its RNG streams)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"checkpoint {self.directory} was saved by {self.world_size} ranks, not rank {rank}")
+        return _read_json(rank_state_file(self.directory, rank), "checkpoint rank state")
+
+    @property
+    def config(self):
+        """The saved GPTConfig, or None for a model without one."""
+        return None if self.config_dict is None else config_from_dict(self.config_dict)
+
+    def check_architecture(self, config) -> None:
+        """ValueError naming the first difference between the saved and the given GPTConfig."""
+        if self.config_dict is None or config is None:
+            return
+        mismatch = architecture_mismatch(self.config_dict, config)
+        if mismatch:
+            raise ValueError(f"checkpoint {self.directory} holds a different architecture: {mismatch}")
+
+    def has(self, name: str) -> bool:
+        return name in self.metadata.state_dict_metadata
+
+    def check_region(self, region: Region) -> None:
+        """ValueError unless the saved chunks cover the whole requested region."""
+        name, out = region.name, region.out
+        if not self.has(name):
+            raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
+        shape = self.shapes[name]
+        want = tuple((o, o + s) for o, s in zip(region.offset, out.shape))
+        if len(shape) != out.dim() or any(hi > size for (_, hi), size in zip(want, shape)):
+            raise ValueError(f"{name}: region {want} lies outside the saved global shape {shape}")
+        filled = 0
+        for chunk in self.chunks(name):
+            common = intersect(want, tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes)))
+            if common is not None:
+                filled += math.prod(hi - lo for lo, hi in common)
+        if filled != out.numel():
+            raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
+                             f"{filled} of {out.numel()} elements")
+
+    def read_regions(self, regions: list[Region]) -> None:
+        """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
+
+        Local to this rank (no collective); a collective caller then calls :meth:`agree`.
+        """
+        for region in regions:
+            self.check_region(region)
+        if regions:
+            try:
+                with _quiet_single_process():
+                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata),
+                             planner=_RegionLoadPlanner(regions),
+                             no_dist=True)
+            except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+                raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
+
+    def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Whole global tensors ``names``."""
+        out = {name: torch.empty(self.shapes[name] if self.has(name) else (), dtype=dtype or (
+            self.dtype(name) if self.has(name) else torch.float32)) for name in names}
+        self.read_regions([Region(name, (0,) * t.dim(), t) for name, t in out.items()])
+        return out
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole global tensor ``name``."""
+        return self.read_all([name], dtype)[name]
 
 
 def config_to_dict(config) -> dict | None:
@@ -150,108 +726,3 @@ def architecture_mismatch(saved: dict, config) -> str | None:
         if saved_moe.get(name) != moe.get(name):
             return f"moe.{name} is {saved_moe.get(name)!r} in the checkpoint but {moe.get(name)!r} in the model"
     return None
-
-
-class CheckpointReader:
-    """All rank files of one checkpoint, memory-mapped, with global tensors readable by region.
-
-    ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
-    Every problem (no such directory, no checkpoint, a missing or unreadable rank file) raises
-    ValueError naming the file, so all ranks that open the same checkpoint fail alike.
-    """
-
-    def __init__(self, path: str):
-        if not os.path.isdir(path):
-            raise ValueError(f"checkpoint directory {path} does not exist")
-        iteration = read_latest(path)
-        self.directory = iteration_dir(path, iteration) if iteration is not None else path
-        if not os.path.isdir(self.directory):
-            raise ValueError(f"{path}/latest names iteration {iteration}, but {self.directory} does not exist")
-        names = sorted(n for n in os.listdir(self.directory) if n.startswith("rank_") and n.endswith(".pt"))
-        if not names:
-            raise ValueError(f"{path} holds no checkpoint: no 'latest' file and no rank_*.pt files")
-        self.files = [self._load(os.path.join(self.directory, n)) for n in names]
-        head = self.files[0]
-        self.iteration, self.world_size = head["iteration"], head["world_size"]
-        present = {f["rank"] for f in self.files}
-        missing = sorted(set(range(self.world_size)) - present)
-        if missing:
-            raise ValueError(f"checkpoint {self.directory} was saved by {self.world_size} ranks but the files of "
-                             f"ranks {missing} are missing")
-        self.config_dict = head.get("config")
-        self.layout = head.get("layout", {})
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
-        for f in self.files:
-            for name, entry in f["tensors"].items():
-                self.shapes[name] = tuple(entry["shape"])
-                self.pieces.setdefault(name, []).extend(entry["pieces"])
-
-    @staticmethod
-    def _load(path: str) -> dict:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as err:
-            raise ValueError(f"checkpoint file {path} is unreadable (truncated or corrupt): {err}") from None
-        if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION or "tensors" not in state:
-            raise ValueError(f"checkpoint file {path} is not a megalite checkpoint of format version {FORMAT_VERSION}")
-        return state
-
-    def rank_state(self, rank: int) -> dict:
-        """The free-form state that ``rank`` saved (without tensors)."""
-        for f in self.files:
-            if f["rank"] == rank:
-                return {k: v for k, v in f.items() if k != "tensors"}
-        raise ValueError(f"checkpoint {self.directory} has no file for rank {rank}")
-
-    @property
-    def config(self):
-        """The saved GPTConfig, or None for a model without one."""
-        return None if self.config_dict is None else config_from_dict(self.config_dict)
-
-    def check_architecture(self, config) -> None:
-        """ValueError naming the first difference between the saved and the given GPTConfig."""
-        if self.config_dict is None or config is None:
-            return
-        mismatch = architecture_mismatch(self.config_dict, config)
-        if mismatch:
-            raise ValueError(f"checkpoint {self.directory} holds a different architecture: {mismatch}")
-
-    def has(self, name: str) -> bool:
-        return name in self.shapes
-
-    def read_into(self, name: str, out: torch.Tensor, offset: tuple[int, ...]) -> None:
-        """Fill ``out`` with the region of global tensor ``name`` that starts at ``offset``."""
-        if name not in self.shapes:
-            raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
-        shape = self.shapes[name]
-        want = tuple((o, o + s) for o, s in zip(offset, out.shape))
-        if len(shape) != out.dim() or any(hi > size for (_, hi), size in zip(want, shape)):
-            raise ValueError(f"{name}: region {want} lies outside the saved global shape {shape}")
-        filled = 0
-        for piece_offset, tensor in self.pieces[name]:
-            have = tuple((o, o + s) for o, s in zip(piece_offset, tensor.shape))
-            common = intersect(want, have)
-            if common is None:
-                continue
-            out[box_slices(common, offset)] = tensor[box_slices(common, piece_offset)]
-            filled += _volume(common)
-        if filled != out.numel():
-            raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
-                             f"{filled} of {out.numel()} elements; a shard file is missing or truncated")
-
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole global tensor ``name``."""
-        if name not in self.shapes:
-            raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
-        pieces = self.pieces[name]
-        out = torch.empty(self.shapes[name], dtype=dtype or pieces[0][1].dtype)
-        self.read_into(name, out, (0,) * out.dim())
-        return out
-
-
-def _volume(box) -> int:
-    count = 1
-    for lo, hi in box:
-        count *= hi - lo
-    return count

@@ -20,8 +20,10 @@ import shutil
 
 import torch
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from megalite.checkpoint import global_shapes, read_global_tensors, save_global_checkpoint
-from megalite.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from megalite.checkpoint.tokenizer_export import run_tokenizer
 
 SAFETENSORS = "model.safetensors"
@@ -52,8 +54,14 @@ def read_hf_checkpoint(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     for path in files:
         if not os.path.isfile(path):
             raise ValueError(f"{path}, listed in {index}, does not exist")
-        tensors.update(read_safetensors(path)[0])
-    return hf_config, {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        tensors[name] = f.get_tensor(name)
+        except Exception as err:  # safetensors raises its own error types for malformed files
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+    return hf_config, tensors
 
 
 def _prefix(tensors: dict, prefix: str) -> str:
@@ -307,7 +315,7 @@ def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dic
     for name in global_shapes(config):
         out.update(megalite_tensor_to_hf(config, name, tensors[name], pre))
     if not config.untie_embeddings_and_output_weights and info.get("lm_head_stored"):
-        out["lm_head.weight"] = tensors["embedding.word_embeddings.weight"]
+        out["lm_head.weight"] = tensors["embedding.word_embeddings.weight"].clone()
     return hf, {k: v.contiguous() for k, v in out.items()}
 
 
@@ -336,12 +344,66 @@ def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
     _move_into_place(tmp, output)
 
 
-def convert_megalite_to_hf(path: str, output: str) -> None:
-    """Write the megalite checkpoint ``path`` as config.json + model.safetensors in ``output``.
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as ``5GB``, ``500MB``, ``10KiB`` or ``1234``."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().upper()
+    units = (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3),
+             ("B", 1))
+    for unit, factor in units:
+        if value.endswith(unit):
+            number = value[:-len(unit)]
+            break
+    else:
+        number, factor = value, 1
+    try:
+        size = int(float(number) * factor)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number of bytes with an optional unit (e.g. 5GB, 500MB)") from None
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return size
+
+
+def write_hf_tensors(output: str, tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[str]:
+    """Write ``tensors`` to ``output`` with the safetensors library; returns the file names written.
+
+    Up to ``max_shard_size`` bytes go to ``model.safetensors``; more are split, in name order, into
+    ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
+    """
+    shards, size = [[]], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        names = [SAFETENSORS]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file_name, members in zip(names, shards):
+        save_file({n: tensors[n].contiguous() for n in members}, os.path.join(output, file_name),
+                  metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
+        with open(os.path.join(output, SAFETENSORS_INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        names.append(SAFETENSORS_INDEX)
+    return names
+
+
+def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "5GB") -> None:
+    """Write the megalite checkpoint ``path`` as config.json + safetensors (sharded above ``max_shard_size``).
 
     When the run that saved it used a Hugging Face tokenizer directory, its files are copied and
     its bos/eos ids written into config.json (see :mod:`megalite.checkpoint.tokenizer_export`).
     """
+    limit = parse_size(max_shard_size)
     config, tensors, state = read_global_tensors(path)
     hf_config, hf_tensors = megalite_to_hf(config, tensors, state.get("hf"))
     tokenizer_files, token_ids = run_tokenizer(state.get("args"))
@@ -350,7 +412,7 @@ def convert_megalite_to_hf(path: str, output: str) -> None:
     os.makedirs(tmp)
     for source, name in tokenizer_files:
         shutil.copy(source, os.path.join(tmp, name))
-    write_safetensors(os.path.join(tmp, SAFETENSORS), hf_tensors, {"format": "pt"})
+    write_hf_tensors(tmp, hf_tensors, limit)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
     _move_into_place(tmp, output)

@@ -4,17 +4,18 @@ Model weights are written once: by data-parallel rank 0 (expert-data-parallel ra
 parameters) and, for parameters replicated over (expert) TP, by TP rank 0.  The optimizer's fp32
 state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32) is written as
 the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
-parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  Loading
-reads exactly the regions this rank holds, so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
+parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  Every
+box is a :class:`TensorShard` of the DCP format.  Loading reads exactly the regions this rank holds,
+so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite import topology
-from megalite.checkpoint.format import CheckpointReader, config_to_dict, write_checkpoint
+from megalite.checkpoint.format import (AsyncSaver, CheckpointReader, Region, TensorShard, check_jsonable,
+                                        config_to_dict, iteration_dir, write_checkpoint)
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, flat_boxes, global_param, regions
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
@@ -45,29 +46,13 @@ def _origin(box) -> tuple[int, ...]:
     return tuple(lo for lo, _ in box)
 
 
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy that owns just its elements, so torch.save does not write the whole storage."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
+def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, expert_tp_group=None,
+                 dp_group=None, expert_dp_group=None, copy: bool = False) -> tuple[list[TensorShard], dict | None]:
+    """The :class:`TensorShard` boxes this rank writes, and the optimizer's JSON scalars (None without one).
 
-
-class _Pieces:
-    """The ``tensors`` entry of a rank file under construction."""
-
-    def __init__(self):
-        self.tensors: dict[str, dict] = {}
-
-    def add(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...], tensor: torch.Tensor) -> None:
-        entry = self.tensors.setdefault(name, {"shape": tuple(shape), "pieces": []})
-        entry["pieces"].append((tuple(offset), _compact(tensor).cpu()))
-
-
-def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
-                    layout: dict | None = None, tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
-                    expert_dp_group=None) -> str:
-    """Save this rank's model chunks (and optimizer) as global-tensor pieces; returns the iteration directory.
-
-    Collective over the default process group when one exists.  ``extra`` is free-form
-    per-rank state stored beside the tensors (e.g. scheduler, RNG, data position).
+    Each local tensor maps to its global name and offsets through :func:`global_param`; replicated
+    copies are written by one rank only.  ``copy`` snapshots the tensors (for a write that runs
+    while training goes on).
     """
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp_cp"))
@@ -80,17 +65,24 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
             return False
         return over_dp or (edp_rank if gp.expert else dp_rank) == 0
 
-    pieces = _Pieces()
+    shards: list[TensorShard] = []
+
+    def add(name, shape, offset, tensor):
+        tensor = tensor.detach()
+        if copy:
+            tensor = tensor.to("cpu", copy=True)
+        shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor))
+
     layouts = {}
     for param, gp in _named_tensors(model_chunks, config, ctx):
         layouts[param] = gp
         if writes(gp, False):
             for piece in gp.pieces:
-                pieces.add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
+                add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
 
     optimizer_meta = None
     if optimizer is not None:
-        saved = optimizer.sharded_state_dict()
+        saved = optimizer.sharded_state_dict(copy=False)
         for shard in optimizer.shards:
             gp = layouts[shard.param]
             if not writes(gp, sharded):
@@ -105,14 +97,35 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
                 for key in keys:
                     block = entry[key][start - shard.lo:start - shard.lo + count].view(shape)
                     for part, offset in regions(box, gp.pieces):
-                        pieces.add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))])
-        optimizer_meta = {k: saved[k] for k in ("num_steps", "param_groups", "scaler")}
+                        add(f"optimizer.{key}.{gp.name}", gp.shape, offset, block[box_slices(part, _origin(box))])
+        optimizer_meta = {"num_steps": saved["num_steps"], "scaler": saved["scaler"],
+                          "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+                                           for g in saved["param_groups"]]}
+    return shards, optimizer_meta
 
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    state = {"config": config_to_dict(config), "layout": dict(layout or {}), "tensors": pieces.tensors,
+
+def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
+                    rank_extra: dict | None = None, layout: dict | None = None, saver: AsyncSaver | None = None,
+                    tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
+                    expert_dp_group=None) -> str:
+    """Save this rank's model chunks (and optimizer) as global-tensor shards; returns the iteration directory.
+
+    Collective over the default process group when one exists.  ``extra`` is JSON state stored
+    once (from rank 0: scheduler, data position, flags); ``rank_extra`` JSON state of this rank
+    (RNG).  With ``saver`` the tensors are copied and the write runs in the background (at most
+    one in flight; ``latest`` moves once every rank's files are written and hashed).
+    """
+    shards, optimizer_meta = local_shards(model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
+                                          expert_tp_group=expert_tp_group, dp_group=dp_group,
+                                          expert_dp_group=expert_dp_group, copy=saver is not None)
+    state = {"config": config_to_dict(model_config(model_chunks)), "layout": dict(layout or {}),
              "optimizer": optimizer_meta, **(extra or {})}
-    barrier = dist.barrier if dist.is_initialized() else None
-    return write_checkpoint(save_dir, iteration, state, rank=rank, world_size=world, barrier=barrier)
+    check_jsonable(state, "checkpoint state")
+    check_jsonable(rank_extra or {}, "per-rank checkpoint state")
+    if saver is None:
+        return write_checkpoint(save_dir, iteration, shards, state, rank_extra)
+    saver.submit(lambda group: write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group))
+    return iteration_dir(save_dir, iteration)
 
 
 def _check_shape(reader: CheckpointReader, gp: GlobalParam) -> None:
@@ -123,15 +136,17 @@ def _check_shape(reader: CheckpointReader, gp: GlobalParam) -> None:
                          f"the model needs {gp.shape}")
 
 
-def _read_flat(reader: CheckpointReader, name: str, gp: GlobalParam, shape, lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flattened local shard of ``gp``, read from global tensor ``name``."""
+def _flat_regions(name: str, gp: GlobalParam, shape, lo: int, hi: int) -> tuple[torch.Tensor, list[Region]]:
+    """A zeroed fp32 buffer for elements ``[lo, hi)`` of the flattened local shard of ``gp``, and the
+    regions of global tensor ``name`` that fill it."""
     flat = torch.zeros(hi - lo, dtype=torch.float32)
+    wanted = []
     for box, start in flat_boxes(lo, hi, shape):
         box_shape = _box_shape(box)
         block = flat[start - lo:start - lo + int(torch.Size(box_shape).numel())].view(box_shape)
         for part, offset in regions(box, gp.pieces):
-            reader.read_into(name, block[box_slices(part, _origin(box))], offset)
-    return flat
+            wanted.append(Region(name, offset, block[box_slices(part, _origin(box))]))
+    return flat, wanted
 
 
 def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_group=None, ep_group=None,
@@ -139,41 +154,62 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     """Fill the chunks (and optimizer) with this rank's regions of ``reader``'s global tensors.
 
     Everything is read and checked before any parameter changes, so a bad checkpoint leaves the
-    model as it was.
+    model as it was; with a collective reader all ranks agree first, so all fail alike.
     """
-    ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
-    config = model_config(model_chunks)
-    reader.check_architecture(config)
-    loaded, layouts = [], {}
-    for param, gp in _named_tensors(model_chunks, config, ctx):
-        _check_shape(reader, gp)
-        layouts[param] = gp
-        value = torch.zeros(param.shape, dtype=param.dtype)
-        for piece in gp.pieces:
-            reader.read_into(gp.name, value[box_slices(piece.local)], piece.offset)
-        loaded.append((param, value))
-
-    state = None
-    if optimizer is not None:
-        meta = reader.rank_state(0).get("optimizer")
-        if meta is None:
-            meta = {"num_steps": 0, "scaler": None,
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
-        keys = OPTIMIZER_KEYS if meta["num_steps"] > 0 else ()
-        entries = {}
-        for shard in optimizer.shards:
-            gp = layouts[shard.param]
-            shape = tuple(shard.param.shape)
-            main = f"optimizer.main.{gp.name}"
-            entry = {"shape": shape, "offset": shard.lo,
-                     "main": _read_flat(reader, main if reader.has(main) else gp.name, gp, shape, shard.lo, shard.hi)}
-            for key in keys:
-                entry[key] = _read_flat(reader, f"optimizer.{key}.{gp.name}", gp, shape, shard.lo, shard.hi)
-            entries[shard.key] = entry
-        state = {"entries": entries, **meta}
-
+    problem, loaded, state = None, [], None
+    try:
+        loaded, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
+    except ValueError as err:
+        problem = str(err)
+    reader.agree(problem)
     with torch.no_grad():
         for param, value in loaded:
             param.copy_(value)
     if state is not None:
         optimizer.load_sharded_state_dict(state)
+
+
+def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group):
+    """``(params with their loaded values, the optimizer state to load or None)`` of this rank."""
+    ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
+    config = model_config(model_chunks)
+    reader.check_architecture(config)
+    loaded, layouts, values, wanted = [], {}, {}, []
+    for param, gp in _named_tensors(model_chunks, config, ctx):
+        _check_shape(reader, gp)
+        layouts[param] = gp
+        value = torch.zeros(param.shape, dtype=param.dtype)
+        wanted += [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
+        loaded.append((param, value))
+        values[param] = value
+
+    state = None
+    if optimizer is not None:
+        meta = reader.state.get("optimizer")
+        if meta is None:
+            meta = {"num_steps": 0, "scaler": None,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        meta = {**meta, "param_groups": [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
+                                         for g in meta["param_groups"]]}
+        keys = OPTIMIZER_KEYS if meta["num_steps"] > 0 else ()
+        entries, fp32_mains = {}, []
+        for shard in optimizer.shards:
+            gp = layouts[shard.param]
+            shape = tuple(shard.param.shape)
+            entry = {"shape": shape, "offset": shard.lo}
+            main = f"optimizer.main.{gp.name}"
+            names = [(k, f"optimizer.{k}.{gp.name}") for k in keys]
+            if not reader.has(main) and shard.param.dtype == torch.float32:
+                fp32_mains.append((entry, values[shard.param], shard.lo, shard.hi))  # main is the param itself
+            else:
+                names.insert(0, ("main", main if reader.has(main) else gp.name))
+            for key, name in names:
+                entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
+                wanted += more
+            entries[shard.key] = entry
+        state = {"entries": entries, **meta}
+    reader.read_regions(wanted)
+    if state is not None:
+        for entry, value, lo, hi in fp32_mains:
+            entry["main"] = value.reshape(-1)[lo:hi].float()
+    return loaded, state

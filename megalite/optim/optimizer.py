@@ -8,8 +8,6 @@ fp32 tensor, copied back after each step.  Gradients come from ``param.main_grad
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
 
 import torch
@@ -190,17 +188,21 @@ class MixedPrecisionOptimizer:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, copy: bool = True) -> dict:
         """This rank's state, each entry tagged with its parameter's name, global shape and offset.
 
         Keys are ``"<name>@tp<r>.pp<r>"`` (``"@etp<r>.ep<r>.pp<r>"`` for experts), so the state
-        of a model-parallel rank can be reassembled from any data-parallel layout.
+        of a model-parallel rank can be reassembled from any data-parallel layout.  ``copy=False``
+        returns views of the live tensors (for a caller that writes them out before the next step).
         """
+        def take(tensor):
+            return tensor.detach().clone() if copy else tensor.detach()
+
         entries = {}
         for s in self.shards:
             state = self.optimizer.state.get(s.main, {})
-            entries[s.key] = {"shape": tuple(s.param.shape), "offset": s.lo, "main": s.main.detach().clone(),
-                              **{k: state[k].detach().clone() for k in _STATE_KEYS if k in state}}
+            entries[s.key] = {"shape": tuple(s.param.shape), "offset": s.lo, "main": take(s.main),
+                              **{k: take(state[k]) for k in _STATE_KEYS if k in state}}
         return {"entries": entries, "num_steps": self.num_steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "scaler": None if self.scaler is None else self.scaler.state_dict()}
@@ -252,19 +254,6 @@ class MixedPrecisionOptimizer:
         self.num_steps = states[0]["num_steps"]
         if self.scaler is not None and states[0]["scaler"] is not None:
             self.scaler.load_state_dict(states[0]["scaler"])
-
-    def save_sharded(self, directory: str) -> None:
-        """Write this rank's :meth:`sharded_state_dict` to ``directory/optim_rank<global rank>.pt``."""
-        os.makedirs(directory, exist_ok=True)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save(self.sharded_state_dict(), os.path.join(directory, f"optim_rank{rank}.pt"))
-
-    def load_sharded(self, directory: str) -> None:
-        """Load the state every rank wrote with :meth:`save_sharded`, whatever their DP size was."""
-        files = sorted(glob.glob(os.path.join(directory, "optim_rank*.pt")))
-        if not files:
-            raise ValueError(f"no optim_rank*.pt files in {directory}")
-        self.load_sharded_state_dict([torch.load(f, weights_only=False) for f in files])
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, tp_group=None, pp_group=None, ep_group=None,

@@ -9,12 +9,12 @@ the number of DP ranks.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.checkpoint import load_checkpoint, save_checkpoint
 from megalite.distributed import finalize_model_grads
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megalite.rlhf.ppo import global_normalizer
@@ -110,14 +110,16 @@ class TrainingBackend:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def save(self, directory: str) -> None:
-        """Write every rank's state to ``directory/rank_XXXXX.pt`` (same layout to load)."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"rank_{self.topo.global_rank:05d}.pt")
-        torch.save(self.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
+        """Save the model and optimizer in megalite's checkpoint format (collective; loads under any layout)."""
+        save_checkpoint(directory, self.optimizer.num_steps, [self.chunk], self.optimizer, **self._groups())
 
     def load(self, directory: str) -> None:
-        path = os.path.join(directory, f"rank_{self.topo.global_rank:05d}.pt")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no backend checkpoint for rank {self.topo.global_rank} at {path}")
-        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        """Load a checkpoint written by :meth:`save` (or the trainer), whatever layout wrote it."""
+        groups = self._groups()
+        load_checkpoint(directory, [self.chunk], self.optimizer, tp_group=groups["tp_group"],
+                        ep_group=groups["ep_group"], expert_tp_group=groups["expert_tp_group"])
+
+    def _groups(self) -> dict:
+        topo = self.topo
+        return {"tp_group": topo.tp.group, "ep_group": topo.ep.group, "expert_tp_group": topo.expert_tp.group,
+                "dp_group": topo.dp.group, "expert_dp_group": topo.expert_dp.group}

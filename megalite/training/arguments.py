@@ -198,6 +198,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--exit-interval", LOG, type=int, help="save (with --save) and exit when the iteration is a multiple"),
     Flag("--exit-duration-in-mins", LOG, type=float, help="save (with --save) and exit after this much training"),
     Flag("--log-throughput", LOG, default=False, help="log TFLOP/s per device (and MFU on a GPU)"),
+    Flag("--async-save", LOG, default=False, type=bool,
+         help="write checkpoints in the background while training goes on (one save in flight)"),
     Flag("--eval-interval", LOG, default=1000, type=int),
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),

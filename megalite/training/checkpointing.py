@@ -1,28 +1,25 @@
 """The trainer's checkpoints: megalite's resharding format plus LR schedule, RNG and data position.
 
-Model and optimizer go through :mod:`megalite.checkpoint` as pieces of layout-free global
-tensors, so ``--load`` works under any (tp, pp, vpp, dp, ep) layout, whatever the layout of
-``--save`` was.  Each rank file also carries the scheduler state, the data position
-(``consumed_samples``), the rank's RNG states and the flags.
+Model and optimizer go through :mod:`megalite.checkpoint` as shards of layout-free global tensors
+(torch.distributed.checkpoint), so ``--load`` works under any (tp, pp, vpp, dp, ep) layout,
+whatever the layout of ``--save`` was.  Rank 0's JSON state adds the scheduler, the data position
+(``consumed_samples``) and the flags; each rank's JSON state holds its RNG streams.
 
-Layout under ``save_dir``::
+Writes are atomic and verified (a temporary directory, a manifest of content hashes, a rename,
+then ``latest``), so a crash at any moment leaves the previous checkpoint intact.  With
+``--async-save`` the write runs in the background (:class:`megalite.checkpoint.AsyncSaver`).
+RNG states are restored only when the world size and layout match the saved ones; after
+resharding, the seeds of the new run apply.
 
-    latest                         the newest complete iteration
-    iter_0000100/rank_00000.pt ... one file per global rank
-
-Writes are atomic (a temporary directory renamed into place, then ``latest`` replaced), so a
-crash at any moment leaves the previous checkpoint intact.  RNG states are restored only when the
-world size and layout match the saved ones; after resharding, the seeds of the new run apply.
-
-What the trainer's flags need from a checkpoint goes through three calls, independent of how
-the files are laid out: :func:`checkpoint_info` (iteration, layout, architecture and flags of
-the newest checkpoint, without loading tensors), :func:`save_checkpoint` and
-:func:`load_checkpoint` with their boolean options (``save_optim``/``save_rng``,
-``load_optim``/``load_rng``/``finetune``).
+What the trainer's flags need from a checkpoint goes through three calls: :func:`checkpoint_info`
+(iteration, layout, architecture and flags of the newest checkpoint, without reading tensors),
+:func:`save_checkpoint` and :func:`load_checkpoint` with their boolean options
+(``save_optimizer``/``save_rng``, ``load_optimizer``/``load_rng``/``finetune``).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 from typing import NamedTuple
@@ -32,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpoint
-from megalite.checkpoint.format import CheckpointReader, iteration_dir, read_latest
+from megalite.checkpoint.format import config_to_dict, iteration_dir, read_latest
 from megalite.tensor_parallel import get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "has_checkpoint", "read_latest", "iteration_dir",
@@ -61,9 +58,10 @@ def checkpoint_info(load_dir: str) -> dict | None:
     """
     if not has_checkpoint(load_dir):
         return None
-    reader = CheckpointReader(load_dir)
-    return {"iteration": reader.iteration, "layout": dict(reader.layout), "config": reader.config_dict,
-            "args": reader.rank_state(0).get("args")}
+    info = checkpoint.read_checkpoint_info(load_dir)
+    config = info["config"]
+    return {"iteration": info["iteration"], "layout": dict(info["layout"]),
+            "config": config_to_dict(config) if config is not None else None, "args": info["state"].get("args")}
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -72,38 +70,64 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _bytes_to_text(tensor: torch.Tensor | None) -> str | None:
+    return None if tensor is None else base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
+
+
+def _text_to_bytes(text: str | None) -> torch.Tensor | None:
+    return None if text is None else torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def get_rng_state() -> dict:
-    """Every random generator a training step can draw from."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    """Every random generator a training step can draw from, as plain JSON data."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "cpu": _bytes_to_text(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    state["tp_tracker"] = get_rng_tracker().get_states()
+        state["cuda"] = [_bytes_to_text(s) for s in torch.cuda.get_rng_state_all()]
+    state["tp_tracker"] = {name: [_bytes_to_text(cpu), _bytes_to_text(cuda)]
+                           for name, (cpu, cuda) in get_rng_tracker().get_states().items()}
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_text_to_bytes(state["cpu"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    get_rng_tracker().set_states(state["tp_tracker"])
+        torch.cuda.set_rng_state_all([_text_to_bytes(s) for s in state["cuda"]])
+    get_rng_tracker().set_states({name: (_text_to_bytes(cpu), _text_to_bytes(cuda))
+                                  for name, (cpu, cuda) in state["tp_tracker"].items()})
+
+
+def _jsonable_args(args) -> dict | None:
+    """The flags as JSON data (values of other types are stored as their text)."""
+    if args is None:
+        return None
+    plain = (str, int, float, bool, type(None))
+    return {k: v if isinstance(v, plain) or (isinstance(v, list) and all(isinstance(x, plain) for x in v))
+            else str(v) for k, v in vars(args).items()}
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler, consumed_samples: int,
-                    *, layout: dict | None = None, args=None, save_optim: bool = True,
-                    save_rng: bool = True) -> str:
+                    *, layout: dict | None = None, args=None, save_optimizer: bool = True, save_rng: bool = True,
+                    saver: checkpoint.AsyncSaver | None = None) -> str:
     """Write this rank's state for ``iteration`` and publish it atomically; returns the directory.
 
     Collective over the default group when one exists.  ``layout`` (e.g. tp/pp/dp sizes) is
-    stored; a load under another layout reshards.  ``save_optim``/``save_rng`` False leave the
-    optimizer state or the RNG states out (Megatron's --no-save-optim/--no-save-rng).
+    stored; a load under another layout reshards.  ``save_optimizer``/``save_rng`` False leave
+    those out.  With ``saver`` the write runs in the background (the next save waits for it).
     """
     extra = {"consumed_samples": consumed_samples,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
-             "rng": get_rng_state() if save_rng else None, "args": vars(args) if args is not None else None}
-    return checkpoint.save_checkpoint(save_dir, iteration, model_chunks, optimizer if save_optim else None,
-                                      extra=extra, layout=layout)
+             "args": _jsonable_args(args)}
+    rank_extra = {"rng": get_rng_state()} if save_rng else {}
+    return checkpoint.save_checkpoint(save_dir, iteration, model_chunks, optimizer if save_optimizer else None,
+                                      extra=extra, rank_extra=rank_extra, layout=layout, saver=saver)
 
 
 def _refresh_main_params(optimizer) -> None:
@@ -116,28 +140,31 @@ def _refresh_main_params(optimizer) -> None:
 
 
 def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout: dict | None = None,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> LoadResult:
+                    load_optimizer: bool = True, load_rng: bool = True, finetune: bool = False) -> LoadResult:
     """Restore the newest checkpoint in ``load_dir``.
 
     Returns iteration 0 and changes nothing when ``load_dir`` holds no checkpoint.  Loads under
-    any layout; raises ValueError on missing or truncated files or another architecture.
+    any layout; raises ValueError on missing, truncated or altered files or another architecture.
     ``finetune`` loads the model weights only and starts at iteration 0 with the optimizer and
-    schedule as built; ``load_optim=False`` skips the optimizer state (the schedule and data
+    schedule as built; ``load_optimizer=False`` skips the optimizer state (the schedule and data
     position still resume); ``load_rng=False`` keeps this run's RNG states.
     """
     if not has_checkpoint(load_dir):
         return LoadResult(0, 0, 0, {})
     rank, world = _rank_and_world()
-    keep_optimizer = load_optim and not finetune
-    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer if keep_optimizer else None)
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    keep_optimizer = load_optimizer and not finetune
+    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer if keep_optimizer else None, group=group)
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
     if finetune:
         return LoadResult(0, 0, reader.iteration, dict(reader.layout))
+    state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
-    state = reader.rank_state(rank if same_layout else 0)
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
-    if load_rng and same_layout and state.get("rng") is not None:
-        set_rng_state(state["rng"])
+    if load_rng and same_layout:
+        rng = reader.rank_state(rank).get("rng")
+        if rng is not None:
+            set_rng_state(rng)
     return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.checkpoint import AsyncSaver
 from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
@@ -201,6 +202,7 @@ class Trainer:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
+        self.saver = AsyncSaver() if args.save and args.async_save else None
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
                        "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
@@ -342,17 +344,24 @@ class Trainer:
         return values
 
     def save(self, iteration: int, consumed_samples: int) -> None:
+        """Save (with --async-save: wait for the previous save, then start this one in the background)."""
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
-                        layout=self.layout, args=self.args, save_optim=not self.args.no_save_optim,
-                        save_rng=not self.args.no_save_rng)
+                        layout=self.layout, args=self.args, save_optimizer=not self.args.no_save_optim,
+                        save_rng=not self.args.no_save_rng, saver=self.saver)
         if self.topo.global_rank == 0:
-            print(f"saved checkpoint at iteration {iteration} to {self.args.save}", flush=True)
+            started = "started saving" if self.saver is not None else "saved"
+            print(f"{started} checkpoint at iteration {iteration} to {self.args.save}", flush=True)
+
+    def finish_saves(self) -> None:
+        """Wait until the background save in flight (if any) is written, verified and published."""
+        if self.saver is not None:
+            self.saver.close()
 
     def load(self) -> tuple[int, int]:
         """Restore ``--load`` under the flags' options; prints one line: path, iteration, layout change."""
         args = self.args
         result = load_checkpoint(args.load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
-                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                 load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
                                  finetune=args.finetune)
         if self.topo.global_rank == 0 and result.saved_layout:
             start = " (--finetune: model weights only, starting at iteration 0)" if args.finetune else ""
@@ -477,6 +486,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
+        trainer.finish_saves()
         trainer.save_timeline()
         if test_ds is not None and args.eval_iters and iteration == args.train_iters:
             trainer.logger.log(iteration, trainer.evaluate(_iterator(test_ds, 0, args, topo), split="test"))

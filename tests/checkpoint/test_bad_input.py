@@ -1,6 +1,14 @@
-"""Bad checkpoints get one clear ValueError and change nothing; a killed save keeps the last checkpoint."""
+"""Bad checkpoints get one clear ValueError and change nothing; a failed or killed save keeps the last checkpoint.
 
+Covers: missing directory, no checkpoint, a missing shard file, a truncated metadata file, a flipped
+byte, another architecture, a DCP directory that is not megalite's, planted malicious pickles (refused
+without running), a partly covered tensor, a disk-full save, and a save killed mid-write.
+"""
+
+import errno
+import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -8,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from megalite.checkpoint import CheckpointReader, load_checkpoint, load_model, read_latest, save_checkpoint
-from megalite.checkpoint.format import rank_file, write_checkpoint
+from megalite.checkpoint import CheckpointWriteError, load_checkpoint, load_model, read_latest, save_checkpoint
+from megalite.checkpoint.format import CheckpointReader, TensorShard, write_checkpoint
 from megalite.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +51,52 @@ def _save_tp2(path):
     save_checkpoint(path, 1, [_model()])
 
 
-def test_missing_truncated_and_foreign_checkpoints(tmp_path):
+def _load_tp2_error(path):
+    """Every rank's error when all ranks load ``path`` at tp=2 together (they agree, so none hangs)."""
+    import torch.distributed as dist
+
+    from megalite import topology
+
+    topology.initialize(tp=2)
+    model = _model(seed=99)
+    before = _snapshot(model)
+    try:
+        load_checkpoint(path, [model], group=dist.group.WORLD)
+    except ValueError as err:
+        return str(err), _unchanged(model, before)
+    return None, _unchanged(model, before)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst, os.path.join(dst, "iter_0000001")
+
+
+def _rehash(directory, name):
+    """Update the manifest entry of ``name``, as someone who planted a file would."""
+    import hashlib
+
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(os.path.join(directory, name), "rb") as f:
+        data = f.read()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: code execution, which loading must refuse."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     missing = str(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=f"checkpoint directory {missing} does not exist"):
         load_model(missing)
@@ -54,19 +107,34 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     run_distributed(_save_tp2, 2, tp2, timeout=120)
     with torch.no_grad():
         assert torch.equal(load_model(tp2)(torch.arange(6).view(1, 6)), _model().eval()(torch.arange(6).view(1, 6)))
-
     target = _model(seed=99)
     before = _snapshot(target)
-    broken = str(tmp_path / "broken")
-    shutil.copytree(tp2, broken)
-    shard = rank_file(os.path.join(broken, "iter_0000001"), 1)
+
+    broken, directory = _copy(tp2, str(tmp_path / "truncated"))
+    metadata = os.path.join(directory, ".metadata")
+    with open(metadata, "r+b") as f:
+        f.truncate(os.path.getsize(metadata) // 2)
+    with pytest.raises(ValueError, match=r"\.metadata has \d+ bytes, the manifest records \d+ \(truncated"):
+        load_checkpoint(broken, [target])
+
+    broken, directory = _copy(tp2, str(tmp_path / "missing_shard"))
+    os.remove(os.path.join(directory, "__1_0.distcp"))
+    with pytest.raises(ValueError, match=r"checkpoint file .*missing_shard/iter_0000001/__1_0\.distcp is missing"):
+        load_checkpoint(broken, [target])
+
+    broken, directory = _copy(tp2, str(tmp_path / "flipped"))
+    shard = os.path.join(directory, "__0_0.distcp")
     with open(shard, "r+b") as f:
-        f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(ValueError, match="rank_00001.pt is unreadable \\(truncated or corrupt\\)"):
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ValueError, match=r"flipped/iter_0000001/__0_0\.distcp fails its content hash check"):
         load_checkpoint(broken, [target])
-    os.remove(shard)
-    with pytest.raises(ValueError, match="was saved by 2 ranks but the files of ranks \\[1\\] are missing"):
-        load_checkpoint(broken, [target])
+    with pytest.raises(ValueError, match="fails its content hash check"):
+        load_model(broken)
+    for error, unchanged in run_distributed(_load_tp2_error, 2, broken, timeout=120):
+        assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
     with pytest.raises(ValueError, match="different architecture: num_layers is 2 in the checkpoint but 3 in the model"):
         load_checkpoint(tp2, [_model(num_layers=3)])
@@ -77,15 +145,60 @@ def test_missing_truncated_and_foreign_checkpoints(tmp_path):
     with pytest.raises(ValueError, match=f"checkpoint directory {missing} does not exist"):
         load_checkpoint(missing, [target])
     assert not os.path.exists(missing)
+
+    import torch.distributed.checkpoint as dcp
+
+    foreign = str(tmp_path / "foreign")
+    dcp.save({"weight": torch.ones(3)}, checkpoint_id=foreign, no_dist=True)
+    with pytest.raises(ValueError, match="is a torch.distributed.checkpoint directory but not a megalite checkpoint"):
+        load_checkpoint(foreign, [target])
+
+    marker = str(tmp_path / "payload_ran")
+    broken, directory = _copy(tp2, str(tmp_path / "evil_metadata"))
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    _rehash(directory, ".metadata")
+    with pytest.raises(ValueError, match=r"\.metadata is unreadable \(truncated, corrupt or unsafe\): .*open is not allowed"):
+        load_checkpoint(broken, [target])
+    broken, directory = _copy(tp2, str(tmp_path / "evil_shard"))
+    with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    _rehash(directory, "__0_0.distcp")
+    with pytest.raises(ValueError, match="reading .*evil_shard/iter_0000001 failed: .*[Ww]eights only load failed"):
+        load_checkpoint(broken, [target])
+    assert not os.path.exists(marker)
     assert _unchanged(target, before) and _unchanged(other, other_before)
 
 
 def test_partly_covered_tensor_is_reported(tmp_path):
-    piece = torch.ones(2, 4)
-    write_checkpoint(str(tmp_path), 1, {"config": None, "tensors": {"w": {"shape": (3, 4), "pieces": [((0, 0), piece)]}}})
+    write_checkpoint(str(tmp_path), 1, [TensorShard("w", (3, 4), (0, 0), torch.ones(2, 4))], {"config": None})
     reader = CheckpointReader(str(tmp_path))
     with pytest.raises(ValueError, match="'w' region \\(\\(0, 3\\), \\(0, 4\\)\\) is covered for only 8 of 12 elements"):
         reader.read("w")
+
+
+def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import filesystem
+
+    save = str(tmp_path / "ckpt")
+    save_checkpoint(save, 1, [_model()])
+    real = filesystem.FileSystem.create_stream
+
+    def full(self, path, mode):
+        if "distcp" in str(path) and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+    with pytest.raises(CheckpointWriteError, match="saving iteration 2 to .* failed: .*No space left on device.*; the "
+                                                   "partial iter_0000002.tmp was removed and latest still names "
+                                                   "iteration 1"):
+        save_checkpoint(save, 2, [_model(seed=3)])
+    monkeypatch.undo()
+    assert read_latest(save) == 1 and sorted(os.listdir(save)) == ["iter_0000001", "latest"]
+    with torch.no_grad():
+        ids = torch.arange(6).view(1, 6)
+        assert torch.equal(load_model(save)(ids), _model().eval()(ids))
 
 
 _KILLED_SAVE = """
@@ -98,14 +211,11 @@ model = GPTModel(GPTConfig(vocab_size=30, num_layers=2, hidden_size=16, num_atte
                            make_vocab_size_divisible_by=8, seed=7))
 save_checkpoint(sys.argv[1], 1, [model])
 
-def slow_write(path, state):
-    with open(path, "wb") as f:
-        f.write(b"partial")
-        f.flush()
-        print("writing", flush=True)
-        time.sleep(120)
+def slow_hash(path):
+    print("writing", flush=True)
+    time.sleep(120)
 
-format._write_file = slow_write
+format._sha256 = slow_hash
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)

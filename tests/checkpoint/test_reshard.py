@@ -1,6 +1,7 @@
 """Resharding: a checkpoint saved at tp=2 x pp=2 x dp=2 with ZeRO-1 loads under other layouts.
 
-Loaded at tp=1 (one process, ``load_model``), tp=4, pp=4 and tp=2 x pp=2 x vpp=2 the model gives the
+torch's ``dcp_to_torch_save`` turns it into plain global tensors equal to ``load_model``'s.  Loaded at tp=1
+(one process, ``load_model``), tp=4, pp=4 and tp=2 x pp=2 x vpp=2 the model gives the
 same logits; training resumed at tp=4, pp=4 and tp=1 x dp=4 (ZeRO-1) continues with the losses of the
 run that never resharded (same global batch), which needs the sharded optimizer state resharded too.
 """
@@ -90,6 +91,19 @@ def _resharded_rank(path, data, workdir):
     return results
 
 
+def _check_dcp_to_torch(directory, model, output):
+    """torch's own dcp_to_torch_save gives every global tensor under megalite's names, equal to load_model's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(directory, output)
+    plain = torch.load(output, weights_only=True)
+    weights = {k: v for k, v in plain.items() if not k.startswith("optimizer.")}
+    assert sorted(weights) == sorted(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(weights[name], value[:VOCAB] if name == "embedding.word_embeddings.weight" else value), name
+    assert {k.split(".", 2)[1] for k in plain if k.startswith("optimizer.")} == {"exp_avg", "exp_avg_sq"}
+
+
 def test_checkpoint_saved_at_tp2_pp2_dp2_zero1_loads_and_resumes_under_other_layouts(tiny_data, tmp_path):
     save, reference_run = str(tmp_path / "ckpt"), str(tmp_path / "reference")
     os.makedirs(reference_run)
@@ -102,9 +116,11 @@ def test_checkpoint_saved_at_tp2_pp2_dp2_zero1_loads_and_resumes_under_other_lay
         f.write("3\n")
 
     ids = _input_ids()
+    model = load_model(at3)
     with torch.no_grad():
-        expected = load_model(at3)(ids)
+        expected = model(ids)
     assert expected.shape == (2, SEQ, VOCAB)
+    _check_dcp_to_torch(iteration_dir(at3, 3), model, str(tmp_path / "plain.pt"))
 
     for name in ("tp4", "pp4", "tp1_dp4"):
         os.makedirs(tmp_path / name)

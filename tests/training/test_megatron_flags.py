@@ -56,7 +56,7 @@ def test_megatron_training_flags(tmp_path):
     assert [r["iteration"] for r in records] == [1, 2, 3, 3]
     assert all(r["tflops"] > 0 for r in records[:3]) and records[3]["test_loss"] > 0 and "test_ppl" in records[3]
     saved = CheckpointReader(str(a))
-    assert saved.iteration == 3 and saved.rank_state(0)["rng"] is None
+    assert saved.iteration == 3 and saved.rank_state(0).get("rng") is None
     assert not any(name.startswith("optimizer.") for name in saved.shapes)
 
     argv_b = TINY + ["--train-samples", "48", "--exit-interval", "5", "--load", str(a), "--save", str(b),
