@@ -29,12 +29,13 @@ from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES, split_layers
 from megalite.pipeline.schedules import check_schedule
+from megalite.training.nan_guard import NanGuardConfig
 
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
 
 CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, ContextParallelConfig,
-                                         PackedSequenceConfig)}
+                                         PackedSequenceConfig, NanGuardConfig)}
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Flag:
 
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
                                    "checkpoints, evaluation and logging")
+SAFE = "faults and safety"
 _BOTH_OPT = ("OptimizerConfig.use_distributed_optimizer", "DDPConfig.use_distributed_optimizer")
 
 FLAGS: tuple[Flag, ...] = (
@@ -206,6 +208,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensorboard-dir", LOG),
     Flag("--metrics-file", LOG, help="append one JSON object per logged iteration"),
     Flag("--timeline-dir", LOG, help="save each rank's pipeline timeline here"),
+
+    Flag("--check-for-nan-in-loss-and-grad", SAFE, ("NanGuardConfig.check_for_nan_in_loss_and_grad",), type=bool,
+         help="stop with an error when the loss or a gradient is nan/inf"),
+    Flag("--skip-nan-iterations", SAFE, ("NanGuardConfig.skip_nan_iterations",), type=int,
+         help="skip the update of up to this many consecutive non-finite iterations before stopping"),
+    Flag("--loss-spike-factor", SAFE, ("NanGuardConfig.loss_spike_factor",), type=float,
+         help="warn when the loss exceeds this multiple of the running median; None: off"),
+    Flag("--override-existing-checkpoints", SAFE, default=False,
+         help="let --save write over checkpoints of a run that this run did not --load"),
+    Flag("--distributed-timeout-minutes", SAFE, default=10.0, type=float,
+         help="how long a collective may wait for a rank before the job fails"),
 )
 
 
@@ -317,6 +330,10 @@ def context_parallel_config(args) -> ContextParallelConfig:
 def packing_config(args) -> PackedSequenceConfig:
     """The packed-sequence flags; the trainer fills in the tokenizer's end-of-document id."""
     return PackedSequenceConfig(**_config_values(args, "PackedSequenceConfig"))
+
+
+def nan_guard_config(args) -> NanGuardConfig:
+    return NanGuardConfig(**_config_values(args, "NanGuardConfig"))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -452,6 +469,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_pipeline_schedule(args)
     _check_schedule(args)
     _check_pipeline_split(args)
+    nan_guard_config(args).validate()
+    _require(args.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if not math.isfinite(args.lr) or args.lr < 0:
         raise ValueError(f"--lr must be a non-negative number, got {args.lr}")
     return args

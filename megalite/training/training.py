@@ -36,12 +36,16 @@ from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forw
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import (architecture_differences, ddp_config, format_args, gpt_config,
-                                         optimizer_config, packing_config, parse_args, use_checkpoint_architecture,
-                                         validate_args)
+                                         nan_guard_config, optimizer_config, packing_config, parse_args,
+                                         use_checkpoint_architecture, validate_args)
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
+from megalite.training.nan_guard import NanGuard, check_finite_weights
+from megalite.training.parent_death import exit_with_parent
+from megalite.training.save_dir import (SaveDirLock, check_not_overwriting, check_writable_with_room,
+                                        checkpoint_bytes)
 from megalite.training.signals import SigtermFlag
 
 LOSS_METRIC = "lm_loss"
@@ -66,9 +70,13 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
         differences = architecture_differences(saved["config"], gpt_config(args))
         if differences:
             raise ValueError(f"checkpoint {args.load} holds a different architecture: {'; '.join(differences)}")
+    if args.load and saved is None and rank == 0:
+        print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
+              file=sys.stderr, flush=True)
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
-                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                               timeout_s=args.distributed_timeout_minutes * 60)
     if prepare_data_func is not None and args.data_path is None and not args.mock_data:
         prepare_data_func(args)
         if args.data_path is not None:
@@ -84,9 +92,10 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
 def _checkpoint_to_load(args, rank: int) -> dict | None:
     """Settle what ``--load`` gives, before any collective: the checkpoint's info, or None.
 
-    A ``--load`` without a checkpoint warns once and training starts fresh (Megatron's
-    behaviour, so the first launch of a restartable job works); under ``--finetune`` or
-    ``--use-checkpoint-args`` it is an error.  ``--use-checkpoint-args`` sets the architecture
+    A ``--load`` without a checkpoint gives None (``initialize`` warns once, after the flags
+    and data have passed their checks, and training starts fresh: Megatron's behaviour, so the
+    first launch of a restartable job works); under ``--finetune`` or ``--use-checkpoint-args``
+    it is an error.  ``--use-checkpoint-args`` sets the architecture
     flags from the checkpoint.
     """
     needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
@@ -100,9 +109,6 @@ def _checkpoint_to_load(args, rank: int) -> dict | None:
     if info is None:
         if needs:
             raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
-        if rank == 0:
-            print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
-                  file=sys.stderr, flush=True)
         return None
     if args.use_checkpoint_args:
         if info["config"] is None:
@@ -203,6 +209,8 @@ class Trainer:
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters)
         self.saver = AsyncSaver() if args.save and args.async_save else None
+        self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
+                                  log=topo.global_rank == 0)
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
                        "ep": topo.ep.size,
                        "vpp": args.virtual_pipeline_model_parallel_size,
@@ -261,12 +269,14 @@ class Trainer:
                                            last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None, float]:
-        """Forward, backward and optimizer step on one global batch.
+    def train_step(self, data_iterator, iteration: int) -> tuple[dict[str, float], bool, float | None, float]:
+        """Forward, backward and optimizer step on one global batch, the ``iteration``-th.
 
         Returns (metrics, update applied, grad norm, learning rate used).  The
-        grad norm is None when clipping is off or an fp16 step was skipped; a
-        skipped step does not advance the LR schedule.
+        grad norm is None when clipping is off or a step was skipped (fp16
+        overflow, or a non-finite iteration under ``--skip-nan-iterations``); a
+        skipped step does not advance the LR schedule.  A non-finite loss or
+        gradient otherwise raises :class:`NonFiniteError` before the update.
         """
         for chunk in self.chunks:
             chunk.train()
@@ -276,6 +286,9 @@ class Trainer:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False)
         lr = self.scheduler.get_lr()
+        grads = [buffer.grad_data for chunk in self.chunks for buffer in chunk.buffers]
+        if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
+            return metrics, False, None, lr
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step()
@@ -344,7 +357,11 @@ class Trainer:
         return values
 
     def save(self, iteration: int, consumed_samples: int) -> None:
-        """Save (with --async-save: wait for the previous save, then start this one in the background)."""
+        """Save (with --async-save: wait for the previous save, then start this one in the background).
+
+        Non-finite weights are never saved while the NaN guard is on."""
+        if self.nan_guard.config.check_for_nan_in_loss_and_grad:
+            check_finite_weights(self.chunks, iteration)
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
                         layout=self.layout, args=self.args, save_optimizer=not self.args.no_save_optim,
                         save_rng=not self.args.no_save_rng, saver=self.saver)
@@ -394,14 +411,16 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     args = trainer.args
     sums: dict[str, float] = {}
     steps, skipped, seconds = 0, 0, 0.0
-    saved_at = None
+    saved_at, first_iteration = None, iteration
     while iteration < args.train_iters:
         start = time.perf_counter()
-        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator)
+        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator, iteration + 1)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
         consumed_samples += args.global_batch_size
+        trainer.nan_guard.observe_loss(iteration, metrics.get(LOSS_METRIC), consumed_samples - args.global_batch_size,
+                                       consumed_samples)
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value
         steps, skipped = steps + 1, skipped + int(not ok)
@@ -427,7 +446,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if trainer.topo.global_rank == 0:
                 print(f"{stop}: stopping after iteration {iteration}", flush=True)
             break
-    if args.save and saved_at != iteration:
+    if args.save and saved_at != iteration and iteration > first_iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
 
@@ -461,6 +480,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
     every rank before any collective that could hang.
     """
+    exit_with_parent()
     start_time = time.time()
     args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
     _seed(args, topo)
@@ -472,7 +492,14 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
     trainer.start_time = start_time
+    needed = checkpoint_bytes(chunks, topo.dp.size) if args.save else 0
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
+    if iteration >= args.train_iters:
+        if topo.global_rank == 0:
+            print(f"this run is already finished: --load {args.load} holds iteration {iteration} and --train-iters "
+                  f"is {args.train_iters}; nothing to train and nothing written", flush=True)
+        trainer.logger.close()
+        return iteration
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, _num_samples(args))
     if topo.global_rank == 0:
         sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
@@ -483,6 +510,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
     valid_iterator = _iterator(valid_ds, valid_consumed, args, topo)
+    lock = _claim_save_dir(args, iteration, needed, topo) if args.save else None
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
@@ -493,6 +521,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     finally:
         sigterm.restore()
         trainer.logger.close()
+        if lock is not None:
+            lock.release()
     return iteration
 
 
@@ -513,6 +543,30 @@ def _print_parameter_count(chunks, topo) -> None:
     dist.all_reduce(count)
     if topo.global_rank == 0:
         print(f"model: {count.item():,} parameters", flush=True)
+
+
+def _claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo) -> SaveDirLock | None:
+    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
+
+    Returns rank 0's lock, None elsewhere.
+    """
+    lock, message = None, None
+    if topo.global_rank == 0:
+        try:
+            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
+            check_writable_with_room(args.save, needed_bytes)
+            lock = SaveDirLock(args.save)
+            if warning:
+                print(warning, flush=True)
+        except ValueError as err:
+            message = str(err)
+            if lock is not None:
+                lock.release()
+    holder = [message]
+    dist.broadcast_object_list(holder, src=0)
+    if holder[0] is not None:
+        raise ValueError(holder[0])
+    return lock
 
 
 def _seed(args, topo) -> None:

@@ -1,0 +1,116 @@
+"""Safety of the ``--save`` directory, checked before the first iteration.
+
+- **One writer.** :class:`SaveDirLock` holds an exclusive ``flock`` on ``SAVE/.megalite.lock`` for
+  the whole run.  The kernel drops the lock when its holder dies, however it dies, so a killed job
+  can never leave it stuck; a second job on the same directory fails at once, naming the holder.
+  (flock works on local file systems and on most cluster file systems; on NFS it may be advisory
+  only per host.)
+- **No silent overwrite.** :func:`check_not_overwriting` refuses a ``--save`` directory that already
+  holds another run's checkpoints which this run did not load (the ``--save X --load X`` habit with a
+  typo in ``--load``), unless ``--override-existing-checkpoints``.
+- **Room.** :func:`check_writable_with_room` creates the directory, writes a probe file, and
+  compares the free space with an estimate of one checkpoint (:func:`checkpoint_bytes`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megalite.training.checkpointing import read_latest
+
+LOCK_NAME = ".megalite.lock"
+
+
+class SaveDirLock:
+    """An exclusive, non-blocking flock on ``save_dir``'s lock file; the file names the holder."""
+
+    def __init__(self, save_dir: str):
+        path = os.path.join(save_dir, LOCK_NAME)
+        self._file = open(path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "an unknown process"
+            self._file.close()
+            raise ValueError(f"--save {save_dir} is in use by another job ({holder}); only one job may write a "
+                             f"save directory at a time") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration: int, override: bool) -> str | None:
+    """Refuse to write over checkpoints in ``save_dir`` that this run did not load.
+
+    Returns a warning to print when ``override`` lets it through, else None; raises ValueError.
+    """
+    latest = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    if latest is None:
+        return None
+    loaded_it = (load_dir is not None and loaded_iteration == latest
+                 and os.path.realpath(load_dir) == os.path.realpath(save_dir))
+    if loaded_it:
+        return None
+    if load_dir is None:
+        why = "no --load was given"
+    elif loaded_iteration:
+        why = f"it loaded iteration {loaded_iteration} from --load {load_dir}"
+    else:
+        why = f"--load {load_dir} holds no checkpoint"
+    if override:
+        return (f"warning: --save {save_dir} holds another run's checkpoints (latest iteration {latest}) and {why}; "
+                f"writing over them (--override-existing-checkpoints)")
+    raise ValueError(f"--save {save_dir} already holds another run's checkpoints (latest iteration {latest}) that this "
+                     f"run did not load: {why}. Pass --load {save_dir} to continue that run, choose another --save, "
+                     f"or pass --override-existing-checkpoints to write over them")
+
+
+def checkpoint_bytes(model_chunks, dp_size: int) -> int:
+    """An upper estimate of one checkpoint's size over all ranks (collective over the default group).
+
+    Weights are written once per model-parallel shard, plus three fp32 tensors per weight for
+    the optimizer (main copy, two Adam moments); each DP replica counts 1/dp of its shard.
+    """
+    local = 0
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            local += p.numel() * (p.element_size() + 12)
+    total = torch.tensor([local / dp_size], dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total)
+    return int(total.item() * 1.05) + (1 << 20)
+
+
+def check_writable_with_room(save_dir: str, needed_bytes: int) -> None:
+    """ValueError unless ``save_dir`` can be created and written and has ``needed_bytes`` free."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".write_probe") as probe:
+            probe.write(b"megalite")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as err:
+        raise ValueError(f"--save {save_dir} is not writable: {err.strerror or err}") from None
+    free = shutil.disk_usage(save_dir).free
+    if free < needed_bytes:
+        raise ValueError(f"--save {save_dir} has {_size(free)} free, but one checkpoint needs about "
+                         f"{_size(needed_bytes)}")
+
+
+def _size(count: int) -> str:
+    return f"{count / 2 ** 30:.2f} GiB" if count >= 2 ** 30 else f"{count / 2 ** 20:.1f} MiB"
