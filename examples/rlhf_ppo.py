@@ -22,7 +22,11 @@ version that made it, the logged ``staleness`` never exceeds S, and a stale
 rollout's loss is corrected by truncated importance sampling
 (``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-centralized-critic``
 the reward function runs on one rank only (``--critic-owner-rank``) and scores
-the rollouts drawn ahead in the background.  Each iteration is printed and
+the rollouts drawn ahead in the background; only token tensors travel.  With
+``--distill-coef`` / ``--teacher-reward-coef`` that rank also holds a teacher
+GPT whose full-vocabulary or top-k (``--critic-topk K``) log-probs give a
+forward-KL distillation loss and per-token log-prob rewards; the logged
+``critic_staleness`` counts teacher versions (0: the teacher is frozen).  Each iteration is printed and
 written to ``--metrics-file`` (JSON lines) and TensorBoard.
 """
 
@@ -34,11 +38,13 @@ import random
 import sys
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.checkpoint import load_checkpoint
 from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
@@ -47,7 +53,7 @@ from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedMod
                            LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, Prefetcher,
                            ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages, load_reward_fn,
                            overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
-                           truncated_is_weights, varied_groups)
+                           TeacherOutput, teacher_fn, teacher_rewards, truncated_is_weights, varied_groups)
 from megalite.rlhf.generation import engine_generate, engine_supports, generate
 from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
@@ -112,6 +118,16 @@ def parse_args(argv=None):
     g.add_argument("--use-centralized-critic", action="store_true",
                    help="score rollouts with a reward function held by one rank only")
     g.add_argument("--critic-owner-rank", type=int, default=0)
+    g.add_argument("--distill-coef", type=float, default=0.0,
+                   help="with --use-centralized-critic: a teacher GPT on the owner rank; this times the forward KL "
+                        "to it (on its top-k support) joins the actor loss")
+    g.add_argument("--teacher-reward-coef", type=float, default=0.0,
+                   help="with --use-centralized-critic: this times the teacher's log-prob of each response token "
+                        "joins the per-token reward")
+    g.add_argument("--critic-topk", type=int, default=None,
+                   help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary")
+    g.add_argument("--teacher-load", default=None,
+                   help="teacher checkpoint (megalite format); default: a GPT initialized from --seed + 1")
     g = p.add_argument_group("logging")
     add_flag(g, "--metrics-file", None)
     add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
@@ -155,6 +171,12 @@ def validate(args, world_size: int) -> None:
     if args.overlong_buffer_len > args.max_new_tokens:
         raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
                          f"{args.max_new_tokens}")
+    args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
+    if (args.use_teacher or args.critic_topk is not None) and not args.use_centralized_critic:
+        raise ValueError("--distill-coef, --teacher-reward-coef and --critic-topk need --use-centralized-critic")
+    if args.critic_topk is not None and not (args.use_teacher and 1 <= args.critic_topk <= TOKENIZER.vocab_size):
+        raise ValueError(f"--critic-topk {args.critic_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
+                         f"1 <= K <= the vocabulary size {TOKENIZER.vocab_size}")
     if not 0 <= args.critic_owner_rank < world_size:
         raise ValueError(f"--critic-owner-rank {args.critic_owner_rank} is outside the world of {world_size} ranks")
     args.advantage = AdvantageConfig(args.advantage_estimator, args.n_samples_per_prompt, args.gamma, args.lam,
@@ -197,9 +219,21 @@ def response_text(response_ids: list[int]) -> str:
 
 
 def score_batches(reward, per_rank: list) -> list:
-    """Scores every rank's (prompts, responses) in one call (the centralized model's function)."""
+    """Scores every rank's (prompts, responses)."""
     return [torch.tensor([reward(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
             for prompts, responses in per_rank]
+
+
+def served_scores(reward, teacher, width: int):
+    """The owner's function for every rank's rollouts ``ids``/``attention mask`` ``[N, P + n]``: reward scores
+    ``[N]`` (the text is decoded here, so only token tensors travel), then the teacher's outputs, if any."""
+    def run(ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+        prompts = [TOKENIZER.detokenize(row) for row in ids[:, :width].tolist()]
+        responses = [response_text([t for t, m in zip(row, keep) if m])
+                     for row, keep in zip(ids[:, width:].tolist(), mask[:, width:].tolist())]
+        scores = score_batches(reward, [(prompts, responses)])[0].to(ids.device)
+        return (scores,) + (teacher(ids, mask) if teacher is not None else ())
+    return run
 
 
 def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,8 +457,10 @@ def dp_mean(value: float, topo, device) -> float:
     return float(t) / topo.dp.size
 
 
-def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int) -> dict:
-    """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``."""
+def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int,
+              teacher: TeacherOutput | None = None) -> dict:
+    """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``;
+    ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss."""
     staleness = version - rollout["version"]
     if not 0 <= staleness <= args.max_staleness:
         raise RuntimeError(f"rollout of policy version {rollout['version']} is {staleness} updates old at version "
@@ -444,6 +480,11 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
     scores = shaped_scores(raw_scores.to(device), mask, args)
     rewards, kl = token_rewards(scores, mask, old_log_probs, rollout["ref_log_probs"],
                                 0.0 if ppo.use_kl_loss else ppo.kl_coef, ppo.kl_estimator, ppo.kl_clamp)
+    if teacher is not None:
+        rewards = rewards + teacher_rewards(teacher, mask, args.teacher_reward_coef)
+        batch["teacher_log_probs"] = teacher.log_probs.to(device)
+        if teacher.indices is not None:
+            batch["teacher_indices"] = teacher.indices.to(device)
     advantages, returns = compute_advantages(args.advantage, rewards, mask, old_values, topo.dp.group)
     batch.update(old_log_probs=old_log_probs, advantages=advantages)
     if ppo.use_kl_loss:
@@ -471,7 +512,22 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
         metrics["value_loss"] = critic_metrics["value_loss"]
     if ppo.use_kl_loss:
         metrics["kl_loss"] = actor_metrics["kl_loss"]
+    if teacher is not None:
+        metrics["teacher_log_prob"] = dp_mean(float((teacher.token_log_probs[:, :-1].to(device) * mask).sum()
+                                                    / mask.sum().clamp(min=1)), topo, device)
+        if args.distill_coef > 0:
+            metrics["distill_kl"] = actor_metrics["distill_kl"]
     return metrics
+
+
+def build_teacher(args, config, single_group, device):
+    """The owner's teacher: an unsharded GPT (``--teacher-load``, else initialized from ``--seed`` + 1) and its
+    served function (top-k with ``--critic-topk``)."""
+    torch.manual_seed(args.seed + 1)
+    model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
+    if args.teacher_load:
+        load_checkpoint(args.teacher_load, [model], tp_group=single_group)
+    return teacher_fn(model, args.critic_topk)
 
 
 def pretrain(args, topo, config, device) -> DistributedDataParallel:
@@ -507,7 +563,7 @@ def main(argv=None) -> int:
     config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=16,
                        make_vocab_size_divisible_by=8, seed=args.seed)
-    single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model else None
+    single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
     sync = None
     if args.rollout_world_size:
         rtp = args.rollout_tensor_parallel_size
@@ -532,7 +588,8 @@ def main(argv=None) -> int:
         sync.sync()
     actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
                                                                        clip_grad=1.0), [actor_chunk]),
-                            PPOActorObjective(args.ppo, args.temperature), args.micro_batch_size, topo)
+                            PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
+                            args.micro_batch_size, topo)
     critic = critic_chunk = None
     if args.advantage.needs_critic:
         critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
@@ -543,17 +600,24 @@ def main(argv=None) -> int:
     rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device, reward)
     reward_model = None
     if args.use_centralized_critic:
-        reward_model = CentralizedModel((lambda per_rank: score_batches(reward, per_rank)) if owner else None,
-                                        owner=args.critic_owner_rank)
+        teacher = None
+        if owner and args.use_teacher:
+            teacher = build_teacher(args, config, single_group, device)
+        per_token = (False,) + ((True,) * (2 if args.critic_topk is None else 3) if args.use_teacher else ())
+        reward_model = CentralizedModel(served_scores(reward, teacher, prompt_width(args)) if owner else None,
+                                        owner=args.critic_owner_rank, per_token=per_token, device=device)
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
-                            inputs_of=lambda r: (r["prompts"], r["responses"]))
+                            inputs_of=lambda r: (r["input_ids"], r["attention_mask"]))
     else:
-        stream = ((r, r["scores"]) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
+        stream = ((r, (r["scores"],)) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
     logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                            stream=open(os.devnull, "w"))
     last = time.monotonic()
-    for rollout, scores in stream:
-        metrics = rl_update(rollout, scores, args, topo, actor, critic, device, rollouts.version)
+    for rollout, served in stream:
+        teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
+        metrics = rl_update(rollout, served[0], args, topo, actor, critic, device, rollouts.version, teacher)
+        if args.use_centralized_critic:
+            metrics["critic_staleness"] = float(stream.staleness[-1])
         rollouts.version += 1
         if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
             start_sync, sent = time.monotonic(), sync.bytes_sent

@@ -1,6 +1,7 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
-estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward model
-with prefetch, a training backend for outside RL loops, weight export and trainer -> rollout weight sync."""
+estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward/teacher
+model with tensor transport and prefetch, distillation from a teacher's top-k, a training backend and a training
+service for outside RL loops, weight export and trainer -> rollout weight sync."""
 
 from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
                                       discounted_returns, grpo_advantages, rloo_advantages)
@@ -8,6 +9,7 @@ from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_lo
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
+from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
@@ -16,6 +18,8 @@ from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
 from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
 from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.service import ParallelLayout, TrainingService
+from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
@@ -25,5 +29,7 @@ __all__ = [
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
     "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
-    "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync",
+    "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
+    "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
+    "PolyakTarget",
 ]

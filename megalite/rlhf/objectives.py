@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megalite.rlhf.actor import token_log_probs
+from megalite.rlhf.distillation import TeacherOutput, forward_kl
 from megalite.rlhf.unwrap import unwrap
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
 
@@ -40,11 +41,15 @@ class PPOActorObjective:
 
     Needs ``old_log_probs`` and ``advantages``; with ``config.use_kl_loss`` also
     ``ref_log_probs`` (adds ``kl_coef`` x the aggregated KL estimate); an optional
-    ``is_weights`` multiplies the surrogate per token (stale rollouts).
+    ``is_weights`` multiplies the surrogate per token (stale rollouts).  ``distill_coef > 0`` adds that
+    times the forward KL to a teacher on its support (needs ``teacher_log_probs [b, s, k]`` and, for
+    top-k, ``teacher_indices``; see :mod:`megalite.rlhf.distillation`).
     """
 
-    def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None):
+    def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None,
+                 distill_coef: float = 0.0):
         self.config, self.temperature, self.chunk_size = config, temperature, chunk_size
+        self.distill_coef = distill_coef
         self.mode = config.loss_aggregation
 
     def normalizer_mask(self, batch: dict) -> torch.Tensor:
@@ -66,6 +71,14 @@ class PPOActorObjective:
             kl_term = aggregate(kl, mask, self.mode, normalizer)
             metrics["kl_loss"] = kl_term.detach()
             loss = loss + self.config.kl_coef * kl_term
+        if self.distill_coef > 0:
+            indices = mb.get("teacher_indices")
+            teacher = TeacherOutput(mb["teacher_log_probs"][:, :-1], None if indices is None else indices[:, :-1],
+                                    None)
+            distill = aggregate(forward_kl(logits[:, :-1], teacher, unwrap(chunk).tp_group), mask, self.mode,
+                                normalizer)
+            metrics["distill_kl"] = distill.detach()
+            loss = loss + self.distill_coef * distill
         if with_entropy:
             entropy_term = aggregate(entropy, mask, self.mode, normalizer)
             metrics["entropy"] = entropy_term.detach()

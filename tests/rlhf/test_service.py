@@ -1,0 +1,120 @@
+"""TrainingService: workers at tp2 train exactly like one worker (same seed, same batches, pipelined calls),
+weights and checkpoints move between layouts, a killed worker fails pending and later calls with its name and last
+message (so does one that hangs past the timeout), shutdown leaves no process, and bad input is one clear error."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from megalite.optim import OptimizerConfig
+from megalite.rlhf import ParallelLayout, TrainingService
+from tests.rlhf.common import config
+
+OPTIM = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+
+
+def _batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, 40, (4, 7), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(4, 6)}
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+async def _service(procs, layout, path):
+    return await TrainingService.options(procs=procs, with_gpus=False, backend="local").as_service(
+        model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=layout, checkpoint_dir=str(path))
+
+
+async def _parity(tmp_path):
+    tp2 = await _service(2, ParallelLayout(tp=2, micro_batch_size=2), tmp_path / "tp2")
+    one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
+    losses = {}
+    for name, service in (("tp2", tp2), ("one", one)):
+        # Pipelined: every call is queued before the first is awaited.
+        calls = []
+        for _ in range(2):
+            calls += [service.forward_backward(_batch(0)), service.optim_step()]
+        losses[name] = [m["lm_loss"] for m in (await asyncio.gather(*calls))[::2]]
+    assert losses["tp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
+    assert losses["one"][1] < losses["one"][0]
+    weights_tp2, weights_one = await tp2.get_weights(), await one.get_weights()
+    assert sorted(weights_tp2) == sorted(weights_one)
+    for name in weights_one:
+        torch.testing.assert_close(weights_tp2[name], weights_one[name], rtol=0, atol=1e-5)
+    # A checkpoint of the tp2 service (model + optimizer) loads into the single worker and trains identically.
+    saved = await tp2.save(2)
+    await one.load(saved)
+    next_tp2, next_one = (await asyncio.gather(tp2.forward_backward(_batch(5)), one.forward_backward(_batch(5))))
+    assert next_one["lm_loss"] == pytest.approx(next_tp2["lm_loss"], rel=1e-5)
+    await asyncio.gather(tp2.optim_step(), one.optim_step())
+    # Weights loaded from a dict reach every worker.
+    shifted = {k: v + 0.01 for k, v in weights_one.items()}
+    await tp2.load_weights(shifted)
+    for name, value in (await tp2.get_weights()).items():
+        torch.testing.assert_close(value, shifted[name], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"batch\['loss_mask'\] has shape \(3, 6\)"):
+        tp2.forward_backward({**_batch(0), "loss_mask": torch.ones(3, 6)})
+    with pytest.raises(ValueError, match="batch of 3 sequences is not divisible by dp=1 x micro_batch_size=2"):
+        tp2.forward_backward({k: v[:3] for k, v in _batch(0).items()})
+    pids = tp2.pids + one.pids
+    await asyncio.gather(tp2.shutdown(), one.shutdown())
+    assert _alive(pids) == []
+    with pytest.raises(RuntimeError, match="optim_step called after shutdown"):
+        tp2.optim_step()
+
+
+def test_service_tp2_equals_one_worker_and_moves_weights(tmp_path):
+    asyncio.run(_parity(tmp_path))
+
+
+async def _killed(tmp_path):
+    service = await _service(2, ParallelLayout(dp=2, micro_batch_size=2), tmp_path)
+    await service.optim_step()
+    os.kill(service.pids[1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"training worker 1 \(pid \d+\) exited with code -9; its last message: "
+                                           r"optim_step #\d+ \(ok\)"):
+        await service.forward_backward(_batch(0))
+    with pytest.raises(RuntimeError, match="training worker 1"):
+        await service.optim_step()
+    pids = service.pids
+    await service.shutdown()
+    assert _alive(pids) == []
+
+
+def test_killed_worker_fails_pending_and_later_calls(tmp_path):
+    asyncio.run(_killed(tmp_path))
+
+
+async def _hung(tmp_path):
+    service = await TrainingService.options(procs=2, timeout=5.0).as_service(
+        model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
+        checkpoint_dir=str(tmp_path))
+    os.kill(service.pids[0], signal.SIGSTOP)
+    with pytest.raises(RuntimeError, match=r"training worker 0 did not answer optim_step #\d+ within 5 s; its last "
+                                           r"message: ready #\d+ \(ok\)"):
+        await service.optim_step()
+    pids = service.pids
+    await service.shutdown()
+    assert _alive(pids) == []
+
+
+def test_hung_worker_times_out(tmp_path):
+    asyncio.run(_hung(tmp_path))
+
+
+def test_procs_must_match_layout(tmp_path):
+    with pytest.raises(ValueError, match=r"procs=3 does not match the layout tp=2 x pp=1 x dp=1 = 2 processes"):
+        asyncio.run(_service(3, ParallelLayout(tp=2), tmp_path))
