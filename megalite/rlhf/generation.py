@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
+from megalite.inference.sampler import filter_logits
 from megalite.models.kv_cache import KVCache
 from megalite.rlhf.unwrap import unwrap
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
@@ -63,19 +64,6 @@ class GenerationOutput:
     attention_mask: torch.Tensor
     log_probs: torch.Tensor
     response_mask: torch.Tensor
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf (rows of ``[b, v]``)."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = logits.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-    return logits
 
 
 def choose_tokens(logits: torch.Tensor, config: SamplingConfig,

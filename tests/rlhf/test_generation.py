@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from megalite import topology
+from megalite.inference.sampler import filter_logits
 from megalite.models import GPTModel
 from megalite.rlhf.actor import sequence_log_probs
-from megalite.rlhf.generation import SamplingConfig, filter_logits, generate
+from megalite.rlhf.generation import SamplingConfig, generate
 from megalite.testing import device, run_distributed
 from tests.rlhf.common import config, padded_prompts
 
