@@ -6,6 +6,7 @@ import torch
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.moe import set_aux_loss_scale
 from megalite.pipeline import broadcast_from_last_stage, forward_backward, split_layers
 from megalite.testing import run_distributed
 
@@ -34,9 +35,10 @@ def _forward_step(data_iterator, chunk):
     return per_token, loss_func
 
 
-def _reference(num_layers, global_m):
+def _reference(config, global_m):
     """Per-iteration micro-batch losses and first-iteration grads of the whole model on one rank."""
-    model = GPTModel(_config(num_layers))
+    model = GPTModel(config)
+    set_aux_loss_scale(model, 1.0 / global_m)
     losses, grads = [], None
     for it in range(ITERS):
         batches = _microbatches(it, global_m)
@@ -70,7 +72,7 @@ def _gpt_pipeline(tp, pp, vpp, m, num_layers, known_shape, first=None):
 
     ``first`` sets the first stage's layer count (the rest split evenly over the other stages)."""
     dp = torch.distributed.get_world_size() // (tp * pp)
-    ref_losses, ref_grads = _reference(num_layers, dp * m)
+    ref_losses, ref_grads = _reference(_config(num_layers), dp * m)
     topo = topology.initialize(tp=tp, pp=pp, vpp=vpp)
     rank, chunks_per_rank = topo.pp.rank, vpp or 1
     config = _config(num_layers)

@@ -6,11 +6,12 @@ import torch
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.models.gpt import GPTConfig, GPTModel
-from megalite.moe import MoEConfig
+from megalite.moe import MoEConfig, set_aux_loss_scale
 from megalite.pipeline import broadcast_from_last_stage, forward_backward, split_layers
 from megalite.pipeline.schedules import check_schedule, last_stage_rank
 from megalite.pipeline.zero_bubble import simulate, zb_h1_order, zbv_order, zbv_stage
 from megalite.testing import run_distributed
+from tests.pipeline.test_gpt_parity import HIDDEN, ITERS, LR, SEQ, VOCAB, _forward_step, _microbatches, _reference
 
 
 def _ops(text):
@@ -66,7 +67,6 @@ def test_bad_schedules_raise_before_any_communication(args, message):
     assert check_schedule(None, 2, 2, 3, forward_only=True) == "interleaved-1f1b"
 
 
-SEQ, BATCH, VOCAB, HIDDEN, LR, ITERS = 8, 2, 64, 32, 0.5, 2
 REL = 1e-5
 
 
@@ -75,47 +75,6 @@ def _config(num_layers, recompute=None, moe=False):
                      max_position_embeddings=SEQ, make_vocab_size_divisible_by=1,
                      untie_embeddings_and_output_weights=True, recompute_granularity=recompute,
                      moe=MoEConfig(num_experts=4, ffn_hidden_size=32, topk=2, aux_loss_coeff=1e-2) if moe else None)
-
-
-def _microbatches(iteration, count):
-    g = torch.Generator().manual_seed(100 + iteration)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(count)]
-
-
-def _forward_step(data_iterator, chunk):
-    tokens = next(data_iterator)
-    per_token = chunk(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
-
-    def loss_func(output):
-        loss = output.mean()
-        return loss, {"loss": loss.detach()}
-
-    return per_token, loss_func
-
-
-def _set_aux_scale(model, m):
-    from megalite.moe import set_aux_loss_scale
-    set_aux_loss_scale(model, 1.0 / m)
-
-
-def _reference(config, global_m):
-    model = GPTModel(config)
-    _set_aux_scale(model, global_m)
-    losses, grads = [], None
-    for it in range(ITERS):
-        row = []
-        for tokens in _microbatches(it, global_m):
-            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean()
-            (loss / global_m).backward()
-            row.append(loss.item())
-        losses.append(row)
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-                p.grad = None
-    return losses, grads
 
 
 def _shard(full, name, param, topo):
@@ -139,7 +98,7 @@ def _gpt(schedule, reference, tp=1, pp=2, ep=1, m=4, num_layers=4, recompute=Non
         stage = zbv_stage(pp, rank, c) if schedule == "zbv" else rank
         model = GPTModel(config, pre_process=stage == 0, post_process=stage == (vpp or 1) * pp - 1,
                          layer_range=layer_range)
-        _set_aux_scale(model, m)
+        set_aux_loss_scale(model, 1.0 / m)
         chunks.append(DistributedDataParallel(model, DDPConfig(bucket_size=2000)))
     loss_err = grad_err = 0.0
     mine = _microbatches(0, dp * m)[topo.dp.rank * m:(topo.dp.rank + 1) * m]
