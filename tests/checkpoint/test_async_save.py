@@ -2,17 +2,13 @@
 changes them while the write runs, ``latest`` moves only once the write is verified, and a kill -9
 during the background write keeps the previous checkpoint."""
 
-import os
-import subprocess
-import sys
 import threading
 
 import torch
 
 from megalite.checkpoint import AsyncSaver, load_model, read_latest, save_checkpoint
 from megalite.checkpoint import format as checkpoint_format
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.checkpoint.test_bad_input import kill_mid_write
 
 
 def _model(seed=7):
@@ -84,16 +80,7 @@ while True:
 
 def test_kill_during_async_write_keeps_previous_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ASYNC_SAVE, save], stdout=subprocess.PIPE, env=env,
-                            text=True)
-    try:
-        assert proc.stdout.readline().strip() == "writing"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-    assert read_latest(save) == 1
-    assert os.path.exists(os.path.join(save, "iter_0000002.tmp"))
+    kill_mid_write(_KILLED_ASYNC_SAVE, save)
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
         assert torch.equal(load_model(save)(ids), _model().eval()(ids))

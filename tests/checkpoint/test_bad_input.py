@@ -223,10 +223,11 @@ save_checkpoint(sys.argv[1], 2, [model])
 """
 
 
-def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
-    save = str(tmp_path / "ckpt")
+def kill_mid_write(script: str, save: str) -> None:
+    """Run ``script save`` (it saves iteration 1, then prints "writing" inside the write of iteration 2),
+    kill -9 it there, and check that ``latest`` still names iteration 1 and the partial write is a ``.tmp``."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, save], stdout=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, save], stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing"
     finally:
@@ -234,6 +235,11 @@ def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
         proc.wait(timeout=30)
     assert read_latest(save) == 1
     assert os.path.exists(os.path.join(save, "iter_0000002.tmp"))
+
+
+def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    kill_mid_write(_KILLED_SAVE, save)
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
         assert torch.equal(load_model(save)(ids), _model().eval()(ids))
