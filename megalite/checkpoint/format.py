@@ -407,7 +407,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
     if errors:
         if rank == 0:
             _remove(tmp)
-        previous = read_latest(save_dir) if os.path.isdir(save_dir) else None
+        previous = read_latest(save_dir)
         raise CheckpointWriteError(f"saving iteration {iteration} to {save_dir} failed: {errors[0]}; the partial "
                                    f"{os.path.basename(tmp)} was removed and latest still names "
                                    f"{'no checkpoint' if previous is None else f'iteration {previous}'}")

@@ -20,7 +20,6 @@ What the trainer's flags need from a checkpoint goes through three calls: :func:
 from __future__ import annotations
 
 import base64
-import os
 import random
 from typing import NamedTuple
 
@@ -47,7 +46,7 @@ class LoadResult(NamedTuple):
 
 def has_checkpoint(load_dir: str) -> bool:
     """Whether ``load_dir`` holds a published checkpoint."""
-    return os.path.isdir(load_dir) and read_latest(load_dir) is not None
+    return read_latest(load_dir) is not None
 
 
 def checkpoint_info(load_dir: str) -> dict | None:

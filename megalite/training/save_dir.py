@@ -57,7 +57,7 @@ def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration:
 
     Returns a warning to print when ``override`` lets it through, else None; raises ValueError.
     """
-    latest = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    latest = read_latest(save_dir)
     if latest is None:
         return None
     loaded_it = (load_dir is not None and loaded_iteration == latest

@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 
-from megalite.training import checkpointing
 from megalite.training.checkpointing import iteration_dir, load_checkpoint, read_latest, save_checkpoint
 
 
@@ -49,7 +48,7 @@ def test_crash_while_publishing_keeps_last_good_checkpoint(tmp_path, monkeypatch
     def fail(*args):
         raise OSError("disk went away")
 
-    monkeypatch.setattr(checkpointing.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk went away"):
         save_checkpoint(str(tmp_path), 4, [_model(4.0)], None, None, consumed_samples=32)
     monkeypatch.undo()
