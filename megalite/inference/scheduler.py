@@ -83,6 +83,8 @@ class Scheduler:
             self.allocator.release(block)
         seq.block_table = []
         seq.num_computed = 0
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     def trim(self, seq: Sequence) -> None:
         """Release blocks past the sequence's tokens (left over from rejected drafts)."""
@@ -97,29 +99,40 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _drafts(self, seq: Sequence) -> list[int]:
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many drafts a decoding ``seq`` may verify this step (none while it still prefills)."""
         if self.drafter is None or seq.num_computed != len(seq.tokens) - 1:
-            return []
-        room = seq.request.params.max_new_tokens - seq.num_generated - 1
-        k = min(self.num_draft_tokens, room)
-        return self.drafter.propose(seq, k) if k > 0 else []
+            return 0
+        return max(0, min(self.num_draft_tokens, seq.request.params.max_new_tokens - seq.num_generated - 1))
 
     def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
-        """The next step's plan (empty when nothing can run) and who is in it."""
-        budget, copies, entries = self.max_tokens, [], []
+        """The next step's plan (empty when nothing can run) and who is in it.
+
+        Blocks for each decoding sequence's drafts are reserved first; then the
+        drafter proposes for all of them at once (a draft model runs batched),
+        and entries shrink to the drafts it actually proposed.
+        """
+        budget, copies, entries, wanted = self.max_tokens, [], [], []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = self._drafts(seq)
-            length = min(len(seq.tokens) - seq.num_computed + len(drafts), budget)
-            drafts = drafts[:max(0, length - (len(seq.tokens) - seq.num_computed))]
+            todo = len(seq.tokens) - seq.num_computed
+            length = min(todo + self._num_drafts(seq), budget)
             if not self._reserve(seq, seq.num_computed, seq.num_computed + length, copies):
                 victim = self.running[-1]
                 self._preempt(victim)
                 continue
-            entries.append(self._entry(seq, length, drafts))
+            entries.append(Scheduled(seq, seq.num_computed, length, [], False))
+            wanted.append(max(0, length - todo))
             budget -= length
             i += 1
+        if any(wanted):
+            drafting = [(e, k) for e, k in zip(entries, wanted) if k]
+            proposals = self.drafter.propose([e.seq for e, _ in drafting], [k for _, k in drafting], copies)
+            for (e, k), drafts in zip(drafting, proposals):
+                e.drafts = list(drafts[:k])
+                e.length -= k - len(e.drafts)
+        entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self.prefix_cache is not None and not seq.block_table:
