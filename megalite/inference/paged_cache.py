@@ -94,8 +94,7 @@ class _Bucket:
     ``blocks_index``: their block ids (padding: block 0, masked); ``queries``:
     packed rows of their queries (padding: row 0); ``rows``/``tokens``: which
     padded query rows are real and the packed rows they fill; ``bias``: 0 or
-    -inf per (query, key), laid out ``[n, 1, q, keys]`` to broadcast over the
-    heads of a group.
+    -inf per (query, key), ``[n, q, keys]``.
     """
 
     def __init__(self, members, plan: StepPlan, offsets: list[int], block_size: int, device):
@@ -114,11 +113,20 @@ class _Bucket:
         allowed = key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]
         allowed[:, :, 0] |= ~has_query
         bias = torch.zeros(self.n, self.q, keys).masked_fill_(~allowed, float("-inf"))
-        self.bias = bias.unsqueeze(1).to(device)
+        self.bias = bias.to(device)
+        self.expanded: torch.Tensor | None = None
+
         tokens = first[:, None] + query_pos[None, :]
         self.queries = torch.where(has_query, tokens, 0).flatten().to(device)
         self.rows = has_query.flatten().nonzero().squeeze(1).to(device)
         self.tokens = tokens[has_query].to(device)
+
+    def bias_for(self, groups: int, per_group: int) -> torch.Tensor:
+        """The bias laid out like the scores, ``[groups * n, per_group * q, keys]`` (built once, for every layer)."""
+        if self.expanded is None:
+            bias = self.bias[None, :, None].expand(groups, self.n, per_group, self.q, self.bias.shape[-1])
+            self.expanded = bias.reshape(groups * self.n, per_group * self.q, -1)
+        return self.expanded
 
 
 class _Chunk:
@@ -175,9 +183,9 @@ class PagedStep:
             value = torch.index_select(values, 1, b.blocks_index, out=self.pool.buffer("v", size, values).view(
                 groups, n * b.blocks, bs, d)).view(groups * n, width, d)
             query = q.index_select(0, b.queries).view(n, nq, groups, per_group, d).permute(2, 0, 3, 1, 4)
-            scores = torch.matmul(query.reshape(groups * n, per_group * nq, d), key.transpose(1, 2))
-            scores = scores.view(groups, n, per_group, nq, width).mul_(d ** -0.5).add_(b.bias).softmax(dim=-1)
-            context = torch.bmm(scores.view(groups * n, per_group * nq, width), value)
+            scores = torch.baddbmm(b.bias_for(groups, per_group), query.reshape(groups * n, per_group * nq, d),
+                                   key.transpose(1, 2), alpha=d ** -0.5).softmax(dim=-1)
+            context = torch.bmm(scores, value)
             context = context.view(groups, n, per_group, nq, d).permute(1, 3, 0, 2, 4).reshape(n * nq, heads * d)
             out[b.tokens] = context.index_select(0, b.rows)
         for c in self.chunks:
