@@ -72,7 +72,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "generated_tokens": 0}
+        self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
+                      "generated_tokens": 0}
 
     # ---- requests (TP rank 0) ----------------------------------------------------------------------------------
 
@@ -208,6 +209,7 @@ class LLMEngine:
                 if k:
                     self.stats["target_forwards_decoding"] += 1
                     self.stats["tokens_from_decoding"] += len(tokens)
+                    self.stats["draft_tokens"] += k
                 self._emit(seq, tokens, rows)
                 targets = [seq]
             for s in targets:

@@ -82,7 +82,7 @@ class Scheduler:
         for block in seq.block_table:
             self.allocator.release(block)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cached_blocks = 0
         if self.drafter is not None:
             self.drafter.forget(seq)
 
@@ -109,8 +109,9 @@ class Scheduler:
         """The next step's plan (empty when nothing can run) and who is in it.
 
         Blocks for each decoding sequence's drafts are reserved first; then the
-        drafter proposes for all of them at once (a draft model runs batched),
-        and entries shrink to the drafts it actually proposed.
+        drafter follows the step's copy-on-write copies and proposes for all of
+        them at once (a draft model runs batched), and entries shrink to the
+        drafts it actually proposed.
         """
         budget, copies, entries, wanted = self.max_tokens, [], [], []
         i = 0
@@ -126,9 +127,12 @@ class Scheduler:
             wanted.append(max(0, length - todo))
             budget -= length
             i += 1
+        applied = len(copies)
+        if self.drafter is not None:
+            self.drafter.copy_blocks(copies)
         if any(wanted):
             drafting = [(e, k) for e, k in zip(entries, wanted) if k]
-            proposals = self.drafter.propose([e.seq for e, _ in drafting], [k for _, k in drafting], copies)
+            proposals = self.drafter.propose([e.seq for e, _ in drafting], [k for _, k in drafting])
             for (e, k), drafts in zip(drafting, proposals):
                 e.drafts = list(drafts[:k])
                 e.length -= k - len(e.drafts)
@@ -146,6 +150,8 @@ class Scheduler:
             self.running.append(seq)
             entries.append(self._entry(seq, length, []))
             budget -= length
+        if self.drafter is not None:
+            self.drafter.copy_blocks(copies[applied:])
         return self._plan(entries, copies), entries
 
     def _entry(self, seq: Sequence, length: int, drafts: list[int]) -> Scheduled:
@@ -170,16 +176,18 @@ class Scheduler:
         return plan
 
     def finish(self, seq: Sequence) -> None:
-        """Cache the finished sequence's full blocks and release them."""
-        self.cache_blocks(seq)
+        """Cache the finished sequence's full blocks (refreshing their recency) and release them."""
+        self.cache_blocks(seq, force=True)
         self.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def cache_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's fully computed blocks to the prefix cache."""
+    def cache_blocks(self, seq: Sequence, force: bool = False) -> None:
+        """Offer the sequence's fully computed blocks to the prefix cache when one more is full (or ``force``)."""
         if self.prefix_cache is not None:
             full = seq.num_computed // self.block_size
-            self.prefix_cache.insert(seq.tokens, seq.block_table, full)
+            if force or full > seq.num_cached_blocks:
+                self.prefix_cache.insert(seq.tokens, seq.block_table, full)
+                seq.num_cached_blocks = full

@@ -25,8 +25,8 @@ class NgramDrafter:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs, ks: list[int], copies: list[tuple[int, int]]) -> list[list[int]]:
-        """Up to ``ks[i]`` drafts for ``seqs[i]`` (``copies``: the step's copy-on-write blocks, unused here)."""
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+        """Up to ``ks[i]`` drafts for ``seqs[i]``."""
         return [self._lookup(seq.tokens, k) for seq, k in zip(seqs, ks)]
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
@@ -36,6 +36,9 @@ class NgramDrafter:
                 if tokens[start:start + n] == suffix:
                     return tokens[start + n:start + n + k]
         return []
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """No KV to copy."""
 
     def forget(self, seq) -> None:
         """Nothing is kept per sequence."""
@@ -69,10 +72,13 @@ class DraftModelDrafter:
                            mc.kv_channels, param.dtype, self.device)
         self.cached: dict[int, list[int]] = {}
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Follow the target's copy-on-write copies, so cached draft keys move with their blocks."""
+        self.pool.copy_blocks(pairs)
+
     @torch.inference_mode()
-    def propose(self, seqs, ks: list[int], copies: list[tuple[int, int]]) -> list[list[int]]:
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
         """``ks[i]`` greedy drafts for ``seqs[i]``, whose blocks already cover the positions drafting writes."""
-        self.pool.copy_blocks(copies)
         starts, feeds = [], []
         for seq in seqs:
             tokens, cached = seq.tokens, self.cached.get(id(seq), [])
