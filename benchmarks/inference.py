@@ -180,8 +180,9 @@ def main():
         def row(name, times, tokens, outs=None):
             wall, cpu = times
             same = "" if outs is None else f"{sum(a == b for a, b in zip(engine_out, outs))}/{len(work)}"
-            print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {(useful / t_engine[1]) / (tokens / cpu):8.2f} "
-                  f"{(useful / t_engine[0]) / (tokens / wall):8.2f} {same:>6s}", flush=True)
+            cpu_x, wall_x = (useful / t_engine[1]) / (tokens / cpu), (useful / t_engine[0]) / (tokens / wall)
+            print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {cpu_x:8.2f} {wall_x:8.2f} {same:>6s}",
+                  flush=True)
 
         row("megalite engine", t_engine, useful)
         batches = [int(b) for b in args.batches.split(",")]

@@ -121,11 +121,11 @@ class _Bucket:
         self.rows = has_query.flatten().nonzero().squeeze(1).to(device)
         self.tokens = tokens[has_query].to(device)
 
-    def bias_for(self, groups: int, per_group: int) -> torch.Tensor:
+    def bias_for(self, groups: int, per_group: int, dtype: torch.dtype) -> torch.Tensor:
         """The bias laid out like the scores, ``[groups * n, per_group * q, keys]`` (built once, for every layer)."""
         if self.expanded is None:
             bias = self.bias[None, :, None].expand(groups, self.n, per_group, self.q, self.bias.shape[-1])
-            self.expanded = bias.reshape(groups * self.n, per_group * self.q, -1)
+            self.expanded = bias.reshape(groups * self.n, per_group * self.q, -1).to(dtype)
         return self.expanded
 
 
@@ -183,7 +183,7 @@ class PagedStep:
             value = torch.index_select(values, 1, b.blocks_index, out=self.pool.buffer("v", size, values).view(
                 groups, n * b.blocks, bs, d)).view(groups * n, width, d)
             query = q.index_select(0, b.queries).view(n, nq, groups, per_group, d).permute(2, 0, 3, 1, 4)
-            scores = torch.baddbmm(b.bias_for(groups, per_group), query.reshape(groups * n, per_group * nq, d),
+            scores = torch.baddbmm(b.bias_for(groups, per_group, q.dtype), query.reshape(groups * n, per_group * nq, d),
                                    key.transpose(1, 2), alpha=d ** -0.5).softmax(dim=-1)
             context = torch.bmm(scores, value)
             context = context.view(groups, n, per_group, nq, d).permute(1, 3, 0, 2, 4).reshape(n * nq, heads * d)
