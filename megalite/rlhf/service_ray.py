@@ -1,0 +1,134 @@
+"""``backend="ray"``: TrainingService workers as Ray actors, on this machine or across a Ray cluster.
+
+Each worker is a single-threaded actor (one CPU, or one GPU with ``with_gpus``), so it runs its calls in the
+order the driver sent them.  The driver connects to the Ray cluster that is already initialized, or starts a
+local one, which it then also stops on close.  An actor that dies makes its calls' results raise
+``RayActorError``; that is how a dead worker is noticed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from megalite.rlhf.service_config import ServiceSpec
+from megalite.rlhf.service_transport import Reply, Transport
+from megalite.rlhf.service_worker import ServiceWorker
+
+CLOSE_SECONDS = 60.0  # how long close() waits for the actors to be gone
+
+
+class _Actor:
+    """The Ray actor around one :class:`ServiceWorker`."""
+
+    def __init__(self, rank: int, spec: ServiceSpec):
+        self.worker = ServiceWorker(rank, spec)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def call(self, call_id: int, method: str, payload) -> Reply:
+        ok, value = self.worker.handle(method, payload)
+        return call_id, self.worker.rank, ok, value
+
+
+class RayTransport(Transport):
+    def __init__(self, spec: ServiceSpec, procs: int):
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(num_cpus=max(procs, os.cpu_count() or 1), include_dashboard=False)
+        try:
+            self._check_resources(spec, procs)
+        except ValueError:
+            self._stop_ray()
+            raise
+        self.host = ray.util.get_node_ip_address()
+        actor = ray.remote(_Actor).options(num_cpus=1, num_gpus=1 if spec.with_gpus else 0, max_restarts=0,
+                                           runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        self._actors = [actor.remote(rank, spec) for rank in range(procs)]
+        self._pid_refs = [a.pid.remote() for a in self._actors]
+        self._calls: dict[ray.ObjectRef, tuple[int, int]] = {}  # result -> (call id, rank)
+        self._dead: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _check_resources(spec: ServiceSpec, procs: int) -> None:
+        resources = ray.cluster_resources()
+        for name, need in (("CPU", procs), ("GPU", procs if spec.with_gpus else 0)):
+            if resources.get(name, 0) < need:
+                raise ValueError(f"backend='ray' needs {need} {name}s (one per worker), the Ray cluster has "
+                                 f"{resources.get(name, 0):g}")
+
+    def send(self, call_id: int, method: str, payload) -> None:
+        argument = ray.put(payload)  # serialized once, read by every worker
+        with self._lock:
+            for rank, actor in enumerate(self._actors):
+                self._calls[actor.call.remote(call_id, method, argument)] = (call_id, rank)
+
+    def receive(self, timeout: float) -> list[Reply]:
+        with self._lock:
+            waiting = list(self._calls)
+        if not waiting:
+            time.sleep(timeout)
+            return []
+        done, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
+        if done:
+            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+        replies = []
+        for ref in done:
+            with self._lock:
+                call_id, rank = self._calls.pop(ref)
+            try:
+                replies.append(ray.get(ref))
+            except RayActorError as error:
+                self._dead.setdefault(rank, f"{self._where(rank)} died: {_reason(error)}")
+            except RayError as error:  # the call itself failed in Ray (e.g. its payload did not arrive)
+                replies.append((call_id, rank, False, _reason(error)))
+        return replies
+
+    def casualties(self) -> list[tuple[int, str]]:
+        return sorted(self._dead.items())
+
+    def kill(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+
+    def close(self) -> None:
+        """Kill the actors (they have answered ``shutdown``, or failed), wait until Ray reports them dead."""
+        self.kill()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for actor in self._actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.pid.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                except (RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                time.sleep(0.1)  # the kill has not reached the actor yet
+        self._stop_ray()
+
+    def _stop_ray(self) -> None:
+        if self._owns_ray:
+            ray.shutdown()
+
+    @property
+    def pids(self) -> list[int]:
+        return ray.get(self._pid_refs)
+
+    def _where(self, rank: int) -> str:
+        ready, _ = ray.wait([self._pid_refs[rank]], timeout=0)
+        pid = "unknown"
+        if ready:
+            try:
+                pid = ray.get(ready[0])
+            except RayError:
+                pass
+        return f"(pid {pid}, Ray actor {self._actors[rank]._actor_id.hex()})"
+
+
+def _reason(error: RayError) -> str:
+    """The first line of Ray's explanation."""
+    return str(error).strip().splitlines()[0]
