@@ -28,8 +28,10 @@ class _Actor:
     def __init__(self, rank: int, spec: ServiceSpec):
         self.worker = ServiceWorker(rank, spec)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def place(self) -> tuple[str, str, int]:
+        """This actor's Ray node id, actor id and process id."""
+        context = ray.get_runtime_context()
+        return context.get_node_id(), context.get_actor_id(), os.getpid()
 
     def call(self, call_id: int, method: str, payload) -> Reply:
         ok, value = self.worker.handle(method, payload)
@@ -50,7 +52,7 @@ class RayTransport(Transport):
         actor = ray.remote(_Actor).options(num_cpus=1, num_gpus=1 if spec.with_gpus else 0, max_restarts=0,
                                            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         self._actors = [actor.remote(rank, spec) for rank in range(procs)]
-        self._pid_refs = [a.pid.remote() for a in self._actors]
+        self._places = [a.place.remote() for a in self._actors]
         self._calls: dict[ray.ObjectRef, tuple[int, int]] = {}  # result -> (call id, rank)
         self._dead: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -98,16 +100,23 @@ class RayTransport(Transport):
             ray.kill(actor, no_restart=True)
 
     def close(self) -> None:
-        """Kill the actors (they have answered ``shutdown``, or failed), wait until Ray reports them dead."""
+        """Kill the actors (they have answered ``shutdown``, or failed); return once they are gone.
+
+        Gone means Ray reports the actor dead and, for an actor on the driver's node, its process was reaped.
+        """
         self.kill()
+        here = ray.get_runtime_context().get_node_id()
         deadline = time.monotonic() + CLOSE_SECONDS
-        for actor in self._actors:
+        for actor, place in zip(self._actors, self._places):
             while time.monotonic() < deadline:
                 try:
-                    ray.get(actor.pid.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    ray.get(actor.place.remote(), timeout=max(deadline - time.monotonic(), 0.1))
                 except (RayActorError, ray.exceptions.GetTimeoutError):
                     break
                 time.sleep(0.1)  # the kill has not reached the actor yet
+            node, _, pid = self._known(place) or (None, None, None)
+            while node == here and _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
         self._stop_ray()
 
     def _stop_ray(self) -> None:
@@ -116,19 +125,31 @@ class RayTransport(Transport):
 
     @property
     def pids(self) -> list[int]:
-        return ray.get(self._pid_refs)
+        return [pid for _, _, pid in ray.get(self._places)]
+
+    @staticmethod
+    def _known(place: ray.ObjectRef) -> tuple[str, str, int] | None:
+        """An actor's ``(node, actor id, pid)`` if it reported them (it may have died first)."""
+        ready, _ = ray.wait([place], timeout=0)
+        try:
+            return ray.get(ready[0]) if ready else None
+        except RayError:
+            return None
 
     def _where(self, rank: int) -> str:
-        ready, _ = ray.wait([self._pid_refs[rank]], timeout=0)
-        pid = "unknown"
-        if ready:
-            try:
-                pid = ray.get(ready[0])
-            except RayError:
-                pass
-        return f"(pid {pid}, Ray actor {self._actors[rank]._actor_id.hex()})"
+        _, actor, pid = self._known(self._places[rank]) or (None, "unknown", "unknown")
+        return f"(pid {pid}, Ray actor {actor})"
 
 
 def _reason(error: RayError) -> str:
     """The first line of Ray's explanation."""
     return str(error).strip().splitlines()[0]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is still in this machine's process table (a zombie counts until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
