@@ -71,7 +71,12 @@ class _Options:
         resolve_objective(loss_fn)
         spec = ServiceSpec(model, optimizer, loss_fn, parallel, checkpoint_dir, seed, self.with_gpus)
         transport = _transport(self.backend, spec, self.procs)
-        service = TrainingService(spec, transport, self.procs, self.timeout, asyncio.get_running_loop())
+        try:
+            service = TrainingService(spec, transport, self.procs, self.timeout, asyncio.get_running_loop())
+        except BaseException:
+            transport.kill()
+            transport.close()
+            raise
         try:
             await service._call("ready", service._rendezvous, deadline=max(self.timeout, STARTUP_SECONDS))
         except BaseException:

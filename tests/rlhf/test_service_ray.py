@@ -1,6 +1,7 @@
 """TrainingService with ``backend="ray"`` on a local CPU Ray cluster: the same calls give exactly the local
 backend's losses, weights and checkpoints; a killed actor fails pending and later calls with the worker's name
-and last message; shutdown leaves no worker process, and stops Ray only if the service started it."""
+and last message; shutdown leaves no worker process, and stops Ray only if the service started it; a cluster
+too small for the workers is one clear error."""
 
 import asyncio
 import os
@@ -25,6 +26,10 @@ async def _service(backend, path):
 
 
 async def _ray_equals_local(tmp_path):
+    with pytest.raises(ValueError, match=r"backend='ray' needs 4 CPUs \(one per worker\), the Ray cluster has 2"):
+        await TrainingService.options(procs=4, backend="ray").as_service(
+            model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(tp=2, dp=2),
+            checkpoint_dir=str(tmp_path / "big"))
     remote, local = await asyncio.gather(_service("ray", tmp_path / "ray"), _service("local", tmp_path / "local"))
     losses = {}
     for name, service in (("ray", remote), ("local", local)):
