@@ -1,9 +1,10 @@
 """``backend="ray"``: TrainingService workers as Ray actors, on this machine or across a Ray cluster.
 
 Each worker is a single-threaded actor (one CPU, or one GPU with ``with_gpus``), so it runs its calls in the
-order the driver sent them.  The driver connects to the Ray cluster that is already initialized, or starts a
-local one, which it then also stops on close.  An actor that dies makes its calls' results raise
-``RayActorError``; that is how a dead worker is noticed.
+order the driver sent them.  The driver uses the Ray connection this process already has; without one it
+connects to the cluster ``RAY_ADDRESS`` names or else starts a local cluster, and on close it disconnects
+again (stopping a cluster it started).  An actor that dies makes its calls' results raise ``RayActorError``;
+that is how a dead worker is noticed.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ class _Actor:
 class RayTransport(Transport):
     def __init__(self, spec: ServiceSpec, procs: int):
         self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(num_cpus=max(procs, os.cpu_count() or 1), include_dashboard=False)
+        if self._owns_ray and "RAY_ADDRESS" in os.environ:  # e.g. a script run by `ray job submit`
+            ray.init()
+        elif self._owns_ray:
+            ray.init(address="local", num_cpus=procs, include_dashboard=False)  # as many CPUs as workers
         try:
             self._check_resources(spec, procs)
         except ValueError:
             self._stop_ray()
             raise
         self.host = ray.util.get_node_ip_address()
+        threads = os.environ.get("OMP_NUM_THREADS", "1")  # torchrun's default, unless the driver sets one
         actor = ray.remote(_Actor).options(num_cpus=1, num_gpus=1 if spec.with_gpus else 0, max_restarts=0,
-                                           runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+                                           runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})
         self._actors = [actor.remote(rank, spec) for rank in range(procs)]
         self._places = [a.place.remote() for a in self._actors]
         self._calls: dict[ray.ObjectRef, tuple[int, int]] = {}  # result -> (call id, rank)

@@ -53,7 +53,7 @@ async def _ray_equals_local(tmp_path):
 
 
 def test_ray_backend_equals_local(tmp_path):
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         asyncio.run(asyncio.wait_for(_ray_equals_local(tmp_path), DEADLINE))
     finally:
