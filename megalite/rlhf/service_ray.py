@@ -60,6 +60,7 @@ class RayTransport(Transport):
         self._calls: dict[ray.ObjectRef, tuple[int, int]] = {}  # result -> (call id, rank)
         self._dead: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._sent = threading.Event()  # wakes receive() when it had nothing to wait for
 
     @staticmethod
     def _check_resources(spec: ServiceSpec, procs: int) -> None:
@@ -74,12 +75,14 @@ class RayTransport(Transport):
         with self._lock:
             for rank, actor in enumerate(self._actors):
                 self._calls[actor.call.remote(call_id, method, argument)] = (call_id, rank)
+        self._sent.set()
 
     def receive(self, timeout: float) -> list[Reply]:
         with self._lock:
             waiting = list(self._calls)
         if not waiting:
-            time.sleep(timeout)
+            self._sent.wait(timeout)
+            self._sent.clear()
             return []
         done, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
         if done:
