@@ -2,8 +2,8 @@
 
 Each worker is a single-threaded actor (one CPU, or one GPU with ``with_gpus``), so it runs its calls in the
 order the driver sent them.  The driver uses the Ray connection this process already has; without one it
-connects to the cluster ``RAY_ADDRESS`` names or else starts a local cluster, and on close it disconnects
-again (stopping a cluster it started).  An actor that dies makes its calls' results raise ``RayActorError``;
+connects to the cluster ``RAY_ADDRESS`` names or else starts a local cluster, and when the last service on
+that connection closes it disconnects again (stopping a cluster it started).  An actor that dies makes its calls' results raise ``RayActorError``;
 that is how a dead worker is noticed.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import ClassVar
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -40,12 +41,18 @@ class _Actor:
 
 
 class RayTransport(Transport):
+    # The open transports on the Ray connection that one of them made: it is process-wide, like Ray's own
+    # state, so that the last of them to close disconnects (an actor and a critic service may share it).
+    _riders: ClassVar[set[int]] = set()
+
     def __init__(self, spec: ServiceSpec, procs: int):
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray and "RAY_ADDRESS" in os.environ:  # e.g. a script run by `ray job submit`
+        self._owns_ray = not ray.is_initialized() or bool(RayTransport._riders)
+        if not ray.is_initialized() and "RAY_ADDRESS" in os.environ:  # e.g. a script run by `ray job submit`
             ray.init()
-        elif self._owns_ray:
-            ray.init(address="local", num_cpus=procs, include_dashboard=False)  # as many CPUs as workers
+        elif not ray.is_initialized():
+            ray.init(address="local", num_cpus=max(procs, os.cpu_count() or 1), include_dashboard=False)
+        if self._owns_ray:
+            RayTransport._riders.add(id(self))
         try:
             self._check_resources(spec, procs)
         except ValueError:
@@ -127,7 +134,8 @@ class RayTransport(Transport):
         self._stop_ray()
 
     def _stop_ray(self) -> None:
-        if self._owns_ray:
+        RayTransport._riders.discard(id(self))
+        if self._owns_ray and not RayTransport._riders:
             ray.shutdown()
 
     @property
