@@ -160,6 +160,7 @@ class TrainingService:
                 self._settle(future, RuntimeError(f"TrainingService shut down before {method} finished"))
             self._reader.join()
             self._transport.close()
+            self._store = None  # closes the rendezvous port
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
