@@ -1,0 +1,138 @@
+"""Placement and offload in examples/rlhf_ppo.py: with --offload-frozen-models --offload-optimizer (PPO with a
+critic, a target critic on the host, a reward model and the reference) the losses, rewards and updated weights
+are bit-identical to the run without, and each phase's logged device bytes fall by exactly what the plan
+parks in that phase (+-5%): the frozen models and the optimizer state in generation, the optimizer state in
+scoring, the frozen models in training.  On a GPU the allocator's per-phase peaks fall by the same bytes and
+the pool is pinned.  Bad placement input fails with one clear error."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import save_checkpoint
+from megalite.data.tokenizer import ByteTokenizer
+from megalite.models import GPTConfig
+from megalite.rlhf import CriticModel, PolyakTarget
+from megalite.rlhf.placement import OffloadConfig, Placement
+from megalite.testing import run_distributed
+from tests.rlhf.test_example import _module
+
+ARGV = ["--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2", "--train-iters", "3",
+        "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size", "8", "--ppo-epochs", "2",
+        "--target-critic-tau", "0.5", "--tensorboard-dir", ""]
+OFFLOAD = ["--offload-frozen-models", "--offload-optimizer"]
+
+
+def _bytes(tensors, gpu: bool) -> int:
+    """Bytes of ``tensors``; on a GPU as the caching allocator counts them (blocks of 512 bytes)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return sum(-(-size // 512) * 512 for size in sizes) if gpu else sum(sizes)
+
+
+def _run(argv, directory):
+    """The example without and with offload; per run the final weights, the bytes the plan parks and (rank 0)
+    the metrics records."""
+    module = _module()
+    build = module.build_placement
+    results = {}
+    for name, extra in (("plain", []), ("offload", OFFLOAD)):
+        placements = []
+        module.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]
+        path = os.path.join(directory, f"{name}.jsonl")
+        assert module.main(argv + extra + ["--metrics-file", path]) == 0
+        models = placements[0].models
+        gpu = placements[0].device.type == "cuda"
+        weights = {f"{m}.{k}": v.detach().cpu().clone() for m in ("actor", "critic")
+                   for k, v in models[m].module.state_dict().items()}
+        weights.update({f"target.{k}": v.clone() for k, v in models["target critic"].target.params.items()})
+        frozen = [t for m in ("reference", "reward model", "target critic")
+                  for t in [*models[m].module.parameters(), *models[m].module.buffers()]]
+        state = [t for m in ("actor", "critic") for s in models[m].optimizer.optimizer.state.values()
+                 for t in s.values() if t.numel() > 1]
+        results[name] = {"weights": weights, "frozen": _bytes(frozen, gpu), "optimizer": _bytes(state, gpu),
+                         "target_params": _bytes(models["target critic"].target.params.values(), gpu),
+                         "pinned": [t.is_pinned() for m in models.values() for o in m.offloaders.values()
+                                    for t in o.pool_tensors()],
+                         "records": [json.loads(line) for line in open(path)] if dist.get_rank() == 0 else None}
+    return results
+
+
+def _check(results):
+    plain, offload = results[0]["plain"], results[0]["offload"]
+    for rank in results:
+        assert rank["plain"]["weights"].keys() == rank["offload"]["weights"].keys()
+        for key, value in rank["plain"]["weights"].items():
+            assert torch.equal(value, rank["offload"]["weights"][key]), key
+    numbers = [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))} for r in plain["records"]]
+    assert numbers == [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))}
+                       for r in offload["records"]]
+    assert [r["iteration"] for r in numbers] == [1, 2, 3] and all("value_loss" in r for r in numbers)
+    frozen, optimizer = offload["frozen"], offload["optimizer"]
+    assert frozen > 0 and optimizer > 0
+    parked = {"generation": frozen + optimizer, "scoring": optimizer, "training": frozen}
+    gpu = "mem_generation_peak_bytes" in plain["records"][0]
+    kinds = ["device", "peak"] if gpu else ["device"]
+    for before, after in zip(plain["records"][1:], offload["records"][1:]):  # optimizer state exists from here
+        for phase, expected in parked.items():
+            for kind in kinds:
+                drop = before[f"mem_{phase}_{kind}_bytes"] - after[f"mem_{phase}_{kind}_bytes"]
+                assert abs(drop - expected) <= 0.05 * expected, (phase, kind, drop, expected)
+            # The pool gains what is parked, except the target's weights, whose pool is the Polyak master.
+            gained = after[f"mem_{phase}_pool_bytes"] - before[f"mem_{phase}_pool_bytes"]
+            wanted = frozen - offload["target_params"] + optimizer
+            assert abs(gained - wanted) <= 0.05 * wanted, (phase, gained, wanted)
+    assert offload["pinned"] and all(offload["pinned"]) == gpu
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """A reward-model checkpoint (an untrained critic over the example's byte vocabulary)."""
+    path = str(tmp_path_factory.mktemp("reward_model"))
+    config = GPTConfig(vocab_size=ByteTokenizer().vocab_size, num_layers=1, hidden_size=16, num_attention_heads=2,
+                       max_position_embeddings=16, make_vocab_size_divisible_by=8)
+    save_checkpoint(path, 0, [CriticModel(config)])
+    return path
+
+
+def test_offload_keeps_numbers_and_frees_what_the_plan_parks(tmp_path, reward_model):
+    argv = ARGV + ["--tensor-model-parallel-size", "2", "--reward-model", reward_model]
+    _check(run_distributed(_run, 2, argv, str(tmp_path), timeout=240))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_offload_on_one_gpu(tmp_path, reward_model):
+    argv = ARGV + ["--tensor-model-parallel-size", "1", "--reward-model", reward_model]
+    _check(run_distributed(_run, 1, argv, str(tmp_path), timeout=240))
+
+
+def test_bad_placement_input():
+    module = _module()
+    for extra, message in ((["--target-critic-tau", "0.5", "--advantage-estimator", "grpo"], "needs --advantage"),
+                           (["--target-critic-tau", "0"], r"rate in \(0, 1\]")):
+        with pytest.raises(ValueError, match=message):
+            module.validate(module.parse_args(["--tensor-model-parallel-size", "1"] + extra), 1)
+    placement = Placement(OffloadConfig(offload_frozen_models=True), "cpu")
+    critic = CriticModel(GPTConfig(vocab_size=16, num_layers=1, hidden_size=8, num_attention_heads=2))
+    placement.add_frozen("reference", critic)
+    with pytest.raises(ValueError, match="already has a model named 'reference'"):
+        placement.add_frozen("reference", critic)
+    with pytest.raises(ValueError, match=r"phases \['rollout'\] must be a non-empty subset"):
+        placement.add_frozen("reward model", critic, phases=("rollout",))
+    with pytest.raises(ValueError, match="must be a PolyakTarget, got CriticModel"):
+        placement.add_target("target", critic, critic)
+    with pytest.raises(ValueError, match="'reference' is a frozen model, not a target"):
+        placement.update_target("reference", critic)
+    with pytest.raises(ValueError, match="unknown phase 'rollout'"):
+        with placement.phase("rollout"):
+            pass
+    with pytest.raises(RuntimeError, match="phase 'training' started inside phase 'scoring'"):
+        with placement.phase("scoring"), placement.phase("training"):
+            pass
+    placement.add_target("target", CriticModel(critic.config), PolyakTarget(critic, 0.5))
+    rows = [line.split() for line in placement.table().splitlines()[1:]]
+    assert rows[0] == ["model", "state", "generation", "scoring", "training"]
+    assert ["reference", "weights", "pool", "device", "pool"] in rows
+    assert ["target", "polyak", "master", "pool", "pool", "pool"] in rows
