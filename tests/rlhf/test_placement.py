@@ -24,6 +24,7 @@ ARGV = ["--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2", "--
         "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size", "8", "--ppo-epochs", "2",
         "--target-critic-tau", "0.5", "--tensorboard-dir", ""]
 OFFLOAD = ["--offload-frozen-models", "--offload-optimizer"]
+SERVED = ["--use-centralized-critic", "--critic-topk", "4", "--distill-coef", "0.1"]
 
 
 def _bytes(tensors, gpu: bool) -> int:
@@ -32,44 +33,59 @@ def _bytes(tensors, gpu: bool) -> int:
     return sum(-(-size // 512) * 512 for size in sizes) if gpu else sum(sizes)
 
 
-def _run(argv, directory):
-    """The example without and with offload; per run the final weights, the bytes the plan parks and (rank 0)
-    the metrics records."""
+def _run(argv, directory, owner):
+    """Two scenarios (a local reward model; a centralized reward model and teacher on rank ``owner``, moved in
+    per request), each without and with offload: the final weights, the bytes the plan parks, whether the
+    on-demand models are parked at the end, and (rank 0) the metrics records."""
     module = _module()
     build = module.build_placement
     results = {}
-    for name, extra in (("plain", []), ("offload", OFFLOAD)):
-        placements = []
-        module.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]
-        path = os.path.join(directory, f"{name}.jsonl")
-        assert module.main(argv + extra + ["--metrics-file", path]) == 0
-        models = placements[0].models
-        gpu = placements[0].device.type == "cuda"
-        weights = {f"{m}.{k}": v.detach().cpu().clone() for m in ("actor", "critic")
-                   for k, v in models[m].module.state_dict().items()}
-        weights.update({f"target.{k}": v.clone() for k, v in models["target critic"].target.params.items()})
-        frozen = [t for m in ("reference", "reward model", "target critic")
-                  for t in [*models[m].module.parameters(), *models[m].module.buffers()]]
-        state = [t for m in ("actor", "critic") for s in models[m].optimizer.optimizer.state.values()
-                 for t in s.values() if t.numel() > 1]
-        results[name] = {"weights": weights, "frozen": _bytes(frozen, gpu), "optimizer": _bytes(state, gpu),
-                         "target_params": _bytes(models["target critic"].target.params.values(), gpu),
-                         "pinned": [t.is_pinned() for m in models.values() for o in m.offloaders.values()
-                                    for t in o.pool_tensors()],
-                         "records": [json.loads(line) for line in open(path)] if dist.get_rank() == 0 else None}
+    for scenario, scenario_argv in (("local", []), ("served", SERVED + ["--critic-owner-rank", str(owner)])):
+        for name, extra in (("plain", []), ("offload", OFFLOAD)):
+            placements = []
+            module.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]
+            path = os.path.join(directory, f"{scenario}-{name}.jsonl")
+            assert module.main(argv + scenario_argv + extra + ["--metrics-file", path]) == 0
+            results[scenario, name] = _summary(placements[0], path)
     return results
 
 
-def _check(results):
-    plain, offload = results[0]["plain"], results[0]["offload"]
+def _summary(placement, metrics_path) -> dict:
+    models, gpu = placement.models, placement.device.type == "cuda"
+    weights = {f"{m}.{k}": v.detach().cpu().clone() for m in ("actor", "critic")
+               for k, v in models[m].module.state_dict().items()}
+    weights.update({f"target.{k}": v.clone() for k, v in models["target critic"].target.params.items()})
+    phase_moved = [m for m in models.values() if m.kind != "trained" and not m.on_demand]
+    frozen = [t for m in phase_moved for t in [*m.module.parameters(), *m.module.buffers()]]
+    state = [t for m in models.values() if m.optimizer is not None
+             for s in m.optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
+    on_demand = {m.name: all(p.data_ptr() == m.offloaders["weights"].pool[n].data_ptr()
+                             for n, p in m.module.named_parameters())
+                 for m in models.values() if m.on_demand and m.offloaders}
+    return {"weights": weights, "frozen": _bytes(frozen, gpu), "optimizer": _bytes(state, gpu),
+            "target_params": _bytes(models["target critic"].target.params.values(), gpu),
+            "pinned": [t.is_pinned() for m in models.values() for o in m.offloaders.values() for t in o.pool_tensors()],
+            "on_demand_parked": on_demand,
+            "records": [json.loads(line) for line in open(metrics_path)] if dist.get_rank() == 0 else None}
+
+
+def _numbers(records):
+    return [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))} for r in records]
+
+
+def _check(results, owner: int):
     for rank in results:
-        assert rank["plain"]["weights"].keys() == rank["offload"]["weights"].keys()
-        for key, value in rank["plain"]["weights"].items():
-            assert torch.equal(value, rank["offload"]["weights"][key]), key
-    numbers = [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))} for r in plain["records"]]
-    assert numbers == [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))}
-                       for r in offload["records"]]
-    assert [r["iteration"] for r in numbers] == [1, 2, 3] and all("value_loss" in r for r in numbers)
+        for scenario in ("local", "served"):
+            plain, offload = rank[scenario, "plain"]["weights"], rank[scenario, "offload"]["weights"]
+            assert plain.keys() == offload.keys()
+            for key, value in plain.items():
+                assert torch.equal(value, offload[key]), (scenario, key)
+    for scenario in ("local", "served"):
+        numbers = _numbers(results[0][scenario, "plain"]["records"])
+        assert numbers == _numbers(results[0][scenario, "offload"]["records"]), scenario
+        assert [r["iteration"] for r in numbers] == [1, 2, 3] and all("value_loss" in r for r in numbers)
+    assert results[owner]["served", "offload"]["on_demand_parked"] == {"reward model": True, "teacher": True}
+    plain, offload = results[0]["local", "plain"], results[0]["local", "offload"]
     frozen, optimizer = offload["frozen"], offload["optimizer"]
     assert frozen > 0 and optimizer > 0
     parked = {"generation": frozen + optimizer, "scoring": optimizer, "training": frozen}
@@ -99,13 +115,13 @@ def reward_model(tmp_path_factory):
 
 def test_offload_keeps_numbers_and_frees_what_the_plan_parks(tmp_path, reward_model):
     argv = ARGV + ["--tensor-model-parallel-size", "2", "--reward-model", reward_model]
-    _check(run_distributed(_run, 2, argv, str(tmp_path), timeout=240))
+    _check(run_distributed(_run, 2, argv, str(tmp_path), 1, timeout=240), owner=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_offload_on_one_gpu(tmp_path, reward_model):
     argv = ARGV + ["--tensor-model-parallel-size", "1", "--reward-model", reward_model]
-    _check(run_distributed(_run, 1, argv, str(tmp_path), timeout=240))
+    _check(run_distributed(_run, 1, argv, str(tmp_path), 0, timeout=240), owner=0)
 
 
 def test_bad_placement_input():
