@@ -496,8 +496,8 @@ def dp_mean(value: float, topo, device) -> float:
 def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int,
               teacher: TeacherOutput | None = None, value_model=None) -> dict:
     """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``;
-    ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss.  ``value_model``
-    recomputes a stale rollout's values (default: the critic)."""
+    ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss.  ``value_model`` (the
+    critic's chunk or the target critic's, with ``critic``) recomputes a stale rollout's values."""
     staleness = version - rollout["version"]
     if not 0 <= staleness <= args.max_staleness:
         raise RuntimeError(f"rollout of policy version {rollout['version']} is {staleness} updates old at version "
@@ -513,7 +513,7 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
         old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
         batch["is_weights"] = truncated_is_weights(old_log_probs, rollout["rollout_log_probs"], ppo.rollout_is_cap)
         if critic is not None:
-            old_values = pipeline_values(critic.chunk if value_model is None else value_model, micro_batches).to(device)[:, :-1]
+            old_values = pipeline_values(value_model, micro_batches).to(device)[:, :-1]
     scores = shaped_scores(raw_scores.to(device), mask, args)
     rewards, kl = token_rewards(scores, mask, old_log_probs, rollout["ref_log_probs"],
                                 0.0 if ppo.use_kl_loss else ppo.kl_coef, ppo.kl_estimator, ppo.kl_clamp)
