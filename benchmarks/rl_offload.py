@@ -7,10 +7,10 @@ at TP = world (gloo on CPU, NCCL on GPUs).  Four runs: no offload (the peer: eve
 ``--offload-frozen-models``, ``--offload-optimizer`` and both.  Printed per run, on rank 0: each phase's
 device bytes (the models' tensors on the compute device; largest over the iterations after the first, when
 the optimizer state exists) and what it saves against no offload, the pool bytes, the CUDA peak per phase on
-GPU, and the seconds per iteration (mean after the first) with the ratio to no offload: the price of the
+GPU, and the seconds per iteration (median after the first) with the ratio to no offload: the price of the
 copies.  The runs' losses, rewards and weights are identical (tests/rlhf/test_placement.py).
 
-    python benchmarks/rl_offload.py [--world 1] [--hidden-size 256] [--num-layers 4] [--iters 6]
+    python benchmarks/rl_offload.py [--world 1] [--hidden-size 256] [--num-layers 4] [--iters 12]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--iters", type=int, default=12)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         reward_model = os.path.join(directory, "reward_model")
@@ -77,7 +78,7 @@ def main() -> None:
     head += [f"{p} peak" for p in PHASES] if gpu else []
     head += ["s/iteration", "ratio"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    seconds = {name: sum(r["time_iteration_s"] for r in rs) / len(rs) for name, rs in records.items()}
+    seconds = {name: statistics.median(r["time_iteration_s"] for r in rs) for name, rs in records.items()}
     for name in RUNS:
         row = [name]
         for phase in PHASES:
