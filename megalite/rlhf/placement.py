@@ -103,7 +103,7 @@ class Placement:
                 model.offloaders["weights"].offload()
 
     def add_target(self, name: str, module: torch.nn.Module, target: PolyakTarget, phases=("scoring",)) -> None:
-        """A target network: ``target`` (its master copy, on the host) and ``module``, the copy that scores
+        """A target network: ``target`` (its master copy, on the host) and ``module``, the weights that score
         on the device (in ``phases``; parked in between under ``offload_frozen_models``, with the master
         itself as its pool).  :meth:`update_target` moves it."""
         if not isinstance(target, PolyakTarget):
@@ -128,9 +128,8 @@ class Placement:
                 rows.append((model.name, "optimizer", {p: POOL if offloaded and p != "training" else DEVICE
                                                        for p in PHASES}))
                 continue
-            state = "weights (copy)" if model.kind == "target" else "weights"
-            rows.append((model.name, state, {p: DEVICE if p in model.phases or not offloaded else POOL
-                                             for p in PHASES}))
+            rows.append((model.name, "weights", {p: DEVICE if p in model.phases or not offloaded else POOL
+                                                 for p in PHASES}))
             if model.kind == "target":
                 rows.append((model.name, "polyak master", {p: POOL for p in PHASES}))
         return rows
@@ -151,16 +150,11 @@ class Placement:
         return "\n".join([head] + lines)
 
     def _moves(self, phase: str):
-        """``(offloader, wanted)`` for every phase-managed offloader."""
-        for model in self.models.values():
-            if model.on_demand:
-                continue
-            for offloader in model.offloaders.values():
-                if model.kind == "trained":
-                    wanted = DEVICE if phase == "training" else POOL
-                else:
-                    wanted = DEVICE if phase in model.phases else POOL
-                yield offloader, wanted
+        """``(offloader, where the plan wants its state in phase)`` for every phase-managed offloader."""
+        for name, state, where in self.plan():
+            offloader = self.models[name].offloaders.get(state)
+            if offloader is not None and not self.models[name].on_demand:
+                yield offloader, where[phase]
 
     @contextmanager
     def phase(self, name: str):
