@@ -3,7 +3,7 @@ critic, a target critic on the host, a reward model and the reference) the losse
 are bit-identical to the run without, and each phase's logged device bytes fall by exactly what the plan
 parks in that phase (+-5%): the frozen models and the optimizer state in generation, the optimizer state in
 scoring, the frozen models in training.  On a GPU the allocator's per-phase peaks fall by the same bytes; with
-CUDA the pool is pinned.  Bad placement input fails with one clear error."""
+CUDA the pool is pinned.  The pool is allocated once and reused; bad placement input fails with one clear error."""
 
 import json
 import os
@@ -127,7 +127,7 @@ def test_offload_on_one_gpu(tmp_path, reward_model):
     _check(run_distributed(_run, 1, argv, str(tmp_path), 0, timeout=240), owner=0)
 
 
-def test_bad_placement_input():
+def test_placement_moves_and_bad_input():
     module = _module()
     for extra, message in ((["--target-critic-tau", "0.5", "--advantage-estimator", "grpo"], "needs --advantage"),
                            (["--target-critic-tau", "0"], r"rate in \(0, 1\]")):
@@ -155,3 +155,13 @@ def test_bad_placement_input():
     assert rows[0] == ["model", "state", "generation", "scoring", "training"]
     assert ["reference", "weights", "pool", "device", "pool"] in rows
     assert ["target", "polyak", "master", "pool", "pool", "pool"] in rows
+    # The pool is allocated once: every later cycle parks in the same tensors; loads make separate copies.
+    pool = placement.models["reference"].offloaders["weights"].pool
+    for cycle in range(2):
+        for phase in ("generation", "scoring", "training"):
+            with placement.phase(phase):
+                parked = [p.data_ptr() == pool[n].data_ptr() for n, p in critic.named_parameters()]
+                assert parked == [phase != "scoring"] * len(parked), (cycle, phase)
+        if cycle == 0:
+            first = {n: t.data_ptr() for n, t in pool.items()}
+    assert {n: t.data_ptr() for n, t in pool.items()} == first
