@@ -685,7 +685,7 @@ def main(argv=None) -> int:
                                 value_model)
             if target is not None:
                 placement.update_target(TARGET_CRITIC, critic_chunk.module)
-        metrics.update(placement.take_memory())
+        metrics.update(placement.take_metrics())
         if args.use_centralized_critic:
             metrics["critic_staleness"] = float(stream.staleness[-1])
         rollouts.version += 1

@@ -14,7 +14,9 @@ it for that phase, then measures the phase:
 - ``mem_<phase>_pool_bytes``: bytes of the same kind parked in host pools (including the Polyak target's
   master copy), at the same samples;
 - ``mem_<phase>_peak_bytes`` (CUDA only): ``torch.cuda.max_memory_allocated`` over the phase (all
-  allocations of the process: activations and KV caches too), its peak counter reset when the phase starts.
+  allocations of the process: activations and KV caches too), its peak counter reset when the phase starts;
+- ``time_offload_s``: host seconds spent moving state at phase starts (issuing the copies and waiting for
+  the offloads; loads on a GPU overlap what follows).
 
 On CPU the device is the CPU, so a parked tensor moves to a separate pool tensor and stops counting as
 device bytes.  Offloads are waited for before a phase starts, so the memory they free is free in it;
@@ -23,6 +25,7 @@ loads stay asynchronous (the compute stream waits for them on the GPU).
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -72,7 +75,7 @@ class Placement:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.models: dict[str, _Model] = {}
         self._phase: str | None = None
-        self._memory: dict[str, float] = {}
+        self._metrics: dict[str, float] = {}
 
     def _add(self, model: _Model) -> None:
         if model.name in self.models:
@@ -163,6 +166,7 @@ class Placement:
             raise ValueError(f"unknown phase {name!r}; phases are {list(PHASES)}")
         if self._phase is not None:
             raise RuntimeError(f"phase {name!r} started inside phase {self._phase!r}")
+        start = time.perf_counter()
         moves = list(self._moves(name))
         leaving = [o for o, wanted in moves if wanted == POOL and not o.parked]
         for offloader in leaving:
@@ -175,6 +179,7 @@ class Placement:
         for offloader, wanted in moves:
             if wanted == DEVICE and offloader.parked:
                 offloader.load()
+        self._metrics["time_offload_s"] = self._metrics.get("time_offload_s", 0.0) + time.perf_counter() - start
         self._phase = name
         try:
             self._record(name, self.resident_bytes())
@@ -229,12 +234,13 @@ class Placement:
     def _record(self, phase: str, values: dict[str, int]) -> None:
         for kind, value in values.items():
             key = f"mem_{phase}_{kind}_bytes"
-            self._memory[key] = max(self._memory.get(key, 0.0), float(value))
+            self._metrics[key] = max(self._metrics.get(key, 0.0), float(value))
 
-    def take_memory(self) -> dict[str, float]:
-        """The per-phase memory recorded since the last call (largest over repeated phases), then reset."""
-        memory, self._memory = self._memory, {}
-        return memory
+    def take_metrics(self) -> dict[str, float]:
+        """The per-phase memory (largest over repeated phases) and the time spent moving state since the last
+        call, then reset."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
