@@ -84,6 +84,11 @@ class Placement:
         if unknown or not model.phases:
             raise ValueError(f"model {model.name!r}: phases {list(model.phases)} must be a non-empty subset of "
                              f"{list(PHASES)}")
+        elsewhere = sorted({str(t.device) for t in [*model.module.parameters(), *model.module.buffers()]
+                            if t.device != self.device})
+        if elsewhere:
+            raise ValueError(f"model {model.name!r} has tensors on {', '.join(elsewhere)}; the placement's device "
+                             f"is {self.device}")
         self.models[model.name] = model
 
     def add_trained(self, name: str, chunk, optimizer) -> None:

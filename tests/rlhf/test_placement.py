@@ -140,6 +140,8 @@ def test_placement_moves_and_bad_input():
         placement.add_frozen("reference", critic)
     with pytest.raises(ValueError, match=r"phases \['rollout'\] must be a non-empty subset"):
         placement.add_frozen("reward model", critic, phases=("rollout",))
+    with pytest.raises(ValueError, match="model 'meta' has tensors on meta; the placement's device is cpu"):
+        placement.add_frozen("meta", torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="must be a PolyakTarget, got CriticModel"):
         placement.add_target("target", critic, critic)
     with pytest.raises(ValueError, match="'reference' is a frozen model, not a target"):
