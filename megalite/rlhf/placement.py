@@ -92,8 +92,8 @@ class Placement:
         self.models[model.name] = model
 
     def add_trained(self, name: str, chunk, optimizer) -> None:
-        """A model an optimizer trains (``chunk``: DDP-wrapped; ``optimizer``: megalite's); its weights and
-        gradients stay on the device, its optimizer state follows ``offload_optimizer``."""
+        """A model an optimizer trains (``chunk``: DDP- or FSDP2-wrapped; ``optimizer``: megalite's); its weights
+        and gradients stay on the device, its optimizer state follows ``offload_optimizer``."""
         model = _Model(name, "trained", chunk.module, PHASES, optimizer=optimizer)
         self._add(model)
         if self.config.offload_optimizer:
@@ -216,7 +216,7 @@ class Placement:
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(every model's tensors, every pool's tensors)."""
         tensors, pools = [], []
-        for model in self.models.values():
+        for model in self.models.values():  # FSDP2 parameters are DTensors: count their local shards
             tensors += list(model.module.parameters()) + list(model.module.buffers())
             tensors += [g for p in model.module.parameters() for g in (p.grad, getattr(p, "main_grad", None))
                         if g is not None]
@@ -226,7 +226,7 @@ class Placement:
                 pools += offloader.pool_tensors()
             if model.target is not None:
                 pools += model.target.host_tensors()
-        return tensors, pools
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors], pools
 
     def resident_bytes(self) -> dict[str, int]:
         """``{"device": bytes on the compute device, "pool": bytes parked in host pools}``, each storage once."""
