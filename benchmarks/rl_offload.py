@@ -9,7 +9,8 @@ device bytes (the models' tensors on the compute device; largest over the iterat
 the optimizer state exists) and what it saves against no offload, the pool bytes, the CUDA peak per phase on
 GPU, the host seconds per iteration spent moving state (``time_offload_s``: the copies, measured where they
 happen) and the seconds per iteration (median and minimum after the first, the minimum being the least
-disturbed by other load) with the ratio of the medians to no offload.  The runs' losses, rewards and weights are identical (tests/rlhf/test_placement.py).
+disturbed by other load) with the ratio of the medians to no offload.  The runs' losses, rewards and weights
+are identical (tests/rlhf/test_placement.py).
 
     python benchmarks/rl_offload.py [--world 1] [--hidden-size 256] [--num-layers 4] [--iters 12]
 """
