@@ -21,7 +21,8 @@ from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
 from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
 from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
-from megalite.rlhf.service import ParallelLayout, TrainingService
+from megalite.rlhf.service import TrainingService
+from megalite.rlhf.service_config import ParallelLayout
 from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
