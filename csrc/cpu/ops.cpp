@@ -668,6 +668,115 @@ _Pragma("omp simd reduction(+ : dot)")
   return gx;
 }
 
+// ---------------------------------------------------------------- paged attention (inference decode)
+
+// Attention of a few new queries per sequence over that sequence's paged KV cache, read in place through its
+// block table (no gather).  q [T, heads, d] holds the packed new tokens; sequence s owns rows
+// first[s] .. first[s] + lengths[s], whose query i sits at position starts[s] + i and sees keys 0 .. that
+// position (its own key is already written to the cache).  keys/values are [groups, num_blocks, block, d];
+// heads g * per_group .. (g + 1) * per_group - 1 read group g.  One pass over the blocks per (sequence,
+// group) with an online softmax, fp32 throughout.  Rows of q outside every sequence come back as 0.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lengths,
+                           const at::Tensor& first, double scale) {
+  check_float(q, "q");
+  check_float(keys, "keys");
+  check_float(values, "values");
+  for (const at::Tensor* t : {&block_tables, &starts, &lengths, &first}) {
+    check_cpu(*t, "block table / starts / lengths / first");
+    TORCH_CHECK(t->scalar_type() == at::kLong, "megalite::paged_attention: index tensors must be int64");
+  }
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && q.size(2) == keys.size(3),
+              "megalite::paged_attention: q must be [T, heads, d] and keys/values [groups, blocks, block, d]");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t groups = keys.size(0), num_blocks = keys.size(1), bs = keys.size(2);
+  TORCH_CHECK(heads % groups == 0, "megalite::paged_attention: ", heads, " heads not a multiple of ", groups, " groups");
+  const int64_t n = starts.numel(), max_blocks = block_tables.size(-1), per_group = heads / groups;
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == n && lengths.numel() == n && first.numel() == n,
+              "megalite::paged_attention: one block-table row, length and first row per sequence");
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t context = sp[s] + lp[s];
+    TORCH_CHECK(sp[s] >= 0 && lp[s] >= 0 && fp[s] >= 0 && fp[s] + lp[s] <= rows && (context + bs - 1) / bs <= max_blocks,
+                "megalite::paged_attention: sequence ", s, " (start ", sp[s], ", length ", lp[s], ", first row ", fp[s],
+                ") does not fit ", rows, " query rows and ", max_blocks, " table blocks");
+    for (int64_t b = 0; b < (context + bs - 1) / bs; ++b) {
+      TORCH_CHECK(tp[s * max_blocks + b] >= 0 && tp[s * max_blocks + b] < num_blocks, "megalite::paged_attention: block id ",
+                  tp[s * max_blocks + b], " outside [0, ", num_blocks, ")");
+    }
+  }
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n * groups, 1, [&](int64_t task0, int64_t task1) {
+    std::vector<float> score(bs), state;
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t s = task / groups, g = task % groups, len = lp[s];
+      const int64_t nq = len * per_group;  // query vectors of this (sequence, group): row i, head j -> i * per_group + j
+      state.assign(nq * (d + 2), 0.0f);     // per query vector: running max, running sum, accumulator [d]
+      float* run_max = state.data();
+      float* run_sum = run_max + nq;
+      float* acc = run_sum + nq;
+      std::fill(run_max, run_max + nq, -INFINITY);
+      const int64_t context = sp[s] + len;
+      for (int64_t b = 0; b * bs < context; ++b) {
+        const int64_t block = tp[s * max_blocks + b];
+        const float* kb = kp + (g * num_blocks + block) * bs * d;
+        const float* vb = vp + (g * num_blocks + block) * bs * d;
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t visible = std::min<int64_t>(bs, sp[s] + i + 1 - b * bs);  // keys of this block query i sees
+          if (visible <= 0) continue;
+          for (int64_t j = 0; j < per_group; ++j) {
+            const int64_t v = i * per_group + j;
+            const float* qv = qp + ((fp[s] + i) * heads + g * per_group + j) * d;
+            float block_max = -INFINITY;
+            for (int64_t r = 0; r < visible; ++r) {
+              const float* kr = kb + r * d;
+              float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t c = 0; c < d; ++c) dot += qv[c] * kr[c];
+              score[r] = dot * sc;
+              block_max = std::max(block_max, score[r]);
+            }
+            const float new_max = std::max(run_max[v], block_max);
+            const float correction = fast_exp(run_max[v] - new_max);
+            float* a = acc + v * d;
+            float sum = run_sum[v] * correction;
+#pragma omp simd
+            for (int64_t c = 0; c < d; ++c) a[c] *= correction;
+            for (int64_t r = 0; r < visible; ++r) {
+              const float p = fast_exp(score[r] - new_max);
+              const float* vr = vb + r * d;
+              sum += p;
+#pragma omp simd
+              for (int64_t c = 0; c < d; ++c) a[c] += p * vr[c];
+            }
+            run_max[v] = new_max;
+            run_sum[v] = sum;
+          }
+        }
+      }
+      for (int64_t i = 0; i < len; ++i) {
+        for (int64_t j = 0; j < per_group; ++j) {
+          const int64_t v = i * per_group + j;
+          const float inv = 1.0f / run_sum[v];
+          const float* a = acc + v * d;
+          float* o = op + ((fp[s] + i) * heads + g * per_group + j) * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- MoE permute / unpermute
 
 // inverse[t * k + slot] = row j of that assignment in the permuted layout, or -1 when it was dropped.
@@ -853,6 +962,7 @@ TORCH_LIBRARY_IMPL(megalite, CPU, m) {
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute_fwd", &unpermute_fwd);
   m.impl("unpermute_bwd", &unpermute_bwd);
+  m.impl("paged_attention", &paged_attention);
 }
 
 }  // namespace megalite
