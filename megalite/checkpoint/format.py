@@ -36,8 +36,13 @@ import math
 import mmap
 import os
 import pickle
+import re
 import shutil
+import struct
+import sys
+import traceback
 import warnings
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -108,11 +113,11 @@ def _write_json(path: str, value) -> None:
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+        if os.fstat(f.fileno()).st_size == 0:
+            return hashlib.sha256().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return hashlib.sha256(data).hexdigest()
 
 
 def check_jsonable(value, what: str) -> None:
@@ -195,7 +200,24 @@ class _ShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+        return _exact_storage(self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach())
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor whose storage holds exactly its bytes.
+
+    ``torch.save`` writes a tensor's whole storage, so DCP clones any view of a larger one; a
+    contiguous view (a ZeRO-1 box of a flat shard, a row block of a parameter) instead gets a
+    storage that aliases just its bytes, and is written without a copy.  Every saved record is
+    thus one C-contiguous storage of exactly the chunk, which :func:`_record_data` relies on.
+    """
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    view = tensor.untyped_storage()[start:start + tensor.nbytes]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(view, 0, tensor.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,16 +281,78 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the allow-listed metadata unpickler, checking each data file's hash as it is read.
+class _RecordView(io.RawIOBase):
+    """A read-only file over bytes ``[start, start + length)`` of ``data`` (one DCP record in a memory map)."""
 
-    Each file is memory-mapped once and hashed; each stored chunk is deserialized once (with
-    ``weights_only=True``) however many requested regions overlap it.
+    def __init__(self, data, start: int, length: int):
+        super().__init__()
+        self._data, self._start, self._length, self._pos = data, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, pos + {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence])
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self._length - self._pos))
+        start = self._start + self._pos
+        buffer[:count] = self._data[start:start + count]
+        self._pos += count
+        return count
+
+
+_STORAGE_ENTRY = re.compile(r"[^/]+/data/\d+")
+_ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+def _record_data(data, start: int, length: int, nbytes: int) -> int | None:
+    """Where the tensor bytes of the ``torch.save`` record ``data[start:start + length]`` begin, or None.
+
+    A record megalite writes is a zip archive holding one uncompressed C-contiguous storage of
+    exactly the chunk (:func:`_exact_storage`), so its bytes can be copied straight from the
+    file into place.  Anything else (a record of ``nbytes`` it does not hold, another byte order)
+    gives None, and the record is read through ``torch.load(weights_only=True)`` instead.
+    """
+    try:
+        with zipfile.ZipFile(_RecordView(data, start, length)) as archive:
+            entries = archive.infolist()
+            storages = [e for e in entries if _STORAGE_ENTRY.fullmatch(e.filename)]
+            order = [e for e in entries if e.filename.endswith("/byteorder")]
+            byteorder = archive.read(order[0]).decode() if order else "little"
+    except (zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError):
+        return None
+    if (len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or storages[0].file_size != nbytes
+            or byteorder != sys.byteorder or storages[0].header_offset + _ZIP_LOCAL_HEADER.size > length):
+        return None
+    header = start + storages[0].header_offset
+    magic, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(data[header:header + _ZIP_LOCAL_HEADER.size])
+    begin = header + _ZIP_LOCAL_HEADER.size + name_length + extra_length
+    if magic != b"PK\x03\x04" or begin + nbytes > start + length:
+        return None
+    return begin
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the allow-listed metadata unpickler, reading each chunk in place.
+
+    Each data file is memory-mapped once; with ``hashed`` its sha256 is checked against the
+    manifest before any of its bytes are used (a collective load instead hashes each file on one
+    rank, :meth:`CheckpointReader.agree`).  A chunk megalite wrote is copied straight from the
+    map into its destination (one copy, any dtype); any other record is deserialized once with
+    ``torch.load(weights_only=True)``, however many requested regions overlap it.
     """
 
-    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata):
+    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata, hashed: bool):
         super().__init__(path)
-        self.manifest, self._metadata = manifest, metadata
+        self.manifest, self._metadata, self._hashed = manifest, metadata, hashed
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         return self._metadata
@@ -282,26 +366,42 @@ class _SafeReader(dcp.FileSystemReader):
             per_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
         for relative, by_chunk in per_file.items():
             path = os.path.join(str(self.path), relative)
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
-                if problem:
-                    raise ValueError(problem)
-                for index, items in by_chunk.items():
-                    info = self.storage_data[index]
-                    if info.transform_descriptors:
-                        raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
-                    stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
-                                        weights_only=True)
-                    for item in items:
-                        source = stored
-                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                            source = source.narrow(dim, start, length)
-                        target = planner.resolve_tensor(item).detach()
-                        target.copy_(source)
-                        planner.commit_tensor(item, target)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
+                if self._hashed:
+                    problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
+                    if problem:
+                        raise ValueError(problem)
+                try:
+                    for index, items in by_chunk.items():
+                        self._read_chunk(path, data, index, items, planner)
+                except BaseException as err:
+                    traceback.clear_frames(err.__traceback__)  # their tensors view the map, which must close
+                    raise
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(None)
         return future
+
+    def _read_chunk(self, path: str, data, index, items, planner) -> None:
+        info = self.storage_data[index]
+        if info.transform_descriptors:
+            raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
+        md = self._metadata.state_dict_metadata[index.fqn]
+        sizes = next(c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset))
+        dtype = md.properties.dtype
+        nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+        begin = _record_data(data, info.offset, info.length, nbytes)
+        if begin is None:
+            stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
+                                weights_only=True)
+        else:
+            stored = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(dtype).view(sizes)
+        for item in items:
+            source = stored
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
 
 
 def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
@@ -577,10 +677,11 @@ class CheckpointReader:
 
     ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
     On opening, every file listed in the manifest must exist with its size, and the small files
-    (metadata, JSON state) must match their hashes; each data file's hash is checked when it is
-    read, before its tensors are used.  With ``collective`` (every rank of ``group`` opens the
-    same checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail
-    alike.  Every problem raises ValueError naming the file.
+    (metadata, JSON state) must match their hashes.  A data file's hash is checked when it is
+    read, before its tensors are used; or, for a collective load, once by one rank of the group
+    (:meth:`agree` with ``data``).  With ``collective`` (every rank of ``group`` opens the same
+    checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail alike.
+    Every problem raises ValueError naming the file.
     """
 
     def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
@@ -602,12 +703,24 @@ class CheckpointReader:
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
 
-    def agree(self, problem: str | None) -> None:
-        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
+    def agree(self, problem: str | None, *, data: bool = False) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here.
+
+        With ``data`` (after :meth:`read_regions` with ``hashed=False``) the data files are hashed
+        first, each by one rank of a collective reader's group (all of them by a lone reader), and
+        a failed hash is reported before any other problem (it is what made a read fail).
+        """
+        corrupt = None
+        if data:
+            rank, world = _group_rank_and_size(self.group) if self.collective else (0, 1)
+            files = sorted(name for name in self.manifest["files"] if name.startswith("__"))
+            corrupt = verify_files(self.directory, self.manifest, files[rank::world])
         if self.collective:
-            problem = next((p for p in _all_gather(problem, self.group) if p), None)
-        if problem:
-            raise ValueError(problem)
+            reports = _all_gather((corrupt, problem), self.group)
+            corrupt = next((c for c, _ in reports if c), None)
+            problem = next((p for _, p in reports if p), None)
+        if corrupt or problem:
+            raise ValueError(corrupt or problem)
 
     def verify_all(self) -> None:
         """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
@@ -668,17 +781,19 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
                              f"{filled} of {out.numel()} elements")
 
-    def read_regions(self, regions: list[Region]) -> None:
+    def read_regions(self, regions: list[Region], *, hashed: bool = True) -> None:
         """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
 
-        Local to this rank (no collective); a collective caller then calls :meth:`agree`.
+        Local to this rank (no collective); a collective caller then calls :meth:`agree`.  With
+        ``hashed`` each data file read is hashed before its bytes are used; without, the caller
+        must call ``agree(..., data=True)`` before it uses any ``out``.
         """
         for region in regions:
             self.check_region(region)
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata),
+                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata, hashed),
                              planner=_RegionLoadPlanner(regions),
                              no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException

@@ -147,16 +147,24 @@ def _check_shape(reader: CheckpointReader, gp: GlobalParam) -> None:
 
 
 def _flat_regions(name: str, gp: GlobalParam, shape, lo: int, hi: int) -> tuple[torch.Tensor, list[Region]]:
-    """A zeroed fp32 buffer for elements ``[lo, hi)`` of the flattened local shard of ``gp``, and the
+    """An fp32 buffer for elements ``[lo, hi)`` of the flattened local shard of ``gp``, and the
     regions of global tensor ``name`` that fill it."""
-    flat = torch.zeros(hi - lo, dtype=torch.float32)
+    flat = torch.empty(hi - lo, dtype=torch.float32)
     wanted = []
     for box, start in flat_boxes(lo, hi, shape):
         box_shape = _box_shape(box)
         block = flat[start - lo:start - lo + int(torch.Size(box_shape).numel())].view(box_shape)
         for part, offset in regions(box, gp.pieces):
             wanted.append(Region(name, offset, block[box_slices(part, _origin(box))]))
+    _zero_unread(flat, wanted)
     return flat, wanted
+
+
+def _zero_unread(buffer: torch.Tensor, wanted: list[Region]) -> None:
+    """Zero ``buffer`` unless the regions read into it (disjoint views of it) cover all of it: vocabulary
+    padding rows are stored nowhere.  Reading fills the rest, so a covered buffer is left uninitialized."""
+    if sum(region.out.numel() for region in wanted) < buffer.numel():
+        buffer.zero_()
 
 
 def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_group=None, ep_group=None,
@@ -164,14 +172,15 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     """Fill the chunks (and optimizer) with this rank's regions of ``reader``'s global tensors.
 
     Everything is read and checked before any parameter changes, so a bad checkpoint leaves the
-    model as it was; with a collective reader all ranks agree first, so all fail alike.
+    model as it was; with a collective reader all ranks agree first, so all fail alike (and each
+    data file is hashed by one rank of the group, not by every rank that reads it).
     """
     problem, loaded, state = None, [], None
     try:
         loaded, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
     except ValueError as err:
         problem = str(err)
-    reader.agree(problem)
+    reader.agree(problem, data=reader.collective)
     with torch.no_grad():
         for param, value in loaded:
             param.copy_(value)
@@ -196,8 +205,10 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
             loaded.append((param.to_local().detach().view(-1), flat))
             values[param] = (flat, lo)
             continue
-        value = torch.zeros(param.shape, dtype=param.dtype)
-        wanted += [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
+        value = torch.empty(param.shape, dtype=param.dtype)
+        mine = [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
+        _zero_unread(value, mine)
+        wanted += mine
         loaded.append((param, value))
         values[param] = (value.reshape(-1), 0)
 
@@ -226,7 +237,7 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
                 wanted += more
             entries[shard.key] = entry
         state = {"entries": entries, **meta}
-    reader.read_regions(wanted)
+    reader.read_regions(wanted, hashed=not reader.collective)
     if state is not None:
         for entry, (flat, start), lo, hi in fp32_mains:
             entry["main"] = flat[lo - start:hi - start].float()
