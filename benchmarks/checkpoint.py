@@ -4,7 +4,8 @@ A ~100M-parameter GPT (hidden 768, 12 layers, vocab 32000) at tp=2 x dp=2 with Z
 after one optimizer step (so Adam state is saved too).  The old format's modules are taken from
 ``git show 3b80930:megalite/checkpoint/...`` and imported under another package name, so both run in the
 same processes on the same model.  Each repeat alternates which side goes first; a time is the slowest
-rank's, and the medians are printed with their ratios.  ``--async-save``'s stall is the time the save call
+rank's, and the medians are printed with their ratios.  Loading is the trainer's: all ranks load together
+(``group=WORLD``), sharing the data files' hash checks and agreeing before any parameter changes.  ``--async-save``'s stall is the time the save call
 blocks training (copying the tensors); the write, hashing and publishing run in the background.
 
     python benchmarks/checkpoint.py [--repeats 5] [--dir /tmp/megalite_ckpt_bench]
@@ -100,7 +101,7 @@ def _rank(old_dir, work, repeats):
         return lambda: checkpoint.save_checkpoint(path, 1, [chunk], optimizer)
 
     def new_load(path):
-        return lambda: checkpoint.load_checkpoint(path, [chunk], optimizer)
+        return lambda: checkpoint.load_checkpoint(path, [chunk], optimizer, group=dist.group.WORLD)
 
     times = {key: [] for key in ("old_save", "new_save", "old_load", "new_load", "async_stall", "async_total")}
     for repeat in range(repeats + 1):

@@ -194,7 +194,7 @@ class _ShardSavePlanner(DefaultSavePlanner):
                 index=dcp_metadata.MetadataIndex(name, offsets), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=dcp_metadata.ChunkStorageMetadata(offsets=offsets, sizes=shard.tensor.size()),
-                    properties=dcp_metadata.TensorProperties.create_from_tensor(shard.tensor),
+                    properties=dcp_metadata.TensorProperties(dtype=shard.tensor.dtype),
                     size=torch.Size(shard.global_shape))))
         self.plan = SavePlan(items)
         return self.plan
@@ -324,18 +324,28 @@ def _record_data(data, start: int, length: int, nbytes: int) -> int | None:
     try:
         with zipfile.ZipFile(_RecordView(data, start, length)) as archive:
             entries = archive.infolist()
-            storages = [e for e in entries if _STORAGE_ENTRY.fullmatch(e.filename)]
-            order = [e for e in entries if e.filename.endswith("/byteorder")]
-            byteorder = archive.read(order[0]).decode() if order else "little"
-    except (zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError):
+    except (zipfile.BadZipFile, OSError, ValueError):
         return None
-    if (len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or storages[0].file_size != nbytes
-            or byteorder != sys.byteorder or storages[0].header_offset + _ZIP_LOCAL_HEADER.size > length):
+    storages = [e for e in entries if _STORAGE_ENTRY.fullmatch(e.filename)]
+    order = [e for e in entries if e.filename.endswith("/byteorder")]
+    if len(storages) != 1 or storages[0].file_size != nbytes:
         return None
-    header = start + storages[0].header_offset
+    begin = _entry_data(data, start, length, storages[0])
+    byteorder = _entry_data(data, start, length, order[0]) if order else None
+    if begin is None or (order and (byteorder is None or data[byteorder:byteorder + order[0].file_size]
+                                    != sys.byteorder.encode())):
+        return None
+    return begin
+
+
+def _entry_data(data, start: int, length: int, entry: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the uncompressed zip ``entry`` of the archive ``data[start:start + length]`` begin."""
+    header = start + entry.header_offset
+    if entry.compress_type != zipfile.ZIP_STORED or entry.header_offset + _ZIP_LOCAL_HEADER.size > length:
+        return None
     magic, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(data[header:header + _ZIP_LOCAL_HEADER.size])
     begin = header + _ZIP_LOCAL_HEADER.size + name_length + extra_length
-    if magic != b"PK\x03\x04" or begin + nbytes > start + length:
+    if magic != b"PK\x03\x04" or begin + entry.file_size > start + length:
         return None
     return begin
 
