@@ -40,6 +40,7 @@ import re
 import shutil
 import struct
 import sys
+import threading
 import traceback
 import warnings
 import zipfile
@@ -483,7 +484,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
     files, error = {}, None
     try:
         writer = _HashingWriter(tmp)
-        with _quiet_single_process():
+        with _quiet_single_process(), _without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
         if rank == 0:
@@ -522,6 +523,24 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
                                    f"{os.path.basename(tmp)} was removed and latest still names "
                                    f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
     return final
+
+
+@contextlib.contextmanager
+def _without_zip_crc():
+    """On the main thread, ``torch.save`` skips the zip CRC32 of each record (a second pass over every byte).
+
+    The manifest's sha256 already covers every file and ``torch.load`` does not check the CRC.  The
+    option is process-wide, so a background write (which runs beside training) leaves it alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 @contextlib.contextmanager
