@@ -8,20 +8,23 @@ Layout under a save directory::
     iter_0000100/__0_0.distcp     DCP: the chunks rank 0 wrote (one file per writing rank)
     iter_0000100/megalite.json    format tag, iteration, world size and rank 0's state (config, layout, ...)
     iter_0000100/rank_00000.json  each rank's own state (RNG streams), plain JSON
-    iter_0000100/manifest.json    size and sha256 of every other file
+    iter_0000100/manifest.json    size of every other file and the sha256 of each of its 16 MiB blocks
 
 Tensors are stored under their global names (see :mod:`megalite.checkpoint.sharding`) as DCP chunks
 (:class:`TensorShard`: a box of a global tensor at an offset), so ``dcp_to_torch_save`` or any DCP
 loader sees whole global tensors, and a reader can fetch any region under any layout.  Nothing is
-pickled by megalite: state is JSON, tensors go through ``torch.load(weights_only=True)`` inside DCP,
-and the DCP ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes.
+pickled by megalite: state is JSON, each chunk is a ``torch.save`` record holding one plain storage,
+copied from the file into place without unpickling (any other record goes through
+``torch.load(weights_only=True)``), and the DCP ``.metadata`` is unpickled with an allow-list of DCP's
+own metadata classes.
 
-Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files; rank 0
-collects the hashes, writes the manifest, renames the directory and only then replaces ``latest``,
-fsyncing along the way.  A save killed at any moment leaves the previous checkpoint and pointer
+Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files while
+fsyncing them; rank 0 collects the hashes, writes the manifest, renames the directory and only then
+replaces ``latest``, fsyncing along the way.  A save killed at any moment leaves the previous checkpoint and pointer
 intact; a failed write (disk full, I/O error) removes the partial directory and raises one
 :class:`CheckpointWriteError`.  Loading checks the manifest first, so a missing, truncated or
-altered file is one ValueError naming it, before anything is read into a model.
+altered file is one ValueError naming it, before anything is read into a model.  Hashes cover blocks
+of :data:`HASH_BLOCK` bytes, so the ranks that load a checkpoint together each hash an equal share.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -60,11 +62,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megalite.checkpoint.sharding import intersect
 
 FORMAT = "megalite"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "megalite.json"
 DCP_METADATA = ".metadata"
+HASH_BLOCK = 16 << 20
+"""Files are hashed in blocks of this many bytes, so the ranks that load together can share the work."""
 
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
@@ -113,12 +117,32 @@ def _write_json(path: str, value) -> None:
         os.fsync(f.fileno())
 
 
-def _sha256(path: str) -> str:
+def _block_digests(data) -> list[str]:
+    """The sha256 of each :data:`HASH_BLOCK`-byte block of the buffer ``data``: a file's content hash."""
+    with memoryview(data) as view:
+        return [hashlib.sha256(view[start:start + HASH_BLOCK]).hexdigest() for start in range(0, len(view), HASH_BLOCK)]
+
+
+def _sha256(path: str) -> list[str]:
+    """The content hash of file ``path`` (the sha256 of each block, see :func:`_block_digests`)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            return hashlib.sha256().hexdigest()
+            return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return hashlib.sha256(data).hexdigest()
+            return _block_digests(data)
+
+
+def _hash_and_sync(directory: str, names: list[str]) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files ``names``, fsyncing them meanwhile.
+
+    The hashing reads the page cache while the disk flushes, so it costs the save little time.
+    """
+    paths = [os.path.join(directory, name) for name in names]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        synced = pool.submit(lambda: [_fsync(path) for path in paths])
+        files = {name: {"size": os.path.getsize(path), "sha256": _sha256(path)} for name, path in zip(names, paths)}
+        synced.result()
+    return files
 
 
 def check_jsonable(value, what: str) -> None:
@@ -127,54 +151,6 @@ def check_jsonable(value, what: str) -> None:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{what} must be plain JSON data: {err}") from None
-
-
-class _HashingStream:
-    """A write stream that hashes what passes through it (DCP writes its files front to back)."""
-
-    def __init__(self, stream):
-        self._stream, self.digest, self.size, self.sequential = stream, hashlib.sha256(), 0, True
-
-    def write(self, data):
-        written = self._stream.write(data)
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += view.nbytes
-        return written
-
-    def seek(self, *args):
-        self.sequential = False
-        return self._stream.seek(*args)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording ``{file name: (size, sha256)}`` of the files it writes."""
-
-    def __init__(self):
-        super().__init__()
-        self.digests: dict[str, dict] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing
-        if hashing.sequential:
-            self.digests[os.path.basename(str(path))] = {"size": hashing.size, "sha256": hashing.digest.hexdigest()}
-
-
-class _HashingWriter(dcp.FileSystemWriter):
-    """DCP's file writer (fsyncing every file) that hashes the data files while writing them."""
-
-    def __init__(self, path: str):
-        super().__init__(path, sync_files=True)
-        self.fs = _HashingFileSystem()
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
@@ -379,7 +355,7 @@ class _SafeReader(dcp.FileSystemReader):
             path = os.path.join(str(self.path), relative)
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
                 if self._hashed:
-                    problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
+                    problem = check_file(path, self.manifest, len(data), lambda: _block_digests(data))
                     if problem:
                         raise ValueError(problem)
                 try:
@@ -483,7 +459,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
-        writer = _HashingWriter(tmp)
+        writer = dcp.FileSystemWriter(tmp, sync_files=False)  # fsynced below, while being hashed
         with _quiet_single_process(), _without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
@@ -493,11 +469,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         _write_json(rank_state_file(tmp, rank), rank_state or {})
         mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
-        for name in mine:
-            path = os.path.join(tmp, name)
-            files[name] = writer.fs.digests.get(name) if name.startswith("__") else None
-            if files[name] is None or files[name]["size"] != os.path.getsize(path):
-                files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+        files = _hash_and_sync(tmp, mine)
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         error = f"{type(err).__name__}: {_first_line(err)}"
     reports = _all_gather((error, files), group)
@@ -506,7 +478,8 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         failure = None
         if rank == 0:
             try:
-                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration, "files": {}}
+                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
+                            "block_size": HASH_BLOCK, "files": {}}
                 for _, rank_files in reports:
                     manifest["files"].update(rank_files)
                 _write_json(os.path.join(tmp, MANIFEST), manifest)
@@ -672,18 +645,42 @@ def read_manifest(directory: str) -> dict:
         raise ValueError(f"{path} is not a megalite checkpoint manifest")
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path} has format version {manifest.get('version')}, this megalite reads {FORMAT_VERSION}")
+    if manifest.get("block_size") != HASH_BLOCK:
+        raise ValueError(f"{path} hashes blocks of {manifest.get('block_size')} bytes, this megalite {HASH_BLOCK}")
     return manifest
 
 
 def check_file(path: str, manifest: dict, size: int, sha256) -> str | None:
-    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` hashes it), or None."""
+    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` gives its block
+    digests), or None."""
     entry = manifest["files"].get(os.path.basename(path))
     if entry is None:
         return f"checkpoint file {path} is not listed in the manifest"
     if size != entry["size"]:
         return f"checkpoint file {path} has {size} bytes, the manifest records {entry['size']} (truncated or corrupt)"
     if sha256() != entry["sha256"]:
-        return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+        return _corrupt(path)
+    return None
+
+
+def _corrupt(path: str) -> str:
+    return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+
+
+def verify_blocks(directory: str, manifest: dict, blocks: list[tuple[str, int]]) -> str | None:
+    """The first file among ``blocks`` (``(file name, block index)``, files of the recorded size) whose
+    block fails its hash, or None."""
+    by_file: dict[str, list[int]] = {}
+    for name, index in blocks:
+        by_file.setdefault(name, []).append(index)
+    for name, indices in sorted(by_file.items()):
+        path, digests = os.path.join(directory, name), manifest["files"][name]["sha256"]
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, \
+                memoryview(data) as view:
+            for index in indices:
+                if index >= len(digests) or (
+                        hashlib.sha256(view[index * HASH_BLOCK:(index + 1) * HASH_BLOCK]).hexdigest() != digests[index]):
+                    return _corrupt(path)
     return None
 
 
@@ -736,14 +733,17 @@ class CheckpointReader:
         """Raise ValueError with the first rank's problem, on every rank (collective readers) or here.
 
         With ``data`` (after :meth:`read_regions` with ``hashed=False``) the data files are hashed
-        first, each by one rank of a collective reader's group (all of them by a lone reader), and
-        a failed hash is reported before any other problem (it is what made a read fail).
+        first, an equal share of their blocks by each rank of a collective reader's group (all of
+        them by a lone reader), and a failed hash is reported before any other problem (it is what
+        made a read fail).
         """
         corrupt = None
         if data:
             rank, world = _group_rank_and_size(self.group) if self.collective else (0, 1)
-            files = sorted(name for name in self.manifest["files"] if name.startswith("__"))
-            corrupt = verify_files(self.directory, self.manifest, files[rank::world])
+            blocks = [(name, index) for name in sorted(n for n in self.manifest["files"] if n.startswith("__"))
+                      for index in range(-(-self.manifest["files"][name]["size"] // HASH_BLOCK))]
+            corrupt = verify_blocks(self.directory, self.manifest,
+                                    blocks[rank * len(blocks) // world:(rank + 1) * len(blocks) // world])
         if self.collective:
             reports = _all_gather((corrupt, problem), self.group)
             corrupt = next((c for c, _ in reports if c), None)

@@ -81,7 +81,9 @@ def _rehash(directory, name):
         manifest = json.load(f)
     with open(os.path.join(directory, name), "rb") as f:
         data = f.read()
-    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    block = manifest["block_size"]
+    manifest["files"][name] = {"size": len(data), "sha256": [hashlib.sha256(data[i:i + block]).hexdigest()
+                                                             for i in range(0, len(data), block)]}
     with open(path, "w") as f:
         json.dump(manifest, f)
 
