@@ -14,9 +14,8 @@ Tensors are stored under their global names (see :mod:`megalite.checkpoint.shard
 (:class:`TensorShard`: a box of a global tensor at an offset), so ``dcp_to_torch_save`` or any DCP
 loader sees whole global tensors, and a reader can fetch any region under any layout.  Nothing is
 pickled by megalite: state is JSON, each chunk is a ``torch.save`` record holding one plain storage,
-copied from the file into place without unpickling (any other record goes through
-``torch.load(weights_only=True)``), and the DCP ``.metadata`` is unpickled with an allow-list of DCP's
-own metadata classes.
+copied from the file into place without unpickling anything (other records are refused), and the
+DCP ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes.
 
 Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files while
 fsyncing them; rank 0 collects the hashes, writes the manifest, renames the directory and only then
@@ -44,7 +43,6 @@ import shutil
 import struct
 import sys
 import threading
-import traceback
 import warnings
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -294,9 +292,9 @@ def _record_data(data, start: int, length: int, nbytes: int) -> int | None:
     """Where the tensor bytes of the ``torch.save`` record ``data[start:start + length]`` begin, or None.
 
     A record megalite writes is a zip archive holding one uncompressed C-contiguous storage of
-    exactly the chunk (:func:`_exact_storage`), so its bytes can be copied straight from the
-    file into place.  Anything else (a record of ``nbytes`` it does not hold, another byte order)
-    gives None, and the record is read through ``torch.load(weights_only=True)`` instead.
+    exactly the chunk (:func:`_exact_storage`), so its bytes are used in place, without
+    unpickling the record.  Anything else (not such an archive, a storage of other than ``nbytes``
+    bytes, another byte order) gives None.
     """
     try:
         with zipfile.ZipFile(_RecordView(data, start, length)) as archive:
@@ -327,68 +325,78 @@ def _entry_data(data, start: int, length: int, entry: zipfile.ZipInfo) -> int | 
     return begin
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the allow-listed metadata unpickler, reading each chunk in place.
+class _Chunks:
+    """The stored chunks of one checkpoint as tensors over its memory-mapped data files.
 
-    Each data file is memory-mapped once; with ``hashed`` its sha256 is checked against the
-    manifest before any of its bytes are used (a collective load instead hashes each file on one
-    rank, :meth:`CheckpointReader.agree`).  A chunk megalite wrote is copied straight from the
-    map into its destination (one copy, any dtype); any other record is deserialized once with
-    ``torch.load(weights_only=True)``, however many requested regions overlap it.
+    Each file is mapped once; with ``hashed`` its hash is checked against the manifest before any
+    of its bytes are used (a collective load instead shares the hashing, :meth:`CheckpointReader.agree`).
+    A chunk is a view of the map (no copy; the map lives as long as a view of it).  Nothing is
+    unpickled: a record that is not one plain storage of the chunk is refused.
     """
 
-    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata, hashed: bool):
-        super().__init__(path)
-        self.manifest, self._metadata, self._hashed = manifest, metadata, hashed
+    def __init__(self, directory: str, manifest: dict, metadata: dcp_metadata.Metadata, hashed: bool):
+        self.directory, self.manifest, self.metadata, self.hashed = directory, manifest, metadata, hashed
+        self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict = {}
+
+    def _map(self, relative: str) -> mmap.mmap:
+        if relative not in self._maps:
+            path = os.path.join(self.directory, relative)
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views may be writable
+            if self.hashed:
+                problem = check_file(path, self.manifest, len(data), lambda: _block_digests(data))
+                if problem:
+                    raise ValueError(problem)
+            self._maps[relative] = data
+        return self._maps[relative]
+
+    def tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
+        """The whole stored chunk of tensor ``index.fqn`` at ``index.offset``."""
+        key = (index.fqn, tuple(index.offset))
+        if key not in self._tensors:
+            info = self.metadata.storage_data[dcp_metadata.MetadataIndex(index.fqn, index.offset)]
+            if info.transform_descriptors:
+                raise ValueError(f"{self.directory}/{info.relative_path} uses DCP storage transforms, which megalite "
+                                 "checkpoints never use")
+            md = self.metadata.state_dict_metadata[index.fqn]
+            sizes = next(c.sizes for c in md.chunks if tuple(c.offsets) == key[1])
+            dtype = md.properties.dtype
+            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+            data = self._map(info.relative_path)
+            begin = _record_data(data, info.offset, info.length, nbytes)
+            if begin is None:
+                raise ValueError(f"checkpoint file {self.directory}/{info.relative_path} holds no plain record of "
+                                 f"{index.fqn} at byte {info.offset} (corrupt, altered, or another byte order)")
+            self._tensors[key] = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(
+                dtype).view(sizes)
+        return self._tensors[key]
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the allow-listed metadata unpickler, copying each chunk from :class:`_Chunks`
+    straight into its destination (one copy, any dtype)."""
+
+    def __init__(self, chunks: _Chunks):
+        super().__init__(chunks.directory)
+        self.chunks = chunks
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        return self._metadata
+        return self.chunks.metadata
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
-        per_file: dict[str, dict] = {}
         for item in plan.items:
             if item.type != LoadItemType.TENSOR:
                 raise ValueError(f"{self.path} holds non-tensor data, which megalite checkpoints never store")
-            info = self.storage_data[item.storage_index]
-            per_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
-        for relative, by_chunk in per_file.items():
-            path = os.path.join(str(self.path), relative)
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
-                if self._hashed:
-                    problem = check_file(path, self.manifest, len(data), lambda: _block_digests(data))
-                    if problem:
-                        raise ValueError(problem)
-                try:
-                    for index, items in by_chunk.items():
-                        self._read_chunk(path, data, index, items, planner)
-                except BaseException as err:
-                    traceback.clear_frames(err.__traceback__)  # their tensors view the map, which must close
-                    raise
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-    def _read_chunk(self, path: str, data, index, items, planner) -> None:
-        info = self.storage_data[index]
-        if info.transform_descriptors:
-            raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
-        md = self._metadata.state_dict_metadata[index.fqn]
-        sizes = next(c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset))
-        dtype = md.properties.dtype
-        nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
-        begin = _record_data(data, info.offset, info.length, nbytes)
-        if begin is None:
-            stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
-                                weights_only=True)
-        else:
-            stored = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(dtype).view(sizes)
-        for item in items:
-            source = stored
+            source = self.chunks.tensor(item.storage_index)
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 source = source.narrow(dim, start, length)
             target = planner.resolve_tensor(item).detach()
             target.copy_(source)
             planner.commit_tensor(item, target)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
@@ -794,21 +802,23 @@ class CheckpointReader:
 
     def check_region(self, region: Region) -> None:
         """ValueError unless the saved chunks cover the whole requested region."""
-        name, out = region.name, region.out
+        self._check_box(region.name, region.offset, tuple(region.out.shape))
+
+    def _check_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
         if not self.has(name):
             raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
-        shape = self.shapes[name]
-        want = tuple((o, o + s) for o, s in zip(region.offset, out.shape))
-        if len(shape) != out.dim() or any(hi > size for (_, hi), size in zip(want, shape)):
-            raise ValueError(f"{name}: region {want} lies outside the saved global shape {shape}")
+        saved = self.shapes[name]
+        want = tuple((o, o + s) for o, s in zip(offset, shape))
+        if len(saved) != len(shape) or any(hi > size for (_, hi), size in zip(want, saved)):
+            raise ValueError(f"{name}: region {want} lies outside the saved global shape {saved}")
         filled = 0
         for chunk in self.chunks(name):
             common = intersect(want, tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes)))
             if common is not None:
                 filled += math.prod(hi - lo for lo, hi in common)
-        if filled != out.numel():
+        if filled != math.prod(shape):
             raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
-                             f"{filled} of {out.numel()} elements")
+                             f"{filled} of {math.prod(shape)} elements")
 
     def read_regions(self, regions: list[Region], *, hashed: bool = True) -> None:
         """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
@@ -817,16 +827,43 @@ class CheckpointReader:
         ``hashed`` each data file read is hashed before its bytes are used; without, the caller
         must call ``agree(..., data=True)`` before it uses any ``out``.
         """
+        self.read_views([], regions, hashed=hashed)
+
+    def read_views(self, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], regions: list[Region] = (), *,
+                   hashed: bool = True) -> list[torch.Tensor]:
+        """The boxes ``(name, offset, shape)`` of global tensors (in their stored dtype), and fill ``regions``.
+
+        A box inside one stored chunk is a read-only view of the memory-mapped file (no copy: the
+        caller copies it where it belongs); any other box is read into a new tensor.  Hashing and
+        agreement as for :meth:`read_regions`.
+        """
+        chunks = _Chunks(self.directory, self.manifest, self.metadata, hashed)
+        views, regions = [], list(regions)
+        for name, offset, shape in boxes:
+            self._check_box(name, offset, shape)
+            want = tuple((o, o + n) for o, n in zip(offset, shape))
+            inside = next((c for c in self.chunks(name) if all(
+                lo <= a and b <= lo + n for (a, b), lo, n in zip(want, c.offsets, c.sizes))), None)
+            if inside is None:
+                regions.append(Region(name, tuple(offset), torch.empty(shape, dtype=self.dtype(name))))
+                views.append(regions[-1].out)
+                continue
+            try:
+                view = chunks.tensor(dcp_metadata.MetadataIndex(name, inside.offsets))
+            except Exception as err:
+                raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
+            for dim, (a, b) in enumerate(want):
+                view = view.narrow(dim, a - inside.offsets[dim], b - a)
+            views.append(view)
         for region in regions:
             self.check_region(region)
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata, hashed),
-                             planner=_RegionLoadPlanner(regions),
-                             no_dist=True)
+                    dcp.load({}, storage_reader=_SafeReader(chunks), planner=_RegionLoadPlanner(regions), no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
                 raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
+        return views
 
     def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Whole global tensors ``names``."""

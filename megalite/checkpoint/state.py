@@ -13,6 +13,8 @@ so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -172,28 +174,39 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     """Fill the chunks (and optimizer) with this rank's regions of ``reader``'s global tensors.
 
     Everything is read and checked before any parameter changes, so a bad checkpoint leaves the
-    model as it was; with a collective reader all ranks agree first, so all fail alike (and each
-    data file is hashed by one rank of the group, not by every rank that reads it).
+    model as it was; with a collective reader all ranks agree first, so all fail alike (and they
+    share the hashing of the data files).  A region that lies in one saved chunk (any region when
+    the layout is the saved one) is a view of the memory-mapped file, copied once into place.
     """
-    problem, loaded, state = None, [], None
+    problem, copies, state = None, [], None
     try:
-        loaded, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
+        copies, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
     except ValueError as err:
         problem = str(err)
     reader.agree(problem, data=reader.collective)
     with torch.no_grad():
-        for param, value in loaded:
-            param.copy_(value)
+        for target, source in copies:
+            if source is None:
+                target.zero_()
+            else:
+                target.copy_(source)
     if state is not None:
         optimizer.load_sharded_state_dict(state)
 
 
 def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group):
-    """``(params with their loaded values, the optimizer state to load or None)`` of this rank."""
+    """``([(parameter or part of one, its loaded value, or None to zero it)], the optimizer state to load or
+    None)`` of this rank."""
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     config = model_config(model_chunks)
     reader.check_architecture(config)
-    loaded, layouts, values, wanted = [], {}, {}, []
+    copies, layouts, values, wanted, boxes, places = [], {}, {}, [], [], []
+
+    def view(name, offset, shape, place):
+        """Read box ``shape`` at ``offset`` of ``name``; ``place(tensor)`` puts it where it belongs."""
+        boxes.append((name, tuple(offset), tuple(shape)))
+        places.append(place)
+
     for param, gp in _named_tensors(model_chunks, config, ctx):
         _check_shape(reader, gp)
         layouts[param] = gp
@@ -202,15 +215,16 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
             lo, hi = owned_flat_range(param)
             flat, more = _flat_regions(gp.name, gp, tuple(param.shape), lo, hi)
             wanted += more
-            loaded.append((param.to_local().detach().view(-1), flat))
+            copies.append((param.to_local().detach().view(-1), flat))
             values[param] = (flat, lo)
             continue
-        value = torch.empty(param.shape, dtype=param.dtype)
-        mine = [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
-        _zero_unread(value, mine)
-        wanted += mine
-        loaded.append((param, value))
-        values[param] = (value.reshape(-1), 0)
+        target = param.detach()
+        if sum(math.prod(_box_shape(piece.local)) for piece in gp.pieces) < param.numel():
+            copies.append((target, None))  # vocabulary padding rows are stored nowhere
+        for piece in gp.pieces:
+            view(gp.name, piece.offset, _box_shape(piece.local),
+                 lambda value, part=target[box_slices(piece.local)]: copies.append((part, value)))
+        values[param] = (target.view(-1), 0)  # read once the parameters are loaded
 
     state = None
     if optimizer is not None:
@@ -232,13 +246,20 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
                 fp32_mains.append((entry, values[shard.param], shard.lo, shard.hi))  # main is the param itself
             else:
                 names.insert(0, ("main", main if reader.has(main) else gp.name))
+            boxes_of_shard = flat_boxes(shard.lo, shard.hi, shape)
+            parts = list(regions(boxes_of_shard[0][0], gp.pieces)) if len(boxes_of_shard) == 1 else []
             for key, name in names:
-                entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
-                wanted += more
+                if len(parts) == 1 and parts[0][0] == boxes_of_shard[0][0]:  # one box of one piece
+                    view(name, parts[0][1], _box_shape(parts[0][0]),
+                         lambda value, entry=entry, key=key: entry.__setitem__(key, value.reshape(-1).float()))
+                else:
+                    entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
+                    wanted += more
             entries[shard.key] = entry
         state = {"entries": entries, **meta}
-    reader.read_regions(wanted, hashed=not reader.collective)
+    for value, place in zip(reader.read_views(boxes, wanted, hashed=not reader.collective), places):
+        place(value)
     if state is not None:
         for entry, (flat, start), lo, hi in fp32_mains:
             entry["main"] = flat[lo - start:hi - start].float()
-    return loaded, state
+    return copies, state
