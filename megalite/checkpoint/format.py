@@ -573,15 +573,32 @@ class AsyncSaver:
     """Runs checkpoint writes on a background thread, at most one in flight.
 
     Construct it on every rank at the same point (it creates a gloo group of its own, so the
-    write's collectives never interleave with training's).  :meth:`submit` waits for the previous
-    write, then starts ``fn(group)``; :meth:`wait` blocks until the write in flight is published
-    and re-raises its error.
+    write's collectives never interleave with training's).  :meth:`stage` copies the shards to
+    save into CPU buffers it keeps from one save to the next (so later copies find their memory
+    ready); :meth:`submit` waits for the previous write, then starts ``fn(group)``; :meth:`wait`
+    blocks until the write in flight is published and re-raises its error.
     """
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
         self._future: Future | None = None
+        self._staging: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, shards: list[TensorShard]) -> list[TensorShard]:
+        """The shards with their tensors copied into this saver's buffers; call it with no write in flight."""
+        if self.in_flight:
+            raise RuntimeError("AsyncSaver.stage would overwrite the buffers of the write in flight; wait() first")
+        staging, staged = {}, []
+        for shard in shards:
+            key = (shard.name, shard.offset)
+            buffer = self._staging.get(key)
+            if buffer is None or buffer.shape != shard.tensor.shape or buffer.dtype != shard.tensor.dtype:
+                buffer = torch.empty(shard.tensor.shape, dtype=shard.tensor.dtype)
+            staging[key] = buffer.copy_(shard.tensor)
+            staged.append(dataclasses.replace(shard, tensor=buffer))
+        self._staging = staging
+        return staged
 
     def submit(self, fn) -> None:
         self.wait()

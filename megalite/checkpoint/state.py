@@ -53,12 +53,12 @@ def _origin(box) -> tuple[int, ...]:
 
 
 def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 dp_group=None, expert_dp_group=None, copy: bool = False) -> tuple[list[TensorShard], dict | None]:
+                 dp_group=None, expert_dp_group=None) -> tuple[list[TensorShard], dict | None]:
     """The :class:`TensorShard` boxes this rank writes, and the optimizer's JSON scalars (None without one).
 
     Each local tensor maps to its global name and offsets through :func:`global_param`; replicated
-    copies are written by one rank only.  ``copy`` snapshots the tensors (for a write that runs
-    while training goes on).
+    copies are written by one rank only.  The shards view the live tensors (an asynchronous save
+    copies them, :meth:`AsyncSaver.stage`).
     """
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp_cp"))
@@ -74,10 +74,7 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
     shards: list[TensorShard] = []
 
     def add(name, shape, offset, tensor):
-        tensor = tensor.detach()
-        if copy:
-            tensor = tensor.to("cpu", copy=True)
-        shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor))
+        shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor.detach()))
 
     def add_flat(name, gp, shape, flat, lo, hi):
         # ``flat`` holds elements [lo, hi) of a flattened local tensor of ``shape`` (a ZeRO-1 or FSDP2 shard).
@@ -124,18 +121,20 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
 
     Collective over the default process group when one exists.  ``extra`` is JSON state stored
     once (from rank 0: scheduler, data position, flags); ``rank_extra`` JSON state of this rank
-    (RNG).  With ``saver`` the tensors are copied and the write runs in the background (at most
-    one in flight; ``latest`` moves once every rank's files are written and hashed).
+    (RNG).  With ``saver`` the tensors are copied (into buffers the saver keeps) and the write runs in
+    the background (at most one in flight; ``latest`` moves once every rank's files are written and hashed).
     """
     shards, optimizer_meta = local_shards(model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
                                           expert_tp_group=expert_tp_group, dp_group=dp_group,
-                                          expert_dp_group=expert_dp_group, copy=saver is not None)
+                                          expert_dp_group=expert_dp_group)
     state = {"config": config_to_dict(model_config(model_chunks)), "layout": dict(layout or {}),
              "optimizer": optimizer_meta, **(extra or {})}
     check_jsonable(state, "checkpoint state")
     check_jsonable(rank_extra or {}, "per-rank checkpoint state")
     if saver is None:
         return write_checkpoint(save_dir, iteration, shards, state, rank_extra)
+    saver.wait()  # the write in flight reads the staging buffers that stage() refills
+    shards = saver.stage(shards)
     saver.submit(lambda group: write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group))
     return iteration_dir(save_dir, iteration)
 
