@@ -108,11 +108,12 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_json(path: str, value) -> None:
+def _write_json(path: str, value, sync: bool = True) -> None:
     with open(path, "w") as f:
         json.dump(value, f, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _block_digests(data) -> list[str]:
@@ -467,14 +468,15 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=False)  # fsynced below, while being hashed
+        writer = dcp.FileSystemWriter(tmp, sync_files=False)  # all files are fsynced below, while being hashed
         with _quiet_single_process(), _without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
         if rank == 0:
             _write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
-                                                  "iteration": iteration, "world_size": world, **(state or {})})
-        _write_json(rank_state_file(tmp, rank), rank_state or {})
+                                                  "iteration": iteration, "world_size": world, **(state or {})},
+                        sync=False)
+        _write_json(rank_state_file(tmp, rank), rank_state or {}, sync=False)
         mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
         files = _hash_and_sync(tmp, mine)
