@@ -202,6 +202,15 @@ class _FlushingFileSystem(FileSystem):
                     flushing.wait()
 
 
+class _FlushingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, flushing each data file to disk as it goes; the final fsync of every file is
+    :func:`_hash_and_sync`'s."""
+
+    def __init__(self, path: str):
+        super().__init__(path, sync_files=False)
+        self.fs = _FlushingFileSystem()
+
+
 class _ShardSavePlanner(DefaultSavePlanner):
     """Writes each :class:`TensorShard` as one DCP chunk of its global tensor."""
 
@@ -518,8 +527,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=False)  # all files are fsynced below, while being hashed
-        writer.fs = _FlushingFileSystem()
+        writer = _FlushingWriter(tmp)
         with _quiet_single_process(), _without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
@@ -830,7 +838,7 @@ class CheckpointReader:
             raise ValueError(corrupt or problem)
 
     def verify_all(self) -> None:
-        """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
+        """Check every file's hash (``inspect`` does; loading checks the files it reads, or its share)."""
         self.agree(verify_files(self.directory, self.manifest))
 
     @functools.cached_property
@@ -903,8 +911,8 @@ class CheckpointReader:
                    hashed: bool = True) -> list[torch.Tensor]:
         """The boxes ``(name, offset, shape)`` of global tensors (in their stored dtype), and fill ``regions``.
 
-        A box inside one stored chunk is a read-only view of the memory-mapped file (no copy: the
-        caller copies it where it belongs); any other box is read into a new tensor.  Hashing and
+        A box inside one stored chunk is a view of the memory-mapped file (no copy: the caller
+        copies it where it belongs, and must not write to it); any other box is read into a new tensor.  Hashing and
         agreement as for :meth:`read_regions`.
         """
         chunks = _Chunks(self.directory, self.manifest, self.metadata, hashed)
