@@ -53,6 +53,7 @@ setup(
     packages=find_packages(include=["megalite", "megalite.*"]),
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
     extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"], "serve": ["aiohttp"],
-                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp"]},
+                    "ray": ["ray"],
+                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp", "ray"]},
     **extension_kwargs(),
 )

@@ -26,8 +26,16 @@ the rollouts drawn ahead in the background; only token tensors travel.  With
 ``--distill-coef`` / ``--teacher-reward-coef`` that rank also holds a teacher
 GPT whose full-vocabulary or top-k (``--critic-topk K``) log-probs give a
 forward-KL distillation loss and per-token log-prob rewards; the logged
-``critic_staleness`` counts teacher versions (0: the teacher is frozen).  Each iteration is printed and
-written to ``--metrics-file`` (JSON lines) and TensorBoard.
+``critic_staleness`` counts teacher versions (0: the teacher is frozen).
+
+Placement (megalite.rlhf.placement): rank 0 prints where each model's weights, grads and optimizer state
+live in the generation, scoring and training phases.  ``--offload-frozen-models`` parks the reference,
+reward model, teacher and target critic (``--target-critic-tau``: GAE on a Polyak-averaged copy of the
+critic kept in host memory) in (pinned) host memory outside their phase; ``--offload-optimizer`` parks the
+actor's and critic's optimizer state during generation and scoring.  The numbers do not change.  Each
+iteration logs its per-phase memory (``mem_<phase>_device_bytes``, ``mem_<phase>_pool_bytes``, and
+``mem_<phase>_peak_bytes`` on GPU).  Each iteration is printed and written to ``--metrics-file`` (JSON
+lines) and TensorBoard.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import random
 import sys
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -50,11 +59,12 @@ from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTConfig, GPTModel
 from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedModel, CriticModel,
-                           LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, Prefetcher,
-                           ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages, load_reward_fn,
-                           overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
+                           LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, PolyakTarget,
+                           Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages,
+                           load_reward_fn, overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
                            TeacherOutput, teacher_fn, teacher_rewards, truncated_is_weights, varied_groups)
 from megalite.rlhf.generation import engine_generate, engine_supports, generate
+from megalite.rlhf.placement import OffloadConfig, Placement
 from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
@@ -111,7 +121,6 @@ def parse_args(argv=None):
                    help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=3)
-    g.add_argument("--offload-reference", action="store_true", help="keep the reference model in CPU memory")
     g.add_argument("--rollout-world-size", type=int, default=0,
                    help="ranks that only generate (the last ones); 0: rollouts run on the training ranks")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
@@ -128,6 +137,16 @@ def parse_args(argv=None):
                    help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary")
     g.add_argument("--teacher-load", default=None,
                    help="teacher checkpoint (megalite format); default: a GPT initialized from --seed + 1")
+    g = p.add_argument_group("placement and offload (see megalite.rlhf.placement)")
+    g.add_argument("--offload-frozen-models", action="store_true",
+                   help="park the reference, reward model, teacher and target critic in (pinned) host memory and "
+                        "copy them to the device only for scoring (verl's ref/reward param_offload)")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="park the actor's and critic's optimizer state in host memory during generation and "
+                        "scoring (verl's optimizer_offload)")
+    g.add_argument("--target-critic-tau", type=float, default=None,
+                   help="gae: advantages use a target critic, a host copy of the critic moved by Polyak "
+                        "averaging at this rate after each update")
     g = p.add_argument_group("logging")
     add_flag(g, "--metrics-file", None)
     add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
@@ -179,6 +198,12 @@ def validate(args, world_size: int) -> None:
                          f"1 <= K <= the vocabulary size {TOKENIZER.vocab_size}")
     if not 0 <= args.critic_owner_rank < world_size:
         raise ValueError(f"--critic-owner-rank {args.critic_owner_rank} is outside the world of {world_size} ranks")
+    if args.target_critic_tau is not None and not (args.advantage_estimator == "gae"
+                                                   and 0.0 < args.target_critic_tau <= 1.0):
+        raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
+                         f"and a rate in (0, 1]")
+    args.offload = OffloadConfig(offload_frozen_models=args.offload_frozen_models,
+                                 offload_optimizer=args.offload_optimizer)
     args.advantage = AdvantageConfig(args.advantage_estimator, args.n_samples_per_prompt, args.gamma, args.lam,
                                      not args.no_norm_adv_by_std)
     args.ppo = PPOConfig(clip_eps=args.clip_ratio_low, clip_eps_high=args.clip_ratio_high, kl_coef=args.kl_coef,
@@ -192,9 +217,11 @@ def validate(args, world_size: int) -> None:
 
 
 TOKENIZER = ByteTokenizer()
+ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER, TARGET_CRITIC = (
+    "actor", "critic", "reference", "reward model", "teacher", "target critic")
 
 
-def reward_function(args, build: bool, single_group):
+def reward_function(args, build: bool, single_group, device):
     """The ``(prompt, response) -> float`` reward on this rank (None where ``build`` is False).
 
     A reward model runs unsharded, in ``single_group`` (a one-rank group).
@@ -204,7 +231,7 @@ def reward_function(args, build: bool, single_group):
     if not args.reward_model:
         return args.reward
     return RewardModelScorer(args.reward_model, TOKENIZER.tokenize, TOKENIZER.eod, TOKENIZER.vocab_size,
-                             single_group)
+                             single_group, device)
 
 
 def problem(rng: random.Random, max_operand: int) -> str:
@@ -224,15 +251,21 @@ def score_batches(reward, per_rank: list) -> list:
             for prompts, responses in per_rank]
 
 
-def served_scores(reward, teacher, width: int):
+def served_scores(reward, teacher, width: int, placement):
     """The owner's function for every rank's rollouts ``ids``/``attention mask`` ``[N, P + n]``: reward scores
-    ``[N]`` (the text is decoded here, so only token tensors travel), then the teacher's outputs, if any."""
+    ``[N]`` (the text is decoded here, so only token tensors travel), then the teacher's outputs, if any.
+    It runs on the owner's serving thread, so the reward model and teacher move in per request
+    (``placement.using``)."""
     def run(ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         prompts = [TOKENIZER.detokenize(row) for row in ids[:, :width].tolist()]
         responses = [response_text([t for t, m in zip(row, keep) if m])
                      for row, keep in zip(ids[:, width:].tolist(), mask[:, width:].tolist())]
-        scores = score_batches(reward, [(prompts, responses)])[0].to(ids.device)
-        return (scores,) + (teacher(ids, mask) if teacher is not None else ())
+        with placement.using(REWARD_MODEL) if isinstance(reward, RewardModelScorer) else nullcontext():
+            scores = score_batches(reward, [(prompts, responses)])[0].to(ids.device)
+        if teacher is None:
+            return (scores,)
+        with placement.using(TEACHER):
+            return (scores,) + teacher(ids, mask)
     return run
 
 
@@ -351,12 +384,13 @@ def lookahead(items, depth: int):
 
 
 class Rollouts:
-    """Draws prompts, samples groups of responses, scores them (local reward) and computes reference
-    log-probs and values; every rollout records the policy version (``self.version``) that made it."""
+    """Draws prompts, samples groups of responses (the generation phase), scores them (local reward) and
+    computes reference log-probs and values (the scoring phase); every rollout records the policy version
+    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's."""
 
-    def __init__(self, args, topo, actor, reference, critic_chunk, device, reward):
-        self.args, self.topo, self.actor, self.reference, self.critic = args, topo, actor, reference, critic_chunk
-        self.reward = reward
+    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement):
+        self.args, self.topo, self.actor, self.reference = args, topo, actor, reference
+        self.value_model, self.reward, self.placement = value_model, reward, placement
         self.rollout_source = None
         if args.rollout_world_size:
             replicas = args.rollout_world_size // args.rollout_tensor_parallel_size
@@ -377,14 +411,15 @@ class Rollouts:
 
     def _sample(self, iteration: int, attempt: int) -> dict:
         """One generation round of this DP rank, generated here or received from its rollout rank."""
-        if self.rollout_source is None:
-            tensors = sample_shard(self.actor.chunk, self.args, self.sampling, self.rng, iteration, attempt,
-                                   self.topo.dp.rank, self.device)
-        else:
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
-            for t in tensors:
-                dist.recv(t, src=self.rollout_source)
-            tensors = [t.to(self.device) for t in tensors]
+        with self.placement.phase("generation"):
+            if self.rollout_source is None:
+                tensors = sample_shard(self.actor.chunk, self.args, self.sampling, self.rng, iteration, attempt,
+                                       self.topo.dp.rank, self.device)
+            else:
+                tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
+                for t in tensors:
+                    dist.recv(t, src=self.rollout_source)
+                tensors = [t.to(self.device) for t in tensors]
         tokens, attention, response_mask, log_probs = tensors
         width = prompt_width(self.args)
         prompts = [TOKENIZER.detokenize(row) for row in tokens[:, :width].tolist()]
@@ -393,7 +428,8 @@ class Rollouts:
         rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
                    "response_mask": response_mask, "rollout_log_probs": log_probs}
         if not self.args.use_centralized_critic:
-            rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
+            with self.placement.phase("scoring"):
+                rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
         return rollout
 
     def rollout(self, iteration: int) -> dict:
@@ -404,13 +440,13 @@ class Rollouts:
             rollout, kept_fraction = self._refill(rollout, iteration)
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout["input_ids"], rollout["attention_mask"])
-        with self.reference.on_device() as reference:
-            ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
+        with self.placement.phase("scoring"):
+            ref_log_probs, _ = pipeline_log_probs(self.reference.module, micro_batches, self.args.temperature)
+            if self.value_model is not None:
+                rollout["old_values"] = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]
         version = self.version if self.rollout_source is None else max(0, iteration - 1 - self.args.max_staleness)
         rollout.update(iteration=iteration, version=version, ref_log_probs=ref_log_probs.to(self.device),
                        kept_fraction=kept_fraction, generate_s=generate_s)
-        if self.critic is not None:
-            rollout["old_values"] = pipeline_values(self.critic, micro_batches).to(self.device)[:, :-1]
         rollout["log_probs_s"] = time.monotonic() - start - generate_s
         return rollout
 
@@ -458,9 +494,10 @@ def dp_mean(value: float, topo, device) -> float:
 
 
 def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int,
-              teacher: TeacherOutput | None = None) -> dict:
+              teacher: TeacherOutput | None = None, value_model=None) -> dict:
     """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``;
-    ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss."""
+    ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss.  ``value_model`` (the
+    critic's chunk or the target critic's, with ``critic``) recomputes a stale rollout's values."""
     staleness = version - rollout["version"]
     if not 0 <= staleness <= args.max_staleness:
         raise RuntimeError(f"rollout of policy version {rollout['version']} is {staleness} updates old at version "
@@ -476,7 +513,7 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
         old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
         batch["is_weights"] = truncated_is_weights(old_log_probs, rollout["rollout_log_probs"], ppo.rollout_is_cap)
         if critic is not None:
-            old_values = pipeline_values(critic.chunk, micro_batches).to(device)[:, :-1]
+            old_values = pipeline_values(value_model, micro_batches).to(device)[:, :-1]
     scores = shaped_scores(raw_scores.to(device), mask, args)
     rewards, kl = token_rewards(scores, mask, old_log_probs, rollout["ref_log_probs"],
                                 0.0 if ppo.use_kl_loss else ppo.kl_coef, ppo.kl_estimator, ppo.kl_clamp)
@@ -527,7 +564,26 @@ def build_teacher(args, config, single_group, device):
     model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
     if args.teacher_load:
         load_checkpoint(args.teacher_load, [model], tp_group=single_group)
-    return teacher_fn(model, args.critic_topk)
+    return model, teacher_fn(model, args.critic_topk)
+
+
+def build_placement(args, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
+    """This rank's models in the placement plan: the trained actor (and critic), the reference, the reward
+    model and teacher where this rank holds them (moved per request on the centralized owner) and the target
+    critic (also used in training when stale rollouts recompute their values)."""
+    placement = Placement(args.offload, device)
+    placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
+    if critic is not None:
+        placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
+    placement.add_frozen(REFERENCE, reference.module)
+    if isinstance(reward, RewardModelScorer):
+        placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_centralized_critic)
+    if teacher_model is not None:
+        placement.add_frozen(TEACHER, teacher_model, on_demand=True)
+    if target is not None:
+        placement.add_target(TARGET_CRITIC, *target, phases=("scoring", "training") if args.max_staleness
+                             else ("scoring",))
+    return placement
 
 
 def pretrain(args, topo, config, device) -> DistributedDataParallel:
@@ -580,9 +636,12 @@ def main(argv=None) -> int:
     start = time.monotonic()
     actor_chunk = pretrain(args, topo, config, device)
     layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
-    reference = ReferenceModel(GPTModel(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
-                                        layer_range=layer_range).to(device),
-                               source=actor_chunk, offload=args.offload_reference)
+
+    def unwrapped_chunk(model_cls):
+        return model_cls(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
+                         layer_range=layer_range).to(device)
+
+    reference = ReferenceModel(unwrapped_chunk(GPTModel), source=actor_chunk)
     if args.rollout_world_size:
         sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
         sync.sync()
@@ -590,22 +649,28 @@ def main(argv=None) -> int:
                                                                        clip_grad=1.0), [actor_chunk]),
                             PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
                             args.micro_batch_size, topo)
-    critic = critic_chunk = None
+    critic = critic_chunk = target = None
     if args.advantage.needs_critic:
         critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
         critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
                                  topo)
+        if args.target_critic_tau is not None:
+            target = (unwrapped_chunk(CriticModel), PolyakTarget(critic_chunk.module, args.target_critic_tau))
     owner = topo.global_rank == args.critic_owner_rank
-    reward = reward_function(args, owner or not args.use_centralized_critic, single_group)
-    rollouts = Rollouts(args, topo, actor, reference, critic_chunk, device, reward)
+    reward = reward_function(args, owner or not args.use_centralized_critic, single_group, device)
+    teacher_model = teacher = None
+    if args.use_centralized_critic and owner and args.use_teacher:
+        teacher_model, teacher = build_teacher(args, config, single_group, device)
+    placement = build_placement(args, device, actor, critic, reference, reward, teacher_model, target)
+    if topo.global_rank == 0 or (owner and args.use_centralized_critic):
+        print(f"rank {topo.global_rank} {placement.table()}", flush=True)
+    value_model = target[0] if target is not None else critic_chunk
+    rollouts = Rollouts(args, topo, actor, reference, value_model, device, reward, placement)
     reward_model = None
     if args.use_centralized_critic:
-        teacher = None
-        if owner and args.use_teacher:
-            teacher = build_teacher(args, config, single_group, device)
         per_token = (False,) + ((True,) * (2 if args.critic_topk is None else 3) if args.use_teacher else ())
-        reward_model = CentralizedModel(served_scores(reward, teacher, prompt_width(args)) if owner else None,
-                                        owner=args.critic_owner_rank, per_token=per_token, device=device)
+        serve = served_scores(reward, teacher, prompt_width(args), placement) if owner else None
+        reward_model = CentralizedModel(serve, owner=args.critic_owner_rank, per_token=per_token, device=device)
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["input_ids"], r["attention_mask"]))
     else:
@@ -615,7 +680,12 @@ def main(argv=None) -> int:
     last = time.monotonic()
     for rollout, served in stream:
         teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
-        metrics = rl_update(rollout, served[0], args, topo, actor, critic, device, rollouts.version, teacher)
+        with placement.phase("training"):
+            metrics = rl_update(rollout, served[0], args, topo, actor, critic, device, rollouts.version, teacher,
+                                value_model)
+            if target is not None:
+                placement.update_target(TARGET_CRITIC, critic_chunk.module)
+        metrics.update(placement.take_metrics())
         if args.use_centralized_critic:
             metrics["critic_staleness"] = float(stream.staleness[-1])
         rollouts.version += 1

@@ -1,12 +1,13 @@
 """Train the GPT through a TrainingService (tp2 x dp2 workers, driven by asyncio) and compare with pretrain_gpt.py.
 
-    python examples/training_service.py [--train-iters 3]
+    python examples/training_service.py [--train-iters 3] [--backend ray]
 
 A plain ``python`` process: it runs ``examples/pretrain_gpt.py`` on 4 ranks (torch.distributed.run) on the
-default synthetic corpus, then spawns a 4-worker service with the same flags-derived GPTConfig and
-OptimizerConfig, feeds it the same global batches in the same order (each a DP-contiguous slice per worker,
-as pretraining's sampler hands them out) and the same seed, and prints both loss curves.  Exits non-zero if
-they differ (relative tolerance 1e-5).
+default synthetic corpus, then starts a 4-worker service (``--backend local``: processes; ``--backend ray``:
+Ray actors on a local Ray cluster the service starts, ``pip install megalite[ray]``) with the same
+flags-derived GPTConfig and OptimizerConfig, feeds it the same global batches in the same order (each a
+DP-contiguous slice per worker, as pretraining's sampler hands them out) and the same seed, and prints both
+loss curves.  Exits non-zero if they differ (relative tolerance 1e-5).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def global_batches(args):
                "loss_mask": torch.ones(tokens.shape[0], tokens.shape[1] - 1)}
 
 
-async def service_losses(args, directory: str) -> list[float]:
+async def service_losses(args, directory: str, backend: str) -> list[float]:
     from megalite.rlhf import ParallelLayout, TrainingService
 
     prefix, args.tokenizer_model = build_default_data(args.data_cache_path)
@@ -73,7 +74,7 @@ async def service_losses(args, directory: str) -> list[float]:
     check_data(args)  # sets the vocabulary size from the tokenizer, as pretraining does
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
                             micro_batch_size=args.micro_batch_size)
-    training = await TrainingService.options(procs=WORLD, with_gpus=False, backend="local").as_service(
+    training = await TrainingService.options(procs=WORLD, with_gpus=False, backend=backend).as_service(
         model=gpt_config(args), optimizer=optimizer_config(args), loss_fn="language_model", parallel=layout,
         checkpoint_dir=os.path.join(directory, "service_ckpt"), seed=args.seed)
     try:
@@ -89,13 +90,15 @@ async def service_losses(args, directory: str) -> list[float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-iters", type=int, default=3)
-    extra = ["--train-iters", str(p.parse_args(argv).train_iters)]
+    p.add_argument("--backend", choices=("local", "ray"), default="local", help="where the service's workers run")
+    options = p.parse_args(argv)
+    extra = ["--train-iters", str(options.train_iters)]
     flags = FLAGS + extra
     args = validate_args(parse_args(flags), WORLD)
     with tempfile.TemporaryDirectory() as directory:
         reference = pretrain_losses(flags, directory)
-        served = asyncio.run(service_losses(args, directory))
-    print("iteration  pretrain_gpt.py  TrainingService")
+        served = asyncio.run(service_losses(args, directory, options.backend))
+    print(f"iteration  pretrain_gpt.py  TrainingService ({options.backend})")
     for i, (a, b) in enumerate(zip(reference, served), 1):
         print(f"{i:9d}  {a:15.6f}  {b:15.6f}")
     same = len(reference) == len(served) == args.train_iters and all(

@@ -1,7 +1,8 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
 estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward/teacher
 model with tensor transport and prefetch, distillation from a teacher's top-k, a training backend and a training
-service for outside RL loops, weight export and trainer -> rollout weight sync."""
+service for outside RL loops, weight export and trainer -> rollout weight sync, and the placement plan with CPU
+offload of frozen models and optimizer state between the generation, scoring and training phases."""
 
 from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
                                       discounted_returns, grpo_advantages, rloo_advantages)
@@ -11,6 +12,8 @@ from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
+from megalite.rlhf.offload import Offloader
+from megalite.rlhf.placement import OffloadConfig, Placement
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
                                truncated_is_weights, value_loss, whiten)
@@ -18,7 +21,8 @@ from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
 from megalite.rlhf.rewards import load_reward_fn, overlong_penalty, token_rewards, varied_groups
 from megalite.rlhf.weight_sync import SyncRole, WeightSync
 from megalite.rlhf.reference import ReferenceModel
-from megalite.rlhf.service import ParallelLayout, TrainingService
+from megalite.rlhf.service import TrainingService
+from megalite.rlhf.service_config import ParallelLayout
 from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
@@ -31,5 +35,5 @@ __all__ = [
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
     "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
     "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
-    "PolyakTarget",
+    "PolyakTarget", "Offloader", "OffloadConfig", "Placement",
 ]

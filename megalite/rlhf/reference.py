@@ -1,8 +1,10 @@
 """The reference policy: a frozen copy of the initial actor, optionally parked in CPU memory.
 
-With ``offload=True`` the weights live in (pinned, when CUDA is available)
-CPU memory and are copied to the device asynchronously only for the duration
-of a forward, so the reference model costs no device memory between uses.
+With ``offload=True`` the weights live in a host pool (pinned, when CUDA is
+available) and are copied to the device asynchronously only for the duration
+of a forward (:class:`~megalite.rlhf.offload.Offloader`), so the reference
+model costs no device memory between uses.  A :class:`~megalite.rlhf.placement.Placement`
+can manage ``self.module`` instead, per RL phase.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.offload import Offloader, module_tensors
 from megalite.rlhf.unwrap import unwrap
 
 
@@ -30,33 +33,20 @@ class ReferenceModel(nn.Module):
         if source is not None:
             self.module.load_state_dict(unwrap(source).state_dict())
         self.module.requires_grad_(False)
-        self.offload = offload
-        self.device = next(self.module.parameters()).device
-        self._host: dict[str, torch.Tensor] = {}
+        self.offloader = None
         if offload:
-            pin = torch.cuda.is_available()
-            for name, tensor in self._tensors():
-                host = tensor.detach().to("cpu", copy=True)
-                self._host[name] = host.pin_memory() if pin else host
-                tensor.data = self._host[name]
-
-    def _tensors(self):
-        yield from self.module.named_parameters()
-        yield from self.module.named_buffers()
+            device = next(self.module.parameters()).device
+            self.offloader = Offloader(module_tensors(self.module), device, writeback=False)
+            self.offloader.offload()
 
     @contextmanager
     def on_device(self):
         """Inside the block the weights are on the device; afterwards the device copies are dropped."""
-        if not self.offload:
+        if self.offloader is None:
             yield self.module
             return
-        for name, tensor in self._tensors():
-            tensor.data = self._host[name].to(self.device, non_blocking=True)
-        try:
+        with self.offloader.on_device():
             yield self.module
-        finally:
-            for name, tensor in self._tensors():
-                tensor.data = self._host[name]
 
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,

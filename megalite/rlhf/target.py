@@ -47,6 +47,10 @@ class PolyakTarget:
             for name, param in module.named_parameters():
                 param.copy_(self.params[name], non_blocking=True)
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host tensors held: the target's and the staging chunk (for memory accounting)."""
+        return [*self.params.values(), self._staging]
+
     def resident_bytes(self) -> int:
         """CPU bytes held: the target tensors and the staging chunk."""
         return sum(t.numel() * t.element_size() for t in self.params.values()) + self._staging.numel() * 4

@@ -29,12 +29,13 @@ def sharded_master_weight(shape: tuple[int, ...], partition_dim: int, rank: int,
     """Initialize the full ``shape`` weight on CPU in fp32, return block ``rank`` of ``size``.
 
     The master weight is built on CPU so the same seed gives the same values on
-    every device; the shard is then cast to ``dtype`` and moved to ``device``.
+    every device; the shard is then cast to ``dtype`` and moved to ``device`` as
+    a copy of its own (a view would keep the whole master weight alive on CPU).
     """
     master = torch.empty(shape, dtype=torch.float32)
     (init_method or normal_init())(master)
     shard = master.chunk(size, dim=partition_dim)[rank]
-    return shard.to(dtype=dtype, device=device).contiguous()
+    return shard.to(dtype=dtype, device=device, memory_format=torch.contiguous_format, copy=True)
 
 
 def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int) -> torch.nn.Parameter:

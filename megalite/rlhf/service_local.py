@@ -1,0 +1,69 @@
+"""``backend="local"``: TrainingService workers as spawned processes on this machine, fed through queues."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+
+from megalite.rlhf.service_config import ServiceSpec
+from megalite.rlhf.service_transport import Reply, Transport
+from megalite.rlhf.service_worker import ServiceWorker
+
+
+class LocalTransport(Transport):
+    host = "127.0.0.1"
+
+    def __init__(self, spec: ServiceSpec, procs: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._replies = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(procs)]
+        self._workers = [ctx.Process(target=_serve, args=(rank, spec, self._inboxes[rank], self._replies),
+                                     daemon=True) for rank in range(procs)]
+        for worker in self._workers:
+            worker.start()
+
+    def send(self, call_id: int, method: str, payload) -> None:
+        for inbox in self._inboxes:
+            inbox.put((call_id, method, payload))
+
+    def receive(self, timeout: float) -> list[Reply]:
+        try:
+            replies = [self._replies.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                replies.append(self._replies.get_nowait())
+            except queue.Empty:
+                return replies
+
+    def casualties(self) -> list[tuple[int, str]]:
+        return [(rank, f"(pid {worker.pid}) exited with code {worker.exitcode}")
+                for rank, worker in enumerate(self._workers) if not worker.is_alive()]
+
+    def kill(self) -> None:
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.kill()
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+
+def _serve(rank: int, spec: ServiceSpec, inbox, replies) -> None:
+    """A worker process: answer calls in order until ``shutdown``."""
+    worker = ServiceWorker(rank, spec)
+    while True:
+        call_id, method, payload = inbox.get()
+        ok, value = worker.handle(method, payload)
+        replies.put((call_id, rank, ok, value))
+        if method == "shutdown":
+            return
