@@ -764,8 +764,10 @@ def verify_blocks(directory: str, manifest: dict, blocks: list[tuple[str, int]])
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, \
                 memoryview(data) as view:
             for index in indices:
-                if index >= len(digests) or (
-                        hashlib.sha256(view[index * HASH_BLOCK:(index + 1) * HASH_BLOCK]).hexdigest() != digests[index]):
+                block = view[index * HASH_BLOCK:(index + 1) * HASH_BLOCK]
+                intact = index < len(digests) and hashlib.sha256(block).hexdigest() == digests[index]
+                block.release()  # the map closes below
+                if not intact:
                     return _corrupt(path)
     return None
 
