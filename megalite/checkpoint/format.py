@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePl
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.checkpoint.sharding import intersect
+from megalite.checkpoint.sharding import box_slices, intersect
 
 FORMAT = "megalite"
 FORMAT_VERSION = 4
@@ -910,37 +910,38 @@ class CheckpointReader:
         self.read_views([], regions, hashed=hashed)
 
     def read_views(self, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], regions: list[Region] = (), *,
-                   hashed: bool = True) -> list[torch.Tensor]:
-        """The boxes ``(name, offset, shape)`` of global tensors (in their stored dtype), and fill ``regions``.
+                   hashed: bool = True) -> list[list[tuple[tuple[slice, ...], torch.Tensor]]]:
+        """The boxes ``(name, offset, shape)`` of global tensors as views of the files, and fill ``regions``.
 
-        A box inside one stored chunk is a view of the memory-mapped file (no copy: the caller
-        copies it where it belongs, and must not write to it); any other box is read into a new tensor.  Hashing and
-        agreement as for :meth:`read_regions`.
+        Each box is a list ``[(index, view)]``, one per saved chunk it overlaps: ``view`` (in the
+        stored dtype) is the part ``box[index]``, a view of the memory-mapped file (no copy: the
+        caller copies it where it belongs, and must not write to it).  Hashing and agreement as
+        for :meth:`read_regions`.
         """
         chunks = _Chunks(self.directory, self.manifest, self.metadata, hashed)
-        views, regions = [], list(regions)
-        for name, offset, shape in boxes:
-            self._check_box(name, offset, shape)
-            want = tuple((o, o + n) for o, n in zip(offset, shape))
-            inside = next((c for c in self.chunks(name) if all(
-                lo <= a and b <= lo + n for (a, b), lo, n in zip(want, c.offsets, c.sizes))), None)
-            if inside is None:
-                regions.append(Region(name, tuple(offset), torch.empty(shape, dtype=self.dtype(name))))
-                views.append(regions[-1].out)
-                continue
-            try:
-                view = chunks.tensor(dcp_metadata.MetadataIndex(name, inside.offsets))
-            except Exception as err:
-                raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
-            for dim, (a, b) in enumerate(want):
-                view = view.narrow(dim, a - inside.offsets[dim], b - a)
-            views.append(view)
+        views = []
+        try:
+            for name, offset, shape in boxes:
+                self._check_box(name, offset, shape)
+                want, parts = tuple((o, o + n) for o, n in zip(offset, shape)), []
+                for chunk in self.chunks(name):
+                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+                    if common is None:
+                        continue
+                    view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
+                    for dim, (lo, hi) in enumerate(common):
+                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+                    parts.append((box_slices(common, tuple(offset)), view))
+                views.append(parts)
+        except Exception as err:
+            raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
         for region in regions:
             self.check_region(region)
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(chunks), planner=_RegionLoadPlanner(regions), no_dist=True)
+                    dcp.load({}, storage_reader=_SafeReader(chunks), planner=_RegionLoadPlanner(list(regions)),
+                             no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
                 raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
         return views

@@ -161,6 +161,17 @@ def _flat_regions(name: str, gp: GlobalParam, shape, lo: int, hi: int) -> tuple[
     return flat, wanted
 
 
+def _joined(parts, shape) -> torch.Tensor:
+    """The box of ``shape`` whose parts ``[(index, view)]`` :meth:`CheckpointReader.read_views` gave: the view
+    itself when it is one part, else a new tensor."""
+    if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(shape):
+        return parts[0][1]
+    out = torch.empty(shape, dtype=parts[0][1].dtype)
+    for index, value in parts:
+        out[index].copy_(value)
+    return out
+
+
 def _zero_unread(buffer: torch.Tensor, wanted: list[Region]) -> None:
     """Zero ``buffer`` unless the regions read into it (disjoint views of it) cover all of it: vocabulary
     padding rows are stored nowhere.  Reading fills the rest, so a covered buffer is left uninitialized."""
@@ -202,7 +213,8 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
     copies, layouts, values, wanted, boxes, places = [], {}, {}, [], [], []
 
     def view(name, offset, shape, place):
-        """Read box ``shape`` at ``offset`` of ``name``; ``place(tensor)`` puts it where it belongs."""
+        """Read box ``shape`` at ``offset`` of ``name``; ``place([(index, view)])`` puts its parts where they
+        belong."""
         boxes.append((name, tuple(offset), tuple(shape)))
         places.append(place)
 
@@ -221,8 +233,8 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
         if sum(math.prod(_box_shape(piece.local)) for piece in gp.pieces) < param.numel():
             copies.append((target, None))  # vocabulary padding rows are stored nowhere
         for piece in gp.pieces:
-            view(gp.name, piece.offset, _box_shape(piece.local),
-                 lambda value, part=target[box_slices(piece.local)]: copies.append((part, value)))
+            view(gp.name, piece.offset, _box_shape(piece.local), lambda parts, part=target[box_slices(piece.local)]:
+                 copies.extend((part[index], value) for index, value in parts))
         values[param] = (target.view(-1), 0)  # read once the parameters are loaded
 
     state = None
@@ -249,8 +261,9 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
             parts = list(regions(boxes_of_shard[0][0], gp.pieces)) if len(boxes_of_shard) == 1 else []
             for key, name in names:
                 if len(parts) == 1 and parts[0][0] == boxes_of_shard[0][0]:  # one box of one piece
-                    view(name, parts[0][1], _box_shape(parts[0][0]),
-                         lambda value, entry=entry, key=key: entry.__setitem__(key, value.reshape(-1).float()))
+                    box_shape = _box_shape(parts[0][0])
+                    view(name, parts[0][1], box_shape, lambda views, entry=entry, key=key, box_shape=box_shape:
+                         entry.__setitem__(key, _joined(views, box_shape).reshape(-1).float()))
                 else:
                     entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
                     wanted += more
