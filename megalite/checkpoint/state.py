@@ -84,20 +84,12 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
                 add(name, gp.shape, offset, block[box_slices(part, _origin(box))])
 
     layouts = {}
-    owned = {shard.param: shard for shard in optimizer.shards} if sharded else {}
     for param, gp in _named_tensors(model_chunks, config, ctx):
         layouts[param] = gp
         if isinstance(param, DTensor):
             if writes(gp, True):
                 lo, hi = owned_flat_range(param)
                 add_flat(gp.name, gp, tuple(param.shape), param.to_local().detach().reshape(-1), lo, hi)
-        elif sharded and param.requires_grad:
-            # ZeRO-1: each DP rank writes the weights of the range it updates, as it writes their optimizer
-            # state, so the DP ranks share the write (and an asynchronous save's copy).
-            shard = owned.get(param)
-            if shard is not None and writes(gp, True):
-                add_flat(gp.name, gp, tuple(param.shape), param.detach().reshape(-1)[shard.lo:shard.hi], shard.lo,
-                         shard.hi)
         elif writes(gp, False):
             for piece in gp.pieces:
                 add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
