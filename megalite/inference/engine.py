@@ -65,14 +65,15 @@ class LLMEngine:
         elif config.speculative == "draft":
             if draft_model is None:
                 raise ValueError("EngineConfig.speculative='draft' needs a draft_model")
-            drafter = DraftModelDrafter(_unwrap(draft_model), mc.vocab_size)
+            drafter = DraftModelDrafter(_unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
         self.drafter = drafter
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "generated_tokens": 0}
+        self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
+                      "generated_tokens": 0}
 
     # ---- requests (TP rank 0) ----------------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class LLMEngine:
             if box[0].token_ids:
                 self.execute(box[0])
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one packed forward; full-vocabulary fp32 logits ``[len(plan.sample_rows), v]``."""
         model = self.model
@@ -208,6 +209,7 @@ class LLMEngine:
                 if k:
                     self.stats["target_forwards_decoding"] += 1
                     self.stats["tokens_from_decoding"] += len(tokens)
+                    self.stats["draft_tokens"] += k
                 self._emit(seq, tokens, rows)
                 targets = [seq]
             for s in targets:
@@ -248,8 +250,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        if self.drafter is not None:
-            self.drafter.forget(seq)
         request = seq.request
         if request.finished and request.request_id in self.requests:
             del self.requests[request.request_id]

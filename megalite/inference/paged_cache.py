@@ -1,18 +1,28 @@
 """The paged KV pool and the per-step view the attention layers read it through.
 
-Keys and values of every layer live in one pool of fixed-size blocks
-(``[num_blocks * block_size, groups_local, d]`` per layer); a sequence's
-block table lists its blocks in order, so token ``p`` sits in slot
-``table[p // block_size] * block_size + p % block_size``.
+Keys and values of every layer live in one pool of fixed-size blocks,
+``[groups_local, num_blocks, block_size, d]`` per layer (group-major: whole
+blocks of one group are contiguous, so gathering a sequence's blocks yields
+the ``[groups, blocks * block_size, d]`` operand of a batched matmul without
+a transpose).  A sequence's block table lists its blocks in order, so token
+``p`` sits in block ``table[p // block_size]`` at row ``p % block_size``.
 
 One engine step packs the new tokens of all scheduled sequences into a single
 ``[1, T]`` batch.  :class:`PagedStep` is the KV cache the model sees for that
 forward (the duck-typed interface of :mod:`megalite.models.kv_cache`): each
-layer writes its new keys/values into their slots, then gathers every
-sequence's context through its block table and runs SDPA per group of
-sequences (decodes together, prefill chunks together), padded to the group's
-longest query and context.  This gather-based path is the CPU attention
-backend; a GPU paged-attention kernel would replace :meth:`PagedStep.attend`.
+layer writes its new keys/values into their slots, then attends.  This is the
+CPU attention backend; a GPU paged-attention kernel would replace
+:meth:`PagedStep.attend`.  Its index tensors and masks are built once per
+step and shared by every layer:
+
+- short queries (decodes, speculative verification) are sorted by context
+  length and cut into buckets, so padding stays small; each bucket gathers
+  its sequences' blocks with one ``index_select`` into a reused buffer and
+  runs two batched matmuls and a softmax (cheaper than SDPA for a handful of
+  queries per sequence);
+- prefill chunks run SDPA one sequence at a time: a chunk that starts the
+  sequence attends to its own new keys with ``is_causal`` (no gather), a
+  later chunk gathers its context and uses a causal mask shifted by its start.
 """
 
 from __future__ import annotations
@@ -22,6 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+# Queries up to this length go to the batched-matmul buckets; longer ones (prefill chunks) to per-sequence SDPA.
+SHORT_QUERY = 8
+# Sequences per bucket of short queries: small enough that sorting by context length leaves little padding.
+BUCKET_SIZE = 16
+
 
 class KVPool:
     """Key and value blocks for the layers ``layer_numbers`` of this rank's model chunk."""
@@ -29,16 +44,27 @@ class KVPool:
     def __init__(self, layer_numbers, num_blocks: int, block_size: int, groups: int, head_dim: int,
                  dtype: torch.dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, groups, head_dim)
+        shape = (groups, num_blocks, block_size, head_dim)
         self.keys = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
         self.values = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` into block ``dst`` in every layer (copy-on-write of shared blocks)."""
-        bs = self.block_size
-        for src, dst in pairs:
-            for cache in (*self.keys.values(), *self.values.values()):
-                cache[dst * bs:(dst + 1) * bs] = cache[src * bs:(src + 1) * bs]
+        if not pairs:
+            return
+        device = next(iter(self.keys.values())).device
+        src = torch.tensor([s for s, _ in pairs], device=device)
+        dst = torch.tensor([d for _, d in pairs], device=device)
+        for cache in (*self.keys.values(), *self.values.values()):
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    def buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat scratch tensor of at least ``numel`` elements, reused across layers and steps."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[name] = like.new_empty(max(numel, 2 * (0 if buf is None else buf.numel())))
+        return buf[:numel]
 
 
 @dataclass
@@ -62,32 +88,57 @@ class StepPlan:
     stop: bool = False
 
 
-class _Group:
-    """Index tensors for one SDPA call over sequences padded to ``Q`` queries and ``C`` keys."""
+class _Bucket:
+    """Sequences with short queries, padded to ``q`` queries and ``blocks`` blocks of context.
+
+    ``blocks_index``: their block ids (padding: block 0, masked); ``queries``:
+    packed rows of their queries (padding: row 0); ``rows``/``tokens``: which
+    padded query rows are real and the packed rows they fill; ``bias``: 0 or
+    -inf per (query, key), ``[n, q, keys]``.
+    """
 
     def __init__(self, members, plan: StepPlan, offsets: list[int], block_size: int, device):
         starts = torch.tensor([plan.starts[i] for i in members])
         lengths = torch.tensor([plan.lengths[i] for i in members])
         first = torch.tensor([offsets[i] for i in members])
-        widest = max(len(plan.block_tables[i]) for i in members)
-        tables = torch.tensor([plan.block_tables[i] + [0] * (widest - len(plan.block_tables[i])) for i in members])
+        tables = [plan.block_tables[i] for i in members]
         ctx = starts + lengths
-        q_max, c_max = int(lengths.max()), int(ctx.max())
-        key_pos = torch.arange(c_max)
-        query_pos = torch.arange(q_max)
-        has_key = key_pos[None, :] < ctx[:, None]
-        gather = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        self.n, self.q = len(members), int(lengths.max())
+        self.blocks = -(-int(ctx.max()) // block_size)
+        self.blocks_index = torch.tensor([t[:self.blocks] + [0] * (self.blocks - len(t[:self.blocks]))
+                                          for t in tables]).flatten().to(device)
+        keys = self.blocks * block_size
+        key_pos, query_pos = torch.arange(keys), torch.arange(self.q)
         has_query = query_pos[None, :] < lengths[:, None]
-        mask = (key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]) & has_key[:, None, :]
-        mask &= has_query[:, :, None]
-        mask[:, :, 0] |= ~has_query
+        allowed = key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]
+        allowed[:, :, 0] |= ~has_query
+        bias = torch.zeros(self.n, self.q, keys).masked_fill_(~allowed, float("-inf"))
+        self.bias = bias.to(device)
+        self.expanded: torch.Tensor | None = None
+
         tokens = first[:, None] + query_pos[None, :]
-        self.gather = torch.where(has_key, gather, 0).flatten().to(device)
         self.queries = torch.where(has_query, tokens, 0).flatten().to(device)
-        self.shape = (len(members), q_max, c_max)
-        self.mask = mask.unsqueeze(1).to(device)
         self.rows = has_query.flatten().nonzero().squeeze(1).to(device)
         self.tokens = tokens[has_query].to(device)
+
+    def bias_for(self, groups: int, per_group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bias laid out like the scores, ``[groups * n, per_group * q, keys]`` (built once, for every layer)."""
+        if self.expanded is None:
+            bias = self.bias[None, :, None].expand(groups, self.n, per_group, self.q, self.bias.shape[-1])
+            self.expanded = bias.reshape(groups * self.n, per_group * self.q, -1).to(dtype)
+        return self.expanded
+
+
+class _Chunk:
+    """One sequence's prefill chunk: packed rows ``first .. first+length``, context ``start + length``."""
+
+    def __init__(self, index: int, plan: StepPlan, offsets: list[int], block_size: int, device):
+        self.start, self.length, self.first = plan.starts[index], plan.lengths[index], offsets[index]
+        self.blocks_index = self.mask = None
+        if self.start:
+            context = self.start + self.length
+            self.blocks_index = torch.tensor(plan.block_tables[index][:-(-context // block_size)], device=device)
+            self.mask = torch.ones(self.length, context, dtype=torch.bool, device=device).tril(diagonal=self.start)
 
 
 class PagedStep:
@@ -105,9 +156,11 @@ class PagedStep:
             total += length
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + length))
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        decodes = [i for i, n in enumerate(plan.lengths) if n == 1]
-        chunks = [i for i, n in enumerate(plan.lengths) if n > 1]
-        self.groups = [_Group(m, plan, offsets, bs, device) for m in (decodes, chunks) if m]
+        short = sorted((i for i, n in enumerate(plan.lengths) if n <= SHORT_QUERY),
+                       key=lambda i: plan.starts[i] + plan.lengths[i])
+        self.buckets = [_Bucket(short[i:i + BUCKET_SIZE], plan, offsets, bs, device)
+                        for i in range(0, len(short), BUCKET_SIZE)]
+        self.chunks = [_Chunk(i, plan, offsets, bs, device) for i, n in enumerate(plan.lengths) if n > SHORT_QUERY]
 
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -115,18 +168,38 @@ class PagedStep:
         if mask is not None or dropout:
             raise ValueError("the paged KV cache takes no attention mask or dropout (positions come per token)")
         keys, values = self.pool.keys[layer_number], self.pool.values[layer_number]
-        keys.index_copy_(0, self.slots, k[:, 0].to(keys.dtype))
-        values.index_copy_(0, self.slots, v[:, 0].to(values.dtype))
-        t, _, heads, d = q.shape
+        groups, _, bs, d = keys.shape
+        keys.view(groups, -1, d).index_copy_(1, self.slots, k[:, 0].transpose(0, 1).to(keys.dtype))
+        values.view(groups, -1, d).index_copy_(1, self.slots, v[:, 0].transpose(0, 1).to(values.dtype))
+        q = q[:, 0]
+        t, heads, _ = q.shape
+        per_group = heads // groups
         out = q.new_empty(t, heads * d)
-        groups = keys.shape[1]
-        for g in self.groups:
-            s, q_max, c_max = g.shape
-            query = q[:, 0].index_select(0, g.queries).view(s, q_max, heads, d).transpose(1, 2)
-            key = keys.index_select(0, g.gather).view(s, c_max, groups, d).transpose(1, 2)
-            value = values.index_select(0, g.gather).view(s, c_max, groups, d).transpose(1, 2)
-            context = F.scaled_dot_product_attention(query, key, value, attn_mask=g.mask, enable_gqa=groups != heads)
-            out[g.tokens] = context.transpose(1, 2).reshape(-1, heads * d).index_select(0, g.rows)
+        for b in self.buckets:
+            n, nq, width = b.n, b.q, b.blocks * bs
+            size = groups * n * width * d
+            key = torch.index_select(keys, 1, b.blocks_index, out=self.pool.buffer("k", size, keys).view(
+                groups, n * b.blocks, bs, d)).view(groups * n, width, d)
+            value = torch.index_select(values, 1, b.blocks_index, out=self.pool.buffer("v", size, values).view(
+                groups, n * b.blocks, bs, d)).view(groups * n, width, d)
+            query = q.index_select(0, b.queries).view(n, nq, groups, per_group, d).permute(2, 0, 3, 1, 4)
+            scores = torch.baddbmm(b.bias_for(groups, per_group, q.dtype), query.reshape(groups * n, per_group * nq, d),
+                                   key.transpose(1, 2), alpha=d ** -0.5).softmax(dim=-1)
+            context = torch.bmm(scores, value)
+            context = context.view(groups, n, per_group, nq, d).permute(1, 3, 0, 2, 4).reshape(n * nq, heads * d)
+            out[b.tokens] = context.index_select(0, b.rows)
+        for c in self.chunks:
+            query = q[c.first:c.first + c.length].transpose(0, 1).unsqueeze(0)
+            if c.blocks_index is None:
+                key = k[c.first:c.first + c.length, 0].transpose(0, 1).unsqueeze(0)
+                value = v[c.first:c.first + c.length, 0].transpose(0, 1).unsqueeze(0)
+            else:
+                context_len = c.start + c.length
+                key = keys.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
+                value = values.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=c.mask,
+                                                     is_causal=c.blocks_index is None, enable_gqa=groups != heads)
+            out[c.first:c.first + c.length] = context[0].transpose(0, 1).reshape(c.length, heads * d)
         return out.unsqueeze(1)
 
     def advance(self, num_tokens: int) -> None:

@@ -82,7 +82,9 @@ class Scheduler:
         for block in seq.block_table:
             self.allocator.release(block)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cached_blocks = 0
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     def trim(self, seq: Sequence) -> None:
         """Release blocks past the sequence's tokens (left over from rejected drafts)."""
@@ -97,29 +99,44 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _drafts(self, seq: Sequence) -> list[int]:
+    def _num_drafts(self, seq: Sequence) -> int:
+        """How many drafts a decoding ``seq`` may verify this step (none while it still prefills)."""
         if self.drafter is None or seq.num_computed != len(seq.tokens) - 1:
-            return []
-        room = seq.request.params.max_new_tokens - seq.num_generated - 1
-        k = min(self.num_draft_tokens, room)
-        return self.drafter.propose(seq, k) if k > 0 else []
+            return 0
+        return max(0, min(self.num_draft_tokens, seq.request.params.max_new_tokens - seq.num_generated - 1))
 
     def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
-        """The next step's plan (empty when nothing can run) and who is in it."""
-        budget, copies, entries = self.max_tokens, [], []
+        """The next step's plan (empty when nothing can run) and who is in it.
+
+        Blocks for each decoding sequence's drafts are reserved first; then the
+        drafter follows the step's copy-on-write copies and proposes for all of
+        them at once (a draft model runs batched), and entries shrink to the
+        drafts it actually proposed.
+        """
+        budget, copies, entries, wanted = self.max_tokens, [], [], []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = self._drafts(seq)
-            length = min(len(seq.tokens) - seq.num_computed + len(drafts), budget)
-            drafts = drafts[:max(0, length - (len(seq.tokens) - seq.num_computed))]
+            todo = len(seq.tokens) - seq.num_computed
+            length = min(todo + self._num_drafts(seq), budget)
             if not self._reserve(seq, seq.num_computed, seq.num_computed + length, copies):
                 victim = self.running[-1]
                 self._preempt(victim)
                 continue
-            entries.append(self._entry(seq, length, drafts))
+            entries.append(Scheduled(seq, seq.num_computed, length, [], False))
+            wanted.append(max(0, length - todo))
             budget -= length
             i += 1
+        applied = len(copies)
+        if self.drafter is not None:
+            self.drafter.copy_blocks(copies)
+        if any(wanted):
+            drafting = [(e, k) for e, k in zip(entries, wanted) if k]
+            proposals = self.drafter.propose([e.seq for e, _ in drafting], [k for _, k in drafting])
+            for (e, k), drafts in zip(drafting, proposals):
+                e.drafts = list(drafts[:k])
+                e.length -= k - len(e.drafts)
+        entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self.prefix_cache is not None and not seq.block_table:
@@ -133,6 +150,8 @@ class Scheduler:
             self.running.append(seq)
             entries.append(self._entry(seq, length, []))
             budget -= length
+        if self.drafter is not None:
+            self.drafter.copy_blocks(copies[applied:])
         return self._plan(entries, copies), entries
 
     def _entry(self, seq: Sequence, length: int, drafts: list[int]) -> Scheduled:
@@ -157,16 +176,18 @@ class Scheduler:
         return plan
 
     def finish(self, seq: Sequence) -> None:
-        """Cache the finished sequence's full blocks and release them."""
-        self.cache_blocks(seq)
+        """Cache the finished sequence's full blocks (refreshing their recency) and release them."""
+        self.cache_blocks(seq, force=True)
         self.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def cache_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's fully computed blocks to the prefix cache."""
+    def cache_blocks(self, seq: Sequence, force: bool = False) -> None:
+        """Offer the sequence's fully computed blocks to the prefix cache when one more is full (or ``force``)."""
         if self.prefix_cache is not None:
             full = seq.num_computed // self.block_size
-            self.prefix_cache.insert(seq.tokens, seq.block_table, full)
+            if force or full > seq.num_cached_blocks:
+                self.prefix_cache.insert(seq.tokens, seq.block_table, full)
+                seq.num_cached_blocks = full

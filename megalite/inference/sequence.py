@@ -15,6 +15,7 @@ class Sequence:
         self.tokens = list(tokens)
         self.num_computed = 0
         self.block_table: list[int] = []
+        self.num_cached_blocks = 0  # full blocks last offered to the prefix cache
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.generator = request.generators[index]

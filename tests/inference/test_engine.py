@@ -119,7 +119,13 @@ def test_string_prompts_with_a_tokenizer():
 
 
 def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
-    """With the target as its own draft model, each verify forward emits all k drafts plus one token."""
+    """With the target as its own draft model, each verify forward emits all k drafts plus one token.
+
+    Also with n=2 samples (forked blocks copied on write), a shared prefix and pools so small that sequences
+    are preempted (the drafter must forget them), one with prompts chunked so that their last token comes with
+    drafts before the fork (the draft pool must follow the copies): the batched drafter's paged cache follows
+    every block move.
+    """
     model = tiny_model()
     k = 3
     llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=64, speculative="draft",
@@ -131,3 +137,17 @@ def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
     plain = LLM.from_model(model).generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=17,
                                                                                        temperature=0))
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10], [12, 13, 14]]
+    params = SamplingParams(n=2, max_new_tokens=14, temperature=0)
+    plain = LLM.from_model(model).generate(prompts, params)
+    for num_blocks, budget in ((10, 8), (14, 512)):
+        llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=num_blocks,
+                                                               max_num_batched_tokens=budget, speculative="draft",
+                                                               num_speculative_tokens=k), draft_model=model)
+        out = llm.generate(prompts, params)
+        stats = llm.engine.stats
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert stats["draft_tokens"] > 0
+        assert stats["tokens_from_decoding"] - stats["target_forwards_decoding"] == stats["draft_tokens"]
+        assert [[c.token_ids for c in o.outputs] for o in out] == [[c.token_ids for c in o.outputs] for o in plain]
