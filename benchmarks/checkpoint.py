@@ -4,8 +4,12 @@ A ~100M-parameter GPT (hidden 768, 12 layers, vocab 32000) at tp=2 x dp=2 with Z
 after one optimizer step (so Adam state is saved too).  The old format's modules are taken from
 ``git show 3b80930:megalite/checkpoint/...`` and imported under another package name, so both run in the
 same processes on the same model.  Each repeat alternates which side goes first; a time is the slowest
-rank's, and the medians are printed with their ratios.  ``--async-save``'s stall is the time the save call
-blocks training (copying the tensors); the write, hashing and publishing run in the background.
+rank's, and the medians are printed with their ratios.  Loading is the trainer's: all ranks load together
+(``group=WORLD``), sharing the data files' hash checks and agreeing before any parameter changes.
+``--async-save``'s stall is the time the save call blocks training (copying the tensors into the saver's
+staging buffers, kept from the previous save); the write, hashing and publishing run in the background.
+Per-process CPU seconds (median over repeats, summed over the 4 ranks) are printed too: wall times on a
+shared machine swing with the other load, CPU time much less.
 
     python benchmarks/checkpoint.py [--repeats 5] [--dir /tmp/megalite_ckpt_bench]
 """
@@ -57,15 +61,20 @@ def _build():
     return chunk, optimizer
 
 
-def _timed(fn):
+def _timed(fn, cpu=None):
+    """The slowest rank's wall seconds of ``fn()``; with a ``cpu`` list, also append the CPU seconds of all ranks."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, used = time.perf_counter(), time.process_time()
     fn()
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    used = torch.tensor([time.process_time() - used], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used)
+    if cpu is not None:
+        cpu.append(used.item())
     return seconds.item()
 
 
@@ -100,17 +109,18 @@ def _rank(old_dir, work, repeats):
         return lambda: checkpoint.save_checkpoint(path, 1, [chunk], optimizer)
 
     def new_load(path):
-        return lambda: checkpoint.load_checkpoint(path, [chunk], optimizer)
+        return lambda: checkpoint.load_checkpoint(path, [chunk], optimizer, group=dist.group.WORLD)
 
     times = {key: [] for key in ("old_save", "new_save", "old_load", "new_load", "async_stall", "async_total")}
+    cpu = {key: [] for key in ("old_save", "new_save", "old_load", "new_load")}
     for repeat in range(repeats + 1):
         order = ("old", "new") if repeat % 2 == 0 else ("new", "old")
-        result = {}
+        result, used = {}, {key: [] for key in cpu}
         for side in order:
             path = fresh(side)
             save, load = (old_save, old_load) if side == "old" else (new_save, new_load)
-            result[f"{side}_save"] = _timed(save(path))
-            result[f"{side}_load"] = _timed(load(path))
+            result[f"{side}_save"] = _timed(save(path), used[f"{side}_save"])
+            result[f"{side}_load"] = _timed(load(path), used[f"{side}_load"])
         path = fresh("async")
         start = time.perf_counter()
         result["async_stall"] = _timed(lambda: checkpoint.save_checkpoint(path, 1, [chunk], optimizer, saver=saver))
@@ -119,9 +129,11 @@ def _rank(old_dir, work, repeats):
         if repeat > 0:  # the first round warms the page cache and allocator
             for key, value in result.items():
                 times[key].append(value)
+            for key, value in used.items():
+                cpu[key] += value
     saver.close()
     dist.barrier()
-    return {"params": params, "times": times} if rank0 else None
+    return {"params": params, "times": times, "cpu": cpu} if rank0 else None
 
 
 def main():
@@ -146,9 +158,14 @@ def main():
           f"ratio {times['new_save'] / times['old_save']:.3f}")
     print(f"  load: old {times['old_load']:.3f} s, DCP {times['new_load']:.3f} s, "
           f"ratio {times['new_load'] / times['old_load']:.3f}")
+    cpu = {k: statistics.median(v) for k, v in result["cpu"].items()}
+    for op in ("save", "load"):
+        print(f"  {op} CPU seconds (4 ranks): old {cpu[f'old_{op}']:.2f}, DCP {cpu[f'new_{op}']:.2f}, "
+              f"ratio {cpu[f'new_{op}'] / cpu[f'old_{op}']:.3f}")
     print(f"  --async-save stall {times['async_stall']:.3f} s = {times['async_stall'] / times['new_save']:.1%} "
           f"of the sync save (background write finished after {times['async_total']:.3f} s)")
     print("  per repeat:", {k: [round(x, 3) for x in v] for k, v in result["times"].items()})
+    print("  CPU per repeat:", {k: [round(x, 2) for x in v] for k, v in result["cpu"].items()})
 
 
 if __name__ == "__main__":

@@ -8,20 +8,22 @@ Layout under a save directory::
     iter_0000100/__0_0.distcp     DCP: the chunks rank 0 wrote (one file per writing rank)
     iter_0000100/megalite.json    format tag, iteration, world size and rank 0's state (config, layout, ...)
     iter_0000100/rank_00000.json  each rank's own state (RNG streams), plain JSON
-    iter_0000100/manifest.json    size and sha256 of every other file
+    iter_0000100/manifest.json    size of every other file and the sha256 of each of its 16 MiB blocks
 
 Tensors are stored under their global names (see :mod:`megalite.checkpoint.sharding`) as DCP chunks
 (:class:`TensorShard`: a box of a global tensor at an offset), so ``dcp_to_torch_save`` or any DCP
 loader sees whole global tensors, and a reader can fetch any region under any layout.  Nothing is
-pickled by megalite: state is JSON, tensors go through ``torch.load(weights_only=True)`` inside DCP,
-and the DCP ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes.
+pickled by megalite: state is JSON, each chunk is a ``torch.save`` record holding one plain storage,
+copied from the file into place without unpickling anything (other records are refused), and the
+DCP ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes.
 
-Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files; rank 0
-collects the hashes, writes the manifest, renames the directory and only then replaces ``latest``,
-fsyncing along the way.  A save killed at any moment leaves the previous checkpoint and pointer
+Writes are atomic and verified: every rank writes into ``iter_N.tmp`` and hashes its files while
+fsyncing them; rank 0 collects the hashes, writes the manifest, renames the directory and only then
+replaces ``latest``, fsyncing along the way.  A save killed at any moment leaves the previous checkpoint and pointer
 intact; a failed write (disk full, I/O error) removes the partial directory and raises one
 :class:`CheckpointWriteError`.  Loading checks the manifest first, so a missing, truncated or
-altered file is one ValueError naming it, before anything is read into a model.
+altered file is one ValueError naming it, before anything is read into a model.  Hashes cover blocks
+of :data:`HASH_BLOCK` bytes, so the ranks that load a checkpoint together each hash an equal share.
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ import math
 import mmap
 import os
 import pickle
+import re
 import shutil
+import struct
+import sys
+import threading
 import warnings
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -51,14 +58,18 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePl
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.checkpoint.sharding import intersect
+from megalite.checkpoint.sharding import box_slices, intersect
 
 FORMAT = "megalite"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "megalite.json"
 DCP_METADATA = ".metadata"
+HASH_BLOCK = 16 << 20
+"""Files are hashed in blocks of this many bytes, so the ranks that load together can share the work."""
+FLUSH_EVERY = 64 << 20
+"""A data file being written starts flushing to disk every this many bytes."""
 
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
@@ -100,19 +111,40 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_json(path: str, value) -> None:
+def _write_json(path: str, value, sync: bool = True) -> None:
     with open(path, "w") as f:
         json.dump(value, f, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
+def _block_digests(data) -> list[str]:
+    """The sha256 of each :data:`HASH_BLOCK`-byte block of the buffer ``data``: a file's content hash."""
+    with memoryview(data) as view:
+        return [hashlib.sha256(view[start:start + HASH_BLOCK]).hexdigest() for start in range(0, len(view), HASH_BLOCK)]
+
+
+def _sha256(path: str) -> list[str]:
+    """The content hash of file ``path`` (the sha256 of each block, see :func:`_block_digests`)."""
     with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+        if os.fstat(f.fileno()).st_size == 0:
+            return []
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _block_digests(data)
+
+
+def _hash_and_sync(directory: str, names: list[str]) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files ``names``, fsyncing them meanwhile.
+
+    The hashing reads the page cache while the disk flushes, so it costs the save little time.
+    """
+    paths = [os.path.join(directory, name) for name in names]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        synced = pool.submit(lambda: [_fsync(path) for path in paths])
+        files = {name: {"size": os.path.getsize(path), "sha256": _sha256(path)} for name, path in zip(names, paths)}
+        synced.result()
+    return files
 
 
 def check_jsonable(value, what: str) -> None:
@@ -123,33 +155,38 @@ def check_jsonable(value, what: str) -> None:
         raise ValueError(f"{what} must be plain JSON data: {err}") from None
 
 
-class _HashingStream:
-    """A write stream that hashes what passes through it (DCP writes its files front to back)."""
+class _FlushingStream:
+    """A write stream that starts flushing what it has written to disk every :data:`FLUSH_EVERY` bytes.
 
-    def __init__(self, stream):
-        self._stream, self.digest, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+    A background ``fdatasync`` overlaps the disk writes with the rest of the serialization, so the
+    fsync before publishing only waits for the tail instead of the whole file.
+    """
+
+    def __init__(self, stream, pool: ThreadPoolExecutor):
+        self._stream, self._pool, self._unflushed, self._flush = stream, pool, 0, None
 
     def write(self, data):
         written = self._stream.write(data)
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += view.nbytes
+        self._unflushed += memoryview(data).nbytes
+        if self._unflushed >= FLUSH_EVERY and (self._flush is None or self._flush.done()):
+            self._stream.flush()
+            self._flush, self._unflushed = self._pool.submit(os.fdatasync, self._stream.fileno()), 0
         return written
 
-    def seek(self, *args):
-        self.sequential = False
-        return self._stream.seek(*args)
+    def wait(self) -> None:
+        if self._flush is not None:
+            self._flush.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._stream.close()
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording ``{file name: (size, sha256)}`` of the files it writes."""
-
-    def __init__(self):
-        super().__init__()
-        self.digests: dict[str, dict] = {}
+class _FlushingFileSystem(FileSystem):
+    """DCP's local file system, writing through :class:`_FlushingStream`."""
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -157,18 +194,21 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashing = _HashingStream(stream)
-            yield hashing
-        if hashing.sequential:
-            self.digests[os.path.basename(str(path))] = {"size": hashing.size, "sha256": hashing.digest.hexdigest()}
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-flush") as pool:
+                flushing = _FlushingStream(stream, pool)
+                try:
+                    yield flushing
+                finally:
+                    flushing.wait()
 
 
-class _HashingWriter(dcp.FileSystemWriter):
-    """DCP's file writer (fsyncing every file) that hashes the data files while writing them."""
+class _FlushingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, flushing each data file to disk as it goes; the final fsync of every file is
+    :func:`_hash_and_sync`'s."""
 
     def __init__(self, path: str):
-        super().__init__(path, sync_files=True)
-        self.fs = _HashingFileSystem()
+        super().__init__(path, sync_files=False)
+        self.fs = _FlushingFileSystem()
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
@@ -189,13 +229,30 @@ class _ShardSavePlanner(DefaultSavePlanner):
                 index=dcp_metadata.MetadataIndex(name, offsets), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=dcp_metadata.ChunkStorageMetadata(offsets=offsets, sizes=shard.tensor.size()),
-                    properties=dcp_metadata.TensorProperties.create_from_tensor(shard.tensor),
+                    properties=dcp_metadata.TensorProperties(dtype=shard.tensor.dtype),
                     size=torch.Size(shard.global_shape))))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+        return _exact_storage(self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach())
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor whose storage holds exactly its bytes.
+
+    ``torch.save`` writes a tensor's whole storage, so DCP clones any view of a larger one; a
+    contiguous view (a ZeRO-1 box of a flat shard, a row block of a parameter) instead gets a
+    storage that aliases just its bytes, and is written without a copy.  Every saved record is
+    thus one C-contiguous storage of exactly the chunk, which :func:`_record_data` relies on.
+    """
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    view = tensor.untyped_storage()[start:start + tensor.nbytes]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(view, 0, tensor.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,46 +316,144 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the allow-listed metadata unpickler, checking each data file's hash as it is read.
+class _RecordView(io.RawIOBase):
+    """A read-only file over bytes ``[start, start + length)`` of ``data`` (one DCP record in a memory map)."""
 
-    Each file is memory-mapped once and hashed; each stored chunk is deserialized once (with
-    ``weights_only=True``) however many requested regions overlap it.
+    def __init__(self, data, start: int, length: int):
+        super().__init__()
+        self._data, self._start, self._length, self._pos = data, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, pos + {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence])
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self._length - self._pos))
+        start = self._start + self._pos
+        buffer[:count] = self._data[start:start + count]
+        self._pos += count
+        return count
+
+
+_STORAGE_ENTRY = re.compile(r"[^/]+/data/\d+")
+_ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+def _record_data(data, start: int, length: int, nbytes: int) -> int | None:
+    """Where the tensor bytes of the ``torch.save`` record ``data[start:start + length]`` begin, or None.
+
+    A record megalite writes is a zip archive holding one uncompressed C-contiguous storage of
+    exactly the chunk (:func:`_exact_storage`), so its bytes are used in place, without
+    unpickling the record.  Anything else (not such an archive, a storage of other than ``nbytes``
+    bytes, another byte order) gives None.
+    """
+    try:
+        with zipfile.ZipFile(_RecordView(data, start, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    storages = [e for e in entries if _STORAGE_ENTRY.fullmatch(e.filename)]
+    order = [e for e in entries if e.filename.endswith("/byteorder")]
+    if len(storages) != 1 or storages[0].file_size != nbytes:
+        return None
+    begin = _entry_data(data, start, length, storages[0])
+    byteorder = _entry_data(data, start, length, order[0]) if order else None
+    if begin is None or (order and (byteorder is None or data[byteorder:byteorder + order[0].file_size]
+                                    != sys.byteorder.encode())):
+        return None
+    return begin
+
+
+def _entry_data(data, start: int, length: int, entry: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the uncompressed zip ``entry`` of the archive ``data[start:start + length]`` begin."""
+    header = start + entry.header_offset
+    if entry.compress_type != zipfile.ZIP_STORED or entry.header_offset + _ZIP_LOCAL_HEADER.size > length:
+        return None
+    magic, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(data[header:header + _ZIP_LOCAL_HEADER.size])
+    begin = header + _ZIP_LOCAL_HEADER.size + name_length + extra_length
+    if magic != b"PK\x03\x04" or begin + entry.file_size > start + length:
+        return None
+    return begin
+
+
+class _Chunks:
+    """The stored chunks of one checkpoint as tensors over its memory-mapped data files.
+
+    Each file is mapped once; with ``hashed`` its hash is checked against the manifest before any
+    of its bytes are used (a collective load instead shares the hashing, :meth:`CheckpointReader.agree`).
+    A chunk is a view of the map (no copy; the map lives as long as a view of it).  Nothing is
+    unpickled: a record that is not one plain storage of the chunk is refused.
     """
 
-    def __init__(self, path: str, manifest: dict, metadata: dcp_metadata.Metadata):
-        super().__init__(path)
-        self.manifest, self._metadata = manifest, metadata
+    def __init__(self, directory: str, manifest: dict, metadata: dcp_metadata.Metadata, hashed: bool):
+        self.directory, self.manifest, self.metadata, self.hashed = directory, manifest, metadata, hashed
+        self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict = {}
+
+    def _map(self, relative: str) -> mmap.mmap:
+        if relative not in self._maps:
+            path = os.path.join(self.directory, relative)
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views may be writable
+            if self.hashed:
+                problem = check_file(path, self.manifest, len(data), lambda: _block_digests(data))
+                if problem:
+                    raise ValueError(problem)
+            self._maps[relative] = data
+        return self._maps[relative]
+
+    def tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
+        """The whole stored chunk of tensor ``index.fqn`` at ``index.offset``."""
+        key = (index.fqn, tuple(index.offset))
+        if key not in self._tensors:
+            info = self.metadata.storage_data[dcp_metadata.MetadataIndex(index.fqn, index.offset)]
+            if info.transform_descriptors:
+                raise ValueError(f"{self.directory}/{info.relative_path} uses DCP storage transforms, which megalite "
+                                 "checkpoints never use")
+            md = self.metadata.state_dict_metadata[index.fqn]
+            sizes = next(c.sizes for c in md.chunks if tuple(c.offsets) == key[1])
+            dtype = md.properties.dtype
+            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+            data = self._map(info.relative_path)
+            begin = _record_data(data, info.offset, info.length, nbytes)
+            if begin is None:
+                raise ValueError(f"checkpoint file {self.directory}/{info.relative_path} holds no plain record of "
+                                 f"{index.fqn} at byte {info.offset} (corrupt, altered, or another byte order)")
+            self._tensors[key] = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(
+                dtype).view(sizes)
+        return self._tensors[key]
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the allow-listed metadata unpickler, copying each chunk from :class:`_Chunks`
+    straight into its destination (one copy, any dtype)."""
+
+    def __init__(self, chunks: _Chunks):
+        super().__init__(chunks.directory)
+        self.chunks = chunks
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        return self._metadata
+        return self.chunks.metadata
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
-        per_file: dict[str, dict] = {}
         for item in plan.items:
             if item.type != LoadItemType.TENSOR:
                 raise ValueError(f"{self.path} holds non-tensor data, which megalite checkpoints never store")
-            info = self.storage_data[item.storage_index]
-            per_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
-        for relative, by_chunk in per_file.items():
-            path = os.path.join(str(self.path), relative)
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                problem = check_file(path, self.manifest, len(data), lambda: hashlib.sha256(data).hexdigest())
-                if problem:
-                    raise ValueError(problem)
-                for index, items in by_chunk.items():
-                    info = self.storage_data[index]
-                    if info.transform_descriptors:
-                        raise ValueError(f"{path} uses DCP storage transforms, which megalite checkpoints never use")
-                    stored = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), map_location="cpu",
-                                        weights_only=True)
-                    for item in items:
-                        source = stored
-                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                            source = source.narrow(dim, start, length)
-                        target = planner.resolve_tensor(item).detach()
-                        target.copy_(source)
-                        planner.commit_tensor(item, target)
+            source = self.chunks.tensor(item.storage_index)
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(None)
         return future
@@ -372,21 +527,18 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error = {}, None
     try:
-        writer = _HashingWriter(tmp)
-        with _quiet_single_process():
+        writer = _FlushingWriter(tmp)
+        with _quiet_single_process(), _without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=_ShardSavePlanner(shards),
                      process_group=None if group is _NO_GROUP else group, no_dist=world == 1)
         if rank == 0:
             _write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
-                                                  "iteration": iteration, "world_size": world, **(state or {})})
-        _write_json(rank_state_file(tmp, rank), rank_state or {})
+                                                  "iteration": iteration, "world_size": world, **(state or {})},
+                        sync=False)
+        _write_json(rank_state_file(tmp, rank), rank_state or {}, sync=False)
         mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
-        for name in mine:
-            path = os.path.join(tmp, name)
-            files[name] = writer.fs.digests.get(name) if name.startswith("__") else None
-            if files[name] is None or files[name]["size"] != os.path.getsize(path):
-                files[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+        files = _hash_and_sync(tmp, mine)
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         error = f"{type(err).__name__}: {_first_line(err)}"
     reports = _all_gather((error, files), group)
@@ -395,7 +547,8 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         failure = None
         if rank == 0:
             try:
-                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration, "files": {}}
+                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": iteration,
+                            "block_size": HASH_BLOCK, "files": {}}
                 for _, rank_files in reports:
                     manifest["files"].update(rank_files)
                 _write_json(os.path.join(tmp, MANIFEST), manifest)
@@ -412,6 +565,24 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
                                    f"{os.path.basename(tmp)} was removed and latest still names "
                                    f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
     return final
+
+
+@contextlib.contextmanager
+def _without_zip_crc():
+    """On the main thread, ``torch.save`` skips the zip CRC32 of each record (a second pass over every byte).
+
+    The manifest's sha256 already covers every file and ``torch.load`` does not check the CRC.  The
+    option is process-wide, so a background write (which runs beside training) leaves it alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 @contextlib.contextmanager
@@ -463,15 +634,32 @@ class AsyncSaver:
     """Runs checkpoint writes on a background thread, at most one in flight.
 
     Construct it on every rank at the same point (it creates a gloo group of its own, so the
-    write's collectives never interleave with training's).  :meth:`submit` waits for the previous
-    write, then starts ``fn(group)``; :meth:`wait` blocks until the write in flight is published
-    and re-raises its error.
+    write's collectives never interleave with training's).  :meth:`stage` copies the shards to
+    save into CPU buffers it keeps from one save to the next (so later copies find their memory
+    ready); :meth:`submit` waits for the previous write, then starts ``fn(group)``; :meth:`wait`
+    blocks until the write in flight is published and re-raises its error.
     """
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
         self._future: Future | None = None
+        self._staging: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, shards: list[TensorShard]) -> list[TensorShard]:
+        """The shards with their tensors copied into this saver's buffers; call it with no write in flight."""
+        if self.in_flight:
+            raise RuntimeError("AsyncSaver.stage would overwrite the buffers of the write in flight; wait() first")
+        staging, staged = {}, []
+        for shard in shards:
+            key = (shard.name, shard.offset)
+            buffer = self._staging.get(key)
+            if buffer is None or buffer.shape != shard.tensor.shape or buffer.dtype != shard.tensor.dtype:
+                buffer = torch.empty(shard.tensor.shape, dtype=shard.tensor.dtype)
+            staging[key] = buffer.copy_(shard.tensor)
+            staged.append(dataclasses.replace(shard, tensor=buffer))
+        self._staging = staging
+        return staged
 
     def submit(self, fn) -> None:
         self.wait()
@@ -543,18 +731,44 @@ def read_manifest(directory: str) -> dict:
         raise ValueError(f"{path} is not a megalite checkpoint manifest")
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path} has format version {manifest.get('version')}, this megalite reads {FORMAT_VERSION}")
+    if manifest.get("block_size") != HASH_BLOCK:
+        raise ValueError(f"{path} hashes blocks of {manifest.get('block_size')} bytes, this megalite {HASH_BLOCK}")
     return manifest
 
 
 def check_file(path: str, manifest: dict, size: int, sha256) -> str | None:
-    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` hashes it), or None."""
+    """The problem with file ``path`` of size ``size`` against the manifest (``sha256()`` gives its block
+    digests), or None."""
     entry = manifest["files"].get(os.path.basename(path))
     if entry is None:
         return f"checkpoint file {path} is not listed in the manifest"
     if size != entry["size"]:
         return f"checkpoint file {path} has {size} bytes, the manifest records {entry['size']} (truncated or corrupt)"
     if sha256() != entry["sha256"]:
-        return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+        return _corrupt(path)
+    return None
+
+
+def _corrupt(path: str) -> str:
+    return f"checkpoint file {path} fails its content hash check (corrupt or altered); nothing was loaded"
+
+
+def verify_blocks(directory: str, manifest: dict, blocks: list[tuple[str, int]]) -> str | None:
+    """The first file among ``blocks`` (``(file name, block index)``, files of the recorded size) whose
+    block fails its hash, or None."""
+    by_file: dict[str, list[int]] = {}
+    for name, index in blocks:
+        by_file.setdefault(name, []).append(index)
+    for name, indices in sorted(by_file.items()):
+        path, digests = os.path.join(directory, name), manifest["files"][name]["sha256"]
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, \
+                memoryview(data) as view:
+            for index in indices:
+                block = view[index * HASH_BLOCK:(index + 1) * HASH_BLOCK]
+                intact = index < len(digests) and hashlib.sha256(block).hexdigest() == digests[index]
+                block.release()  # the map closes below
+                if not intact:
+                    return _corrupt(path)
     return None
 
 
@@ -577,10 +791,11 @@ class CheckpointReader:
 
     ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
     On opening, every file listed in the manifest must exist with its size, and the small files
-    (metadata, JSON state) must match their hashes; each data file's hash is checked when it is
-    read, before its tensors are used.  With ``collective`` (every rank of ``group`` opens the
-    same checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail
-    alike.  Every problem raises ValueError naming the file.
+    (metadata, JSON state) must match their hashes.  A data file's hash is checked when it is
+    read, before its tensors are used; or, for a collective load, once by one rank of the group
+    (:meth:`agree` with ``data``).  With ``collective`` (every rank of ``group`` opens the same
+    checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail alike.
+    Every problem raises ValueError naming the file.
     """
 
     def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
@@ -602,15 +817,30 @@ class CheckpointReader:
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
 
-    def agree(self, problem: str | None) -> None:
-        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
+    def agree(self, problem: str | None, *, data: bool = False) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here.
+
+        With ``data`` (after :meth:`read_regions` with ``hashed=False``) the data files are hashed
+        first, an equal share of their blocks by each rank of a collective reader's group (all of
+        them by a lone reader), and a failed hash is reported before any other problem (it is what
+        made a read fail).
+        """
+        corrupt = None
+        if data:
+            rank, world = _group_rank_and_size(self.group) if self.collective else (0, 1)
+            blocks = [(name, index) for name in sorted(n for n in self.manifest["files"] if n.startswith("__"))
+                      for index in range(-(-self.manifest["files"][name]["size"] // HASH_BLOCK))]
+            corrupt = verify_blocks(self.directory, self.manifest,
+                                    blocks[rank * len(blocks) // world:(rank + 1) * len(blocks) // world])
         if self.collective:
-            problem = next((p for p in _all_gather(problem, self.group) if p), None)
-        if problem:
-            raise ValueError(problem)
+            reports = _all_gather((corrupt, problem), self.group)
+            corrupt = next((c for c, _ in reports if c), None)
+            problem = next((p for _, p in reports if p), None)
+        if corrupt or problem:
+            raise ValueError(corrupt or problem)
 
     def verify_all(self) -> None:
-        """Check every file's hash (``inspect`` does; loading checks the files it reads)."""
+        """Check every file's hash (``inspect`` does; loading checks the files it reads, or its share)."""
         self.agree(verify_files(self.directory, self.manifest))
 
     @functools.cached_property
@@ -652,37 +882,69 @@ class CheckpointReader:
 
     def check_region(self, region: Region) -> None:
         """ValueError unless the saved chunks cover the whole requested region."""
-        name, out = region.name, region.out
+        self._check_box(region.name, region.offset, tuple(region.out.shape))
+
+    def _check_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
         if not self.has(name):
             raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
-        shape = self.shapes[name]
-        want = tuple((o, o + s) for o, s in zip(region.offset, out.shape))
-        if len(shape) != out.dim() or any(hi > size for (_, hi), size in zip(want, shape)):
-            raise ValueError(f"{name}: region {want} lies outside the saved global shape {shape}")
+        saved = self.shapes[name]
+        want = tuple((o, o + s) for o, s in zip(offset, shape))
+        if len(saved) != len(shape) or any(hi > size for (_, hi), size in zip(want, saved)):
+            raise ValueError(f"{name}: region {want} lies outside the saved global shape {saved}")
         filled = 0
         for chunk in self.chunks(name):
             common = intersect(want, tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes)))
             if common is not None:
                 filled += math.prod(hi - lo for lo, hi in common)
-        if filled != out.numel():
+        if filled != math.prod(shape):
             raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
-                             f"{filled} of {out.numel()} elements")
+                             f"{filled} of {math.prod(shape)} elements")
 
-    def read_regions(self, regions: list[Region]) -> None:
+    def read_regions(self, regions: list[Region], *, hashed: bool = True) -> None:
         """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
 
-        Local to this rank (no collective); a collective caller then calls :meth:`agree`.
+        Local to this rank (no collective); a collective caller then calls :meth:`agree`.  With
+        ``hashed`` each data file read is hashed before its bytes are used; without, the caller
+        must call ``agree(..., data=True)`` before it uses any ``out``.
         """
+        self.read_views([], regions, hashed=hashed)
+
+    def read_views(self, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], regions: list[Region] = (), *,
+                   hashed: bool = True) -> list[list[tuple[tuple[slice, ...], torch.Tensor]]]:
+        """The boxes ``(name, offset, shape)`` of global tensors as views of the files, and fill ``regions``.
+
+        Each box is a list ``[(index, view)]``, one per saved chunk it overlaps: ``view`` (in the
+        stored dtype) is the part ``box[index]``, a view of the memory-mapped file (no copy: the
+        caller copies it where it belongs, and must not write to it).  Hashing and agreement as
+        for :meth:`read_regions`.
+        """
+        chunks = _Chunks(self.directory, self.manifest, self.metadata, hashed)
+        views = []
+        try:
+            for name, offset, shape in boxes:
+                self._check_box(name, offset, shape)
+                want, parts = tuple((o, o + n) for o, n in zip(offset, shape)), []
+                for chunk in self.chunks(name):
+                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+                    if common is None:
+                        continue
+                    view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
+                    for dim, (lo, hi) in enumerate(common):
+                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+                    parts.append((box_slices(common, tuple(offset)), view))
+                views.append(parts)
+        except Exception as err:
+            raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
         for region in regions:
             self.check_region(region)
         if regions:
             try:
                 with _quiet_single_process():
-                    dcp.load({}, storage_reader=_SafeReader(self.directory, self.manifest, self.metadata),
-                             planner=_RegionLoadPlanner(regions),
+                    dcp.load({}, storage_reader=_SafeReader(chunks), planner=_RegionLoadPlanner(list(regions)),
                              no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
                 raise ValueError(f"reading {self.directory} failed: {_first_line(err)}") from None
+        return views
 
     def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Whole global tensors ``names``."""

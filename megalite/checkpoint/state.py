@@ -13,6 +13,8 @@ so any (tp, pp, vpp, dp, cp, ep) layout loads any other.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -51,12 +53,12 @@ def _origin(box) -> tuple[int, ...]:
 
 
 def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, expert_tp_group=None,
-                 dp_group=None, expert_dp_group=None, copy: bool = False) -> tuple[list[TensorShard], dict | None]:
+                 dp_group=None, expert_dp_group=None) -> tuple[list[TensorShard], dict | None]:
     """The :class:`TensorShard` boxes this rank writes, and the optimizer's JSON scalars (None without one).
 
     Each local tensor maps to its global name and offsets through :func:`global_param`; replicated
-    copies are written by one rank only.  ``copy`` snapshots the tensors (for a write that runs
-    while training goes on).
+    copies are written by one rank only.  The shards view the live tensors (an asynchronous save
+    copies them, :meth:`AsyncSaver.stage`).
     """
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp_cp"))
@@ -72,10 +74,7 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
     shards: list[TensorShard] = []
 
     def add(name, shape, offset, tensor):
-        tensor = tensor.detach()
-        if copy:
-            tensor = tensor.to("cpu", copy=True)
-        shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor))
+        shards.append(TensorShard(name, tuple(shape), tuple(offset), tensor.detach()))
 
     def add_flat(name, gp, shape, flat, lo, hi):
         # ``flat`` holds elements [lo, hi) of a flattened local tensor of ``shape`` (a ZeRO-1 or FSDP2 shard).
@@ -122,18 +121,20 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None,
 
     Collective over the default process group when one exists.  ``extra`` is JSON state stored
     once (from rank 0: scheduler, data position, flags); ``rank_extra`` JSON state of this rank
-    (RNG).  With ``saver`` the tensors are copied and the write runs in the background (at most
-    one in flight; ``latest`` moves once every rank's files are written and hashed).
+    (RNG).  With ``saver`` the tensors are copied (into buffers the saver keeps) and the write runs in
+    the background (at most one in flight; ``latest`` moves once every rank's files are written and hashed).
     """
     shards, optimizer_meta = local_shards(model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
                                           expert_tp_group=expert_tp_group, dp_group=dp_group,
-                                          expert_dp_group=expert_dp_group, copy=saver is not None)
+                                          expert_dp_group=expert_dp_group)
     state = {"config": config_to_dict(model_config(model_chunks)), "layout": dict(layout or {}),
              "optimizer": optimizer_meta, **(extra or {})}
     check_jsonable(state, "checkpoint state")
     check_jsonable(rank_extra or {}, "per-rank checkpoint state")
     if saver is None:
         return write_checkpoint(save_dir, iteration, shards, state, rank_extra)
+    saver.wait()  # the write in flight reads the staging buffers that stage() refills
+    shards = saver.stage(shards)
     saver.submit(lambda group: write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group))
     return iteration_dir(save_dir, iteration)
 
@@ -147,16 +148,35 @@ def _check_shape(reader: CheckpointReader, gp: GlobalParam) -> None:
 
 
 def _flat_regions(name: str, gp: GlobalParam, shape, lo: int, hi: int) -> tuple[torch.Tensor, list[Region]]:
-    """A zeroed fp32 buffer for elements ``[lo, hi)`` of the flattened local shard of ``gp``, and the
+    """An fp32 buffer for elements ``[lo, hi)`` of the flattened local shard of ``gp``, and the
     regions of global tensor ``name`` that fill it."""
-    flat = torch.zeros(hi - lo, dtype=torch.float32)
+    flat = torch.empty(hi - lo, dtype=torch.float32)
     wanted = []
     for box, start in flat_boxes(lo, hi, shape):
         box_shape = _box_shape(box)
         block = flat[start - lo:start - lo + int(torch.Size(box_shape).numel())].view(box_shape)
         for part, offset in regions(box, gp.pieces):
             wanted.append(Region(name, offset, block[box_slices(part, _origin(box))]))
+    _zero_unread(flat, wanted)
     return flat, wanted
+
+
+def _joined(parts, shape) -> torch.Tensor:
+    """The box of ``shape`` whose parts ``[(index, view)]`` :meth:`CheckpointReader.read_views` gave: the view
+    itself when it is one part, else a new tensor."""
+    if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(shape):
+        return parts[0][1]
+    out = torch.empty(shape, dtype=parts[0][1].dtype)
+    for index, value in parts:
+        out[index].copy_(value)
+    return out
+
+
+def _zero_unread(buffer: torch.Tensor, wanted: list[Region]) -> None:
+    """Zero ``buffer`` unless the regions read into it (disjoint views of it) cover all of it: vocabulary
+    padding rows are stored nowhere.  Reading fills the rest, so a covered buffer is left uninitialized."""
+    if sum(region.out.numel() for region in wanted) < buffer.numel():
+        buffer.zero_()
 
 
 def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_group=None, ep_group=None,
@@ -164,27 +184,40 @@ def load_into(reader: CheckpointReader, model_chunks, optimizer=None, *, tp_grou
     """Fill the chunks (and optimizer) with this rank's regions of ``reader``'s global tensors.
 
     Everything is read and checked before any parameter changes, so a bad checkpoint leaves the
-    model as it was; with a collective reader all ranks agree first, so all fail alike.
+    model as it was; with a collective reader all ranks agree first, so all fail alike (and they
+    share the hashing of the data files).  A region that lies in one saved chunk (any region when
+    the layout is the saved one) is a view of the memory-mapped file, copied once into place.
     """
-    problem, loaded, state = None, [], None
+    problem, copies, state = None, [], None
     try:
-        loaded, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
+        copies, state = _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group)
     except ValueError as err:
         problem = str(err)
-    reader.agree(problem)
+    reader.agree(problem, data=reader.collective)
     with torch.no_grad():
-        for param, value in loaded:
-            param.copy_(value)
+        for target, source in copies:
+            if source is None:
+                target.zero_()
+            else:
+                target.copy_(source)
     if state is not None:
         optimizer.load_sharded_state_dict(state)
 
 
 def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_group):
-    """``(params with their loaded values, the optimizer state to load or None)`` of this rank."""
+    """``([(parameter or part of one, its loaded value, or None to zero it)], the optimizer state to load or
+    None)`` of this rank."""
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     config = model_config(model_chunks)
     reader.check_architecture(config)
-    loaded, layouts, values, wanted = [], {}, {}, []
+    copies, layouts, values, wanted, boxes, places = [], {}, {}, [], [], []
+
+    def view(name, offset, shape, place):
+        """Read box ``shape`` at ``offset`` of ``name``; ``place([(index, view)])`` puts its parts where they
+        belong."""
+        boxes.append((name, tuple(offset), tuple(shape)))
+        places.append(place)
+
     for param, gp in _named_tensors(model_chunks, config, ctx):
         _check_shape(reader, gp)
         layouts[param] = gp
@@ -193,13 +226,16 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
             lo, hi = owned_flat_range(param)
             flat, more = _flat_regions(gp.name, gp, tuple(param.shape), lo, hi)
             wanted += more
-            loaded.append((param.to_local().detach().view(-1), flat))
+            copies.append((param.to_local().detach().view(-1), flat))
             values[param] = (flat, lo)
             continue
-        value = torch.zeros(param.shape, dtype=param.dtype)
-        wanted += [Region(gp.name, piece.offset, value[box_slices(piece.local)]) for piece in gp.pieces]
-        loaded.append((param, value))
-        values[param] = (value.reshape(-1), 0)
+        target = param.detach()
+        if sum(math.prod(_box_shape(piece.local)) for piece in gp.pieces) < param.numel():
+            copies.append((target, None))  # vocabulary padding rows are stored nowhere
+        for piece in gp.pieces:
+            view(gp.name, piece.offset, _box_shape(piece.local), lambda parts, part=target[box_slices(piece.local)]:
+                 copies.extend((part[index], value) for index, value in parts))
+        values[param] = (target.view(-1), 0)  # read once the parameters are loaded
 
     state = None
     if optimizer is not None:
@@ -221,13 +257,21 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
                 fp32_mains.append((entry, values[shard.param], shard.lo, shard.hi))  # main is the param itself
             else:
                 names.insert(0, ("main", main if reader.has(main) else gp.name))
+            boxes_of_shard = flat_boxes(shard.lo, shard.hi, shape)
+            parts = list(regions(boxes_of_shard[0][0], gp.pieces)) if len(boxes_of_shard) == 1 else []
             for key, name in names:
-                entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
-                wanted += more
+                if len(parts) == 1 and parts[0][0] == boxes_of_shard[0][0]:  # one box of one piece
+                    box_shape = _box_shape(parts[0][0])
+                    view(name, parts[0][1], box_shape, lambda views, entry=entry, key=key, box_shape=box_shape:
+                         entry.__setitem__(key, _joined(views, box_shape).reshape(-1).float()))
+                else:
+                    entry[key], more = _flat_regions(name, gp, shape, shard.lo, shard.hi)
+                    wanted += more
             entries[shard.key] = entry
         state = {"entries": entries, **meta}
-    reader.read_regions(wanted)
+    for value, place in zip(reader.read_views(boxes, wanted, hashed=not reader.collective), places):
+        place(value)
     if state is not None:
         for entry, (flat, start), lo, hi in fp32_mains:
             entry["main"] = flat[lo - start:hi - start].float()
-    return loaded, state
+    return copies, state

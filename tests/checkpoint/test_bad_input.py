@@ -81,7 +81,9 @@ def _rehash(directory, name):
         manifest = json.load(f)
     with open(os.path.join(directory, name), "rb") as f:
         data = f.read()
-    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    block = manifest["block_size"]
+    manifest["files"][name] = {"size": len(data), "sha256": [hashlib.sha256(data[i:i + block]).hexdigest()
+                                                             for i in range(0, len(data), block)]}
     with open(path, "w") as f:
         json.dump(manifest, f)
 
@@ -164,10 +166,43 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
         pickle.dump(_Payload(marker), f)
     _rehash(directory, "__0_0.distcp")
-    with pytest.raises(ValueError, match="reading .*evil_shard/iter_0000001 failed: .*[Ww]eights only load failed"):
+    with pytest.raises(ValueError, match=r"reading .*evil_shard/iter_0000001 failed: .*__0_0\.distcp holds no plain "
+                                          r"record of .* \(corrupt, altered"):
         load_checkpoint(broken, [target])
     assert not os.path.exists(marker)
     assert _unchanged(target, before) and _unchanged(other, other_before)
+
+
+def _load_tp2_error_with_blocks(path, block):
+    from megalite.checkpoint import format
+
+    format.HASH_BLOCK = block
+    return _load_tp2_error(path)
+
+
+def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path, monkeypatch):
+    """Small hash blocks: the one data file spans many blocks, split between the two loading ranks; a flip
+    in its last block (rank 1's share) is one error on both ranks, and nothing is loaded."""
+    from megalite.checkpoint import format
+
+    block = 1024
+    monkeypatch.setattr(format, "HASH_BLOCK", block)
+    save = str(tmp_path / "ckpt")
+    save_checkpoint(save, 1, [_model()])
+    directory = os.path.join(save, "iter_0000001")
+    with open(os.path.join(directory, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["block_size"] == block
+    assert all(len(entry["sha256"]) == -(-entry["size"] // block) for entry in manifest["files"].values())
+    shard = os.path.join(directory, "__0_0.distcp")
+    assert len(manifest["files"]["__0_0.distcp"]["sha256"]) > 4
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    for error, unchanged in run_distributed(_load_tp2_error_with_blocks, 2, save, block, timeout=120):
+        assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
 
 def test_partly_covered_tensor_is_reported(tmp_path):
