@@ -28,6 +28,8 @@ TORCH_LIBRARY(megalite, m) {
   m.def("permute_bwd(Tensor grad, Tensor row_map, int num_tokens, int k) -> Tensor");
   m.def("unpermute_fwd(Tensor permuted, Tensor row_map, Tensor probs, int num_tokens) -> Tensor");
   m.def("unpermute_bwd(Tensor grad, Tensor permuted, Tensor row_map, Tensor probs) -> (Tensor, Tensor)");
+  m.def("paged_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor starts, Tensor lengths, "
+        "Tensor first, float scale) -> Tensor");
 }
 
 static PyModuleDef megalite_module = {PyModuleDef_HEAD_INIT, "_C", "megalite fused kernels (ops under torch.ops.megalite)", -1,

@@ -11,9 +11,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace megalite {
@@ -21,10 +23,29 @@ namespace {
 
 constexpr int64_t kGrain = 2048;  // elements of work below which a kernel stays on one thread
 
-// exp(x) for x in roughly [-87, 88] (inputs outside are clamped), ~1 ulp.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+// The elementwise math below must inline into its callers' `omp simd` loops: an out-of-line call keeps
+// a loop scalar, and GCC's inliner gives up inside the large AT_DISPATCH lambdas unless told.
+#define MEGALITE_INLINE inline __attribute__((always_inline))
+
+// min(max(x, -87), 88), NaN stays NaN.  Done on the bits with integer min/max, which vectorize to single
+// instructions; the float form becomes compares and blends that made the activation loops 2x slower.
+// As unsigned, negative floats sort by magnitude above all positive ones (so the unsigned min clamps
+// x < -87); as signed, positive floats sort by value above all negative ones (so the signed min clamps
+// x > 88).
+MEGALITE_INLINE float clamp_exp_arg(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t low = std::min(bits, 0xC2AE0000u);                                          // -87.0f
+  const uint32_t both = static_cast<uint32_t>(std::min(static_cast<int32_t>(low), 0x42B00000));  // 88.0f
+  return std::bit_cast<float>((bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : both);
+}
+
+// exp(x) for x in roughly [-87, 88] (inputs outside are clamped), ~1 ulp.  Branch-free and call-free so
+// that it vectorizes inside `omp simd` loops: n = round(x / ln 2) comes from adding and subtracting
+// 1.5 * 2^23 (which leaves the nearest integer in a float's mantissa), not from a libm call.
+MEGALITE_INLINE float fast_exp(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  x = clamp_exp_arg(x);
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -33,15 +54,12 @@ inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = (p * r) * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
+MEGALITE_INLINE float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+MEGALITE_INLINE float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
 constexpr float kGeluC0 = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC1 = 0.044715f;
@@ -280,6 +298,95 @@ const scalar_t* bias_ptr(const at::Tensor* bias) {
   return bias == nullptr ? nullptr : bias->data_ptr<scalar_t>();
 }
 
+// Calls f(std::true_type{}) when bias is set and f(std::false_type{}) otherwise, so that the elementwise
+// loops below are compiled once with and once without the bias add and carry no branch.
+template <typename T, typename F>
+inline void with_bias(const T* bias, const F& f) {
+  if (bias != nullptr) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// x[j] (+ bias[j] when kBias) in float.
+template <bool kBias, typename T>
+MEGALITE_INLINE float biased(const T* x, const T* bias, int64_t j) {
+  if constexpr (kBias) {
+    return static_cast<float>(x[j]) + static_cast<float>(bias[j]);
+  } else {
+    return static_cast<float>(x[j]);
+  }
+}
+
+// The per-row loops of the activations are plain functions, outside the AT_DISPATCH macros: GCC drops an
+// `omp simd` _Pragma that sits inside a macro argument, and then the exp below does not vectorize.
+
+template <bool kBias, typename T>
+void gelu_fwd_rows(const T* x, const T* bias, T* y, int64_t r0, int64_t r1, int64_t h) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * h;
+    T* yr = y + r * h;
+#pragma omp simd
+    for (int64_t j = 0; j < h; ++j) {
+      const float v = biased<kBias>(xr, bias, j);
+      yr[j] = static_cast<T>(0.5f * v * (1.0f + fast_tanh(kGeluC0 * (v + kGeluC1 * v * v * v))));
+    }
+  }
+}
+
+template <bool kBias, typename T>
+void gelu_bwd_rows(const T* grad, const T* x, const T* bias, T* out, int64_t r0, int64_t r1, int64_t h) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * h;
+    const T* gr = grad + r * h;
+    T* orow = out + r * h;
+#pragma omp simd
+    for (int64_t j = 0; j < h; ++j) {
+      const float u = biased<kBias>(xr, bias, j);
+      const float t = fast_tanh(kGeluC0 * (u + kGeluC1 * u * u * u));
+      const float d = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * u * u);
+      orow[j] = static_cast<T>(static_cast<float>(gr[j]) * d);
+    }
+  }
+}
+
+// Rows of x are [gate | up], each of width half; bias (when kBias) is laid out the same way.
+template <bool kBias, typename T>
+void swiglu_fwd_rows(const T* x, const T* bias, T* y, int64_t r0, int64_t r1, int64_t half) {
+  const T* bias_up = kBias ? bias + half : nullptr;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate_row = x + r * 2 * half;
+    const T* up_row = gate_row + half;
+    T* yr = y + r * half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float gate = biased<kBias>(gate_row, bias, j);
+      yr[j] = static_cast<T>(gate * sigmoid(gate) * biased<kBias>(up_row, bias_up, j));
+    }
+  }
+}
+
+template <bool kBias, typename T>
+void swiglu_bwd_rows(const T* grad, const T* x, const T* bias, T* out, int64_t r0, int64_t r1, int64_t half) {
+  const T* bias_up = kBias ? bias + half : nullptr;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate_row = x + r * 2 * half;
+    const T* up_row = gate_row + half;
+    const T* gr = grad + r * half;
+    T* ggate = out + r * 2 * half;
+    T* gup = ggate + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float gate = biased<kBias>(gate_row, bias, j), up = biased<kBias>(up_row, bias_up, j);
+      const float g = static_cast<float>(gr[j]);
+      const float s = sigmoid(gate);
+      ggate[j] = static_cast<T>(g * up * s * (1.0f + gate * (1.0f - s)));
+      gup[j] = static_cast<T>(g * gate * s);
+    }
+  }
+}
+
 at::Tensor bias_gelu_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
   const at::Tensor* b = optional_bias(bias, x);
@@ -289,16 +396,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& b
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* bp = bias_ptr<scalar_t>(b);
     scalar_t* yp = y.data_ptr<scalar_t>();
-    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(h);
-      for (int64_t r = r0; r < r1; ++r) {
-        load_row_bias(xp + r * h, bp, buf.data(), h);
-        for (int64_t j = 0; j < h; ++j) {
-          const float v = buf[j];
-          buf[j] = 0.5f * v * (1.0f + fast_tanh(kGeluC0 * (v + kGeluC1 * v * v * v)));
-        }
-        store_row(buf.data(), yp + r * h, h);
-      }
+    with_bias(bp, [&](auto has_bias) {
+      for_rows(rows, h, [&](int64_t r0, int64_t r1) { gelu_fwd_rows<decltype(has_bias)::value>(xp, bp, yp, r0, r1, h); });
     });
   });
   return y;
@@ -316,19 +415,8 @@ at::Tensor bias_gelu_bwd(const at::Tensor& grad, const at::Tensor& x, const c10:
     const scalar_t* gp = grad.data_ptr<scalar_t>();
     const scalar_t* bp = bias_ptr<scalar_t>(b);
     scalar_t* op = gx.data_ptr<scalar_t>();
-    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
-      std::vector<float> v(h), g(h);
-      for (int64_t r = r0; r < r1; ++r) {
-        load_row_bias(xp + r * h, bp, v.data(), h);
-        load_row(gp + r * h, g.data(), h);
-        for (int64_t j = 0; j < h; ++j) {
-          const float u = v[j];
-          const float t = fast_tanh(kGeluC0 * (u + kGeluC1 * u * u * u));
-          const float d = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * u * u);
-          g[j] *= d;
-        }
-        store_row(g.data(), op + r * h, h);
-      }
+    with_bias(bp, [&](auto has_bias) {
+      for_rows(rows, h, [&](int64_t r0, int64_t r1) { gelu_bwd_rows<decltype(has_bias)::value>(gp, xp, bp, op, r0, r1, h); });
     });
   });
   return gx;
@@ -346,16 +434,8 @@ at::Tensor bias_swiglu_fwd(const at::Tensor& x, const c10::optional<at::Tensor>&
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* bp = bias_ptr<scalar_t>(b);
     scalar_t* yp = y.data_ptr<scalar_t>();
-    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(h);
-      for (int64_t r = r0; r < r1; ++r) {
-        load_row_bias(xp + r * h, bp, buf.data(), h);
-        for (int64_t j = 0; j < half; ++j) {
-          const float gate = buf[j];
-          buf[j] = gate * sigmoid(gate) * buf[j + half];
-        }
-        store_row(buf.data(), yp + r * half, half);
-      }
+    with_bias(bp, [&](auto has_bias) {
+      for_rows(rows, h, [&](int64_t r0, int64_t r1) { swiglu_fwd_rows<decltype(has_bias)::value>(xp, bp, yp, r0, r1, half); });
     });
   });
   return y;
@@ -373,19 +453,8 @@ at::Tensor bias_swiglu_bwd(const at::Tensor& grad, const at::Tensor& x, const c1
     const scalar_t* gp = grad.data_ptr<scalar_t>();
     const scalar_t* bp = bias_ptr<scalar_t>(b);
     scalar_t* op = gx.data_ptr<scalar_t>();
-    for_rows(rows, h, [&](int64_t r0, int64_t r1) {
-      std::vector<float> v(h), g(half);
-      for (int64_t r = r0; r < r1; ++r) {
-        load_row_bias(xp + r * h, bp, v.data(), h);
-        load_row(gp + r * half, g.data(), half);
-        for (int64_t j = 0; j < half; ++j) {
-          const float gate = v[j], up = v[j + half];
-          const float s = sigmoid(gate);
-          v[j] = g[j] * up * s * (1.0f + gate * (1.0f - s));
-          v[j + half] = g[j] * gate * s;
-        }
-        store_row(v.data(), op + r * h, h);
-      }
+    with_bias(bp, [&](auto has_bias) {
+      for_rows(rows, h, [&](int64_t r0, int64_t r1) { swiglu_bwd_rows<decltype(has_bias)::value>(gp, xp, bp, op, r0, r1, half); });
     });
   });
   return gx;
@@ -599,6 +668,115 @@ _Pragma("omp simd reduction(+ : dot)")
   return gx;
 }
 
+// ---------------------------------------------------------------- paged attention (inference decode)
+
+// Attention of a few new queries per sequence over that sequence's paged KV cache, read in place through its
+// block table (no gather).  q [T, heads, d] holds the packed new tokens; sequence s owns rows
+// first[s] .. first[s] + lengths[s], whose query i sits at position starts[s] + i and sees keys 0 .. that
+// position (its own key is already written to the cache).  keys/values are [groups, num_blocks, block, d];
+// heads g * per_group .. (g + 1) * per_group - 1 read group g.  One pass over the blocks per (sequence,
+// group) with an online softmax, fp32 throughout.  Rows of q outside every sequence come back as 0.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lengths,
+                           const at::Tensor& first, double scale) {
+  check_float(q, "q");
+  check_float(keys, "keys");
+  check_float(values, "values");
+  for (const at::Tensor* t : {&block_tables, &starts, &lengths, &first}) {
+    check_cpu(*t, "block table / starts / lengths / first");
+    TORCH_CHECK(t->scalar_type() == at::kLong, "megalite::paged_attention: index tensors must be int64");
+  }
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && q.size(2) == keys.size(3),
+              "megalite::paged_attention: q must be [T, heads, d] and keys/values [groups, blocks, block, d]");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t groups = keys.size(0), num_blocks = keys.size(1), bs = keys.size(2);
+  TORCH_CHECK(heads % groups == 0, "megalite::paged_attention: ", heads, " heads not a multiple of ", groups, " groups");
+  const int64_t n = starts.numel(), max_blocks = block_tables.size(-1), per_group = heads / groups;
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == n && lengths.numel() == n && first.numel() == n,
+              "megalite::paged_attention: one block-table row, length and first row per sequence");
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t context = sp[s] + lp[s];
+    TORCH_CHECK(sp[s] >= 0 && lp[s] >= 0 && fp[s] >= 0 && fp[s] + lp[s] <= rows && (context + bs - 1) / bs <= max_blocks,
+                "megalite::paged_attention: sequence ", s, " (start ", sp[s], ", length ", lp[s], ", first row ", fp[s],
+                ") does not fit ", rows, " query rows and ", max_blocks, " table blocks");
+    for (int64_t b = 0; b < (context + bs - 1) / bs; ++b) {
+      TORCH_CHECK(tp[s * max_blocks + b] >= 0 && tp[s * max_blocks + b] < num_blocks, "megalite::paged_attention: block id ",
+                  tp[s * max_blocks + b], " outside [0, ", num_blocks, ")");
+    }
+  }
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n * groups, 1, [&](int64_t task0, int64_t task1) {
+    std::vector<float> score(bs), state;
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t s = task / groups, g = task % groups, len = lp[s];
+      const int64_t nq = len * per_group;  // query vectors of this (sequence, group): row i, head j -> i * per_group + j
+      state.assign(nq * (d + 2), 0.0f);     // per query vector: running max, running sum, accumulator [d]
+      float* run_max = state.data();
+      float* run_sum = run_max + nq;
+      float* acc = run_sum + nq;
+      std::fill(run_max, run_max + nq, -INFINITY);
+      const int64_t context = sp[s] + len;
+      for (int64_t b = 0; b * bs < context; ++b) {
+        const int64_t block = tp[s * max_blocks + b];
+        const float* kb = kp + (g * num_blocks + block) * bs * d;
+        const float* vb = vp + (g * num_blocks + block) * bs * d;
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t visible = std::min<int64_t>(bs, sp[s] + i + 1 - b * bs);  // keys of this block query i sees
+          if (visible <= 0) continue;
+          for (int64_t j = 0; j < per_group; ++j) {
+            const int64_t v = i * per_group + j;
+            const float* qv = qp + ((fp[s] + i) * heads + g * per_group + j) * d;
+            float block_max = -INFINITY;
+            for (int64_t r = 0; r < visible; ++r) {
+              const float* kr = kb + r * d;
+              float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t c = 0; c < d; ++c) dot += qv[c] * kr[c];
+              score[r] = dot * sc;
+              block_max = std::max(block_max, score[r]);
+            }
+            const float new_max = std::max(run_max[v], block_max);
+            const float correction = fast_exp(run_max[v] - new_max);
+            float* a = acc + v * d;
+            float sum = run_sum[v] * correction;
+#pragma omp simd
+            for (int64_t c = 0; c < d; ++c) a[c] *= correction;
+            for (int64_t r = 0; r < visible; ++r) {
+              const float p = fast_exp(score[r] - new_max);
+              const float* vr = vb + r * d;
+              sum += p;
+#pragma omp simd
+              for (int64_t c = 0; c < d; ++c) a[c] += p * vr[c];
+            }
+            run_max[v] = new_max;
+            run_sum[v] = sum;
+          }
+        }
+      }
+      for (int64_t i = 0; i < len; ++i) {
+        for (int64_t j = 0; j < per_group; ++j) {
+          const int64_t v = i * per_group + j;
+          const float inv = 1.0f / run_sum[v];
+          const float* a = acc + v * d;
+          float* o = op + ((fp[s] + i) * heads + g * per_group + j) * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- MoE permute / unpermute
 
 // inverse[t * k + slot] = row j of that assignment in the permuted layout, or -1 when it was dropped.
@@ -784,6 +962,7 @@ TORCH_LIBRARY_IMPL(megalite, CPU, m) {
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute_fwd", &unpermute_fwd);
   m.impl("unpermute_bwd", &unpermute_bwd);
+  m.impl("paged_attention", &paged_attention);
 }
 
 }  // namespace megalite

@@ -15,7 +15,10 @@ CPU attention backend; a GPU paged-attention kernel would replace
 :meth:`PagedStep.attend`.  Its index tensors and masks are built once per
 step and shared by every layer:
 
-- short queries (decodes, speculative verification) are sorted by context
+- short queries (decodes, speculative verification) run the extension's
+  paged-attention kernel (``megalite.kernels.paged_attention``: one pass over
+  each sequence's blocks in place, online softmax) when it is built and the
+  pool is fp32 on CPU.  Otherwise they are sorted by context
   length and cut into buckets, so padding stays small; each bucket gathers
   its sequences' blocks with one ``index_select`` into a reused buffer and
   runs two batched matmuls and a softmax (cheaper than SDPA for a handful of
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from megalite import kernels
 
 # Queries up to this length go to the batched-matmul buckets; longer ones (prefill chunks) to per-sequence SDPA.
 SHORT_QUERY = 8
@@ -156,10 +161,17 @@ class PagedStep:
             total += length
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + length))
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        short = sorted((i for i, n in enumerate(plan.lengths) if n <= SHORT_QUERY),
-                       key=lambda i: plan.starts[i] + plan.lengths[i])
-        self.buckets = [_Bucket(short[i:i + BUCKET_SIZE], plan, offsets, bs, device)
-                        for i in range(0, len(short), BUCKET_SIZE)]
+        short = [i for i, n in enumerate(plan.lengths) if n <= SHORT_QUERY]
+        self.fused, self.buckets = None, []
+        if short and kernels.paged_attention_fused(*pool.keys.values(), *pool.values.values()):
+            blocks = max(-(-(plan.starts[i] + plan.lengths[i]) // bs) for i in short)
+            tables = [plan.block_tables[i][:blocks] + [0] * (blocks - len(plan.block_tables[i][:blocks])) for i in short]
+            self.fused = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (
+                tables, [plan.starts[i] for i in short], [plan.lengths[i] for i in short], [offsets[i] for i in short]))
+        else:
+            short.sort(key=lambda i: plan.starts[i] + plan.lengths[i])
+            self.buckets = [_Bucket(short[i:i + BUCKET_SIZE], plan, offsets, bs, device)
+                            for i in range(0, len(short), BUCKET_SIZE)]
         self.chunks = [_Chunk(i, plan, offsets, bs, device) for i, n in enumerate(plan.lengths) if n > SHORT_QUERY]
 
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
@@ -174,7 +186,10 @@ class PagedStep:
         q = q[:, 0]
         t, heads, _ = q.shape
         per_group = heads // groups
-        out = q.new_empty(t, heads * d)
+        if self.fused is not None:
+            out = kernels.paged_attention(q.contiguous(), keys, values, *self.fused, d ** -0.5).view(t, heads * d)
+        else:
+            out = q.new_empty(t, heads * d)
         for b in self.buckets:
             n, nq, width = b.n, b.q, b.blocks * bs
             size = groups * n * width * d

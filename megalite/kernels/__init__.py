@@ -20,7 +20,7 @@ from . import reference
 
 __all__ = [
     "apply_rotary", "available_ops", "bias_dropout_add", "bias_gelu", "bias_swiglu", "fused_enabled",
-    "layer_norm", "permute", "reference", "rms_norm", "scaled_masked_softmax",
+    "layer_norm", "paged_attention", "paged_attention_fused", "permute", "reference", "rms_norm", "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax", "set_fused", "unpermute",
 ]
 
@@ -218,3 +218,28 @@ def unpermute(permuted, row_map, probs, num_tokens: int):
     if _float_dtype(permuted) and probs.dtype in _FLOAT_TYPES and _qualifies(permuted, row_map, probs):
         return _fused.unpermute(permuted, row_map, probs, num_tokens)
     return reference.unpermute(permuted, row_map, probs, num_tokens)
+
+
+def paged_attention_fused(*tensors) -> bool:
+    """True when :func:`paged_attention` runs the extension's kernel for these tensors (contiguous, CPU, fp32).
+
+    The inference engine asks first: without the kernel its own batched gather path beats the
+    per-sequence reference.
+    """
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _qualifies(*tensors)
+
+
+def paged_attention(q, keys, values, block_tables, starts, lengths, first, scale: float):
+    """Attention of a few new queries per sequence over its paged KV cache, read through block tables.
+
+    q ``[T, heads, d]``; keys/values ``[groups, num_blocks, block, d]``; int64 ``block_tables [n, max_blocks]``,
+    ``starts``/``lengths``/``first`` ``[n]`` (see ``reference.paged_attention``).  Returns ``[T, heads, d]``.
+    """
+    if q.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape or q.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"paged_attention: q must be [T, heads, d] and keys/values [groups, blocks, block, d], got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if q.shape[1] % keys.shape[0]:
+        raise ValueError(f"paged_attention: {q.shape[1]} heads is not a multiple of {keys.shape[0]} KV groups")
+    if paged_attention_fused(q, keys, values):
+        return _fused.paged_attention(q, keys, values, block_tables, starts, lengths, first, scale)
+    return reference.paged_attention(q, keys, values, block_tables, starts, lengths, first, scale)

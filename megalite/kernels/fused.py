@@ -23,7 +23,7 @@ except ImportError:
 BUILT = _C is not None
 WITH_CUDA = BUILT and bool(_C.WITH_CUDA)
 OPS = ("layer_norm", "rms_norm", "bias_gelu", "bias_swiglu", "apply_rotary", "bias_dropout_add",
-       "scaled_upper_triang_masked_softmax", "scaled_masked_softmax", "permute", "unpermute")
+       "scaled_upper_triang_masked_softmax", "scaled_masked_softmax", "permute", "unpermute", "paged_attention")
 
 
 def supports_device(device: torch.device) -> bool:
@@ -232,6 +232,11 @@ def _register() -> None:
 
     autograd("megalite::unpermute_fwd", unpermute_backward, setup_context=unpermute_setup)
 
+    # Paged attention is inference-only (no backward).
+    @fake("megalite::paged_attention")
+    def _(q, keys, values, block_tables, starts, lengths, first, scale):
+        return torch.empty_like(q)
+
 
 if BUILT:
     _register()
@@ -295,3 +300,7 @@ def permute(tokens, expert_indices):
 
 def unpermute(permuted, row_map, probs, num_tokens):
     return torch.ops.megalite.unpermute_fwd(permuted, row_map, probs.float().contiguous(), num_tokens)
+
+
+def paged_attention(q, keys, values, block_tables, starts, lengths, first, scale):
+    return torch.ops.megalite.paged_attention(q.contiguous(), keys, values, block_tables, starts, lengths, first, scale)

@@ -113,5 +113,28 @@ def unpermute(permuted, row_map, probs, num_tokens: int):
     return out.to(permuted.dtype)
 
 
+def paged_attention(q, keys, values, block_tables, starts, lengths, first, scale: float):
+    """Attention of a few new queries per sequence over its paged KV cache (the fused op's contract).
+
+    q ``[T, heads, d]`` packed new tokens; keys/values ``[groups, num_blocks, block, d]``;
+    sequence s owns rows ``first[s] .. first[s] + lengths[s]``, its query i sits at position
+    ``starts[s] + i`` and sees keys ``0 ..`` that position, read through ``block_tables[s]``.
+    Heads are grouped by KV group (GQA).  Rows outside every sequence are 0.
+    """
+    groups, _, block, d = keys.shape
+    per_group = q.shape[1] // groups
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for table, start, length, row in zip(block_tables.tolist(), starts.tolist(), lengths.tolist(), first.tolist()):
+        context = start + length
+        blocks = table[:-(-context // block)]
+        key = keys[:, blocks].reshape(groups, -1, d)[:, :context].float().repeat_interleave(per_group, 0)
+        value = values[:, blocks].reshape(groups, -1, d)[:, :context].float().repeat_interleave(per_group, 0)
+        query = q[row:row + length].float().transpose(0, 1)
+        visible = torch.arange(context, device=q.device)[None, :] <= start + torch.arange(length, device=q.device)[:, None]
+        scores = (query @ key.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+        out[row:row + length] = (scores.softmax(-1) @ value).transpose(0, 1)
+    return out.to(q.dtype)
+
+
 def _float(t):
     return None if t is None else t.float()

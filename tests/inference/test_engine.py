@@ -151,3 +151,29 @@ def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
         assert stats["draft_tokens"] > 0
         assert stats["tokens_from_decoding"] - stats["target_forwards_decoding"] == stats["draft_tokens"]
         assert [[c.token_ids for c in o.outputs] for o in out] == [[c.token_ids for c in o.outputs] for o in plain]
+
+
+def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
+    """The extension's paged-attention kernel (decodes and n-gram verification read the cache in place) gives
+    the same tokens and log-probs (fp32, 1e-5) as the gather + batched-matmul path, with forked samples."""
+    from megalite import kernels
+
+    if not kernels.fused_enabled():
+        pytest.skip("megalite._C is not built")
+    model = tiny_model()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [4] * 13]
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.7, seed=3, logprobs=True)
+    config = EngineConfig(block_size=4, num_blocks=64, speculative="ngram", num_speculative_tokens=3)
+    calls = []
+    fused_call = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a: calls.append(1) or fused_call(*a))
+    fused = LLM.from_model(model, engine_config=config).generate(prompts, params)
+    fused_calls = len(calls)
+    assert fused_calls
+    monkeypatch.setattr(kernels, "paged_attention_fused", lambda *tensors: False)
+    gather = LLM.from_model(model, engine_config=config).generate(prompts, params)
+    assert len(calls) == fused_calls
+    for a, b in zip(fused, gather):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
