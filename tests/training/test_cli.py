@@ -102,12 +102,16 @@ def test_bad_input_gives_one_error_line(bad_runs, name):
     """Every rank prints exactly one line ``[rank N] error: ...`` (no prefix for one process), its only line
     when the flags or files are bad (a bad token id is found once training runs, after rank 0's start-up
     lines); the exit code is non-zero.  Each rank prints its own line, so the message survives the launcher
-    killing the others first."""
+    killing the others first.  A rank the launcher stopped before it reached its own checks (the first
+    rank's exit makes torchrun stop the rest) has printed nothing; at least one rank must have the line."""
     fragments, code, ranks = bad_runs[name]
     assert code != 0
+    assert any(output.strip() for output in ranks), ranks
     for rank, output in enumerate(ranks):
         prefix = f"[rank {rank}] error: " if len(ranks) > 1 else "error: "
         lines = output.strip().splitlines()
+        if not lines and len(ranks) > 1 and name != "vocab-too-small":
+            continue
         errors = [line for line in lines if line.startswith(prefix)]
         assert len(errors) == 1 and (len(lines) == 1 or (name == "vocab-too-small" and rank == 0)), output
         for fragment in (fragments if isinstance(fragments, tuple) else (fragments,)):
