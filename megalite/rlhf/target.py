@@ -53,4 +53,4 @@ class PolyakTarget:
 
     def resident_bytes(self) -> int:
         """CPU bytes held: the target tensors and the staging chunk."""
-        return sum(t.numel() * t.element_size() for t in self.params.values()) + self._staging.numel() * 4
+        return sum(t.numel() * t.element_size() for t in self.host_tensors())
