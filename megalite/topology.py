@@ -195,9 +195,15 @@ def _free_port() -> int:
 
 
 def _default_backend() -> str:
+    """NCCL when every rank on this node has a GPU of its own, else gloo on the CPU.
+
+    A job with more local ranks than GPUs (the 8-rank CPU demo on a one-GPU
+    machine) runs on gloo rather than failing to pick a device.
+    """
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1,

@@ -216,6 +216,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensorboard-dir", LOG),
     Flag("--metrics-file", LOG, help="append one JSON object per logged iteration"),
     Flag("--timeline-dir", LOG, help="save each rank's pipeline timeline here"),
+    Flag("--profile", LOG, default=False,
+         help="run the torch profiler over iterations [--profile-step-start, --profile-step-end); rank 0 prints "
+              "the costliest ops and, with --tensorboard-dir, saves a Chrome trace there"),
+    Flag("--profile-step-start", LOG, default=10, type=int),
+    Flag("--profile-step-end", LOG, default=12, type=int),
 
     Flag("--check-for-nan-in-loss-and-grad", SAFE, ("NanGuardConfig.check_for_nan_in_loss_and_grad",), type=bool,
          help="stop with an error when the loss or a gradient is nan/inf"),

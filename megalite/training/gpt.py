@@ -10,9 +10,9 @@ import torch.distributed as dist
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
 from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
-from megalite.data.tokenizer import tokenizer_from_args
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
 from megalite.training.arguments import context_parallel_config, gpt_config
+from megalite.training.data_checks import eod_token_id
 from megalite.training.training import LOSS_METRIC
 
 
@@ -32,7 +32,7 @@ def train_valid_test_datasets_provider(args, num_samples):
     """GPT datasets over ``--data-path`` (or ``--mock-data``), split by documents according to ``--split``."""
     if args.mock_data:
         named = args.tokenizer_type is not None or args.tokenizer_model is not None
-        eod = tokenizer_from_args(args).eod if named else args.vocab_size - 1
+        eod = eod_token_id(args) if named else args.vocab_size - 1
         return build_mock_datasets(args.split, args.seq_length, args.seed, num_samples, args.vocab_size, eod,
                                    args.data_cache_path)
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,

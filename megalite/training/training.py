@@ -416,12 +416,18 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     sums: dict[str, float] = {}
     steps, skipped, seconds = 0, 0, 0.0
     saved_at, first_iteration = None, iteration
+    profiler = None
     while iteration < args.train_iters:
+        if args.profile and iteration + 1 == args.profile_step_start:
+            profiler = _start_profiler()
         start = time.perf_counter()
         metrics, ok, grad_norm, lr = trainer.train_step(train_iterator, iteration + 1)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
+        if profiler is not None and (iteration + 1 == args.profile_step_end or iteration == args.train_iters):
+            _stop_profiler(profiler, args, trainer.topo.global_rank)
+            profiler = None
         consumed_samples += args.global_batch_size
         trainer.nan_guard.observe_loss(iteration, metrics.get(LOSS_METRIC), consumed_samples - args.global_batch_size,
                                        consumed_samples)
@@ -453,6 +459,29 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     if args.save and saved_at != iteration and iteration > first_iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
+
+
+def _start_profiler():
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def _stop_profiler(profiler, args, rank: int) -> None:
+    """Rank 0 prints the ops that cost the most device (else CPU) time; a trace goes to --tensorboard-dir."""
+    profiler.stop()
+    if rank != 0:
+        return
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=key, row_limit=30), flush=True)
+    if args.tensorboard_dir:
+        os.makedirs(args.tensorboard_dir, exist_ok=True)
+        path = os.path.join(args.tensorboard_dir, f"profile_iter{args.profile_step_start}.json")
+        profiler.export_chrome_trace(path)
+        print(f"profiler trace saved to {path}", flush=True)
 
 
 def _exit_reason(args, iteration: int, start_time: float) -> str | None:

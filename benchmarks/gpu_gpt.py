@@ -1,0 +1,121 @@
+"""One-GPU GPT pretraining throughput and MFU, megalite beside Megatron-Core, in one run.
+
+    python benchmarks/gpu_gpt.py [--micro-batch-size 4 ...] [--megalite-only] [--profile]
+
+Trains the issue's 1.3B model (h=2048, 24 layers, 16 heads, seq 2048, vocab
+50304, bf16, Adam with fp32 main weights) on --mock-data: first megalite's
+examples/pretrain_gpt.py, then Megatron-Core's GPTModel through
+benchmarks/megatron_core_gpt.py, each in its own process on the same GPU with
+the same batch.  Both report the mean over the iterations after the warm-up.
+Prints tokens/s, TFLOP/s and MFU (Megatron's model-FLOPs formula with
+attention, against the 989 TFLOP/s bf16 peak of an H100) for each, then the
+ratio, and writes them to benchmarks/results/gpu_gpt_mfu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEAK_TFLOPS = 989.0
+MODEL = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048, "vocab_size": 50304}
+
+
+def model_flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vocab_size: int) -> float:
+    """Megatron's training FLOPs per token without recompute: 72 l h^2 (1 + s/(6h) + V/(12hl))."""
+    l, h, s, v = num_layers, hidden_size, seq_length, vocab_size
+    return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
+
+
+def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, profile: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        # NullTokenizer ids 0..V-2 plus eod make the model's vocabulary exactly V.
+        flags = ["--num-layers", MODEL["num_layers"], "--hidden-size", MODEL["hidden_size"],
+                 "--num-attention-heads", MODEL["num_attention_heads"], "--seq-length", MODEL["seq_length"],
+                 "--max-position-embeddings", MODEL["seq_length"], "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", MODEL["vocab_size"] - 1, "--mock-data", "--bf16",
+                 "--micro-batch-size", micro_batch, "--global-batch-size", global_batch,
+                 "--train-iters", warmup + iters, "--log-interval", warmup, "--eval-iters", 0,
+                 "--lr", 1e-4, "--min-lr", 1e-5, "--lr-warmup-iters", 0, "--save", "", "--load", "", "--tensorboard-dir", "",
+                 "--data-cache-path", tmp, "--log-throughput", "--metrics-file", metrics]
+        if profile:
+            flags += ["--profile", "--profile-step-start", warmup + 1, "--profile-step-end", warmup + 2]
+        cmd = [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py")] + [str(f) for f in flags]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
+        print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("  ")))
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"megalite run failed with exit code {done.returncode}")
+        records = [json.loads(line) for line in open(metrics)]
+    last = [r for r in records if "tokens_per_sec" in r][-1]
+    return {"tokens_per_sec": last["tokens_per_sec"], "iter_ms": last["iter_ms"]}
+
+
+def run_megatron_core(micro_batch: int, global_batch: int, iters: int, warmup: int) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, "megatron_core_gpt.py"), "--micro-batch-size", str(micro_batch),
+           "--global-batch-size", str(global_batch), "--iters", str(iters), "--warmup", str(warmup)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    print(done.stdout[-3000:])
+    if done.returncode != 0:
+        print(done.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"Megatron-Core run failed with exit code {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--micro-batch-size", type=int, nargs="+", default=[4],
+                        help="megalite runs one job per size; Megatron-Core runs the best one")
+    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=6, help="timed iterations after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--megalite-only", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile megalite's first timed iteration")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu_gpt_mfu.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    flops = model_flops_per_token(**{k: MODEL[k] for k in ("num_layers", "hidden_size", "seq_length",
+                                                            "vocab_size")})
+
+    def describe(name, result):
+        tflops = result["tokens_per_sec"] * flops / 1e12
+        result.update(tflops=tflops, mfu=tflops / PEAK_TFLOPS)
+        print(f"{name}: {result['tokens_per_sec']:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {result['mfu']:.1%}",
+              flush=True)
+
+    best = None
+    for micro_batch in args.micro_batch_size:
+        result = run_megalite(micro_batch, args.global_batch_size, args.iters, args.warmup, args.profile)
+        describe(f"megalite micro-batch {micro_batch}", result)
+        if best is None or result["tokens_per_sec"] > best[1]["tokens_per_sec"]:
+            best = (micro_batch, result)
+    micro_batch, ours = best
+    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": MODEL,
+              "micro_batch_size": micro_batch, "global_batch_size": args.global_batch_size,
+              "model_flops_per_token": flops, "peak_tflops": PEAK_TFLOPS,
+              "tokens_per_sec": ours["tokens_per_sec"], "tflops": ours["tflops"], "mfu": ours["mfu"]}
+    if not args.megalite_only:
+        theirs = run_megatron_core(micro_batch, args.global_batch_size, args.iters, args.warmup)
+        describe(f"Megatron-Core micro-batch {micro_batch}", theirs)
+        ratio = ours["tokens_per_sec"] / theirs["tokens_per_sec"]
+        print(f"megalite / Megatron-Core tokens/s: {ratio:.2f}x")
+        record.update(megatron_core_tokens_per_sec=theirs["tokens_per_sec"], megatron_core_mfu=theirs["mfu"],
+                      megatron_core_version=theirs.get("version"), ratio=ratio)
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build and check megalite on a CUDA machine, in one go: install against the machine's torch, build the
+# extension for its GPU, run the GPU kernel tests and the whole suite, and the GPU benchmarks.
+#
+#   bash tools/gpu_check.sh LOGDIR [STEP ...]     STEP: build kernels suite bench mfu mcore (default: all)
+#
+# Each step writes LOGDIR/<step>.log and runs under its own time limit, so one failing or slow step
+# still leaves the others' results; a summary line per step is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${1:?usage: tools/gpu_check.sh LOGDIR [STEP ...]}
+shift
+steps=${*:-build kernels suite bench mfu mcore}
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+summary=()
+
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    [[ " $steps " == *" $name "* ]] || return 0
+    local start=$SECONDS
+    echo "=== $name ($(date -u +%H:%M:%S))"
+    timeout --kill-after=10 "$limit" bash -c "$*" >"$logs/$name.log" 2>&1
+    local code=$?
+    summary+=("$name: exit $code in $((SECONDS - start)) s")
+    tail -n 25 "$logs/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    nvcc --version | tail -n 2
+} >"$logs/env.log" 2>&1
+cat "$logs/env.log"
+
+step build 200 "MEGALITE_NO_EXT=1 python3 -m pip install -q --no-deps --no-build-isolation -e . &&
+    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace &&
+    python3 -m megalite.kernels && cp megalite/_C*.so \"$logs/\""
+step kernels 90 "python3 -m pytest -q -rs tests/kernels"
+step bench 200 "python3 benchmarks/kernels.py --dtype bfloat16 && python3 benchmarks/kernels.py --dtype float32 --no-compile"
+step mfu 240 "python3 benchmarks/gpu_gpt.py --megalite-only --micro-batch-size 4 8 --profile"
+step mcore 300 "python3 benchmarks/gpu_gpt.py"
+step suite 300 "OMP_NUM_THREADS=1 python3 -m pytest -q -n 12 -p no:cacheprovider --durations=15 tests"
+
+printf '%s\n' "${summary[@]}"
