@@ -110,7 +110,8 @@ def main():
         ratio = ours["tokens_per_sec"] / theirs["tokens_per_sec"]
         print(f"megalite / Megatron-Core tokens/s: {ratio:.2f}x")
         record.update(megatron_core_tokens_per_sec=theirs["tokens_per_sec"], megatron_core_mfu=theirs["mfu"],
-                      megatron_core_version=theirs.get("version"), ratio=ratio)
+                      megatron_core_micro_batch_size=theirs["micro_batch_size"],
+                      megatron_core_version=theirs["version"], ratio=ratio)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(record, f, indent=2)

@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.collectives import all_gather_single, reduce_scatter_single
 from megalite.topology import group_rank, group_size
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Bucket:
@@ -137,7 +135,7 @@ class GradBuffer:
             return
         if self.shard and not self.reduce_broadcast:
             out = bucket.shard(bucket.grad, self.dp_rank)
-            bucket.grad_handle = _reduce_scatter(out, bucket.grad, group=self.group, async_op=True)
+            bucket.grad_handle = reduce_scatter_single(out, bucket.grad, group=self.group, async_op=True)
         else:
             bucket.grad_handle = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
 
@@ -176,7 +174,7 @@ class GradBuffer:
                     for r in range(self.dp_size)]
             else:
                 local = bucket.shard(bucket.param, self.dp_rank).clone()
-                bucket.param_handle = [_all_gather(bucket.param, local, group=self.group, async_op=True)]
+                bucket.param_handle = [all_gather_single(bucket.param, local, group=self.group, async_op=True)]
 
     def wait_param_sync(self, bucket: Bucket) -> None:
         if bucket.param_handle is not None:

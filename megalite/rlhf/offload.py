@@ -8,7 +8,9 @@ modules and optimizers keep their references.  While parked, a tensor's data *is
 
 On a GPU the copies run on a side CUDA stream with ``non_blocking=True``: ``load()`` returns at once and
 orders the compute stream after the copies; ``offload()`` returns at once too (``synchronize()`` waits for
-the copies, e.g. before the host reads the pool or before memory is measured).  On CPU the "device" is the
+the copies, e.g. before the host reads the pool or before memory is measured).  A device tensor that an
+offload copy still reads is kept until ``synchronize()`` or the next ``load()`` (which orders the compute
+stream after the copies), so its memory is back in the allocator's free count as soon as that returns.  On CPU the "device" is the
 CPU and the pool is a separate set of tensors, so an offload is still a real move: the working copy is freed.
 
 ``writeback=False`` is for tensors that do not change on the device (frozen models): after the first
@@ -39,6 +41,7 @@ class Offloader:
         self._dtypes: dict[str, torch.dtype] = {}
         self._pin = torch.cuda.is_available()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._reading: list[torch.Tensor] = []  # device tensors the copy stream still reads
         self.parked = False
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
@@ -72,7 +75,7 @@ class Offloader:
                 with self._copying():
                     host.copy_(tensor, non_blocking=True)
                 if self._stream is not None:
-                    tensor.data.record_stream(self._stream)  # the copy still reads it after the swap
+                    self._reading.append(tensor.data)
             tensor.data = host
         self.parked = True
 
@@ -91,12 +94,14 @@ class Offloader:
             tensor.data = working
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._reading.clear()
         self.parked = False
 
     def synchronize(self) -> None:
         """Wait (on the host) until every copy issued so far has finished."""
         if self._stream is not None:
             self._stream.synchronize()
+        self._reading.clear()
 
     @contextmanager
     def on_device(self):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.collectives import all_gather_single, reduce_scatter_single
 
 
 def _size(group) -> int:
@@ -58,7 +59,7 @@ def gather_first(x: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's ``x`` along dimension 0 (optionally returning the work handle)."""
     parts = _size(group)
     out = torch.empty((parts * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
+    work = all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -67,7 +68,7 @@ def reduce_scatter_first(x: torch.Tensor, group, async_op: bool = False):
     parts = _size(group)
     _check_divisible(x.shape[0], parts, "dimension 0")
     out = torch.empty((x.shape[0] // parts,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
+    work = reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 

@@ -331,8 +331,9 @@ class Trainer:
                 if isinstance(layer, MoELayer) and layer.last_stats is not None:
                     stats = layer.last_stats
                     rows[layer.layer_number, :3] += torch.tensor([stats["aux_loss"], stats["z_loss"], 1.0],
-                                                                 dtype=rows.dtype)
-                    rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype)
+                                                                 dtype=rows.dtype, device=rows.device)
+                    rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype,
+                                                                 device=rows.device)
         for group in (self.topo.pp.group, self.topo.dp.group):
             if topology.group_size(group) > 1:
                 dist.all_reduce(rows, group=group)
