@@ -47,7 +47,7 @@ step kernels 90 "python3 -m pytest -q -rs tests/kernels"
 step bench 150 "python3 benchmarks/kernels.py --dtype bfloat16 && python3 benchmarks/kernels.py --dtype float32 --no-compile"
 step mfu 240 "python3 benchmarks/gpu_gpt.py --megalite-only --micro-batch-size 4 8 --profile"
 step mcore-only 150 "python3 benchmarks/megatron_core_gpt.py --micro-batch-size 8 --global-batch-size 32"
-step mcore 300 "python3 benchmarks/gpu_gpt.py"
+step mcore 200 "python3 benchmarks/gpu_gpt.py --micro-batch-size 8"
 step suite 240 "OMP_NUM_THREADS=1 python3 -m pytest -q -n 12 -p no:cacheprovider --durations=15 tests"
 
 printf '%s\n' "${summary[@]}"

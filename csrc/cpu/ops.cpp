@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,16 +26,25 @@ constexpr int64_t kGrain = 2048;  // elements of work below which a kernel stays
 // a loop scalar, and GCC's inliner gives up inside the large AT_DISPATCH lambdas unless told.
 #define MEGALITE_INLINE inline __attribute__((always_inline))
 
+// std::bit_cast for C++17 (torch 2.11 builds extensions as C++17); the memcpy folds to a register move.
+template <class To, class From>
+MEGALITE_INLINE To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
 // min(max(x, -87), 88), NaN stays NaN.  Done on the bits with integer min/max, which vectorize to single
 // instructions; the float form becomes compares and blends that made the activation loops 2x slower.
 // As unsigned, negative floats sort by magnitude above all positive ones (so the unsigned min clamps
 // x < -87); as signed, positive floats sort by value above all negative ones (so the signed min clamps
 // x > 88).
 MEGALITE_INLINE float clamp_exp_arg(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t bits = bit_cast<uint32_t>(x);
   const uint32_t low = std::min(bits, 0xC2AE0000u);                                          // -87.0f
   const uint32_t both = static_cast<uint32_t>(std::min(static_cast<int32_t>(low), 0x42B00000));  // 88.0f
-  return std::bit_cast<float>((bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : both);
+  return bit_cast<float>((bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : both);
 }
 
 // exp(x) for x in roughly [-87, 88] (inputs outside are clamped), ~1 ulp.  Branch-free and call-free so
@@ -54,7 +62,7 @@ MEGALITE_INLINE float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = (p * r) * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return p * bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 MEGALITE_INLINE float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }

@@ -1,4 +1,5 @@
-"""Use in someone else's model: only megalite.tensor_parallel and megalite.topology, the user's own group."""
+"""Use in someone else's model: only megalite.tensor_parallel, megalite.topology and megalite.collectives, the
+user's own group."""
 
 import subprocess
 import sys
@@ -76,10 +77,10 @@ def test_trains_two_steps_in_a_plain_module_like_one_process():
         assert all(v <= 1e-5 for v in errors.values()), (rank, errors)
 
 
-def test_imports_only_topology_from_megalite():
+def test_imports_only_topology_and_collectives_from_megalite():
     code = ("import sys, megalite.tensor_parallel; "
             "print(sorted(m for m in sys.modules if m.startswith('megalite')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = eval(out)
-    assert all(m in ("megalite", "megalite.topology") or m.startswith("megalite.tensor_parallel")
+    assert all(m in ("megalite", "megalite.topology", "megalite.collectives") or m.startswith("megalite.tensor_parallel")
                for m in loaded), loaded

@@ -54,9 +54,13 @@ class _SigtermDuring:
         return gpt.forward_step(data_iterator, model)
 
 
-def train(data, workdir, world_size, *extra, iters=20, sigterm_in_iteration=None, timeout=180):
-    """Run pretrain() on ``world_size`` ranks; return (rank 0's last iteration, the logged metrics records)."""
+def train(data, workdir, world_size, *extra, iters=20, sigterm_in_iteration=None, timeout=180, backend="gloo"):
+    """Run pretrain() on ``world_size`` ranks; return (rank 0's last iteration, the logged metrics records).
+
+    gloo by default, so a one-rank reference and a multi-rank run share the CPU even on a machine with one GPU.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     argv = tiny_argv(data, workdir, "--train-iters", str(iters), *extra)
-    results = run_distributed(pretrain_on_rank, world_size, argv, sigterm_in_iteration, timeout=timeout)
+    results = run_distributed(pretrain_on_rank, world_size, argv, sigterm_in_iteration, timeout=timeout,
+                              backend=backend)
     return results[0], read_metrics(workdir / "metrics.jsonl")
