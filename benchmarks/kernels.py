@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+import os
 import statistics
 import time
 
@@ -24,9 +26,12 @@ from megalite.kernels import reference as R
 
 def _cases(device, dtype, small):
     """name -> (fused fn, reference fn, make_args); tensors needing grads are created with requires_grad."""
-    rows, h = (2048, 1024) if not small else (256, 256)
-    b, heads, s = (4, 8, 256) if not small else (2, 2, 64)
-    tokens, top_k, experts = (4096, 2, 8) if not small else (256, 2, 4)
+    if small:
+        (rows, h), (b, heads, s), (tokens, top_k, experts) = (256, 256), (2, 2, 64), (256, 2, 4)
+    elif device.type == "cuda":  # large enough that each kernel, not its launch, sets the time
+        (rows, h), (b, heads, s), (tokens, top_k, experts) = (16384, 4096), (4, 16, 2048), (16384, 2, 8)
+    else:
+        (rows, h), (b, heads, s), (tokens, top_k, experts) = (2048, 1024), (4, 8, 256), (4096, 2, 8)
 
     def t(*shape, grad=True, dt=dtype):
         return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
@@ -94,13 +99,22 @@ def _time(fn, args, device, repeats, forward_only=False):
 
     On CPU this is process CPU time, not wall time: the benchmark machine is
     shared, and with --threads 1 CPU time is the op's own cost whatever else
-    runs.  On GPU it is wall time between synchronizations.
+    runs.  On GPU it is device time between CUDA events around the call.
     """
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     run = (lambda: fn(*args)) if forward_only else (lambda: _step(fn, args))
     for _ in range(2):
         run()
     samples = []
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(samples)
     for _ in range(repeats):
         _sync(device)
         start = clock()
@@ -112,7 +126,7 @@ def _time(fn, args, device, repeats, forward_only=False):
 
 def _copy_bandwidth(device):
     """Device-to-device copy bandwidth in GB/s (read + write), the practical peak."""
-    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     seconds = _time(lambda: dst.copy_(src), (), device, 20, forward_only=True)
     return 2 * src.numel() / seconds / 1e9
@@ -135,22 +149,25 @@ def main() -> None:
 
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{args.threads} thread(s)'}), "
           f"dtype {args.dtype}, fused ops built: {K.fused_enabled()}, forward + backward, median of {args.repeats} "
-          f"({'wall' if device.type == 'cuda' else 'process CPU'} time)")
+          f"({'CUDA event' if device.type == 'cuda' else 'process CPU'} time)")
     if peak:
         print(f"measured copy bandwidth: {peak:.0f} GB/s")
     header = f"{'op':18s} {'fused ms':>9s} {'eager ms':>9s} {'eager/fused':>11s}"
     header += "" if args.no_compile else f" {'compile ms':>10s} {'compile/fused':>13s}"
     header += "" if not peak else f" {'fwd GB/s':>9s} {'% of copy':>9s}"
     print(header)
+    results = {}
     for name, (fused_fn, reference_fn, make_args) in _cases(device, dtype, args.small).items():
         inputs = make_args()
         fused_s = _time(fused_fn, inputs, device, args.repeats)
         eager_s = _time(reference_fn, inputs, device, args.repeats)
         line = f"{name:18s} {fused_s * 1e3:9.3f} {eager_s * 1e3:9.3f} {eager_s / fused_s:11.2f}"
+        results[name] = {"fused_ms": fused_s * 1e3, "eager_ms": eager_s * 1e3}
         if not args.no_compile:
             torch._dynamo.reset()
             compiled_s = _time(torch.compile(reference_fn), inputs, device, args.repeats)
             line += f" {compiled_s * 1e3:10.3f} {compiled_s / fused_s:13.2f}"
+            results[name]["compiled_ms"] = compiled_s * 1e3
         if peak:
             with torch.no_grad():
                 outs = fused_fn(*inputs)
@@ -158,7 +175,15 @@ def main() -> None:
             moved = sum(t.numel() * t.element_size() for t in (*inputs, *outs) if isinstance(t, torch.Tensor))
             forward_s = _time(fused_fn, inputs, device, args.repeats, forward_only=True)
             line += f" {moved / forward_s / 1e9:9.0f} {100 * moved / forward_s / 1e9 / peak:8.0f}%"
+            results[name].update(forward_gb_per_s=moved / forward_s / 1e9, fraction_of_copy=moved / forward_s / 1e9 / peak)
         print(line, flush=True)
+    if device.type == "cuda":
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu_kernels_{args.dtype}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+                       "copy_gb_per_s": peak, "ops": results}, f, indent=2)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

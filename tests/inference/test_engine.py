@@ -176,4 +176,4 @@ def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
     for a, b in zip(fused, gather):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids
-            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=2e-5)
