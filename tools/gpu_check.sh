@@ -44,7 +44,7 @@ step build 200 "MEGALITE_NO_EXT=1 python3 -m pip install -q --no-deps --no-build
     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace &&
     python3 -m megalite.kernels && cp megalite/_C*.so \"$logs/\""
 step kernels 90 "python3 -m pytest -q -rs tests/kernels"
-step bench 150 "python3 benchmarks/kernels.py --dtype bfloat16 && python3 benchmarks/kernels.py --dtype float32 --no-compile"
+step bench 200 "python3 benchmarks/kernels.py --dtype bfloat16 && python3 benchmarks/kernels.py --dtype float32 --no-compile"
 step mfu 240 "python3 benchmarks/gpu_gpt.py --megalite-only --micro-batch-size 4 8 --profile"
 step mcore-only 150 "python3 benchmarks/megatron_core_gpt.py --micro-batch-size 8 --global-batch-size 32"
 step mcore 200 "python3 benchmarks/gpu_gpt.py --micro-batch-size 8"
