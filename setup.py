@@ -1,7 +1,9 @@
 """Package set-up for megalite.
 
-Keeps a torch that is already installed; on a machine without torch it pins
-torch==2.13.0 so pip takes the CPU wheel instead of multi-GB CUDA wheels.
+Keeps a torch that is already installed (torch 2.11 or newer: tested with 2.11
+on CUDA and 2.13 on CPU); on a machine without torch it pins torch==2.13.0 so
+pip takes the CPU wheel instead of multi-GB CUDA wheels.  An older torch is
+refused with one clear error rather than upgraded behind the user's back.
 The optional csrc extension is described in csrc/build.py.
 """
 
@@ -12,10 +14,11 @@ import sys
 from setuptools import find_packages, setup
 
 TORCH_PIN = "torch==2.13.0"
+TORCH_MIN = (2, 11)
 
 
 def torch_requirement() -> str:
-    """'torch' when the target environment already has it, else the pin.
+    """'torch>=2.11' when the target environment already has a supported torch, else the pin.
 
     pip may run this file in an isolated build environment that hides the
     user's site-packages, so the check runs in a clean child interpreter.
@@ -26,7 +29,12 @@ def torch_requirement() -> str:
         found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return TORCH_PIN
-    return "torch" if found.returncode == 0 and found.stdout.strip() else TORCH_PIN
+    version = found.stdout.strip() if found.returncode == 0 else ""
+    if not version:
+        return TORCH_PIN
+    if tuple(int(part) for part in version.split("+")[0].split(".")[:2]) < TORCH_MIN:
+        sys.exit(f"megalite needs torch >= {'.'.join(map(str, TORCH_MIN))}; this environment has torch {version}")
+    return "torch>=" + ".".join(map(str, TORCH_MIN))
 
 
 def extension_kwargs() -> dict:

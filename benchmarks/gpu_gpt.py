@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -100,13 +101,14 @@ def main():
         if best is None or result["tokens_per_sec"] > best[1]["tokens_per_sec"]:
             best = (micro_batch, result)
     micro_batch, ours = best
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": MODEL,
+    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "model": MODEL,
               "micro_batch_size": micro_batch, "global_batch_size": args.global_batch_size,
               "model_flops_per_token": flops, "peak_tflops": PEAK_TFLOPS,
               "tokens_per_sec": ours["tokens_per_sec"], "tflops": ours["tflops"], "mfu": ours["mfu"]}
     if not args.megalite_only:
         theirs = run_megatron_core(micro_batch, args.global_batch_size, args.iters, args.warmup)
-        describe(f"Megatron-Core micro-batch {micro_batch}", theirs)
+        describe(f"Megatron-Core micro-batch {theirs['micro_batch_size']}", theirs)
         ratio = ours["tokens_per_sec"] / theirs["tokens_per_sec"]
         print(f"megalite / Megatron-Core tokens/s: {ratio:.2f}x")
         record.update(megatron_core_tokens_per_sec=theirs["tokens_per_sec"], megatron_core_mfu=theirs["mfu"],

@@ -7,6 +7,12 @@ megalite then runs on its plain-torch fallbacks.  MEGALITE_NO_EXT=1 (read by
 setup.py) skips the extension entirely; MEGALITE_NATIVE=0 builds without
 -march=native (use it when the .so must run on other CPUs than the build
 machine's).
+
+A built extension is kept only if an error raised by one of its checks
+reaches Python as an exception: a compiler whose C++ runtime differs from the
+one torch was built with can make every such error crash the process instead
+(seen on a machine whose CXX named another GCC than torch's).  Then the build
+warns, names the cause and removes the library.
 """
 
 from __future__ import annotations
@@ -55,6 +61,41 @@ def _cuda_available(cpp_extension) -> bool:
         shutil.which("nvcc") is not None or os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")))
 
 
+_RAISE_PROBE = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+q, kv = torch.zeros(1, 1, 4), torch.zeros(1, 1, 1, 4)
+one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+try:
+    torch.ops.megalite.paged_attention(q, kv, kv, one.view(1, 1), zero, one, zero, 1.0)  # block 1 of 1: bad
+except RuntimeError:
+    print("raised")
+"""
+
+
+def _torch_compiler() -> str:
+    """The compiler torch reports it was built with (e.g. 'GCC 13.3')."""
+    import torch
+
+    for line in torch.__config__.show().splitlines():
+        if line.strip().startswith("- GCC") or line.strip().startswith("- clang"):
+            return line.strip()[2:]
+    return "an unknown compiler"
+
+
+def errors_reach_python(library: str) -> bool:
+    """True when a failed check inside the built ``library`` raises in Python rather than killing the process
+    (probed in a child interpreter, since a crash would take this one down)."""
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _RAISE_PROBE, library], capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and done.stdout.strip() == "raised"
+
+
 def _rel(repo_root: str, paths) -> list[str]:
     return sorted(os.path.relpath(p, repo_root) for p in paths)
 
@@ -93,5 +134,13 @@ def extension_kwargs(repo_root: str) -> dict:
                 super().run()
             except Exception as error:  # any build failure must leave a working pure-torch install
                 _warn(f"building the fused-kernel extension failed ({error})")
+                return
+            library = self.get_ext_fullpath(EXT_NAME)
+            if os.path.exists(library) and not errors_reach_python(library):
+                os.remove(library)
+                compiler = " ".join(getattr(self.compiler, "compiler_cxx", None) or ["this C++ compiler"])
+                _warn(f"the extension built with {compiler} crashes when one of its "
+                      f"input checks fails (a C++ runtime unlike torch's, which was built with {_torch_compiler()}); "
+                      f"removed {library}: set CXX to a compiler matching torch's and rebuild")
 
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildOrWarn}}

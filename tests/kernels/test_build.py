@@ -79,3 +79,25 @@ def test_failed_build_only_warns(monkeypatch):
     monkeypatch.setattr(cpp_extension.BuildExtension, "run", broken)
     with pytest.warns(UserWarning, match=r"building the fused-kernel extension failed \(simulated compiler error\)"):
         command.run()
+
+
+def test_library_whose_errors_crash_is_removed_with_a_warning(monkeypatch, tmp_path):
+    """The post-build probe: a real build's failed check raises in Python; a library that cannot raise (here not
+    a library at all) is removed and the build warns instead of leaving a crashing extension behind."""
+    from setuptools import Distribution
+    from torch.utils import cpp_extension
+
+    import megalite.kernels.fused as fused
+
+    build = _load_build()
+    if fused.BUILT:
+        assert build.errors_reach_python(fused._C.__file__)
+    kwargs = build.extension_kwargs(REPO)
+    command = kwargs["cmdclass"]["build_ext"](Distribution({"ext_modules": kwargs["ext_modules"]}))
+    command.ensure_finalized()
+    library = tmp_path / "_C.so"
+    monkeypatch.setattr(type(command), "get_ext_fullpath", lambda self, name: str(library))
+    monkeypatch.setattr(cpp_extension.BuildExtension, "run", lambda self: library.write_text("not a library"))
+    with pytest.warns(UserWarning, match=r"crashes when one of its input checks fails .* removed"):
+        command.run()
+    assert not library.exists()
