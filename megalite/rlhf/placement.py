@@ -109,6 +109,7 @@ class Placement:
             model.offloaders["weights"] = Offloader(module_tensors(module), self.device, writeback=False)
             if on_demand:
                 model.offloaders["weights"].offload()
+                model.offloaders["weights"].synchronize()  # frees the device copy now, not at the first use
 
     def add_target(self, name: str, module: torch.nn.Module, target: PolyakTarget, phases=("scoring",)) -> None:
         """A target network: ``target`` (its master copy, on the host) and ``module``, the weights that score
