@@ -10,8 +10,9 @@ On a GPU the copies run on a side CUDA stream with ``non_blocking=True``: ``load
 orders the compute stream after the copies; ``offload()`` returns at once too (``synchronize()`` waits for
 the copies, e.g. before the host reads the pool or before memory is measured).  A device tensor that an
 offload copy still reads is kept until ``synchronize()`` or the next ``load()`` (which orders the compute
-stream after the copies), so its memory is back in the allocator's free count as soon as that returns.  On CPU the "device" is the
-CPU and the pool is a separate set of tensors, so an offload is still a real move: the working copy is freed.
+stream after the copies), so its memory is back in the allocator's free count as soon as that returns.
+On CPU the "device" is the CPU and the pool is a separate set of tensors, so an offload is still a real
+move: the working copy is freed.
 
 ``writeback=False`` is for tensors that do not change on the device (frozen models): after the first
 offload the pool already holds their values, so later offloads only free the device copy.  ``pool`` may

@@ -488,6 +488,10 @@ def _check_schedule(args):
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    if args.profile:
+        _require(1 <= args.profile_step_start < args.profile_step_end,
+                 f"--profile-step-start {args.profile_step_start} must be at least 1 and below "
+                 f"--profile-step-end {args.profile_step_end}")
     parse_split(args.split)
 
 

@@ -61,6 +61,8 @@ def test_megatron_spellings_and_defaults():
     (["--swiglu", "--hidden-size", "16"], 1, "GPTConfig.ffn_hidden_size must be a positive integer, got 0"),
     (["--lr-warmup-iters", "200"], 1, "--lr-warmup-iters 200 must be between 0 and --lr-decay-iters 100"),
     (["--lr-decay-style", "step"], 1, "argument --lr-decay-style: invalid choice: 'step'"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
+     "--profile-step-start 5 must be at least 1 and below --profile-step-end 5"),
     (["--num-layers"], 1, "argument --num-layers: expected one argument"),
 ])
 def test_bad_flags(argv, world, message):
