@@ -6,7 +6,8 @@ Trains the issue's 1.3B model (h=2048, 24 layers, 16 heads, seq 2048, vocab
 50304, bf16, Adam with fp32 main weights) on --mock-data: first megalite's
 examples/pretrain_gpt.py, then Megatron-Core's GPTModel through
 benchmarks/megatron_core_gpt.py, each in its own process on the same GPU with
-the same batch.  Both report the mean over the iterations after the warm-up.
+the same batch.  megalite reports its last logged interval (the last --warmup
+iterations); Megatron-Core the mean over all --iters iterations after its warm-up.
 Prints tokens/s, TFLOP/s and MFU (Megatron's model-FLOPs formula with
 attention, against the 989 TFLOP/s bf16 peak of an H100) for each, then the
 ratio, and writes them to benchmarks/results/gpu_gpt_mfu.json.
@@ -44,7 +45,8 @@ def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, p
                  "--vocab-size", MODEL["vocab_size"] - 1, "--mock-data", "--bf16",
                  "--micro-batch-size", micro_batch, "--global-batch-size", global_batch,
                  "--train-iters", warmup + iters, "--log-interval", warmup, "--eval-iters", 0,
-                 "--lr", 1e-4, "--min-lr", 1e-5, "--lr-warmup-iters", 0, "--save", "", "--load", "", "--tensorboard-dir", "",
+                 "--lr", 1e-4, "--min-lr", 1e-5, "--lr-warmup-iters", 0,
+                 "--save", "", "--load", "", "--tensorboard-dir", "",
                  "--data-cache-path", tmp, "--log-throughput", "--metrics-file", metrics]
         if profile:
             flags += ["--profile", "--profile-step-start", warmup + 1, "--profile-step-end", warmup + 2]

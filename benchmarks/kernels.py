@@ -174,8 +174,9 @@ def main() -> None:
             outs = outs if isinstance(outs, tuple) else (outs,)
             moved = sum(t.numel() * t.element_size() for t in (*inputs, *outs) if isinstance(t, torch.Tensor))
             forward_s = _time(fused_fn, inputs, device, args.repeats, forward_only=True)
-            line += f" {moved / forward_s / 1e9:9.0f} {100 * moved / forward_s / 1e9 / peak:8.0f}%"
-            results[name].update(forward_gb_per_s=moved / forward_s / 1e9, fraction_of_copy=moved / forward_s / 1e9 / peak)
+            gb_per_s = moved / forward_s / 1e9
+            line += f" {gb_per_s:9.0f} {100 * gb_per_s / peak:8.0f}%"
+            results[name].update(forward_gb_per_s=gb_per_s, fraction_of_copy=gb_per_s / peak)
         print(line, flush=True)
     if device.type == "cuda":
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu_kernels_{args.dtype}.json")

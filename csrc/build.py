@@ -21,6 +21,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -86,8 +87,6 @@ def _torch_compiler() -> str:
 def errors_reach_python(library: str) -> bool:
     """True when a failed check inside the built ``library`` raises in Python rather than killing the process
     (probed in a child interpreter, since a crash would take this one down)."""
-    import sys
-
     try:
         done = subprocess.run([sys.executable, "-c", _RAISE_PROBE, library], capture_output=True, text=True,
                               timeout=300)

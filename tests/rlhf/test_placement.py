@@ -3,7 +3,8 @@ critic, a target critic on the host, a reward model and the reference) the losse
 are bit-identical to the run without, and each phase's logged device bytes fall by exactly what the plan
 parks in that phase (+-5%): the frozen models and the optimizer state in generation, the optimizer state in
 scoring, the frozen models in training.  On a GPU the memory the CUDA allocator holds in each phase falls by
-the same bytes (the parked tensors are really freed); with CUDA the pool is pinned.  The pool is allocated once and reused; bad placement input fails with one clear error."""
+the same bytes (the parked tensors are really freed); with CUDA the pool is pinned.  The pool is allocated once
+and reused; bad placement input fails with one clear error."""
 
 import json
 import os
