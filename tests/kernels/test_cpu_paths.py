@@ -71,11 +71,14 @@ def test_fused_and_reference_dropout_masks_are_identical():
     assert 0.3 < 1 - mask.float().mean().item() < 0.5
 
 
-def test_paged_attention_reads_blocks_in_place_like_the_reference():
+@pytest.mark.parametrize("d", [8, 13, 64, 128])
+def test_paged_attention_reads_blocks_in_place_like_the_reference(d):
     """GQA, decodes and multi-token queries (causal among themselves), contexts ending mid-block, shuffled
-    and padded block tables: the kernel equals the per-sequence reference in fp32; rows of no sequence are 0."""
+    and padded block tables: the kernel equals the per-sequence reference in fp32; rows of no sequence are 0.
+    Head sizes: the kernel's register-resident paths (64, 128), a multiple of its 8-wide vectors and a size
+    with a scalar tail."""
     torch.manual_seed(0)
-    groups, per_group, num_blocks, block, d = 2, 3, 24, 4, 8
+    groups, per_group, num_blocks, block = 2, 3, 24, 4
     keys, values = torch.randn(groups, num_blocks, block, d), torch.randn(groups, num_blocks, block, d)
     starts, lengths = torch.tensor([0, 5, 12, 3]), torch.tensor([1, 3, 1, 2])
     first = torch.tensor([0, 2, 5, 7])
