@@ -54,6 +54,16 @@ class PrefixCache:
         self.hit_tokens += len(blocks) * self.block_size
         return blocks
 
+    def cached_blocks(self, tokens: list[int], max_blocks: int) -> int:
+        """How many leading blocks of ``tokens`` (at most ``max_blocks``) :meth:`match` would return; changes nothing."""
+        node, count = self.root, 0
+        for key in self._keys(tokens, max_blocks):
+            node = node.children.get(key)
+            if node is None:
+                break
+            count += 1
+        return count
+
     def insert(self, tokens: list[int], blocks: list[int], num_blocks: int) -> None:
         """Cache the first ``num_blocks`` full blocks of a sequence (already-cached prefixes are kept)."""
         node, now = self.root, next(self._clock)

@@ -4,8 +4,11 @@ Every step walks the running sequences first (oldest first) and gives each
 the tokens it still needs (one for a decode, plus any speculative drafts; the
 rest of its prompt, or a chunk of it, for a prefill), then admits waiting
 sequences first-come-first-served while the budget and the sequence limit
-allow.  A long prompt is split into chunks across steps (chunked prefill) and
-shares the steps with decodes.  When KV blocks run out, the newest running
+allow.  A waiting sequence whose next uncached block another sequence of the
+same step is computing (prompts sharing a system prefix, arriving together)
+waits one step and then takes that block from the prefix cache.  A long
+prompt is split into chunks across steps (chunked prefill) and shares the
+steps with decodes.  When KV blocks run out, the newest running
 sequence is preempted: its blocks are released and it waits to be recomputed
 from its tokens (prefix caching usually makes that cheap).
 """
@@ -137,10 +140,15 @@ class Scheduler:
                 e.drafts = list(drafts[:k])
                 e.length -= k - len(e.drafts)
         entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
+        computing = {self._first_block(e) for e in entries} - {None}
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self.prefix_cache is not None and not seq.block_table:
-                seq.block_table = self.prefix_cache.match(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
+                limit = (len(seq.tokens) - 1) // self.block_size
+                hit = self.prefix_cache.cached_blocks(seq.tokens, limit)
+                if hit < limit and tuple(seq.tokens[:(hit + 1) * self.block_size]) in computing:
+                    break
+                seq.block_table = self.prefix_cache.match(seq.tokens, limit)
                 seq.num_computed = len(seq.block_table) * self.block_size
             length = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed, seq.num_computed + length, copies):
@@ -149,10 +157,19 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             entries.append(self._entry(seq, length, []))
+            computing.add(self._first_block(entries[-1]))
             budget -= length
         if self.drafter is not None:
             self.drafter.copy_blocks(copies[applied:])
         return self._plan(entries, copies), entries
+
+    def _first_block(self, e: Scheduled) -> tuple[int, ...] | None:
+        """The tokens up to the end of the first block ``e`` works on, when this step fills that block and a
+        prefix-cache lookup could return it (it ends before the sequence's last token); else None."""
+        end = (e.start // self.block_size + 1) * self.block_size
+        if self.prefix_cache is None or e.start + e.length < end or end > len(e.seq.tokens) - 1:
+            return None
+        return tuple(e.seq.tokens[:end])
 
     def _entry(self, seq: Sequence, length: int, drafts: list[int]) -> Scheduled:
         start = seq.num_computed

@@ -31,7 +31,10 @@ def test_bad_input_is_one_clear_error():
 
 
 def test_n_samples_and_shared_prefixes_reuse_prompt_blocks():
-    """16 prompts x n=8 prefill each prompt once (<= 1/8 + 5% of the unshared prefill), same outputs without cache."""
+    """16 prompts x n=8 prefill each prompt once (<= 1/8 + 5% of the unshared prefill), same outputs without cache.
+
+    With the cache, the system prefix's two full blocks are computed once, whether the prompts fill several
+    steps or fit in one (then the others wait a step for the first one's blocks instead of recomputing them)."""
     model = tiny_model()
     g = torch.Generator().manual_seed(0)
     system = torch.randint(0, VOCAB, (10,), generator=g).tolist()
@@ -39,20 +42,20 @@ def test_n_samples_and_shared_prefixes_reuse_prompt_blocks():
                for n in torch.randint(1, 8, (16,), generator=g)]
     params = [SamplingParams(n=8, max_new_tokens=5, temperature=1.0, seed=i) for i in range(16)]
     results = {}
-    for caching in (True, False):
+    for caching, budget in ((True, 64), (True, 512), (False, 64)):
         llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=512,
-                                                               max_num_batched_tokens=64,
+                                                               max_num_batched_tokens=budget,
                                                                enable_prefix_caching=caching))
-        results[caching] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        results[caching, budget] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
         engine = llm.engine
         unshared = 8 * sum(len(p) for p in prompts)
         assert engine.scheduler.prefill_tokens <= (1 / 8 + 0.05) * unshared
         assert engine.allocator.num_used() == 0
         if caching:
-            assert engine.scheduler.prefill_tokens < sum(len(p) for p in prompts)
+            assert engine.scheduler.prefill_tokens == sum(len(p) for p in prompts) - 8 * (len(prompts) - 1)
             assert engine.prefix_cache.hit_rate() > 0
-    assert results[True] == results[False]
-    assert all(len(set(map(tuple, samples))) > 1 for samples in results[True])
+    assert results[True, 64] == results[True, 512] == results[False, 64]
+    assert all(len(set(map(tuple, samples))) > 1 for samples in results[True, 64])
 
 
 def test_lru_eviction_drops_unreferenced_leaves_first():
