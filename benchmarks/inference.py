@@ -184,7 +184,7 @@ def bench_decode_attention(sequences=64, repeats=20):
     free = list(range(2048))
     rng.shuffle(free)
     plan = StepPlan()
-    for i in range(sequences):
+    for _ in range(sequences):
         context = rng.randint(100, 350)
         blocks = -(-context // 16)
         plan.block_tables.append([free.pop() for _ in range(blocks)])

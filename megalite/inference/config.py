@@ -11,9 +11,8 @@ class EngineConfig:
 
     ``num_blocks`` blocks of ``block_size`` tokens per rank (per layer);
     ``max_num_batched_tokens`` bounds the tokens of one step (chunked prefill
-    splits longer prompts; 2048, vLLM's usual chunked-prefill budget, measured
-    ~5% faster than 512 on the CPU benchmark) and ``max_num_seqs`` the
-    sequences admitted.
+    splits longer prompts; 2048 is vLLM's usual chunked-prefill budget) and
+    ``max_num_seqs`` the sequences admitted.
     ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
     passed to the engine) proposing ``num_speculative_tokens`` per step.
     ``seed`` draws the seeds of requests that bring none.

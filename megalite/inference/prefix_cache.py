@@ -55,7 +55,9 @@ class PrefixCache:
         return blocks
 
     def cached_blocks(self, tokens: list[int], max_blocks: int) -> int:
-        """How many leading blocks of ``tokens`` (at most ``max_blocks``) :meth:`match` would return; changes nothing."""
+        """How many leading blocks of ``tokens`` (at most ``max_blocks``) :meth:`match` would return.
+
+        Unlike :meth:`match` it shares nothing and counts no lookup, so the scheduler can ask before admitting."""
         node, count = self.root, 0
         for key in self._keys(tokens, max_blocks):
             node = node.children.get(key)

@@ -140,7 +140,7 @@ class Scheduler:
                 e.drafts = list(drafts[:k])
                 e.length -= k - len(e.drafts)
         entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
-        computing = {self._first_block(e) for e in entries} - {None}
+        computing = {self._first_block(e) for e in entries}
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self.prefix_cache is not None and not seq.block_table:
@@ -165,7 +165,8 @@ class Scheduler:
 
     def _first_block(self, e: Scheduled) -> tuple[int, ...] | None:
         """The tokens up to the end of the first block ``e`` works on, when this step fills that block and a
-        prefix-cache lookup could return it (it ends before the sequence's last token); else None."""
+        prefix-cache lookup could return it (it ends before the sequence's last token); else None, which
+        matches no waiting sequence's tokens."""
         end = (e.start // self.block_size + 1) * self.block_size
         if self.prefix_cache is None or e.start + e.length < end or end > len(e.seq.tokens) - 1:
             return None
