@@ -8,7 +8,8 @@ Workload: ``--requests`` greedy requests with prompt lengths 16-256 and output l
 ~20M-parameter Llama-style model with random weights (built with transformers, converted to megalite).
 Times are wall and CPU seconds (the machine is shared; the ratios use CPU time, and wall time too).
 The static-batch baselines run at every size in ``--batches``; each is compared at its best size.  Every
-system of the main comparison runs ``--repeats`` times and keeps its fastest run (CPU time).
+system of the main comparison runs ``--repeats`` times, in rounds that run each system once (so drift of
+the machine's speed falls on all alike), and keeps its fastest run (CPU time).
 Output tokens/s counts the tokens each request asked for (a static batch decodes until its longest row is
 done, but only requested tokens count).  Then: prefix sharing (16 prompts x n=8: prefill tokens computed
 with sharing over those without) and speculative decoding (accepted tokens per target forward and speedup,
@@ -18,6 +19,7 @@ n-gram lookup on a repetitive workload, a draft model made of the target's first
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -230,10 +232,24 @@ def main():
         print(f"model: Llama-style, {params / 1e6:.1f}M parameters; {len(work)} requests, "
               f"{sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; 1 thread")
 
-        def fastest(run):
-            return min((run() for _ in range(args.repeats)), key=lambda result: result[0][1])
-
-        t_engine, engine_out, _ = fastest(lambda: run_engine(ckpt, work))
+        # The systems run in rounds, each once per round, so that the machine's drift over the minutes this takes
+        # falls on all of them alike; each keeps its fastest run (CPU time).
+        batches = [int(b) for b in args.batches.split(",")]
+        baselines = {"transformers generate": lambda b: run_hf_static(hf, work, b),
+                     f"megalite static generate at {args.old_commit}":
+                         lambda b: run_old(ckpt, work, b, args.old_commit, tmp)}
+        systems = [("megalite engine", None, lambda: run_engine(ckpt, work)[:2])]
+        systems += [(name, batch, functools.partial(run, batch))
+                    for name, run in baselines.items() for batch in batches]
+        fastest = {}
+        for round_ in range(args.repeats):
+            for name, batch, run in systems:
+                times, outs = run()
+                print(f"round {round_ + 1}: {name}{'' if batch is None else f', batch {batch}'}: "
+                      f"{times[1]:.2f} CPU s", flush=True)
+                if (name, batch) not in fastest or times[1] < fastest[name, batch][0][1]:
+                    fastest[name, batch] = (times, outs)
+        t_engine, engine_out = fastest["megalite engine", None]
         print(f"{'system':60s} {'wall s':>8s} {'CPU s':>8s} {'tok/CPU s':>9s} {'x (CPU)':>8s} {'x (wall)':>8s} "
               f"{'same':>6s}")
 
@@ -245,17 +261,12 @@ def main():
                   flush=True)
 
         row("megalite engine", t_engine, useful)
-        batches = [int(b) for b in args.batches.split(",")]
-        best = {}
-        for name, run in [("transformers generate", lambda b: run_hf_static(hf, work, b)),
-                          (f"megalite static generate at {args.old_commit}",
-                           lambda b: run_old(ckpt, work, b, args.old_commit, tmp))]:
+        for name in baselines:
             for batch in batches:
-                times, outs = fastest(lambda: run(batch))
+                times, outs = fastest[name, batch]
                 row(f"{name}, static batches of {batch}", times, useful, outs)
-                if name not in best or times[1] < best[name][1][1]:
-                    best[name] = (batch, times)
-        for name, (batch, times) in best.items():
+            batch = min(batches, key=lambda b: fastest[name, b][0][1])
+            times = fastest[name, batch][0]
             print(f"engine vs {name} at its best batch ({batch}): {times[1] / t_engine[1]:.2f}x CPU, "
                   f"{times[0] / t_engine[0]:.2f}x wall")
         print("(same: greedy outputs identical to the engine's, token for token)")
