@@ -158,7 +158,7 @@ def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
 
 def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
     """The extension's paged-attention kernel (decodes and n-gram verification read the cache in place) gives
-    the same tokens and log-probs (fp32, 1e-5) as the gather + batched-matmul path, with forked samples."""
+    the same tokens and log-probs (fp32, 2e-5) as the gather + batched-matmul path, with forked samples."""
     from megalite import kernels
 
     if not kernels.fused_enabled():

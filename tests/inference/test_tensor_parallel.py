@@ -1,4 +1,4 @@
-"""TP2 engine == TP1 engine (greedy and seeded sampling), and engine log-probs == the actor's within 1e-5."""
+"""TP2 engine == TP1 engine (greedy and seeded sampling), and engine log-probs == the actor's (fp32, 2e-5)."""
 
 import asyncio
 
