@@ -6,6 +6,9 @@ megalite's old static-batch generate (run from the commit before the engine), si
 
 Workload: ``--requests`` greedy requests with prompt lengths 16-256 and output lengths 16-128 (seeded) on a
 ~20M-parameter Llama-style model with random weights (built with transformers, converted to megalite).
+The engine runs twice in the main comparison: as configured by default (no speculation), and with n-gram
+prompt lookup proposing 4 tokens (greedy output identical; random weights make greedy text repetitive, which
+favours lookup, so that row says what speculation buys here, not on a trained model).
 Times are wall and CPU seconds (the machine is shared; the ratios use CPU time, and wall time too).
 The static-batch baselines run at every size in ``--batches``; each is compared at its best size.  Every
 system of the main comparison runs ``--repeats`` times, in rounds that run each system once (so drift of
@@ -238,7 +241,10 @@ def main():
         baselines = {"transformers generate": lambda b: run_hf_static(hf, work, b),
                      f"megalite static generate at {args.old_commit}":
                          lambda b: run_old(ckpt, work, b, args.old_commit, tmp)}
-        systems = [("megalite engine", None, lambda: run_engine(ckpt, work)[:2])]
+        speculative = EngineConfig(block_size=16, num_blocks=2048, speculative="ngram", num_speculative_tokens=4)
+        engines = {"megalite engine": None, "megalite engine, n-gram speculation (k=4)": speculative}
+        systems = [(name, None, functools.partial(lambda c: run_engine(ckpt, work, c)[:2], config))
+                   for name, config in engines.items()]
         systems += [(name, batch, functools.partial(run, batch))
                     for name, run in baselines.items() for batch in batches]
         fastest = {}
@@ -253,22 +259,26 @@ def main():
         print(f"{'system':60s} {'wall s':>8s} {'CPU s':>8s} {'tok/CPU s':>9s} {'x (CPU)':>8s} {'x (wall)':>8s} "
               f"{'same':>6s}")
 
-        def row(name, times, tokens, outs=None):
+        def row(name, times, outs=None, tokens=useful):
             wall, cpu = times
             same = "" if outs is None else f"{sum(a == b for a, b in zip(engine_out, outs))}/{len(work)}"
             cpu_x, wall_x = (useful / t_engine[1]) / (tokens / cpu), (useful / t_engine[0]) / (tokens / wall)
             print(f"{name:60s} {wall:8.2f} {cpu:8.2f} {tokens / cpu:9.1f} {cpu_x:8.2f} {wall_x:8.2f} {same:>6s}",
                   flush=True)
 
-        row("megalite engine", t_engine, useful)
+        for name in engines:
+            row(name, *fastest[name, None])
         for name in baselines:
             for batch in batches:
                 times, outs = fastest[name, batch]
-                row(f"{name}, static batches of {batch}", times, useful, outs)
+                row(f"{name}, static batches of {batch}", times, outs)
+        for name in baselines:
             batch = min(batches, key=lambda b: fastest[name, b][0][1])
             times = fastest[name, batch][0]
-            print(f"engine vs {name} at its best batch ({batch}): {times[1] / t_engine[1]:.2f}x CPU, "
-                  f"{times[0] / t_engine[0]:.2f}x wall")
+            for engine in engines:
+                mine = fastest[engine, None][0]
+                print(f"{engine} vs {name} at its best batch ({batch}): {times[1] / mine[1]:.2f}x CPU, "
+                      f"{times[0] / mine[0]:.2f}x wall")
         print("(same: greedy outputs identical to the engine's, token for token)")
 
         bench_decode_attention()
@@ -299,7 +309,7 @@ def main():
         if not args.no_hf_continuous:
             try:
                 t_cb, made = run_hf_continuous(hf, work)
-                row("transformers generate_batch (continuous batching)", t_cb, made)
+                row("transformers generate_batch (continuous batching)", t_cb, tokens=made)
             except (ImportError, AttributeError, TypeError) as error:  # installed version lacks the API: say so
                 print(f"transformers continuous batching unavailable: {type(error).__name__}: {error}")
         print(f"uptime: {os.popen('uptime').read().strip()}")
