@@ -6,7 +6,7 @@ import torch
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.prefix_cache import PrefixCache
-from tests.inference.common import VOCAB, tiny_model
+from tests.inference.common import VOCAB, logprob_model, tiny_model
 
 
 def test_bad_input_is_one_clear_error():
@@ -158,12 +158,12 @@ def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
 
 def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
     """The extension's paged-attention kernel (decodes and n-gram verification read the cache in place) gives
-    the same tokens and log-probs (fp32, 2e-5) as the gather + batched-matmul path, with forked samples."""
+    the same tokens and log-probs (fp32, 1e-5) as the gather + batched-matmul path, with forked samples."""
     from megalite import kernels
 
     if not kernels.fused_enabled():
         pytest.skip("megalite._C is not built")
-    model = tiny_model()
+    model = logprob_model()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [4] * 13]
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0.7, seed=3, logprobs=True)
     config = EngineConfig(block_size=4, num_blocks=64, speculative="ngram", num_speculative_tokens=3)
@@ -179,4 +179,4 @@ def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
     for a, b in zip(fused, gather):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids
-            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=2e-5)
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)

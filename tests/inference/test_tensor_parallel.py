@@ -10,17 +10,10 @@ from megalite.checkpoint import save_checkpoint
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.testing import run_distributed
-from tests.inference.common import VOCAB, tiny_model
+from tests.inference.common import VOCAB, logprob_model
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [31, 4], [5] * 13, [11]]
 ENGINE = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=24)
-
-
-def _model(kind: str = "llama"):
-    """The engine tests' tiny model at init std 0.3: each of its linears then grows activations about 1.7x instead
-    of 2.8x (std 0.5), nearer a trained model's gain, so that fp32 rounding is not amplified past the 1e-5 the
-    log-probs are held to."""
-    return tiny_model(kind, init_method_std=0.3)
 
 
 def _run(llm):
@@ -40,13 +33,13 @@ def _actor_logprobs(model, prompt, completion, temperature):
 
 def _tp_ranks(checkpoint):
     kinds = ("gpt2", "llama")
-    references = {kind: _run(LLM.from_model(_model(kind), engine_config=ENGINE)) for kind in kinds}
+    references = {kind: _run(LLM.from_model(logprob_model(kind), engine_config=ENGINE)) for kind in kinds}
     topology.initialize(tp=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        LLM.from_model(_model()).generate([[VOCAB + 3]], SamplingParams())
+        LLM.from_model(logprob_model()).generate([[VOCAB + 3]], SamplingParams())
     loaded = _run(LLM(checkpoint, tensor_parallel_size=2, engine_config=ENGINE))
     assert [[t for t, _ in r] for r in loaded] == [[t for t, _ in r] for r in references["llama"]]
-    worst = max(_compare(_model(kind), references[kind]) for kind in kinds)
+    worst = max(_compare(logprob_model(kind), references[kind]) for kind in kinds)
     _serve_under_tp(references["llama"])
     return worst
 
@@ -55,7 +48,7 @@ def _serve_under_tp(reference):
     """The HTTP server at tp=2: rank 0 serves (and broadcasts plans), rank 1 runs the worker loop."""
     from tests.inference.test_serve import _with_server
 
-    engine = LLM.from_model(_model("llama"), engine_config=ENGINE).engine
+    engine = LLM.from_model(logprob_model("llama"), engine_config=ENGINE).engine
     if engine.tp_rank != 0:
         engine.run_worker()
         return
@@ -88,6 +81,6 @@ def _compare(model, reference):
 def test_tp2_matches_tp1_and_actor_log_probs(tmp_path):
     """GPT-2 and Llama (GQA) live models and a checkpoint loaded at tp=2, one launch; bad input raises on both
     ranks before any collective."""
-    save_checkpoint(str(tmp_path / "ckpt"), 1, [_model("llama")])
+    save_checkpoint(str(tmp_path / "ckpt"), 1, [logprob_model("llama")])
     worst = run_distributed(_tp_ranks, 2, str(tmp_path / "ckpt"))
     assert max(worst) <= 1e-5, worst
