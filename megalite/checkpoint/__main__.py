@@ -6,7 +6,8 @@ import argparse
 import math
 import sys
 
-from megalite.checkpoint.format import MANIFEST, CheckpointReader
+from megalite.checkpoint.files import MANIFEST
+from megalite.checkpoint.reader import CheckpointReader
 
 
 def _size(nbytes: float) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.checkpoint import load_checkpoint
-from megalite.checkpoint.format import CheckpointReader
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.data.synthetic import arithmetic_answer
 from megalite.rlhf.critic import CriticModel
 

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from megalite.checkpoint import AsyncSaver, load_model, read_latest, save_checkpoint
-from megalite.checkpoint import format as checkpoint_format
+from megalite.checkpoint import storage as checkpoint_storage
 from tests.checkpoint.test_bad_input import kill_mid_write
 
 
@@ -23,14 +23,14 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
     model = _model()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     release, started = threading.Event(), threading.Event()
-    real_save = checkpoint_format.dcp.save
+    real_save = checkpoint_storage.dcp.save
 
     def gated_save(*args, **kwargs):
         started.set()
         assert release.wait(60)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_format.dcp, "save", gated_save)
+    monkeypatch.setattr(checkpoint_storage.dcp, "save", gated_save)
     saver = AsyncSaver()
     save_checkpoint(save, 5, [model], saver=saver)
     assert started.wait(60) and saver.in_flight
@@ -51,20 +51,20 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
 _KILLED_ASYNC_SAVE = """
 import sys, time
 import torch
-from megalite.checkpoint import AsyncSaver, format, save_checkpoint
+from megalite.checkpoint import AsyncSaver, integrity, save_checkpoint
 from megalite.models import GPTConfig, GPTModel
 
 model = GPTModel(GPTConfig(vocab_size=30, num_layers=2, hidden_size=16, num_attention_heads=4,
                            make_vocab_size_divisible_by=8, seed=7))
 save_checkpoint(sys.argv[1], 1, [model])
-real_hash = format._sha256
+real_hash = integrity.file_digests
 
 def slow_hash(path):
     print("writing", flush=True)
     time.sleep(120)
     return real_hash(path)
 
-format._sha256 = slow_hash
+integrity.file_digests = slow_hash
 saver = AsyncSaver()
 with torch.no_grad():
     for p in model.parameters():

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from megalite.checkpoint import CheckpointWriteError, load_checkpoint, load_model, read_latest, save_checkpoint
-from megalite.checkpoint.format import CheckpointReader, TensorShard, write_checkpoint
+from megalite.checkpoint.reader import CheckpointReader
+from megalite.checkpoint.storage import TensorShard
+from megalite.checkpoint.writer import write_checkpoint
 from megalite.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -174,19 +176,19 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
 
 
 def _load_tp2_error_with_blocks(path, block):
-    from megalite.checkpoint import format
+    from megalite.checkpoint import integrity
 
-    format.HASH_BLOCK = block
+    integrity.HASH_BLOCK = block
     return _load_tp2_error(path)
 
 
 def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path, monkeypatch):
     """Small hash blocks: the one data file spans many blocks, split between the two loading ranks; a flip
     in its last block (rank 1's share) is one error on both ranks, and nothing is loaded."""
-    from megalite.checkpoint import format
+    from megalite.checkpoint import integrity
 
     block = 1024
-    monkeypatch.setattr(format, "HASH_BLOCK", block)
+    monkeypatch.setattr(integrity, "HASH_BLOCK", block)
     save = str(tmp_path / "ckpt")
     save_checkpoint(save, 1, [_model()])
     directory = os.path.join(save, "iter_0000001")
@@ -239,7 +241,7 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
 _KILLED_SAVE = """
 import sys, time
 import torch
-from megalite.checkpoint import format, save_checkpoint
+from megalite.checkpoint import integrity, save_checkpoint
 from megalite.models import GPTConfig, GPTModel
 
 model = GPTModel(GPTConfig(vocab_size=30, num_layers=2, hidden_size=16, num_attention_heads=4,
@@ -250,7 +252,7 @@ def slow_hash(path):
     print("writing", flush=True)
     time.sleep(120)
 
-format._sha256 = slow_hash
+integrity.file_digests = slow_hash
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)

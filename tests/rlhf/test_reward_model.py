@@ -14,7 +14,7 @@ from megalite import topology
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.rlhf import CriticModel
 from megalite.checkpoint import load_checkpoint
-from megalite.checkpoint.format import CheckpointReader
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.rlhf.reward_model import (RewardModelScorer, bradley_terry_loss, last_token_scores, read_preferences,
                                         write_arithmetic_preferences)
 from megalite.testing import run_distributed

@@ -53,15 +53,15 @@ def _slow_async_rank(argv, sigterm_in_iteration):
     when SIGTERM arrives in iteration 3; the SIGTERM save must wait for it."""
     import time
 
-    from megalite.checkpoint import format as checkpoint_format
+    from megalite.checkpoint import integrity
 
-    real = checkpoint_format._sha256
+    real = integrity.file_digests
 
     def slow(path):
         time.sleep(0.5)
         return real(path)
 
-    checkpoint_format._sha256 = slow
+    integrity.file_digests = slow
     return pretrain_on_rank(argv, sigterm_in_iteration)
 
 

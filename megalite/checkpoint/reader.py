@@ -1,0 +1,230 @@
+"""Reading a checkpoint: :class:`CheckpointReader`, verified files and region reads under any layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json, resolve_directory
+from megalite.checkpoint.integrity import data_blocks, read_manifest, verify_blocks, verify_files
+from megalite.checkpoint.ranks import all_gather, rank_and_size
+from megalite.checkpoint.sharding import box_slices, intersect
+from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
+                                         quiet_single_process, read_dcp_metadata)
+
+class CheckpointReader:
+    """One checkpoint: its verified files, JSON state, global tensor shapes, and region reads through DCP.
+
+    ``path`` is a save directory (its ``latest`` iteration is read) or an iteration directory.
+    On opening, every file listed in the manifest must exist with its size, and the small files
+    (metadata, JSON state) must match their hashes.  A data file's hash is checked when it is
+    read, before its tensors are used; or, for a collective load, once by one rank of the group
+    (:meth:`agree` with ``data``).  With ``collective`` (every rank of ``group`` opens the same
+    checkpoint) the ranks share the outcome of opening and of :meth:`agree`, so all fail alike.
+    Every problem raises ValueError naming the file.
+    """
+
+    def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
+        self.directory = resolve_directory(path)
+        self.group, self.collective = group, collective
+        manifest = read_manifest(self.directory)
+        small = [name for name in manifest["files"] if not name.startswith("__")]
+        problem = verify_files(self.directory, manifest, small if verify else [META])
+        if verify:
+            problem = problem or verify_files(self.directory, manifest, hashed=False)
+        self.agree(problem)
+        self.manifest = manifest
+        meta = read_json(os.path.join(self.directory, META), "checkpoint state")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{self.directory}/{META} is not megalite checkpoint state")
+        self.state: dict = meta
+        self.iteration: int = meta["iteration"]
+        self.world_size: int = meta["world_size"]
+        self.config_dict = meta.get("config")
+        self.layout = meta.get("layout") or {}
+
+    def agree(self, problem: str | None, *, data: bool = False) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here.
+
+        With ``data`` (after :meth:`read_regions` with ``hashed=False``) the data files are hashed
+        first, an equal share of their blocks by each rank of a collective reader's group (all of
+        them by a lone reader), and a failed hash is reported before any other problem (it is what
+        made a read fail).
+        """
+        corrupt = None
+        if data:
+            rank, world = rank_and_size(self.group) if self.collective else (0, 1)
+            blocks = data_blocks(self.manifest)
+            corrupt = verify_blocks(self.directory, self.manifest,
+                                    blocks[rank * len(blocks) // world:(rank + 1) * len(blocks) // world])
+        if self.collective:
+            reports = all_gather((corrupt, problem), self.group)
+            corrupt = next((c for c, _ in reports if c), None)
+            problem = next((p for _, p in reports if p), None)
+        if corrupt or problem:
+            raise ValueError(corrupt or problem)
+
+    def verify_all(self) -> None:
+        """Check every file's hash (``inspect`` does; loading checks the files it reads, or its share)."""
+        self.agree(verify_files(self.directory, self.manifest))
+
+    @functools.cached_property
+    def metadata(self) -> dcp_metadata.Metadata:
+        return read_dcp_metadata(self.directory)
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(md.size) for name, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, dcp_metadata.TensorStorageMetadata)}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.metadata.state_dict_metadata[name].properties.dtype
+
+    def chunks(self, name: str) -> list:
+        return list(self.metadata.state_dict_metadata[name].chunks)
+
+    def rank_state(self, rank: int) -> dict:
+        """The JSON state that ``rank`` saved for itself (e.g. its RNG streams)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"checkpoint {self.directory} was saved by {self.world_size} ranks, not rank {rank}")
+        return read_json(rank_state_file(self.directory, rank), "checkpoint rank state")
+
+    @property
+    def config(self):
+        """The saved GPTConfig, or None for a model without one."""
+        return None if self.config_dict is None else config_from_dict(self.config_dict)
+
+    def check_architecture(self, config) -> None:
+        """ValueError naming the first difference between the saved and the given GPTConfig."""
+        if self.config_dict is None or config is None:
+            return
+        mismatch = architecture_mismatch(self.config_dict, config)
+        if mismatch:
+            raise ValueError(f"checkpoint {self.directory} holds a different architecture: {mismatch}")
+
+    def has(self, name: str) -> bool:
+        return name in self.metadata.state_dict_metadata
+
+    def check_region(self, region: Region) -> None:
+        """ValueError unless the saved chunks cover the whole requested region."""
+        self._check_box(region.name, region.offset, tuple(region.out.shape))
+
+    def _check_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if not self.has(name):
+            raise ValueError(f"checkpoint {self.directory} has no tensor {name!r}")
+        saved = self.shapes[name]
+        want = tuple((o, o + s) for o, s in zip(offset, shape))
+        if len(saved) != len(shape) or any(hi > size for (_, hi), size in zip(want, saved)):
+            raise ValueError(f"{name}: region {want} lies outside the saved global shape {saved}")
+        filled = 0
+        for chunk in self.chunks(name):
+            common = intersect(want, tuple((o, o + s) for o, s in zip(chunk.offsets, chunk.sizes)))
+            if common is not None:
+                filled += math.prod(hi - lo for lo, hi in common)
+        if filled != math.prod(shape):
+            raise ValueError(f"checkpoint {self.directory}: tensor {name!r} region {want} is covered for only "
+                             f"{filled} of {math.prod(shape)} elements")
+
+    def read_regions(self, regions: list[Region], *, hashed: bool = True) -> None:
+        """Fill every region's ``out`` (checked first: nothing is read when one is not covered).
+
+        Local to this rank (no collective); a collective caller then calls :meth:`agree`.  With
+        ``hashed`` each data file read is hashed before its bytes are used; without, the caller
+        must call ``agree(..., data=True)`` before it uses any ``out``.
+        """
+        self.read_views([], regions, hashed=hashed)
+
+    def read_views(self, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], regions: list[Region] = (), *,
+                   hashed: bool = True) -> list[list[tuple[tuple[slice, ...], torch.Tensor]]]:
+        """The boxes ``(name, offset, shape)`` of global tensors as views of the files, and fill ``regions``.
+
+        Each box is a list ``[(index, view)]``, one per saved chunk it overlaps: ``view`` (in the
+        stored dtype) is the part ``box[index]``, a view of the memory-mapped file (no copy: the
+        caller copies it where it belongs, and must not write to it).  Hashing and agreement as
+        for :meth:`read_regions`.
+        """
+        chunks = StoredChunks(self.directory, self.manifest, self.metadata, hashed)
+        views = []
+        try:
+            for name, offset, shape in boxes:
+                self._check_box(name, offset, shape)
+                want, parts = tuple((o, o + n) for o, n in zip(offset, shape)), []
+                for chunk in self.chunks(name):
+                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+                    if common is None:
+                        continue
+                    view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
+                    for dim, (lo, hi) in enumerate(common):
+                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+                    parts.append((box_slices(common, tuple(offset)), view))
+                views.append(parts)
+        except Exception as err:
+            raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
+        for region in regions:
+            self.check_region(region)
+        if regions:
+            try:
+                with quiet_single_process():
+                    dcp.load({}, storage_reader=SafeReader(chunks), planner=RegionLoadPlanner(list(regions)),
+                             no_dist=True)
+            except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+                raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
+        return views
+
+    def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Whole global tensors ``names``."""
+        out = {name: torch.empty(self.shapes[name] if self.has(name) else (), dtype=dtype or (
+            self.dtype(name) if self.has(name) else torch.float32)) for name in names}
+        self.read_regions([Region(name, (0,) * t.dim(), t) for name, t in out.items()])
+        return out
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole global tensor ``name``."""
+        return self.read_all([name], dtype)[name]
+
+
+ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                       "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
+                       "normalization", "norm_eps", "activation", "add_bias_linear",
+                       "untie_embeddings_and_output_weights", "moe_layer_freq")
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "router_order")
+
+
+
+def config_to_dict(config) -> dict | None:
+    return None if config is None else dataclasses.asdict(config)
+
+
+def config_from_dict(values: dict):
+    """The GPTConfig (with its MoEConfig) saved by :func:`config_to_dict`."""
+    from megalite.models import GPTConfig
+
+    values = dict(values)
+    if values.get("moe") is not None:
+        from megalite.moe import MoEConfig
+
+        values["moe"] = MoEConfig(**values["moe"])
+    return GPTConfig(**values)
+
+
+def architecture_mismatch(saved: dict, config) -> str | None:
+    """The first architecture field where ``saved`` (a config dict) and ``config`` differ, in words."""
+    current = config_to_dict(config)
+    for name in ARCHITECTURE_FIELDS:
+        if saved.get(name) != current.get(name):
+            return f"{name} is {saved.get(name)!r} in the checkpoint but {current.get(name)!r} in the model"
+    saved_moe, moe = saved.get("moe"), current.get("moe")
+    if (saved_moe is None) != (moe is None):
+        return (f"the checkpoint {'has' if saved_moe else 'has no'} MoE layers but the model "
+                f"{'has' if moe else 'has none'}")
+    for name in MOE_ARCHITECTURE_FIELDS if moe is not None else ():
+        if saved_moe.get(name) != moe.get(name):
+            return f"moe.{name} is {saved_moe.get(name)!r} in the checkpoint but {moe.get(name)!r} in the model"
+    return None

@@ -1,0 +1,346 @@
+"""Checkpoint tensors on torch.distributed.checkpoint (DCP), read and written without unpickling.
+
+Tensors are stored under their global names (see :mod:`megalite.checkpoint.sharding`) as DCP chunks
+(:class:`TensorShard`: a box of a global tensor at an offset), so ``dcp_to_torch_save`` or any DCP
+loader sees whole global tensors, and a reader can fetch any region (:class:`Region`) under any
+layout.  Each chunk is a ``torch.save`` record holding one plain storage, copied from the file into
+place without unpickling anything (other records are refused), and the DCP ``.metadata`` is
+unpickled with an allow-list of DCP's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import mmap
+import os
+import pickle
+import re
+import struct
+import sys
+import threading
+import warnings
+import zipfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megalite.checkpoint.files import DCP_METADATA
+from megalite.checkpoint.integrity import block_digests, check_file
+
+@dataclasses.dataclass(frozen=True)
+class TensorShard:
+    """``tensor`` is the box of global tensor ``name`` (shape ``global_shape``) that starts at ``offset``.
+
+    The one unit the format stores: TP/EP/ZeRO-1 pieces and DTensor local shards all become these.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """Writes each :class:`TensorShard` as one DCP chunk of its global tensor."""
+
+    def __init__(self, shards: list[TensorShard]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._shards = {(s.name, tuple(s.offset)): s for s in shards}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (name, offset), shard in self._shards.items():
+            offsets = torch.Size(offset)
+            items.append(WriteItem(
+                index=dcp_metadata.MetadataIndex(name, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=dcp_metadata.ChunkStorageMetadata(offsets=offsets, sizes=shard.tensor.size()),
+                    properties=dcp_metadata.TensorProperties(dtype=shard.tensor.dtype),
+                    size=torch.Size(shard.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return _exact_storage(self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach())
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor whose storage holds exactly its bytes.
+
+    ``torch.save`` writes a tensor's whole storage, so DCP clones any view of a larger one; a
+    contiguous view (a ZeRO-1 box of a flat shard, a row block of a parameter) instead gets a
+    storage that aliases just its bytes, and is written without a copy.  Every saved record is
+    thus one C-contiguous storage of exactly the chunk, which :func:`_record_data` relies on.
+    """
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    view = tensor.untyped_storage()[start:start + tensor.nbytes]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(view, 0, tensor.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Read the box of global tensor ``name`` that starts at ``offset`` into ``out`` (any dtype)."""
+
+    name: str
+    offset: tuple[int, ...]
+    out: torch.Tensor
+
+
+class RegionLoadPlanner(DefaultLoadPlanner):
+    """Reads :class:`Region` requests from the saved chunks that overlap them."""
+
+    def __init__(self, regions: list[Region]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._regions = regions
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for i, region in enumerate(self._regions):
+            chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(region.offset), sizes=region.out.size())
+            for item in create_read_items_for_chunk_list(region.name, self.metadata.state_dict_metadata[region.name],
+                                                         [chunk]):
+                index = dcp_metadata.MetadataIndex(region.name, item.dest_index.offset, i)
+                items.append(dataclasses.replace(item, dest_index=index))
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        out = self._regions[read_item.dest_index.index].out
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            out = out.narrow(dim, start, length)
+        return out
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only its metadata classes and torch dtypes/layouts (no code)."""
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class _RecordView(io.RawIOBase):
+    """A read-only file over bytes ``[start, start + length)`` of ``data`` (one DCP record in a memory map)."""
+
+    def __init__(self, data, start: int, length: int):
+        super().__init__()
+        self._data, self._start, self._length, self._pos = data, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, pos + {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence])
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self._length - self._pos))
+        start = self._start + self._pos
+        buffer[:count] = self._data[start:start + count]
+        self._pos += count
+        return count
+
+
+_STORAGE_ENTRY = re.compile(r"[^/]+/data/\d+")
+_ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+def _record_data(data, start: int, length: int, nbytes: int) -> int | None:
+    """Where the tensor bytes of the ``torch.save`` record ``data[start:start + length]`` begin, or None.
+
+    A record megalite writes is a zip archive holding one uncompressed C-contiguous storage of
+    exactly the chunk (:func:`_exact_storage`), so its bytes are used in place, without
+    unpickling the record.  Anything else (not such an archive, a storage of other than ``nbytes``
+    bytes, another byte order) gives None.
+    """
+    try:
+        with zipfile.ZipFile(_RecordView(data, start, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    storages = [e for e in entries if _STORAGE_ENTRY.fullmatch(e.filename)]
+    order = [e for e in entries if e.filename.endswith("/byteorder")]
+    if len(storages) != 1 or storages[0].file_size != nbytes:
+        return None
+    begin = _entry_data(data, start, length, storages[0])
+    byteorder = _entry_data(data, start, length, order[0]) if order else None
+    if begin is None or (order and (byteorder is None or data[byteorder:byteorder + order[0].file_size]
+                                    != sys.byteorder.encode())):
+        return None
+    return begin
+
+
+def _entry_data(data, start: int, length: int, entry: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the uncompressed zip ``entry`` of the archive ``data[start:start + length]`` begin."""
+    header = start + entry.header_offset
+    if entry.compress_type != zipfile.ZIP_STORED or entry.header_offset + _ZIP_LOCAL_HEADER.size > length:
+        return None
+    magic, name_length, extra_length = _ZIP_LOCAL_HEADER.unpack(data[header:header + _ZIP_LOCAL_HEADER.size])
+    begin = header + _ZIP_LOCAL_HEADER.size + name_length + extra_length
+    if magic != b"PK\x03\x04" or begin + entry.file_size > start + length:
+        return None
+    return begin
+
+
+class StoredChunks:
+    """The stored chunks of one checkpoint as tensors over its memory-mapped data files.
+
+    Each file is mapped once; with ``hashed`` its hash is checked against the manifest before any
+    of its bytes are used (a collective load instead shares the hashing, :meth:`CheckpointReader.agree`).
+    A chunk is a view of the map (no copy; the map lives as long as a view of it).  Nothing is
+    unpickled: a record that is not one plain storage of the chunk is refused.
+    """
+
+    def __init__(self, directory: str, manifest: dict, metadata: dcp_metadata.Metadata, hashed: bool):
+        self.directory, self.manifest, self.metadata, self.hashed = directory, manifest, metadata, hashed
+        self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict = {}
+
+    def _map(self, relative: str) -> mmap.mmap:
+        if relative not in self._maps:
+            path = os.path.join(self.directory, relative)
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views may be writable
+            if self.hashed:
+                problem = check_file(path, self.manifest, len(data), lambda: block_digests(data))
+                if problem:
+                    raise ValueError(problem)
+            self._maps[relative] = data
+        return self._maps[relative]
+
+    def tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
+        """The whole stored chunk of tensor ``index.fqn`` at ``index.offset``."""
+        key = (index.fqn, tuple(index.offset))
+        if key not in self._tensors:
+            info = self.metadata.storage_data[dcp_metadata.MetadataIndex(index.fqn, index.offset)]
+            if info.transform_descriptors:
+                raise ValueError(f"{self.directory}/{info.relative_path} uses DCP storage transforms, which megalite "
+                                 "checkpoints never use")
+            md = self.metadata.state_dict_metadata[index.fqn]
+            sizes = next(c.sizes for c in md.chunks if tuple(c.offsets) == key[1])
+            dtype = md.properties.dtype
+            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+            data = self._map(info.relative_path)
+            begin = _record_data(data, info.offset, info.length, nbytes)
+            if begin is None:
+                raise ValueError(f"checkpoint file {self.directory}/{info.relative_path} holds no plain record of "
+                                 f"{index.fqn} at byte {info.offset} (corrupt, altered, or another byte order)")
+            self._tensors[key] = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(
+                dtype).view(sizes)
+        return self._tensors[key]
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the allow-listed metadata unpickler, copying each chunk from :class:`StoredChunks`
+    straight into its destination (one copy, any dtype)."""
+
+    def __init__(self, chunks: StoredChunks):
+        super().__init__(chunks.directory)
+        self.chunks = chunks
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        return self.chunks.metadata
+
+    def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise ValueError(f"{self.path} holds non-tensor data, which megalite checkpoints never store")
+            source = self.chunks.tensor(item.storage_index)
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
+    path = os.path.join(directory, DCP_METADATA)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ValueError(f"{directory} has no DCP metadata file {DCP_METADATA}") from None
+    except Exception as err:
+        raise ValueError(f"checkpoint metadata {path} is unreadable (truncated, corrupt or unsafe): {err}") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise ValueError(f"checkpoint metadata {path} is not DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+@contextlib.contextmanager
+def without_zip_crc():
+    """On the main thread, ``torch.save`` skips the zip CRC32 of each record (a second pass over every byte).
+
+    The manifest's sha256 already covers every file and ``torch.load`` does not check the CRC.  The
+    option is process-wide, so a background write (which runs beside training) leaves it alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """Silence DCP's notice that a call without a process group runs in one process (which is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def first_line(err: Exception) -> str:
+    failures = getattr(err, "failures", None)
+    if failures:  # {rank: (exception, traceback summary)}
+        err = next(iter(failures.values()))[0]
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,232 @@
+"""Atomic, verified checkpoint writes, in the foreground or on a background thread.
+
+Every rank writes into ``iter_N.tmp`` and hashes its files while fsyncing them; rank 0 collects the
+hashes, writes the manifest, renames the directory and only then replaces ``latest``, fsyncing along
+the way.  A save killed at any moment leaves the previous checkpoint and pointer intact; a failed
+write (disk full, I/O error) removes the partial directory and raises one :class:`CheckpointWriteError`
+on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from megalite.checkpoint.files import (DCP_METADATA, FORMAT, FORMAT_VERSION, LATEST, META, fsync, iteration_dir,
+                                       rank_state_file, read_latest, write_json)
+from megalite.checkpoint.integrity import hash_and_sync, write_manifest
+from megalite.checkpoint.ranks import NO_GROUP, all_gather, broadcast_from_zero, rank_and_size
+from megalite.checkpoint.storage import ShardSavePlanner, TensorShard, first_line, quiet_single_process, without_zip_crc
+
+FLUSH_EVERY = 64 << 20
+"""A data file being written starts flushing to disk every this many bytes."""
+
+class _FlushingStream:
+    """A write stream that starts flushing what it has written to disk every :data:`FLUSH_EVERY` bytes.
+
+    A background ``fdatasync`` overlaps the disk writes with the rest of the serialization, so the
+    fsync before publishing only waits for the tail instead of the whole file.
+    """
+
+    def __init__(self, stream, pool: ThreadPoolExecutor):
+        self._stream, self._pool, self._unflushed, self._flush = stream, pool, 0, None
+
+    def write(self, data):
+        written = self._stream.write(data)
+        self._unflushed += memoryview(data).nbytes
+        if self._unflushed >= FLUSH_EVERY and (self._flush is None or self._flush.done()):
+            self._stream.flush()
+            self._flush, self._unflushed = self._pool.submit(os.fdatasync, self._stream.fileno()), 0
+        return written
+
+    def wait(self) -> None:
+        if self._flush is not None:
+            self._flush.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._stream.close()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _FlushingFileSystem(FileSystem):
+    """DCP's local file system, writing through :class:`_FlushingStream`."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-flush") as pool:
+                flushing = _FlushingStream(stream, pool)
+                try:
+                    yield flushing
+                finally:
+                    flushing.wait()
+
+
+class _FlushingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, flushing each data file to disk as it goes; the final fsync of every file is
+    :func:`hash_and_sync`'s."""
+
+    def __init__(self, path: str):
+        super().__init__(path, sync_files=False)
+        self.fs = _FlushingFileSystem()
+
+
+class CheckpointWriteError(OSError):
+    """A save failed (disk full, I/O error); its partial directory was removed and ``latest`` is unchanged."""
+
+
+def _remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], state: dict | None,
+                     rank_state: dict | None = None, *, group=None, collective: bool = True) -> str:
+    """Write this rank's shards and state for ``iteration``, verify, and publish atomically.
+
+    Collective over ``group`` (default: the default group, when one exists) unless
+    ``collective`` is False (one process writes a whole checkpoint).  ``state`` is
+    stored once, from group rank 0 (config, layout, scheduler, ...); ``rank_state`` per rank.
+    Both must be plain JSON data.  Returns the final iteration directory; raises
+    :class:`CheckpointWriteError` on every rank when any rank's write failed.
+    """
+    rank, world = rank_and_size(group) if collective else (0, 1)
+    if not collective:
+        group = NO_GROUP
+    final = iteration_dir(save_dir, iteration)
+    tmp = final + ".tmp"
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _remove(tmp)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = f"cannot create {tmp}: {err}"
+    errors = [e for e in all_gather(error, group) if e]
+    if errors:
+        raise CheckpointWriteError(f"saving iteration {iteration} failed: {errors[0]}")
+
+    files, error = {}, None
+    try:
+        writer = _FlushingWriter(tmp)
+        with quiet_single_process(), without_zip_crc():
+            dcp.save({}, storage_writer=writer, planner=ShardSavePlanner(shards),
+                     process_group=None if group is NO_GROUP else group, no_dist=world == 1)
+        if rank == 0:
+            write_json(os.path.join(tmp, META), {"format": FORMAT, "version": FORMAT_VERSION,
+                                                  "iteration": iteration, "world_size": world, **(state or {})},
+                        sync=False)
+        write_json(rank_state_file(tmp, rank), rank_state or {}, sync=False)
+        mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
+            rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
+        files = hash_and_sync(tmp, mine)
+    except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+        error = f"{type(err).__name__}: {first_line(err)}"
+    reports = all_gather((error, files), group)
+    errors = [e for e, _ in reports if e]
+    if not errors:
+        failure = None
+        if rank == 0:
+            try:
+                write_manifest(tmp, iteration, {name: entry for _, rank_files in reports
+                                                for name, entry in rank_files.items()})
+                _publish(save_dir, tmp, final, iteration)
+            except OSError as err:
+                failure = f"{type(err).__name__}: {err}"
+        failure = broadcast_from_zero(failure, group)
+        errors = [failure] if failure else []
+    if errors:
+        if rank == 0:
+            _remove(tmp)
+        previous = read_latest(save_dir)
+        raise CheckpointWriteError(f"saving iteration {iteration} to {save_dir} failed: {errors[0]}; the partial "
+                                   f"{os.path.basename(tmp)} was removed and latest still names "
+                                   f"{'no checkpoint' if previous is None else f'iteration {previous}'}")
+    return final
+
+
+def _publish(save_dir: str, tmp: str, final: str, iteration: int) -> None:
+    """Move the complete ``tmp`` directory to ``final``, then point ``latest`` at it."""
+    fsync(tmp)
+    previous = None
+    if os.path.exists(final):
+        previous = final + ".old"
+        _remove(previous)
+        os.rename(final, previous)
+    os.rename(tmp, final)
+    fsync(save_dir)
+    pointer = os.path.join(save_dir, LATEST)
+    with open(pointer + ".tmp", "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+    fsync(save_dir)
+    if previous is not None:
+        _remove(previous)
+
+
+class AsyncSaver:
+    """Runs checkpoint writes on a background thread, at most one in flight.
+
+    Construct it on every rank at the same point (it creates a gloo group of its own, so the
+    write's collectives never interleave with training's).  :meth:`stage` copies the shards to
+    save into CPU buffers it keeps from one save to the next (so later copies find their memory
+    ready); :meth:`submit` waits for the previous write, then starts ``fn(group)``; :meth:`wait`
+    blocks until the write in flight is published and re-raises its error.
+    """
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
+        self._future: Future | None = None
+        self._staging: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, shards: list[TensorShard]) -> list[TensorShard]:
+        """The shards with their tensors copied into this saver's buffers; call it with no write in flight."""
+        if self.in_flight:
+            raise RuntimeError("AsyncSaver.stage would overwrite the buffers of the write in flight; wait() first")
+        staging, staged = {}, []
+        for shard in shards:
+            key = (shard.name, shard.offset)
+            buffer = self._staging.get(key)
+            if buffer is None or buffer.shape != shard.tensor.shape or buffer.dtype != shard.tensor.dtype:
+                buffer = torch.empty(shard.tensor.shape, dtype=shard.tensor.dtype)
+            staging[key] = buffer.copy_(shard.tensor)
+            staged.append(dataclasses.replace(shard, tensor=buffer))
+        self._staging = staging
+        return staged
+
+    def submit(self, fn) -> None:
+        self.wait()
+        self._future = self._executor.submit(fn, self.group)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def wait(self) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
