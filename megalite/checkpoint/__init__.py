@@ -18,11 +18,12 @@ import torch
 
 from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
-from megalite.checkpoint.reader import CheckpointReader, config_to_dict
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharding import ShardContext, global_param
 from megalite.checkpoint.state import load_into, local_shards, save_checkpoint
 from megalite.checkpoint.storage import TensorShard
 from megalite.checkpoint.writer import AsyncSaver, CheckpointWriteError, write_checkpoint
+from megalite.models.architecture import config_to_dict
 
 
 def load_checkpoint(path: str, model_chunks, optimizer=None, *, group=None, tp_group=None, ep_group=None,

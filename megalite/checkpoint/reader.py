@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -18,6 +17,7 @@ from megalite.checkpoint.ranks import all_gather, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
                                          quiet_single_process, read_dcp_metadata)
+from megalite.models.architecture import compare_architecture, config_from_dict
 
 class CheckpointReader:
     """One checkpoint: its verified files, JSON state, global tensor shapes, and region reads through DCP.
@@ -102,12 +102,13 @@ class CheckpointReader:
         return None if self.config_dict is None else config_from_dict(self.config_dict)
 
     def check_architecture(self, config) -> None:
-        """ValueError naming the first difference between the saved and the given GPTConfig."""
+        """ValueError naming every architecture field where the saved and the given GPTConfig differ."""
         if self.config_dict is None or config is None:
             return
-        mismatch = architecture_mismatch(self.config_dict, config)
-        if mismatch:
-            raise ValueError(f"checkpoint {self.directory} holds a different architecture: {mismatch}")
+        differences = compare_architecture(self.config, config)
+        if differences:
+            raise ValueError(f"checkpoint {self.directory} holds a different architecture: " + "; ".join(
+                f"{d.field} is {d.saved!r} in the checkpoint but {d.current!r} in the model" for d in differences))
 
     def has(self, name: str) -> bool:
         return name in self.metadata.state_dict_metadata
@@ -188,43 +189,3 @@ class CheckpointReader:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole global tensor ``name``."""
         return self.read_all([name], dtype)[name]
-
-
-ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                       "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
-                       "normalization", "norm_eps", "activation", "add_bias_linear",
-                       "untie_embeddings_and_output_weights", "moe_layer_freq")
-MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "router_order")
-
-
-
-def config_to_dict(config) -> dict | None:
-    return None if config is None else dataclasses.asdict(config)
-
-
-def config_from_dict(values: dict):
-    """The GPTConfig (with its MoEConfig) saved by :func:`config_to_dict`."""
-    from megalite.models import GPTConfig
-
-    values = dict(values)
-    if values.get("moe") is not None:
-        from megalite.moe import MoEConfig
-
-        values["moe"] = MoEConfig(**values["moe"])
-    return GPTConfig(**values)
-
-
-def architecture_mismatch(saved: dict, config) -> str | None:
-    """The first architecture field where ``saved`` (a config dict) and ``config`` differ, in words."""
-    current = config_to_dict(config)
-    for name in ARCHITECTURE_FIELDS:
-        if saved.get(name) != current.get(name):
-            return f"{name} is {saved.get(name)!r} in the checkpoint but {current.get(name)!r} in the model"
-    saved_moe, moe = saved.get("moe"), current.get("moe")
-    if (saved_moe is None) != (moe is None):
-        return (f"the checkpoint {'has' if saved_moe else 'has no'} MoE layers but the model "
-                f"{'has' if moe else 'has none'}")
-    for name in MOE_ARCHITECTURE_FIELDS if moe is not None else ():
-        if saved_moe.get(name) != moe.get(name):
-            return f"moe.{name} is {saved_moe.get(name)!r} in the checkpoint but {moe.get(name)!r} in the model"
-    return None

@@ -20,11 +20,12 @@ from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.checkpoint.files import check_jsonable, iteration_dir
-from megalite.checkpoint.reader import CheckpointReader, config_to_dict
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, flat_boxes, global_param, regions
 from megalite.checkpoint.storage import Region, TensorShard
 from megalite.checkpoint.writer import AsyncSaver, write_checkpoint
 from megalite.distributed.fsdp import owned_flat_range
+from megalite.models.architecture import config_to_dict
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -27,6 +27,7 @@ from megalite.data.gpt_dataset import parse_split
 from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.models import GPTConfig
+from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES, split_layers
@@ -539,41 +540,21 @@ def _check_pipeline_split(args):
                  v_shape=args.pipeline_schedule == "zbv")
 
 
-ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                       "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
-                       "rotary_base", "rotary_percent", "normalization", "norm_eps", "activation", "add_bias_linear",
-                       "untie_embeddings_and_output_weights", "moe_layer_freq")
-MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk")
+def _flag_target(field: str) -> str:
+    """An architecture field (``moe.<name>`` for a MoEConfig field) as the flag table names it."""
+    return f"MoEConfig.{field[4:]}" if field.startswith("moe.") else f"GPTConfig.{field}"
 
 
-def _flags_of(cls_name: str, field: str) -> str:
-    names = [f.name for f in FLAGS if f"{cls_name}.{field}" in f.fields]
-    return "/".join(names) if names else f"--{field.replace('_', '-')}"
-
-
-def _saved_config(saved: dict) -> GPTConfig:
-    """A saved config dict as a GPTConfig, so defaults added since it was written are filled in."""
-    values = dict(saved)
-    moe = values.pop("moe", None)
-    config = GPTConfig(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(GPTConfig)}})
-    config.moe = None if moe is None else MoEConfig(**moe)
-    return config
+def _flags_of(field: str) -> str:
+    """The flag(s) that set architecture field ``field``, or the field itself when no flag does."""
+    names = [f.name for f in FLAGS if _flag_target(field) in f.fields]
+    return "/".join(names) if names else field
 
 
 def architecture_differences(saved: dict, config: GPTConfig) -> list[str]:
     """Every architecture field where a saved config dict and ``config`` differ, named by its flag."""
-    old = _saved_config(saved)
-    out = [f"{_flags_of('GPTConfig', name)} is {getattr(old, name)!r} in the checkpoint but "
-           f"{getattr(config, name)!r} in this run" for name in ARCHITECTURE_FIELDS
-           if getattr(old, name) != getattr(config, name)]
-    if (old.moe is None) != (config.moe is None):
-        out.append(f"--num-experts is {old.moe and old.moe.num_experts} in the checkpoint but "
-                   f"{config.moe and config.moe.num_experts} in this run")
-    elif old.moe is not None:
-        out += [f"{_flags_of('MoEConfig', name)} is {getattr(old.moe, name)!r} in the checkpoint but "
-                f"{getattr(config.moe, name)!r} in this run" for name in MOE_ARCHITECTURE_FIELDS
-                if getattr(old.moe, name) != getattr(config.moe, name)]
-    return out
+    return [f"{_flags_of(d.field)} is {d.saved!r} in the checkpoint but {d.current!r} in this run"
+            for d in compare_architecture(config_from_dict(saved), config)]
 
 
 def use_checkpoint_architecture(args, saved: dict) -> list[str]:
@@ -581,10 +562,8 @@ def use_checkpoint_architecture(args, saved: dict) -> list[str]:
 
     Returns the flags as they were set, for printing.
     """
-    config = _saved_config(saved)
-    values = {f"GPTConfig.{name}": getattr(config, name) for name in ARCHITECTURE_FIELDS}
-    if config.moe is not None:
-        values.update({f"MoEConfig.{name}": getattr(config.moe, name) for name in MOE_ARCHITECTURE_FIELDS})
+    config = config_from_dict(saved)
+    values = {_flag_target(field): value for field, value in architecture_values(config).items()}
     set_flags = []
     for flag in FLAGS:
         target = next((t for t in flag.fields if t in values), None)
@@ -592,9 +571,7 @@ def use_checkpoint_architecture(args, saved: dict) -> list[str]:
             continue
         value = values[target] if flag.sets is _UNSET else values[target] == flag.sets
         setattr(args, flag.dest, value)
-        set_flags.append(flag.name if value is True else f"{flag.name} {value}" if value is not False else "")
-    if config.moe is None:
-        args.num_experts = None
+        set_flags.append(flag.name if value is True else "" if value is False or value is None else f"{flag.name} {value}")
     args.vocab_size = config.vocab_size
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
     return [f for f in set_flags if f]

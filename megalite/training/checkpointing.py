@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
-from megalite.checkpoint.reader import config_to_dict
+from megalite.models.architecture import config_to_dict
 from megalite.tensor_parallel import get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "has_checkpoint", "read_latest", "iteration_dir",
