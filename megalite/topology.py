@@ -345,13 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--order", default=DEFAULT_ORDER)
     args = parser.parse_args(argv)
-    try:
-        print(_format_layout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                             etp=args.etp, order=args.order))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    from megalite.command_line import print_report  # here, so that tensor_parallel's import of topology loads no more
+
+    return print_report(lambda: _format_layout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                               etp=args.etp, order=args.order))
 
 
 if __name__ == "__main__":

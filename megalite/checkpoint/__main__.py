@@ -8,6 +8,7 @@ import sys
 
 from megalite.checkpoint.files import MANIFEST
 from megalite.checkpoint.reader import CheckpointReader
+from megalite.command_line import print_report
 
 
 def _size(nbytes: float) -> str:
@@ -57,12 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="print the layout, iteration, tensors and sizes")
     inspect.add_argument("directory", help="a save directory (its latest iteration) or an iteration directory")
     args = parser.parse_args(argv)
-    try:
-        print(describe(args.directory))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return print_report(lambda: describe(args.directory))
 
 
 if __name__ == "__main__":

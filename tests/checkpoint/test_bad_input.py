@@ -282,3 +282,11 @@ def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
         assert torch.equal(load_model(save)(ids), _model().eval()(ids))
     save_checkpoint(save, 2, [_model()])
     assert read_latest(save) == 2 and sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "latest"]
+
+
+def test_inspect_of_a_bad_directory_is_one_error_line_and_exit_status_2(tmp_path, capsys):
+    from megalite.checkpoint.__main__ import main
+
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: checkpoint directory {tmp_path / 'missing'} does not exist\n"
