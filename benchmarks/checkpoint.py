@@ -106,10 +106,10 @@ def _rank(old_dir, work, repeats):
         return lambda: old_state.load_into(old_format.CheckpointReader(path), [chunk], optimizer)
 
     def new_save(path):
-        return lambda: checkpoint.save_checkpoint(path, 1, [chunk], optimizer)
+        return lambda: checkpoint.save_sharded(path, 1, [chunk], optimizer)
 
     def new_load(path):
-        return lambda: checkpoint.load_checkpoint(path, [chunk], optimizer, group=dist.group.WORLD)
+        return lambda: checkpoint.load_sharded(path, [chunk], optimizer, group=dist.group.WORLD)
 
     times = {key: [] for key in ("old_save", "new_save", "old_load", "new_load", "async_stall", "async_total")}
     cpu = {key: [] for key in ("old_save", "new_save", "old_load", "new_load")}
@@ -123,7 +123,7 @@ def _rank(old_dir, work, repeats):
             result[f"{side}_load"] = _timed(load(path), used[f"{side}_load"])
         path = fresh("async")
         start = time.perf_counter()
-        result["async_stall"] = _timed(lambda: checkpoint.save_checkpoint(path, 1, [chunk], optimizer, saver=saver))
+        result["async_stall"] = _timed(lambda: checkpoint.save_sharded(path, 1, [chunk], optimizer, saver=saver))
         saver.wait()
         result["async_total"] = _timed(lambda: None) + time.perf_counter() - start
         if repeat > 0:  # the first round warms the page cache and allocator

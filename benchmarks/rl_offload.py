@@ -28,7 +28,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.checkpoint import save_checkpoint  # noqa: E402
+from megalite.checkpoint import save_sharded  # noqa: E402
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
 from megalite.models import GPTConfig  # noqa: E402
 from megalite.rlhf import CriticModel  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         reward_model = os.path.join(directory, "reward_model")
-        save_checkpoint(reward_model, 0, [CriticModel(GPTConfig(
+        save_sharded(reward_model, 0, [CriticModel(GPTConfig(
             vocab_size=ByteTokenizer().vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
             num_attention_heads=4, max_position_embeddings=16, make_vocab_size_divisible_by=8))])
         base = ["--tensor-model-parallel-size", str(args.world), "--hidden-size", str(args.hidden_size),

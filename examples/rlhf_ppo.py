@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint import load_sharded
 from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
@@ -563,7 +563,7 @@ def build_teacher(args, config, single_group, device):
     torch.manual_seed(args.seed + 1)
     model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
     if args.teacher_load:
-        load_checkpoint(args.teacher_load, [model], tp_group=single_group)
+        load_sharded(args.teacher_load, [model], tp_group=single_group)
     return model, teacher_fn(model, args.critic_topk)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.checkpoint import save_checkpoint
+from megalite.checkpoint import save_sharded
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTConfig
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             if topo.global_rank == 0:
                 print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in records[-1].items()), flush=True)
-    save_checkpoint(args.save, args.train_iters, [chunk])
+    save_sharded(args.save, args.train_iters, [chunk])
     if topo.global_rank == 0:
         print(f"held-out accuracy {records[0]['heldout_accuracy']:.3f} -> {records[-1]['heldout_accuracy']:.3f}; "
               f"saved to {args.save}", flush=True)

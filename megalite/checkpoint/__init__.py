@@ -1,8 +1,10 @@
 """Checkpoints that reshard across parallel layouts, single-process loading, and global-tensor I/O.
 
-- :func:`save_checkpoint` / :func:`load_checkpoint`: model chunks and optimizer under any
+- :func:`save_sharded` / :func:`load_sharded`: model chunks and optimizer under any
   (tp, pp, vpp, dp, ep) layout, stored through torch.distributed.checkpoint as shards of
-  layout-free global tensors (sync, or in the background with an :class:`AsyncSaver`).
+  layout-free global tensors (sync, or in the background with an :class:`AsyncSaver`).  The
+  trainer's ``save_checkpoint`` / ``load_checkpoint`` (:mod:`megalite.training.checkpointing`,
+  Megatron's names) add the schedule, RNG and data position on top.
 - :func:`read_checkpoint_info`: a checkpoint's iteration, saved config, layout and JSON state,
   without reading tensors.
 - :func:`load_model`: a checkpoint as one single-process GPTModel.
@@ -20,14 +22,14 @@ from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharding import ShardContext, global_param
-from megalite.checkpoint.state import load_into, local_shards, save_checkpoint
+from megalite.checkpoint.state import load_into, local_shards, save_sharded
 from megalite.checkpoint.storage import TensorShard
 from megalite.checkpoint.writer import AsyncSaver, CheckpointWriteError, write_checkpoint
 from megalite.models.architecture import config_to_dict
 
 
-def load_checkpoint(path: str, model_chunks, optimizer=None, *, group=None, tp_group=None, ep_group=None,
-                    expert_tp_group=None) -> CheckpointReader:
+def load_sharded(path: str, model_chunks, optimizer=None, *, group=None, tp_group=None, ep_group=None,
+                 expert_tp_group=None) -> CheckpointReader:
     """Load ``path`` (a save directory or an iteration directory) into this rank's chunks and optimizer.
 
     Works under any layout; raises ValueError (before changing anything) on a missing, truncated
@@ -56,7 +58,7 @@ def _check_single_process() -> None:
         sizes = {"tp": topo.tp.size, "ep": topo.ep.size, "expert_tp": topo.expert_tp.size}
         if any(size > 1 for size in sizes.values()):
             raise ValueError(f"load_model builds a single-process model, but the current topology has {sizes}; "
-                             "call it outside the parallel run or use load_checkpoint")
+                             "call it outside the parallel run or use load_sharded")
 
 
 def load_model(path: str, device="cpu"):
@@ -123,6 +125,6 @@ def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dic
     return config, reader.read_all(names), reader.state
 
 
-__all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_checkpoint", "load_model",
-           "local_shards", "read_checkpoint_info", "save_checkpoint", "save_global_checkpoint", "read_global_tensors",
+__all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_sharded", "load_model",
+           "local_shards", "read_checkpoint_info", "save_sharded", "save_global_checkpoint", "read_global_tensors",
            "global_shapes", "read_latest", "iteration_dir"]

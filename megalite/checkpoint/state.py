@@ -116,10 +116,10 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
     return shards, optimizer_meta
 
 
-def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
-                    rank_extra: dict | None = None, layout: dict | None = None, saver: AsyncSaver | None = None,
-                    tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
-                    expert_dp_group=None) -> str:
+def save_sharded(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
+                 rank_extra: dict | None = None, layout: dict | None = None, saver: AsyncSaver | None = None,
+                 tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
+                 expert_dp_group=None) -> str:
     """Save this rank's model chunks (and optimizer) as global-tensor shards; returns the iteration directory.
 
     Collective over the default process group when one exists.  ``extra`` is JSON state stored

@@ -60,7 +60,7 @@ class LLM:
 
 def _load(checkpoint_dir: str, tensor_parallel_size: int, device):
     """A checkpoint as a GPTModel sharded over the current topology's TP group (or a single process)."""
-    from megalite.checkpoint import CheckpointReader, load_checkpoint, load_model
+    from megalite.checkpoint import CheckpointReader, load_sharded, load_model
     from megalite.models import GPTModel
 
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -76,5 +76,5 @@ def _load(checkpoint_dir: str, tensor_parallel_size: int, device):
                          f"{topo.tp.size} (pp={topo.pp.size}; the engine needs pp=1)")
     config = CheckpointReader(checkpoint_dir).config
     model = GPTModel(config).to(device)
-    load_checkpoint(checkpoint_dir, [model])
+    load_sharded(checkpoint_dir, [model])
     return model.eval()

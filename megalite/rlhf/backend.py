@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.checkpoint import load_checkpoint, save_checkpoint
+from megalite.checkpoint import load_sharded, save_sharded
 from megalite.distributed import finalize_model_grads
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
@@ -118,13 +118,13 @@ class TrainingBackend:
 
     def save(self, directory: str) -> None:
         """Save the model and optimizer in megalite's checkpoint format (collective; loads under any layout)."""
-        save_checkpoint(directory, self.optimizer.num_steps, [self.chunk], self.optimizer, **self._groups())
+        save_sharded(directory, self.optimizer.num_steps, [self.chunk], self.optimizer, **self._groups())
 
     def load(self, directory: str) -> None:
         """Load a checkpoint written by :meth:`save` (or the trainer), whatever layout wrote it."""
         groups = self._groups()
-        load_checkpoint(directory, [self.chunk], self.optimizer, tp_group=groups["tp_group"],
-                        ep_group=groups["ep_group"], expert_tp_group=groups["expert_tp_group"])
+        load_sharded(directory, [self.chunk], self.optimizer, tp_group=groups["tp_group"],
+                     ep_group=groups["ep_group"], expert_tp_group=groups["expert_tp_group"])
 
     def _groups(self) -> dict:
         topo = self.topo

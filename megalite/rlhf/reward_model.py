@@ -16,7 +16,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint import load_sharded
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.data.synthetic import arithmetic_answer
 from megalite.rlhf.critic import CriticModel
@@ -109,7 +109,7 @@ class RewardModelScorer:
     def __init__(self, path: str, tokenize, eod: int, vocab_size: int, tp_group=None, device="cpu"):
         config = check_reward_model(path, vocab_size)
         self.model = CriticModel(config, tp_group=tp_group).to(device)
-        load_checkpoint(path, [self.model], tp_group=tp_group)
+        load_sharded(path, [self.model], tp_group=tp_group)
         self.model.eval()
         self.tokenize, self.eod, self.device = tokenize, eod, device
 

@@ -77,25 +77,25 @@ class ServiceWorker:
         return self.backend.optim_step()
 
     def get_weights(self, path: str) -> str:
-        from megalite.checkpoint import save_checkpoint
+        from megalite.checkpoint import save_sharded
 
-        return save_checkpoint(path, 0, [self.chunk])
+        return save_sharded(path, 0, [self.chunk])
 
     def load_weights(self, path: str) -> bool:
-        from megalite.checkpoint import load_checkpoint
+        from megalite.checkpoint import load_sharded
 
-        load_checkpoint(path, [self.chunk])
+        load_sharded(path, [self.chunk])
         return True
 
     def save(self, step: int) -> str:
-        from megalite.checkpoint import save_checkpoint
+        from megalite.checkpoint import save_sharded
 
-        return save_checkpoint(self.spec.checkpoint_dir, step, [self.chunk], self.optimizer)
+        return save_sharded(self.spec.checkpoint_dir, step, [self.chunk], self.optimizer)
 
     def load(self, path: str) -> bool:
-        from megalite.checkpoint import load_checkpoint
+        from megalite.checkpoint import load_sharded
 
-        load_checkpoint(path, [self.chunk], self.optimizer)
+        load_sharded(path, [self.chunk], self.optimizer)
         return True
 
     def shutdown(self, _) -> bool:

@@ -126,8 +126,8 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "args": _jsonable_args(args)}
     rank_extra = {"rng": get_rng_state()} if save_rng else {}
-    return checkpoint.save_checkpoint(save_dir, iteration, model_chunks, optimizer if save_optimizer else None,
-                                      extra=extra, rank_extra=rank_extra, layout=layout, saver=saver)
+    return checkpoint.save_sharded(save_dir, iteration, model_chunks, optimizer if save_optimizer else None,
+                                   extra=extra, rank_extra=rank_extra, layout=layout, saver=saver)
 
 
 def _refresh_main_params(optimizer) -> None:
@@ -154,7 +154,7 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     rank, world = _rank_and_world()
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     keep_optimizer = load_optimizer and not finetune
-    reader = checkpoint.load_checkpoint(load_dir, model_chunks, optimizer if keep_optimizer else None, group=group)
+    reader = checkpoint.load_sharded(load_dir, model_chunks, optimizer if keep_optimizer else None, group=group)
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
     if finetune:

@@ -7,7 +7,7 @@ the loader names each differing field, and the trainer names the same fields by 
 import pytest
 import torch
 
-from megalite.checkpoint import CheckpointReader, load_checkpoint, load_model, save_checkpoint
+from megalite.checkpoint import CheckpointReader, load_sharded, load_model, save_sharded
 from megalite.models import GPTConfig, GPTModel
 from megalite.models.architecture import (ARCHITECTURE_FIELDS, MOE_ARCHITECTURE_FIELDS, Difference,
                                           compare_architecture, config_from_dict, config_to_dict)
@@ -28,11 +28,11 @@ def test_a_checkpoint_with_another_rotary_percent_is_one_error_naming_the_field(
     """rotary_percent changes no weight shape, so the load used to succeed into a model computing another
     function; it is now one ValueError naming the field, and the model is unchanged."""
     path = str(tmp_path / "ckpt")
-    save_checkpoint(path, 1, [GPTModel(_rope(rotary_percent=0.5))])
+    save_sharded(path, 1, [GPTModel(_rope(rotary_percent=0.5))])
     target = GPTModel(_rope(rotary_percent=1.0, seed=3))
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(ValueError) as error:
-        load_checkpoint(path, [target])
+        load_sharded(path, [target])
     assert str(error.value) == (f"checkpoint {tmp_path / 'ckpt' / 'iter_0000001'} holds a different architecture: "
                                 "rotary_percent is 0.5 in the checkpoint but 1.0 in the model")
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
@@ -41,19 +41,19 @@ def test_a_checkpoint_with_another_rotary_percent_is_one_error_naming_the_field(
 
 def test_the_loader_names_every_differing_field_including_head_dim_and_moe_routing(tmp_path):
     path = str(tmp_path / "ckpt")
-    save_checkpoint(path, 1, [GPTModel(_moe(router_order="softmax_topk"))])
+    save_sharded(path, 1, [GPTModel(_moe(router_order="softmax_topk"))])
     with pytest.raises(ValueError, match="holds a different architecture: kv_channels is 8 in the checkpoint but 16 "
                                          "in the model; moe.router_order is 'softmax_topk' in the checkpoint but "
                                          "'topk_softmax' in the model$"):
-        load_checkpoint(path, [GPTModel(_rope(kv_channels=16, moe=MoEConfig(num_experts=4, ffn_hidden_size=16,
+        load_sharded(path, [GPTModel(_rope(kv_channels=16, moe=MoEConfig(num_experts=4, ffn_hidden_size=16,
                                                                            router_order="topk_softmax")))])
     with pytest.raises(ValueError, match="different architecture: moe.num_experts is 4 in the checkpoint but None"):
-        load_checkpoint(path, [GPTModel(_rope())])
+        load_sharded(path, [GPTModel(_rope())])
 
 
 def test_the_trainer_names_the_same_differences_by_their_flags(tmp_path):
     path = str(tmp_path / "ckpt")
-    save_checkpoint(path, 1, [GPTModel(_moe(add_bias=True))])
+    save_sharded(path, 1, [GPTModel(_moe(add_bias=True))])
     saved = CheckpointReader(path).config_dict
     assert architecture_differences(saved, _moe(add_bias=True)) == []
     assert architecture_differences(saved, _moe(topk=1, add_bias=False)) == [

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from megalite.checkpoint import AsyncSaver, load_model, read_latest, save_checkpoint
+from megalite.checkpoint import AsyncSaver, load_model, read_latest, save_sharded
 from megalite.checkpoint import storage as checkpoint_storage
 from tests.checkpoint.test_bad_input import kill_mid_write
 
@@ -32,7 +32,7 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint_storage.dcp, "save", gated_save)
     saver = AsyncSaver()
-    save_checkpoint(save, 5, [model], saver=saver)
+    save_sharded(save, 5, [model], saver=saver)
     assert started.wait(60) and saver.in_flight
     with torch.no_grad():
         for param in model.parameters():
@@ -51,12 +51,12 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
 _KILLED_ASYNC_SAVE = """
 import sys, time
 import torch
-from megalite.checkpoint import AsyncSaver, integrity, save_checkpoint
+from megalite.checkpoint import AsyncSaver, integrity, save_sharded
 from megalite.models import GPTConfig, GPTModel
 
 model = GPTModel(GPTConfig(vocab_size=30, num_layers=2, hidden_size=16, num_attention_heads=4,
                            make_vocab_size_divisible_by=8, seed=7))
-save_checkpoint(sys.argv[1], 1, [model])
+save_sharded(sys.argv[1], 1, [model])
 real_hash = integrity.file_digests
 
 def slow_hash(path):
@@ -69,7 +69,7 @@ saver = AsyncSaver()
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)
-save_checkpoint(sys.argv[1], 2, [model], saver=saver)
+save_sharded(sys.argv[1], 2, [model], saver=saver)
 while True:
     with torch.no_grad():
         for p in model.parameters():

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megalite.checkpoint import CheckpointWriteError, load_checkpoint, load_model, read_latest, save_checkpoint
+from megalite.checkpoint import CheckpointWriteError, load_sharded, load_model, read_latest, save_sharded
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.storage import TensorShard
 from megalite.checkpoint.writer import write_checkpoint
@@ -50,7 +50,7 @@ def _save_tp2(path):
     from megalite import topology
 
     topology.initialize(tp=2)
-    save_checkpoint(path, 1, [_model()])
+    save_sharded(path, 1, [_model()])
 
 
 def _load_tp2_error(path):
@@ -63,7 +63,7 @@ def _load_tp2_error(path):
     model = _model(seed=99)
     before = _snapshot(model)
     try:
-        load_checkpoint(path, [model], group=dist.group.WORLD)
+        load_sharded(path, [model], group=dist.group.WORLD)
     except ValueError as err:
         return str(err), _unchanged(model, before)
     return None, _unchanged(model, before)
@@ -119,12 +119,12 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     with open(metadata, "r+b") as f:
         f.truncate(os.path.getsize(metadata) // 2)
     with pytest.raises(ValueError, match=r"\.metadata has \d+ bytes, the manifest records \d+ \(truncated"):
-        load_checkpoint(broken, [target])
+        load_sharded(broken, [target])
 
     broken, directory = _copy(tp2, str(tmp_path / "missing_shard"))
     os.remove(os.path.join(directory, "__1_0.distcp"))
     with pytest.raises(ValueError, match=r"checkpoint file .*missing_shard/iter_0000001/__1_0\.distcp is missing"):
-        load_checkpoint(broken, [target])
+        load_sharded(broken, [target])
 
     broken, directory = _copy(tp2, str(tmp_path / "flipped"))
     shard = os.path.join(directory, "__0_0.distcp")
@@ -134,20 +134,20 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ValueError, match=r"flipped/iter_0000001/__0_0\.distcp fails its content hash check"):
-        load_checkpoint(broken, [target])
+        load_sharded(broken, [target])
     with pytest.raises(ValueError, match="fails its content hash check"):
         load_model(broken)
     for error, unchanged in run_distributed(_load_tp2_error, 2, broken, timeout=120):
         assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
     with pytest.raises(ValueError, match="different architecture: num_layers is 2 in the checkpoint but 3 in the model"):
-        load_checkpoint(tp2, [_model(num_layers=3)])
+        load_sharded(tp2, [_model(num_layers=3)])
     other = _model(hidden_size=32, seed=99)
     other_before = _snapshot(other)
     with pytest.raises(ValueError, match="hidden_size is 16 in the checkpoint but 32 in the model"):
-        load_checkpoint(tp2, [other])
+        load_sharded(tp2, [other])
     with pytest.raises(ValueError, match=f"checkpoint directory {missing} does not exist"):
-        load_checkpoint(missing, [target])
+        load_sharded(missing, [target])
     assert not os.path.exists(missing)
 
     import torch.distributed.checkpoint as dcp
@@ -155,7 +155,7 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     foreign = str(tmp_path / "foreign")
     dcp.save({"weight": torch.ones(3)}, checkpoint_id=foreign, no_dist=True)
     with pytest.raises(ValueError, match="is a torch.distributed.checkpoint directory but not a megalite checkpoint"):
-        load_checkpoint(foreign, [target])
+        load_sharded(foreign, [target])
 
     marker = str(tmp_path / "payload_ran")
     broken, directory = _copy(tp2, str(tmp_path / "evil_metadata"))
@@ -163,14 +163,14 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
         pickle.dump(_Payload(marker), f)
     _rehash(directory, ".metadata")
     with pytest.raises(ValueError, match=r"\.metadata is unreadable \(truncated, corrupt or unsafe\): .*open is not allowed"):
-        load_checkpoint(broken, [target])
+        load_sharded(broken, [target])
     broken, directory = _copy(tp2, str(tmp_path / "evil_shard"))
     with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
         pickle.dump(_Payload(marker), f)
     _rehash(directory, "__0_0.distcp")
     with pytest.raises(ValueError, match=r"reading .*evil_shard/iter_0000001 failed: .*__0_0\.distcp holds no plain "
                                           r"record of .* \(corrupt, altered"):
-        load_checkpoint(broken, [target])
+        load_sharded(broken, [target])
     assert not os.path.exists(marker)
     assert _unchanged(target, before) and _unchanged(other, other_before)
 
@@ -190,7 +190,7 @@ def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path,
     block = 1024
     monkeypatch.setattr(integrity, "HASH_BLOCK", block)
     save = str(tmp_path / "ckpt")
-    save_checkpoint(save, 1, [_model()])
+    save_sharded(save, 1, [_model()])
     directory = os.path.join(save, "iter_0000001")
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
@@ -218,7 +218,7 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
     from torch.distributed.checkpoint import filesystem
 
     save = str(tmp_path / "ckpt")
-    save_checkpoint(save, 1, [_model()])
+    save_sharded(save, 1, [_model()])
     real = filesystem.FileSystem.create_stream
 
     def full(self, path, mode):
@@ -230,7 +230,7 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
     with pytest.raises(CheckpointWriteError, match="saving iteration 2 to .* failed: .*No space left on device.*; the "
                                                    "partial iter_0000002.tmp was removed and latest still names "
                                                    "iteration 1"):
-        save_checkpoint(save, 2, [_model(seed=3)])
+        save_sharded(save, 2, [_model(seed=3)])
     monkeypatch.undo()
     assert read_latest(save) == 1 and sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with torch.no_grad():
@@ -241,12 +241,12 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
 _KILLED_SAVE = """
 import sys, time
 import torch
-from megalite.checkpoint import integrity, save_checkpoint
+from megalite.checkpoint import integrity, save_sharded
 from megalite.models import GPTConfig, GPTModel
 
 model = GPTModel(GPTConfig(vocab_size=30, num_layers=2, hidden_size=16, num_attention_heads=4,
                            make_vocab_size_divisible_by=8, seed=7))
-save_checkpoint(sys.argv[1], 1, [model])
+save_sharded(sys.argv[1], 1, [model])
 
 def slow_hash(path):
     print("writing", flush=True)
@@ -256,7 +256,7 @@ integrity.file_digests = slow_hash
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)
-save_checkpoint(sys.argv[1], 2, [model])
+save_sharded(sys.argv[1], 2, [model])
 """
 
 
@@ -280,7 +280,7 @@ def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
         assert torch.equal(load_model(save)(ids), _model().eval()(ids))
-    save_checkpoint(save, 2, [_model()])
+    save_sharded(save, 2, [_model()])
     assert read_latest(save) == 2 and sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "latest"]
 
 

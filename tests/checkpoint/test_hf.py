@@ -115,10 +115,10 @@ def _tp2_rank(converted, resaved, ids):
     topo = topology.initialize(tp=2)
     config = checkpoint.CheckpointReader(converted).config
     model = GPTModel(config).eval()
-    checkpoint.load_checkpoint(converted, [model])
+    checkpoint.load_sharded(converted, [model])
     with torch.no_grad():
         logits = gather_from_tensor_parallel_region(model(ids), topo.tp.group)[..., :config.vocab_size]
-    checkpoint.save_checkpoint(resaved, 1, [model])
+    checkpoint.save_sharded(resaved, 1, [model])
     return logits
 
 

@@ -45,14 +45,14 @@ def _rank(before, after):
         chunk(ids[:, :-1], ids[:, 1:]).mean().backward()
         chunk.finish_grad_sync()
         optimizer.step()
-    checkpoint.save_checkpoint(before, 2, [chunk], optimizer)
+    checkpoint.save_sharded(before, 2, [chunk], optimizer)
     with torch.no_grad():
         logits = chunk.module(torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
 
     topology.initialize(ep=1)
     chunk, optimizer = _model_and_optimizer()
-    checkpoint.load_checkpoint(before, [chunk], optimizer)
-    checkpoint.save_checkpoint(after, 2, [chunk], optimizer)
+    checkpoint.load_sharded(before, [chunk], optimizer)
+    checkpoint.save_sharded(after, 2, [chunk], optimizer)
     return logits
 
 

@@ -60,7 +60,7 @@ def _logits(path, tp, pp, vpp=None):
     chunks = [GPTModel(config, pre_process=topo.pp.rank == 0 and i == 0,
                        post_process=topo.pp.rank == pp - 1 and i == len(ranges) - 1, layer_range=r).eval()
               for i, r in enumerate(ranges)]
-    checkpoint.load_checkpoint(path, chunks)
+    checkpoint.load_sharded(path, chunks)
     ids, out = _input_ids(), None
     hidden_shape = (SEQ, ids.shape[0], config.hidden_size)
     with torch.no_grad():

@@ -116,10 +116,10 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
 
 def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
     assert parse_args(["--load", "x"]).host == "127.0.0.1"
-    from megalite.checkpoint import save_checkpoint
+    from megalite.checkpoint import save_sharded
 
     model = tiny_model("gpt2")
-    save_checkpoint(str(tmp_path / "ckpt"), 1, [model])
+    save_sharded(str(tmp_path / "ckpt"), 1, [model])
     expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite import topology
-from megalite.checkpoint import save_checkpoint
+from megalite.checkpoint import save_sharded
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.testing import run_distributed
@@ -81,6 +81,6 @@ def _compare(model, reference):
 def test_tp2_matches_tp1_and_actor_log_probs(tmp_path):
     """GPT-2 and Llama (GQA) live models and a checkpoint loaded at tp=2, one launch; bad input raises on both
     ranks before any collective."""
-    save_checkpoint(str(tmp_path / "ckpt"), 1, [logprob_model("llama")])
+    save_sharded(str(tmp_path / "ckpt"), 1, [logprob_model("llama")])
     worst = run_distributed(_tp_ranks, 2, str(tmp_path / "ckpt"))
     assert max(worst) <= 1e-5, worst

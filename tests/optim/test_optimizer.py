@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import topology
-from megalite.checkpoint import load_checkpoint, save_checkpoint
+from megalite.checkpoint import load_sharded, save_sharded
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.optim import (ConstantGradScaler, DynamicGradScaler, OptimizerConfig, clip_grad_norm,
                             get_optimizer)
@@ -149,13 +149,13 @@ def _save_at_dp(directory):
     topo = topology.initialize()
     model, ddp, opt = _zero_model()
     _train_steps(ddp, opt, range(2), topo.dp.rank, topo.dp.size)
-    save_checkpoint(directory, 2, [ddp], opt)
+    save_sharded(directory, 2, [ddp], opt)
 
 
 def _resume_at_dp(directory):
     topo = topology.initialize()
     model, ddp, opt = _zero_model()
-    load_checkpoint(directory, [ddp], opt)
+    load_sharded(directory, [ddp], opt)
     _train_steps(ddp, opt, range(2, 5), topo.dp.rank, topo.dp.size)
     ref = mlp()
     ref_opt = reference_adamw(ref, LR, WD)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint import save_checkpoint
+from megalite.checkpoint import save_sharded
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.models import GPTConfig
 from megalite.rlhf import CriticModel, PolyakTarget
@@ -120,7 +120,7 @@ def reward_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("reward_model"))
     config = GPTConfig(vocab_size=ByteTokenizer().vocab_size, num_layers=1, hidden_size=16, num_attention_heads=2,
                        max_position_embeddings=16, make_vocab_size_divisible_by=8)
-    save_checkpoint(path, 0, [CriticModel(config)])
+    save_sharded(path, 0, [CriticModel(config)])
     return path
 
 

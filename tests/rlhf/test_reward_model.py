@@ -13,7 +13,7 @@ import torch
 from megalite import topology
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.rlhf import CriticModel
-from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint import load_sharded
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.rlhf.reward_model import (RewardModelScorer, bradley_terry_loss, last_token_scores, read_preferences,
                                         write_arithmetic_preferences)
@@ -48,7 +48,7 @@ def _train_tp2(save, metrics):
     args = module.parse_args(argv)
     config = CheckpointReader(save).config
     model = CriticModel(config)
-    load_checkpoint(save, [model])
+    load_sharded(save, [model])
     held_out = read_preferences(os.path.join(save, "preferences.jsonl"))[-8:]
     scores = module.held_out_scores(model, held_out, args, torch.device("cpu"))
     rl = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "1",
