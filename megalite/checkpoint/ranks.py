@@ -12,12 +12,13 @@ NO_GROUP = object()
 
 
 def rank_and_size(group) -> tuple[int, int]:
+    """This rank's index in ``group`` and the group's size; ``(0, 1)`` without a process group or with NO_GROUP."""
     if not dist.is_initialized() or group is NO_GROUP:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather(value, group):
+def all_gather_object(value, group):
     """Every rank's ``value`` (in-memory exchange between the job's own ranks)."""
     if rank_and_size(group)[1] == 1:
         return [value]
@@ -27,6 +28,7 @@ def all_gather(value, group):
 
 
 def broadcast_from_zero(value, group):
+    """Group rank 0's ``value``, on every rank of ``group``."""
     if rank_and_size(group)[1] == 1:
         return value
     holder = [value]

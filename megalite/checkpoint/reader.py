@@ -13,11 +13,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json, resolve_directory
 from megalite.checkpoint.integrity import data_blocks, read_manifest, verify_blocks, verify_files
-from megalite.checkpoint.ranks import all_gather, rank_and_size
+from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
                                          quiet_single_process, read_dcp_metadata)
 from megalite.models.architecture import compare_architecture, config_from_dict
+
 
 class CheckpointReader:
     """One checkpoint: its verified files, JSON state, global tensor shapes, and region reads through DCP.
@@ -65,7 +66,7 @@ class CheckpointReader:
             corrupt = verify_blocks(self.directory, self.manifest,
                                     blocks[rank * len(blocks) // world:(rank + 1) * len(blocks) // world])
         if self.collective:
-            reports = all_gather((corrupt, problem), self.group)
+            reports = all_gather_object((corrupt, problem), self.group)
             corrupt = next((c for c, _ in reports if c), None)
             problem = next((p for _, p in reports if p), None)
         if corrupt or problem:

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megalite.checkpoint.files import DCP_METADATA
 from megalite.checkpoint.integrity import block_digests, check_file
 
+
 @dataclasses.dataclass(frozen=True)
 class TensorShard:
     """``tensor`` is the box of global tensor ``name`` (shape ``global_shape``) that starts at ``offset``.

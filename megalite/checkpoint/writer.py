@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from megalite.checkpoint.files import (DCP_METADATA, FORMAT, FORMAT_VERSION, LATEST, META, fsync, iteration_dir,
                                        rank_state_file, read_latest, write_json)
 from megalite.checkpoint.integrity import hash_and_sync, write_manifest
-from megalite.checkpoint.ranks import NO_GROUP, all_gather, broadcast_from_zero, rank_and_size
+from megalite.checkpoint.ranks import NO_GROUP, all_gather_object, broadcast_from_zero, rank_and_size
 from megalite.checkpoint.storage import ShardSavePlanner, TensorShard, first_line, quiet_single_process, without_zip_crc
 
 FLUSH_EVERY = 64 << 20
 """A data file being written starts flushing to disk every this many bytes."""
+
 
 class _FlushingStream:
     """A write stream that starts flushing what it has written to disk every :data:`FLUSH_EVERY` bytes.
@@ -117,7 +118,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
             os.makedirs(tmp)
         except OSError as err:
             error = f"cannot create {tmp}: {err}"
-    errors = [e for e in all_gather(error, group) if e]
+    errors = [e for e in all_gather_object(error, group) if e]
     if errors:
         raise CheckpointWriteError(f"saving iteration {iteration} failed: {errors[0]}")
 
@@ -137,7 +138,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         files = hash_and_sync(tmp, mine)
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         error = f"{type(err).__name__}: {first_line(err)}"
-    reports = all_gather((error, files), group)
+    reports = all_gather_object((error, files), group)
     errors = [e for e, _ in reports if e]
     if not errors:
         failure = None
