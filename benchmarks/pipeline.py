@@ -32,8 +32,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from megalite import topology
-from megalite.pipeline import PipelineRecorder, analytic_bubble, bubble_fraction, forward_backward, split_layers
-from megalite.pipeline.zero_bubble import zbv_stage
+from megalite.pipeline import (PipelineRecorder, StageMap, analytic_bubble, bubble_fraction, forward_backward,
+                               split_layers)
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megalite.testing import device, run_distributed
 
@@ -81,7 +81,7 @@ def build_chunks(hidden, schedule, vpp, rank):
 
 
 def stage_index(schedule, rank, chunk):
-    return zbv_stage(PP, rank, chunk) if schedule == "zbv" else chunk * PP + rank
+    return StageMap.for_schedule(schedule, PP).stage(rank, chunk)
 
 
 def make_data(hidden, seq, batch):

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,8 @@ from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import get_optimizer
-from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
-                               split_layers)
+from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, build_chunks, forward_backward,
+                               last_stage_rank)
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
                                          nan_guard_config, optimizer_config, packing_config, parse_args,
@@ -124,20 +125,15 @@ def _param_dtype(args) -> torch.dtype:
 
 
 def build_model(model_provider, args, topo) -> list:
-    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
-    v_shape = args.pipeline_schedule == "zbv"
-    ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
-                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, v_shape)
-    mine = ranges[topo.pp.rank]
+    """This rank's model chunks (:func:`megalite.pipeline.build_chunks`), each wrapped for data-parallel
+    gradient reduction."""
     ddp = ddp_config(args)
+    modules = build_chunks(partial(model_provider, args), args.num_layers, topo.pp.group,
+                           vpp=args.virtual_pipeline_model_parallel_size, schedule=args.pipeline_schedule,
+                           first_stage_layers=args.decoder_first_pipeline_num_layers,
+                           last_stage_layers=args.decoder_last_pipeline_num_layers)
     chunks = []
-    for index, layer_range in enumerate(mine):
-        if v_shape:  # chunk 0 on rank r is stage r, chunk 1 is stage 2*pp-1-r
-            first, last = topo.pp.rank == 0 and index == 0, topo.pp.rank == 0 and index == 1
-        else:
-            first = topo.is_first_stage() and index == 0
-            last = topo.is_last_stage() and index == len(mine) - 1
-        module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
+    for module in modules:
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
         if args.use_torch_fsdp2:
             module.to(device=_device())
