@@ -31,7 +31,7 @@ from megalite.checkpoint import AsyncSaver
 from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
-from megalite.moe import MoELayer, set_aux_loss_scale
+from megalite.moe import router_statistics, set_aux_loss_scale
 from megalite.optim import get_optimizer
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, build_chunks, forward_backward,
                                last_stage_rank)
@@ -310,40 +310,6 @@ class Trainer:
             values[f"{split}_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
         return values
 
-    def moe_stats(self) -> dict[str, float]:
-        """Router statistics of the last training micro-batch, for the metrics file and TensorBoard.
-
-        ``moe_aux_loss``/``moe_z_loss`` are means over MoE layers and DP ranks;
-        ``moe_tokens_expert_<e>`` counts the (token, slot) assignments routed to
-        expert e, summed over MoE layers and DP ranks (TP ranks see the same
-        tokens and are not summed); ``moe_load_imbalance`` is max/mean of those
-        per-layer counts, averaged over layers.  Layers are indexed by their
-        global number, so summing over pipeline stages assembles the model.
-        """
-        experts = self.args.num_experts
-        rows = torch.zeros(self.args.num_layers, 3 + experts, dtype=torch.float64, device=_device())
-        for chunk in self.chunks:
-            for layer in chunk.modules():
-                if isinstance(layer, MoELayer) and layer.last_stats is not None:
-                    stats = layer.last_stats
-                    rows[layer.layer_number, :3] += torch.tensor([stats["aux_loss"], stats["z_loss"], 1.0],
-                                                                 dtype=rows.dtype, device=rows.device)
-                    rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype,
-                                                                 device=rows.device)
-        for group in (self.topo.pp.group, self.topo.dp.group):
-            if topology.group_size(group) > 1:
-                dist.all_reduce(rows, group=group)
-        rows = rows[rows[:, 2] > 0]
-        if rows.shape[0] == 0:
-            return {}
-        seen = rows[:, 2].sum().item()
-        tokens = rows[:, 3:]
-        imbalance = tokens.max(1).values / tokens.mean(1).clamp_min(1e-12)
-        values = {"moe_aux_loss": rows[:, 0].sum().item() / seen, "moe_z_loss": rows[:, 1].sum().item() / seen,
-                  "moe_load_imbalance": imbalance.mean().item()}
-        values.update({f"moe_tokens_expert_{e}": int(count) for e, count in enumerate(tokens.sum(0).tolist())})
-        return values
-
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
         """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a known GPU)."""
         tokens = self.args.global_batch_size * self.args.seq_length / seconds_per_iter
@@ -442,7 +408,8 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if grad_norm is not None:
                 values["grad_norm"] = grad_norm
             if args.num_experts:
-                values.update(trainer.moe_stats())
+                values.update(router_statistics(trainer.chunks, args.num_layers, args.num_experts,
+                                                (trainer.topo.pp.group, trainer.topo.dp.group), _device()))
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
