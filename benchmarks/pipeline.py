@@ -32,8 +32,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from megalite import topology
-from megalite.pipeline import PipelineRecorder, analytic_bubble, bubble_fraction, forward_backward, split_layers
-from megalite.pipeline.zero_bubble import zbv_stage
+from megalite.pipeline import (PipelineRecorder, StageMap, analytic_bubble, bubble_fraction, build_chunks,
+                               forward_backward)
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megalite.testing import device, run_distributed
 
@@ -71,17 +71,18 @@ class Stage(nn.Module):
         return self.blocks(self.input_tensor if x is None else x)
 
 
-def build_chunks(hidden, schedule, vpp, rank):
-    """This rank's stage modules, cut from one seeded full model (8 blocks)."""
+def stage_modules(hidden, schedule, vpp, pp_group):
+    """This rank's stage modules, cut from one seeded full model (8 blocks) by ``pipeline.build_chunks``."""
     torch.manual_seed(0)
     blocks = [Block(hidden) for _ in range(PP * LAYERS_PER_VIRTUAL_STAGE_MAX)]
     for b in blocks:
         b.to(device())
-    return [Stage(blocks[s:e]) for s, e in split_layers(len(blocks), PP, vpp, v_shape=schedule == "zbv")[rank]]
+    return build_chunks(lambda *, layer_range, **_: Stage(blocks[slice(*layer_range)]), len(blocks), pp_group,
+                        vpp=vpp, schedule=schedule)
 
 
 def stage_index(schedule, rank, chunk):
-    return zbv_stage(PP, rank, chunk) if schedule == "zbv" else chunk * PP + rank
+    return StageMap.for_schedule(schedule, PP).stage(rank, chunk)
 
 
 def make_data(hidden, seq, batch):
@@ -149,8 +150,8 @@ def bench(steps, hidden, seq, batch):
     x, y = make_data(hidden, seq, batch)
     results = {}
     for schedule, vpp, torch_class, _ in SCHEDULES:
-        mine = build_chunks(hidden, schedule, vpp, rank)
-        theirs = build_chunks(hidden, schedule, vpp, rank)
+        mine = stage_modules(hidden, schedule, vpp, group)
+        theirs = stage_modules(hidden, schedule, vpp, group)
         theirs_schedule = torch_schedule(schedule, torch_class, theirs, hidden, seq, batch, rank, group)
         times = {"megalite": [], "torch": []}
         cpu = {"megalite": [], "torch": []}

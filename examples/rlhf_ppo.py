@@ -69,7 +69,7 @@ from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.pipeline import split_layers
+from megalite.pipeline import build_chunks
 from megalite.training.arguments import add_flag
 from megalite.training.metrics import MetricsLogger
 
@@ -291,12 +291,16 @@ def pretrain_batch(rng: random.Random, args) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
 
 
+def pipeline_chunk(model_cls, config, topo, device):
+    """This rank's (unwrapped) pipeline chunk of ``model_cls``, built by ``pipeline.build_chunks``."""
+    [module] = build_chunks(lambda **where: model_cls(config, **where), config.num_layers, topo.pp.group)
+    return module.to(device)
+
+
 def build(model_cls, config, topo, lr, device):
     """This rank's DDP-wrapped pipeline chunk of ``model_cls`` and its optimizer."""
-    layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
-    module = model_cls(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
-                       layer_range=layer_range).to(device)
-    chunk = DistributedDataParallel(module, DDPConfig(), topo.dp.group, topo.expert_dp.group)
+    chunk = DistributedDataParallel(pipeline_chunk(model_cls, config, topo, device), DDPConfig(), topo.dp.group,
+                                    topo.expert_dp.group)
     return chunk, get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
 
 
@@ -635,13 +639,7 @@ def main(argv=None) -> int:
             return 0
     start = time.monotonic()
     actor_chunk = pretrain(args, topo, config, device)
-    layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
-
-    def unwrapped_chunk(model_cls):
-        return model_cls(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
-                         layer_range=layer_range).to(device)
-
-    reference = ReferenceModel(unwrapped_chunk(GPTModel), source=actor_chunk)
+    reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
     if args.rollout_world_size:
         sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
         sync.sync()
@@ -655,7 +653,8 @@ def main(argv=None) -> int:
         critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
                                  topo)
         if args.target_critic_tau is not None:
-            target = (unwrapped_chunk(CriticModel), PolyakTarget(critic_chunk.module, args.target_critic_tau))
+            target = (pipeline_chunk(CriticModel, config, topo, device),
+                      PolyakTarget(critic_chunk.module, args.target_critic_tau))
     owner = topo.global_rank == args.critic_owner_rank
     reward = reward_function(args, owner or not args.use_centralized_critic, single_group, device)
     teacher_model = teacher = None

@@ -29,7 +29,7 @@ from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.pipeline import split_layers
+from megalite.pipeline import build_chunks
 from megalite.rlhf import CriticModel, TrainingBackend, pipeline_values
 from megalite.training.arguments import add_flag
 from megalite.rlhf.reward_model import (BradleyTerryObjective, last_token_scores, read_preferences,
@@ -106,9 +106,8 @@ def main(argv=None) -> int:
     config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=16,
                        make_vocab_size_divisible_by=8, seed=args.seed)
-    layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
-    model = CriticModel(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
-                        layer_range=layer_range).to(device)
+    [model] = build_chunks(lambda **where: CriticModel(config, **where), config.num_layers, topo.pp.group)
+    model.to(device)
     chunk = DistributedDataParallel(model, DDPConfig(), topo.dp.group, topo.expert_dp.group)
     optimizer = get_optimizer(OptimizerConfig(lr=args.lr, weight_decay=0.0, clip_grad=1.0), [chunk])
     backend = TrainingBackend(chunk, optimizer, BradleyTerryObjective(), 2 * args.micro_batch_size, topo)

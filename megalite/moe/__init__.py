@@ -6,9 +6,10 @@ from megalite.moe.experts import Experts
 from megalite.moe.layer import MoELayer, set_aux_loss_scale
 from megalite.moe.losses import attach_loss, load_balancing_loss, z_loss
 from megalite.moe.router import Routing, TopKRouter, capacity, keep_mask
+from megalite.moe.stats import router_statistics
 
 __all__ = [
     "MoEConfig", "MoELayer", "set_aux_loss_scale", "TopKRouter", "Routing", "capacity", "keep_mask",
     "Experts", "AllToAllDispatcher", "AllGatherDispatcher", "make_dispatcher",
-    "load_balancing_loss", "z_loss", "attach_loss",
+    "load_balancing_loss", "z_loss", "attach_loss", "router_statistics",
 ]

@@ -1,9 +1,11 @@
-"""Pipeline parallelism: layer splits, point-to-point exchanges, schedules and timelines."""
+"""Pipeline parallelism: stage map, layer splits, chunk building, point-to-point exchanges, schedules and timelines."""
 
 from megalite.pipeline.broadcast import broadcast_from_last_stage
+from megalite.pipeline.chunks import build_chunks
 from megalite.pipeline.layout import split_layers
-from megalite.pipeline.schedules import SCHEDULES, forward_backward, last_stage_rank
+from megalite.pipeline.schedules import SCHEDULES, forward_backward
+from megalite.pipeline.stages import StageMap, last_stage_rank
 from megalite.pipeline.timeline import PipelineRecorder, analytic_bubble, bubble_fraction
 
-__all__ = ["split_layers", "forward_backward", "SCHEDULES", "last_stage_rank", "broadcast_from_last_stage",
-           "PipelineRecorder", "bubble_fraction", "analytic_bubble"]
+__all__ = ["StageMap", "split_layers", "build_chunks", "forward_backward", "SCHEDULES", "last_stage_rank",
+           "broadcast_from_last_stage", "PipelineRecorder", "bubble_fraction", "analytic_bubble"]

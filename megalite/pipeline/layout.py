@@ -1,13 +1,12 @@
 """How a decoder's layers are split over pipeline stages and virtual chunks.
 
-Virtual stage ``v`` runs layers in global order; model chunk ``c`` on pipeline
-rank ``r`` is virtual stage ``c * pp + r`` (Megatron's interleaving), so a
-micro-batch visits every rank ``vpp`` times.  With ``v_shape`` (the zbv
-schedule, two chunks) chunk 1 on rank ``r`` is stage ``2 * pp - 1 - r``: the
-stages go down the ranks and back up, so rank 0 holds the first and last stage.
+Stages run layers in global order; which (rank, chunk) holds which stage is
+:class:`megalite.pipeline.stages.StageMap` (interleaved, or the zbv schedule's V).
 """
 
 from __future__ import annotations
+
+from megalite.pipeline.stages import StageMap
 
 
 def _check_count(name: str, value, allow_zero: bool) -> None:
@@ -55,7 +54,7 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
     the layer count of the first/last pipeline stage; the other stages then
     share the rest evenly.  With ``vpp`` chunks per rank, each rank's layers
     divide evenly over its chunks.  ``v_shape`` places the two chunks of each rank
-    in a V (see the module docstring).  Raises ValueError naming the numbers when
+    in a V (see :class:`StageMap`).  Raises ValueError naming the numbers when
     the split is not even.
     """
     _check_count("num_layers", num_layers, allow_zero=False)
@@ -65,8 +64,7 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
     for name, value in (("first", first), ("last", last)):
         if value is not None:
             _check_count(name, value, allow_zero=True)
-    if v_shape and chunks != 2:
-        raise ValueError(f"a V-shaped layout has 2 model chunks per pipeline rank, got vpp={vpp}")
+    stages = StageMap(pp, chunks, v_shape)
     per_rank = _stage_counts(num_layers, pp, first, last)
     for rank, count in enumerate(per_rank):
         if count % chunks:
@@ -74,8 +72,8 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
                              f"model chunks (num_layers={num_layers}, pp={pp})")
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     start = 0
-    for virtual in range(pp * chunks):
-        rank = (virtual if virtual < pp else 2 * pp - 1 - virtual) if v_shape else virtual % pp
+    for virtual in range(stages.num_stages):
+        rank = stages.rank_of(virtual)
         size = per_rank[rank] // chunks
         ranges[rank].append((start, start + size))
         start += size

@@ -27,7 +27,8 @@ import torch
 
 from megalite.pipeline.executor import run_ops
 from megalite.pipeline.p2p import StageLink
-from megalite.pipeline.zero_bubble import zb_h1_order, zbv_order, zbv_stage
+from megalite.pipeline.stages import StageMap, last_stage_rank
+from megalite.pipeline.zero_bubble import zb_h1_order, zbv_order
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.topology import group_rank, group_size, resolve_group
 
@@ -66,8 +67,8 @@ class _Steps:
         self.scale_loss = scale_loss
         self.recorder = recorder
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.v_shape = v_shape
-        self.num_stages = pp_size * len(chunks)
+        self.stages = StageMap(pp_size, len(chunks), v_shape)
+        self.num_stages = self.stages.num_stages
         self.metrics: list[dict] = []
         self.backwards_left = [num_microbatches] * len(chunks)
         self.weights_left = [num_microbatches] * len(chunks)
@@ -76,10 +77,8 @@ class _Steps:
         self.split_backward = False
 
     def stage_of(self, chunk: int) -> int:
-        """The pipeline stage of a local chunk: ``chunk * pp + rank``, or the ZBV V."""
-        if self.v_shape:
-            return zbv_stage(self.pp_size, self.pp_rank, chunk)
-        return chunk * self.pp_size + self.pp_rank
+        """The pipeline stage of a local chunk (see :class:`StageMap`)."""
+        return self.stages.stage(self.pp_rank, chunk)
 
     def is_first(self, chunk: int) -> bool:
         return self.stage_of(chunk) == 0
@@ -307,8 +306,8 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
     backprops ``loss / num_microbatches`` (through ``scale_loss`` if given).
     ``tensor_shape`` fixes the shape sent between stages; None communicates it.
     ``schedule`` is one of :data:`SCHEDULES`; None means 1f1b, or
-    interleaved-1f1b with several chunks.  zbv takes two chunks per rank, chunk 1
-    on rank r being stage ``2*pp-1-r`` (so the last stage is on pp rank 0).
+    interleaved-1f1b with several chunks.  zbv takes two chunks per rank in the V
+    of :class:`StageMap` (so the last stage is on pp rank 0).
     Returns the per-micro-batch metrics on the last stage, ``[]`` elsewhere.
     Bad sizes raise ValueError before any communication.
     """
@@ -347,11 +346,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches, 
             ops = _forward_only_ops(pp, vpp, num_microbatches)
         else:
             ops = (zbv_order if schedule == "zbv" else zb_h1_order)(pp, rank, num_microbatches)
-
-        def stage_rank(stage):
-            return (stage if stage < pp else 2 * pp - 1 - stage) if schedule == "zbv" else stage % pp
-
-        run_ops(steps, ops, stage_rank, group, tensor_shape, dtype, _device_of(chunks), _free_storage)
+        run_ops(steps, ops, steps.stages.rank_of, group, tensor_shape, dtype, _device_of(chunks), _free_storage)
     else:
         link = StageLink(group, tensor_shape, dtype, _device_of(chunks))
         (_interleaved if vpp > 1 else _one_f_one_b)(steps, link)
@@ -397,8 +392,3 @@ def check_schedule(schedule, pp: int, vpp: int, num_microbatches: int, forward_o
             raise ValueError(f"the interleaved schedule needs num_microbatches divisible by pp: "
                              f"{num_microbatches} micro-batches, pp={pp}")
     return schedule
-
-
-def last_stage_rank(pp: int, schedule: str | None) -> int:
-    """The pipeline rank that holds the last stage (and the loss): ``pp - 1``, or 0 under zbv's V."""
-    return 0 if schedule == "zbv" else pp - 1

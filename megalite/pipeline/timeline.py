@@ -6,7 +6,8 @@ import json
 import time
 from contextlib import contextmanager
 
-from megalite.pipeline.zero_bubble import simulate, zbv_order, zbv_stage
+from megalite.pipeline.stages import StageMap
+from megalite.pipeline.zero_bubble import simulate, zbv_order
 
 
 class PipelineRecorder:
@@ -90,5 +91,5 @@ def analytic_bubble(schedule: str, pp: int, m: int, vpp: int = 1) -> float:
         return (pp - 1) / (3 * m + pp - 1)
     if schedule == "zbv":
         orders = [zbv_order(pp, rank, m) for rank in range(pp)]
-        return simulate(orders, lambda rank, chunk: zbv_stage(pp, rank, chunk), {"F": 1.0, "B": 1.0, "W": 1.0})
+        return simulate(orders, StageMap(pp, 2, v_shape=True).stage, {"F": 1.0, "B": 1.0, "W": 1.0})
     raise ValueError(f"unknown pipeline schedule {schedule!r}")

@@ -10,9 +10,9 @@ pipeline's plan without communication and tests can compare them with tables.
   cool-down, where 1F1B would idle waiting for gradients.  At most ``pp``
   micro-batches hold activations on any rank, as in 1F1B; with equal F, B and W
   times the bubble is ``(pp-1)/(3m+pp-1)``.
-* ZBV: two chunks per rank in a V: chunk 0 on rank ``r`` is stage ``r``, chunk 1
-  is stage ``2*pp-1-r``, so rank 0 holds both the first and the last stage and
-  the turn of the V happens on the last rank without communication.
+* ZBV: two chunks per rank in a V (:class:`megalite.pipeline.stages.StageMap`),
+  so rank 0 holds both the first and the last stage and the turn of the V
+  happens on the last rank without communication.
 
 :func:`simulate` replays op lists with given op costs (each op waits for the
 ops it depends on) and returns the bubble fraction: the analytic bubble of a
@@ -47,7 +47,7 @@ def zb_h1_order(pp: int, rank: int, m: int) -> list[Op]:
 
 
 def zbv_order(pp: int, rank: int, m: int) -> list[Op]:
-    """The ZBV op list of pipeline rank ``rank`` (chunk 0 = stage rank, chunk 1 = stage 2*pp-1-rank).
+    """The ZBV op list of pipeline rank ``rank`` (its two chunks in the V of ``StageMap``).
 
     Warm-up: ``2(pp-rank)-1`` chunk-0 forwards, then ``rank`` pairs of chunk-1 and
     chunk-0 forwards, then ``pp-rank`` chunk-1 F-B-W triples; steady: chunk-0 F-B-W
@@ -91,11 +91,6 @@ def zbv_order(pp: int, rank: int, m: int) -> list[Op]:
     while count["W", 0] < count["B", 0]:
         op("W", 0)
     return [o for o in ops if o[1] < m]
-
-
-def zbv_stage(pp: int, rank: int, chunk: int) -> int:
-    """The pipeline stage of ``chunk`` on ``rank`` under ZBV."""
-    return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
 def simulate(orders: list[list[Op]], stage_of, costs: dict[str, float]) -> float:

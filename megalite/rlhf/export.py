@@ -1,77 +1,107 @@
-"""Stream a TP/PP-sharded GPT's weights as full tensors under Hugging Face names.
+"""Stream a TP/EP/PP-sharded GPT's weights as full global tensors, or under Hugging Face names.
 
-For inference engines that take weight updates name by name: each parameter
-is all-gathered over TP, put in the checkpoint's global layout (vocabulary
-padding dropped, SwiGLU's per-rank [gate; up] blocks regrouped), broadcast from
-the pipeline stage that holds it, and named and split by the Hugging Face
-converter (megalite.checkpoint.hf), one at a time, so at most one full tensor
-is alive per call.
+For inference engines that take weight updates name by name.  Each parameter is gathered over the
+axes that shard it (TP; expert-TP and EP for experts) and each rank's shard is placed in the global
+tensor where the checkpoint layout puts it (:func:`megalite.checkpoint.sharding.global_param`:
+vocabulary padding dropped, SwiGLU's per-rank ``[gate_i; up_i]`` regrouped, experts at their global
+index), then broadcast from the pipeline stage that holds it.  :func:`export_hf_weights` names and
+splits each tensor with the Hugging Face converter (:func:`megalite.checkpoint.hf.megalite_tensor_to_hf`).
+One tensor at a time, so at most one full tensor is alive per call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.checkpoint.hf import megalite_tensor_to_hf
+from megalite.checkpoint.hf import hf_family, megalite_tensor_to_hf
+from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.rlhf.unwrap import unwrap
 
+_AXES = {"tp": ("tp_rank", "tp_size"), "etp": ("etp_rank", "etp_size"), "ep": ("ep_rank", "ep_size")}
 
-def _global_layout(name: str, full: torch.Tensor, config, tp: int) -> torch.Tensor:
-    """A TP-gathered tensor in the checkpoint's global layout: vocabulary padding dropped, and
-    SwiGLU's per-rank ``[gate_i; up_i]`` blocks regrouped into ``[gate; up]``."""
-    if "word_embeddings" in name or "output_layer" in name:
-        return full[:config.vocab_size]
-    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")) and config.activation == "swiglu":
-        return full.view(tp, 2, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+
+def _sharding_axes(param: torch.Tensor) -> tuple[str, ...]:
+    """The axes whose ranks hold different pieces of ``param``."""
+    split = ("etp",) if getattr(param, "expert_parallel", False) else ("tp",)
+    axes = split if getattr(param, "tensor_model_parallel", False) else ()
+    return axes + (("ep",) if getattr(param, "expert_parallel", False) else ())
+
+
+def _full_tensor(name: str, param: torch.Tensor, config, ctx: ShardContext, groups: dict) -> torch.Tensor:
+    """The global tensor of local parameter ``name``: every shard gathered and put at its global place."""
+    shards = [(ctx, param.detach())]
+    for axis in _sharding_axes(param):
+        rank_field, size_field = _AXES[axis]
+        size = getattr(ctx, size_field)
+        if size == 1:
+            continue
+        local = torch.stack([tensor for _, tensor in shards]).contiguous()
+        gathered = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(gathered, local, group=groups[axis])
+        shards = [(dataclasses.replace(coords, **{rank_field: r}), block[i])
+                  for r, block in enumerate(gathered) for i, (coords, _) in enumerate(shards)]
+    layout = global_param(name, param, config, ctx)
+    full = torch.empty(layout.shape, dtype=param.dtype, device=param.device)
+    for coords, tensor in shards:
+        for piece in global_param(name, param, config, coords).pieces:
+            box = tuple((start, start + hi - lo) for start, (lo, hi) in zip(piece.offset, piece.local))
+            full[box_slices(box)] = tensor[box_slices(piece.local)]
     return full
 
 
-def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp
-    return tuple(shape)
-
-
-def _gather_tp(param: torch.Tensor, tp_group) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or topology.group_size(tp_group) == 1:
-        return param.detach()
-    parts = [torch.empty_like(param) for _ in range(topology.group_size(tp_group))]
-    dist.all_gather(parts, param.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
 @torch.no_grad()
-def export_hf_weights(model_chunk, pp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every weight, on every rank of the model replica (TP x PP).
+def export_global_weights(model_chunks, pp_group=None, ep_group=None,
+                          expert_tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(global_name, full_tensor)`` for every global model tensor, on every rank of the replica.
 
-    Every rank of the replica must consume the whole iterator (it runs collectives).
-    A weight tied to the embedding (the output layer of a tied config) is not repeated.
+    ``model_chunks`` is this rank's chunk (optionally DDP-wrapped) or its list of chunks.  The
+    tensors are the checkpoint's global tensors, the same under any TP / EP / expert-TP / PP layout;
+    groups default to the current topology's.  Every rank of the model replica (TP x EP x PP) must
+    consume the whole iterator (it runs collectives).  A tied output layer is not repeated.
     """
-    model = unwrap(model_chunk)
-    config, tp_group = model.config, model.tp_group
-    tp = topology.group_size(tp_group)
+    models = [unwrap(chunk) for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
+    config = models[0].config
+    groups = {"tp": models[0].tp_group, "ep": topology.resolve_group(ep_group, "ep"),
+              "etp": topology.resolve_group(expert_tp_group, "expert_tp")}
+    ctx = ShardContext.from_groups(groups["tp"], groups["ep"], groups["etp"])
     pp_group = topology.resolve_group(pp_group, "pp")
-    tied = not config.untie_embeddings_and_output_weights
-    params = {n: p for n, p in model.named_parameters() if not (tied and n == "output_layer.weight")}
-    mine = [(n, _full_shape(p, tp), p.dtype) for n, p in params.items()]
+    params = {}
+    for model in models:
+        for name, param in model.named_parameters():
+            layout = global_param(name, param, config, ctx)
+            if not layout.alias:
+                params[layout.name] = (name, param, layout.shape)
+    mine = [(global_name, shape, param.dtype) for global_name, (_, param, shape) in params.items()]
     listing = [mine]
     if topology.group_size(pp_group) > 1:
         listing = [None] * topology.group_size(pp_group)
         dist.all_gather_object(listing, mine, group=pp_group)
     me = topology.group_rank(pp_group)
-    device = next(model.parameters()).device
+    device = next(models[0].parameters()).device
     for stage, entries in enumerate(listing):
-        for name, shape, dtype in entries:
+        for global_name, shape, dtype in entries:
             if stage == me:
-                full = _gather_tp(params[name], tp_group)
+                name, param, _ = params[global_name]
+                full = _full_tensor(name, param, config, ctx, groups)
             else:
                 full = torch.empty(shape, dtype=dtype, device=device)
             if len(listing) > 1:
-                dist.broadcast(full.contiguous() if stage == me else full, src=dist.get_global_rank(pp_group, stage),
-                               group=pp_group)
-            yield from megalite_tensor_to_hf(config, name, _global_layout(name, full, config, tp))
+                dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            yield global_name, full
+
+
+def export_hf_weights(model_chunks, pp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every weight, on every rank of the model replica (TP x PP).
+
+    :func:`export_global_weights` named and split by the Hugging Face converter.  A model with no
+    Hugging Face family (e.g. MoE) raises ValueError before any collective.
+    """
+    model = unwrap(model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks)
+    hf_family(model.config)
+    for name, full in export_global_weights(model_chunks, pp_group):
+        yield from megalite_tensor_to_hf(model.config, name, full)

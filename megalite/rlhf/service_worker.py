@@ -41,7 +41,7 @@ class ServiceWorker:
         from megalite.distributed import DDPConfig, DistributedDataParallel
         from megalite.models import GPTModel
         from megalite.optim import get_optimizer
-        from megalite.pipeline import split_layers
+        from megalite.pipeline import build_chunks
         from megalite.rlhf.backend import TrainingBackend
         from megalite.tensor_parallel import model_parallel_seed
 
@@ -59,9 +59,8 @@ class ServiceWorker:
         layout = spec.parallel
         self.topo = topo = topology.initialize(tp=layout.tp, pp=layout.pp)
         model_parallel_seed(spec.seed, topo.tp.rank)
-        layer_range = split_layers(spec.model.num_layers, topo.pp.size)[topo.pp.rank][0]
-        module = GPTModel(spec.model, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
-                          layer_range=layer_range).to(self.device)
+        [module] = build_chunks(lambda **where: GPTModel(spec.model, **where), spec.model.num_layers, topo.pp.group)
+        module.to(self.device)
         self.chunk = DistributedDataParallel(module, DDPConfig(), topo.dp.group, topo.expert_dp.group)
         self.optimizer = get_optimizer(spec.optimizer, [self.chunk])
         self.backend = TrainingBackend(self.chunk, self.optimizer, resolve_objective(spec.loss_fn),

@@ -19,179 +19,29 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from megalite import topology
 from megalite.checkpoint import AsyncSaver
-from megalite.context_parallel import prepare_batch
-from megalite.data.sampler import MicroBatchSampler, build_data_iterator
-from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
-from megalite.moe import MoELayer, set_aux_loss_scale
-from megalite.optim import get_optimizer
-from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
-                               split_layers)
-from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
-                                         nan_guard_config, optimizer_config, packing_config, parse_args,
-                                         use_checkpoint_architecture, validate_args)
-from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
-from megalite.training.data_checks import check_data, eod_token_id
+from megalite.distributed import finalize_model_grads
+from megalite.moe import router_statistics, set_aux_loss_scale
+from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
+from megalite.training.arguments import nan_guard_config
+from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.parent_death import exit_with_parent
-from megalite.training.save_dir import (SaveDirLock, check_not_overwriting, check_writable_with_room,
-                                        checkpoint_bytes)
+from megalite.training.save_dir import checkpoint_bytes
+from megalite.training.setup import (build_model, build_optimizer, claim_save_dir, device, initialize,
+                                     micro_batch_iterator, num_samples, param_dtype, print_parameter_count,
+                                     seed_model)
 from megalite.training.signals import SigtermFlag
 
 LOSS_METRIC = "lm_loss"
 """The metric of a loss function's report that is logged as the loss (and gives the perplexity)."""
-
-
-def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_data_func=None):
-    """Parse and validate the flags, create the process groups and agree on one config.
-
-    Everything that can be checked from the flags and the data files is
-    checked before the process group exists.  Afterwards rank 0's config is
-    broadcast to every rank and printed once.  Returns ``(args, topology)``.
-    """
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    args = parse_args(argv, extra_args_provider, args_defaults)
-    saved = _checkpoint_to_load(args, rank)
-    validate_args(args, world)
-    if args.data_path is not None or args.mock_data:
-        check_data(args)
-    if saved is not None and saved["config"] is not None and args.vocab_size is not None:
-        differences = architecture_differences(saved["config"], gpt_config(args))
-        if differences:
-            raise ValueError(f"checkpoint {args.load} holds a different architecture: {'; '.join(differences)}")
-    if args.load and saved is None and rank == 0:
-        print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
-              file=sys.stderr, flush=True)
-    topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                               vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
-                               ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-                               timeout_s=args.distributed_timeout_minutes * 60)
-    if prepare_data_func is not None and args.data_path is None and not args.mock_data:
-        prepare_data_func(args)
-        if args.data_path is not None:
-            check_data(args)
-    holder = [args if topo.global_rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    args = holder[0]
-    if topo.global_rank == 0:
-        print(format_args(args), flush=True)
-    return args, topo
-
-
-def _checkpoint_to_load(args, rank: int) -> dict | None:
-    """Settle what ``--load`` gives, before any collective: the checkpoint's info, or None.
-
-    A ``--load`` without a checkpoint gives None (``initialize`` warns once, after the flags
-    and data have passed their checks, and training starts fresh: Megatron's behaviour, so the
-    first launch of a restartable job works); under ``--finetune`` or ``--use-checkpoint-args``
-    it is an error.  ``--use-checkpoint-args`` sets the architecture
-    flags from the checkpoint.
-    """
-    needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
-             if on]
-    verb = "needs" if len(needs) == 1 else "need"
-    if not args.load:
-        if needs:
-            raise ValueError(f"{' and '.join(needs)} {verb} --load")
-        return None
-    info = checkpoint_info(args.load)
-    if info is None:
-        if needs:
-            raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
-        return None
-    if args.use_checkpoint_args:
-        if info["config"] is None:
-            raise ValueError(f"--use-checkpoint-args: checkpoint {args.load} stores no model architecture")
-        flags = use_checkpoint_architecture(args, info["config"])
-        if rank == 0:
-            print(f"architecture from checkpoint {args.load}: {' '.join(flags)}", flush=True)
-    return info
-
-
-def _param_dtype(args) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def build_model(model_provider, args, topo) -> list:
-    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
-    v_shape = args.pipeline_schedule == "zbv"
-    ranges = split_layers(args.num_layers, topo.pp.size, args.virtual_pipeline_model_parallel_size,
-                          args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers, v_shape)
-    mine = ranges[topo.pp.rank]
-    ddp = ddp_config(args)
-    chunks = []
-    for index, layer_range in enumerate(mine):
-        if v_shape:  # chunk 0 on rank r is stage r, chunk 1 is stage 2*pp-1-r
-            first, last = topo.pp.rank == 0 and index == 0, topo.pp.rank == 0 and index == 1
-        else:
-            first = topo.is_first_stage() and index == 0
-            last = topo.is_last_stage() and index == len(mine) - 1
-        module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
-        # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
-        if args.use_torch_fsdp2:
-            module.to(device=_device())
-            chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
-        else:
-            module.to(device=_device(), dtype=_param_dtype(args))
-            chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
-    return chunks
-
-
-def build_optimizer(args, model_chunks):
-    config = optimizer_config(args)
-    return get_optimizer(config, model_chunks)
-
-
-def _device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _num_samples(args) -> list[int]:
-    train = args.train_iters * args.global_batch_size
-    if not args.eval_interval or not args.eval_iters:
-        return [train, 0, 0]
-    evals = args.train_iters // args.eval_interval + 1
-    return [train, evals * args.eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
-
-
-def _iterator(dataset, consumed_samples, args, topo):
-    """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
-
-    With context parallelism or packed-sequence flags each micro-batch becomes
-    this CP rank's chunks plus their positions, documents and loss mask
-    (:func:`megalite.context_parallel.prepare_batch`); otherwise it stays
-    ``{"tokens": [mb, seq+1]}``.
-    """
-    if dataset is None:
-        return None
-    packing = packing_config(args)
-    if packing.enabled:
-        packing.eod_token_id = eod_token_id(args)
-    prepare = packing.enabled or topo.cp.size > 1
-
-    def one():
-        sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                    args.global_batch_size, topo.dp.rank, topo.dp.size)
-        batches = build_data_iterator(dataset, sampler)
-        if not prepare:
-            return batches
-        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank) for batch in batches)
-
-    vpp = args.virtual_pipeline_model_parallel_size
-    return one() if vpp is None else [one() for _ in range(vpp)]
 
 
 class Trainer:
@@ -240,7 +90,7 @@ class Trainer:
             except ValueError as err:
                 error = str(err)
                 break
-        failed = torch.tensor([1.0 if error else 0.0], device=_device())
+        failed = torch.tensor([1.0 if error else 0.0], device=device())
         dist.all_reduce(failed)
         if failed.item():
             messages = [None] * dist.get_world_size()
@@ -253,7 +103,7 @@ class Trainer:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
         data_iterator = self._fetch_batches(data_iterator)
         results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
-                                   tensor_shape=self.tensor_shape, dtype=_param_dtype(self.args),
+                                   tensor_shape=self.tensor_shape, dtype=param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
                                    finalize_grads_func=None if forward_only else self._finalize_grads,
                                    scale_loss=None if forward_only else self.optimizer.scale_loss,
@@ -265,7 +115,7 @@ class Trainer:
         """Mean over micro-batches on the last stage, mean over DP x CP, then sent to every pipeline stage."""
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
-                             dtype=torch.float64, device=_device())
+                             dtype=torch.float64, device=device())
         if keys and self.topo.dp_cp.size > 1:
             dist.all_reduce(local, group=self.topo.dp_cp.group)
             local /= self.topo.dp_cp.size
@@ -312,40 +162,6 @@ class Trainer:
         values = {f"{split}_{_logged_name(k)}": v for k, v in totals.items()}
         if LOSS_METRIC in totals:
             values[f"{split}_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
-        return values
-
-    def moe_stats(self) -> dict[str, float]:
-        """Router statistics of the last training micro-batch, for the metrics file and TensorBoard.
-
-        ``moe_aux_loss``/``moe_z_loss`` are means over MoE layers and DP ranks;
-        ``moe_tokens_expert_<e>`` counts the (token, slot) assignments routed to
-        expert e, summed over MoE layers and DP ranks (TP ranks see the same
-        tokens and are not summed); ``moe_load_imbalance`` is max/mean of those
-        per-layer counts, averaged over layers.  Layers are indexed by their
-        global number, so summing over pipeline stages assembles the model.
-        """
-        experts = self.args.num_experts
-        rows = torch.zeros(self.args.num_layers, 3 + experts, dtype=torch.float64, device=_device())
-        for chunk in self.chunks:
-            for layer in chunk.modules():
-                if isinstance(layer, MoELayer) and layer.last_stats is not None:
-                    stats = layer.last_stats
-                    rows[layer.layer_number, :3] += torch.tensor([stats["aux_loss"], stats["z_loss"], 1.0],
-                                                                 dtype=rows.dtype, device=rows.device)
-                    rows[layer.layer_number, 3:] += torch.tensor(stats["tokens_per_expert"], dtype=rows.dtype,
-                                                                 device=rows.device)
-        for group in (self.topo.pp.group, self.topo.dp.group):
-            if topology.group_size(group) > 1:
-                dist.all_reduce(rows, group=group)
-        rows = rows[rows[:, 2] > 0]
-        if rows.shape[0] == 0:
-            return {}
-        seen = rows[:, 2].sum().item()
-        tokens = rows[:, 3:]
-        imbalance = tokens.max(1).values / tokens.mean(1).clamp_min(1e-12)
-        values = {"moe_aux_loss": rows[:, 0].sum().item() / seen, "moe_z_loss": rows[:, 1].sum().item() / seen,
-                  "moe_load_imbalance": imbalance.mean().item()}
-        values.update({f"moe_tokens_expert_{e}": int(count) for e, count in enumerate(tokens.sum(0).tolist())})
         return values
 
     def throughput(self, seconds_per_iter: float) -> dict[str, float]:
@@ -446,7 +262,8 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if grad_norm is not None:
                 values["grad_norm"] = grad_norm
             if args.num_experts:
-                values.update(trainer.moe_stats())
+                values.update(router_statistics(trainer.chunks, args.num_layers, args.num_experts,
+                                                (trainer.topo.pp.group, trainer.topo.dp.group), device()))
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
@@ -491,7 +308,7 @@ def _exit_reason(args, iteration: int, start_time: float) -> str | None:
         return f"--exit-interval {args.exit_interval} reached"
     if args.exit_duration_in_mins:
         late = torch.tensor([time.time() - start_time > 60.0 * args.exit_duration_in_mins], dtype=torch.int32,
-                            device=_device())
+                            device=device())
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
         if late.item():
             return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
@@ -517,9 +334,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     exit_with_parent()
     start_time = time.time()
     args, topo = initialize(argv, extra_args_provider, args_defaults, prepare_data_func)
-    _seed(args, topo)
+    seed_model(args, topo)
     chunks = build_model(model_provider, args, topo)
-    _print_parameter_count(chunks, topo)
+    print_parameter_count(chunks, topo)
     optimizer = build_optimizer(args, chunks)
     scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                             args.lr_decay_style)
@@ -534,24 +351,24 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                   f"is {args.train_iters}; nothing to train and nothing written", flush=True)
         trainer.logger.close()
         return iteration
-    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, _num_samples(args))
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, num_samples(args))
     if topo.global_rank == 0:
         sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
         source = "mock data" if args.mock_data else " ".join(args.data_path or [])
         print(f"data: {source}; train/valid/test samples {sizes}; seq length {args.seq_length}, vocabulary "
               f"{args.vocab_size}", flush=True)
-    train_iterator = _iterator(train_ds, consumed_samples, args, topo)
+    train_iterator = micro_batch_iterator(train_ds, consumed_samples, args, topo)
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
-    valid_iterator = _iterator(valid_ds, valid_consumed, args, topo)
-    lock = _claim_save_dir(args, iteration, needed, topo) if args.save else None
+    valid_iterator = micro_batch_iterator(valid_ds, valid_consumed, args, topo)
+    lock = claim_save_dir(args, iteration, needed, topo) if args.save else None
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
         trainer.finish_saves()
         trainer.save_timeline()
         if test_ds is not None and args.eval_iters and iteration == args.train_iters:
-            trainer.logger.log(iteration, trainer.evaluate(_iterator(test_ds, 0, args, topo), split="test"))
+            trainer.logger.log(iteration, trainer.evaluate(micro_batch_iterator(test_ds, 0, args, topo), split="test"))
     finally:
         sigterm.restore()
         trainer.logger.close()
@@ -560,49 +377,3 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     return iteration
 
 
-def _print_parameter_count(chunks, topo) -> None:
-    """Rank 0 prints the model's parameter count: each parameter counted on the ranks that own its pieces."""
-    local = 0
-    for chunk in chunks:
-        for param in chunk.parameters():
-            sharded = getattr(param, "tensor_model_parallel", False)
-            if getattr(param, "expert_parallel", False):
-                owner = topo.expert_dp.rank == 0 and (sharded or topo.expert_tp.rank == 0)
-            else:
-                owner = topo.dp.rank == 0 and (sharded or topo.tp.rank == 0)
-            if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
-                owner = False
-            local += param.numel() if owner else 0
-    count = torch.tensor([local], dtype=torch.int64, device=_device())
-    dist.all_reduce(count)
-    if topo.global_rank == 0:
-        print(f"model: {count.item():,} parameters", flush=True)
-
-
-def _claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo) -> SaveDirLock | None:
-    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
-
-    Returns rank 0's lock, None elsewhere.
-    """
-    lock, message = None, None
-    if topo.global_rank == 0:
-        try:
-            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
-            check_writable_with_room(args.save, needed_bytes)
-            lock = SaveDirLock(args.save)
-            if warning:
-                print(warning, flush=True)
-        except ValueError as err:
-            message = str(err)
-            if lock is not None:
-                lock.release()
-    holder = [message]
-    dist.broadcast_object_list(holder, src=0)
-    if holder[0] is not None:
-        raise ValueError(holder[0])
-    return lock
-
-
-def _seed(args, topo) -> None:
-    """Same seed on every rank for weight init; the TP tracker gives each TP rank its own dropout stream."""
-    model_parallel_seed(args.seed, topo.tp.rank)

@@ -7,9 +7,9 @@ from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.models.gpt import GPTConfig, GPTModel
 from megalite.moe import MoEConfig, set_aux_loss_scale
-from megalite.pipeline import broadcast_from_last_stage, forward_backward, split_layers
-from megalite.pipeline.schedules import check_schedule, last_stage_rank
-from megalite.pipeline.zero_bubble import simulate, zb_h1_order, zbv_order, zbv_stage
+from megalite.pipeline import StageMap, broadcast_from_last_stage, build_chunks, forward_backward, last_stage_rank
+from megalite.pipeline.schedules import check_schedule
+from megalite.pipeline.zero_bubble import simulate, zb_h1_order, zbv_order
 from megalite.testing import run_distributed
 from tests.pipeline.test_gpt_parity import HIDDEN, ITERS, LR, SEQ, VOCAB, _forward_step, _microbatches, _reference
 
@@ -37,7 +37,7 @@ def test_op_orders_equal_the_papers_tables():
     assert [zb_h1_order(4, r, 8) for r in range(4)] == [_ops(t) for t in ZB_H1_P4_M8]
     assert [zbv_order(2, r, 4) for r in range(2)] == [_ops(t) for t in ZBV_P2_M4]
     for pp, m in ((2, 1), (4, 3), (4, 9)):  # every op once, dependencies respected (simulate raises on a deadlock)
-        for order, stage_of in ((zb_h1_order, lambda r, c: r), (zbv_order, lambda r, c: zbv_stage(pp, r, c))):
+        for order, stage_of in ((zb_h1_order, lambda r, c: r), (zbv_order, StageMap(pp, 2, v_shape=True).stage)):
             orders = [order(pp, r, m) for r in range(pp)]
             chunks = 2 if order is zbv_order else 1
             assert all(sorted(o) == sorted((k, i, c) for k in "FBW" for i in range(m) for c in range(chunks))
@@ -49,7 +49,7 @@ def test_op_orders_equal_the_papers_tables():
 def test_simulated_bubble_equals_the_closed_form(pp, m):
     orders = [zb_h1_order(pp, r, m) for r in range(pp)]
     assert simulate(orders, lambda r, c: r, {"F": 1, "B": 1, "W": 1}) == pytest.approx((pp - 1) / (3 * m + pp - 1))
-    zbv = simulate([zbv_order(pp, r, m) for r in range(pp)], lambda r, c: zbv_stage(pp, r, c),
+    zbv = simulate([zbv_order(pp, r, m) for r in range(pp)], StageMap(pp, 2, v_shape=True).stage,
                    {"F": 1, "B": 1, "W": 1})
     assert zbv < (pp - 1) / (3 * m + pp - 1)
 
@@ -93,11 +93,9 @@ def _gpt(schedule, reference, tp=1, pp=2, ep=1, m=4, num_layers=4, recompute=Non
     ref_losses, ref_grads = reference
     vpp = 2 if schedule == "zbv" else None
     topo = topology.initialize(tp=tp, pp=pp, vpp=vpp, ep=ep)
-    rank, chunks = topo.pp.rank, []
-    for c, layer_range in enumerate(split_layers(num_layers, pp, vpp, v_shape=schedule == "zbv")[rank]):
-        stage = zbv_stage(pp, rank, c) if schedule == "zbv" else rank
-        model = GPTModel(config, pre_process=stage == 0, post_process=stage == (vpp or 1) * pp - 1,
-                         layer_range=layer_range)
+    chunks = []
+    for model in build_chunks(lambda **where: GPTModel(config, **where), num_layers, topo.pp.group, vpp=vpp,
+                              schedule=schedule):
         set_aux_loss_scale(model, 1.0 / m)
         chunks.append(DistributedDataParallel(model, DDPConfig(bucket_size=2000)))
     loss_err = grad_err = 0.0

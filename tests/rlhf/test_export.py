@@ -1,12 +1,15 @@
-"""Exported weights load into Hugging Face models that reproduce megalite's logits; tp=2 x pp=2 equals tp=1."""
+"""Exported weights load into Hugging Face models that reproduce megalite's logits; tp=2 x pp=2 equals tp=1, and an
+MoE model at tp=2 x ep=2 exports the single-rank model's global tensors (experts included)."""
 
 import pytest
 import torch
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.rlhf.export import export_hf_weights
+from megalite.checkpoint.sharding import VOCAB_PARAMS
+from megalite.rlhf.export import export_global_weights, export_hf_weights
 from megalite.testing import device, run_distributed
+from tests.moe.test_gpt_moe import _config as moe_config
 from tests.rlhf.common import config, padded_prompts
 
 transformers = pytest.importorskip("transformers")
@@ -60,3 +63,32 @@ def _parallel_rank():
 
 def test_export_tp2_pp2_equals_single_rank():
     run_distributed(_parallel_rank, 4, timeout=180)
+
+
+def _single_rank_tensors(cfg) -> dict[str, torch.Tensor]:
+    """The one-rank model's parameters without vocabulary padding (the tied output layer is the embedding)."""
+    model = GPTModel(cfg)
+    tied = not cfg.untie_embeddings_and_output_weights
+    return {name: (param[:cfg.vocab_size] if name in VOCAB_PARAMS else param).detach().clone()
+            for name, param in model.named_parameters() if not (tied and name == "output_layer.weight")}
+
+
+def _moe_rank(kinds):
+    expected = {kind: _single_rank_tensors(moe_config(kind)) for kind in kinds}
+    topology.initialize(tp=2, ep=2)
+    for kind in kinds:
+        got = dict(export_global_weights(GPTModel(moe_config(kind)).to(device())))
+        assert sorted(got) == sorted(expected[kind])
+        assert any(".experts." in name for name in got)
+        for name, tensor in got.items():
+            assert torch.equal(tensor.cpu(), expected[kind][name]), (kind, name)
+
+
+def test_moe_export_at_tp2_ep2_equals_single_rank():
+    """Expert tensors are gathered over EP and expert-TP (SwiGLU and GELU experts), dense ones over TP."""
+    run_distributed(_moe_rank, 4, ("gpt2", "llama"), timeout=180)
+
+
+def test_hf_export_refuses_moe_before_any_collective():
+    with pytest.raises(ValueError, match="MoE models have no Hugging Face GPT-2/Llama equivalent"):
+        next(export_hf_weights(GPTModel(moe_config("llama"))))

@@ -4,7 +4,7 @@ import torch
 
 from megalite import topology
 from megalite.models import GPTModel
-from megalite.pipeline import split_layers
+from megalite.pipeline import build_chunks
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.generation import SamplingConfig, generate
@@ -16,11 +16,10 @@ SAMPLINGS = (SamplingConfig(max_new_tokens=5, eos_id=5, greedy=True),
              SamplingConfig(max_new_tokens=5, eos_id=5, temperature=0.8, top_k=20, top_p=0.9))
 
 
-def _chunks(cls, cfg, rank):
-    """This rank's two chunks: virtual stages rank and PP + rank."""
-    ranges = split_layers(LAYERS, PP, VPP)[rank]
-    return [cls(cfg, pre_process=rank == 0 and c == 0, post_process=rank == PP - 1 and c == VPP - 1,
-                layer_range=layer_range).to(device()).eval() for c, layer_range in enumerate(ranges)]
+def _chunks(cls, cfg, pp_group):
+    """This rank's two chunks (virtual stages rank and PP + rank), from the one chunk builder."""
+    return [chunk.to(device()).eval()
+            for chunk in build_chunks(lambda **where: cls(cfg, **where), LAYERS, pp_group, vpp=VPP)]
 
 
 def _generate(model, sampling):
@@ -39,8 +38,8 @@ def _rank():
         ref_values = critic(ids, mask)
     ref_generated = [_generate(actor, s) for s in SAMPLINGS]
 
-    rank = topology.initialize(pp=PP, vpp=VPP).pp.rank
-    actor_chunks, critic_chunks = _chunks(GPTModel, cfg, rank), _chunks(CriticModel, cfg, rank)
+    pp_group = topology.initialize(pp=PP, vpp=VPP).pp.group
+    actor_chunks, critic_chunks = _chunks(GPTModel, cfg, pp_group), _chunks(CriticModel, cfg, pp_group)
     lp, ent = pipeline_log_probs(actor_chunks, micro_batches, TEMPERATURE, with_entropy=True)
     torch.testing.assert_close(lp, ref_lp.cpu(), rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent.cpu(), rtol=0, atol=1e-5)

@@ -38,16 +38,18 @@ async def _service(procs, layout, path):
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=layout, checkpoint_dir=str(path))
 
 
+async def _losses(service, batches) -> list[float]:
+    """Pipelined training steps: every call is queued before the first is awaited; the losses."""
+    calls = []
+    for batch in batches:
+        calls += [service.forward_backward(batch), service.optim_step()]
+    return [m["lm_loss"] for m in (await asyncio.gather(*calls))[::2]]
+
+
 async def _parity(tmp_path):
     tp2 = await _service(2, ParallelLayout(tp=2, micro_batch_size=2), tmp_path / "tp2")
     one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
-    losses = {}
-    for name, service in (("tp2", tp2), ("one", one)):
-        # Pipelined: every call is queued before the first is awaited.
-        calls = []
-        for _ in range(2):
-            calls += [service.forward_backward(_batch(0)), service.optim_step()]
-        losses[name] = [m["lm_loss"] for m in (await asyncio.gather(*calls))[::2]]
+    losses = {name: await _losses(service, [_batch(0)] * 2) for name, service in (("tp2", tp2), ("one", one))}
     assert losses["tp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
     assert losses["one"][1] < losses["one"][0]
     weights_tp2, weights_one = await tp2.get_weights(), await one.get_weights()
@@ -78,6 +80,23 @@ async def _parity(tmp_path):
 
 def test_service_tp2_equals_one_worker_and_moves_weights(tmp_path):
     asyncio.run(_parity(tmp_path))
+
+
+async def _pipelined(tmp_path):
+    """Two pipeline stages (chunks from ``pipeline.build_chunks``) train like one worker; weights agree."""
+    pp2 = await _service(2, ParallelLayout(pp=2, micro_batch_size=2), tmp_path / "pp2")
+    one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
+    losses = {name: await _losses(service, [_batch(0), _batch(1)]) for name, service in (("pp2", pp2), ("one", one))}
+    assert losses["pp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
+    weights_pp2, weights_one = await pp2.get_weights(), await one.get_weights()
+    assert sorted(weights_pp2) == sorted(weights_one)
+    for name in weights_one:
+        torch.testing.assert_close(weights_pp2[name], weights_one[name], rtol=0, atol=1e-5)
+    await asyncio.gather(pp2.shutdown(), one.shutdown())
+
+
+def test_service_pp2_equals_one_worker(tmp_path):
+    asyncio.run(_pipelined(tmp_path))
 
 
 async def _killed(tmp_path):
