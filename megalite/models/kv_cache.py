@@ -39,15 +39,6 @@ class KVCache:
         k, v = self.append(layer_number, k, v)
         return core_attention(q, k, v, dropout, self.offset, mask)
 
-    def truncate(self, num_tokens: int) -> None:
-        """Forget every token after the first ``num_tokens`` (e.g. rejected speculative drafts)."""
-        if not 0 <= num_tokens <= self.offset:
-            raise ValueError(f"cannot truncate a cache of {self.offset} tokens to {num_tokens}")
-        for store in (self.keys, self.values):
-            for layer in store:
-                store[layer] = store[layer][:num_tokens]
-        self.offset = num_tokens
-
     def advance(self, num_tokens: int) -> None:
         """Mark ``num_tokens`` more tokens as processed by every layer."""
         self.offset += num_tokens
