@@ -21,7 +21,7 @@ from megalite import topology
 from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.models.rotary import apply_rotary
-from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, recompute
 
 
 class AttentionCache(Protocol):
@@ -148,11 +148,11 @@ class SelfAttention(nn.Module):
                 raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) "
                                  f"attention; set it to 0")
             if self.recompute_core and self.training:
-                context = checkpoint(self._document_attention, q, k, v, documents)
+                context = recompute(self._document_attention, q, k, v, documents)
             else:
                 context = self._document_attention(q, k, v, documents)
         elif self.recompute_core and self.training:
-            context = checkpoint(core_attention, q, k, v, dropout, 0, mask)
+            context = recompute(core_attention, q, k, v, dropout, 0, mask)
         else:
             context = core_attention(q, k, v, dropout, 0, mask)
         return self.linear_proj(context)

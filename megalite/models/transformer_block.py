@@ -10,7 +10,7 @@ from megalite.models.attention import AttentionCache, SelfAttention
 from megalite.models.init import init_stream, layer_stream
 from megalite.models.mlp import MLP
 from megalite.models.norms import build_norm
-from megalite.tensor_parallel import checkpoint, get_rng_tracker
+from megalite.tensor_parallel import get_rng_tracker, recompute
 
 
 class TransformerLayer(nn.Module):
@@ -65,8 +65,8 @@ def _run_layers(layers, x, rotary, mask, documents):
 class TransformerBlock(nn.Module):
     """The transformer layers ``layer_range = (start, end)`` (global indices), plus the final norm.
 
-    Full recompute (Megatron's methods): "uniform" checkpoints groups of
-    ``recompute_num_layers`` consecutive layers; "block" checkpoints the first
+    Full recompute (Megatron's methods): "uniform" recomputes groups of
+    ``recompute_num_layers`` consecutive layers; "block" recomputes the first
     ``recompute_num_layers`` layers of this chunk and runs the rest normally.
 
     ``layers`` is keyed by the global layer index, so parameter names are the
@@ -105,10 +105,10 @@ class TransformerBlock(nn.Module):
         elif self.recompute_method == "uniform":
             n = self.recompute_num_layers
             for start in range(0, len(layers), n):
-                x = checkpoint(_run_layers, layers[start:start + n], x, rotary, mask, documents)
+                x = recompute(_run_layers, layers[start:start + n], x, rotary, mask, documents)
         else:
             for index, layer in enumerate(layers):
-                x = checkpoint(layer, x, rotary, None, mask, documents) if index < self.recompute_num_layers \
+                x = recompute(layer, x, rotary, None, mask, documents) if index < self.recompute_num_layers \
                     else layer(x, rotary, None, mask, documents)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
