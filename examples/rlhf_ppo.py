@@ -637,11 +637,12 @@ def main(argv=None) -> int:
     actor_chunk = pretrain(args, topo, config, device)
     layer_range = split_layers(config.num_layers, topo.pp.size)[topo.pp.rank][0]
 
-    def unwrapped_chunk(model_cls):
+    def frozen_chunk(model_cls):
+        """A fresh chunk of this stage with no DDP wrapper, for a model that is not trained."""
         return model_cls(config, pre_process=topo.is_first_stage(), post_process=topo.is_last_stage(),
                          layer_range=layer_range).to(device)
 
-    reference = ReferenceModel(unwrapped_chunk(GPTModel), source=actor_chunk)
+    reference = ReferenceModel(frozen_chunk(GPTModel), source=actor_chunk)
     if args.rollout_world_size:
         sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
         sync.sync()
@@ -655,7 +656,7 @@ def main(argv=None) -> int:
         critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo), args.micro_batch_size,
                                  topo)
         if args.target_critic_tau is not None:
-            target = (unwrapped_chunk(CriticModel), PolyakTarget(critic_chunk.module, args.target_critic_tau))
+            target = (frozen_chunk(CriticModel), PolyakTarget(critic_chunk.module, args.target_critic_tau))
     owner = topo.global_rank == args.critic_owner_rank
     reward = reward_function(args, owner or not args.use_centralized_critic, single_group, device)
     teacher_model = teacher = None

@@ -23,13 +23,9 @@ from megalite.checkpoint.format import (AsyncSaver, CheckpointReader, Region, Te
                                         config_to_dict, iteration_dir, write_checkpoint)
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, flat_boxes, global_param, regions
 from megalite.distributed.fsdp import owned_flat_range
+from megalite.distributed.unwrap import unwrap
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def unwrap(chunk):
-    """The model inside a DDP wrapper (or the chunk itself)."""
-    return getattr(chunk, "module", chunk)
 
 
 def model_config(model_chunks):

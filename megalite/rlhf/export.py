@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.checkpoint.hf import megalite_tensor_to_hf
-from megalite.rlhf.unwrap import unwrap
+from megalite.distributed.unwrap import unwrap
 
 
 def _global_layout(name: str, full: torch.Tensor, config, tp: int) -> torch.Tensor:

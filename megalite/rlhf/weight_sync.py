@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param, intersect
-from megalite.rlhf.unwrap import unwrap
+from megalite.distributed.unwrap import unwrap
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 
