@@ -315,7 +315,7 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def _format_layout(world_size: int, **kwargs) -> str:
+def _format_grid(world_size: int, **kwargs) -> str:
     groups = rank_groups(world_size, **kwargs)
     coords = rank_coordinates(world_size, **kwargs)
     lines = []
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", default=DEFAULT_ORDER)
     args = parser.parse_args(argv)
     try:
-        print(_format_layout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+        print(_format_grid(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                              etp=args.etp, order=args.order))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

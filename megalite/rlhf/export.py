@@ -1,7 +1,7 @@
 """Stream a TP/PP-sharded GPT's weights as full tensors under Hugging Face names.
 
 For inference engines that take weight updates name by name: each parameter
-is all-gathered over TP, put in the checkpoint's global layout (vocabulary
+is all-gathered over TP, made the checkpoint's global tensor (vocabulary
 padding dropped, SwiGLU's per-rank [gate; up] blocks regrouped), broadcast from
 the pipeline stage that holds it, and named and split by the Hugging Face
 converter (megalite.checkpoint.hf), one at a time, so at most one full tensor
@@ -20,8 +20,8 @@ from megalite.checkpoint.hf import megalite_tensor_to_hf
 from megalite.distributed.unwrap import unwrap
 
 
-def _global_layout(name: str, full: torch.Tensor, config, tp: int) -> torch.Tensor:
-    """A TP-gathered tensor in the checkpoint's global layout: vocabulary padding dropped, and
+def _global_tensor(name: str, full: torch.Tensor, config, tp: int) -> torch.Tensor:
+    """A TP-gathered tensor as the checkpoint's global tensor: vocabulary padding dropped, and
     SwiGLU's per-rank ``[gate_i; up_i]`` blocks regrouped into ``[gate; up]``."""
     if "word_embeddings" in name or "output_layer" in name:
         return full[:config.vocab_size]
@@ -74,4 +74,4 @@ def export_hf_weights(model_chunk, pp_group=None) -> Iterator[tuple[str, torch.T
             if len(listing) > 1:
                 dist.broadcast(full.contiguous() if stage == me else full, src=dist.get_global_rank(pp_group, stage),
                                group=pp_group)
-            yield from megalite_tensor_to_hf(config, name, _global_layout(name, full, config, tp))
+            yield from megalite_tensor_to_hf(config, name, _global_tensor(name, full, config, tp))
