@@ -194,6 +194,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def device():
+    """This rank's compute device: its current GPU when the default process group runs NCCL, else the CPU.
+
+    The one place that decides where a rank's tensors go (models, collective buffers, flags), so a
+    gloo job on a machine with GPUs stays on the CPU.  Without a process group it is the CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _default_backend() -> str:
     """NCCL when every rank on this node has a GPU of its own, else gloo on the CPU.
 

@@ -140,10 +140,10 @@ def build_model(model_provider, args, topo) -> list:
         module = model_provider(args, pre_process=first, post_process=last, layer_range=layer_range)
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
         if args.use_torch_fsdp2:
-            module.to(device=_device())
+            module.to(device=topology.device())
             chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
         else:
-            module.to(device=_device(), dtype=_param_dtype(args))
+            module.to(device=topology.device(), dtype=_param_dtype(args))
             chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
@@ -151,12 +151,6 @@ def build_model(model_provider, args, topo) -> list:
 def build_optimizer(args, model_chunks):
     config = optimizer_config(args)
     return get_optimizer(config, model_chunks)
-
-
-def _device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _num_samples(args) -> list[int]:
@@ -240,7 +234,7 @@ class Trainer:
             except ValueError as err:
                 error = str(err)
                 break
-        failed = torch.tensor([1.0 if error else 0.0], device=_device())
+        failed = torch.tensor([1.0 if error else 0.0], device=topology.device())
         dist.all_reduce(failed)
         if failed.item():
             messages = [None] * dist.get_world_size()
@@ -265,7 +259,7 @@ class Trainer:
         """Mean over micro-batches on the last stage, mean over DP x CP, then sent to every pipeline stage."""
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
-                             dtype=torch.float64, device=_device())
+                             dtype=torch.float64, device=topology.device())
         if keys and self.topo.dp_cp.size > 1:
             dist.all_reduce(local, group=self.topo.dp_cp.group)
             local /= self.topo.dp_cp.size
@@ -325,7 +319,7 @@ class Trainer:
         global number, so summing over pipeline stages assembles the model.
         """
         experts = self.args.num_experts
-        rows = torch.zeros(self.args.num_layers, 3 + experts, dtype=torch.float64, device=_device())
+        rows = torch.zeros(self.args.num_layers, 3 + experts, dtype=torch.float64, device=topology.device())
         for chunk in self.chunks:
             for layer in chunk.modules():
                 if isinstance(layer, MoELayer) and layer.last_stats is not None:
@@ -491,7 +485,7 @@ def _exit_reason(args, iteration: int, start_time: float) -> str | None:
         return f"--exit-interval {args.exit_interval} reached"
     if args.exit_duration_in_mins:
         late = torch.tensor([time.time() - start_time > 60.0 * args.exit_duration_in_mins], dtype=torch.int32,
-                            device=_device())
+                            device=topology.device())
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
         if late.item():
             return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
@@ -573,7 +567,7 @@ def _print_parameter_count(chunks, topo) -> None:
             if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
                 owner = False
             local += param.numel() if owner else 0
-    count = torch.tensor([local], dtype=torch.int64, device=_device())
+    count = torch.tensor([local], dtype=torch.int64, device=topology.device())
     dist.all_reduce(count)
     if topo.global_rank == 0:
         print(f"model: {count.item():,} parameters", flush=True)

@@ -6,7 +6,8 @@ import torch
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf.export import export_hf_weights
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
 
 transformers = pytest.importorskip("transformers")

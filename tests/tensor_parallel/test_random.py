@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from megalite import topology
 from megalite.tensor_parallel import RNGStatesTracker, get_rng_tracker, model_parallel_seed, recompute
 from megalite.tensor_parallel.random import get_device_states, set_device_states
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 from ._blocks import ParallelAttention, ParallelMLP
 from ._util import max_err
