@@ -32,6 +32,7 @@ from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megalite.moe import MoELayer, set_aux_loss_scale
 from megalite.optim import get_optimizer
+from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
@@ -559,14 +560,9 @@ def _print_parameter_count(chunks, topo) -> None:
     local = 0
     for chunk in chunks:
         for param in chunk.parameters():
-            sharded = getattr(param, "tensor_model_parallel", False)
-            if getattr(param, "expert_parallel", False):
-                owner = topo.expert_dp.rank == 0 and (sharded or topo.expert_tp.rank == 0)
-            else:
-                owner = topo.dp.rank == 0 and (sharded or topo.tp.rank == 0)
-            if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
-                owner = False
-            local += param.numel() if owner else 0
+            dp = topo.expert_dp if getattr(param, "expert_parallel", False) else topo.dp_cp
+            if dp.rank == 0 and counts_on_this_rank(param, topo.tp.rank, topo.expert_tp.rank, topo.pp.rank):
+                local += param.numel()
     count = torch.tensor([local], dtype=torch.int64, device=topology.device())
     dist.all_reduce(count)
     if topo.global_rank == 0:
