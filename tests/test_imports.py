@@ -26,21 +26,28 @@ def module_files() -> dict[str, pathlib.Path]:
     return files
 
 
-def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """The megalite modules that ``name`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+def imported_names(name: str, path: pathlib.Path) -> list[tuple[str, str | None]]:
+    """``(module, attribute)`` of every import in ``name`` (attribute None for ``import module``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    targets = set()
+    names = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            targets.update(alias.name for alias in node.names)
+            names.extend((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([node.module] if node.module else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                targets.add(full if full in known else base)
+            names.extend((base, alias.name) for alias in node.names)
+    return names
+
+
+def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The megalite modules that ``name`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    targets = set()
+    for module, attribute in imported_names(name, path):
+        full = f"{module}.{attribute}"
+        targets.add(full if attribute is not None and full in known else module)
     found = set()
     for target in targets:
         while target and target not in known:
@@ -127,6 +134,15 @@ def test_relative_and_from_imports_resolve(tmp_path):
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_every_megalite_import_names_a_module():
+    """A module renamed without updating an importer shows up here, not only when that import runs."""
+    files = module_files()
+    missing = sorted(f"{name}: {module}" for name, path in files.items()
+                     for module, _ in imported_names(name, path)
+                     if module.split(".")[0] == "megalite" and module not in files)
+    assert missing == []
 
 
 def test_every_package_is_in_the_architecture_table():
