@@ -30,6 +30,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megalite import topology  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher  # noqa: E402
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn  # noqa: E402
@@ -42,7 +43,7 @@ def _rss_bytes() -> int:
 
 def _rank(args, mode: str, topk, depth: int) -> dict:
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = topology.device()
     torch.set_num_threads(1)
     rss_start = _rss_bytes()
     if device.type == "cuda":

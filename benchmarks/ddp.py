@@ -25,7 +25,8 @@ from torch import nn
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 LR, CLIP = 1e-4, 1.0
 TORCH_BUCKET = 25 * 2**20 // 4

@@ -36,7 +36,8 @@ from megalite.distributed import (DDPConfig, DistributedDataParallel, FullyShard
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 from megalite.optim import OptimizerConfig, get_optimizer  # noqa: E402
 from megalite.pipeline import forward_backward  # noqa: E402
-from megalite.testing import device, run_distributed  # noqa: E402
+from megalite.testing import run_distributed  # noqa: E402
+from megalite.topology import device  # noqa: E402
 from tests.models.plain_gpt import PlainGPT  # noqa: E402
 
 LR, CLIP = 1e-4, 1.0

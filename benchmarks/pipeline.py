@@ -35,7 +35,8 @@ from megalite import topology
 from megalite.pipeline import (PipelineRecorder, StageMap, analytic_bubble, bubble_fraction, build_chunks,
                                forward_backward)
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 # (megalite schedule, model chunks per rank, torch schedule class, PNG name)
 SCHEDULES = (("1f1b", 1, Schedule1F1B, "pipeline_1f1b.png"),

@@ -618,7 +618,7 @@ def main(argv=None) -> int:
     trainers = world_size - args.rollout_world_size
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                ranks=list(range(trainers)))
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = topology.device()
     torch.manual_seed(args.seed)
     config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=16,

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     owns_process_group = not dist.is_initialized()
     topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = topology.device()
     data_path = args.data_path or os.path.join(args.save, "preferences.jsonl")
     if args.data_path is None and topo.global_rank == 0:
         os.makedirs(args.save, exist_ok=True)

@@ -39,16 +39,6 @@ def use_gpus(world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
 
-def device():
-    """The device this rank's tensors belong on: its GPU under NCCL, else CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _worker(rank, world_size, host, port, backend, timeout_s, fn, args, kwargs, results):
     os.environ.update({
         "MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),

@@ -194,6 +194,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def device():
+    """This rank's compute device: its current GPU when the default process group runs NCCL, else the CPU.
+
+    The one place that decides where a rank's tensors go (models, collective buffers, flags), so a
+    gloo job on a machine with GPUs stays on the CPU.  Without a process group it is the CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _default_backend() -> str:
     """NCCL when every rank on this node has a GPU of its own, else gloo on the CPU.
 
@@ -315,7 +329,7 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def _format_layout(world_size: int, **kwargs) -> str:
+def _format_grid(world_size: int, **kwargs) -> str:
     groups = rank_groups(world_size, **kwargs)
     coords = rank_coordinates(world_size, **kwargs)
     lines = []
@@ -347,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megalite.command_line import print_report  # here, so that tensor_parallel's import of topology loads no more
 
-    return print_report(lambda: _format_layout(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                                               etp=args.etp, order=args.order))
+    return print_report(lambda: _format_grid(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                             etp=args.etp, order=args.order))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ def _all_reduce_each_axis():
     topo.virtual_stage = 1
     assert not topo.is_first_stage(ignore_virtual=False)
     assert topo.is_last_stage(ignore_virtual=False) == (stage == 1)
+    on_gpu = dist.get_backend() == "nccl"
+    assert topology.device() == (torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
     return sums
 
 
@@ -117,6 +119,12 @@ def test_groups_communicate_on_8_ranks():
     for sums in run_distributed(_all_reduce_each_axis, 8):
         for axis, (got, want) in sums.items():
             assert got == want, axis
+
+
+def test_device_without_a_process_group_is_the_cpu():
+    import torch
+
+    assert topology.device() == torch.device("cpu")
 
 
 def _rank_fails():

@@ -25,14 +25,11 @@ from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, 
 from megalite.checkpoint.storage import Region, TensorShard
 from megalite.checkpoint.writer import AsyncSaver, write_checkpoint
 from megalite.distributed.fsdp import owned_flat_range
+from megalite.distributed.unwrap import unwrap
 from megalite.models.architecture import config_to_dict
+from megalite.optim.replicas import counts_on_this_rank
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def unwrap(chunk):
-    """The model inside a DDP wrapper (or the chunk itself)."""
-    return getattr(chunk, "module", chunk)
 
 
 def model_config(model_chunks):
@@ -66,11 +63,12 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
     ctx = ShardContext.from_groups(tp_group, ep_group, expert_tp_group)
     dp_rank = topology.group_rank(topology.resolve_group(dp_group, "dp_cp"))
     edp_rank = topology.group_rank(topology.resolve_group(expert_dp_group, "expert_dp"))
+    pp_rank = topology.group_rank(topology.resolve_group(None, "pp"))
     config = model_config(model_chunks)
     sharded = bool(getattr(optimizer, "sharded", False))
 
-    def writes(gp: GlobalParam, over_dp: bool) -> bool:
-        if gp.alias or ("tp" in gp.replicated and ctx.tp_rank) or ("etp" in gp.replicated and ctx.etp_rank):
+    def writes(param, gp: GlobalParam, over_dp: bool) -> bool:
+        if gp.alias or not counts_on_this_rank(param, ctx.tp_rank, ctx.etp_rank, pp_rank):
             return False
         return over_dp or (edp_rank if gp.expert else dp_rank) == 0
 
@@ -90,10 +88,10 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
     for param, gp in _named_tensors(model_chunks, config, ctx):
         layouts[param] = gp
         if isinstance(param, DTensor):
-            if writes(gp, True):
+            if writes(param, gp, True):
                 lo, hi = owned_flat_range(param)
                 add_flat(gp.name, gp, tuple(param.shape), param.to_local().detach().reshape(-1), lo, hi)
-        elif writes(gp, False):
+        elif writes(param, gp, False):
             for piece in gp.pieces:
                 add(gp.name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)])
 
@@ -102,7 +100,7 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
         saved = optimizer.sharded_state_dict(copy=False)
         for shard in optimizer.shards:
             gp = layouts[shard.param]
-            if not writes(gp, sharded):
+            if not writes(shard.param, gp, sharded):
                 continue
             entry = saved["entries"][shard.key]
             keys = [k for k in OPTIMIZER_KEYS if k in entry]

@@ -4,7 +4,7 @@ from megalite.context_parallel.attention import check_heads, context_parallel_at
 from megalite.context_parallel.batch import prepare_batch
 from megalite.context_parallel.blockwise import DEFAULT_TILE
 from megalite.context_parallel.config import ContextParallelConfig, PackedSequenceConfig
-from megalite.context_parallel.layout import (COMM_TYPES, check_comm_type, check_context_parallel, chunk_indices,
+from megalite.context_parallel.sequence_split import (COMM_TYPES, check_comm_type, check_context_parallel, chunk_indices,
                                               document_ids, reset_position_ids, slice_for_rank)
 
 __all__ = ["COMM_TYPES", "DEFAULT_TILE", "ContextParallelConfig", "PackedSequenceConfig", "check_comm_type",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.context_parallel.blockwise import DEFAULT_TILE, BlockwiseAttention, Tokens
-from megalite.context_parallel.layout import check_context_parallel, chunk_indices
+from megalite.context_parallel.sequence_split import check_context_parallel, chunk_indices
 from megalite.context_parallel.ring import RingAttention
 from megalite.tensor_parallel.mappings import gather_first, reduce_scatter_first
 
@@ -104,7 +104,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Causal attention of this CP rank's ``q [s/cp, b, n, d]`` over the whole sequence -> ``[s/cp, b, n*d]``.
 
     ``k``/``v`` ``[s/cp, b, g, d]`` may have grouped heads.  ``documents``
-    ``[b, s]`` (whole sequence, see :func:`layout.document_ids`) confines
+    ``[b, s]`` (whole sequence, see :func:`sequence_split.document_ids`) confines
     attention to each document.  ``group`` is the CP group (default: the
     topology's).  ``stats`` collects the ring's receive-wait time (p2p only).
     """

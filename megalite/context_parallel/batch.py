@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.config import PackedSequenceConfig
-from megalite.context_parallel.layout import check_context_parallel, document_ids, reset_position_ids, slice_for_rank
+from megalite.context_parallel.sequence_split import check_context_parallel, document_ids, reset_position_ids, slice_for_rank
 
 
 def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = None, cp: int = 1,

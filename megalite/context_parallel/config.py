@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.context_parallel.layout import check_comm_type
+from megalite.context_parallel.sequence_split import check_comm_type
 
 
 @dataclass

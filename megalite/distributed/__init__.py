@@ -4,5 +4,7 @@ from megalite.distributed.config import DDPConfig, FSDPConfig
 from megalite.distributed.data_parallel import DistributedDataParallel
 from megalite.distributed.finalize import finalize_model_grads
 from megalite.distributed.fsdp import FullyShardedDataParallel
+from megalite.distributed.unwrap import unwrap
 
-__all__ = ["DDPConfig", "FSDPConfig", "DistributedDataParallel", "FullyShardedDataParallel", "finalize_model_grads"]
+__all__ = ["DDPConfig", "FSDPConfig", "DistributedDataParallel", "FullyShardedDataParallel", "finalize_model_grads",
+           "unwrap"]

@@ -52,9 +52,3 @@ class BlockAllocator:
         self.refcount[block] -= 1
         if self.refcount[block] == 0 and block not in self.cached:
             self.free_list.append(block)
-
-    def uncache(self, block: int) -> None:
-        """The prefix cache dropped ``block``; free it if nobody holds it."""
-        self.cached.discard(block)
-        if self.refcount[block] == 0:
-            self.free_list.append(block)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.distributed.unwrap import unwrap
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.config import EngineConfig
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
@@ -29,16 +30,12 @@ from megalite.inference.speculative import DraftModelDrafter, NgramDrafter
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
 
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
 class LLMEngine:
     """Requests in, tokens out, one :meth:`step` at a time (see the module docstring for TP)."""
 
     def __init__(self, model, config: EngineConfig | None = None, draft_model=None):
         self.config = config = config or EngineConfig()
-        self.model = model = _unwrap(model)
+        self.model = model = unwrap(model)
         if not (model.pre_process and model.post_process):
             raise ValueError("the inference engine does not support pipeline parallelism yet: it needs a model "
                              "chunk with both the embedding and the output layer (pp=1)")
@@ -65,7 +62,7 @@ class LLMEngine:
         elif config.speculative == "draft":
             if draft_model is None:
                 raise ValueError("EngineConfig.speculative='draft' needs a draft_model")
-            drafter = DraftModelDrafter(_unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
+            drafter = DraftModelDrafter(unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
         self.drafter = drafter
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens)

@@ -9,7 +9,7 @@ a transpose).  A sequence's block table lists its blocks in order, so token
 
 One engine step packs the new tokens of all scheduled sequences into a single
 ``[1, T]`` batch.  :class:`PagedStep` is the KV cache the model sees for that
-forward (the duck-typed interface of :mod:`megalite.models.kv_cache`): each
+forward (a :class:`megalite.models.attention.AttentionCache`): each
 layer writes its new keys/values into their slots, then attends.  This is the
 CPU attention backend; a GPU paged-attention kernel would replace
 :meth:`PagedStep.attend`.  Its index tensors and masks are built once per

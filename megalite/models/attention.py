@@ -11,7 +11,7 @@ weight serves every TP size.  The bias follows the same layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +21,28 @@ from megalite import topology
 from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.models.rotary import apply_rotary
-from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, recompute
 
-if TYPE_CHECKING:
-    from megalite.models.kv_cache import KVCache
+
+class AttentionCache(Protocol):
+    """What the model asks of a cache of earlier tokens' keys and values.
+
+    A structural type, so that a cache defined anywhere (the contiguous
+    ``models.kv_cache.KVCache``, the inference engine's paged step) plugs in
+    without this module importing it.  The cache chooses the attention backend:
+    a contiguous cache runs :func:`core_attention`, a paged one gathers keys and
+    values through block tables.
+    """
+
+    offset: int
+    """Tokens already cached in front of this call's tokens (0 for a cache that takes explicit positions)."""
+
+    def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Store this call's keys/values of one layer; return the attention context ``[s, b, heads*d]``."""
+
+    def advance(self, num_tokens: int) -> None:
+        """Called once per model forward, after every layer ran."""
 
 
 def padding_causal_mask(attention_mask: torch.Tensor, seq: int, offset: int) -> torch.Tensor:
@@ -113,7 +131,7 @@ class SelfAttention(nn.Module):
             init_method=scaled_normal_init(config.init_method_std, config.num_layers))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                kv_cache: AttentionCache | None = None, mask: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
@@ -130,11 +148,11 @@ class SelfAttention(nn.Module):
                 raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) "
                                  f"attention; set it to 0")
             if self.recompute_core and self.training:
-                context = checkpoint(self._document_attention, q, k, v, documents)
+                context = recompute(self._document_attention, q, k, v, documents)
             else:
                 context = self._document_attention(q, k, v, documents)
         elif self.recompute_core and self.training:
-            context = checkpoint(core_attention, q, k, v, dropout, 0, mask)
+            context = recompute(core_attention, q, k, v, dropout, 0, mask)
         else:
             context = core_attention(q, k, v, dropout, 0, mask)
         return self.linear_proj(context)

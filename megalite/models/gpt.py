@@ -33,7 +33,7 @@ from torch import nn
 
 from megalite import topology
 from megalite.context_parallel import check_comm_type, check_context_parallel, chunk_indices
-from megalite.models.attention import padding_causal_mask
+from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
 from megalite.models.rotary import RotaryEmbedding
@@ -43,7 +43,6 @@ from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_line
                                       vocab_parallel_cross_entropy)
 
 if TYPE_CHECKING:
-    from megalite.models.kv_cache import KVCache
     from megalite.moe import MoEConfig
 
 PADDING_LOGIT = -1.0e4
@@ -292,7 +291,7 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                position_ids: torch.Tensor | None = None, kv_cache: AttentionCache | None = None,
                 attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         offset = 0 if kv_cache is None else kv_cache.offset

@@ -1,18 +1,7 @@
 """Keys and values of already-processed tokens, for incremental decoding.
 
-The attention layer talks to a cache through three members only (duck-typed,
-so a paged cache from a package above ``models`` plugs in without ``models``
-importing it):
-
-- ``offset``: tokens already cached in front of this call's tokens (0 for a
-  cache that takes explicit ``position_ids`` per token);
-- ``attend(layer_number, q, k, v, dropout, mask)``: store this call's keys and
-  values of one layer and return the attention context ``[s, b, heads*d]``;
-- ``advance(num_tokens)``: called once per model forward after every layer ran.
-
-The attention backend is therefore the cache's choice: :class:`KVCache` keeps
-contiguous tensors and runs :func:`core_attention`; a paged cache gathers keys
-and values through block tables.
+:class:`KVCache` is the contiguous :class:`~megalite.models.attention.AttentionCache`
+(the static decoder's); the inference engine's paged step is the other one.
 """
 
 from __future__ import annotations
@@ -49,15 +38,6 @@ class KVCache:
         """Append ``k``/``v`` and attend ``q`` over every cached position (causal after ``offset``)."""
         k, v = self.append(layer_number, k, v)
         return core_attention(q, k, v, dropout, self.offset, mask)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Forget every token after the first ``num_tokens`` (e.g. rejected speculative drafts)."""
-        if not 0 <= num_tokens <= self.offset:
-            raise ValueError(f"cannot truncate a cache of {self.offset} tokens to {num_tokens}")
-        for store in (self.keys, self.values):
-            for layer in store:
-                store[layer] = store[layer][:num_tokens]
-        self.offset = num_tokens
 
     def advance(self, num_tokens: int) -> None:
         """Mark ``num_tokens`` more tokens as processed by every layer."""

@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING
-
 from megalite import kernels
-from megalite.models.attention import SelfAttention
+from megalite.models.attention import AttentionCache, SelfAttention
 from megalite.models.init import init_stream, layer_stream
 from megalite.models.mlp import MLP
 from megalite.models.norms import build_norm
-from megalite.tensor_parallel import checkpoint, get_rng_tracker
-
-if TYPE_CHECKING:
-    from megalite.models.kv_cache import KVCache
+from megalite.tensor_parallel import get_rng_tracker, recompute
 
 
 class TransformerLayer(nn.Module):
@@ -43,7 +38,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                kv_cache: AttentionCache | None = None, mask: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), rotary, kv_cache, mask, documents)
         x = self._bias_dropout_add(out, bias, x)
@@ -70,8 +65,8 @@ def _run_layers(layers, x, rotary, mask, documents):
 class TransformerBlock(nn.Module):
     """The transformer layers ``layer_range = (start, end)`` (global indices), plus the final norm.
 
-    Full recompute (Megatron's methods): "uniform" checkpoints groups of
-    ``recompute_num_layers`` consecutive layers; "block" checkpoints the first
+    Full recompute (Megatron's methods): "uniform" recomputes groups of
+    ``recompute_num_layers`` consecutive layers; "block" recomputes the first
     ``recompute_num_layers`` layers of this chunk and runs the rest normally.
 
     ``layers`` is keyed by the global layer index, so parameter names are the
@@ -99,7 +94,7 @@ class TransformerBlock(nn.Module):
             self.final_layernorm = None
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                kv_cache: AttentionCache | None = None, mask: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: an optional boolean attention mask ``[b, 1, s, t]`` shared by every layer;
         ``documents [b, s]``: document ids of the whole sequence for packed samples."""
@@ -110,10 +105,10 @@ class TransformerBlock(nn.Module):
         elif self.recompute_method == "uniform":
             n = self.recompute_num_layers
             for start in range(0, len(layers), n):
-                x = checkpoint(_run_layers, layers[start:start + n], x, rotary, mask, documents)
+                x = recompute(_run_layers, layers[start:start + n], x, rotary, mask, documents)
         else:
             for index, layer in enumerate(layers):
-                x = checkpoint(layer, x, rotary, None, mask, documents) if index < self.recompute_num_layers \
+                x = recompute(layer, x, rotary, None, mask, documents) if index < self.recompute_num_layers \
                     else layer(x, rotary, None, mask, documents)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

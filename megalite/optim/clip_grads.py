@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.optim.replicas import counts_on_this_rank
 from megalite.topology import group_rank, group_size, resolve_group
 
 
@@ -13,17 +14,6 @@ def _sum_over(value: torch.Tensor, groups) -> torch.Tensor:
         if group is not None and group_size(group) > 1:
             dist.all_reduce(value, group=group)
     return value
-
-
-def _counts_once(param, tp_group, expert_tp_group, pp_group) -> bool:
-    """False for copies another rank already counts: TP-replicated params off TP rank 0, and the
-    shared embedding off the first pipeline stage."""
-    if getattr(param, "shared_embedding", False) and group_rank(pp_group) != 0:
-        return False
-    if getattr(param, "tensor_model_parallel", False):
-        return True
-    tp = expert_tp_group if getattr(param, "expert_parallel", False) else tp_group
-    return group_rank(tp) == 0
 
 
 def global_grad_norm(params: list, grads: list[torch.Tensor], dense_groups: list, expert_groups: list,
@@ -36,8 +26,9 @@ def global_grad_norm(params: list, grads: list[torch.Tensor], dense_groups: list
     """
     device = grads[0].device if grads else torch.device("cpu")
     parts = {True: [], False: []}
+    ranks = group_rank(tp_group), group_rank(expert_tp_group), group_rank(pp_group)
     for param, grad in zip(params, grads):
-        if _counts_once(param, tp_group, expert_tp_group, pp_group):
+        if counts_on_this_rank(param, *ranks):
             parts[bool(getattr(param, "expert_parallel", False))].append(grad)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for expert, groups in ((False, dense_groups), (True, expert_groups)):

@@ -2,7 +2,7 @@
 
 from megalite.pipeline.broadcast import broadcast_from_last_stage
 from megalite.pipeline.chunks import build_chunks
-from megalite.pipeline.layout import split_layers
+from megalite.pipeline.layer_split import split_layers
 from megalite.pipeline.schedules import SCHEDULES, forward_backward
 from megalite.pipeline.stages import StageMap, last_stage_rank
 from megalite.pipeline.timeline import PipelineRecorder, analytic_bubble, bubble_fraction

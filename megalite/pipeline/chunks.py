@@ -9,7 +9,7 @@ stage owns the embedding (``pre_process``) and the last the output layer (``post
 from __future__ import annotations
 
 from megalite import topology
-from megalite.pipeline.layout import split_layers
+from megalite.pipeline.layer_split import split_layers
 from megalite.pipeline.stages import StageMap
 
 
@@ -22,7 +22,7 @@ def build_chunks(provider, num_layers: int, pp_group, *, vpp: int | None = None,
     topology's, or a single stage without one).  ``vpp`` is the number of chunks per rank
     (None: one, or two under ``schedule="zbv"``); ``first_stage_layers`` /
     ``last_stage_layers`` fix the layer count of the first / last pipeline stage as in
-    :func:`~megalite.pipeline.layout.split_layers`, which raises ValueError on an uneven split.
+    :func:`~megalite.pipeline.layer_split.split_layers`, which raises ValueError on an uneven split.
     """
     group = topology.resolve_group(pp_group, "pp")
     pp, rank = topology.group_size(group), topology.group_rank(group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.rlhf.unwrap import unwrap
+from megalite.distributed.unwrap import unwrap
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 from megalite.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from megalite.topology import resolve_group

@@ -108,14 +108,6 @@ class TrainingBackend:
             return engine_generate(self.chunk, prompts, prompt_mask, sampling, generator)
         return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
 
-    def state_dict(self) -> dict:
-        """This rank's model shard and optimizer state."""
-        return {"model": self.chunk.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.chunk.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
     def save(self, directory: str) -> None:
         """Save the model and optimizer in megalite's checkpoint format (collective; loads under any layout)."""
         save_sharded(directory, self.optimizer.num_steps, [self.chunk], self.optimizer, **self._groups())

@@ -36,6 +36,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megalite import topology
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -82,9 +84,7 @@ class CentralizedModel:
         self.bytes_sent = self.bytes_received = 0
         self.intervals: list[tuple[float, float]] = []
         self._buffers: dict[str, torch.Tensor] = {}
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized()
-            and dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else topology.device()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.group = None if replicated else dist.new_group(backend=dist.get_backend())
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="centralized-model")

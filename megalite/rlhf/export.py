@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint.hf import hf_family, megalite_tensor_to_hf
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
-from megalite.rlhf.unwrap import unwrap
+from megalite.distributed.unwrap import unwrap
 
 _AXES = {"tp": ("tp_rank", "tp_size"), "etp": ("etp_rank", "etp_size"), "ep": ("ep_rank", "ep_size")}
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megalite import topology
+from megalite.distributed.unwrap import unwrap
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
 from megalite.inference.sampler import filter_logits
 from megalite.models.kv_cache import KVCache
-from megalite.rlhf.unwrap import unwrap
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from megalite.distributed.unwrap import unwrap
 from megalite.rlhf.actor import token_log_probs
 from megalite.rlhf.distillation import TeacherOutput, forward_kl
-from megalite.rlhf.unwrap import unwrap
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
 
 

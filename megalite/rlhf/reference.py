@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from megalite.distributed.unwrap import unwrap
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.rlhf.offload import Offloader, module_tensors
-from megalite.rlhf.unwrap import unwrap
 
 
 class ReferenceModel(nn.Module):

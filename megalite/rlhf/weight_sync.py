@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param, intersect
-from megalite.rlhf.unwrap import unwrap
+from megalite.distributed.unwrap import unwrap
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 
@@ -71,8 +71,8 @@ def _describe(model, role: SyncRole) -> dict:
     ctx = ShardContext(tp_rank=role.tp_rank, tp_size=role.tp_size)
     params = {}
     for name, param in inner.named_parameters():
-        layout = global_param(name, param, inner.config, ctx)
-        params[name] = (layout.name, layout.shape, layout.pieces, layout.replicated, layout.alias, param.dtype)
+        gp = global_param(name, param, inner.config, ctx)
+        params[name] = (gp.name, gp.shape, gp.pieces, gp.replicated, gp.alias, param.dtype)
     return {"role": role, "params": params}
 
 

@@ -16,7 +16,7 @@ from megalite.tensor_parallel.mappings import (copy_to_tensor_parallel_region, g
                                                scatter_to_tensor_parallel_region)
 from megalite.tensor_parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker,
                                              model_parallel_seed)
-from megalite.tensor_parallel.recompute import checkpoint
+from megalite.tensor_parallel.recompute import recompute
 from megalite.tensor_parallel.utils import divide
 from megalite.tensor_parallel.vocab_embedding import VocabParallelEmbedding, pad_vocab_size
 
@@ -27,5 +27,5 @@ __all__ = [
     "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_probs", "vocab_parallel_entropy",
-    "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG", "checkpoint",
+    "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG", "recompute",
 ]

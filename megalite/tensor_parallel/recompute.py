@@ -7,7 +7,7 @@ import torch
 from megalite.tensor_parallel.random import RNGStatesTracker, get_device_states, get_rng_tracker, set_device_states
 
 
-class _Checkpoint(torch.autograd.Function):
+class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tracker, *args):
         ctx.fn, ctx.tracker = fn, tracker
@@ -42,11 +42,11 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-def checkpoint(fn, *args, tracker: RNGStatesTracker | None = None):
+def recompute(fn, *args, tracker: RNGStatesTracker | None = None):
     """``fn(*args)`` without keeping its activations; backward recomputes them.
 
     The recompute restores the default RNG states (CPU, and CUDA when
     available) and the tracker's named states as they were at forward, so
     dropout draws the same masks in both passes.
     """
-    return _Checkpoint.apply(fn, get_rng_tracker() if tracker is None else tracker, *args)
+    return _Recompute.apply(fn, get_rng_tracker() if tracker is None else tracker, *args)

@@ -19,8 +19,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-import torch
-
 
 class WeightGradStore:
     """The weight-gradient computations one backward deferred, run later by :meth:`run`."""
@@ -61,20 +59,3 @@ def defer_weight_grads(store: WeightGradStore):
 def current_weight_grad_store() -> WeightGradStore | None:
     """The store of the innermost :func:`defer_weight_grads` block, or None outside any."""
     return _active[-1] if _active else None
-
-
-def accumulate_weight_grad(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
-    """Add ``compute()`` to ``param``'s gradient now, or defer it when a store is active.
-
-    ``param`` must be a leaf parameter; its gradient goes through autograd's
-    accumulation, so hooks on it fire when the weight gradient lands.
-    """
-    store = current_weight_grad_store()
-
-    def run():
-        torch.autograd.backward(param, compute())
-
-    if store is None:
-        run()
-    else:
-        store.push(run)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite import topology
+
 
 @dataclass
 class NanGuardConfig:
@@ -58,8 +60,7 @@ def _world_flags(local: int) -> torch.Tensor:
     """Every rank's ``local`` bit mask, gathered with one all-reduce (a no-op without a process group)."""
     if not dist.is_initialized():
         return torch.tensor([local], dtype=torch.int32)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=topology.device())
     flags[dist.get_rank()] = local
     dist.all_reduce(flags)
     return flags.cpu()

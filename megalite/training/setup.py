@@ -18,6 +18,7 @@ from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel
 from megalite.optim import get_optimizer
+from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import build_chunks
 from megalite.tensor_parallel import model_parallel_seed
 from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
@@ -112,10 +113,10 @@ def build_model(model_provider, args, topo) -> list:
     for module in modules:
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
         if args.use_torch_fsdp2:
-            module.to(device=device())
+            module.to(device=topology.device())
             chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
         else:
-            module.to(device=device(), dtype=param_dtype(args))
+            module.to(device=topology.device(), dtype=param_dtype(args))
             chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
 
@@ -124,13 +125,6 @@ def build_optimizer(args, model_chunks):
     """The optimizer of the flags (mixed precision, ZeRO-1, clipping) over every chunk's parameters."""
     config = optimizer_config(args)
     return get_optimizer(config, model_chunks)
-
-
-def device() -> torch.device:
-    """This rank's compute device: its current GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def num_samples(args) -> list[int]:
@@ -174,15 +168,10 @@ def print_parameter_count(chunks, topo) -> None:
     local = 0
     for chunk in chunks:
         for param in chunk.parameters():
-            sharded = getattr(param, "tensor_model_parallel", False)
-            if getattr(param, "expert_parallel", False):
-                owner = topo.expert_dp.rank == 0 and (sharded or topo.expert_tp.rank == 0)
-            else:
-                owner = topo.dp.rank == 0 and (sharded or topo.tp.rank == 0)
-            if getattr(param, "shared_embedding", False) and not topo.is_first_stage():
-                owner = False
-            local += param.numel() if owner else 0
-    count = torch.tensor([local], dtype=torch.int64, device=device())
+            dp = topo.expert_dp if getattr(param, "expert_parallel", False) else topo.dp_cp
+            if dp.rank == 0 and counts_on_this_rank(param, topo.tp.rank, topo.expert_tp.rank, topo.pp.rank):
+                local += param.numel()
+    count = torch.tensor([local], dtype=torch.int64, device=topology.device())
     dist.all_reduce(count)
     if topo.global_rank == 0:
         print(f"model: {count.item():,} parameters", flush=True)

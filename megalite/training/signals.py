@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite import topology
 from megalite.training.cli import rank_prefix
 from megalite.training.stalls import group_in_stack
 
@@ -83,7 +84,7 @@ class SigtermFlag:
         if not (dist.is_available() and dist.is_initialized()):
             self.stopping = self.received
             return self.received
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=_device())
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=topology.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         self.stopping = bool(flag.item())
         return self.stopping
@@ -97,9 +98,3 @@ class SigtermFlag:
         self._watcher.join()
         self._writer.close()
         self._reader.close()
-
-
-def _device():
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

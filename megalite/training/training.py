@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite import topology
 from megalite.checkpoint import AsyncSaver
 from megalite.distributed import finalize_model_grads
 from megalite.moe import router_statistics, set_aux_loss_scale
@@ -35,7 +36,7 @@ from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import checkpoint_bytes
-from megalite.training.setup import (build_model, build_optimizer, claim_save_dir, device, initialize,
+from megalite.training.setup import (build_model, build_optimizer, claim_save_dir, initialize,
                                      micro_batch_iterator, num_samples, param_dtype, print_parameter_count,
                                      seed_model)
 from megalite.training.signals import SigtermFlag
@@ -90,7 +91,7 @@ class Trainer:
             except ValueError as err:
                 error = str(err)
                 break
-        failed = torch.tensor([1.0 if error else 0.0], device=device())
+        failed = torch.tensor([1.0 if error else 0.0], device=topology.device())
         dist.all_reduce(failed)
         if failed.item():
             messages = [None] * dist.get_world_size()
@@ -115,7 +116,7 @@ class Trainer:
         """Mean over micro-batches on the last stage, mean over DP x CP, then sent to every pipeline stage."""
         keys = sorted(results[0]) if results else []
         local = torch.tensor([sum(float(r[k]) for r in results) / len(results) for k in keys],
-                             dtype=torch.float64, device=device())
+                             dtype=torch.float64, device=topology.device())
         if keys and self.topo.dp_cp.size > 1:
             dist.all_reduce(local, group=self.topo.dp_cp.group)
             local /= self.topo.dp_cp.size
@@ -263,7 +264,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                 values["grad_norm"] = grad_norm
             if args.num_experts:
                 values.update(router_statistics(trainer.chunks, args.num_layers, args.num_experts,
-                                                (trainer.topo.pp.group, trainer.topo.dp.group), device()))
+                                                (trainer.topo.pp.group, trainer.topo.dp.group), topology.device()))
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
@@ -308,7 +309,7 @@ def _exit_reason(args, iteration: int, start_time: float) -> str | None:
         return f"--exit-interval {args.exit_interval} reached"
     if args.exit_duration_in_mins:
         late = torch.tensor([time.time() - start_time > 60.0 * args.exit_duration_in_mins], dtype=torch.int32,
-                            device=device())
+                            device=topology.device())
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
         if late.item():
             return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"

@@ -87,7 +87,7 @@ def test_single_rank_document_attention_matches_sdpa():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_layout_helpers():
+def test_sequence_split_helpers():
     assert chunk_indices(12, 3, 1).tolist() == [2, 3, 8, 9]
     assert chunk_indices(12, 3, 1, load_balance=False).tolist() == [4, 5, 6, 7]
     assert torch.cat([chunk_indices(16, 4, r) for r in range(4)]).sort().values.tolist() == list(range(16))

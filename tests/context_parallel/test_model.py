@@ -1,6 +1,6 @@
 """GPTModel under context parallelism and with packed sequences equals the single-rank model.
 
-One 4-rank launch checks, per CP layout (cp4: learned positions, 4 heads;
+One 4-rank launch checks, per CP configuration (cp4: learned positions, 4 heads;
 cp2: RoPE with grouped-query attention) and comm type, the per-token losses
 and every parameter's gradient (summed over CP) against one rank, for plain
 causal samples and for packed samples (reset positions, document masks), and

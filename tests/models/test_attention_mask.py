@@ -9,7 +9,8 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.models import GPTModel, KVCache
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.models.common import VOCAB, config, full_to_shard, left_padded
 
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.models.common import VOCAB, batch, config, full_to_shard
 
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
 
 TEMPERATURE = 0.7

@@ -8,7 +8,8 @@ from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.rlhf import (CriticModel, PPOConfig, PPOCriticObjective, TrainingBackend, global_normalizer,
                                   pipeline_values, value_loss)
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
 
 

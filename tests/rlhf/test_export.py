@@ -8,7 +8,8 @@ from megalite import topology
 from megalite.models import GPTModel
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.rlhf.export import export_global_weights, export_hf_weights
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.moe.test_gpt_moe import _config as moe_config
 from tests.rlhf.common import config, padded_prompts
 

@@ -8,7 +8,8 @@ from megalite.inference.sampler import filter_logits
 from megalite.models import GPTModel
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.rlhf.generation import SamplingConfig, generate
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
 
 GREEDY = SamplingConfig(max_new_tokens=6, eos_id=5, greedy=True)

@@ -8,7 +8,8 @@ from megalite.pipeline import build_chunks
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.generation import SamplingConfig, generate
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
 
 PP, VPP, LAYERS, TEMPERATURE = 2, 2, 4, 0.7

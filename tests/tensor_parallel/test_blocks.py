@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 from ._blocks import ParallelAttention, ParallelMLP, PlainAttention, PlainMLP, load_plain
 from ._util import assert_all_small, block, max_err

@@ -8,7 +8,8 @@ from torch import nn
 
 from megalite import topology
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 from ._util import assert_all_small, block, master, max_err
 

@@ -4,7 +4,8 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite import tensor_parallel as tpl
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 SHAPE = (4, 2, 8)
 

@@ -3,9 +3,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import topology
-from megalite.tensor_parallel import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
+from megalite.tensor_parallel import RNGStatesTracker, get_rng_tracker, model_parallel_seed, recompute
 from megalite.tensor_parallel.random import get_device_states, set_device_states
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 from ._blocks import ParallelAttention, ParallelMLP
 from ._util import max_err
@@ -64,11 +65,11 @@ def test_model_parallel_seed_differs_only_inside_fork():
     assert torch.equal(d0, torch.rand(4))
 
 
-def _train_step(blocks, x, dy, recompute):
+def _train_step(blocks, x, dy, use_recompute):
     x = x.clone().requires_grad_()
     y = x
     for blk in blocks:
-        y = checkpoint(blk, y) if recompute else blk(y)
+        y = recompute(blk, y) if use_recompute else blk(y)
     y.backward(dy)
     return [y.detach()] + [x.grad] + [p.grad.clone() for blk in blocks for p in blk.parameters()]
 
@@ -83,12 +84,12 @@ def _recompute_parity(sp):
     x, dy = torch.randn(4 // (2 if sp else 1), 2, 16), torch.randn(4 // (2 if sp else 1), 2, 16)
     x, dy = x.to(device()), dy.to(device())
     start = get_device_states(), get_rng_tracker().get_states()
-    plain = _train_step(blocks, x, dy, recompute=False)
+    plain = _train_step(blocks, x, dy, use_recompute=False)
     for blk in blocks:
         blk.zero_grad(set_to_none=True)
     set_device_states(start[0])
     get_rng_tracker().set_states(start[1])
-    recomputed = _train_step(blocks, x, dy, recompute=True)
+    recomputed = _train_step(blocks, x, dy, use_recompute=True)
     for blk in blocks:
         blk.eval()
     no_dropout = blocks[1](blocks[0](x))

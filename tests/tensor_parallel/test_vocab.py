@@ -6,7 +6,8 @@ from torch import nn
 from megalite import topology
 from megalite.tensor_parallel import (VocabParallelEmbedding, pad_vocab_size, vocab_parallel_cross_entropy,
                                       vocab_parallel_entropy, vocab_parallel_log_probs)
-from megalite.testing import device, run_distributed
+from megalite.testing import run_distributed
+from megalite.topology import device
 
 from ._util import assert_all_small, block, master, max_err
 
