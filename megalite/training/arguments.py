@@ -80,7 +80,6 @@ class Flag:
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
                                    "checkpoints, evaluation and logging")
 SAFE = "faults and safety"
-_BOTH_OPT = ("OptimizerConfig.use_distributed_optimizer", "DDPConfig.use_distributed_optimizer")
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-model-parallel-size", PAR, default=1, type=int),
@@ -97,7 +96,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--cp-comm-type", PAR, ("ContextParallelConfig.comm_type",), choices=COMM_TYPES,
          help="context-parallel attention: ring (p2p), all-gathered keys/values, or Ulysses all-to-all (a2a)"),
     Flag("--sequence-parallel", PAR, default=False),
-    Flag("--use-distributed-optimizer", PAR, _BOTH_OPT, type=bool),
+    Flag("--use-distributed-optimizer", PAR, ("DDPConfig.use_distributed_optimizer",), type=bool,
+         help="ZeRO-1: shard the fp32 main parameters and Adam state over DP"),
     Flag("--overlap-grad-reduce", PAR, ("DDPConfig.overlap_grad_reduce",), type=bool),
     Flag("--overlap-param-gather", PAR, ("OptimizerConfig.overlap_param_gather",), type=bool),
     Flag("--use-torch-fsdp2", PAR, default=False,
@@ -157,7 +157,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--train-iters", OPT, type=int, help="None: --train-samples / global batch, else 100"),
     Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
-    Flag("--min-lr", OPT, ("OptimizerConfig.min_lr",), type=float),
+    Flag("--min-lr", OPT, default=0.0, type=float, help="the learning rate the schedule decays to"),
     Flag("--lr-warmup-iters", OPT, default=0, type=int),
     Flag("--lr-warmup-fraction", OPT, type=float,
          help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0"),
@@ -233,12 +233,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-timeout-minutes", SAFE, default=10.0, type=float,
          help="how long a collective may wait for a rank before the job fails"),
 )
-
-
-def flag_for_field(cls_name: str, field: str) -> str | None:
-    """The flag that sets ``cls_name.field``, for messages that name what a user types."""
-    target = f"{cls_name}.{field}"
-    return next((f.name for f in FLAGS if target in f.fields), None)
 
 
 class _RaisingParser(argparse.ArgumentParser):
