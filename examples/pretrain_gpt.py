@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from megalite.training import gpt, pretrain, run_cli
+from megalite.cli import run_cli
+from megalite.training import gpt, pretrain
 
 DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,

@@ -40,7 +40,6 @@ lines) and TensorBoard.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -53,103 +52,53 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
+from megalite.cli import run_cli
 from megalite.checkpoint import load_checkpoint
 from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.flags import ArgumentParser, Flag, FlagTable
 from megalite.models import GPTConfig, GPTModel
-from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedModel, CriticModel,
+from megalite.rlhf import (AdvantageConfig, CentralizedModel, CriticModel,
                            LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, PolyakTarget,
                            Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages,
                            load_reward_fn, overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
                            TeacherOutput, teacher_fn, teacher_rewards, truncated_is_weights, varied_groups)
 from megalite.rlhf.generation import engine_generate, engine_supports, generate
+from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.placement import OffloadConfig, Placement
-from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import split_layers
-from megalite.training.arguments import add_flag
+from megalite.training.flags import FLAGS
 from megalite.training.metrics import MetricsLogger
 
 
+EXAMPLE_FLAGS = FlagTable((
+    Flag("--pretrain-global-batch-size", "batches (global = over all data-parallel ranks)", default=64, type=int,
+         help="sequences per pretraining step"),
+    Flag("--max-operand", "pretraining", default=9, type=int, help="problems are a+b with 0 <= a, b <= this"),
+    Flag("--pretrain-iters", "pretraining", default=80, type=int),
+    Flag("--pretrain-lr", "pretraining", default=3e-3, type=float),
+))
+"""This example's own options (its arithmetic task and the short pretraining before RL)."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    g = p.add_argument_group("parallelism and model (the pretraining flags)")
-    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
-                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
-        add_flag(g, name, default)
-    g = p.add_argument_group("batches (global = over all data-parallel ranks)")
-    add_flag(g, "--global-batch-size", 128, "prompts per RL iteration")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses sampled per prompt (a group)")
-    add_flag(g, "--micro-batch-size", 32, "sequences per forward on one rank")
-    g.add_argument("--pretrain-global-batch-size", type=int, default=64, help="sequences per pretraining step")
-    g = p.add_argument_group("pretraining")
-    g.add_argument("--max-operand", type=int, default=9, help="problems are a+b with 0 <= a, b <= this")
-    g.add_argument("--pretrain-iters", type=int, default=80)
-    g.add_argument("--pretrain-lr", type=float, default=3e-3)
-    g.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
-    g.add_argument("--save", default=None, help="save the pretrained actor here (before RL)")
-    g = p.add_argument_group("RL algorithm")
-    add_flag(g, "--train-iters", 100, "RL iterations")
-    g.add_argument("--advantage-estimator", default="gae", help=f"one of {ADVANTAGE_ESTIMATORS}")
-    g.add_argument("--no-norm-adv-by-std", action="store_true", help="grpo: do not divide by the group's std")
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    g.add_argument("--loss-agg-mode", default="token-mean", choices=LOSS_AGGREGATIONS)
-    g.add_argument("--ppo-epochs", type=int, default=2)
-    g.add_argument("--clip-ratio-low", type=float, default=0.2)
-    g.add_argument("--clip-ratio-high", type=float, default=None, help="default: --clip-ratio-low (DAPO: 0.28)")
-    g.add_argument("--actor-lr", type=float, default=5e-4)
-    g.add_argument("--critic-lr", type=float, default=2e-3)
-    g.add_argument("--kl-coef", type=float, default=0.01)
-    g.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
-    g.add_argument("--use-kl-loss", action="store_true", help="KL as a loss term instead of in the reward")
-    g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--dynamic-sampling", action="store_true",
-                   help="drop groups whose rewards are all equal and generate more to refill the batch")
-    g.add_argument("--max-num-gen-batches", type=int, default=4, help="dynamic sampling: generation rounds at most")
-    g.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping window (0: off)")
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
-    g.add_argument("--max-staleness", type=int, default=0, help="rollouts may be this many updates old")
-    g.add_argument("--rollout-is-cap", type=float, default=2.0, help="truncation of the stale-rollout IS weight")
-    g = p.add_argument_group("rollouts and rewards")
-    g.add_argument("--reward-fn", default="megalite.rlhf.rewards:arithmetic_reward",
-                   help="module:function taking (prompt, response) and returning a float")
-    g.add_argument("--reward-model", default=None,
-                   help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, default=3)
-    g.add_argument("--rollout-world-size", type=int, default=0,
-                   help="ranks that only generate (the last ones); 0: rollouts run on the training ranks")
-    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
-    g.add_argument("--use-centralized-critic", action="store_true",
-                   help="score rollouts with a reward function held by one rank only")
-    g.add_argument("--critic-owner-rank", type=int, default=0)
-    g.add_argument("--distill-coef", type=float, default=0.0,
-                   help="with --use-centralized-critic: a teacher GPT on the owner rank; this times the forward KL "
-                        "to it (on its top-k support) joins the actor loss")
-    g.add_argument("--teacher-reward-coef", type=float, default=0.0,
-                   help="with --use-centralized-critic: this times the teacher's log-prob of each response token "
-                        "joins the per-token reward")
-    g.add_argument("--critic-topk", type=int, default=None,
-                   help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary")
-    g.add_argument("--teacher-load", default=None,
-                   help="teacher checkpoint (megalite format); default: a GPT initialized from --seed + 1")
-    g = p.add_argument_group("placement and offload (see megalite.rlhf.placement)")
-    g.add_argument("--offload-frozen-models", action="store_true",
-                   help="park the reference, reward model, teacher and target critic in (pinned) host memory and "
-                        "copy them to the device only for scoring (verl's ref/reward param_offload)")
-    g.add_argument("--offload-optimizer", action="store_true",
-                   help="park the actor's and critic's optimizer state in host memory during generation and "
-                        "scoring (verl's optimizer_offload)")
-    g.add_argument("--target-critic-tau", type=float, default=None,
-                   help="gae: advantages use a target critic, a host copy of the critic moved by Polyak "
-                        "averaging at this rate after each update")
-    g = p.add_argument_group("logging")
-    add_flag(g, "--metrics-file", None)
-    add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    FLAGS.add_to(p, ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
+                     "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size",
+                     "--train-iters", "--load", "--save", "--metrics-file", "--tensorboard-dir"],
+                 defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
+                           "--global-batch-size": 128, "--micro-batch-size": 32, "--train-iters": 100,
+                           "--tensorboard-dir": "runs/rlhf_ppo"},
+                 helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
+                        "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
+                        "--load": "directory of a pretrained actor saved with --save",
+                        "--save": "save the pretrained actor here (before RL)"})
+    EXAMPLE_FLAGS.add_to(p)
+    RL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
 
@@ -202,14 +151,9 @@ def validate(args, world_size: int) -> None:
                                                    and 0.0 < args.target_critic_tau <= 1.0):
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
-    args.offload = OffloadConfig(offload_frozen_models=args.offload_frozen_models,
-                                 offload_optimizer=args.offload_optimizer)
-    args.advantage = AdvantageConfig(args.advantage_estimator, args.n_samples_per_prompt, args.gamma, args.lam,
-                                     not args.no_norm_adv_by_std)
-    args.ppo = PPOConfig(clip_eps=args.clip_ratio_low, clip_eps_high=args.clip_ratio_high, kl_coef=args.kl_coef,
-                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
-                         loss_aggregation=args.loss_agg_mode, use_kl_loss=args.use_kl_loss,
-                         rollout_is_cap=args.rollout_is_cap)
+    args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
+    args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
+    args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
     if args.reward_model:
         check_reward_model(args.reward_model, TOKENIZER.vocab_size)
     else:
@@ -708,4 +652,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

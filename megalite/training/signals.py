@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.training.cli import rank_prefix
-from megalite.training.stalls import group_in_stack
+from megalite.cli import rank_prefix
+from megalite.stalls import group_in_stack
 
 BLOCKED_EXIT_S = 20.0
 

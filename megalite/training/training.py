@@ -35,11 +35,12 @@ from megalite.optim import get_optimizer
 from megalite.pipeline import (PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank,
                                split_layers)
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
-                                         nan_guard_config, optimizer_config, packing_config, parse_args,
-                                         use_checkpoint_architecture, validate_args)
+from megalite.training.arguments import (architecture_differences, format_args, use_checkpoint_architecture,
+                                         validate_args)
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.data_checks import check_data, eod_token_id
+from megalite.training.flags import (ddp_config, fsdp_config, gpt_config, nan_guard_config, optimizer_config,
+                                     packing_config, parse_args)
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.nan_guard import NanGuard, check_finite_weights

@@ -4,8 +4,8 @@ from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.training.arguments import (FLAGS, build_parser, ddp_config, format_args, gpt_config, optimizer_config, parse_args,
-                                         validate_args)
+from megalite.training.arguments import format_args, validate_args
+from megalite.training.flags import FLAGS, build_parser, ddp_config, gpt_config, optimizer_config, parse_args
 
 
 def _args(*argv, world=1, defaults=None):
