@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 from megalite.checkpoint.format import MANIFEST, CheckpointReader
+from megalite.cli import run_cli
+from megalite.flags import ArgumentParser
 
 
 def _size(nbytes: float) -> str:
@@ -50,19 +51,15 @@ def describe(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megalite.checkpoint",
+    parser = ArgumentParser(prog="python -m megalite.checkpoint",
                                      description="Inspect a megalite checkpoint.")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="print the layout, iteration, tensors and sizes")
     inspect.add_argument("directory", help="a save directory (its latest iteration) or an iteration directory")
     args = parser.parse_args(argv)
-    try:
-        print(describe(args.directory))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    print(describe(args.directory))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))
