@@ -20,13 +20,13 @@ batch refilled) and ``--overlong-buffer-len`` shaping.
 of the update that trains on the current one; each rollout carries the policy
 version that made it, the logged ``staleness`` never exceeds S, and a stale
 rollout's loss is corrected by truncated importance sampling
-(``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-centralized-critic``
-the reward function runs on one rank only (``--critic-owner-rank``) and scores
+(``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-scoring-server``
+the reward function runs on one rank only (``--scoring-server-rank``) and scores
 the rollouts drawn ahead in the background; only token tensors travel.  With
 ``--distill-coef`` / ``--teacher-reward-coef`` that rank also holds a teacher
-GPT whose full-vocabulary or top-k (``--critic-topk K``) log-probs give a
+GPT whose full-vocabulary or top-k (``--teacher-topk K``) log-probs give a
 forward-KL distillation loss and per-token log-prob rewards; the logged
-``critic_staleness`` counts teacher versions (0: the teacher is frozen).
+``scorer_staleness`` counts teacher versions (0: the teacher is frozen).
 
 Placement (megalite.rlhf.placement): rank 0 prints where each model's weights, grads and optimizer state
 live in the generation, scoring and training phases.  ``--offload-frozen-models`` parks the reference,
@@ -59,7 +59,7 @@ from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.flags import ArgumentParser, Flag, FlagTable
 from megalite.models import GPTConfig, GPTModel
-from megalite.rlhf import (AdvantageConfig, CentralizedModel, CriticModel,
+from megalite.rlhf import (AdvantageConfig, ScoringServer, CriticModel,
                            LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, PolyakTarget,
                            Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages,
                            load_reward_fn, overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
@@ -112,7 +112,7 @@ def validate(args, world_size: int) -> None:
         if rollout_tp < 1 or rollout % rollout_tp:
             raise ValueError(f"--rollout-world-size {rollout} is not a multiple of --rollout-tensor-parallel-size "
                              f"{rollout_tp}")
-        if args.use_centralized_critic or args.dynamic_sampling:
+        if args.use_scoring_server or args.dynamic_sampling:
             raise ValueError("--rollout-world-size runs with a local reward and without --dynamic-sampling")
     trainers = world_size - rollout
     if trainers % model_parallel:
@@ -133,20 +133,20 @@ def validate(args, world_size: int) -> None:
                          f"{args.micro_batch_size}")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
-    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_centralized_critic):
+    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
-                         f"and a local reward (not --use-centralized-critic)")
+                         f"and a local reward (not --use-scoring-server)")
     if args.overlong_buffer_len > args.max_new_tokens:
         raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
                          f"{args.max_new_tokens}")
     args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
-    if (args.use_teacher or args.critic_topk is not None) and not args.use_centralized_critic:
-        raise ValueError("--distill-coef, --teacher-reward-coef and --critic-topk need --use-centralized-critic")
-    if args.critic_topk is not None and not (args.use_teacher and 1 <= args.critic_topk <= TOKENIZER.vocab_size):
-        raise ValueError(f"--critic-topk {args.critic_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
+    if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
+        raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")
+    if args.teacher_topk is not None and not (args.use_teacher and 1 <= args.teacher_topk <= TOKENIZER.vocab_size):
+        raise ValueError(f"--teacher-topk {args.teacher_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
                          f"1 <= K <= the vocabulary size {TOKENIZER.vocab_size}")
-    if not 0 <= args.critic_owner_rank < world_size:
-        raise ValueError(f"--critic-owner-rank {args.critic_owner_rank} is outside the world of {world_size} ranks")
+    if not 0 <= args.scoring_server_rank < world_size:
+        raise ValueError(f"--scoring-server-rank {args.scoring_server_rank} is outside the world of {world_size} ranks")
     if args.target_critic_tau is not None and not (args.advantage_estimator == "gae"
                                                    and 0.0 < args.target_critic_tau <= 1.0):
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
@@ -371,7 +371,7 @@ class Rollouts:
                      for row, keep in zip(tokens[:, width:], response_mask[:, width - 1:])]
         rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
                    "response_mask": response_mask, "rollout_log_probs": log_probs}
-        if not self.args.use_centralized_critic:
+        if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):
                 rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
         return rollout
@@ -503,17 +503,17 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
 
 def build_teacher(args, config, single_group, device):
     """The owner's teacher: an unsharded GPT (``--teacher-load``, else initialized from ``--seed`` + 1) and its
-    served function (top-k with ``--critic-topk``)."""
+    served function (top-k with ``--teacher-topk``)."""
     torch.manual_seed(args.seed + 1)
     model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
     if args.teacher_load:
         load_checkpoint(args.teacher_load, [model], tp_group=single_group)
-    return model, teacher_fn(model, args.critic_topk)
+    return model, teacher_fn(model, args.teacher_topk)
 
 
 def build_placement(args, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
     """This rank's models in the placement plan: the trained actor (and critic), the reference, the reward
-    model and teacher where this rank holds them (moved per request on the centralized owner) and the target
+    model and teacher where this rank holds them (moved per request on the scoring-server rank) and the target
     critic (also used in training when stale rollouts recompute their values)."""
     placement = Placement(args.offload, device)
     placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
@@ -521,7 +521,7 @@ def build_placement(args, device, actor, critic, reference, reward, teacher_mode
         placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
     placement.add_frozen(REFERENCE, reference.module)
     if isinstance(reward, RewardModelScorer):
-        placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_centralized_critic)
+        placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
     if teacher_model is not None:
         placement.add_frozen(TEACHER, teacher_model, on_demand=True)
     if target is not None:
@@ -600,21 +600,21 @@ def main(argv=None) -> int:
                                  topo)
         if args.target_critic_tau is not None:
             target = (unwrapped_chunk(CriticModel), PolyakTarget(critic_chunk.module, args.target_critic_tau))
-    owner = topo.global_rank == args.critic_owner_rank
-    reward = reward_function(args, owner or not args.use_centralized_critic, single_group, device)
+    owner = topo.global_rank == args.scoring_server_rank
+    reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
     teacher_model = teacher = None
-    if args.use_centralized_critic and owner and args.use_teacher:
+    if args.use_scoring_server and owner and args.use_teacher:
         teacher_model, teacher = build_teacher(args, config, single_group, device)
     placement = build_placement(args, device, actor, critic, reference, reward, teacher_model, target)
-    if topo.global_rank == 0 or (owner and args.use_centralized_critic):
+    if topo.global_rank == 0 or (owner and args.use_scoring_server):
         print(f"rank {topo.global_rank} {placement.table()}", flush=True)
     value_model = target[0] if target is not None else critic_chunk
     rollouts = Rollouts(args, topo, actor, reference, value_model, device, reward, placement)
     reward_model = None
-    if args.use_centralized_critic:
-        per_token = (False,) + ((True,) * (2 if args.critic_topk is None else 3) if args.use_teacher else ())
+    if args.use_scoring_server:
+        per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
         serve = served_scores(reward, teacher, prompt_width(args), placement) if owner else None
-        reward_model = CentralizedModel(serve, owner=args.critic_owner_rank, per_token=per_token, device=device)
+        reward_model = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token, device=device)
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["input_ids"], r["attention_mask"]))
     else:
@@ -630,8 +630,8 @@ def main(argv=None) -> int:
             if target is not None:
                 placement.update_target(TARGET_CRITIC, critic_chunk.module)
         metrics.update(placement.take_metrics())
-        if args.use_centralized_critic:
-            metrics["critic_staleness"] = float(stream.staleness[-1])
+        if args.use_scoring_server:
+            metrics["scorer_staleness"] = float(stream.staleness[-1])
         rollouts.version += 1
         if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
             start_sync, sent = time.monotonic(), sync.bytes_sent

@@ -62,16 +62,16 @@ RL_FLAGS = FlagTable((
     Flag("--rollout-world-size", ROLLOUT, default=0, type=int,
          help="ranks that only generate (the last ones); 0: rollouts run on the training ranks"),
     Flag("--rollout-tensor-parallel-size", ROLLOUT, default=1, type=int),
-    Flag("--use-centralized-critic", ROLLOUT, default=False,
-         help="score rollouts with a reward function held by one rank only"),
-    Flag("--critic-owner-rank", ROLLOUT, default=0, type=int),
+    Flag("--use-scoring-server", ROLLOUT, default=False,
+         help="score rollouts on a scoring server: the reward (and teacher) held by one rank only"),
+    Flag("--scoring-server-rank", ROLLOUT, default=0, type=int, help="the rank that holds the scoring server"),
     Flag("--distill-coef", ROLLOUT, default=0.0, type=float,
-         help="with --use-centralized-critic: a teacher GPT on the owner rank; this times the forward KL to it "
+         help="with --use-scoring-server: a teacher GPT on the scoring-server rank; this times the forward KL to it "
               "(on its top-k support) joins the actor loss"),
     Flag("--teacher-reward-coef", ROLLOUT, default=0.0, type=float,
-         help="with --use-centralized-critic: this times the teacher's log-prob of each response token joins the "
+         help="with --use-scoring-server: this times the teacher's log-prob of each response token joins the "
               "per-token reward"),
-    Flag("--critic-topk", ROLLOUT, type=int,
+    Flag("--teacher-topk", ROLLOUT, type=int,
          help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary"),
     Flag("--teacher-load", ROLLOUT, help="teacher checkpoint (megalite format); None: a GPT initialized from --seed + 1"),
 
