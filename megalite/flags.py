@@ -52,6 +52,10 @@ class FlagTable:
     def __init__(self, flags, configs=()):
         self.flags = tuple(flags)
         self.configs = {cls.__name__: cls for cls in configs}
+        names = [f.name for f in self.flags]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"flags defined twice: {', '.join(repeated)}")
         for flag in self.flags:
             for target in flag.fields:
                 cls_name, field = target.split(".")
@@ -63,12 +67,6 @@ class FlagTable:
 
     def __iter__(self):
         return iter(self.flags)
-
-    def __getitem__(self, name: str) -> Flag:
-        flag = next((f for f in self.flags if f.name == name), None)
-        if flag is None:
-            raise KeyError(f"{name} is not in this flag table")
-        return flag
 
     def field_default(self, target: str):
         """The dataclass default of ``"Class.field"`` (``MISSING`` when it has none)."""

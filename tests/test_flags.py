@@ -67,3 +67,8 @@ def test_a_row_must_name_a_real_field():
 
     with pytest.raises(ValueError, match="flag --kl: PPOConfig has no field kl"):
         FlagTable((Flag("--kl", "g", ("PPOConfig.kl",)),), (PPOConfig,))
+
+
+def test_a_flag_is_defined_once():
+    with pytest.raises(ValueError, match="flags defined twice: --load"):
+        SHARED_FLAGS + FlagTable((Flag("--load", "g"),))
