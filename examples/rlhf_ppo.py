@@ -52,18 +52,18 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.cli import run_cli
 from megalite.checkpoint import load_checkpoint
+from megalite.cli import run_cli
 from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.flags import ArgumentParser, Flag, FlagTable
 from megalite.models import GPTConfig, GPTModel
-from megalite.rlhf import (AdvantageConfig, ScoringServer, CriticModel,
-                           LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, PolyakTarget,
-                           Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages,
-                           load_reward_fn, overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
-                           TeacherOutput, teacher_fn, teacher_rewards, truncated_is_weights, varied_groups)
+from megalite.rlhf import (AdvantageConfig, CriticModel, LanguageModelObjective, PPOActorObjective, PPOConfig,
+                           PPOCriticObjective, PolyakTarget, Prefetcher, ReferenceModel, SamplingConfig, ScoringServer,
+                           TeacherOutput, TrainingBackend, compute_advantages, load_reward_fn, overlong_penalty,
+                           pipeline_log_probs, pipeline_values, teacher_fn, teacher_rewards, token_rewards,
+                           truncated_is_weights, varied_groups)
 from megalite.rlhf.generation import engine_generate, engine_supports, generate
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.placement import OffloadConfig, Placement

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.cli import run_cli
 from megalite.checkpoint import save_checkpoint
+from megalite.cli import run_cli
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.flags import ArgumentParser
