@@ -52,7 +52,7 @@ def _build():
     config = GPTConfig(vocab_size=32000, num_layers=12, hidden_size=768, num_attention_heads=12,
                        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
     chunk = DistributedDataParallel(GPTModel(config), DDPConfig(use_distributed_optimizer=True))
-    optimizer = get_optimizer(OptimizerConfig(lr=1e-4, use_distributed_optimizer=True), [chunk])
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-4), [chunk])
     ids = torch.randint(0, 32000, (1, 17), generator=torch.Generator().manual_seed(0))
     optimizer.zero_grad()
     chunk(ids[:, :-1], ids[:, 1:]).mean().backward()

@@ -74,7 +74,7 @@ def megalite_side(width, layers, batch, zero: bool, bucket_size: int):
     """(step function, optimizer state dict, peak RSS holder) for megalite DDP + AdamW."""
     model = build(width, layers)
     ddp = DistributedDataParallel(model, DDPConfig(bucket_size=bucket_size, use_distributed_optimizer=zero))
-    opt = get_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, use_distributed_optimizer=zero), [ddp])
+    opt = get_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP), [ddp])
     x = torch.randn(batch, width, device=device())
     peak = [0.0]
 

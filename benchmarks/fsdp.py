@@ -70,7 +70,7 @@ def megalite_side(config, tokens, fsdp: bool):
         chunk = FullyShardedDataParallel(model)
     else:
         chunk = DistributedDataParallel(model, DDPConfig(use_distributed_optimizer=True))
-    opt = get_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP, use_distributed_optimizer=not fsdp), [chunk])
+    opt = get_optimizer(OptimizerConfig(lr=LR, clip_grad=CLIP), [chunk])
 
     def forward_step(iterator, chunk):
         batch = next(iterator)

@@ -5,15 +5,17 @@
 
 With no --data-path it trains on megalite's cached synthetic corpus (rank 0
 builds it once).  The defaults below give a model whose loss falls from ~4.9
-to ~1.5 in 150 iterations, in about two minutes on 8 CPU ranks.  It saves to and
-loads from checkpoints/gpt, so a rerun resumes (or says the run is finished); TensorBoard logs go to runs/.
+to ~1.5 in 150 iterations, in about two minutes on 8 CPU ranks.  As in Megatron, nothing is saved or
+loaded unless asked: ``--save checkpoints/gpt --load checkpoints/gpt`` makes a rerun resume (or say the run
+is finished).  TensorBoard logs go to runs/.
 """
 
 import sys
 
 import torch
 
-from megalite.training import gpt, pretrain, run_cli
+from megalite.cli import run_cli
+from megalite.training import gpt, pretrain
 
 DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,
@@ -21,7 +23,7 @@ DEFAULTS = {
     "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
     "hidden_dropout": 0.0, "attention_dropout": 0.0, "weight_decay": 0.01,
     "log_interval": 10, "eval_interval": 50, "eval_iters": 2,
-    "save": "checkpoints/gpt", "load": "checkpoints/gpt", "tensorboard_dir": "runs/",
+    "tensorboard_dir": "runs/",
 }
 
 

@@ -20,13 +20,13 @@ batch refilled) and ``--overlong-buffer-len`` shaping.
 of the update that trains on the current one; each rollout carries the policy
 version that made it, the logged ``staleness`` never exceeds S, and a stale
 rollout's loss is corrected by truncated importance sampling
-(``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-centralized-critic``
-the reward function runs on one rank only (``--critic-owner-rank``) and scores
+(``--rollout-is-cap``).  S=0 is on-policy.  With ``--use-scoring-server``
+the reward function runs on one rank only (``--scoring-server-rank``) and scores
 the rollouts drawn ahead in the background; only token tensors travel.  With
 ``--distill-coef`` / ``--teacher-reward-coef`` that rank also holds a teacher
-GPT whose full-vocabulary or top-k (``--critic-topk K``) log-probs give a
+GPT whose full-vocabulary or top-k (``--teacher-topk K``) log-probs give a
 forward-KL distillation loss and per-token log-prob rewards; the logged
-``critic_staleness`` counts teacher versions (0: the teacher is frozen).
+``scorer_staleness`` counts teacher versions (0: the teacher is frozen).
 
 Placement (megalite.rlhf.placement): rank 0 prints where each model's weights, grads and optimizer state
 live in the generation, scoring and training phases.  ``--offload-frozen-models`` parks the reference,
@@ -40,7 +40,6 @@ lines) and TensorBoard.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -54,102 +53,52 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.checkpoint import load_sharded
+from megalite.cli import run_cli
 from megalite.data.synthetic import arithmetic_answer
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.flags import ArgumentParser, Flag, FlagTable
 from megalite.models import GPTConfig, GPTModel
-from megalite.rlhf import (ADVANTAGE_ESTIMATORS, AdvantageConfig, CentralizedModel, CriticModel,
-                           LanguageModelObjective, PPOActorObjective, PPOConfig, PPOCriticObjective, PolyakTarget,
-                           Prefetcher, ReferenceModel, SamplingConfig, TrainingBackend, compute_advantages,
-                           load_reward_fn, overlong_penalty, pipeline_log_probs, pipeline_values, token_rewards,
-                           TeacherOutput, teacher_fn, teacher_rewards, truncated_is_weights, varied_groups)
+from megalite.rlhf import (AdvantageConfig, CriticModel, LanguageModelObjective, PPOActorObjective, PPOConfig,
+                           PPOCriticObjective, PolyakTarget, Prefetcher, ReferenceModel, SamplingConfig, ScoringServer,
+                           TeacherOutput, TrainingBackend, compute_advantages, load_reward_fn, overlong_penalty,
+                           pipeline_log_probs, pipeline_values, teacher_fn, teacher_rewards, token_rewards,
+                           truncated_is_weights, varied_groups)
 from megalite.rlhf.generation import engine_generate, engine_supports, generate
+from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.placement import OffloadConfig, Placement
-from megalite.rlhf.ppo import LOSS_AGGREGATIONS
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
 from megalite.rlhf.reward_model import RewardModelScorer, check_reward_model
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import build_chunks
-from megalite.training.arguments import add_flag
+from megalite.training.flags import FLAGS
 from megalite.training.metrics import MetricsLogger
 
 
+EXAMPLE_FLAGS = FlagTable((
+    Flag("--pretrain-global-batch-size", "batches (global = over all data-parallel ranks)", default=64, type=int,
+         help="sequences per pretraining step"),
+    Flag("--max-operand", "pretraining", default=9, type=int, help="problems are a+b with 0 <= a, b <= this"),
+    Flag("--pretrain-iters", "pretraining", default=80, type=int),
+    Flag("--pretrain-lr", "pretraining", default=3e-3, type=float),
+))
+"""This example's own options (its arithmetic task and the short pretraining before RL)."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    g = p.add_argument_group("parallelism and model (the pretraining flags)")
-    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
-                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
-        add_flag(g, name, default)
-    g = p.add_argument_group("batches (global = over all data-parallel ranks)")
-    add_flag(g, "--global-batch-size", 128, "prompts per RL iteration")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="responses sampled per prompt (a group)")
-    add_flag(g, "--micro-batch-size", 32, "sequences per forward on one rank")
-    g.add_argument("--pretrain-global-batch-size", type=int, default=64, help="sequences per pretraining step")
-    g = p.add_argument_group("pretraining")
-    g.add_argument("--max-operand", type=int, default=9, help="problems are a+b with 0 <= a, b <= this")
-    g.add_argument("--pretrain-iters", type=int, default=80)
-    g.add_argument("--pretrain-lr", type=float, default=3e-3)
-    g.add_argument("--load", default=None, help="directory of a pretrained actor saved with --save")
-    g.add_argument("--save", default=None, help="save the pretrained actor here (before RL)")
-    g = p.add_argument_group("RL algorithm")
-    add_flag(g, "--train-iters", 100, "RL iterations")
-    g.add_argument("--advantage-estimator", default="gae", help=f"one of {ADVANTAGE_ESTIMATORS}")
-    g.add_argument("--no-norm-adv-by-std", action="store_true", help="grpo: do not divide by the group's std")
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    g.add_argument("--loss-agg-mode", default="token-mean", choices=LOSS_AGGREGATIONS)
-    g.add_argument("--ppo-epochs", type=int, default=2)
-    g.add_argument("--clip-ratio-low", type=float, default=0.2)
-    g.add_argument("--clip-ratio-high", type=float, default=None, help="default: --clip-ratio-low (DAPO: 0.28)")
-    g.add_argument("--actor-lr", type=float, default=5e-4)
-    g.add_argument("--critic-lr", type=float, default=2e-3)
-    g.add_argument("--kl-coef", type=float, default=0.01)
-    g.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"])
-    g.add_argument("--use-kl-loss", action="store_true", help="KL as a loss term instead of in the reward")
-    g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--dynamic-sampling", action="store_true",
-                   help="drop groups whose rewards are all equal and generate more to refill the batch")
-    g.add_argument("--max-num-gen-batches", type=int, default=4, help="dynamic sampling: generation rounds at most")
-    g.add_argument("--overlong-buffer-len", type=int, default=0, help="DAPO overlong shaping window (0: off)")
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
-    g.add_argument("--max-staleness", type=int, default=0, help="rollouts may be this many updates old")
-    g.add_argument("--rollout-is-cap", type=float, default=2.0, help="truncation of the stale-rollout IS weight")
-    g = p.add_argument_group("rollouts and rewards")
-    g.add_argument("--reward-fn", default="megalite.rlhf.rewards:arithmetic_reward",
-                   help="module:function taking (prompt, response) and returning a float")
-    g.add_argument("--reward-model", default=None,
-                   help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, default=3)
-    g.add_argument("--rollout-world-size", type=int, default=0,
-                   help="ranks that only generate (the last ones); 0: rollouts run on the training ranks")
-    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
-    g.add_argument("--use-centralized-critic", action="store_true",
-                   help="score rollouts with a reward function held by one rank only")
-    g.add_argument("--critic-owner-rank", type=int, default=0)
-    g.add_argument("--distill-coef", type=float, default=0.0,
-                   help="with --use-centralized-critic: a teacher GPT on the owner rank; this times the forward KL "
-                        "to it (on its top-k support) joins the actor loss")
-    g.add_argument("--teacher-reward-coef", type=float, default=0.0,
-                   help="with --use-centralized-critic: this times the teacher's log-prob of each response token "
-                        "joins the per-token reward")
-    g.add_argument("--critic-topk", type=int, default=None,
-                   help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary")
-    g.add_argument("--teacher-load", default=None,
-                   help="teacher checkpoint (megalite format); default: a GPT initialized from --seed + 1")
-    g = p.add_argument_group("placement and offload (see megalite.rlhf.placement)")
-    g.add_argument("--offload-frozen-models", action="store_true",
-                   help="park the reference, reward model, teacher and target critic in (pinned) host memory and "
-                        "copy them to the device only for scoring (verl's ref/reward param_offload)")
-    g.add_argument("--offload-optimizer", action="store_true",
-                   help="park the actor's and critic's optimizer state in host memory during generation and "
-                        "scoring (verl's optimizer_offload)")
-    g.add_argument("--target-critic-tau", type=float, default=None,
-                   help="gae: advantages use a target critic, a host copy of the critic moved by Polyak "
-                        "averaging at this rate after each update")
-    g = p.add_argument_group("logging")
-    add_flag(g, "--metrics-file", None)
-    add_flag(g, "--tensorboard-dir", "runs/rlhf_ppo")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    FLAGS.add_to(p, ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
+                     "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size",
+                     "--train-iters", "--load", "--save", "--metrics-file", "--tensorboard-dir"],
+                 defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
+                           "--global-batch-size": 128, "--micro-batch-size": 32, "--train-iters": 100,
+                           "--tensorboard-dir": "runs/rlhf_ppo"},
+                 helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
+                        "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
+                        "--load": "directory of a pretrained actor saved with --save",
+                        "--save": "save the pretrained actor here (before RL)"})
+    EXAMPLE_FLAGS.add_to(p)
+    RL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
 
@@ -163,7 +112,7 @@ def validate(args, world_size: int) -> None:
         if rollout_tp < 1 or rollout % rollout_tp:
             raise ValueError(f"--rollout-world-size {rollout} is not a multiple of --rollout-tensor-parallel-size "
                              f"{rollout_tp}")
-        if args.use_centralized_critic or args.dynamic_sampling:
+        if args.use_scoring_server or args.dynamic_sampling:
             raise ValueError("--rollout-world-size runs with a local reward and without --dynamic-sampling")
     trainers = world_size - rollout
     if trainers % model_parallel:
@@ -184,32 +133,27 @@ def validate(args, world_size: int) -> None:
                          f"{args.micro_batch_size}")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
-    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_centralized_critic):
+    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
-                         f"and a local reward (not --use-centralized-critic)")
+                         f"and a local reward (not --use-scoring-server)")
     if args.overlong_buffer_len > args.max_new_tokens:
         raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
                          f"{args.max_new_tokens}")
     args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
-    if (args.use_teacher or args.critic_topk is not None) and not args.use_centralized_critic:
-        raise ValueError("--distill-coef, --teacher-reward-coef and --critic-topk need --use-centralized-critic")
-    if args.critic_topk is not None and not (args.use_teacher and 1 <= args.critic_topk <= TOKENIZER.vocab_size):
-        raise ValueError(f"--critic-topk {args.critic_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
+    if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
+        raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")
+    if args.teacher_topk is not None and not (args.use_teacher and 1 <= args.teacher_topk <= TOKENIZER.vocab_size):
+        raise ValueError(f"--teacher-topk {args.teacher_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
                          f"1 <= K <= the vocabulary size {TOKENIZER.vocab_size}")
-    if not 0 <= args.critic_owner_rank < world_size:
-        raise ValueError(f"--critic-owner-rank {args.critic_owner_rank} is outside the world of {world_size} ranks")
+    if not 0 <= args.scoring_server_rank < world_size:
+        raise ValueError(f"--scoring-server-rank {args.scoring_server_rank} is outside the world of {world_size} ranks")
     if args.target_critic_tau is not None and not (args.advantage_estimator == "gae"
                                                    and 0.0 < args.target_critic_tau <= 1.0):
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
-    args.offload = OffloadConfig(offload_frozen_models=args.offload_frozen_models,
-                                 offload_optimizer=args.offload_optimizer)
-    args.advantage = AdvantageConfig(args.advantage_estimator, args.n_samples_per_prompt, args.gamma, args.lam,
-                                     not args.no_norm_adv_by_std)
-    args.ppo = PPOConfig(clip_eps=args.clip_ratio_low, clip_eps_high=args.clip_ratio_high, kl_coef=args.kl_coef,
-                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
-                         loss_aggregation=args.loss_agg_mode, use_kl_loss=args.use_kl_loss,
-                         rollout_is_cap=args.rollout_is_cap)
+    args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
+    args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
+    args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
     if args.reward_model:
         check_reward_model(args.reward_model, TOKENIZER.vocab_size)
     else:
@@ -431,7 +375,7 @@ class Rollouts:
                      for row, keep in zip(tokens[:, width:], response_mask[:, width - 1:])]
         rollout = {"prompts": prompts, "responses": responses, "input_ids": tokens, "attention_mask": attention,
                    "response_mask": response_mask, "rollout_log_probs": log_probs}
-        if not self.args.use_centralized_critic:
+        if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):
                 rollout["scores"] = score_batches(self.reward, [(prompts, responses)])[0].to(self.device)
         return rollout
@@ -563,17 +507,17 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
 
 def build_teacher(args, config, single_group, device):
     """The owner's teacher: an unsharded GPT (``--teacher-load``, else initialized from ``--seed`` + 1) and its
-    served function (top-k with ``--critic-topk``)."""
+    served function (top-k with ``--teacher-topk``)."""
     torch.manual_seed(args.seed + 1)
     model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
     if args.teacher_load:
         load_sharded(args.teacher_load, [model], tp_group=single_group)
-    return model, teacher_fn(model, args.critic_topk)
+    return model, teacher_fn(model, args.teacher_topk)
 
 
 def build_placement(args, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
     """This rank's models in the placement plan: the trained actor (and critic), the reference, the reward
-    model and teacher where this rank holds them (moved per request on the centralized owner) and the target
+    model and teacher where this rank holds them (moved per request on the scoring-server rank) and the target
     critic (also used in training when stale rollouts recompute their values)."""
     placement = Placement(args.offload, device)
     placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
@@ -581,7 +525,7 @@ def build_placement(args, device, actor, critic, reference, reward, teacher_mode
         placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
     placement.add_frozen(REFERENCE, reference.module)
     if isinstance(reward, RewardModelScorer):
-        placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_centralized_critic)
+        placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
     if teacher_model is not None:
         placement.add_frozen(TEACHER, teacher_model, on_demand=True)
     if target is not None:
@@ -655,21 +599,21 @@ def main(argv=None) -> int:
         if args.target_critic_tau is not None:
             target = (pipeline_chunk(CriticModel, config, topo, device),
                       PolyakTarget(critic_chunk.module, args.target_critic_tau))
-    owner = topo.global_rank == args.critic_owner_rank
-    reward = reward_function(args, owner or not args.use_centralized_critic, single_group, device)
+    owner = topo.global_rank == args.scoring_server_rank
+    reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
     teacher_model = teacher = None
-    if args.use_centralized_critic and owner and args.use_teacher:
+    if args.use_scoring_server and owner and args.use_teacher:
         teacher_model, teacher = build_teacher(args, config, single_group, device)
     placement = build_placement(args, device, actor, critic, reference, reward, teacher_model, target)
-    if topo.global_rank == 0 or (owner and args.use_centralized_critic):
+    if topo.global_rank == 0 or (owner and args.use_scoring_server):
         print(f"rank {topo.global_rank} {placement.table()}", flush=True)
     value_model = target[0] if target is not None else critic_chunk
     rollouts = Rollouts(args, topo, actor, reference, value_model, device, reward, placement)
     reward_model = None
-    if args.use_centralized_critic:
-        per_token = (False,) + ((True,) * (2 if args.critic_topk is None else 3) if args.use_teacher else ())
+    if args.use_scoring_server:
+        per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
         serve = served_scores(reward, teacher, prompt_width(args), placement) if owner else None
-        reward_model = CentralizedModel(serve, owner=args.critic_owner_rank, per_token=per_token, device=device)
+        reward_model = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token, device=device)
         stream = Prefetcher(reward_model, rollouts, args.max_staleness,
                             inputs_of=lambda r: (r["input_ids"], r["attention_mask"]))
     else:
@@ -685,8 +629,8 @@ def main(argv=None) -> int:
             if target is not None:
                 placement.update_target(TARGET_CRITIC, critic_chunk.module)
         metrics.update(placement.take_metrics())
-        if args.use_centralized_critic:
-            metrics["critic_staleness"] = float(stream.staleness[-1])
+        if args.use_scoring_server:
+            metrics["scorer_staleness"] = float(stream.staleness[-1])
         rollouts.version += 1
         if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
             start_sync, sent = time.monotonic(), sync.bytes_sent
@@ -707,4 +651,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

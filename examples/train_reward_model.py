@@ -15,7 +15,6 @@ loads under any layout; ``examples/rlhf_ppo.py --reward-model DIR`` uses it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,33 +24,34 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.checkpoint import save_sharded
+from megalite.cli import run_cli
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.flags import ArgumentParser
 from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import build_chunks
 from megalite.rlhf import CriticModel, TrainingBackend, pipeline_values
-from megalite.training.arguments import add_flag
+from megalite.rlhf.flags import REWARD_MODEL_FLAGS
 from megalite.rlhf.reward_model import (BradleyTerryObjective, last_token_scores, read_preferences,
                                         write_arithmetic_preferences)
+from megalite.training.flags import FLAGS
 
 TOKENIZER = ByteTokenizer()
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("--tensor-model-parallel-size", 2), ("--pipeline-model-parallel-size", 1), ("--seed", 1234),
-                          ("--hidden-size", 64), ("--num-layers", 2), ("--num-attention-heads", 4)):
-        add_flag(p, name, default)
-    p.add_argument("--data-path", default=None, help="preference JSONL (default: a synthetic set in --save)")
-    p.add_argument("--synthetic-pairs", type=int, default=4000)
-    p.add_argument("--held-out-pairs", type=int, default=256)
-    add_flag(p, "--train-iters", 400)
-    add_flag(p, "--global-batch-size", 64, "pairs per step over all DP ranks")
-    add_flag(p, "--micro-batch-size", 16, "pairs per forward on one rank")
-    add_flag(p, "--lr", 1e-3)
-    p.add_argument("--save", required=True)
-    add_flag(p, "--metrics-file", None)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    FLAGS.add_to(p, ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
+                     "--num-layers", "--num-attention-heads", "--train-iters", "--global-batch-size",
+                     "--micro-batch-size", "--lr", "--save", "--metrics-file"],
+                 defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
+                           "--train-iters": 400, "--global-batch-size": 64, "--micro-batch-size": 16, "--lr": 1e-3},
+                 helps={"--global-batch-size": "pairs per step over all data-parallel ranks",
+                        "--micro-batch-size": "pairs per forward on one rank",
+                        "--save": "save the reward model here", "--train-iters": "training steps"},
+                 required=["--save"])
+    REWARD_MODEL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
 
@@ -141,4 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

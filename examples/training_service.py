@@ -12,7 +12,6 @@ loss curves.  Exits non-zero if they differ (relative tolerance 1e-5).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -25,10 +24,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from megalite.cli import run_cli  # noqa: E402
 from megalite.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 from megalite.data.synthetic import build_default_data  # noqa: E402
-from megalite.training.arguments import gpt_config, optimizer_config, parse_args, validate_args  # noqa: E402
+from megalite.flags import ArgumentParser  # noqa: E402
+from megalite.training.arguments import validate_args  # noqa: E402
 from megalite.training.data_checks import check_data  # noqa: E402
+from megalite.training.flags import gpt_config, optimizer_config, parse_args  # noqa: E402
 
 # A small model; max positions cover seq_length + 1 because the service's language-model objective reads the
 # whole sample (inputs tokens[:-1], labels tokens[1:] after its own shift), which is pretraining's computation.
@@ -88,7 +90,7 @@ async def service_losses(args, directory: str, backend: str) -> list[float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-iters", type=int, default=3)
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="where the service's workers run")
     options = p.parse_args(argv)
@@ -108,4 +110,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

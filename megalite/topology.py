@@ -12,12 +12,13 @@ layers take as their default through :func:`current`.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import os
 import sys
 from dataclasses import dataclass, field
+
+from megalite.flags import PARALLEL, SHARED_FLAGS, ArgumentParser, Flag, FlagTable
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -349,21 +350,20 @@ def _format_grid(world_size: int, **kwargs) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megalite.topology",
-                                     description="Print every rank's coordinates and every process group.")
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--etp", type=int, default=None)
-    parser.add_argument("--order", default=DEFAULT_ORDER)
+    parser = ArgumentParser(prog="python -m megalite.topology",
+                            description="Print every rank's coordinates and every process group.")
+    FlagTable((Flag("--world-size", PARALLEL, type=int, required=True),)).add_to(parser)
+    SHARED_FLAGS.add_to(parser, [f.name for f in SHARED_FLAGS if f.group == PARALLEL])
+    FlagTable((Flag("--order", PARALLEL, default=DEFAULT_ORDER,
+                    help="the rank grid's axes, fastest-varying first"),)).add_to(parser)
     args = parser.parse_args(argv)
-    from megalite.command_line import print_report  # here, so that tensor_parallel's import of topology loads no more
-
-    return print_report(lambda: _format_grid(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                                             etp=args.etp, order=args.order))
+    print(_format_grid(args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                       cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                       etp=args.expert_tensor_parallel_size, order=args.order))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megalite.cli import run_cli
+
+    sys.exit(run_cli(main))

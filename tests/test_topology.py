@@ -78,13 +78,14 @@ def test_bad_input(kwargs, message):
 
 
 def test_cli_prints_groups_and_fails_cleanly():
-    ok = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "16", "--tp", "2", "--pp", "2"],
+    ok = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "16",
+                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "[0, 2, 4, 6]" in ok.stdout and "[7, 15]" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "6", "--tp", "4"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0
+    bad = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "6",
+                          "--tensor-model-parallel-size", "4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["error: world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4"]
 
 

@@ -10,14 +10,15 @@ is needed.  The output directory must not exist or be empty; nothing is overwrit
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
+from megalite.cli import run_cli
+from megalite.flags import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", choices=("hf", "megalite"), required=True)
     parser.add_argument("--to", dest="target", choices=("hf", "megalite"), required=True)
     parser.add_argument("--input", required=True, help="Hugging Face model directory or megalite checkpoint")
@@ -28,17 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.source == args.target:
         parser.error(f"--from and --to are both {args.source!r}; nothing to convert")
-    try:
-        if args.source == "hf":
-            convert_hf_to_megalite(args.input, args.output)
-        else:
-            convert_megalite_to_hf(args.input, args.output, args.max_shard_size)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.source == "hf":
+        convert_hf_to_megalite(args.input, args.output)
+    else:
+        convert_megalite_to_hf(args.input, args.output, args.max_shard_size)
     print(f"wrote {args.target} checkpoint to {args.output}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -1,6 +1,6 @@
 """Draw a pipeline timeline as a Gantt chart, write a Chrome/Perfetto trace, print the measured bubble.
 
-Usage: python tools/plot_pipeline.py TIMELINE.json|DIR [...] [--iteration N] [--out gantt.png]
+Usage: python tools/plot_pipeline.py TIMELINE.json|DIR [...] [--iteration N] [--output gantt.png]
                                      [--trace trace.json]
 
 Each input is a PipelineRecorder.save() file (one per rank; a directory means
@@ -15,12 +15,13 @@ iteration; open it in chrome://tracing or https://ui.perfetto.dev to zoom in.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import sys
 
+from megalite.cli import run_cli
+from megalite.flags import ArgumentParser
 from megalite.pipeline.timeline import PipelineRecorder, bubble_fraction
 
 COLORS = {"F": "#3b6fc4", "B": "#3c9a50", "W": "#e08a2c"}
@@ -99,35 +100,31 @@ def chrome_trace(recorders: list[PipelineRecorder]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("timelines", nargs="+", help="PipelineRecorder JSON files or directories of them")
     parser.add_argument("--iteration", type=int, default=-1, help="iteration to draw, 0-based (default: the last)")
-    parser.add_argument("--out", default="pipeline_gantt.png")
-    parser.add_argument("--trace", default=None, help="Chrome trace JSON (default: OUT with .trace.json)")
+    parser.add_argument("--output", default="pipeline_gantt.png", help="the Gantt chart to write (default: %(default)s)")
+    parser.add_argument("--trace", default=None, help="Chrome trace JSON (default: OUTPUT with .trace.json)")
     args = parser.parse_args(argv)
-    try:
-        recorders = load_all(args.timelines)
-        chosen = [r.iteration(args.iteration) for r in recorders if r.events]
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    recorders = load_all(args.timelines)
+    chosen = [r.iteration(args.iteration) for r in recorders if r.events]
     bubble = bubble_fraction(chosen)
     schedule = next((r.schedule for r in recorders if r.schedule), None) or "pipeline"
     count = len(recorders[0].iterations)
     shown = args.iteration % count
     try:
-        plot(chosen, args.out, f"{schedule}, {len(chosen)} stages, iteration {shown} of {count}: "
+        plot(chosen, args.output, f"{schedule}, {len(chosen)} stages, iteration {shown} of {count}: "
                                f"measured bubble {bubble:.1%}")
     except ImportError:
         print("error: drawing needs matplotlib: pip install 'megalite[plot]'", file=sys.stderr)
         return 1
-    trace = args.trace or os.path.splitext(args.out)[0] + ".trace.json"
+    trace = args.trace or os.path.splitext(args.output)[0] + ".trace.json"
     with open(trace, "w") as f:
         json.dump(chrome_trace(recorders), f)
-    print(f"wrote {args.out} (iteration {shown}) and {trace} ({sum(len(r.events) for r in recorders)} ops)")
+    print(f"wrote {args.output} (iteration {shown}) and {trace} ({sum(len(r.events) for r in recorders)} ops)")
     print(f"bubble fraction: {bubble:.4f}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -10,20 +10,14 @@ bytes; the last line of stdout sums up documents, tokens, tokens/s and outputs.
 import argparse
 import sys
 
+from megalite.cli import run_cli
 from megalite.data.preprocess import INPUT_FORMATS, preprocess
 from megalite.data.tokenizer import TOKENIZER_TYPES
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad flags are one ``error: ...`` line and exit status 2."""
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+from megalite.flags import ArgumentParser
 
 
 def main(argv=None) -> int:
-    parser = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--input", required=True, help="a jsonl corpus, or plain text with --input-format")
     parser.add_argument("--input-format", choices=INPUT_FORMATS, default="jsonl",
                         help="jsonl; lines: one document per line; blocks: documents separated by blank lines")
@@ -37,18 +31,11 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod id")
     parser.add_argument("--workers", type=int, default=1)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = parser.parse_args(argv)
     spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
             "vocab_file": args.vocab_file, "merge_file": args.merge_file, "vocab_size": args.vocab_size}
-    try:
-        summary = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys,
-                             input_format=args.input_format, workers=args.workers, append_eod=args.append_eod)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    summary = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys,
+                         input_format=args.input_format, workers=args.workers, append_eod=args.append_eod)
     seconds = max(summary["seconds"], 1e-9)
     outputs = ", ".join(f"{p}.bin/.idx" for p in summary["prefixes"])
     print(f"{summary['documents']} documents, {summary['tokens']} tokens in {seconds:.1f} s "
@@ -57,4 +44,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -25,9 +25,12 @@ import subprocess
 import sys
 import time
 
+from megalite.cli import run_cli
+from megalite.flags import ArgumentParser
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="supervise", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="supervise", description=__doc__.split("\n")[0])
     parser.add_argument("--max-restarts", type=int, default=3, help="attempts after the first (default 3)")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds between attempts (default 5)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the launch command")
@@ -68,4 +71,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

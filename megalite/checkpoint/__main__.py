@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 from megalite.checkpoint.files import MANIFEST
 from megalite.checkpoint.reader import CheckpointReader
-from megalite.command_line import print_report
+from megalite.cli import run_cli
+from megalite.flags import ArgumentParser
 
 
 def _size(nbytes: float) -> str:
@@ -52,14 +52,15 @@ def describe(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megalite.checkpoint",
+    parser = ArgumentParser(prog="python -m megalite.checkpoint",
                                      description="Inspect a megalite checkpoint.")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="print the layout, iteration, tensors and sizes")
     inspect.add_argument("directory", help="a save directory (its latest iteration) or an iteration directory")
     args = parser.parse_args(argv)
-    return print_report(lambda: describe(args.directory))
+    print(describe(args.directory))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

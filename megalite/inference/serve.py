@@ -20,7 +20,6 @@ step plans from there); HTTP handlers only exchange messages with it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import queue
@@ -28,6 +27,8 @@ import threading
 import time
 import uuid
 
+from megalite.cli import run_cli
+from megalite.flags import SHARED_FLAGS, ArgumentParser, Flag, FlagTable
 from megalite.inference.config import EngineConfig
 from megalite.inference.engine import LLMEngine
 from megalite.inference.params import SamplingParams
@@ -283,19 +284,27 @@ def build_app(loop: EngineLoop, *, max_body_bytes: int = 1 << 20, max_tokens_lim
     return app
 
 
+_SERVER, _ENGINE = "server", "engine"
+SERVE_FLAGS = FlagTable((
+    Flag("--host", _SERVER, default="127.0.0.1", help="address to bind (loopback only by default)"),
+    Flag("--port", _SERVER, default=8000, type=int, help="0 picks a free port (printed at start)"),
+    Flag("--max-body-bytes", _SERVER, default=1 << 20, type=int),
+    Flag("--max-tokens-limit", _SERVER, default=1024, type=int, help="the largest max_tokens a request may ask"),
+    Flag("--block-size", _ENGINE, ("EngineConfig.block_size",), type=int, help="tokens per KV-cache block"),
+    Flag("--num-blocks", _ENGINE, ("EngineConfig.num_blocks",), type=int),
+    Flag("--max-num-batched-tokens", _ENGINE, ("EngineConfig.max_num_batched_tokens",), type=int),
+    Flag("--max-num-seqs", _ENGINE, ("EngineConfig.max_num_seqs",), type=int),
+    Flag("--no-prefix-caching", _ENGINE, ("EngineConfig.enable_prefix_caching",), sets=False),
+), (EngineConfig,))
+"""The server's own rows; ``--load`` and ``--tensor-model-parallel-size`` are ``megalite.flags.SHARED_FLAGS``'."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="OpenAI-compatible completions server for a megalite checkpoint")
-    p.add_argument("--load", required=True, help="megalite checkpoint directory")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-tokens-limit", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p = ArgumentParser(prog="python -m megalite.inference.serve",
+                       description="OpenAI-compatible completions server for a megalite checkpoint")
+    SHARED_FLAGS.add_to(p, ["--load", "--tensor-model-parallel-size"], helps={"--load": "megalite checkpoint directory"},
+                        required=["--load"])
+    SERVE_FLAGS.add_to(p)
     return p.parse_args(argv)
 
 
@@ -325,15 +334,13 @@ def main(argv=None) -> int:
     from megalite.inference.llm import LLM
 
     args = parse_args(argv)
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          enable_prefix_caching=not args.no_prefix_caching)
+    config = EngineConfig(**SERVE_FLAGS.config_values(args, "EngineConfig"))
     tp = args.tensor_model_parallel_size
     distributed = "WORLD_SIZE" in os.environ or tp > 1
     if distributed:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != tp:
-            raise SystemExit(f"error: the server runs one model replica: WORLD_SIZE={world} must equal "
+            raise ValueError(f"the server runs one model replica: WORLD_SIZE={world} must equal "
                              f"--tensor-model-parallel-size={tp}")
         topology.initialize(tp=tp)
     try:
@@ -357,4 +364,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -7,20 +7,20 @@ from dataclasses import dataclass
 
 @dataclass
 class OptimizerConfig:
-    """AdamW hyper-parameters, precision and sharding of one training run.
+    """AdamW hyper-parameters and precision of one training run.
+
+    ZeRO-1 (main parameters and Adam state sharded over DP) follows the model chunks:
+    ``DDPConfig(use_distributed_optimizer=True)``.
 
     clip_grad: maximum global L2 norm of the gradients; 0 disables clipping.
     bf16 / fp16: the model parameters' dtype; the optimizer keeps fp32 main copies.  fp16 adds a
         loss scaler: the constant ``loss_scale`` when set, else a dynamic one (initial_loss_scale,
         min_loss_scale, loss_scale_window, hysteresis).
-    use_distributed_optimizer: ZeRO-1, main parameters and Adam state sharded over DP (the model
-        must be wrapped with ``DDPConfig(use_distributed_optimizer=True)``).
     overlap_param_gather: leave the all-gather of updated parameters in flight after ``step`` and
         wait for each bucket just before the first module using it runs its forward.
     """
 
     lr: float = 1e-3
-    min_lr: float = 0.0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -33,7 +33,6 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
 
     def __post_init__(self):

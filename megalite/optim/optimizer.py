@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.distributed.fsdp import FullyShardedDataParallel
 from megalite.optim.clip_grads import clip_grads_, global_grad_norm
 from megalite.optim.config import OptimizerConfig
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -272,13 +271,6 @@ def get_optimizer(config: OptimizerConfig, model_chunks, tp_group=None, pp_group
         if not hasattr(chunk, "owned_range") or not hasattr(chunk, "zero_grad_buffer"):
             raise ValueError(f"model chunk {i} is a {type(chunk).__name__}; wrap it in "
                              "megalite.distributed.DistributedDataParallel or FullyShardedDataParallel first")
-        if isinstance(chunk, FullyShardedDataParallel):
-            if config.use_distributed_optimizer:
-                raise ValueError(f"OptimizerConfig.use_distributed_optimizer=True but chunk {i} is sharded by "
-                                 "FullyShardedDataParallel (FSDP2 already shards the optimizer state); use one")
-        elif chunk.config.use_distributed_optimizer != config.use_distributed_optimizer:
-            raise ValueError(f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but chunk "
-                             f"{i} has DDPConfig.use_distributed_optimizer={chunk.config.use_distributed_optimizer}")
     groups = {
         "tp": resolve_group(tp_group, "tp"),
         "pp": resolve_group(pp_group, "pp"),

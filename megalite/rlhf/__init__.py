@@ -1,6 +1,6 @@
 """RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
-estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a centralized critic/reward/teacher
-model with tensor transport and prefetch, distillation from a teacher's top-k, a training backend and a training
+estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a scoring server (a reward or
+teacher model on one rank, with tensor transport and prefetch), distillation from a teacher's top-k, a training backend and a training
 service for outside RL loops, weight export and trainer -> rollout weight sync, and the placement plan with CPU
 offload of frozen models and optimizer state between the generation, scoring and training phases."""
 
@@ -8,7 +8,7 @@ from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, com
                                       discounted_returns, grpo_advantages, rloo_advantages)
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
 from megalite.rlhf.backend import TrainingBackend
-from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
+from megalite.rlhf.scoring_server import ScoringServer, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
@@ -29,7 +29,7 @@ __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
     "SamplingConfig",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
-    "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "CentralizedModel", "Prefetcher",
+    "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "ScoringServer", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
     "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",

@@ -27,13 +27,15 @@ class AdvantageConfig:
 
     ``group_size``: samples per prompt (grpo and rloo need >= 2).  ``gamma``/``lam``:
     discount and GAE lambda (REINFORCE++ uses ``gamma``).  ``norm_by_std``: GRPO
-    divides by the group's standard deviation (Dr. GRPO turns this off).
+    divides by the group's standard deviation (Dr. GRPO turns this off).  ``gamma = lam = 1``
+    as in verl and OpenRLHF: the reward of an LLM response comes at its last token, and
+    examples/rlhf_ppo.py's reward rises with it.
     """
 
     estimator: str = "gae"
     group_size: int = 1
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 1.0
     norm_by_std: bool = True
     eps: float = 1e-6
 

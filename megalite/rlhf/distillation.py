@@ -1,6 +1,6 @@
-"""Distillation from a (centralized) teacher: its outputs, the forward KL on its support, and log-prob rewards.
+"""Distillation from a (served) teacher: its outputs, the forward KL on its support, and log-prob rewards.
 
-The teacher runs on one rank (:class:`~megalite.rlhf.centralized_critic.CentralizedModel`)
+The teacher runs on one rank (:class:`~megalite.rlhf.scoring_server.ScoringServer`)
 and returns per-token log-probabilities over the full vocabulary, or only the
 top-k of them (values + indices) to cut the transfer from ``V`` to ``2k``
 numbers per token, plus the log-probability of each actual next token.
@@ -40,7 +40,7 @@ class TeacherOutput:
 
 
 def teacher_fn(model: torch.nn.Module, topk: int | None = None):
-    """``(ids, mask) -> outputs`` of a single-process GPT ``model`` for a :class:`CentralizedModel`.
+    """``(ids, mask) -> outputs`` of a single-process GPT ``model`` for a :class:`ScoringServer`.
 
     Returns ``(top-k log-probs, top-k indices, next-token log-probs)``, or without the
     indices when ``topk`` is None (full vocabulary).
@@ -51,7 +51,7 @@ def teacher_fn(model: torch.nn.Module, topk: int | None = None):
     def run(ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         logits = model(ids, attention_mask=mask).float()
         if topk is not None and topk > logits.shape[-1]:
-            raise ValueError(f"--critic-topk {topk} exceeds the teacher's vocabulary of {logits.shape[-1]}")
+            raise ValueError(f"--teacher-topk {topk} exceeds the teacher's vocabulary of {logits.shape[-1]}")
         log_probs = torch.log_softmax(logits, dim=-1)
         token = torch.zeros(ids.shape, dtype=log_probs.dtype, device=log_probs.device)
         token[:, :-1] = log_probs[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]

@@ -101,7 +101,7 @@ class Placement:
 
     def add_frozen(self, name: str, module: torch.nn.Module, phases=("scoring",), on_demand: bool = False) -> None:
         """A model no optimizer changes, used in ``phases``.  ``on_demand``: moved by :meth:`using` around
-        each use rather than at phase boundaries (a model served from another thread, e.g. the centralized
+        each use rather than at phase boundaries (a model served from another thread, e.g. the scoring server's
         teacher)."""
         model = _Model(name, "frozen", module, tuple(phases), on_demand=on_demand)
         self._add(model)

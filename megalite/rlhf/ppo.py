@@ -32,19 +32,23 @@ class PPOConfig:
     to the actor loss instead (GRPO style).  ``rollout_is_cap``: truncation of the importance weight
     between the policy at the start of the update and a stale rollout policy (bounded-staleness
     training); ``None`` means no correction.
+
+    Defaults are what OpenRLHF and verl users expect and what makes examples/rlhf_ppo.py's reward
+    rise: ``kl_coef`` 0.01 (OpenRLHF's; TRL uses 0.05, verl 0.001), ``rollout_is_cap`` 2.0 (verl's
+    truncated importance sampling cap), dual clip 3.0 (verl's ``clip_ratio_c``).
     """
 
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     dual_clip: float | None = 3.0
     value_clip: float = 0.2
-    kl_coef: float = 0.05
+    kl_coef: float = 0.01
     kl_estimator: str = "k3"
     kl_clamp: float = 10.0
     entropy_coef: float = 0.0
     loss_aggregation: str = "token-mean"
     use_kl_loss: bool = False
-    rollout_is_cap: float | None = None
+    rollout_is_cap: float | None = 2.0
 
     def __post_init__(self):
         if self.clip_eps_high is None:

@@ -1,8 +1,7 @@
 """Pretraining: flags, the training loop, checkpoints, LR schedule, logging and signal handling."""
 
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
-from megalite.training.cli import run_cli
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.training import pretrain
 
-__all__ = ["pretrain", "run_cli", "save_checkpoint", "load_checkpoint", "LRScheduler"]
+__all__ = ["pretrain", "save_checkpoint", "load_checkpoint", "LRScheduler"]

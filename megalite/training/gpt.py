@@ -11,7 +11,7 @@ from megalite.data.gpt_dataset import build_train_valid_test_datasets
 from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
-from megalite.training.arguments import context_parallel_config, gpt_config
+from megalite.training.flags import context_parallel_config, gpt_config
 from megalite.training.data_checks import eod_token_id
 from megalite.training.training import LOSS_METRIC
 

@@ -21,11 +21,11 @@ from megalite.optim import get_optimizer
 from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import build_chunks
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, ddp_config, format_args, fsdp_config, gpt_config,
-                                         optimizer_config, packing_config, parse_args, use_checkpoint_architecture,
+from megalite.training.arguments import (architecture_differences, format_args, use_checkpoint_architecture,
                                          validate_args)
 from megalite.training.checkpointing import checkpoint_info
 from megalite.training.data_checks import check_data, eod_token_id
+from megalite.training.flags import ddp_config, fsdp_config, gpt_config, optimizer_config, packing_config, parse_args
 from megalite.training.save_dir import SaveDirLock, check_not_overwriting, check_writable_with_room
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.training.cli import rank_prefix
-from megalite.training.stalls import group_in_stack
+from megalite.cli import rank_prefix
+from megalite.stalls import group_in_stack
 
 BLOCKED_EXIT_S = 20.0
 

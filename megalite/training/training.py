@@ -29,8 +29,8 @@ from megalite.checkpoint import AsyncSaver
 from megalite.distributed import finalize_model_grads
 from megalite.moe import router_statistics, set_aux_loss_scale
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
-from megalite.training.arguments import nan_guard_config
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
+from megalite.training.flags import nan_guard_config
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
 from megalite.training.nan_guard import NanGuard, check_finite_weights

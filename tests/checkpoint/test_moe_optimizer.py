@@ -28,7 +28,7 @@ def _model_and_optimizer():
     from megalite.optim import OptimizerConfig, get_optimizer
 
     chunk = DistributedDataParallel(GPTModel(_config()), DDPConfig(use_distributed_optimizer=True))
-    return chunk, get_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+    return chunk, get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
 
 
 def _rank(before, after):

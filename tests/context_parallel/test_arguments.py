@@ -2,7 +2,8 @@
 
 import pytest
 
-from megalite.training.arguments import parse_args, validate_args
+from megalite.training.arguments import validate_args
+from megalite.training.flags import parse_args
 
 NO_DROPOUT = ["--attention-dropout", "0"]
 

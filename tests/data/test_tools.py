@@ -45,7 +45,7 @@ def test_preprocess_matches_megatron_byte_for_byte(tmp_path):
 def test_train_tokenizer_then_preprocess_keys_and_text(tmp_path, corpus):
     """Two json keys give two datasets; plain text by line and by blank-line block."""
     path, texts = corpus
-    done = _tool("train_tokenizer.py", "--input", path, "--model-prefix", str(tmp_path / "tok"),
+    done = _tool("train_tokenizer.py", "--input", path, "--output-prefix", str(tmp_path / "tok"),
                  "--vocab-size", "150")
     assert done.returncode == 0, done.stderr
     tok = SentencePieceTokenizer(str(tmp_path / "tok.model"))
@@ -84,6 +84,6 @@ def test_preprocess_reports_bad_input(tmp_path):
                  "--tokenizer-type", "WordPiece")
     assert done.returncode == 2 and done.stderr.startswith("error: argument --tokenizer-type: invalid choice")
     assert len(done.stderr.strip().splitlines()) == 1
-    done = _tool("train_tokenizer.py", "--input", str(tmp_path / "none.txt"), "--model-prefix",
+    done = _tool("train_tokenizer.py", "--input", str(tmp_path / "none.txt"), "--output-prefix",
                  str(tmp_path / "t"), "--vocab-size", "50")
     assert done.returncode == 2 and "none.txt" in done.stderr

@@ -8,7 +8,8 @@ import torch
 from megalite import topology
 from megalite.checkpoint import load_model
 from megalite.testing import run_distributed
-from megalite.training.arguments import parse_args, validate_args
+from megalite.training.arguments import validate_args
+from megalite.training.flags import parse_args
 from tests.training.helpers import train
 
 ITERS = 8

@@ -27,7 +27,7 @@ def _train(micro_batches, distributed):
     """Weights and grad norms after STEPS steps; each step accumulates ``micro_batches`` (row ranges) of the
     global batch as a trainer would: loss and router losses divided by their number."""
     chunk = DistributedDataParallel(GPTModel(_config("llama")), DDPConfig(use_distributed_optimizer=distributed))
-    optimizer = get_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=distributed), [chunk])
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.05), [chunk])
     set_aux_loss_scale(chunk.module, 1.0 / len(micro_batches))
     norms = []
     for step in range(STEPS):

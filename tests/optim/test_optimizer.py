@@ -61,7 +61,7 @@ def _zero_parity(tp: int, overlap_param_gather: bool, collectives: str = "auto",
     ref = _reference()
     ddp = DistributedDataParallel(model, DDPConfig(bucket_size=64, use_distributed_optimizer=True,
                                                    shard_collectives=collectives))
-    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True,
+    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
                                         overlap_param_gather=overlap_param_gather), [ddp])
     ref_opt = reference_adamw(ref, LR, WD)
     norms = []
@@ -141,7 +141,7 @@ def _train_steps(ddp, opt, steps, dp_rank, dp_size):
 def _zero_model():
     model = mlp()
     ddp = DistributedDataParallel(model, DDPConfig(bucket_size=100, use_distributed_optimizer=True))
-    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP), [ddp])
     return model, ddp, opt
 
 
@@ -189,7 +189,7 @@ def _one_step(sharded: bool, dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 48)).to(dtype)
     ddp = DistributedDataParallel(model, DDPConfig(bucket_size=1000, use_distributed_optimizer=sharded))
-    opt = get_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16, use_distributed_optimizer=sharded), [ddp])
+    opt = get_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16), [ddp])
     ddp(torch.randn(4, 64, dtype=dtype)).float().square().mean().backward()
     finalize_model_grads([ddp])
     assert opt.step()[0]
@@ -297,8 +297,6 @@ def test_bad_input():
         OptimizerConfig(fp16=True, loss_scale=0.0)
     with pytest.raises(ValueError, match="model chunk 0 is a Sequential"):
         get_optimizer(OptimizerConfig(), [mlp()])
-    with pytest.raises(ValueError, match="use_distributed_optimizer=True but chunk 0 has DDPConfig"):
-        get_optimizer(OptimizerConfig(use_distributed_optimizer=True), [DistributedDataParallel(mlp())])
     ddp = DistributedDataParallel(mlp())
     opt = get_optimizer(OptimizerConfig(), [ddp])
     sd = opt.sharded_state_dict()

@@ -34,7 +34,7 @@ def test_recorder_round_trip_gantt_chart_and_trace(tmp_path):
         a.iteration(2)
 
     out = tmp_path / "gantt.png"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_pipeline.py"), str(tmp_path), "--out", str(out),
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_pipeline.py"), str(tmp_path), "--output", str(out),
                            "--iteration", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "bubble fraction: 0.5000" in done.stdout
@@ -50,8 +50,9 @@ def test_plot_tool_rejects_empty_input(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("plot_pipeline", ROOT / "tools" / "plot_pipeline.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main([str(tmp_path)]) == 1
-    assert capsys.readouterr().err.startswith("error: no timeline files found")
+    assert tool.run_cli(tool.main, [str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no timeline files found") and len(err.splitlines()) == 1
     assert not list(tmp_path.iterdir())
 
 

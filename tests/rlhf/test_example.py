@@ -1,4 +1,4 @@
-"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a centralized reward and top-k teacher
+"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a scoring server for the reward and top-k teacher
 (distillation loss and log-prob rewards) and one-step staleness, and GRPO with DAPO's pieces and the KL loss; one
 metrics record and TensorBoard scalar per iteration, and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
 
@@ -36,10 +36,10 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_ppo_example_with_centralized_reward_and_staleness(tmp_path):
+def test_ppo_example_with_scoring_server_and_staleness(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    argv = TINY + ["--global-batch-size", "8", "--use-centralized-critic", "--max-staleness", "1",
-                   "--critic-owner-rank", "1", "--critic-topk", "4", "--distill-coef", "0.1",
+    argv = TINY + ["--global-batch-size", "8", "--use-scoring-server", "--max-staleness", "1",
+                   "--scoring-server-rank", "1", "--teacher-topk", "4", "--distill-coef", "0.1",
                    "--teacher-reward-coef", "0.01", "--metrics-file", str(metrics),
                    "--tensorboard-dir", str(tmp_path / "tb")]
     assert run_distributed(_run, 2, argv, timeout=180) == [0, 0]
@@ -48,7 +48,7 @@ def test_ppo_example_with_centralized_reward_and_staleness(tmp_path):
     assert [r["staleness"] for r in records] == [0.0, 1.0, 1.0]
     for record in records:
         assert {"reward", "kl", "policy_loss", "value_loss"} <= set(record) and 0.0 <= record["reward"] <= 1.0
-        assert record["distill_kl"] > 0 and record["teacher_log_prob"] < 0 and record["critic_staleness"] == 0
+        assert record["distill_kl"] > 0 and record["teacher_log_prob"] < 0 and record["scorer_staleness"] == 0
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/reward")]
@@ -120,9 +120,9 @@ def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
     (["--rollout-world-size", "4"], "--rollout-world-size 4 leaves no trainer ranks in the world of 4"),
     (["--tensor-model-parallel-size", "1", "--rollout-world-size", "3", "--rollout-tensor-parallel-size", "2"],
      "--rollout-world-size 3 is not a multiple of --rollout-tensor-parallel-size 2"),
-    (["--critic-topk", "4", "--distill-coef", "0.1"], "need --use-centralized-critic"),
-    (["--use-centralized-critic", "--critic-topk", "0", "--distill-coef", "0.1"], "--critic-topk 0 needs"),
-    (["--use-centralized-critic", "--critic-owner-rank", "4"], "--critic-owner-rank 4 is outside the world of 4"),
+    (["--teacher-topk", "4", "--distill-coef", "0.1"], "need --use-scoring-server"),
+    (["--use-scoring-server", "--teacher-topk", "0", "--distill-coef", "0.1"], "--teacher-topk 0 needs"),
+    (["--use-scoring-server", "--scoring-server-rank", "4"], "--scoring-server-rank 4 is outside the world of 4"),
 ])
 def test_example_bad_input(extra, message):
     module = _module()

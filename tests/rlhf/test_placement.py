@@ -25,7 +25,7 @@ ARGV = ["--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2", "--
         "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size", "8", "--ppo-epochs", "2",
         "--target-critic-tau", "0.5", "--tensorboard-dir", ""]
 OFFLOAD = ["--offload-frozen-models", "--offload-optimizer"]
-SERVED = ["--use-centralized-critic", "--critic-topk", "4", "--distill-coef", "0.1"]
+SERVED = ["--use-scoring-server", "--teacher-topk", "4", "--distill-coef", "0.1"]
 
 
 def _bytes(tensors) -> dict[str, int]:
@@ -36,13 +36,13 @@ def _bytes(tensors) -> dict[str, int]:
 
 
 def _run(argv, directory, owner):
-    """Two scenarios (a local reward model; a centralized reward model and teacher on rank ``owner``, moved in
+    """Two scenarios (a local reward model; a scoring server for the reward model and teacher on rank ``owner``, moved in
     per request), each without and with offload: the final weights, the bytes the plan parks, whether the
     on-demand models are parked at the end, and (rank 0) the metrics records."""
     module = _module()
     build = module.build_placement
     results = {}
-    for scenario, scenario_argv in (("local", []), ("served", SERVED + ["--critic-owner-rank", str(owner)])):
+    for scenario, scenario_argv in (("local", []), ("served", SERVED + ["--scoring-server-rank", str(owner)])):
         for name, extra in (("plain", []), ("offload", OFFLOAD)):
             placements = []
             module.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]

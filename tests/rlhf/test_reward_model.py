@@ -1,6 +1,6 @@
 """Reward model: Bradley-Terry math against the formula, and a model trained at TP2 by
 examples/train_reward_model.py scores held-out pairs the same when loaded at TP1 and drives
-examples/rlhf_ppo.py --reward-model (on every rank, and centralized on one); bad inputs are clear errors."""
+examples/rlhf_ppo.py --reward-model (on every rank, and on a scoring server); bad inputs are clear errors."""
 
 import importlib.util
 import json
@@ -56,7 +56,7 @@ def _train_tp2(save, metrics):
           "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo",
           "--reward-model", save, "--tensorboard-dir", ""]
     assert _module("rlhf_ppo").main(rl) == 0
-    assert _module("rlhf_ppo").main(rl + ["--use-centralized-critic", "--critic-owner-rank", "1"]) == 0
+    assert _module("rlhf_ppo").main(rl + ["--use-scoring-server", "--scoring-server-rank", "1"]) == 0
     return scores
 
 

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from megalite.training import gpt, pretrain, run_cli
+from megalite.cli import run_cli
+from megalite.training import gpt, pretrain
 
 
 class FaultyForwardStep:

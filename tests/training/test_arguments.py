@@ -4,8 +4,8 @@ from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.training.arguments import (FLAGS, build_parser, ddp_config, format_args, gpt_config, optimizer_config, parse_args,
-                                         validate_args)
+from megalite.training.arguments import format_args, validate_args
+from megalite.training.flags import FLAGS, build_parser, ddp_config, gpt_config, optimizer_config, parse_args
 
 
 def _args(*argv, world=1, defaults=None):
@@ -88,7 +88,7 @@ def test_cli_and_api_build_identical_configs():
     assert optimizer_config(_args()) == OptimizerConfig() and ddp_config(_args()) == DDPConfig()
     flags = _args("--lr", "3e-4", "--no-overlap-grad-reduce", "--use-distributed-optimizer", "--rotary-base",
                   "500000", "--disable-bias-linear", "--position-embedding-type", "rope")
-    assert optimizer_config(flags) == OptimizerConfig(lr=3e-4, use_distributed_optimizer=True)
+    assert optimizer_config(flags) == OptimizerConfig(lr=3e-4)
     assert ddp_config(flags) == DDPConfig(overlap_grad_reduce=False, use_distributed_optimizer=True)
     model = gpt_config(flags, vocab_size=8)
     assert (model.rotary_base, model.add_bias_linear, model.position_embedding_type) == (500000, False, "rope")

@@ -134,3 +134,36 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     last = read_metrics(metrics)[-1]["iteration"]
     assert read_latest(str(save)) == last < 10000
     assert f"stopping after iteration {last}" in out
+
+
+def _tree(directory):
+    """Every file under ``directory`` with its size and modification time."""
+    return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size, os.stat(os.path.join(d, f)).st_mtime_ns)
+            for d, _, files in os.walk(directory) for f in files}
+
+
+def test_nothing_is_saved_or_loaded_unless_asked(tiny_data, tmp_path):
+    """The Quickstart names its checkpoint directory; a second experiment of another size from the same
+    working directory without --save/--load neither loads that checkpoint (it would refuse the architecture)
+    nor writes one.  Before, pretrain_gpt.py defaulted both to checkpoints/gpt."""
+    first = tiny_argv(tiny_data, tmp_path, "--train-iters", "2", "--save", "checkpoints/gpt", "--load",
+                      "checkpoints/gpt")
+    run = subprocess.run([sys.executable, SCRIPT, *first], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 2
+    before = _tree(tmp_path / "checkpoints")
+    other = tmp_path / "other"
+    other.mkdir()
+    second = tiny_argv(tiny_data, other, "--train-iters", "2", "--hidden-size", "48", "--num-layers", "1")
+    run = subprocess.run([sys.executable, SCRIPT, *second], cwd=tmp_path, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert [r["iteration"] for r in read_metrics(other / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert _tree(tmp_path / "checkpoints") == before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    run = subprocess.run([sys.executable, SCRIPT, *tiny_argv(tiny_data, fresh, "--train-iters", "2")], cwd=fresh,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert not (fresh / "checkpoints").exists()

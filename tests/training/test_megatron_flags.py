@@ -17,7 +17,8 @@ import torch
 from megalite.checkpoint import CheckpointReader, save_global_checkpoint
 from megalite.models import GPTConfig
 from megalite.testing import run_distributed
-from megalite.training.arguments import architecture_differences, parse_args, use_checkpoint_architecture
+from megalite.training.arguments import architecture_differences, use_checkpoint_architecture
+from megalite.training.flags import parse_args
 from megalite.training.setup import initialize
 from tests.data.megatron_fixture import FIXTURE_PREFIX
 from tests.training.helpers import read_metrics

@@ -1,4 +1,4 @@
-"""The centralized critic/teacher over tensor collectives equals a local copy on every rank (GPT critic values,
+"""The scoring server over tensor collectives equals a local copy on every rank (GPT critic values,
 teacher full logits and top-k), as does the replicated fallback; an exception in the owner's forward reaches every
 rank as the same error, as does one rank's malformed request; prefetch overlaps the owner's work with the training step and records staleness; the
 forward KL on the teacher's support is TP-parallel exact."""
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf import CriticModel
-from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher
+from megalite.rlhf.scoring_server import ScoringServer, Prefetcher
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
 from megalite.testing import run_distributed
 from tests.rlhf.common import VOCAB, config, padded_prompts
@@ -46,8 +46,8 @@ def _equal_rank(owner):
     }
     buffers_before = None
     for name, fn in served.items():
-        central = CentralizedModel(fn if owns else None, owner=owner)
-        replicated = CentralizedModel(fn, replicated=True)
+        central = ScoringServer(fn if owns else None, owner=owner)
+        replicated = ScoringServer(fn, replicated=True)
         assert (central.model_fn is None) == (not owns)
         for step in range(2):
             ids, mask = _inputs(rank, step)
@@ -70,7 +70,7 @@ def _equal_rank(owner):
 
 
 @pytest.mark.parametrize("owner", [0, 1])
-def test_centralized_equals_local_and_replicated_for_critic_logits_and_topk(owner):
+def test_served_equals_local_and_replicated_for_critic_logits_and_topk(owner):
     moved = run_distributed(_equal_rank, 2, owner, timeout=240)
     # Three requests of padded [3, 6] rows; top-k (fp32 values, int64 indices, fp32 token log-probs) per token.
     per_request = 3 * 6 * (4 * 4 + 4 * 8 + 4)
@@ -87,7 +87,7 @@ def _failing_rank(owner):
             raise ValueError(f"injected failure on {ids.shape[0]} rows")
         return ids.float() * mask
 
-    central = CentralizedModel(fn if rank == owner else None, owner=owner)
+    central = ScoringServer(fn if rank == owner else None, owner=owner)
     ids, mask = _inputs(rank)
     with pytest.raises(RuntimeError) as error:
         central(ids, mask)
@@ -104,7 +104,7 @@ def _failing_rank(owner):
 
 def test_owner_exception_reaches_every_rank():
     messages = run_distributed(_failing_rank, 3, 1, timeout=180)
-    assert messages == ["centralized model on rank 1 failed: ValueError: injected failure on 9 rows"] * 3
+    assert messages == ["scoring server on rank 1 failed: ValueError: injected failure on 9 rows"] * 3
 
 
 def _prefetch_rank(owner, slow):
@@ -116,7 +116,7 @@ def _prefetch_rank(owner, slow):
             time.sleep(CRITIC_SECONDS)
         return critic(ids, mask)
 
-    central = CentralizedModel(fn if rank == owner else None, owner=owner)
+    central = ScoringServer(fn if rank == owner else None, owner=owner)
     central.version = 3
     steps, received = [], []
     prefetcher = Prefetcher(central, [_inputs(rank, step) for step in range(3)], depth=1, current_version=lambda: 5)
@@ -185,7 +185,7 @@ def test_forward_kl_on_teacher_support_tp2_equals_single_process():
 
 
 def _bad_owner():
-    CentralizedModel(None, owner=5)
+    ScoringServer(None, owner=5)
 
 
 def test_bad_owner_raises():

@@ -1,4 +1,6 @@
-"""A critic, reward or teacher model held by one rank and served to all the others, over tensor collectives.
+"""A scoring server: a reward, teacher (or any scoring) model held by one rank and served to all the others.
+
+Requests travel over tensor collectives.
 
 Only the owner rank builds the model.  A request is one round trip on a
 dedicated group of the job's backend (NCCL on GPUs, gloo on CPU), so it never
@@ -54,7 +56,7 @@ class Served:
     version: int
 
 
-class CentralizedModel:
+class ScoringServer:
     """Serve ``model_fn`` from global rank ``owner`` to every rank of the default group.
 
     ``model_fn(ids, mask)`` takes one batch ``[N, S]`` (every rank's rows, right-padded
@@ -72,12 +74,12 @@ class CentralizedModel:
                  replicated: bool = False, device: torch.device | str | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not 0 <= owner < world:
-            raise ValueError(f"centralized model owner rank {owner} is outside the world of {world} ranks")
+            raise ValueError(f"scoring server owner rank {owner} is outside the world of {world} ranks")
         self.owner, self.world, self.per_token, self.replicated = owner, world, per_token, replicated
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         serves = replicated or self.rank == owner
         if serves and model_fn is None:
-            who = "every rank holds a replicated" if replicated else f"rank {owner} owns the centralized"
+            who = "every rank holds a replicated" if replicated else f"rank {owner} owns the served"
             raise ValueError(f"{who} model but got model_fn=None")
         self.model_fn = model_fn if serves else None
         self.version = 0
@@ -87,7 +89,7 @@ class CentralizedModel:
         self.device = torch.device(device) if device is not None else topology.device()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.group = None if replicated else dist.new_group(backend=dist.get_backend())
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="centralized-model")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring-server")
 
     def submit(self, ids: torch.Tensor, mask: torch.Tensor) -> Future:
         """Issue a request with this rank's ``ids``/``mask`` ``[rows, cols]``; the future gives a :class:`Served`."""
@@ -131,7 +133,7 @@ class CentralizedModel:
         shape_list = shapes.tolist()
         bad = [r for r, (_, _, flag) in enumerate(shape_list) if flag]
         if bad:
-            raise ValueError(f"centralized model request: invalid inputs on rank(s) {bad}"
+            raise ValueError(f"scoring server request: invalid inputs on rank(s) {bad}"
                              + (f" (this rank: {problem})" if problem else ""))
         rows, cols = max(s[0] for s in shape_list), max(s[1] for s in shape_list)
         padded = self._buffer("send_inputs", 2 * rows * cols, torch.int64).view(2, rows, cols)
@@ -163,7 +165,7 @@ class CentralizedModel:
             expected = (batch_ids.shape[0], cols) if per_token else (batch_ids.shape[0],)
             if not isinstance(out, torch.Tensor) or tuple(out.shape[:len(expected)]) != expected:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"centralized model_fn must return tensors of leading shape {expected}, got {got}")
+                raise ValueError(f"scoring server_fn must return tensors of leading shape {expected}, got {got}")
         per_rank, start_row = [], 0
         for ids in ids_list:
             rows = slice(start_row, start_row + ids.shape[0])
@@ -175,7 +177,7 @@ class CentralizedModel:
     def _per_token_flags(self, count: int) -> tuple:
         flags = self.per_token if isinstance(self.per_token, tuple) else (self.per_token,) * count
         if len(flags) != count:
-            raise ValueError(f"centralized model_fn returned {count} outputs for {len(flags)} per_token flags")
+            raise ValueError(f"scoring server_fn returned {count} outputs for {len(flags)} per_token flags")
         return flags
 
     def _results(self, shapes: list, rows: int, cols: int, gathered) -> Served:
@@ -197,7 +199,7 @@ class CentralizedModel:
             if self.rank == self.owner:
                 text.copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
             dist.broadcast(text, src=self.owner, group=self.group)
-            raise RuntimeError(f"centralized model on rank {self.owner} failed: {bytes(text.cpu().tolist()).decode()}")
+            raise RuntimeError(f"scoring server on rank {self.owner} failed: {bytes(text.cpu().tolist()).decode()}")
         version, results = int(header[1]), []
         my_rows, my_cols = shapes[self.rank][0], shapes[self.rank][1]
         for index, (dtype, per_token, tail) in enumerate(_outputs(header)):
@@ -237,12 +239,12 @@ def _check_inputs(ids, mask) -> str | None:
 def _describe(header: torch.Tensor, outputs: tuple, version: int, per_token: tuple) -> None:
     """Fill the header with the owner's version and one rank's output dtypes and per-row tail shapes."""
     if len(outputs) > _MAX_OUTPUTS:
-        raise ValueError(f"centralized model_fn returned {len(outputs)} tensors; at most {_MAX_OUTPUTS}")
+        raise ValueError(f"scoring server_fn returned {len(outputs)} tensors; at most {_MAX_OUTPUTS}")
     header[1] = version
     for i, (out, flag) in enumerate(zip(outputs, per_token)):
         tail = tuple(out.shape[2 if flag else 1:])
         if out.dtype not in _DTYPES or len(tail) > _MAX_TAIL:
-            raise ValueError(f"centralized model output {i} has dtype {out.dtype} and {out.dim()} dims; "
+            raise ValueError(f"scoring server output {i} has dtype {out.dtype} and {out.dim()} dims; "
                              f"supported: {_DTYPES}, at most {_MAX_TAIL} dims after the leading ones")
         base = 3 + i * _SLOT
         header[base], header[base + 1], header[base + 2] = _DTYPES.index(out.dtype) + 1, int(flag), len(tail)
@@ -266,7 +268,7 @@ class Prefetcher:
 
     ``depth=1`` is double buffering: before batch ``i`` is handed out, batch
     ``i+1`` has been drawn from ``batches`` and its request issued, so the
-    centralized model works on it while the caller trains on batch ``i``.
+    scoring server works on it while the caller trains on batch ``i``.
     ``depth=0`` waits for each request right after issuing it.
     ``inputs_of(batch)`` gives the ``(ids, mask)`` sent.  ``current_version()``
     is the caller's version of the served model when a result is used (default:
@@ -274,7 +276,7 @@ class Prefetcher:
     versions older the result is, and each is logged.
     """
 
-    def __init__(self, model: CentralizedModel, batches: Iterable, depth: int = 1,
+    def __init__(self, model: ScoringServer, batches: Iterable, depth: int = 1,
                  inputs_of: Callable | None = None, current_version: Callable[[], int] | None = None):
         if not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be a non-negative integer, got {depth!r}")
@@ -300,6 +302,6 @@ class Prefetcher:
             served = future.result()
             now = served.version if self.current_version is None else self.current_version()
             self.staleness.append(now - served.version)
-            logger.info("centralized result of model version %d used at version %d (staleness %d)",
+            logger.info("served result of model version %d used at version %d (staleness %d)",
                         served.version, now, now - served.version)
             yield batch, served.outputs

@@ -1,4 +1,4 @@
-"""Centralized teacher benchmark: bytes moved, memory of owner / non-owner / every-rank-copy, prefetch on/off.
+"""Scoring-server (teacher on one rank) benchmark: bytes moved, memory of owner / non-owner / every-rank-copy, prefetch on/off.
 
 On ``--world`` ranks (gloo on CPU, NCCL on GPUs), each rank trains a small student GPT by forward KL to a
 larger teacher GPT.  The teacher is served from rank 0 (full vocabulary, then top-k) or, as the peer, every
@@ -13,7 +13,7 @@ rank holds its own copy (the replicated fallback).  Printed per mode:
   teacher works on batch i+1 while the student trains on i) and off,
   and the ratio to the every-rank-copy peer.
 
-    python benchmarks/centralized_critic.py [--world 2] [--vocab 8192] [--topk 16] [--iters 8]
+    python benchmarks/scoring_server.py [--world 2] [--vocab 8192] [--topk 16] [--iters 8]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from megalite import topology  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
-from megalite.rlhf.centralized_critic import CentralizedModel, Prefetcher  # noqa: E402
+from megalite.rlhf.scoring_server import ScoringServer, Prefetcher  # noqa: E402
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
@@ -61,7 +61,7 @@ def _rank(args, mode: str, topk, depth: int) -> dict:
     student = GPTModel(GPTConfig(vocab_size=args.vocab, num_layers=1, hidden_size=64, num_attention_heads=4,
                                  max_position_embeddings=args.seq, seed=2), tp_group=single).to(device)
     optimizer = torch.optim.SGD(student.parameters(), lr=1e-3)
-    central = CentralizedModel(fn, owner=0, replicated=mode == "replicated", device=device)
+    central = ScoringServer(fn, owner=0, replicated=mode == "replicated", device=device)
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
                 torch.ones(args.batch, args.seq, dtype=torch.long)) for _ in range(args.iters + 1)]
@@ -108,8 +108,8 @@ def main(argv=None) -> int:
           f"{8 * 1024 * args.topk * 12 / 1e6:.1f} MB")
     peer_ms = None
     for label, mode, topk in (("every rank holds a copy (peer)", "replicated", None),
-                              ("centralized, full vocabulary", "centralized", None),
-                              (f"centralized, top-{args.topk}", "centralized", args.topk)):
+                              ("scoring server, full vocabulary", "served", None),
+                              (f"scoring server, top-{args.topk}", "served", args.topk)):
         timings = {}
         for depth in (1, 0):
             results = run_distributed(_rank, args.world, args, mode, topk, depth, timeout=1200)

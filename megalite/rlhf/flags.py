@@ -1,0 +1,98 @@
+"""RL's and reward-model training's command-line flags: rows of the same ``Flag`` table as pretraining, mapped onto the RL configs.
+
+A row with ``fields`` takes its default from the config dataclass (``PPOConfig``, ``AdvantageConfig``,
+``SamplingConfig``, ``OffloadConfig``), so ``examples/rlhf_ppo.py`` and the Python API agree; the
+other rows are options of the RL loop with their default in the row.  ``RL_FLAGS.config_values(args,
+"PPOConfig")`` gives the config's keyword arguments from parsed flags.  The flag names follow verl
+and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``).
+"""
+
+from __future__ import annotations
+
+from megalite.flags import Flag, FlagTable
+from megalite.rlhf.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from megalite.rlhf.generation import SamplingConfig
+from megalite.rlhf.placement import OffloadConfig
+from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
+
+ALGO, ROLLOUT, PLACE = ("RL algorithm", "rollouts and rewards", "placement and offload (see megalite.rlhf.placement)")
+
+RL_FLAGS = FlagTable((
+    Flag("--advantage-estimator", ALGO, ("AdvantageConfig.estimator",),
+         help=f"one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
+    Flag("--n-samples-per-prompt", ALGO, ("AdvantageConfig.group_size",), type=int,
+         help="responses sampled per prompt (a group)"),
+    Flag("--no-norm-adv-by-std", ALGO, ("AdvantageConfig.norm_by_std",), sets=False,
+         help="grpo: do not divide by the group's std (Dr. GRPO)"),
+    Flag("--gamma", ALGO, ("AdvantageConfig.gamma",), type=float, help="discount"),
+    Flag("--lam", ALGO, ("AdvantageConfig.lam",), type=float, help="GAE lambda"),
+    Flag("--ppo-epochs", ALGO, default=2, type=int, help="passes over each batch of rollouts"),
+    Flag("--actor-lr", ALGO, default=5e-4, type=float),
+    Flag("--critic-lr", ALGO, default=2e-3, type=float),
+    Flag("--loss-agg-mode", ALGO, ("PPOConfig.loss_aggregation",), choices=LOSS_AGGREGATIONS),
+    Flag("--clip-ratio-low", ALGO, ("PPOConfig.clip_eps",), type=float),
+    Flag("--clip-ratio-high", ALGO, ("PPOConfig.clip_eps_high",), type=float,
+         help="None: --clip-ratio-low (DAPO: 0.28)"),
+    Flag("--dual-clip", ALGO, ("PPOConfig.dual_clip",), type=float,
+         help="bound (> 1) on the loss of negative-advantage tokens (verl's clip_ratio_c)"),
+    Flag("--value-clip", ALGO, ("PPOConfig.value_clip",), type=float,
+         help="the critic's new values stay within this of the old ones in the clipped value loss"),
+    Flag("--kl-coef", ALGO, ("PPOConfig.kl_coef",), type=float, help="weight of the KL to the reference model"),
+    Flag("--kl-estimator", ALGO, ("PPOConfig.kl_estimator",), choices=KL_ESTIMATORS),
+    Flag("--kl-clamp", ALGO, ("PPOConfig.kl_clamp",), type=float,
+         help="the log-ratio and the KL estimate are clamped to [-this, this]"),
+    Flag("--use-kl-loss", ALGO, ("PPOConfig.use_kl_loss",), sets=True,
+         help="KL as a loss term instead of in the reward (GRPO)"),
+    Flag("--entropy-coef", ALGO, ("PPOConfig.entropy_coef",), type=float),
+    Flag("--dynamic-sampling", ALGO, default=False,
+         help="drop groups whose rewards are all equal and generate more to refill the batch"),
+    Flag("--max-num-gen-batches", ALGO, default=4, type=int, help="dynamic sampling: generation rounds at most"),
+    Flag("--overlong-buffer-len", ALGO, default=0, type=int, help="DAPO overlong shaping window (0: off)"),
+    Flag("--overlong-penalty-factor", ALGO, default=1.0, type=float),
+    Flag("--max-staleness", ALGO, default=0, type=int, help="rollouts may be this many updates old"),
+    Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
+         help="truncation of the stale-rollout importance weight"),
+
+    Flag("--reward-fn", ROLLOUT, default="megalite.rlhf.rewards:arithmetic_reward",
+         help="module:function taking (prompt, response) and returning a float"),
+    Flag("--reward-model", ROLLOUT,
+         help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn"),
+    Flag("--temperature", ROLLOUT, ("SamplingConfig.temperature",), type=float),
+    Flag("--max-new-tokens", ROLLOUT, ("SamplingConfig.max_new_tokens",), default=3, type=int),
+    Flag("--rollout-world-size", ROLLOUT, default=0, type=int,
+         help="ranks that only generate (the last ones); 0: rollouts run on the training ranks"),
+    Flag("--rollout-tensor-parallel-size", ROLLOUT, default=1, type=int),
+    Flag("--use-scoring-server", ROLLOUT, default=False,
+         help="score rollouts on a scoring server: the reward (and teacher) held by one rank only"),
+    Flag("--scoring-server-rank", ROLLOUT, default=0, type=int, help="the rank that holds the scoring server"),
+    Flag("--distill-coef", ROLLOUT, default=0.0, type=float,
+         help="with --use-scoring-server: a teacher GPT on the scoring-server rank; this times the forward KL to it "
+              "(on its top-k support) joins the actor loss"),
+    Flag("--teacher-reward-coef", ROLLOUT, default=0.0, type=float,
+         help="with --use-scoring-server: this times the teacher's log-prob of each response token joins the "
+              "per-token reward"),
+    Flag("--teacher-topk", ROLLOUT, type=int,
+         help="the teacher sends its top-k log-probs (values + indices) instead of the full vocabulary"),
+    Flag("--teacher-load", ROLLOUT, help="teacher checkpoint (megalite format); None: a GPT initialized from --seed + 1"),
+
+    Flag("--offload-frozen-models", PLACE, ("OffloadConfig.offload_frozen_models",), sets=True,
+         help="park the reference, reward model, teacher and target critic in (pinned) host memory and copy them "
+              "to the device only for scoring (verl's ref/reward param_offload)"),
+    Flag("--offload-optimizer", PLACE, ("OffloadConfig.offload_optimizer",), sets=True,
+         help="park the actor's and critic's optimizer state in host memory during generation and scoring "
+              "(verl's optimizer_offload)"),
+    Flag("--target-critic-tau", PLACE, type=float,
+         help="gae: advantages use a target critic, a host copy of the critic moved by Polyak averaging at this "
+              "rate after each update"),
+), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig))
+
+PREFERENCES = "preference data"
+
+REWARD_MODEL_FLAGS = FlagTable((
+    Flag("--data-path", PREFERENCES, help="preference JSONL of {prompt, chosen, rejected}; None: a synthetic "
+                                          "arithmetic set written into --save"),
+    Flag("--synthetic-pairs", PREFERENCES, default=4000, type=int, help="pairs in the synthetic set"),
+    Flag("--held-out-pairs", PREFERENCES, default=256, type=int,
+         help="the last pairs, held out to measure accuracy"),
+))
+"""examples/train_reward_model.py's data options (the model and batch flags are pretraining's)."""

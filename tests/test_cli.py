@@ -1,0 +1,65 @@
+"""Every command goes through megalite.cli.run_cli: bad input is one ``error:`` line on stderr and exit 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cases(tmp):
+    """(name, argv after the interpreter, a fragment of the error line)."""
+    example = lambda name: os.path.join(ROOT, "examples", f"{name}.py")  # noqa: E731
+    tool = lambda name: os.path.join(ROOT, "tools", f"{name}.py")  # noqa: E731
+    return [
+        ("pretrain_gpt", [example("pretrain_gpt"), "--micro-batch-size", "3", "--global-batch-size", "8"],
+         "global batch size 8 is not divisible by micro batch size 3"),
+        ("rlhf_ppo", [example("rlhf_ppo"), "--tensor-model-parallel-size", "3"],
+         "1 trainer ranks (world size 1 - --rollout-world-size 0) are not divisible"),
+        ("train_reward_model", [example("train_reward_model")], "the following arguments are required: --save"),
+        ("training_service", [example("training_service"), "--backend", "cloud"],
+         "argument --backend: invalid choice: 'cloud'"),
+        ("serve", ["-m", "megalite.inference.serve"], "the following arguments are required: --load"),
+        ("checkpoint", ["-m", "megalite.checkpoint", "inspect", os.path.join(tmp, "nowhere")], "nowhere"),
+        ("topology", ["-m", "megalite.topology", "--world-size", "6", "--tensor-model-parallel-size", "4"],
+         "world size 6 is not divisible by tp*pp*cp = 4*1*1 = 4"),
+        ("topology-short-flag", ["-m", "megalite.topology", "--world-size", "6", "--tp", "4"],
+         "unrecognized arguments: --tp 4"),
+        ("convert_checkpoint", [tool("convert_checkpoint"), "--from", "hf", "--to", "hf", "--input", tmp, "--output",
+                                os.path.join(tmp, "out")], "--from and --to are both 'hf'; nothing to convert"),
+        ("make_preference_data", [tool("make_preference_data"), "--output", os.path.join(tmp, "p.jsonl"), "--pairs",
+                                  "0"], "--pairs must be positive, got 0"),
+        ("plot_pipeline", [tool("plot_pipeline"), tmp], "no timeline files found"),
+        ("preprocess_data", [tool("preprocess_data"), "--input", "x", "--output-prefix", "y", "--tokenizer-type",
+                             "WordPiece"], "argument --tokenizer-type: invalid choice: 'WordPiece'"),
+        ("supervise", [tool("supervise"), "--", "torchrun", "train.py"], "the command needs --load"),
+        ("train_tokenizer", [tool("train_tokenizer"), "--input", os.path.join(tmp, "none.txt"), "--output-prefix",
+                             os.path.join(tmp, "t"), "--vocab-size", "50"], "none.txt"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every bad command at once (each imports torch); map name -> (fragment, exit status, stderr)."""
+    tmp = str(tmp_path_factory.mktemp("cli"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env.pop("WORLD_SIZE", None)
+    procs = {name: (fragment, subprocess.Popen([sys.executable, *argv], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True))
+             for name, argv, fragment in _cases(tmp)}
+    results = {}
+    for name, (fragment, proc) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        results[name] = (fragment, proc.returncode, err)
+    return results
+
+
+@pytest.mark.parametrize("name", [case[0] for case in _cases("tmp")])
+def test_bad_input_is_one_error_line_and_exit_2(runs, name):
+    fragment, code, err = runs[name]
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
+    assert "Traceback" not in err
