@@ -18,8 +18,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from megalite.flags import PARALLEL, SHARED_FLAGS, ArgumentParser, Flag, FlagTable
-
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
@@ -350,6 +348,10 @@ def _format_grid(world_size: int, **kwargs) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m megalite.topology``: the rank grid of the shared parallel-size flags."""
+    # Imported here, so that tensor_parallel's import of topology loads nothing more.
+    from megalite.flags import PARALLEL, SHARED_FLAGS, ArgumentParser, Flag, FlagTable
+
     parser = ArgumentParser(prog="python -m megalite.topology",
                             description="Print every rank's coordinates and every process group.")
     FlagTable((Flag("--world-size", PARALLEL, type=int, required=True),)).add_to(parser)

@@ -1,7 +1,9 @@
 """megalite's import graph, read from the source with ``ast`` (nothing is imported).
 
 Two rules of docs/architecture.md are checked on every ``import`` statement,
-including those inside functions and ``TYPE_CHECKING`` blocks: no two modules
+including those inside functions and ``TYPE_CHECKING`` blocks, but not those under
+``if __name__ == "__main__":`` (that block runs only when the file is the program,
+``python -m megalite.topology``, as module ``__main__``, not as part of the package): no two modules
 import each other, directly or through others, and each package imports only
 the packages listed before it in the architecture table (packages sharing a
 row are one layer).
@@ -26,11 +28,20 @@ def module_files() -> dict[str, pathlib.Path]:
     return files
 
 
+def _is_main_guard(node: ast.stmt) -> bool:
+    """Whether ``node`` is a top-level ``if __name__ == "__main__":`` block."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+
+
 def imported_names(name: str, path: pathlib.Path) -> list[tuple[str, str | None]]:
     """``(module, attribute)`` of every import in ``name`` (attribute None for ``import module``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    tree.body = [node for node in tree.body if not _is_main_guard(node)]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -286,7 +286,8 @@ def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
 
 def test_inspect_of_a_bad_directory_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     from megalite.checkpoint.__main__ import main
+    from megalite.cli import run_cli
 
-    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert run_cli(main, ["inspect", str(tmp_path / "missing")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"error: checkpoint directory {tmp_path / 'missing'} does not exist\n"
