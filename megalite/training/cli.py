@@ -28,11 +28,15 @@ def run_cli(main) -> int:
     the user even when the launcher kills the other ranks first.  A ValueError (bad input) is just
     that line; a collective that timed out names its group and the ranks that did not arrive; a
     dropped connection points at the peer that failed; other exceptions are bugs and print their
-    traceback first.  The process group is destroyed
+    traceback first.  Ctrl-C before training starts (once it runs, SIGINT saves and stops like
+    SIGTERM, see :mod:`signals`) is one line and status 130.  The process group is destroyed
     in every case, as gloo aborts otherwise.
     """
     try:
         main()
+    except KeyboardInterrupt:
+        _error_line("interrupted (SIGINT) before training started; nothing was saved")
+        return 130
     except ValueError as err:
         _error_line(str(err))
         return 1
