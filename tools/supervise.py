@@ -6,8 +6,9 @@
 Each attempt is a fresh torchrun, so it gets a fresh rendezvous, store and set of ports; with
 ``--load`` naming the ``--save`` directory it resumes from the last checkpoint, and megalite's
 exact resume makes the finished run's losses those of an uninterrupted run.  A launch that exits
-0 (finished, or stopped by SIGTERM after saving) ends the loop; any other exit (a killed worker, a
-lost node, a stalled collective) starts the next attempt after ``--restart-delay`` seconds.
+0 (finished) ends the loop; any other exit (a killed worker, a lost node, a stalled collective, and
+also a SIGTERM sent to torchrun directly, since torchrun exits 1 after forwarding a signal however its
+workers exit) starts the next attempt after ``--restart-delay`` seconds.
 SIGTERM and SIGINT, at any moment, are passed on to the running launch (if one runs) and stop the loop: the
 supervisor then exits with the launch's status, or 128 + the signal number when it came between attempts.
 Each attempt sees its number in ``MEGALITE_RESTART_ATTEMPT`` (0 first).
