@@ -214,11 +214,14 @@ class TrainingService:
         """Model and optimizer from a megalite checkpoint saved under any layout."""
         from megalite.checkpoint import read_checkpoint_info
 
-        info = read_checkpoint_info(path)
+        try:  # where it comes from, for save()'s overwrite rule; the workers may see paths the driver does not
+            info = read_checkpoint_info(path)
+        except (OSError, ValueError):
+            info = None
         future = self._call("load", path)
 
         def loaded(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
+            if info is not None and not done.cancelled() and done.exception() is None:
                 self._loaded = (os.path.dirname(info["directory"]), info["iteration"])
         future.add_done_callback(loaded)
         return future
