@@ -196,6 +196,8 @@ class TrainingService:
         ``step`` is a non-negative integer.  The first save refuses a ``checkpoint_dir`` that holds
         checkpoints this service did not load (unless ``override_existing_checkpoints``)."""
         try:
+            if isinstance(step, bool):
+                raise TypeError
             step = operator.index(step)
         except TypeError:
             raise ValueError(f"save step must be a non-negative integer, got {step!r}") from None
@@ -326,7 +328,7 @@ class TrainingService:
 
     def _listen(self, now: float) -> None:
         """Note which workers' heartbeats moved."""
-        for rank, (count, since) in enumerate(self._heard):
+        for rank, (count, _) in enumerate(self._heard):
             beats = self._store.add(f"heartbeat/{rank}", 0)
             if beats != count:
                 self._heard[rank] = (beats, now)
@@ -348,8 +350,8 @@ class TrainingService:
                 missing = [r for r in range(self.procs) if r not in call.replies]
                 grace = min(PEER_FAILURE_SECONDS, call.allowed)
                 if call.failed_at is not None and now - call.failed_at > grace:
-                    problem = (f"{call.method} #{call_id} failed on {_errors(call.replies)}; worker "
-                               f"{', '.join(map(str, missing))} did not finish it within {grace:.0f} s (waiting for "
+                    problem = (f"{call.method} #{call_id} failed on {_errors(call.replies)}; {_workers(missing)} "
+                               f"did not finish it within {grace:.0f} s (waiting for "
                                f"the failed worker in a collective), so the service stopped its workers")
                 # A queued call's clock starts when it was issued or when the workers last answered.
                 elif now - max(call.start, self._last_reply) > call.allowed:
@@ -380,5 +382,8 @@ def _errors(replies: dict) -> str:
     for rank, (ok, value) in sorted(replies.items()):
         if not ok:
             by_text.setdefault(str(value), []).append(rank)
-    return "; ".join(f"worker{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
-                     for text, ranks in by_text.items())
+    return "; ".join(f"{_workers(ranks)}: {text}" for text, ranks in by_text.items())
+
+
+def _workers(ranks: list[int]) -> str:
+    return f"worker{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

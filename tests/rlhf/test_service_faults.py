@@ -86,7 +86,7 @@ async def _no_partial_state(tmp_path):
     await _assert_same(guarded, skipping, _flagged(2))  # neither kept the poisoned gradient
 
     # Bad steps are one clear error, before any worker sees them.
-    for step in (-1, 1.5, "2"):
+    for step in (-1, 1.5, "2", True):
         with pytest.raises(ValueError, match=r"^save step must be a non-negative integer, got "):
             guarded.save(step)
     # Non-finite weights are never saved.
