@@ -35,11 +35,16 @@ def run_cli(main, *args) -> int:
     torn down, so the message reaches the user even when the launcher kills the other ranks first.
     A ValueError or FileNotFoundError (bad input) is just that line; a collective that timed out
     names its group and the ranks that did not arrive; a dropped connection points at the peer that
-    failed; other exceptions are bugs and print their traceback first.  The process group is
-    destroyed in every case, as gloo aborts otherwise.
+    failed; other exceptions are bugs and print their traceback first.  Ctrl-C that reaches here
+    (pretraining catches SIGINT once it trains, and saves and stops as on SIGTERM, see
+    :mod:`megalite.training.signals`) is one line and status 130.  The process group is destroyed in
+    every case, as gloo aborts otherwise.
     """
     try:
         status = main(*args)
+    except KeyboardInterrupt:
+        _error_line("interrupted (SIGINT)")
+        return 130
     except (ValueError, FileNotFoundError) as err:
         _error_line(str(err))
         return BAD_INPUT

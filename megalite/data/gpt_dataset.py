@@ -5,7 +5,10 @@ seeded order, and cuts the stream into samples of ``seq_length + 1`` tokens
 (inputs plus the shifted label) that start every ``seq_length`` tokens, so
 samples cross document boundaries and consecutive samples share one token.
 The sample order is then shuffled by the same seed.  The three index arrays
-are cached as ``.npy`` files keyed by a hash of everything they depend on.
+are cached as ``.npy`` files keyed by a hash of everything they depend on,
+next to a JSON record of what they were built from (the data files' paths,
+sizes and mtimes, seed, sizes, the arrays' hashes): a cache whose record is
+missing or differs, or whose arrays do not match their hashes, is rebuilt.
 """
 
 from __future__ import annotations
@@ -18,15 +21,35 @@ import os
 import numpy as np
 import torch
 
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.indexed_dataset import IndexedDataset, data_file, index_file
 
 _INDEX_VERSION = 1
+_PARTS = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
 def _save_atomic(path: str, array: np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}.npy"
     np.save(tmp, array)
     os.replace(tmp, path)
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def _load_cache(record_path: str, paths: list[str], built_from: dict):
+    """The cached arrays when their record matches ``built_from`` and their hashes; else None (rebuild)."""
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+        if record.get("built_from") != built_from:
+            return None
+        arrays = [np.load(p, mmap_mode="r") for p in paths]
+    except (OSError, ValueError):
+        return None
+    if [_digest(a) for a in arrays] != record.get("sha256"):
+        return None
+    return arrays
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -71,21 +94,39 @@ class GPTDataset(torch.utils.data.Dataset):
         key.update(documents.tobytes())
         key.update(sizes.tobytes())
         self.cache_key = key.hexdigest()[:16]
-        paths = None
+        cached = None
         if cache_dir is not None:
             stem = os.path.join(cache_dir, f"{name}_{self.cache_key}")
-            paths = [f"{stem}_{part}.npy" for part in ("doc_idx", "sample_idx", "shuffle_idx")]
-        if paths is not None and all(os.path.isfile(p) for p in paths):
-            self.doc_idx, self.sample_idx, self.shuffle_idx = (np.load(p, mmap_mode="r") for p in paths)
+            paths = [f"{stem}_{part}.npy" for part in _PARTS]
+            record_path = f"{stem}_built_from.json"
+            built_from = self._built_from(indexed, documents, sizes)
+            cached = _load_cache(record_path, paths, built_from)
+        if cached is not None:
+            self.doc_idx, self.sample_idx, self.shuffle_idx = cached
         else:
             rng = np.random.RandomState(seed)
             self.doc_idx = self._build_doc_idx(documents, rng)
             self.sample_idx = self._build_sample_idx(indexed, self.doc_idx, num_samples, seq_length)
             self.shuffle_idx = rng.permutation(num_samples).astype(np.int64)
-            if paths is not None:
+            if cache_dir is not None:
                 os.makedirs(cache_dir, exist_ok=True)
-                for path, array in zip(paths, (self.doc_idx, self.sample_idx, self.shuffle_idx)):
+                arrays = (self.doc_idx, self.sample_idx, self.shuffle_idx)
+                for path, array in zip(paths, arrays):
                     _save_atomic(path, array)
+                tmp = f"{record_path}.tmp{os.getpid()}"
+                with open(tmp, "w") as f:  # written last: a record vouches for arrays already in place
+                    json.dump({"built_from": built_from, "sha256": [_digest(a) for a in arrays]}, f, indent=1)
+                os.replace(tmp, record_path)
+
+    def _built_from(self, indexed: IndexedDataset, documents: np.ndarray, sizes: np.ndarray) -> dict:
+        """What the index arrays depend on, as JSON: the data files as they are now, and every parameter."""
+        files = {}
+        for path in (data_file(indexed.prefix), index_file(indexed.prefix)):
+            stat = os.stat(path)
+            files[os.path.realpath(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        return {"version": _INDEX_VERSION, "name": self.name, "files": files, "num_samples": self.num_samples,
+                "seq_length": self.seq_length, "seed": self.seed, "num_epochs": self.num_epochs,
+                "documents_sha256": _digest(documents), "sizes_sha256": _digest(sizes)}
 
     def _build_doc_idx(self, documents: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
         """The documents of every epoch, each epoch in its own random order."""

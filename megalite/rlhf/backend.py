@@ -28,7 +28,8 @@ class TrainingBackend:
     ``FullyShardedDataParallel`` (FSDP2); ``optimizer``: megalite's
     optimizer over it; ``objective``: see :mod:`megalite.rlhf.objectives`.
     Gradients of one ``forward_backward`` call are applied by the next
-    ``optim_step`` (one call each per update).
+    ``optim_step`` (one call each per update).  A ``forward_backward`` that raises
+    leaves nothing behind (see :meth:`discard`), so a retry starts clean.
     """
 
     def __init__(self, chunk, optimizer, objective, micro_batch_size: int, topo: topology.Topology | None = None):
@@ -69,10 +70,14 @@ class TrainingBackend:
             return output, loss_func
 
         self.chunk.train()
-        results = forward_backward(forward_step, iter(micro_batches), self.chunk, len(micro_batches),
-                                   pp_group=topo.pp.group, scale_loss=self.optimizer.scale_loss,
-                                   finalize_grads_func=lambda chunks: finalize_model_grads(
-                                       chunks, topo.tp.group, topo.embedding.group))
+        try:
+            results = forward_backward(forward_step, iter(micro_batches), self.chunk, len(micro_batches),
+                                       pp_group=topo.pp.group, scale_loss=self.optimizer.scale_loss,
+                                       finalize_grads_func=lambda chunks: finalize_model_grads(
+                                           chunks, topo.tp.group, topo.embedding.group))
+        except BaseException:
+            self.discard()  # the micro-batches before the failing one accumulated gradients
+            raise
         self._pending = True
         return self._reduce(results)
 
@@ -89,6 +94,11 @@ class TrainingBackend:
         if keys and self.topo.dp.size > 1:
             dist.all_reduce(local, group=self.topo.dp.group)
         return broadcast_from_last_stage(dict(zip(keys, local.tolist())), self.topo.pp.group)
+
+    def discard(self) -> None:
+        """Drop the accumulated gradient without an update, as if no ``forward_backward`` had run."""
+        self.optimizer.zero_grad()
+        self._pending = False
 
     def optim_step(self) -> dict[str, float]:
         """Apply the accumulated gradient and clear it."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig
+from megalite.training.nan_guard import NanGuardConfig
 
 OBJECTIVES = {"language_model": "megalite.rlhf.objectives:LanguageModelObjective",
               "ppo_actor": "megalite.rlhf.objectives:PPOActorObjective",
@@ -29,7 +30,10 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """Everything a worker needs, as data: configs, the loss by name, the layout, the checkpoint directory."""
+    """Everything a worker needs, as data: configs, the loss by name, the layout, the checkpoint directory.
+
+    ``nan_guard`` is the trainer's non-finite guard (:mod:`megalite.training.nan_guard`), applied in
+    ``optim_step`` and ``save``."""
 
     model: GPTConfig
     optimizer: OptimizerConfig
@@ -38,6 +42,7 @@ class ServiceSpec:
     checkpoint_dir: str
     seed: int = 1234
     with_gpus: bool = False
+    nan_guard: NanGuardConfig = field(default_factory=NanGuardConfig)
 
 
 @dataclass(frozen=True)

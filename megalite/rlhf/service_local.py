@@ -1,13 +1,19 @@
-"""``backend="local"``: TrainingService workers as spawned processes on this machine, fed through queues."""
+"""``backend="local"``: TrainingService workers as spawned processes on this machine, fed through queues.
+
+Each worker arms the parent-death signal (:func:`megalite.training.parent_death.die_with_parent`), so it dies
+with the driver however the driver ends (``kill -9`` included): no orphan keeps a rank or ``checkpoint_dir``.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 
 from megalite.rlhf.service_config import ServiceSpec
 from megalite.rlhf.service_transport import Reply, Transport
 from megalite.rlhf.service_worker import ServiceWorker
+from megalite.training.parent_death import die_with_parent
 
 
 class LocalTransport(Transport):
@@ -17,7 +23,8 @@ class LocalTransport(Transport):
         ctx = multiprocessing.get_context("spawn")
         self._replies = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(procs)]
-        self._workers = [ctx.Process(target=_serve, args=(rank, spec, self._inboxes[rank], self._replies),
+        driver = os.getpid()
+        self._workers = [ctx.Process(target=_serve, args=(rank, spec, self._inboxes[rank], self._replies, driver),
                                      daemon=True) for rank in range(procs)]
         for worker in self._workers:
             worker.start()
@@ -58,8 +65,9 @@ class LocalTransport(Transport):
         return [w.pid for w in self._workers]
 
 
-def _serve(rank: int, spec: ServiceSpec, inbox, replies) -> None:
-    """A worker process: answer calls in order until ``shutdown``."""
+def _serve(rank: int, spec: ServiceSpec, inbox, replies, driver: int) -> None:
+    """A worker process: answer calls in order until ``shutdown``; it dies with ``driver``."""
+    die_with_parent(driver)
     worker = ServiceWorker(rank, spec)
     while True:
         call_id, method, payload = inbox.get()

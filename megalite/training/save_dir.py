@@ -1,13 +1,14 @@
 """Safety of the ``--save`` directory, checked before the first iteration.
 
 - **One writer.** :class:`SaveDirLock` holds an exclusive ``flock`` on ``SAVE/.megalite.lock`` for
-  the whole run.  The kernel drops the lock when its holder dies, however it dies, so a killed job
-  can never leave it stuck; a second job on the same directory fails at once, naming the holder.
-  (flock works on local file systems and on most cluster file systems; on NFS it may be advisory
+  the whole run (a TrainingService holds it on its ``checkpoint_dir``).  The kernel drops the lock
+  when its holder dies, however it dies, so a killed job can never leave it stuck; a second job on
+  the same directory fails at once, naming the holder.  (flock works on local file systems and on most cluster file systems; on NFS it may be advisory
   only per host.)
 - **No silent overwrite.** :func:`check_not_overwriting` refuses a ``--save`` directory that already
   holds another run's checkpoints which this run did not load (the ``--save X --load X`` habit with a
-  typo in ``--load``), unless ``--override-existing-checkpoints``.
+  typo in ``--load``), unless ``--override-existing-checkpoints``.  Both take the names their caller
+  knows these settings by (:class:`DirNames`), so the service's errors name its own arguments.
 - **Room.** :func:`check_writable_with_room` creates the directory, writes a probe file, and
   compares the free space with an estimate of one checkpoint (:func:`checkpoint_bytes`).
 """
@@ -19,6 +20,7 @@ import os
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,22 @@ from megalite.training.checkpointing import read_latest
 LOCK_NAME = ".megalite.lock"
 
 
+@dataclass(frozen=True)
+class DirNames:
+    """How the caller's user names the save directory, the load source and the override."""
+
+    save: str = "--save"
+    load: str = "--load"
+    override: str = "--override-existing-checkpoints"
+
+
+FLAGS = DirNames()
+
+
 class SaveDirLock:
     """An exclusive, non-blocking flock on ``save_dir``'s lock file; the file names the holder."""
 
-    def __init__(self, save_dir: str):
+    def __init__(self, save_dir: str, names: DirNames = FLAGS):
         path = os.path.join(save_dir, LOCK_NAME)
         self._file = open(path, "a+")
         try:
@@ -40,7 +54,7 @@ class SaveDirLock:
             self._file.seek(0)
             holder = self._file.read().strip() or "an unknown process"
             self._file.close()
-            raise ValueError(f"--save {save_dir} is in use by another job ({holder}); only one job may write a "
+            raise ValueError(f"{names.save} {save_dir} is in use by another job ({holder}); only one job may write a "
                              f"save directory at a time") from None
         self._file.seek(0)
         self._file.truncate()
@@ -52,7 +66,8 @@ class SaveDirLock:
             self._file.close()
 
 
-def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration: int, override: bool) -> str | None:
+def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration: int, override: bool,
+                          names: DirNames = FLAGS) -> str | None:
     """Refuse to write over checkpoints in ``save_dir`` that this run did not load.
 
     Returns a warning to print when ``override`` lets it through, else None; raises ValueError.
@@ -65,17 +80,17 @@ def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration:
     if loaded_it:
         return None
     if load_dir is None:
-        why = "no --load was given"
+        why = f"no {names.load} was given"
     elif loaded_iteration:
-        why = f"it loaded iteration {loaded_iteration} from --load {load_dir}"
+        why = f"it loaded iteration {loaded_iteration} from {names.load} {load_dir}"
     else:
-        why = f"--load {load_dir} holds no checkpoint"
+        why = f"{names.load} {load_dir} holds no checkpoint"
     if override:
-        return (f"warning: --save {save_dir} holds another run's checkpoints (latest iteration {latest}) and {why}; "
-                f"writing over them (--override-existing-checkpoints)")
-    raise ValueError(f"--save {save_dir} already holds another run's checkpoints (latest iteration {latest}) that this "
-                     f"run did not load: {why}. Pass --load {save_dir} to continue that run, choose another --save, "
-                     f"or pass --override-existing-checkpoints to write over them")
+        return (f"warning: {names.save} {save_dir} holds another run's checkpoints (latest iteration {latest}) and "
+                f"{why}; writing over them ({names.override})")
+    raise ValueError(f"{names.save} {save_dir} already holds another run's checkpoints (latest iteration {latest}) "
+                     f"that this run did not load: {why}. Pass {names.load} {save_dir} to continue that run, choose "
+                     f"another {names.save}, or pass {names.override} to write over them")
 
 
 def checkpoint_bytes(model_chunks, dp_size: int) -> int:

@@ -267,7 +267,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                                                 (trainer.topo.pp.group, trainer.topo.dp.group), topology.device()))
             trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
-        stop = "SIGTERM received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
+        stop = f"{sigterm.name} received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
             saved_at = iteration

@@ -1,3 +1,4 @@
+import json
 import os
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_determinism_and_cache(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     a = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
     files = sorted(os.listdir(cache))
-    assert len(files) == 3 and all(f.startswith(f"train_{a.cache_key}_") for f in files)
+    assert len(files) == 4 and all(f.startswith(f"train_{a.cache_key}_") for f in files)  # 3 arrays + their record
 
     def no_rebuild(*args):
         raise AssertionError("index rebuilt although cached")
@@ -58,12 +59,46 @@ def test_determinism_and_cache(tmp_path, monkeypatch):
         b = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
     fresh = GPTDataset(indexed, docs, 40, 5, seed=7)
     other = GPTDataset(indexed, docs, 40, 5, seed=8, cache_dir=cache, name="train")
-    assert len(os.listdir(cache)) == 6 and other.cache_key != a.cache_key
+    assert len(os.listdir(cache)) == 8 and other.cache_key != a.cache_key
     assert GPTDataset(indexed, docs, 41, 5, seed=7).cache_key != a.cache_key
     assert GPTDataset(indexed, docs[:-1], 40, 5, seed=7).cache_key != a.cache_key
     for i in range(40):
         assert a[i]["tokens"].tolist() == b[i]["tokens"].tolist() == fresh[i]["tokens"].tolist()
     assert [other[i]["tokens"].tolist() for i in range(40)] != [a[i]["tokens"].tolist() for i in range(40)]
+
+
+def test_a_wrong_or_stale_cache_is_rebuilt(tmp_path, monkeypatch):
+    """A cache whose arrays were changed (a plausible permutation), whose record is missing, or whose data
+    files changed since it was built is rebuilt, and the samples are those of an uncached dataset."""
+    indexed = _make(tmp_path / "ds", seed=1)
+    docs = np.arange(len(indexed))
+    cache = tmp_path / "cache"
+    fresh = GPTDataset(indexed, docs, 40, 5, seed=7)
+    expected = [fresh[i]["tokens"].tolist() for i in range(40)]
+    key = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=str(cache), name="train").cache_key
+    shuffle, record = cache / f"train_{key}_shuffle_idx.npy", cache / f"train_{key}_built_from.json"
+    builds = []
+    original_build = GPTDataset._build_doc_idx
+
+    def counted(self, *args):
+        builds.append(1)
+        return original_build(self, *args)
+
+    monkeypatch.setattr(GPTDataset, "_build_doc_idx", counted)
+
+    def load() -> list:
+        ds = GPTDataset(IndexedDataset(str(tmp_path / "ds")), docs, 40, 5, seed=7, cache_dir=str(cache), name="train")
+        return [ds[i]["tokens"].tolist() for i in range(40)]
+
+    assert load() == expected and builds == []  # a valid cache is used as is
+    np.save(shuffle, np.load(shuffle)[::-1].copy())  # another permutation: plausible, but not this dataset's
+    assert load() == expected and builds == [1]
+    record.unlink()  # a cache from before records existed
+    assert load() == expected and builds == [1, 1]
+    before = json.loads(record.read_text())["built_from"]["files"]
+    os.utime(tmp_path / "ds.bin", ns=(1, 1))  # the data file changed since the cache was built
+    assert load() == expected and builds == [1, 1, 1]
+    assert json.loads(record.read_text())["built_from"]["files"] != before
 
 
 def test_bad_gpt_dataset_arguments(tmp_path):

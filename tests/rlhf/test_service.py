@@ -1,6 +1,7 @@
 """TrainingService: workers at tp2 train exactly like one worker (same seed, same batches, pipelined calls),
 weights and checkpoints move between layouts, a killed worker fails pending and later calls with its name and last
-message (so does one that hangs past the timeout), shutdown leaves no process, and bad input is one clear error."""
+message (so does one that hangs past the timeout: the stopped one, not the one waiting for it), shutdown leaves no
+process, and bad input is one clear error.  More faults: test_service_faults.py."""
 
 import asyncio
 import os
@@ -121,10 +122,12 @@ async def _hung(tmp_path):
     service = await TrainingService.options(procs=2, timeout=5.0).as_service(
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
         checkpoint_dir=str(tmp_path))
-    os.kill(service.pids[0], signal.SIGSTOP)
-    with pytest.raises(RuntimeError, match=r"training worker 0 did not answer optim_step #\d+ within 5 s; its last "
-                                           r"message: ready #\d+ \(ok\)"):
-        await service.optim_step()
+    # Worker 0 waits for the stopped worker 1 in a collective: the stopped one is named, by its silent heartbeat.
+    os.kill(service.pids[1], signal.SIGSTOP)
+    with pytest.raises(RuntimeError, match=r"training worker 1 did not answer forward_backward #\d+ within 5 s and "
+                                           r"sent no heartbeat for \d+ s \(stopped or frozen\); its last message: "
+                                           r"ready #\d+ \(ok\)"):
+        await service.forward_backward(_batch(0))
     pids = service.pids
     await service.shutdown()
     assert _alive(pids) == []

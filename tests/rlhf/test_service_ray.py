@@ -1,7 +1,8 @@
 """TrainingService with ``backend="ray"`` on a local CPU Ray cluster: the same calls give exactly the local
 backend's losses, weights and checkpoints; a killed actor fails pending and later calls with the worker's name
 and last message; shutdown leaves no worker process and stops Ray only when the last service on a cluster the
-services started closes; a cluster too small for the workers is one clear error."""
+services started closes; the NaN guard keeps a non-finite step out of the weights; a cluster too small for the
+workers is one clear error."""
 
 import asyncio
 import os
@@ -72,7 +73,16 @@ async def _shared_ray(tmp_path):
     pids = first.pids + second.pids
     await first.shutdown()
     assert ray.is_initialized()  # the second service still uses the cluster
-    await second.optim_step()
+    # The NaN guard runs in Ray actors as in local workers: no update from a non-finite step.
+    poisoned = _batch(1)
+    poisoned["loss_mask"][0, 0] = float("nan")
+    before = await second.get_weights()
+    await second.forward_backward(poisoned)
+    with pytest.raises(RuntimeError, match=r"optim_step failed on worker 0: NonFiniteError: iteration 1: the loss is "
+                                           r"nan"):
+        await second.optim_step()
+    for name, value in (await second.get_weights()).items():
+        assert torch.equal(value, before[name]), name
     await second.shutdown()
     assert _alive(pids) == []
     assert not ray.is_initialized()  # the last service on the cluster they started stopped it

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import read_latest
 from tests.training.helpers import pretrain_on_rank, read_metrics, tiny_argv
@@ -90,22 +92,32 @@ def test_sigterm_while_blocked_in_a_collective_exits_within_30s(tiny_data, tmp_p
     assert "; exiting without saving" in rank0, rank0
 
 
-def test_sigterm_to_the_agent_saves_and_workers_exit_cleanly(tiny_data, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launch_saves_and_workers_exit_cleanly(tiny_data, tmp_path, sig):
+    """SIGTERM to the torchrun agent (as srun sends it), or SIGINT to the whole process group (Ctrl-C):
+    the workers save at the iteration boundary and exit 0 with one line and no traceback.  torchrun itself
+    exits 1 either way (its agent re-raises the signal after stopping the workers), as docs/launching.md says."""
     logs, save = tmp_path / "logs", tmp_path / "ckpt"
     argv = tiny_argv(tiny_data, tmp_path, "--train-iters", "100000", "--save", str(save))
     proc = subprocess.Popen(_torchrun(logs) + [PRETRAIN, *argv], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env())
+                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 180, "two iterations")
-    proc.send_signal(signal.SIGTERM)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # a terminal's Ctrl-C reaches the agent and every worker
+    else:
+        proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     last = read_metrics(metrics)[-1]["iteration"]
     assert read_latest(str(save)) == last
     for rank in (0, 1):
         log = _rank_log(logs, rank)
-        assert "error" not in log and "Traceback" not in log, log
-    assert f"SIGTERM received: stopping after iteration {last}" in _rank_log(logs, 0)
+        assert "error" not in log and "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert f"{sig.name} received: stopping after iteration {last}" in _rank_log(logs, 0)
     assert "forcefully exiting via" not in out, out
+    assert "exitcode  :" not in out, out  # no worker failed
+    assert proc.returncode == 1, out
 
 
 def test_supervisor_restarts_killed_worker_and_launcher_without_orphans(tiny_data, tmp_path):
