@@ -77,6 +77,7 @@ def test_bad_input(kwargs, message):
         rank_groups(**kwargs)
 
 
+@pytest.mark.slow
 def test_cli_prints_groups_and_fails_cleanly():
     ok = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "16", "--tp", "2", "--pp", "2"],
                         capture_output=True, text=True, timeout=60)

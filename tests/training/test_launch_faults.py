@@ -9,9 +9,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import read_latest
 from tests.training.helpers import pretrain_on_rank, read_metrics, tiny_argv
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULT_SCRIPT = os.path.join(ROOT, "tests", "training", "fault_script.py")
