@@ -13,6 +13,15 @@ import sys
 
 from setuptools import find_packages, setup
 
+OPTIONAL = {
+    "hf": ["transformers>=4.31", "tokenizers>=0.13"],  # LlamaConfig's num_key_value_heads (GQA) came in 4.31
+    "plot": ["matplotlib>=3.5"],
+    "serve": ["aiohttp>=3.8"],
+    "ray": ["ray>=2.0"],
+}
+"""Optional extras, with lower bounds (not pins) where megalite needs an API."""
+TEST = ["pytest>=8", "pytest-xdist>=3"]
+"""The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 
@@ -60,8 +69,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
-    extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"], "serve": ["aiohttp"],
-                    "ray": ["ray"],
-                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp", "ray"]},
+    extras_require={**OPTIONAL, "test": TEST + [req for reqs in OPTIONAL.values() for req in reqs]},
     **extension_kwargs(),
 )

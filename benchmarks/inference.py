@@ -39,6 +39,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from extras import require  # noqa: E402
 from megalite.checkpoint.hf import convert_hf_to_megalite  # noqa: E402
 from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
 
@@ -228,6 +229,7 @@ def main():
     parser.add_argument("--no-hf-continuous", action="store_true",
                         help="skip transformers' generate_batch (about a minute on CPU at 64 requests)")
     args = parser.parse_args()
+    require("transformers", "hf", "this benchmark (transformers builds its model and is its baseline)")
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="megalite_inference_bench_")
     try:

@@ -9,8 +9,8 @@ ScheduleZBVZeroBubble.  Prints the median step time of the slowest rank, the rat
 median CPU time summed over ranks (gloo threads included; far less disturbed by other load on the
 machine), the grad difference between the two sides (same weights, same data), and one line per schedule
 ``bubble <schedule> measured <x> analytic <y>`` (megalite's measured bubble of one extra step; the
-analytic value assumes equal F, B and W times).  Writes Gantt charts (and, with --trace-dir, Chrome
-traces) of that step with tools/plot_pipeline.py.
+analytic value assumes equal F, B and W times).  Writes Gantt charts (when matplotlib is installed) and,
+with --trace-dir, Chrome traces of that step with tools/plot_pipeline.py.
 
     python benchmarks/pipeline.py [--steps 6] [--hidden 256] [--seq 64] [--batch 4] [--png-dir benchmarks]
                                   [--trace-dir DIR]
@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
+from extras import missing
 from megalite import topology
 from megalite.pipeline import (PipelineRecorder, StageMap, analytic_bubble, bubble_fraction, build_chunks,
                                forward_backward)
@@ -201,6 +202,10 @@ def main():
     spec = importlib.util.spec_from_file_location("plot_pipeline", os.path.join(ROOT, "tools", "plot_pipeline.py"))
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
+    install = missing("matplotlib", "plot") if args.png_dir else None
+    if install:
+        print(f"note: no Gantt charts without matplotlib ({install})")
+    draw = bool(args.png_dir) and not install
     print(f"pp={PP}, m={M}, hidden={args.hidden}, micro-batch {args.batch}x{args.seq} tokens, "
           f"{args.steps} timed steps (median of the slowest rank), device={device()}")
     print(f"{'schedule':<18}{'torch':>12}{'megalite':>12}{'ratio':>8}{'max |grad diff|':>18}{'bubble':>9}"
@@ -215,7 +220,7 @@ def main():
               f"{r['megalite'] / r['torch']:>8.3f}{r['grad_diff']:>18.2e}{bubble:>9.3f}"
               f"{r['cpu']['torch'] * 1e3:>10.1f}ms{r['cpu']['megalite'] * 1e3:>12.1f}ms"
               f"{r['cpu']['megalite'] / r['cpu']['torch']:>11.3f}{r['load']:>6.1f}")
-        if args.png_dir:
+        if draw:
             path = os.path.join(args.png_dir, png)
             plot.plot(recorders, path, f"megalite {schedule}, pp={PP}, m={M}: measured bubble {bubble:.1%}")
             print(f"  Gantt chart of one megalite step: {path}")

@@ -22,6 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from extras import require  # noqa: E402
 from megalite.models import GPTConfig  # noqa: E402
 from megalite.optim import OptimizerConfig  # noqa: E402
 from megalite.rlhf import ParallelLayout, TrainingService  # noqa: E402
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=512)
     args = p.parse_args()
+    require("ray", "ray", "the Ray-vs-local comparison")
     with tempfile.TemporaryDirectory() as directory:
         results = {backend: asyncio.run(measure(backend, args, directory)) for backend in ("local", "ray")}
     print(f"tp2, 2 CPU workers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps} steps")

@@ -77,6 +77,7 @@ def test_bad_input(kwargs, message):
         rank_groups(**kwargs)
 
 
+@pytest.mark.slow
 def test_cli_prints_groups_and_fails_cleanly():
     ok = subprocess.run([sys.executable, "-m", "megalite.topology", "--world-size", "16",
                          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install megalite with its test extra, build the fused-kernel extension in place, run the suite.
-# pip builds in an isolated environment that cannot see torch, so the extension is built in a
-# second step, once torch is installed. pytest's exit code 5 (no tests collected) is a failure:
-# a suite that ran nothing proves nothing.
+# Install megalite with its test extra, build the fused-kernel extension in place, run the suite
+# (arguments go to pytest: -m "not slow" is the fast unit run). pip builds in an isolated environment
+# that cannot see torch, so the extension is built in a second step, once torch is installed; that step
+# runs setup.py directly, which needs setuptools in this environment (a Python 3.12+ venv has none).
+# pytest's exit code 5 (no tests collected) is a failure: a suite that ran nothing proves nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[test]" || exit 1
+python -m pip install -q -e ".[test]" setuptools || exit 1
 python setup.py -q build_ext --inplace || exit 1
 export OMP_NUM_THREADS=1
 python -m pytest -q tests "$@"

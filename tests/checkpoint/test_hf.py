@@ -70,6 +70,7 @@ def test_round_trip_matches_logits_and_is_lossless(kind, tmp_path):
         assert torch.equal(reloaded(ids).logits, expected)
 
 
+@pytest.mark.slow
 def test_command_line_and_bad_input(tmp_path):
     _hf_model("gpt2").save_pretrained(tmp_path / "hf")
     tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]

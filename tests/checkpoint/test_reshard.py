@@ -14,7 +14,7 @@ import torch
 
 from megalite.checkpoint import iteration_dir, load_model
 from megalite.testing import run_distributed
-from tests.checkpoint.conftest import VOCAB
+from tests.training.helpers import VOCAB
 
 SEQ = 8
 

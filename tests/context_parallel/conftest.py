@@ -1,10 +1,9 @@
-"""Datasets of the context-parallel trainer tests: the training tests' tiny one, and a packed one with eod tokens."""
+"""The packed dataset of the context-parallel trainer tests: short documents ending with eod tokens."""
 
 import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
-from tests.training.conftest import tiny_data  # noqa: F401
 
 BYTE_EOD = 256
 """The byte tokenizer's end-of-document id (no --tokenizer-model)."""

@@ -10,6 +10,8 @@ from megalite.data.synthetic import generate_corpus
 from megalite.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from tests.data.megatron_fixture import FIXTURE_DIR
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -29,11 +29,36 @@ def references(tiny_data, tmp_path_factory):
     return runs
 
 
-def _max_weight_diff(a, b) -> float:
-    want = load_model(str(a)).state_dict()
-    got = load_model(str(b)).state_dict()
+def _weight_diffs(a, b) -> tuple[float, float]:
+    """(max |difference| over every weight but the attention key biases, max |key bias| in either run).
+
+    The loss does not depend on the key bias: it adds q . b_k to every score of a query's row, and softmax
+    ignores a shift of the row. Its gradient is zero in exact arithmetic, so each run computes rounding
+    noise (~1e-11, against 6e-5 for the query bias) that depends on its own summation order, and Adam,
+    whose step for |g| << eps is lr * g / eps, turns that noise into steps of up to ~5e-6, different in
+    each layout (1.1e-5 apart after 8 steps at tp2 x dp2 with SP). The other weights agree to 3e-7 (dense)
+    and 7e-7 (MoE at ep2); the key bias is held to being noise instead (1.2e-5 at most), far below what a
+    learned bias moves (the query bias: 1.8e-2).
+    """
+    want_model, got_model = load_model(str(a)), load_model(str(b))
+    want, got = want_model.state_dict(), got_model.state_dict()
     assert want.keys() == got.keys()
-    return max((want[k].double() - got[k].double()).abs().max().item() for k in want)
+    config = want_model.config
+    per_group = config.num_attention_heads // config.num_query_groups + 2
+
+    def split(name, tensor):
+        """(the key-bias entries, the rest) of ``tensor``, in the grouped QKV layout of models/attention.py."""
+        if not name.endswith("self_attention.linear_qkv.bias"):
+            return tensor.new_zeros(0), tensor.flatten()
+        slots = tensor.view(config.num_query_groups, per_group, config.kv_channels)
+        return slots[:, -2].flatten(), torch.cat([slots[:, :-2].flatten(), slots[:, -1].flatten()])
+
+    weights, key_bias = 0.0, 0.0
+    for name in want:
+        (want_key, want_rest), (got_key, got_rest) = split(name, want[name].double()), split(name, got[name].double())
+        weights = max(weights, (want_rest - got_rest).abs().max().item())
+        key_bias = max([key_bias, *(t.abs().max().item() for t in (want_key, got_key) if t.numel())])
+    return weights, key_bias
 
 
 @pytest.mark.parametrize("arch,flags", [
@@ -54,13 +79,16 @@ def test_fsdp2_layouts_match_one_rank(tiny_data, tmp_path, references, arch, fla
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ref["iteration"]
         assert mine["lr"] == ref["lr"]
-        if "--eval-interval" in flags:
-            assert mine.get("valid_loss") == pytest.approx(ref.get("valid_loss"), rel=1e-4), ref["iteration"]
     if "--eval-interval" in flags:
-        assert "valid_loss" in got[3] and "valid_loss" in got[7]
-    # Context-parallel attention sums in another order, which 8 Adam steps amplify: DDP at cp2 x dp2 ends
-    # 8.5e-6 from the single-rank weights, FSDP2 1.2e-5; the other layouts stay within 1e-5.
-    assert _max_weight_diff(ref_ckpt, tmp_path / "ckpt") <= (2e-5 if "--context-parallel-size" in flags else 1e-5)
+        # Only the records of eval iterations carry valid_loss: both runs evaluate at exactly 4 and 8.
+        evaluated = [r["iteration"] for r in got if "valid_loss" in r]
+        assert evaluated == [r["iteration"] for r in reference if "valid_loss" in r] == [4, 8]
+        for ref, mine in zip(reference, got):
+            if "valid_loss" in ref:
+                assert mine["valid_loss"] == pytest.approx(ref["valid_loss"], rel=1e-4), ref["iteration"]
+    weights, key_bias = _weight_diffs(ref_ckpt, tmp_path / "ckpt")
+    assert weights <= 2e-6
+    assert key_bias <= 1e-4, "the attention key bias learned: the loss depends on it, so compare it as a weight"
 
 
 @pytest.mark.parametrize("precision", [["--bf16", "--accumulate-allreduce-grads-in-fp32"],

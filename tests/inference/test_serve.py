@@ -114,6 +114,7 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
     asyncio.run(_with_server(engine, body))
 
 
+@pytest.mark.slow
 def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
     assert parse_args(["--load", "x"]).host == "127.0.0.1"
     from megalite.checkpoint import save_sharded

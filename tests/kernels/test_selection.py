@@ -60,6 +60,7 @@ def test_switch_turns_fusion_off_and_on(spy):
     assert spy == ["layer_norm"]
 
 
+@pytest.mark.slow
 def test_env_var_disables_fusion_and_cli_reports():
     env = dict(os.environ, MEGALITE_NO_FUSED="1")
     report = subprocess.run([sys.executable, "-m", "megalite.kernels"], env=env, capture_output=True, text=True,

@@ -18,6 +18,7 @@ from tests.pipeline import toy
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_recorder_round_trip_gantt_chart_and_trace(tmp_path):
     # Iteration 0 is a throw-away; iteration 1 spans 10 s: stage 0 busy 0-2 and 6-10 (idle 4 s),
     # stage 1 busy 2-6 (idle 6 s), with a deferred W pass on stage 1.

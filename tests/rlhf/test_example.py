@@ -36,6 +36,7 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_ppo_example_with_scoring_server_and_staleness(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = TINY + ["--global-batch-size", "8", "--use-scoring-server", "--max-staleness", "1",
@@ -55,6 +56,7 @@ def test_ppo_example_with_scoring_server_and_staleness(tmp_path):
     assert logged == [(r["iteration"], pytest.approx(r["reward"])) for r in records]
 
 
+@pytest.mark.slow
 def test_grpo_example_with_dapo_and_kl_loss(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = TINY + ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo",
@@ -67,6 +69,7 @@ def test_grpo_example_with_dapo_and_kl_loss(tmp_path):
         assert "kl_loss" in record and "value_loss" not in record and 0.0 <= record["kept_group_fraction"] <= 1.0
 
 
+@pytest.mark.slow
 def test_disaggregated_equals_colocated_and_runs_async(tmp_path):
     """One trainer rank and one rollout rank (weights synced after each update) give exactly the colocated
     run's metrics over two on-policy iterations; a tp2 rollout replica with --max-staleness 1 runs."""

@@ -124,11 +124,13 @@ def reward_model(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_offload_keeps_numbers_and_frees_what_the_plan_parks(tmp_path, reward_model):
     argv = ARGV + ["--tensor-model-parallel-size", "2", "--reward-model", reward_model]
     _check(run_distributed(_run, 2, argv, str(tmp_path), 1, timeout=240), owner=1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_offload_on_one_gpu(tmp_path, reward_model):
     argv = ARGV + ["--tensor-model-parallel-size", "1", "--reward-model", reward_model]

@@ -60,6 +60,7 @@ def _train_tp2(save, metrics):
     return scores
 
 
+@pytest.mark.slow
 def test_reward_model_trained_at_tp2_scores_the_same_at_tp1(tmp_path):
     save, metrics = str(tmp_path / "rm"), str(tmp_path / "metrics.jsonl")
     scores = run_distributed(_train_tp2, 2, save, metrics, timeout=180)[0]

@@ -15,6 +15,8 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.training.checkpointing import read_latest
 from tests.training.helpers import read_metrics, tiny_argv
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 

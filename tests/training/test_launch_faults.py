@@ -15,6 +15,8 @@ from megalite.testing import run_distributed
 from megalite.training.checkpointing import read_latest
 from tests.training.helpers import pretrain_on_rank, read_metrics, tiny_argv
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULT_SCRIPT = os.path.join(ROOT, "tests", "training", "fault_script.py")
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")

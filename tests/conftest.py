@@ -1,3 +1,5 @@
+"""Fixtures shared by every test package: the tiny indexed dataset the training-loop tests train on."""
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,7 @@ from tests.training.helpers import VOCAB
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """A small indexed dataset of token ids below VOCAB, with some structure for the model to learn."""
+    """A small indexed dataset of token ids below VOCAB: arithmetic sequences, some structure to learn."""
     prefix = str(tmp_path_factory.mktemp("data") / "tiny")
     rng = np.random.RandomState(0)
     with IndexedDatasetBuilder(prefix) as builder:
