@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUPERVISE = os.path.join(ROOT, "tools", "supervise.py")
 # Each attempt appends its pid to the log file, then exits 1 (or, with "sleep", waits to be signalled).
@@ -19,6 +21,7 @@ def _supervise(log, mode):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_restart_delay_stops_without_another_attempt(tmp_path):
     log = tmp_path / "attempts"
     proc = _supervise(log, "fail")
@@ -34,6 +37,7 @@ def test_sigterm_during_the_restart_delay_stops_without_another_attempt(tmp_path
     assert len(log.read_text().split()) == 1
 
 
+@pytest.mark.slow
 def test_sigterm_during_an_attempt_stops_it_and_the_supervisor(tmp_path):
     log = tmp_path / "attempts"
     proc = _supervise(log, "sleep")
