@@ -6,7 +6,7 @@ RSS growth is measured there), then their steps alternate.  The script prints th
 (slowest rank), the median CPU time summed over ranks, the ratios megalite/torch, and the
 optimizer state per rank.
 
-    python benchmarks/ddp.py [--dp 4] [--steps 6] [--width 2048] [--layers 12] [--bucket-size N]
+    python benchmarks/ddp.py [--data-parallel-size 4] [--steps 6] [--width 2048] [--layers 12] [--bucket-size N]
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def report(title: str, per_rank: list[dict]) -> None:
 
 def main(zero: bool = False) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--data-parallel-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=12)
@@ -160,7 +160,7 @@ def main(zero: bool = False) -> None:
     parser.add_argument("--bucket-size", type=int, default=TORCH_BUCKET,
                         help="gradient bucket in fp32 elements, used by both sides (default: torch DDP's 25 MiB)")
     args = parser.parse_args()
-    per_rank = run_distributed(compare, args.dp, args.width, args.layers, args.batch, args.steps, zero,
+    per_rank = run_distributed(compare, args.data_parallel_size, args.width, args.layers, args.batch, args.steps, zero,
                                args.bucket_size, timeout=900)
     print(f"gradient buckets of {args.bucket_size} fp32 elements ({args.bucket_size * 4 / 2**20:.1f} MiB) on both sides")
     report("ZeRO-1: megalite DistributedOptimizer vs torch ZeroRedundancyOptimizer" if zero

@@ -1,7 +1,7 @@
 """megalite + FSDP2 vs megalite + ZeRO-1 vs a plain torch GPT under ``fully_shard``, same ranks, one run.
 
 The same GPT (gpt2-style, fp32, dropout off) trains with AdamW and global-norm clipping at 1.0 on
-``--dp`` ranks (gloo on CPU, NCCL with one GPU per rank).  Three sides live on the same ranks:
+``--data-parallel-size`` ranks (gloo on CPU, NCCL with one GPU per rank).  Three sides live on the same ranks:
 
 - megalite GPTModel wrapped by ``FullyShardedDataParallel`` (fully_shard per layer, then the model),
   stepped through the pipeline schedule, ``finalize_model_grads`` and megalite's optimizer, as in training;
@@ -14,7 +14,7 @@ step time of the slowest rank, the CPU time summed over ranks, and each side's r
 gradient + optimizer bytes per rank (the distinct storages actually held, not a formula), plus the
 ratios megalite-FSDP2 / plain-FSDP2 (target <= 1.05) and megalite-FSDP2 / ZeRO-1.
 
-    python benchmarks/fsdp.py [--dp 4] [--steps 8] [--hidden 256] [--layers 4] [--seq 128] [--batch 4]
+    python benchmarks/fsdp.py [--data-parallel-size 4] [--steps 8] [--hidden 256] [--layers 4] [--seq-length 128] [--batch 4]
 """
 
 from __future__ import annotations
@@ -147,19 +147,19 @@ def compare(hidden, layers, vocab, seq, batch, steps):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--data-parallel-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     args = parser.parse_args()
-    per_rank = run_distributed(compare, args.dp, args.hidden, args.layers, args.vocab, args.seq, args.batch,
+    per_rank = run_distributed(compare, args.data_parallel_size, args.hidden, args.layers, args.vocab, args.seq_length, args.batch,
                                args.steps, timeout=900)
     r0 = per_rank[0]
-    print(f"GPT h={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} batch/rank={args.batch}: "
-          f"{r0['params'] / 1e6:.2f}M params, dp={args.dp}, {device().type}, load average {r0['load']:.1f}")
+    print(f"GPT h={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq_length} batch/rank={args.batch}: "
+          f"{r0['params'] / 1e6:.2f}M params, dp={args.data_parallel_size}, {device().type}, load average {r0['load']:.1f}")
     for name in ("plain_fsdp2", "megalite_fsdp2", "megalite_zero1"):
         wall, cpu = r0["times"][name]
         mib = max(r["memory"][name] for r in per_rank) / 2**20

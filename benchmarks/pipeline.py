@@ -12,7 +12,7 @@ machine), the grad difference between the two sides (same weights, same data), a
 analytic value assumes equal F, B and W times).  Writes Gantt charts (when matplotlib is installed) and,
 with --trace-dir, Chrome traces of that step with tools/plot_pipeline.py.
 
-    python benchmarks/pipeline.py [--steps 6] [--hidden 256] [--seq 64] [--batch 4] [--png-dir benchmarks]
+    python benchmarks/pipeline.py [--steps 6] [--hidden 256] [--seq-length 64] [--batch 4] [--png-dir benchmarks]
                                   [--trace-dir DIR]
 """
 
@@ -192,12 +192,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--png-dir", default=os.path.join(ROOT, "benchmarks"))
     parser.add_argument("--trace-dir", default=None, help="also write each Gantt step as a Chrome trace JSON here")
     args = parser.parse_args()
-    per_rank = run_distributed(bench, PP, args.steps, args.hidden, args.seq, args.batch, timeout=900)
+    per_rank = run_distributed(bench, PP, args.steps, args.hidden, args.seq_length, args.batch, timeout=900)
 
     spec = importlib.util.spec_from_file_location("plot_pipeline", os.path.join(ROOT, "tools", "plot_pipeline.py"))
     plot = importlib.util.module_from_spec(spec)
@@ -206,7 +206,7 @@ def main():
     if install:
         print(f"note: no Gantt charts without matplotlib ({install})")
     draw = bool(args.png_dir) and not install
-    print(f"pp={PP}, m={M}, hidden={args.hidden}, micro-batch {args.batch}x{args.seq} tokens, "
+    print(f"pp={PP}, m={M}, hidden={args.hidden}, micro-batch {args.batch}x{args.seq_length} tokens, "
           f"{args.steps} timed steps (median of the slowest rank), device={device()}")
     print(f"{'schedule':<18}{'torch':>12}{'megalite':>12}{'ratio':>8}{'max |grad diff|':>18}{'bubble':>9}"
           f"{'CPU torch':>12}{'CPU megalite':>14}{'CPU ratio':>11}{'load':>6}")

@@ -55,16 +55,16 @@ def _rank(args, mode: str, topk, depth: int) -> dict:
     if holds:
         teacher = GPTModel(GPTConfig(vocab_size=args.vocab, num_layers=args.teacher_layers,
                                      hidden_size=args.teacher_hidden, num_attention_heads=4,
-                                     max_position_embeddings=args.seq, seed=1), tp_group=single).to(device).eval()
+                                     max_position_embeddings=args.seq_length, seed=1), tp_group=single).to(device).eval()
         teacher_weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
         fn = teacher_fn(teacher, topk)
     student = GPTModel(GPTConfig(vocab_size=args.vocab, num_layers=1, hidden_size=64, num_attention_heads=4,
-                                 max_position_embeddings=args.seq, seed=2), tp_group=single).to(device)
+                                 max_position_embeddings=args.seq_length, seed=2), tp_group=single).to(device)
     optimizer = torch.optim.SGD(student.parameters(), lr=1e-3)
     central = ScoringServer(fn, owner=0, replicated=mode == "replicated", device=device)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
-                torch.ones(args.batch, args.seq, dtype=torch.long)) for _ in range(args.iters + 1)]
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq_length), generator=g),
+                torch.ones(args.batch, args.seq_length, dtype=torch.long)) for _ in range(args.iters + 1)]
     starts = []
     for (ids, mask), outputs in Prefetcher(central, batches, depth=depth):
         starts.append(time.perf_counter())
@@ -85,7 +85,7 @@ def _rank(args, mode: str, topk, depth: int) -> dict:
 
 def analytic_bytes(args, topk, world: int) -> float:
     """Inputs from the non-owners plus their results, per iteration."""
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq_length
     per_token = (args.vocab * 4 if topk is None else topk * (4 + 8)) + 4
     return (world - 1) * tokens * (2 * 8 + per_token)
 
@@ -96,14 +96,14 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--teacher-hidden", type=int, default=256)
     p.add_argument("--teacher-layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=8)
     args = p.parse_args(argv)
     mib = 2 ** 20
     print(f"world {args.world}, teacher h{args.teacher_hidden} x {args.teacher_layers} layers, vocab {args.vocab}, "
-          f"{args.batch} x {args.seq} tokens per rank; GPT-2 vocabulary scale (50257, 8 x 1024 tokens): full "
+          f"{args.batch} x {args.seq_length} tokens per rank; GPT-2 vocabulary scale (50257, 8 x 1024 tokens): full "
           f"log-probs {8 * 1024 * 50257 * 4 / 1e6:.0f} MB per rank per iteration, top-{args.topk} "
           f"{8 * 1024 * args.topk * 12 / 1e6:.1f} MB")
     peer_ms = None

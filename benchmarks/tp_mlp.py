@@ -7,7 +7,7 @@ and the bytes each rank hands to collectives per step next to the analytic
 minimum for one block: one all-reduce of b*s*h in forward and one in backward.  The two run
 alternately step by step; CPU time summed over ranks is printed beside wall time.
 
-    python benchmarks/tp_mlp.py [--tp 2 4] [--iters 9]
+    python benchmarks/tp_mlp.py [--tensor-model-parallel-size 2 4] [--iters 9]
 """
 
 from __future__ import annotations
@@ -142,12 +142,13 @@ def _bench(tp, iters):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tensor-model-parallel-size", type=int, nargs="+", default=[2, 4],
+                        help="the TP sizes to measure, each beside one rank")
     parser.add_argument("--iters", type=int, default=9)
     args = parser.parse_args()
     minimum = 2 * BATCH * SEQ * H * 4
     print(f"TP MLP h={H} ffn={4 * H} tokens={BATCH}x{SEQ} fp32, CPU/gloo, forward+backward, median of {args.iters}")
-    for tp in args.tp:
+    for tp in args.tensor_model_parallel_size:
         result = run_distributed(_bench, tp, tp, args.iters, timeout=1800)[0]
         ours, theirs = result["times"]["megalite"], result["times"]["dtensor"]
         cpu_ours, cpu_theirs = result["cpu"]["megalite"], result["cpu"]["dtensor"]

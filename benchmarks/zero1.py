@@ -3,7 +3,7 @@
 Same ~50M-parameter MLP stack and loop as benchmarks/ddp.py at dp=4; prints step times, their
 ratio, optimizer state per rank and its fraction of plain DDP's (8 bytes/param of Adam moments).
 
-    python benchmarks/zero1.py [--dp 4] [--steps 6] [--width 2048] [--layers 12]
+    python benchmarks/zero1.py [--data-parallel-size 4] [--steps 6] [--width 2048] [--layers 12]
 """
 
 import os

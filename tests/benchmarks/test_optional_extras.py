@@ -25,7 +25,7 @@ def _run_without(module, script, *args, cwd):
 
 
 def test_pipeline_benchmark_without_matplotlib_notes_and_finishes(tmp_path):
-    done = _run_without("matplotlib", "pipeline.py", "--steps", "1", "--hidden", "16", "--seq", "4", "--batch", "1",
+    done = _run_without("matplotlib", "pipeline.py", "--steps", "1", "--hidden", "16", "--seq-length", "4", "--batch", "1",
                         "--png-dir", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
