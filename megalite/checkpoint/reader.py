@@ -11,8 +11,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json, resolve_directory
-from megalite.checkpoint.integrity import data_blocks, read_manifest, verify_blocks, verify_files
+from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json
+from megalite.checkpoint.integrity import data_blocks, is_data_file, read_manifest, verify_blocks, verify_files
+from megalite.checkpoint.locate import resolve_directory
 from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
@@ -36,7 +37,7 @@ class CheckpointReader:
         self.directory = resolve_directory(path)
         self.group, self.collective = group, collective
         manifest = read_manifest(self.directory)
-        small = [name for name in manifest["files"] if not name.startswith("__")]
+        small = [name for name in manifest["files"] if not is_data_file(name)]
         problem = verify_files(self.directory, manifest, small if verify else [META])
         if verify:
             problem = problem or verify_files(self.directory, manifest, hashed=False)
@@ -78,7 +79,7 @@ class CheckpointReader:
 
     @functools.cached_property
     def metadata(self) -> dcp_metadata.Metadata:
-        return read_dcp_metadata(self.directory)
+        return read_dcp_metadata(self.directory, self.manifest)
 
     @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
