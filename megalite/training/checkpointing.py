@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
+from megalite.checkpoint.locate import find_checkpoint
 from megalite.models.architecture import config_to_dict
 from megalite.tensor_parallel import get_rng_tracker
 
@@ -46,12 +47,14 @@ class LoadResult(NamedTuple):
 
 
 def has_checkpoint(load_dir: str) -> bool:
-    """Whether ``load_dir`` holds a published checkpoint."""
-    return read_latest(load_dir) is not None
+    """Whether ``load_dir`` names a checkpoint: a save directory with a published one, or an iteration directory
+    (:func:`megalite.checkpoint.locate.find_checkpoint`, the notion every entry point shares)."""
+    return find_checkpoint(load_dir) is not None
 
 
 def checkpoint_info(load_dir: str) -> dict | None:
-    """``{"iteration", "layout", "config", "args"}`` of the newest checkpoint in ``load_dir``; None without one.
+    """``{"iteration", "layout", "config", "args"}`` of the checkpoint ``load_dir`` names (a save directory's newest,
+    or an iteration directory); None without one.
 
     ``config`` is the saved GPTConfig as a dict (None if absent); ``args`` the saved flags (None for a
     converted model).  No tensor is read.
@@ -141,7 +144,7 @@ def _refresh_main_params(optimizer) -> None:
 
 def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout: dict | None = None,
                     load_optimizer: bool = True, load_rng: bool = True, finetune: bool = False) -> LoadResult:
-    """Restore the newest checkpoint in ``load_dir``.
+    """Restore the checkpoint ``load_dir`` names: a save directory's newest, or an iteration directory's.
 
     Returns iteration 0 and changes nothing when ``load_dir`` holds no checkpoint.  Loads under
     any layout; raises ValueError on missing, truncated or altered files or another architecture.

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from megalite.checkpoint import load_model, load_sharded, save_sharded
+from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
-from megalite.training.checkpointing import checkpoint_info, load_checkpoint
+from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
+from megalite.training.save_dir import check_not_overwriting
 from tests.checkpoint.test_bad_input import _model, _rehash, _snapshot, _unchanged
 
 IDS = torch.arange(6).view(1, 6)
@@ -143,6 +145,25 @@ def test_a_manifest_entry_outside_the_directory_is_refused(runs, tmp_path):
     with open(path, "w") as f:
         json.dump(manifest, f)
     _refused_everywhere(save, "which is not a file name inside the checkpoint directory")
+
+
+def test_an_iteration_directory_is_a_checkpoint_for_every_entry_point(tmp_path):
+    save = str(tmp_path / "run")
+    for iteration, seed in ((1, 5), (2, 6), (3, 7)):
+        save_checkpoint(save, iteration, [_model(seed=seed)], None, None, consumed_samples=8 * iteration)
+    second = os.path.join(save, "iter_0000002")
+    assert find_checkpoint(save) == os.path.join(save, "iter_0000003") and find_checkpoint(second) == second
+    assert find_checkpoint(str(tmp_path / "absent")) is None and find_checkpoint(str(tmp_path)) is None
+    assert checkpoint_info(second)["iteration"] == 2
+    restored = _model(seed=99)
+    assert load_checkpoint(second, [restored], None, None)[:2] == (2, 16)
+    assert torch.equal(_logits(restored), _logits(_model(seed=6)))
+    assert torch.equal(_logits(load_model(second)), _logits(_model(seed=6)))
+    # Resuming from one of SAVE's iteration directories continues SAVE: saving there is no overwrite.
+    assert check_not_overwriting(save, second, 2, False) is None
+    assert check_not_overwriting(save, save, 3, False) is None
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        check_not_overwriting(save, str(tmp_path / "elsewhere"), 0, False)
 
 
 @pytest.mark.parametrize("pointer", ["-1", "garbage", "9"])
