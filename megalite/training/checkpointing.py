@@ -164,10 +164,17 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
         return LoadResult(0, 0, reader.iteration, dict(reader.layout))
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if load_rng and same_layout:
-        rng = reader.rank_state(rank).get("rng")
+    problem = None
+    try:
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
+    try:
+        rng = reader.rank_state(rank).get("rng") if problem is None and load_rng and same_layout else None
         if rng is not None:
             set_rng_state(rng)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
+        problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
+    reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on
     return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))
