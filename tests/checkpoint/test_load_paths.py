@@ -19,7 +19,7 @@ from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.save_dir import check_not_overwriting
-from tests.checkpoint.test_bad_input import _model, _rehash, _snapshot, _unchanged
+from tests.checkpoint.test_bad_input import _load_tp2_error, _model, _rehash
 
 IDS = torch.arange(6).view(1, 6)
 
@@ -41,19 +41,6 @@ def _point_metadata_at(directory, relative):
     _rehash(directory, ".metadata")
 
 
-def _load_2ranks(path):
-    """Both ranks load ``path`` together (as a trainer resume does): (error or None, model unchanged)."""
-    import torch.distributed as dist
-
-    model = _model(seed=99)
-    before = _snapshot(model)
-    try:
-        load_sharded(path, [model], group=dist.group.WORLD)
-    except ValueError as err:
-        return str(err), _unchanged(model, before)
-    return None, _unchanged(model, before)
-
-
 def _load_alone(path):
     from megalite.inference import LLM
 
@@ -68,11 +55,11 @@ def _load_alone(path):
 
 
 def _refused_everywhere(path, match):
-    """Every load path (alone: load_model, LLM, load_sharded; two ranks together) refuses ``path`` with ``match``,
+    """Every load path (alone: load_model, LLM, load_sharded; two tp ranks together, as a resume) refuses ``path`` with ``match``,
     within a minute (a blocking open of a FIFO would hang instead)."""
     for error in run_distributed(_load_alone, 1, path, timeout=60)[0]:
         assert error is not None and match in error, error
-    for error, unchanged in run_distributed(_load_2ranks, 2, path, timeout=60):
+    for error, unchanged in run_distributed(_load_tp2_error, 2, path, timeout=60):
         assert error is not None and match in error and unchanged, error
 
 
