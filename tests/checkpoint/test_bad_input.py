@@ -91,6 +91,15 @@ def _rehash(directory, name):
         json.dump(manifest, f)
 
 
+def flip_byte(path, offset):
+    """Flip the lowest bit of byte ``offset`` of file ``path`` (same size, other content)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 class _Payload:
     """Unpickling this runs ``open(marker, "w")``: code execution, which loading must refuse."""
 
@@ -129,11 +138,7 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
 
     broken, directory = _copy(tp2, str(tmp_path / "flipped"))
     shard = os.path.join(directory, "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(shard, os.path.getsize(shard) // 2)
     with pytest.raises(ValueError, match=r"flipped/iter_0000001/__0_0\.distcp fails its content hash check"):
         load_sharded(broken, [target])
     with pytest.raises(ValueError, match="fails its content hash check"):
@@ -199,11 +204,7 @@ def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path,
     assert all(len(entry["sha256"]) == -(-entry["size"] // block) for entry in manifest["files"].values())
     shard = os.path.join(directory, "__0_0.distcp")
     assert len(manifest["files"]["__0_0.distcp"]["sha256"]) > 4
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) - 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(shard, os.path.getsize(shard) - 100)
     for error, unchanged in run_distributed(_load_tp2_error_with_blocks, 2, save, block, timeout=120):
         assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 

@@ -19,7 +19,7 @@ from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.save_dir import check_not_overwriting
-from tests.checkpoint.test_bad_input import _load_tp2_error, _model, _rehash
+from tests.checkpoint.test_bad_input import _load_tp2_error, _model, _rehash, flip_byte
 
 IDS = torch.arange(6).view(1, 6)
 
@@ -169,11 +169,7 @@ def test_a_damaged_latest_names_the_newest_verified_iteration(tmp_path, pointer)
     assert torch.equal(_logits(load_model(newest)), _logits(_model(seed=5)))
 
     shard = os.path.join(newest, "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(shard, os.path.getsize(shard) // 2)
     with pytest.raises(ValueError, match="the newest verified checkpoint is iteration 4"):
         load_model(save)
     os.remove(os.path.join(save, "latest"))
