@@ -220,8 +220,8 @@ _STATE_FIELDS = {
     "iteration": ("a count", _is_count),
     "world_size": ("a positive count", lambda v: _is_count(v, 1)),
     "config": ("an object or null", lambda v: v is None or isinstance(v, dict)),
-    "layout": ("an object of sizes", lambda v: v is None or (isinstance(v, dict) and all(
-        x is None or type(x) is int for x in v.values()))),
+    "layout": ("an object of sizes and switches", lambda v: v is None or (isinstance(v, dict) and all(
+        x is None or isinstance(x, (int, str)) for x in v.values()))),
     "optimizer": ("null or an object with num_steps (a count), scaler and param_groups (a list of objects)",
                   lambda v: v is None or (isinstance(v, dict) and _is_count(v.get("num_steps"))
                                           and (v.get("scaler") is None or isinstance(v.get("scaler"), dict))

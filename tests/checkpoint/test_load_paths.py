@@ -176,3 +176,19 @@ def test_a_damaged_latest_names_the_newest_verified_iteration(tmp_path, pointer)
     with pytest.raises(ValueError, match="holds iteration directories but no latest pointer; the newest verified "
                                          "checkpoint is iteration 4"):
         load_model(save)
+
+
+def test_the_trainer_resumes_from_an_iteration_directory_and_saves_on_into_its_run(tmp_path):
+    """``--load RUN/iter_0000002 --save RUN`` loads iteration 2 (not "no checkpoint, from scratch") and may save
+    into RUN, whose iterations it continues."""
+    from tests.training.test_megatron_flags import TINY, _run_on_rank
+
+    run = tmp_path / "run"
+    first = TINY + ["--train-iters", "3", "--save-interval", "1", "--save", str(run)]
+    assert run_distributed(_run_on_rank, 1, first, False, timeout=240)[0][0] == 3
+    second = os.path.join(run, "iter_0000002")
+    resume = TINY + ["--train-iters", "4", "--save", str(run), "--load", second]
+    iteration, out, err, _ = run_distributed(_run_on_rank, 1, resume, False, timeout=240)[0]
+    assert iteration == 4 and "holds no checkpoint" not in err
+    assert f"loaded checkpoint {second} at iteration 2" in out
+    assert checkpoint_info(str(run))["iteration"] == 4
