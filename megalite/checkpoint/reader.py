@@ -53,7 +53,6 @@ class CheckpointReader:
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
         if self.config_dict is not None:
-            self.config_dict = dict(self.config_dict)
             try:
                 config_from_dict(self.config_dict)
             except (TypeError, ValueError, KeyError) as err:
@@ -209,6 +208,7 @@ class CheckpointReader:
 
 
 def field_error(path: str, field: str, problem: str) -> str:
+    """The one error line for a bad ``field`` of the JSON state file ``path`` (edited with its manifest)."""
     return f"checkpoint state {path}: field {field!r} {problem}"
 
 
