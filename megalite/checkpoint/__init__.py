@@ -73,7 +73,10 @@ def load_model(path: str, device="cpu"):
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig, so no GPTModel can be built from it")
     _check_single_process()
-    model = GPTModel(config)
+    try:
+        model = GPTModel(config)
+    except ValueError as err:
+        raise ValueError(reader.field_error("config", f"does not build a model: {err}")) from None
     load_into(reader, [model])
     return model.to(device).eval()
 

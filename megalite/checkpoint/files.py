@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 FORMAT = "megalite"
 FORMAT_VERSION = 4
@@ -59,38 +60,50 @@ def check_jsonable(value, what: str) -> None:
         raise ValueError(f"{what} must be plain JSON data: {err}") from None
 
 
+def open_regular(path: str, what: str = "checkpoint file"):
+    """``path`` opened for binary reading; ValueError unless it is a regular file (not a link, FIFO or device).
+
+    The open never blocks (a FIFO would wait for a writer forever) and never follows a symbolic link out of
+    the checkpoint directory.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} is missing") from None
+    except OSError as err:
+        if os.path.islink(path):
+            raise ValueError(f"{what} {path} is a symbolic link, not a regular file") from None
+        raise ValueError(f"{what} {path} is unreadable: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{what} {path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def is_regular(path: str) -> bool:
+    """Whether ``path`` is a regular file itself (a symbolic link is not, whatever it points at)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def read_latest(save_dir: str) -> int | None:
     """The iteration named by ``save_dir/latest``, or None when there is none."""
     pointer = os.path.join(save_dir, LATEST)
-    if not os.path.isfile(pointer):
+    if not os.path.lexists(pointer):
         return None
-    with open(pointer) as f:
-        text = f.read().strip()
+    with open_regular(pointer, "checkpoint pointer") as f:
+        text = f.read(64).decode(errors="replace").strip()
     if not text.isdigit():
         raise ValueError(f"checkpoint pointer {pointer} is corrupt: {text[:40]!r} is not an iteration number")
     return int(text)
 
 
-def resolve_directory(path: str) -> str:
-    """The iteration directory of ``path``: a save directory (its ``latest``) or an iteration directory."""
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {path} does not exist")
-    iteration = read_latest(path)
-    if iteration is None:
-        if not os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.isfile(os.path.join(path, DCP_METADATA)):
-            raise ValueError(f"{path} holds no checkpoint: no 'latest' file and no {MANIFEST}")
-        return path
-    directory = iteration_dir(path, iteration)
-    if not os.path.isdir(directory):
-        raise ValueError(f"{path}/latest names iteration {iteration}, but {directory} does not exist")
-    return directory
-
-
 def read_json(path: str, what: str):
     try:
-        with open(path) as f:
+        with open_regular(path, what) as f:
             return json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{what} {path} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{what} {path} is unreadable (truncated or corrupt): {err}") from None

@@ -14,7 +14,8 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from megalite.checkpoint.files import DCP_METADATA, FORMAT, FORMAT_VERSION, MANIFEST, META, fsync, read_json, write_json
+from megalite.checkpoint.files import (DCP_METADATA, FORMAT, FORMAT_VERSION, MANIFEST, META, fsync, is_regular,
+                                       open_regular, read_json, write_json)
 
 HASH_BLOCK = 16 << 20
 """Files are hashed in blocks of this many bytes, so the ranks that load together can share the work."""
@@ -28,7 +29,7 @@ def block_digests(data) -> list[str]:
 
 def file_digests(path: str) -> list[str]:
     """The content hash of file ``path`` (the sha256 of each block, see :func:`block_digests`)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if os.fstat(f.fileno()).st_size == 0:
             return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -59,8 +60,8 @@ def write_manifest(directory: str, iteration: int, files: dict[str, dict]) -> No
 def read_manifest(directory: str) -> dict:
     """The manifest of a megalite checkpoint directory; ValueError for a foreign DCP directory."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
-        if os.path.isfile(os.path.join(directory, DCP_METADATA)):
+    if not os.path.lexists(path):
+        if os.path.lexists(os.path.join(directory, DCP_METADATA)):
             raise ValueError(f"{directory} is a torch.distributed.checkpoint directory but not a megalite checkpoint "
                              f"(no {MANIFEST} or {META})")
         raise ValueError(f"{directory} holds no checkpoint: {MANIFEST} is missing")
@@ -71,7 +72,23 @@ def read_manifest(directory: str) -> dict:
         raise ValueError(f"{path} has format version {manifest.get('version')}, this megalite reads {FORMAT_VERSION}")
     if manifest.get("block_size") != HASH_BLOCK:
         raise ValueError(f"{path} hashes blocks of {manifest.get('block_size')} bytes, this megalite {HASH_BLOCK}")
+    for name, entry in manifest["files"].items():
+        if not is_plain_name(name):
+            raise ValueError(f"{path} lists {name[:80]!r}, which is not a file name inside the checkpoint directory")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), list)):
+            raise ValueError(f"{path}: the entry of {name} is not {{\"size\": bytes, \"sha256\": [block hashes]}}")
     return manifest
+
+
+def is_plain_name(name) -> bool:
+    """Whether ``name`` names a file directly inside a directory (no separator, not ``.`` or ``..``)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
+
+
+def is_data_file(name) -> bool:
+    """Whether ``name`` is the name of a DCP data file (``__<rank>_<n>.distcp``) in a checkpoint directory."""
+    return is_plain_name(name) and name.startswith("__")
 
 
 def check_file(path: str, manifest: dict, size: int, sha256) -> str | None:
@@ -99,8 +116,11 @@ def verify_blocks(directory: str, manifest: dict, blocks: list[tuple[str, int]])
         by_file.setdefault(name, []).append(index)
     for name, indices in sorted(by_file.items()):
         path, digests = os.path.join(directory, name), manifest["files"][name]["sha256"]
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, \
-                memoryview(data) as view:
+        try:
+            source = open_regular(path)
+        except ValueError as err:  # a problem to share with the other ranks, not to raise alone
+            return str(err)
+        with source as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
             for index in indices:
                 block = view[index * HASH_BLOCK:(index + 1) * HASH_BLOCK]
                 intact = index < len(digests) and hashlib.sha256(block).hexdigest() == digests[index]
@@ -115,8 +135,8 @@ def verify_files(directory: str, manifest: dict, names=None, hashed: bool = True
     all), or None."""
     for name in sorted(manifest["files"] if names is None else names):
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            return f"checkpoint file {path} is missing"
+        if not is_regular(path):
+            return f"checkpoint file {path} is {'not a regular file' if os.path.lexists(path) else 'missing'}"
         problem = check_file(path, manifest, os.path.getsize(path), (lambda: file_digests(path)) if hashed else (
             lambda: manifest["files"][name]["sha256"]))
         if problem:
@@ -126,5 +146,5 @@ def verify_files(directory: str, manifest: dict, names=None, hashed: bool = True
 
 def data_blocks(manifest: dict) -> list[tuple[str, int]]:
     """``(file name, block index)`` of every block of the data files, in a fixed order (for sharing out)."""
-    return [(name, index) for name in sorted(n for n in manifest["files"] if n.startswith("__"))
+    return [(name, index) for name in sorted(n for n in manifest["files"] if is_data_file(n))
             for index in range(-(-manifest["files"][name]["size"] // HASH_BLOCK))]

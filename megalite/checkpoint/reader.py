@@ -11,8 +11,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json, resolve_directory
-from megalite.checkpoint.integrity import data_blocks, read_manifest, verify_blocks, verify_files
+from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json
+from megalite.checkpoint.integrity import data_blocks, is_data_file, read_manifest, verify_blocks, verify_files
+from megalite.checkpoint.locate import resolve_directory
 from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
@@ -36,7 +37,7 @@ class CheckpointReader:
         self.directory = resolve_directory(path)
         self.group, self.collective = group, collective
         manifest = read_manifest(self.directory)
-        small = [name for name in manifest["files"] if not name.startswith("__")]
+        small = [name for name in manifest["files"] if not is_data_file(name)]
         problem = verify_files(self.directory, manifest, small if verify else [META])
         if verify:
             problem = problem or verify_files(self.directory, manifest, hashed=False)
@@ -45,11 +46,22 @@ class CheckpointReader:
         meta = read_json(os.path.join(self.directory, META), "checkpoint state")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"{self.directory}/{META} is not megalite checkpoint state")
+        _check_state(os.path.join(self.directory, META), meta)
         self.state: dict = meta
         self.iteration: int = meta["iteration"]
         self.world_size: int = meta["world_size"]
         self.config_dict = meta.get("config")
         self.layout = meta.get("layout") or {}
+        if self.config_dict is not None:
+            try:
+                config_from_dict(self.config_dict)
+            except (TypeError, ValueError, KeyError) as err:
+                raise ValueError(self.field_error("config", f"is not a GPTConfig this megalite can build: {err}"))
+
+    def field_error(self, field: str, problem: str, rank: int | None = None) -> str:
+        """The one error line for a bad ``field`` of this checkpoint's state (rank 0's, or ``rank``'s own file)."""
+        return field_error(os.path.join(self.directory, META) if rank is None else rank_state_file(self.directory, rank),
+                           field, problem)
 
     def agree(self, problem: str | None, *, data: bool = False) -> None:
         """Raise ValueError with the first rank's problem, on every rank (collective readers) or here.
@@ -78,7 +90,7 @@ class CheckpointReader:
 
     @functools.cached_property
     def metadata(self) -> dcp_metadata.Metadata:
-        return read_dcp_metadata(self.directory)
+        return read_dcp_metadata(self.directory, self.manifest)
 
     @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -95,7 +107,10 @@ class CheckpointReader:
         """The JSON state that ``rank`` saved for itself (e.g. its RNG streams)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"checkpoint {self.directory} was saved by {self.world_size} ranks, not rank {rank}")
-        return read_json(rank_state_file(self.directory, rank), "checkpoint rank state")
+        state = read_json(rank_state_file(self.directory, rank), "checkpoint rank state")
+        if not isinstance(state, dict):
+            raise ValueError(f"checkpoint rank state {rank_state_file(self.directory, rank)} is not a JSON object")
+        return state
 
     @property
     def config(self):
@@ -190,3 +205,39 @@ class CheckpointReader:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole global tensor ``name``."""
         return self.read_all([name], dtype)[name]
+
+
+def field_error(path: str, field: str, problem: str) -> str:
+    """The one error line for a bad ``field`` of the JSON state file ``path`` (edited with its manifest)."""
+    return f"checkpoint state {path}: field {field!r} {problem}"
+
+
+def _is_count(value, least: int = 0) -> bool:
+    return type(value) is int and value >= least
+
+
+_STATE_FIELDS = {
+    "iteration": ("a count", _is_count),
+    "world_size": ("a positive count", lambda v: _is_count(v, 1)),
+    "config": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+    "layout": ("an object of sizes and switches", lambda v: v is None or (isinstance(v, dict) and all(
+        x is None or isinstance(x, (int, str)) for x in v.values()))),
+    "optimizer": ("null or an object with num_steps (a count), scaler and param_groups (a list of objects)",
+                  lambda v: v is None or (isinstance(v, dict) and _is_count(v.get("num_steps"))
+                                          and (v.get("scaler") is None or isinstance(v.get("scaler"), dict))
+                                          and isinstance(v.get("param_groups"), list)
+                                          and all(isinstance(g, dict) for g in v["param_groups"]))),
+    # The trainer's own fields (megalite.training.checkpointing), checked here so every reader fails alike.
+    "consumed_samples": ("a count", _is_count),
+    "scheduler": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+    "args": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+}
+
+
+def _check_state(path: str, meta: dict) -> None:
+    """ValueError naming ``path`` and the field when rank 0's state has a field of the wrong kind."""
+    for field, (kind, valid) in _STATE_FIELDS.items():
+        if field not in meta and field not in ("iteration", "world_size"):
+            continue
+        if not valid(meta.get(field)):
+            raise ValueError(field_error(path, field, f"is {repr(meta.get(field))[:60]}, not {kind}"))

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePl
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.checkpoint.files import DCP_METADATA
-from megalite.checkpoint.integrity import block_digests, check_file
+from megalite.checkpoint.files import DCP_METADATA, MANIFEST, open_regular
+from megalite.checkpoint.integrity import block_digests, check_file, is_data_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +240,7 @@ class StoredChunks:
     def _map(self, relative: str) -> mmap.mmap:
         if relative not in self._maps:
             path = os.path.join(self.directory, relative)
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views may be writable
             if self.hashed:
                 problem = check_file(path, self.manifest, len(data), lambda: block_digests(data))
@@ -297,17 +297,26 @@ class SafeReader(dcp.FileSystemReader):
         return future
 
 
-def read_dcp_metadata(directory: str) -> dcp_metadata.Metadata:
+def read_dcp_metadata(directory: str, manifest: dict) -> dcp_metadata.Metadata:
+    """The DCP metadata of ``directory``, every data file it names being a data file of ``manifest``.
+
+    So every byte a load reads lies in a file of the checkpoint directory that the manifest's hashes cover
+    (a ``relative_path`` pointing elsewhere, e.g. at another run's file, is refused).
+    """
     path = os.path.join(directory, DCP_METADATA)
+    source = open_regular(path, "checkpoint metadata")
     try:
-        with open(path, "rb") as f:
+        with source as f:
             metadata = _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise ValueError(f"{directory} has no DCP metadata file {DCP_METADATA}") from None
     except Exception as err:
         raise ValueError(f"checkpoint metadata {path} is unreadable (truncated, corrupt or unsafe): {err}") from None
-    if not isinstance(metadata, dcp_metadata.Metadata):
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
         raise ValueError(f"checkpoint metadata {path} is not DCP metadata")
+    for info in metadata.storage_data.values():
+        relative = getattr(info, "relative_path", None)
+        if not (is_data_file(relative) and relative in manifest["files"]):
+            raise ValueError(f"checkpoint metadata {path} names the data file {str(relative)[:80]!r}, which is not "
+                             f"a data file of this directory listed in its {MANIFEST}")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = dcp_metadata.StorageMeta()
     return metadata

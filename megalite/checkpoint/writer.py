@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,11 +39,15 @@ class _FlushingStream:
     fsync before publishing only waits for the tail instead of the whole file.
     """
 
-    def __init__(self, stream, pool: ThreadPoolExecutor):
-        self._stream, self._pool, self._unflushed, self._flush = stream, pool, 0, None
+    def __init__(self, stream, pool: ThreadPoolExecutor, errors: list[OSError]):
+        self._stream, self._pool, self._unflushed, self._flush, self._errors = stream, pool, 0, None, errors
 
     def write(self, data):
-        written = self._stream.write(data)
+        try:
+            written = self._stream.write(data)
+        except OSError as err:  # torch.save reports only a short write ("unexpected pos"): keep the cause
+            self._errors.append(err)
+            raise
         self._unflushed += memoryview(data).nbytes
         if self._unflushed >= FLUSH_EVERY and (self._flush is None or self._flush.done()):
             self._stream.flush()
@@ -62,7 +67,12 @@ class _FlushingStream:
 
 
 class _FlushingFileSystem(FileSystem):
-    """DCP's local file system, writing through :class:`_FlushingStream`."""
+    """DCP's local file system, writing through :class:`_FlushingStream`; ``write_errors`` keeps what the
+    streams' writes raised."""
+
+    def __init__(self):
+        super().__init__()
+        self.write_errors: list[OSError] = []
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -71,7 +81,7 @@ class _FlushingFileSystem(FileSystem):
                 yield stream
                 return
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-flush") as pool:
-                flushing = _FlushingStream(stream, pool)
+                flushing = _FlushingStream(stream, pool, self.write_errors)
                 try:
                     yield flushing
                 finally:
@@ -93,6 +103,23 @@ class CheckpointWriteError(OSError):
 
 def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _no_space(err: BaseException, write_errors: list[OSError]) -> bool:
+    """Whether the failed write ``err`` (DCP wraps each rank's error) ran out of disk space or quota."""
+    seen, pending = [], [err, *write_errors]
+    while pending:
+        e = pending.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        pending += [e.__cause__, e.__context__, *(f[0] for f in (getattr(e, "failures", None) or {}).values()
+                                                  if isinstance(f, tuple))]
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in seen)
+
+
+def _no_space_message(save_dir: str, needed: int) -> str:
+    return f"no space left on {save_dir} (needed about {-(-needed // 2 ** 20)} MiB)"
 
 
 def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], state: dict | None,
@@ -118,11 +145,13 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
             os.makedirs(tmp)
         except OSError as err:
             error = f"cannot create {tmp}: {err}"
-    errors = [e for e in all_gather_object(error, group) if e]
+    started = all_gather_object((error, sum(shard.tensor.nbytes for shard in shards)), group)
+    errors = [e for e, _ in started if e]
     if errors:
         raise CheckpointWriteError(f"saving iteration {iteration} failed: {errors[0]}")
+    needed = sum(nbytes for _, nbytes in started)
 
-    files, error = {}, None
+    files, error, writer = {}, None, None
     try:
         writer = _FlushingWriter(tmp)
         with quiet_single_process(), without_zip_crc():
@@ -137,7 +166,10 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
         files = hash_and_sync(tmp, mine)
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
-        error = f"{type(err).__name__}: {first_line(err)}"
+        if _no_space(err, writer.fs.write_errors if writer is not None else []):
+            error = _no_space_message(save_dir, needed)
+        else:
+            error = f"{type(err).__name__}: {first_line(err)}"
     reports = all_gather_object((error, files), group)
     errors = [e for e, _ in reports if e]
     if not errors:
@@ -148,7 +180,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
                                                 for name, entry in rank_files.items()})
                 _publish(save_dir, tmp, final, iteration)
             except OSError as err:
-                failure = f"{type(err).__name__}: {err}"
+                failure = _no_space_message(save_dir, needed) if _no_space(err, []) else f"{type(err).__name__}: {err}"
         failure = broadcast_from_zero(failure, group)
         errors = [failure] if failure else []
     if errors:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
+from megalite.checkpoint.locate import find_checkpoint
 from megalite.models.architecture import config_to_dict
 from megalite.tensor_parallel import get_rng_tracker
 
@@ -46,12 +47,14 @@ class LoadResult(NamedTuple):
 
 
 def has_checkpoint(load_dir: str) -> bool:
-    """Whether ``load_dir`` holds a published checkpoint."""
-    return read_latest(load_dir) is not None
+    """Whether ``load_dir`` names a checkpoint: a save directory with a published one, or an iteration directory
+    (:func:`megalite.checkpoint.locate.find_checkpoint`, the notion every entry point shares)."""
+    return find_checkpoint(load_dir) is not None
 
 
 def checkpoint_info(load_dir: str) -> dict | None:
-    """``{"iteration", "layout", "config", "args"}`` of the newest checkpoint in ``load_dir``; None without one.
+    """``{"iteration", "layout", "config", "args"}`` of the checkpoint ``load_dir`` names (a save directory's newest,
+    or an iteration directory); None without one.
 
     ``config`` is the saved GPTConfig as a dict (None if absent); ``args`` the saved flags (None for a
     converted model).  No tensor is read.
@@ -141,7 +144,7 @@ def _refresh_main_params(optimizer) -> None:
 
 def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout: dict | None = None,
                     load_optimizer: bool = True, load_rng: bool = True, finetune: bool = False) -> LoadResult:
-    """Restore the newest checkpoint in ``load_dir``.
+    """Restore the checkpoint ``load_dir`` names: a save directory's newest, or an iteration directory's.
 
     Returns iteration 0 and changes nothing when ``load_dir`` holds no checkpoint.  Loads under
     any layout; raises ValueError on missing, truncated or altered files or another architecture.
@@ -161,10 +164,17 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
         return LoadResult(0, 0, reader.iteration, dict(reader.layout))
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if load_rng and same_layout:
-        rng = reader.rank_state(rank).get("rng")
+    problem = None
+    try:
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
+    try:
+        rng = reader.rank_state(rank).get("rng") if problem is None and load_rng and same_layout else None
         if rng is not None:
             set_rng_state(rng)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
+        problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
+    reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on
     return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))

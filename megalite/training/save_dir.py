@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.locate import find_checkpoint
 from megalite.training.checkpointing import read_latest
 
 LOCK_NAME = ".megalite.lock"
@@ -68,15 +69,16 @@ class SaveDirLock:
 
 def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration: int, override: bool,
                           names: DirNames = FLAGS) -> str | None:
-    """Refuse to write over checkpoints in ``save_dir`` that this run did not load.
+    """Refuse to write over checkpoints in ``save_dir`` that this run did not load (from ``save_dir`` itself or
+    one of its iteration directories: a run that resumes from ``SAVE/iter_N`` continues ``SAVE``).
 
     Returns a warning to print when ``override`` lets it through, else None; raises ValueError.
     """
     latest = read_latest(save_dir)
     if latest is None:
         return None
-    loaded_it = (load_dir is not None and loaded_iteration == latest
-                 and os.path.realpath(load_dir) == os.path.realpath(save_dir))
+    loaded = find_checkpoint(load_dir) if load_dir is not None and loaded_iteration else None
+    loaded_it = loaded is not None and os.path.realpath(os.path.dirname(loaded)) == os.path.realpath(save_dir)
     if loaded_it:
         return None
     if load_dir is None:

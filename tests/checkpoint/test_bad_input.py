@@ -2,7 +2,8 @@
 
 Covers: missing directory, no checkpoint, a missing shard file, a truncated metadata file, a flipped
 byte, another architecture, a DCP directory that is not megalite's, planted malicious pickles (refused
-without running), a partly covered tensor, a disk-full save, and a save killed mid-write.
+without running), a partly covered tensor, a disk-full save (also in the middle of a data file), and a save
+killed mid-write.
 """
 
 import errno
@@ -90,6 +91,15 @@ def _rehash(directory, name):
         json.dump(manifest, f)
 
 
+def flip_byte(path, offset):
+    """Flip the lowest bit of byte ``offset`` of file ``path`` (same size, other content)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 class _Payload:
     """Unpickling this runs ``open(marker, "w")``: code execution, which loading must refuse."""
 
@@ -128,11 +138,7 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
 
     broken, directory = _copy(tp2, str(tmp_path / "flipped"))
     shard = os.path.join(directory, "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(shard, os.path.getsize(shard) // 2)
     with pytest.raises(ValueError, match=r"flipped/iter_0000001/__0_0\.distcp fails its content hash check"):
         load_sharded(broken, [target])
     with pytest.raises(ValueError, match="fails its content hash check"):
@@ -198,11 +204,7 @@ def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path,
     assert all(len(entry["sha256"]) == -(-entry["size"] // block) for entry in manifest["files"].values())
     shard = os.path.join(directory, "__0_0.distcp")
     assert len(manifest["files"]["__0_0.distcp"]["sha256"]) > 4
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) - 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(shard, os.path.getsize(shard) - 100)
     for error, unchanged in run_distributed(_load_tp2_error_with_blocks, 2, save, block, timeout=120):
         assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
@@ -227,15 +229,57 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
         return real(self, path, mode)
 
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
-    with pytest.raises(CheckpointWriteError, match="saving iteration 2 to .* failed: .*No space left on device.*; the "
-                                                   "partial iter_0000002.tmp was removed and latest still names "
-                                                   "iteration 1"):
+    with pytest.raises(CheckpointWriteError, match=f"saving iteration 2 to {save} failed: no space left on {save} "
+                                                   r"\(needed about 1 MiB\); the partial iter_0000002.tmp was removed "
+                                                   "and latest still names iteration 1"):
         save_sharded(save, 2, [_model(seed=3)])
     monkeypatch.undo()
     assert read_latest(save) == 1 and sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
         assert torch.equal(load_model(save)(ids), _model().eval()(ids))
+
+
+class _FillsUp:
+    """A write stream on a disk that is full after ``room`` bytes."""
+
+    def __init__(self, stream, room):
+        self._stream, self._room = stream, room
+
+    def write(self, data):
+        size = memoryview(data).nbytes
+        if size > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= size
+        return self._stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def test_disk_full_in_the_middle_of_a_data_file_says_no_space_and_how_much(tmp_path, monkeypatch):
+    """torch.save reports a failed write only as 'unexpected pos'; the error names the full disk and the size."""
+    import contextlib
+
+    from torch.distributed.checkpoint import filesystem
+
+    save = str(tmp_path / "ckpt")
+    real = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def filling(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _FillsUp(stream, 600) if "distcp" in str(path) and "w" in mode else stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
+    model = _model(hidden_size=64)
+    needed = sum(p.nbytes for p in model.state_dict().values())
+    with pytest.raises(CheckpointWriteError) as err:
+        save_sharded(save, 1, [model])
+    assert str(err.value) == (f"saving iteration 1 to {save} failed: no space left on {save} (needed about "
+                              f"{-(-needed // 2 ** 20)} MiB); the partial iter_0000001.tmp was removed and latest "
+                              "still names no checkpoint")
+    assert os.listdir(save) == []
 
 
 _KILLED_SAVE = """
