@@ -32,13 +32,16 @@ from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES, split_layers
 from megalite.pipeline.schedules import check_schedule
+from megalite.training.lr_schedule import (DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, LRScheduleConfig,
+                                           ScheduleSettings, schedule_settings)
 from megalite.training.nan_guard import NanGuardConfig
 
 _UNSET = object()
 """Marks a Flag's ``default``/``sets`` as not given (``None`` is a real default)."""
 
 CONFIGS = {cls.__name__: cls for cls in (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
-                                         ContextParallelConfig, PackedSequenceConfig, NanGuardConfig)}
+                                         ContextParallelConfig, PackedSequenceConfig, NanGuardConfig,
+                                         LRScheduleConfig)}
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,33 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
     Flag("--min-lr", OPT, ("OptimizerConfig.min_lr",), type=float),
-    Flag("--lr-warmup-iters", OPT, default=0, type=int),
-    Flag("--lr-warmup-fraction", OPT, type=float,
-         help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0"),
-    Flag("--lr-decay-style", OPT, default="linear", choices=("constant", "linear", "cosine")),
-    Flag("--lr-decay-iters", OPT, type=int, help="None: --train-iters"),
+    # LR schedule (Megatron's OptimizerParamScheduler)
+    Flag("--lr-decay-style", OPT, ("LRScheduleConfig.lr_decay_style",), choices=DECAY_STYLES),
+    Flag("--lr-decay-iters", OPT, ("LRScheduleConfig.lr_decay_iters",), type=int, help="None: --train-iters"),
+    Flag("--lr-decay-samples", OPT, ("LRScheduleConfig.lr_decay_samples",), type=int,
+         help="with --train-samples; None: --train-samples"),
+    Flag("--lr-warmup-iters", OPT, ("LRScheduleConfig.lr_warmup_iters",), type=int),
+    Flag("--lr-warmup-samples", OPT, ("LRScheduleConfig.lr_warmup_samples",), type=int, help="with --train-samples"),
+    Flag("--lr-warmup-fraction", OPT, ("LRScheduleConfig.lr_warmup_fraction",), type=float,
+         help="warm up over this fraction of the decay length (instead of --lr-warmup-iters/-samples)"),
+    Flag("--lr-warmup-init", OPT, ("LRScheduleConfig.lr_warmup_init",), type=float,
+         help="the learning rate the warmup starts from"),
+    Flag("--lr-wsd-decay-style", OPT, ("LRScheduleConfig.lr_wsd_decay_style",), choices=WSD_DECAY_STYLES,
+         help="how --lr-decay-style WSD anneals"),
+    Flag("--lr-wsd-decay-iters", OPT, ("LRScheduleConfig.lr_wsd_decay_iters",), type=int,
+         help="WSD: anneal over the last this many iterations of the decay"),
+    Flag("--lr-wsd-decay-samples", OPT, ("LRScheduleConfig.lr_wsd_decay_samples",), type=int,
+         help="WSD with --train-samples: anneal over the last this many samples of the decay"),
+    Flag("--start-weight-decay", OPT, ("LRScheduleConfig.start_weight_decay",), type=float,
+         help="with --weight-decay-incr-style linear/cosine"),
+    Flag("--end-weight-decay", OPT, ("LRScheduleConfig.end_weight_decay",), type=float,
+         help="with --weight-decay-incr-style linear/cosine"),
+    Flag("--weight-decay-incr-style", OPT, ("LRScheduleConfig.weight_decay_incr_style",), choices=WD_INCR_STYLES,
+         help="constant: --weight-decay throughout"),
+    Flag("--override-opt-param-scheduler", OPT, ("LRScheduleConfig.override_opt_param_scheduler",), type=bool,
+         help="on resume keep this run's schedule settings instead of requiring the checkpoint's"),
+    Flag("--use-checkpoint-opt-param-scheduler", OPT, ("LRScheduleConfig.use_checkpoint_opt_param_scheduler",),
+         type=bool, help="on resume take the checkpoint's schedule settings"),
     Flag("--weight-decay", OPT, ("OptimizerConfig.weight_decay",), type=float),
     Flag("--adam-beta1", OPT, ("OptimizerConfig.adam_beta1",), type=float),
     Flag("--adam-beta2", OPT, ("OptimizerConfig.adam_beta2",), type=float),
@@ -473,16 +498,6 @@ def _check_schedule(args):
     elif args.train_iters is None:
         args.train_iters = 100
     _positive(args, "train_iters")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
-        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
-                 f"--lr-warmup-fraction must be between 0 and 1, got {args.lr_warmup_fraction}")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _require(0 <= args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be between 0 and --lr-decay-iters "
-             f"{args.lr_decay_iters}")
-    _require(0.0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
     for name in ("exit_interval", "exit_duration_in_mins"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -510,6 +525,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_batch(args)
     _check_pipeline_schedule(args)
     _check_schedule(args)
+    _check_lr_schedule(args)
     _check_pipeline_split(args)
     nan_guard_config(args).validate()
     _require(args.distributed_timeout_minutes > 0,
@@ -517,6 +533,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if not math.isfinite(args.lr) or args.lr < 0:
         raise ValueError(f"--lr must be a non-negative number, got {args.lr}")
     return args
+
+
+def lr_schedule_settings(args) -> ScheduleSettings:
+    """The LR and weight-decay schedule of the flags, in samples as Megatron-LM builds it (after ``validate_args``)."""
+    return schedule_settings(LRScheduleConfig(**_config_values(args, "LRScheduleConfig")), lr=args.lr,
+                             min_lr=args.min_lr, weight_decay=args.weight_decay,
+                             global_batch_size=args.global_batch_size, train_iters=args.train_iters,
+                             train_samples=args.train_samples)
+
+
+def _check_lr_schedule(args):
+    """The schedule flags against the run's length (Megatron's checks); fill in the decay length, as Megatron does."""
+    lr_schedule_settings(args)
+    if args.train_samples is None and args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.train_samples is not None and args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
 
 
 def _check_pipeline_schedule(args):
