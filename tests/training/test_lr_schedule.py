@@ -193,3 +193,22 @@ def test_scheduled_weight_decay_reaches_decayed_params_only():
 def test_bad_settings(flags, lengths, message):
     with pytest.raises(ValueError, match=message):
         _megalite_scheduler(_optimizer(), **(dict(train_iters=20) | lengths), **flags)
+
+
+def test_trainer_logs_megatrons_lr_at_every_iteration(tiny_data, tmp_path):
+    """pretrain() steps the schedule as Megatron-LM's loop does: the logged lr (the one each update used)
+    equals the Megatron scheduler's at that iteration."""
+    pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    from tests.training.helpers import train
+
+    flags = dict(lr_decay_style="WSD", lr_wsd_decay_style="cosine", lr_wsd_decay_iters=3, lr_warmup_iters=2,
+                 lr_warmup_init=1e-4)
+    argv = [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    _, records = train(tiny_data, tmp_path, 1, *argv, iters=7)
+    optimizer = _optimizer()
+    megatron = _megatron_scheduler(optimizer, _megatron_flags(train_iters=7, lr=5e-3, min_lr=5e-4, **flags))
+    expected = []
+    for _ in range(7):
+        expected.append(optimizer.param_groups[0]["lr"])
+        megatron.step(increment=GBS)
+    assert [r["lr"] for r in records] == expected
