@@ -48,7 +48,8 @@ def test_typo_load_finished_rerun_lock_and_override(tiny_data, tmp_path):
 
     held = SaveDirLock(save)
     with pytest.raises(AssertionError, match=rf"--save {save} is in use by another job \(pid {os.getpid()} on "):
-        train(tiny_data, tmp_path / "second", 1, "--save", save, "--load", save, iters=6)
+        train(tiny_data, tmp_path / "second", 1, "--save", save, "--load", save, "--override-opt-param-scheduler",
+              iters=6)
     held.release()
     assert {k: v for k, v in _snapshot(save).items() if k != LOCK_NAME} == {
         k: v for k, v in before.items() if k != LOCK_NAME}
