@@ -62,6 +62,6 @@ setup(
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
     extras_require={"hf": ["transformers", "tokenizers"], "plot": ["matplotlib"], "serve": ["aiohttp"],
                     "ray": ["ray"],
-                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp", "ray"]},
+                    "test": ["pytest", "transformers", "tokenizers", "matplotlib", "aiohttp", "ray", "megatron-core"]},
     **extension_kwargs(),
 )

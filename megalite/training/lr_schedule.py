@@ -83,38 +83,32 @@ def _choice(value, choices, flag):
 
 
 def _lengths(config: LRScheduleConfig, global_batch_size: int, train_iters, train_samples):
-    """(decay, warmup, wsd decay, weight-decay increment) in samples, as Megatron-LM derives them."""
+    """(decay, warmup, wsd decay, weight-decay increment) in samples, as Megatron-LM derives them.
+
+    An iteration-based run takes the ``*_iters`` flags (times the global batch), a sample-based
+    one the ``*_samples`` flags; the other unit's flags must stay unset.
+    """
     c = config
-    if train_samples is None:
-        for flag, value, unset in (("--lr-decay-samples", c.lr_decay_samples, None),
-                                   ("--lr-warmup-samples", c.lr_warmup_samples, 0),
-                                   ("--lr-wsd-decay-samples", c.lr_wsd_decay_samples, None)):
-            _require(value == unset, f"{flag} {value} needs sample-based training (--train-samples); "
-                                     f"with --train-iters use the -iters flag")
-        _require(c.lr_warmup_fraction is None or c.lr_warmup_iters == 0,
-                 f"--lr-warmup-fraction {c.lr_warmup_fraction} and --lr-warmup-iters {c.lr_warmup_iters} are "
-                 f"exclusive; pass one")
-        decay_iters = train_iters if c.lr_decay_iters is None else c.lr_decay_iters
-        decay = decay_iters * global_batch_size
-        warmup = c.lr_warmup_iters * global_batch_size
-        wsd = None if c.lr_wsd_decay_iters is None else c.lr_wsd_decay_iters * global_batch_size
-        incr = train_iters * global_batch_size
-    else:
-        for flag, value, unset in (("--lr-decay-iters", c.lr_decay_iters, None),
-                                   ("--lr-warmup-iters", c.lr_warmup_iters, 0),
-                                   ("--lr-wsd-decay-iters", c.lr_wsd_decay_iters, None)):
-            _require(value == unset, f"{flag} {value} needs iteration-based training (--train-iters); "
-                                     f"with --train-samples use the -samples flag")
-        _require(c.lr_warmup_fraction is None or c.lr_warmup_samples == 0,
-                 f"--lr-warmup-fraction {c.lr_warmup_fraction} and --lr-warmup-samples {c.lr_warmup_samples} "
-                 f"are exclusive; pass one")
-        decay = train_samples if c.lr_decay_samples is None else c.lr_decay_samples
-        warmup, wsd, incr = c.lr_warmup_samples, c.lr_wsd_decay_samples, train_samples
+    by_samples = train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
+        value, unset = getattr(c, f"{name}_{other}"), 0 if name == "lr_warmup" else None
+        _require(value == unset, f"--{name.replace('_', '-')}-{other} {value} needs "
+                                 f"{'iteration' if by_samples else 'sample'}-based training; with "
+                                 f"--train-{unit} use --{name.replace('_', '-')}-{unit}")
+    scale = 1 if by_samples else global_batch_size
+    run = train_samples if by_samples else train_iters * global_batch_size
+    warmup, decay, wsd = (getattr(c, f"{name}_{unit}") for name in ("lr_warmup", "lr_decay", "lr_wsd_decay"))
+    _require(c.lr_warmup_fraction is None or warmup == 0,
+             f"--lr-warmup-fraction {c.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} are exclusive; pass one")
+    decay = run if decay is None else decay * scale
+    wsd = None if wsd is None else wsd * scale
+    warmup = warmup * scale
     if c.lr_warmup_fraction is not None:
         _require(0.0 <= c.lr_warmup_fraction < 1.0,
                  f"--lr-warmup-fraction must be at least 0 and below 1, got {c.lr_warmup_fraction}")
         warmup = c.lr_warmup_fraction * decay
-    return decay, warmup, wsd, incr
+    return decay, warmup, wsd, run
 
 
 def schedule_settings(config: LRScheduleConfig, *, lr: float, min_lr: float, weight_decay: float,
