@@ -235,7 +235,10 @@ class LRScheduler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved step; the saved settings must equal these (Megatron-LM's default check)
         unless this scheduler overrides them or takes the checkpoint's."""
-        saved = {k: state.get(k) for k in (f.name for f in dataclasses.fields(ScheduleSettings))}
+        names = [f.name for f in dataclasses.fields(ScheduleSettings)]
+        _require(all(k in state for k in names), "the checkpoint's LR schedule state lacks its settings (it "
+                                                 "predates sample-counted schedules), so it cannot be resumed exactly")
+        saved = {k: state[k] for k in names}
         if self.use_checkpoint:
             self.settings = ScheduleSettings(**saved)
         elif not self.override:

@@ -157,6 +157,8 @@ def test_resume_with_other_settings_needs_a_choice():
     taken = LRScheduler(optimizer, settings, use_checkpoint_opt_param_scheduler=True)
     taken.load_state_dict(state)
     assert taken.settings == saved.settings and _groups(optimizer) == _groups(saved.optimizer)
+    with pytest.raises(ValueError, match="lacks its settings"):
+        kept.load_state_dict({"num_steps": 5})
 
 
 def test_scheduled_weight_decay_reaches_decayed_params_only():
