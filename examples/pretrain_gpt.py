@@ -18,7 +18,7 @@ from megalite.training import gpt, pretrain, run_cli
 DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,
     "micro_batch_size": 4, "global_batch_size": 32, "train_iters": 150,
-    "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 15, "lr_decay_style": "cosine",
+    "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
     "hidden_dropout": 0.0, "attention_dropout": 0.0, "weight_decay": 0.01,
     "log_interval": 10, "eval_interval": 50, "eval_iters": 2,
     "save": "checkpoints/gpt", "load": "checkpoints/gpt", "tensorboard_dir": "runs/",
