@@ -170,7 +170,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr-warmup-iters", OPT, ("LRScheduleConfig.lr_warmup_iters",), type=int),
     Flag("--lr-warmup-samples", OPT, ("LRScheduleConfig.lr_warmup_samples",), type=int, help="with --train-samples"),
     Flag("--lr-warmup-fraction", OPT, ("LRScheduleConfig.lr_warmup_fraction",), type=float,
-         help="warm up over this fraction of the decay length (instead of --lr-warmup-iters/-samples)"),
+         help="warm up over this fraction of the decay length; ignored when --lr-warmup-iters/-samples > 0"),
     Flag("--lr-warmup-init", OPT, ("LRScheduleConfig.lr_warmup_init",), type=float,
          help="the learning rate the warmup starts from"),
     Flag("--lr-wsd-decay-style", OPT, ("LRScheduleConfig.lr_wsd_decay_style",), choices=WSD_DECAY_STYLES,

@@ -29,7 +29,7 @@ class LRScheduleConfig:
 
     An iteration-based run (``--train-iters``) gives lengths in iterations (``*_iters``), a
     sample-based one (``--train-samples``) in samples (``*_samples``); ``lr_warmup_fraction``
-    is a fraction of the decay length in either.  ``None`` decay lengths mean the whole run.
+    is a fraction of the decay length in either (when no warmup length is given).  ``None`` decay lengths mean the whole run.
     ``WSD`` (warmup-stable-decay) holds ``lr`` until the last ``lr_wsd_decay_*`` of the decay
     length, then anneals with ``lr_wsd_decay_style``.  Weight decay goes from
     ``start_weight_decay`` to ``end_weight_decay`` over the run (``constant``: ``weight_decay``
@@ -86,7 +86,9 @@ def _lengths(config: LRScheduleConfig, global_batch_size: int, train_iters, trai
     """(decay, warmup, wsd decay, weight-decay increment) in samples, as Megatron-LM derives them.
 
     An iteration-based run takes the ``*_iters`` flags (times the global batch), a sample-based
-    one the ``*_samples`` flags; the other unit's flags must stay unset.
+    one the ``*_samples`` flags; the other unit's flags must stay unset.  Megatron rejects
+    ``lr_warmup_fraction`` together with a warmup length; here the length wins, so a script's
+    default fraction yields to a warmup given on its command line.
     """
     c = config
     by_samples = train_samples is not None
@@ -99,12 +101,10 @@ def _lengths(config: LRScheduleConfig, global_batch_size: int, train_iters, trai
     scale = 1 if by_samples else global_batch_size
     run = train_samples if by_samples else train_iters * global_batch_size
     warmup, decay, wsd = (getattr(c, f"{name}_{unit}") for name in ("lr_warmup", "lr_decay", "lr_wsd_decay"))
-    _require(c.lr_warmup_fraction is None or warmup == 0,
-             f"--lr-warmup-fraction {c.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} are exclusive; pass one")
     decay = run if decay is None else decay * scale
     wsd = None if wsd is None else wsd * scale
     warmup = warmup * scale
-    if c.lr_warmup_fraction is not None:
+    if c.lr_warmup_fraction is not None and warmup == 0:
         _require(0.0 <= c.lr_warmup_fraction < 1.0,
                  f"--lr-warmup-fraction must be at least 0 and below 1, got {c.lr_warmup_fraction}")
         warmup = c.lr_warmup_fraction * decay

@@ -4,8 +4,8 @@ from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.training.arguments import (FLAGS, build_parser, ddp_config, format_args, gpt_config, optimizer_config, parse_args,
-                                         validate_args)
+from megalite.training.arguments import (FLAGS, build_parser, ddp_config, format_args, gpt_config, lr_schedule_settings,
+                                         optimizer_config, parse_args, validate_args)
 
 
 def _args(*argv, world=1, defaults=None):
@@ -20,6 +20,10 @@ def test_derived_sizes():
     assert args.ffn_hidden_size == 4 * args.hidden_size
     assert args.lr_decay_iters == args.train_iters
     assert _args(world=4).global_batch_size == 4
+    fraction, given = (lr_schedule_settings(_args(*flags, "--train-iters", "40", "--global-batch-size", "2"))
+                       for flags in (["--lr-warmup-fraction", "0.25"], ["--lr-warmup-fraction", "0.25",
+                                                                        "--lr-warmup-iters", "3"]))
+    assert (fraction.lr_warmup_steps, given.lr_warmup_steps) == (20.0, 6)
     samples = _args("--train-samples", "96", "--global-batch-size", "8", "--lr-warmup-samples", "16")
     assert (samples.train_iters, samples.lr_decay_samples, samples.lr_decay_iters) == (12, 96, None)
 
@@ -61,8 +65,6 @@ def test_megatron_spellings_and_defaults():
     (["--swiglu", "--hidden-size", "16"], 1, "GPTConfig.ffn_hidden_size must be a positive integer, got 0"),
     (["--lr-warmup-iters", "100"], 1,
      r"the lr warmup \(100 samples\) must be shorter than the lr decay \(100 samples\)"),
-    (["--lr-warmup-fraction", "0.25", "--lr-warmup-iters", "3"], 1,
-     "--lr-warmup-fraction 0.25 and --lr-warmup-iters 3 are exclusive"),
     (["--train-samples", "96", "--lr-decay-iters", "5"], 1, "--lr-decay-iters 5 needs iteration-based training"),
     (["--min-lr", "1.0"], 1, "--min-lr 1.0 must be between 0 and --lr 0.001"),
     (["--lr-decay-style", "step"], 1, "argument --lr-decay-style: invalid choice: 'step'"),

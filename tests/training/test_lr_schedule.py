@@ -179,8 +179,6 @@ def test_scheduled_weight_decay_reaches_decayed_params_only():
 @pytest.mark.parametrize("flags, lengths, message", [
     (dict(lr_decay_style="step"), {}, "--lr-decay-style 'step' is not one of constant, linear, cosine"),
     (dict(lr_warmup_iters=20), {}, r"the lr warmup \(160 samples\) must be shorter than the lr decay \(160 samples\)"),
-    (dict(lr_warmup_iters=2, lr_warmup_fraction=0.1), {}, "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2 are "
-                                                          "exclusive"),
     (dict(lr_decay_samples=100), {}, "--lr-decay-samples 100 needs sample-based training"),
     (dict(lr_warmup_iters=2), dict(train_iters=None, train_samples=160), "--lr-warmup-iters 2 needs iteration-based"),
     (dict(lr_decay_style="WSD"), {}, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
