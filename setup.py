@@ -20,8 +20,9 @@ OPTIONAL = {
     "ray": ["ray>=2.0"],
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
-TEST = ["pytest>=8", "pytest-xdist>=3"]
-"""The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, and every optional extra."""
+TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
+"""The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
+tested against), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 

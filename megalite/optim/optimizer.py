@@ -92,9 +92,10 @@ class MixedPrecisionOptimizer:
         self.shards = decay + no_decay
         first = next(iter(model_chunks[0].parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
+        # wd_mult: a weight-decay schedule scales each group's decay by it, as Megatron's does.
         self.optimizer = _make_adamw([
-            {"params": [s.main for s in decay]},
-            {"params": [s.main for s in no_decay], "weight_decay": 0.0},
+            {"params": [s.main for s in decay], "wd_mult": 1.0},
+            {"params": [s.main for s in no_decay], "weight_decay": 0.0, "wd_mult": 0.0},
         ], config, device)
         self.param_groups = self.optimizer.param_groups
 

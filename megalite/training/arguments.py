@@ -20,8 +20,9 @@ from megalite.models.architecture import architecture_values, compare_architectu
 from megalite.moe import MoEConfig
 from megalite.pipeline import split_layers
 from megalite.pipeline.schedules import check_schedule
-from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, nan_guard_config,
-                                     optimizer_config)
+from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
+                                     nan_guard_config, optimizer_config)
+from megalite.training.lr_schedule import ScheduleSettings, schedule_settings
 
 
 def _require(condition: bool, message: str) -> None:
@@ -141,16 +142,6 @@ def _check_schedule(args):
     elif args.train_iters is None:
         args.train_iters = 100
     _positive(args, "train_iters")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0:
-        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
-                 f"--lr-warmup-fraction must be between 0 and 1, got {args.lr_warmup_fraction}")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _require(0 <= args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be between 0 and --lr-decay-iters "
-             f"{args.lr_decay_iters}")
-    _require(0.0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
     for name in ("exit_interval", "exit_duration_in_mins"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -178,6 +169,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_batch(args)
     _check_pipeline_schedule(args)
     _check_schedule(args)
+    _check_lr_schedule(args)
     _check_pipeline_split(args)
     nan_guard_config(args).validate()
     _require(args.distributed_timeout_minutes > 0,
@@ -185,6 +177,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if not math.isfinite(args.lr) or args.lr < 0:
         raise ValueError(f"--lr must be a non-negative number, got {args.lr}")
     return args
+
+
+def lr_schedule_settings(args) -> ScheduleSettings:
+    """The LR and weight-decay schedule of the flags, in samples as Megatron-LM builds it (after ``validate_args``)."""
+    return schedule_settings(lr_schedule_config(args), lr=args.lr,
+                             min_lr=args.min_lr, weight_decay=args.weight_decay,
+                             global_batch_size=args.global_batch_size, train_iters=args.train_iters,
+                             train_samples=args.train_samples)
+
+
+def _check_lr_schedule(args):
+    """The schedule flags against the run's length (Megatron's checks); fill in the decay length, as Megatron does."""
+    lr_schedule_settings(args)
+    if args.train_samples is None and args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.train_samples is not None and args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
 
 
 def _check_pipeline_schedule(args):

@@ -23,6 +23,7 @@ from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES
+from megalite.training.lr_schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
 from megalite.training.nan_guard import NanGuardConfig
 
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
@@ -100,11 +101,33 @@ _TRAINING_ROWS = (
     Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
     Flag("--min-lr", OPT, default=0.0, type=float, help="the learning rate the schedule decays to"),
-    Flag("--lr-warmup-iters", OPT, default=0, type=int),
-    Flag("--lr-warmup-fraction", OPT, type=float,
-         help="warm up over this fraction of --lr-decay-iters; ignored when --lr-warmup-iters > 0"),
-    Flag("--lr-decay-style", OPT, default="linear", choices=("constant", "linear", "cosine")),
-    Flag("--lr-decay-iters", OPT, type=int, help="None: --train-iters"),
+    # LR schedule (Megatron's OptimizerParamScheduler)
+    Flag("--lr-decay-style", OPT, ("LRScheduleConfig.lr_decay_style",), choices=DECAY_STYLES),
+    Flag("--lr-decay-iters", OPT, ("LRScheduleConfig.lr_decay_iters",), type=int, help="None: --train-iters"),
+    Flag("--lr-decay-samples", OPT, ("LRScheduleConfig.lr_decay_samples",), type=int,
+         help="with --train-samples; None: --train-samples"),
+    Flag("--lr-warmup-iters", OPT, ("LRScheduleConfig.lr_warmup_iters",), type=int),
+    Flag("--lr-warmup-samples", OPT, ("LRScheduleConfig.lr_warmup_samples",), type=int, help="with --train-samples"),
+    Flag("--lr-warmup-fraction", OPT, ("LRScheduleConfig.lr_warmup_fraction",), type=float,
+         help="warm up over this fraction of the decay length; ignored when --lr-warmup-iters/-samples > 0"),
+    Flag("--lr-warmup-init", OPT, ("LRScheduleConfig.lr_warmup_init",), type=float,
+         help="the learning rate the warmup starts from"),
+    Flag("--lr-wsd-decay-style", OPT, ("LRScheduleConfig.lr_wsd_decay_style",), choices=WSD_DECAY_STYLES,
+         help="how --lr-decay-style WSD anneals"),
+    Flag("--lr-wsd-decay-iters", OPT, ("LRScheduleConfig.lr_wsd_decay_iters",), type=int,
+         help="WSD: anneal over the last this many iterations of the decay"),
+    Flag("--lr-wsd-decay-samples", OPT, ("LRScheduleConfig.lr_wsd_decay_samples",), type=int,
+         help="WSD with --train-samples: anneal over the last this many samples of the decay"),
+    Flag("--start-weight-decay", OPT, ("LRScheduleConfig.start_weight_decay",), type=float,
+         help="with --weight-decay-incr-style linear/cosine"),
+    Flag("--end-weight-decay", OPT, ("LRScheduleConfig.end_weight_decay",), type=float,
+         help="with --weight-decay-incr-style linear/cosine"),
+    Flag("--weight-decay-incr-style", OPT, ("LRScheduleConfig.weight_decay_incr_style",), choices=WD_INCR_STYLES,
+         help="constant: --weight-decay throughout"),
+    Flag("--override-opt-param-scheduler", OPT, ("LRScheduleConfig.override_opt_param_scheduler",), type=bool,
+         help="on resume keep this run's schedule settings instead of requiring the checkpoint's"),
+    Flag("--use-checkpoint-opt-param-scheduler", OPT, ("LRScheduleConfig.use_checkpoint_opt_param_scheduler",),
+         type=bool, help="on resume take the checkpoint's schedule settings"),
     Flag("--weight-decay", OPT, ("OptimizerConfig.weight_decay",), type=float),
     Flag("--adam-beta1", OPT, ("OptimizerConfig.adam_beta1",), type=float),
     Flag("--adam-beta2", OPT, ("OptimizerConfig.adam_beta2",), type=float),
@@ -175,7 +198,8 @@ _TRAINING_ROWS = (
 )
 
 FLAGS = SHARED_FLAGS + FlagTable(_TRAINING_ROWS, (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
-                                                  ContextParallelConfig, PackedSequenceConfig, NanGuardConfig))
+                                                  ContextParallelConfig, PackedSequenceConfig, NanGuardConfig,
+                                                  LRScheduleConfig))
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -240,3 +264,6 @@ def packing_config(args) -> PackedSequenceConfig:
 def nan_guard_config(args) -> NanGuardConfig:
     return NanGuardConfig(**FLAGS.config_values(args, "NanGuardConfig"))
 
+
+def lr_schedule_config(args) -> LRScheduleConfig:
+    return LRScheduleConfig(**FLAGS.config_values(args, "LRScheduleConfig"))

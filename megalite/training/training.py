@@ -29,6 +29,7 @@ from megalite.checkpoint import AsyncSaver
 from megalite.distributed import finalize_model_grads
 from megalite.moe import router_statistics, set_aux_loss_scale
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
+from megalite.training.arguments import lr_schedule_settings
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.flags import nan_guard_config
 from megalite.training.lr_schedule import LRScheduler
@@ -146,7 +147,7 @@ class Trainer:
             return metrics, False, None, lr
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
-            self.scheduler.step()
+            self.scheduler.step(self.args.global_batch_size)
         return metrics, ok, None if grad_norm is None else float(grad_norm), lr
 
     @torch.no_grad()
@@ -339,8 +340,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     chunks = build_model(model_provider, args, topo)
     print_parameter_count(chunks, topo)
     optimizer = build_optimizer(args, chunks)
-    scheduler = LRScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                            args.lr_decay_style)
+    scheduler = LRScheduler(optimizer, lr_schedule_settings(args),
+                            override_opt_param_scheduler=args.override_opt_param_scheduler,
+                            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
     trainer.start_time = start_time

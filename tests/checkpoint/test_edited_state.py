@@ -11,12 +11,14 @@ import torch
 
 from megalite.checkpoint import load_model, read_checkpoint_info
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
-from megalite.training.lr_schedule import LRScheduler
+from megalite.training.lr_schedule import LRScheduleConfig, LRScheduler, schedule_settings
 from tests.checkpoint.test_bad_input import _model, _rehash
 
 
 def _scheduler(model):
-    return LRScheduler(torch.optim.SGD(model.parameters(), lr=1.0), 1.0, 0.1, 1, 10, "cosine")
+    settings = schedule_settings(LRScheduleConfig(lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=10),
+                                 lr=1.0, min_lr=0.1, weight_decay=0.0, global_batch_size=1, train_iters=10)
+    return LRScheduler(torch.optim.SGD(model.parameters(), lr=1.0), settings)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_a_config_that_builds_no_model_names_the_field(saved, tmp_path):
 
 @pytest.mark.parametrize("name, field, value, problem", [
     ("megalite.json", "scheduler", {"num_steps": "x"}, "is not this run's scheduler state: ValueError"),
-    ("megalite.json", "scheduler", {}, "is not this run's scheduler state: KeyError"),
+    ("megalite.json", "scheduler", {}, "is not this run's scheduler state: ValueError"),
     ("rank_00000.json", "rng", 5, "is not a set of RNG states: TypeError"),
     ("rank_00000.json", "rng", {"python": 1}, "is not a set of RNG states: TypeError"),
 ])

@@ -4,7 +4,7 @@ from megalite.distributed import DDPConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
-from megalite.training.arguments import format_args, validate_args
+from megalite.training.arguments import format_args, lr_schedule_settings, validate_args
 from megalite.training.flags import FLAGS, build_parser, ddp_config, gpt_config, optimizer_config, parse_args
 
 
@@ -20,8 +20,12 @@ def test_derived_sizes():
     assert args.ffn_hidden_size == 4 * args.hidden_size
     assert args.lr_decay_iters == args.train_iters
     assert _args(world=4).global_batch_size == 4
-    assert _args("--lr-warmup-fraction", "0.25", "--train-iters", "40").lr_warmup_iters == 10
-    assert _args("--lr-warmup-fraction", "0.25", "--lr-warmup-iters", "3").lr_warmup_iters == 3
+    fraction, given = (lr_schedule_settings(_args(*flags, "--train-iters", "40", "--global-batch-size", "2"))
+                       for flags in (["--lr-warmup-fraction", "0.25"], ["--lr-warmup-fraction", "0.25",
+                                                                        "--lr-warmup-iters", "3"]))
+    assert (fraction.lr_warmup_steps, given.lr_warmup_steps) == (20.0, 6)
+    samples = _args("--train-samples", "96", "--global-batch-size", "8", "--lr-warmup-samples", "16")
+    assert (samples.train_iters, samples.lr_decay_samples, samples.lr_decay_iters) == (12, 96, None)
 
 
 def test_megatron_spellings_and_defaults():
@@ -59,7 +63,10 @@ def test_megatron_spellings_and_defaults():
     (["--bf16", "--fp16"], 1, "bf16 and fp16 are exclusive"),
     (["--fp16", "--loss-scale", "0"], 1, "loss_scale must be positive .*got 0.0"),
     (["--swiglu", "--hidden-size", "16"], 1, "GPTConfig.ffn_hidden_size must be a positive integer, got 0"),
-    (["--lr-warmup-iters", "200"], 1, "--lr-warmup-iters 200 must be between 0 and --lr-decay-iters 100"),
+    (["--lr-warmup-iters", "100"], 1,
+     r"the lr warmup \(100 samples\) must be shorter than the lr decay \(100 samples\)"),
+    (["--train-samples", "96", "--lr-decay-iters", "5"], 1, "--lr-decay-iters 5 needs iteration-based training"),
+    (["--min-lr", "1.0"], 1, "--min-lr 1.0 must be between 0 and --lr 0.001"),
     (["--lr-decay-style", "step"], 1, "argument --lr-decay-style: invalid choice: 'step'"),
     (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
      "--profile-step-start 5 must be at least 1 and below --profile-step-end 5"),

@@ -2,7 +2,7 @@
 
 Run A: --mock-data, --train-samples, --log-throughput, test-split evaluation at the end,
 --no-save-optim/--no-save-rng, and a --load without a checkpoint (one warning, a fresh start).
-Run B resumes A with --no-load-optim/--no-load-rng and stops at --exit-interval; then
+Run B resumes A with --no-load-optim/--no-load-rng/--override-opt-param-scheduler and stops at --exit-interval; then
 --exit-duration-in-mins is agreed across ranks whose clocks disagree.
 """
 
@@ -60,8 +60,10 @@ def test_megatron_training_flags(tmp_path):
     assert saved.iteration == 3 and saved.rank_state(0).get("rng") is None
     assert not any(name.startswith("optimizer.") for name in saved.shapes)
 
+    # A longer run changes the LR decay length, which Megatron only resumes with --override-opt-param-scheduler.
     argv_b = TINY + ["--train-samples", "48", "--exit-interval", "5", "--load", str(a), "--save", str(b),
-                     "--no-load-optim", "--no-load-rng", "--metrics-file", str(tmp_path / "b.jsonl")]
+                     "--no-load-optim", "--no-load-rng", "--override-opt-param-scheduler",
+                     "--metrics-file", str(tmp_path / "b.jsonl")]
     results = run_distributed(_run_on_rank, 2, argv_b, True, timeout=240)
     (iteration, out, err, reason), (_, _, _, reason1) = results
     assert iteration == 5 and not err

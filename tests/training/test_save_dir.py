@@ -48,7 +48,8 @@ def test_typo_load_finished_rerun_lock_and_override(tiny_data, tmp_path):
 
     held = SaveDirLock(save)
     with pytest.raises(AssertionError, match=rf"--save {save} is in use by another job \(pid {os.getpid()} on "):
-        train(tiny_data, tmp_path / "second", 1, "--save", save, "--load", save, iters=6)
+        train(tiny_data, tmp_path / "second", 1, "--save", save, "--load", save, "--override-opt-param-scheduler",
+              iters=6)
     held.release()
     assert {k: v for k, v in _snapshot(save).items() if k != LOCK_NAME} == {
         k: v for k, v in before.items() if k != LOCK_NAME}
@@ -78,7 +79,7 @@ def test_preflight_rejects_unwritable_or_full_save_dir(tiny_data, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     with pytest.raises(AssertionError, match=rf"ValueError: --save {blocker}/ckpt is not writable: Not a directory"):
-        train(tiny_data, tmp_path / "w", 1, "--save", str(blocker / "ckpt"), iters=2)
+        train(tiny_data, tmp_path / "w", 1, "--save", str(blocker / "ckpt"), iters=3)
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(ValueError, match=r"--save .* has [0-9.]+ GiB free, but one checkpoint needs about [0-9.]+ GiB"):
