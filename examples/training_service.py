@@ -34,9 +34,11 @@ from megalite.training.flags import gpt_config, optimizer_config, parse_args  # 
 
 # A small model; max positions cover seq_length + 1 because the service's language-model objective reads the
 # whole sample (inputs tokens[:-1], labels tokens[1:] after its own shift), which is pretraining's computation.
+# The service steps at the optimizer's fixed lr, so pretraining runs a constant lr with no warmup (the example's
+# default --lr-warmup-fraction 0.1 would start it at lr 0, as Megatron's schedule does).
 FLAGS = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
          "4", "--seq-length", "32", "--max-position-embeddings", "33", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--lr", "1e-3", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+         "--global-batch-size", "8", "--lr", "1e-3", "--lr-decay-style", "constant", "--lr-warmup-fraction", "0",
          "--weight-decay", "0.0", "--clip-grad", "1.0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
          "--log-interval", "1", "--eval-interval", "1000", "--seed", "1234"]
 WORLD = 4

@@ -140,3 +140,19 @@ def test_hung_worker_times_out(tmp_path):
 def test_procs_must_match_layout(tmp_path):
     with pytest.raises(ValueError, match=r"procs=3 does not match the layout tp=2 x pp=1 x dp=1 = 2 processes"):
         asyncio.run(_service(3, ParallelLayout(tp=2), tmp_path))
+
+
+@pytest.mark.slow
+def test_the_service_example_trains_as_pretraining_does(tmp_path):
+    """The journey's seam: examples/training_service.py, as a user runs it, gets pretrain_gpt.py's losses
+    (it exits non-zero when they differ).  Its pretraining run takes the example's default schedule flags,
+    so a schedule change that the service's fixed learning rate does not follow fails here."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, os.path.join(root, "examples", "training_service.py"), "--train-iters", "2"],
+                         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "losses match" in run.stdout
