@@ -187,7 +187,8 @@ def test_the_trainer_resumes_from_an_iteration_directory_and_saves_on_into_its_r
     first = TINY + ["--train-iters", "3", "--save-interval", "1", "--save", str(run)]
     assert run_distributed(_run_on_rank, 1, first, False, timeout=240)[0][0] == 3
     second = os.path.join(run, "iter_0000002")
-    resume = TINY + ["--train-iters", "4", "--save", str(run), "--load", second]
+    resume = TINY + ["--train-iters", "4", "--save", str(run), "--load", second,
+                     "--override-opt-param-scheduler"]  # the longer run decays over 4 iterations, not 3
     iteration, out, err, _ = run_distributed(_run_on_rank, 1, resume, False, timeout=240)[0]
     assert iteration == 4 and "holds no checkpoint" not in err
     assert f"loaded checkpoint {second} at iteration 2" in out
