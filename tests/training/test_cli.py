@@ -148,24 +148,24 @@ def test_nothing_is_saved_or_loaded_unless_asked(tiny_data, tmp_path):
     """The Quickstart names its checkpoint directory; a second experiment of another size from the same
     working directory without --save/--load neither loads that checkpoint (it would refuse the architecture)
     nor writes one.  Before, pretrain_gpt.py defaulted both to checkpoints/gpt."""
-    first = tiny_argv(tiny_data, tmp_path, "--train-iters", "2", "--save", "checkpoints/gpt", "--load",
+    first = tiny_argv(tiny_data, tmp_path, "--train-iters", "3", "--save", "checkpoints/gpt", "--load",
                       "checkpoints/gpt")
     run = subprocess.run([sys.executable, SCRIPT, *first], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
-    assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 2
+    assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 3
     before = _tree(tmp_path / "checkpoints")
     other = tmp_path / "other"
     other.mkdir()
-    second = tiny_argv(tiny_data, other, "--train-iters", "2", "--hidden-size", "48", "--num-layers", "1")
+    second = tiny_argv(tiny_data, other, "--train-iters", "3", "--hidden-size", "48", "--num-layers", "1")
     run = subprocess.run([sys.executable, SCRIPT, *second], cwd=tmp_path, env=_env(), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert [r["iteration"] for r in read_metrics(other / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert [r["iteration"] for r in read_metrics(other / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
     assert _tree(tmp_path / "checkpoints") == before
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    run = subprocess.run([sys.executable, SCRIPT, *tiny_argv(tiny_data, fresh, "--train-iters", "2")], cwd=fresh,
+    run = subprocess.run([sys.executable, SCRIPT, *tiny_argv(tiny_data, fresh, "--train-iters", "3")], cwd=fresh,
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert not (fresh / "checkpoints").exists()
