@@ -5,6 +5,7 @@ process, and bad input is one clear error.  More faults: test_service_faults.py.
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
@@ -118,23 +119,31 @@ def test_killed_worker_fails_pending_and_later_calls(tmp_path):
     asyncio.run(_killed(tmp_path))
 
 
-async def _hung(tmp_path):
+async def stopped_worker(tmp_path) -> tuple[Exception | None, list[int]]:
+    """Stop (SIGSTOP) worker 1 of a two-worker service with a 5 s timeout, then call forward_backward: worker 0
+    waits for it in a collective.  Returns the call's exception (None if it returned) and the workers still alive
+    after shutdown."""
     service = await TrainingService.options(procs=2, timeout=5.0).as_service(
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
         checkpoint_dir=str(tmp_path))
-    # Worker 0 waits for the stopped worker 1 in a collective: the stopped one is named, by its silent heartbeat.
     os.kill(service.pids[1], signal.SIGSTOP)
-    with pytest.raises(RuntimeError, match=r"training worker 1 did not answer forward_backward #\d+ within 5 s and "
-                                           r"sent no heartbeat for \d+ s \(stopped or frozen\); its last message: "
-                                           r"ready #\d+ \(ok\)"):
+    error = None
+    try:
         await service.forward_backward(toy_batch(0))
+    except Exception as err:  # noqa: BLE001 - the caller checks which error it is
+        error = err
     pids = service.pids
     await service.shutdown()
-    assert alive_pids(pids) == []
+    return error, alive_pids(pids)
 
 
 def test_hung_worker_times_out(tmp_path):
-    asyncio.run(_hung(tmp_path))
+    # The stopped one is named, by its silent heartbeat.
+    error, alive = asyncio.run(stopped_worker(tmp_path))
+    assert isinstance(error, RuntimeError) and re.search(
+        r"training worker 1 did not answer forward_backward #\d+ within 5 s and sent no heartbeat for \d+ s \(stopped "
+        r"or frozen\); its last message: ready #\d+ \(ok\)", str(error)), error
+    assert alive == []
 
 
 def test_procs_must_match_layout(tmp_path):
