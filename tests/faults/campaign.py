@@ -1,8 +1,8 @@
 """The fault-injection campaign of issue 42: replays kills, corruptions and stalls against the real entry points
 and prints one row per case (case | expected | observed | ok) and the totals.
 
-``python -m tests.faults.campaign`` runs every case (minutes: services, subprocesses, two-rank loads);
-``--fast`` runs the in-process subset CI runs (well under a minute).  The exit status is 1 if any case failed.
+``python -m tests.faults.campaign`` runs every case (about a minute: services, subprocesses, two-rank loads);
+``--fast`` runs the in-process subset CI runs (seconds).  The exit status is 1 if any case failed.
 Each case's ``run()`` returns the observed outcome as a short string; it is ok when ``expected`` occurs in it.
 """
 
