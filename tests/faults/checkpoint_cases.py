@@ -36,7 +36,8 @@ def _refused_by_two_ranks(path, phrase: str) -> str:
     hold ``phrase``."""
     results = run_distributed(load_tp2_error, 2, path, timeout=120)
     wrong = [f"rank {rank}: {error or 'loaded it'}{'' if unchanged else ' (model changed)'}"
-             for rank, (error, unchanged) in enumerate(results) if error is None or phrase not in error or not unchanged]
+             for rank, (error, unchanged) in enumerate(results)
+             if error is None or phrase not in error or not unchanged]
     first = results[0][0]
     return "; ".join(wrong) or f"both ranks refused, model unchanged: {first[first.index(phrase):]}"
 

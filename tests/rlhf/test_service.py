@@ -88,7 +88,8 @@ async def _pipelined(tmp_path):
     """Two pipeline stages (chunks from ``pipeline.build_chunks``) train like one worker; weights agree."""
     pp2 = await _service(2, ParallelLayout(pp=2, micro_batch_size=2), tmp_path / "pp2")
     one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
-    losses = {name: await _losses(service, [toy_batch(0), toy_batch(1)]) for name, service in (("pp2", pp2), ("one", one))}
+    losses = {name: await _losses(service, [toy_batch(0), toy_batch(1)])
+              for name, service in (("pp2", pp2), ("one", one))}
     assert losses["pp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
     weights_pp2, weights_one = await pp2.get_weights(), await one.get_weights()
     assert sorted(weights_pp2) == sorted(weights_one)
