@@ -6,6 +6,7 @@ without running), a partly covered tensor, a disk-full save (also in the middle 
 killed mid-write.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -33,7 +34,7 @@ def _config(**changes):
                         "make_vocab_size_divisible_by": 8, "seed": 7, **changes})
 
 
-def _model(**changes):
+def small_gpt(**changes):
     from megalite.models import GPTModel
 
     return GPTModel(_config(**changes))
@@ -51,17 +52,17 @@ def _save_tp2(path):
     from megalite import topology
 
     topology.initialize(tp=2)
-    save_sharded(path, 1, [_model()])
+    save_sharded(path, 1, [small_gpt()])
 
 
-def _load_tp2_error(path):
+def load_tp2_error(path):
     """Every rank's error when all ranks load ``path`` at tp=2 together (they agree, so none hangs)."""
     import torch.distributed as dist
 
     from megalite import topology
 
     topology.initialize(tp=2)
-    model = _model(seed=99)
+    model = small_gpt(seed=99)
     before = _snapshot(model)
     try:
         load_sharded(path, [model], group=dist.group.WORLD)
@@ -75,7 +76,7 @@ def _copy(src, dst):
     return dst, os.path.join(dst, "iter_0000001")
 
 
-def _rehash(directory, name):
+def rehash(directory, name):
     """Update the manifest entry of ``name``, as someone who planted a file would."""
     import hashlib
 
@@ -120,8 +121,8 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     tp2 = str(tmp_path / "tp2")
     run_distributed(_save_tp2, 2, tp2, timeout=120)
     with torch.no_grad():
-        assert torch.equal(load_model(tp2)(torch.arange(6).view(1, 6)), _model().eval()(torch.arange(6).view(1, 6)))
-    target = _model(seed=99)
+        assert torch.equal(load_model(tp2)(torch.arange(6).view(1, 6)), small_gpt().eval()(torch.arange(6).view(1, 6)))
+    target = small_gpt(seed=99)
     before = _snapshot(target)
 
     broken, directory = _copy(tp2, str(tmp_path / "truncated"))
@@ -143,12 +144,12 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
         load_sharded(broken, [target])
     with pytest.raises(ValueError, match="fails its content hash check"):
         load_model(broken)
-    for error, unchanged in run_distributed(_load_tp2_error, 2, broken, timeout=120):
+    for error, unchanged in run_distributed(load_tp2_error, 2, broken, timeout=120):
         assert error is not None and "__0_0.distcp fails its content hash check" in error and unchanged
 
     with pytest.raises(ValueError, match="different architecture: num_layers is 2 in the checkpoint but 3 in the model"):
-        load_sharded(tp2, [_model(num_layers=3)])
-    other = _model(hidden_size=32, seed=99)
+        load_sharded(tp2, [small_gpt(num_layers=3)])
+    other = small_gpt(hidden_size=32, seed=99)
     other_before = _snapshot(other)
     with pytest.raises(ValueError, match="hidden_size is 16 in the checkpoint but 32 in the model"):
         load_sharded(tp2, [other])
@@ -167,13 +168,13 @@ def test_missing_truncated_flipped_foreign_and_malicious_checkpoints(tmp_path):
     broken, directory = _copy(tp2, str(tmp_path / "evil_metadata"))
     with open(os.path.join(directory, ".metadata"), "wb") as f:
         pickle.dump(_Payload(marker), f)
-    _rehash(directory, ".metadata")
+    rehash(directory, ".metadata")
     with pytest.raises(ValueError, match=r"\.metadata is unreadable \(truncated, corrupt or unsafe\): .*open is not allowed"):
         load_sharded(broken, [target])
     broken, directory = _copy(tp2, str(tmp_path / "evil_shard"))
     with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
         pickle.dump(_Payload(marker), f)
-    _rehash(directory, "__0_0.distcp")
+    rehash(directory, "__0_0.distcp")
     with pytest.raises(ValueError, match=r"reading .*evil_shard/iter_0000001 failed: .*__0_0\.distcp holds no plain "
                                           r"record of .* \(corrupt, altered"):
         load_sharded(broken, [target])
@@ -185,7 +186,7 @@ def _load_tp2_error_with_blocks(path, block):
     from megalite.checkpoint import integrity
 
     integrity.HASH_BLOCK = block
-    return _load_tp2_error(path)
+    return load_tp2_error(path)
 
 
 def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path, monkeypatch):
@@ -196,7 +197,7 @@ def test_a_flip_in_any_hash_block_is_caught_by_the_rank_that_hashes_it(tmp_path,
     block = 1024
     monkeypatch.setattr(integrity, "HASH_BLOCK", block)
     save = str(tmp_path / "ckpt")
-    save_sharded(save, 1, [_model()])
+    save_sharded(save, 1, [small_gpt()])
     directory = os.path.join(save, "iter_0000001")
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
@@ -216,11 +217,11 @@ def test_partly_covered_tensor_is_reported(tmp_path):
         reader.read("w")
 
 
-def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def full_disk():
+    """A disk with no room for checkpoint data files: opening one for writing fails with ENOSPC."""
     from torch.distributed.checkpoint import filesystem
 
-    save = str(tmp_path / "ckpt")
-    save_sharded(save, 1, [_model()])
     real = filesystem.FileSystem.create_stream
 
     def full(self, path, mode):
@@ -228,16 +229,23 @@ def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path, monkeypat
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(self, path, mode)
 
-    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
-    with pytest.raises(CheckpointWriteError, match=f"saving iteration 2 to {save} failed: no space left on {save} "
-                                                   r"\(needed about 1 MiB\); the partial iter_0000002.tmp was removed "
-                                                   "and latest still names iteration 1"):
-        save_sharded(save, 2, [_model(seed=3)])
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(filesystem.FileSystem, "create_stream", full)
+        yield
+
+
+def test_disk_full_during_save_is_one_error_and_keeps_latest(tmp_path):
+    save = str(tmp_path / "ckpt")
+    save_sharded(save, 1, [small_gpt()])
+    with full_disk(), pytest.raises(CheckpointWriteError, match=f"saving iteration 2 to {save} failed: no space left "
+                                                                f"on {save} \\(needed about 1 MiB\\); the partial "
+                                                                "iter_0000002.tmp was removed and latest still names "
+                                                                "iteration 1"):
+        save_sharded(save, 2, [small_gpt(seed=3)])
     assert read_latest(save) == 1 and sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
-        assert torch.equal(load_model(save)(ids), _model().eval()(ids))
+        assert torch.equal(load_model(save)(ids), small_gpt().eval()(ids))
 
 
 class _FillsUp:
@@ -259,8 +267,6 @@ class _FillsUp:
 
 def test_disk_full_in_the_middle_of_a_data_file_says_no_space_and_how_much(tmp_path, monkeypatch):
     """torch.save reports a failed write only as 'unexpected pos'; the error names the full disk and the size."""
-    import contextlib
-
     from torch.distributed.checkpoint import filesystem
 
     save = str(tmp_path / "ckpt")
@@ -272,7 +278,7 @@ def test_disk_full_in_the_middle_of_a_data_file_says_no_space_and_how_much(tmp_p
             yield _FillsUp(stream, 600) if "distcp" in str(path) and "w" in mode else stream
 
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
-    model = _model(hidden_size=64)
+    model = small_gpt(hidden_size=64)
     needed = sum(p.nbytes for p in model.state_dict().values())
     with pytest.raises(CheckpointWriteError) as err:
         save_sharded(save, 1, [model])
@@ -282,7 +288,7 @@ def test_disk_full_in_the_middle_of_a_data_file_says_no_space_and_how_much(tmp_p
     assert os.listdir(save) == []
 
 
-_KILLED_SAVE = """
+KILLED_SAVE = """
 import sys, time
 import torch
 from megalite.checkpoint import integrity, save_sharded
@@ -320,11 +326,11 @@ def kill_mid_write(script: str, save: str) -> None:
 
 def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
-    kill_mid_write(_KILLED_SAVE, save)
+    kill_mid_write(KILLED_SAVE, save)
     with torch.no_grad():
         ids = torch.arange(6).view(1, 6)
-        assert torch.equal(load_model(save)(ids), _model().eval()(ids))
-    save_sharded(save, 2, [_model()])
+        assert torch.equal(load_model(save)(ids), small_gpt().eval()(ids))
+    save_sharded(save, 2, [small_gpt()])
     assert read_latest(save) == 2 and sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", "latest"]
 
 

@@ -12,7 +12,7 @@ import torch
 from megalite.checkpoint import load_model, read_checkpoint_info
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.lr_schedule import LRScheduleConfig, LRScheduler, schedule_settings
-from tests.checkpoint.test_bad_input import _model, _rehash
+from tests.checkpoint.test_bad_input import small_gpt, rehash
 
 
 def _scheduler(model):
@@ -24,12 +24,12 @@ def _scheduler(model):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     save = str(tmp_path_factory.mktemp("edited") / "base")
-    model = _model()
+    model = small_gpt()
     save_checkpoint(save, 1, [model], None, _scheduler(model), consumed_samples=8)
     return save
 
 
-def _edited(saved, tmp_path, name, field, value):
+def edit_state(saved, tmp_path, name, field, value):
     save = str(tmp_path / "run")
     shutil.copytree(saved, save)
     directory = os.path.join(save, "iter_0000001")
@@ -39,12 +39,12 @@ def _edited(saved, tmp_path, name, field, value):
     state[field] = value
     with open(path, "w") as f:
         json.dump(state, f)
-    _rehash(directory, name)
+    rehash(directory, name)
     return save, path
 
 
 def _load_all(save):
-    model = _model(seed=3)
+    model = small_gpt(seed=3)
     return load_checkpoint(save, [model], None, _scheduler(model))
 
 
@@ -62,7 +62,7 @@ def _load_all(save):
     ("args", 3, "is 3, not an object or null"),
 ])
 def test_a_bad_field_of_megalite_json_is_one_error_naming_it(saved, tmp_path, field, value, problem):
-    save, path = _edited(saved, tmp_path, "megalite.json", field, value)
+    save, path = edit_state(saved, tmp_path, "megalite.json", field, value)
     expected = f"checkpoint state {path}: field '{field}' {problem}"
     for load in (load_model, read_checkpoint_info, checkpoint_info, _load_all):
         with pytest.raises(ValueError) as err:
@@ -73,7 +73,7 @@ def test_a_bad_field_of_megalite_json_is_one_error_naming_it(saved, tmp_path, fi
 def test_a_config_that_builds_no_model_names_the_field(saved, tmp_path):
     with open(os.path.join(saved, "iter_0000001", "megalite.json")) as f:
         config = json.load(f)["config"]
-    save, path = _edited(saved, tmp_path, "megalite.json", "config", {**config, "hidden_size": "16"})
+    save, path = edit_state(saved, tmp_path, "megalite.json", "config", {**config, "hidden_size": "16"})
     with pytest.raises(ValueError, match=f"^checkpoint state {path}: field 'config' does not build a model: .*"
                                          "hidden_size"):
         load_model(save)
@@ -86,7 +86,7 @@ def test_a_config_that_builds_no_model_names_the_field(saved, tmp_path):
     ("rank_00000.json", "rng", {"python": 1}, "is not a set of RNG states: TypeError"),
 ])
 def test_bad_trainer_state_is_one_error_naming_file_and_field(saved, tmp_path, name, field, value, problem):
-    save, path = _edited(saved, tmp_path, name, field, value)
+    save, path = edit_state(saved, tmp_path, name, field, value)
     with pytest.raises(ValueError) as err:
         _load_all(save)
     assert str(err.value).startswith(f"checkpoint state {path}: field '{field}' {problem}"), str(err.value)

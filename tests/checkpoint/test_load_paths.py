@@ -19,7 +19,7 @@ from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.save_dir import check_not_overwriting
-from tests.checkpoint.test_bad_input import _load_tp2_error, _model, _rehash, flip_byte
+from tests.checkpoint.test_bad_input import load_tp2_error, small_gpt, rehash, flip_byte
 
 IDS = torch.arange(6).view(1, 6)
 
@@ -29,7 +29,7 @@ def _logits(model):
         return model.eval()(IDS)
 
 
-def _point_metadata_at(directory, relative):
+def point_metadata_at(directory, relative):
     """Rewrite ``.metadata`` so every chunk lives in ``relative``, and update the manifest to match."""
     path = os.path.join(directory, ".metadata")
     with open(path, "rb") as f:
@@ -38,14 +38,14 @@ def _point_metadata_at(directory, relative):
                              for index, info in metadata.storage_data.items()}
     with open(path, "wb") as f:
         pickle.dump(metadata, f)
-    _rehash(directory, ".metadata")
+    rehash(directory, ".metadata")
 
 
-def _load_alone(path):
+def load_alone(path):
     from megalite.inference import LLM
 
     errors = []
-    for load in (load_model, LLM, lambda p: load_sharded(p, [_model(seed=99)])):
+    for load in (load_model, LLM, lambda p: load_sharded(p, [small_gpt(seed=99)])):
         try:
             load(path)
             errors.append(None)
@@ -57,9 +57,9 @@ def _load_alone(path):
 def _refused_everywhere(path, match):
     """Every load path (alone: load_model, LLM, load_sharded; two tp ranks together, as a resume) refuses ``path`` with ``match``,
     within a minute (a blocking open of a FIFO would hang instead)."""
-    for error in run_distributed(_load_alone, 1, path, timeout=60)[0]:
+    for error in run_distributed(load_alone, 1, path, timeout=60)[0]:
         assert error is not None and match in error, error
-    for error, unchanged in run_distributed(_load_tp2_error, 2, path, timeout=60):
+    for error, unchanged in run_distributed(load_tp2_error, 2, path, timeout=60):
         assert error is not None and match in error and unchanged, error
 
 
@@ -68,8 +68,8 @@ def runs(tmp_path_factory):
     """Two runs of the same architecture and file sizes with different weights."""
     root = tmp_path_factory.mktemp("runs")
     mine, other = str(root / "mine"), str(root / "other")
-    save_sharded(mine, 1, [_model()])
-    save_sharded(other, 1, [_model(seed=3)])
+    save_sharded(mine, 1, [small_gpt()])
+    save_sharded(other, 1, [small_gpt(seed=3)])
     assert not torch.equal(_logits(load_model(mine)), _logits(load_model(other)))
     return mine, other
 
@@ -84,21 +84,21 @@ def test_metadata_pointing_at_another_runs_data_file_is_refused_on_every_path(ru
     save, directory = _copy(runs, tmp_path, "decoy")
     decoy = os.path.relpath(os.path.join(runs[1], "iter_0000001", "__0_0.distcp"), directory)
     assert os.path.getsize(os.path.join(directory, decoy)) == os.path.getsize(os.path.join(directory, "__0_0.distcp"))
-    _point_metadata_at(directory, decoy)
+    point_metadata_at(directory, decoy)
     _refused_everywhere(save, "which is not a data file of this directory listed in its manifest.json")
 
 
 def test_metadata_pointing_at_an_unlisted_file_of_the_directory_is_refused(runs, tmp_path):
     save, directory = _copy(runs, tmp_path, "unlisted")
     shutil.copy(os.path.join(runs[1], "iter_0000001", "__0_0.distcp"), os.path.join(directory, "__1_0.distcp"))
-    _point_metadata_at(directory, "__1_0.distcp")
+    point_metadata_at(directory, "__1_0.distcp")
     _refused_everywhere(save, "'__1_0.distcp', which is not a data file of this directory listed")
 
 
 def test_fifos_are_refused_not_waited_on(runs, tmp_path):
     save, directory = _copy(runs, tmp_path, "fifo_named")
     os.mkfifo(os.path.join(directory, "__7_0.distcp"))
-    _point_metadata_at(directory, "__7_0.distcp")
+    point_metadata_at(directory, "__7_0.distcp")
     _refused_everywhere(save, "'__7_0.distcp', which is not a data file")
 
     for name in ("__0_0.distcp", ".metadata", "megalite.json", "manifest.json"):
@@ -137,15 +137,15 @@ def test_a_manifest_entry_outside_the_directory_is_refused(runs, tmp_path):
 def test_an_iteration_directory_is_a_checkpoint_for_every_entry_point(tmp_path):
     save = str(tmp_path / "run")
     for iteration, seed in ((1, 5), (2, 6), (3, 7)):
-        save_checkpoint(save, iteration, [_model(seed=seed)], None, None, consumed_samples=8 * iteration)
+        save_checkpoint(save, iteration, [small_gpt(seed=seed)], None, None, consumed_samples=8 * iteration)
     second = os.path.join(save, "iter_0000002")
     assert find_checkpoint(save) == os.path.join(save, "iter_0000003") and find_checkpoint(second) == second
     assert find_checkpoint(str(tmp_path / "absent")) is None and find_checkpoint(str(tmp_path)) is None
     assert checkpoint_info(second)["iteration"] == 2
-    restored = _model(seed=99)
+    restored = small_gpt(seed=99)
     assert load_checkpoint(second, [restored], None, None)[:2] == (2, 16)
-    assert torch.equal(_logits(restored), _logits(_model(seed=6)))
-    assert torch.equal(_logits(load_model(second)), _logits(_model(seed=6)))
+    assert torch.equal(_logits(restored), _logits(small_gpt(seed=6)))
+    assert torch.equal(_logits(load_model(second)), _logits(small_gpt(seed=6)))
     # Resuming from one of SAVE's iteration directories continues SAVE: saving there is no overwrite.
     assert check_not_overwriting(save, second, 2, False) is None
     assert check_not_overwriting(save, save, 3, False) is None
@@ -157,16 +157,16 @@ def test_an_iteration_directory_is_a_checkpoint_for_every_entry_point(tmp_path):
 def test_a_damaged_latest_names_the_newest_verified_iteration(tmp_path, pointer):
     save = str(tmp_path / "run")
     for iteration in (4, 5):
-        save_sharded(save, iteration, [_model(seed=iteration)])
+        save_sharded(save, iteration, [small_gpt(seed=iteration)])
     with open(os.path.join(save, "latest"), "w") as f:
         f.write(pointer)
     newest = os.path.join(save, "iter_0000005")
     hint = f"the newest verified checkpoint is iteration 5: load it by its directory (--load {newest})"
-    for load in (load_model, lambda p: load_checkpoint(p, [_model()], None, None), checkpoint_info):
+    for load in (load_model, lambda p: load_checkpoint(p, [small_gpt()], None, None), checkpoint_info):
         with pytest.raises(ValueError) as err:
             load(save)
         assert hint in str(err.value)
-    assert torch.equal(_logits(load_model(newest)), _logits(_model(seed=5)))
+    assert torch.equal(_logits(load_model(newest)), _logits(small_gpt(seed=5)))
 
     shard = os.path.join(newest, "__0_0.distcp")
     flip_byte(shard, os.path.getsize(shard) // 2)
@@ -178,18 +178,26 @@ def test_a_damaged_latest_names_the_newest_verified_iteration(tmp_path, pointer)
         load_model(save)
 
 
+def resume_from_an_iteration_directory(run) -> tuple[str, int, str, str, int]:
+    """Train 3 of 4 iterations (``--exit-interval 3``) saving each into ``run``, then resume the same schedule with
+    ``--load RUN/iter_0000002 --save RUN`` to iteration 4.  Returns the iteration directory, the resumed run's last
+    iteration, its stdout and stderr, and the iteration ``run``'s ``latest`` names afterwards."""
+    from tests.training.test_megatron_flags import TINY, run_on_rank
+
+    # Both runs have the same --train-iters: it sets the LR schedule's length, which a resume must not change.
+    schedule = TINY + ["--train-iters", "4", "--save", str(run)]
+    first = schedule + ["--save-interval", "1", "--exit-interval", "3"]
+    assert run_distributed(run_on_rank, 1, first, False, timeout=240)[0][0] == 3
+    second = os.path.join(run, "iter_0000002")
+    resume = schedule + ["--load", second]
+    iteration, out, err, _ = run_distributed(run_on_rank, 1, resume, False, timeout=240)[0]
+    return second, iteration, out, err, checkpoint_info(str(run))["iteration"]
+
+
 def test_the_trainer_resumes_from_an_iteration_directory_and_saves_on_into_its_run(tmp_path):
     """``--load RUN/iter_0000002 --save RUN`` loads iteration 2 (not "no checkpoint, from scratch") and may save
     into RUN, whose iterations it continues."""
-    from tests.training.test_megatron_flags import TINY, _run_on_rank
-
-    run = tmp_path / "run"
-    first = TINY + ["--train-iters", "3", "--save-interval", "1", "--save", str(run)]
-    assert run_distributed(_run_on_rank, 1, first, False, timeout=240)[0][0] == 3
-    second = os.path.join(run, "iter_0000002")
-    resume = TINY + ["--train-iters", "4", "--save", str(run), "--load", second,
-                     "--override-opt-param-scheduler"]  # the longer run decays over 4 iterations, not 3
-    iteration, out, err, _ = run_distributed(_run_on_rank, 1, resume, False, timeout=240)[0]
+    second, iteration, out, err, latest = resume_from_an_iteration_directory(tmp_path / "run")
     assert iteration == 4 and "holds no checkpoint" not in err
     assert f"loaded checkpoint {second} at iteration 2" in out
-    assert checkpoint_info(str(run))["iteration"] == 4
+    assert latest == 4

@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 
@@ -10,7 +11,7 @@ from megalite.data.gpt_dataset import (BlendedDataset, GPTDataset, build_train_v
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
-def _make(prefix, seed, count=30, low=0, high=500):
+def make_indexed(prefix, seed, count=30, low=0, high=500):
     rng = np.random.RandomState(seed)
     with IndexedDatasetBuilder(str(prefix), np.uint16) as builder:
         for i in range(count):
@@ -19,7 +20,7 @@ def _make(prefix, seed, count=30, low=0, high=500):
 
 
 def test_samples_equal_a_naive_concatenation(tmp_path):
-    indexed = _make(tmp_path / "ds", seed=0)
+    indexed = make_indexed(tmp_path / "ds", seed=0)
     documents = np.arange(5, 25)
     seq = 7
     ds = GPTDataset(indexed, documents, num_samples=60, seq_length=seq, seed=3)
@@ -44,7 +45,7 @@ def test_samples_equal_a_naive_concatenation(tmp_path):
 
 
 def test_determinism_and_cache(tmp_path, monkeypatch):
-    indexed = _make(tmp_path / "ds", seed=1)
+    indexed = make_indexed(tmp_path / "ds", seed=1)
     docs = np.arange(len(indexed))
     cache = str(tmp_path / "cache")
     a = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
@@ -67,14 +68,21 @@ def test_determinism_and_cache(tmp_path, monkeypatch):
     assert [other[i]["tokens"].tolist() for i in range(40)] != [a[i]["tokens"].tolist() for i in range(40)]
 
 
+def cached_samples(prefix, cache=None) -> list:
+    """The 40 samples (seq 5, seed 7) of every document of the indexed dataset at ``prefix``, through the index
+    cache in ``cache`` (None: built afresh, uncached)."""
+    indexed = IndexedDataset(str(prefix))
+    ds = GPTDataset(indexed, np.arange(len(indexed)), 40, 5, seed=7, cache_dir=cache and str(cache), name="train")
+    return [ds[i]["tokens"].tolist() for i in range(40)]
+
+
 def test_a_wrong_or_stale_cache_is_rebuilt(tmp_path, monkeypatch):
     """A cache whose arrays were changed (a plausible permutation), whose record is missing, or whose data
     files changed since it was built is rebuilt, and the samples are those of an uncached dataset."""
-    indexed = _make(tmp_path / "ds", seed=1)
+    indexed = make_indexed(tmp_path / "ds", seed=1)
     docs = np.arange(len(indexed))
     cache = tmp_path / "cache"
-    fresh = GPTDataset(indexed, docs, 40, 5, seed=7)
-    expected = [fresh[i]["tokens"].tolist() for i in range(40)]
+    expected = cached_samples(tmp_path / "ds")
     key = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=str(cache), name="train").cache_key
     shuffle, record = cache / f"train_{key}_shuffle_idx.npy", cache / f"train_{key}_built_from.json"
     builds = []
@@ -85,11 +93,7 @@ def test_a_wrong_or_stale_cache_is_rebuilt(tmp_path, monkeypatch):
         return original_build(self, *args)
 
     monkeypatch.setattr(GPTDataset, "_build_doc_idx", counted)
-
-    def load() -> list:
-        ds = GPTDataset(IndexedDataset(str(tmp_path / "ds")), docs, 40, 5, seed=7, cache_dir=str(cache), name="train")
-        return [ds[i]["tokens"].tolist() for i in range(40)]
-
+    load = functools.partial(cached_samples, tmp_path / "ds", cache)
     assert load() == expected and builds == []  # a valid cache is used as is
     np.save(shuffle, np.load(shuffle)[::-1].copy())  # another permutation: plausible, but not this dataset's
     assert load() == expected and builds == [1]
@@ -102,7 +106,7 @@ def test_a_wrong_or_stale_cache_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_bad_gpt_dataset_arguments(tmp_path):
-    indexed = _make(tmp_path / "ds", seed=2, count=10)
+    indexed = make_indexed(tmp_path / "ds", seed=2, count=10)
     with pytest.raises(ValueError, match=r"span \[0, 10\].*has 10 documents"):
         GPTDataset(indexed, np.arange(11), 5, 4, seed=0)
     with pytest.raises(ValueError, match="non-empty"):
@@ -160,8 +164,8 @@ def test_blend_weights():
 
 
 def test_build_train_valid_test_blend(tmp_path):
-    _make(tmp_path / "low", seed=3, count=200, low=0, high=100)
-    _make(tmp_path / "high", seed=4, count=200, low=100, high=200)
+    make_indexed(tmp_path / "low", seed=3, count=200, low=0, high=100)
+    make_indexed(tmp_path / "high", seed=4, count=200, low=100, high=200)
     low, high = str(tmp_path / "low"), str(tmp_path / "high")
     train, valid, test = build_train_valid_test_datasets(
         ["0.7", low, "0.3", high], "90,10,0", seq_length=4, seed=5,

@@ -5,6 +5,7 @@ process, and bad input is one clear error.  More faults: test_service_faults.py.
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
@@ -17,13 +18,13 @@ from tests.rlhf.common import config
 OPTIM = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
 
 
-def _batch(step: int) -> dict:
+def toy_batch(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(1, 40, (4, 7), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(4, 6)}
 
 
-def _alive(pids) -> list[int]:
+def alive_pids(pids) -> list[int]:
     alive = []
     for pid in pids:
         try:
@@ -50,7 +51,7 @@ async def _losses(service, batches) -> list[float]:
 async def _parity(tmp_path):
     tp2 = await _service(2, ParallelLayout(tp=2, micro_batch_size=2), tmp_path / "tp2")
     one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
-    losses = {name: await _losses(service, [_batch(0)] * 2) for name, service in (("tp2", tp2), ("one", one))}
+    losses = {name: await _losses(service, [toy_batch(0)] * 2) for name, service in (("tp2", tp2), ("one", one))}
     assert losses["tp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
     assert losses["one"][1] < losses["one"][0]
     weights_tp2, weights_one = await tp2.get_weights(), await one.get_weights()
@@ -60,7 +61,7 @@ async def _parity(tmp_path):
     # A checkpoint of the tp2 service (model + optimizer) loads into the single worker and trains identically.
     saved = await tp2.save(2)
     await one.load(saved)
-    next_tp2, next_one = (await asyncio.gather(tp2.forward_backward(_batch(5)), one.forward_backward(_batch(5))))
+    next_tp2, next_one = (await asyncio.gather(tp2.forward_backward(toy_batch(5)), one.forward_backward(toy_batch(5))))
     assert next_one["lm_loss"] == pytest.approx(next_tp2["lm_loss"], rel=1e-5)
     await asyncio.gather(tp2.optim_step(), one.optim_step())
     # Weights loaded from a dict reach every worker.
@@ -69,12 +70,12 @@ async def _parity(tmp_path):
     for name, value in (await tp2.get_weights()).items():
         torch.testing.assert_close(value, shifted[name], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"batch\['loss_mask'\] has shape \(3, 6\)"):
-        tp2.forward_backward({**_batch(0), "loss_mask": torch.ones(3, 6)})
+        tp2.forward_backward({**toy_batch(0), "loss_mask": torch.ones(3, 6)})
     with pytest.raises(ValueError, match="batch of 3 sequences is not divisible by dp=1 x micro_batch_size=2"):
-        tp2.forward_backward({k: v[:3] for k, v in _batch(0).items()})
+        tp2.forward_backward({k: v[:3] for k, v in toy_batch(0).items()})
     pids = tp2.pids + one.pids
     await asyncio.gather(tp2.shutdown(), one.shutdown())
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
     with pytest.raises(RuntimeError, match="optim_step called after shutdown"):
         tp2.optim_step()
 
@@ -87,7 +88,8 @@ async def _pipelined(tmp_path):
     """Two pipeline stages (chunks from ``pipeline.build_chunks``) train like one worker; weights agree."""
     pp2 = await _service(2, ParallelLayout(pp=2, micro_batch_size=2), tmp_path / "pp2")
     one = await _service(1, ParallelLayout(micro_batch_size=2), tmp_path / "one")
-    losses = {name: await _losses(service, [_batch(0), _batch(1)]) for name, service in (("pp2", pp2), ("one", one))}
+    losses = {name: await _losses(service, [toy_batch(0), toy_batch(1)])
+              for name, service in (("pp2", pp2), ("one", one))}
     assert losses["pp2"] == pytest.approx(losses["one"], rel=1e-5, abs=1e-6)
     weights_pp2, weights_one = await pp2.get_weights(), await one.get_weights()
     assert sorted(weights_pp2) == sorted(weights_one)
@@ -106,35 +108,43 @@ async def _killed(tmp_path):
     os.kill(service.pids[1], signal.SIGKILL)
     with pytest.raises(RuntimeError, match=r"training worker 1 \(pid \d+\) exited with code -9; its last message: "
                                            r"optim_step #\d+ \(ok\)"):
-        await service.forward_backward(_batch(0))
+        await service.forward_backward(toy_batch(0))
     with pytest.raises(RuntimeError, match="training worker 1"):
         await service.optim_step()
     pids = service.pids
     await service.shutdown()
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
 
 
 def test_killed_worker_fails_pending_and_later_calls(tmp_path):
     asyncio.run(_killed(tmp_path))
 
 
-async def _hung(tmp_path):
+async def stopped_worker(tmp_path) -> tuple[Exception | None, list[int]]:
+    """Stop (SIGSTOP) worker 1 of a two-worker service with a 5 s timeout, then call forward_backward: worker 0
+    waits for it in a collective.  Returns the call's exception (None if it returned) and the workers still alive
+    after shutdown."""
     service = await TrainingService.options(procs=2, timeout=5.0).as_service(
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
         checkpoint_dir=str(tmp_path))
-    # Worker 0 waits for the stopped worker 1 in a collective: the stopped one is named, by its silent heartbeat.
     os.kill(service.pids[1], signal.SIGSTOP)
-    with pytest.raises(RuntimeError, match=r"training worker 1 did not answer forward_backward #\d+ within 5 s and "
-                                           r"sent no heartbeat for \d+ s \(stopped or frozen\); its last message: "
-                                           r"ready #\d+ \(ok\)"):
-        await service.forward_backward(_batch(0))
+    error = None
+    try:
+        await service.forward_backward(toy_batch(0))
+    except Exception as err:  # noqa: BLE001 - the caller checks which error it is
+        error = err
     pids = service.pids
     await service.shutdown()
-    assert _alive(pids) == []
+    return error, alive_pids(pids)
 
 
 def test_hung_worker_times_out(tmp_path):
-    asyncio.run(_hung(tmp_path))
+    # The stopped one is named, by its silent heartbeat.
+    error, alive = asyncio.run(stopped_worker(tmp_path))
+    assert isinstance(error, RuntimeError) and re.search(
+        r"training worker 1 did not answer forward_backward #\d+ within 5 s and sent no heartbeat for \d+ s \(stopped "
+        r"or frozen\); its last message: ready #\d+ \(ok\)", str(error)), error
+    assert alive == []
 
 
 def test_procs_must_match_layout(tmp_path):

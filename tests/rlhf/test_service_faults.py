@@ -18,32 +18,32 @@ from megalite.checkpoint import read_latest
 from megalite.rlhf import ParallelLayout, TrainingService
 from megalite.training.nan_guard import NanGuardConfig
 from tests.rlhf.common import VOCAB, config
-from tests.rlhf.test_service import OPTIM, _alive, _batch
+from tests.rlhf.test_service import OPTIM, alive_pids, toy_batch
 
 FAILING = "tests.rlhf.service_objectives:FailingLanguageModel"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _flagged(step: int, failing_rows=()) -> dict:
-    batch = _batch(step)
+def flagged_batch(step: int, failing_rows=()) -> dict:
+    batch = toy_batch(step)
     fail = torch.zeros(batch["input_ids"].shape[0])
     fail[list(failing_rows)] = 1
     return {**batch, "fail": fail}
 
 
-async def _service(path, layout=ParallelLayout(micro_batch_size=2), timeout=300.0, **extra):
+async def open_service(path, layout=ParallelLayout(micro_batch_size=2), timeout=300.0, **extra):
     return await TrainingService.options(procs=layout.world_size, timeout=timeout).as_service(
         model=config(), optimizer=OPTIM, loss_fn=FAILING, parallel=layout, checkpoint_dir=str(path), **extra)
 
 
-async def _step(service, batch) -> float:
+async def one_step(service, batch) -> float:
     await service.forward_backward(batch)
     return (await service.optim_step())["grad_norm"]
 
 
-async def _assert_same(first, second, batch) -> None:
+async def assert_same_step(first, second, batch) -> None:
     """One step on ``batch`` gives both services the same grad norm and the same weights."""
-    assert await _step(first, batch) == await _step(second, batch)
+    assert await one_step(first, batch) == await one_step(second, batch)
     weights, expected = await first.get_weights(), await second.get_weights()
     for name, value in expected.items():
         assert torch.equal(weights[name], value), name
@@ -63,15 +63,15 @@ def _listening(port: int) -> list[str]:
 
 async def _no_partial_state(tmp_path):
     # `guarded` stops on a non-finite step (the default); `skipping` skips one.
-    guarded, skipping = await asyncio.gather(_service(tmp_path / "guarded"), _service(
+    guarded, skipping = await asyncio.gather(open_service(tmp_path / "guarded"), open_service(
         tmp_path / "skipping", nan_guard=NanGuardConfig(skip_nan_iterations=1)))
     # A call that fails in its second micro-batch leaves no gradient behind: the retry is a fresh service's step.
     with pytest.raises(RuntimeError, match=r"forward_backward failed on worker 0: IndexError: index out of range"):
-        await guarded.forward_backward(_flagged(0, failing_rows=(2, 3)))
-    await _assert_same(guarded, skipping, _flagged(0))
+        await guarded.forward_backward(flagged_batch(0, failing_rows=(2, 3)))
+    await assert_same_step(guarded, skipping, flagged_batch(0))
 
     # A NaN in loss_mask: no update; an error by default, a skipped step under skip_nan_iterations.
-    poisoned = _flagged(1)
+    poisoned = flagged_batch(1)
     poisoned["loss_mask"][1, 2] = float("nan")
     before = await guarded.get_weights()
     metrics = await asyncio.gather(guarded.forward_backward(poisoned), skipping.forward_backward(poisoned))
@@ -83,7 +83,7 @@ async def _no_partial_state(tmp_path):
     assert (await skipping.optim_step())["update_applied"] == 0.0
     for name, value in (await guarded.get_weights()).items():
         assert torch.equal(value, before[name]), name
-    await _assert_same(guarded, skipping, _flagged(2))  # neither kept the poisoned gradient
+    await assert_same_step(guarded, skipping, flagged_batch(2))  # neither kept the poisoned gradient
 
     # Bad steps are one clear error, before any worker sees them.
     for step in (-1, 1.5, "2", True):
@@ -100,15 +100,15 @@ async def _no_partial_state(tmp_path):
     # One service per checkpoint_dir, as pretraining's --save; its store listens only on the host it advertises.
     with pytest.raises(ValueError, match=rf"^checkpoint_dir {tmp_path / 'guarded'} is in use by another job "
                                          rf"\(pid {os.getpid()} on "):
-        await _service(tmp_path / "guarded")
+        await open_service(tmp_path / "guarded")
     assert _listening(guarded._rendezvous.port) == ["0100007F"]  # 127.0.0.1
     saved = await skipping.save(4)
     pids = guarded.pids + skipping.pids
     await asyncio.gather(guarded.shutdown(), skipping.shutdown())
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
 
     # A later service on that directory may not write over the checkpoint it did not load.
-    later = await _service(tmp_path / "skipping")
+    later = await open_service(tmp_path / "skipping")
     with pytest.raises(ValueError, match=rf"^checkpoint_dir {tmp_path / 'skipping'} already holds another run's "
                                          r"checkpoints \(latest iteration 4\) that this run did not load: no load\(\) "
                                          r"was given"):
@@ -123,9 +123,9 @@ def test_failed_call_nan_guard_save_checks_and_directory_lock(tmp_path):
 
 
 async def _peer_failure(tmp_path):
-    service = await _service(tmp_path, ParallelLayout(dp=2, micro_batch_size=2))
+    service = await open_service(tmp_path, ParallelLayout(dp=2, micro_batch_size=2))
     # Ids in the vocabulary padding (the model pads 40 to 128 rows) are refused before anything is sent.
-    outside = _flagged(0)
+    outside = flagged_batch(0)
     outside["input_ids"][3, 1] = VOCAB
     with pytest.raises(ValueError, match=rf"^batch\['input_ids'\] holds token id {VOCAB}, outside the vocabulary "
                                          rf"of {VOCAB} ids$"):
@@ -134,11 +134,11 @@ async def _peer_failure(tmp_path):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"forward_backward #\d+ failed on worker 1: IndexError: index out of range "
                                            r"in self \(test failure\); worker 0 did not finish it within 10 s"):
-        await service.forward_backward(_flagged(0, failing_rows=(2, 3)))
+        await service.forward_backward(flagged_batch(0, failing_rows=(2, 3)))
     assert time.monotonic() - start < 60  # not the service timeout (300 s)
     pids = service.pids
     await service.shutdown()
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
 
 
 def test_one_workers_error_reaches_the_caller_in_seconds(tmp_path):
@@ -162,20 +162,26 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_local_workers_die_with_the_driver(tmp_path, sig):
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+def workers_left_after_signalling_the_driver(path, sig) -> list[int]:
+    """Start a driver process whose service has two local workers (``checkpoint_dir`` ``path``), send the driver
+    ``sig``, and return the workers still alive 10 s after it exited (none, since they die with it)."""
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(path)], stdout=subprocess.PIPE, text=True,
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2 and _alive(pids) == pids
+        assert len(pids) == 2 and alive_pids(pids) == pids
         driver.send_signal(sig)
         driver.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while _alive(pids) and time.monotonic() < deadline:
+        while alive_pids(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(pids) == []
+        return alive_pids(pids)
     finally:
         driver.kill()
         driver.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_local_workers_die_with_the_driver(tmp_path, sig):
+    assert workers_left_after_signalling_the_driver(tmp_path, sig) == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite.rlhf import ParallelLayout, TrainingService
-from tests.rlhf.test_service import OPTIM, _alive, _batch
+from tests.rlhf.test_service import OPTIM, alive_pids, toy_batch
 from tests.rlhf.common import config
 
 ray = pytest.importorskip("ray")
@@ -31,7 +31,7 @@ async def _ray_equals_local(tmp_path):
     for name, service in (("ray", remote), ("local", local)):
         calls = []
         for step in range(2):  # pipelined: every call is queued before the first is awaited
-            calls += [service.forward_backward(_batch(step)), service.optim_step()]
+            calls += [service.forward_backward(toy_batch(step)), service.optim_step()]
         losses[name] = [m["lm_loss"] for m in (await asyncio.gather(*calls))[::2]]
     assert losses["ray"] == losses["local"]
     weights_ray, weights_local = await asyncio.gather(remote.get_weights(), local.get_weights())
@@ -40,7 +40,7 @@ async def _ray_equals_local(tmp_path):
         assert torch.equal(weights_ray[name], value), name
     # A checkpoint the Ray workers wrote (model + optimizer) continues identically in the local workers.
     await local.load(await remote.save(2))
-    after = await asyncio.gather(remote.forward_backward(_batch(5)), local.forward_backward(_batch(5)))
+    after = await asyncio.gather(remote.forward_backward(toy_batch(5)), local.forward_backward(toy_batch(5)))
     assert after[0]["lm_loss"] == after[1]["lm_loss"]
     await local.shutdown()
 
@@ -50,10 +50,10 @@ async def _ray_equals_local(tmp_path):
                                            r"message: forward_backward #\d+ \(ok\)"):
         await remote.optim_step()
     with pytest.raises(RuntimeError, match=rf"training worker 1 \(pid {pid}, "):
-        await remote.forward_backward(_batch(0))
+        await remote.forward_backward(toy_batch(0))
     pids = remote.pids
     await remote.shutdown()
-    assert _alive(pids) == []  # the surviving actor was killed too
+    assert alive_pids(pids) == []  # the surviving actor was killed too
     assert ray.is_initialized()  # the service leaves a Ray connection it found
 
 
@@ -74,7 +74,7 @@ async def _shared_ray(tmp_path):
     await first.shutdown()
     assert ray.is_initialized()  # the second service still uses the cluster
     # The NaN guard runs in Ray actors as in local workers: no update from a non-finite step.
-    poisoned = _batch(1)
+    poisoned = toy_batch(1)
     poisoned["loss_mask"][0, 0] = float("nan")
     before = await second.get_weights()
     await second.forward_backward(poisoned)
@@ -84,7 +84,7 @@ async def _shared_ray(tmp_path):
     for name, value in (await second.get_weights()).items():
         assert torch.equal(value, before[name]), name
     await second.shutdown()
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
     assert not ray.is_initialized()  # the last service on the cluster they started stopped it
 
 

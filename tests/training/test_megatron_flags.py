@@ -28,7 +28,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"
         "--eval-iters", "1", "--split", "80,10,10", "--mock-data", "--vocab-size", "64"]
 
 
-def _run_on_rank(argv, duration_check):
+def run_on_rank(argv, duration_check):
     from megalite.training import gpt, pretrain
     from megalite.training.training import _exit_reason
 
@@ -48,7 +48,7 @@ def test_megatron_training_flags(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     argv_a = TINY + ["--train-samples", "24", "--log-throughput", "--save", str(a), "--load", str(a),
                      "--no-save-optim", "--no-save-rng", "--metrics-file", str(tmp_path / "a.jsonl")]
-    results = run_distributed(_run_on_rank, 2, argv_a, False, timeout=240)
+    results = run_distributed(run_on_rank, 2, argv_a, False, timeout=240)
     (iteration, out, err, _), (_, out1, err1, _) = results
     assert iteration == 3 and err.count(f"WARNING: --load {a} holds no checkpoint; training starts from scratch") == 1
     assert not err1 and not out1
@@ -64,7 +64,7 @@ def test_megatron_training_flags(tmp_path):
     argv_b = TINY + ["--train-samples", "48", "--exit-interval", "5", "--load", str(a), "--save", str(b),
                      "--no-load-optim", "--no-load-rng", "--override-opt-param-scheduler",
                      "--metrics-file", str(tmp_path / "b.jsonl")]
-    results = run_distributed(_run_on_rank, 2, argv_b, True, timeout=240)
+    results = run_distributed(run_on_rank, 2, argv_b, True, timeout=240)
     (iteration, out, err, reason), (_, _, _, reason1) = results
     assert iteration == 5 and not err
     assert (f"loaded checkpoint {a} at iteration 3, layout tp=1 pp=1 dp=2 ep=1 vpp=None -> tp=1 pp=1 dp=2 ep=1 "

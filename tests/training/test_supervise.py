@@ -15,16 +15,16 @@ ATTEMPT = "import os, sys, time; open(sys.argv[1], 'a').write(f'{os.getpid()}\\n
           "time.sleep(60); sys.exit(1)"
 
 
-def _supervise(log, mode):
+def start_supervise(log, mode):
     return subprocess.Popen([sys.executable, SUPERVISE, "--max-restarts", "3", "--restart-delay", "60", "--",
                              sys.executable, "-c", ATTEMPT, str(log), mode, "--load", "unused"],
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow
-def test_sigterm_during_the_restart_delay_stops_without_another_attempt(tmp_path):
-    log = tmp_path / "attempts"
-    proc = _supervise(log, "fail")
+def sigterm_during_the_restart_delay(log) -> tuple[int, str, int]:
+    """Run an attempt that fails under ``tools/supervise.py`` (``--restart-delay 60``), send the supervisor SIGTERM
+    while it waits to restart, and return its exit status, its stderr and the number of attempts started."""
+    proc = start_supervise(log, "fail")
     try:
         assert "restarting from the last checkpoint in 60 s" in proc.stderr.readline()
         proc.send_signal(signal.SIGTERM)
@@ -32,15 +32,21 @@ def test_sigterm_during_the_restart_delay_stops_without_another_attempt(tmp_path
         _, err = proc.communicate()
     finally:
         proc.kill()
+    return code, err, len(log.read_text().split())
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_restart_delay_stops_without_another_attempt(tmp_path):
+    code, err, attempts = sigterm_during_the_restart_delay(tmp_path / "attempts")
     assert code == 128 + signal.SIGTERM
     assert "supervise: SIGTERM received; not restarting" in err
-    assert len(log.read_text().split()) == 1
+    assert attempts == 1
 
 
 @pytest.mark.slow
 def test_sigterm_during_an_attempt_stops_it_and_the_supervisor(tmp_path):
     log = tmp_path / "attempts"
-    proc = _supervise(log, "sleep")
+    proc = start_supervise(log, "sleep")
     try:
         deadline = time.monotonic() + 30
         while not (log.exists() and log.read_text().endswith("\n")):

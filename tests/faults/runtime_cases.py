@@ -1,0 +1,132 @@
+"""Campaign cases on running jobs: the TrainingService (a failed call, NaN, bad input, a second service on one
+``checkpoint_dir``, its driver killed), ``tools/supervise.py`` signalled while it waits to restart, and a stale
+dataset index cache."""
+
+import asyncio
+import json
+import os
+import signal
+
+import torch
+
+from megalite.rlhf import ParallelLayout
+from megalite.training.nan_guard import NanGuardConfig
+from tests.data.test_gpt_dataset import cached_samples, make_indexed
+from tests.faults.campaign import Case, in_scratch, outcome
+from tests.rlhf.common import VOCAB
+from tests.rlhf.test_service import stopped_worker
+from tests.rlhf.test_service_faults import (assert_same_step, flagged_batch, open_service,
+                                            workers_left_after_signalling_the_driver)
+from tests.training.test_supervise import sigterm_during_the_restart_delay
+
+
+def _with_service(body, **extra):
+    """A ``run()``: open a one-worker service on a scratch ``checkpoint_dir``, await ``body(service, scratch)``,
+    then shut the service down."""
+
+    async def serve(scratch):
+        service = await open_service(scratch / "service", **extra)
+        try:
+            return await body(service, scratch)
+        finally:
+            await service.shutdown()
+
+    return in_scratch(lambda scratch: asyncio.run(serve(scratch)))
+
+
+async def _async_outcome(awaitable) -> str:
+    try:
+        await awaitable
+    except Exception as err:  # noqa: BLE001 - the failure is the observation
+        return f"{type(err).__name__}: {err}"
+    return "returned"
+
+
+async def _retry_after_failure(scratch) -> str:
+    """A call failing in its second micro-batch, then a retry: the same step as a fresh service's."""
+    failed, fresh = await asyncio.gather(open_service(scratch / "failed"), open_service(scratch / "fresh"))
+    try:
+        error = await _async_outcome(failed.forward_backward(flagged_batch(0, failing_rows=(2, 3))))
+        same = await _async_outcome(assert_same_step(failed, fresh, flagged_batch(0)))
+        return f"{error.split(':')[0]}; retry {'equals a fresh step' if same == 'returned' else same}"
+    finally:
+        await asyncio.gather(failed.shutdown(), fresh.shutdown())
+
+
+async def _nan_loss_mask(service, scratch) -> str:
+    poisoned = flagged_batch(1)
+    poisoned["loss_mask"][1, 2] = float("nan")
+    before = await service.get_weights()
+    await service.forward_backward(poisoned)
+    error = await _async_outcome(service.optim_step())
+    unchanged = all(torch.equal(v, before[k]) for k, v in (await service.get_weights()).items())
+    return f"weights {'unchanged' if unchanged else 'CHANGED'}; {error}"
+
+
+async def _out_of_vocab(service, scratch) -> str:
+    outside = flagged_batch(0)
+    outside["input_ids"][3, 1] = VOCAB
+    return outcome(lambda: service.forward_backward(outside))
+
+
+async def _negative_save(service, scratch) -> str:
+    return outcome(lambda: service.save(-1))
+
+
+async def _second_service(service, scratch) -> str:
+    error = await _async_outcome(open_service(scratch / "service"))
+    return error.replace(str(scratch), "DIR").replace(f"pid {os.getpid()}", "pid DRIVER")
+
+
+def _stalled_worker(scratch) -> str:
+    error, alive = asyncio.run(stopped_worker(scratch))
+    return f"{len(alive)} workers left after shutdown; {type(error).__name__}: {error}"
+
+
+def _driver_killed(scratch) -> str:
+    left = workers_left_after_signalling_the_driver(scratch, signal.SIGKILL)
+    return f"{len(left)} of 2 workers left"
+
+
+def _supervise_sigterm(scratch) -> str:
+    code, err, attempts = sigterm_during_the_restart_delay(scratch / "attempts")
+    said = "SIGTERM received; not restarting" if "supervise: SIGTERM received; not restarting" in err else err
+    return f"exit {code}, {said}, {attempts} attempt(s)"
+
+
+def _stale_cache(scratch) -> str:
+    """The data file changes (mtime) after its index cache was built: the cache is rebuilt."""
+    make_indexed(scratch / "ds", seed=1)
+    cache = scratch / "cache"
+    cached_samples(scratch / "ds", cache)
+    (record,) = cache.glob("*_built_from.json")
+    before = json.loads(record.read_text())["built_from"]["files"]
+    os.utime(scratch / "ds.bin", ns=(1, 1))
+    samples = cached_samples(scratch / "ds", cache)
+    rebuilt = json.loads(record.read_text())["built_from"]["files"] != before
+    return f"cache {'rebuilt' if rebuilt else 'reused'}; samples " \
+           f"{'equal' if samples == cached_samples(scratch / 'ds') else 'differ from'} an uncached dataset's"
+
+
+CASES = [
+    Case("stale dataset index cache", "cache rebuilt; samples equal an uncached dataset's", in_scratch(_stale_cache),
+         fast=True),
+    Case("service: forward_backward fails, then retry", "RuntimeError; retry equals a fresh step",
+         in_scratch(lambda scratch: asyncio.run(_retry_after_failure(scratch)))),
+    Case("service: NaN in loss_mask", "weights unchanged; RuntimeError: optim_step failed on worker 0: "
+         "NonFiniteError: iteration 1: the loss is nan and gradients hold nan/inf on ranks [0]; stopping before the "
+         "update", _with_service(_nan_loss_mask)),
+    Case("service: NaN in loss_mask, skip_nan_iterations=1", "weights unchanged; returned",
+         _with_service(_nan_loss_mask, nan_guard=NanGuardConfig(skip_nan_iterations=1))),
+    Case("service: out-of-vocab token id", f"ValueError: batch['input_ids'] holds token id {VOCAB}, outside the "
+         f"vocabulary of {VOCAB} ids", _with_service(_out_of_vocab)),
+    Case("service: save(-1)", "ValueError: save step must be a non-negative integer, got -1",
+         _with_service(_negative_save)),
+    Case("service: two services on one checkpoint_dir", "ValueError: checkpoint_dir DIR/service is in use by another "
+         "job (pid DRIVER on", _with_service(_second_service)),
+    Case("service worker stalled (SIGSTOP), the other waits", "0 workers left after shutdown; RuntimeError: "
+         "training worker 1 did not answer forward_backward #", in_scratch(_stalled_worker)),
+    Case("service driver killed (kill -9)", "0 of 2 workers left", in_scratch(_driver_killed)),
+    Case("SIGTERM to supervise during --restart-delay", f"exit {128 + signal.SIGTERM}, SIGTERM received; not "
+         "restarting, 1 attempt(s)", in_scratch(_supervise_sigterm)),
+]
