@@ -3,8 +3,9 @@
 Each worker is a single-threaded actor (one CPU, or one GPU with ``with_gpus``), so it runs its calls in the
 order the driver sent them.  The driver uses the Ray connection this process already has; without one it
 connects to the cluster ``RAY_ADDRESS`` names or else starts a local cluster, and when the last service on
-that connection closes it disconnects again (stopping a cluster it started).  An actor that dies makes its calls' results raise ``RayActorError``;
-that is how a dead worker is noticed.
+that connection closes it disconnects again (stopping a cluster it started).  A cluster it started also dies with
+the driver, ``kill -9`` included (:mod:`megalite.rlhf.service_ray_reaper`); a cluster it found is left alone.  An
+actor that dies makes its calls' results raise ``RayActorError``; that is how a dead worker is noticed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from megalite.rlhf.service_config import ServiceSpec
+from megalite.rlhf.service_ray_reaper import Reaper, children
 from megalite.rlhf.service_transport import Reply, Transport
 from megalite.rlhf.service_worker import ServiceWorker
 
@@ -44,13 +46,17 @@ class RayTransport(Transport):
     # The open transports on the Ray connection that one of them made: it is process-wide, like Ray's own
     # state, so that the last of them to close disconnects (an actor and a critic service may share it).
     _riders: ClassVar[set[int]] = set()
+    _reaper: ClassVar[Reaper | None] = None  # the watcher of the local cluster they started, if they did
 
     def __init__(self, spec: ServiceSpec, procs: int):
         self._owns_ray = not ray.is_initialized() or bool(RayTransport._riders)
         if not ray.is_initialized() and "RAY_ADDRESS" in os.environ:  # e.g. a script run by `ray job submit`
             ray.init()
         elif not ray.is_initialized():
+            before = children(os.getpid())
             ray.init(address="local", num_cpus=max(procs, os.cpu_count() or 1), include_dashboard=False)
+            RayTransport._reaper = Reaper({pid: start for pid, start in children(os.getpid()).items()
+                                           if before.get(pid) != start})
         if self._owns_ray:
             RayTransport._riders.add(id(self))
         try:
@@ -137,6 +143,9 @@ class RayTransport(Transport):
         RayTransport._riders.discard(id(self))
         if self._owns_ray and not RayTransport._riders:
             ray.shutdown()
+            if RayTransport._reaper is not None:
+                RayTransport._reaper.release()
+                RayTransport._reaper = None
 
     @property
     def pids(self) -> list[int]:

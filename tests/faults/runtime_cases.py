@@ -15,8 +15,8 @@ from tests.data.test_gpt_dataset import cached_samples, make_indexed
 from tests.faults.campaign import Case, in_scratch, outcome
 from tests.rlhf.common import VOCAB
 from tests.rlhf.test_service import stopped_worker
-from tests.rlhf.test_service_faults import (assert_same_step, flagged_batch, open_service,
-                                            workers_left_after_signalling_the_driver)
+from tests.rlhf.test_service_faults import (assert_same_step, flagged_batch, left_after_signalling_the_driver,
+                                            open_service)
 from tests.training.test_supervise import sigterm_during_the_restart_delay
 
 
@@ -84,8 +84,8 @@ def _stalled_worker(scratch) -> str:
 
 
 def _driver_killed(scratch) -> str:
-    left = workers_left_after_signalling_the_driver(scratch, signal.SIGKILL)
-    return f"{len(left)} of 2 workers left"
+    _, left = left_after_signalling_the_driver(scratch, signal.SIGKILL)
+    return f"processes it started left running: {', '.join(sorted(left.values())) or 'none'}"
 
 
 def _supervise_sigterm(scratch) -> str:
@@ -126,7 +126,8 @@ CASES = [
          "job (pid DRIVER on", _with_service(_second_service)),
     Case("service worker stalled (SIGSTOP), the other waits", "0 workers left after shutdown; RuntimeError: "
          "training worker 1 did not answer forward_backward #", in_scratch(_stalled_worker)),
-    Case("service driver killed (kill -9)", "0 of 2 workers left", in_scratch(_driver_killed)),
+    Case("service driver killed (kill -9)", "processes it started left running: none",
+         in_scratch(_driver_killed)),
     Case("SIGTERM to supervise during --restart-delay", f"exit {128 + signal.SIGTERM}, SIGTERM received; not "
          "restarting, 1 attempt(s)", in_scratch(_supervise_sigterm)),
 ]

@@ -16,6 +16,7 @@ import torch
 
 from megalite.checkpoint import read_latest
 from megalite.rlhf import ParallelLayout, TrainingService
+from megalite.rlhf.service_ray_reaper import children, descendants, processes
 from megalite.training.nan_guard import NanGuardConfig
 from tests.rlhf.common import VOCAB, config
 from tests.rlhf.test_service import OPTIM, alive_pids, toy_batch
@@ -152,7 +153,7 @@ from tests.rlhf.common import config
 from tests.rlhf.test_service import OPTIM
 
 async def main():
-    service = await TrainingService.options(procs=2).as_service(
+    service = await TrainingService.options(procs=2, backend=sys.argv[2]).as_service(
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2),
         checkpoint_dir=sys.argv[1])
     print(" ".join(map(str, service.pids)), flush=True)
@@ -162,20 +163,28 @@ asyncio.run(main())
 """
 
 
-def workers_left_after_signalling_the_driver(path, sig) -> list[int]:
-    """Start a driver process whose service has two local workers (``checkpoint_dir`` ``path``), send the driver
-    ``sig``, and return the workers still alive 10 s after it exited (none, since they die with it)."""
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(path)], stdout=subprocess.PIPE, text=True,
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+def left_after_signalling_the_driver(path, sig, backend="local") -> tuple[list[str], dict[int, str]]:
+    """Start a driver process whose service has two workers (``backend``, ``checkpoint_dir`` ``path``), send the
+    driver ``sig``, and return the names of the processes it had started, and (pid -> name) those still running
+    10 s after it exited: none, since the workers die with it, and so does a Ray cluster the service started."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(path), backend], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env={**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
     try:
-        pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2 and alive_pids(pids) == pids
+        workers = [int(p) for p in driver.stdout.readline().split()]
+        started = descendants({driver.pid: children(os.getpid())[driver.pid]})
+        del started[driver.pid]
+        assert len(workers) == 2 and set(workers) <= set(started), (workers, started)
         driver.send_signal(sig)
         driver.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while alive_pids(pids) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            running = processes()
+            left = {pid: name for pid, (start, name) in started.items() if running.get(pid, (0, None))[1] == start}
+            if not left:
+                break
             time.sleep(0.1)
-        return alive_pids(pids)
+        return sorted(name for _, name in started.values()), left
     finally:
         driver.kill()
         driver.wait()
@@ -184,4 +193,14 @@ def workers_left_after_signalling_the_driver(path, sig) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_local_workers_die_with_the_driver(tmp_path, sig):
-    assert workers_left_after_signalling_the_driver(tmp_path, sig) == []
+    assert left_after_signalling_the_driver(tmp_path, sig)[1] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_ray_cluster_the_service_started_dies_with_the_driver(tmp_path, sig):
+    """gcs_server, raylet, the dashboard and runtime-env agents and the actors are all gone within 10 s."""
+    pytest.importorskip("ray")
+    started, left = left_after_signalling_the_driver(tmp_path, sig, backend="ray")
+    assert {"gcs_server", "raylet", "ray::DashboardA", "ray::RuntimeEnv"} <= set(started)
+    assert left == {}

@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from megalite.rlhf import ParallelLayout, TrainingService
+from megalite.rlhf.service_ray_reaper import children
 from tests.rlhf.test_service import OPTIM, alive_pids, toy_batch
 from tests.rlhf.common import config
 
 ray = pytest.importorskip("ray")
 
 DEADLINE = 240  # seconds for the whole scenario: a failure, never a hang
+
+
+def watchers() -> list[int]:
+    """This process's children that watch a Ray cluster a service started (``service_ray_reaper.py``)."""
+    found = []
+    for pid in children(os.getpid()):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"service_ray_reaper.py" in f.read():
+                found.append(pid)
+    return found
 
 
 async def _service(backend, path, layout=ParallelLayout(tp=2, micro_batch_size=2)):
@@ -27,6 +38,7 @@ async def _service(backend, path, layout=ParallelLayout(tp=2, micro_batch_size=2
 
 async def _ray_equals_local(tmp_path):
     remote, local = await asyncio.gather(_service("ray", tmp_path / "ray"), _service("local", tmp_path / "local"))
+    assert watchers() == []  # a cluster the service did not start is not its to stop
     losses = {}
     for name, service in (("ray", remote), ("local", local)):
         calls = []
@@ -68,6 +80,8 @@ def test_ray_backend_equals_local_and_reports_a_killed_actor(tmp_path):
 async def _shared_ray(tmp_path):
     one = ParallelLayout(micro_batch_size=2)
     first, second = await asyncio.gather(_service("ray", tmp_path / "a", one), _service("ray", tmp_path / "b", one))
+    watcher = watchers()
+    assert len(watcher) == 1  # one watcher for the cluster they started, which it kills if this process dies
     with pytest.raises(ValueError, match=r"backend='ray' needs 4 CPUs \(one per worker\), the Ray cluster has 2"):
         await _service("ray", tmp_path / "big", ParallelLayout(tp=2, dp=2))
     pids = first.pids + second.pids
@@ -86,6 +100,7 @@ async def _shared_ray(tmp_path):
     await second.shutdown()
     assert alive_pids(pids) == []
     assert not ray.is_initialized()  # the last service on the cluster they started stopped it
+    assert alive_pids(watcher) == []  # and let its watcher go
 
 
 def test_services_share_the_ray_they_start(tmp_path):
