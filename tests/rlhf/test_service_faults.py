@@ -2,7 +2,7 @@
 keeps non-finite values out of the weights and checkpoints, bad token ids and bad save steps are clear errors,
 one worker's failure reaches the caller in seconds with its own error, a stopped worker is the one named,
 ``checkpoint_dir`` has pretraining's lock and overwrite rules, the store listens only on its host, and the
-local workers die with their driver."""
+local workers, and a Ray cluster the service started, die with their driver."""
 
 import asyncio
 import os
