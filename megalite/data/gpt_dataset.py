@@ -1,14 +1,20 @@
 """GPT pretraining samples cut from an indexed dataset, plus splitting and blending.
 
-A :class:`GPTDataset` lays its documents end to end, each epoch in a fresh
-seeded order, and cuts the stream into samples of ``seq_length + 1`` tokens
-(inputs plus the shifted label) that start every ``seq_length`` tokens, so
-samples cross document boundaries and consecutive samples share one token.
-The sample order is then shuffled by the same seed.  The three index arrays
-are cached as ``.npy`` files keyed by a hash of everything they depend on,
-next to a JSON record of what they were built from (the data files' paths,
-sizes and mtimes, seed, sizes, the arrays' hashes): a cache whose record is
-missing or differs, or whose arrays do not match their hashes, is rebuilt.
+The sample order is Megatron-Core's, bit for bit (``GPTDataset`` and
+``BlendedDataset`` of megatron/core/datasets), so a run continued from
+Megatron sees the batches Megatron would have given.  A :class:`GPTDataset`
+lays as many epochs of its documents end to end as the request needs,
+shuffled by the seed, and cuts the stream into samples of ``seq_length + 1``
+tokens (inputs plus the shifted label) that start every ``seq_length`` tokens,
+so samples cross document boundaries and consecutive samples share one token.
+Every whole sample those epochs hold is then shuffled by the same seed; when
+the last epoch is needed for less than 80% of its samples it is shuffled
+apart from the earlier epochs, in the documents and in the samples, so its
+leftovers never mix into the epochs before it.  The three index arrays are
+cached as ``.npy`` files keyed by a hash of everything they depend on, next to
+a JSON record of what they were built from (the data files' paths, sizes and
+mtimes, seed, sizes, the arrays' hashes): a cache whose record is missing or
+differs, or whose arrays do not match their hashes, is rebuilt.
 """
 
 from __future__ import annotations
@@ -23,8 +29,16 @@ import torch
 
 from megalite.data.indexed_dataset import IndexedDataset, data_file, index_file
 
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: Megatron-Core's shuffles
+_SEPARATE_FINAL_EPOCH_BELOW = 0.80  # Megatron-Core's threshold, a fraction of one epoch's samples
+_BLEND_SURPLUS = 0.005  # Megatron-Core's mid_level_dataset_surplus: extra samples each blended dataset is built with
 _PARTS = ("doc_idx", "sample_idx", "shuffle_idx")
+
+
+def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+    """``array`` shuffled in place by ``rng`` (the draws Megatron-Core makes for the same length)."""
+    rng.shuffle(array)
+    return array
 
 
 def _save_atomic(path: str, array: np.ndarray) -> None:
@@ -56,7 +70,8 @@ class GPTDataset(torch.utils.data.Dataset):
     """``num_samples`` samples ``{"tokens": LongTensor[seq_length + 1]}`` from ``documents``.
 
     ``documents`` are ids of documents in ``indexed`` (one split).  As many
-    epochs over them are used as ``num_samples`` needs.  With ``cache_dir`` the
+    epochs over them are used as ``num_samples`` needs; sample i is Megatron-Core's
+    sample i for the same documents, request and seed.  With ``cache_dir`` the
     index arrays are loaded from, or saved to, ``cache_dir``.  With
     ``vocab_size`` every sample's ids are checked against it: indexed files
     carry no vocabulary, so an id out of range raises ValueError naming the
@@ -105,9 +120,11 @@ class GPTDataset(torch.utils.data.Dataset):
             self.doc_idx, self.sample_idx, self.shuffle_idx = cached
         else:
             rng = np.random.RandomState(seed)
-            self.doc_idx = self._build_doc_idx(documents, rng)
-            self.sample_idx = self._build_sample_idx(indexed, self.doc_idx, num_samples, seq_length)
-            self.shuffle_idx = rng.permutation(num_samples).astype(np.int64)
+            total, first_part = self._sample_counts(tokens_per_epoch)
+            self.doc_idx = self._build_doc_idx(documents, rng, first_part < total)
+            self.sample_idx = self._build_sample_idx(indexed, self.doc_idx, total, seq_length)
+            self.shuffle_idx = np.concatenate([_shuffled(np.arange(first_part, dtype=np.int64), rng),
+                                               _shuffled(np.arange(first_part, total, dtype=np.int64), rng)])
             if cache_dir is not None:
                 os.makedirs(cache_dir, exist_ok=True)
                 arrays = (self.doc_idx, self.sample_idx, self.shuffle_idx)
@@ -128,14 +145,26 @@ class GPTDataset(torch.utils.data.Dataset):
                 "seq_length": self.seq_length, "seed": self.seed, "num_epochs": self.num_epochs,
                 "documents_sha256": _digest(documents), "sizes_sha256": _digest(sizes)}
 
-    def _build_doc_idx(self, documents: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
-        """The documents of every epoch, each epoch in its own random order."""
-        epochs = []
-        for _ in range(self.num_epochs):
-            order = documents.copy()
-            rng.shuffle(order)
-            epochs.append(order)
-        return np.concatenate(epochs)
+    def _sample_counts(self, tokens_per_epoch: int) -> tuple[int, int]:
+        """(whole samples in all epochs, samples shuffled together first).
+
+        The second is the total unless the final epoch is separate: then it is
+        the samples that end before the final epoch's last token, as Megatron counts them.
+        """
+        total = (self.num_epochs * tokens_per_epoch - 1) // self.seq_length
+        if self.num_epochs == 1:
+            return total, total
+        before_final = ((self.num_epochs - 1) * tokens_per_epoch - 1) // self.seq_length
+        per_epoch = (tokens_per_epoch - 1) // self.seq_length
+        separate = self.num_samples - before_final < int(_SEPARATE_FINAL_EPOCH_BELOW * per_epoch)
+        return total, before_final if separate else total
+
+    def _build_doc_idx(self, documents: np.ndarray, rng: np.random.RandomState, separate: bool) -> np.ndarray:
+        """The documents of every epoch: all epochs shuffled together, or the final one apart."""
+        if not separate:
+            return _shuffled(np.tile(documents, self.num_epochs), rng)
+        return np.concatenate([_shuffled(np.tile(documents, self.num_epochs - 1), rng),
+                               _shuffled(documents.copy(), rng)])
 
     @staticmethod
     def _build_sample_idx(indexed: IndexedDataset, doc_idx: np.ndarray, num_samples: int,
@@ -170,12 +199,16 @@ class GPTDataset(torch.utils.data.Dataset):
         return {"tokens": torch.from_numpy(np.concatenate(pieces).astype(np.int64))}
 
 
-def _blend_counts(weights: np.ndarray, size: int) -> np.ndarray:
-    """Greedy interleave: sample i goes to the dataset furthest behind its share."""
+def _blend_choice(weights: np.ndarray, size: int) -> np.ndarray:
+    """Megatron-Core's greedy blend: sample i goes to the dataset with the largest ``w * max(i, 1) - count``.
+
+    Ties go to the lowest dataset index.  Sample i's dataset depends only on
+    samples before it, so a longer blend starts with a shorter one.
+    """
     choice = np.empty(size, dtype=np.int64)
     counts = np.zeros(len(weights), dtype=np.int64)
     for i in range(size):
-        pick = int(np.argmax(weights * (i + 1) - counts))
+        pick = int(np.argmax(weights * max(i, 1) - counts))
         choice[i] = pick
         counts[pick] += 1
     return choice
@@ -190,28 +223,31 @@ def normalize_weights(weights) -> np.ndarray:
 
 
 def blend_samples_needed(weights, size: int) -> list[int]:
-    """How many samples each dataset must hold for a :class:`BlendedDataset` of ``size``."""
-    return [int(math.ceil(w * size)) + 1 for w in normalize_weights(weights)]
+    """How many samples each dataset is built with for a :class:`BlendedDataset` of ``size``.
+
+    Megatron-Core's request, ``ceil(ceil(w * size) * (1 + surplus))``: a dataset's sample
+    order depends on how many samples it is asked for, so the count is Megatron's too.
+    """
+    return [int(math.ceil(math.ceil(size * w) * (1 + _BLEND_SURPLUS))) for w in normalize_weights(weights).tolist()]
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """``size`` samples drawn from ``datasets`` in proportion to ``weights``.
+    """``size`` samples drawn from ``datasets`` in proportion to ``weights``, in Megatron-Core's order.
 
-    Dataset counts are exact (each within one of ``weight * size``): samples are
-    assigned greedily to the dataset furthest behind its share, then the
-    assignment order is shuffled by ``seed``.  Dataset k serves its own samples
-    0, 1, 2, ... in its (already shuffled) order.
+    Sample i goes to the dataset furthest behind its share (see
+    :func:`_blend_choice`), so dataset counts are within about one of
+    ``weight * size``; the interleave is not shuffled (each dataset's own
+    samples already are).  Dataset k serves its own samples 0, 1, 2, ... in order.
     """
 
-    def __init__(self, datasets, weights, size: int, seed: int):
+    def __init__(self, datasets, weights, size: int):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         if size < 1:
             raise ValueError(f"size must be positive, got {size}")
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
-        choice = _blend_counts(self.weights, size)
-        choice = choice[np.random.RandomState(seed).permutation(size)]
+        choice = _blend_choice(self.weights, size)
         self.dataset_index = choice
         self.dataset_sample_index = np.empty(size, dtype=np.int64)
         for k, dataset in enumerate(self.datasets):
@@ -274,8 +310,8 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     no documents; an empty train split that is asked for samples is an error.
     ``vocab_size`` turns on the per-sample token-id check (see :class:`GPTDataset`).
     """
-    weights, prefixes = parse_data_path(data_path)
-    weights = normalize_weights(weights)
+    raw_weights, prefixes = parse_data_path(data_path)
+    weights = normalize_weights(raw_weights)
     indexed = [IndexedDataset(p) for p in prefixes]
     splits = [split_documents(len(ds), split) for ds in indexed]
     results = []
@@ -291,9 +327,10 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
                                  f"({len(indexed[prefixes.index(empty[0])])} documents)")
             results.append(None)
             continue
-        counts = [wanted] if len(prefixes) == 1 else blend_samples_needed(weights, wanted)
+        # Megatron normalizes the weights once for the per-dataset counts and again inside the blend.
+        counts = [wanted] if len(prefixes) == 1 else blend_samples_needed(raw_weights, wanted)
         parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir,
                             name=f"{os.path.basename(p)}_{name}", vocab_size=vocab_size)
                  for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
-        results.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted, seed))
+        results.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted))
     return tuple(results)

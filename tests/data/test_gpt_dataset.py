@@ -26,11 +26,13 @@ def test_samples_equal_a_naive_concatenation(tmp_path):
     ds = GPTDataset(indexed, documents, num_samples=60, seq_length=seq, seed=3)
     tokens_per_epoch = int(indexed.sizes[documents].sum())
     assert ds.num_epochs == -(-(60 * seq + 1) // tokens_per_epoch) > 1
+    # Megatron's order: the epochs' documents are shuffled together, and the shuffle covers every whole
+    # sample those epochs hold, not only the 60 asked for.
+    assert sorted(np.asarray(ds.doc_idx).tolist()) == sorted(np.tile(documents, ds.num_epochs).tolist())
     epochs = np.asarray(ds.doc_idx).reshape(ds.num_epochs, len(documents))
-    for epoch in epochs:
-        assert sorted(epoch.tolist()) == documents.tolist()
     assert not all((e == epochs[0]).all() for e in epochs[1:])
-    assert sorted(np.asarray(ds.shuffle_idx).tolist()) == list(range(60))
+    held = (ds.num_epochs * tokens_per_epoch - 1) // seq
+    assert held > 60 and sorted(np.asarray(ds.shuffle_idx).tolist()) == list(range(held))
     stream = np.concatenate([indexed[d] for d in ds.doc_idx])
     seen = []
     for idx in range(len(ds)):
@@ -143,24 +145,24 @@ class _Numbers:
 
 def test_blend_weights():
     parts = [_Numbers(k, 600) for k in range(3)]
-    blend = BlendedDataset(parts, [5, 3, 2], size=1000, seed=0)
+    blend = BlendedDataset(parts, [5, 3, 2], size=1000)
     items = [blend[i] for i in range(len(blend))]
     for k, share in enumerate((0.5, 0.3, 0.2)):
         mine = sorted(i for tag, i in items if tag == k)
         assert abs(len(mine) - share * 1000) <= 1
         assert mine == list(range(len(mine)))
-    first = [tag for tag, _ in items[:200]]
-    assert abs(first.count(0) / 200 - 0.5) < 0.1
-    again = BlendedDataset(parts, [5, 3, 2], size=1000, seed=0)
-    assert [again[i] for i in range(1000)] == items
-    reseeded = BlendedDataset(parts, [5, 3, 2], size=1000, seed=1)
-    assert [reseeded[i] for i in range(1000)] != items
+    # Megatron's greedy rule, error w * max(i, 1) - count, ties to the lowest index, no shuffle:
+    # i=0 and i=1 both use max(i, 1) = 1, so dataset 1 (error 0.3) follows dataset 0 (now -0.5); the
+    # rule w * (i + 1) - count would give dataset 0 twice at i=3 and i=4 instead.
+    assert [tag for tag, _ in items[:10]] == [0, 1, 2, 0, 1, 0, 2, 0, 1, 0]
+    shorter = BlendedDataset(parts, [5, 3, 2], size=300)
+    assert [shorter[i] for i in range(300)] == items[:300]
     with pytest.raises(ValueError, match="must supply 501 samples but holds 400"):
-        BlendedDataset([_Numbers(0, 400), _Numbers(1, 600)], [1, 1], size=1001, seed=0)
+        BlendedDataset([_Numbers(0, 400), _Numbers(1, 600)], [1, 1], size=1001)
     with pytest.raises(ValueError, match="2 datasets but 3 weights"):
-        BlendedDataset(parts[:2], [1, 1, 1], size=10, seed=0)
+        BlendedDataset(parts[:2], [1, 1, 1], size=10)
     with pytest.raises(ValueError, match="non-negative"):
-        BlendedDataset(parts[:2], [1, -1], size=10, seed=0)
+        BlendedDataset(parts[:2], [1, -1], size=10)
 
 
 def test_build_train_valid_test_blend(tmp_path):
@@ -197,4 +199,4 @@ def test_blend_request_covers_the_greedy_counts():
         for size in (1, 7, 100, 333):
             need = gpt_dataset.blend_samples_needed(weights, size)
             parts = [_Numbers(k, n) for k, n in enumerate(need)]
-            BlendedDataset(parts, weights, size, seed=0)
+            BlendedDataset(parts, weights, size)
