@@ -284,12 +284,16 @@ def split_documents(num_docs: int, split: str = "949,50,1") -> list[np.ndarray]:
     return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
 
 
-def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
-    """["prefix"] or ["w1", "prefix1", "w2", "prefix2", ...] -> (weights, prefixes)."""
+def parse_data_path(data_path: list[str]) -> tuple[list[float] | None, list[str]]:
+    """["prefix"] or ["w1", "prefix1", "w2", "prefix2", ...] -> (weights, prefixes); weights None for one bare prefix.
+
+    A weighted list is a blend even with one prefix, as in Megatron-Core (whose blend then
+    asks its dataset for a few more samples, which can change that dataset's order).
+    """
     if isinstance(data_path, str):
         data_path = data_path.split()
     if len(data_path) == 1:
-        return [1.0], list(data_path)
+        return None, list(data_path)
     if len(data_path) == 0 or len(data_path) % 2:
         raise ValueError(f"data_path must be one prefix or weight/prefix pairs, got {len(data_path)} items: "
                          f"{data_path}")
@@ -311,7 +315,7 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     ``vocab_size`` turns on the per-sample token-id check (see :class:`GPTDataset`).
     """
     raw_weights, prefixes = parse_data_path(data_path)
-    weights = normalize_weights(raw_weights)
+    weights = None if raw_weights is None else normalize_weights(raw_weights)
     indexed = [IndexedDataset(p) for p in prefixes]
     splits = [split_documents(len(ds), split) for ds in indexed]
     results = []
@@ -328,9 +332,9 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             results.append(None)
             continue
         # Megatron normalizes the weights once for the per-dataset counts and again inside the blend.
-        counts = [wanted] if len(prefixes) == 1 else blend_samples_needed(raw_weights, wanted)
+        counts = [wanted] if weights is None else blend_samples_needed(raw_weights, wanted)
         parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir,
                             name=f"{os.path.basename(p)}_{name}", vocab_size=vocab_size)
                  for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
-        results.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted))
+        results.append(parts[0] if weights is None else BlendedDataset(parts, weights, wanted))
     return tuple(results)

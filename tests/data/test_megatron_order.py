@@ -89,6 +89,12 @@ def test_several_epochs(tmp_path, sizes, apart):
         assert (final.tolist() == documents.tolist()) == apart, dataset.name
 
 
+def test_one_weighted_prefix_is_a_blend(tmp_path):
+    # "1.0 prefix" is a one-dataset blend: its dataset is asked for ceil(2030 * 1.005) = 2041 train samples,
+    # 588 of the final epoch's 726 (shuffled with the others), where a bare prefix's 2030 leave 577 (apart).
+    _assert_same_order(["1.0", FIXTURE_PREFIX], [2030, 30, 20], tmp_path)
+
+
 def test_two_way_blend(tmp_path):
     other = _other_dataset(tmp_path / "other", seed=1, low=30000, high=32000)
     _assert_same_order(["0.3", FIXTURE_PREFIX, "0.7", other], [1500, 120, 60], tmp_path)
