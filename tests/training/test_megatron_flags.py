@@ -108,6 +108,8 @@ def test_bad_input_names_the_problem(tmp_path, monkeypatch):
         (data + ["--finetune"], "--finetune needs --load"),
         (data + ["--finetune", "--use-checkpoint-args", "--load", str(tmp_path / "empty")],
          f"--finetune and --use-checkpoint-args need a checkpoint, but --load {tmp_path / 'empty'} holds none"),
+        (data + ["--exit-on-missing-checkpoint", "--load", str(tmp_path / "empty")],
+         f"--exit-on-missing-checkpoint needs a checkpoint, but --load {tmp_path / 'empty'} holds none"),
         (data + ["--train-iters", "5", "--train-samples", "40"], "--train-iters 5 and --train-samples 40 are mutually"),
         (data + ["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu are mutually exclusive"),
         (data + ["--recompute-method", "block"], "recompute_method='block' needs recompute_granularity 'full'"),
