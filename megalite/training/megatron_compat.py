@@ -18,7 +18,7 @@ _KERNELS = ("megalite's fused kernels give the plain torch ops' results, and MEG
             "them off")
 
 COMPAT_FLAGS = FlagTable((
-    Flag("--use-mcore-models", COMPAT, default=False, help="megalite has one model implementation (plain PyTorch)"),
+    Flag("--use-mcore-models", COMPAT, default=False, help="megalite has one model implementation, in plain PyTorch"),
     Flag("--transformer-impl", COMPAT, choices=("local", "transformer_engine"),
          help="megalite's layers are its own PyTorch modules, without Transformer Engine"),
     Flag("--attention-backend", COMPAT, choices=("auto", "flash", "fused", "unfused", "local"),
@@ -41,6 +41,8 @@ COMPAT_FLAGS = FlagTable((
          help="megalite uses nccl on GPUs and gloo on CPUs"),
     Flag("--ckpt-format", COMPAT, choices=("torch", "torch_dist", "zarr", "fsdp_dtensor"),
          help="megalite has one checkpoint format, resharded on load to any layout"),
+    Flag("--log-memory-to-tensorboard", COMPAT, default=False,
+         help="with --tensorboard-dir the memory always goes to TensorBoard (--log-memory prints it too)"),
     Flag("--use-pytorch-profiler", COMPAT, default=False, help="--profile always uses the torch profiler"),
     Flag("--manual-gc", COMPAT, default=False, help="megalite leaves Python's garbage collector as it is"),
     Flag("--empty-unused-memory-level", COMPAT, type=int, choices=(0, 1, 2),
