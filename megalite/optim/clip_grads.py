@@ -16,27 +16,49 @@ def _sum_over(value: torch.Tensor, groups) -> torch.Tensor:
     return value
 
 
-def global_grad_norm(params: list, grads: list[torch.Tensor], dense_groups: list, expert_groups: list,
-                     tp_group=None, expert_tp_group=None, pp_group=None) -> torch.Tensor:
-    """L2 norm of ``grads`` (``grads[i]`` belongs to ``params[i]``) over all ranks.
+def _global_sum(params: list, tensors: list[torch.Tensor], dense_groups: list, expert_groups: list, tp_group,
+                expert_tp_group, pp_group, measure, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of ``measure(tensors of one kind)`` over all ranks, each model-parallel copy counted once.
 
-    Squares of dense gradients are summed over each group in ``dense_groups`` in turn, those of
-    expert gradients over ``expert_groups``; summing over orthogonal axis groups one after another
-    sums over their product.  Every rank must call this with the same list of group kinds.
+    ``tensors[i]`` belongs to ``params[i]``; dense tensors' sums are summed over each group in
+    ``dense_groups`` in turn, expert tensors' over ``expert_groups``; summing over orthogonal axis
+    groups one after another sums over their product.  Every rank must call this with the same list
+    of group kinds.
     """
-    device = grads[0].device if grads else torch.device("cpu")
+    device = tensors[0].device if tensors else torch.device("cpu")
     parts = {True: [], False: []}
     ranks = group_rank(tp_group), group_rank(expert_tp_group), group_rank(pp_group)
-    for param, grad in zip(params, grads):
+    for param, tensor in zip(params, tensors):
         if counts_on_this_rank(param, *ranks):
-            parts[bool(getattr(param, "expert_parallel", False))].append(grad)
-    total = torch.zeros((), dtype=torch.float32, device=device)
+            parts[bool(getattr(param, "expert_parallel", False))].append(tensor)
+    total = torch.zeros((), dtype=dtype, device=device)
     for expert, groups in ((False, dense_groups), (True, expert_groups)):
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        value = torch.zeros(1, dtype=dtype, device=device)
         if parts[expert]:
-            sq += torch.stack(torch._foreach_norm(parts[expert])).float().square().sum()
-        total = total + _sum_over(sq, groups)[0]
-    return total.sqrt()
+            value += measure(parts[expert]).to(dtype)
+        total = total + _sum_over(value, groups)[0]
+    return total
+
+
+def global_grad_norm(params: list, grads: list[torch.Tensor], dense_groups: list, expert_groups: list,
+                     tp_group=None, expert_tp_group=None, pp_group=None) -> torch.Tensor:
+    """L2 norm of ``grads`` (``grads[i]`` belongs to ``params[i]``) over all ranks (see ``_global_sum``);
+    with the main parameters in place of ``grads`` it is the parameters' norm."""
+    def squares(tensors):
+        return torch.stack(torch._foreach_norm(tensors)).float().square().sum()
+
+    return _global_sum(params, grads, dense_groups, expert_groups, tp_group, expert_tp_group, pp_group, squares,
+                       torch.float32).sqrt()
+
+
+def global_zero_count(params: list, grads: list[torch.Tensor], dense_groups: list, expert_groups: list,
+                      tp_group=None, expert_tp_group=None, pp_group=None) -> int:
+    """How many entries of ``grads`` are exactly zero over all ranks (Megatron's num_zeros_in_grad)."""
+    def zeros(tensors):
+        return sum((t == 0).sum() for t in tensors)
+
+    return int(_global_sum(params, grads, dense_groups, expert_groups, tp_group, expert_tp_group, pp_group, zeros,
+                           torch.float64).item())
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ class OptimizerConfig:
         min_loss_scale, loss_scale_window, hysteresis).
     overlap_param_gather: leave the all-gather of updated parameters in flight after ``step`` and
         wait for each bucket just before the first module using it runs its forward.
+    log_num_zeros_in_grad: count the gradient entries that are exactly zero at each step (one more
+        all-reduce), returned by ``step``.
     """
 
     lr: float = 1e-3
@@ -34,6 +36,7 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     overlap_param_gather: bool = False
+    log_num_zeros_in_grad: bool = False
 
     def __post_init__(self):
         if self.bf16 and self.fp16:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.optim.clip_grads import clip_grads_, global_grad_norm
+from megalite.optim.clip_grads import clip_grads_, global_grad_norm, global_zero_count
 from megalite.optim.config import OptimizerConfig
 from megalite.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalite.topology import group_rank, group_size, resolve_group
@@ -140,7 +140,7 @@ class MixedPrecisionOptimizer:
         return bool(found.item() > 0)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, None]:
+    def step(self) -> tuple[bool, float | None, int | None]:
         for chunk in self.chunks:
             chunk.finish_param_sync()
         for s in self.shards:
@@ -152,11 +152,11 @@ class MixedPrecisionOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = None
+        grad_norm = num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros = global_zero_count(*self._global_args(grads))
         if self.config.clip_grad > 0:
-            dense, expert = self._sum_groups()
-            norm = global_grad_norm([s.param for s in self.shards], grads, dense, expert,
-                                    self.groups["tp"], self.groups["expert_tp"], self.groups["pp"])
+            norm = global_grad_norm(*self._global_args(grads))
             clip_grads_(grads, self.config.clip_grad, norm)
             grad_norm = norm.item()
         self.optimizer.step()
@@ -170,7 +170,19 @@ class MixedPrecisionOptimizer:
             if not self.config.overlap_param_gather:
                 for chunk in self.chunks:
                     chunk.finish_param_sync()
-        return True, grad_norm, None
+        return True, grad_norm, num_zeros
+
+    def _global_args(self, tensors: list[torch.Tensor]) -> tuple:
+        """The arguments of ``global_grad_norm``/``global_zero_count`` for ``tensors`` (one per shard)."""
+        dense, expert = self._sum_groups()
+        return ([s.param for s in self.shards], tensors, dense, expert, self.groups["tp"], self.groups["expert_tp"],
+                self.groups["pp"])
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """The global L2 norm of the fp32 main parameters, each model-parallel copy counted once
+        (Megatron's --log-params-norm); a collective over the model-parallel (and, under ZeRO, DP) groups."""
+        return global_grad_norm(*self._global_args([s.main for s in self.shards])).item()
 
     def state_dict(self) -> dict:
         """State for resuming with the same model and parallel layout."""

@@ -1,12 +1,14 @@
 """Pretraining's command-line flags: Megatron's names, one row each, mapped onto the config dataclasses.
 
 ``FLAGS`` is the only place a pretraining flag is defined (with ``megalite.flags.SHARED_FLAGS``, the
-parallel sizes and ``--save``/``--load`` that lower commands share).  A row whose ``fields`` name
-config fields (``"GPTConfig.hidden_size"``) takes its default from that dataclass and its value
-goes into that field, so the CLI and the Python API share defaults and validation; the other rows
-are trainer options (layout, batch, data, logging) with their default in the row.  Adding a flag is
-one ``Flag(...)`` line.  ``parse_args`` turns argv into a Namespace and the ``*_config`` functions
-build the configs from it; ``megalite.training.arguments`` validates it.
+parallel sizes and ``--save``/``--load`` that lower commands share, and
+``megalite.training.megatron_compat.COMPAT_FLAGS``, Megatron-LM flags accepted without effect).  A
+row whose ``fields`` name config fields (``"GPTConfig.hidden_size"``) takes its default from that
+dataclass and its value goes into that field, so the CLI and the Python API share defaults and
+validation; the other rows are trainer options (layout, batch, data, logging) with their default in
+the row.  Adding a flag is one ``Flag(...)`` line.  ``parse_args`` turns argv into a Namespace (an
+unknown flag is a ValueError; a Megatron-LM flag megalite rejects says why) and the ``*_config``
+functions build the configs from it; ``megalite.training.arguments`` validates it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES
 from megalite.training.lr_schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
+from megalite.training.megatron_compat import COMPAT_FLAGS, unrecognized_message
 from megalite.training.nan_guard import NanGuardConfig
 
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
@@ -168,6 +171,8 @@ _TRAINING_ROWS = (
     Flag("--no-load-rng", LOG, default=False),
     Flag("--no-save-optim", LOG, default=False),
     Flag("--no-save-rng", LOG, default=False),
+    Flag("--exit-on-missing-checkpoint", LOG, default=False,
+         help="stop with an error when --load holds no checkpoint, instead of starting from scratch"),
     Flag("--exit-interval", LOG, type=int, help="save (with --save) and exit when the iteration is a multiple"),
     Flag("--exit-duration-in-mins", LOG, type=float, help="save (with --save) and exit after this much training"),
     Flag("--log-throughput", LOG, default=False, help="log TFLOP/s per device (and MFU on a GPU)"),
@@ -177,6 +182,11 @@ _TRAINING_ROWS = (
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),
     Flag("--tensorboard-dir", LOG),
+    Flag("--log-memory", LOG, default=False,
+         help="print rank 0's peak memory on each logged line too (TensorBoard always gets it)"),
+    Flag("--log-params-norm", LOG, default=False, help="log the global L2 norm of the parameters"),
+    Flag("--log-num-zeros-in-grad", LOG, ("OptimizerConfig.log_num_zeros_in_grad",), type=bool,
+         help="log how many gradient entries are exactly zero"),
     Flag("--metrics-file", LOG, help="append one JSON object per logged iteration"),
     Flag("--timeline-dir", LOG, help="save each rank's pipeline timeline here"),
     Flag("--profile", LOG, default=False,
@@ -199,7 +209,7 @@ _TRAINING_ROWS = (
 
 FLAGS = SHARED_FLAGS + FlagTable(_TRAINING_ROWS, (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
                                                   ContextParallelConfig, PackedSequenceConfig, NanGuardConfig,
-                                                  LRScheduleConfig))
+                                                  LRScheduleConfig)) + COMPAT_FLAGS
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -220,7 +230,10 @@ def parse_args(argv=None, extra_args_provider=None, args_defaults=None) -> argpa
         if unknown:
             raise ValueError(f"args_defaults names unknown flags: {', '.join(unknown)}")
         parser.set_defaults(**args_defaults)
-    return parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        raise ValueError(unrecognized_message(extras))
+    return args
 
 
 def gpt_config(args, vocab_size: int | None = None) -> GPTConfig:

@@ -52,8 +52,9 @@ def _fmt(value) -> str:
 class MetricsLogger:
     """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and prints a line."""
 
-    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
-              "iter_ms", "tflops", "mfu", "skipped")
+    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "grad_norm", "params_norm", "num_zeros",
+              "loss_scale", "tokens_per_sec", "iter_ms", "tflops", "mfu", "skipped", "mem_allocated_gib",
+              "mem_reserved_gib", "max_rss_gib")
 
     def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,
                  train_iters: int | None = None, stream=None):

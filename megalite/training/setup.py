@@ -26,6 +26,7 @@ from megalite.training.arguments import (architecture_differences, format_args, 
 from megalite.training.checkpointing import checkpoint_info
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.flags import ddp_config, fsdp_config, gpt_config, optimizer_config, packing_config, parse_args
+from megalite.training.megatron_compat import accepted_without_effect
 from megalite.training.save_dir import SaveDirLock, check_not_overwriting, check_writable_with_room
 
 
@@ -47,6 +48,9 @@ def initialize(argv=None, extra_args_provider=None, args_defaults=None, prepare_
         differences = architecture_differences(saved["config"], gpt_config(args))
         if differences:
             raise ValueError(f"checkpoint {args.load} holds a different architecture: {'; '.join(differences)}")
+    notes = accepted_without_effect(args)
+    if notes and rank == 0:
+        print(notes, flush=True)
     if args.load and saved is None and rank == 0:
         print(f"WARNING: --load {args.load} holds no checkpoint; training starts from scratch",
               file=sys.stderr, flush=True)
@@ -75,8 +79,8 @@ def _checkpoint_to_load(args, rank: int) -> dict | None:
     it is an error.  ``--use-checkpoint-args`` sets the architecture
     flags from the checkpoint.
     """
-    needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args))
-             if on]
+    needs = [flag for flag, on in (("--finetune", args.finetune), ("--use-checkpoint-args", args.use_checkpoint_args),
+                                   ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)) if on]
     verb = "needs" if len(needs) == 1 else "need"
     if not args.load:
         if needs:

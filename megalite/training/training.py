@@ -125,13 +125,14 @@ class Trainer:
                                            last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values
 
-    def train_step(self, data_iterator, iteration: int) -> tuple[dict[str, float], bool, float | None, float]:
+    def train_step(self, data_iterator, iteration: int) -> tuple[dict[str, float], bool, dict[str, float], float]:
         """Forward, backward and optimizer step on one global batch, the ``iteration``-th.
 
-        Returns (metrics, update applied, grad norm, learning rate used).  The
-        grad norm is None when clipping is off or a step was skipped (fp16
-        overflow, or a non-finite iteration under ``--skip-nan-iterations``); a
-        skipped step does not advance the LR schedule.  A non-finite loss or
+        Returns (metrics, update applied, the step's ``grad_norm`` and, under
+        ``--log-num-zeros-in-grad``, ``num_zeros``, learning rate used).  The
+        step values are empty when a step was skipped (fp16 overflow, or a
+        non-finite iteration under ``--skip-nan-iterations``), and there is no
+        grad norm when clipping is off; a skipped step does not advance the LR schedule.  A non-finite loss or
         gradient otherwise raises :class:`NonFiniteError` before the update.
         """
         for chunk in self.chunks:
@@ -144,11 +145,12 @@ class Trainer:
         lr = self.scheduler.get_lr()
         grads = [grad for chunk in self.chunks for grad in chunk.grad_tensors()]
         if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
-            return metrics, False, None, lr
-        ok, grad_norm, _ = self.optimizer.step()
+            return metrics, False, {}, lr
+        ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(self.args.global_batch_size)
-        return metrics, ok, None if grad_norm is None else float(grad_norm), lr
+        step_values = {"grad_norm": grad_norm, "num_zeros": num_zeros}
+        return metrics, ok, {k: v for k, v in step_values.items() if v is not None}, lr
 
     @torch.no_grad()
     def evaluate(self, data_iterator, split: str = "valid") -> dict[str, float]:
@@ -240,7 +242,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
         if args.profile and iteration + 1 == args.profile_step_start:
             profiler = _start_profiler()
         start = time.perf_counter()
-        metrics, ok, grad_norm, lr = trainer.train_step(train_iterator, iteration + 1)
+        metrics, ok, step_values, lr = trainer.train_step(train_iterator, iteration + 1)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
@@ -261,12 +263,15 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             values.update(lr=lr, loss_scale=float(trainer.optimizer.get_loss_scale()),
                           skipped=skipped, consumed_samples=consumed_samples, **trainer.throughput(seconds / steps),
                           **evaluated)
-            if grad_norm is not None:
-                values["grad_norm"] = grad_norm
+            values.update(step_values)
+            if args.log_params_norm:
+                values["params_norm"] = trainer.optimizer.params_norm()
             if args.num_experts:
                 values.update(router_statistics(trainer.chunks, args.num_layers, args.num_experts,
                                                 (trainer.topo.pp.group, trainer.topo.dp.group), topology.device()))
-            trainer.logger.log(iteration, values, tensorboard_extra=memory_gib())
+            if args.log_memory:
+                values.update(memory_gib())
+            trainer.logger.log(iteration, values, tensorboard_extra=None if args.log_memory else memory_gib())
             sums, steps, skipped, seconds = {}, 0, 0, 0.0
         stop = f"{sigterm.name} received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):

@@ -327,3 +327,37 @@ def test_lr_set_after_load_state_dict_reaches_the_update():
     for group in other.param_groups:
         group["lr"] = 0.123
     assert [g["lr"] for g in other.optimizer.param_groups] == [0.123] * len(other.optimizer.param_groups)
+
+
+def _norm_and_zeros(sharded: bool):
+    """params_norm and num_zeros_in_grad of TPMLP vs. the single-process model, before and after a step."""
+    topo = topology.initialize(tp=2)
+    torch.manual_seed(0)
+    model = TPMLP()
+    ref = _reference()
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=64, use_distributed_optimizer=sharded))
+    opt = get_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, log_num_zeros_in_grad=True), [ddp])
+    x, y = batch(0)
+    x[:, :3] = 0  # fc1's weight gradient is exactly zero in 3 of its 8 input columns: 48 zeros
+    before = opt.params_norm()
+    opt.zero_grad()
+    F.mse_loss(ddp(local_rows(x, topo.dp.rank, topo.dp.size)), local_rows(y, topo.dp.rank, topo.dp.size)).backward()
+    finalize_model_grads([ddp])
+    ok, _, num_zeros = opt.step()
+    ddp.finish_param_sync()
+    after = opt.params_norm()
+    F.mse_loss(ref(x), y).backward()
+    ref_zeros = sum(int((p.grad == 0).sum()) for p in ref.parameters())
+    ref_before = torch.cat([p.detach().flatten() for p in ref.parameters()]).norm().item()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    reference_adamw(ref, LR, WD).step()
+    ref_after = torch.cat([p.detach().flatten() for p in ref.parameters()]).norm().item()
+    return ok, (before, ref_before), (after, ref_after), (num_zeros, ref_zeros)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_params_norm_and_num_zeros_match_one_process(sharded):
+    for ok, *pairs, (num_zeros, ref_zeros) in run_distributed(_norm_and_zeros, 4, sharded, timeout=180):
+        assert ok and num_zeros == ref_zeros >= 48
+        for norm, ref_norm in pairs:
+            assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)

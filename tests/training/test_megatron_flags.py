@@ -1,6 +1,7 @@
 """Megatron's flags behave as in Megatron: one two-rank run that saves, one that resumes, and bad input.
 
-Run A: --mock-data, --train-samples, --log-throughput, test-split evaluation at the end,
+Run A: --mock-data, --train-samples, --log-throughput, --log-memory, --log-params-norm, --log-num-zeros-in-grad,
+implementation selectors accepted with one info line, test-split evaluation at the end,
 --no-save-optim/--no-save-rng, and a --load without a checkpoint (one warning, a fresh start).
 Run B resumes A with --no-load-optim/--no-load-rng/--override-opt-param-scheduler and stops at --exit-interval; then
 --exit-duration-in-mins is agreed across ranks whose clocks disagree.
@@ -47,7 +48,9 @@ def run_on_rank(argv, duration_check):
 def test_megatron_training_flags(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     argv_a = TINY + ["--train-samples", "24", "--log-throughput", "--save", str(a), "--load", str(a),
-                     "--no-save-optim", "--no-save-rng", "--metrics-file", str(tmp_path / "a.jsonl")]
+                     "--no-save-optim", "--no-save-rng", "--metrics-file", str(tmp_path / "a.jsonl"),
+                     "--log-memory", "--log-params-norm", "--log-num-zeros-in-grad", "--use-mcore-models",
+                     "--transformer-impl", "transformer_engine"]
     results = run_distributed(run_on_rank, 2, argv_a, False, timeout=240)
     (iteration, out, err, _), (_, out1, err1, _) = results
     assert iteration == 3 and err.count(f"WARNING: --load {a} holds no checkpoint; training starts from scratch") == 1
@@ -56,6 +59,13 @@ def test_megatron_training_flags(tmp_path):
     records = read_metrics(tmp_path / "a.jsonl")
     assert [r["iteration"] for r in records] == [1, 2, 3, 3]
     assert all(r["tflops"] > 0 for r in records[:3]) and records[3]["test_loss"] > 0 and "test_ppl" in records[3]
+    # --log-memory, --log-params-norm, --log-num-zeros-in-grad: on the printed line and in the metrics file.
+    assert all(r["max_rss_gib"] > 0 and r["params_norm"] > 0 and r["num_zeros"] >= 0 for r in records[:3])
+    assert out.count(" | params_norm ") == out.count(" | num_zeros ") == out.count(" | max_rss_gib ") == 3
+    assert out.count("info: accepted with no effect here: ") == 1
+    assert ("info: accepted with no effect here: --use-mcore-models (megalite has one model implementation, in plain "
+            "PyTorch); --transformer-impl (megalite's layers are its own PyTorch modules, without Transformer "
+            "Engine)\n") in out
     saved = CheckpointReader(str(a))
     assert saved.iteration == 3 and saved.rank_state(0).get("rng") is None
     assert not any(name.startswith("optimizer.") for name in saved.shapes)
@@ -108,6 +118,8 @@ def test_bad_input_names_the_problem(tmp_path, monkeypatch):
         (data + ["--finetune"], "--finetune needs --load"),
         (data + ["--finetune", "--use-checkpoint-args", "--load", str(tmp_path / "empty")],
          f"--finetune and --use-checkpoint-args need a checkpoint, but --load {tmp_path / 'empty'} holds none"),
+        (data + ["--exit-on-missing-checkpoint", "--load", str(tmp_path / "empty")],
+         f"--exit-on-missing-checkpoint needs a checkpoint, but --load {tmp_path / 'empty'} holds none"),
         (data + ["--train-iters", "5", "--train-samples", "40"], "--train-iters 5 and --train-samples 40 are mutually"),
         (data + ["--swiglu", "--openai-gelu"], "--swiglu and --openai-gelu are mutually exclusive"),
         (data + ["--recompute-method", "block"], "recompute_method='block' needs recompute_granularity 'full'"),
