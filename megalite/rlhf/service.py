@@ -171,9 +171,12 @@ class TrainingService:
 
     # --- the API -------------------------------------------------------------------------------------
     def forward_backward(self, batch: dict) -> asyncio.Future:
-        """Accumulate the gradient of the global ``batch`` (dict of ``[B, ...]`` tensors); its metrics."""
+        """Accumulate the gradient of the global ``batch`` (dict of ``[B, ...]`` tensors); its metrics.
+
+        The call sends a copy: the transport moves what it sends into shared memory from a background
+        thread, which must not touch the caller's tensors (another call may be reading them meanwhile)."""
         self._check_batch(batch)
-        return self._call("forward_backward", {k: v.detach().cpu() for k, v in batch.items()})
+        return self._call("forward_backward", {k: v.detach().to("cpu", copy=True) for k, v in batch.items()})
 
     def optim_step(self) -> asyncio.Future:
         return self._call("optim_step", None)

@@ -76,6 +76,9 @@ async def _no_partial_state(tmp_path):
     poisoned["loss_mask"][1, 2] = float("nan")
     before = await guarded.get_weights()
     metrics = await asyncio.gather(guarded.forward_backward(poisoned), skipping.forward_backward(poisoned))
+    # The services sent copies: the caller's tensors were not moved into shared memory under the second call's
+    # batch check (that race once showed it an id of the vocabulary as outside it).
+    assert not any(value.is_shared() for value in poisoned.values())
     assert all(m["lm_loss"] != m["lm_loss"] for m in metrics)  # nan
     with pytest.raises(RuntimeError, match=r"optim_step failed on worker 0: NonFiniteError: iteration 2: the loss "
                                            r"is nan and gradients hold nan/inf on ranks \[0\]; stopping before the "
