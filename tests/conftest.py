@@ -7,14 +7,20 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from tests.training.helpers import VOCAB
 
 
+def write_arithmetic_documents(prefix: str, count: int, seed: int, vocab: int, lengths: tuple[int, int],
+                               eod: int | None = None) -> str:
+    """An indexed dataset of ``count`` arithmetic sequences mod ``vocab`` (start, step and length drawn in that
+    order from ``RandomState(seed)``, length in ``[lengths)``), each followed by ``eod`` when given."""
+    rng = np.random.RandomState(seed)
+    with IndexedDatasetBuilder(prefix) as builder:
+        for _ in range(count):
+            start, step = rng.randint(0, vocab), rng.randint(1, 4)
+            document = (start + step * np.arange(rng.randint(*lengths))) % vocab
+            builder.add_document(document if eod is None else np.append(document, eod))
+    return prefix
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A small indexed dataset of token ids below VOCAB: arithmetic sequences, some structure to learn."""
-    prefix = str(tmp_path_factory.mktemp("data") / "tiny")
-    rng = np.random.RandomState(0)
-    with IndexedDatasetBuilder(prefix) as builder:
-        for _ in range(200):
-            start, step = rng.randint(0, VOCAB), rng.randint(1, 4)
-            length = rng.randint(8, 40)
-            builder.add_document((start + step * np.arange(length)) % VOCAB)
-    return prefix
+    return write_arithmetic_documents(str(tmp_path_factory.mktemp("data") / "tiny"), 200, 0, VOCAB, (8, 40))
