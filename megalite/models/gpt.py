@@ -181,7 +181,7 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6N plus attention.
 
     N counts the matmul weights a token passes through (QKV, projection, MLP or
-    its top-k experts and router, output layer over the real vocabulary); the
+    its top-k experts, router and shared expert, output layer over the real vocabulary); the
     attention term is ``12 * layers * heads * d * seq_length`` (QK^T and AV,
     without a causal discount, as in PaLM's MFU).
     """
@@ -195,6 +195,8 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
             moe = config.moe
             matrices = 3 if moe.activation == "swiglu" else 2
             forward += moe.topk * 2 * h * moe.ffn_hidden_size * matrices + 2 * h * moe.num_experts
+            if moe.shared_expert_intermediate_size is not None:
+                forward += 2 * h * moe.shared_expert_intermediate_size * matrices + 2 * h * moe.shared_expert_gate
         else:
             forward += 2 * h * config.ffn_hidden_size * (3 if config.activation == "swiglu" else 2)
     return 3.0 * forward

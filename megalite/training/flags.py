@@ -14,6 +14,7 @@ functions build the configs from it; ``megalite.training.arguments`` validates i
 from __future__ import annotations
 
 import argparse
+import ast
 
 import torch
 
@@ -32,6 +33,26 @@ from megalite.training.nan_guard import NanGuardConfig
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
                                    "checkpoints, evaluation and logging")
 SAFE = "faults and safety"
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq`` in Megatron's forms: an int, or a list expression of ints built with ``+`` and ``*``."""
+    error = argparse.ArgumentTypeError(f"{text!r} is not an int or a list expression such as '([0]+[1]*3)*2'")
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise error
+
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError):
+        raise error from None
+
 
 _TRAINING_ROWS = (
     Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
@@ -90,7 +111,14 @@ _TRAINING_ROWS = (
     Flag("--moe-ffn-hidden-size", MOE, ("MoEConfig.ffn_hidden_size",), default=None, type=int,
          help="None: --ffn-hidden-size"),
     Flag("--moe-router-topk", MOE, ("MoEConfig.topk",), type=int),
-    Flag("--moe-layer-freq", MOE, ("GPTConfig.moe_layer_freq",), type=int),
+    Flag("--moe-layer-freq", MOE, ("GPTConfig.moe_layer_freq",), type=moe_layer_freq,
+         help="k (layers 0, k, 2k, ... are MoE) or a per-layer 0/1 list such as '[0,1,0,1]' or '([0]+[1]*3)*2'"),
+    Flag("--moe-router-pre-softmax", MOE, ("MoEConfig.pre_softmax",), type=bool,
+         help="softmax over all experts, then keep the top-k probabilities as they are"),
+    Flag("--moe-shared-expert-intermediate-size", MOE, ("MoEConfig.shared_expert_intermediate_size",), type=int,
+         help="None: no shared expert"),
+    Flag("--moe-shared-expert-gate", MOE, ("MoEConfig.shared_expert_gate",), type=bool,
+         help="scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE)"),
     Flag("--moe-aux-loss-coeff", MOE, ("MoEConfig.aux_loss_coeff",), type=float),
     Flag("--moe-z-loss-coeff", MOE, ("MoEConfig.z_loss_coeff",), type=float),
     Flag("--moe-expert-capacity-factor", MOE, ("MoEConfig.capacity_factor",), type=float),
