@@ -45,6 +45,9 @@ class LLMEngine:
         if model.sequence_parallel:
             raise ValueError("the inference engine does not support sequence parallelism; build the model "
                              "without it (the weights are the same)")
+        if model.config.window_size is not None:
+            raise ValueError(f"the inference engine does not support sliding-window attention (window_size="
+                             f"{model.config.window_size}) yet; generate with megalite.rlhf.generation.generate")
         self.tp_group = model.tp_group
         self.tp_size, self.tp_rank = topology.group_size(self.tp_group), topology.group_rank(self.tp_group)
         mc = model.config

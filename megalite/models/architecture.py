@@ -20,7 +20,7 @@ from megalite.moe import MoEConfig
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                        "rotary_base", "rotary_percent", "normalization", "norm_eps", "activation", "add_bias_linear",
-                       "untie_embeddings_and_output_weights", "moe_layer_freq")
+                       "untie_embeddings_and_output_weights", "moe_layer_freq", "window_size")
 """GPTConfig fields that fix the model's weights or its function."""
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "pre_softmax",
                            "shared_expert_intermediate_size", "shared_expert_gate")

@@ -54,6 +54,21 @@ def moe_layer_freq(text: str) -> int | list[int]:
         raise error from None
 
 
+def window_size(text: str) -> int | None:
+    """``--window-size`` as Megatron writes it, ``(left, right)`` (flash attention's window), or just ``left``.
+
+    megalite's attention is causal, so ``right`` must be 0; ``left`` -1 is the full causal window (None).
+    """
+    parts = [p.strip() for p in text.strip().strip("()").split(",") if p.strip()]
+    try:
+        left, right = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a window: give 'left' or '(left, 0)'") from None
+    if len(parts) > 2 or right != 0 or left < -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the window must be (left >= 0 or -1, 0): attention is causal")
+    return None if left == -1 else left
+
+
 _TRAINING_ROWS = (
     Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
     Flag("--pipeline-schedule", PAR, choices=SCHEDULES,
@@ -98,6 +113,9 @@ _TRAINING_ROWS = (
     Flag("--disable-bias-linear", MODEL, ("GPTConfig.add_bias_linear",), sets=False),
     Flag("--hidden-dropout", MODEL, ("GPTConfig.hidden_dropout",), type=float),
     Flag("--attention-dropout", MODEL, ("GPTConfig.attention_dropout",), type=float),
+    Flag("--window-size", MODEL, ("GPTConfig.window_size",), type=window_size,
+         help="sliding-window attention '(left, 0)': each token sees itself and the left tokens before it; "
+              "None: full causal"),
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),

@@ -120,3 +120,10 @@ def test_moe_routing_flags_and_layer_pattern_take_megatrons_forms():
     assert parse_args(["--moe-layer-freq", "2"]).moe_layer_freq == 2
     with pytest.raises(ValueError, match=r"--moe-layer-freq: '\[1,a\]' is not an int or a list expression"):
         parse_args(["--moe-layer-freq", "[1,a]"])
+
+
+def test_window_size_takes_megatrons_tuple_or_the_left_size():
+    assert [parse_args(["--window-size", text]).window_size for text in ("4", "(4, 0)", "(-1, 0)")] == [4, 4, None]
+    assert gpt_config(parse_args(["--window-size", "(7,0)", "--vocab-size", "64"])).window_size == 7
+    with pytest.raises(ValueError, match=r"--window-size: '\(4, 2\)': the window must be \(left >= 0 or -1, 0\)"):
+        parse_args(["--window-size", "(4, 2)"])
