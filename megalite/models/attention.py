@@ -37,6 +37,9 @@ class AttentionCache(Protocol):
     offset: int
     """Tokens already cached in front of this call's tokens (0 for a cache that takes explicit positions)."""
 
+    window: int | None
+    """The sliding window the cache applies itself (read with ``getattr``, default None: it applies none)."""
+
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
         """Store this call's keys/values of one layer; return the attention context ``[s, b, heads*d]``."""
@@ -102,8 +105,9 @@ class SelfAttention(nn.Module):
     sequences (``documents [b, s]``), which attend within their document only,
     and for a sliding window (``config.window_size``), whose blockwise tiles
     skip what lies outside the window.  A padding ``mask`` (also with the
-    contiguous KV cache) gets the window added to it; a cache without a mask
-    (the inference engine's paged one) cannot honour a window yet (one ValueError).
+    contiguous KV cache) gets the window added to it; a cache without a mask must
+    apply the window itself (its ``window`` attribute, as the inference engine's
+    paged step does), else one ValueError.
     """
 
     def __init__(self, config, layer_number: int, *, tp_group=None, cp_group=None, cp_comm_type: str = "p2p",
@@ -151,9 +155,9 @@ class SelfAttention(nn.Module):
             queries = torch.arange(s, device=mask.device) + (0 if kv_cache is None else kv_cache.offset)
             mask = mask & (queries[:, None] - torch.arange(mask.shape[-1], device=mask.device) <= window)
         if kv_cache is not None:
-            if window is not None and mask is None:
-                raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask with a "
-                                 f"KV cache; the inference engine's paged cache does not support it")
+            if window is not None and mask is None and getattr(kv_cache, "window", None) != window:
+                raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask or a "
+                                 f"KV cache that applies the same window")
             context = kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
         elif self.context_parallel or documents is not None or (window is not None and mask is None):
             if dropout > 0.0:

@@ -5,7 +5,8 @@
 - A GPT with a window at cp=2 (p2p, all_gather, a2a; plain and packed samples) gives the cp=1
   per-token losses and gradients.
 - Against transformers' own MistralForCausalLM with a window shorter than the sequence: logits,
-  left-padded logits, and greedy generation with the static decoder (KV cache).
+  left-padded logits, greedy generation with the static decoder (KV cache) and with the paged
+  inference engine (chunked prefill, blocks behind the window freed).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ def test_blockwise_window_matches_dense_mask(window, packed):
         assert (a - b).abs().max() <= 1e-5
 
 
-def test_a_bad_window_or_a_path_that_cannot_honour_it_is_one_error():
-    from megalite.inference import LLMEngine
+def test_a_bad_window_or_a_cache_that_cannot_honour_it_is_one_error():
     from megalite.models import KVCache
 
     q = torch.zeros(4, 1, 2, 8)
@@ -69,11 +69,8 @@ def test_a_bad_window_or_a_path_that_cannot_honour_it_is_one_error():
     with pytest.raises(ValueError, match="GPTConfig.window_size must be a non-negative integer or None, got 2.5"):
         config("llama", window_size=2.5).validate()
     model = GPTModel(config("llama", window_size=3)).eval()
-    with pytest.raises(ValueError, match=r"the inference engine does not support sliding-window attention "
-                                         r"\(window_size=3\) yet"):
-        LLMEngine(model)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window_size=3\) needs an attention mask with "
-                                         r"a KV cache"):
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window_size=3\) needs an attention mask or a "
+                                         r"KV cache that applies the same window"):
         model(torch.ones(1, 4, dtype=torch.long), kv_cache=KVCache())
 
 
@@ -154,3 +151,20 @@ def test_window_matches_transformers_mistral():
     expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 5:]
     out = generate(model, prompt, torch.ones_like(prompt), SamplingConfig(max_new_tokens=10, greedy=True))
     assert out.tokens[0, 5:].tolist() == expected.tolist()
+
+    # The paged engine: decodes and (chunked) prefills within the window, blocks behind it freed.
+    from megalite.inference import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [ids[0, :5].tolist(), ids[1, :12].tolist()]
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    engine = LLMEngine(model, EngineConfig(block_size=2, num_blocks=64, max_num_batched_tokens=6))
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=10, temperature=0)) for p in prompts]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.allocator.num_used())
+    assert [r.output().outputs[0].token_ids for r in requests] == expected
+    # Without freeing the sequences end holding 8 + 11 blocks of 2 tokens.  With the window (a query sees 4
+    # tokens) a decode keeps the 3 blocks its window spans, a 6-token prefill chunk the 5 its queries see.
+    assert peak <= 8 and engine.allocator.num_used() == 0
