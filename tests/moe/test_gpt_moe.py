@@ -111,6 +111,7 @@ def test_moe_gpt_matches_single_rank():
              ("gpt2", dict(tp=2, ep=2), False),
              ("llama", dict(tp=2, ep=2), True),
              ("qwen", dict(ep=2), False),
+             ("qwen", dict(tp=2, ep=2), False),
              ("qwen", dict(tp=2, ep=2), True)]
     per_rank = run_distributed(_check, WORLD, cases, timeout=240)
     for rank, report in enumerate(per_rank):
