@@ -128,3 +128,18 @@ def test_capacity_dropping_matches_naive(policy, factor):
     assert int(counts.max()) <= limit
     if factor == 0.5:
         assert routing.dropped > 0
+
+
+@pytest.mark.slow  # importing Megatron-Core's MoE utilities takes several seconds
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_routing_equals_megatron_core(pre_softmax):
+    """--moe-router-pre-softmax and its default are Megatron-Core's own routing function's."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    router = _router(pre_softmax=pre_softmax, topk=2)
+    x = _tokens()
+    routing = router(x)
+    probs, routed = moe_utils.topk_routing_with_score_function(x @ router.weight.detach().T, 2,
+                                                                use_pre_softmax=pre_softmax)
+    mine = torch.zeros(T, E).scatter_(1, routing.indices, routing.probs.detach())
+    assert torch.equal(mine > 0, routed.bool())
+    assert (mine - probs).abs().max() <= 1e-6
