@@ -5,8 +5,9 @@ the parallel sizes:
 
 - tensor-parallel shards (``tensor_model_parallel``/``partition_dim``) are concatenated along
   ``partition_dim``; the grouped QKV layout is already TP-independent;
-- the SwiGLU ``linear_fc1`` (and a SwiGLU expert's fc1) is stored as ``[gate; up]``, although each
-  TP rank holds ``[gate_i; up_i]``: its shard maps onto two regions;
+- the SwiGLU ``linear_fc1`` (the MLP's or an MoE shared expert's, and a SwiGLU expert's fc1) is
+  stored as ``[gate; up]``, although each TP rank holds ``[gate_i; up_i]``: its shard maps onto two
+  regions;
 - the vocabulary rows of the word embedding and output layer are cut to ``config.vocab_size``, so
   the padding (which depends on the TP size) is not stored;
 - expert parameters (``expert_parallel``) ``[num_local, ...]`` sit at experts
@@ -99,7 +100,7 @@ def global_param(name: str, param: torch.Tensor, config, ctx: ShardContext) -> G
         if expert and config.moe is not None:
             gated = config.moe.activation == "swiglu" and name.endswith(("experts.fc1_weight", "experts.fc1_bias"))
         else:
-            gated = config.activation == "swiglu" and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+            gated = config.activation == "swiglu" and name.endswith((".linear_fc1.weight", ".linear_fc1.bias"))
     rank, size = (ctx.etp_rank, ctx.etp_size) if expert else (ctx.tp_rank, ctx.tp_size)
 
     per_dim, global_shape = [], []

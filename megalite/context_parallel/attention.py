@@ -100,12 +100,14 @@ def check_heads(num_heads: int, num_groups: int, cp: int, comm_type: str) -> Non
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                                comm_type: str = "p2p", documents: torch.Tensor | None = None,
-                               tile: int = DEFAULT_TILE, stats: dict | None = None) -> torch.Tensor:
+                               tile: int = DEFAULT_TILE, stats: dict | None = None,
+                               window: int | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's ``q [s/cp, b, n, d]`` over the whole sequence -> ``[s/cp, b, n*d]``.
 
     ``k``/``v`` ``[s/cp, b, g, d]`` may have grouped heads.  ``documents``
     ``[b, s]`` (whole sequence, see :func:`sequence_split.document_ids`) confines
-    attention to each document.  ``group`` is the CP group (default: the
+    attention to each document; a sliding ``window`` to the query and the
+    ``window`` tokens before it (tile pairs wholly outside it are skipped).  ``group`` is the CP group (default: the
     topology's).  ``stats`` collects the ring's receive-wait time (p2p only).
     """
     group = topology.resolve_group(group, "cp")
@@ -123,16 +125,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         positions = torch.cat([chunk_indices(seq, cp, r, device=q.device) for r in ranks])
         return Tokens(positions, None if documents is None else documents[:, positions], tile)
 
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"the attention window must be a non-negative integer or None, got {window!r}")
     if cp == 1:
         mine = tokens([0])
-        out = BlockwiseAttention.apply(q, k, v, mine, mine, scale)
+        out = BlockwiseAttention.apply(q, k, v, mine, mine, scale, window)
     elif comm_type == "p2p":
-        out = RingAttention.apply(q, k, v, group, tokens([rank]), [tokens([r]) for r in range(cp)], scale, stats)
+        out = RingAttention.apply(q, k, v, group, tokens([rank]), [tokens([r]) for r in range(cp)], scale, stats,
+                                  window)
     elif comm_type == "all_gather":
         k, v = _GatherKV.apply(k, group), _GatherKV.apply(v, group)
-        out = BlockwiseAttention.apply(q, k, v, tokens([rank]), tokens(range(cp)), scale)
+        out = BlockwiseAttention.apply(q, k, v, tokens([rank]), tokens(range(cp)), scale, window)
     else:
         q, k, v = (_SeqToHead.apply(t, group) for t in (q, k, v))
         everyone = tokens(range(cp))
-        out = _HeadToSeq.apply(BlockwiseAttention.apply(q, k, v, everyone, everyone, scale), group)
+        out = _HeadToSeq.apply(BlockwiseAttention.apply(q, k, v, everyone, everyone, scale, window), group)
     return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * d)

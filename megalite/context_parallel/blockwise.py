@@ -3,7 +3,9 @@
 Queries and keys carry their global sequence index (``positions``, ``[s]``)
 and optionally their document id (``documents``, ``[b, s]``, non-decreasing
 along the sequence).  Query ``i`` may attend key ``j`` when ``pos_j <= pos_i``
-and both lie in the same document.  Work is cut into tiles of at most
+and both lie in the same document; with a sliding ``window`` also
+``pos_i - pos_j <= window`` (each query sees itself and the ``window`` keys
+before it; Hugging Face's ``sliding_window`` is ``window + 1``).  Work is cut into tiles of at most
 ``tile`` consecutive positions: a tile pair that is entirely masked is
 skipped, one that is entirely visible runs without a mask, and only the
 partial pairs build a ``[tile, tile]`` mask, so no ``s x s`` mask is ever made.
@@ -48,16 +50,16 @@ def _tiles(positions: list[int], tile: int) -> list[tuple[int, int]]:
     return tiles
 
 
-def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int):
+def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | None = None):
     """``None`` to skip the tile pair, ``True`` when fully visible, else a boolean mask.
 
-    The mask is ``[Tq, Tk]`` (causal only) or ``[b, 1, Tq, Tk]`` (documents).
+    The mask is ``[Tq, Tk]`` (causal, sliding window) or ``[b, 1, Tq, Tk]`` (documents).
     """
     q_first, q_last = queries.bounds[qt]
     k_first, k_last = keys.bounds[kt]
-    if k_first > q_last:
+    if k_first > q_last or (window is not None and q_first - k_last > window):
         return None
-    causal_full = k_last <= q_first
+    causal_full = k_last <= q_first and (window is None or q_last - k_first <= window)
     doc_full = True
     if queries.documents is not None:
         qd_first, qd_last = queries.doc_bounds[qt]
@@ -69,7 +71,10 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int):
         return True
     qa, qb = queries.tiles[qt]
     ka, kb = keys.tiles[kt]
-    mask = keys.positions[ka:kb][None, :] <= queries.positions[qa:qb][:, None]
+    distance = queries.positions[qa:qb][:, None] - keys.positions[ka:kb][None, :]
+    mask = distance >= 0
+    if window is not None:
+        mask &= distance <= window
     if not doc_full:
         same = queries.documents[:, qa:qb, None] == keys.documents[:, None, ka:kb]
         mask = (mask & same).unsqueeze(1)
@@ -107,7 +112,8 @@ def _count(stats: dict | None, key: str, q: torch.Tensor, rows: int, cols: int) 
         stats[key] = stats.get(key, 0) + 4 * b * heads * rows * cols * d
 
 
-def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stats: dict | None = None):
+def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stats: dict | None = None,
+                      window: int | None = None):
     """Output ``[b, n, sq, d]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key).
 
     ``stats``, when a dict, accumulates the matmul FLOPs of the tiles computed (``forward_flops``).
@@ -118,7 +124,7 @@ def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stat
     for qt, (qa, qb) in enumerate(queries.tiles):
         acc, acc_lse = None, None
         for kt, (ka, kb) in enumerate(keys.tiles):
-            mask = _tile_mask(queries, qt, keys, kt)
+            mask = _tile_mask(queries, qt, keys, kt, window)
             if mask is None:
                 continue
             _count(stats, "forward_flops", q, qb - qa, kb - ka)
@@ -134,7 +140,7 @@ def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stat
 
 
 def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, scale: float,
-                       stats: dict | None = None):
+                       stats: dict | None = None, window: int | None = None):
     """Gradients ``(dq, dk, dv)`` (fp32) of this key block, given the final ``out``/``lse`` of the queries."""
     groups, heads = k.shape[1], q.shape[1]
     q, k, v, dout = q.float(), _expand(k.float(), heads), _expand(v.float(), heads), dout.float()
@@ -143,7 +149,7 @@ def attention_backward(dout, q, k, v, out, lse, queries: Tokens, keys: Tokens, s
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for qt, (qa, qb) in enumerate(queries.tiles):
         for kt, (ka, kb) in enumerate(keys.tiles):
-            mask = _tile_mask(queries, qt, keys, kt)
+            mask = _tile_mask(queries, qt, keys, kt, window)
             if mask is None:
                 continue
             _count(stats, "backward_flops", q, 2 * (qb - qa), kb - ka)
@@ -163,14 +169,14 @@ class BlockwiseAttention(torch.autograd.Function):
     """Autograd wrapper of :func:`attention_forward` for one rank's queries against keys it holds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, queries: Tokens, keys: Tokens, scale: float):
-        out, lse = attention_forward(q, k, v, queries, keys, scale)
+    def forward(ctx, q, k, v, queries: Tokens, keys: Tokens, scale: float, window: int | None = None):
+        out, lse = attention_forward(q, k, v, queries, keys, scale, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.tokens, ctx.scale = (queries, keys), scale
+        ctx.tokens, ctx.scale, ctx.window = (queries, keys), scale, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.tokens, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.tokens, ctx.scale, window=ctx.window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

@@ -38,13 +38,15 @@ def _wait(requests, stats: dict | None) -> None:
 class RingAttention(torch.autograd.Function):
     """``q [b, n, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d]`` -> output ``[b, n, s/cp, d]``.
 
-    ``key_tokens[j]`` describes the tokens CP rank ``j`` holds.  ``stats``, when
+    ``key_tokens[j]`` describes the tokens CP rank ``j`` holds; ``window`` is the
+    sliding window (see :mod:`megalite.context_parallel.blockwise`).  ``stats``, when
     a dict, accumulates the seconds spent waiting on receives (``wait_s``), in
     the whole attention (``total_s``), and the tiles' matmul FLOPs.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, queries: Tokens, key_tokens: list, scale: float, stats: dict | None):
+    def forward(ctx, q, k, v, group, queries: Tokens, key_tokens: list, scale: float, stats: dict | None,
+                window: int | None = None):
         start = time.perf_counter()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         kv = torch.stack([k, v]).contiguous()
@@ -54,13 +56,14 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:
                 received, requests = _exchange(kv, group)
             block_out, block_lse = attention_forward(q, kv[0], kv[1], queries, key_tokens[(rank - step) % size], scale,
-                                                     stats)
+                                                     stats, window)
             out, lse = merge(out, lse, block_out, block_lse)
             if requests is not None:
                 _wait(requests, stats)
                 kv = received
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.queries, ctx.key_tokens, ctx.scale, ctx.stats = group, queries, key_tokens, scale, stats
+        ctx.window = window
         if stats is not None:
             stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
         return out.to(q.dtype)
@@ -78,7 +81,8 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:
                 received, requests = _exchange(kv, group)
             keys = ctx.key_tokens[(rank - step) % size]
-            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats)
+            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats,
+                                                  ctx.window)
             dq = dq_b if dq is None else dq + dq_b
             # The block's gradient accumulator arrives from the previous rank while this step computes.
             if pending is None:
@@ -97,4 +101,4 @@ class RingAttention(torch.autograd.Function):
         dkv = pending[0]
         if stats is not None:
             stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None

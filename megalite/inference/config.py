@@ -15,7 +15,9 @@ class EngineConfig:
     ``max_num_seqs`` the sequences admitted.
     ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
     passed to the engine) proposing ``num_speculative_tokens`` per step.
-    ``seed`` draws the seeds of requests that bring none.
+    ``seed`` draws the seeds of requests that bring none.  A sliding-window
+    model (``GPTConfig.window_size``) runs without prefix caching: its blocks
+    older than the window are freed while it decodes.
     """
 
     block_size: int = 16

@@ -55,7 +55,10 @@ class LLMEngine:
         self.pool = KVPool(layers, config.num_blocks, config.block_size, mc.num_query_groups // self.tp_size,
                            mc.kv_channels, param.dtype, self.device)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.enable_prefix_caching else None
+        # A sliding-window model frees its early blocks, so its block tables cannot feed the prefix cache.
+        self.window = mc.window_size
+        caching = config.enable_prefix_caching and self.window is None
+        self.prefix_cache = PrefixCache(self.allocator, config.block_size) if caching else None
         drafter = None
         if config.speculative == "ngram":
             drafter = NgramDrafter(config.ngram_min, config.ngram_max)
@@ -65,7 +68,8 @@ class LLMEngine:
             drafter = DraftModelDrafter(unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
         self.drafter = drafter
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
-                                   config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens)
+                                   config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens,
+                                   self.window)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -172,7 +176,7 @@ class LLMEngine:
         ids = torch.tensor([plan.token_ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         try:
-            hidden = model(ids, position_ids=positions, kv_cache=PagedStep(self.pool, plan, self.device),
+            hidden = model(ids, position_ids=positions, kv_cache=PagedStep(self.pool, plan, self.device, self.window),
                            return_hidden=True)
         finally:
             if was_training:
@@ -227,7 +231,8 @@ class LLMEngine:
             child.num_computed = seq.num_computed
             child.block_table = list(seq.block_table)
             for block in child.block_table:
-                self.allocator.share(block)
+                if block >= 0:
+                    self.allocator.share(block)
             children.append(child)
         request.sequences.extend(children)
         position = self.scheduler.running.index(seq) + 1

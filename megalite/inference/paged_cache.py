@@ -26,10 +26,17 @@ step and shared by every layer:
 - prefill chunks run SDPA one sequence at a time: a chunk that starts the
   sequence attends to its own new keys with ``is_causal`` (no gather), a
   later chunk gathers its context and uses a causal mask shifted by its start.
+
+A sliding-window model (``window``: a token sees itself and the ``window``
+tokens before it) masks older keys in every path (the fused kernel, which has
+no window, is not used); the scheduler frees blocks that fell out of every
+future query's window and marks them -1 in the block table, read here as
+block 0 under the mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +109,7 @@ class _Bucket:
     -inf per (query, key), ``[n, q, keys]``.
     """
 
-    def __init__(self, members, plan: StepPlan, offsets: list[int], block_size: int, device):
+    def __init__(self, members, plan: StepPlan, offsets: list[int], block_size: int, device, window: int | None):
         starts = torch.tensor([plan.starts[i] for i in members])
         lengths = torch.tensor([plan.lengths[i] for i in members])
         first = torch.tensor([offsets[i] for i in members])
@@ -115,7 +122,10 @@ class _Bucket:
         keys = self.blocks * block_size
         key_pos, query_pos = torch.arange(keys), torch.arange(self.q)
         has_query = query_pos[None, :] < lengths[:, None]
-        allowed = key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]
+        distance = (starts[:, None] + query_pos[None, :])[:, :, None] - key_pos[None, None, :]
+        allowed = distance >= 0
+        if window is not None:
+            allowed &= distance <= window
         allowed[:, :, 0] |= ~has_query
         bias = torch.zeros(self.n, self.q, keys).masked_fill_(~allowed, float("-inf"))
         self.bias = bias.to(device)
@@ -137,13 +147,16 @@ class _Bucket:
 class _Chunk:
     """One sequence's prefill chunk: packed rows ``first .. first+length``, context ``start + length``."""
 
-    def __init__(self, index: int, plan: StepPlan, offsets: list[int], block_size: int, device):
+    def __init__(self, index: int, plan: StepPlan, offsets: list[int], block_size: int, device, window: int | None):
         self.start, self.length, self.first = plan.starts[index], plan.lengths[index], offsets[index]
         self.blocks_index = self.mask = None
+        context = self.start + self.length
         if self.start:
-            context = self.start + self.length
             self.blocks_index = torch.tensor(plan.block_tables[index][:-(-context // block_size)], device=device)
-            self.mask = torch.ones(self.length, context, dtype=torch.bool, device=device).tril(diagonal=self.start)
+        if self.start or window is not None:
+            distance = (self.start + torch.arange(self.length, device=device))[:, None] - torch.arange(
+                context, device=device)
+            self.mask = (distance >= 0) if window is None else (distance >= 0) & (distance <= window)
 
 
 class PagedStep:
@@ -151,9 +164,11 @@ class PagedStep:
 
     offset = 0
 
-    def __init__(self, pool: KVPool, plan: StepPlan, device):
-        self.pool = pool
+    def __init__(self, pool: KVPool, plan: StepPlan, device, window: int | None = None):
+        self.pool, self.window = pool, window
         bs = pool.block_size
+        if any(b < 0 for table in plan.block_tables for b in table):
+            plan = dataclasses.replace(plan, block_tables=[[max(b, 0) for b in t] for t in plan.block_tables])
         offsets, slots = [], []
         total = 0
         for start, length, table in zip(plan.starts, plan.lengths, plan.block_tables):
@@ -163,16 +178,17 @@ class PagedStep:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         short = [i for i, n in enumerate(plan.lengths) if n <= SHORT_QUERY]
         self.fused, self.buckets = None, []
-        if short and kernels.paged_attention_fused(*pool.keys.values(), *pool.values.values()):
+        if short and window is None and kernels.paged_attention_fused(*pool.keys.values(), *pool.values.values()):
             blocks = max(-(-(plan.starts[i] + plan.lengths[i]) // bs) for i in short)
             tables = [plan.block_tables[i][:blocks] + [0] * (blocks - len(plan.block_tables[i][:blocks])) for i in short]
             self.fused = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (
                 tables, [plan.starts[i] for i in short], [plan.lengths[i] for i in short], [offsets[i] for i in short]))
         else:
             short.sort(key=lambda i: plan.starts[i] + plan.lengths[i])
-            self.buckets = [_Bucket(short[i:i + BUCKET_SIZE], plan, offsets, bs, device)
+            self.buckets = [_Bucket(short[i:i + BUCKET_SIZE], plan, offsets, bs, device, window)
                             for i in range(0, len(short), BUCKET_SIZE)]
-        self.chunks = [_Chunk(i, plan, offsets, bs, device) for i, n in enumerate(plan.lengths) if n > SHORT_QUERY]
+        self.chunks = [_Chunk(i, plan, offsets, bs, device, window) for i, n in enumerate(plan.lengths)
+                       if n > SHORT_QUERY]
 
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -213,7 +229,7 @@ class PagedStep:
                 key = keys.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
                 value = values.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
             context = F.scaled_dot_product_attention(query, key, value, attn_mask=c.mask,
-                                                     is_causal=c.blocks_index is None, enable_gqa=groups != heads)
+                                                     is_causal=c.mask is None, enable_gqa=groups != heads)
             out[c.first:c.first + c.length] = context[0].transpose(0, 1).reshape(c.length, heads * d)
         return out.unsqueeze(1)
 

@@ -10,7 +10,9 @@ waits one step and then takes that block from the prefix cache.  A long
 prompt is split into chunks across steps (chunked prefill) and shares the
 steps with decodes.  When KV blocks run out, the newest running
 sequence is preempted: its blocks are released and it waits to be recomputed
-from its tokens (prefix caching usually makes that cheap).
+from its tokens (prefix caching usually makes that cheap).  With a sliding
+attention ``window`` a block is released as soon as every key in it is older
+than the window of the sequence's next query; its table entry becomes -1.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class Scheduler:
     """FCFS scheduler over a block allocator (and an optional prefix cache) for one model replica."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 prefix_cache: PrefixCache | None = None, drafter=None, num_draft_tokens: int = 0):
-        self.allocator, self.block_size = allocator, block_size
+                 prefix_cache: PrefixCache | None = None, drafter=None, num_draft_tokens: int = 0,
+                 window: int | None = None):
+        self.allocator, self.block_size, self.window = allocator, block_size, window
         self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.prefix_cache = prefix_cache
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
@@ -83,7 +86,8 @@ class Scheduler:
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finished, cancelled or preempted)."""
         for block in seq.block_table:
-            self.allocator.release(block)
+            if block >= 0:
+                self.allocator.release(block)
         seq.block_table = []
         seq.num_computed = seq.num_cached_blocks = 0
         if self.drafter is not None:
@@ -174,6 +178,12 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, length: int, drafts: list[int]) -> Scheduled:
         start = seq.num_computed
+        if self.window is not None:
+            # Block i ends at position (i+1)*bs - 1; no query from ``start`` on sees keys before start - window.
+            for i in range(max(0, (start - self.window) // self.block_size)):
+                if seq.block_table[i] >= 0:
+                    self.allocator.release(seq.block_table[i])
+                    seq.block_table[i] = -1
         sample = start + length - len(drafts) == len(seq.tokens)
         self.prefill_tokens += max(0, min(start + length, len(seq.request.prompt)) - start)
         return Scheduled(seq, start, length, drafts, sample)

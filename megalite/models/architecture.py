@@ -20,9 +20,10 @@ from megalite.moe import MoEConfig
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                        "rotary_base", "rotary_percent", "normalization", "norm_eps", "activation", "add_bias_linear",
-                       "untie_embeddings_and_output_weights", "moe_layer_freq")
+                       "untie_embeddings_and_output_weights", "moe_layer_freq", "window_size")
 """GPTConfig fields that fix the model's weights or its function."""
-MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "router_order")
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "pre_softmax",
+                           "shared_expert_intermediate_size", "shared_expert_gate")
 """MoEConfig fields that fix the experts' weights or the routing function."""
 
 
@@ -51,6 +52,10 @@ def config_from_dict(values: dict) -> GPTConfig:
     values = dict(values)
     moe = values.pop("moe", None)
     config = _build(GPTConfig, values, "GPTConfig")
+    if moe is not None and "router_order" in moe:
+        # Written before ``pre_softmax``: both router orders ("softmax_topk", "topk_softmax") renormalised
+        # the top-k weights, which is pre_softmax=False.
+        moe = {k: v for k, v in moe.items() if k != "router_order"}
     config.moe = None if moe is None else _build(MoEConfig, moe, "MoEConfig")
     return config
 

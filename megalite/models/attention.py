@@ -37,6 +37,9 @@ class AttentionCache(Protocol):
     offset: int
     """Tokens already cached in front of this call's tokens (0 for a cache that takes explicit positions)."""
 
+    window: int | None
+    """The sliding window the cache applies itself (read with ``getattr``, default None: it applies none)."""
+
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
         """Store this call's keys/values of one layer; return the attention context ``[s, b, heads*d]``."""
@@ -99,7 +102,12 @@ class SelfAttention(nn.Module):
     With a context-parallel group of more than one rank (``cp_group``), ``s``
     is this rank's share of the sequence and the core attention is
     :func:`context_parallel_attention` (``cp_comm_type``); so it is for packed
-    sequences (``documents [b, s]``), which attend within their document only.
+    sequences (``documents [b, s]``), which attend within their document only,
+    and for a sliding window (``config.window_size``), whose blockwise tiles
+    skip what lies outside the window.  A padding ``mask`` (also with the
+    contiguous KV cache) gets the window added to it; a cache without a mask must
+    apply the window itself (its ``window`` attribute, as the inference engine's
+    paged step does), else one ValueError.
     """
 
     def __init__(self, config, layer_number: int, *, tp_group=None, cp_group=None, cp_comm_type: str = "p2p",
@@ -120,6 +128,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.num_groups_local = config.num_query_groups // tp
         self.attention_dropout = config.attention_dropout
+        self.window_size = config.window_size
         self.recompute_core = config.recompute_granularity == "selective"
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
@@ -141,12 +150,19 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary)
         dropout = self.attention_dropout if self.training else 0.0
+        window = self.window_size
+        if window is not None and mask is not None:
+            queries = torch.arange(s, device=mask.device) + (0 if kv_cache is None else kv_cache.offset)
+            mask = mask & (queries[:, None] - torch.arange(mask.shape[-1], device=mask.device) <= window)
         if kv_cache is not None:
+            if window is not None and mask is None and getattr(kv_cache, "window", None) != window:
+                raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask or a "
+                                 f"KV cache that applies the same window")
             context = kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
-        elif self.context_parallel or documents is not None:
+        elif self.context_parallel or documents is not None or (window is not None and mask is None):
             if dropout > 0.0:
-                raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) "
-                                 f"attention; set it to 0")
+                raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) or "
+                                 f"sliding-window attention; set it to 0")
             if self.recompute_core and self.training:
                 context = recompute(self._document_attention, q, k, v, documents)
             else:
@@ -159,4 +175,4 @@ class SelfAttention(nn.Module):
 
     def _document_attention(self, q, k, v, documents):
         return context_parallel_attention(q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
-                                          documents=documents)
+                                          documents=documents, window=self.window_size)

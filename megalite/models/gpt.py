@@ -69,7 +69,10 @@ class GPTConfig:
     ``recompute_method`` ("uniform" or "block", default uniform) over
     ``recompute_num_layers`` layers (default 1).  ``moe_layer_freq`` is an int ``k``
     (layers ``0, k, 2k, ...`` are MoE) or a per-layer list of 0/1.  ``seed``
-    fixes the initial weights under every parallel layout.
+    fixes the initial weights under every parallel layout.  ``window_size``
+    (Megatron's ``--window-size`` left size) limits attention to a sliding
+    window: each token sees itself and the ``window_size`` tokens before it
+    (Hugging Face's ``sliding_window`` is ``window_size + 1``); None: full causal.
     """
 
     vocab_size: int
@@ -97,6 +100,7 @@ class GPTConfig:
     recompute_num_layers: int | None = None
     moe: MoEConfig | None = None
     moe_layer_freq: int | list[int] = 1
+    window_size: int | None = None
     seed: int = 1234
 
     def __post_init__(self):
@@ -165,6 +169,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.norm_eps must be positive, got {self.norm_eps}")
         if self.init_method_std <= 0:
             raise ValueError(f"GPTConfig.init_method_std must be positive, got {self.init_method_std}")
+        window = self.window_size
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+            raise ValueError(f"GPTConfig.window_size must be a non-negative integer or None, got {window!r}")
         self._validate_moe_layers()
 
     def _validate_moe_layers(self) -> None:
@@ -181,7 +188,7 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6N plus attention.
 
     N counts the matmul weights a token passes through (QKV, projection, MLP or
-    its top-k experts and router, output layer over the real vocabulary); the
+    its top-k experts, router and shared expert, output layer over the real vocabulary); the
     attention term is ``12 * layers * heads * d * seq_length`` (QK^T and AV,
     without a causal discount, as in PaLM's MFU).
     """
@@ -195,6 +202,8 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
             moe = config.moe
             matrices = 3 if moe.activation == "swiglu" else 2
             forward += moe.topk * 2 * h * moe.ffn_hidden_size * matrices + 2 * h * moe.num_experts
+            if moe.shared_expert_intermediate_size is not None:
+                forward += 2 * h * moe.shared_expert_intermediate_size * matrices + 2 * h * moe.shared_expert_gate
         else:
             forward += 2 * h * config.ffn_hidden_size * (3 if config.activation == "swiglu" else 2)
     return 3.0 * forward

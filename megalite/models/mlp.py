@@ -48,14 +48,15 @@ class MLP(nn.Module):
     """``fc2(act(fc1(x)))``; returns ``(output, fc2_bias)`` for the fused bias-dropout-add.
 
     fc1 adds its bias inside the matmul (one fused addmm), so the activation
-    runs without a separate bias pass.
+    runs without a separate bias pass.  ``ffn_hidden_size`` (default
+    ``config.ffn_hidden_size``) sizes an MoE layer's shared expert.
     """
 
-    def __init__(self, config, *, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, config, *, tp_group=None, sequence_parallel: bool = False, ffn_hidden_size: int | None = None):
         super().__init__()
         gated = config.activation == "swiglu"
         std = config.init_method_std
-        ffn = config.ffn_hidden_size
+        ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.activation = ACTIVATIONS[config.activation]
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if gated else ffn, bias=config.add_bias_linear,

@@ -31,9 +31,13 @@ class TransformerLayer(nn.Module):
         if self.is_moe:
             from megalite.moe import MoELayer
 
+            shared = None
+            if config.moe.shared_expert_intermediate_size is not None:
+                shared = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                             ffn_hidden_size=config.moe.shared_expert_intermediate_size)
             self.mlp = MoELayer(config.hidden_size, config.moe, layer_number=layer_number, tp_group=tp_group,
                                 ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=cp_group,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, shared_experts=shared)
         else:
             self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel)
 

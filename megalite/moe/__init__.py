@@ -3,6 +3,7 @@
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, make_dispatcher
 from megalite.moe.experts import Experts
+from megalite.moe.hf import moe_config_from_hf, moe_config_to_hf, moe_tensor_to_hf, moe_tensors_from_hf
 from megalite.moe.layer import MoELayer, set_aux_loss_scale
 from megalite.moe.losses import attach_loss, load_balancing_loss, z_loss
 from megalite.moe.router import Routing, TopKRouter, capacity, keep_mask
@@ -12,4 +13,5 @@ __all__ = [
     "MoEConfig", "MoELayer", "set_aux_loss_scale", "TopKRouter", "Routing", "capacity", "keep_mask",
     "Experts", "AllToAllDispatcher", "AllGatherDispatcher", "make_dispatcher",
     "load_balancing_loss", "z_loss", "attach_loss", "router_statistics",
+    "moe_config_from_hf", "moe_config_to_hf", "moe_tensors_from_hf", "moe_tensor_to_hf",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -16,6 +15,15 @@ class MoEConfig:
 
     ``ffn_hidden_size`` is each expert's full hidden size (before expert tensor
     parallelism splits it).  ``capacity_factor=None`` means dropless routing.
+
+    Routing (Megatron's ``--moe-router-pre-softmax``): by default the top-k
+    router logits are softmaxed among themselves, so a token's k weights sum to 1
+    (Mixtral; Qwen-MoE with ``norm_topk_prob``).  ``pre_softmax`` softmaxes over
+    all experts first and keeps the top-k probabilities as they are (Qwen-MoE
+    without ``norm_topk_prob``).  ``shared_expert_intermediate_size`` adds an
+    always-active MLP of that hidden size (the model's activation, tensor-parallel
+    like the dense MLP) to every token's routed output; ``shared_expert_gate``
+    scales it per token by ``sigmoid(x . w)`` (Qwen2-MoE's shared expert).
     ``aux_loss_coeff``/``z_loss_coeff`` weight the load-balancing and router
     z-losses, which the layer feeds into the backward pass itself.
     """
@@ -25,7 +33,9 @@ class MoEConfig:
     topk: int = 2
     activation: str = "gelu"
     add_bias: bool = False
-    router_order: str = "softmax_topk"
+    pre_softmax: bool = False
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     capacity_factor: float | None = None
@@ -48,11 +58,16 @@ class MoEConfig:
         if expert_tp_size < 1 or self.ffn_hidden_size % expert_tp_size:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the expert "
                              f"tensor-parallel size {expert_tp_size}")
-        choices = {"activation": ACTIVATIONS, "router_order": ROUTER_ORDERS,
+        choices = {"activation": ACTIVATIONS,
                    "token_drop_policy": DROP_POLICIES, "dispatcher": DISPATCHERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 1):
+            raise ValueError(f"shared_expert_intermediate_size must be a positive integer or None, got {shared!r}")
+        if self.shared_expert_gate and shared is None:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be positive or None, got {self.capacity_factor}")
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:

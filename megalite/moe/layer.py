@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megalite import topology
@@ -42,10 +43,17 @@ class MoELayer(nn.Module):
     sequence: statistics are summed over CP, and each rank's router loss is its
     part of the micro-batch's; since replicated weights average their
     gradients over CP, that part is weighted by the CP size.
+
+    A shared expert (``config.shared_expert_intermediate_size``) is the model's
+    dense MLP module of that size, built by the caller and passed as
+    ``shared_experts`` (called on ``x``, returning ``(out, bias)`` in ``x``'s
+    layout); with ``config.shared_expert_gate`` its output is scaled by
+    ``sigmoid(x . shared_expert_gate)``, a replicated ``[1, h]`` weight.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, layer_number: int = 0, tp_group=None,
-                 ep_group=None, expert_tp_group=None, cp_group=None, sequence_parallel: bool = False):
+                 ep_group=None, expert_tp_group=None, cp_group=None, sequence_parallel: bool = False,
+                 shared_experts: nn.Module | None = None):
         super().__init__()
         self.tp_group = _real(topology.resolve_group(tp_group, "tp"))
         self.cp_group = _real(topology.resolve_group(cp_group, "cp"))
@@ -67,6 +75,17 @@ class MoELayer(nn.Module):
                                topology.group_size(self.expert_tp_group))
         self.dispatcher = make_dispatcher(config.dispatcher, config.num_experts, self.ep_group,
                                           self.expert_tp_group)
+        if (shared_experts is None) != (config.shared_expert_intermediate_size is None):
+            raise ValueError(f"MoELayer: shared_expert_intermediate_size={config.shared_expert_intermediate_size} "
+                             f"needs a shared_experts module exactly when it is set")
+        self.shared_experts = shared_experts
+        self.shared_expert_gate = None
+        if config.shared_expert_gate:
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden_size))
+            with torch.no_grad():
+                self.shared_expert_gate.normal_(0.0, config.init_method_std)
+            if sequence_parallel and self.tp_group is not None:
+                self.shared_expert_gate.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
@@ -97,7 +116,19 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(self.experts(rows, counts), plan)
         if split:
             out = gather_from_sequence_parallel_region(out, self.tp_group, tensor_parallel_output_grad=False)
-        return out.to(x.dtype).view(x.shape)
+        out = out.to(x.dtype).view(x.shape)
+        if self.shared_experts is not None:
+            out = out + self._shared(x)
+        return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, times its sigmoid gate when there is one."""
+        shared, bias = self.shared_experts(x)
+        if bias is not None:
+            shared = shared + bias
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        return shared
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -18,9 +18,9 @@ from megalite.moe.losses import load_balancing_loss, z_loss
 class Routing:
     """Where each token goes.
 
-    ``probs`` [T, k] are the combine weights (they sum to 1 per token; a dropped
-    assignment's weight is 0), ``indices`` [T, k] the expert ids with -1 for a
-    dropped assignment.  ``loss`` is this rank's share of
+    ``probs`` [T, k] are the combine weights (they sum to 1 per token unless
+    ``MoEConfig.pre_softmax``; a dropped assignment's weight is 0), ``indices``
+    [T, k] the expert ids with -1 for a dropped assignment.  ``loss`` is this rank's share of
     ``aux_coeff * aux + z_coeff * z`` (differentiable, or None when both
     coefficients are 0); ``aux_loss``/``z_loss`` are the micro-batch's values
     and ``tokens_per_expert`` its routed assignments per expert, before dropping;
@@ -80,9 +80,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         logits = F.linear(tokens.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1)
-        if cfg.router_order == "softmax_topk":
-            top, indices = scores.topk(cfg.topk, dim=-1)
-            probs = top / top.sum(-1, keepdim=True)
+        if cfg.pre_softmax:
+            probs, indices = scores.topk(cfg.topk, dim=-1)
         else:
             top, indices = logits.topk(cfg.topk, dim=-1)
             probs = torch.softmax(top, dim=-1)

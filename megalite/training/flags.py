@@ -14,6 +14,7 @@ functions build the configs from it; ``megalite.training.arguments`` validates i
 from __future__ import annotations
 
 import argparse
+import ast
 
 import torch
 
@@ -32,6 +33,41 @@ from megalite.training.nan_guard import NanGuardConfig
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
                                    "checkpoints, evaluation and logging")
 SAFE = "faults and safety"
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq`` in Megatron's forms: an int, or a list expression of ints built with ``+`` and ``*``."""
+    error = argparse.ArgumentTypeError(f"{text!r} is not an int or a list expression such as '([0]+[1]*3)*2'")
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise error
+
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError):
+        raise error from None
+
+
+def window_size(text: str) -> int | None:
+    """``--window-size`` as Megatron writes it, ``(left, right)`` (flash attention's window), or just ``left``.
+
+    megalite's attention is causal, so ``right`` must be 0; ``left`` -1 is the full causal window (None).
+    """
+    parts = [p.strip() for p in text.strip().strip("()").split(",") if p.strip()]
+    try:
+        left, right = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a window: give 'left' or '(left, 0)'") from None
+    if len(parts) > 2 or right != 0 or left < -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the window must be (left >= 0 or -1, 0): attention is causal")
+    return None if left == -1 else left
+
 
 _TRAINING_ROWS = (
     Flag("--virtual-pipeline-model-parallel-size", PAR, type=int),
@@ -77,6 +113,9 @@ _TRAINING_ROWS = (
     Flag("--disable-bias-linear", MODEL, ("GPTConfig.add_bias_linear",), sets=False),
     Flag("--hidden-dropout", MODEL, ("GPTConfig.hidden_dropout",), type=float),
     Flag("--attention-dropout", MODEL, ("GPTConfig.attention_dropout",), type=float),
+    Flag("--window-size", MODEL, ("GPTConfig.window_size",), type=window_size,
+         help="sliding-window attention '(left, 0)': each token sees itself and the left tokens before it; "
+              "None: full causal"),
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),
@@ -90,7 +129,14 @@ _TRAINING_ROWS = (
     Flag("--moe-ffn-hidden-size", MOE, ("MoEConfig.ffn_hidden_size",), default=None, type=int,
          help="None: --ffn-hidden-size"),
     Flag("--moe-router-topk", MOE, ("MoEConfig.topk",), type=int),
-    Flag("--moe-layer-freq", MOE, ("GPTConfig.moe_layer_freq",), type=int),
+    Flag("--moe-layer-freq", MOE, ("GPTConfig.moe_layer_freq",), type=moe_layer_freq,
+         help="k (layers 0, k, 2k, ... are MoE) or a per-layer 0/1 list such as '[0,1,0,1]' or '([0]+[1]*3)*2'"),
+    Flag("--moe-router-pre-softmax", MOE, ("MoEConfig.pre_softmax",), type=bool,
+         help="softmax over all experts, then keep the top-k probabilities as they are"),
+    Flag("--moe-shared-expert-intermediate-size", MOE, ("MoEConfig.shared_expert_intermediate_size",), type=int,
+         help="None: no shared expert"),
+    Flag("--moe-shared-expert-gate", MOE, ("MoEConfig.shared_expert_gate",), type=bool,
+         help="scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE)"),
     Flag("--moe-aux-loss-coeff", MOE, ("MoEConfig.aux_loss_coeff",), type=float),
     Flag("--moe-z-loss-coeff", MOE, ("MoEConfig.z_loss_coeff",), type=float),
     Flag("--moe-expert-capacity-factor", MOE, ("MoEConfig.capacity_factor",), type=float),

@@ -41,12 +41,12 @@ def test_a_checkpoint_with_another_rotary_percent_is_one_error_naming_the_field(
 
 def test_the_loader_names_every_differing_field_including_head_dim_and_moe_routing(tmp_path):
     path = str(tmp_path / "ckpt")
-    save_sharded(path, 1, [GPTModel(_moe(router_order="softmax_topk"))])
+    save_sharded(path, 1, [GPTModel(_moe(pre_softmax=False))])
     with pytest.raises(ValueError, match="holds a different architecture: kv_channels is 8 in the checkpoint but 16 "
-                                         "in the model; moe.router_order is 'softmax_topk' in the checkpoint but "
-                                         "'topk_softmax' in the model$"):
+                                         "in the model; moe.pre_softmax is False in the checkpoint but "
+                                         "True in the model$"):
         load_sharded(path, [GPTModel(_rope(kv_channels=16, moe=MoEConfig(num_experts=4, ffn_hidden_size=16,
-                                                                           router_order="topk_softmax")))])
+                                                                           pre_softmax=True)))])
     with pytest.raises(ValueError, match="different architecture: moe.num_experts is 4 in the checkpoint but None"):
         load_sharded(path, [GPTModel(_rope())])
 
@@ -72,13 +72,13 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
                "num_query_groups": 2, "kv_channels": 4, "max_position_embeddings": 64,
                "position_embedding_type": "learned_absolute", "rotary_base": 500000.0, "rotary_percent": 0.5,
                "normalization": "RMSNorm", "norm_eps": 1e-6, "activation": "swiglu", "add_bias_linear": False,
-               "untie_embeddings_and_output_weights": True, "moe_layer_freq": 2}
+               "untie_embeddings_and_output_weights": True, "moe_layer_freq": 2, "window_size": 3}
     assert sorted(changed) == sorted(ARCHITECTURE_FIELDS)
     for name, value in changed.items():
         assert compare_architecture(base, GPTConfig(**{**vars(base), name: value})) == [
             Difference(name, getattr(base, name), value)]
     moe_changed = {"num_experts": 8, "ffn_hidden_size": 32, "topk": 1, "activation": "swiglu", "add_bias": True,
-                   "router_order": "topk_softmax"}
+                   "pre_softmax": True, "shared_expert_intermediate_size": 8, "shared_expert_gate": True}
     assert sorted(moe_changed) == sorted(MOE_ARCHITECTURE_FIELDS)
     for name, value in moe_changed.items():
         other = GPTConfig(**{**vars(base), "moe": MoEConfig(**{**vars(base.moe), name: value})})
@@ -94,3 +94,12 @@ def test_a_saved_config_with_an_unknown_field_is_one_clear_error():
     values = {**config_to_dict(_rope()), "sliding_window": 128}
     with pytest.raises(ValueError, match="the saved GPTConfig has fields this megalite does not know: sliding_window"):
         config_from_dict(values)
+
+
+def test_a_config_saved_with_the_old_router_order_loads_as_renormalised_top_k():
+    """Both old router orders renormalised the top-k weights: pre_softmax=False, not an unknown field."""
+    values = config_to_dict(_moe())
+    del values["moe"]["pre_softmax"]
+    for order in ("softmax_topk", "topk_softmax"):
+        values["moe"]["router_order"] = order
+        assert compare_architecture(config_from_dict(values), _moe()) == []

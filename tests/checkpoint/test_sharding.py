@@ -29,6 +29,10 @@ def test_gated_fc1_and_vocab_pieces():
     gp = global_param("decoder.layers.0.mlp.linear_fc1.weight", fc1, config, ShardContext(tp_rank=1, tp_size=4))
     assert gp.shape == (16, 8)
     assert [(p.local, p.offset) for p in gp.pieces] == [(((0, 2), (0, 8)), (2, 0)), (((2, 4), (0, 8)), (10, 0))]
+    # An MoE shared expert's fc1 is a SwiGLU MLP's too: [gate; up] globally, not the ranks' [gate_i; up_i] blocks.
+    gp = global_param("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", fc1, config,
+                      ShardContext(tp_rank=1, tp_size=4))
+    assert [(p.local, p.offset) for p in gp.pieces] == [(((0, 2), (0, 8)), (2, 0)), (((2, 4), (0, 8)), (10, 0))]
     vocab = torch.nn.Parameter(torch.empty(4, 8))
     vocab.tensor_model_parallel, vocab.partition_dim = True, 0
     gp = global_param("output_layer.weight", vocab, config, ShardContext(tp_rank=2, tp_size=3))

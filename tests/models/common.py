@@ -41,7 +41,7 @@ def full_to_shard(name, full, param, cfg, rank, tp):
         padded = pad_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
         full = torch.cat([full[:vocab], full.new_zeros(padded - vocab, *full.shape[1:])])
     if "linear_fc1" in name and cfg.activation == "swiglu":
-        ffn = cfg.ffn_hidden_size
+        ffn = full.shape[0] // 2  # the MLP's ffn_hidden_size, or an MoE shared expert's
         full = full.view(2, tp, ffn // tp, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
     return full.chunk(tp, dim=param.partition_dim)[rank]
 

@@ -17,12 +17,16 @@ WORLD = 4
 
 
 def _config(kind: str) -> GPTConfig:
+    """``qwen``: Qwen2-MoE's routing (top-k of the full softmax, a gated shared expert), MoE on layer 1 only."""
+    gated = kind in ("llama", "qwen")
     moe = MoEConfig(num_experts=4, ffn_hidden_size=16, topk=2, aux_loss_coeff=0.01, z_loss_coeff=0.001,
-                    activation="swiglu" if kind == "llama" else "gelu", grouped_gemm=kind == "llama",
-                    add_bias=kind == "gpt2")
+                    activation="swiglu" if gated else "gelu", grouped_gemm=kind == "llama",
+                    add_bias=kind == "gpt2", pre_softmax=kind == "qwen",
+                    shared_expert_intermediate_size=24 if kind == "qwen" else None, shared_expert_gate=kind == "qwen")
+    freq = {"llama": 1, "gpt2": 2, "qwen": [0, 1]}[kind]
     base = dict(vocab_size=VOCAB, num_layers=2, hidden_size=16, num_attention_heads=4, max_position_embeddings=16,
-                make_vocab_size_divisible_by=8, moe=moe, moe_layer_freq=1 if kind == "llama" else 2)
-    if kind == "llama":
+                make_vocab_size_divisible_by=8, moe=moe, moe_layer_freq=freq)
+    if gated:
         base.update(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
                     add_bias_linear=False, ffn_hidden_size=32)
     return GPTConfig(**base)
@@ -105,7 +109,10 @@ def test_moe_gpt_matches_single_rank():
     cases = [("gpt2", dict(ep=2), False),
              ("llama", dict(ep=4), False),
              ("gpt2", dict(tp=2, ep=2), False),
-             ("llama", dict(tp=2, ep=2), True)]
+             ("llama", dict(tp=2, ep=2), True),
+             ("qwen", dict(ep=2), False),
+             ("qwen", dict(tp=2, ep=2), False),
+             ("qwen", dict(tp=2, ep=2), True)]
     per_rank = run_distributed(_check, WORLD, cases, timeout=240)
     for rank, report in enumerate(per_rank):
         for case, errors in zip(cases, report):

@@ -88,6 +88,9 @@ def test_same_seed_same_model():
     (dict(num_experts=4, dispatcher="ring"), 1, "dispatcher must be one of"),
     (dict(num_experts=4, capacity_factor=0.0), 1, "capacity_factor must be positive or None, got 0.0"),
     (dict(num_experts=0), 1, "num_experts must be a positive integer, got 0"),
+    (dict(num_experts=4, shared_expert_gate=True), 1, r"shared_expert_gate needs a shared expert"),
+    (dict(num_experts=4, shared_expert_intermediate_size=0), 1,
+     "shared_expert_intermediate_size must be a positive integer or None, got 0"),
 ])
 def test_bad_config(kwargs, ep, message):
     config = MoEConfig(ffn_hidden_size=8, **kwargs)
@@ -99,3 +102,8 @@ def test_bad_input_width():
     layer = MoELayer(8, MoEConfig(num_experts=2, ffn_hidden_size=8))
     with pytest.raises(ValueError, match=r"hidden size 6, expected 8"):
         layer(torch.zeros(4, 1, 6))
+
+
+def test_a_shared_expert_size_needs_its_module():
+    with pytest.raises(ValueError, match="needs a shared_experts module exactly when it is set"):
+        MoELayer(8, MoEConfig(num_experts=2, ffn_hidden_size=8, shared_expert_intermediate_size=8))

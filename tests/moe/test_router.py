@@ -1,4 +1,4 @@
-"""Router: top-k orders, the aux and z losses against naive formulas, capacity dropping against a naive loop."""
+"""Router: pre- and post-softmax top-k, the aux and z losses against naive formulas, capacity dropping against a naive loop."""
 
 import math
 
@@ -20,24 +20,27 @@ def _tokens():
     return torch.randn(T, H, generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("order", ["softmax_topk", "topk_softmax"])
-def test_topk_orders_match_naive(order):
-    router = _router(router_order=order, topk=2)
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_pre_and_post_softmax_match_naive(pre_softmax):
+    """Post-softmax (default): softmax of the top-k logits.  Pre-softmax: the top-k of the full softmax, as is."""
+    router = _router(pre_softmax=pre_softmax, topk=2)
     x = _tokens()
     routing = router(x)
     logits = x @ router.weight.T
     for t in range(T):
         ranked = sorted(range(E), key=lambda e: -logits[t, e].item())[:2]
         assert routing.indices[t].tolist() == ranked
-        if order == "softmax_topk":
+        if pre_softmax:
             full = [math.exp(logits[t, e].item()) for e in range(E)]
             weights = [full[e] / sum(full) for e in ranked]
-            weights = [w / sum(weights) for w in weights]
         else:
             top = [math.exp(logits[t, e].item()) for e in ranked]
             weights = [w / sum(top) for w in top]
         assert routing.probs[t].tolist() == pytest.approx(weights, abs=1e-6)
-    assert torch.allclose(routing.probs.sum(-1), torch.ones(T), atol=1e-6)
+    if not pre_softmax:
+        assert torch.allclose(routing.probs.sum(-1), torch.ones(T), atol=1e-6)
+    else:
+        assert bool((routing.probs.sum(-1) < 1 - 1e-3).all())
     assert routing.dropped == 0
 
 
@@ -125,3 +128,18 @@ def test_capacity_dropping_matches_naive(policy, factor):
     assert int(counts.max()) <= limit
     if factor == 0.5:
         assert routing.dropped > 0
+
+
+@pytest.mark.slow  # importing Megatron-Core's MoE utilities takes several seconds
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_routing_equals_megatron_core(pre_softmax):
+    """--moe-router-pre-softmax and its default are Megatron-Core's own routing function's."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    router = _router(pre_softmax=pre_softmax, topk=2)
+    x = _tokens()
+    routing = router(x)
+    probs, routed = moe_utils.topk_routing_with_score_function(x @ router.weight.detach().T, 2,
+                                                                use_pre_softmax=pre_softmax)
+    mine = torch.zeros(T, E).scatter_(1, routing.indices, routing.probs.detach())
+    assert torch.equal(mine > 0, routed.bool())
+    assert (mine - probs).abs().max() <= 1e-6

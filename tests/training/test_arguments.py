@@ -108,3 +108,22 @@ def test_help_shows_every_default():
     assert "--hidden-dropout HIDDEN_DROPOUT default: 0.0" in text
     assert "--moe-token-dispatcher-type {alltoall,allgather} default: alltoall" in text
 
+
+
+def test_moe_routing_flags_and_layer_pattern_take_megatrons_forms():
+    config = gpt_config(parse_args(["--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "([0]+[1])*2",
+                                    "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "32",
+                                    "--moe-shared-expert-gate", "--vocab-size", "64"]))
+    assert config.moe_layer_freq == [0, 1, 0, 1]
+    assert (config.moe.pre_softmax, config.moe.shared_expert_intermediate_size, config.moe.shared_expert_gate) == (
+        True, 32, True)
+    assert parse_args(["--moe-layer-freq", "2"]).moe_layer_freq == 2
+    with pytest.raises(ValueError, match=r"--moe-layer-freq: '\[1,a\]' is not an int or a list expression"):
+        parse_args(["--moe-layer-freq", "[1,a]"])
+
+
+def test_window_size_takes_megatrons_tuple_or_the_left_size():
+    assert [parse_args(["--window-size", text]).window_size for text in ("4", "(4, 0)", "(-1, 0)")] == [4, 4, None]
+    assert gpt_config(parse_args(["--window-size", "(7,0)", "--vocab-size", "64"])).window_size == 7
+    with pytest.raises(ValueError, match=r"--window-size: '\(4, 2\)': the window must be \(left >= 0 or -1, 0\)"):
+        parse_args(["--window-size", "(4, 2)"])
