@@ -1,0 +1,117 @@
+"""Tool calls parsed out of a chat model's text, in the format its chat template taught it, as OpenAI objects.
+
+Two formats cover the templates megalite serves:
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes, and any template that writes ``<tool_call>``): optional text, then
+  one or more ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+- ``llama3_json`` (Llama 3.1 / 3.2): the whole reply is a bare JSON object ``{"name": ..., "parameters":
+  {...}}`` (``"arguments"`` accepted too), optionally after ``<|python_tag|>``; several calls may be
+  separated by ``;``.
+
+A reply whose calls do not parse (bad JSON, no ``name``, an argument object that is not an object) is
+returned as plain content with no calls, so a model that merely talks about JSON is not turned into a
+broken call.  Each call becomes ``{"id": "call_...", "type": "function", "function": {"name", "arguments"}}``
+with ``arguments`` a JSON string, as the OpenAI API sends it; ``content`` is None when the reply is only
+calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ParsedReply:
+    """A reply split into its text (None when there is none) and its OpenAI ``tool_calls`` (empty when none)."""
+
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+def detect_format(chat_template: str) -> str | None:
+    """The tool-call format a chat template's source teaches, or None when it teaches neither."""
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "<|start_header_id|>" in chat_template and '"parameters"' in chat_template:
+        return "llama3_json"
+    return None
+
+
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call(obj, argument_keys: tuple[str, ...], new_id: Callable[[], str]) -> dict | None:
+    """One OpenAI tool call from a decoded ``{"name": ..., <argument key>: {...}}``, or None if malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = next((obj[key] for key in argument_keys if key in obj), {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": new_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _parse_hermes(text: str, new_id) -> ParsedReply | None:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return None
+    calls = []
+    for block in _HERMES_BLOCK.finditer(text, start):
+        try:
+            obj = json.loads(block.group(1).strip())
+        except ValueError:
+            return None
+        call = _call(obj, ("arguments", "parameters"), new_id)
+        if call is None:
+            return None
+        calls.append(call)
+    return ParsedReply(text[:start].rstrip() or None, calls)
+
+
+def _parse_llama3_json(text: str, new_id) -> ParsedReply | None:
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return None
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        call = _call(obj, ("parameters", "arguments"), new_id)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[pos:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        pos = len(body) - len(rest)
+    return ParsedReply(None, calls)
+
+
+_PARSERS = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json}
+
+
+def parse_tool_calls(text: str, fmt: str, new_id: Callable[[], str] = _new_id) -> ParsedReply:
+    """Split a finished reply (detokenized, special tokens skipped) into content and tool calls in ``fmt``."""
+    if fmt not in _PARSERS:
+        raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(TOOL_CALL_FORMATS)}")
+    parsed = _PARSERS[fmt](text, new_id)
+    return parsed if parsed is not None else ParsedReply(text or None)
