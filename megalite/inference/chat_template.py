@@ -265,8 +265,8 @@ def load_chat_template(tokenizer_dir: str | None = None, template_file: str | No
         if isinstance(entry, str):
             templates["default"] = entry
         elif isinstance(entry, list):
-            templates = {t["name"]: t["template"] for t in entry
-                         if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+            templates = {t["name"]: t["template"] for t in entry if isinstance(t, dict)
+                         and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
     if not templates:
         raise ChatTemplateError(f"the model has no chat template (no chat_template.jinja or tokenizer_config.json "
                                 f"'chat_template' in {tokenizer_dir}); pass one with --chat-template FILE")

@@ -20,7 +20,8 @@ TOOLS = [{"type": "function", "function": {
 
 CONVERSATION = [  # as an OpenAI client sends it
     {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Paris?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                 {"type": "text", "text": "in Paris?"}]},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 21}"},
