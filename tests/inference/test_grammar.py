@@ -15,7 +15,7 @@ import torch
 
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.inference.params import SamplingParams
-from megalite.inference.sampler import target_probs
+from megalite.inference.sampler import target_probs, verify
 from megalite.models.kv_cache import KVCache
 from tests.inference.common import tiny_model
 
@@ -117,6 +117,26 @@ def test_mask_advance_rollback_and_drafts(compiler):
     assert torch.equal(state.allowed_token_mask(), masks[2])
     bad = state.draft_masks([ord("x"), ord("c")])  # forbidden first draft: its mask repeats
     assert torch.equal(bad[0], masks[2]) and torch.equal(bad[1], masks[2]) and torch.equal(bad[2], masks[2])
+
+
+def test_speculative_verification_under_draft_masks(compiler):
+    """Target rows masked with draft_masks make the sampler's exact verification emit only grammar-valid tokens:
+    a forbidden draft has probability 0 after masking, so it is always rejected."""
+    grammar = compiler.compile("regex", "(ab|cd)+x")
+    generator = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        state = grammar.new_state()
+        for token in b"abcd"[:trial % 5]:
+            state.advance(token)
+        drafts = torch.tensor(list(b"abcdx"))[torch.randint(5, (3,), generator=generator)].tolist()
+        logits = torch.randn(len(drafts) + 1, TOKENIZER.vocab_size, generator=generator)
+        masked = logits.masked_fill(~state.draft_masks(drafts), float("-inf"))
+        params = SamplingParams(temperature=0.0 if trial % 2 else 1.0)
+        emitted = verify(masked, drafts, params, generator)
+        for token in emitted:
+            state.advance(token)  # raises GrammarError on a token the grammar forbids
+        accepted = len(emitted) - 1
+        assert emitted[:accepted] == drafts[:accepted]
 
 
 def test_apply_grammar_leaves_unconstrained_rows(compiler):
