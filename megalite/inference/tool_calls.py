@@ -13,6 +13,10 @@ returned as plain content with no calls, so a model that merely talks about JSON
 broken call.  Each call becomes ``{"id": "call_...", "type": "function", "function": {"name", "arguments"}}``
 with ``arguments`` a JSON string, as the OpenAI API sends it; ``content`` is None when the reply is only
 calls.
+
+Streaming: :class:`ToolCallStream` passes content deltas through until a tool call may be starting, holds
+the rest, and at the end gives the calls (whole, one delta each, as OpenAI streams may) from the same parse,
+so a streamed reply and the same reply unstreamed agree.
 """
 
 from __future__ import annotations
@@ -115,3 +119,52 @@ def parse_tool_calls(text: str, fmt: str, new_id: Callable[[], str] = _new_id) -
         raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(TOOL_CALL_FORMATS)}")
     parsed = _PARSERS[fmt](text, new_id)
     return parsed if parsed is not None else ParsedReply(text or None)
+
+
+class ToolCallStream:
+    """Incremental form of :func:`parse_tool_calls` for streamed replies.
+
+    :meth:`feed` takes each new piece of text and returns the content that can be sent now: text that cannot
+    belong to a tool call (held back: a possible start of ``<tool_call>``, trailing whitespace before one,
+    and in ``llama3_json`` a reply that opens like a JSON call).  :meth:`finish` parses the whole reply and
+    returns the content still to send and the tool calls; the content sent in all equals the unstreamed
+    ``parse_tool_calls(text).content``.
+    """
+
+    def __init__(self, fmt: str, new_id: Callable[[], str] = _new_id):
+        if fmt not in _PARSERS:
+            raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(TOOL_CALL_FORMATS)}")
+        self.fmt, self.new_id = fmt, new_id
+        self.text, self.sent = "", 0
+
+    def _safe_end(self) -> int:
+        """How much of the text so far is content whatever follows."""
+        text = self.text
+        if self.fmt == "llama3_json":
+            head = text.lstrip()
+            if not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head):
+                return 0
+            return len(text)
+        start = text.find("<tool_call>")
+        if start >= 0:
+            return len(text[:start].rstrip())
+        end = len(text)
+        for k in range(min(len("<tool_call>") - 1, len(text)), 0, -1):  # a partial marker at the end
+            if "<tool_call>".startswith(text[-k:]):
+                end = len(text) - k
+                break
+        return len(text[:end].rstrip())
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        end = max(self._safe_end(), self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> ParsedReply:
+        """The content not yet sent (None if none) and the reply's tool calls."""
+        parsed = parse_tool_calls(self.text, self.fmt, self.new_id)
+        content = parsed.content or ""
+        rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
+        self.sent = len(self.text)
+        return ParsedReply(rest or None, parsed.tool_calls)

@@ -7,8 +7,9 @@ import itertools
 import json
 
 import pytest
+import torch
 
-from megalite.inference.tool_calls import ParsedReply, detect_format, parse_tool_calls
+from megalite.inference.tool_calls import ParsedReply, ToolCallStream, detect_format, parse_tool_calls
 from tests.inference.chat_fixtures import tokenizer_dir, trl_template
 
 HERMES = [
@@ -102,3 +103,22 @@ def test_unknown_format_and_undetected_template():
     with pytest.raises(ValueError, match="unknown tool-call format 'mistral'"):
         parse_tool_calls("x", "mistral")
     assert detect_format(trl_template("llama3")) is None
+
+
+@pytest.mark.parametrize("fmt,texts", [("hermes", HERMES + ["Sure.  \n<tool_c", "a <tool_call> b", "x <tool_"]),
+                                       ("llama3_json", LLAMA3 + ["  {not a call", "<|python_tag|>{\"name\": \"f\"}",
+                                                                 "<|python", "{}"])])
+def test_streamed_reply_agrees_with_unstreamed(fmt, texts):
+    generator = torch.Generator().manual_seed(0)
+    for text in texts:
+        whole = parse_tool_calls(text, fmt, new_id=lambda: "call")
+        for _ in range(8):
+            cuts = sorted(torch.randint(len(text) + 1, (3,), generator=generator).tolist())
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            stream = ToolCallStream(fmt, new_id=lambda: "call")
+            sent = "".join(stream.feed(piece) for piece in pieces)
+            if whole.tool_calls:  # nothing of a call is sent as content while streaming
+                assert sent == (whole.content or "")[:len(sent)] and "<tool_call>" not in sent
+            end = stream.finish()
+            assert ((sent + (end.content or "")) or None) == whole.content, (text, pieces)
+            assert end.tool_calls == whole.tool_calls
