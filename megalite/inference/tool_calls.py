@@ -14,6 +14,10 @@ broken call.  Each call becomes ``{"id": "call_...", "type": "function", "functi
 with ``arguments`` a JSON string, as the OpenAI API sends it; ``content`` is None when the reply is only
 calls.
 
+``tool_choice`` "required" or a named function is enforced with a grammar (:func:`tool_call_grammar`, for
+``megalite.inference.grammar``) that admits only calls in the template's format whose arguments satisfy the
+tool's parameter schema.
+
 Streaming: :class:`ToolCallStream` passes content deltas through until a tool call may be starting, holds
 the rest, and at the end gives the calls (whole, one delta each, as OpenAI streams may) from the same parse,
 so a streamed reply and the same reply unstreamed agree.
@@ -168,3 +172,37 @@ class ToolCallStream:
         rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
         self.sent = len(self.text)
         return ParsedReply(rest or None, parsed.tool_calls)
+
+
+def tool_call_grammar(tools: list[dict] | None, tool_choice, fmt: str) -> tuple[str, str] | None:
+    """The ``("lark", grammar)`` forcing the reply to be tool calls, for ``tool_choice`` "required" (any tool;
+    one or more calls in ``hermes``, one in ``llama3_json``) or ``{"type": "function", "function": {"name":
+    ...}}`` (that tool, once); None for "auto", "none" or no choice.  ValueError for a choice naming no tool."""
+    from megalite.inference.grammar import JSON_LAYOUT
+
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if fmt not in _PARSERS:
+        raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(TOOL_CALL_FORMATS)}")
+    functions = [t.get("function") for t in tools or [] if isinstance(t, dict) and t.get("type") == "function"]
+    functions = [f for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str)]
+    if not functions:
+        raise ValueError("tool_choice needs tools: a list of {'type': 'function', 'function': {'name': ...}}")
+    if tool_choice != "required":
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        if not isinstance(name, str):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}")
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               key: f.get("parameters") or {"type": "object"}},
+              "required": ["name", key], "additionalProperties": False} for f in functions]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+    call = "%json " + json.dumps(schema)
+    if fmt == "llama3_json":
+        return "lark", f"start: call\ncall: {call}"
+    start = 'block ("\\n" block)*' if tool_choice == "required" else "block"
+    return "lark", f'start: {start}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'

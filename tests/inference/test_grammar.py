@@ -237,3 +237,50 @@ def test_tokenizers_and_vocab_padding(tmp_path):
 
     with pytest.raises(GrammarError, match="needs a text tokenizer; NullTokenizer"):
         GrammarCompiler(NullTokenizer(10))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                         "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt,choice", [("hermes", {"type": "function", "function": {"name": "get_weather"}}),
+                                        ("llama3_json", "required")])
+def test_forced_tool_calls_parse_and_validate(compiler, fmt, choice):
+    """tool_choice enforced by a grammar: every sample parses into calls of the allowed tools whose
+    arguments validate against the tool's parameter schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from megalite.inference.tool_calls import parse_tool_calls, tool_call_grammar
+
+    grammar = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], choice, fmt))
+    names = {"get_weather"} if isinstance(choice, dict) else {"get_weather", "now"}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for out in sample_under(grammar, [b"call: "], n=12, max_tokens=120, seed=5):
+        parsed = parse_tool_calls(TOKENIZER.detokenize(out), fmt)
+        assert parsed.content is None and len(parsed.tool_calls) == 1
+        function = parsed.tool_calls[0]["function"]
+        assert function["name"] in names
+        jsonschema.validate(json.loads(function["arguments"]), schemas[function["name"]])
+    state = grammar.new_state()
+    for ch in ('<tool_call>\n{"name": "' if fmt == "hermes" else '{"name": "').encode():
+        state.advance(ch)
+    first_letters = {chr(t) for t in state.allowed_token_mask().nonzero().flatten().tolist()}
+    assert first_letters == {name[0] for name in names}
+
+
+def test_required_hermes_admits_several_calls_and_choice_errors(compiler):
+    from megalite.inference.tool_calls import tool_call_grammar
+
+    state = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], "required", "hermes")).new_state()
+    for ch in ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
+               '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","days":2}}\n</tool_call>').encode():
+        state.advance(ch)
+    assert state.allowed_token_mask()[EOS]
+    assert tool_call_grammar([WEATHER], "auto", "hermes") is None and tool_call_grammar(None, "none", "hermes") is None
+    for tools, choice, match in (([WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope', which is not"),
+                                 ([], "required", "tool_choice needs tools"), ([WEATHER], "always", "must be 'none'")):
+        with pytest.raises(ValueError, match=match):
+            tool_call_grammar(tools, choice, "hermes")
