@@ -280,7 +280,8 @@ def test_required_hermes_admits_several_calls_and_choice_errors(compiler):
         state.advance(ch)
     assert state.allowed_token_mask()[EOS]
     assert tool_call_grammar([WEATHER], "auto", "hermes") is None and tool_call_grammar(None, "none", "hermes") is None
-    for tools, choice, match in (([WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope', which is not"),
+    named_nope = {"type": "function", "function": {"name": "nope"}}
+    for tools, choice, match in (([WEATHER], named_nope, "'nope', which is not"),
                                  ([], "required", "tool_choice needs tools"), ([WEATHER], "always", "must be 'none'")):
         with pytest.raises(ValueError, match=match):
             tool_call_grammar(tools, choice, "hermes")
