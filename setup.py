@@ -16,13 +16,16 @@ from setuptools import find_packages, setup
 OPTIONAL = {
     "hf": ["transformers>=4.31", "tokenizers>=0.13"],  # LlamaConfig's num_key_value_heads (GQA) came in 4.31
     "plot": ["matplotlib>=3.5"],
-    "serve": ["aiohttp>=3.8"],
+    "serve": ["aiohttp>=3.8", "jinja2>=3.1.6"],  # jinja2 renders chat templates; 3.1.6 closed sandbox escapes
+    "grammar": ["llguidance>=1.0"],  # structured output (megalite/inference/grammar.py says why llguidance)
     "ray": ["ray>=2.0"],
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
+TEST += ["trl>=1.16", "jsonschema", "openai"]  # peers: chat templates and response parsers, schema validation
 """The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
-tested against), and every optional extra."""
+tested against), TRL (its chat templates and response schemas are the chat tests' references), jsonschema and
+openai (structured output and tool calls are checked with them), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 

@@ -8,6 +8,8 @@
 - ``sampler.py``: sampling and exact speculative verification; ``speculative.py``: drafters.
 - ``engine.py``: :class:`LLMEngine` (TP rank 0 schedules, broadcasts the plan); ``llm.py``: :class:`LLM`.
 - ``serve.py``: the OpenAI-compatible HTTP server (``python -m megalite.inference.serve``).
+- ``chat_template.py``, ``tool_calls.py``, ``grammar.py``: chat messages to prompt text, tool calls out of
+  replies, structured-output token masks (imported where used: jinja2 and llguidance are optional extras).
 """
 
 from megalite.inference.config import EngineConfig

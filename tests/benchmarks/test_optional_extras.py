@@ -1,6 +1,6 @@
 """Benchmarks run without the optional extras: pipeline.py skips its Gantt charts with a one-line note when
-matplotlib is missing; a benchmark whose comparison needs an extra (transformers, Ray) stops at once with one
-error line and exit status 2 instead of a traceback halfway through."""
+matplotlib is missing; a benchmark whose comparison needs an extra (transformers, Ray, llguidance) stops at
+once with one error line and exit status 2 instead of a traceback halfway through."""
 
 import os
 import subprocess
@@ -38,6 +38,8 @@ def test_pipeline_benchmark_without_matplotlib_notes_and_finishes(tmp_path):
     ("transformers", "inference.py", "error: this benchmark (transformers builds its model and is its baseline) "
                                      "needs transformers (pip install 'megalite[hf]')"),
     ("ray", "training_service.py", "error: the Ray-vs-local comparison needs ray (pip install 'megalite[ray]')"),
+    ("llguidance", "grammar_mask.py", "error: the grammar-library comparison needs llguidance "
+                                      "(pip install 'megalite[grammar]')"),
 ])
 def test_benchmark_that_needs_an_extra_stops_with_one_line(tmp_path, module, script, message):
     done = _run_without(module, script, cwd=tmp_path)
