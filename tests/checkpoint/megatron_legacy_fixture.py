@@ -1,0 +1,127 @@
+"""A Megatron-LM legacy checkpoint made by Megatron-Core itself (tp=2, pp=2, gloo on CPU), with its logits.
+
+Each of the 4 ranks builds its Megatron-Core GPT chunk (local layer spec, CPU initialization), writes
+``model.state_dict_for_save_checkpoint()`` in Megatron-LM's legacy on-disk layout
+(``latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt`` holding
+``args``, ``iteration``, ``model``, ``rng_state``), then runs the forward pass (stage 0 sends its hidden
+states to stage 1 by point-to-point) and returns the logits gathered over TP.  The model uses SwiGLU,
+grouped-query attention, RoPE, RMSNorm, untied embeddings and a vocabulary that Megatron pads (50 ->
+64 at make-vocab-size-divisible-by 8 x tp 2), so every layout rule of the legacy format is exercised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import types
+import zlib
+from unittest import mock
+
+import numpy as np
+import torch
+
+VOCAB, PADDED_VOCAB, DIVISIBLE_BY = 50, 64, 8
+SEQ, ITERATION, CONSUMED = 12, 7, 56
+ARCH = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+            kv_channels=8, max_position_embeddings=SEQ)
+
+
+def megatron_args(tp: int, pp: int) -> argparse.Namespace:
+    """The subset of Megatron-LM's parsed ``args`` (its attribute names) that a legacy checkpoint stores."""
+    return argparse.Namespace(
+        **ARCH, group_query_attention=True, position_embedding_type="rope", rotary_base=10000,
+        rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False, normalization="RMSNorm",
+        norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=True, openai_gelu=False, squared_relu=False,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, multi_latent_attention=False,
+        untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
+        make_vocab_size_divisible_by=DIVISIBLE_BY, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1, num_experts=None, transformer_impl="local", seq_length=SEQ,
+        iteration=ITERATION, consumed_train_samples=CONSUMED, ckpt_format="torch", fp16=False, bf16=False,
+        params_dtype=torch.float32, use_distributed_optimizer=False)
+
+
+def _build(tp: int, pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(1234)  # the same master weights on every rank; each keeps its TP block (CPU initialization)
+    config = TransformerConfig(
+        num_layers=ARCH["num_layers"], hidden_size=ARCH["hidden_size"], ffn_hidden_size=ARCH["ffn_hidden_size"],
+        num_attention_heads=ARCH["num_attention_heads"], num_query_groups=ARCH["num_query_groups"],
+        kv_channels=ARCH["kv_channels"], normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.2, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False)
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=PADDED_VOCAB,
+                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    # Norm weights start at ones: give every replicated tensor values of its own, equal on the TP ranks.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not getattr(param, "tensor_model_parallel", False):
+                seed = zlib.crc32(name.encode()) + 1000 * parallel_state.get_pipeline_model_parallel_rank()
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+    return model.eval()
+
+
+def _write(save_dir: str, model, args, tp_rank: int, pp_rank: int, pp: int) -> None:
+    """This rank's ``model_optim_rng.pt`` as Megatron-LM's training/checkpointing.py lays it out."""
+    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    directory = os.path.join(save_dir, f"iter_{ITERATION:07d}", rank_dir)
+    os.makedirs(directory, exist_ok=True)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+             "model": model.state_dict_for_save_checkpoint(), "rng_state": [rng],
+             "num_floating_point_operations_so_far": 0}
+    torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+
+
+def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2):
+    """On each rank of a tp x pp gloo world: write the legacy checkpoint; return the logits (last stage, TP
+    gathered, ``[b, s, PADDED_VOCAB]``) or None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    model = _build(tp, pp)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    _write(save_dir, model, megatron_args(tp, pp), tp_rank, pp_rank, pp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    batch, seq = ids.shape
+    # CUDA-only calls of Megatron-Core's forward, on the CPU: RoPE moves its frequencies to
+    # torch.cuda.current_device(), and attention forks the CUDA RNG tracker (for dropout, which is 0 here).
+    cpu_device = contextlib.ExitStack()
+    cpu_device.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+    cpu_device.enter_context(mock.patch.object(tensor_parallel, "get_cuda_rng_tracker",
+                                               lambda: types.SimpleNamespace(fork=contextlib.nullcontext)))
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    causal = torch.triu(torch.ones(1, 1, seq, seq), diagonal=1).bool()  # as Megatron-LM's dataloader makes it
+    hidden_shape = (seq, batch, ARCH["hidden_size"])
+    with torch.no_grad(), cpu_device:
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(hidden_shape)
+            dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids, positions, causal)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(out.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+            result = None
+        else:
+            parts = [torch.empty_like(out) for _ in range(tp)]
+            dist.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            result = torch.cat(parts, dim=-1)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    return result
