@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.source == "megatron-legacy":
         if args.target != "megalite":
             parser.error("--from megatron-legacy converts only --to megalite")
-        convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle, vocab_size=args.vocab_size)
+        legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
+                                         vocab_size=args.vocab_size)
+        if legacy.has_optimizer:
+            print("the Megatron optimizer state is not converted: a run that loads this checkpoint starts with "
+                  "fresh Adam moments")
     elif args.source == "hf":
         convert_hf_to_megalite(args.input, args.output)
     else:

@@ -158,8 +158,11 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     if missing:
         raise ValueError(f"{missing[0]} is missing ({len(missing)} of the {tp * pp} rank files that the saved args' "
                          f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} need)")
-    if files[(0, 0)] != first:
-        raise ValueError(f"{first} does not match the saved args' pipeline_model_parallel_size {pp}")
+    expected = {os.path.basename(os.path.dirname(f)) for f in files.values()}
+    extra = sorted(name for name in os.listdir(directory) if _RANK_DIR.fullmatch(name) and name not in expected)
+    if extra:
+        raise ValueError(f"{directory} holds {extra[0]}, which the saved args' tensor_model_parallel_size {tp} x "
+                         f"pipeline_model_parallel_size {pp} do not have")
     chunks = {key: _chunks(state if key == (0, 0) else _unpickle(f), f) for key, f in files.items()}
     tensors = _assemble(config, chunks, tp, pp, directory)
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))

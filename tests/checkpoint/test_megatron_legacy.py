@@ -16,9 +16,7 @@ from megalite.checkpoint.megatron_args import config_from_megatron_args, vocabul
 from megalite.cli import run_cli
 from megalite.testing import run_distributed
 
-pytest.importorskip("megatron.core")
-from tests.checkpoint.megatron_legacy_fixture import (  # noqa: E402
-    CONSUMED, ITERATION, VOCAB, megatron_args, save_and_forward)
+from tests.checkpoint.megatron_legacy_fixture import CONSUMED, ITERATION, VOCAB, megatron_args, save_and_forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,6 +39,7 @@ def _convert(capsys, source, output, *extra):
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """(save directory of a tp=2 pp=2 legacy checkpoint, input ids, Megatron-Core's logits over the real vocabulary)."""
+    pytest.importorskip("megatron.core")
     save = tmp_path_factory.mktemp("megatron") / "save"
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     per_rank = run_distributed(save_and_forward, 4, str(save), ids, timeout=240)
@@ -95,7 +94,9 @@ def _rewrite(source, target, edit):
 
 
 def _transformer_engine_names(state, rank_dir):
-    """The names Megatron-LM's default Transformer Engine layers give the norms, with TE's _extra_state entries."""
+    """The names Megatron-LM's default Transformer Engine layers give the norms, with TE's _extra_state entries (and
+    an optimizer entry, which the converter names as not converted)."""
+    state["optimizer"] = {"optimizer": {"state": {}, "param_groups": []}}
     renamed = {}
     for name, value in state["model"].items():
         for local, te in (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -115,14 +116,56 @@ def test_transformer_engine_names_and_a_release_directory(megatron, tmp_path, ca
     _rewrite(save, tmp_path / "te", _transformer_engine_names)
     os.rename(tmp_path / "te" / f"iter_{ITERATION:07d}", tmp_path / "te" / "release")
     (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("release")
-    status, err = _convert(capsys, tmp_path / "te", tmp_path / "te_out", "--allow-pickle")
-    assert status == 0, err
+    status = run_cli(_tool().main, ["--from", "megatron-legacy", "--to", "megalite", "--input", str(tmp_path / "te"),
+                                    "--output", str(tmp_path / "te_out"), "--allow-pickle"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "the Megatron optimizer state is not converted: a run that loads this checkpoint starts with fresh Adam " \
+           "moments" in out
     _, local, _ = read_global_tensors(str(tmp_path / "local"))
     _, te, state = read_global_tensors(str(tmp_path / "te_out"))
     assert sorted(te) == sorted(local)
     for name in local:
         assert torch.equal(te[name], local[name]), name
     assert read_checkpoint_info(str(tmp_path / "te_out"))["iteration"] == 0
+
+
+def _interleave(source, target):
+    """The tp=2 pp=2 checkpoint re-cut as Megatron lays out pp=2 with 2 virtual stages (``model0``, ``model1``) of
+    one layer each: stage p's chunk v holds global layer 2v+p, numbered 0 within the chunk."""
+    shutil.copytree(source, target)
+    directory = target / f"iter_{ITERATION:07d}"
+    for t in range(2):
+        old = [torch.load(directory / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt", weights_only=False)
+               for p in range(2)]
+
+        def layer(index):
+            p, local = divmod(index, 2)
+            prefix = f"decoder.layers.{local}."
+            return {"decoder.layers.0." + k[len(prefix):]: v for k, v in old[p]["model"].items() if k.startswith(prefix)}
+
+        for p in range(2):
+            chunks = [layer(2 * v + p) for v in range(2)]
+            chunks[0 if p == 0 else 1].update({k: v for k, v in old[p]["model"].items()
+                                               if not k.startswith("decoder.layers.")})
+            state = {k: v for k, v in old[p].items() if k != "model"}
+            state["model0"], state["model1"] = chunks
+            state["args"].virtual_pipeline_model_parallel_size = 2
+            torch.save(state, directory / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt")
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_stages_are_ordered_chunk_then_stage(megatron, tmp_path, capsys):
+    save, _, _ = megatron
+    assert _convert(capsys, save, tmp_path / "plain", "--allow-pickle")[0] == 0
+    _interleave(save, tmp_path / "vpp")
+    status, err = _convert(capsys, tmp_path / "vpp", tmp_path / "vpp_out", "--allow-pickle")
+    assert status == 0, err
+    _, plain, _ = read_global_tensors(str(tmp_path / "plain"))
+    _, interleaved, _ = read_global_tensors(str(tmp_path / "vpp_out"))
+    assert sorted(interleaved) == sorted(plain)
+    for name in plain:
+        assert torch.equal(interleaved[name], plain[name]), name
 
 
 @pytest.mark.slow
@@ -143,6 +186,15 @@ def test_bad_input_is_one_error_line_and_exit_2(megatron, tmp_path, capsys):
     status, err = _convert(capsys, save, tmp_path / "c", "--allow-pickle", "--vocab-size", "60")
     assert status == 2 and err.count("error:") == 1 and not os.path.exists(tmp_path / "c")
     assert "error: --vocab-size 60 contradicts the checkpoint's args.vocab_size 50" in err
+
+    def one_tensor_rank(state, rank_dir):
+        state["args"].tensor_model_parallel_size, state["args"].make_vocab_size_divisible_by = 1, 16
+
+    _rewrite(save, tmp_path / "tp1_args", one_tensor_rank)
+    status, err = _convert(capsys, tmp_path / "tp1_args", tmp_path / "e", "--allow-pickle")
+    assert status == 2 and err.count("error:") == 1 and not os.path.exists(tmp_path / "e")
+    assert "holds mp_rank_01_000, which the saved args' tensor_model_parallel_size 1 x " \
+           "pipeline_model_parallel_size 2 do not have" in err
 
     def without_vocab_size(state, rank_dir):
         state["args"].vocab_size = None
