@@ -4,7 +4,8 @@ Megatron-LM stores its parsed command line (an ``argparse.Namespace``, after ``v
 derived sizes such as ``ffn_hidden_size``, ``kv_channels`` and ``padded_vocab_size``) in every
 checkpoint.  These are Megatron's attribute names, not megalite's flags, so they are read here, once,
 for every Megatron checkpoint format.  A feature megalite's GPT cannot compute (MoE, MLA, QK norm,
-interleaved or scaled RoPE, 1p LayerNorm, squared ReLU, a QKV-only bias) is one error naming the arg.
+interleaved or scaled RoPE, 1p LayerNorm, squared ReLU, a QKV-only bias, sliding windows, ...) is one
+error naming the arg.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ _UNSUPPORTED = (
     ("use_rope_scaling", "RoPE scaling"),
     ("apply_layernorm_1p", "zero-centred (1p) layer norm"),
     ("squared_relu", "squared ReLU"),
+    ("apply_residual_connection_post_layernorm", "residuals taken after the layer norm"),
+    ("window_size", "sliding-window attention"),
+    ("rotary_seq_len_interpolation_factor", "RoPE sequence-length interpolation"),
+    ("qk_l2_norm", "QK L2 norm"),
+    ("mtp_num_layers", "multi-token prediction layers"),
+    ("hybrid_override_pattern", "hybrid (Mamba) layers"),
 )
 """Args that, when set, describe a model megalite's GPT does not compute."""
 
@@ -57,6 +64,10 @@ def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
         if getattr(args, name, None):
             raise ValueError(f"the checkpoint's args.{name}={getattr(args, name)!r} ({what}): megalite's GPT "
                              "does not implement it")
+    softmax = _arg(args, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        raise ValueError(f"the checkpoint's args.softmax_type={softmax!r}: megalite's attention uses the vanilla "
+                         "softmax")
     position = _arg(args, "position_embedding_type", "learned_absolute")
     if position not in ("learned_absolute", "rope"):
         raise ValueError(f"the checkpoint's args.position_embedding_type={position!r}: megalite implements "

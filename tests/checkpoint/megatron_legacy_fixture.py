@@ -93,7 +93,8 @@ def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2)
     from megatron.core import parallel_state, tensor_parallel
 
     model = _build(tp, pp)
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     _write(save_dir, model, megatron_args(tp, pp), tp_rank, pp_rank, pp)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -142,7 +142,8 @@ def _interleave(source, target):
         def layer(index):
             p, local = divmod(index, 2)
             prefix = f"decoder.layers.{local}."
-            return {"decoder.layers.0." + k[len(prefix):]: v for k, v in old[p]["model"].items() if k.startswith(prefix)}
+            return {"decoder.layers.0." + k[len(prefix):]: v for k, v in old[p]["model"].items()
+                    if k.startswith(prefix)}
 
         for p in range(2):
             chunks = [layer(2 * v + p) for v in range(2)]
@@ -211,7 +212,8 @@ def test_megatron_args_rules():
     args = megatron_args(2, 2)
     assert vocabulary_size(args) == VOCAB
     with pytest.raises(ValueError, match="vocabulary size 40 pads to 48 at make_vocab_size_divisible_by 8 x "
-                                         "tensor_model_parallel_size 2, but the checkpoint's args.padded_vocab_size is 64"):
+                                         "tensor_model_parallel_size 2, but the checkpoint's args.padded_vocab_size "
+                                         "is 64"):
         vocabulary_size(argparse.Namespace(**{**vars(args), "vocab_size": None}), 40)
     gqa_off = argparse.Namespace(**{**vars(args), "group_query_attention": False, "num_query_groups": 1})
     assert config_from_megatron_args(gqa_off).num_query_groups == 4  # Megatron ignores the groups without GQA
@@ -219,6 +221,7 @@ def test_megatron_args_rules():
     assert config_from_megatron_args(gelu).activation == "gelu_tanh"
     for name, value, what in (("num_experts", 8, "mixture-of-experts"), ("qk_layernorm", True, "QK layer norm"),
                               ("position_embedding_type", "relative", "learned_absolute and rope"),
-                              ("add_qkv_bias", True, "a QKV-only bias")):
+                              ("add_qkv_bias", True, "a QKV-only bias"), ("softmax_type", "learnable", "vanilla"),
+                              ("window_size", (64, 0), "sliding-window attention")):
         with pytest.raises(ValueError, match=what):
             config_from_megatron_args(argparse.Namespace(**{**vars(args), name: value}))
