@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--from megatron-legacy converts only --to megalite")
         legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
                                          vocab_size=args.vocab_size)
-        if legacy.has_optimizer:
-            print("the Megatron optimizer state is not converted: a run that loads this checkpoint starts with "
-                  "fresh Adam moments")
+        if legacy.optimizer_note:
+            print(f"the Megatron optimizer state is not converted ({legacy.optimizer_note}): a run that loads this "
+                  "checkpoint starts with fresh Adam moments")
     elif args.source == "hf":
         convert_hf_to_megalite(args.input, args.output)
     else:

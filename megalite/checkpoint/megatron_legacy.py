@@ -19,10 +19,16 @@ These files are pickles, and unpickling runs code the file names, so nothing is 
 explicit ``allow_pickle=True`` (``--allow-pickle``), which prints a warning line.  Only the converter
 calls this; megalite's own load path never unpickles.
 
-Not converted: the optimizer state.  A non-distributed optimizer stores Adam's moments by parameter
-index in Megatron's parameter-group order (not by name) and a distributed one in ``distrib_optim.pt``
-as flat DP-sharded buffers; the converted checkpoint resumes with fresh moments.  MoE (expert-parallel
-``mp_rank_TT_PPP_EEE``) checkpoints are refused by :func:`config_from_megatron_args`.
+Optimizer state: a non-distributed optimizer saves torch Adam's state in ``optimizer`` (inside
+``optimizer`` with ``fp32_from_fp16_params``, the fp32 main weights, under fp16/bf16), numbered by
+parameter in Megatron's group order: groups by weight-decay multiplier, each in the order of
+``named_parameters()``, with biases and 1-D parameters undecayed (Megatron's default rule).  Each group
+is matched to its parameters by that rule and every moment's shape is checked; the moments then take the
+weights' way into global tensors (``optimizer.exp_avg.<name>``, as :mod:`megalite.checkpoint.state` writes
+them).  Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: a distributed
+optimizer's state (flat DP-sharded buffers in ``distrib_optim.pt``), groups with other learning-rate
+multipliers, and anything that does not match.  MoE (expert-parallel ``mp_rank_TT_PPP_EEE``) checkpoints
+are refused by :func:`config_from_megatron_args`.
 """
 
 from __future__ import annotations
@@ -59,7 +65,10 @@ class LegacyCheckpoint:
     config: object
     tensors: dict[str, torch.Tensor]
     consumed_samples: int | None
-    has_optimizer: bool
+    optimizer: dict | None
+    """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``) when the moments were converted."""
+    optimizer_note: str | None
+    """Why the saved optimizer state was not converted (None: converted, or none saved)."""
 
 
 def legacy_directory(path: str) -> str | None:
@@ -163,11 +172,75 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     if extra:
         raise ValueError(f"{directory} holds {extra[0]}, which the saved args' tensor_model_parallel_size {tp} x "
                          f"pipeline_model_parallel_size {pp} do not have")
-    chunks = {key: _chunks(state if key == (0, 0) else _unpickle(f), f) for key, f in files.items()}
+    states = {key: state if key == (0, 0) else _unpickle(f) for key, f in files.items()}
+    chunks = {key: _chunks(states[key], f) for key, f in files.items()}
     tensors = _assemble(config, chunks, tp, pp, directory)
+    meta, note = None, None
+    if "optimizer" in state:
+        found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in files}
+        note = next((entry for entry in found.values() if isinstance(entry, str)), None)
+        if note is None:
+            steps = {entry[1]["num_steps"] for entry in found.values()}
+            if len(steps) > 1:
+                note = f"the ranks' Adam steps differ ({sorted(steps)})"
+        if note is None:
+            for key in ("exp_avg", "exp_avg_sq", "main"):
+                if all(key in e for entries, _ in found.values() for chunk in entries for e in chunk.values()):
+                    moments = {rank: [{n: e[key] for n, e in chunk.items()} for chunk in entries]
+                               for rank, (entries, _) in found.items()}
+                    tensors.update({f"optimizer.{key}.{name}": value for name, value in
+                                    _assemble(config, moments, tp, pp, directory).items()})
+            meta = found[(0, 0)][1]
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
     return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),
-                            "optimizer" in state)
+                            meta, note)
+
+
+def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
+    """Megatron's default rule: biases and 1-D parameters are not decayed."""
+    return name.endswith(".bias") or tensor.dim() == 1
+
+
+def _optimizer_entries(saved, chunks: list[dict]):
+    """``([{name: {"exp_avg", "exp_avg_sq"[, "main"]}} per chunk], megalite's optimizer JSON state)`` of one rank's
+    saved Megatron optimizer, or the reason it cannot be converted (a string)."""
+    if isinstance(saved, list):
+        if len(saved) != 1:
+            return f"it is a chain of {len(saved)} optimizers"
+        saved = saved[0]
+    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+    if not isinstance(inner, dict) or not inner.get("state"):
+        return "it holds no Adam moments (a distributed optimizer keeps them in distrib_optim.pt, DP-sharded)"
+    groups = inner.get("param_groups", [])
+    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
+            g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel") or g.get("is_decoupled_lr") for g in groups):
+        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
+    params = [(v, name, t) for v, chunk in enumerate(chunks) for name, t in chunk.items()
+              if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")]
+    mains = saved.get("fp32_from_fp16_params") if "optimizer" in saved else None
+    entries, steps = [{} for _ in chunks], set()
+    for g, group in enumerate(groups):
+        undecayed = group.get("wd_mult", 1.0) == 0.0
+        members = [p for p in params if _no_weight_decay(p[1], p[2]) == undecayed]
+        if len(members) != len(group["params"]):
+            return f"its group {g} has {len(group['params'])} parameters, the default rule gives {len(members)}"
+        for j, (index, (v, name, tensor)) in enumerate(zip(group["params"], members)):
+            state = inner["state"].get(index, {})
+            if "exp_avg" not in state or tuple(state["exp_avg"].shape) != tuple(tensor.shape):
+                return f"its state {index} does not fit {name} {tuple(tensor.shape)}"
+            entries[v][name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            if mains is not None:
+                entries[v][name]["main"] = mains[g][j]
+            steps.add(int(state.get("step", 0)))
+    if len(steps) != 1:
+        return f"its parameters have different Adam steps ({sorted(steps)})"
+    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
+    param_groups = []
+    for wd_mult in (1.0, 0.0):  # megalite's groups: decayed, then undecayed
+        group = by_mult.get(wd_mult, groups[0])
+        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
+                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
+    return entries, {"num_steps": steps.pop(), "scaler": None, "param_groups": param_groups}
 
 
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
@@ -226,7 +299,8 @@ def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = Fals
     """
     tmp = _fresh_output(output)
     legacy = read_megatron_legacy(path, allow_pickle=allow_pickle, vocab_size=vocab_size)
-    extra = {"consumed_samples": legacy.consumed_samples or 0, "megatron_legacy": legacy.directory}
+    extra = {"consumed_samples": legacy.consumed_samples or 0, "megatron_legacy": legacy.directory,
+             "optimizer": legacy.optimizer}
     save_global_checkpoint(tmp, legacy.config, legacy.tensors, iteration=legacy.iteration, extra=extra)
     _move_into_place(tmp, output)
     return legacy

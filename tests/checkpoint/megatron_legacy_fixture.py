@@ -3,7 +3,7 @@
 Each of the 4 ranks builds its Megatron-Core GPT chunk (local layer spec, CPU initialization), writes
 ``model.state_dict_for_save_checkpoint()`` in Megatron-LM's legacy on-disk layout
 (``latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt`` holding
-``args``, ``iteration``, ``model``, ``rng_state``), then runs the forward pass (stage 0 sends its hidden
+``args``, ``iteration``, ``model``, ``optimizer``, ``rng_state``), then runs the forward pass (stage 0 sends its hidden
 states to stage 1 by point-to-point) and returns the logits gathered over TP.  The model uses SwiGLU,
 grouped-query attention, RoPE, RMSNorm, untied embeddings and a vocabulary that Megatron pads (50 ->
 64 at make-vocab-size-divisible-by 8 x tp 2), so every layout rule of the legacy format is exercised.
@@ -73,7 +73,34 @@ def _build(tp: int, pp: int):
     return model.eval()
 
 
-def _write(save_dir: str, model, args, tp_rank: int, pp_rank: int, pp: int) -> None:
+def _adam(model):
+    """Megatron-Core's (non-distributed) optimizer after one Adam step on seeded gradients, its moments then set to
+    ``exp_avg = 2 w + 1`` and ``exp_avg_sq = w * w`` of each parameter ``w``, so a test can tell whose they are."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)  # stands in for Megatron's DDP
+    real_tensor = torch.tensor
+
+    def cpu_tensor(*args, **kwargs):  # Megatron-Core's optimizer wrappers put their loss scale on "cuda"
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return real_tensor(*args, **kwargs)
+
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), mock.patch.object(torch, "tensor", cpu_tensor):
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1,
+                                                           use_distributed_optimizer=False), [model])
+    for name, param in model.named_parameters():
+        param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.optimizer.step()
+        for param, state in inner.optimizer.state.items():
+            state["exp_avg"].copy_(2 * param.detach() + 1)
+            state["exp_avg_sq"].copy_(param.detach() ** 2)
+    return optimizer
+
+
+def _write(save_dir: str, model, optimizer, args, tp_rank: int, pp_rank: int, pp: int) -> None:
     """This rank's ``model_optim_rng.pt`` as Megatron-LM's training/checkpointing.py lays it out."""
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
     directory = os.path.join(save_dir, f"iter_{ITERATION:07d}", rank_dir)
@@ -81,7 +108,7 @@ def _write(save_dir: str, model, args, tp_rank: int, pp_rank: int, pp: int) -> N
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-             "model": model.state_dict_for_save_checkpoint(), "rng_state": [rng],
+             "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(), "rng_state": [rng],
              "num_floating_point_operations_so_far": 0}
     torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
 
@@ -95,7 +122,7 @@ def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2)
     model = _build(tp, pp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    _write(save_dir, model, megatron_args(tp, pp), tp_rank, pp_rank, pp)
+    _write(save_dir, model, _adam(model), megatron_args(tp, pp), tp_rank, pp_rank, pp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -50,17 +50,33 @@ def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _tp2_logits(converted, ids):
+def _tp2_logits_and_adam(converted, ids):
+    """At tp=2 pp=1, with megalite's optimizer as the trainer builds it: (logits gathered over TP, Adam step count,
+    whether every moment is Megatron's: ``exp_avg = 2 w + 1``, ``exp_avg_sq = w * w`` on the real rows)."""
     from megalite import checkpoint, topology
+    from megalite.checkpoint.sharding import VOCAB_PARAMS
+    from megalite.distributed import DDPConfig, DistributedDataParallel
     from megalite.models import GPTModel
+    from megalite.optim import OptimizerConfig, get_optimizer
     from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
     topo = topology.initialize(tp=2)
     config = checkpoint.CheckpointReader(converted).config
-    model = GPTModel(config).eval()
-    checkpoint.load_sharded(converted, [model])
+    chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-3), [chunk])
+    checkpoint.load_sharded(converted, [chunk], optimizer)
+    names = {param: name for name, param in chunk.module.named_parameters()}
+    moments = []
+    for shard in optimizer.shards:
+        state, weight = optimizer.optimizer.state[shard.main], shard.param.detach()
+        rows = weight.shape[0]
+        if names[shard.param] in VOCAB_PARAMS:  # this rank's rows below the real vocabulary size
+            rows = min(rows, config.vocab_size - topo.tp.rank * rows)
+        exp_avg, exp_avg_sq = (state[k].view(weight.shape)[:rows] for k in ("exp_avg", "exp_avg_sq"))
+        moments.append(torch.equal(exp_avg, 2 * weight[:rows] + 1) and torch.equal(exp_avg_sq, weight[:rows] ** 2))
     with torch.no_grad():
-        return gather_from_tensor_parallel_region(model(ids), topo.tp.group)[..., :config.vocab_size]
+        logits = gather_from_tensor_parallel_region(chunk.module.eval()(ids), topo.tp.group)[..., :config.vocab_size]
+    return logits, optimizer.num_steps, len(moments) == len(names) and all(moments)
 
 
 @pytest.mark.slow
@@ -78,8 +94,11 @@ def test_converted_logits_equal_megatron_core_at_other_layouts(megatron, tmp_pat
         logits = load_model(str(tmp_path / "out"))(ids)
     assert logits.shape == expected.shape
     assert _relative(logits, expected) <= 1e-5
-    for logits in run_distributed(_tp2_logits, 2, str(tmp_path / "out"), ids, timeout=120):
+    assert info["state"]["optimizer"]["num_steps"] == 1
+    for logits, steps, adam_is_megatrons in run_distributed(_tp2_logits_and_adam, 2, str(tmp_path / "out"), ids,
+                                                            timeout=120):
         assert _relative(logits, expected) <= 1e-5
+        assert steps == 1 and adam_is_megatrons
 
 
 def _rewrite(source, target, edit):
@@ -95,8 +114,8 @@ def _rewrite(source, target, edit):
 
 def _transformer_engine_names(state, rank_dir):
     """The names Megatron-LM's default Transformer Engine layers give the norms, with TE's _extra_state entries (and
-    an optimizer entry, which the converter names as not converted)."""
-    state["optimizer"] = {"optimizer": {"state": {}, "param_groups": []}}
+    a distributed optimizer's entry, without moments, which the converter names as not converted)."""
+    state["optimizer"] = {"optimizer": {"param_groups": state["optimizer"]["param_groups"]}}
     renamed = {}
     for name, value in state["model"].items():
         for local, te in (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -120,7 +139,8 @@ def test_transformer_engine_names_and_a_release_directory(megatron, tmp_path, ca
                                     "--output", str(tmp_path / "te_out"), "--allow-pickle"])
     out = capsys.readouterr().out
     assert status == 0
-    assert "the Megatron optimizer state is not converted: a run that loads this checkpoint starts with fresh Adam " \
+    assert "the Megatron optimizer state is not converted (it holds no Adam moments (a distributed optimizer " \
+           "keeps them in distrib_optim.pt, DP-sharded)): a run that loads this checkpoint starts with fresh Adam " \
            "moments" in out
     _, local, _ = read_global_tensors(str(tmp_path / "local"))
     _, te, state = read_global_tensors(str(tmp_path / "te_out"))
@@ -149,7 +169,7 @@ def _interleave(source, target):
             chunks = [layer(2 * v + p) for v in range(2)]
             chunks[0 if p == 0 else 1].update({k: v for k, v in old[p]["model"].items()
                                                if not k.startswith("decoder.layers.")})
-            state = {k: v for k, v in old[p].items() if k != "model"}
+            state = {k: v for k, v in old[p].items() if k not in ("model", "optimizer")}  # moments follow the old order
             state["model0"], state["model1"] = chunks
             state["args"].virtual_pipeline_model_parallel_size = 2
             torch.save(state, directory / f"mp_rank_{t:02d}_{p:03d}" / "model_optim_rng.pt")
