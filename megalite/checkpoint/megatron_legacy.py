@@ -44,6 +44,7 @@ from megalite.checkpoint import global_shapes, save_global_checkpoint
 from megalite.checkpoint.hf import _fresh_output, _move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
+from megalite.checkpoint.state import OPTIMIZER_KEYS
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -139,7 +140,7 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
 
     ``allow_pickle`` must be True (the files are pickles).  ``vocab_size``: the real vocabulary size when
     the saved args lack it (see :func:`megalite.checkpoint.megatron_args.vocabulary_size`).  ValueError on
-    anything missing or contradictory, before any tensor is assembled.
+    anything missing or contradictory (the pickle opt-in, the args and the rank files are checked first).
     """
     directory = legacy_directory(path)
     if directory is None:
@@ -177,23 +178,30 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     tensors = _assemble(config, chunks, tp, pp, directory)
     meta, note = None, None
     if "optimizer" in state:
-        found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in files}
-        note = next((entry for entry in found.values() if isinstance(entry, str)), None)
-        if note is None:
-            steps = {entry[1]["num_steps"] for entry in found.values()}
-            if len(steps) > 1:
-                note = f"the ranks' Adam steps differ ({sorted(steps)})"
-        if note is None:
-            for key in ("exp_avg", "exp_avg_sq", "main"):
-                if all(key in e for entries, _ in found.values() for chunk in entries for e in chunk.values()):
-                    moments = {rank: [{n: e[key] for n, e in chunk.items()} for chunk in entries]
-                               for rank, (entries, _) in found.items()}
-                    tensors.update({f"optimizer.{key}.{name}": value for name, value in
-                                    _assemble(config, moments, tp, pp, directory).items()})
-            meta = found[(0, 0)][1]
+        moments, meta, note = _optimizer(states, chunks, config, tp, pp, directory)
+        tensors.update(moments)
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
     return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),
                             meta, note)
+
+
+def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
+    """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer, or
+    ``({}, None, why it cannot be converted)``."""
+    found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in states}
+    note = next((entry for entry in found.values() if isinstance(entry, str)), None)
+    if note is None and len({meta["num_steps"] for _, meta in found.values()}) > 1:
+        note = f"the ranks' Adam steps differ ({sorted({meta['num_steps'] for _, meta in found.values()})})"
+    if note is not None:
+        return {}, None, note
+    tensors = {}
+    for key in (*OPTIMIZER_KEYS, "main"):
+        if all(key in e for entries, _ in found.values() for chunk in entries for e in chunk.values()):
+            moments = {rank: [{name: e[key] for name, e in chunk.items()} for chunk in entries]
+                       for rank, (entries, _) in found.items()}
+            tensors.update({f"optimizer.{key}.{name}": value
+                            for name, value in _assemble(config, moments, tp, pp, directory).items()})
+    return tensors, found[(0, 0)][1], None
 
 
 def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
