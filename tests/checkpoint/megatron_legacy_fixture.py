@@ -1,12 +1,14 @@
-"""A Megatron-LM legacy checkpoint made by Megatron-Core itself (tp=2, pp=2, gloo on CPU), with its logits.
+"""Megatron-LM legacy checkpoints made by Megatron-Core itself (gloo on CPU), with their logits.
 
-Each of the 4 ranks builds its Megatron-Core GPT chunk (local layer spec, CPU initialization), writes
-``model.state_dict_for_save_checkpoint()`` in Megatron-LM's legacy on-disk layout
-(``latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt`` holding
-``args``, ``iteration``, ``model``, ``optimizer``, ``rng_state``), then runs the forward pass (stage 0 sends its hidden
-states to stage 1 by point-to-point) and returns the logits gathered over TP.  The model uses SwiGLU,
-grouped-query attention, RoPE, RMSNorm, untied embeddings and a vocabulary that Megatron pads (50 ->
-64 at make-vocab-size-divisible-by 8 x tp 2), so every layout rule of the legacy format is exercised.
+Each rank builds its Megatron-Core GPT chunk (local layer spec, CPU initialization) and Megatron-Core's
+optimizer, and writes ``model.state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()`` in
+Megatron-LM's legacy on-disk layout (``latest_checkpointed_iteration.txt``,
+``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` holding ``args``, ``iteration``, ``model``,
+``optimizer``, ``rng_state``); then the forward pass runs (stage 0 sends its hidden states to stage 1 by
+point-to-point) and the last stage returns the logits gathered over TP.  The "llama" model (SwiGLU,
+grouped-query attention, RoPE, RMSNorm, untied embeddings) at tp=2 pp=2 and the "gpt3" one (GELU, biases,
+learned positions, LayerNorm, tied embeddings) at tp=2 pp=1 both have a vocabulary that Megatron pads
+(50 -> 64 at make-vocab-size-divisible-by 8 x tp 2), so every layout rule of the legacy format is exercised.
 """
 
 from __future__ import annotations
@@ -24,18 +26,28 @@ import torch
 
 VOCAB, PADDED_VOCAB, DIVISIBLE_BY = 50, 64, 8
 SEQ, ITERATION, CONSUMED = 12, 7, 56
-ARCH = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
-            kv_channels=8, max_position_embeddings=SEQ)
+ARCH = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
+            max_position_embeddings=SEQ)
+STYLES = {
+    "llama": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, tied=False),
+    "gpt3": dict(num_query_groups=4, position_embedding_type="learned_absolute", normalization="LayerNorm",
+                 swiglu=False, add_bias_linear=True, tied=True),
+}
+"""The two model families of Megatron-LM's example scripts: Llama (examples/llama) and GPT-3 (examples/gpt3)."""
 
 
-def megatron_args(tp: int, pp: int) -> argparse.Namespace:
+def megatron_args(tp: int, pp: int, style: str = "llama") -> argparse.Namespace:
     """The subset of Megatron-LM's parsed ``args`` (its attribute names) that a legacy checkpoint stores."""
+    model = STYLES[style]
     return argparse.Namespace(
-        **ARCH, group_query_attention=True, position_embedding_type="rope", rotary_base=10000,
-        rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False, normalization="RMSNorm",
-        norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=True, openai_gelu=False, squared_relu=False,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, multi_latent_attention=False,
-        untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
+        **ARCH, group_query_attention=model["num_query_groups"] != ARCH["num_attention_heads"],
+        num_query_groups=model["num_query_groups"], position_embedding_type=model["position_embedding_type"],
+        rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False,
+        normalization=model["normalization"], norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=model["swiglu"],
+        openai_gelu=False, squared_relu=False, add_bias_linear=model["add_bias_linear"], add_qkv_bias=False,
+        qk_layernorm=False, multi_latent_attention=False, untie_embeddings_and_output_weights=not model["tied"],
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
         make_vocab_size_divisible_by=DIVISIBLE_BY, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, num_experts=None, transformer_impl="local", seq_length=SEQ,
@@ -43,7 +55,7 @@ def megatron_args(tp: int, pp: int) -> argparse.Namespace:
         params_dtype=torch.float32, use_distributed_optimizer=False)
 
 
-def _build(tp: int, pp: int):
+def _build(tp: int, pp: int, style: str):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -51,26 +63,33 @@ def _build(tp: int, pp: int):
 
     parallel_state.initialize_model_parallel(tp, pp)
     torch.manual_seed(1234)  # the same master weights on every rank; each keeps its TP block (CPU initialization)
+    model = STYLES[style]
     config = TransformerConfig(
         num_layers=ARCH["num_layers"], hidden_size=ARCH["hidden_size"], ffn_hidden_size=ARCH["ffn_hidden_size"],
-        num_attention_heads=ARCH["num_attention_heads"], num_query_groups=ARCH["num_query_groups"],
-        kv_channels=ARCH["kv_channels"], normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        num_attention_heads=ARCH["num_attention_heads"], num_query_groups=model["num_query_groups"],
+        kv_channels=ARCH["kv_channels"], normalization=model["normalization"], layernorm_epsilon=1e-5,
+        gated_linear_unit=model["swiglu"],
+        activation_func=torch.nn.functional.silu if model["swiglu"] else torch.nn.functional.gelu,
+        add_bias_linear=model["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.2, use_cpu_initialization=True, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=PADDED_VOCAB,
-                     max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    # Norm weights start at ones: give every replicated tensor values of its own, equal on the TP ranks.
+    gpt = GPTModel(config, get_gpt_layer_local_spec(normalization=model["normalization"]), vocab_size=PADDED_VOCAB,
+                   max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage(),
+                   share_embeddings_and_output_weights=model["tied"],
+                   position_embedding_type=model["position_embedding_type"])
+    # Norm weights start at ones and biases at zeros: give every replicated tensor values of its own, equal on the
+    # TP ranks, and every bias values of its own (a split one per TP rank).
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not getattr(param, "tensor_model_parallel", False):
+        for name, param in gpt.named_parameters():
+            split = getattr(param, "tensor_model_parallel", False)
+            if not split or name.endswith(".bias"):
                 seed = zlib.crc32(name.encode()) + 1000 * parallel_state.get_pipeline_model_parallel_rank()
+                seed += 100 * parallel_state.get_tensor_model_parallel_rank() if split else 0
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
-    return model.eval()
+    return gpt.eval()
 
 
 def _adam(model):
@@ -113,16 +132,16 @@ def _write(save_dir: str, model, optimizer, args, tp_rank: int, pp_rank: int, pp
     torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
 
 
-def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2):
-    """On each rank of a tp x pp gloo world: write the legacy checkpoint; return the logits (last stage, TP
-    gathered, ``[b, s, PADDED_VOCAB]``) or None."""
+def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2, style: str = "llama"):
+    """On each rank of a tp x pp gloo world: write the legacy checkpoint of a ``style`` model; return the logits
+    (last stage, TP gathered, ``[b, s, PADDED_VOCAB]``) or None."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    model = _build(tp, pp)
+    model = _build(tp, pp, style)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    _write(save_dir, model, _adam(model), megatron_args(tp, pp), tp_rank, pp_rank, pp)
+    _write(save_dir, model, _adam(model), megatron_args(tp, pp, style), tp_rank, pp_rank, pp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -101,6 +101,24 @@ def test_converted_logits_equal_megatron_core_at_other_layouts(megatron, tmp_pat
         assert steps == 1 and adam_is_megatrons
 
 
+@pytest.mark.slow
+def test_gpt3_style_biases_learned_positions_and_tied_embeddings(tmp_path, capsys):
+    """Megatron-LM's GPT-3 example model (GELU, biases split with their layers, LayerNorm, learned positions,
+    tied embeddings) at tp=2 pp=1, whose rank files are mp_rank_TT without a pipeline suffix."""
+    pytest.importorskip("megatron.core")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    per_rank = run_distributed(save_and_forward, 2, str(tmp_path / "save"), ids, 2, 1, "gpt3", timeout=240)
+    assert sorted(os.listdir(tmp_path / "save" / f"iter_{ITERATION:07d}")) == ["mp_rank_00", "mp_rank_01"]
+    status, err = _convert(capsys, tmp_path / "save", tmp_path / "out", "--allow-pickle")
+    assert status == 0, err
+    config = read_checkpoint_info(str(tmp_path / "out"))["config"]
+    assert (config.activation, config.add_bias_linear, config.position_embedding_type, config.normalization,
+            config.untie_embeddings_and_output_weights) == ("gelu", True, "learned_absolute", "LayerNorm", False)
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out"))(ids)
+    assert _relative(logits, per_rank[0][..., :VOCAB]) <= 1e-5
+
+
 def _rewrite(source, target, edit):
     """Copy a legacy save directory, passing every rank file's state through ``edit(state, rank_dir)``."""
     shutil.copytree(source, target)
