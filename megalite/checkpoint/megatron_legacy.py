@@ -104,8 +104,14 @@ def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 
 def _unpickle(path: str) -> dict:
+    """One rank file, memory-mapped (tensors are read when placed) unless torch < 1.6 wrote it (no zip archive)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a damaged zip or pickle raises many types
         raise ValueError(f"{path} is not a readable Megatron-LM checkpoint file: {type(err).__name__}: {err}") from None
     if not isinstance(state, dict) or "args" not in state:

@@ -119,15 +119,16 @@ def test_gpt3_style_biases_learned_positions_and_tied_embeddings(tmp_path, capsy
     assert _relative(logits, per_rank[0][..., :VOCAB]) <= 1e-5
 
 
-def _rewrite(source, target, edit):
-    """Copy a legacy save directory, passing every rank file's state through ``edit(state, rank_dir)``."""
+def _rewrite(source, target, edit, zipfile=True):
+    """Copy a legacy save directory, passing every rank file's state through ``edit(state, rank_dir)``
+    (``zipfile=False``: saved in the format of torch < 1.6, which older Megatron-LM runs wrote)."""
     shutil.copytree(source, target)
     directory = os.path.join(target, f"iter_{ITERATION:07d}")
     for rank_dir in sorted(os.listdir(directory)):
         path = os.path.join(directory, rank_dir, "model_optim_rng.pt")
         state = torch.load(path, weights_only=False)
         edit(state, rank_dir)
-        torch.save(state, path)
+        torch.save(state, path, _use_new_zipfile_serialization=zipfile)
 
 
 def _transformer_engine_names(state, rank_dir):
@@ -147,10 +148,10 @@ def _transformer_engine_names(state, rank_dir):
 
 
 @pytest.mark.slow
-def test_transformer_engine_names_and_a_release_directory(megatron, tmp_path, capsys):
+def test_transformer_engine_names_a_release_directory_and_old_files(megatron, tmp_path, capsys):
     save, _, _ = megatron
     assert _convert(capsys, save, tmp_path / "local", "--allow-pickle")[0] == 0
-    _rewrite(save, tmp_path / "te", _transformer_engine_names)
+    _rewrite(save, tmp_path / "te", _transformer_engine_names, zipfile=False)
     os.rename(tmp_path / "te" / f"iter_{ITERATION:07d}", tmp_path / "te" / "release")
     (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("release")
     status = run_cli(_tool().main, ["--from", "megatron-legacy", "--to", "megalite", "--input", str(tmp_path / "te"),
