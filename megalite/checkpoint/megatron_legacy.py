@@ -238,12 +238,16 @@ def _optimizer_entries(saved, chunks: list[dict]):
         members = [p for p in params if _no_weight_decay(p[1], p[2]) == undecayed]
         if len(members) != len(group["params"]):
             return f"its group {g} has {len(group['params'])} parameters, the default rule gives {len(members)}"
+        if mains is not None and len(mains[g]) != len(members):
+            return f"its group {g} mixes fp32 and half-precision parameters"
         for j, (index, (v, name, tensor)) in enumerate(zip(group["params"], members)):
             state = inner["state"].get(index, {})
             if "exp_avg" not in state or tuple(state["exp_avg"].shape) != tuple(tensor.shape):
                 return f"its state {index} does not fit {name} {tuple(tensor.shape)}"
             entries[v][name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
             if mains is not None:
+                if tuple(mains[g][j].shape) != tuple(tensor.shape):
+                    return f"its fp32 main weight {g}.{j} does not fit {name} {tuple(tensor.shape)}"
                 entries[v][name]["main"] = mains[g][j]
             steps.add(int(state.get("step", 0)))
     if len(steps) != 1:
