@@ -10,6 +10,9 @@ error naming the arg.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
+
 from megalite.models import GPTConfig
 from megalite.tensor_parallel import pad_vocab_size
 
@@ -31,6 +34,11 @@ _UNSUPPORTED = (
 """Args that, when set, describe a model megalite's GPT does not compute."""
 
 
+def _namespace(args):
+    """``args`` as attributes: Megatron's Namespace itself, or a mapping of its fields (e.g. read without pickle)."""
+    return argparse.Namespace(**args) if isinstance(args, Mapping) else args
+
+
 def _arg(args, name: str, default=None):
     value = getattr(args, name, default)
     return default if value is None else value
@@ -42,6 +50,7 @@ def vocabulary_size(args, vocab_size: int | None = None) -> int:
     Megatron-LM sets ``args.vocab_size`` only when the flag was given (a tokenizer otherwise supplies
     it), but always stores ``padded_vocab_size``: the real size must pad to it at the saved TP size.
     """
+    args = _namespace(args)
     saved, padded = getattr(args, "vocab_size", None), getattr(args, "padded_vocab_size", None)
     if vocab_size is not None and saved is not None and vocab_size != saved:
         raise ValueError(f"--vocab-size {vocab_size} contradicts the checkpoint's args.vocab_size {saved}")
@@ -59,7 +68,9 @@ def vocabulary_size(args, vocab_size: int | None = None) -> int:
 
 
 def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
-    """The GPTConfig of the model Megatron-LM's ``args`` describe (``vocab_size``: see :func:`vocabulary_size`)."""
+    """The GPTConfig of the model Megatron-LM's ``args`` (a Namespace or a mapping) describe (``vocab_size``: see
+    :func:`vocabulary_size`)."""
+    args = _namespace(args)
     for name, what in _UNSUPPORTED:
         if getattr(args, name, None):
             raise ValueError(f"the checkpoint's args.{name}={getattr(args, name)!r} ({what}): megalite's GPT "

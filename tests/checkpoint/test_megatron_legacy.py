@@ -258,6 +258,7 @@ def test_megatron_args_rules():
     assert config_from_megatron_args(gqa_off).num_query_groups == 4  # Megatron ignores the groups without GQA
     gelu = argparse.Namespace(**{**vars(args), "swiglu": False, "openai_gelu": True})
     assert config_from_megatron_args(gelu).activation == "gelu_tanh"
+    assert config_from_megatron_args(vars(args)) == config_from_megatron_args(args)  # args read as plain data
     for name, value, what in (("num_experts", 8, "mixture-of-experts"), ("qk_layernorm", True, "QK layer norm"),
                               ("position_embedding_type", "relative", "learned_absolute and rope"),
                               ("add_qkv_bias", True, "a QKV-only bias"), ("softmax_type", "learnable", "vanilla"),
