@@ -22,7 +22,7 @@ from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.sharding import ShardContext, global_param
-from megalite.checkpoint.state import load_into, local_shards, save_sharded
+from megalite.checkpoint.state import OPTIMIZER_KEYS, load_into, local_shards, save_sharded
 from megalite.checkpoint.storage import TensorShard
 from megalite.checkpoint.writer import AsyncSaver, CheckpointWriteError, write_checkpoint
 from megalite.models.architecture import config_to_dict
@@ -100,9 +100,13 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
                            extra: dict | None = None) -> str:
     """Write whole global model tensors as a single-rank checkpoint that loads under any layout.
 
-    ``tensors`` must hold exactly the tensors of ``config``'s model with their global shapes.
+    ``tensors`` must hold exactly the tensors of ``config``'s model with their global shapes, and may add
+    optimizer state as ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` of the same shapes (with its JSON
+    state as ``extra["optimizer"]``).
     """
-    expected = global_shapes(config)
+    model = global_shapes(config)
+    expected = {**model, **{f"optimizer.{key}.{name}": shape for key in (*OPTIMIZER_KEYS, "main")
+                            for name, shape in model.items() if f"optimizer.{key}.{name}" in tensors}}
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:

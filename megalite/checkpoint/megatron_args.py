@@ -1,0 +1,110 @@
+"""Megatron-LM's saved ``args`` as a megalite :class:`GPTConfig` (the architecture of a Megatron checkpoint).
+
+Megatron-LM stores its parsed command line (an ``argparse.Namespace``, after ``validate_args`` filled in
+derived sizes such as ``ffn_hidden_size``, ``kv_channels`` and ``padded_vocab_size``) in every
+checkpoint.  These are Megatron's attribute names, not megalite's flags, so they are read here, once,
+for every Megatron checkpoint format.  A feature megalite's GPT cannot compute (MoE, MLA, QK norm,
+interleaved or scaled RoPE, 1p LayerNorm, squared ReLU, a QKV-only bias, sliding windows, ...) is one
+error naming the arg.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from megalite.models import GPTConfig
+from megalite.tensor_parallel import pad_vocab_size
+
+_UNSUPPORTED = (
+    ("num_experts", "mixture-of-experts layers"),
+    ("multi_latent_attention", "multi-latent attention"),
+    ("qk_layernorm", "QK layer norm"),
+    ("rotary_interleaved", "interleaved rotary embeddings"),
+    ("use_rope_scaling", "RoPE scaling"),
+    ("apply_layernorm_1p", "zero-centred (1p) layer norm"),
+    ("squared_relu", "squared ReLU"),
+    ("apply_residual_connection_post_layernorm", "residuals taken after the layer norm"),
+    ("window_size", "sliding-window attention"),
+    ("rotary_seq_len_interpolation_factor", "RoPE sequence-length interpolation"),
+    ("qk_l2_norm", "QK L2 norm"),
+    ("mtp_num_layers", "multi-token prediction layers"),
+    ("hybrid_override_pattern", "hybrid (Mamba) layers"),
+)
+"""Args that, when set, describe a model megalite's GPT does not compute."""
+
+
+def _namespace(args):
+    """``args`` as attributes: Megatron's Namespace itself, or a mapping of its fields (e.g. read without pickle)."""
+    return argparse.Namespace(**args) if isinstance(args, Mapping) else args
+
+
+def _arg(args, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def vocabulary_size(args, vocab_size: int | None = None) -> int:
+    """The real (unpadded) vocabulary size: ``vocab_size`` when given, else ``args.vocab_size``.
+
+    Megatron-LM sets ``args.vocab_size`` only when the flag was given (a tokenizer otherwise supplies
+    it), but always stores ``padded_vocab_size``: the real size must pad to it at the saved TP size.
+    """
+    args = _namespace(args)
+    saved, padded = getattr(args, "vocab_size", None), getattr(args, "padded_vocab_size", None)
+    if vocab_size is not None and saved is not None and vocab_size != saved:
+        raise ValueError(f"--vocab-size {vocab_size} contradicts the checkpoint's args.vocab_size {saved}")
+    size = vocab_size if vocab_size is not None else saved
+    if size is None:
+        raise ValueError("the checkpoint's args hold no vocab_size (Megatron-LM took it from the tokenizer); pass "
+                         f"--vocab-size with the tokenizer's vocabulary size (at most padded_vocab_size {padded})")
+    if padded is not None:
+        divisible, tp = _arg(args, "make_vocab_size_divisible_by", 128), _arg(args, "tensor_model_parallel_size", 1)
+        if pad_vocab_size(size, divisible, tp) != padded:
+            raise ValueError(f"vocabulary size {size} pads to {pad_vocab_size(size, divisible, tp)} at "
+                             f"make_vocab_size_divisible_by {divisible} x tensor_model_parallel_size {tp}, "
+                             f"but the checkpoint's args.padded_vocab_size is {padded}")
+    return size
+
+
+def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
+    """The GPTConfig of the model Megatron-LM's ``args`` (a Namespace or a mapping) describe (``vocab_size``: see
+    :func:`vocabulary_size`)."""
+    args = _namespace(args)
+    for name, what in _UNSUPPORTED:
+        if getattr(args, name, None):
+            raise ValueError(f"the checkpoint's args.{name}={getattr(args, name)!r} ({what}): megalite's GPT "
+                             "does not implement it")
+    softmax = _arg(args, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        raise ValueError(f"the checkpoint's args.softmax_type={softmax!r}: megalite's attention uses the vanilla "
+                         "softmax")
+    position = _arg(args, "position_embedding_type", "learned_absolute")
+    if position not in ("learned_absolute", "rope"):
+        raise ValueError(f"the checkpoint's args.position_embedding_type={position!r}: megalite implements "
+                         "learned_absolute and rope")
+    bias = _arg(args, "add_bias_linear", True)
+    if getattr(args, "add_qkv_bias", False) and not bias:
+        raise ValueError("the checkpoint's args.add_qkv_bias=True without add_bias_linear (a QKV-only bias): "
+                         "megalite's GPT has biases on every linear layer or none")
+    heads = args.num_attention_heads
+    activation = "swiglu" if getattr(args, "swiglu", False) else "gelu_tanh" if getattr(args, "openai_gelu",
+                                                                                         False) else "gelu"
+    config = GPTConfig(
+        vocab_size=vocabulary_size(args, vocab_size), num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+        kv_channels=_arg(args, "kv_channels", args.hidden_size // heads),
+        max_position_embeddings=_arg(args, "max_position_embeddings", getattr(args, "seq_length", None)),
+        position_embedding_type=position, rotary_base=_arg(args, "rotary_base", 10000),
+        rotary_percent=_arg(args, "rotary_percent", 1.0), normalization=_arg(args, "normalization", "LayerNorm"),
+        norm_eps=_arg(args, "norm_epsilon", 1e-5), activation=activation, add_bias_linear=bias,
+        hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
+        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        init_method_std=_arg(args, "init_method_std", 0.02),
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))
+    try:
+        config.validate()
+    except ValueError as err:
+        raise ValueError(f"the checkpoint's args do not describe a model megalite can build: {err}") from None
+    return config

@@ -1,0 +1,324 @@
+"""Megatron-LM legacy checkpoints (``--ckpt-format torch``) read as megalite's global tensors.
+
+On disk (Megatron-LM's ``training/checkpointing.py``)::
+
+    SAVE/latest_checkpointed_iteration.txt         the iteration, or "release"
+    SAVE/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt      (``release/`` for a release)
+
+one ``torch.save`` file per tensor rank ``TT`` and pipeline rank ``PPP`` (the suffix only when pp > 1),
+holding ``args`` (the parsed command line), ``iteration``, ``model`` (``model0``, ``model1``, ... per
+virtual stage), and optionally ``optimizer``, ``opt_param_scheduler`` and ``rng_state``.  Each model
+entry is the stage's ``state_dict_for_save_checkpoint()``: Megatron-Core names (megalite's own), layer
+indices local to the stage, and each rank's TP shard.  Every shard is placed into its global tensor by
+:func:`megalite.checkpoint.sharding.global_param`, the one global layout, which already knows the
+per-rank SwiGLU ``[gate_r; up_r]`` rows, the per-group QKV rows and the vocabulary padding (cut to the
+real size).  Transformer Engine names of the fused norms are renamed to the local layers' names and its
+``_extra_state`` entries (FP8 metadata, no weights) are dropped.
+
+These files are pickles, and unpickling runs code the file names, so nothing is read without an
+explicit ``allow_pickle=True`` (``--allow-pickle``), which prints a warning line.  Only the converter
+calls this; megalite's own load path never unpickles.
+
+Optimizer state: a non-distributed optimizer saves torch Adam's state in ``optimizer`` (inside
+``optimizer`` with ``fp32_from_fp16_params``, the fp32 main weights, under fp16/bf16), numbered by
+parameter in Megatron's group order: groups by weight-decay multiplier, each in the order of
+``named_parameters()``, with biases and 1-D parameters undecayed (Megatron's default rule).  Each group
+is matched to its parameters by that rule and every moment's shape is checked; the moments then take the
+weights' way into global tensors (``optimizer.exp_avg.<name>``, as :mod:`megalite.checkpoint.state` writes
+them).  Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: a distributed
+optimizer's state (flat DP-sharded buffers in ``distrib_optim.pt``), groups with other learning-rate
+multipliers, and anything that does not match.  MoE (expert-parallel ``mp_rank_TT_PPP_EEE``) checkpoints
+are refused by :func:`config_from_megatron_args`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megalite.checkpoint import global_shapes, save_global_checkpoint
+from megalite.checkpoint.hf import _fresh_output, _move_into_place
+from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
+from megalite.checkpoint.state import OPTIMIZER_KEYS
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+"""Transformer Engine's fused-norm parameter names -> the local spec's (megalite's) names."""
+
+
+@dataclass
+class LegacyCheckpoint:
+    """A Megatron-LM legacy checkpoint in megalite's terms."""
+
+    directory: str
+    iteration: int
+    config: object
+    tensors: dict[str, torch.Tensor]
+    consumed_samples: int | None
+    optimizer: dict | None
+    """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``) when the moments were converted."""
+    optimizer_note: str | None
+    """Why the saved optimizer state was not converted (None: converted, or none saved)."""
+
+
+def legacy_directory(path: str) -> str | None:
+    """The iteration directory of a Megatron-LM legacy checkpoint that ``path`` names, or None (nothing unpickled).
+
+    ``path`` is a save directory (its ``latest_checkpointed_iteration.txt`` names ``iter_XXXXXXX`` or
+    ``release``) or an iteration directory holding ``mp_rank_*`` directories.
+    """
+    if not os.path.isdir(path):
+        return None
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":
+            return os.path.join(path, "release")
+        if not text.isdigit():
+            raise ValueError(f"{tracker} holds {text[:40]!r}, neither an iteration number nor 'release'")
+        directory = os.path.join(path, f"iter_{int(text):07d}")
+        if not os.path.isdir(directory):
+            raise ValueError(f"{tracker} names iteration {int(text)}, but {directory} does not exist")
+        return directory
+    if any(_RANK_DIR.fullmatch(name) for name in os.listdir(path)):
+        return path
+    return None
+
+
+def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron-LM's file of tensor rank ``tp_rank`` and pipeline rank ``pp_rank`` in an iteration directory."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(directory, name, MODEL_FILE)
+
+
+def _unpickle(path: str) -> dict:
+    """One rank file, memory-mapped (tensors are read when placed) unless torch < 1.6 wrote it (no zip archive)."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a damaged zip or pickle raises many types
+        raise ValueError(f"{path} is not a readable Megatron-LM checkpoint file: {type(err).__name__}: {err}") from None
+    if not isinstance(state, dict) or "args" not in state:
+        raise ValueError(f"{path} holds no Megatron-LM checkpoint (no 'args' entry)")
+    return state
+
+
+def _chunks(state: dict, path: str) -> list[dict]:
+    """The model state dicts of one rank file, one per virtual pipeline stage."""
+    if "model" in state:
+        return [state["model"]]
+    chunks = [state[f"model{v}"] for v in range(len(state)) if f"model{v}" in state]
+    if not chunks:
+        raise ValueError(f"{path} holds no 'model' entry")
+    return chunks
+
+
+def _layers(chunk: dict) -> int:
+    return len({int(m.group(1)) for m in map(_LAYER.match, chunk) if m})
+
+
+def _global_name(name: str, offset: int) -> str:
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    rest = name[match.end():]
+    return f"decoder.layers.{int(match.group(1)) + offset}.{_TE_NAMES.get(rest, rest)}"
+
+
+def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: int | None = None) -> LegacyCheckpoint:
+    """The Megatron-LM legacy checkpoint ``path`` names (save or iteration directory) as global tensors.
+
+    ``allow_pickle`` must be True (the files are pickles).  ``vocab_size``: the real vocabulary size when
+    the saved args lack it (see :func:`megalite.checkpoint.megatron_args.vocabulary_size`).  ValueError on
+    anything missing or contradictory (the pickle opt-in, the args and the rank files are checked first).
+    """
+    directory = legacy_directory(path)
+    if directory is None:
+        raise ValueError(f"{path} holds no Megatron-LM legacy checkpoint: no {TRACKER} and no mp_rank_* directories")
+    if not allow_pickle:
+        raise ValueError(f"{directory} is a Megatron-LM legacy checkpoint, whose {MODEL_FILE} files are Python "
+                         "pickles that can run code when read; pass --allow-pickle (allow_pickle=True) only if you "
+                         "trust them")
+    print(f"warning: unpickling the Megatron-LM checkpoint {directory} (--allow-pickle): this runs whatever code "
+          "the files name; only use it for files you trust", file=sys.stderr, flush=True)
+    candidates = [rank_file(directory, 0, 0, 1), rank_file(directory, 0, 0, 2)]
+    first = next((f for f in candidates if os.path.isfile(f)), None)
+    if first is None:
+        raise ValueError(f"{directory} has neither {os.path.relpath(candidates[0], directory)} nor "
+                         f"{os.path.relpath(candidates[1], directory)}")
+    state = _unpickle(first)
+    args = state["args"]
+    tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
+    if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"{directory}: expert-parallel checkpoints (args.expert_model_parallel_size="
+                         f"{args.expert_model_parallel_size}) are not supported")
+    config = config_from_megatron_args(args, vocab_size)
+    files = {(t, p): rank_file(directory, t, p, pp) for p in range(pp) for t in range(tp)}
+    missing = [f for f in files.values() if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"{missing[0]} is missing ({len(missing)} of the {tp * pp} rank files that the saved args' "
+                         f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} need)")
+    expected = {os.path.basename(os.path.dirname(f)) for f in files.values()}
+    extra = sorted(name for name in os.listdir(directory) if _RANK_DIR.fullmatch(name) and name not in expected)
+    if extra:
+        raise ValueError(f"{directory} holds {extra[0]}, which the saved args' tensor_model_parallel_size {tp} x "
+                         f"pipeline_model_parallel_size {pp} do not have")
+    states = {key: state if key == (0, 0) else _unpickle(f) for key, f in files.items()}
+    chunks = {key: _chunks(states[key], f) for key, f in files.items()}
+    tensors = _assemble(config, chunks, tp, pp, directory)
+    meta, note = None, None
+    if "optimizer" in state:
+        moments, meta, note = _optimizer(states, chunks, config, tp, pp, directory)
+        tensors.update(moments)
+    iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
+    return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),
+                            meta, note)
+
+
+def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
+    """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer, or
+    ``({}, None, why it cannot be converted)``."""
+    found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in states}
+    note = next((entry for entry in found.values() if isinstance(entry, str)), None)
+    if note is None and len({meta["num_steps"] for _, meta in found.values()}) > 1:
+        note = f"the ranks' Adam steps differ ({sorted({meta['num_steps'] for _, meta in found.values()})})"
+    if note is not None:
+        return {}, None, note
+    tensors = {}
+    for key in (*OPTIMIZER_KEYS, "main"):
+        if all(key in e for entries, _ in found.values() for chunk in entries for e in chunk.values()):
+            moments = {rank: [{name: e[key] for name, e in chunk.items()} for chunk in entries]
+                       for rank, (entries, _) in found.items()}
+            tensors.update({f"optimizer.{key}.{name}": value
+                            for name, value in _assemble(config, moments, tp, pp, directory).items()})
+    return tensors, found[(0, 0)][1], None
+
+
+def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
+    """Megatron's default rule: biases and 1-D parameters are not decayed."""
+    return name.endswith(".bias") or tensor.dim() == 1
+
+
+def _optimizer_entries(saved, chunks: list[dict]):
+    """``([{name: {"exp_avg", "exp_avg_sq"[, "main"]}} per chunk], megalite's optimizer JSON state)`` of one rank's
+    saved Megatron optimizer, or the reason it cannot be converted (a string)."""
+    if isinstance(saved, list):
+        if len(saved) != 1:
+            return f"it is a chain of {len(saved)} optimizers"
+        saved = saved[0]
+    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+    if not isinstance(inner, dict) or not inner.get("state"):
+        return "it holds no Adam moments (a distributed optimizer keeps them in distrib_optim.pt, DP-sharded)"
+    groups = inner.get("param_groups", [])
+    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
+            g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel") or g.get("is_decoupled_lr") for g in groups):
+        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
+    params = [(v, name, t) for v, chunk in enumerate(chunks) for name, t in chunk.items()
+              if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")]
+    mains = saved.get("fp32_from_fp16_params") if "optimizer" in saved else None
+    entries, steps = [{} for _ in chunks], set()
+    for g, group in enumerate(groups):
+        undecayed = group.get("wd_mult", 1.0) == 0.0
+        members = [p for p in params if _no_weight_decay(p[1], p[2]) == undecayed]
+        if len(members) != len(group["params"]):
+            return f"its group {g} has {len(group['params'])} parameters, the default rule gives {len(members)}"
+        if mains is not None and len(mains[g]) != len(members):
+            return f"its group {g} mixes fp32 and half-precision parameters"
+        for j, (index, (v, name, tensor)) in enumerate(zip(group["params"], members)):
+            state = inner["state"].get(index, {})
+            if "exp_avg" not in state or tuple(state["exp_avg"].shape) != tuple(tensor.shape):
+                return f"its state {index} does not fit {name} {tuple(tensor.shape)}"
+            entries[v][name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            if mains is not None:
+                if tuple(mains[g][j].shape) != tuple(tensor.shape):
+                    return f"its fp32 main weight {g}.{j} does not fit {name} {tuple(tensor.shape)}"
+                entries[v][name]["main"] = mains[g][j]
+            steps.add(int(state.get("step", 0)))
+    if len(steps) != 1:
+        return f"its parameters have different Adam steps ({sorted(steps)})"
+    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
+    param_groups = []
+    for wd_mult in (1.0, 0.0):  # megalite's groups: decayed, then undecayed
+        group = by_mult.get(wd_mult, groups[0])
+        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
+                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
+    return entries, {"num_steps": steps.pop(), "scaler": None, "param_groups": param_groups}
+
+
+def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
+    """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
+    from megalite.models import GPTModel
+
+    with torch.device("meta"):
+        attributes = {name: (getattr(t, "tensor_model_parallel", False), getattr(t, "partition_dim", None))
+                      for name, t in GPTModel(config).state_dict(keep_vars=True).items()}
+    expected = global_shapes(config)
+    # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
+    vpp = len(chunks[(0, 0)])
+    offsets, total = {}, 0
+    for v in range(vpp):
+        for p in range(pp):
+            offsets[(v, p)] = total
+            total += _layers(chunks[(0, p)][v])
+    if total != config.num_layers:
+        raise ValueError(f"{directory} holds {total} transformer layers, but the saved args say num_layers "
+                         f"{config.num_layers}")
+    out, filled = {}, {}
+    for (t, p), per_stage in chunks.items():
+        for v, chunk in enumerate(per_stage):
+            for key, value in chunk.items():
+                if key.endswith("_extra_state") or value is None:
+                    continue
+                name = _global_name(key, offsets[(v, p)])
+                if name not in attributes:
+                    raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
+                                     "the saved args describe")
+                split, dim = attributes[name]
+                local = torch.empty(value.shape, device="meta")
+                local.tensor_model_parallel, local.partition_dim = split, dim
+                gp = global_param(name, local, config, ShardContext(tp_rank=t, tp_size=tp))
+                if gp.alias or (not split and t > 0):
+                    continue  # a tied output layer's copy, or a TP replica of rank 0's tensor
+                if tuple(gp.shape) != expected.get(gp.name):
+                    raise ValueError(f"{directory}: {key} of tensor rank {t} has shape {tuple(value.shape)}, which "
+                                     f"makes a global {tuple(gp.shape)}; the saved args need {expected.get(gp.name)}")
+                target = out.setdefault(gp.name, torch.empty(gp.shape, dtype=value.dtype))
+                for piece in gp.pieces:
+                    part = value[box_slices(piece.local)]
+                    target[tuple(slice(o, o + n) for o, n in zip(piece.offset, part.shape))] = part
+                    filled[gp.name] = filled.get(gp.name, 0) + part.numel()
+    missing = [name for name, shape in expected.items() if filled.get(name, 0) != torch.Size(shape).numel()]
+    if missing:
+        raise ValueError(f"{directory} does not hold all of {missing[0]} (nor of {len(missing) - 1} other tensors)")
+    return out
+
+
+def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = False,
+                            vocab_size: int | None = None) -> LegacyCheckpoint:
+    """Write the Megatron-LM legacy checkpoint ``path`` as a megalite checkpoint in ``output`` (loads at any layout).
+
+    The iteration and the consumed samples (the data position) travel, so ``--load`` resumes there.
+    """
+    tmp = _fresh_output(output)
+    legacy = read_megatron_legacy(path, allow_pickle=allow_pickle, vocab_size=vocab_size)
+    extra = {"consumed_samples": legacy.consumed_samples or 0, "megatron_legacy": legacy.directory,
+             "optimizer": legacy.optimizer}
+    save_global_checkpoint(tmp, legacy.config, legacy.tensors, iteration=legacy.iteration, extra=extra)
+    _move_into_place(tmp, output)
+    return legacy
