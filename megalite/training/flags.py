@@ -100,6 +100,9 @@ _TRAINING_ROWS = (
 
     Flag("--micro-batch-size", OPT, default=1, type=int),
     Flag("--global-batch-size", OPT, type=int, help="None: micro-batch size * dp"),
+    Flag("--rampup-batch-size", OPT, type=int, nargs=3,
+         help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES samples "
+              "(Megatron-LM's ramp-up; needs --train-samples)"),
     Flag("--train-iters", OPT, type=int, help="None: --train-samples / global batch, else 100"),
     Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),

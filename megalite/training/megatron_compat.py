@@ -63,8 +63,6 @@ _WANDB = "megalite logs to --tensorboard-dir and --metrics-file, not to Weights 
 _DECOUPLED = "a separate learning rate for the embedding and output layer changes the update"
 
 NOT_IMPLEMENTED = {
-    "--rampup-batch-size": "the batch-size ramp-up changes the samples of each step; give a fixed "
-                           "--global-batch-size",
     "--apply-layernorm-1p": "zero-centered LayerNorm weights change the model",
     "--decoupled-lr": _DECOUPLED,
     "--decoupled-min-lr": _DECOUPLED,

@@ -52,7 +52,7 @@ def _fmt(value) -> str:
 class MetricsLogger:
     """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and prints a line."""
 
-    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "grad_norm", "params_norm", "num_zeros",
+    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "global_batch_size", "grad_norm", "params_norm", "num_zeros",
               "loss_scale", "tokens_per_sec", "iter_ms", "tflops", "mfu", "skipped", "mem_allocated_gib",
               "mem_reserved_gib", "max_rss_gib")
 
