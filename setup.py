@@ -18,6 +18,7 @@ OPTIONAL = {
     "plot": ["matplotlib>=3.5"],
     "serve": ["aiohttp>=3.8"],
     "ray": ["ray>=2.0"],
+    "wandb": ["wandb"],  # --wandb-project
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]

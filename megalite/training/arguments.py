@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 
 from megalite.context_parallel import check_context_parallel
@@ -165,6 +166,10 @@ def _check_schedule(args):
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    if args.wandb_project:
+        _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+        _require(importlib.util.find_spec("wandb") is not None,
+                 "--wandb-project needs the wandb package, which is not installed: pip install wandb")
     if args.profile:
         _require(1 <= args.profile_step_start < args.profile_step_end,
                  f"--profile-step-start {args.profile_step_start} must be at least 1 and below "

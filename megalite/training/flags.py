@@ -185,6 +185,10 @@ _TRAINING_ROWS = (
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),
     Flag("--tensorboard-dir", LOG),
+    Flag("--wandb-project", LOG, help="log the TensorBoard scalars to this Weights & Biases project too "
+                                      "(pip install wandb)"),
+    Flag("--wandb-exp-name", LOG, help="the W&B run name; needed with --wandb-project"),
+    Flag("--wandb-save-dir", LOG, help="W&B's local directory; None: --save/wandb"),
     Flag("--log-memory", LOG, default=False,
          help="print rank 0's peak memory on each logged line too (TensorBoard always gets it)"),
     Flag("--log-params-norm", LOG, default=False, help="log the global L2 norm of the parameters"),

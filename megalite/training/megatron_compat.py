@@ -59,7 +59,6 @@ COMPAT_FLAGS = FlagTable((
 """Accepted Megatron-LM flags without effect; each row's help text is the reason printed."""
 
 _FP8 = "megalite has no FP8 training"
-_WANDB = "megalite logs to --tensorboard-dir and --metrics-file, not to Weights & Biases"
 _DECOUPLED = "a separate learning rate for the embedding and output layer changes the update"
 
 NOT_IMPLEMENTED = {
@@ -77,9 +76,6 @@ NOT_IMPLEMENTED = {
     "--fp8-interval": _FP8,
     "--attention-softmax-in-fp32": "megalite's attention softmax precision is torch's",
     "--dataloader-type": "megalite's sampler is Megatron's single (ordered) sampler only",
-    "--wandb-project": _WANDB,
-    "--wandb-exp-name": _WANDB,
-    "--wandb-save-dir": _WANDB,
     "--no-position-embedding": "megalite has no model without position information; --position-embedding-type "
                                "rope has no learned position embedding",
 }

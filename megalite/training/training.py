@@ -65,7 +65,7 @@ class Trainer:
         if args.timeline_dir:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
-                                    args.train_iters)
+                                    args.train_iters, wandb_init=_wandb_init(args))
         self.saver = AsyncSaver() if args.save and args.async_save else None
         self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
                                   log=topo.global_rank == 0)
@@ -225,6 +225,15 @@ class Trainer:
         if self.recorder is not None:
             os.makedirs(self.args.timeline_dir, exist_ok=True)
             self.recorder.save(os.path.join(self.args.timeline_dir, f"rank_{self.topo.global_rank:05d}.json"))
+
+
+def _wandb_init(args) -> dict | None:
+    """``wandb.init``'s arguments under ``--wandb-project``, as Megatron-LM gives them (the flags as the config;
+    the directory ``--wandb-save-dir``, else ``--save``/wandb); None without it."""
+    if not args.wandb_project:
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": save_dir, "config": vars(args)}
 
 
 def _layout_text(layout: dict) -> str:

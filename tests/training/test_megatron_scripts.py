@@ -100,8 +100,7 @@ ACCEPTED = {"--use-mcore-models", "--attention-backend", "--cross-entropy-loss-f
 REJECTED = {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
             "--grad-reduce-in-bf16", "--calculate-per-token-loss", "--fp8-format", "--fp8-amax-history-len",
             "--fp8-amax-compute-algo", "--fp8-param-gather", "--dataloader-type", "--fp8-margin", "--fp8-interval",
-            "--attention-softmax-in-fp32", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
-            "--no-position-embedding"}
+            "--attention-softmax-in-fp32", "--no-position-embedding"}
 
 
 def _argv(rows):
