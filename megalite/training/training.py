@@ -387,9 +387,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                   f"is {args.train_iters}; nothing to train and nothing written", flush=True)
         trainer.logger.close()
         return iteration
-    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, num_samples(args))
+    requested = num_samples(args)
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, requested)
     if topo.global_rank == 0:
-        sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
+        sizes = "/".join("-" if d is None else str(n) for d, n in zip((train_ds, valid_ds, test_ds), requested))
         source = "mock data" if args.mock_data else " ".join(args.data_path or [])
         print(f"data: {source}; train/valid/test samples {sizes}; seq length {args.seq_length}, vocabulary "
               f"{args.vocab_size}", flush=True)

@@ -1,0 +1,88 @@
+"""Megatron-Core reads the index cache megalite writes and megalite reads Megatron-Core's; --mock-data gives
+MockGPTDataset's samples.
+
+The peer is Megatron-Core itself (a test-only dependency): its ``BlendedMegatronDatasetBuilder`` builds the
+same request on the shared fixture, or on its mock documents, with its own NullTokenizer.
+"""
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.megatron_cache import null_tokenizer_identifiers
+from megalite.data.mock import build_mock_datasets
+from tests.data.megatron_fixture import FIXTURE_PREFIX
+from tests.data.test_megatron_order import _assert_same_indices, _megatron_windows, _Tokenizer
+
+pytest.importorskip("megatron.core")
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+
+SEED, SPLIT, VOCAB = 1234, "90,8,2", 64
+
+
+def _null_tokenizer():
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+    return build_tokenizer(SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=VOCAB, tokenizer_metadata=None))
+
+
+def _megatron(sizes, seq, tokenizer, cache=None, prefix=FIXTURE_PREFIX, cls=MegatronGPTDataset):
+    blend = None if prefix is None else ([prefix], None)
+    config = GPTDatasetConfig(random_seed=SEED, sequence_length=seq, blend=blend, split=SPLIT, tokenizer=tokenizer,
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              path_to_cache=cache)
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+def _files(directory):
+    return {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in os.listdir(directory)}
+
+
+def test_megatron_loads_the_cache_megalite_writes(tmp_path):
+    cache, sizes = str(tmp_path / "cache"), [300, 20, 10]
+    tokenizer = _null_tokenizer()
+    ours = build_train_valid_test_datasets([FIXTURE_PREFIX], SPLIT, 16, SEED, sizes, cache_dir=cache,
+                                           tokenizer=null_tokenizer_identifiers(VOCAB))
+    written = _files(cache)
+    assert len(written) == 3 * 5  # per split: Megatron's four files and megalite's record
+    theirs = _megatron(sizes, 16, tokenizer, cache)
+    assert _files(cache) == written  # nothing built or written again
+    for mine, megatron in zip(ours, theirs):
+        assert megatron.unique_description == mine.description
+        assert isinstance(megatron.shuffle_index, np.memmap)  # loaded from the cache, as Megatron logs it
+        assert len(mine) == len(megatron)
+        _assert_same_indices(mine, megatron)
+
+
+def test_megalite_loads_the_cache_megatron_writes(tmp_path):
+    cache, sizes = str(tmp_path / "cache"), [900, 50, 30]
+    theirs = _megatron(sizes, 16, _Tokenizer(), cache)  # a tokenizer megalite cannot name: found by the rest
+    written = _files(cache)
+    ours = build_train_valid_test_datasets([FIXTURE_PREFIX], SPLIT, 16, SEED, sizes, cache_dir=cache)
+    assert _files(cache) == written
+    for mine, megatron, split in zip(ours, theirs, ("train", "valid", "test")):
+        assert isinstance(mine.shuffle_idx, np.memmap)
+        assert os.path.dirname(mine.shuffle_idx.filename) == cache and f"-GPTDataset-{split}-" in mine.shuffle_idx.filename
+        _assert_same_indices(mine, megatron)
+        count = min(len(mine), 200)
+        assert [mine[i]["tokens"].tolist() for i in range(count)] == _megatron_windows(megatron, count)
+    other = build_train_valid_test_datasets([FIXTURE_PREFIX], SPLIT, 16, SEED + 1, sizes, cache_dir=cache)
+    assert not isinstance(other[0].shuffle_idx, np.memmap)  # another seed is another dataset: built afresh
+    assert len(_files(cache)) == len(written) + 3 * 5
+
+
+def test_mock_data_equals_megatron_mock_dataset(tmp_path):
+    """--mock-data with NullTokenizer: every index and the first samples of each split equal MockGPTDataset's
+    (Megatron splits the mock documents evenly, whatever --split says)."""
+    tokenizer, seq, sizes = _null_tokenizer(), 2048, [200, 40, 20]
+    theirs = _megatron(sizes, seq, tokenizer, prefix=None, cls=MockGPTDataset)
+    ours = build_mock_datasets(seq, SEED, sizes, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
+    for mine, megatron, size in zip(ours, theirs, sizes):
+        assert isinstance(megatron, MockGPTDataset) and len(mine) == len(megatron)
+        _assert_same_indices(mine, megatron)
+        assert [mine[i]["tokens"].tolist() for i in range(size)] == _megatron_windows(megatron, size)
