@@ -45,7 +45,8 @@ class GPTDataset(torch.utils.data.Dataset):
     epochs over them are used as ``num_samples`` needs; sample i is Megatron-Core's
     sample i for the same documents, request and seed, and ``len()`` is Megatron's
     (every whole sample in those epochs).  With ``cache_dir`` the index arrays are
-    loaded from, or saved to, ``cache_dir`` in Megatron-Core's layout; ``split``
+    loaded from, or saved to, ``cache_dir`` in Megatron-Core's layout (without it, loaded from
+    Megatron-LM's default ``{prefix}/cache/GPTDataset_indices`` when that exists); ``split``
     (the ``--split`` string), ``index_split`` (train, valid or test), ``tokenizer``
     (Megatron's identifiers of the tokenizer, see :mod:`megalite.data.megatron_cache`)
     and ``megatron_class`` complete Megatron's description of the dataset.  With
@@ -87,8 +88,11 @@ class GPTDataset(torch.utils.data.Dataset):
         shapes = {"document_index": (self.num_epochs * len(documents),), "sample_index": (total + 1, 2),
                   "shuffle_index": (total,)}
         files = self._data_files(indexed, documents)
-        cached = None if cache_dir is None else megatron_cache.load(cache_dir, self.description, megatron_class,
-                                                                    index_split, files, shapes)
+        # Without a cache directory, Megatron-LM caches beside the data; megalite reads that one, writes none.
+        read_dir = cache_dir if cache_dir is not None or megatron_class != "GPTDataset" else \
+            os.path.join(indexed.prefix, "cache", "GPTDataset_indices")
+        cached = None if read_dir is None or not os.path.isdir(read_dir) else megatron_cache.load(
+            read_dir, self.description, megatron_class, index_split, files, shapes)
         if cached is not None:
             self.doc_idx, self.sample_idx, self.shuffle_idx = cached
         else:

@@ -86,3 +86,20 @@ def test_mock_data_equals_megatron_mock_dataset(tmp_path):
         assert isinstance(megatron, MockGPTDataset) and len(mine) == len(megatron)
         _assert_same_indices(mine, megatron)
         assert [mine[i]["tokens"].tolist() for i in range(size)] == _megatron_windows(megatron, size)
+
+
+def test_megatron_default_cache_beside_the_data_is_read(tmp_path):
+    """Without --data-cache-path Megatron-LM caches in {prefix}/cache/GPTDataset_indices; megalite reads it."""
+    from tests.data.test_megatron_order import _other_dataset
+
+    prefix = _other_dataset(tmp_path / "docs", seed=4, low=0, high=1000)
+    sizes = [400, 30, 20]
+    theirs = _megatron(sizes, 8, _Tokenizer(), cache=None, prefix=prefix)
+    default = os.path.join(prefix, "cache", "GPTDataset_indices")
+    written = _files(default)
+    assert len(written) == 3 * 4
+    ours = build_train_valid_test_datasets([prefix], SPLIT, 8, SEED, sizes)
+    assert _files(default) == written
+    for mine, megatron in zip(ours, theirs):
+        assert isinstance(mine.shuffle_idx, np.memmap) and os.path.dirname(mine.shuffle_idx.filename) == default
+        _assert_same_indices(mine, megatron)
