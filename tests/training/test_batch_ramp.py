@@ -122,7 +122,8 @@ def _pretrain(argv):
 @pytest.mark.slow
 def test_trainer_runs_the_ramp(tmp_path):
     """Two DP ranks: each iteration's batch, consumed samples and LR equal Megatron-LM's; each rank runs
-    batch / (micro batch * dp) micro-batches; a checkpoint is saved when the batch grows."""
+    batch / (micro batch * dp) micro-batches; a checkpoint is saved when the batch grows, and a run resumed
+    from the mid-ramp one continues exactly."""
     from megalite.optim import OptimizerConfig
 
     megatron_scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
@@ -158,6 +159,16 @@ def test_trainer_runs_the_ramp(tmp_path):
     assert "ramping up batch size from 2 to 4" in out and "ramping up batch size from 4 to 6" in out
     saved = [line for line in out.splitlines() if line.startswith("saved checkpoint at iteration")]
     assert [line.split()[4] for line in saved] == ["2", "3", "6"]
+
+    resumed_argv = [word for word in argv if word not in (str(tmp_path / "ckpt"), str(tmp_path / "metrics.jsonl"))]
+    resumed_argv = [word for word in resumed_argv if word not in ("--save", "--metrics-file")] + [
+        "--load", str(tmp_path / "ckpt" / "iter_0000002"), "--metrics-file", str(tmp_path / "resumed.jsonl")]
+    run_distributed(_pretrain, 2, resumed_argv, timeout=180)
+    resumed = read_metrics(tmp_path / "resumed.jsonl")
+    assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
+    for mine, full in zip(resumed, records[2:]):
+        for key in ("global_batch_size", "consumed_samples", "lr", "loss", "grad_norm"):
+            assert mine[key] == full[key], (mine["iteration"], key)
 
 
 class _OneGroup:
