@@ -48,10 +48,23 @@ def description(class_name: str, dataset_path: str | None, num_samples: int, ind
     return json.dumps(fields, indent=4)
 
 
+_TEXT_TOKENIZER = "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText"
+
+
 def null_tokenizer_identifiers(vocab_size_without_eod: int) -> dict:
     """The identifiers of Megatron-Core's NullTokenizer (``--vocab-size`` as given, without its eod)."""
-    return OrderedDict([("class", "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText"),
-                        ("tokenizer_path", None), ("vocab_size", str(vocab_size_without_eod))])
+    return OrderedDict([("class", _TEXT_TOKENIZER), ("tokenizer_path", None),
+                        ("vocab_size", str(vocab_size_without_eod))])
+
+
+def hf_tokenizer_identifiers(tokenizer_model: str, vocab_file: str | None = None,
+                             merge_file: str | None = None) -> dict:
+    """The identifiers of Megatron-Core's HuggingFaceTokenizer for ``--tokenizer-model`` (Megatron-LM's defaults
+    for the flags megalite does not have: no special tokens, slow tokenizer, no remote code)."""
+    return OrderedDict([("class", _TEXT_TOKENIZER), ("tokenizer_path", tokenizer_model),
+                        ("vocab_file", str(vocab_file)), ("merges_file", str(merge_file)),
+                        ("additional_special_tokens", "[]"), ("use_fast", "False"), ("trust_remote_code", "False"),
+                        ("include_special_tokens", "False")])
 
 
 def _paths(cache_dir: str, stem: str) -> dict:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
-from megalite.data.megatron_cache import null_tokenizer_identifiers
+from megalite.data.megatron_cache import hf_tokenizer_identifiers, null_tokenizer_identifiers
 from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
@@ -30,11 +30,13 @@ def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: 
 
 
 def megatron_tokenizer_identifiers(args) -> dict | None:
-    """Megatron-Core's identifiers of the flags' tokenizer where megalite knows them (NullTokenizer), so that
-    Megatron-LM finds the index cache megalite writes; None otherwise (megalite still reads Megatron's caches,
-    whatever their tokenizer, since it does not change the indices)."""
+    """Megatron-Core's identifiers of the flags' tokenizer where megalite knows them (NullTokenizer,
+    HuggingFaceTokenizer), so that Megatron-LM finds the index cache megalite writes; None otherwise (megalite
+    still reads Megatron's caches, whatever their tokenizer, since it does not change the indices)."""
     if args.tokenizer_type == "NullTokenizer":
         return null_tokenizer_identifiers(eod_token_id(args))
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        return hf_tokenizer_identifiers(args.tokenizer_model, args.vocab_file, args.merge_file)
     return None
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
-from megalite.data.megatron_cache import null_tokenizer_identifiers
+from megalite.data.megatron_cache import hf_tokenizer_identifiers, null_tokenizer_identifiers
 from megalite.data.mock import build_mock_datasets
 from tests.data.megatron_fixture import FIXTURE_PREFIX
 from tests.data.test_megatron_order import _assert_same_indices, _megatron_windows, _Tokenizer
@@ -25,10 +25,28 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset 
 SEED, SPLIT, VOCAB = 1234, "90,8,2", 64
 
 
+HF_TOKENIZER = os.path.join(os.path.dirname(FIXTURE_PREFIX), "hf_tokenizer")
+
+
 def _null_tokenizer():
     from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
 
     return build_tokenizer(SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=VOCAB, tokenizer_metadata=None))
+
+
+def _hf_tokenizer():
+    """Megatron-LM's HuggingFaceTokenizer for the fixture's tokenizer, its other flags at Megatron-LM's defaults."""
+    pytest.importorskip("transformers")
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+    return build_tokenizer(SimpleNamespace(
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=HF_TOKENIZER, vocab_file=None, merge_file=None,
+        tokenizer_special_tokens=None, tokenizer_hf_use_fast=False, trust_remote_code=False,
+        tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None, vocab_size=None))
+
+
+TOKENIZERS = {"null": (_null_tokenizer, lambda: null_tokenizer_identifiers(VOCAB)),
+              "huggingface": (_hf_tokenizer, lambda: hf_tokenizer_identifiers(HF_TOKENIZER))}
 
 
 def _megatron(sizes, seq, tokenizer, cache=None, prefix=FIXTURE_PREFIX, cls=MegatronGPTDataset):
@@ -43,11 +61,13 @@ def _files(directory):
     return {name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in os.listdir(directory)}
 
 
-def test_megatron_loads_the_cache_megalite_writes(tmp_path):
+@pytest.mark.parametrize("kind", list(TOKENIZERS))
+def test_megatron_loads_the_cache_megalite_writes(tmp_path, kind):
     cache, sizes = str(tmp_path / "cache"), [300, 20, 10]
-    tokenizer = _null_tokenizer()
+    megatron_tokenizer, identifiers = TOKENIZERS[kind]
+    tokenizer = megatron_tokenizer()
     ours = build_train_valid_test_datasets([FIXTURE_PREFIX], SPLIT, 16, SEED, sizes, cache_dir=cache,
-                                           tokenizer=null_tokenizer_identifiers(VOCAB))
+                                           tokenizer=identifiers())
     written = _files(cache)
     assert len(written) == 3 * 5  # per split: Megatron's four files and megalite's record
     theirs = _megatron(sizes, 16, tokenizer, cache)
@@ -103,3 +123,16 @@ def test_megatron_default_cache_beside_the_data_is_read(tmp_path):
     for mine, megatron in zip(ours, theirs):
         assert isinstance(mine.shuffle_idx, np.memmap) and os.path.dirname(mine.shuffle_idx.filename) == default
         _assert_same_indices(mine, megatron)
+
+
+@pytest.mark.parametrize("kind,argv", [("null", ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]),
+                                       ("huggingface", ["--tokenizer-type", "HuggingFaceTokenizer",
+                                                        "--tokenizer-model", HF_TOKENIZER])])
+def test_the_trainer_names_its_tokenizer_as_megatron_does(kind, argv):
+    from megalite.training.data_checks import check_data
+    from megalite.training.flags import parse_args
+    from megalite.training.gpt import megatron_tokenizer_identifiers
+
+    args = parse_args(argv + ["--mock-data"])
+    check_data(args)
+    assert dict(megatron_tokenizer_identifiers(args)) == dict(TOKENIZERS[kind][0]().unique_identifiers)
