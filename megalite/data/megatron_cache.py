@@ -97,7 +97,8 @@ def load(cache_dir: str, text: str, class_name: str, index_split: str, files: di
     """
     wanted = json.loads(text)
     candidates = [_stem(text, class_name, index_split)]
-    for path in sorted(glob.glob(os.path.join(glob.escape(cache_dir), f"*-{class_name}-{index_split}-description.txt"))):
+    pattern = os.path.join(glob.escape(cache_dir), f"*-{class_name}-{index_split}-description.txt")
+    for path in sorted(glob.glob(pattern)):
         candidates.append(os.path.basename(path)[:-len("-description.txt")])
     for stem in candidates:
         paths = _paths(cache_dir, stem)
@@ -123,7 +124,8 @@ def load(cache_dir: str, text: str, class_name: str, index_split: str, files: di
 
 
 def save(cache_dir: str, text: str, class_name: str, index_split: str, files: dict, arrays) -> None:
-    """Write the arrays under Megatron-Core's names, with the description and megalite's record; each file atomically."""
+    """Write the arrays under Megatron-Core's names, with the description and megalite's record, each file
+    atomically."""
     os.makedirs(cache_dir, exist_ok=True)
     paths = _paths(cache_dir, _stem(text, class_name, index_split))
 

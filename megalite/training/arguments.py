@@ -167,7 +167,8 @@ def _check_schedule(args):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
     if args.wandb_project:
-        _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+        _require(bool(args.wandb_exp_name),
+                 "--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
         _require(importlib.util.find_spec("wandb") is not None,
                  "--wandb-project needs the wandb package, which is not installed: pip install wandb")
     if args.profile:

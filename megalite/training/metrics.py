@@ -41,6 +41,15 @@ def memory_gib() -> dict[str, float]:
     return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
+def wandb_init(args) -> dict | None:
+    """``wandb.init``'s arguments under ``--wandb-project``, as Megatron-LM gives them (the flags as the config;
+    the directory ``--wandb-save-dir``, else ``--save``/wandb); None without it."""
+    if not args.wandb_project:
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": save_dir, "config": vars(args)}
+
+
 def _fmt(value) -> str:
     if not isinstance(value, float):
         return str(value)

@@ -34,7 +34,7 @@ from megalite.training.batch_ramp import batch_ramp
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.flags import nan_guard_config
 from megalite.training.lr_schedule import LRScheduler
-from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
+from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops, wandb_init
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import checkpoint_bytes
@@ -65,7 +65,7 @@ class Trainer:
         if args.timeline_dir:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
-                                    args.train_iters, wandb_init=_wandb_init(args))
+                                    args.train_iters, wandb_init=wandb_init(args))
         self.saver = AsyncSaver() if args.save and args.async_save else None
         self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
                                   log=topo.global_rank == 0)
@@ -82,7 +82,8 @@ class Trainer:
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
 
     def _fetch_batches(self, data_iterator, num_microbatches: int):
-        """This iteration's ``num_microbatches`` micro-batches, read before the schedule starts; ranks agree none failed.
+        """This iteration's ``num_microbatches`` micro-batches, read before the schedule starts; ranks agree
+        none failed.
 
         Reading a batch may raise ValueError (e.g. a token id outside the
         vocabulary).  Raised inside the schedule on one rank it would leave the
@@ -225,15 +226,6 @@ class Trainer:
         if self.recorder is not None:
             os.makedirs(self.args.timeline_dir, exist_ok=True)
             self.recorder.save(os.path.join(self.args.timeline_dir, f"rank_{self.topo.global_rank:05d}.json"))
-
-
-def _wandb_init(args) -> dict | None:
-    """``wandb.init``'s arguments under ``--wandb-project``, as Megatron-LM gives them (the flags as the config;
-    the directory ``--wandb-save-dir``, else ``--save``/wandb); None without it."""
-    if not args.wandb_project:
-        return None
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-    return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": save_dir, "config": vars(args)}
 
 
 def _layout_text(layout: dict) -> str:

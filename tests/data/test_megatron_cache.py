@@ -87,7 +87,8 @@ def test_megalite_loads_the_cache_megatron_writes(tmp_path):
     assert _files(cache) == written
     for mine, megatron, split in zip(ours, theirs, ("train", "valid", "test")):
         assert isinstance(mine.shuffle_idx, np.memmap)
-        assert os.path.dirname(mine.shuffle_idx.filename) == cache and f"-GPTDataset-{split}-" in mine.shuffle_idx.filename
+        name = mine.shuffle_idx.filename
+        assert os.path.dirname(name) == cache and f"-GPTDataset-{split}-" in name
         _assert_same_indices(mine, megatron)
         count = min(len(mine), 200)
         assert [mine[i]["tokens"].tolist() for i in range(count)] == _megatron_windows(megatron, count)
