@@ -19,6 +19,7 @@ OPTIONAL = {
     "serve": ["aiohttp>=3.8", "jinja2>=3.1.6"],  # jinja2 renders chat templates; 3.1.6 closed sandbox escapes
     "grammar": ["llguidance>=1.0"],  # structured output (megalite/inference/grammar.py says why llguidance)
     "ray": ["ray>=2.0"],
+    "wandb": ["wandb"],  # --wandb-project
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]

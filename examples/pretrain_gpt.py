@@ -12,10 +12,8 @@ is finished).  TensorBoard logs go to runs/.
 
 import sys
 
-import torch
-
 from megalite.cli import run_cli
-from megalite.training import gpt, pretrain
+from megalite.training.megatron_compat import reject_not_implemented
 
 DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,
@@ -28,10 +26,15 @@ DEFAULTS = {
 
 
 def main():
+    reject_not_implemented(sys.argv[1:])  # before torch and the trainer load, which take seconds
+    import torch
+
+    from megalite.training import gpt, pretrain
+
+    torch.set_num_threads(1)
     pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, args_defaults=DEFAULTS,
              prepare_data_func=gpt.prepare_default_data, flops_per_token_func=gpt.flops_per_token)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
     sys.exit(run_cli(main))

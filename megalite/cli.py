@@ -10,9 +10,6 @@ import os
 import sys
 import traceback
 
-from megalite import topology
-from megalite.stalls import describe_timeout, is_peer_failure, is_timeout
-
 BAD_INPUT = 2
 """Exit status of a command given bad input (argparse's)."""
 
@@ -49,6 +46,8 @@ def run_cli(main, *args) -> int:
         _error_line(str(err))
         return BAD_INPUT
     except Exception as err:
+        from megalite.stalls import describe_timeout, is_peer_failure, is_timeout
+
         if is_timeout(err):
             _error_line(describe_timeout(err))
         elif is_peer_failure(err):
@@ -59,5 +58,7 @@ def run_cli(main, *args) -> int:
             _error_line(f"{type(err).__name__}: {err}")
         return 1
     finally:
-        topology.destroy()
+        topology = sys.modules.get("megalite.topology")  # not imported: no process group to destroy
+        if topology is not None:
+            topology.destroy()
     return status if isinstance(status, int) else 0

@@ -11,28 +11,25 @@ Every whole sample those epochs hold is then shuffled by the same seed; when
 the last epoch is needed for less than 80% of its samples it is shuffled
 apart from the earlier epochs, in the documents and in the samples, so its
 leftovers never mix into the epochs before it.  The three index arrays are
-cached as ``.npy`` files keyed by a hash of everything they depend on, next to
-a JSON record of what they were built from (the data files' paths, sizes and
-mtimes, seed, sizes, the arrays' hashes): a cache whose record is missing or
-differs, or whose arrays do not match their hashes, is rebuilt.
+Megatron-Core's (same values, dtypes and shapes), cached as Megatron caches
+them (:mod:`megalite.data.megatron_cache`), and the dataset's length is
+Megatron's: every whole sample of those epochs, at least the request.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 
 import numpy as np
 import torch
 
+from megalite.data import megatron_cache
 from megalite.data.indexed_dataset import IndexedDataset, data_file, index_file
 
-_INDEX_VERSION = 2  # 2: Megatron-Core's shuffles
 _SEPARATE_FINAL_EPOCH_BELOW = 0.80  # Megatron-Core's threshold, a fraction of one epoch's samples
 _BLEND_SURPLUS = 0.005  # Megatron-Core's mid_level_dataset_surplus: extra samples each blended dataset is built with
-_PARTS = ("doc_idx", "sample_idx", "shuffle_idx")
+SPLIT_NAMES = ("train", "valid", "test")
 
 
 def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
@@ -41,45 +38,27 @@ def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
     return array
 
 
-def _save_atomic(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, array)
-    os.replace(tmp, path)
-
-
-def _digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-def _load_cache(record_path: str, paths: list[str], built_from: dict):
-    """The cached arrays when their record matches ``built_from`` and their hashes; else None (rebuild)."""
-    try:
-        with open(record_path) as f:
-            record = json.load(f)
-        if record.get("built_from") != built_from:
-            return None
-        arrays = [np.load(p, mmap_mode="r") for p in paths]
-    except (OSError, ValueError):
-        return None
-    if [_digest(a) for a in arrays] != record.get("sha256"):
-        return None
-    return arrays
-
-
 class GPTDataset(torch.utils.data.Dataset):
-    """``num_samples`` samples ``{"tokens": LongTensor[seq_length + 1]}`` from ``documents``.
+    """Samples ``{"tokens": LongTensor[seq_length + 1]}`` from ``documents``, at least ``num_samples`` of them.
 
     ``documents`` are ids of documents in ``indexed`` (one split).  As many
     epochs over them are used as ``num_samples`` needs; sample i is Megatron-Core's
-    sample i for the same documents, request and seed.  With ``cache_dir`` the
-    index arrays are loaded from, or saved to, ``cache_dir``.  With
+    sample i for the same documents, request and seed, and ``len()`` is Megatron's
+    (every whole sample in those epochs).  With ``cache_dir`` the index arrays are
+    loaded from, or saved to, ``cache_dir`` in Megatron-Core's layout (without it, loaded from
+    Megatron-LM's default ``{prefix}/cache/GPTDataset_indices`` when that exists); ``split``
+    (the ``--split`` string), ``index_split`` (train, valid or test), ``tokenizer``
+    (Megatron's identifiers of the tokenizer, see :mod:`megalite.data.megatron_cache`)
+    and ``megatron_class`` complete Megatron's description of the dataset.  With
     ``vocab_size`` every sample's ids are checked against it: indexed files
     carry no vocabulary, so an id out of range raises ValueError naming the
     dataset, the document and the id before it reaches a model.
     """
 
     def __init__(self, indexed: IndexedDataset, documents, num_samples: int, seq_length: int, seed: int,
-                 cache_dir: str | None = None, name: str = "gpt", vocab_size: int | None = None):
+                 cache_dir: str | None = None, name: str = "gpt", vocab_size: int | None = None, *,
+                 split: str | None = None, index_split: str = "train", tokenizer: dict | None = None,
+                 megatron_class: str = "GPTDataset"):
         documents = np.asarray(documents, dtype=np.int64)
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -91,8 +70,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if documents.min() < 0 or documents.max() >= len(indexed):
             raise ValueError(f"dataset {name!r}: document ids span [{documents.min()}, {documents.max()}], "
                              f"but {indexed.prefix} has {len(indexed)} documents")
-        sizes = np.asarray(indexed.sizes)[documents].astype(np.int64)
-        tokens_per_epoch = int(sizes.sum())
+        all_sizes = np.asarray(indexed.sizes)
+        tokens_per_epoch = int(all_sizes[documents].astype(np.int64).sum())
         if tokens_per_epoch == 0:
             raise ValueError(f"dataset {name!r}: its {len(documents)} documents hold no tokens")
         self.indexed = indexed
@@ -102,48 +81,41 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         self.seed = seed
         self.num_epochs = math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
-
-        key = hashlib.sha256(json.dumps({
-            "version": _INDEX_VERSION, "name": name, "num_samples": num_samples,
-            "seq_length": seq_length, "seed": seed}).encode())
-        key.update(documents.tobytes())
-        key.update(sizes.tobytes())
-        self.cache_key = key.hexdigest()[:16]
-        cached = None
-        if cache_dir is not None:
-            stem = os.path.join(cache_dir, f"{name}_{self.cache_key}")
-            paths = [f"{stem}_{part}.npy" for part in _PARTS]
-            record_path = f"{stem}_built_from.json"
-            built_from = self._built_from(indexed, documents, sizes)
-            cached = _load_cache(record_path, paths, built_from)
+        total, first_part = self._sample_counts(tokens_per_epoch)
+        self.description = megatron_cache.description(
+            megatron_class, None if megatron_class.startswith("Mock") else indexed.prefix, num_samples, index_split,
+            seed, seq_length, split, tokenizer)
+        shapes = {"document_index": (self.num_epochs * len(documents),), "sample_index": (total + 1, 2),
+                  "shuffle_index": (total,)}
+        files = self._data_files(indexed, documents)
+        # Without a cache directory, Megatron-LM caches beside the data; megalite reads that one, writes none.
+        read_dir = cache_dir if cache_dir is not None or megatron_class != "GPTDataset" else \
+            os.path.join(indexed.prefix, "cache", "GPTDataset_indices")
+        cached = None if read_dir is None or not os.path.isdir(read_dir) else megatron_cache.load(
+            read_dir, self.description, megatron_class, index_split, files, shapes)
         if cached is not None:
             self.doc_idx, self.sample_idx, self.shuffle_idx = cached
         else:
             rng = np.random.RandomState(seed)
-            total, first_part = self._sample_counts(tokens_per_epoch)
             self.doc_idx = self._build_doc_idx(documents, rng, first_part < total)
-            self.sample_idx = self._build_sample_idx(indexed, self.doc_idx, total, seq_length)
-            self.shuffle_idx = np.concatenate([_shuffled(np.arange(first_part, dtype=np.int64), rng),
-                                               _shuffled(np.arange(first_part, total, dtype=np.int64), rng)])
+            self.sample_idx = self._build_sample_idx(all_sizes, self.doc_idx, total, seq_length)
+            dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+            self.shuffle_idx = np.concatenate([_shuffled(np.arange(first_part, dtype=dtype), rng),
+                                               _shuffled(np.arange(first_part, total, dtype=dtype), rng)])
             if cache_dir is not None:
-                os.makedirs(cache_dir, exist_ok=True)
-                arrays = (self.doc_idx, self.sample_idx, self.shuffle_idx)
-                for path, array in zip(paths, arrays):
-                    _save_atomic(path, array)
-                tmp = f"{record_path}.tmp{os.getpid()}"
-                with open(tmp, "w") as f:  # written last: a record vouches for arrays already in place
-                    json.dump({"built_from": built_from, "sha256": [_digest(a) for a in arrays]}, f, indent=1)
-                os.replace(tmp, record_path)
+                megatron_cache.save(cache_dir, self.description, megatron_class, index_split, files,
+                                    (self.doc_idx, self.sample_idx, self.shuffle_idx))
 
-    def _built_from(self, indexed: IndexedDataset, documents: np.ndarray, sizes: np.ndarray) -> dict:
-        """What the index arrays depend on, as JSON: the data files as they are now, and every parameter."""
-        files = {}
+    @staticmethod
+    def _data_files(indexed: IndexedDataset, documents: np.ndarray) -> dict:
+        """What megalite's cache record checks beyond Megatron's description: the data files as they are now
+        (sizes and mtimes; none for in-memory data) and the documents."""
+        files = {"documents": megatron_cache.digest(documents)}
         for path in (data_file(indexed.prefix), index_file(indexed.prefix)):
-            stat = os.stat(path)
-            files[os.path.realpath(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        return {"version": _INDEX_VERSION, "name": self.name, "files": files, "num_samples": self.num_samples,
-                "seq_length": self.seq_length, "seed": self.seed, "num_epochs": self.num_epochs,
-                "documents_sha256": _digest(documents), "sizes_sha256": _digest(sizes)}
+            if os.path.exists(path):
+                stat = os.stat(path)
+                files[os.path.realpath(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        return files
 
     def _sample_counts(self, tokens_per_epoch: int) -> tuple[int, int]:
         """(whole samples in all epochs, samples shuffled together first).
@@ -160,29 +132,32 @@ class GPTDataset(torch.utils.data.Dataset):
         return total, before_final if separate else total
 
     def _build_doc_idx(self, documents: np.ndarray, rng: np.random.RandomState, separate: bool) -> np.ndarray:
-        """The documents of every epoch: all epochs shuffled together, or the final one apart."""
+        """The documents of every epoch (int32, as Megatron's): all epochs shuffled together, or the final one apart."""
+        documents = documents.astype(np.int32)
         if not separate:
             return _shuffled(np.tile(documents, self.num_epochs), rng)
         return np.concatenate([_shuffled(np.tile(documents, self.num_epochs - 1), rng),
                                _shuffled(documents.copy(), rng)])
 
     @staticmethod
-    def _build_sample_idx(indexed: IndexedDataset, doc_idx: np.ndarray, num_samples: int,
+    def _build_sample_idx(all_sizes: np.ndarray, doc_idx: np.ndarray, num_samples: int,
                           seq_length: int) -> np.ndarray:
-        """Row i is (position in doc_idx, token offset) where sample i starts."""
-        sizes = np.asarray(indexed.sizes)[doc_idx].astype(np.int64)
+        """Megatron's sample index: row i is (position in doc_idx, token offset) where sample i starts, and row
+        ``num_samples`` where the last one ends; int32 unless the document index or a document is too long."""
+        sizes = all_sizes[doc_idx].astype(np.int64)
         starts = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=starts[1:])
-        positions = np.arange(num_samples, dtype=np.int64) * seq_length
+        positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
         slot = np.searchsorted(starts, positions, side="right") - 1
-        return np.stack([slot, positions - starts[slot]], axis=1)
+        dtype = np.int32 if max(len(doc_idx), int(all_sizes.max())) <= np.iinfo(np.int32).max else np.int64
+        return np.stack([slot, positions - starts[slot]], axis=1).astype(dtype)
 
     def __len__(self) -> int:
-        return self.num_samples
+        return len(self.shuffle_idx)
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        if not 0 <= idx < self.num_samples:
-            raise IndexError(f"sample {idx} out of range for {self.num_samples} samples")
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         slot, offset = (int(v) for v in self.sample_idx[self.shuffle_idx[idx]])
         needed = self.seq_length + 1
         pieces = []
@@ -306,20 +281,21 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float] | None, list[str]
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples, cache_dir: str | None = None,
-                                    vocab_size: int | None = None):
+                                    vocab_size: int | None = None, tokenizer: dict | None = None):
     """(train, valid, test) datasets over one prefix or a weighted blend of prefixes.
 
     Each prefix is split by documents according to ``split``.  A split gets
     None when it is asked for no samples or, for valid and test, when it holds
     no documents; an empty train split that is asked for samples is an error.
-    ``vocab_size`` turns on the per-sample token-id check (see :class:`GPTDataset`).
+    ``vocab_size`` turns on the per-sample token-id check; ``tokenizer`` (Megatron's
+    identifiers of it) names the cached indices as Megatron does (see :class:`GPTDataset`).
     """
     raw_weights, prefixes = parse_data_path(data_path)
     weights = None if raw_weights is None else normalize_weights(raw_weights)
     indexed = [IndexedDataset(p) for p in prefixes]
     splits = [split_documents(len(ds), split) for ds in indexed]
     results = []
-    for part, name in enumerate(("train", "valid", "test")):
+    for part, name in enumerate(SPLIT_NAMES):
         wanted = int(train_valid_test_num_samples[part])
         if wanted <= 0:
             results.append(None)
@@ -333,8 +309,8 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             continue
         # Megatron normalizes the weights once for the per-dataset counts and again inside the blend.
         counts = [wanted] if weights is None else blend_samples_needed(raw_weights, wanted)
-        parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir,
-                            name=f"{os.path.basename(p)}_{name}", vocab_size=vocab_size)
+        parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir, name=f"{os.path.basename(p)}_{name}",
+                            vocab_size=vocab_size, split=split, index_split=name, tokenizer=tokenizer)
                  for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
         results.append(parts[0] if weights is None else BlendedDataset(parts, weights, wanted))
     return tuple(results)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from megalite.data.gpt_dataset import GPTDataset, split_documents
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_documents
 
 
 class MockIndexedDataset:
     """100,000 documents in the :class:`~megalite.data.indexed_dataset.IndexedDataset` interface.
 
-    As Megatron-Core's mock dataset: document ``i`` has a length ``n_i`` drawn
+    Megatron-Core's ``MockGPTLowLevelDataset``: document ``i`` has a length ``n_i`` drawn
     from ``[1, 4096)`` by a fixed-seed generator and holds ``1, 2, ..., n_i - 1``
-    then ``eod``; here the ids wrap so they stay inside ``vocab_size``.
+    modulo ``vocab_size`` (the tokenizer's), then ``eod``.
     """
 
     prefix = "mock"
@@ -29,17 +29,25 @@ class MockIndexedDataset:
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         size = int(self.sizes[i])
-        tokens = np.append(1 + np.arange(size - 1, dtype=np.int64) % (self.vocab_size - 1), self.eod)
+        tokens = np.append((np.arange(size - 1, dtype=np.int64) + 1) % self.vocab_size, self.eod)
         return tokens[offset:size if length is None else offset + length]
 
 
-def build_mock_datasets(split: str, seq_length: int, seed: int, num_samples, vocab_size: int, eod: int,
-                        cache_dir: str | None = None):
-    """(train, valid, test) GPT datasets over the mock documents, split like ``--split``; None where empty."""
+MOCK_SPLIT = "1,1,1"
+"""Megatron-Core splits its mock documents evenly, whatever ``--split`` says."""
+
+
+def build_mock_datasets(seq_length: int, seed: int, num_samples, vocab_size: int, eod: int,
+                        cache_dir: str | None = None, tokenizer: dict | None = None):
+    """(train, valid, test) GPT datasets over the mock documents, split in thirds as Megatron-Core splits them.
+
+    Sample i of each is Megatron-Core's ``MockGPTDataset``'s for the same request, seed and tokenizer
+    (``vocab_size`` and ``eod`` are the tokenizer's; ``tokenizer`` its Megatron identifiers, for the cache);
+    a split asked for no samples is None."""
     indexed = MockIndexedDataset(vocab_size, eod)
     results = []
-    for name, documents, wanted in zip(("train", "valid", "test"), split_documents(len(indexed), split),
-                                       num_samples):
+    for name, documents, wanted in zip(SPLIT_NAMES, split_documents(len(indexed), MOCK_SPLIT), num_samples):
         results.append(GPTDataset(indexed, documents, int(wanted), seq_length, seed, cache_dir, name=f"mock_{name}",
-                                  vocab_size=vocab_size) if wanted > 0 and len(documents) else None)
+                                  vocab_size=vocab_size, split=MOCK_SPLIT, index_split=name, tokenizer=tokenizer,
+                                  megatron_class="MockGPTDataset") if wanted > 0 and len(documents) else None)
     return tuple(results)

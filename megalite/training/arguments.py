@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 
 from megalite.context_parallel import check_context_parallel
@@ -20,6 +21,7 @@ from megalite.models.architecture import architecture_values, compare_architectu
 from megalite.moe import MoEConfig
 from megalite.pipeline import split_layers
 from megalite.pipeline.schedules import check_schedule
+from megalite.training.batch_ramp import batch_ramp
 from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
                                      nan_guard_config, optimizer_config)
 from megalite.training.lr_schedule import ScheduleSettings, schedule_settings
@@ -124,21 +126,37 @@ def _check_batch(args):
              f"global batch size {args.global_batch_size} is not divisible by micro batch size {micro} "
              f"* data-parallel size {dp} = {micro * dp}")
     args.num_microbatches = args.global_batch_size // (micro * dp)
+    ramp = batch_ramp(args)
+    if ramp is not None:
+        _require(ramp.start % (micro * dp) == 0 and ramp.increment % (micro * dp) == 0,
+                 f"--rampup-batch-size {ramp.start} {ramp.increment} {ramp.ramp_samples}: every global batch of "
+                 f"the ramp must be divisible by micro batch size {micro} * data-parallel size {dp} = {micro * dp}")
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1 and args.pipeline_schedule in (None, "interleaved-1f1b"):
-        _require(args.num_microbatches % pp == 0,
-                 f"the interleaved schedule needs the number of micro-batches {args.num_microbatches} "
-                 f"(global batch {args.global_batch_size} / (micro batch {micro} * dp {dp})) to be divisible "
-                 f"by pipeline size {pp}")
+        for batch in _batch_sizes(args):
+            _require(batch // (micro * dp) % pp == 0,
+                     f"the interleaved schedule needs the number of micro-batches {batch // (micro * dp)} "
+                     f"(global batch {batch} / (micro batch {micro} * dp {dp})) to be divisible by pipeline size {pp}")
+
+
+def _batch_sizes(args) -> list[int]:
+    """Every global batch size of the run: the ramp's (``--rampup-batch-size``), else ``--global-batch-size``."""
+    ramp = batch_ramp(args)
+    return [args.global_batch_size] if ramp is None else ramp.batch_sizes()
 
 
 def _check_schedule(args):
+    ramp = batch_ramp(args)
+    _require(ramp is None or args.train_samples is not None,
+             "--rampup-batch-size needs sample-based training (--train-samples), as in Megatron-LM")
     if args.train_samples is not None:
         _require(args.train_iters is None, f"--train-iters {args.train_iters} and --train-samples "
                                            f"{args.train_samples} are mutually exclusive")
-        _require(args.train_samples >= args.global_batch_size,
-                 f"--train-samples {args.train_samples} is less than one global batch of {args.global_batch_size}")
-        args.train_iters = args.train_samples // args.global_batch_size
+        first = args.global_batch_size if ramp is None else ramp.start
+        _require(args.train_samples >= first,
+                 f"--train-samples {args.train_samples} is less than one global batch of {first}")
+        args.train_iters = args.train_samples // args.global_batch_size if ramp is None else \
+            ramp.train_iters(args.train_samples)
     elif args.train_iters is None:
         args.train_iters = 100
     _positive(args, "train_iters")
@@ -148,6 +166,11 @@ def _check_schedule(args):
     for name in ("save_interval", "eval_interval", "eval_iters"):
         if getattr(args, name) is not None:
             _require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    if args.wandb_project:
+        _require(bool(args.wandb_exp_name),
+                 "--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+        _require(importlib.util.find_spec("wandb") is not None,
+                 "--wandb-project needs the wandb package, which is not installed: pip install wandb")
     if args.profile:
         _require(1 <= args.profile_step_start < args.profile_step_end,
                  f"--profile-step-start {args.profile_step_start} must be at least 1 and below "
@@ -207,7 +230,9 @@ def _check_pipeline_schedule(args):
         _require(not (pp > 1 and not args.untie_embeddings_and_output_weights),
                  f"--pipeline-schedule zbv puts the first and last stage on pipeline rank 0; tied embeddings "
                  f"need --untie-embeddings-and-output-weights (pp={pp})")
-    check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, args.num_microbatches)
+    micro_times_dp = args.micro_batch_size * args.data_parallel_size
+    for batch in _batch_sizes(args):
+        check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, batch // micro_times_dp)
 
 
 def _check_pipeline_split(args):

@@ -146,6 +146,9 @@ _TRAINING_ROWS = (
 
     Flag("--micro-batch-size", OPT, default=1, type=int),
     Flag("--global-batch-size", OPT, type=int, help="None: micro-batch size * dp"),
+    Flag("--rampup-batch-size", OPT, type=int, nargs=3,
+         help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES samples "
+              "(Megatron-LM's ramp-up; needs --train-samples)"),
     Flag("--train-iters", OPT, type=int, help="None: --train-samples / global batch, else 100"),
     Flag("--train-samples", OPT, type=int, help="train for this many samples (exclusive with --train-iters)"),
     Flag("--lr", OPT, ("OptimizerConfig.lr",), type=float),
@@ -228,6 +231,10 @@ _TRAINING_ROWS = (
     Flag("--eval-iters", LOG, default=10, type=int),
     Flag("--log-interval", LOG, default=10, type=int),
     Flag("--tensorboard-dir", LOG),
+    Flag("--wandb-project", LOG, help="log the TensorBoard scalars to this Weights & Biases project too "
+                                      "(pip install wandb)"),
+    Flag("--wandb-exp-name", LOG, help="the W&B run name; needed with --wandb-project"),
+    Flag("--wandb-save-dir", LOG, help="W&B's local directory; None: --save/wandb"),
     Flag("--log-memory", LOG, default=False,
          help="print rank 0's peak memory on each logged line too (TensorBoard always gets it)"),
     Flag("--log-params-norm", LOG, default=False, help="log the global L2 norm of the parameters"),

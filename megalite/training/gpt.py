@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
+from megalite.data.megatron_cache import hf_tokenizer_identifiers, null_tokenizer_identifiers
 from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
@@ -28,15 +29,27 @@ def model_provider(args, *, pre_process: bool, post_process: bool, layer_range: 
                     cp_comm_type=context_parallel_config(args).comm_type)
 
 
+def megatron_tokenizer_identifiers(args) -> dict | None:
+    """Megatron-Core's identifiers of the flags' tokenizer where megalite knows them (NullTokenizer,
+    HuggingFaceTokenizer), so that Megatron-LM finds the index cache megalite writes; None otherwise (megalite
+    still reads Megatron's caches, whatever their tokenizer, since it does not change the indices)."""
+    if args.tokenizer_type == "NullTokenizer":
+        return null_tokenizer_identifiers(eod_token_id(args))
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        return hf_tokenizer_identifiers(args.tokenizer_model, args.vocab_file, args.merge_file)
+    return None
+
+
 def train_valid_test_datasets_provider(args, num_samples):
     """GPT datasets over ``--data-path`` (or ``--mock-data``), split by documents according to ``--split``."""
+    tokenizer = megatron_tokenizer_identifiers(args)
     if args.mock_data:
         named = args.tokenizer_type is not None or args.tokenizer_model is not None
         eod = eod_token_id(args) if named else args.vocab_size - 1
-        return build_mock_datasets(args.split, args.seq_length, args.seed, num_samples, args.vocab_size, eod,
-                                   args.data_cache_path)
+        return build_mock_datasets(args.seq_length, args.seed, num_samples, args.vocab_size, eod,
+                                   args.data_cache_path, tokenizer=tokenizer)
     return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                           args.data_cache_path, vocab_size=args.vocab_size)
+                                           args.data_cache_path, vocab_size=args.vocab_size, tokenizer=tokenizer)
 
 
 def loss_func(per_token_loss: torch.Tensor):

@@ -5,7 +5,9 @@ or local layers, attention and fusion kernels, dataloader details).  megalite ha
 of each, so these rows (``COMPAT_FLAGS``) are accepted and ``accepted_without_effect`` gives the one
 info line that the trainer prints, each flag with the reason it changes nothing here.  Flags that would
 change the numerics and are not implemented are not parser rows: ``NOT_IMPLEMENTED`` only names them
-so that the parser's "unrecognized arguments" error says why (``unrecognized_message``).
+so that the parser's "unrecognized arguments" error says why (``unrecognized_message``), and so that a
+launch script can reject them before the heavy imports (``reject_not_implemented``).  This module imports
+only ``megalite.flags`` (argparse), never torch.
 """
 
 from __future__ import annotations
@@ -59,12 +61,11 @@ COMPAT_FLAGS = FlagTable((
 """Accepted Megatron-LM flags without effect; each row's help text is the reason printed."""
 
 _FP8 = "megalite has no FP8 training"
-_WANDB = "megalite logs to --tensorboard-dir and --metrics-file, not to Weights & Biases"
 _DECOUPLED = "a separate learning rate for the embedding and output layer changes the update"
 
 NOT_IMPLEMENTED = {
-    "--rampup-batch-size": "the batch-size ramp-up changes the samples of each step; give a fixed "
-                           "--global-batch-size",
+    "--step-batch-size-schedule": "newer Megatron-LM's step-wise batch schedule is not implemented; "
+                                  "--rampup-batch-size START INCREMENT SAMPLES is (megatron-core 0.16's ramp)",
     "--apply-layernorm-1p": "zero-centered LayerNorm weights change the model",
     "--decoupled-lr": _DECOUPLED,
     "--decoupled-min-lr": _DECOUPLED,
@@ -79,9 +80,6 @@ NOT_IMPLEMENTED = {
     "--fp8-interval": _FP8,
     "--attention-softmax-in-fp32": "megalite's attention softmax precision is torch's",
     "--dataloader-type": "megalite's sampler is Megatron's single (ordered) sampler only",
-    "--wandb-project": _WANDB,
-    "--wandb-exp-name": _WANDB,
-    "--wandb-save-dir": _WANDB,
     "--no-position-embedding": "megalite has no model without position information; --position-embedding-type "
                                "rope has no learned position embedding",
 }
@@ -96,11 +94,28 @@ def accepted_without_effect(args) -> str | None:
     return "info: accepted with no effect here: " + "; ".join(f"{f.name} ({f.help})" for f in given)
 
 
+def _reasons(words: list[str]) -> list[str]:
+    """"FLAG is not implemented in megalite: why" for each ``NOT_IMPLEMENTED`` flag among ``words``."""
+    names = [word.split("=", 1)[0] for word in words if word.startswith("--")]
+    return [f"{name} is not implemented in megalite: {NOT_IMPLEMENTED[name]}" for name in names
+            if name in NOT_IMPLEMENTED]
+
+
+def reject_not_implemented(argv: list[str]) -> None:
+    """Raise ValueError naming every ``NOT_IMPLEMENTED`` flag in ``argv``, with why.
+
+    Needs only this light module, so a launch script calls it before importing torch and the
+    trainer, and a rejected Megatron-LM flag is reported at once; ``parse_args`` gives the
+    same line (and names unknown flags too) after the imports.
+    """
+    known = _reasons(argv)
+    if known:
+        raise ValueError("; ".join(known))
+
+
 def unrecognized_message(extras: list[str]) -> str:
     """The error for argv words the parser did not take, naming why each known Megatron-LM flag is rejected."""
-    names = [word.split("=", 1)[0] for word in extras if word.startswith("--")]
-    known = [f"{name} is not implemented in megalite: {NOT_IMPLEMENTED[name]}" for name in names
-             if name in NOT_IMPLEMENTED]
+    known = _reasons(extras)
     other = [word for word in extras if word.split("=", 1)[0] not in NOT_IMPLEMENTED]
     if known and all(not w.startswith("--") for w in other):
         return "; ".join(known)

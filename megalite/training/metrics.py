@@ -1,4 +1,4 @@
-"""Where logged training metrics go: a JSON-lines file, TensorBoard and a compact stdout line.
+"""Where logged training metrics go: a JSON-lines file, TensorBoard, Weights & Biases and a compact stdout line.
 
 Only the rank that owns a :class:`MetricsLogger` with ``enabled=True`` (rank 0)
 writes; values arrive already reduced across data-parallel ranks.
@@ -41,6 +41,15 @@ def memory_gib() -> dict[str, float]:
     return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
+def wandb_init(args) -> dict | None:
+    """``wandb.init``'s arguments under ``--wandb-project``, as Megatron-LM gives them (the flags as the config;
+    the directory ``--wandb-save-dir``, else ``--save``/wandb); None without it."""
+    if not args.wandb_project:
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": save_dir, "config": vars(args)}
+
+
 def _fmt(value) -> str:
     if not isinstance(value, float):
         return str(value)
@@ -50,14 +59,18 @@ def _fmt(value) -> str:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and prints a line."""
+    """Appends one JSON object per logged iteration, mirrors scalars to TensorBoard and W&B, and prints a line.
 
-    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "grad_norm", "params_norm", "num_zeros",
+    ``wandb_init``: keyword arguments of ``wandb.init`` (the ``wandb`` package, an optional extra); W&B then
+    gets the scalars TensorBoard gets, under the same names, at the iteration as its step.
+    """
+
+    _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "global_batch_size", "grad_norm", "params_norm", "num_zeros",
               "loss_scale", "tokens_per_sec", "iter_ms", "tflops", "mfu", "skipped", "mem_allocated_gib",
               "mem_reserved_gib", "max_rss_gib")
 
     def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,
-                 train_iters: int | None = None, stream=None):
+                 train_iters: int | None = None, stream=None, wandb_init: dict | None = None):
         self.enabled = enabled
         self.train_iters = train_iters
         self.stream = stream or sys.stdout
@@ -69,6 +82,14 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+        self.wandb = None
+        if enabled and wandb_init is not None:
+            import wandb
+
+            if wandb_init.get("dir"):
+                os.makedirs(wandb_init["dir"], exist_ok=True)
+            wandb.init(**wandb_init)
+            self.wandb = wandb
 
     def log(self, iteration: int, values: dict, tensorboard_extra: dict | None = None) -> None:
         """Record ``values`` for ``iteration`` in every sink; ``tensorboard_extra`` goes to TensorBoard only."""
@@ -78,11 +99,14 @@ class MetricsLogger:
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        scalars = {_tb_name(key): value for key, value in {**record, **(tensorboard_extra or {})}.items()
+                   if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value)}
         if self.writer is not None:
-            for key, value in {**record, **(tensorboard_extra or {})}.items():
-                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(_tb_name(key), value, iteration)
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, iteration)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
         total = f"/{self.train_iters}" if self.train_iters else ""
         parts = [f"iteration {iteration}{total}"]
         parts += [f"{k} {_fmt(record[k])}" for k in self._SHOWN if k in record]
@@ -92,6 +116,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def _plain(value):

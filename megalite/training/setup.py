@@ -132,16 +132,20 @@ def build_optimizer(args, model_chunks):
 
 
 def num_samples(args) -> list[int]:
-    """Samples the train, valid and test splits must supply for ``--train-iters`` and the evaluations."""
-    train = args.train_iters * args.global_batch_size
+    """Samples the train, valid and test splits are asked for, as Megatron-LM asks: ``--train-samples`` (else
+    ``--train-iters`` global batches) and the evaluations' global batches."""
+    train = args.train_samples if args.train_samples is not None else args.train_iters * args.global_batch_size
     if not args.eval_interval or not args.eval_iters:
         return [train, 0, 0]
     evals = args.train_iters // args.eval_interval + 1
     return [train, evals * args.eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 
-def micro_batch_iterator(dataset, consumed_samples, args, topo):
+def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
     """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
+
+    ``ramp`` (a :class:`megalite.training.batch_ramp.BatchSizeRamp`) sizes the global batches of a
+    ``--rampup-batch-size`` run.
 
     With context parallelism or packed-sequence flags each micro-batch becomes
     this CP rank's chunks plus their positions, documents and loss mask
@@ -157,7 +161,8 @@ def micro_batch_iterator(dataset, consumed_samples, args, topo):
 
     def one():
         sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                    args.global_batch_size, topo.dp.rank, topo.dp.size)
+                                    args.global_batch_size, topo.dp.rank, topo.dp.size,
+                                    batch_size_at=None if ramp is None else ramp.batch_size)
         batches = build_data_iterator(dataset, sampler)
         if not prepare:
             return batches

@@ -30,10 +30,11 @@ from megalite.distributed import finalize_model_grads
 from megalite.moe import router_statistics, set_aux_loss_scale
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
 from megalite.training.arguments import lr_schedule_settings
+from megalite.training.batch_ramp import batch_ramp
 from megalite.training.checkpointing import load_checkpoint, save_checkpoint
 from megalite.training.flags import nan_guard_config
 from megalite.training.lr_schedule import LRScheduler
-from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops
+from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops, wandb_init
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import checkpoint_bytes
@@ -57,13 +58,14 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.flops_per_token = flops_per_token
+        self.ramp = batch_ramp(args)
         seq = args.seq_length // topo.cp.size // (topo.tp.size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
         self.recorder = None
         if args.timeline_dir:
             self.recorder = PipelineRecorder(stage=topo.pp.rank)
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
-                                    args.train_iters)
+                                    args.train_iters, wandb_init=wandb_init(args))
         self.saver = AsyncSaver() if args.save and args.async_save else None
         self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
                                   log=topo.global_rank == 0)
@@ -72,11 +74,16 @@ class Trainer:
                        "vpp": args.virtual_pipeline_model_parallel_size,
                        "distributed_optimizer": args.use_distributed_optimizer, "fsdp2": args.use_torch_fsdp2}
 
+    def global_batch_size(self, consumed_samples: int) -> int:
+        """The global batch of the iteration after ``consumed_samples`` samples (``--rampup-batch-size``)."""
+        return self.args.global_batch_size if self.ramp is None else self.ramp.batch_size(consumed_samples)
+
     def _finalize_grads(self, chunks):
         finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
 
-    def _fetch_batches(self, data_iterator):
-        """This iteration's micro-batches, read before the schedule starts; ranks agree none failed.
+    def _fetch_batches(self, data_iterator, num_microbatches: int):
+        """This iteration's ``num_microbatches`` micro-batches, read before the schedule starts; ranks agree
+        none failed.
 
         Reading a batch may raise ValueError (e.g. a token id outside the
         vocabulary).  Raised inside the schedule on one rank it would leave the
@@ -88,7 +95,7 @@ class Trainer:
         for iterator in iterators:
             try:
                 batches.append(None if iterator is None else
-                               [next(iterator) for _ in range(self.args.num_microbatches)])
+                               [next(iterator) for _ in range(num_microbatches)])
             except ValueError as err:
                 error = str(err)
                 break
@@ -101,10 +108,10 @@ class Trainer:
         fresh = [None if b is None else iter(b) for b in batches]
         return fresh if isinstance(data_iterator, list) else fresh[0]
 
-    def _run_schedule(self, data_iterator, forward_only: bool) -> dict[str, float]:
+    def _run_schedule(self, data_iterator, forward_only: bool, num_microbatches: int) -> dict[str, float]:
         """One global batch through the schedule; metrics averaged over micro-batches and DP ranks."""
-        data_iterator = self._fetch_batches(data_iterator)
-        results = forward_backward(self.forward_step_func, data_iterator, self.chunks, self.args.num_microbatches,
+        data_iterator = self._fetch_batches(data_iterator, num_microbatches)
+        results = forward_backward(self.forward_step_func, data_iterator, self.chunks, num_microbatches,
                                    tensor_shape=self.tensor_shape, dtype=param_dtype(self.args),
                                    forward_only=forward_only, pp_group=self.topo.pp.group,
                                    finalize_grads_func=None if forward_only else self._finalize_grads,
@@ -125,8 +132,10 @@ class Trainer:
                                            last_stage_rank(self.topo.pp.size, self.args.pipeline_schedule))
         return values
 
-    def train_step(self, data_iterator, iteration: int) -> tuple[dict[str, float], bool, dict[str, float], float]:
-        """Forward, backward and optimizer step on one global batch, the ``iteration``-th.
+    def train_step(self, data_iterator, iteration: int, global_batch_size: int | None = None
+                   ) -> tuple[dict[str, float], bool, dict[str, float], float]:
+        """Forward, backward and optimizer step on one global batch, the ``iteration``-th, of
+        ``global_batch_size`` samples (None: ``--global-batch-size``).
 
         Returns (metrics, update applied, the step's ``grad_norm`` and, under
         ``--log-num-zeros-in-grad``, ``num_zeros``, learning rate used).  The
@@ -138,17 +147,19 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
+        global_batch_size = global_batch_size or self.args.global_batch_size
+        num_microbatches = global_batch_size // (self.args.micro_batch_size * self.topo.dp.size)
         if self.args.num_experts:
             for chunk in self.chunks:
-                set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / self.args.num_microbatches)
-        metrics = self._run_schedule(data_iterator, forward_only=False)
+                set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / num_microbatches)
+        metrics = self._run_schedule(data_iterator, forward_only=False, num_microbatches=num_microbatches)
         lr = self.scheduler.get_lr()
         grads = [grad for chunk in self.chunks for grad in chunk.grad_tensors()]
         if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
             return metrics, False, {}, lr
         ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
-            self.scheduler.step(self.args.global_batch_size)
+            self.scheduler.step(global_batch_size)
         step_values = {"grad_norm": grad_norm, "num_zeros": num_zeros}
         return metrics, ok, {k: v for k, v in step_values.items() if v is not None}, lr
 
@@ -159,7 +170,7 @@ class Trainer:
             chunk.eval()
         totals: dict[str, float] = {}
         for _ in range(self.args.eval_iters):
-            for key, value in self._run_schedule(data_iterator, forward_only=True).items():
+            for key, value in self._run_schedule(data_iterator, True, self.args.num_microbatches).items():
                 totals[key] = totals.get(key, 0.0) + value / self.args.eval_iters
         for chunk in self.chunks:
             chunk.train()
@@ -168,9 +179,9 @@ class Trainer:
             values[f"{split}_ppl"] = math.exp(min(20.0, totals[LOSS_METRIC]))
         return values
 
-    def throughput(self, seconds_per_iter: float) -> dict[str, float]:
+    def throughput(self, seconds_per_iter: float, samples_per_iter: float) -> dict[str, float]:
         """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a known GPU)."""
-        tokens = self.args.global_batch_size * self.args.seq_length / seconds_per_iter
+        tokens = samples_per_iter * self.args.seq_length / seconds_per_iter
         values = {"tokens_per_sec": tokens, "iter_ms": 1000.0 * seconds_per_iter}
         if self.args.log_throughput and self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens / self.topo.world_size / 1e12
@@ -235,34 +246,43 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     """
     args = trainer.args
     sums: dict[str, float] = {}
-    steps, skipped, seconds = 0, 0, 0.0
+    steps, skipped, seconds, samples = 0, 0, 0.0, 0
     saved_at, first_iteration = None, iteration
     profiler = None
+    batch_size = trainer.global_batch_size(consumed_samples)
     while iteration < args.train_iters:
+        previous, batch_size = batch_size, trainer.global_batch_size(consumed_samples)
+        if batch_size != previous:
+            # Megatron-LM saves when the ramp changes the number of micro-batches.
+            if trainer.topo.global_rank == 0:
+                print(f"ramping up batch size from {previous} to {batch_size}", flush=True)
+            if args.save and saved_at != iteration:
+                trainer.save(iteration, consumed_samples)
+                saved_at = iteration
         if args.profile and iteration + 1 == args.profile_step_start:
             profiler = _start_profiler()
         start = time.perf_counter()
-        metrics, ok, step_values, lr = trainer.train_step(train_iterator, iteration + 1)
+        metrics, ok, step_values, lr = trainer.train_step(train_iterator, iteration + 1, batch_size)
         _synchronize()
         seconds += time.perf_counter() - start
         iteration += 1
         if profiler is not None and (iteration + 1 == args.profile_step_end or iteration == args.train_iters):
             _stop_profiler(profiler, args, trainer.topo.global_rank)
             profiler = None
-        consumed_samples += args.global_batch_size
-        trainer.nan_guard.observe_loss(iteration, metrics.get(LOSS_METRIC), consumed_samples - args.global_batch_size,
+        consumed_samples += batch_size
+        trainer.nan_guard.observe_loss(iteration, metrics.get(LOSS_METRIC), consumed_samples - batch_size,
                                        consumed_samples)
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value
-        steps, skipped = steps + 1, skipped + int(not ok)
+        steps, skipped, samples = steps + 1, skipped + int(not ok), samples + batch_size
         evaluated = {}
         if valid_iterator is not None and args.eval_interval and iteration % args.eval_interval == 0:
             evaluated = trainer.evaluate(valid_iterator)
         if iteration % args.log_interval == 0 or evaluated or iteration == args.train_iters:
             values = {_logged_name(k): v / steps for k, v in sums.items()}
-            values.update(lr=lr, loss_scale=float(trainer.optimizer.get_loss_scale()),
-                          skipped=skipped, consumed_samples=consumed_samples, **trainer.throughput(seconds / steps),
-                          **evaluated)
+            values.update(lr=lr, global_batch_size=batch_size, loss_scale=float(trainer.optimizer.get_loss_scale()),
+                          skipped=skipped, consumed_samples=consumed_samples,
+                          **trainer.throughput(seconds / steps, samples / steps), **evaluated)
             values.update(step_values)
             if args.log_params_norm:
                 values["params_norm"] = trainer.optimizer.params_norm()
@@ -272,7 +292,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if args.log_memory:
                 values.update(memory_gib())
             trainer.logger.log(iteration, values, tensorboard_extra=None if args.log_memory else memory_gib())
-            sums, steps, skipped, seconds = {}, 0, 0, 0.0
+            sums, steps, skipped, seconds, samples = {}, 0, 0, 0.0, 0
         stop = f"{sigterm.name} received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
@@ -359,13 +379,14 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                   f"is {args.train_iters}; nothing to train and nothing written", flush=True)
         trainer.logger.close()
         return iteration
-    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, num_samples(args))
+    requested = num_samples(args)
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, requested)
     if topo.global_rank == 0:
-        sizes = "/".join("-" if d is None else str(len(d)) for d in (train_ds, valid_ds, test_ds))
+        sizes = "/".join("-" if d is None else str(n) for d, n in zip((train_ds, valid_ds, test_ds), requested))
         source = "mock data" if args.mock_data else " ".join(args.data_path or [])
         print(f"data: {source}; train/valid/test samples {sizes}; seq length {args.seq_length}, vocabulary "
               f"{args.vocab_size}", flush=True)
-    train_iterator = micro_batch_iterator(train_ds, consumed_samples, args, topo)
+    train_iterator = micro_batch_iterator(train_ds, consumed_samples, args, topo, trainer.ramp)
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
     valid_iterator = micro_batch_iterator(valid_ds, valid_consumed, args, topo)

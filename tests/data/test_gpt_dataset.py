@@ -1,4 +1,5 @@
 import functools
+import hashlib
 import json
 import os
 
@@ -42,8 +43,26 @@ def test_samples_equal_a_naive_concatenation(tmp_path):
         assert sample.tolist() == stream[j * seq:j * seq + seq + 1].tolist()
         seen.append(j)
     assert seen != sorted(seen)
+    assert len(ds) == held  # Megatron's length: every whole sample of the epochs built
     with pytest.raises(IndexError):
-        ds[60]
+        ds[held]
+
+
+def _stem(dataset) -> str:
+    """The file-name stem Megatron-Core gives a dataset's cached indices: the md5 of its description."""
+    return f"{hashlib.md5(dataset.description.encode()).hexdigest()}-GPTDataset-train-"
+
+
+def _counting_builds(monkeypatch) -> list:
+    builds = []
+    original_build = GPTDataset._build_doc_idx
+
+    def counted(self, *args):
+        builds.append(1)
+        return original_build(self, *args)
+
+    monkeypatch.setattr(GPTDataset, "_build_doc_idx", counted)
+    return builds
 
 
 def test_determinism_and_cache(tmp_path, monkeypatch):
@@ -52,19 +71,17 @@ def test_determinism_and_cache(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     a = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
     files = sorted(os.listdir(cache))
-    assert len(files) == 4 and all(f.startswith(f"train_{a.cache_key}_") for f in files)  # 3 arrays + their record
-
-    def no_rebuild(*args):
-        raise AssertionError("index rebuilt although cached")
-
-    with monkeypatch.context() as m:
-        m.setattr(GPTDataset, "_build_doc_idx", no_rebuild)
-        b = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
+    assert files == [_stem(a) + name for name in ("description.txt", "document_index.npy", "megalite.json",
+                                                  "sample_index.npy", "shuffle_index.npy")]
+    builds = _counting_builds(monkeypatch)
+    b = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=cache, name="train")
+    assert builds == []
     fresh = GPTDataset(indexed, docs, 40, 5, seed=7)
     other = GPTDataset(indexed, docs, 40, 5, seed=8, cache_dir=cache, name="train")
-    assert len(os.listdir(cache)) == 8 and other.cache_key != a.cache_key
-    assert GPTDataset(indexed, docs, 41, 5, seed=7).cache_key != a.cache_key
-    assert GPTDataset(indexed, docs[:-1], 40, 5, seed=7).cache_key != a.cache_key
+    assert len(os.listdir(cache)) == 10 and _stem(other) != _stem(a) and builds == [1, 1]
+    assert _stem(GPTDataset(indexed, docs, 41, 5, seed=7)) != _stem(a)
+    fewer = GPTDataset(indexed, docs[:-1], 40, 5, seed=7, cache_dir=cache)  # same description, other documents
+    assert _stem(fewer) == _stem(a) and builds == [1, 1, 1, 1]
     for i in range(40):
         assert a[i]["tokens"].tolist() == b[i]["tokens"].tolist() == fresh[i]["tokens"].tolist()
     assert [other[i]["tokens"].tolist() for i in range(40)] != [a[i]["tokens"].tolist() for i in range(40)]
@@ -79,32 +96,28 @@ def cached_samples(prefix, cache=None) -> list:
 
 
 def test_a_wrong_or_stale_cache_is_rebuilt(tmp_path, monkeypatch):
-    """A cache whose arrays were changed (a plausible permutation), whose record is missing, or whose data
-    files changed since it was built is rebuilt, and the samples are those of an uncached dataset."""
+    """A cache whose arrays were changed (a plausible permutation) or whose data files changed since megalite
+    built it is rebuilt, and the samples are those of an uncached dataset; one without megalite's record
+    (Megatron's) is used as Megatron uses it."""
     indexed = make_indexed(tmp_path / "ds", seed=1)
     docs = np.arange(len(indexed))
     cache = tmp_path / "cache"
     expected = cached_samples(tmp_path / "ds")
-    key = GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=str(cache), name="train").cache_key
-    shuffle, record = cache / f"train_{key}_shuffle_idx.npy", cache / f"train_{key}_built_from.json"
-    builds = []
-    original_build = GPTDataset._build_doc_idx
-
-    def counted(self, *args):
-        builds.append(1)
-        return original_build(self, *args)
-
-    monkeypatch.setattr(GPTDataset, "_build_doc_idx", counted)
+    stem = _stem(GPTDataset(indexed, docs, 40, 5, seed=7, cache_dir=str(cache), name="train"))
+    shuffle, record = cache / f"{stem}shuffle_index.npy", cache / f"{stem}megalite.json"
+    builds = _counting_builds(monkeypatch)
     load = functools.partial(cached_samples, tmp_path / "ds", cache)
     assert load() == expected and builds == []  # a valid cache is used as is
     np.save(shuffle, np.load(shuffle)[::-1].copy())  # another permutation: plausible, but not this dataset's
     assert load() == expected and builds == [1]
-    record.unlink()  # a cache from before records existed
-    assert load() == expected and builds == [1, 1]
-    before = json.loads(record.read_text())["built_from"]["files"]
+    before = json.loads(record.read_text())["files"]
     os.utime(tmp_path / "ds.bin", ns=(1, 1))  # the data file changed since the cache was built
+    assert load() == expected and builds == [1, 1]
+    assert json.loads(record.read_text())["files"] != before
+    record.unlink()  # as Megatron-Core writes it
+    assert load() == expected and builds == [1, 1]
+    np.save(shuffle, np.load(shuffle)[:-1].copy())  # a shape no build of this description has
     assert load() == expected and builds == [1, 1, 1]
-    assert json.loads(record.read_text())["built_from"]["files"] != before
 
 
 def test_bad_gpt_dataset_arguments(tmp_path):
@@ -185,7 +198,8 @@ def test_build_train_valid_test_blend(tmp_path):
         assert sorted(set(np.asarray(part.doc_idx).tolist())) == valid_docs.tolist()
 
     single, _, _ = build_train_valid_test_datasets([low], "949,50,1", 4, 5, [30, 0, 0])
-    assert isinstance(single, GPTDataset) and len(single) == 30
+    train_tokens = int(np.asarray(IndexedDataset(low).sizes)[split_documents(200, "949,50,1")[0]].sum())
+    assert isinstance(single, GPTDataset) and len(single) == (train_tokens - 1) // 4 > 30  # Megatron's: the epoch
     with pytest.raises(ValueError, match="weight/prefix pairs, got 3 items"):
         build_train_valid_test_datasets(["1", low, "2"], "949,50,1", 4, 5, [30, 0, 0])
     with pytest.raises(FileNotFoundError, match=r"missing\.idx"):

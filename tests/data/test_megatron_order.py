@@ -54,12 +54,25 @@ def _assert_same_order(data_path: list[str], sizes: list[int], tmp_path):
     theirs = BlendedMegatronDatasetBuilder(MegatronGPTDataset, sizes, lambda: True, config).build()
     ours = build_train_valid_test_datasets(data_path, SPLIT, SEQ, SEED, sizes, cache_dir=str(tmp_path / "cache"))
     for name, mine, megatron, size in zip(("train", "valid", "test"), ours, theirs, sizes):
-        assert len(mine) == size, name
+        assert len(mine) == len(megatron) >= size, name
+        _assert_same_indices(mine, megatron)
         expected = _megatron_windows(megatron, size)
         got = [mine[i]["tokens"].tolist() for i in range(size)]
         same = sum(a == b for a, b in zip(got, expected))
         assert same == size, f"{name}: {same}/{size} samples equal Megatron-Core's"
     return ours
+
+
+def _assert_same_indices(mine, megatron):
+    """Every GPT dataset's document, sample and shuffle index equal Megatron-Core's: values, dtypes and shapes."""
+    if isinstance(megatron, MegatronBlendedDataset):
+        for ours, theirs in zip(mine.datasets, megatron.datasets):
+            _assert_same_indices(ours, theirs)
+        return
+    for ours, theirs in ((mine.doc_idx, megatron.document_index), (mine.sample_idx, megatron.sample_index),
+                         (mine.shuffle_idx, megatron.shuffle_index)):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert np.array_equal(ours, theirs)
 
 
 def _other_dataset(prefix, seed: int, low: int, high: int) -> str:

@@ -65,8 +65,8 @@ def test_iterator_collates_micro_batches(tmp_path):
     for batch, indices in zip(batches, sampler):
         assert set(batch) == {"tokens"} and batch["tokens"].dtype == torch.int64
         assert batch["tokens"].tolist() == [ds[i]["tokens"].tolist() for i in indices]
-    with pytest.raises(ValueError, match="covers 40 samples but the dataset holds 32"):
-        build_data_iterator(ds, MicroBatchSampler(40, 0, 2, 8, 0, 2))
+    with pytest.raises(ValueError, match=f"covers {len(ds) + 8} samples but the dataset holds {len(ds)}"):
+        build_data_iterator(ds, MicroBatchSampler(len(ds) + 8, 0, 2, 8, 0, 2))
 
 
 def _gathered_global_batches(prefix):

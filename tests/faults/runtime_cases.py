@@ -99,11 +99,11 @@ def _stale_cache(scratch) -> str:
     make_indexed(scratch / "ds", seed=1)
     cache = scratch / "cache"
     cached_samples(scratch / "ds", cache)
-    (record,) = cache.glob("*_built_from.json")
-    before = json.loads(record.read_text())["built_from"]["files"]
+    (record,) = cache.glob("*-megalite.json")
+    before = json.loads(record.read_text())["files"]
     os.utime(scratch / "ds.bin", ns=(1, 1))
     samples = cached_samples(scratch / "ds", cache)
-    rebuilt = json.loads(record.read_text())["built_from"]["files"] != before
+    rebuilt = json.loads(record.read_text())["files"] != before
     return f"cache {'rebuilt' if rebuilt else 'reused'}; samples " \
            f"{'equal' if samples == cached_samples(scratch / 'ds') else 'differ from'} an uncached dataset's"
 

@@ -4,13 +4,19 @@
 The flag names and values below are copied from NVIDIA/Megatron-LM (paths, URLs and shell variables
 replaced by placeholders):
 - GPT3_175B: examples/gpt3/train_gpt3_175b_distributed.sh at commit 157006d6d9bf4f55c0d4d7dacbd2b65e7bd84dc9
-- LLAMA3_8B_FP8: examples/llama/train_llama3_8b_h100_fp8.sh at commit 157006d6d9bf4f55c0d4d7dacbd2b65e7bd84dc9
+- GPT3_175B_NOW: the same script at commit 779c5b748dbcf00ad9e36d539c576b404ab4abe9, whose
+  --step-batch-size-schedule replaced --rampup-batch-size
+- LLAMA3_8B_FP8: examples/llama/train_llama3_8b_h100_fp8.sh at commit 157006d6d9bf4f55c0d4d7dacbd2b65e7bd84dc9, plus
+  the --normalization RMSNorm of commit 779c5b748dbcf00ad9e36d539c576b404ab4abe9
 - LLAMA3: examples/llama/train_llama3.sh at commit 089546167906108147d1b73cdf66e51e5e7ea64d (every optional
   block switched on: recompute, no rope fusion, profiling, flash attention, sequence parallel, mcore, TE FP8,
   W&B, checkpoint load and save)
 """
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,8 +37,12 @@ GPT3_175B = [
     ("--load", "CKPT"), ("--eval-iters", "10"), ("--tensorboard-dir", "TB"),
 ]
 
+GPT3_175B_NOW = [row if row[0] != "--rampup-batch-size" else
+                 ("--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536")
+                 for row in GPT3_175B]
+
 LLAMA3_8B_FP8 = [
-    ("--use-mcore-models",), ("--num-layers", "32"), ("--hidden-size", "4096"), ("--ffn-hidden-size", "14336"),
+    ("--use-mcore-models",), ("--normalization", "RMSNorm"), ("--num-layers", "32"), ("--hidden-size", "4096"), ("--ffn-hidden-size", "14336"),
     ("--num-attention-heads", "32"), ("--group-query-attention",), ("--num-query-groups", "8"),
     ("--kv-channels", "128"), ("--seq-length", "8192"), ("--max-position-embeddings", "8192"),
     ("--position-embedding-type", "rope"), ("--rotary-base", "1000000"), ("--rotary-percent", "1.0"),
@@ -97,18 +107,20 @@ ACCEPTED = {"--use-mcore-models", "--attention-backend", "--cross-entropy-loss-f
             "--no-masked-softmax-fusion", "--no-rope-fusion", "--optimizer", "--no-gradient-accumulation-fusion",
             "--distributed-backend", "--rerun-mode", "--use-pytorch-profiler", "--use-flash-attn",
             "--transformer-impl"}
-REJECTED = {"--rampup-batch-size", "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
+REJECTED = {"--step-batch-size-schedule", "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
             "--grad-reduce-in-bf16", "--calculate-per-token-loss", "--fp8-format", "--fp8-amax-history-len",
             "--fp8-amax-compute-algo", "--fp8-param-gather", "--dataloader-type", "--fp8-margin", "--fp8-interval",
-            "--attention-softmax-in-fp32", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
-            "--no-position-embedding"}
+            "--attention-softmax-in-fp32", "--no-position-embedding"}
 
 
 def _argv(rows):
     return [word for row in rows for word in row]
 
 
-@pytest.mark.parametrize("script", [GPT3_175B, LLAMA3_8B_FP8, LLAMA3], ids=["gpt3_175b", "llama3_8b_fp8", "llama3"])
+SCRIPTS = {"gpt3_175b": GPT3_175B, "gpt3_175b_now": GPT3_175B_NOW, "llama3_8b_fp8": LLAMA3_8B_FP8, "llama3": LLAMA3}
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
 def test_each_flag_is_implemented_accepted_or_rejected_with_a_reason(script):
     names = {row[0] for row in script}
     implemented = {f.name for f in FLAGS} - {f.name for f in COMPAT_FLAGS}
@@ -146,3 +158,38 @@ def test_unknown_flags_are_still_named():
     with pytest.raises(ValueError, match="^argument --transformer-impl: invalid choice: 'te'"):
         parse_args(["--transformer-impl", "te"])
     assert isinstance(parse_args([]), argparse.Namespace) and accepted_without_effect(parse_args([])) is None
+
+
+@pytest.mark.parametrize("name", ["gpt3_175b_now", "llama3_8b_fp8"])
+def test_a_rejected_flag_is_reported_before_torch_is_imported(name):
+    """examples/pretrain_gpt.py names the rejected flags (the line parse_args would give) and exits 2, having
+    imported neither torch nor the trainer (``-X importtime`` lists every module the process imported)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = SCRIPTS[name]
+    done = subprocess.run([sys.executable, "-X", "importtime", os.path.join(root, "examples", "pretrain_gpt.py"),
+                           *_argv(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if not line.startswith("import time:")]
+    reasons = "; ".join(f"{row[0]} is not implemented in megalite: {NOT_IMPLEMENTED[row[0]]}"
+                        for row in script if row[0] in REJECTED)
+    assert done.returncode == 2 and errors == [f"error: {reasons}"], done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "megalite.training.megatron_compat" in imported
+    assert not {"torch", "numpy", "megalite.topology", "megalite.training.training"} & imported
+
+
+def test_gpt3_ramp_needs_sample_based_training_as_in_megatron():
+    """The GPT-3 script's --rampup-batch-size with --train-iters fails Megatron-LM's own check (core_v0.16.1
+    arguments.py: "expected no batch-size rampup for iteration-based training"); with --train-samples it runs."""
+    from megalite.training.arguments import validate_args
+    from megalite.training.batch_ramp import BatchSizeRamp
+
+    kept = [row for row in GPT3_175B if row[0] not in REJECTED]
+    with pytest.raises(ValueError, match=r"^--rampup-batch-size needs sample-based training \(--train-samples\)"):
+        validate_args(parse_args(_argv(kept)), world_size=128)
+    by_samples = [row for row in kept if row[0] not in ("--train-iters", "--lr-decay-iters")]
+    args = validate_args(parse_args(_argv(by_samples) + ["--train-samples", "768000000"]), world_size=128)
+    assert args.rampup_batch_size == [16, 16, 5859375] and args.data_parallel_size == 1
+    # counted by walking the ramp (test_batch_ramp.py checks that walk against Megatron-Core's calculator)
+    assert args.train_iters == BatchSizeRamp(16, 16, 5859375, 1536).train_iters(768000000) > 768000000 // 1536
