@@ -16,23 +16,25 @@ from its tokens (prefix caching usually makes that cheap).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.paged_cache import StepPlan
 from megalite.inference.prefix_cache import PrefixCache
-from megalite.inference.sequence import Sequence
+from megalite.inference.sequence import Request, Sequence
 
 
 @dataclass
 class Scheduled:
-    """One sequence's share of a step: ``length`` tokens from ``start``, ``drafts`` among them at the end."""
+    """One sequence's share of a step: ``length`` tokens from ``start``, ``drafts`` among them at the end;
+    ``prompt_positions`` are the positions whose logits give prompt log-probs (when the request asks)."""
 
     seq: Sequence
     start: int
     length: int
     drafts: list[int]
     sample: bool
+    prompt_positions: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -106,7 +108,7 @@ class Scheduler:
         """How many drafts a decoding ``seq`` may verify this step (none while it still prefills)."""
         if self.drafter is None or seq.num_computed != len(seq.tokens) - 1:
             return 0
-        return max(0, min(self.num_draft_tokens, seq.request.params.max_new_tokens - seq.num_generated - 1))
+        return max(0, min(self.num_draft_tokens, seq.request.params.max_tokens - seq.num_generated - 1))
 
     def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
         """The next step's plan (empty when nothing can run) and who is in it.
@@ -143,7 +145,7 @@ class Scheduler:
         computing = {self._first_block(e) for e in entries}
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.prefix_cache is not None and not seq.block_table:
+            if self.prefix_cache is not None and not seq.block_table and seq.request.params.prompt_logprobs is None:
                 limit = (len(seq.tokens) - 1) // self.block_size
                 hit = self.prefix_cache.cached_blocks(seq.tokens, limit)
                 if hit < limit and tuple(seq.tokens[:(hit + 1) * self.block_size]) in computing:
@@ -176,7 +178,16 @@ class Scheduler:
         start = seq.num_computed
         sample = start + length - len(drafts) == len(seq.tokens)
         self.prefill_tokens += max(0, min(start + length, len(seq.request.prompt)) - start)
-        return Scheduled(seq, start, length, drafts, sample)
+        return Scheduled(seq, start, length, drafts, sample, self._prompt_positions(seq.request, start, length))
+
+    @staticmethod
+    def _prompt_positions(request: Request, start: int, length: int) -> list[int]:
+        """Positions in ``[start, start + length)`` whose logits score a prompt token not yet scored (prompt
+        log-probs; such requests skip the prefix cache, so every position is computed once)."""
+        if request.params.prompt_logprobs is None:
+            return []
+        end = min(start + length, len(request.prompt) - 1)
+        return [p for p in range(start, end) if p + 1 not in request.prompt_logprobs]
 
     @staticmethod
     def _plan(entries: list[Scheduled], copies: list) -> StepPlan:
@@ -189,6 +200,7 @@ class Scheduler:
             plan.starts.append(e.start)
             plan.lengths.append(e.length)
             plan.block_tables.append(list(e.seq.block_table))
+            plan.sample_rows.extend(row + p - e.start for p in e.prompt_positions)
             if e.sample:
                 plan.sample_rows.extend(range(row + e.length - len(e.drafts) - 1, row + e.length))
         return plan

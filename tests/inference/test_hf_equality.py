@@ -51,7 +51,7 @@ def _workload():
 
 def _hf_greedy(model, prompt, max_new):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
+                         do_sample=False, max_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
                          eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
@@ -85,7 +85,7 @@ def test_greedy_matches_transformers_and_recompute_under_every_variant(kind, tmp
     model = load_model(str(tmp_path / "ckpt"))
     assert expected == [_recompute_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     draft = _draft(kind)
-    params = [SamplingParams(max_new_tokens=n, temperature=0) for n in budgets]
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in budgets]
     for name, engine_config in VARIANTS.items():
         llm = LLM(str(tmp_path / "ckpt"), engine_config=engine_config, draft_model=draft)
         outputs = llm.generate(prompts, params)

@@ -61,7 +61,7 @@ def _idle(engine):
 def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
     model = tiny_model(max_position_embeddings=256)
     offline = LLM.from_model(model, engine_config=ENGINE).generate(
-        PROMPTS, [SamplingParams(max_new_tokens=5 + i, temperature=0.9, seed=100 + i) for i in range(8)])
+        PROMPTS, [SamplingParams(max_tokens=5 + i, temperature=0.9, seed=100 + i) for i in range(8)])
     expected = [o.outputs[0].token_ids for o in offline]
     engine = LLM.from_model(model, engine_config=ENGINE).engine
 
@@ -121,7 +121,7 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
 
     model = tiny_model("gpt2")
     save_sharded(str(tmp_path / "ckpt"), 1, [model])
-    expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0))
+    expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"),
