@@ -101,6 +101,10 @@ class LLMEngine:
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"prompt token ids range over [{low}, {high}], outside the vocabulary [0, "
                              f"{self.vocab_size - 1}]")
+        outside = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size - 1}]: "
+                             f"{outside[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer); "
                              "use stop_token_ids")
@@ -245,7 +249,7 @@ class LLMEngine:
                     self.scheduler.cache_blocks(seq)
                     continue
                 targets = self._sample(seq, e.drafts, rows, best)
-            except (FloatingPointError, RuntimeError, ValueError) as error:
+            except Exception as error:  # this request's sampling alone: fail it, serve the others
                 touched.update((r.request_id, r) for r in self._fail([request], f"sampling failed: {error}"))
                 continue
             for s in targets:

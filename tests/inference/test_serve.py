@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
-from megalite.inference.serve import EngineLoop, build_app, parse_args
+from megalite.inference.api_server import ServerConfig, build_app
+from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.serve import parse_args
 from tests.inference.common import VOCAB, tiny_model
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -23,7 +25,7 @@ PROMPTS = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(8)]
 async def _with_server(engine, body):
     loop = EngineLoop(engine)
     loop.start()
-    runner = web.AppRunner(build_app(loop, max_body_bytes=4096, max_tokens_limit=250))
+    runner = web.AppRunner(build_app(loop, ServerConfig(max_body_bytes=4096, max_tokens_limit=250)))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -38,7 +40,7 @@ async def _with_server(engine, body):
 
 async def _stream(session, url, prompt, max_tokens, seed):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "seed": seed, "stream": True,
-            "logprobs": True}
+            "logprobs": 1}
     tokens, events = [], 0
     async with session.post(f"{url}/v1/completions", json=body) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
