@@ -58,4 +58,4 @@ class IncrementalDetokenizer:
 
     def stable(self, finished: bool) -> str:
         """The text that can be streamed now (all of it once finished)."""
-        return self.text if finished else self.text[:len(self.text) - self.holdback]
+        return self.text if finished else self.text[:max(0, len(self.text) - self.holdback)]
