@@ -154,36 +154,43 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.json_response({"error": {"message": message[:1000], "type": kind, "code": status}},
                                  status=status, headers=headers)
 
-    def log(request_id, path, status, exchange, started):
-        ACCESS_LOG.info("%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", request_id, path, status,
-                        exchange.prompt_tokens if exchange else 0, exchange.completion_tokens if exchange else 0,
-                        time.perf_counter() - started)
+    @web.middleware
+    async def access_log(request, handler):
+        """One line per request: id, method and path, status, tokens in and out, latency."""
+        started, status = time.perf_counter(), 500
+        request["id"] = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as failure:
+            status = failure.status
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = 499  # the client went away
+            raise
+        finally:
+            exchange = request.get("exchange")
+            ACCESS_LOG.info("%s %s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", request["id"],
+                            request.method, request.path, status, exchange.prompt_tokens if exchange else 0,
+                            exchange.completion_tokens if exchange else 0, time.perf_counter() - started)
 
     def endpoint(run):
-        """Wrap ``run(request, exchange)`` with the body checks, errors, aborts and the access log."""
+        """Wrap ``run(request, body, exchange)`` with the body checks, errors and aborts."""
 
         async def handler(request):
-            started, request_id = time.perf_counter(), f"cmpl-{uuid.uuid4().hex}"
-            exchange, status = None, 500
+            exchange = None
             try:
                 body = await read_json(request, config)
-                exchange = Exchange(loop, request, config, request_id)
-                response = await run(request, body, exchange)
-                status = response.status
-                return response
+                exchange = request["exchange"] = Exchange(loop, request, config, request["id"])
+                return await run(request, body, exchange)
             except BadRequest as failure:
-                status = 400
                 return error(400, str(failure))
             except HTTPFailure as failure:
-                status = failure.status
                 return error(failure.status, str(failure), failure.headers)
-            except (ConnectionResetError, asyncio.CancelledError):
-                status = 499  # the client went away
-                raise
             finally:
                 if exchange is not None:
                     exchange.close()
-                log(request_id, request.path, status, exchange, started)
 
         return handler
 
@@ -281,7 +288,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     async def metrics(request):
         return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
 
-    app = web.Application(client_max_size=config.max_body_bytes)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
     app.add_routes([web.post("/v1/completions", endpoint(completions)), web.get("/v1/models", models),
                     web.get("/metrics", metrics), web.get("/health", health)])
     return app

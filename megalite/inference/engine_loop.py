@@ -14,6 +14,7 @@ finished: past it :meth:`submit` raises :class:`Overloaded` (HTTP 429).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -159,11 +160,11 @@ class EngineLoop:
                 elif engine.tp_size > 1 and time.perf_counter() - idle_since > self.heartbeat_s:
                     engine.heartbeat()
                     idle_since = time.perf_counter()
-        except BaseException as error:  # report to every waiting client, then stop serving
+        except Exception as error:  # report to every waiting client, then stop serving
+            logging.getLogger("megalite.inference.engine").exception("the engine failed; the server stops")
             self.error = error
             for stream in self.streams.values():
                 stream.put({"error": f"engine failure: {error}", "status": 500})
-            raise
         finally:
             if engine.tp_size > 1:
                 engine.stop_workers()
