@@ -15,6 +15,7 @@ line per request (id, status, tokens in and out, latency).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -26,6 +27,8 @@ from megalite.inference.completions import (BadRequest, LogprobsBuilder, choice_
 from megalite.inference.engine_loop import EngineLoop, Overloaded
 
 ACCESS_LOG = logging.getLogger("megalite.inference.access")
+# The access log's record of the request being handled (its id, and its Exchange once it has one).
+_SLOT: contextvars.ContextVar[dict] = contextvars.ContextVar("megalite_request")
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "timeout_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
 
@@ -158,7 +161,8 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     async def access_log(request, handler):
         """One line per request: id, method and path, status, tokens in and out, latency."""
         started, status = time.perf_counter(), 500
-        request["id"] = f"cmpl-{uuid.uuid4().hex}"
+        slot = {"id": f"cmpl-{uuid.uuid4().hex}"}
+        _SLOT.set(slot)
         try:
             response = await handler(request)
             status = response.status
@@ -170,8 +174,8 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             status = 499  # the client went away
             raise
         finally:
-            exchange = request.get("exchange")
-            ACCESS_LOG.info("%s %s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", request["id"],
+            exchange = slot.get("exchange")
+            ACCESS_LOG.info("%s %s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", slot["id"],
                             request.method, request.path, status, exchange.prompt_tokens if exchange else 0,
                             exchange.completion_tokens if exchange else 0, time.perf_counter() - started)
 
@@ -182,7 +186,8 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             exchange = None
             try:
                 body = await read_json(request, config)
-                exchange = request["exchange"] = Exchange(loop, request, config, request["id"])
+                slot = _SLOT.get()
+                exchange = slot["exchange"] = Exchange(loop, request, config, slot["id"])
                 return await run(request, body, exchange)
             except BadRequest as failure:
                 return error(400, str(failure))

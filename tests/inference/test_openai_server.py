@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megalite.inference import SamplingParams
+from megalite.inference import LLM, SamplingParams
 from tests.inference.server_harness import BYTES, Server, byte_model
 
 openai = pytest.importorskip("openai")
@@ -39,7 +39,8 @@ def test_completions_through_the_openai_client(caplog):
         client = server.client()
         assert [m.id for m in client.models.list().data] == ["megalite"]
         payload, parsed = _create(client, prompt="Hello", max_tokens=5, temperature=0)
-        offline = server.llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0))[0]
+        offline = LLM.from_model(model, tokenizer=BYTES).generate(["Hello"], SamplingParams(max_tokens=5,
+                                                                                           temperature=0))[0]
         assert parsed.choices[0].text == offline.outputs[0].text
         assert parsed.usage.prompt_tokens == 5 and parsed.usage.total_tokens == 5 + parsed.usage.completion_tokens
 
