@@ -124,12 +124,12 @@ class Exchange:
             if left <= 0:
                 self.loop.metrics.count("requests_timed_out")
                 raise HTTPFailure(504, f"the request did not finish within {self.config.request_timeout_s:g} s")
+            transport = self.request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client went away")
             try:
                 event = await asyncio.wait_for(self.events.get(), min(left, 0.5))
             except asyncio.TimeoutError:
-                transport = self.request.transport
-                if transport is None or transport.is_closing():
-                    raise ConnectionResetError("the client went away") from None
                 continue
             if "error" in event:
                 self.open.discard(event["request_id"])

@@ -95,8 +95,8 @@ class SamplingParams:
                 fail(name, "a number in [-2, 2]")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
             fail("repetition_penalty", "a number in (0, 100]")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
+            fail("seed", "None or an integer in [-2**63, 2**64)")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 0):
                 fail(name, "None or an integer >= 0 (the number of top alternatives)")
