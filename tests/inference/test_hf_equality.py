@@ -51,7 +51,7 @@ def _workload():
 
 def _hf_greedy(model, prompt, max_new):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
+                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
                          eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
