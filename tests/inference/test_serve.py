@@ -117,13 +117,18 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
 
 
 @pytest.mark.slow
-def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
+def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenizer(tmp_path):
+    """``serve --load CKPT`` with no --tokenizer answers a text prompt through the openai client, as LLM(CKPT)."""
+    openai = pytest.importorskip("openai")
     assert parse_args(["--load", "x"]).host == "127.0.0.1"
     from megalite.checkpoint import save_sharded
+    from megalite.data.synthetic import generate_corpus
+    from megalite.data.tokenizer import train_sentencepiece
 
-    model = tiny_model("gpt2")
-    save_sharded(str(tmp_path / "ckpt"), 1, [model])
-    expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+    sp = train_sentencepiece(generate_corpus(100, seed=0), str(tmp_path / "sp"), 100)
+    save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=128)],
+                 extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}})
+    expected = LLM(str(tmp_path / "ckpt")).generate(["Ada has"], SamplingParams(max_tokens=4, temperature=0))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"),
@@ -131,16 +136,10 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, line
-        url = line.split()[-1]
-
-        async def request():
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{url}/v1/completions",
-                                        json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}) as response:
-                    return await response.json()
-
-        payload = asyncio.run(request())
-        assert payload["choices"][0]["token_ids"] == expected[0].outputs[0].token_ids
+        client = openai.OpenAI(base_url=line.split()[-1] + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="megalite", prompt="Ada has", max_tokens=4, temperature=0)
+        assert reply.choices[0].text == expected[0].outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
