@@ -20,9 +20,10 @@ OPTIONAL = {
     "ray": ["ray>=2.0"],
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
-TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
+TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core", "openai>=1.0", "requests"]
 """The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
-tested against), and every optional extra."""
+tested against), the official ``openai`` client and ``requests`` (the server's tests drive it with them), and every
+optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 
