@@ -65,6 +65,12 @@ def test_completions_through_the_openai_client(caplog):
         assert lp.text_offset == list(range(6)) and parsed.choices[0].text.startswith("Hello")
         assert all(max(top.values()) >= lp.token_logprobs[i] - 1e-6 for i, top in enumerate(lp.top_logprobs[1:], 1))
 
+        chunks = list(client.completions.create(model="megalite", prompt="Hello", max_tokens=1, temperature=0,
+                                                logprobs=1, echo=True, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == parsed.choices[0].text
+        streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+        assert streamed == lp.token_logprobs
+
         # stop strings are cut from the text; streaming with usage gives the same text.
         _, plain = _create(client, prompt="abc", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
         text = plain.choices[0].text
@@ -83,7 +89,7 @@ def test_completions_through_the_openai_client(caplog):
             client.completions.create(model="megalite", prompt="a", suffix="b")
         assert server.idle()
     lines = [r.getMessage() for r in caplog.records if r.name == "megalite.inference.access"]
-    assert len(lines) == 10 and "GET /v1/models 200" in lines[0] and " 400 " in lines[-1]
+    assert len(lines) == 11 and "GET /v1/models 200" in lines[0] and " 400 " in lines[-1]
     assert all("POST /v1/completions 200" in line for line in lines[1:-1])
     assert all("prompt_tokens=" in line and "latency=" in line for line in lines)
 
@@ -111,6 +117,32 @@ def test_a_failing_request_fails_alone_and_the_server_keeps_serving():
         metrics = dict(line.split() for line in requests.get(f"{server.url}/metrics").text.splitlines())
         assert float(metrics["megalite_requests_failed_total"]) == 3
         assert server.idle()
+
+
+def test_a_failing_request_fails_alone_beside_others(monkeypatch):
+    """Concurrent requests: the one whose logits turn NaN gets its 500, the others their normal replies."""
+    import concurrent.futures
+
+    import megalite.inference.engine as engine_module
+
+    real = engine_module.verify
+
+    def poisoned(logits, drafts, params, generator, argmax=None):
+        return real(logits.clone().fill_(float("nan")) if params.seed == 1 else logits, drafts, params, generator,
+                    argmax)
+
+    model = byte_model()
+    bodies = [{"prompt": [1 + i, 2, 3], "max_tokens": 6, "seed": i} for i in range(4)]
+    expected = [LLM.from_model(model).generate([b["prompt"]], SamplingParams(max_tokens=6, seed=b["seed"]))[0]
+                for b in bodies]
+    monkeypatch.setattr(engine_module, "verify", poisoned)
+    with Server(model) as server:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda b: requests.post(f"{server.url}/v1/completions", json=b), bodies))
+        assert [r.status_code for r in replies] == [200, 500, 200, 200]
+        for i in (0, 2, 3):
+            assert replies[i].json()["choices"][0]["token_ids"] == expected[i].outputs[0].token_ids
+        assert server.idle() and server.loop.alive
 
 
 def test_a_dead_engine_answers_503():
