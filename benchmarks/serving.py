@@ -8,8 +8,9 @@ megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, 
 tokens.  The HTTP side sends all requests at once from a thread pool (one ``openai`` client per thread,
 ``stream=True``) in a separate client process, to the server in this process (its engine on its own thread,
 as ``serve`` runs it).
-Prints output tokens/s of both and their ratio (HTTP overhead), and p50/p99 time to first token and
-inter-token latency as the clients saw them.  Each side runs ``--repeats`` times (alternating) and keeps its
+Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of this process in each (for
+HTTP: the server's engine and HTTP threads, without the client process that shares the cores), and p50/p99
+time to first token and inter-token latency as the clients saw them.  Each side runs ``--repeats`` times (alternating) and keeps its
 fastest run.  Wall times: the machine may be shared, so say so with the numbers.
 """
 
@@ -83,10 +84,10 @@ def engine_config(requests: int) -> EngineConfig:
 def in_process(model, tokenizer, texts, max_tokens):
     llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(texts, params)
     elapsed = time.perf_counter() - started
-    return elapsed, [o.outputs[0].text for o in outputs]
+    return elapsed, [o.outputs[0].text for o in outputs], time.process_time() - cpu
 
 
 class Served:
@@ -121,9 +122,11 @@ def over_http(url, args):
     gaps."""
     command = [sys.executable, os.path.abspath(__file__), "--client", url, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens)]
+    cpu = time.process_time()
     done = subprocess.run(command, capture_output=True, text=True, check=True)
+    cpu = time.process_time() - cpu  # the server's threads only (engine, HTTP loop), not the client process
     result = json.loads(done.stdout.splitlines()[-1])
-    return result["elapsed"], result["texts"], result["ttft"], result["itl"]
+    return result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"]
 
 
 def client(url, texts, max_tokens):
@@ -182,7 +185,9 @@ def main():
     print(f"LLM.generate in process   {best_local[0]:7.2f} s  {local_tps:8.1f} tokens/s")
     print(f"openai client over HTTP   {best_http[0]:7.2f} s  {http_tps:8.1f} tokens/s  "
           f"(ratio {http_tps / local_tps:.3f}; overhead {100 * (1 - http_tps / local_tps):.1f}%)")
-    ttft, itl = best_http[2], best_http[3]
+    print(f"server CPU s: in process {best_local[2]:.2f}, HTTP server {best_http[2]:.2f} "
+          f"(CPU ratio {best_local[2] / best_http[2]:.3f}; the client process's CPU is not counted)")
+    ttft, itl = best_http[3], best_http[4]
     print(f"time to first token  p50 {1000 * percentile(ttft, 0.5):8.1f} ms  p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
     print(f"inter-token latency  p50 {1000 * percentile(itl, 0.5):8.1f} ms  p99 {1000 * percentile(itl, 0.99):8.1f} ms"
           f"  (mean {1000 * statistics.mean(itl):.1f} ms)")
