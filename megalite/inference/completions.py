@@ -23,16 +23,16 @@ class BadRequest(ValueError):
     """A request the server answers with 400."""
 
 
-# OpenAI's field -> (SamplingParams field, check); None copies the value for SamplingParams to check.
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "best_of": "best_of", "seed": "seed",
-             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
-             "logit_bias": "logit_bias", "top_k": "top_k", "min_p": "min_p",
-             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-             "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output"}
+# Body fields passed to SamplingParams under the same name (it checks them); the others are handled here.
+_SAMPLING = ("temperature", "top_p", "n", "best_of", "seed", "presence_penalty", "frequency_penalty", "stop",
+             "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+             "include_stop_str_in_output")
 _OTHER = {"model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo", "suffix", "user"}
 FIELDS = frozenset(_SAMPLING) | _OTHER
 # The most alternatives per token that ``logprobs`` may ask (OpenAI allows 5; vLLM more).
 MAX_LOGPROBS = 20
+# The most stop strings a request may list (each is searched for after every token; OpenAI allows 4).
+MAX_STOP = 16
 
 
 @dataclass
@@ -99,11 +99,13 @@ def parse_completion(body, engine, *, max_tokens_limit: int, max_n: int, tokeniz
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
             raise BadRequest(f"{name} must be at most {max_n} (--max-n), got {value}")
+    if len(body.get("stop") or []) > MAX_STOP and isinstance(body["stop"], list):
+        raise BadRequest(f"stop may list at most {MAX_STOP} strings, got {len(body['stop'])}")
     if isinstance(body.get("logit_bias"), dict):
         for key in body["logit_bias"]:
             if not key.lstrip("-").isdigit() or len(key) > 12:
                 raise BadRequest(f"logit_bias keys must be token ids, got {key[:20]!r}")
-    values = {field: body[name] for name, field in _SAMPLING.items() if name in body and body[name] is not None}
+    values = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                 prompt_logprobs=logprobs if flags["echo"] and logprobs is not None else None,

@@ -55,6 +55,7 @@ def test_bad_bodies_are_400s():
             (json.dumps({"prompt": [1, 2], "temperature": 10 ** 400}).encode(), "temperature must be"),
             (json.dumps({"prompt": [1, 2], "logit_bias": {"x": 1}}).encode(), "logit_bias keys must be token ids"),
             (json.dumps({"prompt": [[1], "a", 3]}).encode(), "prompt must be a string, a list of strings"),
+            (json.dumps({"prompt": [1], "stop": ["x"] * 17}).encode(), "stop may list at most 16 strings"),
             (json.dumps({"prompt": "a", "stream": True, "n": 1, "best_of": 2}).encode(), "cannot be streamed"),
             (json.dumps({"prompt": "a", "stream_options": {"include_usage": True}}).encode(), "only allowed with"),
         ]
