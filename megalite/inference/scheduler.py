@@ -4,7 +4,7 @@ Every step walks the running sequences first (oldest first) and gives each
 the tokens it still needs (one for a decode, plus any speculative drafts; the
 rest of its prompt, or a chunk of it, for a prefill), then admits waiting
 sequences first-come-first-served while the budget and the sequence limit
-allow.  A waiting sequence whose next uncached block another sequence of the
+allow (a request counts with all the samples it will fork into).  A waiting sequence whose next uncached block another sequence of the
 same step is computing (prompts sharing a system prefix, arriving together)
 waits one step and then takes that block from the prefix cache.  A long
 prompt is split into chunks across steps (chunked prefill) and shares the
@@ -143,7 +143,9 @@ class Scheduler:
                 e.length -= k - len(e.drafts)
         entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
         computing = {self._first_block(e) for e in entries}
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        occupied = sum(self._width(s) for s in self.running)
+        while self.waiting and budget > 0 and (not self.running
+                                               or occupied + self._width(self.waiting[0]) <= self.max_seqs):
             seq = self.waiting[0]
             if self.prefix_cache is not None and not seq.block_table and seq.request.params.prompt_logprobs is None:
                 limit = (len(seq.tokens) - 1) // self.block_size
@@ -158,12 +160,19 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            occupied += self._width(seq)
             entries.append(self._entry(seq, length, []))
             computing.add(self._first_block(entries[-1]))
             budget -= length
         if self.drafter is not None:
             self.drafter.copy_blocks(copies[applied:])
         return self._plan(entries, copies), entries
+
+    @staticmethod
+    def _width(seq: Sequence) -> int:
+        """The running sequences ``seq`` stands for: itself, or the ``best_of`` samples it will fork into (so
+        admission keeps them within ``max_num_seqs``; a request wider than the limit runs alone)."""
+        return 1 if seq.request.forked else seq.request.params.best_of
 
     def _first_block(self, e: Scheduled) -> tuple[int, ...] | None:
         """The tokens up to the end of the first block ``e`` works on, when this step fills that block and a

@@ -180,3 +180,23 @@ def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+
+
+def test_forked_samples_count_against_max_num_seqs():
+    """A request is admitted with all the samples it forks into: running sequences never exceed max_num_seqs
+    (before, six n=4 requests admitted together forked into 24 with a limit of 8), and outputs are unchanged."""
+    model = tiny_model()
+    prompts = [[1 + i, 2, 3, 4] for i in range(6)]
+    params = [SamplingParams(n=4, max_tokens=5, seed=i) for i in range(6)]
+    wide = LLM.from_model(model).generate(prompts, params)
+    engine = LLM.from_model(model, engine_config=EngineConfig(max_num_seqs=8)).engine
+    requests = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 8
+    assert [[c.token_ids for c in r.output().outputs] for r in requests] == [[c.token_ids for c in o.outputs]
+                                                                             for o in wide]
+    alone = LLM.from_model(model, engine_config=EngineConfig(max_num_seqs=2)).generate([[1, 2]], SamplingParams(n=3))
+    assert len(alone[0].outputs) == 3
