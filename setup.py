@@ -22,11 +22,12 @@ OPTIONAL = {
     "wandb": ["wandb"],  # --wandb-project
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
-TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
-TEST += ["trl>=1.16", "jsonschema", "openai"]  # peers: chat templates and response parsers, schema validation
+TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core", "openai>=1.0", "requests"]
+TEST += ["trl>=1.16", "jsonschema"]  # peers: chat templates and response parsers, schema validation
 """The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
-tested against), TRL (its chat templates and response schemas are the chat tests' references), jsonschema and
-openai (structured output and tool calls are checked with them), and every optional extra."""
+tested against), the official ``openai`` client and ``requests`` (the server's tests drive it with them), TRL
+(its chat templates and response schemas are the chat tests' references), jsonschema (structured output and
+tool calls are checked with it), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 

@@ -16,7 +16,7 @@ _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_token
 
 def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
     """``([(source path, file name in the export)], {"bos_token_id": .., "eos_token_id": ..})`` of a run."""
-    from megalite.data.tokenizer import build_tokenizer
+    from megalite.data.tokenizer import tokenizer_from_saved_args
 
     if not run_args:
         return [], {}
@@ -32,8 +32,7 @@ def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
         files = [(model, "tokenizer.model")]
     files = [(src, name) for src, name in files if src and os.path.isfile(src)]
     try:
-        tokenizer = build_tokenizer(model, kind, vocab_file=run_args.get("vocab_file"),
-                                    merge_file=run_args.get("merge_file"), vocab_size=run_args.get("vocab_size"))
+        tokenizer = tokenizer_from_saved_args(run_args)
     except (OSError, ValueError):
         return files, {}
     ids = {"eos_token_id": tokenizer.eod}

@@ -195,6 +195,13 @@ def tokenizer_from_args(args):
                            merge_file=args.merge_file, vocab_size=args.vocab_size)
 
 
+def tokenizer_from_saved_args(run_args: dict):
+    """``build_tokenizer`` from the flags a trainer saved in its checkpoint (a dict; absent ones are None)."""
+    return build_tokenizer(run_args.get("tokenizer_model"), run_args.get("tokenizer_type"),
+                           vocab_file=run_args.get("vocab_file"), merge_file=run_args.get("merge_file"),
+                           vocab_size=run_args.get("vocab_size"))
+
+
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
                         model_type: str = "bpe", split_digits: bool = True) -> str:
     """Train a sentencepiece model on ``texts``; return the path of the ``.model`` file.

@@ -216,8 +216,8 @@ def engine_generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, con
         seeds = [None] * b
     stop = [] if config.eos_id is None else [config.eos_id]
     temperature = 0 if config.greedy else config.temperature
-    params = [SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
-                             top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop, logprobs=True)
+    params = [SamplingParams(max_tokens=config.max_new_tokens, temperature=temperature,
+                             top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop, logprobs=0)
               for seed in seeds]
     blocks = b * -(-(p + config.max_new_tokens) // block_size)
     engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=blocks,
