@@ -1,8 +1,9 @@
-"""RLHF on megalite's parallel GPT: actor log-probs, generation, critic, reference model, PPO math, advantage
-estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward model, a scoring server (a reward or
-teacher model on one rank, with tensor transport and prefetch), distillation from a teacher's top-k, a training backend and a training
-service for outside RL loops, weight export and trainer -> rollout weight sync, and the placement plan with CPU
-offload of frozen models and optimizer state between the generation, scoring and training phases."""
+"""RLHF on megalite's parallel GPT: the RL trainer (``megalite.rlhf.trainer.RLTrainer``), actor log-probs, generation,
+critic, reference model, PPO math, advantage estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward
+model, a scoring server (a reward or teacher model on one rank, with tensor transport and prefetch), distillation
+from a teacher's top-k, a training backend and a training service for outside RL loops, weight export and trainer ->
+rollout weight sync, and the placement plan with CPU offload of frozen models and optimizer state between the
+generation, scoring and training phases."""
 
 from megalite.rlhf.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, compute_gae,
                                       discounted_returns, grpo_advantages, rloo_advantages)

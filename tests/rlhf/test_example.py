@@ -1,30 +1,24 @@
-"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a scoring server for the reward and top-k teacher
-(distillation loss and log-prob rewards) and one-step staleness, and GRPO with DAPO's pieces and the KL loss; one
-metrics record and TensorBoard scalar per iteration, and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
+"""The RL trainer (megalite.rlhf.trainer, what examples/rlhf_ppo.py runs) runs end to end (tiny and short) on TP2: PPO
+with a scoring server for the reward and top-k teacher (distillation loss and log-prob rewards) and one-step
+staleness, and GRPO with DAPO's pieces and the KL loss; one metrics record and TensorBoard scalar per iteration, and
+the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megalite.rlhf.rollouts import lookahead
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args, validate
 from megalite.testing import run_distributed
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rlhf_ppo.py")
 TINY = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3",
         "--train-iters", "3", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1"]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("rlhf_ppo_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(argv):
-    return _module().main(argv)
+    return RLTrainer(parse_args(argv)).train()
 
 
 def text_reward(prompt: str, response: str) -> float:
@@ -94,7 +88,6 @@ def test_disaggregated_equals_colocated_and_runs_async(tmp_path):
 
 
 def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
-    lookahead = _module().lookahead
     for depth in (0, 1, 2):
         events, version = [], 0
 
@@ -128,6 +121,5 @@ def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
     (["--use-scoring-server", "--scoring-server-rank", "4"], "--scoring-server-rank 4 is outside the world of 4"),
 ])
 def test_example_bad_input(extra, message):
-    module = _module()
     with pytest.raises(ValueError, match=message):
-        module.validate(module.parse_args(TINY + ["--global-batch-size", "8"] + extra), 4)
+        validate(parse_args(TINY + ["--global-batch-size", "8"] + extra), 4)
