@@ -12,7 +12,8 @@ from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.scoring_server import ScoringServer, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
-from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
+from megalite.rlhf.generation import (GenerationOutput, RolloutEngine, SamplingConfig, engine_generate, engine_supports,
+                                      generate)
 from megalite.rlhf.offload import Offloader
 from megalite.rlhf.placement import OffloadConfig, Placement
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
@@ -28,7 +29,7 @@ from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
-    "SamplingConfig",
+    "SamplingConfig", "RolloutEngine",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "ScoringServer", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",

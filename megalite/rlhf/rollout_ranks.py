@@ -1,6 +1,7 @@
 """Disaggregated rollouts: the loop of a rank that only generates (``--rollout-world-size``).
 
-It receives the trainers' weights (``WeightSync``), generates the rollouts of the DP shards it serves with
+It receives the trainers' weights (``WeightSync``, in place, so one inference engine serves every iteration),
+generates the rollouts of the DP shards it serves with
 :func:`megalite.rlhf.rollouts.sample_shard` and sends them to those shards' trainer ranks.
 """
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from megalite.models import GPTModel
 from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.generation import SamplingConfig
-from megalite.rlhf.rollouts import sample_shard
+from megalite.rlhf.rollouts import rollout_sampler, sample_shard
 from megalite.rlhf.weight_sync import ROLLOUT, SyncRole, WeightSync
 
 
@@ -36,6 +37,7 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
                               temperature=args.temperature)
     shards = [d for d in range(args.dp) if d % replicas == replica]
     rngs = {d: random.Random(args.seed * 1000 + d) for d in shards}
+    sample = rollout_sampler(model)
     pending = []
     for iteration in range(1, args.train_iters + 1):
         if iteration > args.max_staleness + 1:
@@ -44,7 +46,7 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
                 work.wait()
             pending = []
         for shard in shards:
-            tensors = sample_shard(model, args, sampling, rngs[shard], iteration, 0, shard, device)
+            tensors = sample_shard(sample, args, sampling, rngs[shard], iteration, 0, shard, device).wire_tensors()
             if tp_rank == 0:
                 for dst in (r for r, d in enumerate(trainer_dp) if d == shard):
                     pending += [(dist.isend(t, dst), t) for t in tensors]

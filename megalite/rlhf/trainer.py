@@ -137,16 +137,17 @@ class RLTrainer:
             serve = served_scores(reward, teacher, prompt_width(args.max_operand), placement) if owner else None
             reward_model = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token, device=device)
             stream = Prefetcher(reward_model, rollouts, args.max_staleness,
-                                inputs_of=lambda r: (r["input_ids"], r["attention_mask"]))
+                                inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
-            stream = ((r, (r["scores"],)) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
+            stream = ((r, (r.rewards,)) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
         logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                                stream=open(os.devnull, "w"))
         last = time.monotonic()
         for rollout, served in stream:
             teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
+            rollout.rewards = served[0]
             with placement.phase("training"):
-                metrics = rl_update(rollout, served[0], args, topo, actor, critic, device, rollouts.version, teacher,
+                metrics = rl_update(rollout, args, topo, actor, critic, device, rollouts.version, teacher,
                                     value_model)
                 if target is not None:
                     placement.update_target(TARGET_CRITIC, critic_chunk.module)
@@ -154,15 +155,15 @@ class RLTrainer:
             if args.use_scoring_server:
                 metrics["scorer_staleness"] = float(stream.staleness[-1])
             rollouts.version += 1
-            if sync is not None and rollout["iteration"] <= args.train_iters - args.max_staleness - 1:
+            if sync is not None and rollout.iteration <= args.train_iters - args.max_staleness - 1:
                 start_sync, sent = time.monotonic(), sync.bytes_sent
                 sync.sync()
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
                                sync_bytes_sent=float(sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
-            logger.log(rollout["iteration"], metrics)
+            logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
-                print(f"rl iteration {rollout['iteration']}/{args.train_iters} | "
+                print(f"rl iteration {rollout.iteration}/{args.train_iters} | "
                       + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                       + f" | elapsed {time.monotonic() - start:.0f}s", flush=True)
         if reward_model is not None:

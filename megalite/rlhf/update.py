@@ -16,6 +16,7 @@ from megalite.rlhf.critic import pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, teacher_rewards
 from megalite.rlhf.ppo import truncated_is_weights
 from megalite.rlhf.rewards import token_rewards
+from megalite.rlhf.rollout_batch import Rollout
 from megalite.rlhf.scoring import shaped_scores
 
 
@@ -25,29 +26,30 @@ def dp_mean(value: float, topo, device) -> float:
     return float(t) / topo.dp.size
 
 
-def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic, device, version: int,
+def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
               teacher: TeacherOutput | None = None, value_model=None) -> dict:
-    """One RL iteration on ``rollout``, made by policy ``rollout["version"]`` while the actor is at ``version``;
+    """One RL iteration on ``rollout`` (scored: its ``rewards`` set), made by policy ``rollout.version`` while the
+    actor is at ``version``;
     ``teacher``'s outputs (when served) add log-prob rewards and the distillation loss.  ``value_model`` (the
     critic's chunk or the target critic's, with ``critic``) recomputes a stale rollout's values."""
-    staleness = version - rollout["version"]
+    staleness = version - rollout.version
     if not 0 <= staleness <= args.max_staleness:
-        raise RuntimeError(f"rollout of policy version {rollout['version']} is {staleness} updates old at version "
+        raise RuntimeError(f"rollout of policy version {rollout.version} is {staleness} updates old at version "
                            f"{version}; --max-staleness is {args.max_staleness}")
     start = time.monotonic()
-    ppo, mask = args.ppo, rollout["response_mask"]
-    old_log_probs, old_values = rollout["rollout_log_probs"], rollout.get("old_values")
-    batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    ppo, mask, raw_scores = args.ppo, rollout.response_mask, rollout.rewards
+    old_log_probs, old_values = rollout.behaviour_log_probs, rollout.old_values
+    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_mask": mask}
     if staleness:
-        micro_batches = [{"input_ids": rollout["input_ids"][i:i + args.micro_batch_size],
-                          "attention_mask": rollout["attention_mask"][i:i + args.micro_batch_size]}
+        micro_batches = [{"input_ids": rollout.input_ids[i:i + args.micro_batch_size],
+                          "attention_mask": rollout.attention_mask[i:i + args.micro_batch_size]}
                          for i in range(0, len(mask), args.micro_batch_size)]
         old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
-        batch["is_weights"] = truncated_is_weights(old_log_probs, rollout["rollout_log_probs"], ppo.rollout_is_cap)
+        batch["is_weights"] = truncated_is_weights(old_log_probs, rollout.behaviour_log_probs, ppo.rollout_is_cap)
         if critic is not None:
             old_values = pipeline_values(value_model, micro_batches).to(device)[:, :-1]
     scores = shaped_scores(raw_scores.to(device), mask, args)
-    rewards, kl = token_rewards(scores, mask, old_log_probs, rollout["ref_log_probs"],
+    rewards, kl = token_rewards(scores, mask, old_log_probs, rollout.ref_log_probs,
                                 0.0 if ppo.use_kl_loss else ppo.kl_coef, ppo.kl_estimator, ppo.kl_clamp)
     if teacher is not None:
         rewards = rewards + teacher_rewards(teacher, mask, args.teacher_reward_coef)
@@ -57,7 +59,7 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
     advantages, returns = compute_advantages(args.advantage, rewards, mask, old_values, topo.dp.group)
     batch.update(old_log_probs=old_log_probs, advantages=advantages)
     if ppo.use_kl_loss:
-        batch["ref_log_probs"] = rollout["ref_log_probs"]
+        batch["ref_log_probs"] = rollout.ref_log_probs
     log_probs_s = time.monotonic() - start
     critic_batch = None
     if critic is not None:
@@ -73,9 +75,10 @@ def rl_update(rollout: dict, raw_scores: torch.Tensor, args, topo, actor, critic
                "kl": dp_mean(float(kl.sum() / mask.sum().clamp(min=1)), topo, device),
                "policy_loss": actor_metrics["policy_loss"], "clip_fraction": actor_metrics["clip_fraction"],
                "response_length": dp_mean(float(mask.sum(dim=1).mean()), topo, device),
-               "staleness": float(staleness), "kept_group_fraction": dp_mean(rollout["kept_fraction"], topo, device),
-               "time_generate_s": rollout["generate_s"],
-               "time_log_probs_s": rollout["log_probs_s"] + log_probs_s,
+               "staleness": float(staleness),
+               "kept_group_fraction": dp_mean(rollout.metadata["kept_fraction"], topo, device),
+               "time_generate_s": rollout.metadata["generate_s"],
+               "time_log_probs_s": rollout.metadata["log_probs_s"] + log_probs_s,
                "time_train_s": time.monotonic() - start - log_probs_s}
     if critic is not None:
         metrics["value_loss"] = critic_metrics["value_loss"]
