@@ -100,14 +100,14 @@ class Rollouts:
             replicas = args.rollout_world_size // args.rollout_tensor_parallel_size
             self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
-        self.version = 0
+        self.version, self.start = 0, 1
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
 
     def __iter__(self):
-        for iteration in range(1, self.args.train_iters + 1):
+        for iteration in range(self.start, self.args.train_iters + 1):
             yield self.rollout(iteration)
 
     def _micro_batches(self, ids, mask):

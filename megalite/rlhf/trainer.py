@@ -37,6 +37,7 @@ from megalite.rlhf.rollouts import Rollouts, lookahead
 from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served_scores
 from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
 from megalite.rlhf.target import PolyakTarget
+from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
 from megalite.rlhf.trainer_config import validate
 from megalite.rlhf.trainer_models import build, build_teacher, pipeline_chunk, pretrain
 from megalite.rlhf.update import rl_update
@@ -55,6 +56,10 @@ class RLTrainer:
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
+        self.resume = check_resume(args)
+        if self.resume is not None and (args.max_staleness or args.rollout_world_size or args.use_scoring_server):
+            raise ValueError("a resume (--load of an RL checkpoint) needs an on-policy, colocated run: --max-staleness "
+                             "0 and no --rollout-world-size or --use-scoring-server")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
@@ -104,7 +109,8 @@ class RLTrainer:
                     topology.destroy()
                 return 0
         start = time.monotonic()
-        actor_chunk = pretrain(args, topo, config, device)
+        actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
+        lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
         reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
         if args.rollout_world_size:
             sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
@@ -131,6 +137,14 @@ class RLTrainer:
             print(f"rank {topo.global_rank} {placement.table()}", flush=True)
         value_model = target[0] if target is not None else critic_chunk
         rollouts = Rollouts(args, topo, actor, reference, value_model, device, reward, placement)
+        if self.resume is not None:
+            with placement.phase("scoring"):
+                load_frozen(args.load, self.resume, reference, target)
+            with placement.phase("training"):
+                rollouts.version = load_trained(args.load, self.resume, topo, actor, critic, rollouts.rng)
+            rollouts.start = self.resume + 1
+            if topo.global_rank == 0:
+                print(f"resumed the RL run of {args.load} at iteration {self.resume}", flush=True)
         reward_model = None
         if args.use_scoring_server:
             per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
@@ -166,9 +180,18 @@ class RLTrainer:
                 print(f"rl iteration {rollout.iteration}/{args.train_iters} | "
                       + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                       + f" | elapsed {time.monotonic() - start:.0f}s", flush=True)
+            if args.save and (rollout.iteration == args.train_iters
+                              or (args.save_interval and rollout.iteration % args.save_interval == 0)):
+                with placement.phase("scoring"):
+                    save_frozen(args.save, rollout.iteration, reference, target)
+                with placement.phase("training"):
+                    save_trained(args.save, rollout.iteration, args, topo, actor, critic, rollouts.version,
+                                 rollouts.rng)
         if reward_model is not None:
             reward_model.close()
         logger.close()
+        if lock is not None:
+            lock.release()
         if owns_process_group:
             topology.destroy()
         return 0

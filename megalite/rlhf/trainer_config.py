@@ -22,7 +22,8 @@ from megalite.training.flags import FLAGS
 
 MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
                "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size", "--train-iters",
-               "--load", "--save", "--metrics-file", "--tensorboard-dir"]
+               "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--metrics-file",
+               "--tensorboard-dir"]
 """The pretraining rows the RL trainer takes (with the RL defaults and help below)."""
 
 
@@ -35,8 +36,11 @@ def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) 
                            "--tensorboard-dir": "runs/rlhf_ppo"},
                  helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
                         "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
-                        "--load": "directory of a pretrained actor saved with --save",
-                        "--save": "save the pretrained actor here (before RL)"})
+                        "--load": "an RL checkpoint (a --save directory) to resume from, or a pretrained actor (a "
+                                  "megalite checkpoint) to start RL from instead of the warm-up",
+                        "--save": "save the whole RL state here (megalite.rlhf.trainer_checkpoint) every "
+                                  "--save-interval iterations and at the end",
+                        "--save-interval": "RL iterations between checkpoints; None: only at the end"})
     RL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
@@ -72,6 +76,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"{args.micro_batch_size}")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.save_interval is not None and (not args.save or args.save_interval < 1):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
+    if args.save and (args.max_staleness or rollout or args.use_scoring_server):
+        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 and no "
+                         "--rollout-world-size or --use-scoring-server")
     if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
                          f"and a local reward (not --use-scoring-server)")

@@ -43,10 +43,13 @@ def build_teacher(args, config, single_group, device):
     return model, teacher_fn(model, args.teacher_topk)
 
 
-def pretrain(args, topo, config, device) -> DistributedDataParallel:
-    """The actor chunk, pretrained here or loaded from ``--load``."""
+def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDataParallel:
+    """The actor chunk, pretrained here or loaded from ``--load`` (a pretrained actor); as built when ``resume``
+    (the RL checkpoint's weights come later)."""
     chunk, optimizer = build(GPTModel, config, topo, args.pretrain_lr, device)
     backend = TrainingBackend(chunk, optimizer, LanguageModelObjective(), args.micro_batch_size, topo)
+    if resume:
+        return chunk
     if args.load:
         backend.load(args.load)
         return chunk
@@ -58,6 +61,4 @@ def pretrain(args, topo, config, device) -> DistributedDataParallel:
         backend.optim_step()
         if topo.global_rank == 0 and (step % 20 == 0 or step == args.pretrain_iters):
             print(f"pretrain step {step}/{args.pretrain_iters} | lm_loss {metrics['lm_loss']:.4f}", flush=True)
-    if args.save:
-        backend.save(args.save)
     return chunk
