@@ -86,6 +86,8 @@ RL_FLAGS = FlagTable((
          help="gae: advantages use a target critic, a host copy of the critic moved by Polyak averaging at this "
               "rate after each update"),
 
+    Flag("--sample-interval", ROLLOUT, type=int,
+         help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
     Flag("--max-operand", TASK, default=9, type=int, help="problems are a+b with 0 <= a, b <= this"),
     Flag("--pretrain-iters", TASK, default=80, type=int, help="warm-up pretraining steps before RL (none with --load)"),
     Flag("--pretrain-lr", TASK, default=3e-3, type=float),

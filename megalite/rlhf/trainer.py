@@ -33,12 +33,13 @@ from megalite.rlhf.placement import Placement
 from megalite.rlhf.reference import ReferenceModel
 from megalite.rlhf.reward_model import RewardModelScorer
 from megalite.rlhf.rollout_ranks import serve_rollouts
-from megalite.rlhf.rollouts import Rollouts, lookahead
+from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
 from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served_scores
 from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
 from megalite.rlhf.target import PolyakTarget
 from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
 from megalite.rlhf.trainer_config import validate
+from megalite.rlhf.trainer_log import eval_line, evaluate, iteration_line, sample_lines
 from megalite.rlhf.trainer_models import build, build_teacher, pipeline_chunk, pretrain
 from megalite.rlhf.update import rl_update
 from megalite.rlhf.weight_sync import TRAINER, SyncRole, WeightSync
@@ -108,7 +109,6 @@ class RLTrainer:
                 if owns_process_group:
                     topology.destroy()
                 return 0
-        start = time.monotonic()
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
         lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
         reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
@@ -154,6 +154,7 @@ class RLTrainer:
                                 inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
             stream = ((r, (r.rewards,)) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
+        eval_sample = (rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
         logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                                stream=open(os.devnull, "w"))
         last = time.monotonic()
@@ -175,11 +176,18 @@ class RLTrainer:
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
                                sync_bytes_sent=float(sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
+            metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
             logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
-                print(f"rl iteration {rollout.iteration}/{args.train_iters} | "
-                      + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                      + f" | elapsed {time.monotonic() - start:.0f}s", flush=True)
+                print(iteration_line(rollout.iteration, args.train_iters, metrics), flush=True)
+                if args.sample_interval and rollout.iteration % args.sample_interval == 0:
+                    print("\n".join(sample_lines(rollout)), flush=True)
+            if args.eval_interval and rollout.iteration % args.eval_interval == 0:
+                with placement.phase("generation"):
+                    valid = evaluate(eval_sample, args, rollouts.sampling, reward, topo, device, rollout.iteration)
+                logger.log(rollout.iteration, valid)
+                if topo.global_rank == 0:
+                    print(eval_line(rollout.iteration, valid), flush=True)
             if args.save and (rollout.iteration == args.train_iters
                               or (args.save_interval and rollout.iteration % args.save_interval == 0)):
                 with placement.phase("scoring"):

@@ -22,8 +22,8 @@ from megalite.training.flags import FLAGS
 
 MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
                "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size", "--train-iters",
-               "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--metrics-file",
-               "--tensorboard-dir"]
+               "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--eval-interval",
+               "--metrics-file", "--tensorboard-dir"]
 """The pretraining rows the RL trainer takes (with the RL defaults and help below)."""
 
 
@@ -33,14 +33,16 @@ def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) 
     FLAGS.add_to(p, MODEL_FLAGS,
                  defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
                            "--global-batch-size": 128, "--micro-batch-size": 32, "--train-iters": 100,
-                           "--tensorboard-dir": "runs/rlhf_ppo"},
+                           "--tensorboard-dir": "runs/rlhf_ppo", "--eval-interval": None},
                  helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
                         "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
                         "--load": "an RL checkpoint (a --save directory) to resume from, or a pretrained actor (a "
                                   "megalite checkpoint) to start RL from instead of the warm-up",
                         "--save": "save the whole RL state here (megalite.rlhf.trainer_checkpoint) every "
                                   "--save-interval iterations and at the end",
-                        "--save-interval": "RL iterations between checkpoints; None: only at the end"})
+                        "--save-interval": "RL iterations between checkpoints; None: only at the end",
+                        "--eval-interval": "RL iterations between greedy evaluations on a fixed prompt set with the "
+                                           "same reward (logged as valid_*); None: no evaluation"})
     RL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
@@ -78,6 +80,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
+    for name in ("eval_interval", "sample_interval"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations, got "
+                             f"{getattr(args, name)}")
+    if args.eval_interval and (args.use_scoring_server or args.reward_model):
+        raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
+                         "--reward-model)")
     if args.save and (args.max_staleness or rollout or args.use_scoring_server):
         raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 and no "
                          "--rollout-world-size or --use-scoring-server")

@@ -1,6 +1,7 @@
 """One RL update on a batch of rollouts: staleness check and importance weights, shaped per-token rewards with the
 KL to the reference (and the teacher's log-prob rewards), advantages, ``--ppo-epochs`` passes of the actor (and
-critic) objectives, and the iteration's metrics averaged over data-parallel ranks.
+critic) objectives, and the iteration's metrics averaged over data-parallel ranks (``entropy`` is the Monte-Carlo
+estimate of the sampling policy's entropy: the mean negative log-prob of the sampled response tokens).
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
         if critic is not None:
             critic_metrics = critic.forward_backward(critic_batch)
             critic.optim_step()
-    metrics = {"reward": dp_mean(float(raw_scores.mean()), topo, device),
+    reward_mean = dp_mean(float(raw_scores.mean()), topo, device)
+    reward_square = dp_mean(float((raw_scores.float() ** 2).mean()), topo, device)
+    metrics = {"reward": reward_mean, "reward_std": max(reward_square - reward_mean ** 2, 0.0) ** 0.5,
+               "entropy": dp_mean(float(-(rollout.behaviour_log_probs * mask).sum() / mask.sum().clamp(min=1)),
+                                  topo, device),
                "kl": dp_mean(float(kl.sum() / mask.sum().clamp(min=1)), topo, device),
                "policy_loss": actor_metrics["policy_loss"], "clip_fraction": actor_metrics["clip_fraction"],
                "response_length": dp_mean(float(mask.sum(dim=1).mean()), topo, device),
