@@ -78,7 +78,7 @@ def _summary(placement, metrics_path) -> dict:
 
 
 def _numbers(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_", "samples_per_s"))} for r in records]
 
 
 def _check(results, owner: int):
