@@ -1,6 +1,6 @@
 """Checkpoint and resume of the whole RL state (megalite.rlhf.trainer_checkpoint): an RL job (PPO with a critic and a
 target critic, TP2 on two ranks: the 4-rank tp2 x dp2 run is too slow for this shared 2-core machine) is killed with
-SIGKILL in iteration 3 after saving at iteration 2; ``--load`` resumes it and iterations 3-5 log the same rewards, KL,
+SIGKILL in iteration 3 after saving at iteration 2; ``--load`` resumes it and iterations 3-4 log the same rewards, KL,
 losses and response lengths as an uninterrupted run.  The saved policy exports to Hugging Face with the converter
 and gives the same logits in transformers.  Resuming with another algorithm, or saving an off-policy run, is a clear
 error before any collective."""
@@ -22,8 +22,8 @@ from megalite.testing import run_distributed
 from tests.rlhf.test_example import text_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3",
-        "--train-iters", "5", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size",
+BASE = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "1",
+        "--train-iters", "4", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size",
         "4", "--ppo-epochs", "2", "--tensorboard-dir", "", "--reward-fn", "tests.rlhf.test_resume:stalling_reward"]
 ARGV = BASE + ["--target-critic-tau", "0.5"]
 SAVED = ARGV + ["--save-interval", "2"]
@@ -85,7 +85,7 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
     argv = SAVED + ["--metrics-file", str(tmp_path / "resumed.jsonl"), "--save", str(killed), "--load", str(killed)]
     assert run_distributed(_run, 2, argv, timeout=240) == [0, 0]
     expected, resumed = _records(tmp_path / "whole.jsonl"), _records(tmp_path / "resumed.jsonl")
-    assert sorted(resumed) == [3, 4, 5]
+    assert sorted(resumed) == [3, 4]
     for iteration, record in resumed.items():
         assert {k: record[k] for k in COMPARED} == {k: expected[iteration][k] for k in COMPARED}, iteration
     assert any(r["policy_loss"] != 0.0 for r in resumed.values())
