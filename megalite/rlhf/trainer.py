@@ -83,20 +83,29 @@ class RLTrainer:
         return placement
 
     def train(self) -> int:
-        """Runs the whole job on this rank (a rollout rank serves rollouts instead); 0 when done."""
+        """Runs the whole job on this rank (a rollout rank serves rollouts instead); 0 when done.  Afterwards
+        ``self.actor`` (and ``self.critic``) hold the trained models."""
+        owns_process_group = not dist.is_initialized()
+        if self._setup():
+            self._loop()
+        if owns_process_group:
+            topology.destroy()
+        return 0
+
+    def _setup(self) -> bool:
+        """Topology, models, placement and the rollout stream; False on a rollout rank (it served rollouts)."""
         args, world_size = self.args, self.world_size
         torch.set_num_threads(1)
-        owns_process_group = not dist.is_initialized()
         trainers = world_size - args.rollout_world_size
-        topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                                   ranks=list(range(trainers)))
-        device = topology.device()
+        self.topo = topo = topology.initialize(tp=args.tensor_model_parallel_size,
+                                               pp=args.pipeline_model_parallel_size, ranks=list(range(trainers)))
+        self.device = device = topology.device()
         torch.manual_seed(args.seed)
         config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers,
                            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                            max_position_embeddings=16, make_vocab_size_divisible_by=8, seed=args.seed)
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
-        sync = None
+        self.sync = None
         if args.rollout_world_size:
             rtp = args.rollout_tensor_parallel_size
             rollout_tp_groups = {start: dist.new_group(list(range(start, start + rtp)))
@@ -106,75 +115,77 @@ class RLTrainer:
             if topo.global_rank >= trainers:
                 start = trainers + (topo.global_rank - trainers) // rtp * rtp
                 serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp)
-                if owns_process_group:
-                    topology.destroy()
-                return 0
+                return False
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
-        lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
-        reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
+        self.lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
+        self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
         if args.rollout_world_size:
-            sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
-            sync.sync()
-        actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
-                                                                           clip_grad=1.0), [actor_chunk]),
-                                PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
-                                args.micro_batch_size, topo)
-        critic = critic_chunk = target = None
+            self.sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
+            self.sync.sync()
+        self.actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
+                                                                                clip_grad=1.0), [actor_chunk]),
+                                     PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
+                                     args.micro_batch_size, topo)
+        self.critic = critic_chunk = self.target = None
         if args.advantage.needs_critic:
             critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
-            critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo),
-                                     args.micro_batch_size, topo)
+            self.critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo),
+                                          args.micro_batch_size, topo)
             if args.target_critic_tau is not None:
-                target = (pipeline_chunk(CriticModel, config, topo, device),
-                          PolyakTarget(critic_chunk.module, args.target_critic_tau))
+                self.target = (pipeline_chunk(CriticModel, config, topo, device),
+                               PolyakTarget(critic_chunk.module, args.target_critic_tau))
         owner = topo.global_rank == args.scoring_server_rank
-        reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
+        self.reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
         teacher_model = teacher = None
         if args.use_scoring_server and owner and args.use_teacher:
             teacher_model, teacher = build_teacher(args, config, single_group, device)
-        placement = self.build_placement(device, actor, critic, reference, reward, teacher_model, target)
+        self.placement = self.build_placement(device, self.actor, self.critic, self.reference, self.reward,
+                                              teacher_model, self.target)
         if topo.global_rank == 0 or (owner and args.use_scoring_server):
-            print(f"rank {topo.global_rank} {placement.table()}", flush=True)
-        value_model = target[0] if target is not None else critic_chunk
-        rollouts = Rollouts(args, topo, actor, reference, value_model, device, reward, placement)
+            print(f"rank {topo.global_rank} {self.placement.table()}", flush=True)
+        self.value_model = self.target[0] if self.target is not None else critic_chunk
+        self.rollouts = Rollouts(args, topo, self.actor, self.reference, self.value_model, device, self.reward,
+                                 self.placement)
         if self.resume is not None:
-            with placement.phase("scoring"):
-                load_frozen(args.load, self.resume, reference, target)
-            with placement.phase("training"):
-                rollouts.version = load_trained(args.load, self.resume, topo, actor, critic, rollouts.rng)
-            rollouts.start = self.resume + 1
-            if topo.global_rank == 0:
-                print(f"resumed the RL run of {args.load} at iteration {self.resume}", flush=True)
-        reward_model = None
+            self._load()
+        self.scoring_server = None
         if args.use_scoring_server:
             per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
-            serve = served_scores(reward, teacher, prompt_width(args.max_operand), placement) if owner else None
-            reward_model = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token, device=device)
-            stream = Prefetcher(reward_model, rollouts, args.max_staleness,
-                                inputs_of=lambda r: (r.input_ids, r.attention_mask))
+            serve = served_scores(self.reward, teacher, prompt_width(args.max_operand), self.placement) if owner \
+                else None
+            self.scoring_server = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token,
+                                                device=device)
+            self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
+                                     inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
-            stream = ((r, (r.rewards,)) for r in lookahead(rollouts, 0 if sync else args.max_staleness))
-        eval_sample = (rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
+            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts,
+                                                                0 if self.sync else args.max_staleness))
+        self.eval_sample = (self.rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
+        return True
+
+    def _loop(self) -> None:
+        """Update on each scored rollout, sync the weights, log, evaluate and save."""
+        args, topo, placement = self.args, self.topo, self.placement
         logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                                stream=open(os.devnull, "w"))
         last = time.monotonic()
-        for rollout, served in stream:
+        for rollout, served in self.stream:
             teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
             rollout.rewards = served[0]
             with placement.phase("training"):
-                metrics = rl_update(rollout, args, topo, actor, critic, device, rollouts.version, teacher,
-                                    value_model)
-                if target is not None:
-                    placement.update_target(TARGET_CRITIC, critic_chunk.module)
+                metrics = rl_update(rollout, args, topo, self.actor, self.critic, self.device, self.rollouts.version,
+                                    teacher, self.value_model)
+                if self.target is not None:
+                    placement.update_target(TARGET_CRITIC, self.critic.chunk.module)
             metrics.update(placement.take_metrics())
             if args.use_scoring_server:
-                metrics["scorer_staleness"] = float(stream.staleness[-1])
-            rollouts.version += 1
-            if sync is not None and rollout.iteration <= args.train_iters - args.max_staleness - 1:
-                start_sync, sent = time.monotonic(), sync.bytes_sent
-                sync.sync()
+                metrics["scorer_staleness"] = float(self.stream.staleness[-1])
+            self.rollouts.version += 1
+            if self.sync is not None and rollout.iteration <= args.train_iters - args.max_staleness - 1:
+                start_sync, sent = time.monotonic(), self.sync.bytes_sent
+                self.sync.sync()
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
-                               sync_bytes_sent=float(sync.bytes_sent - sent))
+                               sync_bytes_sent=float(self.sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
             metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
             logger.log(rollout.iteration, metrics)
@@ -184,22 +195,35 @@ class RLTrainer:
                     print("\n".join(sample_lines(rollout)), flush=True)
             if args.eval_interval and rollout.iteration % args.eval_interval == 0:
                 with placement.phase("generation"):
-                    valid = evaluate(eval_sample, args, rollouts.sampling, reward, topo, device, rollout.iteration)
+                    valid = evaluate(self.eval_sample, args, self.rollouts.sampling, self.reward, topo, self.device,
+                                     rollout.iteration)
                 logger.log(rollout.iteration, valid)
                 if topo.global_rank == 0:
                     print(eval_line(rollout.iteration, valid), flush=True)
             if args.save and (rollout.iteration == args.train_iters
                               or (args.save_interval and rollout.iteration % args.save_interval == 0)):
-                with placement.phase("scoring"):
-                    save_frozen(args.save, rollout.iteration, reference, target)
-                with placement.phase("training"):
-                    save_trained(args.save, rollout.iteration, args, topo, actor, critic, rollouts.version,
-                                 rollouts.rng)
-        if reward_model is not None:
-            reward_model.close()
+                self._save(rollout.iteration)
+        if self.scoring_server is not None:
+            self.scoring_server.close()
         logger.close()
-        if lock is not None:
-            lock.release()
-        if owns_process_group:
-            topology.destroy()
-        return 0
+        if self.lock is not None:
+            self.lock.release()
+
+    def _save(self, iteration: int) -> None:
+        """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""
+        with self.placement.phase("scoring"):
+            save_frozen(self.args.save, iteration, self.reference, self.target)
+        with self.placement.phase("training"):
+            save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
+                         self.rollouts.version, self.rollouts.rng)
+
+    def _load(self) -> None:
+        """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
+        with self.placement.phase("scoring"):
+            load_frozen(self.args.load, self.resume, self.reference, self.target)
+        with self.placement.phase("training"):
+            self.rollouts.version = load_trained(self.args.load, self.resume, self.topo, self.actor, self.critic,
+                                                 self.rollouts.rng)
+        self.rollouts.start = self.resume + 1
+        if self.topo.global_rank == 0:
+            print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)
