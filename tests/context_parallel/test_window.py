@@ -159,7 +159,7 @@ def test_window_matches_transformers_mistral():
     expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
     engine = LLMEngine(model, EngineConfig(block_size=2, num_blocks=64, max_num_batched_tokens=6))
-    requests = [engine.add_request(p, SamplingParams(max_new_tokens=10, temperature=0)) for p in prompts]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0)) for p in prompts]
     peak = 0
     while engine.has_unfinished():
         engine.step()
