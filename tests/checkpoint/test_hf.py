@@ -54,11 +54,13 @@ def test_round_trip_matches_logits_and_is_lossless(kind, tmp_path):
     if kind == "llama":
         shards = [f for f in files if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
         assert len(shards) > 1 and all(f.endswith(f"-of-{len(shards):05d}.safetensors") for f in shards)
-        assert files == sorted(["config.json", "model.safetensors.index.json", *shards])
+        assert files == sorted(["config.json", "generation_config.json", "model.safetensors.index.json", *shards])
         with open(tmp_path / "back" / "model.safetensors.index.json") as f:
             assert sorted(set(json.load(f)["weight_map"].values())) == shards
     else:
-        assert files == ["config.json", "model.safetensors"]
+        assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (json.loads((tmp_path / "back" / "generation_config.json").read_text())
+            == json.loads((tmp_path / "hf" / "generation_config.json").read_text()))
     config, tensors = read_hf_checkpoint(str(tmp_path / "hf"))
     config_back, tensors_back = read_hf_checkpoint(str(tmp_path / "back"))
     assert config_back == config
