@@ -19,7 +19,7 @@ from megalite.checkpoint.hf import gpt2, llama
 from megalite.checkpoint.hf.files import (GENERATION_CONFIG, fresh_output, move_into_place, open_hf_tensors,
                                           parse_size, read_generation_config, read_hf_config, tokenizer_files,
                                           write_hf_tensors, write_json)
-from megalite.checkpoint.tokenizer_export import run_tokenizer
+from megalite.checkpoint.tokenizer_export import run_tokenizer, write_tokenizer
 
 TOKENIZER_DIR = "hf_tokenizer"
 """Folder of a converted checkpoint (beside its iteration folders) holding the Hugging Face tokenizer files."""
@@ -150,8 +150,7 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
         generation = dict(token_ids)
     tmp = fresh_output(output)
     os.makedirs(tmp)
-    for source, name in files:
-        shutil.copy(source, os.path.join(tmp, name))
+    write_tokenizer(files, tmp)
     write_hf_tensors(tmp, hf_tensors, limit)
     write_json(os.path.join(tmp, "config.json"), hf_config)
     if generation is not None:
