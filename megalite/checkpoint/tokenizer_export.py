@@ -15,12 +15,17 @@ from __future__ import annotations
 import os
 import shutil
 
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                       "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
+"""The tokenizer files Hugging Face loads from a model directory; exports copy those present."""
 
 
-def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
-    """``([(source path, file name in the export)], {"bos_token_id": .., "eos_token_id": ..})`` of a run."""
+def run_tokenizer(run_args: dict | None, model_vocab_size: int | None = None) -> tuple[list[tuple[str, str]], dict]:
+    """``([(source path, file name in the export)], {"bos_token_id": .., "eos_token_id": ..})`` of a run.
+
+    ValueError when the tokenizer has more ids than ``model_vocab_size`` (the model's embedding rows):
+    such an export would produce ids the model cannot embed.
+    """
     from megalite.data.tokenizer import build_tokenizer
 
     if not run_args:
@@ -30,7 +35,7 @@ def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
         return [], {}
     files = []
     if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
-        files = [(os.path.join(model, n), n) for n in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(model, n))]
+        files = [(os.path.join(model, n), n) for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(model, n))]
     elif kind == "GPT2BPETokenizer":
         files = [(run_args.get("vocab_file"), "vocab.json"), (run_args.get("merge_file"), "merges.txt")]
     elif kind in (None, "SentencePieceTokenizer") and model:
@@ -41,6 +46,9 @@ def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
                                     merge_file=run_args.get("merge_file"), vocab_size=run_args.get("vocab_size"))
     except (OSError, ValueError):
         return files, {}
+    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(f"the run's tokenizer ({kind or 'SentencePieceTokenizer'} {model}) has {tokenizer.vocab_size}"
+                         f" ids, more than the model's vocab_size {model_vocab_size}")
     ids = {"eos_token_id": tokenizer.eod}
     if tokenizer.bos is not None:
         ids["bos_token_id"] = tokenizer.bos

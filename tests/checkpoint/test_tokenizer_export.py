@@ -62,3 +62,11 @@ def test_quickstart_tokenizer_exports_as_a_working_hf_tokenizer(tmp_path):
     got = llm.generate([prompt], [SamplingParams(max_new_tokens=10, temperature=0)])[0].outputs[0].token_ids
     assert got == expected
     assert theirs.decode(expected) == ours.detokenize(expected)
+
+    small = GPTConfig(**{**vars(config), "vocab_size": ours.vocab_size - 1})
+    tensors["embedding.word_embeddings.weight"] = tensors["embedding.word_embeddings.weight"][:small.vocab_size]
+    save_global_checkpoint(str(tmp_path / "small"), small, tensors,
+                           extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": spm}})
+    with pytest.raises(ValueError, match=f"has {ours.vocab_size} ids, more than the model's vocab_size "
+                                         f"{small.vocab_size}"):
+        convert_megalite_to_hf(str(tmp_path / "small"), str(tmp_path / "hf_small"))

@@ -139,7 +139,7 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     config, tensors, state = read_global_tensors(path)
     info = state.get("hf") or {}
     hf_config, hf_tensors = megalite_to_hf(config, tensors, info)
-    files, token_ids = run_tokenizer(state.get("args"))
+    files, token_ids = run_tokenizer(state.get("args"), config.vocab_size)
     if not files:
         files = _converted_tokenizer(path)
     base_has_ids = "eos_token_id" in (info.get("config") or {})

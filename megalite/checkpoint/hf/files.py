@@ -17,12 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalite.checkpoint.tokenizer_export import HF_TOKENIZER_FILES
+
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
-"""The tokenizer files Hugging Face loads from a model directory; the converter copies those present."""
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
@@ -110,7 +109,7 @@ def read_generation_config(hf_dir: str) -> dict | None:
 
 def tokenizer_files(directory: str) -> list[str]:
     """The Hugging Face tokenizer files present in ``directory``."""
-    return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+    return [name for name in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
 
 
 def parse_size(text: str | int) -> int:
