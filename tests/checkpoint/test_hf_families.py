@@ -203,3 +203,32 @@ def test_a_missing_shard_is_named(tmp_path):
     os.remove(tmp_path / "hf" / shard)
     with pytest.raises(ValueError, match=f"{shard}, listed in .*model.safetensors.index.json, does not exist"):
         convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "out"))
+
+
+LLAMA31_INSTRUCT = {  # the shape of Llama-3.1-8B-Instruct's config.json (written by transformers 4.x)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0",
+    "use_cache": True, "vocab_size": 128256}
+QWEN25_YARN = {  # Qwen2.5-7B-Instruct's config.json with the YaRN block its model card adds for long context
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+
+
+@pytest.mark.parametrize("published", [LLAMA31_INSTRUCT, QWEN25_YARN], ids=["llama3.1", "qwen2.5-yarn"])
+def test_published_transformers4_configs_round_trip_exactly(published):
+    from megalite.checkpoint.hf import llama
+
+    config = llama.config_from_hf(published)
+    assert config.rope_scaling == published["rope_scaling"].get("rope_type", published["rope_scaling"].get("type"))
+    assert config.rope_scaling_factor == published["rope_scaling"]["factor"]
+    assert llama.hf_config(config, published, published["model_type"]) == published

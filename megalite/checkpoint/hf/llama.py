@@ -76,7 +76,8 @@ def _biases(hf: dict, family: str) -> tuple[bool, bool]:
     return attention, False
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+def config_from_hf(hf: dict):
+    """The GPTConfig of a Llama-style config.json (ValueError naming a field it cannot represent)."""
     from megalite.models import GPTConfig
 
     family = hf["model_type"]
@@ -98,11 +99,18 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
                        attention_dropout=_get(hf, "attention_dropout"), untie_embeddings_and_output_weights=not tied,
                        **rope_fields(hf))
     config.validate()
+    return config
+
+
+def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+    config = config_from_hf(hf)
+    family, heads, groups, d = hf["model_type"], config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bias, qkv_bias, tied = config.add_bias_linear, config.add_qkv_bias, not config.untie_embeddings_and_output_weights
     pre = key_prefix(tensors, PREFIX)
     take = Taker(tensors, f"the {family} checkpoint")
     r = heads // groups
     out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
-    for i in range(layers):
+    for i in range(config.num_layers):
         src, dst = f"{pre}layers.{i}.", f"decoder.layers.{i}."
         for kind in ["weight"] + (["bias"] if bias or qkv_bias else []):
             q, k, v = (take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
