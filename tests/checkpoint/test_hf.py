@@ -142,3 +142,23 @@ def test_converted_checkpoint_splits_and_merges_at_tp2(kind, tmp_path):
     assert sorted(resaved.shapes) == sorted(converted.shapes)
     for name in converted.shapes:
         assert torch.equal(resaved.read(name), converted.read(name)), name
+
+
+def test_export_writes_each_shard_as_soon_as_it_is_full(tmp_path):
+    """Streaming: a 1 KiB limit with 1 KiB tensors; by the time the fourth tensor is produced, the first
+    two shards are already on disk (so memory holds one shard, not the model)."""
+    from megalite.checkpoint.hf import write_hf_tensors
+
+    on_disk = []
+
+    def pairs():
+        for i in range(4):
+            on_disk.append(len(os.listdir(tmp_path)))
+            yield f"t{i}", torch.full((256,), float(i))
+
+    names = write_hf_tensors(str(tmp_path), pairs(), 1024)
+    assert on_disk == [0, 0, 1, 2]
+    assert names == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)] + ["model.safetensors.index.json"]
+    (tmp_path / "config.json").write_text("{}")
+    _, tensors = read_hf_checkpoint(str(tmp_path))
+    assert {n: t[0].item() for n, t in tensors.items()} == {"t0": 0.0, "t1": 1.0, "t2": 2.0, "t3": 3.0}

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from megalite.checkpoint import global_shapes, read_global_tensors, save_global_checkpoint
+from megalite.checkpoint import CheckpointReader, global_shapes, save_global_checkpoint
 from megalite.checkpoint.hf import gpt2, llama
 from megalite.checkpoint.hf.files import (GENERATION_CONFIG, fresh_output, move_into_place, open_hf_tensors,
                                           parse_size, read_generation_config, read_hf_config, tokenizer_files,
@@ -79,21 +79,32 @@ def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str |
     return (gpt2 if family == "gpt2" else llama).tensor_to_hf(config, name, tensor, pre)
 
 
-def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dict, dict]:
-    """``(config.json contents, Hugging Face tensors)`` of a megalite GPTConfig and its global tensors."""
-    info = info or {}
+def _hf_config(config, info: dict) -> tuple[dict, str]:
+    """``(config.json contents, key prefix)`` of a megalite GPTConfig and the conversion info it came with."""
     base = dict(info.get("config") or {})
     family = _family(config, base)
     if base.get("model_type", family) != family:
         base = {}
-    pre = info.get("prefix", default_prefix(family))
     hf = gpt2.hf_config(config, base) if family == "gpt2" else llama.hf_config(config, base, family)
-    out = {}
+    return hf, info.get("prefix", default_prefix(family))
+
+
+def _hf_tensors(config, read, info: dict, prefix: str):
+    """The Hugging Face ``(name, tensor)`` pairs of a model whose global tensors ``read(name)`` returns, one
+    megalite tensor at a time."""
     for name in global_shapes(config):
-        out.update(megalite_tensor_to_hf(config, name, tensors[name], pre))
-    if not config.untie_embeddings_and_output_weights and info.get("lm_head_stored"):
-        out["lm_head.weight"] = tensors["embedding.word_embeddings.weight"].clone()
-    return hf, {k: v.contiguous() for k, v in out.items()}
+        tensor = read(name)
+        yield from megalite_tensor_to_hf(config, name, tensor, prefix)
+        if (name == "embedding.word_embeddings.weight" and not config.untie_embeddings_and_output_weights
+                and info.get("lm_head_stored")):
+            yield "lm_head.weight", tensor.clone()
+
+
+def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dict, dict]:
+    """``(config.json contents, Hugging Face tensors)`` of a megalite GPTConfig and its global tensors."""
+    info = info or {}
+    hf, prefix = _hf_config(config, info)
+    return hf, {k: v.contiguous() for k, v in _hf_tensors(config, tensors.__getitem__, info, prefix)}
 
 
 def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
@@ -131,14 +142,20 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     """Write the megalite checkpoint ``path`` as config.json + safetensors (sharded above ``max_shard_size``),
     generation_config.json and the tokenizer files.
 
+    Streams: one megalite tensor is read at a time and each output shard written when full, so memory
+    holds at most one shard plus the tensor being converted.
+
     The tokenizer is the one of the run that saved the checkpoint (its flags, see
     :mod:`megalite.checkpoint.tokenizer_export`), else the one a conversion from Hugging Face kept;
     its bos/eos ids go into config.json and generation_config.json unless the original files had them.
     """
     limit = parse_size(max_shard_size)
-    config, tensors, state = read_global_tensors(path)
+    reader = CheckpointReader(path)
+    config, state = reader.config, reader.state
+    if config is None:
+        raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
     info = state.get("hf") or {}
-    hf_config, hf_tensors = megalite_to_hf(config, tensors, info)
+    hf_config, prefix = _hf_config(config, info)
     files, token_ids = run_tokenizer(state.get("args"), config.vocab_size)
     if not files:
         files = _converted_tokenizer(path)
@@ -151,7 +168,7 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     tmp = fresh_output(output)
     os.makedirs(tmp)
     write_tokenizer(files, tmp)
-    write_hf_tensors(tmp, hf_tensors, limit)
+    write_hf_tensors(tmp, _hf_tensors(config, reader.read, info, prefix), limit)
     write_json(os.path.join(tmp, "config.json"), hf_config)
     if generation is not None:
         write_json(os.path.join(tmp, GENERATION_CONFIG), generation)

@@ -134,34 +134,41 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def write_hf_tensors(output: str, tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[str]:
-    """Write ``tensors`` to ``output`` with the safetensors library; returns the file names written.
+def write_hf_tensors(output: str, tensors, max_shard_size: int) -> list[str]:
+    """Write ``tensors`` (a dict, or ``(name, tensor)`` pairs consumed one by one) to ``output`` with the
+    safetensors library; returns the file names written.
 
-    Up to ``max_shard_size`` bytes go to ``model.safetensors``; more are split, in name order, into
-    ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
+    Up to ``max_shard_size`` bytes go to ``model.safetensors``; more are split, in order, into
+    ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.  A shard is written
+    as soon as it is full, so at most one shard's tensors are held.
     """
-    shards, size = [[]], 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
+    pairs = sorted(tensors.items()) if isinstance(tensors, dict) else tensors
+    written, weight_map, shard, size, total = [], {}, {}, 0, 0
+
+    def flush():
+        path = os.path.join(output, f"shard-{len(written):05d}.tmp")
+        save_file(shard, path, metadata={"format": "pt"})
+        written.append(path)
+        weight_map.update({n: len(written) - 1 for n in shard})
+
+    for name, tensor in pairs:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_size:
+            flush()
+            shard, size = {}, 0
+        shard[name] = tensor.contiguous()
         size += nbytes
-    if len(shards) == 1:
-        names = [SAFETENSORS]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file_name, members in zip(names, shards):
-        save_file({n: tensors[n].contiguous() for n in members}, os.path.join(output, file_name),
-                  metadata={"format": "pt"})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: f for f, members in zip(names, shards) for n in members}}
-        write_json(os.path.join(output, SAFETENSORS_INDEX), index)
-        names.append(SAFETENSORS_INDEX)
-    return names
+        total += nbytes
+    flush()
+    if len(written) == 1:
+        os.rename(written[0], os.path.join(output, SAFETENSORS))
+        return [SAFETENSORS]
+    names = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
+    for path, name in zip(written, names):
+        os.rename(path, os.path.join(output, name))
+    write_json(os.path.join(output, SAFETENSORS_INDEX),
+               {"metadata": {"total_size": total}, "weight_map": {n: names[i] for n, i in weight_map.items()}})
+    return names + [SAFETENSORS_INDEX]
 
 
 def write_json(path: str, contents: dict) -> None:
