@@ -61,15 +61,20 @@ def test_round_trip_matches_logits_and_is_lossless(kind, tmp_path):
         assert files == ["config.json", "generation_config.json", "model.safetensors"]
     assert (json.loads((tmp_path / "back" / "generation_config.json").read_text())
             == json.loads((tmp_path / "hf" / "generation_config.json").read_text()))
-    config, tensors = read_hf_checkpoint(str(tmp_path / "hf"))
-    config_back, tensors_back = read_hf_checkpoint(str(tmp_path / "back"))
+    assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
+
+
+def assert_same_hf_model(original, back, model_class, ids, expected_logits):
+    """``back`` has ``original``'s config.json and exactly its tensors, and transformers loads it to the same logits."""
+    config, tensors = read_hf_checkpoint(str(original))
+    config_back, tensors_back = read_hf_checkpoint(str(back))
     assert config_back == config
     assert sorted(tensors_back) == sorted(tensors)
     for name in tensors:
         assert torch.equal(tensors_back[name], tensors[name]), name
-    reloaded = type(model).from_pretrained(str(tmp_path / "back")).eval()
+    reloaded = model_class.from_pretrained(str(back)).eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, expected)
+        assert torch.equal(reloaded(ids).logits, expected_logits)
 
 
 @pytest.mark.slow

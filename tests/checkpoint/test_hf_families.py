@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from megalite.checkpoint import load_model
-from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf, read_hf_checkpoint
+from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 from megalite.testing import run_distributed
+from tests.checkpoint.test_hf import assert_same_hf_model
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 70
@@ -87,14 +88,7 @@ def test_converts_both_ways_exactly(family, tmp_path):
         assert back == original, name
     for name, text in TOKENIZER_FILES.items():
         assert (tmp_path / "back" / name).read_text() == text
-    _, tensors = read_hf_checkpoint(str(tmp_path / "hf"))
-    _, tensors_back = read_hf_checkpoint(str(tmp_path / "back"))
-    assert sorted(tensors_back) == sorted(tensors)
-    for name in tensors:
-        assert torch.equal(tensors_back[name], tensors[name]), name
-    reloaded = type(model).from_pretrained(str(tmp_path / "back")).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, expected)
+    assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
 
 
 def _tp2_logits(paths, ids):
