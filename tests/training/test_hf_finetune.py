@@ -107,8 +107,8 @@ def _held_out_batch():
 @pytest.mark.slow
 def test_qwen3_fine_tune_journey(tmp_path):
     """Qwen3-style tiny model from HF -> convert (its tokenizer travels) -> examples/pretrain_gpt.py
-    --use-checkpoint-args --finetune, 5 iterations at tp=2 -> convert back -> transformers' loss on a
-    held-out batch equals megalite's."""
+    --use-checkpoint-args --finetune, 5 iterations at tp=2 -> convert back (the original config.json and
+    generation_config.json) -> transformers' loss on a held-out batch equals megalite's."""
     import shutil
     import socket
     import subprocess
@@ -116,7 +116,8 @@ def test_qwen3_fine_tune_journey(tmp_path):
 
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=64, tie_word_embeddings=True)
+                                      max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
+                                      eos_token_id=[0, 2])  # the fixture tokenizer's eos (0) and one more
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -155,6 +156,8 @@ def test_qwen3_fine_tune_journey(tmp_path):
         before = torch.nn.functional.cross_entropy(model(ids).logits.reshape(-1, VOCAB), labels.reshape(-1))
     assert abs(hf_loss.item() - ours.item()) <= 1e-5 * ours.item(), (hf_loss.item(), ours.item())
     assert abs(before.item() - ours.item()) > 1e-4, "fine-tuning changed nothing"
+    for name in ("config.json", "generation_config.json"):  # the original's files, carried through training
+        assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((tmp_path / "hf" / name).read_text())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
     assert tokenizer("hello world").input_ids == \
         transformers.AutoTokenizer.from_pretrained(os.path.join(FIXTURE_DIR, "hf_tokenizer"))("hello world").input_ids

@@ -138,6 +138,15 @@ def _converted_tokenizer(path: str) -> list[tuple[str, str]]:
     return []
 
 
+def _with_token_ids(contents: dict, token_ids: dict) -> dict:
+    """``contents`` (config.json or generation_config.json) with the run tokenizer's bos/eos ids, unless its
+    own eos ids already include the tokenizer's (Llama 3 instruct lists several end ids; keep them)."""
+    eos = contents.get("eos_token_id")
+    if not token_ids or token_ids["eos_token_id"] in (eos if isinstance(eos, list) else [eos]):
+        return contents
+    return {**contents, **token_ids}
+
+
 def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "5GB") -> None:
     """Write the megalite checkpoint ``path`` as config.json + safetensors (sharded above ``max_shard_size``),
     generation_config.json and the tokenizer files.
@@ -147,7 +156,8 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
 
     The tokenizer is the one of the run that saved the checkpoint (its flags, see
     :mod:`megalite.checkpoint.tokenizer_export`), else the one a conversion from Hugging Face kept;
-    its bos/eos ids go into config.json and generation_config.json unless the original files had them.
+    its bos/eos ids go into config.json and generation_config.json unless the original files' eos ids
+    include its eos id.
     """
     limit = parse_size(max_shard_size)
     reader = CheckpointReader(path)
@@ -159,12 +169,10 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     files, token_ids = run_tokenizer(state.get("args"), config.vocab_size)
     if not files:
         files = _converted_tokenizer(path)
-    base_has_ids = "eos_token_id" in (info.get("config") or {})
-    if not base_has_ids:
-        hf_config.update(token_ids)
+    hf_config = _with_token_ids(hf_config, token_ids)
     generation = info.get("generation_config")
-    if generation is None and token_ids:
-        generation = dict(token_ids)
+    if generation is not None or token_ids:
+        generation = _with_token_ids(generation or {}, token_ids)
     tmp = fresh_output(output)
     os.makedirs(tmp)
     write_tokenizer(files, tmp)
