@@ -44,6 +44,9 @@ class LoadResult(NamedTuple):
     consumed_samples: int
     saved_iteration: int
     saved_layout: dict
+    hf: dict | None = None
+    """The Hugging Face origin (original config.json, generation config) of a converted checkpoint, carried
+    into this run's saves so that exporting a fine-tuned model writes the original's files."""
 
 
 def has_checkpoint(load_dir: str) -> bool:
@@ -118,16 +121,19 @@ def _jsonable_args(args) -> dict | None:
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler, consumed_samples: int,
                     *, layout: dict | None = None, args=None, save_optimizer: bool = True, save_rng: bool = True,
-                    saver: checkpoint.AsyncSaver | None = None) -> str:
+                    saver: checkpoint.AsyncSaver | None = None, hf: dict | None = None) -> str:
     """Write this rank's state for ``iteration`` and publish it atomically; returns the directory.
 
     Collective over the default group when one exists.  ``layout`` (e.g. tp/pp/dp sizes) is
     stored; a load under another layout reshards.  ``save_optimizer``/``save_rng`` False leave
     those out.  With ``saver`` the write runs in the background (the next save waits for it).
+    ``hf``: the loaded checkpoint's Hugging Face origin (:attr:`LoadResult.hf`), kept for export.
     """
     extra = {"consumed_samples": consumed_samples,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "args": _jsonable_args(args)}
+    if hf is not None:
+        extra["hf"] = hf
     rank_extra = {"rng": get_rng_state()} if save_rng else {}
     return checkpoint.save_sharded(save_dir, iteration, model_chunks, optimizer if save_optimizer else None,
                                    extra=extra, rank_extra=rank_extra, layout=layout, saver=saver)
@@ -161,7 +167,7 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
     if finetune:
-        return LoadResult(0, 0, reader.iteration, dict(reader.layout))
+        return LoadResult(0, 0, reader.iteration, dict(reader.layout), reader.state.get("hf"))
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
     problem = None
@@ -177,4 +183,5 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
         problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on
-    return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))
+    return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout),
+                      state.get("hf"))

@@ -91,5 +91,5 @@ def test_moe_export_at_tp2_ep2_equals_single_rank():
 
 
 def test_hf_export_refuses_moe_before_any_collective():
-    with pytest.raises(ValueError, match="MoE models have no Hugging Face GPT-2/Llama equivalent"):
+    with pytest.raises(ValueError, match="MoE models have no Hugging Face dense-family equivalent"):
         next(export_hf_weights(GPTModel(moe_config("llama"))))
