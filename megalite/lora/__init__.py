@@ -3,6 +3,7 @@
 - :mod:`config`: :class:`LoRAConfig` (rank, alpha, dropout, target modules).
 - :mod:`adapter`: :func:`apply_lora` freezes the model and hooks adapters onto its layers;
   :class:`LoRAModel` holds them and merges them into the base for export.
+- :mod:`state`: adapters as global tensors; adapter-only checkpoints (megalite's format) that load under any layout.
 """
 
 from megalite.lora.adapter import LoRAAdapter, LoRAModel, apply_lora
