@@ -4,6 +4,7 @@
 - :mod:`adapter`: :func:`apply_lora` freezes the model and hooks adapters onto its layers;
   :class:`LoRAModel` holds them and merges them into the base for export.
 - :mod:`state`: adapters as global tensors; adapter-only checkpoints (megalite's format) that load under any layout.
+- :mod:`peft`: export to and import from PEFT's adapter format for the converted Hugging Face model.
 """
 
 from megalite.lora.adapter import LoRAAdapter, LoRAModel, apply_lora
