@@ -69,17 +69,21 @@ class LoRAAdapter(nn.Module):
                 master.chunk(self.tp_size, dim=1)[self.tp_rank].clone().to(device)), 1)
             self.lora_B = nn.Parameter(torch.zeros(base.out_features, config.rank, device=device))
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
+    def _dropout(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        if not training or self.dropout == 0.0:
             return x
         if self.column or self.tp_size == 1:
             return F.dropout(x, self.dropout)  # a replicated input: the default stream, equal on every TP rank
         with get_rng_tracker().fork():
             return F.dropout(x, self.dropout)
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        """``scaling * B A dropout(x)`` in fp32, laid out like the base layer's output."""
-        x = self._dropout(x.to(self.lora_A.dtype))
+    def update(self, x: torch.Tensor, training: bool = True) -> torch.Tensor:
+        """``scaling * B A dropout(x)`` in fp32, laid out like the base layer's output.
+
+        ``training``: whether dropout applies; the hook passes the base layer's mode, so
+        ``model.eval()`` turns the adapters' dropout off as it does the model's.
+        """
+        x = self._dropout(x.to(self.lora_A.dtype), training)
         if self.column:
             if self.sequence_parallel:
                 x = mappings.gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=False)
@@ -95,8 +99,8 @@ class LoRAAdapter(nn.Module):
         """Forward hook of the base layer: its output (or ``(output, bias)``) plus the update."""
         if isinstance(output, tuple):
             main, bias = output
-            return main + self.update(args[0]).to(main.dtype), bias
-        return output + self.update(args[0]).to(output.dtype)
+            return main + self.update(args[0], module.training).to(main.dtype), bias
+        return output + self.update(args[0], module.training).to(output.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """``scaling * B @ A``: this rank's shard of the update to the base weight."""

@@ -153,3 +153,25 @@ def test_target_matching_nothing_names_the_available_ones():
 def test_rank_larger_than_layer():
     with pytest.raises(ValueError, match="rank 40 is larger than layer .*linear_proj"):
         apply_lora(GPTModel(_config()), LoRAConfig(rank=40, target_modules="linear_proj"))
+
+
+def test_dropout_acts_in_training_only():
+    model = GPTModel(_config())
+    lora = apply_lora(model, LoRAConfig(rank=2, dropout=0.5))
+    load_global_adapters(lora, _random_b(lora))
+    ids = _tokens(5)[0][:, :-1]
+    model.eval()
+    first, second = model(input_ids=ids), model(input_ids=ids)
+    assert torch.equal(first, second)
+    model.train()
+    torch.manual_seed(1)
+    dropped = model(input_ids=ids)
+    assert (dropped - first).abs().max() > 1e-4
+
+
+def test_moe_model_is_refused():
+    from megalite.moe import MoEConfig
+
+    model = GPTModel(_config(moe=MoEConfig(num_experts=2, ffn_hidden_size=16, topk=1)))
+    with pytest.raises(ValueError, match="LoRA on MoE models is not supported"):
+        apply_lora(model, LoRAConfig(rank=2))
