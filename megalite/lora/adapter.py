@@ -48,8 +48,6 @@ class LoRAAdapter(nn.Module):
         self.column = isinstance(base, ColumnParallelLinear)
         if not self.column and not isinstance(base, RowParallelLinear):
             raise ValueError(f"{name} is a {type(base).__name__}, not a column- or row-parallel linear layer")
-        if self.column and base.gather_output:
-            raise ValueError(f"{name}: LoRA on a column-parallel layer that gathers its output is not supported")
         if config.rank > min(base.in_features, base.out_features):
             raise ValueError(f"LoRA rank {config.rank} is larger than layer {name} "
                              f"([{base.out_features}, {base.in_features}]) allows: at most "
@@ -148,8 +146,11 @@ class LoRAModel(nn.Module):
     def merge(self):
         """Add every adapter's ``scaling * B @ A`` into its base weight and detach the adapters.
 
-        Returns the model chunks, now plain models whose output equals the adapted one's.
+        Returns the model chunks, now plain models whose output equals the adapted one's.  Merging
+        twice would add the update twice: ValueError.
         """
+        if not self._hooks:
+            raise ValueError("these adapters are already merged (or detached) from the model")
         modules = {name: module for chunk in self.model_chunks for name, module in chunk.named_modules()}
         for name, adapter in self.named_adapters():
             weight = modules[name].weight
@@ -161,21 +162,13 @@ class LoRAModel(nn.Module):
 def apply_lora(model_chunks, config: LoRAConfig, *, base_dtype: torch.dtype | None = None) -> LoRAModel:
     """Freeze the chunks' own parameters (cast to ``base_dtype`` if given) and attach fp32 adapters.
 
-    ``model_chunks``: one model or this rank's list of pipeline chunks.  Raises ValueError when a
-    target matches no layer of the chunks (naming the available ones) or a rank exceeds a layer.
+    ``model_chunks``: one model or this rank's list of pipeline chunks, before any data-parallel
+    wrapping.  A target name that matches no layer fails in :class:`LoRAConfig` (naming the available
+    ones); a rank larger than a layer, or an MoE model, raises ValueError here.
     """
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for chunk in chunks:
         unwrap(chunk).requires_grad_(False)
         if base_dtype is not None:
             unwrap(chunk).to(base_dtype)
-    lora = LoRAModel(chunks, config)
-    found = {name.rsplit(".", 1)[-1] for name, _ in lora.named_adapters()}
-    has_layers = any(len(getattr(getattr(unwrap(c), "decoder", None), "layers", ())) for c in chunks)
-    missing = [t for t in config.target_modules if t not in found]
-    if missing and has_layers:
-        available = sorted({n.rsplit(".", 1)[-1] for c in chunks for n, m in unwrap(c).named_modules()
-                            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in f".{n}"})
-        raise ValueError(f"LoRA target module(s) {missing} match no layer; the available ones are "
-                         f"{', '.join(available)}")
-    return lora
+    return LoRAModel(chunks, config)

@@ -68,3 +68,5 @@ def test_merged_model_gives_the_adapted_output():
     (merged,) = lora.merge()
     out = merged(input_ids=ids).detach()
     assert torch.allclose(out, adapted, rtol=1e-5, atol=1e-5), (out - adapted).abs().max()
+    with pytest.raises(ValueError, match="already merged"):
+        lora.merge()
