@@ -109,7 +109,9 @@ class LoRAModel(nn.Module):
     """The adapters of a model's chunks (one module per pipeline chunk list), hooked into its layers.
 
     ``parameters()`` are the adapters only, so an optimizer built on them keeps state for adapters
-    only.  ``named_adapters()`` yields ``(module name, adapter)`` with the model's global module names.
+    only.  Under data parallelism wrap it like a model chunk: ``DistributedDataParallel(lora)``
+    reduces the adapters' gradients (its hooks fire whoever calls the model) and
+    ``megalite.optim.get_optimizer(config, [ddp])`` steps them.  ``named_adapters()`` yields ``(module name, adapter)`` with the model's global module names.
     """
 
     def __init__(self, model_chunks, config: LoRAConfig):

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from megalite import topology
+from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.lora import LoRAConfig, apply_lora
 from megalite.lora.state import adapter_layouts, global_adapters, load_global_adapters, local_shard
 from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import forward_backward, split_layers
 from megalite.testing import run_distributed
 
@@ -103,8 +105,31 @@ def _pp_case():
     return [_max_rel_error(lora, ref)]
 
 
+def _dp_case():
+    """dp=2 with megalite's DDP and optimizer over the adapters alone: the one-rank gradient, then a step."""
+    lora_config = LoRAConfig(rank=2, alpha=4)
+    batches = _tokens(4, count=2)
+    tensors, ref = _reference(_config(), lora_config, batches)
+    topo = topology.initialize()
+    model = GPTModel(_config())
+    lora = apply_lora(model, lora_config)
+    load_global_adapters(lora, tensors)
+    ddp = DistributedDataParallel(lora, DDPConfig())
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-3), [ddp])
+    tokens = batches[topo.dp.rank]
+    model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    ddp.finish_grad_sync()
+    worst = 0.0
+    for name, param, _ in adapter_layouts(lora):
+        worst = max(worst, ((param.main_grad - ref[name]).norm() / ref[name].norm()).item())
+    ok, _, _ = optimizer.step()
+    assert ok and sorted(id(p) for p in optimizer.optimizer.state) == sorted(id(s.main) for s in optimizer.shards)
+    assert len(optimizer.shards) == len(list(lora.parameters()))
+    return [worst]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [_tp_case, _pp_case], ids=["tp2-and-sp", "pp2"])
+@pytest.mark.parametrize("case", [_tp_case, _pp_case, _dp_case], ids=["tp2-and-sp", "pp2", "dp2-ddp"])
 def test_adapter_grads_equal_one_rank(case):
     for rank, errors in enumerate(run_distributed(case, 2, timeout=120)):
         assert errors and all(err <= REL for err in errors), (rank, errors)
