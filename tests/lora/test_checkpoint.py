@@ -6,7 +6,8 @@ import torch
 from megalite import topology
 from megalite.checkpoint import CheckpointReader
 from megalite.lora import LoRAConfig, apply_lora
-from megalite.lora.state import adapter_layouts, load_adapters, load_global_adapters, save_adapters
+from megalite.lora.state import (adapter_layouts, global_adapters, load_adapters, load_global_adapters,
+                                 read_adapter_checkpoint, save_adapters)
 from megalite.models.gpt import GPTModel
 from megalite.testing import run_distributed
 from tests.lora.test_adapters import _config, _random_b, _tokens
@@ -45,6 +46,9 @@ def test_adapters_saved_at_tp2_load_on_the_base_at_tp1(tmp_path):
     reader = CheckpointReader(save_dir)
     want = {name: gp.shape for name, _, gp in adapter_layouts(lora)}
     assert {name: tuple(shape) for name, shape in reader.shapes.items()} == want
+    lora_config, base_config, tensors = read_adapter_checkpoint(save_dir)  # e.g. for export_peft
+    assert (lora_config, base_config) == (LORA, _config())
+    assert all(torch.equal(tensors[name], t) for name, t in global_adapters(lora).items())
     stored = sum(torch.Size(shape).numel() for shape in reader.shapes.values())
     assert stored == sum(p.numel() for p in lora.parameters()) < 0.2 * sum(p.numel() for p in model.parameters())
 
