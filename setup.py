@@ -23,12 +23,12 @@ OPTIONAL = {
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
 TEST += ["trl>=1.16", "jsonschema", "openai"]  # peers: chat templates and response parsers, schema validation
-TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)
 """The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
 tested against), TRL (its chat templates and response schemas are the chat tests' references), jsonschema and
 openai (structured output and tool calls are checked with them), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
+TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)
 
 
 def torch_requirement() -> str:
