@@ -30,6 +30,7 @@ tested against), the official ``openai`` client and ``requests`` (the server's t
 tool calls are checked with it), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
+TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)
 
 
 def torch_requirement() -> str:
