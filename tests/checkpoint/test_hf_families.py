@@ -162,7 +162,7 @@ def test_engine_greedy_equals_transformers_generate(family, tmp_path):
                              do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0, eos_token_id=None)
         expected.append(out[0, len(prompt):].tolist())
     llm = LLM(str(tmp_path / "ckpt"), engine_config=EngineConfig(block_size=4, num_blocks=64))
-    outputs = llm.generate(prompts, [SamplingParams(max_new_tokens=8, temperature=0)] * len(prompts))
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(prompts))
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 

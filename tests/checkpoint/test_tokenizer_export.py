@@ -59,7 +59,7 @@ def test_quickstart_tokenizer_exports_as_a_working_hf_tokenizer(tmp_path):
                       pad_token_id=ours.pad)
     expected = out[0, len(prompt):].tolist()
     llm = LLM(str(tmp_path / "ckpt"), engine_config=EngineConfig(block_size=4, num_blocks=32))
-    got = llm.generate([prompt], [SamplingParams(max_new_tokens=10, temperature=0)])[0].outputs[0].token_ids
+    got = llm.generate([prompt], [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)])[0].outputs[0].token_ids
     assert got == expected
     assert theirs.decode(expected) == ours.detokenize(expected)
 
