@@ -1,0 +1,106 @@
+"""Activation bytes one micro-batch keeps for backward, and how many micro-batches a schedule keeps.
+
+Counted per tensor megalite's layers save (the tensors autograd holds, each storage once), per
+token of a rank: ``T = micro_batch * seq / cp`` tokens, ``T / tp`` of them in the sequence-parallel
+regions.  Per transformer layer, without recompute:
+
+- the layer input, the two norms' outputs (the QKV and fc1 inputs) and the residual after attention;
+- the QKV projection ``(heads + 2 groups) * d / tp`` (and RoPE's rotated q and k), the attention
+  output ``heads * d / tp``, the attention's fp32
+  log-sum-exp per head;
+- fc1's output and the activation's output (``2 * ffn`` and ``ffn`` for SwiGLU);
+- each norm's fp32 statistics (two per token), one-byte dropout masks when dropout is on.
+
+Selective recompute drops the core attention's saved state (the log-sum-exp: flash-style attention
+keeps no ``s x s`` matrix to begin with); full recompute keeps only each layer's input.  The last
+stage adds the final norm, the logits ``[T, vocab / tp]`` and the loss; the first stage the embedding's
+dropout (a mask of the activation dtype).  Context parallelism's ring
+keeps the key/value blocks it received, counted as the whole sequence's keys and values.
+"""
+
+from __future__ import annotations
+
+from megalite.models.gpt import GPTConfig
+from megalite.plan.layout import DTYPE_BYTES, Layout
+from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
+
+STAT_BYTES = 4
+"""Norm statistics and attention log-sum-exp are fp32 whatever the activation dtype."""
+
+
+def layer_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, layer: int = 0,
+                           recompute: str | None = None) -> int:
+    """Bytes one transformer layer saves for one micro-batch on one rank."""
+    e = DTYPE_BYTES[layout.precision]
+    tp, cp = layout.tp, layout.cp
+    tokens = layout.micro_batch_size * seq_length // cp
+    sp_tokens = tokens // tp if layout.sequence_parallel and tp > 1 else tokens
+    h, d = config.hidden_size, config.kv_channels
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    if recompute == "full":
+        return e * sp_tokens * h
+    elements = sp_tokens * h * 2 + tokens * h * 2
+    elements += tokens * (heads + 2 * groups) * d + tokens * heads * d
+    if config.position_embedding_type == "rope":
+        elements += tokens * (heads + groups) * d
+    if cp > 1:
+        elements += 2 * layout.micro_batch_size * seq_length * groups * d
+    if config.is_moe_layer(layer):
+        moe = config.moe
+        routed = tokens * moe.topk // tp if not layout.sequence_parallel else sp_tokens * moe.topk
+        ffn = moe.ffn_hidden_size // layout.expert_tp
+        elements += routed * (3 if moe.activation == "swiglu" else 2) * ffn + routed * h
+    else:
+        ffn = config.ffn_hidden_size // tp
+        elements += tokens * (3 if config.activation == "swiglu" else 2) * ffn
+    stats = 4 * sp_tokens
+    if recompute != "selective":
+        stats += tokens * heads
+    masks = 2 * sp_tokens * h if config.hidden_dropout > 0 else 0
+    return e * elements + STAT_BYTES * stats + masks
+
+
+def head_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int) -> int:
+    """Bytes the last stage's final norm, output layer and loss save for one micro-batch."""
+    e = DTYPE_BYTES[layout.precision]
+    tokens = layout.micro_batch_size * seq_length // layout.cp
+    tp = layout.tp
+    sp_tokens = tokens // tp if layout.sequence_parallel and tp > 1 else tokens
+    h = config.hidden_size
+    vocab = config.vocab_size if tp == 1 else pad_vocab_size(config.vocab_size,
+                                                             config.make_vocab_size_divisible_by, tp) // tp
+    return e * (sp_tokens * h + tokens * h + tokens * vocab) + STAT_BYTES * 2 * sp_tokens + 8 * tokens
+
+
+def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, pp_rank: int = 0) -> int:
+    """Bytes all of pipeline rank ``pp_rank``'s chunks save for one micro-batch (under ``layout.recompute``)."""
+    stages = layout.stage_map()
+    e = DTYPE_BYTES[layout.precision]
+    tokens = layout.micro_batch_size * seq_length // layout.cp
+    sp_tokens = tokens // layout.tp if layout.sequence_parallel and layout.tp > 1 else tokens
+    total = 0
+    for chunk, (start, end) in enumerate(layout.chunk_ranges(config.num_layers)[pp_rank]):
+        if stages.is_first(pp_rank, chunk) and config.hidden_dropout > 0:
+            total += e * sp_tokens * config.hidden_size
+        total += sum(layer_activation_bytes(config, layout, seq_length, i, layout.recompute) for i in range(start, end))
+        if stages.is_last(pp_rank, chunk):
+            total += head_activation_bytes(config, layout, seq_length)
+    return total
+
+
+def microbatches_in_flight(layout: Layout, num_microbatches: int, pp_rank: int = 0) -> float:
+    """How many micro-batches' activations pipeline rank ``pp_rank`` holds at its peak, in chunk units.
+
+    1F1B and ZB-H1: ``pp - rank`` (capped by the micro-batches); interleaved: Megatron's warm-up
+    count ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk-micro-batches, i.e. divided by vpp in
+    whole-rank units; ZBV: two chunks times ``pp`` warm-up micro-batches of half a rank each.
+    """
+    pp, vpp = layout.pp, layout.stage_map().chunks
+    if pp == 1:
+        return 1.0
+    if layout.schedule == "zbv":
+        return float(min(num_microbatches, pp))
+    if vpp > 1:
+        chunk_mbs = min(num_microbatches * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
+        return chunk_mbs / vpp
+    return float(min(num_microbatches, pp - pp_rank))
