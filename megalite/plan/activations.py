@@ -82,7 +82,14 @@ def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: i
     for chunk, (start, end) in enumerate(layout.chunk_ranges(config.num_layers)[pp_rank]):
         if stages.is_first(pp_rank, chunk) and config.hidden_dropout > 0:
             total += e * sp_tokens * config.hidden_size
-        total += sum(layer_activation_bytes(config, layout, seq_length, i, layout.recompute) for i in range(start, end))
+        moe_layers = sum(config.is_moe_layer(i) for i in range(start, end))
+        if moe_layers:
+            first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
+            total += moe_layers * layer_activation_bytes(config, layout, seq_length, first_moe, layout.recompute)
+        if end - start - moe_layers:
+            first_dense = next(i for i in range(config.num_layers) if not config.is_moe_layer(i))
+            total += (end - start - moe_layers) * layer_activation_bytes(config, layout, seq_length, first_dense,
+                                                                         layout.recompute)
         if stages.is_last(pp_rank, chunk):
             total += head_activation_bytes(config, layout, seq_length)
     return total

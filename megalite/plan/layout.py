@@ -9,11 +9,18 @@ planner's recommendation is a launch line too.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from megalite.pipeline.layer_split import split_layers
 from megalite.pipeline.stages import StageMap
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@lru_cache(maxsize=65536)
+def _split(num_layers: int, pp: int, chunks: int, first, last, v_shape: bool):
+    """:func:`split_layers`, remembered: the planner asks for the same splits many times."""
+    return split_layers(num_layers, pp, chunks, first, last, v_shape)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,8 @@ class Layout:
     def chunk_ranges(self, num_layers: int) -> list[list[tuple[int, int]]]:
         """Global layer range of every model chunk, ``[pp_rank][chunk]`` (the trainer's split)."""
         stages = self.stage_map()
-        return split_layers(num_layers, self.pp, stages.chunks, self.first_stage_layers, self.last_stage_layers,
-                            stages.v_shape)
+        return _split(num_layers, self.pp, stages.chunks, self.first_stage_layers, self.last_stage_layers,
+                      stages.v_shape)
 
     @classmethod
     def from_args(cls, args, world: int) -> "Layout":
