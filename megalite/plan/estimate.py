@@ -88,6 +88,15 @@ def _cached(cache: dict | None, key, compute):
     return cache[key]
 
 
+def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout) -> int:
+    """FSDP2's unsharded parameters in flight: two transformer layers (one computing, one prefetched) and
+    their unsharded gradients, in the compute dtype."""
+    from megalite.plan.memory import layer_params
+
+    layer = max(sum(p.numel for p in layer_params(config, i, layout)) for i in range(min(config.num_layers, 2)))
+    return 2 * 2 * layer * DTYPE_BYTES[layout.precision]
+
+
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
              cache: dict | None = None) -> Estimate:
     """Memory per GPU and step time of ``layout`` (assumed valid: see :func:`megalite.plan.search.check_layout`).
@@ -112,12 +121,15 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
         extra = 0
         if layout.recompute == "full":
             extra = _cached(cache, ("layer", shape), lambda: layer_activation_bytes(config, layout, seq_length, 0))
-        total = state.weights + state.grads + state.optimizer + int(act * in_flight) + extra
+        gathered = 0
+        if layout.fsdp:
+            gathered = _cached(cache, ("gathered", base), lambda: _fsdp_gathered_bytes(config, layout))
+        total = state.weights + state.grads + state.optimizer + int(act * in_flight) + extra + gathered
         if not est.memory or total > est.memory["total"]:
             est.memory = {"weights": state.weights, "grads": state.grads, "optimizer": state.optimizer,
                           "activations": int(act * in_flight), "activations_per_microbatch": act,
-                          "microbatches_in_flight": in_flight, "recompute_buffer": extra, "total": total,
-                          "pp_rank": pp_rank}
+                          "microbatches_in_flight": in_flight, "recompute_buffer": extra,
+                          "fsdp_gathered": gathered, "total": total, "pp_rank": pp_rank}
 
     e = DTYPE_BYTES[layout.precision]
     peak = hw.peak(layout.precision) * hw.efficiency
