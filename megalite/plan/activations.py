@@ -20,6 +20,8 @@ keeps the key/value blocks it received, counted as the whole sequence's keys and
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megalite.models.gpt import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
@@ -95,19 +97,39 @@ def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: i
     return total
 
 
-def microbatches_in_flight(layout: Layout, num_microbatches: int, pp_rank: int = 0) -> float:
-    """How many micro-batches' activations pipeline rank ``pp_rank`` holds at its peak, in chunk units.
+def _peak_forwards(ops) -> int:
+    """Most forwards whose input-gradient pass has not run yet, over an op list of ``(kind, mb, chunk)``."""
+    live = peak = 0
+    for kind, _, _ in ops:
+        live += kind == "F"
+        live -= kind == "B"
+        peak = max(peak, live)
+    return peak
 
-    1F1B and ZB-H1: ``pp - rank`` (capped by the micro-batches); interleaved: Megatron's warm-up
-    count ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk-micro-batches, i.e. divided by vpp in
-    whole-rank units; ZBV: two chunks times ``pp`` warm-up micro-batches of half a rank each.
+
+def microbatches_in_flight(layout: Layout, num_microbatches: int, pp_rank: int = 0) -> float:
+    """How many micro-batches' activations pipeline rank ``pp_rank`` holds at its peak, in whole-rank units.
+
+    1F1B: ``pp - rank`` (its warm-up plus one; capped by the micro-batches).  Interleaved: the schedule's
+    warm-up ``(pp - rank - 1) * 2 + (vpp - 1) * pp`` chunk forwards plus one (all of them when
+    ``m == pp``), over ``vpp`` chunks.  ZB-H1 and ZBV: the peak of forwards not yet followed by their B
+    pass in the schedule's own op list (:mod:`megalite.pipeline.zero_bubble`), over the rank's chunks.
     """
-    pp, vpp = layout.pp, layout.stage_map().chunks
+    return _in_flight(layout.schedule, layout.pp, layout.stage_map().chunks, num_microbatches, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _in_flight(schedule: str | None, pp: int, chunks: int, m: int, pp_rank: int) -> float:
+    from megalite.pipeline.zero_bubble import zb_h1_order, zbv_order
+
     if pp == 1:
         return 1.0
-    if layout.schedule == "zbv":
-        return float(min(num_microbatches, pp))
-    if vpp > 1:
-        chunk_mbs = min(num_microbatches * vpp, (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1)
-        return chunk_mbs / vpp
-    return float(min(num_microbatches, pp - pp_rank))
+    if schedule == "zbv":
+        return _peak_forwards(zbv_order(pp, pp_rank, m)) / 2
+    if schedule == "zero-bubble-h1":
+        return float(_peak_forwards(zb_h1_order(pp, pp_rank, m)))
+    if chunks > 1:
+        total = m * chunks
+        warmup = total if m == pp else min((pp - pp_rank - 1) * 2 + (chunks - 1) * pp, total)
+        return min(total, warmup + 1) / chunks
+    return float(min(m, pp - pp_rank))

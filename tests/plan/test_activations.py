@@ -67,3 +67,22 @@ def test_predicted_activation_bytes_within_ten_percent_of_saved_tensors():
     for layout, (measured, predicted) in zip(LAYOUTS, measured_rank0):
         assert measured > 0
         assert abs(predicted - measured) <= 0.10 * measured, (layout, measured, predicted)
+
+
+def test_microbatches_in_flight_follow_each_schedules_warm_up():
+    from megalite.plan.activations import microbatches_in_flight
+    from megalite.plan.layout import Layout
+
+    def per_rank(schedule, vpp, m):
+        layout = Layout(pp=4, schedule=schedule, vpp=vpp)
+        return [microbatches_in_flight(layout, m, rank) for rank in range(4)]
+
+    # 1F1B and ZB-H1: warm-up pp - rank - 1 forwards, then one more before the first backward.
+    assert per_rank(None, None, 8) == [4, 3, 2, 1]
+    assert per_rank("zero-bubble-h1", None, 8) == [4, 3, 2, 1]
+    assert per_rank(None, None, 2) == [2, 2, 2, 1]
+    # Interleaved (vpp 2): (pp - rank - 1) * 2 + pp chunk forwards + 1, over 2 chunks; all of them when m == pp.
+    assert per_rank("interleaved-1f1b", 2, 8) == [5.5, 4.5, 3.5, 2.5]
+    assert per_rank("interleaved-1f1b", 2, 4) == [4, 4, 4, 4]
+    # ZBV: two chunks per rank in a V; rank 0 holds the first and the last stage.
+    assert per_rank("zbv", None, 8) == [4, 4, 4, 4]
