@@ -84,7 +84,7 @@ class _Taker:
             raise ValueError(f"{self.source} has tensors this converter does not know: {sorted(self.tensors)[:5]}")
 
 
-def _gpt2_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+def _gpt2_config(hf: dict):
     from megalite.models import GPTConfig
 
     activation = hf.get("activation_function", "gelu_new")
@@ -101,6 +101,13 @@ def _gpt2_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
                        hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
                        untie_embeddings_and_output_weights=not tied)
     config.validate()
+    return config
+
+
+def _gpt2_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+    config = _gpt2_config(hf)
+    h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_layers
+    tied = not config.untie_embeddings_and_output_weights
     pre = _prefix(tensors, "transformer.")
     take = _Taker(tensors, "the GPT-2 checkpoint")
     d = h // heads
@@ -148,7 +155,7 @@ def _rope_theta(hf: dict) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+def _llama_config(hf: dict):
     from megalite.models import GPTConfig
 
     if hf.get("hidden_act", "silu") != "silu":
@@ -168,6 +175,14 @@ def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
                        activation="swiglu", add_bias_linear=bias, attention_dropout=hf.get("attention_dropout", 0.0),
                        untie_embeddings_and_output_weights=not tied)
     config.validate()
+    return config
+
+
+def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
+    config = _llama_config(hf)
+    bias, heads, layers = config.add_bias_linear, config.num_attention_heads, config.num_layers
+    groups, d = config.num_query_groups, config.kv_channels
+    tied = not config.untie_embeddings_and_output_weights
     pre = _prefix(tensors, "model.")
     take = _Taker(tensors, "the Llama checkpoint")
     r = heads // groups
@@ -189,6 +204,16 @@ def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
     out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
     return config, out, _finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
+
+
+def hf_config_to_gpt(hf_config: dict):
+    """The ``GPTConfig`` of a GPT-2 or Llama ``config.json`` (ValueError for what megalite cannot express)."""
+    kind = hf_config.get("model_type")
+    if kind == "gpt2":
+        return _gpt2_config(hf_config)
+    if kind == "llama":
+        return _llama_config(hf_config)
+    raise ValueError(f"model_type {kind!r} is not supported; the converter knows 'gpt2' and 'llama'")
 
 
 def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:

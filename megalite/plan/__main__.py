@@ -1,6 +1,7 @@
 """``python -m megalite.plan``: rank the parallel layouts of a model on N GPUs before launching it.
 
-The model is a preset (``--model llama3-70b``, see ``presets.json``) or the pretraining flags
+The model is a preset (``--model llama3-70b``, see ``presets.json``), a Hugging Face ``config.json``
+(``--hf-config``, GPT-2 and Llama families), or the pretraining flags
 themselves (``--num-layers 24 --hidden-size 2048 ... --vocab-size 50257``); every pretraining flag is
 accepted, so a launch line can be planned as it is: its own layout is estimated first ("as given").
 ``--json`` prints ``{"as_given", "layouts": [...], "infeasible": [...]}``; ``--calibrate`` measures
@@ -23,6 +24,8 @@ GIB = 2 ** 30
 def _planner_flags(parser):
     group = parser.add_argument_group("planner")
     group.add_argument("--model", default=None, help="a preset: " + ", ".join(preset_names()))
+    group.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="a Hugging Face config.json (GPT-2 or Llama family) as the model")
     group.add_argument("--num-gpus", type=int, default=None, help="GPUs of the run (or --num-nodes x --gpus-per-node)")
     group.add_argument("--num-nodes", type=int, default=None)
     group.add_argument("--gpus-per-node", type=int, default=None)
@@ -80,7 +83,7 @@ def layout_json(est) -> dict:
             "mfu": est.mfu, "flags": " ".join(layout.flags())}
 
 
-_PLANNER_VALUED = {"--model", "--num-gpus", "--num-nodes", "--gpus-per-node", "--hardware", "--top", "--calibrate",
+_PLANNER_VALUED = {"--model", "--hf-config", "--num-gpus", "--num-nodes", "--gpus-per-node", "--hardware", "--top", "--calibrate",
                    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size",
                    "--virtual-pipeline-model-parallel-size", "--pipeline-schedule", "--recompute-granularity"}
@@ -130,9 +133,17 @@ def main(argv=None) -> int:
         return 0
     world = _world(args)
     hw = load_hardware(args.hardware)
+    if args.model is not None and args.hf_config is not None:
+        raise ValueError("give --model or --hf-config, not both")
     if args.model is not None:
         config = preset_config(args.model)
         model_flags = f"(the {args.model} architecture's flags)"
+    elif args.hf_config is not None:
+        from megalite.checkpoint.hf import hf_config_to_gpt
+
+        with open(args.hf_config) as f:
+            config = hf_config_to_gpt(json.load(f))
+        model_flags = f"(the flags of {args.hf_config}'s architecture)"
     else:
         if args.vocab_size is None:
             raise ValueError("give --model PRESET or the model's pretraining flags including --vocab-size")
@@ -143,7 +154,7 @@ def main(argv=None) -> int:
         raise ValueError("give --global-batch-size")
     given = None
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if args.model is None:
+    if args.model is None and args.hf_config is None:
         if world % (tp * pp * cp):
             raise ValueError(f"--num-gpus {world} is not divisible by tp*pp*cp = {tp * pp * cp}")
         layout = Layout.from_args(args, world)
@@ -151,7 +162,8 @@ def main(argv=None) -> int:
         given = plan(config, world, hw, seq_length=seq, global_batch_size=gbs, precision=layout.precision,
                      micro_batch_sizes=(layout.micro_batch_size,), recomputes=(layout.recompute,),
                      layouts=[layout]) if reason is None else reason
-    precision = "bf16" if args.bf16 or args.model is not None else "fp16" if args.fp16 else "fp32"
+    preset = args.model is not None or args.hf_config is not None
+    precision = "bf16" if args.bf16 or preset else "fp16" if args.fp16 else "fp32"
     result = plan(config, world, hw, seq_length=seq, global_batch_size=gbs, precision=precision)
     if not result.ranked:
         missing = [r for _, r in result.infeasible if r.startswith("does not fit by")]

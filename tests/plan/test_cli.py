@@ -62,3 +62,21 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, message, capsys):
     assert run_cli(main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_hugging_face_config_json_is_the_same_model_as_the_preset(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                  rope_theta=500000.0, tie_word_embeddings=False)
+    path = tmp_path / "config.json"
+    path.write_text(hf.to_json_string())
+    from megalite.checkpoint.hf import hf_config_to_gpt
+
+    config = hf_config_to_gpt(json.loads(path.read_text()))
+    layout = Layout(tp=2, pp=2, dp=2, zero1=True, precision="bf16")
+    for rank in (0, 1):
+        assert (rank_state_bytes(config, layout, rank) == rank_state_bytes(preset_config("llama3-8b"), layout, rank))
+    assert main(["--hf-config", str(path), "--num-gpus", "8", "--seq-length", "8192", "--global-batch-size", "64",
+                 "--json", "--top", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["tokens_per_s_per_gpu"] > 0
