@@ -111,7 +111,7 @@ def plan(config: GPTConfig, world: int, hw: Hardware, *, seq_length: int, global
             considered += 1
             infeasible.append((base, reason))
             continue
-        best_missing = None
+        best_missing, fitted = None, False
         for mbs, recompute in itertools.product(micro_batch_sizes, recomputes):
             layout = base.with_(micro_batch_size=mbs, recompute=recompute)
             considered += 1
@@ -120,12 +120,11 @@ def plan(config: GPTConfig, world: int, hw: Hardware, *, seq_length: int, global
             est = estimate(config, layout, hw, seq_length, global_batch_size, cache)
             if fits(est, hw):
                 ranked.append(est)
+                fitted = True
             else:
                 missing = est.memory_total - hw.hbm_bytes * (1 - RESERVED_FRACTION)
                 best_missing = missing if best_missing is None else min(best_missing, missing)
-        if best_missing is not None and not any(e.layout.with_(micro_batch_size=1, recompute=None)
-                                                == base.with_(micro_batch_size=1, recompute=None)
-                                                for e in ranked[-len(micro_batch_sizes) * len(recomputes):]):
+        if not fitted and best_missing is not None:
             infeasible.append((base, f"does not fit by {best_missing / GIB:.2f} GiB"))
     ranked.sort(key=lambda e: -e.tokens_per_s_per_gpu)
     return Plan(ranked, infeasible, considered)
