@@ -16,6 +16,10 @@ keeps no ``s x s`` matrix to begin with); full recompute keeps only each layer's
 stage adds the final norm, the logits ``[T, vocab / tp]`` and the loss; the first stage the embedding's
 dropout (a mask of the activation dtype).  Context parallelism's ring
 keeps the key/value blocks it received, counted as the whole sequence's keys and values.
+
+Checked against autograd's saved tensors at tp 1-2 with and without sequence parallelism, for each
+recompute option (tests/plan/test_activations.py, within 5%).  The CP and MoE terms are not checked
+yet: a probe at cp=2 found them 15-20% high.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 from megalite.plan.hardware import Hardware, save_hardware
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _best(fn, repeats: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -22,7 +22,7 @@ def _best(fn, repeats: int = 5) -> float:
     return best
 
 
-def gemm_flops(dtype_name: str, n: int = 1024) -> float:
+def gemm_flops(dtype_name: str, n: int = 512) -> float:
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]

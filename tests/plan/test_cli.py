@@ -80,3 +80,14 @@ def test_hugging_face_config_json_is_the_same_model_as_the_preset(tmp_path, caps
     assert main(["--hf-config", str(path), "--num-gpus", "8", "--seq-length", "8192", "--global-batch-size", "64",
                  "--json", "--top", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["layouts"][0]["tokens_per_s_per_gpu"] > 0
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
+    path = tmp_path / "here.json"
+    assert main(["--calibrate", str(path)]) == 0
+    hw = load_hardware(str(path))
+    assert hw.peak("fp32") > 0 and hw.intra_node_bandwidth > 0 and hw.efficiency == 1.0
+    assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["layouts"][0]["step_time_s"] > 0
