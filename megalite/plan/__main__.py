@@ -105,8 +105,9 @@ def _model_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def launch_line(est, world: int, model_flags: str) -> str:
-    return (f"torchrun --nproc-per-node {min(world, 8)} --nnodes {max(1, world // 8)} examples/pretrain_gpt.py "
+def launch_line(est, world: int, per_node: int, model_flags: str) -> str:
+    per_node = min(world, per_node)
+    return (f"torchrun --nproc-per-node {per_node} --nnodes {max(1, world // per_node)} examples/pretrain_gpt.py "
             f"{model_flags} {' '.join(est.layout.flags())}")
 
 
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
             print(f"as given: {given.infeasible[0][1]}")
     for rank, est in enumerate(top, 1):
         print(f"{rank}. {_describe(est, world)}")
-    print(f"launch: {launch_line(top[0], world, model_flags)}")
+    print(f"launch: {launch_line(top[0], world, args.gpus_per_node or hw.gpus_per_node, model_flags)}")
     return 0
 
 
