@@ -6,11 +6,11 @@ and writes model directories (lazy sharded safetensors), :mod:`.convert` runs wh
 """
 
 from megalite.checkpoint.hf.convert import (FAMILIES, TOKENIZER_DIR, convert_hf_to_megalite, convert_megalite_to_hf,
-                                            default_prefix, hf_family, hf_to_megalite, megalite_tensor_to_hf,
-                                            megalite_to_hf)
+                                            default_prefix, hf_config_to_gpt, hf_family, hf_to_megalite,
+                                            megalite_tensor_to_hf, megalite_to_hf)
 from megalite.checkpoint.hf.files import (SAFETENSORS, SAFETENSORS_INDEX, parse_size, read_hf_checkpoint,
                                           write_hf_tensors)
 
 __all__ = ["FAMILIES", "SAFETENSORS", "SAFETENSORS_INDEX", "TOKENIZER_DIR", "convert_hf_to_megalite",
-           "convert_megalite_to_hf", "default_prefix", "hf_family", "hf_to_megalite", "megalite_tensor_to_hf",
-           "megalite_to_hf", "parse_size", "read_hf_checkpoint", "write_hf_tensors"]
+           "convert_megalite_to_hf", "default_prefix", "hf_config_to_gpt", "hf_family", "hf_to_megalite",
+           "megalite_tensor_to_hf", "megalite_to_hf", "parse_size", "read_hf_checkpoint", "write_hf_tensors"]

@@ -26,6 +26,16 @@ TOKENIZER_DIR = "hf_tokenizer"
 FAMILIES = ("gpt2", *llama.FAMILIES)
 
 
+def hf_config_to_gpt(hf_config: dict):
+    """The ``GPTConfig`` of a Hugging Face ``config.json`` (ValueError for what megalite cannot express)."""
+    kind = hf_config.get("model_type")
+    if kind == "gpt2":
+        return gpt2.config_from_hf(hf_config)
+    if kind in llama.FAMILIES:
+        return llama.config_from_hf(hf_config)
+    raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
+
+
 def hf_to_megalite(hf_config: dict, tensors) -> tuple[object, dict, dict]:
     """``(GPTConfig, global megalite tensors, conversion info)`` of a Hugging Face checkpoint's config and
     tensors (a dict or :class:`~megalite.checkpoint.hf.files.LazyTensors`)."""

@@ -25,7 +25,8 @@ def matches(config) -> bool:
             and config.kv_channels * config.num_attention_heads == config.hidden_size and not config.qk_layernorm)
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+def config_from_hf(hf: dict):
+    """The ``GPTConfig`` of a GPT-2 ``config.json`` (ValueError for what megalite cannot express)."""
     from megalite.models import GPTConfig
 
     activation = hf.get("activation_function", "gelu_new")
@@ -42,6 +43,13 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
                        hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
                        untie_embeddings_and_output_weights=not tied)
     config.validate()
+    return config
+
+
+def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+    config = config_from_hf(hf)
+    h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_layers
+    tied = not config.untie_embeddings_and_output_weights
     pre = key_prefix(tensors, PREFIX)
     take = Taker(tensors, "the GPT-2 checkpoint")
     d = h // heads
