@@ -1,0 +1,123 @@
+"""Offline preference optimisation: DPO, IPO and SimPO losses on chosen/rejected pairs packed into one forward.
+
+A pair is one sample: ``prompt + chosen`` and ``prompt + rejected`` as two documents of a packed row
+(:func:`megalite.data.sft.pack`), so one forward of the policy (and of the reference) gives both sequences'
+log-probs, with attention and positions kept per document.  The model's per-token loss is the vocab-parallel
+cross entropy, so ``-loss`` is the token log-prob without gathering the vocabulary under TP; the sums over
+each completion are taken per document (:func:`pair_log_probs`), and under context parallelism summed over
+the CP ranks.
+
+Losses (``h`` is the policy-minus-reference log-ratio margin, chosen minus rejected):
+
+- ``dpo`` (Rafailov et al. 2023, eq. 7), with conservative label smoothing ``eps``:
+  ``-(1-eps) log sigma(beta h) - eps log sigma(-beta h)``; rewards ``beta * (log pi - log pi_ref)``.
+- ``ipo`` (Azar et al. 2023, eq. 17): ``(h' - 1/(2 beta))^2`` where ``h'`` uses log-ratios averaged over
+  each completion's tokens (the length-normalised form the paper's results use, as TRL does).
+- ``simpo`` (Meng et al. 2024, eq. 6), reference-free: rewards ``beta/|y| log pi(y|x)``, loss
+  ``-(1-eps) log sigma(r_w - r_l - gamma) - eps log sigma(-(r_w - r_l - gamma))``.
+
+The reference log-probs are inputs: computed once up front and stored with the pairs, or on the fly by
+a frozen reference model's forward under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megalite.context_parallel import slice_for_rank
+from megalite.data.sft import pack
+from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
+
+LOSS_TYPES = ("dpo", "ipo", "simpo")
+REFERENCE_FREE = ("simpo",)
+
+
+@dataclass
+class PreferenceConfig:
+    """Which loss and its constants."""
+
+    loss_type: str = "dpo"
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss type {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+def pack_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_length: int, pad_id: int):
+    """``(tokens, completion_mask, document_ids)`` ``[seq_length + 1]``: prompt+chosen (document 0), then
+    prompt+rejected (document 1), then padding; the mask marks the completions' tokens."""
+    if not chosen or not rejected:
+        raise ValueError("a preference pair needs a non-empty chosen and rejected completion")
+    if list(chosen) == list(rejected):
+        raise ValueError("the chosen completion equals the rejected one, so the pair says nothing")
+    docs = [(list(prompt) + list(c), [0] * len(prompt) + [1] * len(c)) for c in (chosen, rejected)]
+    need = sum(len(ids) for ids, _ in docs)
+    if need > seq_length + 1:
+        raise ValueError(f"a preference pair needs {need} tokens (prompt twice, chosen, rejected), more than "
+                         f"--seq-length + 1 = {seq_length + 1}")
+    (sample,), _ = pack(docs, seq_length, pad_id)
+    return sample
+
+
+def pair_log_probs(per_token_log_probs: torch.Tensor, loss_mask: torch.Tensor, documents: torch.Tensor,
+                   cp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs and token counts of the chosen and rejected documents, each ``[b]``.
+
+    ``per_token_log_probs`` and ``loss_mask`` are this CP rank's ``[b, s/cp]`` (from ``prepare_batch``);
+    ``documents`` is the whole ``[b, s]``.  Under CP the sums are added over the ranks (backward: each rank's
+    tokens get the gradient of the whole sum).
+    """
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
+    local = slice_for_rank(documents, cp, rank)
+    sums = []
+    for doc in (0, 1):
+        weight = loss_mask * (local == doc)
+        sums += [(per_token_log_probs * weight).sum(-1), weight.sum(-1)]
+    stacked = torch.stack(sums)
+    if cp > 1:
+        stacked = reduce_from_tensor_parallel_region(stacked, cp_group)
+    return stacked[0], stacked[2], stacked[1].detach(), stacked[3].detach()
+
+
+def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                    ref_rejected: torch.Tensor | None, config: PreferenceConfig,
+                    chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None):
+    """Per-pair losses ``[b]``, chosen and rejected rewards ``[b]`` (detached) from summed log-probs."""
+    lengths = (chosen_lengths, rejected_lengths)
+    if config.loss_type in ("ipo", "simpo") and any(n is None for n in lengths):
+        raise ValueError(f"{config.loss_type} needs the completions' token counts")
+    if config.loss_type in REFERENCE_FREE:
+        chosen_rewards = config.beta * chosen / chosen_lengths
+        rejected_rewards = config.beta * rejected / rejected_lengths
+        logits = chosen_rewards - rejected_rewards - config.simpo_gamma
+    else:
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError(f"{config.loss_type} needs the reference model's log-probs")
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        chosen_rewards, rejected_rewards = config.beta * chosen_ratio, config.beta * rejected_ratio
+        if config.loss_type == "ipo":
+            margin = chosen_ratio / chosen_lengths - rejected_ratio / rejected_lengths
+            return (margin - 1 / (2 * config.beta)) ** 2, chosen_rewards.detach(), rejected_rewards.detach()
+        logits = config.beta * (chosen_ratio - rejected_ratio)
+    eps = config.label_smoothing
+    losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def preference_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict:
+    """The batch means logged per step: loss, rewards, reward accuracy and margin."""
+    return {"loss": losses.detach().mean(), "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margin": (chosen_rewards - rejected_rewards).mean()}
