@@ -115,6 +115,36 @@ def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: to
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
+def preference_forward_step(config: PreferenceConfig, cp_group=None):
+    """A pipeline-schedule forward step (``forward_step(data_iterator, model)``) for preference pairs.
+
+    Each micro-batch is ``prepare_batch``'s output for packed pairs plus ``ref_chosen``/``ref_rejected``
+    ``[b]`` (the reference's summed log-probs, computed up front or by a reference forward just before;
+    not needed by SimPO).  The last stage turns the per-token loss into the mean pair loss.  Under CP
+    every rank holds the whole loss but only its tokens' gradient, which DDP averages over dp x cp, so
+    the loss it backpropagates is multiplied by cp (the logged metrics are not).
+    """
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        batch = {key: value.to(device) for key, value in batch.items()}
+        output = model(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                       document_ids=batch["document_ids"])
+
+        def loss_func(per_token_loss):
+            chosen, rejected, n_chosen, n_rejected = pair_log_probs(-per_token_loss.float(), batch["loss_mask"],
+                                                                    batch["document_ids"], cp_group)
+            losses, chosen_rewards, rejected_rewards = preference_loss(
+                chosen, rejected, batch.get("ref_chosen"), batch.get("ref_rejected"), config, n_chosen, n_rejected)
+            return losses.mean() * cp, preference_metrics(losses, chosen_rewards, rejected_rewards)
+
+        return output, loss_func
+
+    return forward_step
+
+
 def preference_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict:
     """The batch means logged per step: loss, rewards, reward accuracy and margin."""
     return {"loss": losses.detach().mean(), "rewards/chosen": chosen_rewards.mean(),

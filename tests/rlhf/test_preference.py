@@ -178,3 +178,44 @@ def test_bad_input():
         PreferenceConfig("kto")
     with pytest.raises(ValueError, match="dpo needs the reference model's log-probs"):
         preference_loss(torch.zeros(1), torch.zeros(1), None, None, PreferenceConfig())
+
+
+def _pp_cp_rank_fn(cfg, ref_sums, want_loss, want_grads):
+    from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
+    from megalite.pipeline import broadcast_from_last_stage, forward_backward, split_layers
+    from megalite.rlhf.preference import preference_forward_step
+
+    topo = topology.initialize(pp=2, cp=2)
+    gpt_cfg = config("llama", max_position_embeddings=SEQ, seed=0)
+    layers = split_layers(gpt_cfg.num_layers, 2)[topo.pp.rank][0]
+    model = DistributedDataParallel(GPTModel(gpt_cfg, pre_process=topo.pp.rank == 0, post_process=topo.pp.rank == 1,
+                                             layer_range=layers), DDPConfig(), topo.dp_cp.group)
+    tokens, mask, docs = _batch()
+    batch = prepare_batch(tokens, cp=2, cp_rank=topo.cp.rank, assistant_mask=mask, documents=docs)
+    batch["ref_chosen"], batch["ref_rejected"] = ref_sums
+    metrics = forward_backward(preference_forward_step(cfg, topo.cp.group), iter([batch]), model, 1,
+                               tensor_shape=(SEQ // 2, len(PAIRS), gpt_cfg.hidden_size),
+                               finalize_grads_func=finalize_model_grads)
+    loss = broadcast_from_last_stage([m["loss"].item() for m in metrics])[0]
+    tied = {"output_layer.weight": "embedding.word_embeddings.weight"}  # the last stage's copy of the embedding
+    error = max((p.main_grad - want_grads[tied.get(n, n)]).abs().max().item()
+                for n, p in model.module.named_parameters())
+    return abs(loss - want_loss), error
+
+
+@pytest.mark.slow
+def test_pp2_cp2_with_reference_up_front_equals_one_rank():
+    """The pipeline forward step at pp=2 x cp=2, reference log-probs computed once before, equals one rank."""
+    cfg = CONFIGS[0]
+    model, ref_model = _models()
+    tokens, mask, docs = _batch()
+    batch = prepare_batch(tokens, assistant_mask=mask, documents=docs)
+    with torch.no_grad():  # up front: the reference's sums, stored with the pairs
+        log_probs = -ref_model(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                               document_ids=batch["document_ids"])
+        ref_sums = pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"])[:2]
+    losses, _, _ = _packed(model, ref_model, cfg)
+    grads = _grads(model, losses.mean())
+    for loss_error, grad_error in run_distributed(_pp_cp_rank_fn, 4, cfg, ref_sums, losses.mean().item(), grads,
+                                                  timeout=120):
+        assert loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
