@@ -53,20 +53,26 @@ class PreferenceConfig:
             raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
-def pack_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_length: int, pad_id: int):
-    """``(tokens, completion_mask, document_ids)`` ``[seq_length + 1]``: prompt+chosen (document 0), then
-    prompt+rejected (document 1), then padding; the mask marks the completions' tokens."""
-    if not chosen or not rejected:
+def pack_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]], seq_length: int,
+              pad_id: int):
+    """``(tokens, completion_mask, document_ids)`` ``[seq_length + 1]`` from two ``(ids, completion_mask)``
+    sequences (each the prompt then its completion, e.g. rendered by :class:`megalite.data.sft.ChatRenderer`):
+    chosen is document 0, rejected document 1, then padding."""
+    if not any(chosen[1][1:]) or not any(rejected[1][1:]):
         raise ValueError("a preference pair needs a non-empty chosen and rejected completion")
-    if list(chosen) == list(rejected):
+    if list(chosen[0]) == list(rejected[0]):
         raise ValueError("the chosen completion equals the rejected one, so the pair says nothing")
-    docs = [(list(prompt) + list(c), [0] * len(prompt) + [1] * len(c)) for c in (chosen, rejected)]
-    need = sum(len(ids) for ids, _ in docs)
+    need = len(chosen[0]) + len(rejected[0])
     if need > seq_length + 1:
         raise ValueError(f"a preference pair needs {need} tokens (prompt twice, chosen, rejected), more than "
                          f"--seq-length + 1 = {seq_length + 1}")
-    (sample,), _ = pack(docs, seq_length, pad_id)
+    (sample,), _ = pack([chosen, rejected], seq_length, pad_id)
     return sample
+
+
+def completion_pair(prompt: list[int], chosen: list[int], rejected: list[int]):
+    """Token-level pairs for :func:`pack_pair`: ``(prompt + completion, mask of the completion)`` twice."""
+    return tuple((list(prompt) + list(c), [0] * len(prompt) + [1] * len(c)) for c in (chosen, rejected))
 
 
 def pair_log_probs(per_token_log_probs: torch.Tensor, loss_mask: torch.Tensor, documents: torch.Tensor,

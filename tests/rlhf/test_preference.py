@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from megalite import topology
 from megalite.context_parallel import prepare_batch
 from megalite.models import GPTModel
-from megalite.rlhf.preference import PreferenceConfig, pack_pair, pair_log_probs, preference_loss
+from megalite.rlhf.preference import (PreferenceConfig, completion_pair, pack_pair, pair_log_probs,
+                                      preference_loss)
 from megalite.testing import run_distributed
 from tests.models.common import VOCAB, config, full_to_shard
 
@@ -31,7 +32,7 @@ def _models():
 
 
 def _batch():
-    samples = [pack_pair(p, c, r, SEQ, pad_id=0) for p, c, r in PAIRS]
+    samples = [pack_pair(*completion_pair(p, c, r), SEQ, pad_id=0) for p, c, r in PAIRS]
     return [torch.stack(x) for x in zip(*samples)]
 
 
@@ -171,9 +172,9 @@ def test_tp2_equals_one_rank():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="the chosen completion equals the rejected one"):
-        pack_pair([1, 2], [3, 4], [3, 4], SEQ, 0)
+        pack_pair(*completion_pair([1, 2], [3, 4], [3, 4]), SEQ, 0)
     with pytest.raises(ValueError, match="a preference pair needs 13 tokens .* more than --seq-length \\+ 1 = 9"):
-        pack_pair([1, 2, 3, 4, 5], [6], [7, 8], 8, 0)
+        pack_pair(*completion_pair([1, 2, 3, 4, 5], [6], [7, 8]), 8, 0)
     with pytest.raises(ValueError, match="loss type 'kto' is not one of dpo, ipo, simpo"):
         PreferenceConfig("kto")
     with pytest.raises(ValueError, match="dpo needs the reference model's log-probs"):
