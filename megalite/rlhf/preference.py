@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megalite.context_parallel import slice_for_rank
 from megalite.data.sft import pack
 from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
+from megalite.training.training import LOSS_METRIC
 
 LOSS_TYPES = ("dpo", "ipo", "simpo")
 REFERENCE_FREE = ("simpo",)
@@ -152,8 +153,8 @@ def preference_forward_step(config: PreferenceConfig, cp_group=None):
 
 
 def preference_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict:
-    """The batch means logged per step: loss, rewards, reward accuracy and margin."""
-    return {"loss": losses.detach().mean(), "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-            "rewards/margin": (chosen_rewards - rejected_rewards).mean()}
+    """The batch means logged per step: loss (as the trainer's loss), rewards, reward accuracy and margin."""
+    return {LOSS_METRIC: losses.detach().mean(), "rewards_chosen": chosen_rewards.mean(),
+            "rewards_rejected": rejected_rewards.mean(),
+            "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+            "reward_margin": (chosen_rewards - rejected_rewards).mean()}

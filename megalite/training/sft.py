@@ -34,7 +34,8 @@ def _check_tokenizer_type(args) -> None:
         raise ValueError("SFT renders chat templates: use --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR")
 
 
-def _renderer(args) -> ChatRenderer:
+def renderer_from_args(args) -> ChatRenderer:
+    """The chat renderer of ``--tokenizer-model`` and ``--chat-template``."""
     _check_tokenizer_type(args)
     template = None
     if args.chat_template:
@@ -46,12 +47,17 @@ def _renderer(args) -> ChatRenderer:
     return ChatRenderer(HuggingFaceTokenizer(args.tokenizer_model), template)
 
 
+def check_chat_tokenizer(args) -> None:
+    """Settle the vocabulary from the tokenizer and check its chat template."""
+    _check_tokenizer_type(args)
+    check_data(args)
+    renderer_from_args(args)
+
+
 def prepare_sft_data(args) -> None:
     """``prepare_data_func``: settle the vocabulary from the tokenizer and check the data and template
     (every rank, identically, so a bad file fails all of them together)."""
-    _check_tokenizer_type(args)
-    check_data(args)
-    _renderer(args)
+    check_chat_tokenizer(args)
     try:
         read_jsonl(args.sft_data)
     except OSError as err:
@@ -60,7 +66,7 @@ def prepare_sft_data(args) -> None:
 
 def sft_datasets_provider(args, num_samples):
     """Packed train/valid/test SFT datasets over the conversations of ``--sft-data`` split by ``--split``."""
-    renderer = _renderer(args)
+    renderer = renderer_from_args(args)
     conversations = read_jsonl(args.sft_data)
     datasets = []
     for name, indices, wanted in zip(("train", "valid", "test"), split_documents(len(conversations), args.split),

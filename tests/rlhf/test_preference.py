@@ -197,7 +197,7 @@ def _pp_cp_rank_fn(cfg, ref_sums, want_loss, want_grads):
     metrics = forward_backward(preference_forward_step(cfg, topo.cp.group), iter([batch]), model, 1,
                                tensor_shape=(SEQ // 2, len(PAIRS), gpt_cfg.hidden_size),
                                finalize_grads_func=finalize_model_grads)
-    loss = broadcast_from_last_stage([m["loss"].item() for m in metrics])[0]
+    loss = broadcast_from_last_stage([m["lm_loss"].item() for m in metrics])[0]
     tied = {"output_layer.weight": "embedding.word_embeddings.weight"}  # the last stage's copy of the embedding
     error = max((p.main_grad - want_grads[tied.get(n, n)]).abs().max().item()
                 for n, p in model.module.named_parameters())
