@@ -16,6 +16,10 @@ Losses (``h`` is the policy-minus-reference log-ratio margin, chosen minus rejec
 - ``simpo`` (Meng et al. 2024, eq. 6), reference-free: rewards ``beta/|y| log pi(y|x)``, loss
   ``-(1-eps) log sigma(r_w - r_l - gamma) - eps log sigma(-(r_w - r_l - gamma))``.
 
+KTO (Ethayarajh et al. 2024, eq. 8) is for unpaired data: each completion is desirable or not, and the
+reference point ``z0`` is the policy-to-reference KL estimated on mismatched prompt/completion pairs (pack
+them as the second document of the row, so :func:`pair_log_probs` gives both); see :func:`kto_loss`.
+
 The reference log-probs are inputs: computed once up front and stored with the pairs, or on the fly by
 a frozen reference model's forward under ``torch.no_grad()``.
 """
@@ -120,6 +124,30 @@ def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: to
     eps = config.label_smoothing
     losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def kto_loss(policy: torch.Tensor, reference: torch.Tensor, policy_kl: torch.Tensor, reference_kl: torch.Tensor,
+             desirable: torch.Tensor, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             dp_group=None):
+    """KTO: per-sample losses ``[b]``, rewards ``beta * log-ratio`` ``[b]`` (detached) and ``z0``.
+
+    ``policy``/``reference``: summed completion log-probs; ``policy_kl``/``reference_kl``: those of the
+    mismatched completions; ``desirable`` a bool ``[b]``.  ``z0 = max(0, mean(policy_kl - reference_kl))``,
+    detached and averaged over ``dp_group``; loss ``w_D (1 - sigma(beta (r - z0)))`` for a desirable
+    completion, ``w_U (1 - sigma(beta (z0 - r)))`` for an undesirable one.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be positive, got {beta}")
+    z0 = (policy_kl - reference_kl).detach().mean()
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(z0, group=dp_group)
+        z0 = z0 / torch.distributed.get_world_size(dp_group)
+    z0 = z0.clamp(min=0)
+    ratio = policy - reference
+    desirable = desirable.bool()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    return losses, beta * ratio.detach(), z0
 
 
 def preference_forward_step(config: PreferenceConfig, cp_group=None):

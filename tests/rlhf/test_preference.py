@@ -220,3 +220,50 @@ def test_pp2_cp2_with_reference_up_front_equals_one_rank():
     for loss_error, grad_error in run_distributed(_pp_cp_rank_fn, 4, cfg, ref_sums, losses.mean().item(), grads,
                                                   timeout=120):
         assert loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
+
+
+def test_kto_equals_the_papers_formula():
+    """KTO on packed rows (the completion, then a mismatched completion for the KL estimate): loss, rewards, z0 and
+    grads against eq. 8 with each sequence run alone."""
+    from megalite.rlhf.preference import kto_loss
+
+    model, ref_model = _models()
+    beta, weights = 0.6, (1.0, 1.5)
+    desirable = torch.tensor([True, False, True])
+    mismatched = [(p, PAIRS[(i + 1) % 3][1]) for i, (p, _, _) in enumerate(PAIRS)]
+    rows = [pack_pair((p + c, [0] * len(p) + [1] * len(c)), completion_pair(p, [], k)[1], SEQ, 0)
+            for (p, c, _), (_, k) in zip(PAIRS, mismatched)]
+    tokens, mask, docs = (torch.stack(x) for x in zip(*rows))
+    batch = prepare_batch(tokens, assistant_mask=mask, documents=docs)
+
+    def sums(m):
+        return pair_log_probs(-m(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                                 document_ids=batch["document_ids"]), batch["loss_mask"], batch["document_ids"])[:2]
+
+    policy, policy_kl = sums(model)
+    with torch.no_grad():
+        reference, reference_kl = sums(ref_model)
+    losses, rewards, z0 = kto_loss(policy, reference, policy_kl, reference_kl, desirable, beta, *weights)
+    grads = _grads(model, losses.mean())
+
+    want, want_rewards, kls = [], [], []
+    for (p, c, _), (_, k) in zip(PAIRS, mismatched):
+        with torch.no_grad():
+            kls.append(_sequence_log_probs(model, p, k)[0] - _sequence_log_probs(ref_model, p, k)[0])
+    want_z0 = torch.stack(kls).mean().clamp(min=0)
+    for i, (p, c, _) in enumerate(PAIRS):
+        with torch.no_grad():
+            ref = _sequence_log_probs(ref_model, p, c)[0]
+        r = _sequence_log_probs(model, p, c)[0] - ref
+        value = torch.sigmoid(beta * (r - want_z0)) if desirable[i] else torch.sigmoid(beta * (want_z0 - r))
+        weight = weights[0] if desirable[i] else weights[1]
+        want.append(weight - weight * value)
+        want_rewards.append(beta * r.detach())
+    want = torch.stack(want)
+    want_grads = _grads(model, want.mean())
+    assert want_z0 > 0  # the reference point is not clamped away
+    torch.testing.assert_close(z0, want_z0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses.detach(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rewards, torch.stack(want_rewards), rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -18,10 +18,13 @@ def _data(tmp_path):
     lines = []
     for i in range(40):
         a, b = WORDS[i % 9], WORDS[(i * 4) % 9]
-        messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": f"{a} and {b}?"}, {"role": "assistant", "content": f"{b} {a}."}]
+        system = {"role": "system", "content": "be brief."}
+        messages = [system, {"role": "user", "content": f"{a} and {b}?"}, {"role": "assistant", "content": f"{b} {a}."}]
         if i % 3 == 0:
             messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": f"{a}."}]
-        record = {"prompt": [messages[0], {"role": "user", "content": f"{a}?"}], "completion": f"{a}!"} if i % 5 == 0 else {"messages": messages}
+        record = {"messages": messages}
+        if i % 5 == 0:
+            record = {"prompt": [system, {"role": "user", "content": f"{a}?"}], "completion": f"{a}!"}
         lines.append(json.dumps(record))
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -52,7 +55,8 @@ def test_tp2_cp2_follows_one_rank_and_evaluates(tmp_path):
                                                               "--context-parallel-size", "2", "--sequence-parallel"))):
         workdir = tmp_path / name
         workdir.mkdir()
-        assert run_distributed(_sft_on_rank, world, _argv(data, tokenizer, workdir, *extra), timeout=240) == [None] * world
+        results = run_distributed(_sft_on_rank, world, _argv(data, tokenizer, workdir, *extra), timeout=240)
+        assert results == [None] * world
         runs[name] = read_metrics(workdir / "metrics.jsonl")
     train = {name: [r for r in records if "loss" in r] for name, records in runs.items()}
     assert [r["iteration"] for r in train["one"]] == list(range(1, 5))
