@@ -1,5 +1,5 @@
-"""DPO, IPO and SimPO on packed chosen/rejected pairs: loss, rewards and gradients equal the papers' formulas on
-each sequence run alone, TRL's DPOTrainer loss on the same log-probs, and tp=2 equals one rank."""
+"""DPO, IPO, SimPO (and KTO) on packed rows: loss, rewards and gradients equal the papers' formulas on each
+sequence run alone, TRL's DPOTrainer loss on the same log-probs, and tp=2 and pp=2 x cp=2 equal one rank."""
 
 import math
 from collections import defaultdict
@@ -148,7 +148,7 @@ def test_equals_trl_dpo_loss(loss_type):
 
 
 def _tp_rank_fn(cfg, want_losses, want_grads):
-    topo = topology.initialize(tp=2)
+    topo = topology.initialize(tp=2)  # x dp=2 on four ranks: each DP replica checks the same pairs
     model, ref_model = _models()
     gpt_cfg = model.config
     losses, _, _ = _packed(model, ref_model, cfg)
@@ -158,16 +158,6 @@ def _tp_rank_fn(cfg, want_losses, want_grads):
                 for n, g in want_grads.items())
     dist.barrier()
     return (losses.detach() - want_losses).abs().max().item(), error
-
-
-@pytest.mark.slow
-def test_tp2_equals_one_rank():
-    cfg = CONFIGS[1]
-    model, ref_model = _models()
-    losses, _, _ = _packed(model, ref_model, cfg)
-    grads = _grads(model, losses.mean())
-    for loss_error, grad_error in run_distributed(_tp_rank_fn, 2, cfg, losses.detach(), grads, timeout=120):
-        assert loss_error < 1e-5 and grad_error < 1e-5, (loss_error, grad_error)
 
 
 def test_bad_input():
@@ -204,22 +194,28 @@ def _pp_cp_rank_fn(cfg, ref_sums, want_loss, want_grads):
     return abs(loss - want_loss), error
 
 
+def _layouts_rank_fn(tp_case, pp_case):
+    return _tp_rank_fn(*tp_case), _pp_cp_rank_fn(*pp_case)
+
+
 @pytest.mark.slow
-def test_pp2_cp2_with_reference_up_front_equals_one_rank():
-    """The pipeline forward step at pp=2 x cp=2, reference log-probs computed once before, equals one rank."""
-    cfg = CONFIGS[0]
+def test_tp2_and_pp2_cp2_equal_one_rank():
+    """One 4-rank launch: cDPO at tp=2 (packed forward, vocab-parallel log-probs) and DPO through the pipeline
+    forward step at pp=2 x cp=2 with the reference log-probs computed once up front, each against one rank."""
     model, ref_model = _models()
+    tp_losses, _, _ = _packed(model, ref_model, CONFIGS[1])
+    tp_case = (CONFIGS[1], tp_losses.detach(), _grads(model, tp_losses.mean()))
     tokens, mask, docs = _batch()
     batch = prepare_batch(tokens, assistant_mask=mask, documents=docs)
     with torch.no_grad():  # up front: the reference's sums, stored with the pairs
         log_probs = -ref_model(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
                                document_ids=batch["document_ids"])
         ref_sums = pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"])[:2]
-    losses, _, _ = _packed(model, ref_model, cfg)
-    grads = _grads(model, losses.mean())
-    for loss_error, grad_error in run_distributed(_pp_cp_rank_fn, 4, cfg, ref_sums, losses.mean().item(), grads,
-                                                  timeout=120):
-        assert loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
+    losses, _, _ = _packed(model, ref_model, CONFIGS[0])
+    pp_case = (CONFIGS[0], ref_sums, losses.mean().item(), _grads(model, losses.mean()))
+    for tp_errors, pp_errors in run_distributed(_layouts_rank_fn, 4, tp_case, pp_case, timeout=120):
+        assert max(tp_errors) < 1e-5, tp_errors
+        assert max(pp_errors) < 1e-6, pp_errors
 
 
 def test_kto_equals_the_papers_formula():
