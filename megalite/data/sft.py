@@ -54,19 +54,21 @@ def conversation_from_record(record: dict, where: str = "record") -> list[dict]:
     return messages
 
 
-def read_jsonl(path: str) -> list[list[dict]]:
-    """Every conversation of a jsonl file, each checked (errors name the file and line)."""
-    conversations = []
+def jsonl_records(path: str):
+    """``(where, record)`` for each non-blank line of a jsonl file; ``where`` is ``path:line`` for errors."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not JSON ({err.msg})") from None
-            conversations.append(conversation_from_record(record, where))
+                raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+
+
+def read_jsonl(path: str) -> list[list[dict]]:
+    """Every conversation of a jsonl file, each checked (errors name the file and line)."""
+    conversations = [conversation_from_record(record, where) for where, record in jsonl_records(path)]
     if not conversations:
         raise ValueError(f"{path} holds no conversations")
     return conversations

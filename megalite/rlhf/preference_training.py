@@ -10,11 +10,9 @@ before each micro-batch's policy forward (optionally parked in CPU memory with `
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from megalite.data.sft import conversation_from_record
+from megalite.data.sft import conversation_from_record, jsonl_records
 from megalite.flags import Flag, FlagTable
 from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pair_log_probs
 from megalite.rlhf.preference import preference_forward_step
@@ -43,20 +41,12 @@ def add_preference_flags(parser):
 
 def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
     """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
-    pairs = []
     try:
-        with open(path, encoding="utf-8") as handle:
-            lines = list(handle)
+        records = list(jsonl_records(path))
     except OSError as err:
         raise ValueError(f"--pref-data: {err}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not JSON ({err.msg})") from None
+    pairs = []
+    for where, record in records:
         if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= set(record):
             raise ValueError(f"{where}: needs 'prompt', 'chosen' and 'rejected'")
         if record["chosen"] == record["rejected"]:

@@ -51,3 +51,25 @@ def test_tp2_follows_one_rank(tmp_path):
     for ref, mine in zip(one, tp2, strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), ref["iteration"]
         assert mine["reward_margin"] == pytest.approx(ref["reward_margin"], rel=1e-4, abs=1e-6)
+
+
+def test_bad_pairs(tmp_path):
+    from megalite.rlhf.preference_training import read_pairs
+
+    path = tmp_path / "pairs.jsonl"
+    good = {"prompt": "hi", "chosen": "hello.", "rejected": "go away."}
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "rejected": "hello."}) + "\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:3: the chosen completion equals the rejected one"):
+        read_pairs(str(path))
+    path.write_text(json.dumps({"prompt": "hi", "chosen": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:1: needs 'prompt', 'chosen' and 'rejected'"):
+        read_pairs(str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:1: not JSON"):
+        read_pairs(str(path))
+    with pytest.raises(ValueError, match="--pref-data: .*No such file"):
+        read_pairs(str(tmp_path / "missing.jsonl"))
+    path.write_text(json.dumps(good) + "\n")
+    assert read_pairs(str(path)) == [([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello."}],
+                                      [{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "go away."}])]
