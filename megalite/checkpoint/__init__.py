@@ -20,7 +20,7 @@ import torch
 
 from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
-from megalite.checkpoint.reader import CheckpointReader
+from megalite.checkpoint.reader import CheckpointReader, open_reader
 from megalite.checkpoint.sharding import ShardContext, global_param
 from megalite.checkpoint.state import load_into, local_shards, save_sharded
 from megalite.checkpoint.storage import TensorShard
@@ -38,7 +38,7 @@ def load_sharded(path: str, model_chunks, optimizer=None, *, group=None, tp_grou
     trainer); they share every error, so all fail alike.  None: this rank alone, no collective.
     Returns the reader (``reader.state``: rank 0's JSON state; ``reader.rank_state(r)``: rank r's).
     """
-    reader = CheckpointReader(path, group=group, collective=group is not None)
+    reader = open_reader(path, group=group, collective=group is not None)
     load_into(reader, model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
               expert_tp_group=expert_tp_group)
     return reader
@@ -47,7 +47,7 @@ def load_sharded(path: str, model_chunks, optimizer=None, *, group=None, tp_grou
 def read_checkpoint_info(path: str) -> dict:
     """``{"directory", "iteration", "world_size", "config" (GPTConfig or None), "layout", "state"}`` of a
     checkpoint, from its JSON files only (for --use-checkpoint-args, --finetune and inspection)."""
-    reader = CheckpointReader(path, verify=False)
+    reader = open_reader(path, verify=False)
     return {"directory": reader.directory, "iteration": reader.iteration, "world_size": reader.world_size,
             "config": reader.config, "layout": reader.layout, "state": reader.state}
 
@@ -68,7 +68,7 @@ def load_model(path: str, device="cpu"):
     """
     from megalite.models import GPTModel
 
-    reader = CheckpointReader(path)
+    reader = open_reader(path)
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig, so no GPTModel can be built from it")
@@ -120,7 +120,7 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
 
 def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dict]:
     """``(config, tensors, rank 0's JSON state)``: every global model tensor of a checkpoint."""
-    reader = CheckpointReader(path)
+    reader = open_reader(path)
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
@@ -130,4 +130,4 @@ def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dic
 
 __all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_sharded", "load_model",
            "local_shards", "read_checkpoint_info", "save_sharded", "save_global_checkpoint", "read_global_tensors",
-           "global_shapes", "read_latest", "iteration_dir"]
+           "global_shapes", "read_latest", "iteration_dir", "open_reader"]
