@@ -25,7 +25,7 @@ ARGS = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_att
             attention_dropout=0.0, init_method_std=0.02, untie_embeddings_and_output_weights=True,
             make_vocab_size_divisible_by=8, vocab_size=90, padded_vocab_size=96, qk_layernorm=False,
             apply_layernorm_1p=False, num_experts=None, params_dtype=torch.float32, ckpt_format="torch_dist",
-            consumed_train_samples=24)
+            global_batch_size=4, consumed_train_samples=12)
 ITERATION = 3
 
 

@@ -6,6 +6,7 @@ megalite's logits, loaded at tp=1 (``load_model``) and at tp=2, equal Megatron-C
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -75,3 +76,72 @@ def test_tp2_load_equals_megatron(megatron_dir, reference):
     logits = run_distributed(_tp_logits, 2, megatron_dir, 2, timeout=120)
     for rank_logits in logits:
         _close(rank_logits, reference)
+
+
+def test_inspect_lists_megalite_names(megatron_dir):
+    from megalite.checkpoint.__main__ import describe
+
+    text = describe(megatron_dir)
+    assert f"checkpoint {megatron_dir}/iter_0000003" in text and "iteration 3, written by 4 rank(s)" in text
+    assert "format: Megatron-LM torch_dist" in text and "tp=2, pp=2" in text
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in text and "128x32" in text
+    assert "decoder.layers.0.input_layernorm.weight" in text and "embedding.word_embeddings.weight" in text
+    assert "90x32" in text  # the real vocabulary, without Megatron's padding rows
+
+
+def _trainer_resumes(path):
+    import contextlib
+    import io
+
+    from megalite.training import gpt, pretrain
+
+    argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "2", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        iteration = pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+    return iteration, out.getvalue()
+
+
+@pytest.mark.slow
+def test_pretrain_load_resumes_the_megatron_run(megatron_dir):
+    (iteration, out), _ = run_distributed(_trainer_resumes, 2, megatron_dir, timeout=180)
+    path = megatron_dir
+    assert iteration == 4
+    assert "architecture from checkpoint" in out and "--num-query-groups 2" in out and "--swiglu" in out
+    assert f"loaded checkpoint {path} at iteration 3, layout" in out
+    assert "iteration 4/4 |" in out and "iteration 3/4" not in out
+
+
+def test_a_missing_shard_file_is_a_clear_error(megatron_dir, tmp_path):
+    from megalite.checkpoint import load_model
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(megatron_dir, copy)
+    os.remove(os.path.join(copy, "iter_0000003", "__1_0.distcp"))
+    with pytest.raises(ValueError, match=r"is incomplete: shard file __1_0.distcp, named in its .metadata, is missing"):
+        load_model(copy)
+
+
+def test_a_contradicting_architecture_is_a_clear_error(megatron_dir):
+    from megalite.checkpoint import load_sharded, read_checkpoint_info
+    from megalite.models import GPTModel
+
+    config = read_checkpoint_info(megatron_dir)["config"]
+    config.num_query_groups = 4
+    with pytest.raises(ValueError, match="holds a different architecture: num_query_groups is 2 in the checkpoint "
+                                         "but 4 in the model"):
+        load_sharded(megatron_dir, [GPTModel(config)])
+
+
+def test_a_directory_with_files_but_no_checkpoint_is_an_error(tmp_path):
+    from megalite.checkpoint import load_model
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "iter_0000001.tmp").mkdir()  # an interrupted megalite save counts as nothing
+    with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
+        load_model(str(tmp_path))
+    os.remove(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="holds no checkpoint: it is empty"):
+        load_model(str(tmp_path))
