@@ -103,18 +103,30 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
     ``tensors`` must hold exactly the tensors of ``config``'s model with their global shapes.
     """
     expected = global_shapes(config)
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
+    shards = [TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor.detach().cpu())
+              for name, tensor in sorted(tensors.items())]
+    return save_global_shards(save_dir, config, shards, iteration=iteration, extra=extra, expected=expected)
+
+
+def save_global_shards(save_dir: str, config, shards: list[TensorShard], *, iteration: int = 0,
+                       extra: dict | None = None, expected: dict | None = None) -> str:
+    """Write boxes of global model tensors (:class:`TensorShard`, e.g. views of another checkpoint's files, so
+    nothing is held whole) as a single-rank checkpoint that loads under any layout.
+
+    The shards must name exactly the tensors of ``config``'s model, with their global shapes.
+    """
+    expected = expected or global_shapes(config)
+    shapes = {shard.name: tuple(shard.global_shape) for shard in shards}
+    missing = sorted(set(expected) - set(shapes))
+    unknown = sorted(set(shapes) - set(expected))
     if missing or unknown:
         raise ValueError(f"tensors do not match the model of this config: missing {missing[:5]}, "
                          f"unexpected {unknown[:5]}")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config needs {shape}")
+        if shapes[name] != shape:
+            raise ValueError(f"{name} has shape {shapes[name]}, the config needs {shape}")
     state = {"config": config_to_dict(config), "layout": {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": None},
              "optimizer": None, **(extra or {})}
-    shards = [TensorShard(name, expected[name], (0,) * len(expected[name]), tensors[name].detach().cpu())
-              for name in sorted(expected)]
     return write_checkpoint(save_dir, iteration, shards, state, collective=False)
 
 
@@ -130,4 +142,4 @@ def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dic
 
 __all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_sharded", "load_model",
            "local_shards", "read_checkpoint_info", "save_sharded", "save_global_checkpoint", "read_global_tensors",
-           "global_shapes", "read_latest", "iteration_dir", "open_reader"]
+           "global_shapes", "read_latest", "iteration_dir", "open_reader", "save_global_shards"]

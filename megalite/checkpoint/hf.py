@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megalite.checkpoint import global_shapes, read_global_tensors, save_global_checkpoint
+from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.tokenizer_export import run_tokenizer
 
 SAFETENSORS = "model.safetensors"
@@ -319,29 +320,13 @@ def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dic
     return hf, {k: v.contiguous() for k, v in out.items()}
 
 
-def _fresh_output(output: str) -> str:
-    """A temporary sibling of ``output``; ValueError when ``output`` exists and is not empty."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ValueError(f"output {output} already exists and is not empty; refusing to overwrite it")
-    tmp = output.rstrip(os.sep) + ".converting"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    return tmp
-
-
-def _move_into_place(tmp: str, output: str) -> None:
-    if os.path.isdir(output):
-        os.rmdir(output)
-    os.rename(tmp, output)
-
-
 def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
     """Write the Hugging Face checkpoint ``hf_dir`` as a megalite checkpoint (global tensors) in ``output``."""
     hf_config, tensors = read_hf_checkpoint(hf_dir)
     config, global_tensors, info = hf_to_megalite(hf_config, tensors)
-    tmp = _fresh_output(output)
+    tmp = fresh_output(output)
     save_global_checkpoint(tmp, config, global_tensors, extra={"hf": info})
-    _move_into_place(tmp, output)
+    move_into_place(tmp, output)
 
 
 def parse_size(text: str | int) -> int:
@@ -408,11 +393,11 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     hf_config, hf_tensors = megalite_to_hf(config, tensors, state.get("hf"))
     tokenizer_files, token_ids = run_tokenizer(state.get("args"))
     hf_config.update(token_ids)
-    tmp = _fresh_output(output)
+    tmp = fresh_output(output)
     os.makedirs(tmp)
     for source, name in tokenizer_files:
         shutil.copy(source, os.path.join(tmp, name))
     write_hf_tensors(tmp, hf_tensors, limit)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
-    _move_into_place(tmp, output)
+    move_into_place(tmp, output)

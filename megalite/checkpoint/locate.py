@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from megalite.checkpoint.files import DCP_METADATA, LATEST, MANIFEST, iteration_dir, open_regular, read_latest
+from megalite.checkpoint.files import DCP_METADATA, LATEST, MANIFEST, iteration_dir, read_latest, read_pointer
 from megalite.checkpoint.integrity import read_manifest, verify_files
 
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
@@ -44,10 +44,9 @@ def checkpoint_format(directory: str) -> str | None:
 def _megatron_iteration_dir(save_dir: str) -> str | None:
     """The iteration directory that Megatron-LM's tracker file in ``save_dir`` names, or None without one."""
     tracker = os.path.join(save_dir, MEGATRON_TRACKER)
-    if not os.path.lexists(tracker):
+    text = read_pointer(tracker, "Megatron-LM checkpoint tracker")
+    if text is None:
         return None
-    with open_regular(tracker, "Megatron-LM checkpoint tracker") as f:
-        text = f.read(64).decode(errors="replace").strip()
     if text == "release":
         directory = os.path.join(save_dir, "release")
     elif text.isdigit():

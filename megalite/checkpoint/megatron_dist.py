@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pickle
 import zipfile
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import VOCAB_PARAMS
+from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, quiet_single_process)
 from megalite.models.architecture import compare_architecture
@@ -310,22 +311,38 @@ class MegatronDistReader:
         return Region(key, lead + tuple(region.offset), region.out.view((1,) * len(lead) + tuple(region.out.shape)))
 
     def read_views(self, boxes, regions=(), *, hashed: bool = True):
-        """The boxes ``(name, offset, shape)`` as ``[[(index, tensor)]]`` (read into new tensors), and fill
-        ``regions``; as :meth:`CheckpointReader.read_views`."""
-        out = []
+        """The boxes ``(name, offset, shape)`` as ``[[(index, view)]]``, views of the memory-mapped shard files
+        (no copy; the caller copies them and must not write to them), and fill ``regions``; as
+        :meth:`CheckpointReader.read_views`."""
+        chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
         requests = [self._region(r) for r in regions]
-        for name, offset, shape in boxes:
-            tensor = torch.empty(shape, dtype=self.dtype(name) if self.has(name) else torch.float32)
-            requests.append(self._region(Region(name, tuple(offset), tensor)))
-            out.append([(tuple(slice(0, n) for n in shape), tensor)])
-        if requests:
-            chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-            try:
+        views = []
+        try:
+            for name, offset, shape in boxes:
+                self._region(Region(name, tuple(offset), torch.empty(shape, device="meta")))
+                key, lead, _ = self._sources[name]
+                want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
+                parts, filled = [], 0
+                for chunk in self.metadata.state_dict_metadata[key].chunks:
+                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+                    if common is None:
+                        continue
+                    view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
+                    for dim, (lo, hi) in enumerate(common):
+                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+                    view = view.reshape(view.shape[len(lead):])
+                    parts.append((box_slices(common[len(lead):], tuple(offset)), view))
+                    filled += view.numel()
+                if filled != math.prod(shape):
+                    raise ValueError(f"tensor {key!r} region {want} is covered for only {filled} of "
+                                     f"{math.prod(shape)} elements")
+                views.append(parts)
+            if requests:
                 with quiet_single_process():
                     dcp.load({}, storage_reader=SafeReader(chunks), planner=RegionLoadPlanner(requests), no_dist=True)
-            except (Exception, CheckpointException) as err:  # DCP wraps errors in a BaseException
-                raise ValueError(f"reading Megatron-LM checkpoint {self.directory} failed: {first_line(err)}") from None
-        return out
+        except (Exception, CheckpointException) as err:  # DCP wraps errors in a BaseException
+            raise ValueError(f"reading Megatron-LM checkpoint {self.directory} failed: {first_line(err)}") from None
+        return views
 
     def read_regions(self, regions, *, hashed: bool = True) -> None:
         self.read_views([], regions, hashed=hashed)

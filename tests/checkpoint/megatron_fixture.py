@@ -91,10 +91,10 @@ def _save(save_dir: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor:
             f.write(str(ITERATION))
     dist.barrier()
     parallel_state.destroy_model_parallel()
-    return _megatron_logits(save_dir, ids)
+    return megatron_logits(save_dir, ids)
 
 
-def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
+def megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
     """Megatron-Core's logits ``[b, s, padded vocab]`` of the checkpoint, loaded by its own
     ``dist_checkpointing.load`` into a tp=1 pp=1 model on every rank."""
     from megatron.core import dist_checkpointing

@@ -204,3 +204,13 @@ def test_the_trainer_resumes_from_an_iteration_directory_and_saves_on_into_its_r
     assert iteration == 4 and "holds no checkpoint" not in err
     assert f"loaded checkpoint {second} at iteration 2" in out
     assert latest == 4
+
+
+def test_a_directory_with_files_but_no_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "iter_0000001.tmp").mkdir()  # an interrupted megalite save counts as nothing
+    with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
+        load_model(str(tmp_path))
+    os.remove(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="holds no checkpoint: it is empty"):
+        load_model(str(tmp_path))

@@ -1,8 +1,10 @@
 """Megatron-LM torch_dist checkpoints, written by Megatron-Core at tp=2 x pp=2, load into megalite at other layouts.
 
 The save directory is built once per module by Megatron-Core itself (:mod:`tests.checkpoint.megatron_fixture`).
-megalite's logits, loaded at tp=1 (``load_model``) and at tp=2, equal Megatron-Core's own (its
-``dist_checkpointing.load`` into a tp=1 model) on the same tokens.
+megalite's logits, loaded at tp=1 (``load_model``), at tp=2, and after converting to megalite, equal
+Megatron-Core's own (its ``dist_checkpointing.load`` into a tp=1 model) on the same tokens, as do Megatron-Core's
+after converting back (``--to megatron``).  ``pretrain --load`` resumes at the saved iteration; a missing shard
+file and a contradicting architecture are one clear error each.
 """
 
 import os
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core writes the module's save directory from 4 ranks (~30 s)
 
 from megalite.testing import run_distributed  # noqa: E402
 from tests.checkpoint import megatron_fixture  # noqa: E402
@@ -57,7 +60,6 @@ def _tp_logits(path, tp):
     return logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
 
 
-@pytest.mark.slow
 def test_load_model_equals_megatron(megatron_dir, reference):
     from megalite.checkpoint import load_model, read_checkpoint_info
 
@@ -71,7 +73,6 @@ def test_load_model_equals_megatron(megatron_dir, reference):
     _close(logits, reference)
 
 
-@pytest.mark.slow
 def test_tp2_load_equals_megatron(megatron_dir, reference):
     logits = run_distributed(_tp_logits, 2, megatron_dir, 2, timeout=120)
     for rank_logits in logits:
@@ -104,7 +105,6 @@ def _trainer_resumes(path):
     return iteration, out.getvalue()
 
 
-@pytest.mark.slow
 def test_pretrain_load_resumes_the_megatron_run(megatron_dir):
     (iteration, out), _ = run_distributed(_trainer_resumes, 2, megatron_dir, timeout=180)
     path = megatron_dir
@@ -135,13 +135,28 @@ def test_a_contradicting_architecture_is_a_clear_error(megatron_dir):
         load_sharded(megatron_dir, [GPTModel(config)])
 
 
-def test_a_directory_with_files_but_no_checkpoint_is_an_error(tmp_path):
-    from megalite.checkpoint import load_model
+def _convert(*argv):
+    import importlib.util
 
-    (tmp_path / "notes.txt").write_text("x")
-    (tmp_path / "iter_0000001.tmp").mkdir()  # an interrupted megalite save counts as nothing
-    with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
-        load_model(str(tmp_path))
-    os.remove(tmp_path / "notes.txt")
-    with pytest.raises(ValueError, match="holds no checkpoint: it is empty"):
-        load_model(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
+        os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.main(list(argv))
+
+
+def test_convert_to_megalite_and_back_to_megatron(megatron_dir, reference, tmp_path):
+    from megalite.checkpoint import load_model, read_checkpoint_info
+
+    ours, theirs = str(tmp_path / "megalite"), str(tmp_path / "megatron")
+    assert _convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours) == 0
+    assert read_checkpoint_info(ours)["iteration"] == megatron_fixture.ITERATION
+    with torch.no_grad():
+        _close(load_model(ours)(IDS), reference)
+    # Back to Megatron-LM's layout, read by Megatron-Core's own dist_checkpointing.load.
+    assert _convert("--from", "megalite", "--to", "megatron", "--input", ours, "--output", theirs) == 0
+    assert open(os.path.join(theirs, "latest_checkpointed_iteration.txt")).read() == "3"
+    logits = run_distributed(megatron_fixture.megatron_logits, 1, theirs, IDS, timeout=120)[0]
+    _close(logits[..., :90], reference)
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        _convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours)
