@@ -70,11 +70,9 @@ def find_checkpoint(path: str) -> str | None:
     """
     if not os.path.isdir(path):
         return None
-    megatron = _megatron_iteration_dir(path)
-    if megatron is not None:
-        return megatron
     if checkpoint_format(path) in ("megatron_dist", "megatron_legacy"):
         return path
+    megatron = _megatron_iteration_dir(path)
     try:
         iteration = read_latest(path)
     except ValueError as err:
@@ -84,7 +82,11 @@ def find_checkpoint(path: str) -> str | None:
         if not os.path.isdir(directory):
             raise ValueError(f"{os.path.join(path, LATEST)} names iteration {iteration}, but {directory} does not "
                              f"exist; {_newest_hint(path)}")
-        return directory
+        # A megalite run that resumed a Megatron-LM run saves into the same directory: the newer one wins.
+        if megatron is None or iteration >= _megatron_iteration(megatron):
+            return directory
+    if megatron is not None:
+        return megatron
     if os.path.lexists(os.path.join(path, MANIFEST)) or os.path.lexists(os.path.join(path, DCP_METADATA)):
         return path
     if _iterations(path):
@@ -96,6 +98,12 @@ def find_checkpoint(path: str) -> str | None:
                          f"{MANIFEST}) nor a Megatron-LM one ({MEGATRON_TRACKER}, {MEGATRON_DIST_METADATA} or "
                          "mp_rank_XX directories)")
     return None
+
+
+def _megatron_iteration(directory: str) -> int:
+    """The iteration of a Megatron-LM iteration directory (``release`` is 0)."""
+    found = _ITERATION_DIR.fullmatch(os.path.basename(directory))
+    return int(found.group(1)) if found else 0
 
 
 def resolve_directory(path: str) -> str:

@@ -160,3 +160,18 @@ def test_convert_to_megalite_and_back_to_megatron(megatron_dir, reference, tmp_p
     _close(logits[..., :90], reference)
     with pytest.raises(ValueError, match="already exists and is not empty"):
         _convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours)
+
+
+def test_a_megalite_save_into_the_megatron_directory_is_loaded_next(megatron_dir, tmp_path):
+    """A megalite run that resumed the Megatron run and saved into the same directory resumes from its own save."""
+    from megalite.checkpoint import load_model, save_sharded
+    from megalite.checkpoint.locate import find_checkpoint
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(megatron_dir, copy)
+    model = load_model(copy)
+    assert find_checkpoint(copy) == os.path.join(copy, "iter_0000003")
+    save_sharded(copy, 5, [model])
+    assert find_checkpoint(copy) == os.path.join(copy, "iter_0000005")
+    with torch.no_grad():
+        assert torch.equal(load_model(copy)(IDS), model(IDS))
