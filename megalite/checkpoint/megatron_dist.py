@@ -218,7 +218,8 @@ class MegatronDistReader:
         self.state = {"format": "megatron_dist", "iteration": self.iteration, "world_size": self.world_size,
                       "optimizer": None, "scheduler": None, "args": None,
                       "consumed_samples": int(args.get("consumed_train_samples") or 0),
-                      "megatron_checkpoint_version": common.get("checkpoint_version")}
+                      "megatron_checkpoint_version": common.get("checkpoint_version"),
+                      "megatron_scheduler": _plain_dict(common.get("opt_param_scheduler"))}
         metadata_path = os.path.join(where, DCP_METADATA)
         try:
             with open_regular(metadata_path, "checkpoint metadata") as f:
@@ -354,6 +355,13 @@ class MegatronDistReader:
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.read_all([name], dtype)[name]
+
+
+def _plain_dict(value) -> dict | None:
+    """``value`` when it is a dict of plain scalars (Megatron's ``OptimizerParamScheduler.state_dict()``), else None."""
+    if isinstance(value, dict) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value.values()):
+        return dict(value)
+    return None
 
 
 def _read_json(path: str) -> dict:

@@ -74,13 +74,30 @@ def build_model(tp: int, pp: int, seed: int = 1):
     return model
 
 
+SCHEDULE = dict(max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=16, lr_decay_style="cosine",
+                start_wd=0.01, end_wd=0.01, wd_incr_steps=16, wd_incr_style="constant")
+
+
+def megatron_scheduler(iterations: int):
+    """Megatron-Core's OptimizerParamScheduler after ``iterations`` steps of the global batch, as Megatron-LM's
+    loop steps it (lengths in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
+    for _ in range(iterations):
+        scheduler.step(increment=ARGS["global_batch_size"])
+    return scheduler
+
+
 def _save(save_dir: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor:
     from megatron.core import dist_checkpointing, parallel_state
 
     model = build_model(tp, pp)
     args = argparse.Namespace(**ARGS, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               world_size=dist.get_world_size(), data_parallel_size=dist.get_world_size() // (tp * pp))
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict(),
+             "opt_param_scheduler": megatron_scheduler(ITERATION).state_dict()}
     directory = os.path.join(save_dir, f"iter_{ITERATION:07d}")
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)

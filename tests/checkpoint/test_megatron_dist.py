@@ -90,7 +90,7 @@ def test_inspect_lists_megalite_names(megatron_dir):
     assert "90x32" in text  # the real vocabulary, without Megatron's padding rows
 
 
-def _trainer_resumes(path):
+def _trainer_resumes(path, metrics):
     import contextlib
     import io
 
@@ -98,6 +98,8 @@ def _trainer_resumes(path):
 
     argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "2", "--seq-length", "16",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
+            "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4",
+            "--weight-decay", "0.01", "--metrics-file", metrics,
             "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -105,9 +107,17 @@ def _trainer_resumes(path):
     return iteration, out.getvalue()
 
 
-def test_pretrain_load_resumes_the_megatron_run(megatron_dir):
-    (iteration, out), _ = run_distributed(_trainer_resumes, 2, megatron_dir, timeout=180)
+def test_pretrain_load_resumes_the_megatron_run(megatron_dir, tmp_path):
+    """At the saved iteration, the data position and Megatron's LR schedule (its OptimizerParamScheduler state)."""
+    import json
+
+    metrics = str(tmp_path / "metrics.jsonl")
+    (iteration, out), _ = run_distributed(_trainer_resumes, 2, megatron_dir, metrics, timeout=180)
     path = megatron_dir
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records] == [4]
+    megatron = megatron_fixture.megatron_scheduler(3)
+    assert records[0]["lr"] == pytest.approx(megatron.get_lr(megatron.optimizer.param_groups[0]), rel=1e-12)
     assert iteration == 4
     assert "architecture from checkpoint" in out and "--num-query-groups 2" in out and "--swiglu" in out
     assert f"loaded checkpoint {path} at iteration 3, layout" in out
