@@ -12,6 +12,9 @@
   Hugging Face converter writes and reads them.
 
 ``python -m megalite.checkpoint inspect DIR`` prints a checkpoint's layout and tensors.
+
+Every reading entry point also takes a Megatron-LM torch_dist checkpoint (:func:`open_reader` picks the
+reader: :mod:`megalite.checkpoint.megatron_dist`); :mod:`megalite.checkpoint.megatron_convert` converts both ways.
 """
 
 from __future__ import annotations
