@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices, intersect
+from megalite.checkpoint.reader import overlapping_views
+from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, quiet_single_process)
 from megalite.models.architecture import compare_architecture
@@ -324,13 +325,8 @@ class MegatronDistReader:
                 key, lead, _ = self._sources[name]
                 want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
                 parts, filled = [], 0
-                for chunk in self.metadata.state_dict_metadata[key].chunks:
-                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
-                    if common is None:
-                        continue
-                    view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
-                    for dim, (lo, hi) in enumerate(common):
-                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+                for common, view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
+                                                      want):
                     view = view.reshape(view.shape[len(lead):])
                     parts.append((box_slices(common[len(lead):], tuple(offset)), view))
                     filled += view.numel()

@@ -172,16 +172,9 @@ class CheckpointReader:
         try:
             for name, offset, shape in boxes:
                 self._check_box(name, offset, shape)
-                want, parts = tuple((o, o + n) for o, n in zip(offset, shape)), []
-                for chunk in self.chunks(name):
-                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
-                    if common is None:
-                        continue
-                    view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
-                    for dim, (lo, hi) in enumerate(common):
-                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
-                    parts.append((box_slices(common, tuple(offset)), view))
-                views.append(parts)
+                want = tuple((o, o + n) for o, n in zip(offset, shape))
+                views.append([(box_slices(common, tuple(offset)), view)
+                              for common, view in overlapping_views(chunks, name, self.chunks(name), want)])
         except Exception as err:
             raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
         for region in regions:
@@ -205,6 +198,21 @@ class CheckpointReader:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole global tensor ``name``."""
         return self.read_all([name], dtype)[name]
+
+
+def overlapping_views(chunks: StoredChunks, name: str, saved, want) -> list:
+    """``[(common box, view)]``: for each saved chunk of stored tensor ``name`` that overlaps the box ``want``, the
+    common part (global coordinates) and that part as a view of the memory-mapped file (no copy)."""
+    out = []
+    for chunk in saved:
+        common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+        if common is None:
+            continue
+        view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
+        for dim, (lo, hi) in enumerate(common):
+            view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+        out.append((common, view))
+    return out
 
 
 def open_reader(path: str, *, group=None, collective: bool = False, verify: bool = True):
