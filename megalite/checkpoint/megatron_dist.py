@@ -38,10 +38,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.reader import overlapping_views
 from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
-                                         _MetadataUnpickler, first_line, quiet_single_process)
+                                         _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
 
 COMMON = "common.pt"

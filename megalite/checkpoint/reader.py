@@ -17,7 +17,7 @@ from megalite.checkpoint.locate import checkpoint_format, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
-                                         quiet_single_process, read_dcp_metadata)
+                                         overlapping_views, quiet_single_process, read_dcp_metadata)
 from megalite.models.architecture import compare_architecture, config_from_dict
 
 
@@ -198,21 +198,6 @@ class CheckpointReader:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole global tensor ``name``."""
         return self.read_all([name], dtype)[name]
-
-
-def overlapping_views(chunks: StoredChunks, name: str, saved, want) -> list:
-    """``[(common box, view)]``: for each saved chunk of stored tensor ``name`` that overlaps the box ``want``, the
-    common part (global coordinates) and that part as a view of the memory-mapped file (no copy)."""
-    out = []
-    for chunk in saved:
-        common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
-        if common is None:
-            continue
-        view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
-        for dim, (lo, hi) in enumerate(common):
-            view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
-        out.append((common, view))
-    return out
 
 
 def open_reader(path: str, *, group=None, collective: bool = False, verify: bool = True):
