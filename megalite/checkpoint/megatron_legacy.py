@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint import global_shapes, save_global_checkpoint
-from megalite.checkpoint.hf.files import fresh_output, move_into_place
+from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS

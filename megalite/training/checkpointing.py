@@ -171,9 +171,15 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
     problem = None
+    saved_schedule = state.get("scheduler")
+    if scheduler is not None and state.get("megatron_scheduler") is not None:
+        # Megatron-LM's OptimizerParamScheduler counts samples as megalite's does; its settings are checked
+        # (or taken, or overridden) like megalite's own, and the ones it lacks are this run's.
+        current = scheduler.state_dict()
+        saved_schedule = {**current, **{k: v for k, v in state["megatron_scheduler"].items() if k in current}}
     try:
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
+        if scheduler is not None and saved_schedule is not None:
+            scheduler.load_state_dict(saved_schedule)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
         problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
     try:

@@ -15,10 +15,10 @@ import shutil
 import torch
 
 from megalite.checkpoint import CheckpointReader, global_shapes, save_global_checkpoint
+from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.hf import gpt2, llama
-from megalite.checkpoint.hf.files import (GENERATION_CONFIG, fresh_output, move_into_place, open_hf_tensors,
-                                          parse_size, read_generation_config, read_hf_config, tokenizer_files,
-                                          write_hf_tensors, write_json)
+from megalite.checkpoint.hf.files import (GENERATION_CONFIG, open_hf_tensors, parse_size, read_generation_config,
+                                          read_hf_config, tokenizer_files, write_hf_tensors, write_json)
 from megalite.checkpoint.tokenizer_export import run_tokenizer, write_tokenizer
 
 TOKENIZER_DIR = "hf_tokenizer"

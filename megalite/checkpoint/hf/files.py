@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 
@@ -174,19 +173,3 @@ def write_hf_tensors(output: str, tensors, max_shard_size: int) -> list[str]:
 def write_json(path: str, contents: dict) -> None:
     with open(path, "w") as f:
         json.dump(contents, f, indent=2, sort_keys=True)
-
-
-def fresh_output(output: str) -> str:
-    """A temporary sibling of ``output``; ValueError when ``output`` exists and is not empty."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ValueError(f"output {output} already exists and is not empty; refusing to overwrite it")
-    tmp = output.rstrip(os.sep) + ".converting"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    return tmp
-
-
-def move_into_place(tmp: str, output: str) -> None:
-    if os.path.isdir(output):
-        os.rmdir(output)
-    os.rename(tmp, output)
