@@ -46,7 +46,8 @@ class ServerConfig:
     largest ``max_tokens`` and ``n``/``best_of`` a request may ask; 400 above),
     ``max_pending`` requests held at once (429 above), ``request_timeout_s``
     from arrival to the last token (504 after), ``body_timeout_s`` to receive
-    the body (408 after).
+    the body (408 after), ``grammar_compile_time_limit_s`` to compile a request's structured-output
+    grammar (400 after).
     """
 
     max_body_bytes: int = 1 << 20
@@ -55,6 +56,7 @@ class ServerConfig:
     max_pending: int = 1024
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
+    grammar_compile_time_limit_s: float = 1.0
     model_name: str = "megalite"
 
     def __post_init__(self):
@@ -62,7 +64,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "grammar_compile_time_limit_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)!r}")
 
