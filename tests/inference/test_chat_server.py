@@ -176,3 +176,30 @@ def test_bad_chat_requests_get_400():
         with pytest.raises(openai.BadRequestError, match="structured output is not available"):
             server.client().chat.completions.create(model="megalite", messages=MESSAGES,
                                                     response_format={"type": "json_object"})
+
+
+def test_llm_chat_renders_as_the_server_does(tmp_path):
+    """``LLM.chat`` (one conversation or several) equals ``generate`` of the prompt the template renders; a
+    tokenizer directory's own template is used by default, a Jinja source overrides it."""
+    from tests.inference.chat_fixtures import tokenizer_dir
+
+    model, source = _model(), trl_template("qwen2_5")
+    llm = LLM.from_model(model, tokenizer=BYTES, engine_config=EngineConfig(block_size=16, num_blocks=256))
+    params = SamplingParams(max_tokens=5, temperature=0)
+    prompt = BYTES.tokenize(ChatTemplate(source).render(MESSAGES, add_generation_prompt=True))
+    expected = llm.generate([prompt], params)[0].outputs[0]
+    one = llm.chat(MESSAGES, params, chat_template=source)
+    two = llm.chat([MESSAGES, MESSAGES[1:]], params, chat_template=ChatTemplate(source))
+    assert one[0].prompt_token_ids == prompt and one[0].outputs[0].token_ids == expected.token_ids
+    assert two[0].outputs[0].text == expected.text and len(two) == 2
+    assert two[1].prompt_token_ids == BYTES.tokenize(ChatTemplate(source).render(MESSAGES[1:]))
+
+    from megalite.data.tokenizer import build_tokenizer
+
+    hf = build_tokenizer(tokenizer_dir(tmp_path, "{% for m in messages %}{{ m.content }} {% endfor %}"),
+                         "HuggingFaceTokenizer")
+    hf_llm = LLM.from_model(tiny_model(vocab_size=hf.vocab_size), tokenizer=hf)
+    out = hf_llm.chat([{"role": "user", "content": "hello hello"}], SamplingParams(max_tokens=1, temperature=0))
+    assert out[0].prompt_token_ids == [1, 1]  # "hello hello " without the tokenizer's special tokens
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        LLM.from_model(tiny_model(vocab_size=hf.vocab_size), tokenizer=ByteTokenizer()).chat(MESSAGES)
