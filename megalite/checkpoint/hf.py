@@ -411,6 +411,7 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     tmp = _fresh_output(output)
     os.makedirs(tmp)
     for source, name in tokenizer_files:
+        os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
         shutil.copy(source, os.path.join(tmp, name))
     write_hf_tensors(tmp, hf_tensors, limit)
     with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -2,8 +2,10 @@
 
 The trainer stores its flags in the checkpoint; from ``--tokenizer-type``/``--tokenizer-model``
 (or ``--vocab-file``/``--merge-file``) the export copies the tokenizer files under the names
-Hugging Face loads, and writes the bos/eos ids into config.json.  A tokenizer that no longer
-exists where the run found it is left out.
+Hugging Face loads (a Hugging Face directory's chat templates too: ``chat_template.jinja``,
+``additional_chat_templates/`` and ``tokenizer_config.json``'s entry, so the exported model chats
+the same), and writes the bos/eos ids into config.json.  A tokenizer that no longer exists where
+the run found it is left out.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ import os
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                        "vocab.json", "merges.txt", "tokenizer.model", "spiece.model")
+
+
+def _chat_template_files(directory: str) -> list[str]:
+    """The chat templates a Hugging Face tokenizer directory keeps in files of their own (relative names)."""
+    extra = os.path.join(directory, "additional_chat_templates")
+    names = sorted(n for n in os.listdir(extra) if n.endswith(".jinja")) if os.path.isdir(extra) else []
+    return ["chat_template.jinja"] + [os.path.join("additional_chat_templates", n) for n in names]
 
 
 def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
@@ -25,7 +34,8 @@ def run_tokenizer(run_args: dict | None) -> tuple[list[tuple[str, str]], dict]:
         return [], {}
     files = []
     if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
-        files = [(os.path.join(model, n), n) for n in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(model, n))]
+        names = list(_HF_TOKENIZER_FILES) + _chat_template_files(model)
+        files = [(os.path.join(model, n), n) for n in names if os.path.isfile(os.path.join(model, n))]
     elif kind == "GPT2BPETokenizer":
         files = [(run_args.get("vocab_file"), "vocab.json"), (run_args.get("merge_file"), "merges.txt")]
     elif kind in (None, "SentencePieceTokenizer") and model:
