@@ -4,9 +4,10 @@
 Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
 completions, :mod:`megalite.inference.chat_completions` for chat, whose
-grammars are compiled here on a worker thread, never the engine's); :func:`build_app` adds the parts every endpoint shares: reading
-the body (size limit, a timeout for slow senders, JSON that is too deep or
-holds oversized integers is a 400), submitting to the :class:`EngineLoop`
+grammars are compiled here on a worker thread, never the engine's);
+:func:`build_app` adds the parts every endpoint shares: reading the body
+(size limit, a timeout for slow senders, JSON that is too deep or holds
+oversized integers is a 400), submitting to the :class:`EngineLoop`
 (429 with ``Retry-After`` when its queue is full, 503 once the engine has
 died), waiting with a per-request timeout while watching for the client
 going away (its requests are aborted, freeing their KV blocks), errors in
@@ -361,7 +362,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
-    app.add_routes([web.post("/v1/completions", endpoint(completions)), web.post("/v1/chat/completions", endpoint(chat)),
-                    web.get("/v1/models", models),
+    app.add_routes([web.post("/v1/completions", endpoint(completions)),
+                    web.post("/v1/chat/completions", endpoint(chat)), web.get("/v1/models", models),
                     web.get("/metrics", metrics), web.get("/health", health)])
     return app
