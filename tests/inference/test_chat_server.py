@@ -88,6 +88,14 @@ def test_chat_through_the_openai_client():
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8
+        streamed = _stream(client, messages=MESSAGES, max_completion_tokens=8, temperature=0, logprobs=True,
+                           top_logprobs=2)
+        entries_streamed = [e for c in streamed if c.choices and c.choices[0].logprobs
+                            for e in c.choices[0].logprobs.content]
+        # (the same tokens and alternatives; log-probs to the 1e-5 above: the prompt now comes from the prefix cache)
+        assert [(e.token, [t.token for t in e.top_logprobs]) for e in entries_streamed] == \
+            [(e.token, [t.token for t in e.top_logprobs]) for e in entries]
+        assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(entries_streamed, entries))
 
         # n > 1 with a seed: n different samples, reproducible.
         first = _chat(client, messages=MESSAGES, max_tokens=6, n=3, seed=5, temperature=1.0)
