@@ -6,8 +6,10 @@ loads, and the bos/eos ids into config.json.  A Hugging Face tokenizer directory
 are copied; a sentencepiece model (megalite's own, as the Quickstart trains) is also written as a
 ``tokenizer.json`` built with the ``tokenizers`` library from the model's own settings, with its
 unk/bos/eos/pad pieces as special tokens, so ``AutoTokenizer`` encodes and decodes as megalite does
-(transformers builds the pipeline: :meth:`SpmConverter.build_tokenizer_from_spm_proto`).  A tokenizer
-that no longer exists where the run found it is left out.
+(transformers builds the pipeline: :meth:`SpmConverter.build_tokenizer_from_spm_proto`).  A Hugging
+Face directory's chat templates travel too (``chat_template.jinja``, ``additional_chat_templates/`` and
+``tokenizer_config.json``'s entry), so the exported model chats the same.  A tokenizer that no longer
+exists where the run found it is left out.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ import shutil
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                       "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
 """The tokenizer files Hugging Face loads from a model directory; exports copy those present."""
+
+
+def hf_tokenizer_files(directory: str) -> list[str]:
+    """The Hugging Face tokenizer files present in ``directory`` (relative names), named chat templates in
+    ``additional_chat_templates/`` included."""
+    extra = os.path.join(directory, "additional_chat_templates")
+    templates = sorted(n for n in os.listdir(extra) if n.endswith(".jinja")) if os.path.isdir(extra) else []
+    names = [*HF_TOKENIZER_FILES, *(os.path.join("additional_chat_templates", n) for n in templates)]
+    return [name for name in names if os.path.isfile(os.path.join(directory, name))]
 
 
 def run_tokenizer(run_args: dict | None, model_vocab_size: int | None = None) -> tuple[list[tuple[str, str]], dict]:
@@ -35,7 +46,7 @@ def run_tokenizer(run_args: dict | None, model_vocab_size: int | None = None) ->
         return [], {}
     files = []
     if kind == "HuggingFaceTokenizer" and model and os.path.isdir(model):
-        files = [(os.path.join(model, n), n) for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(model, n))]
+        files = [(os.path.join(model, n), n) for n in hf_tokenizer_files(model)]
     elif kind == "GPT2BPETokenizer":
         files = [(run_args.get("vocab_file"), "vocab.json"), (run_args.get("merge_file"), "merges.txt")]
     elif kind in (None, "SentencePieceTokenizer") and model:
@@ -58,6 +69,7 @@ def write_tokenizer(files: list[tuple[str, str]], output: str) -> None:
     """Copy ``files`` (from :func:`run_tokenizer` or a converted checkpoint) into the export ``output``;
     a lone sentencepiece ``tokenizer.model`` also becomes ``tokenizer.json`` + ``tokenizer_config.json``."""
     for source, name in files:
+        os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
         shutil.copy(source, os.path.join(output, name))
     names = {name for _, name in files}
     if names == {"tokenizer.model"}:

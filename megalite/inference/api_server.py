@@ -1,10 +1,13 @@
-"""The OpenAI-compatible HTTP application (aiohttp): ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The OpenAI-compatible HTTP application (aiohttp): ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health``, ``/metrics``.
 
 Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
-completions); :func:`build_app` adds the parts every endpoint shares: reading
-the body (size limit, a timeout for slow senders, JSON that is too deep or
-holds oversized integers is a 400), submitting to the :class:`EngineLoop`
+completions, :mod:`megalite.inference.chat_completions` for chat, whose
+grammars are compiled here on a worker thread, never the engine's);
+:func:`build_app` adds the parts every endpoint shares: reading the body
+(size limit, a timeout for slow senders, JSON that is too deep or holds
+oversized integers is a 400), submitting to the :class:`EngineLoop`
 (429 with ``Retry-After`` when its queue is full, 503 once the engine has
 died), waiting with a per-request timeout while watching for the client
 going away (its requests are aborted, freeing their KV blocks), errors in
@@ -16,15 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
+from megalite.inference.chat_completions import ChatStream, chat_choice, parse_chat
 from megalite.inference.completions import (BadRequest, LogprobsBuilder, choice_logprobs, parse_completion,
                                             prompt_logprobs)
 from megalite.inference.engine_loop import EngineLoop, Overloaded
+from megalite.inference.grammar import GrammarError
 
 ACCESS_LOG = logging.getLogger("megalite.inference.access")
 # The access log's record of the request being handled (its id, and its Exchange once it has one).
@@ -41,7 +47,8 @@ class ServerConfig:
     largest ``max_tokens`` and ``n``/``best_of`` a request may ask; 400 above),
     ``max_pending`` requests held at once (429 above), ``request_timeout_s``
     from arrival to the last token (504 after), ``body_timeout_s`` to receive
-    the body (408 after).
+    the body (408 after), ``grammar_compile_time_limit_s`` to compile a request's structured-output
+    grammar (400 after).
     """
 
     max_body_bytes: int = 1 << 20
@@ -50,6 +57,7 @@ class ServerConfig:
     max_pending: int = 1024
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
+    grammar_compile_time_limit_s: float = 1.0
     model_name: str = "megalite"
 
     def __post_init__(self):
@@ -57,7 +65,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "grammar_compile_time_limit_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -146,8 +154,13 @@ class Exchange:
         self.open.clear()
 
 
-def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None):
-    """The aiohttp application over a started :class:`EngineLoop`."""
+def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None,
+              grammars=None):
+    """The aiohttp application over a started :class:`EngineLoop`.
+
+    ``chat_template``: the model's :class:`ChatTemplate`, or the ChatTemplateError saying why it has none
+    (chat requests get it as their 400); ``grammars``: a :class:`GrammarCompiler` for structured output
+    (None: requests asking for it get a 400)."""
     from aiohttp import web
 
     config = config or ServerConfig()
@@ -233,16 +246,76 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return web.json_response({**head, "choices": choices, "usage": _usage(exchange)})
 
-    async def _stream(request, exchange, checked, ids, texts, head):
-        n = checked.params.n
+    async def chat(request, body, exchange: Exchange):
+        checked = parse_chat(body, loop.engine, template=chat_template, tokenizer=tokenizer,
+                             max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
+        params = checked.completion.params
+        if checked.grammar is not None:
+            if grammars is None:
+                raise BadRequest("structured output is not available on this server (it needs a text tokenizer "
+                                 "and the llguidance package)")
+            try:
+                compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, *checked.grammar)
+            except GrammarError as failure:
+                raise BadRequest(str(failure)) from None
+            params = dataclasses.replace(params, structured_outputs=compiled)
+        exchange.submit(checked.completion.prompts, params)
+        head = {"id": exchange.id, "created": int(time.time()), "model": config.model_name}
+        if checked.completion.stream:
+            return await _chat_stream(request, exchange, checked, head)
+        while True:
+            event = await exchange.next()
+            if event["done"]:
+                break
+        outputs = event["output"].outputs
+        exchange.completion_tokens = sum(len(c.token_ids) for c in outputs)
+        choices = [chat_choice(c.index, c, checked, tokenizer) for c in outputs]
+        return web.json_response({**head, "object": "chat.completion", "choices": choices,
+                                  "usage": _usage(exchange)})
+
+    async def _chat_stream(request, exchange, checked, head):
+        head = {**head, "object": "chat.completion.chunk"}
+        usage = {"usage": None} if checked.completion.include_usage else {}
+        streams = [ChatStream(i, checked, tokenizer) for i in range(checked.completion.params.n)]
+
+        async def chunks(send):
+            while True:
+                event = await exchange.next()
+                for c in event["choices"]:
+                    for chunk in streams[c["index"]].chunks(c):
+                        await send({**head, "choices": [chunk], **usage})
+                if event["done"]:
+                    break
+            if usage:
+                await send({**head, "choices": [], "usage": _usage(exchange)})
+
+        return await _sse(request, chunks)
+
+    async def _sse(request, produce):
+        """A server-sent-events reply of the payloads ``produce(send)`` sends, an error event on failure,
+        then ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
         async def send(payload):
             await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
-        builders, prompt_lps, done = {}, {}, 0
         try:
+            await produce(send)
+        except HTTPFailure as failure:
+            await send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
+                                  "code": failure.status}})
+        except ConnectionResetError:
+            return response  # the client went away; the endpoint wrapper aborts what is left
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def _stream(request, exchange, checked, ids, texts, head):
+        n = checked.params.n
+        builders, prompt_lps = {}, {}
+
+        async def chunks(send):
+            done = 0
             while done < len(ids):
                 event = await exchange.next()
                 p = ids.index(event["request_id"])
@@ -269,13 +342,8 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
                     await send({**head, "choices": choices, **({"usage": None} if checked.include_usage else {})})
             if checked.include_usage:
                 await send({**head, "choices": [], "usage": _usage(exchange)})
-        except HTTPFailure as failure:
-            await send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
-                                  "code": failure.status}})
-        except ConnectionResetError:
-            return response  # the client went away; the endpoint wrapper aborts what is left
-        await response.write(b"data: [DONE]\n\n")
-        return response
+
+        return await _sse(request, chunks)
 
     def _usage(exchange):
         return {"prompt_tokens": exchange.prompt_tokens, "completion_tokens": exchange.completion_tokens,
@@ -294,6 +362,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
-    app.add_routes([web.post("/v1/completions", endpoint(completions)), web.get("/v1/models", models),
+    app.add_routes([web.post("/v1/completions", endpoint(completions)),
+                    web.post("/v1/chat/completions", endpoint(chat)), web.get("/v1/models", models),
                     web.get("/metrics", metrics), web.get("/health", health)])
     return app

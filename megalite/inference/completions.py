@@ -24,11 +24,11 @@ class BadRequest(ValueError):
 
 
 # Body fields passed to SamplingParams under the same name (it checks them); the others are handled here.
-_SAMPLING = ("temperature", "top_p", "n", "best_of", "seed", "presence_penalty", "frequency_penalty", "stop",
+SAMPLING_FIELDS = ("temperature", "top_p", "n", "best_of", "seed", "presence_penalty", "frequency_penalty", "stop",
              "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
              "include_stop_str_in_output")
 _OTHER = {"model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo", "suffix", "user"}
-FIELDS = frozenset(_SAMPLING) | _OTHER
+FIELDS = frozenset(SAMPLING_FIELDS) | _OTHER
 # The most alternatives per token that ``logprobs`` may ask (OpenAI allows 5; vLLM more).
 MAX_LOGPROBS = 20
 # The most stop strings a request may list (each is searched for after every token; OpenAI allows 4).
@@ -105,7 +105,7 @@ def parse_completion(body, engine, *, max_tokens_limit: int, max_n: int, tokeniz
         for key in body["logit_bias"]:
             if not key.lstrip("-").isdigit() or len(key) > 12:
                 raise BadRequest(f"logit_bias keys must be token ids, got {key[:20]!r}")
-    values = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                 prompt_logprobs=logprobs if flags["echo"] and logprobs is not None else None,

@@ -26,6 +26,7 @@ from megalite import topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.config import EngineConfig
+from megalite.inference.grammar import apply_grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams
 from megalite.inference.prefix_cache import PrefixCache
@@ -109,6 +110,10 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size - 1}]: "
                              f"{outside[:5]}")
+        grammar = params.structured_outputs
+        if grammar is not None and grammar.compiler.vocab_size != self.vocab_size:
+            raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} "
+                             f"ids; the model has {self.vocab_size}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer); "
                              "use stop_token_ids")
@@ -230,7 +235,7 @@ class LLMEngine:
     def _process(self, entries, logits: torch.Tensor | None) -> list[Request]:
         finite = torch.isfinite(logits).all(dim=-1).tolist() if logits is not None else []
         greedy = any(e.sample and e.seq.request.params.greedy and not e.seq.request.params.adjusts_logits
-                     for e in entries)
+                     and e.seq.grammar is None for e in entries)
         argmax = logits.argmax(dim=-1).tolist() if greedy else None
         touched, row = {}, 0
         for e in entries:
@@ -283,12 +288,17 @@ class LLMEngine:
         return [seq]
 
     def _choose(self, seq: Sequence, rows: torch.Tensor, drafts: list[int], best) -> list[int]:
-        """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties and biases."""
+        """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
+        grammar."""
         params = seq.request.params
         if params.adjusts_logits:
             histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
+        if seq.grammar is not None:  # tokens the grammar forbids (drafts rejected where it forbids them)
+            rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
+                rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
+            best = None
         return verify(rows, drafts, params, seq.generator, argmax=best)
 
     def _prompt_logprobs(self, request: Request, positions: list[int], rows: torch.Tensor) -> None:

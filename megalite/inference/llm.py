@@ -1,4 +1,5 @@
-"""The offline API in vLLM's shape: ``LLM(checkpoint).generate(prompts, SamplingParams(...))``."""
+"""The offline API in vLLM's shape: ``LLM(checkpoint).generate(prompts, SamplingParams(...))`` and
+``LLM(checkpoint).chat(messages, SamplingParams(...))``."""
 
 from __future__ import annotations
 
@@ -63,6 +64,25 @@ class LLM:
         for prompt, output in zip(prompts, outputs):
             output.prompt = prompt if isinstance(prompt, str) else None
         return outputs
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template=None, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-style messages) or a list of them, rendered
+        with the chat template exactly as the server renders them: ``chat_template`` (a Jinja source or a
+        :class:`ChatTemplate`), else the tokenizer's (its directory's ``chat_template.jinja`` or
+        ``tokenizer_config.json``).  One :class:`RequestOutput` per conversation."""
+        from megalite.inference.chat_completions import render_chat
+        from megalite.inference.chat_template import ChatTemplate, load_chat_template
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this checkpoint records none; pass LLM(..., tokenizer=...)")
+        if isinstance(chat_template, str):
+            chat_template = ChatTemplate(chat_template)
+        template = chat_template or load_chat_template(getattr(self.tokenizer, "path", None))
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(template, self.tokenizer, c, tools, chat_template_kwargs) for c in conversations]
+        return self.engine.generate(prompts, sampling_params or SamplingParams())
 
 
 def load_tokenizer(path: str):

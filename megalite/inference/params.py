@@ -43,7 +43,9 @@ class SamplingParams:
     ``logprobs=N`` returns each chosen token's log-probability under
     ``softmax(logits / T)`` (T = 1 when greedy; before penalties and filters, as
     the actor's forward computes it) and the N most likely; ``prompt_logprobs=N``
-    the same for every prompt token after the first.
+    the same for every prompt token after the first.  ``structured_outputs`` (vLLM's name) is a compiled
+    grammar (``megalite.inference.grammar.GrammarCompiler.compile``): each sample's tokens are masked to
+    those it allows, and a sample ends (reason "stop") once its output is complete.
     """
 
     n: int = 1
@@ -65,6 +67,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: object | None = None
 
     def __post_init__(self):
         def fail(name, want):
@@ -120,6 +123,9 @@ class SamplingParams:
                 fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
             if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
                 fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
+
+        if self.structured_outputs is not None and not callable(getattr(self.structured_outputs, "new_state", None)):
+            fail("structured_outputs", "None or a compiled grammar (GrammarCompiler.compile)")
 
     @property
     def greedy(self) -> bool:

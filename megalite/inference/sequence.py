@@ -23,6 +23,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.generator = request.generators[index]
         self.detokenizer = request.new_detokenizer()
+        grammar = request.params.structured_outputs
+        self.grammar = grammar.new_state() if grammar is not None else None  # each sample its own state
 
     @property
     def arrival(self) -> int:
@@ -44,13 +46,16 @@ class Sequence:
         return child
 
     def append(self, token: int, logprob: float | None, top: dict[int, float] | None = None) -> None:
-        """Add one generated token; set the finish reason at a stop (eos, stop id or string) or the length limit."""
+        """Add one generated token; set the finish reason at a stop (eos, stop id or string, the end of the
+        grammar) or the length limit."""
         request, params = self.request, self.request.params
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         if top is not None:
             self.top_logprobs.append(top)
+        if self.grammar is not None:
+            self.grammar.advance(token)
         generated = self.num_generated
         may_stop = generated >= params.min_tokens
         eos = token in request.eos_token_ids and not params.ignore_eos
@@ -63,6 +68,8 @@ class Sequence:
             self.finish_reason = "stop"
         elif stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
+        elif self.grammar is not None and self.grammar.is_terminated:  # the output is complete
+            self.finish_reason = "stop"
         elif generated >= params.max_tokens:
             self.finish_reason = "length"
         if self.finished and self.detokenizer is not None and stop_string is None:

@@ -5,7 +5,9 @@ megalite[serve]``).
     torchrun --nproc_per_node 2 -m megalite.inference.serve --load CKPT --tensor-model-parallel-size 2
 
 The tokenizer is the checkpoint's (``--tokenizer`` names another: a Hugging
-Face directory or a sentencepiece model).  Endpoints and limits are
+Face directory or a sentencepiece model); chat requests use its chat template
+(``--chat-template FILE`` overrides; a file that does not load exits 2; a
+model with none answers chat requests with a 400 saying so).  Endpoints and limits are
 :mod:`megalite.inference.api_server`'s; the engine runs on its own thread
 (:mod:`megalite.inference.engine_loop`; TP rank 0 also broadcasts step plans
 from there).  Safe by default: it binds 127.0.0.1 unless ``--host`` says
@@ -41,6 +43,10 @@ SERVE_FLAGS = FlagTable((
          help="seconds from arrival to the last token (504 after)"),
     Flag("--body-timeout", _SERVER, ("ServerConfig.body_timeout_s",), type=float,
          help="seconds to receive a request body (408 after)"),
+    Flag("--chat-template", _SERVER, default=None,
+         help="a Jinja chat template file (None: the tokenizer's chat_template.jinja or tokenizer_config.json)"),
+    Flag("--grammar-compile-time-limit", _SERVER, ("ServerConfig.grammar_compile_time_limit_s",), type=float,
+         help="seconds to compile a request's response_format or tool_choice grammar (400 after)"),
     Flag("--block-size", _ENGINE, ("EngineConfig.block_size",), type=int, help="tokens per KV-cache block"),
     Flag("--num-blocks", _ENGINE, ("EngineConfig.num_blocks",), type=int),
     Flag("--max-num-batched-tokens", _ENGINE, ("EngineConfig.max_num_batched_tokens",), type=int),
@@ -59,10 +65,36 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, args) -> None:
+def chat_support(tokenizer, engine, config: ServerConfig, template_file: str | None):
+    """The chat template (or the ChatTemplateError saying why there is none) and the structured-output
+    :class:`GrammarCompiler` (None without a text tokenizer or llguidance) for :func:`build_app`.  A
+    ``template_file`` that does not load raises (bad input)."""
+    from megalite.inference.chat_template import ChatTemplateError, load_chat_template
+    from megalite.inference.grammar import GrammarCompiler, GrammarError
+
+    try:
+        template = load_chat_template(getattr(tokenizer, "path", None), template_file)
+    except ChatTemplateError as error:
+        if template_file is not None:
+            raise
+        template = error
+    grammars = None
+    if tokenizer is not None:
+        try:
+            grammars = GrammarCompiler(tokenizer, vocab_size=engine.vocab_size,
+                                       stop_token_ids=sorted(engine.eos_token_ids),
+                                       compile_time_limit_s=config.grammar_compile_time_limit_s)
+        except GrammarError as error:
+            logging.getLogger("megalite.inference.serve").warning("no structured output: %s", error)
+    return template, grammars
+
+
+async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, chat, args) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(build_app(loop, config, tokenizer=tokenizer), access_log=None)
+    template, grammars = chat
+    app = build_app(loop, config, tokenizer=tokenizer, chat_template=template, grammars=grammars)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -97,6 +129,7 @@ def main(argv=None) -> int:
     try:
         llm = LLM(args.load, tp, engine_config=config, tokenizer=args.tokenizer)
         engine = llm.engine
+        chat = chat_support(llm.tokenizer, engine, server_config, args.chat_template)  # every rank: a bad file exits
         if engine.tp_rank != 0:
             engine.run_worker()
             return 0
@@ -104,7 +137,7 @@ def main(argv=None) -> int:
         loop = EngineLoop(engine, max_pending=server_config.max_pending)
         loop.start()
         try:
-            asyncio.run(_serve(loop, server_config, llm.tokenizer, args))
+            asyncio.run(_serve(loop, server_config, llm.tokenizer, chat, args))
         except KeyboardInterrupt:
             pass
         finally:

@@ -48,3 +48,29 @@ def test_checkpoint_tokenizer_from_hugging_face_files_beside_it(tmp_path):
     llm = LLM(str(tmp_path / "ckpt"))
     assert isinstance(llm.tokenizer, HuggingFaceTokenizer) and llm.tokenizer.eod in llm.engine.eos_token_ids
     assert llm.generate(["Hello world"], SamplingParams(max_tokens=3))[0].outputs[0].text is not None
+
+
+@pytest.mark.parametrize("in_config", [False, True])
+def test_hf_export_keeps_the_chat_template(tmp_path, in_config):
+    """A run on a Hugging Face tokenizer with a chat template (its own file, extra named templates, or the
+    tokenizer_config entry) exports to a directory whose template renders as the original, for transformers
+    and for megalite's server."""
+    transformers = pytest.importorskip("transformers")
+    from megalite.checkpoint.hf import convert_megalite_to_hf
+    from megalite.inference.chat_template import load_chat_template
+    from tests.inference.chat_fixtures import tokenizer_dir
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}"
+    extra = {} if in_config else {"tool_use": template + "tools"}  # transformers reads extra files or the entry
+    source = tokenizer_dir(tmp_path, template, in_config=in_config, extra=extra)
+    save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=8)],
+                 extra={"args": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": source}})
+    convert_megalite_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    messages = [{"role": "user", "content": "hello"}]
+    original = transformers.AutoTokenizer.from_pretrained(source)
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    expected = original.apply_chat_template(messages, tokenize=False)
+    assert expected == "<user>hello<|eot_id|>"
+    assert exported.apply_chat_template(messages, tokenize=False) == expected
+    assert load_chat_template(str(tmp_path / "hf")).render(messages, add_generation_prompt=False) == expected
+    assert set(load_chat_template(str(tmp_path / "hf")).templates) == set(load_chat_template(source).templates)

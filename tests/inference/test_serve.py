@@ -12,7 +12,8 @@ import pytest
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference.api_server import ServerConfig, build_app
 from megalite.inference.engine_loop import EngineLoop
-from megalite.inference.serve import parse_args
+from megalite.inference.chat_template import ChatTemplateError
+from megalite.inference.serve import chat_support, parse_args
 from tests.inference.common import VOCAB, tiny_model
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -143,3 +144,44 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenize
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_cli_chat_template_flag(tmp_path):
+    """``--chat-template FILE`` serves chat through the openai client; a file that does not load exits 2 before
+    serving; with no template at all the server still starts and keeps the reason for chat requests' 400."""
+    openai = pytest.importorskip("openai")
+    from megalite.checkpoint import save_sharded
+    from megalite.data.synthetic import generate_corpus
+    from megalite.data.tokenizer import train_sentencepiece
+
+    sp = train_sentencepiece(generate_corpus(100, seed=0), str(tmp_path / "sp"), 100)
+    save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=128)],
+                 extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}})
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"), "--port", "0"]
+    bad = subprocess.run(command + ["--chat-template", str(tmp_path / "bad.jinja")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "does not compile" in bad.stdout + bad.stderr
+    messages = [{"role": "user", "content": "Ada has"}]
+    proc = subprocess.Popen(command + ["--chat-template", str(tmp_path / "chat.jinja")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        client = openai.OpenAI(base_url=line.split()[-1] + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="megalite", messages=messages, max_tokens=4, temperature=0)
+        llm = LLM(str(tmp_path / "ckpt"))
+        expected = llm.generate(["user: Ada has\nassistant:"], SamplingParams(max_tokens=4, temperature=0))
+        assert reply.choices[0].message.content == expected[0].outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # No template anywhere: the server starts, and chat requests get this error's message as their 400.
+    template, grammars = chat_support(llm.tokenizer, llm.engine, ServerConfig(), None)
+    assert isinstance(template, ChatTemplateError) and grammars.vocab_size == 128

@@ -130,11 +130,9 @@ def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
         info["generation_config"] = generation
     tmp = fresh_output(output)
     save_global_checkpoint(tmp, config, global_tensors, extra={"hf": info})
-    names = tokenizer_files(hf_dir)
-    if names:
-        os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
-        for name in names:
-            shutil.copy(os.path.join(hf_dir, name), os.path.join(tmp, TOKENIZER_DIR, name))
+    for name in tokenizer_files(hf_dir):
+        os.makedirs(os.path.dirname(os.path.join(tmp, TOKENIZER_DIR, name)), exist_ok=True)
+        shutil.copy(os.path.join(hf_dir, name), os.path.join(tmp, TOKENIZER_DIR, name))
     move_into_place(tmp, output)
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.checkpoint.tokenizer_export import HF_TOKENIZER_FILES
+from megalite.checkpoint.tokenizer_export import hf_tokenizer_files as tokenizer_files
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -104,11 +104,6 @@ def read_generation_config(hf_dir: str) -> dict | None:
     """generation_config.json of a model directory, or None."""
     path = os.path.join(hf_dir, GENERATION_CONFIG)
     return _read_json(path) if os.path.isfile(path) else None
-
-
-def tokenizer_files(directory: str) -> list[str]:
-    """The Hugging Face tokenizer files present in ``directory``."""
-    return [name for name in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
 
 
 def parse_size(text: str | int) -> int:
