@@ -1,9 +1,11 @@
-"""The Llama-style dense families both ways with Hugging Face: Llama 3.1 (llama3 RoPE scaling, GQA, head dim
+"""The Llama-style families both ways with Hugging Face: Llama 3.1 (llama3 RoPE scaling, GQA, head dim
 other than hidden/heads), Qwen2 (Q/K/V bias only, tied), Qwen3 (per-head Q/K RMSNorm, YaRN, head dim 16 at
-hidden 32), Mistral (linear RoPE scaling, no window).
+hidden 32), Mistral (linear RoPE scaling, a sliding window shorter than the sequences), and the MoE families
+Mixtral (a window too), Qwen2-MoE (gated shared expert, top-k of the full softmax, a dense first layer) and
+Qwen3-MoE (renormalised top-k, tied).
 
 Tiny random models are built with transformers' own classes and saved sharded.  Converted, their logits
-equal transformers' (fp32, 1e-5 relative) at tp=1, tp=2 and (Llama) pp=2; converted back, config.json,
+equal transformers' (fp32, 1e-5 relative) at tp=1, tp=2, (Llama) pp=2 and (MoE) ep=2; converted back, config.json,
 generation_config.json, tokenizer files and tensors are the originals; greedy generation through
 megalite's engine equals ``transformers.generate``.  A config the converter cannot represent is one
 error naming the field.
@@ -36,9 +38,18 @@ FAMILIES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64})),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
-        **SMALL, sliding_window=None, tie_word_embeddings=False,
+        **SMALL, sliding_window=8, tie_word_embeddings=False,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16,
+        norm_topk_prob=False, mlp_only_layers=[0])),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True,
+        tie_word_embeddings=True)),
 }
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 256}'}
 
 
@@ -69,6 +80,14 @@ def _saved(family, tmp_path):
     return model
 
 
+def _files(directory, family):
+    """The files of a model directory.  An MoE model's shard file names are left out: transformers sizes its
+    shards by the experts it holds fused (one [E, 2f, h] tensor), so the same tensors fill another number of
+    shards; the index's tensor names are compared instead."""
+    names = sorted(os.listdir(directory))
+    return [n for n in names if not n.startswith("model-")] if family in MOE_FAMILIES else names
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_converts_both_ways_exactly(family, tmp_path):
     model = _saved(family, tmp_path)
@@ -80,7 +99,7 @@ def test_converts_both_ways_exactly(family, tmp_path):
         assert _close(load_model(str(tmp_path / "megalite"))(ids), expected)
 
     convert_megalite_to_hf(str(tmp_path / "megalite"), str(tmp_path / "back"), max_shard_size="40KB")
-    assert sorted(os.listdir(tmp_path / "back")) == sorted(os.listdir(tmp_path / "hf"))
+    assert _files(tmp_path / "back", family) == _files(tmp_path / "hf", family)
     for name in ["config.json", "generation_config.json", "model.safetensors.index.json"]:
         back, original = (json.loads((tmp_path / d / name).read_text()) for d in ("back", "hf"))
         if name == "model.safetensors.index.json":
@@ -91,12 +110,12 @@ def test_converts_both_ways_exactly(family, tmp_path):
     assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
 
 
-def _tp2_logits(paths, ids):
+def _parallel_logits(paths, ids, sizes):
     from megalite import checkpoint, topology
     from megalite.models import GPTModel
     from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
-    topo = topology.initialize(tp=2)
+    topo = topology.initialize(**sizes)
     out = []
     for path in paths:
         config = checkpoint.CheckpointReader(path).config
@@ -139,12 +158,28 @@ def test_every_family_at_tp2_and_llama_at_pp2(tmp_path):
         paths.append(str(tmp_path / f"{family}.megalite"))
         with torch.no_grad():
             expected.append(model(ids).logits)
-    for per_rank in run_distributed(_tp2_logits, 2, paths, ids, timeout=240):
+    for per_rank in run_distributed(_parallel_logits, 2, paths, ids, {"tp": 2}, timeout=240):
         for family, logits, want in zip(sorted(FAMILIES), per_rank, expected):
             assert _close(logits, want), family
     llama = sorted(FAMILIES).index("llama")
     last = run_distributed(_pp2_logits, 2, paths[llama], ids, timeout=240)[1]
     assert _close(last, expected[llama])
+
+
+@pytest.mark.slow
+def test_moe_families_load_at_ep2(tmp_path):
+    """Each rank holds half the experts of every MoE layer; the logits are still transformers'."""
+    ids, paths, expected = _ids(3), [], []
+    for family in MOE_FAMILIES:
+        model = _hf_model(family)
+        model.save_pretrained(tmp_path / family)
+        convert_hf_to_megalite(str(tmp_path / family), str(tmp_path / f"{family}.megalite"))
+        paths.append(str(tmp_path / f"{family}.megalite"))
+        with torch.no_grad():
+            expected.append(model(ids).logits)
+    for per_rank in run_distributed(_parallel_logits, 2, paths, ids, {"ep": 2}, timeout=240):
+        for family, logits, want in zip(MOE_FAMILIES, per_rank, expected):
+            assert _close(logits, want), family
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -167,9 +202,12 @@ def test_engine_greedy_equals_transformers_generate(family, tmp_path):
 
 
 BAD_CONFIGS = [
-    ("mistral", {"sliding_window": 16}, r"mistral sliding_window asks for sliding-window attention "
-                                        r"\(sliding_window=16 < max_position_embeddings=256\)"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "qwen2 use_sliding_window asks for"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16},
+     r"qwen2 use_sliding_window asks for per-layer sliding-window attention \(sliding_window=16 < "
+     r"max_position_embeddings=256\)"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "qwen3 use_sliding_window asks for per-layer"),
+    ("mistral", {"sliding_window": 0}, "mistral sliding_window must be a positive integer or null, got 0"),
+    ("mixtral", {"hidden_act": "gelu"}, "mixtral hidden_act 'gelu' is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
      "rope_parameters.rope_type 'dynamic' is not supported"),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.7,
