@@ -110,6 +110,24 @@ def test_converts_both_ways_exactly(family, tmp_path):
     assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
 
 
+@pytest.mark.parametrize("family", ["mistral", *MOE_FAMILIES])
+def test_a_model_without_its_original_config_exports_as_its_family(family, tmp_path):
+    """With no Hugging Face config kept (a model megalite trained), the architecture picks the family (a window:
+    Mistral; MoE with a shared expert: Qwen2-MoE, with Q/K norm: Qwen3-MoE, else Mixtral) and the config.json
+    written from scratch makes transformers compute the same logits."""
+    from megalite.checkpoint.hf import hf_to_megalite, megalite_to_hf, write_hf_tensors
+
+    model = _hf_model(family)
+    config, tensors, _ = hf_to_megalite(model.config.to_dict(), dict(model.state_dict()))
+    hf, out = megalite_to_hf(config, tensors)
+    assert hf["model_type"] == family
+    write_hf_tensors(str(tmp_path), out.items(), 1 << 30)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    ids = _ids(5)
+    with torch.no_grad():
+        assert _close(type(model).from_pretrained(str(tmp_path)).eval()(ids).logits, model(ids).logits)
+
+
 def _parallel_logits(paths, ids, sizes):
     from megalite import checkpoint, topology
     from megalite.models import GPTModel
