@@ -1,10 +1,11 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors) and megalite.
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE;
+safetensors) and megalite.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR
     python tools/convert_checkpoint.py --from megatron-legacy --to megalite --allow-pickle --input SAVE --output OUT_DIR
 
-A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-
+A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
 is needed.  The output directory must not exist or be empty; nothing is overwritten.
 """

@@ -166,16 +166,23 @@ def _pp2_logits(path, ids):
         return model(ids)
 
 
-@pytest.mark.slow
-def test_every_family_at_tp2_and_llama_at_pp2(tmp_path):
-    ids, paths, expected = _ids(2), [], []
-    for family in sorted(FAMILIES):
+def _converted(families, ids, tmp_path):
+    """``(megalite checkpoint paths, transformers' logits of ids)`` of the families' tiny models."""
+    paths, expected = [], []
+    for family in families:
         model = _hf_model(family)
         model.save_pretrained(tmp_path / family)
         convert_hf_to_megalite(str(tmp_path / family), str(tmp_path / f"{family}.megalite"))
         paths.append(str(tmp_path / f"{family}.megalite"))
         with torch.no_grad():
             expected.append(model(ids).logits)
+    return paths, expected
+
+
+@pytest.mark.slow
+def test_every_family_at_tp2_and_llama_at_pp2(tmp_path):
+    ids = _ids(2)
+    paths, expected = _converted(sorted(FAMILIES), ids, tmp_path)
     for per_rank in run_distributed(_parallel_logits, 2, paths, ids, {"tp": 2}, timeout=240):
         for family, logits, want in zip(sorted(FAMILIES), per_rank, expected):
             assert _close(logits, want), family
@@ -187,14 +194,8 @@ def test_every_family_at_tp2_and_llama_at_pp2(tmp_path):
 @pytest.mark.slow
 def test_moe_families_load_at_ep2(tmp_path):
     """Each rank holds half the experts of every MoE layer; the logits are still transformers'."""
-    ids, paths, expected = _ids(3), [], []
-    for family in MOE_FAMILIES:
-        model = _hf_model(family)
-        model.save_pretrained(tmp_path / family)
-        convert_hf_to_megalite(str(tmp_path / family), str(tmp_path / f"{family}.megalite"))
-        paths.append(str(tmp_path / f"{family}.megalite"))
-        with torch.no_grad():
-            expected.append(model(ids).logits)
+    ids = _ids(3)
+    paths, expected = _converted(MOE_FAMILIES, ids, tmp_path)
     for per_rank in run_distributed(_parallel_logits, 2, paths, ids, {"ep": 2}, timeout=240):
         for family, logits, want in zip(MOE_FAMILIES, per_rank, expected):
             assert _close(logits, want), family
