@@ -283,3 +283,62 @@ def test_published_transformers4_configs_round_trip_exactly(published):
     assert config.rope_scaling == published["rope_scaling"].get("rope_type", published["rope_scaling"].get("type"))
     assert config.rope_scaling_factor == published["rope_scaling"]["factor"]
     assert llama.hf_config(config, published, published["model_type"]) == published
+MIXTRAL_INSTRUCT = {  # the shape of Mixtral-8x7B-Instruct-v0.1's config.json (transformers 4.x)
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True,
+    "vocab_size": 32000}
+QWEN15_MOE = {  # the shape of Qwen1.5-MoE-A2.7B's config.json (no mlp_only_layers; a window longer than the context)
+    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
+    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.39.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+    "router_aux_loss_coef": 0.001}
+QWEN3_MOE = {  # the shape of Qwen3-30B-A3B's config.json (head_dim 128 at hidden 2048 / 32 heads)
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("published, experts, shared, pre_softmax",
+                         [(MIXTRAL_INSTRUCT, 8, None, False), (QWEN15_MOE, 60, 5632, True),
+                          (QWEN3_MOE, 128, None, False)], ids=["mixtral", "qwen1.5-moe", "qwen3-moe"])
+def test_published_moe_configs_round_trip_exactly(published, experts, shared, pre_softmax):
+    from megalite.checkpoint.hf import llama
+
+    config = llama.config_from_hf(published)
+    moe = config.moe
+    assert (moe.num_experts, moe.topk, moe.shared_expert_intermediate_size, moe.pre_softmax) == (
+        experts, published["num_experts_per_tok"], shared, pre_softmax)
+    assert moe.capacity_factor is None and config.window_size is None
+    assert all(config.is_moe_layer(i) for i in range(config.num_layers))
+    assert llama.hf_config(config, published, published["model_type"]) == published
+
+
+MISTRAL_V01 = {  # the shape of Mistral-7B-v0.1's config.json: a 4096-token window in a 32768-token context
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000}
+
+
+def test_published_mistral_window_round_trips_exactly():
+    from megalite.checkpoint.hf import llama
+
+    config = llama.config_from_hf(MISTRAL_V01)
+    assert config.window_size == 4095
+    assert llama.hf_config(config, MISTRAL_V01, "mistral") == MISTRAL_V01
