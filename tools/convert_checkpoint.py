@@ -1,5 +1,5 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3; safetensors), Megatron-LM and
-megalite.
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE;
+safetensors), Megatron-LM and megalite.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR
@@ -12,7 +12,7 @@ and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt
 weights only; ``--from megatron-legacy`` reads the older ``mp_rank_XX/model_optim_rng.pt`` pickles (weights and a
 non-distributed optimizer's Adam state), only with ``--allow-pickle``.
 
-A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-
+A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
 is needed.  The output directory must not exist or be empty; nothing is overwritten.
 """

@@ -1,7 +1,8 @@
 """Conversion between Hugging Face checkpoints (safetensors + config.json) and megalite's, both ways.
 
-Families: GPT-2 (:mod:`.gpt2`) and the Llama-style dense decoders Llama (RoPE scaling included),
-Mistral, Qwen2/2.5 and Qwen3 (:mod:`.llama`, RoPE settings in :mod:`.rope`).  :mod:`.files` reads
+Families: GPT-2 (:mod:`.gpt2`) and the Llama-style decoders Llama (RoPE scaling included),
+Mistral (sliding window), Qwen2/2.5, Qwen3 and the MoE families Mixtral, Qwen2-MoE, Qwen3-MoE
+(:mod:`.llama`, RoPE settings in :mod:`.rope`, MoE blocks in :mod:`megalite.moe.hf`).  :mod:`.files` reads
 and writes model directories (lazy sharded safetensors), :mod:`.convert` runs whole conversions.
 """
 

@@ -51,9 +51,7 @@ def hf_to_megalite(hf_config: dict, tensors) -> tuple[object, dict, dict]:
 
 def hf_family(config) -> str:
     """The Hugging Face model_type a megalite architecture exports as (ValueError when none fits)."""
-    if config.moe is not None:
-        raise ValueError("MoE models have no Hugging Face dense-family equivalent")
-    if gpt2.matches(config):
+    if config.moe is None and config.window_size is None and gpt2.matches(config):
         return "gpt2"
     family = llama.family_of(config)
     if family is not None:
@@ -61,9 +59,11 @@ def hf_family(config) -> str:
     raise ValueError(f"no Hugging Face family fits position_embedding_type={config.position_embedding_type!r}, "
                      f"normalization={config.normalization!r}, activation={config.activation!r}, "
                      f"add_bias_linear={config.add_bias_linear}, num_query_groups={config.num_query_groups}, "
-                     f"rotary_percent={config.rotary_percent}, rotary_interleaved={config.rotary_interleaved}: "
-                     "GPT-2 needs learned_absolute/LayerNorm/gelu/biases/MHA, Llama/Qwen/Mistral "
-                     "rope (whole heads, rotate-half)/RMSNorm/swiglu")
+                     f"rotary_percent={config.rotary_percent}, rotary_interleaved={config.rotary_interleaved}, "
+                     f"window_size={config.window_size}, moe={config.moe is not None}: "
+                     "GPT-2 needs learned_absolute/LayerNorm/gelu/biases/MHA/no window/no MoE, Llama/Qwen/Mistral "
+                     "rope (whole heads, rotate-half)/RMSNorm/swiglu, a window only without biases (Mistral, "
+                     "Mixtral), MoE as Mixtral (no bias), Qwen2-MoE (a gated shared expert) or Qwen3-MoE (Q/K norm)")
 
 
 def _family(config, base: dict) -> str:
@@ -86,7 +86,9 @@ def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str |
     """
     family = hf_family(config)
     pre = default_prefix(family) if prefix is None else prefix
-    return (gpt2 if family == "gpt2" else llama).tensor_to_hf(config, name, tensor, pre)
+    if family == "gpt2":
+        return gpt2.tensor_to_hf(config, name, tensor, pre)
+    return llama.tensor_to_hf(config, name, tensor, pre, family)
 
 
 def _hf_config(config, info: dict) -> tuple[dict, str]:
