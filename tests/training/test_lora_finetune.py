@@ -2,8 +2,8 @@
 
 A tiny base is pretrained and saved; the LoRA run then trains adapters only: its first loss is the base
 model's loss on the same batch (B starts at zero), the loss falls, the base weights stay as loaded, its
-checkpoints hold adapter tensors (and their Adam moments) only, and a run stopped and rerun resumes the
-adapters, their optimizer, the schedule and the data position exactly.
+checkpoints hold adapter tensors (and their Adam moments) only, pp=2 gives the same losses, and a run stopped
+and rerun resumes the adapters, their optimizer, the schedule and the data position exactly.
 """
 
 import os
@@ -103,6 +103,12 @@ def test_lora_finetune_trains_adapters_only_and_resumes(tiny_data, tmp_path):
     moments = {f"optimizer.{key}.{n}" for key in ("exp_avg", "exp_avg_sq") for n in adapters}
     assert names == adapters | moments, sorted(names - adapters - moments)
     assert set(read_adapter_checkpoint(str(tmp_path / "adapters"))[2]) == adapters  # what export_peft is given
+
+    # Pipeline-parallel (frozen embedding and output layer on other stages than most adapters): the same losses.
+    _, piped = _run([*lora, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"],
+                    tmp_path / "pp2")
+    for record, reference in zip(piped, full, strict=True):
+        assert abs(record["loss"] - reference["loss"]) <= 1e-5 * reference["loss"], (piped, full)
 
     # Stop after iteration 3 (saving), rerun the same command: it resumes and matches the run above.
     stopped = [*lora, "--save", str(tmp_path / "resumed")]
