@@ -61,18 +61,19 @@ def has_checkpoint(load_dir: str) -> bool:
 
 
 def checkpoint_info(load_dir: str) -> dict | None:
-    """``{"iteration", "layout", "config", "args"}`` of the checkpoint ``load_dir`` names (a save directory's newest,
-    or an iteration directory); None without one.
+    """``{"iteration", "layout", "config", "args", "lora"}`` of the checkpoint ``load_dir`` names (a save
+    directory's newest, or an iteration directory); None without one.
 
     ``config`` is the saved GPTConfig as a dict (None if absent); ``args`` the saved flags (None for a
-    converted model).  No tensor is read.
+    converted model); ``lora`` the LoRA settings of an adapter checkpoint (else None).  No tensor is read.
     """
     if not has_checkpoint(load_dir):
         return None
     info = checkpoint.read_checkpoint_info(load_dir)
     config = info["config"]
     return {"iteration": info["iteration"], "layout": dict(info["layout"]),
-            "config": config_to_dict(config) if config is not None else None, "args": info["state"].get("args")}
+            "config": config_to_dict(config) if config is not None else None, "args": info["state"].get("args"),
+            "lora": info["state"].get("lora")}
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -94,6 +94,9 @@ def _checkpoint_to_load(args, rank: int) -> dict | None:
         if needs:
             raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
         return None
+    if info["lora"] is not None:
+        raise ValueError(f"--load {args.load} holds LoRA adapters, not a base model: pass the base model as --load "
+                         "(with --finetune --lora-rank) and the adapters' directory as --save to resume them")
     if args.use_checkpoint_args:
         if info["config"] is None:
             raise ValueError(f"--use-checkpoint-args: checkpoint {args.load} stores no model architecture")

@@ -132,3 +132,17 @@ def test_lora_flags_the_adapters_cannot_use_are_refused(tmp_path, extra, message
     args = parse_args(["--load", str(tmp_path), "--lora-rank", "4", "--vocab-size", "64", *extra])
     with pytest.raises(ValueError, match=message):
         validate_args(args, 2)
+
+
+def test_adapter_checkpoint_as_load_is_refused_before_the_process_group(tmp_path):
+    """--load of an adapter checkpoint (no base weights in it): one line naming the fix, not a missing tensor."""
+    from megalite.lora import LoRAConfig, apply_lora
+    from megalite.lora.state import save_adapters
+    from megalite.models import GPTConfig, GPTModel
+    from megalite.training.setup import initialize
+
+    config = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
+    save_adapters(str(tmp_path / "adapters"), 3, apply_lora(GPTModel(config), LoRAConfig(rank=2)))
+    argv = ["--finetune", "--load", str(tmp_path / "adapters"), "--lora-rank", "2", "--vocab-size", "64"]
+    with pytest.raises(ValueError, match="holds LoRA adapters, not a base model: pass the base model as --load"):
+        initialize(argv)
