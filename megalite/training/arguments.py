@@ -23,7 +23,7 @@ from megalite.pipeline import split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp
 from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
-                                     nan_guard_config, optimizer_config)
+                                     lora_config, nan_guard_config, optimizer_config)
 from megalite.training.lr_schedule import ScheduleSettings, schedule_settings
 
 
@@ -194,12 +194,26 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_schedule(args)
     _check_lr_schedule(args)
     _check_pipeline_split(args)
+    _check_lora(args)
     nan_guard_config(args).validate()
     _require(args.distributed_timeout_minutes > 0,
              f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if not math.isfinite(args.lr) or args.lr < 0:
         raise ValueError(f"--lr must be a non-negative number, got {args.lr}")
     return args
+
+
+def _check_lora(args):
+    """``--lora-*``: valid settings, on a loaded base, on the paths that train adapters (DDP, no MoE)."""
+    config = lora_config(args)
+    if config is None:
+        return
+    _require(args.finetune, "--lora-rank needs --finetune --load BASE: adapters train on top of a loaded base model")
+    refused = [flag for flag, on in (("--use-torch-fsdp2", args.use_torch_fsdp2),
+                                     ("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                     ("--num-experts", args.num_experts is not None)) if on]
+    _require(not refused, f"--lora-rank does not work with {', '.join(refused)}: adapters train under plain "
+                          "data parallelism (their optimizer state is small) on dense models")
 
 
 def lr_schedule_settings(args) -> ScheduleSettings:

@@ -14,7 +14,9 @@ resharding, the seeds of the new run apply.
 What the trainer's flags need from a checkpoint goes through three calls: :func:`checkpoint_info`
 (iteration, layout, architecture and flags of the newest checkpoint, without reading tensors),
 :func:`save_checkpoint` and :func:`load_checkpoint` with their boolean options
-(``save_optimizer``/``save_rng``, ``load_optimizer``/``load_rng``/``finetune``).
+(``save_optimizer``/``save_rng``, ``load_optimizer``/``load_rng``/``finetune``).  Under ``--lora-rank``
+the base comes from ``--load`` (weights only) and the run's own checkpoints hold the adapters:
+:func:`save_adapter_checkpoint` and :func:`resume_adapters`.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.locate import find_checkpoint
+from megalite.distributed.unwrap import unwrap
+from megalite.lora.state import load_adapters, save_adapters
 from megalite.models.architecture import config_to_dict
 from megalite.tensor_parallel import get_rng_tracker
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "has_checkpoint", "read_latest", "iteration_dir",
+__all__ = ["save_checkpoint", "load_checkpoint", "save_adapter_checkpoint", "resume_adapters", "checkpoint_info",
+           "has_checkpoint", "read_latest", "iteration_dir",
            "get_rng_state", "set_rng_state", "LoadResult"]
 
 
@@ -56,18 +61,19 @@ def has_checkpoint(load_dir: str) -> bool:
 
 
 def checkpoint_info(load_dir: str) -> dict | None:
-    """``{"iteration", "layout", "config", "args"}`` of the checkpoint ``load_dir`` names (a save directory's newest,
-    or an iteration directory); None without one.
+    """``{"iteration", "layout", "config", "args", "lora"}`` of the checkpoint ``load_dir`` names (a save
+    directory's newest, or an iteration directory); None without one.
 
     ``config`` is the saved GPTConfig as a dict (None if absent); ``args`` the saved flags (None for a
-    converted model).  No tensor is read.
+    converted model); ``lora`` the LoRA settings of an adapter checkpoint (else None).  No tensor is read.
     """
     if not has_checkpoint(load_dir):
         return None
     info = checkpoint.read_checkpoint_info(load_dir)
     config = info["config"]
     return {"iteration": info["iteration"], "layout": dict(info["layout"]),
-            "config": config_to_dict(config) if config is not None else None, "args": info["state"].get("args")}
+            "config": config_to_dict(config) if config is not None else None, "args": info["state"].get("args"),
+            "lora": info["state"].get("lora")}
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -191,3 +197,31 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on
     return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout),
                       state.get("hf"))
+
+
+def save_adapter_checkpoint(save_dir: str, iteration: int, adapters, optimizer, scheduler, consumed_samples: int, *,
+                            args=None, save_optimizer: bool = True, save_rng: bool = True) -> str:
+    """:func:`save_checkpoint` for a LoRA run: the adapters (``DistributedDataParallel(LoRAModel)``) and their
+    optimizer state only, in :func:`megalite.lora.state.save_adapters`' format, with the same trainer state."""
+    extra = {"consumed_samples": consumed_samples,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "args": _jsonable_args(args)}
+    return save_adapters(save_dir, iteration, unwrap(adapters), optimizer=optimizer if save_optimizer else None,
+                         extra=extra, rank_extra={"rng": get_rng_state()} if save_rng else None)
+
+
+def resume_adapters(save_dir: str, adapters, optimizer, scheduler, *, load_optimizer: bool = True) -> LoadResult:
+    """Continue a LoRA run from the newest adapter checkpoint in ``save_dir`` (iteration 0 without one): the
+    adapters, their optimizer state, the schedule and the data position (RNG states when the world matches)."""
+    if not has_checkpoint(save_dir):
+        return LoadResult(0, 0, 0, {})
+    path = find_checkpoint(save_dir)
+    reader = load_adapters(path, unwrap(adapters), optimizer=optimizer if load_optimizer else None)
+    state = reader.state
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rank, world = _rank_and_world()
+    rng = reader.rank_state(rank).get("rng") if reader.world_size == world else None
+    if rng is not None:
+        set_rng_state(rng)
+    return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))

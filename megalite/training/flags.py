@@ -22,6 +22,7 @@ from megalite.context_parallel import COMM_TYPES, ContextParallelConfig, PackedS
 from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.flags import SHARED_FLAGS, ArgumentParser, Flag, FlagTable
+from megalite.lora import LoRAConfig
 from megalite.models import GPTConfig
 from megalite.moe import MoEConfig
 from megalite.optim import OptimizerConfig
@@ -33,6 +34,7 @@ from megalite.training.nan_guard import NanGuardConfig
 PAR, MODEL, MOE, OPT, DATA, LOG = ("parallelism", "model", "mixture of experts", "batch and optimizer", "data",
                                    "checkpoints, evaluation and logging")
 SAFE = "faults and safety"
+LORA = "LoRA adapters"
 
 def moe_layer_freq(text: str) -> int | list[int]:
     """``--moe-layer-freq`` in Megatron's forms: an int, or a list expression of ints built with ``+`` and ``*``."""
@@ -214,7 +216,7 @@ _TRAINING_ROWS = (
     Flag("--min-loss-scale", OPT, ("OptimizerConfig.min_loss_scale",), type=float),
     Flag("--loss-scale-window", OPT, ("OptimizerConfig.loss_scale_window",), type=int),
     Flag("--hysteresis", OPT, ("OptimizerConfig.hysteresis",), type=int),
-    Flag("--seed", OPT, ("GPTConfig.seed",), type=int),
+    Flag("--seed", OPT, ("GPTConfig.seed", "LoRAConfig.seed"), type=int),
 
     Flag("--data-path", DATA, nargs="+", help="prefixes, or weight prefix pairs: '0.3 a 0.7 b'"),
     Flag("--split", DATA, default="969,30,1"),
@@ -238,6 +240,13 @@ _TRAINING_ROWS = (
     Flag("--use-checkpoint-args", LOG, default=False, help="take the model architecture from the --load checkpoint"),
     Flag("--finetune", LOG, default=False,
          help="load only the model weights: iteration 0, a fresh optimizer and schedule; needs a checkpoint"),
+    Flag("--lora-rank", LORA, ("LoRAConfig.rank",), default=None, type=int,
+         help="None: train every weight; a rank: with --finetune, train low-rank adapters on the frozen base "
+              "and save adapter-only checkpoints"),
+    Flag("--lora-alpha", LORA, ("LoRAConfig.alpha",), type=float, help="adapters scale by alpha / rank"),
+    Flag("--lora-dropout", LORA, ("LoRAConfig.dropout",), type=float),
+    Flag("--lora-target-modules", LORA, ("LoRAConfig.target_modules",), type=str,
+         help="comma-separated layers that get adapters"),
     Flag("--no-load-optim", LOG, default=False),
     Flag("--no-load-rng", LOG, default=False),
     Flag("--no-save-optim", LOG, default=False),
@@ -284,7 +293,7 @@ _TRAINING_ROWS = (
 
 FLAGS = SHARED_FLAGS + FlagTable(_TRAINING_ROWS, (GPTConfig, MoEConfig, OptimizerConfig, DDPConfig, FSDPConfig,
                                                   ContextParallelConfig, PackedSequenceConfig, NanGuardConfig,
-                                                  LRScheduleConfig)) + COMPAT_FLAGS
+                                                  LRScheduleConfig, LoRAConfig)) + COMPAT_FLAGS
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -351,6 +360,13 @@ def packing_config(args) -> PackedSequenceConfig:
 
 def nan_guard_config(args) -> NanGuardConfig:
     return NanGuardConfig(**FLAGS.config_values(args, "NanGuardConfig"))
+
+
+def lora_config(args) -> LoRAConfig | None:
+    """The adapters of ``--lora-rank``; None without it (every weight trains)."""
+    if args.lora_rank is None:
+        return None
+    return LoRAConfig(**FLAGS.config_values(args, "LoRAConfig"))
 
 
 def lr_schedule_config(args) -> LRScheduleConfig:

@@ -6,6 +6,7 @@ bad flags or data raises ValueError on every rank before any collective that cou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -17,6 +18,7 @@ from megalite import topology
 from megalite.context_parallel import prepare_batch
 from megalite.data.sampler import MicroBatchSampler, build_data_iterator
 from megalite.distributed import DistributedDataParallel, FullyShardedDataParallel
+from megalite.lora import apply_lora
 from megalite.optim import get_optimizer
 from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import build_chunks
@@ -25,7 +27,8 @@ from megalite.training.arguments import (architecture_differences, format_args, 
                                          validate_args)
 from megalite.training.checkpointing import checkpoint_info
 from megalite.training.data_checks import check_data, eod_token_id
-from megalite.training.flags import ddp_config, fsdp_config, gpt_config, optimizer_config, packing_config, parse_args
+from megalite.training.flags import (ddp_config, fsdp_config, gpt_config, lora_config, optimizer_config, packing_config,
+                                     parse_args)
 from megalite.training.megatron_compat import accepted_without_effect
 from megalite.training.save_dir import SaveDirLock, check_not_overwriting, check_writable_with_room
 
@@ -91,6 +94,9 @@ def _checkpoint_to_load(args, rank: int) -> dict | None:
         if needs:
             raise ValueError(f"{' and '.join(needs)} {verb} a checkpoint, but --load {args.load} holds none")
         return None
+    if info["lora"] is not None:
+        raise ValueError(f"--load {args.load} holds LoRA adapters, not a base model: pass the base model as --load "
+                         "(with --finetune --lora-rank) and the adapters' directory as --save to resume them")
     if args.use_checkpoint_args:
         if info["config"] is None:
             raise ValueError(f"--use-checkpoint-args: checkpoint {args.load} stores no model architecture")
@@ -107,7 +113,7 @@ def param_dtype(args) -> torch.dtype:
 
 def build_model(model_provider, args, topo) -> list:
     """This rank's model chunks (:func:`megalite.pipeline.build_chunks`), each wrapped for data-parallel
-    gradient reduction."""
+    gradient reduction; frozen under ``--lora-rank`` (so DDP keeps no gradient buffer for them)."""
     ddp = ddp_config(args)
     modules = build_chunks(partial(model_provider, args), args.num_layers, topo.pp.group,
                            vpp=args.virtual_pipeline_model_parallel_size, schedule=args.pipeline_schedule,
@@ -121,8 +127,26 @@ def build_model(model_provider, args, topo) -> list:
             chunks.append(FullyShardedDataParallel(module, fsdp_config(args), topo.dp_cp.group, topo.expert_dp.group))
         else:
             module.to(device=topology.device(), dtype=param_dtype(args))
+            if args.lora_rank is not None:
+                module.requires_grad_(False)
             chunks.append(DistributedDataParallel(module, ddp, topo.dp_cp.group, topo.expert_dp.group))
     return chunks
+
+
+def build_adapters(args, model_chunks, topo) -> DistributedDataParallel | None:
+    """``--lora-rank``: fp32 adapters hooked onto the (frozen) chunks, wrapped for DP gradient averaging;
+    the optimizer, gradient reduction and checkpoints then take this one module.  None without the flag.
+
+    The adapters' gradients are reduced once, after the last micro-batch (no overlap): the schedule's
+    ``no_sync`` covers the model chunks, not this module, and the adapters are small.
+    """
+    config = lora_config(args)
+    if config is None:
+        return None
+    lora = apply_lora(model_chunks, config)
+    lora.to(device=topology.device())
+    ddp = dataclasses.replace(ddp_config(args), overlap_grad_reduce=False)
+    return DistributedDataParallel(lora, ddp, topo.dp_cp.group, topo.expert_dp.group)
 
 
 def build_optimizer(args, model_chunks):
@@ -187,15 +211,18 @@ def print_parameter_count(chunks, topo) -> None:
         print(f"model: {count.item():,} parameters", flush=True)
 
 
-def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo) -> SaveDirLock | None:
+def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_dir: str | None = None
+                   ) -> SaveDirLock | None:
     """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
 
+    ``load_dir``: where this run resumed from (None: ``--load``; a LoRA run resumes from ``--save``).
     Returns rank 0's lock, None elsewhere.
     """
     lock, message = None, None
     if topo.global_rank == 0:
         try:
-            warning = check_not_overwriting(args.save, args.load, loaded_iteration, args.override_existing_checkpoints)
+            warning = check_not_overwriting(args.save, load_dir or args.load, loaded_iteration,
+                                            args.override_existing_checkpoints)
             check_writable_with_room(args.save, needed_bytes)
             lock = SaveDirLock(args.save)
             if warning:

@@ -31,14 +31,15 @@ from megalite.moe import router_statistics, set_aux_loss_scale
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
 from megalite.training.arguments import lr_schedule_settings
 from megalite.training.batch_ramp import batch_ramp
-from megalite.training.checkpointing import load_checkpoint, save_checkpoint
+from megalite.training.checkpointing import (load_checkpoint, resume_adapters, save_adapter_checkpoint,
+                                             save_checkpoint)
 from megalite.training.flags import nan_guard_config
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger, memory_gib, peak_tflops, wandb_init
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import checkpoint_bytes
-from megalite.training.setup import (build_model, build_optimizer, claim_save_dir, initialize,
+from megalite.training.setup import (build_adapters, build_model, build_optimizer, claim_save_dir, initialize,
                                      micro_batch_iterator, num_samples, param_dtype, print_parameter_count,
                                      seed_model)
 from megalite.training.signals import SigtermFlag
@@ -48,12 +49,19 @@ LOSS_METRIC = "lm_loss"
 
 
 class Trainer:
-    """State of one training run: the step, evaluation, logging and checkpoint calls."""
+    """State of one training run: the step, evaluation, logging and checkpoint calls.
 
-    def __init__(self, args, topo, model_chunks, optimizer, scheduler, forward_step_func, flops_per_token=None):
+    ``adapters``: under ``--lora-rank``, the ``DistributedDataParallel(LoRAModel)`` the optimizer steps; its
+    gradients are the ones reduced and checked, and checkpoints hold it alone (the chunks are the frozen base).
+    """
+
+    def __init__(self, args, topo, model_chunks, optimizer, scheduler, forward_step_func, flops_per_token=None,
+                 adapters=None):
         self.args = args
         self.topo = topo
         self.chunks = model_chunks
+        self.adapters = adapters
+        self.trained = model_chunks if adapters is None else [adapters]
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
@@ -80,7 +88,7 @@ class Trainer:
         return self.args.global_batch_size if self.ramp is None else self.ramp.batch_size(consumed_samples)
 
     def _finalize_grads(self, chunks):
-        finalize_model_grads(chunks, self.topo.tp.group, self.topo.embedding.group)
+        finalize_model_grads(self.trained, self.topo.tp.group, self.topo.embedding.group)
 
     def _fetch_batches(self, data_iterator, num_microbatches: int):
         """This iteration's ``num_microbatches`` micro-batches, read before the schedule starts; ranks agree
@@ -155,7 +163,7 @@ class Trainer:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False, num_microbatches=num_microbatches)
         lr = self.scheduler.get_lr()
-        grads = [grad for chunk in self.chunks for grad in chunk.grad_tensors()]
+        grads = [grad for chunk in self.trained for grad in chunk.grad_tensors()]
         if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):
             return metrics, False, {}, lr
         ok, grad_norm, num_zeros = self.optimizer.step()
@@ -196,12 +204,18 @@ class Trainer:
     def save(self, iteration: int, consumed_samples: int) -> None:
         """Save (with --async-save: wait for the previous save, then start this one in the background).
 
-        Non-finite weights are never saved while the NaN guard is on."""
+        Non-finite weights are never saved while the NaN guard is on.  A LoRA run's adapter checkpoints are
+        small and written at once, even with --async-save."""
         if self.nan_guard.config.check_for_nan_in_loss_and_grad:
-            check_finite_weights(self.chunks, iteration)
-        save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
-                        layout=self.layout, args=self.args, save_optimizer=not self.args.no_save_optim,
-                        save_rng=not self.args.no_save_rng, saver=self.saver, hf=self.hf_origin)
+            check_finite_weights(self.trained, iteration)
+        if self.adapters is not None:
+            save_adapter_checkpoint(self.args.save, iteration, self.adapters, self.optimizer, self.scheduler,
+                                    consumed_samples, args=self.args, save_optimizer=not self.args.no_save_optim,
+                                    save_rng=not self.args.no_save_rng)
+        else:
+            save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
+                            layout=self.layout, args=self.args, save_optimizer=not self.args.no_save_optim,
+                            save_rng=not self.args.no_save_rng, saver=self.saver, hf=self.hf_origin)
         if self.topo.global_rank == 0:
             started = "started saving" if self.saver is not None else "saved"
             print(f"{started} checkpoint at iteration {iteration} to {self.args.save}", flush=True)
@@ -212,16 +226,24 @@ class Trainer:
             self.saver.close()
 
     def load(self) -> tuple[int, int]:
-        """Restore ``--load`` under the flags' options; prints one line: path, iteration, layout change."""
+        """Restore ``--load`` under the flags' options; prints one line: path, iteration, layout change.
+
+        Under ``--lora-rank`` ``--load`` is the base (weights only) and the run resumes from the adapter
+        checkpoints in ``--save``, if any."""
         args = self.args
-        result = load_checkpoint(args.load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
-                                 load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
-                                 finetune=args.finetune)
+        result = load_checkpoint(args.load, self.chunks, self.optimizer if self.adapters is None else None,
+                                 self.scheduler, layout=self.layout, load_optimizer=not args.no_load_optim,
+                                 load_rng=not args.no_load_rng, finetune=args.finetune)
         self.hf_origin = result.hf
         if self.topo.global_rank == 0 and result.saved_layout:
             start = " (--finetune: model weights only, starting at iteration 0)" if args.finetune else ""
             print(f"loaded checkpoint {args.load} at iteration {result.saved_iteration}{start}, layout "
                   f"{_layout_text(result.saved_layout)} -> {_layout_text(self.layout)}", flush=True)
+        if self.adapters is not None and args.save:
+            result = resume_adapters(args.save, self.adapters, self.optimizer, self.scheduler,
+                                     load_optimizer=not args.no_load_optim)
+            if self.topo.global_rank == 0 and result.iteration:
+                print(f"resuming LoRA adapters from {args.save} at iteration {result.iteration}", flush=True)
         return result.iteration, result.consumed_samples
 
     def save_timeline(self) -> None:
@@ -366,14 +388,15 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     seed_model(args, topo)
     chunks = build_model(model_provider, args, topo)
     print_parameter_count(chunks, topo)
-    optimizer = build_optimizer(args, chunks)
+    adapters = build_adapters(args, chunks, topo)
+    optimizer = build_optimizer(args, chunks if adapters is None else [adapters])
     scheduler = LRScheduler(optimizer, lr_schedule_settings(args),
                             override_opt_param_scheduler=args.override_opt_param_scheduler,
                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
-    trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops)
+    trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops, adapters)
     trainer.start_time = start_time
-    needed = checkpoint_bytes(chunks, topo.dp.size) if args.save else 0
+    needed = checkpoint_bytes(trainer.trained, topo.dp.size) if args.save else 0
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
     if iteration >= args.train_iters:
         if topo.global_rank == 0:
@@ -392,7 +415,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     valid_consumed = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
     valid_iterator = micro_batch_iterator(valid_ds, valid_consumed, args, topo)
-    lock = claim_save_dir(args, iteration, needed, topo) if args.save else None
+    resumed_from = args.save if adapters is not None and iteration else args.load
+    lock = claim_save_dir(args, iteration, needed, topo, resumed_from) if args.save else None
     sigterm = SigtermFlag()
     try:
         iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
