@@ -1,0 +1,91 @@
+"""The shipped environments: a single-turn verifier task and a calculator-tool arithmetic task.
+
+:class:`VerifierEnvironment` asks one question and scores the one answer with a verifier (by default the RL
+trainer's "a+b=" task and its exact-answer reward).  :class:`CalculatorEnvironment` asks a multiplication
+"a*b=" the policy may work out with a calculator tool: an action ``<calc>EXPR</calc>`` is a tool call, which the
+environment evaluates and answers with the observation ``<result>VALUE</result>`` (reward 0, the episode goes on);
+any other action is the final answer, rewarded 1 when it is the product.  A tool call whose expression is not
+plain integer arithmetic, or divides by zero, raises, and the episode driver ends that episode with its error
+reward.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+from typing import Callable
+
+from megalite.rlhf.arithmetic import problem
+from megalite.rlhf.environment import Environment, StepResult
+from megalite.rlhf.rewards import arithmetic_reward
+
+TOOL_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+"""A calculator call in the model's text; the first one in an action is executed."""
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+              ast.Mod: operator.mod}
+MAX_DIGITS = 12
+"""Operands and results longer than this are refused (a tool call may not blow up the observation)."""
+
+
+def calculate(expression: str) -> int:
+    """The value of integer arithmetic (``+ - * // %``, unary minus, parentheses); a ValueError for anything else
+    and a ZeroDivisionError for a zero divisor."""
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            result = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            result = -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            result = _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        else:
+            raise ValueError(f"the calculator takes integer + - * // % only, not {ast.dump(node):.60}")
+        if len(str(abs(result))) > MAX_DIGITS:
+            raise ValueError(f"the calculator refuses numbers over {MAX_DIGITS} digits")
+        return result
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"the calculator cannot parse {expression!r}") from None
+    return value(tree.body)
+
+
+class VerifierEnvironment(Environment):
+    """One question (``make_prompt(rng)``), one answer, scored by ``verify(prompt, answer_text)``; the defaults are
+    the RL trainer's "a+b=" problems up to ``max_operand`` and its exact-answer reward."""
+
+    def __init__(self, tokenizer, make_prompt: Callable[[random.Random], str] | None = None,
+                 verify: Callable[[str, str], float] = arithmetic_reward, max_operand: int = 9):
+        super().__init__(tokenizer)
+        self.make_prompt = make_prompt or (lambda rng: problem(rng, max_operand))
+        self.verify, self.prompt = verify, ""
+
+    def reset(self, seed: int) -> list[int]:
+        self.prompt = self.make_prompt(random.Random(seed))
+        return self.tokenizer.tokenize(self.prompt)
+
+    def step(self, action: list[int]) -> StepResult:
+        return StepResult([], float(self.verify(self.prompt, self.action_text(action))), done=True)
+
+
+class CalculatorEnvironment(Environment):
+    """"a*b=" with ``0 <= a, b <= max_operand``, a ``<calc>EXPR</calc>`` calculator tool, reward 1 for the product."""
+
+    def __init__(self, tokenizer, max_operand: int = 99):
+        super().__init__(tokenizer)
+        self.max_operand, self.answer = max_operand, 0
+
+    def reset(self, seed: int) -> list[int]:
+        rng = random.Random(seed)
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        self.answer = a * b
+        return self.tokenizer.tokenize(f"{a}*{b}=")
+
+    def step(self, action: list[int]) -> StepResult:
+        text = self.action_text(action)
+        call = TOOL_CALL.search(text)
+        if call is not None:
+            return StepResult(self.tokenizer.tokenize(f"<result>{calculate(call.group(1))}</result>"))
+        return StepResult([], float(text.strip() == str(self.answer)), done=True)
