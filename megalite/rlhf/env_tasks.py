@@ -1,4 +1,4 @@
-"""The shipped environments: a single-turn verifier task and a calculator-tool arithmetic task.
+"""The shipped environments: a single-turn verifier task and a calculator-tool arithmetic task, and their warm-up.
 
 :class:`VerifierEnvironment` asks one question and scores the one answer with a verifier (by default the RL
 trainer's "a+b=" task and its exact-answer reward).  :class:`CalculatorEnvironment` asks a multiplication
@@ -6,7 +6,8 @@ trainer's "a+b=" task and its exact-answer reward).  :class:`CalculatorEnvironme
 environment evaluates and answers with the observation ``<result>VALUE</result>`` (reward 0, the episode goes on);
 any other action is the final answer, rewarded 1 when it is the product.  A tool call whose expression is not
 plain integer arithmetic, or divides by zero, raises, and the episode driver ends that episode with its error
-reward.
+reward.  :func:`warmup_batch` turns an environment's demonstration episodes into the RL trainer's warm-up
+batches (``--environment``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import random
 import re
 from typing import Callable
 
-from megalite.rlhf.arithmetic import problem
+from megalite.data.synthetic import arithmetic_answer
+from megalite.rlhf.arithmetic import TOKENIZER, lm_batch, problem
 from megalite.rlhf.environment import Environment, StepResult
 from megalite.rlhf.rewards import arithmetic_reward
 
@@ -53,14 +55,16 @@ def calculate(expression: str) -> int:
 
 
 class VerifierEnvironment(Environment):
-    """One question (``make_prompt(rng)``), one answer, scored by ``verify(prompt, answer_text)``; the defaults are
-    the RL trainer's "a+b=" problems up to ``max_operand`` and its exact-answer reward."""
+    """One question (``make_prompt(rng)``), one answer, scored by ``verify(prompt, answer_text)``; ``answer(prompt)``
+    writes a good answer for warm-up demonstrations.  The defaults are the RL trainer's "a+b=" problems up to
+    ``max_operand`` and its exact-answer reward."""
 
     def __init__(self, tokenizer, make_prompt: Callable[[random.Random], str] | None = None,
-                 verify: Callable[[str, str], float] = arithmetic_reward, max_operand: int = 9):
+                 verify: Callable[[str, str], float] = arithmetic_reward,
+                 answer: Callable[[str], str] = arithmetic_answer, max_operand: int = 9):
         super().__init__(tokenizer)
         self.make_prompt = make_prompt or (lambda rng: problem(rng, max_operand))
-        self.verify, self.prompt = verify, ""
+        self.verify, self.answer, self.prompt = verify, answer, ""
 
     def reset(self, seed: int) -> list[int]:
         self.prompt = self.make_prompt(random.Random(seed))
@@ -69,19 +73,28 @@ class VerifierEnvironment(Environment):
     def step(self, action: list[int]) -> StepResult:
         return StepResult([], float(self.verify(self.prompt, self.action_text(action))), done=True)
 
+    def demonstration(self) -> list[tuple[list[int], bool]]:
+        return [(self.tokenizer.tokenize(self.answer(self.prompt)) + [self.tokenizer.eod], True)]
+
 
 class CalculatorEnvironment(Environment):
     """"a*b=" with ``0 <= a, b <= max_operand``, a ``<calc>EXPR</calc>`` calculator tool, reward 1 for the product."""
 
     def __init__(self, tokenizer, max_operand: int = 99):
         super().__init__(tokenizer)
-        self.max_operand, self.answer = max_operand, 0
+        self.max_operand, self.question, self.answer = max_operand, "", 0
 
     def reset(self, seed: int) -> list[int]:
         rng = random.Random(seed)
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        self.answer = a * b
-        return self.tokenizer.tokenize(f"{a}*{b}=")
+        self.question, self.answer = f"{a}*{b}", a * b
+        return self.tokenizer.tokenize(self.question + "=")
+
+    def demonstration(self) -> list[tuple[list[int], bool]]:
+        """Call the calculator on the question, then copy its result."""
+        tokens, eod = self.tokenizer.tokenize, self.tokenizer.eod
+        return [(tokens(f"<calc>{self.question}</calc>") + [eod], True),
+                (tokens(f"<result>{self.answer}</result>"), False), (tokens(str(self.answer)) + [eod], True)]
 
     def step(self, action: list[int]) -> StepResult:
         text = self.action_text(action)
@@ -89,3 +102,31 @@ class CalculatorEnvironment(Environment):
         if call is not None:
             return StepResult(self.tokenizer.tokenize(f"<result>{calculate(call.group(1))}</result>"))
         return StepResult([], float(text.strip() == str(self.answer)), done=True)
+
+
+ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnvironment}
+"""The RL trainer's ``--environment`` choices."""
+
+
+def make_environment(name: str, max_operand: int) -> Environment:
+    """A fresh ``--environment`` episode on the trainer's byte tokenizer."""
+    return ENVIRONMENTS[name](TOKENIZER, max_operand=max_operand)
+
+
+def warmup_batch(make: Callable[[], Environment], rng: random.Random, rows: int, max_tokens: int) -> dict:
+    """``rows`` demonstration episodes of fresh environments from ``make``, as one warm-up batch whose loss covers
+    the actions only (prompts and observations are given, as in RL); a ValueError when one is longer than
+    ``max_tokens`` (an episode could not hold it either)."""
+    documents, trained = [], []
+    for _ in range(rows):
+        env = make()
+        ids = env.reset(rng.randrange(2 ** 31))
+        flags = [0.0] * len(ids)
+        for segment, is_action in env.demonstration():
+            ids, flags = ids + segment, flags + [float(is_action)] * len(segment)
+        if len(ids) > max_tokens:
+            raise ValueError(f"a {type(env).__name__} demonstration of {len(ids)} tokens does not fit in "
+                             f"{max_tokens} tokens (--max-total-tokens)")
+        documents.append(ids)
+        trained.append(flags)
+    return lm_batch(documents, trained)

@@ -57,6 +57,11 @@ class Environment:
         """Apply one turn's sampled token ids (ending in ``tokenizer.eod`` unless cut by a budget)."""
         raise NotImplementedError
 
+    def demonstration(self) -> list[tuple[list[int], bool]]:
+        """After :meth:`reset`, a good episode's turns after the prompt as ``(token ids, is an action)`` segments:
+        warm-up documents for the policy (``megalite.rlhf.env_tasks.warmup_batch``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstration episodes")
+
     def action_text(self, action: list[int]) -> str:
         """The action as text, up to (without) end-of-document: for environments that parse what the model wrote."""
         if self.tokenizer.eod in action:
@@ -69,8 +74,8 @@ class EpisodeLimits:
     """Per-episode limits of :func:`run_episodes`; ``error_reward`` is the final reward of an episode whose
     ``step`` raised."""
 
-    max_turns: int
-    max_total_tokens: int
+    max_turns: int = 3
+    max_total_tokens: int = 48
     error_reward: float = -1.0
 
     def __post_init__(self):
@@ -123,21 +128,34 @@ class _Episode:
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
 
+def _sample_actions(live: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
+                    generator, pad_id: int) -> list[tuple[list[int], list[float]]]:
+    """Each live episode's next action and its log-probs: one batched ``sample`` call per token budget (an episode
+    near ``max_total_tokens`` may sample fewer tokens than ``sampling.max_new_tokens``, and no row may ask for more
+    than it has room for)."""
+    budgets = [min(sampling.max_new_tokens, limits.max_total_tokens - e.length) for e in live]
+    actions: list = [None] * len(live)
+    for budget in sorted(set(budgets), reverse=True):
+        index = [i for i, b in enumerate(budgets) if b == budget]
+        rows = [live[i].prompt + live[i].tokens for i in index]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        out = sample(ids, mask, replace(sampling, max_new_tokens=budget), generator)
+        for row, i in enumerate(index):
+            k = int(out.response_mask[row].sum())
+            actions[i] = (out.tokens[row, width:width + k].tolist(), out.log_probs[row, :k].tolist())
+    return actions
+
+
 def _play_turn(episodes: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
                generator, pad_id: int) -> None:
-    """One action of every live episode (one batched ``sample`` call), then each environment's step."""
+    """One action of every live episode, then each environment's step."""
     live = [e for e in episodes if not e.done]
-    budgets = [min(sampling.max_new_tokens, limits.max_total_tokens - e.length) for e in live]
-    rows = [e.prompt + e.tokens for e in live]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    out = sample(ids, mask, replace(sampling, max_new_tokens=max(budgets)), generator)
-    for i, (episode, budget) in enumerate(zip(live, budgets)):
-        k = min(int(out.response_mask[i].sum()), budget)
-        action = out.tokens[i, width:width + k].tolist()
+    for episode, (action, log_probs) in zip(live, _sample_actions(live, sample, sampling, limits, generator,
+                                                                   pad_id)):
         start = episode.length
-        episode.append(action, out.log_probs[i, :k].tolist())
+        episode.append(action, log_probs)
         episode.spans.append((start, episode.length))
         try:
             result = episode.env.step(list(action))

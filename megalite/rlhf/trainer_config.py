@@ -96,6 +96,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.overlong_buffer_len > args.max_new_tokens:
         raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
                          f"{args.max_new_tokens}")
+    if args.environment and (rollout or args.use_scoring_server or args.dynamic_sampling or args.eval_interval
+                             or args.reward_model):
+        raise ValueError(f"--environment {args.environment} is rewarded by the environment on the training ranks: "
+                         f"it runs without --rollout-world-size, --use-scoring-server, --dynamic-sampling, "
+                         f"--eval-interval and --reward-model")
+    if args.environment and not args.max_new_tokens < args.max_total_tokens:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be below --max-total-tokens "
+                         f"{args.max_total_tokens}")
     args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
     if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
         raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")

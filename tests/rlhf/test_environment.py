@@ -1,7 +1,10 @@
 """Multi-turn environments: the trained tokens are the sampled ones, observations carry no loss, the shipped
-verifier and calculator tasks, the limits, and the bad-input cases (wrong types, a tool call that raises)."""
+verifier and calculator tasks, the limits, and the bad-input cases (wrong types, a tool call that raises); the RL
+trainer's --environment."""
 
+import json
 import logging
+import random
 
 import pytest
 import torch
@@ -9,9 +12,12 @@ import torch
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.models import GPTModel
 from megalite.rlhf.actor import sequence_log_probs
-from megalite.rlhf.env_tasks import CalculatorEnvironment, VerifierEnvironment, calculate
+from megalite.rlhf.env_tasks import CalculatorEnvironment, VerifierEnvironment, calculate, warmup_batch
 from megalite.rlhf.environment import Environment, EpisodeLimits, StepResult, run_episodes
 from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.testing import run_distributed
 from tests.rlhf.common import config
 
 TOK = ByteTokenizer()
@@ -70,6 +76,20 @@ def test_trained_tokens_are_the_sampled_ones_and_observations_carry_no_loss():
     with torch.no_grad():
         actor, _ = sequence_log_probs(model, rollout.input_ids, rollout.attention_mask, SAMPLING.temperature)
     torch.testing.assert_close(actor * expected_mask, rollout.behaviour_log_probs, rtol=0, atol=1e-5)
+
+
+def test_episodes_near_the_token_limit_sample_only_what_fits():
+    """Episodes of different lengths reach max_total_tokens (the model's whole context) in the same turn with
+    different budgets: each samples only what fits (one batch asking the longest budget of all overran the
+    context), every row ends at the limit, and the trained tokens keep their behaviour log-probs."""
+    model = GPTModel(config(vocab_size=TOK.vocab_size, max_position_embeddings=16))
+    rollout = run_episodes([Echo() for _ in range(3)], [0, 3, 1], RolloutEngine(model).generate, SAMPLING,
+                           EpisodeLimits(max_turns=9, max_total_tokens=16), torch.Generator().manual_seed(2))
+    assert rollout.attention_mask.sum(dim=1).tolist() == [16, 15, 16]  # the 2nd row's "#2" would not fit
+    assert rollout.metadata["turns"] == [3, 2, 3] and rollout.metadata["errors"] == [None] * 3
+    with torch.no_grad():
+        actor, _ = sequence_log_probs(model, rollout.input_ids, rollout.attention_mask, SAMPLING.temperature)
+    torch.testing.assert_close(actor * rollout.response_mask, rollout.behaviour_log_probs, rtol=0, atol=1e-5)
 
 
 def scripted(script: dict[str, list[str]], log_prob: float = -0.5):
@@ -189,3 +209,50 @@ def test_calculator_tool_accepts_integer_arithmetic_only():
             calculate(bad)
     with pytest.raises(ZeroDivisionError):
         calculate("1%0")
+
+
+def test_warmup_batch_trains_the_actions_of_a_demonstration_only():
+    batch = warmup_batch(lambda: CalculatorEnvironment(TOK, 9), random.Random(0), 3, 48)
+    for ids, attention, loss in zip(batch["input_ids"].tolist(), batch["attention_mask"], batch["loss_mask"]):
+        n = int(attention.sum())
+        text = TOK.detokenize(ids[:n])
+        question, answer = text.split("=")[0], str(eval(text.split("=")[0]))
+        assert text == f"{question}=<calc>{question}</calc><result>{answer}</result>{answer}"
+        trained = "".join(chr(t) if t < 256 else "$" for t, m in zip(ids[1:], loss.tolist()) if m)
+        assert trained == f"<calc>{question}</calc>${answer}$"  # both actions with their end-of-document, no more
+        assert ids[n:] == [TOK.pad] * (len(ids) - n)
+    with pytest.raises(ValueError, match="a CalculatorEnvironment demonstration of .* tokens does not fit in 20"):
+        warmup_batch(lambda: CalculatorEnvironment(TOK, 9), random.Random(0), 3, 20)
+
+
+RUN = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
+       "--train-iters", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
+       "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "4", "--ppo-epochs", "1",
+       "--max-new-tokens", "8", "--max-total-tokens", "48", "--environment", "calculator"]
+
+
+def _train(argv):
+    return RLTrainer(parse_args(argv)).train()
+
+
+@pytest.mark.slow
+def test_rl_trainer_plays_the_environment(tmp_path):
+    """--environment: the trainer warms up on demonstrations, plays episodes and trains on the environment's reward
+    (an untrained policy's tool calls mostly fail: their episodes end with --error-reward, the run goes on)."""
+    metrics = tmp_path / "metrics.jsonl"
+    assert run_distributed(_train, 1, RUN + ["--metrics-file", str(metrics), "--error-reward", "-0.5"],
+                           timeout=120) == [0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(-0.5 <= r["reward"] <= 1.0 and 0 < r["response_length"] and r["entropy"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--eval-interval", "1"], "--environment calculator is rewarded by the environment on the training ranks"),
+    (["--dynamic-sampling"], "runs without --rollout-world-size, --use-scoring-server, --dynamic-sampling"),
+    (["--max-new-tokens", "48"], "--max-new-tokens 48 must be below --max-total-tokens 48"),
+    (["--environment", "chess"], "argument --environment: invalid choice: 'chess'"),
+])
+def test_rl_trainer_environment_bad_input(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parse_args(RUN + extra), 1)
