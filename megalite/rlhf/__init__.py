@@ -31,7 +31,8 @@ from megalite.rlhf.target import PolyakTarget
 
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
-    "SamplingConfig", "RolloutEngine",
+    "SamplingConfig", "RolloutEngine", "Environment", "EpisodeLimits", "StepResult", "run_episodes",
+    "CalculatorEnvironment", "VerifierEnvironment",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "ScoringServer", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
@@ -39,6 +40,5 @@ __all__ = [
     "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
     "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
     "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
-    "PolyakTarget", "Offloader", "OffloadConfig", "Placement", "Environment", "EpisodeLimits", "StepResult",
-    "run_episodes", "CalculatorEnvironment", "VerifierEnvironment",
+    "PolyakTarget", "Offloader", "OffloadConfig", "Placement",
 ]
