@@ -245,6 +245,7 @@ def test_rl_trainer_plays_the_environment(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     assert all(-0.5 <= r["reward"] <= 1.0 and 0 < r["response_length"] and r["entropy"] > 0 for r in records)
+    assert all(1 <= r["turns"] <= 3 and 0 <= r["episode_errors"] <= 1 for r in records)
 
 
 @pytest.mark.parametrize("extra, message", [
