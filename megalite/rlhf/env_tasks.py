@@ -67,7 +67,11 @@ class VerifierEnvironment(Environment):
         self.verify, self.answer, self.prompt = verify, answer, ""
 
     def reset(self, seed: int) -> list[int]:
-        self.prompt = self.make_prompt(random.Random(seed))
+        return self.pose(random.Random(seed))
+
+    def pose(self, rng: random.Random) -> list[int]:
+        """The question drawn from ``rng``, as prompt ids."""
+        self.prompt = self.make_prompt(rng)
         return self.tokenizer.tokenize(self.prompt)
 
     def step(self, action: list[int]) -> StepResult:
@@ -85,7 +89,10 @@ class CalculatorEnvironment(Environment):
         self.max_operand, self.question, self.answer = max_operand, "", 0
 
     def reset(self, seed: int) -> list[int]:
-        rng = random.Random(seed)
+        return self.pose(random.Random(seed))
+
+    def pose(self, rng: random.Random) -> list[int]:
+        """The question drawn from ``rng``, as prompt ids."""
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         self.question, self.answer = f"{a}*{b}", a * b
         return self.tokenizer.tokenize(self.question + "=")
@@ -111,6 +118,20 @@ ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnviron
 def make_environment(name: str, max_operand: int) -> Environment:
     """A fresh ``--environment`` episode on the trainer's byte tokenizer."""
     return ENVIRONMENTS[name](TOKENIZER, max_operand=max_operand)
+
+
+class _Largest(random.Random):
+    """Draws the top of every ``randint`` range: the longest question the trainer's tasks can pose."""
+
+    def randint(self, a: int, b: int) -> int:
+        return b
+
+
+def longest_demonstration(name: str, max_operand: int) -> int:
+    """Tokens of the longest warm-up demonstration of ``--environment name`` (both operands ``max_operand``), so
+    the trainer can check ``--max-total-tokens`` before any collective."""
+    env = make_environment(name, max_operand)
+    return len(env.pose(_Largest())) + sum(len(ids) for ids, _ in env.demonstration())
 
 
 def warmup_batch(make: Callable[[], Environment], rng: random.Random, rows: int, max_tokens: int) -> dict:

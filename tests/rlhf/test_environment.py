@@ -12,7 +12,8 @@ import torch
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.models import GPTModel
 from megalite.rlhf.actor import sequence_log_probs
-from megalite.rlhf.env_tasks import CalculatorEnvironment, VerifierEnvironment, calculate, warmup_batch
+from megalite.rlhf.env_tasks import (CalculatorEnvironment, VerifierEnvironment, calculate, longest_demonstration,
+                                     warmup_batch)
 from megalite.rlhf.environment import Environment, EpisodeLimits, StepResult, run_episodes
 from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig
 from megalite.rlhf.trainer import RLTrainer
@@ -223,6 +224,9 @@ def test_warmup_batch_trains_the_actions_of_a_demonstration_only():
         assert ids[n:] == [TOK.pad] * (len(ids) - n)
     with pytest.raises(ValueError, match="a CalculatorEnvironment demonstration of .* tokens does not fit in 20"):
         warmup_batch(lambda: CalculatorEnvironment(TOK, 9), random.Random(0), 3, 20)
+    # "9*9=" "<calc>9*9</calc>" eod "<result>81</result>" "81" eod, the longest the trainer checks for
+    assert longest_demonstration("calculator", 9) == 4 + 16 + 1 + 19 + 2 + 1
+    assert longest_demonstration("verifier", 9) == len("9+9=18") + 1
 
 
 RUN = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
@@ -253,6 +257,8 @@ def test_rl_trainer_plays_the_environment(tmp_path):
     (["--dynamic-sampling"], "runs without --rollout-world-size, --use-scoring-server, --dynamic-sampling"),
     (["--max-new-tokens", "48"], "--max-new-tokens 48 must be below --max-total-tokens 48"),
     (["--environment", "chess"], "argument --environment: invalid choice: 'chess'"),
+    (["--max-operand", "20"], "--environment calculator warm-up demonstrations up to --max-operand 20 take 49 "
+                              "tokens, more than --max-total-tokens 48"),
 ])
 def test_rl_trainer_environment_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
