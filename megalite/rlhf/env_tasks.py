@@ -82,11 +82,17 @@ class VerifierEnvironment(Environment):
 
 
 class CalculatorEnvironment(Environment):
-    """"a*b=" with ``0 <= a, b <= max_operand``, a ``<calc>EXPR</calc>`` calculator tool, reward 1 for the product."""
+    """"a*b=" with ``0 <= a, b <= max_operand``, a ``<calc>EXPR</calc>`` calculator tool, reward 1 for the product.
 
-    def __init__(self, tokenizer, max_operand: int = 99):
+    ``direct_fraction`` of the demonstrations answer at once without the tool (drawn with the question): a warm-up
+    that has not learned when to call the tool, which RL then has to learn."""
+
+    def __init__(self, tokenizer, max_operand: int = 99, direct_fraction: float = 0.0):
         super().__init__(tokenizer)
-        self.max_operand, self.question, self.answer = max_operand, "", 0
+        if not 0.0 <= direct_fraction <= 1.0:
+            raise ValueError(f"direct_fraction must be in [0, 1], got {direct_fraction}")
+        self.max_operand, self.direct_fraction = max_operand, direct_fraction
+        self.question, self.answer, self.direct = "", 0, False
 
     def reset(self, seed: int) -> list[int]:
         return self.pose(random.Random(seed))
@@ -95,11 +101,14 @@ class CalculatorEnvironment(Environment):
         """The question drawn from ``rng``, as prompt ids."""
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         self.question, self.answer = f"{a}*{b}", a * b
+        self.direct = rng.random() < self.direct_fraction
         return self.tokenizer.tokenize(self.question + "=")
 
     def demonstration(self) -> list[tuple[list[int], bool]]:
-        """Call the calculator on the question, then copy its result."""
+        """Call the calculator on the question, then copy its result (or answer at once when ``direct``)."""
         tokens, eod = self.tokenizer.tokenize, self.tokenizer.eod
+        if self.direct:
+            return [(tokens(str(self.answer)) + [eod], True)]
         return [(tokens(f"<calc>{self.question}</calc>") + [eod], True),
                 (tokens(f"<result>{self.answer}</result>"), False), (tokens(str(self.answer)) + [eod], True)]
 
@@ -115,22 +124,28 @@ ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnviron
 """The RL trainer's ``--environment`` choices."""
 
 
-def make_environment(name: str, max_operand: int) -> Environment:
-    """A fresh ``--environment`` episode on the trainer's byte tokenizer."""
-    return ENVIRONMENTS[name](TOKENIZER, max_operand=max_operand)
+def make_environment(args) -> Environment:
+    """A fresh episode of the trainer's ``--environment`` (``--max-operand``, ``--warmup-direct-fraction``) on its
+    byte tokenizer."""
+    options = {} if args.warmup_direct_fraction is None else {"direct_fraction": args.warmup_direct_fraction}
+    return ENVIRONMENTS[args.environment](TOKENIZER, max_operand=args.max_operand, **options)
 
 
 class _Largest(random.Random):
-    """Draws the top of every ``randint`` range: the longest question the trainer's tasks can pose."""
+    """Draws the top of every ``randint`` range and 1.0 from ``random``: the longest question the trainer's tasks
+    can pose, demonstrated with the tool."""
 
     def randint(self, a: int, b: int) -> int:
         return b
 
+    def random(self) -> float:
+        return 1.0
 
-def longest_demonstration(name: str, max_operand: int) -> int:
-    """Tokens of the longest warm-up demonstration of ``--environment name`` (both operands ``max_operand``), so
-    the trainer can check ``--max-total-tokens`` before any collective."""
-    env = make_environment(name, max_operand)
+
+def longest_demonstration(args) -> int:
+    """Tokens of the longest warm-up demonstration of the trainer's ``--environment`` (both operands
+    ``--max-operand``), so the trainer can check ``--max-total-tokens`` before any collective."""
+    env = make_environment(args)
     return len(env.pose(_Largest())) + sum(len(ids) for ids, _ in env.demonstration())
 
 

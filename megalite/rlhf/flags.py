@@ -99,6 +99,9 @@ RL_FLAGS = FlagTable((
          help="--environment: prompt, actions and observations of an episode together (also the model's positions)"),
     Flag("--error-reward", TASK, ("EpisodeLimits.error_reward",), type=float,
          help="--environment: the final reward of an episode whose step (a tool call) raised"),
+    Flag("--warmup-direct-fraction", TASK, type=float,
+         help="--environment calculator: this fraction of the warm-up demonstrations answer without the tool (a "
+              "policy that has yet to learn when to call it); None: the environment's default, always the tool"),
     Flag("--max-operand", TASK, default=9, type=int,
          help="problems are a+b (a*b for calculator) with 0 <= a, b <= this"),
     Flag("--pretrain-iters", TASK, default=80, type=int, help="warm-up pretraining steps before RL (none with --load)"),

@@ -127,7 +127,7 @@ class Rollouts:
                  for _ in range(args.n_samples_per_prompt)]
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
         with self.placement.phase("generation"):
-            rollout = run_episodes([make_environment(args.environment, args.max_operand) for _ in seeds], seeds,
+            rollout = run_episodes([make_environment(args) for _ in seeds], seeds,
                                    self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))

@@ -105,11 +105,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.environment and not args.max_new_tokens < args.max_total_tokens:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be below --max-total-tokens "
                          f"{args.max_total_tokens}")
-    if args.environment and not args.load and longest_demonstration(args.environment, args.max_operand) > \
-            args.max_total_tokens:
+    if args.warmup_direct_fraction is not None and args.environment != "calculator":
+        raise ValueError("--warmup-direct-fraction shapes the warm-up of --environment calculator")
+    if args.environment and not args.load and longest_demonstration(args) > args.max_total_tokens:
         raise ValueError(f"--environment {args.environment} warm-up demonstrations up to --max-operand "
-                         f"{args.max_operand} take {longest_demonstration(args.environment, args.max_operand)} "
-                         f"tokens, more than --max-total-tokens {args.max_total_tokens}")
+                         f"{args.max_operand} take {longest_demonstration(args)} tokens, more than "
+                         f"--max-total-tokens {args.max_total_tokens}")
     args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
     if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
         raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")

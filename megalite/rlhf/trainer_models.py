@@ -58,7 +58,7 @@ def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDat
     rng = random.Random(args.seed + 17 * topo.dp.rank)
     for step in range(1, args.pretrain_iters + 1):
         if args.environment:
-            batch = warmup_batch(lambda: make_environment(args.environment, args.max_operand), rng,
+            batch = warmup_batch(lambda: make_environment(args), rng,
                                  args.pretrain_batch_per_rank, args.max_total_tokens)
         else:
             batch = pretrain_batch(rng, args.pretrain_batch_per_rank, args.max_operand)

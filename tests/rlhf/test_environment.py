@@ -224,9 +224,14 @@ def test_warmup_batch_trains_the_actions_of_a_demonstration_only():
         assert ids[n:] == [TOK.pad] * (len(ids) - n)
     with pytest.raises(ValueError, match="a CalculatorEnvironment demonstration of .* tokens does not fit in 20"):
         warmup_batch(lambda: CalculatorEnvironment(TOK, 9), random.Random(0), 3, 20)
+    direct = warmup_batch(lambda: CalculatorEnvironment(TOK, 9, direct_fraction=1.0), random.Random(0), 3, 48)
+    for ids, attention in zip(direct["input_ids"].tolist(), direct["attention_mask"]):
+        question, answer = TOK.detokenize(ids).split("=")
+        assert answer == str(eval(question)) and ids[int(attention.sum()) - 1] == TOK.eod  # no tool call
     # "9*9=" "<calc>9*9</calc>" eod "<result>81</result>" "81" eod, the longest the trainer checks for
-    assert longest_demonstration("calculator", 9) == 4 + 16 + 1 + 19 + 2 + 1
-    assert longest_demonstration("verifier", 9) == len("9+9=18") + 1
+    args = parse_args(RUN + ["--max-operand", "9", "--warmup-direct-fraction", "0.5"])
+    assert longest_demonstration(args) == 4 + 16 + 1 + 19 + 2 + 1
+    assert longest_demonstration(parse_args(RUN + ["--environment", "verifier"])) == len("9+9=18") + 1
 
 
 RUN = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
@@ -259,7 +264,30 @@ def test_rl_trainer_plays_the_environment(tmp_path):
     (["--environment", "chess"], "argument --environment: invalid choice: 'chess'"),
     (["--max-operand", "20"], "--environment calculator warm-up demonstrations up to --max-operand 20 take 49 "
                               "tokens, more than --max-total-tokens 48"),
+    (["--warmup-direct-fraction", "1.5"], r"direct_fraction must be in \[0, 1\], got 1.5"),
+    (["--environment", "verifier", "--warmup-direct-fraction", "0.5"],
+     "--warmup-direct-fraction shapes the warm-up of --environment calculator"),
 ])
 def test_rl_trainer_environment_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         validate(parse_args(RUN + extra), 1)
+
+
+@pytest.mark.slow
+def test_calculator_reward_rises_as_the_policy_learns_to_call_the_tool(tmp_path):
+    """Warmed up on demonstrations half of which answer a*b (operands up to 20) without the tool, the policy
+    mostly guesses wrong without it; GRPO on the environment's reward learns to call the calculator: the episodes
+    grow longer (tool calls and their results) and the reward of the last iterations beats the first ones'."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "64", "--num-layers", "2", "--pretrain-iters",
+            "150", "--train-iters", "14", "--global-batch-size", "8", "--n-samples-per-prompt", "8",
+            "--advantage-estimator", "grpo", "--micro-batch-size", "64", "--max-new-tokens", "20",
+            "--max-total-tokens", "56", "--ppo-epochs", "1", "--actor-lr", "5e-4", "--error-reward", "0",
+            "--max-operand", "20", "--environment", "calculator", "--warmup-direct-fraction", "0.5",
+            "--metrics-file", str(metrics)]
+    assert run_distributed(_train, 1, argv, timeout=300) == [0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first, last = records[:4], records[-4:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    assert mean(last, "reward") > mean(first, "reward") + 0.15, [r["reward"] for r in records]
+    assert mean(last, "response_length") > mean(first, "response_length") + 3, [r["response_length"] for r in records]
