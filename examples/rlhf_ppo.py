@@ -18,7 +18,9 @@ current one (truncated importance sampling, ``--rollout-is-cap``, corrects a sta
 ``--rollout-world-size`` generates on ranks of their own, synced with the trainers' weights after each update.
 ``--use-scoring-server`` runs the reward (and with ``--distill-coef`` / ``--teacher-reward-coef`` a teacher GPT,
 ``--teacher-topk K``) on one rank.  ``--offload-frozen-models`` / ``--offload-optimizer`` park models and optimizer
-state in host memory outside their phase (rank 0 prints the placement plan).  Each iteration is printed and
+state in host memory outside their phase (rank 0 prints the placement plan).  ``--environment calculator`` (or
+``verifier``) plays multi-turn episodes of ``megalite.rlhf.env_tasks`` instead: a*b with a ``<calc>EXPR</calc>``
+tool, the reward given by the environment, ``--max-turns`` / ``--max-total-tokens`` per episode.  Each iteration is printed and
 written to ``--metrics-file`` (JSON lines) and TensorBoard.  ``--help`` lists every option.
 """
 

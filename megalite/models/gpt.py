@@ -379,7 +379,8 @@ class GPTModel(nn.Module):
             mask = padding_causal_mask(attention_mask, seq, offset)
         if self.pre_process:
             if self.embedding.position_embeddings is not None:
-                self._check_positions(offset + seq, position_ids if explicit_positions else None)
+                # a padding mask numbers the real tokens only: its positions, not the padded width, must fit
+                self._check_positions(offset + seq, position_ids if explicit_positions or mask is not None else None)
             if position_ids is None:
                 position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand(b, seq)
             hidden = self.embedding(input_ids, position_ids)
@@ -398,7 +399,8 @@ class GPTModel(nn.Module):
         return self._head(hidden, labels)
 
     def _check_positions(self, total: int, position_ids: torch.Tensor | None) -> None:
-        """Learned positions must index the table: ``0 .. total-1`` by default, else ``position_ids``'s range."""
+        """Learned positions must index the table: ``0 .. total-1`` by default, else ``position_ids``'s range (given,
+        or numbered from the padding mask)."""
         limit = self.config.max_position_embeddings
         if position_ids is None:
             if total > limit:

@@ -36,15 +36,20 @@ def response_text(response_ids: list[int]) -> str:
 
 def pretrain_batch(rng: random.Random, rows_per_rank: int, max_operand: int) -> dict:
     """Right-padded "a+b=c<eod>" sequences; the loss covers the answer and end-of-document."""
-    rows, answer_starts = [], []
+    rows, trained = [], []
     for _ in range(rows_per_rank):
         prompt = problem(rng, max_operand)
-        rows.append(TOKENIZER.tokenize(prompt + arithmetic_answer(prompt)) + [TOKENIZER.eod])
-        answer_starts.append(len(prompt))
+        answer = TOKENIZER.tokenize(arithmetic_answer(prompt)) + [TOKENIZER.eod]
+        rows.append(TOKENIZER.tokenize(prompt) + answer)
+        trained.append([0.0] * len(prompt) + [1.0] * len(answer))
+    return lm_batch(rows, trained)
+
+
+def lm_batch(rows: list[list[int]], trained: list[list[float]]) -> dict:
+    """Warm-up documents ``rows`` right-padded into one batch; ``trained[i][j]`` (1 or 0) says whether token ``j``
+    of row ``i`` is in the loss (the loss mask is aligned with ``input_ids[:, 1:]``, the predicted tokens)."""
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [TOKENIZER.pad] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    loss_mask = torch.zeros(len(rows), width - 1)
-    for i, (row, start) in enumerate(zip(rows, answer_starts)):
-        loss_mask[i, start - 1:len(row) - 1] = 1
+    loss_mask = torch.tensor([t[1:] + [0.0] * (width - len(t)) for t in trained])
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}

@@ -1,7 +1,7 @@
 """RL's and reward-model training's command-line flags: rows of the same ``Flag`` table as pretraining, mapped onto the RL configs.
 
 A row with ``fields`` takes its default from the config dataclass (``PPOConfig``, ``AdvantageConfig``,
-``SamplingConfig``, ``OffloadConfig``), so ``megalite.rlhf.trainer.RLTrainer`` and the Python API agree; the
+``SamplingConfig``, ``OffloadConfig``, ``EpisodeLimits``), so ``megalite.rlhf.trainer.RLTrainer`` and the Python API agree; the
 other rows are options of the RL loop with their default in the row.  ``RL_FLAGS.config_values(args,
 "PPOConfig")`` gives the config's keyword arguments from parsed flags.  The flag names follow verl
 and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from megalite.flags import Flag, FlagTable
 from megalite.rlhf.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from megalite.rlhf.env_tasks import ENVIRONMENTS
+from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import SamplingConfig
 from megalite.rlhf.placement import OffloadConfig
 from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
@@ -88,12 +90,25 @@ RL_FLAGS = FlagTable((
 
     Flag("--sample-interval", ROLLOUT, type=int,
          help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
-    Flag("--max-operand", TASK, default=9, type=int, help="problems are a+b with 0 <= a, b <= this"),
+    Flag("--environment", TASK, choices=tuple(ENVIRONMENTS),
+         help="play episodes of this environment (megalite.rlhf.env_tasks) instead of the built-in rollouts: "
+              "verifier (a+b, one turn) or calculator (a*b with a <calc>EXPR</calc> tool); the environment gives "
+              "the reward"),
+    Flag("--max-turns", TASK, ("EpisodeLimits.max_turns",), type=int, help="--environment: actions per episode"),
+    Flag("--max-total-tokens", TASK, ("EpisodeLimits.max_total_tokens",), type=int,
+         help="--environment: prompt, actions and observations of an episode together (also the model's positions)"),
+    Flag("--error-reward", TASK, ("EpisodeLimits.error_reward",), type=float,
+         help="--environment: the final reward of an episode whose step (a tool call) raised"),
+    Flag("--warmup-direct-fraction", TASK, type=float,
+         help="--environment calculator: this fraction of the warm-up demonstrations answer without the tool (a "
+              "policy that has yet to learn when to call it); None: the environment's default, always the tool"),
+    Flag("--max-operand", TASK, default=9, type=int,
+         help="problems are a+b (a*b for calculator) with 0 <= a, b <= this"),
     Flag("--pretrain-iters", TASK, default=80, type=int, help="warm-up pretraining steps before RL (none with --load)"),
     Flag("--pretrain-lr", TASK, default=3e-3, type=float),
     Flag("--pretrain-global-batch-size", TASK, default=64, type=int,
          help="sequences per warm-up step over all data-parallel ranks"),
-), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig))
+), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig, EpisodeLimits))
 
 PREFERENCES = "preference data"
 

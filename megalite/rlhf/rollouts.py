@@ -1,6 +1,7 @@
 """Rollouts: prompts drawn per DP rank, groups of sampled responses (the generation phase), their scores (a local
 reward), reference log-probs and values (the scoring phase), and DAPO's dynamic-sampling refill, each round a
-typed :class:`~megalite.rlhf.rollout_batch.Rollout`.
+typed :class:`~megalite.rlhf.rollout_batch.Rollout`.  With ``--environment`` a round is one episode per sample,
+played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environment.
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--rollout-world-size`` the rollouts are
@@ -20,6 +21,9 @@ import torch.distributed as dist
 from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.arithmetic import TOKENIZER, problem, prompt_width, response_text
 from megalite.rlhf.critic import pipeline_values
+from megalite.rlhf.env_tasks import make_environment
+from megalite.rlhf.environment import EpisodeLimits, run_episodes
+from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout
@@ -105,6 +109,7 @@ class Rollouts:
         self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
+        self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
@@ -114,8 +119,24 @@ class Rollouts:
         mb = self.args.micro_batch_size
         return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
 
+    def _play(self, iteration: int) -> Rollout:
+        """One round of ``--environment`` episodes of this DP rank: ``--n-samples-per-prompt`` episodes per task
+        (equal seeds), rewarded by the environment."""
+        args = self.args
+        seeds = [s for s in (self.rng.randrange(2 ** 31) for _ in range(args.prompts_per_rank))
+                 for _ in range(args.n_samples_per_prompt)]
+        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        with self.placement.phase("generation"):
+            rollout = run_episodes([make_environment(args) for _ in seeds], seeds,
+                                   self.sample, self.sampling, self.limits, generator)
+        for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
+            setattr(rollout, name, getattr(rollout, name).to(self.device))
+        return rollout
+
     def _sample(self, iteration: int, attempt: int) -> Rollout:
         """One generation round of this DP rank, generated here or received from its rollout rank."""
+        if self.args.environment:
+            return self._play(iteration)
         with self.placement.phase("generation"):
             if self.rollout_source is None:
                 rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,

@@ -103,7 +103,8 @@ class RLTrainer:
         torch.manual_seed(args.seed)
         config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers,
                            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                           max_position_embeddings=16, make_vocab_size_divisible_by=8, seed=args.seed)
+                           max_position_embeddings=args.max_total_tokens if args.environment else 16,
+                           make_vocab_size_divisible_by=8, seed=args.seed)
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
         self.sync = None
         if args.rollout_world_size:

@@ -13,6 +13,7 @@ import argparse
 from megalite.flags import ArgumentParser
 from megalite.rlhf.advantages import AdvantageConfig
 from megalite.rlhf.arithmetic import TOKENIZER
+from megalite.rlhf.env_tasks import longest_demonstration
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.placement import OffloadConfig
 from megalite.rlhf.ppo import PPOConfig
@@ -96,6 +97,20 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.overlong_buffer_len > args.max_new_tokens:
         raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
                          f"{args.max_new_tokens}")
+    if args.environment and (rollout or args.use_scoring_server or args.dynamic_sampling or args.eval_interval
+                             or args.reward_model):
+        raise ValueError(f"--environment {args.environment} is rewarded by the environment on the training ranks: "
+                         f"it runs without --rollout-world-size, --use-scoring-server, --dynamic-sampling, "
+                         f"--eval-interval and --reward-model")
+    if args.environment and not args.max_new_tokens < args.max_total_tokens:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be below --max-total-tokens "
+                         f"{args.max_total_tokens}")
+    if args.warmup_direct_fraction is not None and args.environment != "calculator":
+        raise ValueError("--warmup-direct-fraction shapes the warm-up of --environment calculator")
+    if args.environment and not args.load and longest_demonstration(args) > args.max_total_tokens:
+        raise ValueError(f"--environment {args.environment} warm-up demonstrations up to --max-operand "
+                         f"{args.max_operand} take {longest_demonstration(args)} tokens, more than "
+                         f"--max-total-tokens {args.max_total_tokens}")
     args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
     if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
         raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")

@@ -1,5 +1,6 @@
 """The RL trainer's models: this rank's pipeline chunk of a GPT or critic (DDP-wrapped, with its optimizer), the
-actor's warm-up pretraining on the arithmetic task (or its ``--load``), and the scoring server's teacher.
+actor's warm-up pretraining on the arithmetic task or the ``--environment``'s demonstrations (or its ``--load``),
+and the scoring server's teacher.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from megalite.pipeline import build_chunks
 from megalite.rlhf.arithmetic import pretrain_batch
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.distillation import teacher_fn
+from megalite.rlhf.env_tasks import make_environment, warmup_batch
 from megalite.rlhf.objectives import LanguageModelObjective
 
 
@@ -55,7 +57,11 @@ def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDat
         return chunk
     rng = random.Random(args.seed + 17 * topo.dp.rank)
     for step in range(1, args.pretrain_iters + 1):
-        batch = pretrain_batch(rng, args.pretrain_batch_per_rank, args.max_operand)
+        if args.environment:
+            batch = warmup_batch(lambda: make_environment(args), rng,
+                                 args.pretrain_batch_per_rank, args.max_total_tokens)
+        else:
+            batch = pretrain_batch(rng, args.pretrain_batch_per_rank, args.max_operand)
         batch = {k: v.to(device) for k, v in batch.items()}
         metrics = backend.forward_backward(batch)
         backend.optim_step()

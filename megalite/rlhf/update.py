@@ -1,7 +1,8 @@
 """One RL update on a batch of rollouts: staleness check and importance weights, shaped per-token rewards with the
 KL to the reference (and the teacher's log-prob rewards), advantages, ``--ppo-epochs`` passes of the actor (and
 critic) objectives, and the iteration's metrics averaged over data-parallel ranks (``entropy`` is the Monte-Carlo
-estimate of the sampling policy's entropy: the mean negative log-prob of the sampled response tokens).
+estimate of the sampling policy's entropy: the mean negative log-prob of the sampled response tokens; environment
+episodes add ``turns``, the mean actions per episode, and ``episode_errors``, the fraction ended by a raising step).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
                "time_train_s": time.monotonic() - start - log_probs_s}
     if critic is not None:
         metrics["value_loss"] = critic_metrics["value_loss"]
+    if "turns" in rollout.metadata:  # environment episodes (megalite.rlhf.environment.run_episodes)
+        turns, errors = rollout.metadata["turns"], rollout.metadata["errors"]
+        metrics["turns"] = dp_mean(sum(turns) / len(turns), topo, device)
+        metrics["episode_errors"] = dp_mean(sum(e is not None for e in errors) / len(errors), topo, device)
     if ppo.use_kl_loss:
         metrics["kl_loss"] = actor_metrics["kl_loss"]
     if teacher is not None:

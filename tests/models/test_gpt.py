@@ -168,5 +168,10 @@ def test_bad_inputs():
     model = GPTModel(config())
     with pytest.raises(ValueError, match="positions up to 17 exceed max_position_embeddings=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+    ids, mask = torch.zeros(1, 20, dtype=torch.long), torch.tensor([[0] * 4 + [1] * 16])
+    assert model(ids, attention_mask=mask).shape[1] == 20  # left padding: the 16 real tokens take positions 0..15
+    mask[0, 3] = 1
+    with pytest.raises(ValueError, match=r"position_ids range over \[0, 16\], outside \[0, 15\]"):
+        model(ids, attention_mask=mask)
     with pytest.raises(ValueError, match="needs set_input_tensor"):
         GPTModel(config(), pre_process=False)()
