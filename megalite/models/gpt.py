@@ -36,7 +36,8 @@ from megalite.context_parallel import check_comm_type, check_context_parallel, c
 from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
-from megalite.models.rotary import RotaryEmbedding
+from megalite.models.mla import check_mla_config, mla_flops_per_token
+from megalite.models.rotary import RotaryEmbedding, YarnRotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
                                       gather_from_sequence_parallel_region, pad_vocab_size,
@@ -54,6 +55,7 @@ _CHOICES = {
     "activation": ("gelu", "gelu_tanh", "swiglu"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
+    "rope_type": ("rope", "yarn"),
 }
 
 
@@ -101,6 +103,19 @@ class GPTConfig:
     moe: MoEConfig | None = None
     moe_layer_freq: int | list[int] = 1
     window_size: int | None = None
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     seed: int = 1234
 
     def __post_init__(self):
@@ -116,7 +131,9 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels of each head that RoPE rotates."""
+        """Channels of each head that RoPE rotates (MLA: its decoupled rotary part)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     def is_moe_layer(self, layer_number: int) -> bool:
@@ -140,7 +157,9 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         h, heads, groups, ffn = self.hidden_size, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
-        if h % heads:
+        if self.multi_latent_attention:
+            check_mla_config(self)
+        elif h % heads:
             raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
@@ -152,6 +171,9 @@ class GPTConfig:
             raise ValueError(f"ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp_size}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rope_type == "yarn" and (self.rotary_scaling_factor < 1 or self.position_embedding_type != "rope"):
+            raise ValueError(f"rope_type 'yarn' needs position_embedding_type 'rope' and rotary_scaling_factor >= 1, "
+                             f"got {self.position_embedding_type!r} and {self.rotary_scaling_factor}")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(f"rope needs an even, positive number of rotated channels, got kv_channels "
                              f"{self.kv_channels} * rotary_percent {self.rotary_percent} = {self.rotary_dim}")
@@ -195,6 +217,8 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     h, d = config.hidden_size, config.kv_channels
     heads, groups = config.num_attention_heads, config.num_query_groups
     attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 4 * seq_length * heads * d
+    if config.multi_latent_attention:
+        attention = mla_flops_per_token(config, seq_length)
     forward = 2.0 * h * config.vocab_size
     for layer in range(config.num_layers):
         forward += attention
@@ -276,7 +300,12 @@ class GPTModel(nn.Module):
             if tied and not post_process:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
-        if config.position_embedding_type == "rope":
+        if config.rope_type == "yarn":
+            self.rotary = YarnRotaryEmbedding(
+                config.rotary_dim, config.rotary_base, config.rotary_scaling_factor,
+                config.original_max_position_embeddings, config.beta_fast, config.beta_slow, config.mscale,
+                config.mscale_all_dim)
+        elif config.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
                                         ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=self.cp_group,

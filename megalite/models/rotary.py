@@ -1,6 +1,8 @@
-"""Rotary position embeddings (RoPE): cos/sin tables and their application to queries and keys."""
+"""Rotary position embeddings (RoPE): cos/sin tables (plain or YaRN-scaled) and their application."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -24,13 +26,58 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = base
 
+    def inv_freq(self, device) -> torch.Tensor:
+        """The ``head_dim / 2`` angular frequencies ``base ** (-2i/d)`` (fp32)."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.base ** exponents)
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[*positions.shape, head_dim]`` for integer ``positions`` (``[s]``, or ``[s, b]`` per row)."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
-        inv_freq = 1.0 / (self.base ** exponents)
-        angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq(positions.device)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """YaRN RoPE (Megatron's ``--rope-type yarn``, Hugging Face's ``rope_type: "yarn"``) for a context
+    stretched ``factor`` times past ``original_max_position_embeddings``.
+
+    Frequencies that turn fewer than ``beta_slow`` times over the original
+    context are interpolated (divided by ``factor``), those that turn more than
+    ``beta_fast`` times keep their value, with a linear ramp between (the ramp's
+    ends rounded outward, as DeepSeek does).  The cos/sin tables are multiplied
+    by ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)``;
+    the softmax scale's own factor ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    is the attention module's (see :func:`yarn_mscale`).
+    """
+
+    def __init__(self, head_dim: int, base: float, factor: float, original_max_position_embeddings: int,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float = 1.0, mscale_all_dim: float = 0.0):
+        super().__init__(head_dim, base)
+        self.factor, self.original = factor, original_max_position_embeddings
+        self.beta_fast, self.beta_slow = beta_fast, beta_slow
+        self.table_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+
+    def _correction_dim(self, rotations: float) -> float:
+        """The channel whose frequency turns ``rotations`` times over the original context."""
+        return self.head_dim * math.log(self.original / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
+
+    def inv_freq(self, device) -> torch.Tensor:
+        plain = super().inv_freq(device)
+        low = max(math.floor(self._correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(self._correction_dim(self.beta_slow)), self.head_dim - 1)
+        span = max(high - low, 0.001)
+        ramp = ((torch.arange(self.head_dim // 2, dtype=torch.float32, device=device) - low) / span).clamp(0, 1)
+        return plain / self.factor * ramp + plain * (1 - ramp)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().forward(positions)
+        return cos * self.table_scale, sin * self.table_scale
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
