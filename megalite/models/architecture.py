@@ -26,7 +26,8 @@ ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention
                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 """GPTConfig fields that fix the model's weights or its function."""
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "pre_softmax",
-                           "shared_expert_intermediate_size", "shared_expert_gate")
+                           "shared_expert_intermediate_size", "shared_expert_gate", "score_function",
+                           "enable_expert_bias", "routed_scaling_factor", "num_groups", "group_topk")
 """MoEConfig fields that fix the experts' weights or the routing function."""
 
 

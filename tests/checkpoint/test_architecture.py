@@ -82,7 +82,9 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
         assert compare_architecture(base, GPTConfig(**{**vars(base), name: value})) == [
             Difference(name, getattr(base, name), value)]
     moe_changed = {"num_experts": 8, "ffn_hidden_size": 32, "topk": 1, "activation": "swiglu", "add_bias": True,
-                   "pre_softmax": True, "shared_expert_intermediate_size": 8, "shared_expert_gate": True}
+                   "pre_softmax": True, "shared_expert_intermediate_size": 8, "shared_expert_gate": True,
+                   "score_function": "sigmoid", "enable_expert_bias": True, "routed_scaling_factor": 2.5,
+                   "num_groups": 2, "group_topk": 1}
     assert sorted(moe_changed) == sorted(MOE_ARCHITECTURE_FIELDS)
     for name, value in moe_changed.items():
         other = GPTConfig(**{**vars(base), "moe": MoEConfig(**{**vars(base.moe), name: value})})
