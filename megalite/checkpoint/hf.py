@@ -192,14 +192,21 @@ def _llama_to_megalite(hf: dict, tensors: dict) -> tuple[object, dict, dict]:
 
 
 def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
-    """``(GPTConfig, global megalite tensors, conversion info)`` of a GPT-2 or Llama checkpoint."""
+    """``(GPTConfig, global megalite tensors, conversion info)`` of a GPT-2, Llama or DeepSeek-V3 checkpoint."""
     kind = hf_config.get("model_type")
     if kind == "gpt2":
         config, out, info = _gpt2_to_megalite(hf_config, tensors)
     elif kind == "llama":
         config, out, info = _llama_to_megalite(hf_config, tensors)
+    elif kind == "deepseek_v3":
+        from megalite.checkpoint.hf_deepseek import deepseek_v3_to_megalite
+
+        pre, take = _prefix(tensors, "model."), _Taker(tensors, "the DeepSeek-V3 checkpoint")
+        config, out = deepseek_v3_to_megalite(hf_config, take, set(tensors), pre)
+        info = _finish_output_layer(take, out, hf_config.get("tie_word_embeddings", False), pre, "embed_tokens.weight")
     else:
-        raise ValueError(f"model_type {kind!r} is not supported; the converter knows 'gpt2' and 'llama'")
+        raise ValueError(f"model_type {kind!r} is not supported; the converter knows 'gpt2', 'llama' and "
+                         "'deepseek_v3' (read only)")
     return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
 
 
