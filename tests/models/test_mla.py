@@ -101,3 +101,10 @@ def test_mla_recompute_and_kv_cache_match_plain_forward():
 def test_mla_bad_config_is_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):
         config("mla", **overrides).validate()
+
+
+def test_the_paged_engine_refuses_mla_with_one_clear_error():
+    from megalite.inference.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="does not cache multi-latent attention yet"):
+        LLMEngine(GPTModel(config("mla")))
