@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama; safetensors + config.json) and megalite.
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, DeepSeek-V3; safetensors + config.json) and megalite.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR

@@ -206,12 +206,14 @@ def hf_to_megalite(hf_config: dict, tensors: dict) -> tuple[object, dict, dict]:
         info = _finish_output_layer(take, out, hf_config.get("tie_word_embeddings", False), pre, "embed_tokens.weight")
     else:
         raise ValueError(f"model_type {kind!r} is not supported; the converter knows 'gpt2', 'llama' and "
-                         "'deepseek_v3' (read only)")
+                         "'deepseek_v3'")
     return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
 
 
 def hf_family(config) -> str:
-    """'gpt2' or 'llama': the Hugging Face family this megalite architecture matches."""
+    """'gpt2', 'llama' or 'deepseek_v3': the Hugging Face family this megalite architecture matches."""
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if config.moe is not None:
         raise ValueError("MoE models have no Hugging Face GPT-2/Llama equivalent")
     if (config.position_embedding_type == "learned_absolute" and config.normalization == "LayerNorm"
@@ -248,6 +250,10 @@ def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str |
     family = hf_family(config)
     gpt2 = family == "gpt2"
     pre = default_prefix(family) if prefix is None else prefix
+    if family == "deepseek_v3":
+        from megalite.checkpoint.hf_deepseek import deepseek_v3_tensor_to_hf
+
+        return deepseek_v3_tensor_to_hf(name, tensor, pre)
     top = {"embedding.word_embeddings.weight": pre + ("wte.weight" if gpt2 else "embed_tokens.weight"),
            "embedding.position_embeddings.weight": pre + "wpe.weight",
            "decoder.final_layernorm.weight": pre + ("ln_f.weight" if gpt2 else "norm.weight"),
@@ -317,7 +323,12 @@ def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dic
     if base.get("model_type", family) != family:
         base = {}
     pre = info.get("prefix", default_prefix(family))
-    hf = (_gpt2_hf_config if family == "gpt2" else _llama_hf_config)(config, base)
+    if family == "deepseek_v3":
+        from megalite.checkpoint.hf_deepseek import deepseek_v3_hf_config
+
+        hf = deepseek_v3_hf_config(config, base)
+    else:
+        hf = (_gpt2_hf_config if family == "gpt2" else _llama_hf_config)(config, base)
     out = {}
     for name in global_shapes(config):
         out.update(megalite_tensor_to_hf(config, name, tensors[name], pre))

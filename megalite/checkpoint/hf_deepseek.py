@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3 (``DeepseekV3ForCausalLM``) checkpoints read into megalite's global tensors.
+"""Hugging Face DeepSeek-V3 (``DeepseekV3ForCausalLM``) checkpoints to and from megalite's global tensors.
 
 Multi-latent attention maps one to one onto megalite's MLA (``models/mla.py``): ``q_a_proj`` /
 ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
@@ -7,14 +7,29 @@ Multi-latent attention maps one to one onto megalite's MLA (``models/mla.py``): 
 and ``linear_proj``, with the same row layout.  With ``rope_interleave`` (DeepSeek's own layout) the
 rotary channels of a head come as pairs ``(x0, x1), (x2, x3), ...``; megalite rotates halves, so those
 rows are reordered evens-then-odds, which leaves every attention score unchanged.  The MoE part is
-``megalite.moe.hf``'s; dense first layers are the model's SwiGLU MLP.
+``megalite.moe.hf``'s; dense first layers are the model's SwiGLU MLP.  megalite writes
+``rope_interleave: false`` and its own (rotate-half) row order, the same function.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megalite.moe.hf import moe_config_from_hf, moe_tensors_from_hf
+from megalite.moe.hf import moe_config_from_hf, moe_tensor_to_hf, moe_tensors_from_hf
+
+_TOP = {"embedding.word_embeddings.weight": "embed_tokens.weight", "decoder.final_layernorm.weight": "norm.weight"}
+_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+          "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+          "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+          "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+          "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+          "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+          "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+          "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+          "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+          "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+"""megalite names (under ``decoder.layers.{i}.``) of one layer and their Hugging Face names (under ``layers.{i}.``)."""
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -100,3 +115,63 @@ def deepseek_v3_to_megalite(hf: dict, take, names, pre: str) -> tuple[object, di
             out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
     out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
     return config, out
+
+
+def deepseek_v3_hf_config(config, base: dict) -> dict:
+    """The ``config.json`` of a megalite MLA model (MoE with sigmoid routing, or dense) as DeepSeek-V3."""
+    moe, pattern = config.moe, [int(config.is_moe_layer(i)) for i in range(config.num_layers)]
+    dense = pattern.index(1) if 1 in pattern else config.num_layers
+    problems = []
+    if config.activation != "swiglu" or config.normalization != "RMSNorm" or config.add_bias_linear:
+        problems.append("needs swiglu, RMSNorm and no biases")
+    if pattern != [0] * dense + [1] * (config.num_layers - dense):
+        problems.append(f"MoE layers {pattern} are not dense first layers then MoE")
+    if moe is not None and (moe.score_function != "sigmoid" or not moe.enable_expert_bias
+                            or moe.activation != "swiglu" or moe.add_bias or moe.shared_expert_gate
+                            or (moe.num_groups is not None and moe.topk // moe.group_topk != 2)):
+        problems.append("MoE needs sigmoid routing with an expert bias, SwiGLU experts without bias, an ungated "
+                        "shared expert, and groups scored by their best 2 experts")
+    shared = None if moe is None else moe.shared_expert_intermediate_size
+    if shared is not None and shared % moe.ffn_hidden_size:
+        problems.append(f"shared expert size {shared} is not a multiple of the expert size {moe.ffn_hidden_size}")
+    if problems:
+        raise ValueError("deepseek_v3 cannot represent this model: " + "; ".join(problems))
+    hf = {**base, "model_type": "deepseek_v3", "architectures": base.get("architectures", ["DeepseekV3ForCausalLM"]),
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+          "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_attention_heads,
+          "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+          "qk_nope_head_dim": config.qk_head_dim, "qk_rope_head_dim": config.qk_pos_emb_head_dim,
+          "v_head_dim": config.v_head_dim, "head_dim": config.qk_pos_emb_head_dim, "hidden_act": "silu",
+          "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.norm_eps,
+          "attention_bias": False, "attention_dropout": config.attention_dropout, "rope_interleave": False,
+          "tie_word_embeddings": not config.untie_embeddings_and_output_weights, "first_k_dense_replace": dense}
+    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_type == "yarn":
+        rope.update(rope_type="yarn", factor=config.rotary_scaling_factor, beta_fast=config.beta_fast,
+                    beta_slow=config.beta_slow, mscale=config.mscale, mscale_all_dim=config.mscale_all_dim,
+                    original_max_position_embeddings=config.original_max_position_embeddings)
+    hf["rope_parameters"] = rope
+    hf.pop("rope_scaling", None)
+    if moe is not None:
+        hf.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+                  moe_intermediate_size=moe.ffn_hidden_size, routed_scaling_factor=moe.routed_scaling_factor,
+                  n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1, norm_topk_prob=True,
+                  n_shared_experts=0 if shared is None else shared // moe.ffn_hidden_size)
+    return hf
+
+
+def deepseek_v3_tensor_to_hf(name: str, tensor: torch.Tensor, pre: str) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face ``(name, tensor)`` pairs of one global megalite tensor of an MLA model."""
+    if name in _TOP:
+        return [(pre + _TOP[name], tensor)]
+    if name == "output_layer.weight":
+        return [("lm_head.weight", tensor)]
+    _, _, index, rest = name.split(".", 3)
+    dst = f"{pre}layers.{index}."
+    if rest in _LAYER:
+        return [(dst + _LAYER[rest], tensor)]
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2)
+        return [(dst + "mlp.gate_proj.weight", gate), (dst + "mlp.up_proj.weight", up)]
+    return moe_tensor_to_hf(rest[len("mlp."):], tensor, dst, "deepseek_v3")

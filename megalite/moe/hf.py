@@ -41,7 +41,7 @@ from megalite.moe.config import MoEConfig
 
 HF_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_MOE_READ_FAMILIES = HF_MOE_FAMILIES + ("deepseek_v3",)
-"""Families megalite writes; it reads DeepSeek-V3 as well."""
+"""``moe_config_to_hf`` writes the first three; DeepSeek-V3's config is ``checkpoint/hf_deepseek.py``'s."""
 _MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
 _QWEN_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
@@ -174,11 +174,14 @@ def moe_tensors_from_hf(take: Callable[[str], torch.Tensor], names: Collection[s
 def moe_tensor_to_hf(name: str, tensor: torch.Tensor, layer_prefix: str, model_type: str
                      ) -> list[tuple[str, torch.Tensor]]:
     """The on-disk HF ``(name, tensor)`` pairs of one global megalite MoE tensor (``name`` under ``mlp.``)."""
-    kind = _family({"model_type": model_type})
+    kind = _family({"model_type": model_type}, HF_MOE_READ_FAMILIES)
     dst = layer_prefix + ("block_sparse_moe." if kind == "mixtral" else "mlp.")
+    shared = dst + ("shared_experts." if kind == "deepseek_v3" else "shared_expert.")
     part = _MIXTRAL_EXPERT if kind == "mixtral" else _QWEN_EXPERT
     if name == "router.weight":
         return [(dst + "gate.weight", tensor)]
+    if name == "router.expert_bias" and kind == "deepseek_v3":
+        return [(dst + "gate.e_score_correction_bias", tensor)]
     if name == "experts.fc1_weight":
         pairs = []
         for e, weight in enumerate(tensor):
@@ -189,9 +192,9 @@ def moe_tensor_to_hf(name: str, tensor: torch.Tensor, layer_prefix: str, model_t
         return [(f"{dst}experts.{e}.{part['down']}.weight", weight) for e, weight in enumerate(tensor)]
     if name == "shared_experts.linear_fc1.weight":
         gate, up = tensor.chunk(2)
-        return [(dst + "shared_expert.gate_proj.weight", gate), (dst + "shared_expert.up_proj.weight", up)]
+        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
     if name == "shared_experts.linear_fc2.weight":
-        return [(dst + "shared_expert.down_proj.weight", tensor)]
+        return [(shared + "down_proj.weight", tensor)]
     if name == "shared_expert_gate":
         return [(dst + "shared_expert_gate.weight", tensor)]
     raise ValueError(f"{model_type} has no Hugging Face tensor for the MoE tensor mlp.{name}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import load_model
-from megalite.checkpoint.hf import convert_hf_to_megalite
+from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +36,7 @@ def _tiny(q_lora_rank=16, interleave=True):
 
 
 @pytest.mark.parametrize("q_lora_rank, interleave", [(16, True), (None, False)])
-def test_converted_deepseek_v3_matches_transformers_logits(q_lora_rank, interleave, tmp_path):
+def test_converted_deepseek_v3_matches_transformers_logits_both_ways(q_lora_rank, interleave, tmp_path):
     model = _tiny(q_lora_rank, interleave)
     model.save_pretrained(tmp_path / "hf")
     convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "megalite"))
@@ -51,6 +51,11 @@ def test_converted_deepseek_v3_matches_transformers_logits(q_lora_rank, interlea
         expected = model(ids).logits
         logits = ours(ids)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    convert_megalite_to_hf(str(tmp_path / "megalite"), str(tmp_path / "back"))
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert back.config.rope_interleave is False
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_deepseek_v3_settings_megalite_cannot_compute_are_one_error(tmp_path):
