@@ -179,3 +179,24 @@ def test_pretrain_updates_the_expert_bias_each_step_and_saves_it(tiny_data, tmp_
     assert len(records) == iters and all(r["loss"] == r["loss"] for r in records)
     bias = load_model(str(tmp_path / "ckpt")).get_buffer("decoder.layers.1.mlp.router.expert_bias")
     assert 0 < bias.abs().max() <= iters * 0.01 + 1e-7
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    (["--moe-router-group-topk", "3", "--moe-router-num-groups", "2"], 1, "group_topk 3 exceeds num_groups 2"),
+    (["--moe-router-num-groups", "3"], 1, "num_experts 4 is not divisible by num_groups 3"),
+    (["--expert-model-parallel-size", "2", "--num-experts", "6", "--moe-router-num-groups", "3",
+      "--moe-router-group-topk", "1", "--moe-router-topk", "2"], 4, None),
+    (["--expert-model-parallel-size", "4", "--num-experts", "6", "--moe-router-num-groups", "3"], 4,
+     "num_experts 6 is not divisible by the expert-parallel size 4"),
+])
+def test_bad_routing_flags_are_one_error_before_training(extra, world, message):
+    from megalite.training.arguments import validate_args
+    from megalite.training.flags import parse_args
+
+    argv = DEEPSEEK_FLAGS + ["--vocab-size", "64", "--num-layers", "2"] + extra
+    if message is None:  # groups need not align with EP ranks to be valid
+        args = validate_args(parse_args(argv), world)
+        assert (args.expert_model_parallel_size, args.moe_router_num_groups) == (2, 3)
+        return
+    with pytest.raises(ValueError, match=message):
+        validate_args(parse_args(argv), world)
