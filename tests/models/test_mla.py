@@ -108,3 +108,27 @@ def test_the_paged_engine_refuses_mla_with_one_clear_error():
 
     with pytest.raises(ValueError, match="does not cache multi-latent attention yet"):
         LLMEngine(GPTModel(config("mla")))
+
+
+def _mla_context_parallel():
+    from megalite import topology
+    from megalite.context_parallel import document_ids
+    from tests.context_parallel.test_model import EOD, SEQ, _compare, _packed_batch, _references
+
+    ids, labels = _packed_batch()
+    docs = document_ids(ids, EOD)
+    cfg = config("mla", max_position_embeddings=SEQ)
+    references = _references(cfg, ids, labels, docs)
+    topo = topology.initialize(cp=2)
+    errors = {}
+    for comm in ("p2p", "all_gather", "a2a"):
+        errors.update(_compare(cfg, ids, labels, docs, references, topo, comm))
+    return errors
+
+
+def test_mla_context_parallel_matches_single_rank():
+    """Values with their own head dim (v_head_dim != qk dims) through every CP comm type, plain and packed."""
+    for errors in run_distributed(_mla_context_parallel, 2, timeout=240):
+        assert len(errors) == 3 * 4
+        for key, error in errors.items():
+            assert error < 1e-5, (key, error)
