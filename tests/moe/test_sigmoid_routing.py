@@ -200,3 +200,18 @@ def test_bad_routing_flags_are_one_error_before_training(extra, world, message):
         return
     with pytest.raises(ValueError, match=message):
         validate_args(parse_args(argv), world)
+
+
+def test_weight_export_carries_the_expert_bias_under_its_hugging_face_name():
+    """Rollout engines fed by the exporter route as the trainer does only if the bias travels with the weights."""
+    from megalite.rlhf.export import export_global_weights, export_hf_weights
+
+    model = GPTModel(gpt_config("mla", moe=_deepseek(ffn_hidden_size=16, shared_expert_intermediate_size=16,
+                                                     activation="swiglu"), moe_layer_freq=[0, 1]))
+    with torch.no_grad():
+        model.get_buffer("decoder.layers.1.mlp.router.expert_bias").copy_(torch.arange(8.0))
+    exported = dict(export_global_weights(model))
+    assert torch.equal(exported["decoder.layers.1.mlp.router.expert_bias"], torch.arange(8.0))
+    hf = dict(export_hf_weights(model))
+    assert torch.equal(hf["model.layers.1.mlp.gate.e_score_correction_bias"], torch.arange(8.0))
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in hf and "model.layers.0.mlp.gate_proj.weight" in hf
