@@ -115,9 +115,17 @@ def _bias_over_data_parallel():
     return (router.expert_bias - reference.expert_bias).abs().max().item(), router.expert_bias.abs().sum().item()
 
 
-def test_expert_bias_update_sums_counts_over_data_parallel_ranks():
-    for error, moved in run_distributed(_bias_over_data_parallel, 2, timeout=120):
+def _two_ranks():
+    """Both two-rank checks in one launch: the DP-summed bias update, then weight sync of the bias."""
+    return _bias_over_data_parallel(), _weight_sync_rank()
+
+
+def test_expert_bias_sums_counts_over_data_parallel_and_reaches_rollout_ranks():
+    """One update uses every DP rank's counts; WeightSync sends the bias (a buffer) to a rollout rank."""
+    (first, second) = run_distributed(_two_ranks, 2, timeout=180)
+    for (error, moved), _ in (first, second):
         assert error == 0.0 and moved > 0
+    assert first[1] == second[1] == [float(e) for e in range(8)]
 
 
 def test_ep2_parity_with_sigmoid_group_limited_routing():
@@ -215,3 +223,20 @@ def test_weight_export_carries_the_expert_bias_under_its_hugging_face_name():
     hf = dict(export_hf_weights(model))
     assert torch.equal(hf["model.layers.1.mlp.gate.e_score_correction_bias"], torch.arange(8.0))
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in hf and "model.layers.0.mlp.gate_proj.weight" in hf
+
+
+def _weight_sync_rank():
+    import torch.distributed as dist
+
+    from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync
+
+    cfg = gpt_config("mla", moe=_deepseek(ffn_hidden_size=16), moe_layer_freq=[0, 1])
+    trainer = dist.get_rank() == 0
+    model = GPTModel(cfg)
+    name = "decoder.layers.1.mlp.router.expert_bias"
+    if trainer:
+        with torch.no_grad():
+            model.get_buffer(name).copy_(torch.arange(8.0))
+    role = SyncRole(TRAINER if trainer else ROLLOUT, 0, 0, 1)
+    WeightSync(model, role, group=dist.new_group([0, 1])).sync()
+    return model.get_buffer(name).tolist()
