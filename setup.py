@@ -22,13 +22,16 @@ OPTIONAL = {
     "wandb": ["wandb"],  # --wandb-project
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
-TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core"]
-TEST += ["trl>=1.16", "jsonschema", "openai"]  # peers: chat templates and response parsers, schema validation
+TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core", "openai>=1.0", "requests"]
+TEST += ["trl>=1.16", "jsonschema"]  # peers: chat templates and response parsers, schema validation
+TEST += ["lm-eval[api]"]  # its local-completions and local-chat-completions clients drive the server (< 60 s)
 """The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
-tested against), TRL (its chat templates and response schemas are the chat tests' references), jsonschema and
-openai (structured output and tool calls are checked with them), and every optional extra."""
+tested against), the official ``openai`` client and ``requests`` (the server's tests drive it with them), TRL
+(its chat templates and response schemas are the chat tests' references), jsonschema (structured output and
+tool calls are checked with it), lm-evaluation-harness with its API clients, and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
+TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)
 
 
 def torch_requirement() -> str:
@@ -73,6 +76,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
+    package_data={"megalite.plan": ["hardware/*.json", "presets.json"]},
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
     extras_require={**OPTIONAL, "test": TEST + [req for reqs in OPTIONAL.values() for req in reqs]},
     **extension_kwargs(),

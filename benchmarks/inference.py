@@ -100,7 +100,7 @@ ENGINE = EngineConfig(block_size=16, num_blocks=2048)
 
 def run_engine(ckpt, work, config=ENGINE, draft=None):
     llm = LLM(ckpt, engine_config=config, draft_model=draft)
-    params = [SamplingParams(max_new_tokens=m, temperature=0) for _, m in work]
+    params = [SamplingParams(max_tokens=m, temperature=0) for _, m in work]
     with Clock() as clock:
         outputs = llm.generate([p for p, _ in work], params)
     return clock.times, [o.outputs[0].token_ids for o in outputs], llm.engine
@@ -301,7 +301,7 @@ def main():
         system = [rng.randrange(VOCAB) for _ in range(64)]
         shared = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(8, 64))] for _ in range(16)]
         llm = LLM(ckpt, engine_config=EngineConfig(block_size=16, num_blocks=1024))
-        llm.generate(shared, SamplingParams(n=8, max_new_tokens=16, temperature=1.0, seed=0))
+        llm.generate(shared, SamplingParams(n=8, max_tokens=16, temperature=1.0, seed=0))
         unshared = 8 * sum(len(p) for p in shared)
         computed = llm.engine.scheduler.prefill_tokens
         print(f"prefix sharing, 16 prompts x n=8: prefill tokens {computed} with sharing vs {unshared} without "

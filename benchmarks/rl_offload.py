@@ -1,5 +1,5 @@
-"""Placement and offload benchmark: per-phase memory and iteration time of examples/rlhf_ppo.py without and with
-offload, in one run.
+"""Placement and offload benchmark: per-phase memory and iteration time of the RL trainer (megalite.rlhf.trainer)
+without and with offload, in one run.
 
 PPO with a critic, a target critic (``--target-critic-tau``), a reward model (an untrained critic checkpoint of
 the actor's size, written here) and the reference, at ``--hidden-size`` / ``--num-layers``, on ``--world`` ranks
@@ -18,7 +18,6 @@ are identical (tests/rlhf/test_placement.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -32,6 +31,8 @@ from megalite.checkpoint import save_sharded  # noqa: E402
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
 from megalite.models import GPTConfig  # noqa: E402
 from megalite.rlhf import CriticModel  # noqa: E402
+from megalite.rlhf.trainer import RLTrainer  # noqa: E402
+from megalite.rlhf.trainer_config import parse_args  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
 RUNS = {"none": [], "frozen models": ["--offload-frozen-models"], "optimizer": ["--offload-optimizer"],
@@ -41,10 +42,7 @@ MIB = 2 ** 20
 
 
 def _example(argv) -> int:
-    spec = importlib.util.spec_from_file_location("rlhf_ppo", os.path.join(ROOT, "examples", "rlhf_ppo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return RLTrainer(parse_args(argv)).train()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from megalite.flags import SHARED_FLAGS, UNSET, ArgumentParser, Flag, FlagTable
 from megalite.rlhf.flags import REWARD_MODEL_FLAGS, RL_FLAGS
+from megalite.rlhf.trainer_config import parse_args as rl_parse_args
 from megalite.training.flags import FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,8 @@ def test_every_row_default_is_its_dataclass_default(name):
 def test_example_parsers_take_rl_defaults_from_the_dataclasses(example):
     """The RL example once defaulted --kl-coef 0.01 (PPOConfig 0.05), --lam 1.0 (0.95), --rollout-is-cap 2.0
     (None) in its own argparse lines; now every RL option comes from RL_FLAGS and defaults to its config's."""
-    args = _example(example).parse_args(["--save", "x"])
+    parse = rl_parse_args if example == "rlhf_ppo" else _example(example).parse_args
+    args = parse(["--save", "x"])
     for table in (RL_FLAGS, REWARD_MODEL_FLAGS):
         for flag in table:
             if hasattr(args, flag.dest) and flag.fields:

@@ -1,10 +1,18 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama, DeepSeek-V3; safetensors + config.json) and megalite.
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V3; safetensors), Megatron-LM and megalite.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR
+    python tools/convert_checkpoint.py --from megatron --to megalite --input MEGATRON_SAVE_DIR --output OUT_DIR
+    python tools/convert_checkpoint.py --from megalite --to megatron --input CKPT_DIR --output MEGATRON_SAVE_DIR
     python tools/convert_checkpoint.py --from megatron-legacy --to megalite --allow-pickle --input SAVE --output OUT_DIR
 
-A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-
+``--from megatron`` / ``--to megatron`` is Megatron-LM's torch_dist format (``--ckpt-format torch_dist``), read
+and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), model
+weights only; ``--from megatron-legacy`` reads the older ``mp_rank_XX/model_optim_rng.pt`` pickles (weights and a
+non-distributed optimizer's Adam state), only with ``--allow-pickle``.
+
+A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
 is needed.  The output directory must not exist or be empty; nothing is overwritten.
 """
@@ -14,6 +22,7 @@ from __future__ import annotations
 import sys
 
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
+from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
 from megalite.cli import run_cli
 from megalite.flags import ArgumentParser
@@ -21,14 +30,18 @@ from megalite.flags import ArgumentParser
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="source", choices=("hf", "megalite", "megatron-legacy"),
+    parser.add_argument("--from", dest="source", choices=("hf", "megalite", "megatron", "megatron-legacy"),
                         required=True)
-    parser.add_argument("--to", dest="target", choices=("hf", "megalite"), required=True)
-    parser.add_argument("--input", required=True, help="Hugging Face model directory or megalite checkpoint")
+    parser.add_argument("--to", dest="target", choices=("hf", "megalite", "megatron"), required=True)
+    parser.add_argument("--input", required=True,
+                        help="Hugging Face model directory, megalite checkpoint or Megatron-LM save directory")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="to hf: above this size the safetensors output is split into "
                              "model-0000k-of-0000n.safetensors files with an index (default 5GB)")
+    parser.add_argument("--megatron-tensor-parallel-size", type=int, default=1,
+                        help="to megatron: the tensor-parallel size of the Megatron run that loads it (its "
+                             "vocabulary is padded to --make-vocab-size-divisible-by x this; default 1)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="megatron-legacy: unpickle the model_optim_rng.pt files (pickles can run code; "
                              "only for files you trust)")
@@ -37,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.source == args.target:
         parser.error(f"--from and --to are both {args.source!r}; nothing to convert")
+    if "megalite" not in (args.source, args.target):
+        parser.error(f"--from {args.source} --to {args.target}: one side must be megalite (convert in two steps)")
+    if args.megatron_tensor_parallel_size < 1:
+        parser.error("--megatron-tensor-parallel-size must be a positive integer")
     if args.source == "megatron-legacy":
-        if args.target != "megalite":
-            parser.error("--from megatron-legacy converts only --to megalite")
         legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
                                          vocab_size=args.vocab_size)
         if legacy.optimizer_note:
@@ -47,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                   "checkpoint starts with fresh Adam moments")
     elif args.source == "hf":
         convert_hf_to_megalite(args.input, args.output)
+    elif args.source == "megatron":
+        convert_megatron_to_megalite(args.input, args.output)
+    elif args.target == "megatron":
+        convert_megalite_to_megatron(args.input, args.output, args.megatron_tensor_parallel_size)
     else:
         convert_megalite_to_hf(args.input, args.output, args.max_shard_size)
     print(f"wrote {args.target} checkpoint to {args.output}")

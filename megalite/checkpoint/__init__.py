@@ -12,6 +12,9 @@
   Hugging Face converter writes and reads them.
 
 ``python -m megalite.checkpoint inspect DIR`` prints a checkpoint's layout and tensors.
+
+Every reading entry point also takes a Megatron-LM torch_dist checkpoint (:func:`open_reader` picks the
+reader: :mod:`megalite.checkpoint.megatron_dist`); :mod:`megalite.checkpoint.megatron_convert` converts both ways.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
-from megalite.checkpoint.reader import CheckpointReader
+from megalite.checkpoint.reader import CheckpointReader, open_reader
 from megalite.checkpoint.sharding import ShardContext, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS, load_into, local_shards, save_sharded
 from megalite.checkpoint.storage import TensorShard
@@ -38,7 +41,7 @@ def load_sharded(path: str, model_chunks, optimizer=None, *, group=None, tp_grou
     trainer); they share every error, so all fail alike.  None: this rank alone, no collective.
     Returns the reader (``reader.state``: rank 0's JSON state; ``reader.rank_state(r)``: rank r's).
     """
-    reader = CheckpointReader(path, group=group, collective=group is not None)
+    reader = open_reader(path, group=group, collective=group is not None)
     load_into(reader, model_chunks, optimizer, tp_group=tp_group, ep_group=ep_group,
               expert_tp_group=expert_tp_group)
     return reader
@@ -47,7 +50,7 @@ def load_sharded(path: str, model_chunks, optimizer=None, *, group=None, tp_grou
 def read_checkpoint_info(path: str) -> dict:
     """``{"directory", "iteration", "world_size", "config" (GPTConfig or None), "layout", "state"}`` of a
     checkpoint, from its JSON files only (for --use-checkpoint-args, --finetune and inspection)."""
-    reader = CheckpointReader(path, verify=False)
+    reader = open_reader(path, verify=False)
     return {"directory": reader.directory, "iteration": reader.iteration, "world_size": reader.world_size,
             "config": reader.config, "layout": reader.layout, "state": reader.state}
 
@@ -68,7 +71,7 @@ def load_model(path: str, device="cpu"):
     """
     from megalite.models import GPTModel
 
-    reader = CheckpointReader(path)
+    reader = open_reader(path)
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig, so no GPTModel can be built from it")
@@ -108,24 +111,36 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
     model = global_shapes(config)
     expected = {**model, **{f"optimizer.{key}.{name}": shape for key in (*OPTIMIZER_KEYS, "main")
                             for name, shape in model.items() if f"optimizer.{key}.{name}" in tensors}}
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
+    shards = [TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor.detach().cpu())
+              for name, tensor in sorted(tensors.items())]
+    return save_global_shards(save_dir, config, shards, iteration=iteration, extra=extra, expected=expected)
+
+
+def save_global_shards(save_dir: str, config, shards: list[TensorShard], *, iteration: int = 0,
+                       extra: dict | None = None, expected: dict | None = None) -> str:
+    """Write boxes of global model tensors (:class:`TensorShard`, e.g. views of another checkpoint's files, so
+    nothing is held whole) as a single-rank checkpoint that loads under any layout.
+
+    The shards must name exactly the tensors of ``config``'s model, with their global shapes.
+    """
+    expected = expected or global_shapes(config)
+    shapes = {shard.name: tuple(shard.global_shape) for shard in shards}
+    missing = sorted(set(expected) - set(shapes))
+    unknown = sorted(set(shapes) - set(expected))
     if missing or unknown:
         raise ValueError(f"tensors do not match the model of this config: missing {missing[:5]}, "
                          f"unexpected {unknown[:5]}")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config needs {shape}")
+        if shapes[name] != shape:
+            raise ValueError(f"{name} has shape {shapes[name]}, the config needs {shape}")
     state = {"config": config_to_dict(config), "layout": {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": None},
              "optimizer": None, **(extra or {})}
-    shards = [TensorShard(name, expected[name], (0,) * len(expected[name]), tensors[name].detach().cpu())
-              for name in sorted(expected)]
     return write_checkpoint(save_dir, iteration, shards, state, collective=False)
 
 
 def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dict]:
     """``(config, tensors, rank 0's JSON state)``: every global model tensor of a checkpoint."""
-    reader = CheckpointReader(path)
+    reader = open_reader(path)
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
@@ -135,4 +150,4 @@ def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dic
 
 __all__ = ["AsyncSaver", "CheckpointReader", "CheckpointWriteError", "TensorShard", "load_sharded", "load_model",
            "local_shards", "read_checkpoint_info", "save_sharded", "save_global_checkpoint", "read_global_tensors",
-           "global_shapes", "read_latest", "iteration_dir"]
+           "global_shapes", "read_latest", "iteration_dir", "open_reader", "save_global_shards"]

@@ -6,9 +6,10 @@ import math
 import sys
 
 from megalite.checkpoint.files import MANIFEST
-from megalite.checkpoint.reader import CheckpointReader
+from megalite.checkpoint.reader import open_reader
 from megalite.cli import run_cli
 from megalite.flags import ArgumentParser
+from megalite.models.architecture import config_to_dict
 
 
 def _size(nbytes: float) -> str:
@@ -21,16 +22,21 @@ def _size(nbytes: float) -> str:
 
 
 def describe(path: str) -> str:
-    """The text that ``inspect`` prints for the checkpoint at ``path`` (every file is verified first)."""
-    reader = CheckpointReader(path)
+    """The text that ``inspect`` prints for the checkpoint at ``path`` (every file is verified first): a megalite
+    checkpoint, or a Megatron-LM torch_dist one (tensors under megalite's names)."""
+    reader = open_reader(path)
     reader.verify_all()
     state = reader.state
     layout = ", ".join(f"{k}={v}" for k, v in reader.layout.items()) or "not recorded"
     lines = [f"checkpoint {reader.directory}", f"iteration {reader.iteration}, written by {reader.world_size} "
-             f"rank(s); saved layout: {layout}",
-             f"{len(reader.manifest['files'])} files, all match their sha256 in {MANIFEST}"]
-    if reader.config_dict is not None:
-        arch = ", ".join(f"{k}={v}" for k, v in reader.config_dict.items() if v is not None)
+             f"rank(s); saved layout: {layout}"]
+    if state.get("format") == "megatron_dist":
+        lines.append("format: Megatron-LM torch_dist (Megatron-Core dist_checkpointing); every shard file present")
+    else:
+        lines.append(f"{len(reader.manifest['files'])} files, all match their sha256 in {MANIFEST}")
+    saved = reader.config_dict if reader.config_dict is not None else config_to_dict(reader.config)
+    if saved is not None:
+        arch = ", ".join(f"{k}={v}" for k, v in saved.items() if v is not None)
         lines.append(f"architecture: {arch}")
     optimizer = state.get("optimizer")
     lines.append("optimizer: none" if optimizer is None else f"optimizer: {optimizer['num_steps']} steps taken")
@@ -53,7 +59,7 @@ def describe(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m megalite.checkpoint",
-                                     description="Inspect a megalite checkpoint.")
+                                     description="Inspect a megalite or Megatron-LM (torch_dist) checkpoint.")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="print the layout, iteration, tensors and sizes")
     inspect.add_argument("directory", help="a save directory (its latest iteration) or an iteration directory")

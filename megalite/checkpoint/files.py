@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 
 FORMAT = "megalite"
@@ -89,13 +90,20 @@ def is_regular(path: str) -> bool:
         return False
 
 
+def read_pointer(path: str, what: str) -> str | None:
+    """The stripped text of a small pointer file (``latest``, Megatron-LM's tracker), or None when it is absent."""
+    if not os.path.lexists(path):
+        return None
+    with open_regular(path, what) as f:
+        return f.read(64).decode(errors="replace").strip()
+
+
 def read_latest(save_dir: str) -> int | None:
     """The iteration named by ``save_dir/latest``, or None when there is none."""
     pointer = os.path.join(save_dir, LATEST)
-    if not os.path.lexists(pointer):
+    text = read_pointer(pointer, "checkpoint pointer")
+    if text is None:
         return None
-    with open_regular(pointer, "checkpoint pointer") as f:
-        text = f.read(64).decode(errors="replace").strip()
     if not text.isdigit():
         raise ValueError(f"checkpoint pointer {pointer} is corrupt: {text[:40]!r} is not an iteration number")
     return int(text)
@@ -107,3 +115,21 @@ def read_json(path: str, what: str):
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{what} {path} is unreadable (truncated or corrupt): {err}") from None
+
+
+def fresh_output(output: str) -> str:
+    """A temporary sibling of ``output`` for a converter to write into; ValueError when ``output`` exists and is
+    not empty (a converter never overwrites)."""
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ValueError(f"output {output} already exists and is not empty; refusing to overwrite it")
+    tmp = output.rstrip(os.sep) + ".converting"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def move_into_place(tmp: str, output: str) -> None:
+    """Publish a converter's finished ``tmp`` directory (:func:`fresh_output`) as ``output``."""
+    if os.path.isdir(output):
+        os.rmdir(output)
+    os.rename(tmp, output)

@@ -28,12 +28,22 @@ def block_digests(data) -> list[str]:
 
 
 def file_digests(path: str) -> list[str]:
-    """The content hash of file ``path`` (the sha256 of each block, see :func:`block_digests`)."""
+    """The content hash of file ``path`` (the sha256 of each block, see :func:`block_digests`).
+
+    Each hashed block is dropped from this process's mapping at once (the page cache keeps it), so hashing a
+    file adds about one block to the resident memory, not the file's size.
+    """
     with open_regular(path) as f:
         if os.fstat(f.fileno()).st_size == 0:
             return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return block_digests(data)
+            digests = []
+            for start in range(0, len(data), HASH_BLOCK):
+                length = min(HASH_BLOCK, len(data) - start)
+                digests += block_digests(memoryview(data)[start:start + length])
+                first_page = start - start % mmap.PAGESIZE  # madvise needs a page-aligned start
+                data.madvise(mmap.MADV_DONTNEED, first_page, start + length - first_page)
+            return digests
 
 
 def hash_and_sync(directory: str, names: list[str]) -> dict[str, dict]:

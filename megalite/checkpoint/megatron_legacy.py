@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint import global_shapes, save_global_checkpoint
-from megalite.checkpoint.hf import _fresh_output, _move_into_place
+from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS
@@ -315,10 +315,10 @@ def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = Fals
 
     The iteration and the consumed samples (the data position) travel, so ``--load`` resumes there.
     """
-    tmp = _fresh_output(output)
+    tmp = fresh_output(output)
     legacy = read_megatron_legacy(path, allow_pickle=allow_pickle, vocab_size=vocab_size)
     extra = {"consumed_samples": legacy.consumed_samples or 0, "megatron_legacy": legacy.directory,
              "optimizer": legacy.optimizer}
     save_global_checkpoint(tmp, legacy.config, legacy.tensors, iteration=legacy.iteration, extra=extra)
-    _move_into_place(tmp, output)
+    move_into_place(tmp, output)
     return legacy

@@ -13,11 +13,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite.checkpoint.files import FORMAT, META, rank_state_file, read_json
 from megalite.checkpoint.integrity import data_blocks, is_data_file, read_manifest, verify_blocks, verify_files
-from megalite.checkpoint.locate import resolve_directory
+from megalite.checkpoint.locate import checkpoint_format, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
-                                         quiet_single_process, read_dcp_metadata)
+                                         overlapping_views, quiet_single_process, read_dcp_metadata)
 from megalite.models.architecture import compare_architecture, config_from_dict
 
 
@@ -172,16 +172,9 @@ class CheckpointReader:
         try:
             for name, offset, shape in boxes:
                 self._check_box(name, offset, shape)
-                want, parts = tuple((o, o + n) for o, n in zip(offset, shape)), []
-                for chunk in self.chunks(name):
-                    common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
-                    if common is None:
-                        continue
-                    view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
-                    for dim, (lo, hi) in enumerate(common):
-                        view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
-                    parts.append((box_slices(common, tuple(offset)), view))
-                views.append(parts)
+                want = tuple((o, o + n) for o, n in zip(offset, shape))
+                views.append([(box_slices(common, tuple(offset)), view)
+                              for common, view in overlapping_views(chunks, name, self.chunks(name), want)])
         except Exception as err:
             raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
         for region in regions:
@@ -205,6 +198,26 @@ class CheckpointReader:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole global tensor ``name``."""
         return self.read_all([name], dtype)[name]
+
+
+def open_reader(path: str, *, group=None, collective: bool = False, verify: bool = True):
+    """The reader of the checkpoint ``path`` names, whatever its format: a :class:`CheckpointReader`, or a
+    :class:`megalite.checkpoint.megatron_dist.MegatronDistReader` for a Megatron-LM torch_dist checkpoint.
+
+    A legacy Megatron-LM checkpoint (``mp_rank_XX/model_optim_rng.pt``) needs unpickling, which no load path
+    does: the error says to convert it first.
+    """
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    directory = resolve_directory(path)
+    kind = checkpoint_format(directory)
+    if kind == "megatron_dist":
+        return MegatronDistReader(directory, group=group, collective=collective, verify=verify)
+    if kind == "megatron_legacy":
+        raise ValueError(f"{directory} is a legacy Megatron-LM checkpoint (mp_rank_XX/model_optim_rng.pt), which only "
+                         "unpickling can read: convert it first with tools/convert_checkpoint.py --from megatron "
+                         "--allow-pickle")
+    return CheckpointReader(directory, group=group, collective=collective, verify=verify)
 
 
 def field_error(path: str, field: str, problem: str) -> str:

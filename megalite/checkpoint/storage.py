@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megalite.checkpoint.files import DCP_METADATA, MANIFEST, open_regular
 from megalite.checkpoint.integrity import block_digests, check_file, is_data_file
+from megalite.checkpoint.sharding import intersect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +270,21 @@ class StoredChunks:
             self._tensors[key] = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=begin).view(
                 dtype).view(sizes)
         return self._tensors[key]
+
+
+def overlapping_views(chunks: StoredChunks, name: str, saved, want) -> list:
+    """``[(common box, view)]``: for each saved chunk of stored tensor ``name`` that overlaps the box ``want``, the
+    common part (global coordinates) and that part as a view of the memory-mapped file (no copy)."""
+    out = []
+    for chunk in saved:
+        common = intersect(want, tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes)))
+        if common is None:
+            continue
+        view = chunks.tensor(dcp_metadata.MetadataIndex(name, chunk.offsets))
+        for dim, (lo, hi) in enumerate(common):
+            view = view.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+        out.append((common, view))
+    return out
 
 
 class SafeReader(dcp.FileSystemReader):

@@ -17,8 +17,13 @@ from megalite.context_parallel.sequence_split import check_context_parallel, doc
 
 
 def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = None, cp: int = 1,
-                  cp_rank: int = 0) -> dict[str, torch.Tensor]:
+                  cp_rank: int = 0, assistant_mask: torch.Tensor | None = None,
+                  documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``tokens [b, S+1]`` -> this rank's ``tokens``/``labels``/``loss_mask`` ``[b, S/cp]``, plus optional fields.
+
+    Packed chat data (:mod:`megalite.data.sft`) gives its own ``documents [b, S+1]`` (a conversation's
+    end-of-turn tokens do not end it) and ``assistant_mask [b, S+1]``: a label counts when it is an
+    assistant token in the same document as its input; positions and attention follow those documents.
 
     ``position_ids [b, S/cp]`` comes with ``reset_position_ids``,
     ``document_ids [b, S]`` with ``reset_attention_mask``.
@@ -32,7 +37,13 @@ def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = N
     check_context_parallel(seq, cp)
     loss_mask = torch.ones(inputs.shape, dtype=torch.float32, device=tokens.device)
     batch = {}
-    if packing.enabled:
+    if documents is not None:
+        labelled = assistant_mask[:, 1:].bool() & (documents[:, 1:] == documents[:, :-1])
+        loss_mask = labelled.to(torch.float32)
+        documents = documents[:, :-1].contiguous()
+        batch["position_ids"] = slice_for_rank(reset_position_ids(documents), cp, cp_rank)
+        batch["document_ids"] = documents
+    elif packing.enabled:
         if packing.eod_token_id is None:
             raise ValueError("packed-sequence options need the end-of-document token id")
         documents = document_ids(inputs, packing.eod_token_id)

@@ -1,7 +1,8 @@
 """Tokenizers, chosen by Megatron's ``--tokenizer-type`` names, each a thin wrapper over its library.
 
 Every tokenizer exposes the small interface the data pipeline and trainer use:
-``vocab_size``, ``eod``, ``pad``, ``bos`` (None when absent), ``tokenize(text)``
+``vocab_size``, ``eod``, ``pad``, ``bos`` (None when absent), ``tokenize(text,
+add_special_tokens=True)`` (False: none of the bos/eos a Hugging Face tokenizer adds)
 and ``detokenize(ids)``.  The ids are exactly those of the reference library
 (sentencepiece, transformers); only ``ByteTokenizer`` (UTF-8 bytes, megalite's
 default when no tokenizer is named) and ``NullTokenizer`` (ids written as
@@ -23,7 +24,7 @@ class ByteTokenizer:
         self.bos = 258
         self.vocab_size = 259
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def detokenize(self, ids) -> str:
@@ -61,7 +62,7 @@ class SentencePieceTokenizer:
         self._model_size = self._sp.vocab_size()
         self._specials = {self.eod, self.pad} | ({self.bos} if self.bos is not None else set())
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
     def detokenize(self, ids) -> str:
@@ -80,7 +81,7 @@ class NullTokenizer:
         self.bos = None
         self.vocab_size = int(vocab_size) + 1
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [int(x) for x in text.split()]
 
     def detokenize(self, ids) -> str:
@@ -123,8 +124,10 @@ class HuggingFaceTokenizer:
         self.pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eod
         self.vocab_size = len(self._tok)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok(text).input_ids
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``; ``add_special_tokens=False`` leaves out the bos/eos the tokenizer would add (a
+        rendered chat template already holds them: Llama 3 would otherwise start with two bos)."""
+        return self._tok(text, add_special_tokens=add_special_tokens).input_ids
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -153,8 +156,8 @@ class GPT2BPETokenizer:
         self.bos = None
         self.vocab_size = self._tok.get_vocab_size()
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -193,6 +196,13 @@ def tokenizer_from_args(args):
     """``build_tokenizer`` from the Megatron flags on ``args``."""
     return build_tokenizer(args.tokenizer_model, args.tokenizer_type, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, vocab_size=args.vocab_size)
+
+
+def tokenizer_from_saved_args(run_args: dict):
+    """``build_tokenizer`` from the flags a trainer saved in its checkpoint (a dict; absent ones are None)."""
+    return build_tokenizer(run_args.get("tokenizer_model"), run_args.get("tokenizer_type"),
+                           vocab_file=run_args.get("vocab_file"), merge_file=run_args.get("merge_file"),
+                           vocab_size=run_args.get("vocab_size"))
 
 
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,

@@ -7,7 +7,8 @@
 - ``sequence.py`` / ``scheduler.py``: request state; continuous batching, chunked prefill, preemption.
 - ``sampler.py``: sampling and exact speculative verification; ``speculative.py``: drafters.
 - ``engine.py``: :class:`LLMEngine` (TP rank 0 schedules, broadcasts the plan); ``llm.py``: :class:`LLM`.
-- ``serve.py``: the OpenAI-compatible HTTP server (``python -m megalite.inference.serve``).
+- ``detokenizer.py``: incremental text and stop strings; ``engine_loop.py``: the engine thread of the server;
+  ``completions.py``: OpenAI's completions format; ``api_server.py``: the HTTP app; ``serve.py``: its CLI.
 - ``chat_template.py``, ``tool_calls.py``, ``grammar.py``: chat messages to prompt text, tool calls out of
   replies, structured-output token masks (imported where used: jinja2 and llguidance are optional extras).
 """

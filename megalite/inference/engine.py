@@ -6,6 +6,12 @@ heads; TP rank 0 alone schedules, broadcasts each step's :class:`StepPlan`,
 samples from the logits gathered over TP and keeps the request state.  The
 other ranks execute plans until rank 0 sends ``stop``.  Pipeline parallelism
 is not supported yet.
+
+A request whose logits cannot be sampled (NaN weights, an overflowing
+temperature) fails alone: it is finished with ``Request.error`` set and its
+blocks freed, and the step goes on for the others.  On one rank a forward
+that raises fails the requests of that step the same way; under TP it stops
+the engine (the ranks' collectives would no longer match).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from megalite import topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.config import EngineConfig
+from megalite.inference.grammar import apply_grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams
 from megalite.inference.prefix_cache import PrefixCache
-from megalite.inference.sampler import token_logprobs, verify
+from megalite.inference.sampler import adjust_logits, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
 from megalite.inference.speculative import DraftModelDrafter, NgramDrafter
@@ -33,7 +40,10 @@ from megalite.tensor_parallel import gather_from_tensor_parallel_region
 class LLMEngine:
     """Requests in, tokens out, one :meth:`step` at a time (see the module docstring for TP)."""
 
-    def __init__(self, model, config: EngineConfig | None = None, draft_model=None):
+    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, *, tokenizer=None,
+                 eos_token_ids=None):
+        """``tokenizer`` (with ``detokenize``) gives outputs their text and enables stop strings;
+        ``eos_token_ids`` end generation unless a request sets ``ignore_eos`` (default: the tokenizer's ``eod``)."""
         self.config = config = config or EngineConfig()
         self.model = model = unwrap(model)
         if not (model.pre_process and model.post_process):
@@ -73,6 +83,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens,
                                    self.window)
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = [] if getattr(tokenizer, "eod", None) is None else [tokenizer.eod]
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -95,9 +109,20 @@ class LLMEngine:
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"prompt token ids range over [{low}, {high}], outside the vocabulary [0, "
                              f"{self.vocab_size - 1}]")
-        total = len(prompt) + params.max_new_tokens
+        outside = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size - 1}]: "
+                             f"{outside[:5]}")
+        grammar = params.structured_outputs
+        if grammar is not None and grammar.compiler.vocab_size != self.vocab_size:
+            raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} "
+                             f"ids; the model has {self.vocab_size}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer); "
+                             "use stop_token_ids")
+        total = len(prompt) + params.max_tokens
         if total > self.max_context:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = {total} "
                              f"exceeds the model's context of {self.max_context} tokens")
         bs = self.config.block_size
         if -(-total // bs) > self.config.num_blocks:
@@ -113,7 +138,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, (), generator=self._seeds))
-        request = Request(request_id, prompt, params, arrival, seed)
+        request = Request(request_id, prompt, params, arrival, seed, self.eos_token_ids, self.tokenizer)
         request.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request.sequences[0])
@@ -141,9 +166,29 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not place any work although requests are waiting")
             return []
         self._broadcast_plan(plan)
-        logits = self.execute(plan)
+        try:
+            logits = self.execute(plan)
+        except Exception as error:
+            if self.tp_size > 1:
+                raise
+            return self._fail({e.seq.request.request_id: e.seq.request for e in entries}.values(),
+                              f"the model's forward failed: {error}")
         self.stats["steps"] += 1
         return self._process(entries, logits)
+
+    def _fail(self, requests, message: str) -> list[Request]:
+        """Finish ``requests`` with ``error`` = ``message`` and free their blocks; the engine goes on."""
+        failed = []
+        for request in requests:
+            if request.error is not None:
+                continue
+            request.error = message
+            for seq in request.sequences:
+                if not seq.finished:
+                    seq.finish_reason = "error"
+                self._finish(seq)
+            failed.append(request)
+        return failed
 
     def _broadcast_plan(self, plan: StepPlan) -> None:
         if self.tp_size > 1:
@@ -191,31 +236,34 @@ class LLMEngine:
         return gather_from_tensor_parallel_region(logits, self.tp_group)[:, 0, :self.vocab_size].float()
 
     def _process(self, entries, logits: torch.Tensor | None) -> list[Request]:
-        greedy = any(e.sample and e.seq.request.params.greedy for e in entries)
+        finite = torch.isfinite(logits).all(dim=-1).tolist() if logits is not None else []
+        greedy = any(e.sample and e.seq.request.params.greedy and not e.seq.request.params.adjusts_logits
+                     and e.seq.grammar is None for e in entries)
         argmax = logits.argmax(dim=-1).tolist() if greedy else None
         touched, row = {}, 0
         for e in entries:
-            seq, k = e.seq, len(e.drafts)
+            seq, k, request = e.seq, len(e.drafts), e.seq.request
             seq.num_computed = e.start + e.length - k
-            if not e.sample:
-                self.scheduler.cache_blocks(seq)
+            width = len(e.prompt_positions) + (k + 1 if e.sample else 0)
+            rows, best, ok = logits[row:row + width] if width else None, None, all(finite[row:row + width])
+            if argmax is not None and e.sample:
+                best = argmax[row + len(e.prompt_positions):row + width]
+            row += width
+            if request.error is not None:
                 continue
-            rows = logits[row:row + k + 1]
-            best = argmax[row:row + k + 1] if argmax is not None else None
-            row += k + 1
-            request = seq.request
-            if not request.forked:
-                targets = [seq] + self._fork(seq)
-                for s in targets:
-                    self._emit(s, verify(rows, [], request.params, s.generator, argmax=best), rows)
-            else:
-                tokens = verify(rows, e.drafts, request.params, seq.generator, argmax=best)
-                if k:
-                    self.stats["target_forwards_decoding"] += 1
-                    self.stats["tokens_from_decoding"] += len(tokens)
-                    self.stats["draft_tokens"] += k
-                self._emit(seq, tokens, rows)
-                targets = [seq]
+            try:
+                if not ok:
+                    raise FloatingPointError("the model's logits are not finite (NaN or inf)")
+                if e.prompt_positions:
+                    self._prompt_logprobs(request, e.prompt_positions, rows[:len(e.prompt_positions)])
+                    rows = rows[len(e.prompt_positions):]
+                if not e.sample:
+                    self.scheduler.cache_blocks(seq)
+                    continue
+                targets = self._sample(seq, e.drafts, rows, best)
+            except Exception as error:  # this request's sampling alone: fail it, serve the others
+                touched.update((r.request_id, r) for r in self._fail([request], f"sampling failed: {error}"))
+                continue
             for s in targets:
                 if s.finished:
                     self._finish(s)
@@ -225,14 +273,50 @@ class LLMEngine:
             touched[request.request_id] = request
         return list(touched.values())
 
+    def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best) -> list[Sequence]:
+        """Emit ``seq``'s next tokens (forking the request's other samples after its prompt); returns the
+        sequences that got tokens."""
+        request, params = seq.request, seq.request.params
+        if not request.forked:
+            targets = [seq] + self._fork(seq)
+            for s in targets:
+                self._emit(s, self._choose(s, rows, [], best), rows)
+            return targets
+        tokens = self._choose(seq, rows, drafts, best)
+        if drafts:
+            self.stats["target_forwards_decoding"] += 1
+            self.stats["tokens_from_decoding"] += len(tokens)
+            self.stats["draft_tokens"] += len(drafts)
+        self._emit(seq, tokens, rows)
+        return [seq]
+
+    def _choose(self, seq: Sequence, rows: torch.Tensor, drafts: list[int], best) -> list[int]:
+        """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
+        grammar."""
+        params = seq.request.params
+        if params.adjusts_logits:
+            histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
+        if seq.grammar is not None:  # tokens the grammar forbids (drafts rejected where it forbids them)
+            rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
+                rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
+            best = None
+        return verify(rows, drafts, params, seq.generator, argmax=best)
+
+    def _prompt_logprobs(self, request: Request, positions: list[int], rows: torch.Tensor) -> None:
+        """Record the log-probs of the prompt tokens after ``positions`` (and the top alternatives)."""
+        targets = [request.prompt[p + 1] for p in positions]
+        chosen, tops = token_logprobs(rows, targets, request.params, request.params.prompt_logprobs)
+        for i, (p, value) in enumerate(zip(positions, chosen)):
+            request.prompt_logprobs[p + 1] = tops[i] if tops is not None else {targets[i]: value}
+
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The request's other n-1 samples, sharing every block of the prompt."""
         request = seq.request
         children = []
-        for index in range(1, request.params.n):
-            child = Sequence(request, index, seq.tokens)
-            child.num_computed = seq.num_computed
-            child.block_table = list(seq.block_table)
+        for index in range(1, request.params.best_of):
+            child = seq.fork(index)
             for block in child.block_table:
                 if block >= 0:
                     self.allocator.share(block)
@@ -244,10 +328,13 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor) -> None:
         """Append verified tokens up to a stop; accepted drafts' KV stays valid."""
-        params = seq.request.params
-        logprobs = token_logprobs(rows, tokens, params) if params.logprobs else [None] * len(tokens)
-        for token, logprob in zip(tokens, logprobs):
-            seq.append(token, logprob)
+        request, params = seq.request, seq.request.params
+        logprobs, tops = [None] * len(tokens), [None] * len(tokens)
+        if request.needs_logprobs:
+            logprobs, found = token_logprobs(rows, tokens, params, params.logprobs or 0)
+            tops = found or tops
+        for token, logprob, top in zip(tokens, logprobs, tops):
+            seq.append(token, logprob, top)
             self.stats["generated_tokens"] += 1
             if seq.finished:
                 break
@@ -280,6 +367,10 @@ class LLMEngine:
             while self.has_unfinished():
                 self.step()
             outputs = [r.output() for r in requests]
+            failed = [r for r in requests if r.error is not None]
+            if failed:
+                outputs = None
+                raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         finally:
             if self.tp_size > 1:
                 self.stop_workers()

@@ -2,69 +2,171 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The smallest non-zero temperature: below it ``logits / T`` overflows fp32 (vLLM warns and clamps here).
+MIN_TEMPERATURE = 1e-2
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite number that fits a float (a 400-digit integer does not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding options, in vLLM's shape.
+    """Per-request decoding options, with vLLM's field names and meanings.
 
-    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those
-    filters.  Generation stops after ``max_new_tokens`` (finish reason
-    "length") or at a token of ``stop_token_ids`` (kept in the output, finish
-    reason "stop").  ``n`` samples share the prompt's KV blocks.  ``seed``
-    makes the samples of this request reproducible whatever else is in the
-    batch.  ``logprobs=True`` returns each chosen token's log-probability
-    under ``softmax(logits / temperature)`` (before top-k/top-p; plain
-    ``softmax(logits)`` when greedy), as the actor's forward computes it.
+    ``temperature=0`` is greedy; ``top_k=0`` (or -1), ``top_p=1`` and ``min_p=0``
+    disable those filters.  ``logit_bias`` ({token id: bias}) is added to the
+    logits; ``repetition_penalty`` (> 1 discourages tokens of the prompt and
+    output, as in CTRL), ``frequency_penalty`` and ``presence_penalty`` (on the
+    output's counts) apply before the temperature.  Generation stops after
+    ``max_tokens`` (finish reason "length"), at the end-of-sequence token
+    (the tokenizer's or generation config's, unless ``ignore_eos``), at a
+    token of ``stop_token_ids`` (kept in the ids), or when the detokenised
+    text contains a string of ``stop`` (cut from the text unless
+    ``include_stop_str_in_output``); none of these stop before ``min_tokens``.
+    ``best_of`` samples are drawn and the ``n`` with the highest cumulative
+    log-probability returned; they share the prompt's KV blocks.  ``seed``
+    makes a request reproducible whatever else is in the batch.
+    ``logprobs=N`` returns each chosen token's log-probability under
+    ``softmax(logits / T)`` (T = 1 when greedy; before penalties and filters, as
+    the actor's forward computes it) and the N most likely; ``prompt_logprobs=N``
+    the same for every prompt token after the first.  ``structured_outputs`` (vLLM's name) is a compiled
+    grammar (``megalite.inference.grammar.GrammarCompiler.compile``): each sample's tokens are masked to
+    those it allows, and a sample ends (reason "stop") once its output is complete.
     """
 
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: object | None = None
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        def fail(name, want):
+            raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "a positive integer")
+        if self.best_of is None:
+            self.best_of = self.n
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            fail("best_of", f"an integer >= n ({self.n})")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "a positive integer")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+        if not _is_real(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            fail("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, "a number in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            fail("repetition_penalty", "a number in (0, 100]")
+        if self.seed is not None and (not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
+            fail("seed", "None or an integer in [-2**63, 2**64)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 0):
+                fail(name, "None or an integer >= 0 (the number of top alternatives)")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "true or false")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "a non-empty string or a list of them")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of integer token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
+
+        if self.structured_outputs is not None and not callable(getattr(self.structured_outputs, "new_state", None)):
+            fail("structured_outputs", "None or a compiled grammar (GrammarCompiler.compile)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits need per-sequence processing before sampling (penalties, ``logit_bias``, ``min_tokens``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` samples: generated ids, their log-probs (if asked) and why it stopped."""
+    """One of a request's ``n`` samples.
+
+    ``logprobs`` holds each generated token's log-probability and ``top_logprobs``
+    the ``SamplingParams.logprobs`` most likely tokens per step ({id: log-prob});
+    both None unless asked.  ``stop_reason`` is the stop string or stop token id
+    that ended it (None for eos or length)."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
     text: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
 class RequestOutput:
-    """The result for one prompt: its ids and ``n`` completions in sample order."""
+    """The result for one prompt: its ids and ``n`` completions in sample order.
+
+    ``prompt_logprobs`` (when asked) has one entry per prompt token: None for the
+    first, then {id: log-prob} of the token itself and the top alternatives."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt: str | None = None

@@ -1,4 +1,5 @@
-"""Choosing tokens from logits: greedy, temperature / top-k / top-p sampling, and speculative verification.
+"""Choosing tokens from logits: penalties and biases, greedy, temperature / top-k / top-p / min-p sampling,
+log-probs, and speculative verification.
 
 Verification is exact rejection sampling (Leviathan et al., Chen et al.):
 draft token ``x`` proposed with probability ``q(x)`` is accepted with
@@ -17,8 +18,37 @@ import torch
 from megalite.inference.params import SamplingParams
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf (rows of ``[r, v]``)."""
+def adjust_logits(logits: torch.Tensor, histories: list[list[int]], num_prompt: int, params: SamplingParams,
+                  stop_ids: frozenset) -> torch.Tensor:
+    """Row ``i`` of ``logits`` after ``logit_bias``, the ``min_tokens`` ban on ``stop_ids`` and the penalties
+    (vLLM's order and formulas), given the tokens ``histories[i]`` before it (its first ``num_prompt`` are the
+    prompt: repetition counts them, presence and frequency only the output)."""
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if 0 <= t < vocab]
+        logits[:, ids] += torch.tensor([params.logit_bias[t] for t in ids], device=logits.device)
+    for i, history in enumerate(histories):
+        row = logits[i]
+        if len(history) - num_prompt < params.min_tokens and stop_ids:
+            row[[t for t in stop_ids if 0 <= t < vocab]] = float("-inf")
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            counts = torch.bincount(torch.tensor(history[num_prompt:], dtype=torch.long), minlength=vocab)[:vocab]
+            counts = counts.to(device=logits.device, dtype=row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside the top-k, outside the top-p nucleus and below ``min_p`` times the most likely
+    token's probability to -inf (rows of ``[r, v]``)."""
+    if min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -33,15 +63,27 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: ``softmax(filter(logits / T))`` per row (fp32)."""
     scaled = logits.float() / params.temperature
-    return filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
+    probs = filter_logits(scaled, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise FloatingPointError("the model's logits are not finite (NaN or inf): cannot sample from them")
+    return probs
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams) -> list[float]:
-    """``log softmax(logits / T)[token]`` per row (T = 1 when greedy), the actor's convention."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int = 0
+                   ) -> tuple[list[float], list[dict[int, float]] | None]:
+    """``log softmax(logits / T)[token]`` per row (T = 1 when greedy), the actor's convention, and the ``top``
+    most likely tokens of each row with theirs ({id: log-prob}, including the token itself) when ``top`` > 0."""
     temperature = 1.0 if params.greedy else params.temperature
     log_probs = (logits[:len(tokens)].float() / temperature).log_softmax(dim=-1)
     index = torch.tensor(tokens, device=logits.device)[:, None]
-    return log_probs.gather(-1, index).squeeze(-1).tolist()
+    chosen = log_probs.gather(-1, index).squeeze(-1).tolist()
+    if not top:
+        return chosen, None
+    values, ids = log_probs.topk(min(top, log_probs.shape[-1]), dim=-1)
+    tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    for entry, token, value in zip(tops, tokens, chosen):
+        entry[token] = value
+    return chosen, tops
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator,

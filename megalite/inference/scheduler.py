@@ -4,7 +4,7 @@ Every step walks the running sequences first (oldest first) and gives each
 the tokens it still needs (one for a decode, plus any speculative drafts; the
 rest of its prompt, or a chunk of it, for a prefill), then admits waiting
 sequences first-come-first-served while the budget and the sequence limit
-allow.  A waiting sequence whose next uncached block another sequence of the
+allow (a request counts with all the samples it will fork into).  A waiting sequence whose next uncached block another sequence of the
 same step is computing (prompts sharing a system prefix, arriving together)
 waits one step and then takes that block from the prefix cache.  A long
 prompt is split into chunks across steps (chunked prefill) and shares the
@@ -18,23 +18,25 @@ than the window of the sequence's next query; its table entry becomes -1.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.paged_cache import StepPlan
 from megalite.inference.prefix_cache import PrefixCache
-from megalite.inference.sequence import Sequence
+from megalite.inference.sequence import Request, Sequence
 
 
 @dataclass
 class Scheduled:
-    """One sequence's share of a step: ``length`` tokens from ``start``, ``drafts`` among them at the end."""
+    """One sequence's share of a step: ``length`` tokens from ``start``, ``drafts`` among them at the end;
+    ``prompt_positions`` are the positions whose logits give prompt log-probs (when the request asks)."""
 
     seq: Sequence
     start: int
     length: int
     drafts: list[int]
     sample: bool
+    prompt_positions: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -110,7 +112,7 @@ class Scheduler:
         """How many drafts a decoding ``seq`` may verify this step (none while it still prefills)."""
         if self.drafter is None or seq.num_computed != len(seq.tokens) - 1:
             return 0
-        return max(0, min(self.num_draft_tokens, seq.request.params.max_new_tokens - seq.num_generated - 1))
+        return max(0, min(self.num_draft_tokens, seq.request.params.max_tokens - seq.num_generated - 1))
 
     def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
         """The next step's plan (empty when nothing can run) and who is in it.
@@ -145,9 +147,11 @@ class Scheduler:
                 e.length -= k - len(e.drafts)
         entries = [self._entry(e.seq, e.length, e.drafts) for e in entries]
         computing = {self._first_block(e) for e in entries}
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        occupied = sum(self._width(s) for s in self.running)
+        while self.waiting and budget > 0 and (not self.running
+                                               or occupied + self._width(self.waiting[0]) <= self.max_seqs):
             seq = self.waiting[0]
-            if self.prefix_cache is not None and not seq.block_table:
+            if self.prefix_cache is not None and not seq.block_table and seq.request.params.prompt_logprobs is None:
                 limit = (len(seq.tokens) - 1) // self.block_size
                 hit = self.prefix_cache.cached_blocks(seq.tokens, limit)
                 if hit < limit and tuple(seq.tokens[:(hit + 1) * self.block_size]) in computing:
@@ -160,12 +164,19 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            occupied += self._width(seq)
             entries.append(self._entry(seq, length, []))
             computing.add(self._first_block(entries[-1]))
             budget -= length
         if self.drafter is not None:
             self.drafter.copy_blocks(copies[applied:])
         return self._plan(entries, copies), entries
+
+    @staticmethod
+    def _width(seq: Sequence) -> int:
+        """The running sequences ``seq`` stands for: itself, or the ``best_of`` samples it will fork into (so
+        admission keeps them within ``max_num_seqs``; a request wider than the limit runs alone)."""
+        return 1 if seq.request.forked else seq.request.params.best_of
 
     def _first_block(self, e: Scheduled) -> tuple[int, ...] | None:
         """The tokens up to the end of the first block ``e`` works on, when this step fills that block and a
@@ -186,7 +197,16 @@ class Scheduler:
                     seq.block_table[i] = -1
         sample = start + length - len(drafts) == len(seq.tokens)
         self.prefill_tokens += max(0, min(start + length, len(seq.request.prompt)) - start)
-        return Scheduled(seq, start, length, drafts, sample)
+        return Scheduled(seq, start, length, drafts, sample, self._prompt_positions(seq.request, start, length))
+
+    @staticmethod
+    def _prompt_positions(request: Request, start: int, length: int) -> list[int]:
+        """Positions in ``[start, start + length)`` whose logits score a prompt token not yet scored (prompt
+        log-probs; such requests skip the prefix cache, so every position is computed once)."""
+        if request.params.prompt_logprobs is None:
+            return []
+        end = min(start + length, len(request.prompt) - 1)
+        return [p for p in range(start, end) if p + 1 not in request.prompt_logprobs]
 
     @staticmethod
     def _plan(entries: list[Scheduled], copies: list) -> StepPlan:
@@ -199,6 +219,7 @@ class Scheduler:
             plan.starts.append(e.start)
             plan.lengths.append(e.length)
             plan.block_tables.append(list(e.seq.block_table))
+            plan.sample_rows.extend(row + p - e.start for p in e.prompt_positions)
             if e.sample:
                 plan.sample_rows.extend(range(row + e.length - len(e.drafts) - 1, row + e.length))
         return plan

@@ -1,9 +1,10 @@
-"""A request and its sequences: the token ids, KV blocks and sampling state the scheduler tracks."""
+"""A request and its sequences: the token ids, KV blocks, text and sampling state the scheduler tracks."""
 
 from __future__ import annotations
 
 import torch
 
+from megalite.inference.detokenizer import IncrementalDetokenizer
 from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -17,8 +18,13 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_blocks = 0  # full blocks last offered to the prefix cache
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.generator = request.generators[index]
+        self.detokenizer = request.new_detokenizer()
+        grammar = request.params.structured_outputs
+        self.grammar = grammar.new_state() if grammar is not None else None  # each sample its own state
 
     @property
     def arrival(self) -> int:
@@ -32,41 +38,111 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float | None) -> None:
-        """Add one generated token; set the finish reason when it is a stop id or the last allowed one."""
-        params = self.request.params
+    def fork(self, index: int) -> Sequence:
+        """Sample ``index`` of the request, starting from this one's tokens (before any are generated)."""
+        child = Sequence(self.request, index, self.tokens)
+        child.num_computed = self.num_computed
+        child.block_table = list(self.block_table)
+        return child
+
+    def append(self, token: int, logprob: float | None, top: dict[int, float] | None = None) -> None:
+        """Add one generated token; set the finish reason at a stop (eos, stop id or string, the end of the
+        grammar) or the length limit."""
+        request, params = self.request, self.request.params
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if token in params.stop_token_ids:
+        if top is not None:
+            self.top_logprobs.append(top)
+        if self.grammar is not None:
+            self.grammar.advance(token)
+        generated = self.num_generated
+        may_stop = generated >= params.min_tokens
+        eos = token in request.eos_token_ids and not params.ignore_eos
+        stop_string = None
+        if self.detokenizer is not None and not eos:
+            stop_string = self.detokenizer.add(token, may_stop)
+        if may_stop and token in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif may_stop and eos:
             self.finish_reason = "stop"
-        elif self.num_generated >= params.max_new_tokens:
+        elif stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+        elif self.grammar is not None and self.grammar.is_terminated:  # the output is complete
+            self.finish_reason = "stop"
+        elif generated >= params.max_tokens:
             self.finish_reason = "length"
+        if self.finished and self.detokenizer is not None and stop_string is None:
+            self.detokenizer.flush()
+
+    def fail(self, message: str) -> None:
+        self.finish_reason = "error"
+        self.request.error = self.request.error or message
+
+    def text(self) -> str | None:
+        return None if self.detokenizer is None else self.detokenizer.text
 
     def output(self) -> CompletionOutput:
+        params = self.request.params
+        wanted = params.logprobs is not None
         return CompletionOutput(index=self.index, token_ids=self.tokens[len(self.request.prompt):],
-                                logprobs=list(self.logprobs) if self.request.params.logprobs else None,
-                                finish_reason=self.finish_reason)
+                                logprobs=list(self.logprobs) if wanted else None, finish_reason=self.finish_reason,
+                                text=self.text(), top_logprobs=list(self.top_logprobs) if params.logprobs else None,
+                                cumulative_logprob=sum(self.logprobs) if self.request.needs_logprobs else None,
+                                stop_reason=self.stop_reason)
 
 
 class Request:
-    """A prompt with its sampling params; its ``n`` samples start as one sequence and fork after the prompt."""
+    """A prompt with its sampling params; its ``best_of`` samples start as one sequence and fork after the prompt.
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int, seed: int):
+    ``eos_token_ids`` end a sample (unless ``ignore_eos``); ``tokenizer`` (optional) gives each sample its text
+    and stop strings.  ``error`` is set when the request failed alone (e.g. non-finite logits)."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int, seed: int,
+                 eos_token_ids=(), tokenizer=None):
         self.request_id, self.prompt, self.params, self.arrival = request_id, list(prompt), params, arrival
-        self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2 ** 63)) for i in range(params.n)]
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2 ** 63))
+                           for i in range(params.best_of)]
+        self.prompt_logprobs: dict[int, dict[int, float]] = {}
+        self.error: str | None = None
         self.sequences = [Sequence(self, 0, prompt)]
         self.cancelled = False
         self.arrival_time: float | None = None
 
+    def new_detokenizer(self) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, self.prompt, self.params.stop,
+                                      self.params.include_stop_str_in_output)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether samples carry log-probs: asked for, or needed to rank ``best_of`` samples."""
+        return self.params.logprobs is not None or self.params.best_of > self.params.n
+
     @property
     def forked(self) -> bool:
-        return len(self.sequences) == self.params.n
+        return len(self.sequences) == self.params.best_of
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.finished for s in self.sequences)
+        return self.error is not None or (self.forked and all(s.finished for s in self.sequences))
+
+    def chosen(self) -> list[Sequence]:
+        """The ``n`` samples returned: all of them, or the best ``n`` of ``best_of`` by cumulative log-prob."""
+        if self.params.best_of == self.params.n or not self.finished:
+            return self.sequences[:self.params.n]
+        ranked = sorted(self.sequences, key=lambda s: -sum(s.logprobs))
+        return ranked[:self.params.n]
 
     def output(self) -> RequestOutput:
-        return RequestOutput(request_id=self.request_id, prompt_token_ids=list(self.prompt),
-                             outputs=[s.output() for s in self.sequences], finished=self.finished)
+        outputs = [s.output() for s in self.chosen()]
+        for index, out in enumerate(outputs):
+            out.index = index
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt))]
+        return RequestOutput(request_id=self.request_id, prompt_token_ids=list(self.prompt), outputs=outputs,
+                             finished=self.finished, prompt_logprobs=prompt_logprobs)

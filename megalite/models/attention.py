@@ -20,6 +20,7 @@ from torch import nn
 from megalite import topology
 from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
+from megalite.models.norms import build_norm
 from megalite.models.rotary import apply_rotary
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, recompute
 
@@ -97,7 +98,8 @@ class Attention(nn.Module):
     :meth:`attend` runs queries, keys and values ``[s, b, heads, d]`` (values may
     have their own head dim) through the KV cache, the context-parallel /
     packed-document / sliding-window path, or plain causal attention, with
-    selective recompute; subclasses own the projections around it.
+    selective recompute; subclasses own the projections around it (and rotate
+    with ``rotary_interleaved``, halves or neighbouring pairs).
     """
 
     def __init__(self, config, layer_number: int, *, heads_local: int, groups_local: int, cp_group=None,
@@ -116,6 +118,7 @@ class Attention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.window_size = config.window_size
         self.recompute_core = config.recompute_granularity == "selective"
+        self.rotary_interleaved = config.rotary_interleaved
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: AttentionCache | None,
                mask: torch.Tensor | None, documents: torch.Tensor | None) -> torch.Tensor:
@@ -148,7 +151,7 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
-    """``linear_qkv`` (column-parallel) -> rotary -> core attention -> ``linear_proj`` (row-parallel).
+    """``linear_qkv`` (column-parallel) -> [per-head q/k norm] -> rotary -> core attention -> ``linear_proj``.
 
     Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``rotary``
     is a pair of cos/sin tables from :class:`RotaryEmbedding` and ``mask`` an
@@ -176,12 +179,20 @@ class SelfAttention(Attention):
         self.num_groups_local = config.num_query_groups // tp
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+            config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias,
+            sequence_parallel=sequence_parallel,
             tp_group=tp_group, init_method=normal_init(config.init_method_std))
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True, sequence_parallel=sequence_parallel, tp_group=tp_group,
             init_method=scaled_normal_init(config.init_method_std, config.num_layers))
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            # One weight shared by every head; each TP rank holds other heads, so its
+            # gradient is partial and summed over TP like a sequence-parallel one.
+            norm_args = (config.normalization, self.head_dim, config.norm_eps)
+            self.q_layernorm = build_norm(*norm_args, sequence_parallel=tp > 1)
+            self.k_layernorm = build_norm(*norm_args, sequence_parallel=tp > 1)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache: AttentionCache | None = None, mask: torch.Tensor | None = None,
@@ -191,6 +202,8 @@ class SelfAttention(Attention):
         qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, k, *rotary)
+            q, k = apply_rotary(q, k, *rotary, interleaved=self.rotary_interleaved)
         return self.linear_proj(self.attend(q, k, v, kv_cache, mask, documents))

@@ -11,6 +11,7 @@ Parameter names (HF-convertible)::
     embedding.position_embeddings.weight          [max_pos, h]   (learned_absolute only)
     decoder.layers.{i}.input_layernorm.{weight,bias}
     decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   grouped QKV layout, see attention.py
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight      [head_dim]  (qk_layernorm only)
     decoder.layers.{i}.self_attention.linear_proj.{weight,bias}
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
     decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              [gate_i; up_i] for SwiGLU, see mlp.py
@@ -37,7 +38,7 @@ from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
 from megalite.models.mla import check_mla_config, mla_flops_per_token
-from megalite.models.rotary import RotaryEmbedding, YarnRotaryEmbedding
+from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
                                       gather_from_sequence_parallel_region, pad_vocab_size,
@@ -51,11 +52,11 @@ PADDING_LOGIT = -1.0e4
 
 _CHOICES = {
     "position_embedding_type": ("learned_absolute", "rope"),
+    "rope_scaling": (None, "linear", "llama3", "yarn"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "activation": ("gelu", "gelu_tanh", "swiglu"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
-    "rope_type": ("rope", "yarn"),
 }
 
 
@@ -65,9 +66,17 @@ class GPTConfig:
 
     ``ffn_hidden_size`` defaults to ``4h`` (GELU) or Megatron's SwiGLU size
     ``int(8h/3 / 64) * 64``; ``num_query_groups`` defaults to the number of
-    heads (plain multi-head attention) and ``kv_channels`` (the head dimension)
-    to ``hidden_size / num_attention_heads``.  RoPE rotates the first
-    ``rotary_percent`` of each head's channels.  Full recompute uses
+    heads (plain multi-head attention) and ``kv_channels`` (the head dimension,
+    free to differ from it) to ``hidden_size / num_attention_heads``.  RoPE
+    rotates the first ``rotary_percent`` of each head's channels, as halves
+    (rotate-half) or as neighbouring pairs (``rotary_interleaved``);
+    ``rope_scaling`` stretches its frequencies for long context ("linear",
+    Llama 3's "llama3", "yarn"; :mod:`megalite.models.rotary` says what each
+    ``rope_*``/``yarn_*`` field means; ``yarn_mscale``/``yarn_mscale_all_dim`` are DeepSeek's and
+    Megatron's ``mscale``/``mscale_all_dim``).  ``add_qkv_bias`` gives the QKV
+    projection a bias when the other linear layers have none (Qwen2);
+    ``qk_layernorm`` normalizes each query and key head before the rotation
+    (Qwen3).  Full recompute uses
     ``recompute_method`` ("uniform" or "block", default uniform) over
     ``recompute_num_layers`` layers (default 1).  ``moe_layer_freq`` is an int ``k``
     (layers ``0, k, 2k, ...`` are MoE) or a per-layer list of 0/1.  ``seed``
@@ -88,6 +97,20 @@ class GPTConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000
     rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attention_factor: float | None = None
+    yarn_truncate: bool = True
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     normalization: str = "LayerNorm"
     norm_eps: float = 1e-5
     activation: str = "gelu"
@@ -109,13 +132,6 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    rope_type: str = "rope"
-    rotary_scaling_factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
     seed: int = 1234
 
     def __post_init__(self):
@@ -126,7 +142,7 @@ class GPTConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads:
+        if self.kv_channels is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
     @property
@@ -146,8 +162,13 @@ class GPTConfig:
 
     def validate(self, tp_size: int = 1) -> None:
         """Raise ValueError naming the numbers if this config cannot run with ``tp_size``."""
+        h, heads, groups, ffn = self.hidden_size, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
+        if self.kv_channels is None and isinstance(h, int) and isinstance(heads, int) and heads > 0 and h % heads:
+            raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={heads}; set kv_channels "
+                             "(the head dimension) explicitly")
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "num_query_groups", "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by"):
+                     "num_query_groups", "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by",
+                     "rope_original_max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -156,11 +177,8 @@ class GPTConfig:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        h, heads, groups, ffn = self.hidden_size, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
         if self.multi_latent_attention:
             check_mla_config(self)
-        elif h % heads:
-            raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
         if heads % tp_size:
@@ -171,12 +189,10 @@ class GPTConfig:
             raise ValueError(f"ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp_size}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}")
-        if self.rope_type == "yarn" and (self.rotary_scaling_factor < 1 or self.position_embedding_type != "rope"):
-            raise ValueError(f"rope_type 'yarn' needs position_embedding_type 'rope' and rotary_scaling_factor >= 1, "
-                             f"got {self.position_embedding_type!r} and {self.rotary_scaling_factor}")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(f"rope needs an even, positive number of rotated channels, got kv_channels "
                              f"{self.kv_channels} * rotary_percent {self.rotary_percent} = {self.rotary_dim}")
+        self._validate_rope_scaling()
         if self.recompute_method is not None and self.recompute_granularity != "full":
             raise ValueError(f"GPTConfig.recompute_method={self.recompute_method!r} needs recompute_granularity "
                              f"'full', got {self.recompute_granularity!r}")
@@ -195,6 +211,20 @@ class GPTConfig:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
             raise ValueError(f"GPTConfig.window_size must be a non-negative integer or None, got {window!r}")
         self._validate_moe_layers()
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling is not None and self.position_embedding_type != "rope":
+            raise ValueError(f"GPTConfig.rope_scaling={self.rope_scaling!r} needs position_embedding_type 'rope'")
+        if self.rope_scaling is not None and not self.rope_scaling_factor >= 1.0:
+            raise ValueError(f"GPTConfig.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"GPTConfig.rope_low_freq_factor={self.rope_low_freq_factor} and rope_high_freq_factor="
+                             f"{self.rope_high_freq_factor} must satisfy 0 < low < high")
+        if self.rope_scaling == "yarn" and not 0 < self.yarn_beta_slow <= self.yarn_beta_fast:
+            raise ValueError(f"GPTConfig.yarn_beta_slow={self.yarn_beta_slow} and yarn_beta_fast={self.yarn_beta_fast}"
+                             " must satisfy 0 < slow <= fast")
+        if self.yarn_attention_factor is not None and not self.yarn_attention_factor > 0:
+            raise ValueError(f"GPTConfig.yarn_attention_factor must be positive, got {self.yarn_attention_factor}")
 
     def _validate_moe_layers(self) -> None:
         freq = self.moe_layer_freq
@@ -300,13 +330,8 @@ class GPTModel(nn.Module):
             if tied and not post_process:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
-        if config.rope_type == "yarn":
-            self.rotary = YarnRotaryEmbedding(
-                config.rotary_dim, config.rotary_base, config.rotary_scaling_factor,
-                config.original_max_position_embeddings, config.beta_fast, config.beta_slow, config.mscale,
-                config.mscale_all_dim)
-        elif config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config)
         self.decoder = TransformerBlock(config, self.layer_range, post_process=post_process, tp_group=self.tp_group,
                                         ep_group=ep_group, expert_tp_group=expert_tp_group, cp_group=self.cp_group,
                                         cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)

@@ -18,7 +18,7 @@ rotary key is all-gathered over the sequence under SP; its gradient, partial
 per rank, is reduced back.
 
 The softmax scale is ``1/sqrt(qk_head_dim + qk_pos_emb_head_dim)`` times YaRN's
-``yarn_mscale(factor, mscale_all_dim) ** 2``; the extra factor is folded into
+``yarn_mscale(factor, yarn_mscale_all_dim) ** 2`` (under ``rope_scaling='yarn'``); the extra factor is folded into
 the queries, so every core-attention backend (KV cache, context parallel) serves MLA unchanged.
 """
 
@@ -98,8 +98,8 @@ class MultiLatentAttention(Attention):
         self.heads_local = heads_local
         self.nope, self.rope, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.query_scale = yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2 \
-            if config.rope_type == "yarn" else 1.0
+        self.query_scale = yarn_mscale(config.rope_scaling_factor, config.yarn_mscale_all_dim) ** 2 \
+            if config.rope_scaling == "yarn" else 1.0
         h, heads, std = config.hidden_size, config.num_attention_heads, config.init_method_std
         norm = (config.normalization,)
         column = dict(bias=False, sequence_parallel=sequence_parallel, tp_group=tp_group, init_method=normal_init(std))
@@ -140,7 +140,7 @@ class MultiLatentAttention(Attention):
             k_rope = copy_to_tensor_parallel_region(k_rope, self.tp_group)
         k_rope = k_rope.unsqueeze(2)
         if rotary is not None:
-            q_rope, k_rope = apply_rotary(q_rope, k_rope, *rotary)
+            q_rope, k_rope = apply_rotary(q_rope, k_rope, *rotary, interleaved=self.rotary_interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale

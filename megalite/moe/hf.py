@@ -41,7 +41,7 @@ from megalite.moe.config import MoEConfig
 
 HF_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_MOE_READ_FAMILIES = HF_MOE_FAMILIES + ("deepseek_v3",)
-"""``moe_config_to_hf`` writes the first three; DeepSeek-V3's config is ``checkpoint/hf_deepseek.py``'s."""
+"""``moe_config_to_hf`` writes the first three; DeepSeek-V3's config is ``checkpoint/hf/deepseek.py``'s."""
 _MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
 _QWEN_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 

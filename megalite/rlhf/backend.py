@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint import load_sharded, save_sharded
 from megalite.distributed import finalize_model_grads
-from megalite.rlhf.generation import GenerationOutput, SamplingConfig, engine_generate, engine_supports, generate
+from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 
@@ -39,6 +39,7 @@ class TrainingBackend:
         self.micro_batch_size = micro_batch_size
         self.topo = topo or topology.current()
         self._pending = False
+        self.rollout_engine = RolloutEngine(chunk) if engine_supports(chunk) else None
 
     def _micro_batches(self, batch: dict) -> list[dict]:
         size = batch["input_ids"].shape[0]
@@ -111,11 +112,11 @@ class TrainingBackend:
                  generator: torch.Generator | None = None) -> GenerationOutput:
         """Decode continuations of this DP rank's left-padded prompts (see :func:`generation.generate`).
 
-        Runs on the inference engine (:func:`generation.engine_generate`); with
+        Runs on the inference engine (one :class:`generation.RolloutEngine`, reused across calls); with
         pipeline stages, which the engine does not support yet, on the static decoder.
         """
-        if engine_supports(self.chunk):
-            return engine_generate(self.chunk, prompts, prompt_mask, sampling, generator)
+        if self.rollout_engine is not None:
+            return self.rollout_engine.generate(prompts, prompt_mask, sampling, generator)
         return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
 
     def save(self, directory: str) -> None:

@@ -99,7 +99,7 @@ def export_hf_weights(model_chunks, pp_group=None) -> Iterator[tuple[str, torch.
     """Yield ``(hf_name, full_tensor)`` for every weight, on every rank of the model replica (TP x PP).
 
     :func:`export_global_weights` named and split by the Hugging Face converter.  A model with no
-    Hugging Face family (e.g. MoE) raises ValueError before any collective.
+    Hugging Face family (e.g. GELU experts) raises ValueError before any collective.
     """
     model = unwrap(model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks)
     hf_family(model.config)

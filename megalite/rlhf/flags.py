@@ -1,7 +1,7 @@
 """RL's and reward-model training's command-line flags: rows of the same ``Flag`` table as pretraining, mapped onto the RL configs.
 
 A row with ``fields`` takes its default from the config dataclass (``PPOConfig``, ``AdvantageConfig``,
-``SamplingConfig``, ``OffloadConfig``), so ``examples/rlhf_ppo.py`` and the Python API agree; the
+``SamplingConfig``, ``OffloadConfig``), so ``megalite.rlhf.trainer.RLTrainer`` and the Python API agree; the
 other rows are options of the RL loop with their default in the row.  ``RL_FLAGS.config_values(args,
 "PPOConfig")`` gives the config's keyword arguments from parsed flags.  The flag names follow verl
 and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``).
@@ -16,6 +16,7 @@ from megalite.rlhf.placement import OffloadConfig
 from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
 
 ALGO, ROLLOUT, PLACE = ("RL algorithm", "rollouts and rewards", "placement and offload (see megalite.rlhf.placement)")
+TASK = "task and warm-up pretraining (megalite.rlhf.arithmetic)"
 
 RL_FLAGS = FlagTable((
     Flag("--advantage-estimator", ALGO, ("AdvantageConfig.estimator",),
@@ -84,6 +85,14 @@ RL_FLAGS = FlagTable((
     Flag("--target-critic-tau", PLACE, type=float,
          help="gae: advantages use a target critic, a host copy of the critic moved by Polyak averaging at this "
               "rate after each update"),
+
+    Flag("--sample-interval", ROLLOUT, type=int,
+         help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
+    Flag("--max-operand", TASK, default=9, type=int, help="problems are a+b with 0 <= a, b <= this"),
+    Flag("--pretrain-iters", TASK, default=80, type=int, help="warm-up pretraining steps before RL (none with --load)"),
+    Flag("--pretrain-lr", TASK, default=3e-3, type=float),
+    Flag("--pretrain-global-batch-size", TASK, default=64, type=int,
+         help="sequences per warm-up step over all data-parallel ranks"),
 ), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig))
 
 PREFERENCES = "preference data"

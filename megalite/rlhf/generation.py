@@ -1,9 +1,9 @@
 """Rollout generation: the inference engine for pp=1, static pipelined decoding otherwise.
 
-:func:`engine_generate` runs left-padded rollout batches through
-:class:`megalite.inference.LLMEngine` on the actor's weights in place
-(continuous batching, paged KV, TP) and packs the result like
-:func:`generate`.  :func:`generate` below is the static-batch decoder that
+:class:`RolloutEngine` runs left-padded rollout batches through one
+:class:`megalite.inference.LLMEngine`, built once and reused, on the actor's
+weights in place (continuous batching, paged KV, TP) and packs the result
+like :func:`generate`.  :func:`generate` below is the static-batch decoder that
 also runs across pipeline stages, which the engine does not support yet.
 
 Prompts come left-padded (``prompt_mask`` marks the real tokens), so every
@@ -192,46 +192,72 @@ def engine_supports(model) -> bool:
             and not any(isinstance(p, DTensor) for p in inner.parameters()))
 
 
-@torch.no_grad()
+class RolloutEngine:
+    """:func:`generate`'s contract on the inference engine (pp=1), with one engine built for ``model`` and reused.
+
+    The engine runs on the model's weights in place, so an optimizer step is seen by the next call with no copy.
+    Prefix caching is off: the weights change between calls, so no cached prefix may outlive one.  The KV pool is
+    sized for the largest batch seen and grows (a new engine) only when a call needs more blocks.  Row ``i``
+    samples with a seed drawn from ``generator`` (or from the engine's default seed), so rollouts are
+    reproducible and equal those of a fresh engine.
+    """
+
+    def __init__(self, model, block_size: int = 16):
+        self.model, self.block_size = model, block_size
+        self.engine: LLMEngine | None = None
+        self.builds = 0
+
+    def _engine_for(self, rows: int, width: int) -> LLMEngine:
+        blocks = rows * -(-width // self.block_size)
+        config = self.engine.config if self.engine is not None else None
+        if config is None or config.num_blocks < blocks or config.max_num_seqs < rows:
+            self.engine = LLMEngine(self.model, EngineConfig(
+                block_size=self.block_size, num_blocks=blocks, max_num_batched_tokens=max(512, width),
+                max_num_seqs=rows, enable_prefix_caching=False))
+            self.builds += 1
+        return self.engine
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        """Continuations of left-padded ``prompts [b, p]``, laid out like :func:`generate`'s."""
+        if prompts.dim() != 2 or tuple(prompt_mask.shape) != tuple(prompts.shape):
+            raise ValueError(f"prompts must be [b, p] with a prompt_mask of the same shape, got "
+                             f"{tuple(prompts.shape)} and {tuple(prompt_mask.shape)}")
+        b, p = prompts.shape
+        lengths = prompt_mask.sum(dim=1).tolist()
+        if min(lengths) == 0:
+            raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
+        rows = [prompts[i, p - n:].tolist() for i, n in enumerate(lengths)]
+        if generator is not None:
+            seeds = torch.randint(2 ** 62, (b,), generator=generator, device=generator.device).tolist()
+        else:
+            seeds = [None] * b
+        stop = [] if config.eos_id is None else [config.eos_id]
+        temperature = 0 if config.greedy else config.temperature
+        params = [SamplingParams(max_tokens=config.max_new_tokens, temperature=temperature,
+                                 top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop,
+                                 logprobs=0)
+                  for seed in seeds]
+        engine = self._engine_for(b, p + config.max_new_tokens)
+        completions = [o.outputs[0] for o in engine.generate(rows, params)]
+        n = max(len(c.token_ids) for c in completions)
+        tokens = torch.full((b, p + n), config.pad_id, dtype=prompts.dtype, device=prompts.device)
+        tokens[:, :p] = prompts
+        mask = torch.zeros(b, p + n, dtype=prompts.dtype, device=prompts.device)
+        mask[:, :p] = prompt_mask
+        log_probs = torch.zeros(b, n, dtype=torch.float32, device=prompts.device)
+        for i, c in enumerate(completions):
+            k = len(c.token_ids)
+            tokens[i, p:p + k] = torch.tensor(c.token_ids, dtype=prompts.dtype)
+            mask[i, p:p + k] = 1
+            log_probs[i, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=log_probs,
+                                response_mask=mask[:, p:].clone())
+
+
 def engine_generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,
                     generator: torch.Generator | None = None, block_size: int = 16) -> GenerationOutput:
-    """:func:`generate`'s contract on the inference engine (pp=1): same inputs, same output layout.
-
-    Row ``i`` samples with a seed drawn from ``generator`` (or from the
-    engine's default seed), so rollouts are reproducible.  A fresh engine (and
-    KV pool sized for the whole batch) is built per call: the weights change
-    between calls, so no cached prefix may outlive one.
-    """
-    if prompts.dim() != 2 or tuple(prompt_mask.shape) != tuple(prompts.shape):
-        raise ValueError(f"prompts must be [b, p] with a prompt_mask of the same shape, got "
-                         f"{tuple(prompts.shape)} and {tuple(prompt_mask.shape)}")
-    b, p = prompts.shape
-    lengths = prompt_mask.sum(dim=1).tolist()
-    if min(lengths) == 0:
-        raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
-    rows = [prompts[i, p - n:].tolist() for i, n in enumerate(lengths)]
-    if generator is not None:
-        seeds = torch.randint(2 ** 62, (b,), generator=generator, device=generator.device).tolist()
-    else:
-        seeds = [None] * b
-    stop = [] if config.eos_id is None else [config.eos_id]
-    temperature = 0 if config.greedy else config.temperature
-    params = [SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
-                             top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop, logprobs=True)
-              for seed in seeds]
-    blocks = b * -(-(p + config.max_new_tokens) // block_size)
-    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=blocks,
-                                           max_num_batched_tokens=max(512, p), max_num_seqs=b))
-    completions = [o.outputs[0] for o in engine.generate(rows, params)]
-    n = max(len(c.token_ids) for c in completions)
-    tokens = torch.full((b, p + n), config.pad_id, dtype=prompts.dtype, device=prompts.device)
-    tokens[:, :p] = prompts
-    mask = torch.zeros(b, p + n, dtype=prompts.dtype, device=prompts.device)
-    mask[:, :p] = prompt_mask
-    log_probs = torch.zeros(b, n, dtype=torch.float32, device=prompts.device)
-    for i, c in enumerate(completions):
-        k = len(c.token_ids)
-        tokens[i, p:p + k] = torch.tensor(c.token_ids, dtype=prompts.dtype)
-        mask[i, p:p + k] = 1
-        log_probs[i, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
-    return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=log_probs, response_mask=mask[:, p:].clone())
+    """One call of :class:`RolloutEngine` on a fresh engine (a loop that samples again should keep the
+    ``RolloutEngine``)."""
+    return RolloutEngine(model, block_size).generate(prompts, prompt_mask, config, generator)

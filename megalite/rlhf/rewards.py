@@ -31,7 +31,7 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
 
 
 def arithmetic_reward(prompt: str, response: str) -> float:
-    """1 for the right answer to an "a+b=" prompt, else 0 (the rule examples/rlhf_ppo.py uses by default)."""
+    """1 for the right answer to an "a+b=" prompt, else 0 (the RL trainer's default --reward-fn)."""
     return float(response == arithmetic_answer(prompt))
 
 

@@ -44,6 +44,9 @@ class LoadResult(NamedTuple):
     consumed_samples: int
     saved_iteration: int
     saved_layout: dict
+    hf: dict | None = None
+    """The Hugging Face origin (original config.json, generation config) of a converted checkpoint, carried
+    into this run's saves so that exporting a fine-tuned model writes the original's files."""
 
 
 def has_checkpoint(load_dir: str) -> bool:
@@ -118,16 +121,19 @@ def _jsonable_args(args) -> dict | None:
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler, consumed_samples: int,
                     *, layout: dict | None = None, args=None, save_optimizer: bool = True, save_rng: bool = True,
-                    saver: checkpoint.AsyncSaver | None = None) -> str:
+                    saver: checkpoint.AsyncSaver | None = None, hf: dict | None = None) -> str:
     """Write this rank's state for ``iteration`` and publish it atomically; returns the directory.
 
     Collective over the default group when one exists.  ``layout`` (e.g. tp/pp/dp sizes) is
     stored; a load under another layout reshards.  ``save_optimizer``/``save_rng`` False leave
     those out.  With ``saver`` the write runs in the background (the next save waits for it).
+    ``hf``: the loaded checkpoint's Hugging Face origin (:attr:`LoadResult.hf`), kept for export.
     """
     extra = {"consumed_samples": consumed_samples,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "args": _jsonable_args(args)}
+    if hf is not None:
+        extra["hf"] = hf
     rank_extra = {"rng": get_rng_state()} if save_rng else {}
     return checkpoint.save_sharded(save_dir, iteration, model_chunks, optimizer if save_optimizer else None,
                                    extra=extra, rank_extra=rank_extra, layout=layout, saver=saver)
@@ -161,13 +167,19 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
     if finetune:
-        return LoadResult(0, 0, reader.iteration, dict(reader.layout))
+        return LoadResult(0, 0, reader.iteration, dict(reader.layout), reader.state.get("hf"))
     state = reader.state
     same_layout = reader.world_size == world and (layout is None or reader.layout == layout)
     problem = None
+    saved_schedule = state.get("scheduler")
+    if scheduler is not None and state.get("megatron_scheduler") is not None:
+        # Megatron-LM's OptimizerParamScheduler counts samples as megalite's does; its settings are checked
+        # (or taken, or overridden) like megalite's own, and the ones it lacks are this run's.
+        current = scheduler.state_dict()
+        saved_schedule = {**current, **{k: v for k, v in state["megatron_scheduler"].items() if k in current}}
     try:
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
+        if scheduler is not None and saved_schedule is not None:
+            scheduler.load_state_dict(saved_schedule)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
         problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
     try:
@@ -177,4 +189,5 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
         problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on
-    return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout))
+    return LoadResult(reader.iteration, state.get("consumed_samples", 0), reader.iteration, dict(reader.layout),
+                      state.get("hf"))

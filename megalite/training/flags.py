@@ -54,6 +54,13 @@ def moe_layer_freq(text: str) -> int | list[int]:
         raise error from None
 
 
+def rope_type(text: str) -> str | None:
+    """Megatron's ``--rope-type``: ``rope`` (no scaling, None) or ``yarn``."""
+    if text not in ("rope", "yarn"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'rope', 'yarn')")
+    return None if text == "rope" else text
+
+
 def window_size(text: str) -> int | None:
     """``--window-size`` as Megatron writes it, ``(left, right)`` (flash attention's window), or just ``left``.
 
@@ -104,8 +111,38 @@ _TRAINING_ROWS = (
     Flag("--rotary-base", MODEL, ("GPTConfig.rotary_base",), type=float),
     Flag("--normalization", MODEL, ("GPTConfig.normalization",), choices=("LayerNorm", "RMSNorm")),
     Flag("--norm-epsilon", MODEL, ("GPTConfig.norm_eps",), type=float),
-    Flag("--kv-channels", MODEL, ("GPTConfig.kv_channels",), type=int, help="None: hidden / heads"),
+    Flag("--kv-channels", MODEL, ("GPTConfig.kv_channels",), type=int,
+         help="the head dimension, free to differ from hidden / heads; None: hidden / heads"),
     Flag("--rotary-percent", MODEL, ("GPTConfig.rotary_percent",), type=float),
+    Flag("--rotary-interleaved", MODEL, ("GPTConfig.rotary_interleaved",), type=bool,
+         help="rotate neighbouring channel pairs (GPT-J) instead of the two halves of each head"),
+    Flag("--rope-scaling-type", MODEL, ("GPTConfig.rope_scaling",), choices=("linear", "llama3", "yarn"),
+         help="stretch the RoPE frequencies for long context; None: no scaling"),
+    Flag("--use-rope-scaling", MODEL, ("GPTConfig.rope_scaling",), sets="llama3",
+         help="Llama 3.1 RoPE scaling: same as --rope-scaling-type llama3"),
+    Flag("--rope-scaling-factor", MODEL, ("GPTConfig.rope_scaling_factor",), type=float),
+    Flag("--rope-low-freq-factor", MODEL, ("GPTConfig.rope_low_freq_factor",), type=float, help="llama3 scaling"),
+    Flag("--rope-high-freq-factor", MODEL, ("GPTConfig.rope_high_freq_factor",), type=float, help="llama3 scaling"),
+    Flag("--original-max-position-embeddings", MODEL, ("GPTConfig.rope_original_max_position_embeddings",),
+         type=int, help="the context the model was first trained on (llama3 and yarn scaling)"),
+    Flag("--beta-fast", MODEL, ("GPTConfig.yarn_beta_fast",), type=float, help="yarn scaling"),
+    Flag("--beta-slow", MODEL, ("GPTConfig.yarn_beta_slow",), type=float, help="yarn scaling"),
+    Flag("--yarn-attention-factor", MODEL, ("GPTConfig.yarn_attention_factor",), type=float,
+         help="yarn: cos/sin scale; None: 0.1*ln(factor)+1"),
+    Flag("--yarn-truncate", MODEL, ("GPTConfig.yarn_truncate",), type=bool,
+         help="yarn: round the ramp's ends to whole dimensions"),
+    Flag("--mscale", MODEL, ("GPTConfig.yarn_mscale",), type=float,
+         help="yarn (DeepSeek, Megatron): cos/sin scale numerator's ln(factor) weight"),
+    Flag("--mscale-all-dim", MODEL, ("GPTConfig.yarn_mscale_all_dim",), type=float,
+         help="yarn: cos/sin scale denominator's ln(factor) weight; MLA's softmax scale"),
+    Flag("--rope-type", MODEL, ("GPTConfig.rope_scaling",), type=rope_type,
+         help="Megatron's spelling: 'yarn' is --rope-scaling-type yarn, 'rope' no scaling"),
+    Flag("--rotary-scaling-factor", MODEL, ("GPTConfig.rope_scaling_factor",), type=float,
+         help="Megatron's spelling of --rope-scaling-factor"),
+    Flag("--add-qkv-bias", MODEL, ("GPTConfig.add_qkv_bias",), type=bool,
+         help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)"),
+    Flag("--qk-layernorm", MODEL, ("GPTConfig.qk_layernorm",), type=bool,
+         help="normalize each query and key head before RoPE (Qwen3)"),
     Flag("--swiglu", MODEL, ("GPTConfig.activation",), sets="swiglu"),
     Flag("--openai-gelu", MODEL, ("GPTConfig.activation",), sets="gelu_tanh", help="tanh-approximated GELU (GPT-2)"),
     Flag("--untie-embeddings-and-output-weights", MODEL, ("GPTConfig.untie_embeddings_and_output_weights",),
@@ -124,11 +161,6 @@ _TRAINING_ROWS = (
     Flag("--qk-pos-emb-head-dim", MODEL, ("GPTConfig.qk_pos_emb_head_dim",), type=int,
          help="MLA rotary query/key channels"),
     Flag("--v-head-dim", MODEL, ("GPTConfig.v_head_dim",), type=int),
-    Flag("--rope-type", MODEL, ("GPTConfig.rope_type",), choices=("rope", "yarn")),
-    Flag("--rotary-scaling-factor", MODEL, ("GPTConfig.rotary_scaling_factor",), type=float,
-         help="YaRN context stretch"),
-    Flag("--mscale", MODEL, ("GPTConfig.mscale",), type=float),
-    Flag("--mscale-all-dim", MODEL, ("GPTConfig.mscale_all_dim",), type=float),
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),

@@ -149,15 +149,15 @@ def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
 
     With context parallelism or packed-sequence flags each micro-batch becomes
     this CP rank's chunks plus their positions, documents and loss mask
-    (:func:`megalite.context_parallel.prepare_batch`); otherwise it stays
-    ``{"tokens": [mb, seq+1]}``.
+    (:func:`megalite.context_parallel.prepare_batch`), as does a dataset of packed chat samples
+    (``packed_documents``, :class:`megalite.data.sft.SFTDataset`); otherwise it stays ``{"tokens": [mb, seq+1]}``.
     """
     if dataset is None:
         return None
     packing = packing_config(args)
     if packing.enabled:
         packing.eod_token_id = eod_token_id(args)
-    prepare = packing.enabled or topo.cp.size > 1
+    prepare = packing.enabled or topo.cp.size > 1 or getattr(dataset, "packed_documents", False)
 
     def one():
         sampler = MicroBatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
@@ -166,7 +166,8 @@ def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
         batches = build_data_iterator(dataset, sampler)
         if not prepare:
             return batches
-        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank) for batch in batches)
+        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank, batch.get("assistant_mask"),
+                              batch.get("document_ids")) for batch in batches)
 
     vpp = args.virtual_pipeline_model_parallel_size
     return one() if vpp is None else [one() for _ in range(vpp)]

@@ -67,6 +67,7 @@ class Trainer:
         self.logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir or None,
                                     args.train_iters, wandb_init=wandb_init(args))
         self.saver = AsyncSaver() if args.save and args.async_save else None
+        self.hf_origin = None  # a converted Hugging Face checkpoint's origin, from --load
         self.nan_guard = NanGuard(nan_guard_config(args), check_grads=not args.fp16,
                                   log=topo.global_rank == 0)
         self.layout = {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "cp": topo.cp.size,
@@ -201,7 +202,7 @@ class Trainer:
             check_finite_weights(self.chunks, iteration)
         save_checkpoint(self.args.save, iteration, self.chunks, self.optimizer, self.scheduler, consumed_samples,
                         layout=self.layout, args=self.args, save_optimizer=not self.args.no_save_optim,
-                        save_rng=not self.args.no_save_rng, saver=self.saver)
+                        save_rng=not self.args.no_save_rng, saver=self.saver, hf=self.hf_origin)
         if self.topo.global_rank == 0:
             started = "started saving" if self.saver is not None else "saved"
             print(f"{started} checkpoint at iteration {iteration} to {self.args.save}", flush=True)
@@ -217,6 +218,7 @@ class Trainer:
         result = load_checkpoint(args.load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
                                  load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
                                  finetune=args.finetune)
+        self.hf_origin = result.hf
         if self.topo.global_rank == 0 and result.saved_layout:
             start = " (--finetune: model weights only, starting at iteration 0)" if args.finetune else ""
             print(f"loaded checkpoint {args.load} at iteration {result.saved_iteration}{start}, layout "

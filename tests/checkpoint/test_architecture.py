@@ -72,11 +72,13 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
                "num_query_groups": 2, "kv_channels": 4, "max_position_embeddings": 64,
                "position_embedding_type": "learned_absolute", "rotary_base": 500000.0, "rotary_percent": 0.5,
                "normalization": "RMSNorm", "norm_eps": 1e-6, "activation": "swiglu", "add_bias_linear": False,
-               "untie_embeddings_and_output_weights": True, "moe_layer_freq": 2, "window_size": 3,
+               "untie_embeddings_and_output_weights": True, "moe_layer_freq": 2, "rotary_interleaved": True,
+               "rope_scaling": "llama3", "rope_scaling_factor": 4.0, "rope_low_freq_factor": 2.0,
+               "rope_high_freq_factor": 8.0, "rope_original_max_position_embeddings": 32, "yarn_beta_fast": 16.0,
+               "yarn_beta_slow": 2.0, "yarn_attention_factor": 1.5, "yarn_truncate": False, "yarn_mscale": 0.7,
+               "yarn_mscale_all_dim": 0.7, "add_qkv_bias": True, "qk_layernorm": True, "window_size": 3,
                "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_head_dim": 4,
-               "qk_pos_emb_head_dim": 2, "v_head_dim": 4, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
-               "original_max_position_embeddings": 8, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.7,
-               "mscale_all_dim": 0.7}
+               "qk_pos_emb_head_dim": 2, "v_head_dim": 4}
     assert sorted(changed) == sorted(ARCHITECTURE_FIELDS)
     for name, value in changed.items():
         assert compare_architecture(base, GPTConfig(**{**vars(base), name: value})) == [

@@ -54,20 +54,27 @@ def test_round_trip_matches_logits_and_is_lossless(kind, tmp_path):
     if kind == "llama":
         shards = [f for f in files if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
         assert len(shards) > 1 and all(f.endswith(f"-of-{len(shards):05d}.safetensors") for f in shards)
-        assert files == sorted(["config.json", "model.safetensors.index.json", *shards])
+        assert files == sorted(["config.json", "generation_config.json", "model.safetensors.index.json", *shards])
         with open(tmp_path / "back" / "model.safetensors.index.json") as f:
             assert sorted(set(json.load(f)["weight_map"].values())) == shards
     else:
-        assert files == ["config.json", "model.safetensors"]
-    config, tensors = read_hf_checkpoint(str(tmp_path / "hf"))
-    config_back, tensors_back = read_hf_checkpoint(str(tmp_path / "back"))
+        assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (json.loads((tmp_path / "back" / "generation_config.json").read_text())
+            == json.loads((tmp_path / "hf" / "generation_config.json").read_text()))
+    assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
+
+
+def assert_same_hf_model(original, back, model_class, ids, expected_logits):
+    """``back`` has ``original``'s config.json and exactly its tensors, and transformers loads it to the same logits."""
+    config, tensors = read_hf_checkpoint(str(original))
+    config_back, tensors_back = read_hf_checkpoint(str(back))
     assert config_back == config
     assert sorted(tensors_back) == sorted(tensors)
     for name in tensors:
         assert torch.equal(tensors_back[name], tensors[name]), name
-    reloaded = type(model).from_pretrained(str(tmp_path / "back")).eval()
+    reloaded = model_class.from_pretrained(str(back)).eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, expected)
+        assert torch.equal(reloaded(ids).logits, expected_logits)
 
 
 @pytest.mark.slow
@@ -140,3 +147,23 @@ def test_converted_checkpoint_splits_and_merges_at_tp2(kind, tmp_path):
     assert sorted(resaved.shapes) == sorted(converted.shapes)
     for name in converted.shapes:
         assert torch.equal(resaved.read(name), converted.read(name)), name
+
+
+def test_export_writes_each_shard_as_soon_as_it_is_full(tmp_path):
+    """Streaming: a 1 KiB limit with 1 KiB tensors; by the time the fourth tensor is produced, the first
+    two shards are already on disk (so memory holds one shard, not the model)."""
+    from megalite.checkpoint.hf import write_hf_tensors
+
+    on_disk = []
+
+    def pairs():
+        for i in range(4):
+            on_disk.append(len(os.listdir(tmp_path)))
+            yield f"t{i}", torch.full((256,), float(i))
+
+    names = write_hf_tensors(str(tmp_path), pairs(), 1024)
+    assert on_disk == [0, 0, 1, 2]
+    assert names == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)] + ["model.safetensors.index.json"]
+    (tmp_path / "config.json").write_text("{}")
+    _, tensors = read_hf_checkpoint(str(tmp_path))
+    assert {n: t[0].item() for n, t in tensors.items()} == {"t0": 0.0, "t1": 1.0, "t2": 2.0, "t3": 3.0}

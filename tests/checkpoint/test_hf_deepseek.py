@@ -42,7 +42,8 @@ def test_converted_deepseek_v3_matches_transformers_logits_both_ways(q_lora_rank
     convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "megalite"))
     ours = load_model(str(tmp_path / "megalite")).eval()
     config = ours.config
-    assert config.multi_latent_attention and config.moe_layer_freq == [0, 1, 1] and config.rope_type == "yarn"
+    assert config.multi_latent_attention and config.moe_layer_freq == [0, 1, 1] and config.rope_scaling == "yarn"
+    assert (config.yarn_mscale, config.yarn_mscale_all_dim) == (1.0, 0.8)
     assert (config.moe.num_groups, config.moe.group_topk, config.moe.shared_expert_intermediate_size) == (4, 2, 16)
     router = ours.decoder.layers["1"].mlp.router
     torch.testing.assert_close(router.expert_bias, model.model.layers[1].mlp.gate.e_score_correction_bias)

@@ -140,7 +140,10 @@ def test_an_iteration_directory_is_a_checkpoint_for_every_entry_point(tmp_path):
         save_checkpoint(save, iteration, [small_gpt(seed=seed)], None, None, consumed_samples=8 * iteration)
     second = os.path.join(save, "iter_0000002")
     assert find_checkpoint(save) == os.path.join(save, "iter_0000003") and find_checkpoint(second) == second
-    assert find_checkpoint(str(tmp_path / "absent")) is None and find_checkpoint(str(tmp_path)) is None
+    assert find_checkpoint(str(tmp_path / "absent")) is None and find_checkpoint(str(tmp_path / "run" / "absent")) is None
+    # A directory that holds something, but no checkpoint, is an error naming what it holds (no fresh start).
+    with pytest.raises(ValueError, match=f"{tmp_path} holds run, but no checkpoint"):
+        find_checkpoint(str(tmp_path))
     assert checkpoint_info(second)["iteration"] == 2
     restored = small_gpt(seed=99)
     assert load_checkpoint(second, [restored], None, None)[:2] == (2, 16)
@@ -201,3 +204,13 @@ def test_the_trainer_resumes_from_an_iteration_directory_and_saves_on_into_its_r
     assert iteration == 4 and "holds no checkpoint" not in err
     assert f"loaded checkpoint {second} at iteration 2" in out
     assert latest == 4
+
+
+def test_a_directory_with_files_but_no_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "iter_0000001.tmp").mkdir()  # an interrupted megalite save counts as nothing
+    with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
+        load_model(str(tmp_path))
+    os.remove(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="holds no checkpoint: it is empty"):
+        load_model(str(tmp_path))

@@ -124,9 +124,9 @@ def test_window_matches_transformers_mistral():
                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                            sliding_window=4, tie_word_embeddings=False)
     hf = transformers.MistralForCausalLM(hf_config).eval()
-    # Mistral's weights are Llama's; the window is the only architectural difference.
-    cfg, tensors, _ = hf_to_megalite({**hf_config.to_dict(), "model_type": "llama"}, dict(hf.state_dict()))
-    cfg.window_size, cfg.make_vocab_size_divisible_by = hf_config.sliding_window - 1, 1
+    cfg, tensors, _ = hf_to_megalite(hf_config.to_dict(), dict(hf.state_dict()))
+    assert cfg.window_size == hf_config.sliding_window - 1
+    cfg.make_vocab_size_divisible_by = 1
     model = GPTModel(cfg).eval()
     model.load_state_dict(tensors, strict=True)
 
@@ -159,7 +159,7 @@ def test_window_matches_transformers_mistral():
     expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
     engine = LLMEngine(model, EngineConfig(block_size=2, num_blocks=64, max_num_batched_tokens=6))
-    requests = [engine.add_request(p, SamplingParams(max_new_tokens=10, temperature=0)) for p in prompts]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0)) for p in prompts]
     peak = 0
     while engine.has_unfinished():
         engine.step()

@@ -100,3 +100,23 @@ def test_ids_equal_the_reference_libraries(tmp_path):
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     for text in texts:
         assert build_tokenizer(model, "SentencePieceTokenizer").tokenize(text) == sp.encode(text), text
+
+
+def test_hf_tokenize_without_special_tokens(tmp_path):
+    """A tokenizer that prepends bos (as Llama 3's does): ``add_special_tokens=False`` leaves it out, as
+    transformers' own call does, so a rendered chat template (which already holds bos) gets one, not two."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(str(tmp_path))
+    hf = build_tokenizer(str(tmp_path), "HuggingFaceTokenizer")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.tokenize("<s> hello world") == reference("<s> hello world").input_ids == [0, 0, 3, 4]
+    assert hf.tokenize("<s> hello world", add_special_tokens=False) == [0, 3, 4]
+    assert reference("<s> hello world", add_special_tokens=False).input_ids == [0, 3, 4]
+    for tokenizer in (ByteTokenizer(), build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=10)):
+        assert tokenizer.tokenize("1 2", add_special_tokens=False) == tokenizer.tokenize("1 2")

@@ -11,11 +11,11 @@ from tests.inference.common import VOCAB, logprob_model, tiny_model
 
 def test_bad_input_is_one_clear_error():
     llm = LLM.from_model(tiny_model(max_position_embeddings=32), engine_config=EngineConfig(block_size=4, num_blocks=4))
-    ok = SamplingParams(max_new_tokens=2)
+    ok = SamplingParams(max_tokens=2)
     cases = [
-        (lambda: llm.generate([[1] * 31], ok), r"31 tokens \+ max_new_tokens=2 = 33 exceeds the model's context of 32"),
+        (lambda: llm.generate([[1] * 31], ok), r"31 tokens \+ max_tokens=2 = 33 exceeds the model's context of 32"),
         (lambda: SamplingParams(n=0), "n must be a positive integer, got 0"),
-        (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+        (lambda: SamplingParams(temperature=-0.5), r"temperature must be 0 \(greedy\) or a number >= 0.01, got -0.5"),
         (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (lambda: llm.generate([[1, VOCAB]], ok), rf"\[1, {VOCAB}\], outside the vocabulary \[0, {VOCAB - 1}\]"),
@@ -40,7 +40,7 @@ def test_n_samples_and_shared_prefixes_reuse_prompt_blocks():
     system = torch.randint(0, VOCAB, (10,), generator=g).tolist()
     prompts = [system + torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 8, (16,), generator=g)]
-    params = [SamplingParams(n=8, max_new_tokens=5, temperature=1.0, seed=i) for i in range(16)]
+    params = [SamplingParams(n=8, max_tokens=5, temperature=1.0, seed=i) for i in range(16)]
     results = {}
     for caching, budget in ((True, 64), (True, 512), (False, 64)):
         llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=512,
@@ -82,14 +82,14 @@ def test_abort_and_many_requests_leave_the_pool_as_it_was():
     engine_config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8)
     llm = LLM.from_model(tiny_model(), engine_config=engine_config)
     engine = llm.engine
-    request = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(n=3, max_new_tokens=20))
+    request = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(n=3, max_tokens=20))
     for _ in range(4):
         engine.step()
     assert engine.allocator.num_used() > 0
     engine.abort(request.request_id)
     assert engine.allocator.num_used() == 0 and not engine.has_unfinished() and not engine.requests
     for i in range(50):
-        engine.add_request([i % VOCAB, 3], SamplingParams(max_new_tokens=3, stop_token_ids=[5]))
+        engine.add_request([i % VOCAB, 3], SamplingParams(max_tokens=3, stop_token_ids=[5]))
     while engine.has_unfinished():
         engine.step()
     assert engine.allocator.num_used() == 0 and not engine.requests
@@ -110,7 +110,7 @@ class _Letters:
 def test_string_prompts_with_a_tokenizer():
     model = tiny_model()
     llm = LLM.from_model(model, tokenizer=_Letters())
-    params = SamplingParams(max_new_tokens=4, temperature=0)
+    params = SamplingParams(max_tokens=4, temperature=0)
     by_text = llm.generate(["abc", "hello"], params)
     by_ids = LLM.from_model(model).generate([[1, 2, 3], [8, 5, 12, 12, 15]], params)
     assert [o.prompt_token_ids for o in by_text] == [[1, 2, 3], [8, 5, 12, 12, 15]]
@@ -133,16 +133,16 @@ def test_draft_model_equal_to_the_target_gets_every_draft_accepted():
     k = 3
     llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=64, speculative="draft",
                                                            num_speculative_tokens=k), draft_model=model)
-    out = llm.generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=1 + 4 * (k + 1), temperature=0))
+    out = llm.generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_tokens=1 + 4 * (k + 1), temperature=0))
     stats = llm.engine.stats
     assert stats["target_forwards_decoding"] == 2 * 4
     assert stats["tokens_from_decoding"] == 2 * 4 * (k + 1)
-    plain = LLM.from_model(model).generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=17,
+    plain = LLM.from_model(model).generate([[1, 2, 3], [5, 6, 7, 8, 9]], SamplingParams(max_tokens=17,
                                                                                        temperature=0))
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
 
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10], [12, 13, 14]]
-    params = SamplingParams(n=2, max_new_tokens=14, temperature=0)
+    params = SamplingParams(n=2, max_tokens=14, temperature=0)
     plain = LLM.from_model(model).generate(prompts, params)
     for num_blocks, budget in ((10, 8), (14, 512)):
         llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=num_blocks,
@@ -165,7 +165,7 @@ def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
         pytest.skip("megalite._C is not built")
     model = logprob_model()
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [4] * 13]
-    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.7, seed=3, logprobs=True)
+    params = SamplingParams(n=2, max_tokens=12, temperature=0.7, seed=3, logprobs=0)
     config = EngineConfig(block_size=4, num_blocks=64, speculative="ngram", num_speculative_tokens=3)
     calls = []
     fused_call = kernels.paged_attention
@@ -180,3 +180,23 @@ def test_fused_paged_attention_equals_the_gather_path(monkeypatch):
         for x, y in zip(a.outputs, b.outputs):
             assert x.token_ids == y.token_ids
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+
+
+def test_forked_samples_count_against_max_num_seqs():
+    """A request is admitted with all the samples it forks into: running sequences never exceed max_num_seqs
+    (before, six n=4 requests admitted together forked into 24 with a limit of 8), and outputs are unchanged."""
+    model = tiny_model()
+    prompts = [[1 + i, 2, 3, 4] for i in range(6)]
+    params = [SamplingParams(n=4, max_tokens=5, seed=i) for i in range(6)]
+    wide = LLM.from_model(model).generate(prompts, params)
+    engine = LLM.from_model(model, engine_config=EngineConfig(max_num_seqs=8)).engine
+    requests = [engine.add_request(p, s) for p, s in zip(prompts, params)]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 8
+    assert [[c.token_ids for c in r.output().outputs] for r in requests] == [[c.token_ids for c in o.outputs]
+                                                                             for o in wide]
+    alone = LLM.from_model(model, engine_config=EngineConfig(max_num_seqs=2)).generate([[1, 2]], SamplingParams(n=3))
+    assert len(alone[0].outputs) == 3

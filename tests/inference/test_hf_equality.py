@@ -85,7 +85,7 @@ def test_greedy_matches_transformers_and_recompute_under_every_variant(kind, tmp
     model = load_model(str(tmp_path / "ckpt"))
     assert expected == [_recompute_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     draft = _draft(kind)
-    params = [SamplingParams(max_new_tokens=n, temperature=0) for n in budgets]
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in budgets]
     for name, engine_config in VARIANTS.items():
         llm = LLM(str(tmp_path / "ckpt"), engine_config=engine_config, draft_model=draft)
         outputs = llm.generate(prompts, params)

@@ -19,7 +19,7 @@ def test_first_token_frequencies_match_filtered_softmax():
     prompt = [3, 17, 9, 22, 5]
     engine_config = EngineConfig(block_size=4, num_blocks=DRAWS + 16, max_num_batched_tokens=DRAWS)
     for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.3, 6, 1.0), (1.0, 0, 0.8), (0.9, 10, 0.9)]:
-        params = SamplingParams(n=DRAWS, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+        params = SamplingParams(n=DRAWS, max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
         out = LLM.from_model(model, engine_config=engine_config).generate([prompt], params)[0]
         counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=VOCAB)
         probs = reference_probs(_logits(model, prompt), temperature, top_k, top_p)
@@ -31,7 +31,7 @@ def test_speculative_verification_preserves_the_distribution():
     model = tiny_model()
     prompt = list(range(VOCAB))
     top_k = 3
-    params = SamplingParams(n=DRAWS, max_new_tokens=3, top_k=top_k, seed=2)
+    params = SamplingParams(n=DRAWS, max_tokens=3, top_k=top_k, seed=2)
     engine_config = EngineConfig(block_size=8, num_blocks=2 * DRAWS + 32, max_num_batched_tokens=4 * DRAWS,
                                  speculative="ngram", num_speculative_tokens=2)
     llm = LLM.from_model(model, engine_config=engine_config)
@@ -61,12 +61,12 @@ def test_verify_accepts_with_target_probability():
 
 def test_seeded_requests_reproduce_in_any_batch():
     model = tiny_model("gpt2")
-    params = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, top_p=0.95, seed=42)
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, top_p=0.95, seed=42)
     alone = LLM.from_model(model).generate([[1, 2, 3]], params)[0]
-    others = [SamplingParams(max_new_tokens=4, seed=s) for s in range(5)]
+    others = [SamplingParams(max_tokens=4, seed=s) for s in range(5)]
     mixed = LLM.from_model(model, engine_config=EngineConfig(block_size=2, num_blocks=64, max_num_batched_tokens=5)
                            ).generate([[7, 8]] * 2 + [[1, 2, 3]] + [[9]] * 3, others[:2] + [params] + others[2:])[2]
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
-    other_seed = LLM.from_model(model).generate([[1, 2, 3]], SamplingParams(n=3, max_new_tokens=6, seed=43))[0]
+    other_seed = LLM.from_model(model).generate([[1, 2, 3]], SamplingParams(n=3, max_tokens=6, seed=43))[0]
     assert [c.token_ids for c in other_seed.outputs] != [c.token_ids for c in alone.outputs]

@@ -10,7 +10,10 @@ import sys
 import pytest
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
-from megalite.inference.serve import EngineLoop, build_app, parse_args
+from megalite.inference.api_server import ServerConfig, build_app
+from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.chat_template import ChatTemplateError
+from megalite.inference.serve import chat_support, parse_args
 from tests.inference.common import VOCAB, tiny_model
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -23,7 +26,7 @@ PROMPTS = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(8)]
 async def _with_server(engine, body):
     loop = EngineLoop(engine)
     loop.start()
-    runner = web.AppRunner(build_app(loop, max_body_bytes=4096, max_tokens_limit=250))
+    runner = web.AppRunner(build_app(loop, ServerConfig(max_body_bytes=4096, max_tokens_limit=250)))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -38,7 +41,7 @@ async def _with_server(engine, body):
 
 async def _stream(session, url, prompt, max_tokens, seed):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "seed": seed, "stream": True,
-            "logprobs": True}
+            "logprobs": 1}
     tokens, events = [], 0
     async with session.post(f"{url}/v1/completions", json=body) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
@@ -61,7 +64,7 @@ def _idle(engine):
 def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
     model = tiny_model(max_position_embeddings=256)
     offline = LLM.from_model(model, engine_config=ENGINE).generate(
-        PROMPTS, [SamplingParams(max_new_tokens=5 + i, temperature=0.9, seed=100 + i) for i in range(8)])
+        PROMPTS, [SamplingParams(max_tokens=5 + i, temperature=0.9, seed=100 + i) for i in range(8)])
     expected = [o.outputs[0].token_ids for o in offline]
     engine = LLM.from_model(model, engine_config=ENGINE).engine
 
@@ -115,13 +118,18 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
 
 
 @pytest.mark.slow
-def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
+def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenizer(tmp_path):
+    """``serve --load CKPT`` with no --tokenizer answers a text prompt through the openai client, as LLM(CKPT)."""
+    openai = pytest.importorskip("openai")
     assert parse_args(["--load", "x"]).host == "127.0.0.1"
     from megalite.checkpoint import save_sharded
+    from megalite.data.synthetic import generate_corpus
+    from megalite.data.tokenizer import train_sentencepiece
 
-    model = tiny_model("gpt2")
-    save_sharded(str(tmp_path / "ckpt"), 1, [model])
-    expected = LLM(str(tmp_path / "ckpt")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0))
+    sp = train_sentencepiece(generate_corpus(100, seed=0), str(tmp_path / "sp"), 100)
+    save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=128)],
+                 extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}})
+    expected = LLM(str(tmp_path / "ckpt")).generate(["Ada has"], SamplingParams(max_tokens=4, temperature=0))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"),
@@ -129,16 +137,51 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint(tmp_path):
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, line
-        url = line.split()[-1]
-
-        async def request():
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{url}/v1/completions",
-                                        json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}) as response:
-                    return await response.json()
-
-        payload = asyncio.run(request())
-        assert payload["choices"][0]["token_ids"] == expected[0].outputs[0].token_ids
+        client = openai.OpenAI(base_url=line.split()[-1] + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="megalite", prompt="Ada has", max_tokens=4, temperature=0)
+        assert reply.choices[0].text == expected[0].outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_cli_chat_template_flag(tmp_path):
+    """``--chat-template FILE`` serves chat through the openai client; a file that does not load exits 2 before
+    serving; with no template at all the server still starts and keeps the reason for chat requests' 400."""
+    openai = pytest.importorskip("openai")
+    from megalite.checkpoint import save_sharded
+    from megalite.data.synthetic import generate_corpus
+    from megalite.data.tokenizer import train_sentencepiece
+
+    sp = train_sentencepiece(generate_corpus(100, seed=0), str(tmp_path / "sp"), 100)
+    save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=128)],
+                 extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}})
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"), "--port", "0"]
+    bad = subprocess.run(command + ["--chat-template", str(tmp_path / "bad.jinja")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "does not compile" in bad.stdout + bad.stderr
+    messages = [{"role": "user", "content": "Ada has"}]
+    proc = subprocess.Popen(command + ["--chat-template", str(tmp_path / "chat.jinja")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        client = openai.OpenAI(base_url=line.split()[-1] + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="megalite", messages=messages, max_tokens=4, temperature=0)
+        llm = LLM(str(tmp_path / "ckpt"))
+        expected = llm.generate(["user: Ada has\nassistant:"], SamplingParams(max_tokens=4, temperature=0))
+        assert reply.choices[0].message.content == expected[0].outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # No template anywhere: the server starts, and chat requests get this error's message as their 400.
+    template, grammars = chat_support(llm.tokenizer, llm.engine, ServerConfig(), None)
+    assert isinstance(template, ChatTemplateError) and grammars.vocab_size == 128

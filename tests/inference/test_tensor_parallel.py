@@ -17,8 +17,8 @@ ENGINE = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=24)
 
 
 def _run(llm):
-    greedy = [SamplingParams(max_new_tokens=6 + i, temperature=0, logprobs=True) for i in range(len(PROMPTS))]
-    sampled = [SamplingParams(max_new_tokens=5, n=2, temperature=0.8, top_k=12, seed=i, logprobs=True)
+    greedy = [SamplingParams(max_tokens=6 + i, temperature=0, logprobs=0) for i in range(len(PROMPTS))]
+    sampled = [SamplingParams(max_tokens=5, n=2, temperature=0.8, top_k=12, seed=i, logprobs=0)
                for i in range(len(PROMPTS))]
     outputs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS, sampled)
     return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]

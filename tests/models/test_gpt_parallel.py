@@ -59,7 +59,7 @@ def _check_tp_parity(kinds):
 
 
 def test_tensor_parallel_matches_single_rank():
-    run_distributed(_check_tp_parity, 2, ("gpt2", "llama", "llama_kv"), timeout=240)
+    run_distributed(_check_tp_parity, 2, ("gpt2", "llama", "llama_kv", "qwen"), timeout=240)
 
 
 def _check_recompute_under_sequence_parallel():

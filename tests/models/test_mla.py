@@ -7,7 +7,7 @@ import torch
 
 from megalite.models import GPTConfig, GPTModel
 from megalite.models.mla import MultiLatentAttention
-from megalite.models.rotary import YarnRotaryEmbedding
+from megalite.models.rotary import RotaryEmbedding
 from megalite.testing import run_distributed
 from tests.models.common import batch, config
 from tests.models.test_gpt_parallel import _check_tp_parity
@@ -18,9 +18,10 @@ def _hf_attention(cfg: GPTConfig):
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    rope = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rotary_scaling_factor,
-            "original_max_position_embeddings": cfg.original_max_position_embeddings, "beta_fast": cfg.beta_fast,
-            "beta_slow": cfg.beta_slow, "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
+    rope = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rope_scaling_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow, "mscale": cfg.yarn_mscale,
+            "mscale_all_dim": cfg.yarn_mscale_all_dim}
     hf_cfg = transformers.DeepseekV3Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
@@ -49,9 +50,7 @@ def test_mla_equals_transformers_deepseek_v3_attention(q_lora_rank):
     theirs, hf_rotary = _hf_attention(cfg)
     ours = MultiLatentAttention(cfg, 0).eval()
     _copy_weights(ours, theirs)
-    rotary = YarnRotaryEmbedding(cfg.qk_pos_emb_head_dim, cfg.rotary_base, cfg.rotary_scaling_factor,
-                                 cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow, cfg.mscale,
-                                 cfg.mscale_all_dim)
+    rotary = RotaryEmbedding(cfg)
     b, s = 2, 12
     x = torch.randn(b, s, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s)
@@ -95,8 +94,9 @@ def test_mla_recompute_and_kv_cache_match_plain_forward():
 @pytest.mark.parametrize("overrides, message", [
     ({"num_query_groups": 2}, "no query groups"),
     ({"kv_lora_rank": 0}, "kv_lora_rank must be a positive integer"),
-    ({"position_embedding_type": "learned_absolute", "rope_type": "rope"}, "needs position_embedding_type 'rope'"),
-    ({"rotary_scaling_factor": 0.5}, "rotary_scaling_factor >= 1"),
+    ({"position_embedding_type": "learned_absolute", "rope_scaling": None},
+     "multi-latent attention needs position_embedding_type 'rope'"),
+    ({"rope_scaling_factor": 0.5}, "rope_scaling_factor must be >= 1"),
 ])
 def test_mla_bad_config_is_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -169,8 +169,8 @@ def test_flags_give_the_deepseek_config():
 
     cfg = config_of(parse_args(DEEPSEEK_FLAGS + ["--vocab-size", "64"]))
     assert (cfg.multi_latent_attention, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim,
-            cfg.v_head_dim, cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale_all_dim) == (
-        True, 16, 12, 8, 4, 8, "yarn", 4.0, 1.0)
+            cfg.v_head_dim, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (
+        True, 16, 12, 8, 4, 8, "yarn", 4.0, 1.0, 1.0)
     moe = cfg.moe
     assert (moe.score_function, moe.enable_expert_bias, moe.bias_update_rate, moe.routed_scaling_factor,
             moe.num_groups, moe.group_topk, cfg.moe_layer_freq) == ("sigmoid", True, 0.01, 2.5, 2, 1, [0, 1])

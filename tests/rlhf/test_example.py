@@ -1,30 +1,27 @@
-"""examples/rlhf_ppo.py runs end to end (tiny and short) on TP2: PPO with a scoring server for the reward and top-k teacher
-(distillation loss and log-prob rewards) and one-step staleness, and GRPO with DAPO's pieces and the KL loss; one
-metrics record and TensorBoard scalar per iteration, and the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
+"""The RL trainer (megalite.rlhf.trainer, what examples/rlhf_ppo.py runs) runs end to end (tiny and short) on TP2: PPO
+with a scoring server for the reward and top-k teacher (distillation loss and log-prob rewards) and one-step
+staleness, and GRPO with DAPO's pieces and the KL loss; one metrics record and TensorBoard scalar per iteration, and
+the logged staleness never exceeds --max-staleness. Its bad-input errors come before any collective."""
 
-import importlib.util
 import json
-import os
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollouts import lookahead
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.rlhf.trainer_log import iteration_line, sample_lines
 from megalite.testing import run_distributed
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rlhf_ppo.py")
 TINY = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3",
         "--train-iters", "3", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1"]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("rlhf_ppo_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(argv):
-    return _module().main(argv)
+    return RLTrainer(parse_args(argv)).train()
 
 
 def text_reward(prompt: str, response: str) -> float:
@@ -61,12 +58,16 @@ def test_grpo_example_with_dapo_and_kl_loss(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = TINY + ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo",
                    "--use-kl-loss", "--dynamic-sampling", "--clip-ratio-high", "0.28", "--overlong-buffer-len", "1",
-                   "--loss-agg-mode", "seq-mean-token-sum", "--metrics-file", str(metrics), "--tensorboard-dir", ""]
+                   "--loss-agg-mode", "seq-mean-token-sum", "--metrics-file", str(metrics), "--tensorboard-dir", "",
+                   "--eval-interval", "2", "--sample-interval", "1"]
     assert run_distributed(_run, 2, argv, timeout=180) == [0, 0]
-    records = _records(metrics)
+    records = [r for r in _records(metrics) if "valid_reward" not in r]
     assert [r["staleness"] for r in records] == [0.0, 0.0, 0.0]
     for record in records:
         assert "kl_loss" in record and "value_loss" not in record and 0.0 <= record["kept_group_fraction"] <= 1.0
+        assert record["reward_std"] >= 0 and record["entropy"] > 0 and record["samples_per_s"] > 0
+    [valid] = [r for r in _records(metrics) if "valid_reward" in r]  # greedy on the fixed prompts, at iteration 2
+    assert valid["iteration"] == 2 and 0.0 <= valid["valid_reward"] <= 1.0 and valid["valid_response_length"] > 0
 
 
 @pytest.mark.slow
@@ -85,16 +86,30 @@ def test_disaggregated_equals_colocated_and_runs_async(tmp_path):
     assert all(r["policy_loss"] != 0.0 and r["reward"] > 0 for r in colocated)  # the second epoch moved the policy
     assert disaggregated[0]["sync_bytes_sent"] > 0 and "sync_bytes_sent" not in disaggregated[1]
     for a, b in zip(colocated, disaggregated):
-        assert {k: v for k, v in a.items() if not k.startswith("time_")} == \
-            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_"))}
+        assert {k: v for k, v in a.items() if not k.startswith(("time_", "samples_per_s"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_", "samples_per_s"))}  # wall clock
     argv = base + ["--train-iters", "3", "--rollout-world-size", "2", "--rollout-tensor-parallel-size", "2",
                    "--max-staleness", "1", "--metrics-file", str(paths[2])]
     assert run_distributed(_run, 3, argv, timeout=180) == [0, 0, 0]
     assert [r["staleness"] for r in _records(paths[2])] == [0.0, 1.0, 1.0]
 
 
+def test_the_console_line_is_short_and_names_what_users_watch():
+    metrics = {"reward": 0.5, "reward_std": 0.25, "kl": 0.00123, "entropy": 1.5, "response_length": 2.5,
+               "policy_loss": -0.0123, "value_loss": 4.5, "samples_per_s": 321.0, "time_train_s": 0.1,
+               "mem_training_device_bytes": 123456.0, "clip_fraction": 0.0}
+    line = iteration_line(3, 100, metrics)
+    assert line == ("rl 3/100 | reward 0.500 ±0.250 | kl 0.0012 | entropy 1.500 | len 2.5 | pg -0.0123 | vf 4.5000 | "
+                    "321.0 samples/s")
+    assert iteration_line(3, 100, {"reward": 1.0}) == "rl 3/100 | reward 1.000"
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    rollout = Rollout(ids, torch.ones_like(ids), mask, -mask, 2, prompts=["1+", "1+"], responses=["2", "3"],
+                      rewards=torch.tensor([1.0, 0.0]), iteration=3)
+    assert sample_lines(rollout, 1) == ["  sample 3: '1+' -> '2' (reward 1.000)"]
+
+
 def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
-    lookahead = _module().lookahead
     for depth in (0, 1, 2):
         events, version = [], 0
 
@@ -126,8 +141,9 @@ def test_lookahead_zero_is_the_synchronous_order_and_s_bounds_staleness():
     (["--teacher-topk", "4", "--distill-coef", "0.1"], "need --use-scoring-server"),
     (["--use-scoring-server", "--teacher-topk", "0", "--distill-coef", "0.1"], "--teacher-topk 0 needs"),
     (["--use-scoring-server", "--scoring-server-rank", "4"], "--scoring-server-rank 4 is outside the world of 4"),
+    (["--eval-interval", "0"], "--eval-interval must be a positive number of iterations, got 0"),
+    (["--eval-interval", "2", "--use-scoring-server"], "--eval-interval scores with a --reward-fn on every rank"),
 ])
 def test_example_bad_input(extra, message):
-    module = _module()
     with pytest.raises(ValueError, match=message):
-        module.validate(module.parse_args(TINY + ["--global-batch-size", "8"] + extra), 4)
+        validate(parse_args(TINY + ["--global-batch-size", "8"] + extra), 4)

@@ -1,5 +1,7 @@
 """Exported weights load into Hugging Face models that reproduce megalite's logits; tp=2 x pp=2 equals tp=1, and an
-MoE model at tp=2 x ep=2 exports the single-rank model's global tensors (experts included)."""
+MoE model at tp=2 x ep=2 exports the single-rank model's global tensors (experts included), and as Mixtral."""
+
+import json
 
 import pytest
 import torch
@@ -90,6 +92,22 @@ def test_moe_export_at_tp2_ep2_equals_single_rank():
     run_distributed(_moe_rank, 4, ("gpt2", "llama"), timeout=180)
 
 
-def test_hf_export_refuses_moe_before_any_collective():
-    with pytest.raises(ValueError, match="MoE models have no Hugging Face GPT-2/Llama equivalent"):
-        next(export_hf_weights(GPTModel(moe_config("llama"))))
+def test_moe_exports_as_mixtral_and_an_unexportable_moe_is_refused_before_any_collective(tmp_path):
+    """An MoE model with Mixtral's architecture exports the converter's Mixtral tensors, which transformers loads to
+    megalite's logits; GELU experts with biases (no Hugging Face family) are one error before any collective."""
+    from megalite.checkpoint.hf import megalite_to_hf, write_hf_tensors
+
+    cfg = moe_config("llama")
+    model = GPTModel(cfg).eval()
+    exported = dict(export_hf_weights(model))
+    hf_config, expected = megalite_to_hf(cfg, dict(export_global_weights(model)))
+    assert hf_config["model_type"] == "mixtral" and sorted(exported) == sorted(expected)
+    assert any(".block_sparse_moe.experts." in name for name in exported)
+    write_hf_tensors(str(tmp_path), exported.items(), 1 << 30)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path)).eval()(ids).logits
+        torch.testing.assert_close(logits, model(ids)[..., :cfg.vocab_size], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="no Hugging Face family fits"):
+        next(export_hf_weights(GPTModel(moe_config("gpt2"))))

@@ -1,4 +1,4 @@
-"""Placement and offload in examples/rlhf_ppo.py: with --offload-frozen-models --offload-optimizer (PPO with a
+"""Placement and offload in the RL trainer (megalite.rlhf.trainer): with --offload-frozen-models --offload-optimizer (PPO with a
 critic, a target critic on the host, a reward model and the reference) the losses, rewards and updated weights
 are bit-identical to the run without, and each phase's logged device bytes fall by exactly what the plan
 parks in that phase (+-5%): the frozen models and the optimizer state in generation, the optimizer state in
@@ -19,7 +19,8 @@ from megalite.models import GPTConfig
 from megalite.rlhf import CriticModel, PolyakTarget
 from megalite.rlhf.placement import OffloadConfig, Placement
 from megalite.testing import run_distributed
-from tests.rlhf.test_example import _module
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args, validate
 
 ARGV = ["--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2", "--train-iters", "3",
         "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size", "8", "--ppo-epochs", "2",
@@ -39,15 +40,14 @@ def _run(argv, directory, owner):
     """Two scenarios (a local reward model; a scoring server for the reward model and teacher on rank ``owner``, moved in
     per request), each without and with offload: the final weights, the bytes the plan parks, whether the
     on-demand models are parked at the end, and (rank 0) the metrics records."""
-    module = _module()
-    build = module.build_placement
+    build = RLTrainer.build_placement
     results = {}
     for scenario, scenario_argv in (("local", []), ("served", SERVED + ["--scoring-server-rank", str(owner)])):
         for name, extra in (("plain", []), ("offload", OFFLOAD)):
             placements = []
-            module.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]
+            RLTrainer.build_placement = lambda *a: placements.append(build(*a)) or placements[-1]
             path = os.path.join(directory, f"{scenario}-{name}.jsonl")
-            assert module.main(argv + scenario_argv + extra + ["--metrics-file", path]) == 0
+            assert RLTrainer(parse_args(argv + scenario_argv + extra + ["--metrics-file", path])).train() == 0
             results[scenario, name] = _summary(placements[0], path)
     return results
 
@@ -78,7 +78,7 @@ def _summary(placement, metrics_path) -> dict:
 
 
 def _numbers(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_"))} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("mem_", "time_", "samples_per_s"))} for r in records]
 
 
 def _check(results, owner: int):
@@ -138,11 +138,10 @@ def test_offload_on_one_gpu(tmp_path, reward_model):
 
 
 def test_placement_moves_and_bad_input():
-    module = _module()
     for extra, message in ((["--target-critic-tau", "0.5", "--advantage-estimator", "grpo"], "needs --advantage"),
                            (["--target-critic-tau", "0"], r"rate in \(0, 1\]")):
         with pytest.raises(ValueError, match=message):
-            module.validate(module.parse_args(["--tensor-model-parallel-size", "1"] + extra), 1)
+            validate(parse_args(["--tensor-model-parallel-size", "1"] + extra), 1)
     placement = Placement(OffloadConfig(offload_frozen_models=True), "cpu")
     critic = CriticModel(GPTConfig(vocab_size=16, num_layers=1, hidden_size=8, num_attention_heads=2))
     placement.add_frozen("reference", critic)

@@ -1,6 +1,6 @@
 """Reward model: Bradley-Terry math against the formula, and a model trained at TP2 by
 examples/train_reward_model.py scores held-out pairs the same when loaded at TP1 and drives
-examples/rlhf_ppo.py --reward-model (on every rank, and on a scoring server); bad inputs are clear errors."""
+the RL trainer's --reward-model (on every rank, and on a scoring server); bad inputs are clear errors."""
 
 import importlib.util
 import json
@@ -17,6 +17,8 @@ from megalite.checkpoint import load_sharded
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.rlhf.reward_model import (RewardModelScorer, bradley_terry_loss, last_token_scores, read_preferences,
                                         write_arithmetic_preferences)
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args
 from megalite.testing import run_distributed
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
@@ -55,8 +57,8 @@ def _train_tp2(save, metrics):
           "--train-iters", "1", "--micro-batch-size", "4", "--pretrain-global-batch-size", "4", "--ppo-epochs", "1",
           "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo",
           "--reward-model", save, "--tensorboard-dir", ""]
-    assert _module("rlhf_ppo").main(rl) == 0
-    assert _module("rlhf_ppo").main(rl + ["--use-scoring-server", "--scoring-server-rank", "1"]) == 0
+    assert RLTrainer(parse_args(rl)).train() == 0
+    assert RLTrainer(parse_args(rl + ["--use-scoring-server", "--scoring-server-rank", "1"])).train() == 0
     return scores
 
 

@@ -96,3 +96,68 @@ def test_finetune_hf_model_at_tp2_and_export(kind, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
     assert tokenizer("hello world").input_ids == \
         transformers.AutoTokenizer.from_pretrained(os.path.join(FIXTURE_DIR, "hf_tokenizer"))("hello world").input_ids
+
+
+def _held_out_batch():
+    """4 samples after the 5 global batches the journey below trains on."""
+    train, _, _ = build_train_valid_test_datasets([FIXTURE_PREFIX], "100,0,0", SEQ, 1234, [12 * BATCH, 0, 0])
+    return torch.stack([train[i]["tokens"] for i in range(len(train) - BATCH, len(train))])
+
+
+@pytest.mark.slow
+def test_qwen3_fine_tune_journey(tmp_path):
+    """Qwen3-style tiny model from HF -> convert (its tokenizer travels) -> examples/pretrain_gpt.py
+    --use-checkpoint-args --finetune, 5 iterations at tp=2 -> convert back (the original config.json and
+    generation_config.json) -> transformers' loss on a held-out batch equals megalite's."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
+                                      eos_token_id=[0, 2])  # the fixture tokenizer's eos (0) and one more
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "hf")
+    for name in os.listdir(os.path.join(FIXTURE_DIR, "hf_tokenizer")):
+        shutil.copy(os.path.join(FIXTURE_DIR, "hf_tokenizer", name), tmp_path / "hf" / name)
+    convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "converted"))
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+               os.path.join(root, "examples", "pretrain_gpt.py"), "--data-path", FIXTURE_PREFIX,
+               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+               str(tmp_path / "converted" / "hf_tokenizer"), "--split", "100,0,0",
+               "--load", str(tmp_path / "converted"), "--use-checkpoint-args", "--finetune",
+               "--tensor-model-parallel-size", "2", "--seq-length", str(SEQ), "--micro-batch-size", str(BATCH),
+               "--global-batch-size", str(BATCH), "--train-iters", "5", "--eval-iters", "0", "--lr", "1e-3",
+               "--lr-decay-style", "constant", "--lr-warmup-fraction", "0", "--tensorboard-dir",
+               str(tmp_path / "runs"), "--save", str(tmp_path / "tuned")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    convert_megalite_to_hf(str(tmp_path / "tuned"), str(tmp_path / "back"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM"
+    tokens = _held_out_batch()
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(back(ids).logits.reshape(-1, VOCAB), labels.reshape(-1))
+        ours = load_model(str(tmp_path / "tuned"))(ids, labels=labels).mean()
+        before = torch.nn.functional.cross_entropy(model(ids).logits.reshape(-1, VOCAB), labels.reshape(-1))
+    assert abs(hf_loss.item() - ours.item()) <= 1e-5 * ours.item(), (hf_loss.item(), ours.item())
+    assert abs(before.item() - ours.item()) > 1e-4, "fine-tuning changed nothing"
+    for name in ("config.json", "generation_config.json"):  # the original's files, carried through training
+        assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((tmp_path / "hf" / name).read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert tokenizer("hello world").input_ids == \
+        transformers.AutoTokenizer.from_pretrained(os.path.join(FIXTURE_DIR, "hf_tokenizer"))("hello world").input_ids

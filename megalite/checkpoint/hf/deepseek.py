@@ -8,14 +8,21 @@ and ``linear_proj``, with the same row layout.  With ``rope_interleave`` (DeepSe
 rotary channels of a head come as pairs ``(x0, x1), (x2, x3), ...``; megalite rotates halves, so those
 rows are reordered evens-then-odds, which leaves every attention score unchanged.  The MoE part is
 ``megalite.moe.hf``'s; dense first layers are the model's SwiGLU MLP.  megalite writes
-``rope_interleave: false`` and its own (rotate-half) row order, the same function.
+``rope_interleave: false`` and its own (rotate-half) row order, the same function.  RoPE settings (YaRN
+with ``mscale``/``mscale_all_dim``) are :mod:`.rope`'s, as for every family.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megalite.checkpoint.hf.rope import rope_config, rope_fields
+from megalite.checkpoint.hf.tensors import Taker, finish_output_layer, key_prefix
 from megalite.moe.hf import moe_config_from_hf, moe_tensor_to_hf, moe_tensors_from_hf
+
+FAMILY = "deepseek_v3"
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+PREFIX = "model."
 
 _TOP = {"embedding.word_embeddings.weight": "embed_tokens.weight", "decoder.final_layernorm.weight": "norm.weight"}
 _LAYER = {"input_layernorm.weight": "input_layernorm.weight",
@@ -32,26 +39,7 @@ _LAYER = {"input_layernorm.weight": "input_layernorm.weight",
 """megalite names (under ``decoder.layers.{i}.``) of one layer and their Hugging Face names (under ``layers.{i}.``)."""
 
 
-def _rope_fields(hf: dict) -> dict:
-    """GPTConfig's rotary fields of a DeepSeek-V3 ``rope_parameters`` (or older ``rope_scaling``)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return {"rotary_base": base}
-    if kind != "yarn" or rope.get("attention_factor") is not None:
-        raise ValueError(f"deepseek_v3 rope {rope} is not supported (the default rotary embedding or YaRN without an "
-                         "explicit attention_factor)")
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):  # transformers then scales the tables by yarn_mscale(factor, 1)
-        mscale, mscale_all_dim = 1.0, mscale_all_dim or 0.0
-    return {"rotary_base": base, "rope_type": "yarn", "rotary_scaling_factor": float(rope["factor"]),
-            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
-            "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
-
-
-def deepseek_v3_config(hf: dict):
+def config_from_hf(hf: dict):
     """The GPTConfig (with its MoEConfig) of a DeepSeek-V3 ``config.json`` (a dict)."""
     from megalite.models import GPTConfig
 
@@ -69,7 +57,7 @@ def deepseek_v3_config(hf: dict):
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        moe=moe if any(pattern) else None, moe_layer_freq=pattern, **_rope_fields(hf))
+        moe=moe if any(pattern) else None, moe_layer_freq=pattern, **rope_fields(hf))
     config.validate()
     return config
 
@@ -81,9 +69,11 @@ def _deinterleave(weight: torch.Tensor, blocks: int, nope: int, rope: int) -> to
     return torch.cat([rows[:, :nope], rows[:, order]], dim=1).reshape(weight.shape)
 
 
-def deepseek_v3_to_megalite(hf: dict, take, names, pre: str) -> tuple[object, dict]:
-    """``(GPTConfig, global tensors)`` of a DeepSeek-V3 checkpoint; ``take(name)`` reads one HF tensor."""
-    config = deepseek_v3_config(hf)
+def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+    """``(GPTConfig, global tensors, conversion info)`` of a DeepSeek-V3 checkpoint's config and tensors."""
+    config = config_from_hf(hf)
+    pre, names = key_prefix(tensors, PREFIX), set(tensors.keys())
+    take = Taker(tensors, "the DeepSeek-V3 checkpoint")
     heads, nope, rope = config.num_attention_heads, config.qk_head_dim, config.qk_pos_emb_head_dim
     interleaved = hf.get("rope_interleave", True)
     out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
@@ -107,17 +97,18 @@ def deepseek_v3_to_megalite(hf: dict, take, names, pre: str) -> tuple[object, di
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
         if config.is_moe_layer(i):
-            for name, tensor in moe_tensors_from_hf(take, names, src, "deepseek_v3", config.moe).items():
+            for name, tensor in moe_tensors_from_hf(take, names, src, FAMILY, config.moe).items():
                 out[dst + "mlp." + name] = tensor
         else:
             out[dst + "mlp.linear_fc1.weight"] = torch.cat([take(src + "mlp.gate_proj.weight"),
                                                             take(src + "mlp.up_proj.weight")])
             out[dst + "mlp.linear_fc2.weight"] = take(src + "mlp.down_proj.weight")
     out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
-    return config, out
+    tied = not config.untie_embeddings_and_output_weights
+    return config, out, finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
 
 
-def deepseek_v3_hf_config(config, base: dict) -> dict:
+def hf_config(config, base: dict) -> dict:
     """The ``config.json`` of a megalite MLA model (MoE with sigmoid routing, or dense) as DeepSeek-V3."""
     moe, pattern = config.moe, [int(config.is_moe_layer(i)) for i in range(config.num_layers)]
     dense = pattern.index(1) if 1 in pattern else config.num_layers
@@ -136,7 +127,7 @@ def deepseek_v3_hf_config(config, base: dict) -> dict:
         problems.append(f"shared expert size {shared} is not a multiple of the expert size {moe.ffn_hidden_size}")
     if problems:
         raise ValueError("deepseek_v3 cannot represent this model: " + "; ".join(problems))
-    hf = {**base, "model_type": "deepseek_v3", "architectures": base.get("architectures", ["DeepseekV3ForCausalLM"]),
+    hf = {**base, "model_type": FAMILY, "architectures": base.get("architectures", [ARCHITECTURE]),
           "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
           "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
           "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_attention_heads,
@@ -146,13 +137,9 @@ def deepseek_v3_hf_config(config, base: dict) -> dict:
           "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.norm_eps,
           "attention_bias": False, "attention_dropout": config.attention_dropout, "rope_interleave": False,
           "tie_word_embeddings": not config.untie_embeddings_and_output_weights, "first_k_dense_replace": dense}
-    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
-    if config.rope_type == "yarn":
-        rope.update(rope_type="yarn", factor=config.rotary_scaling_factor, beta_fast=config.beta_fast,
-                    beta_slow=config.beta_slow, mscale=config.mscale, mscale_all_dim=config.mscale_all_dim,
-                    original_max_position_embeddings=config.original_max_position_embeddings)
-    hf["rope_parameters"] = rope
-    hf.pop("rope_scaling", None)
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        hf.pop(key, None)
+    hf.update(rope_config(config, base))
     if moe is not None:
         hf.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.topk,
                   moe_intermediate_size=moe.ffn_hidden_size, routed_scaling_factor=moe.routed_scaling_factor,
@@ -161,7 +148,7 @@ def deepseek_v3_hf_config(config, base: dict) -> dict:
     return hf
 
 
-def deepseek_v3_tensor_to_hf(name: str, tensor: torch.Tensor, pre: str) -> list[tuple[str, torch.Tensor]]:
+def tensor_to_hf(name: str, tensor: torch.Tensor, pre: str) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face ``(name, tensor)`` pairs of one global megalite tensor of an MLA model."""
     if name in _TOP:
         return [(pre + _TOP[name], tensor)]
@@ -174,4 +161,4 @@ def deepseek_v3_tensor_to_hf(name: str, tensor: torch.Tensor, pre: str) -> list[
     if rest == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2)
         return [(dst + "mlp.gate_proj.weight", gate), (dst + "mlp.up_proj.weight", up)]
-    return moe_tensor_to_hf(rest[len("mlp."):], tensor, dst, "deepseek_v3")
+    return moe_tensor_to_hf(rest[len("mlp."):], tensor, dst, FAMILY)

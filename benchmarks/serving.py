@@ -1,0 +1,226 @@
+"""The HTTP server vs the in-process engine: the same requests through the official ``openai`` client (concurrent
+streaming requests over loopback HTTP) and through ``LLM.generate``, in one run.
+
+    python benchmarks/serving.py [--requests 64] [--max-tokens 48] [--hidden 256] [--layers 4] [--repeats 2]
+
+Workload: ``--requests`` text prompts (16-128 bytes, seeded) on a Llama-style model with random weights over
+megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, so both sides make the same
+tokens.  The HTTP side sends all requests at once from a thread pool (one ``openai`` client per thread,
+``stream=True``) in a separate client process, to the server in this process (its engine on its own thread,
+as ``serve`` runs it).
+Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of this process in each (for
+HTTP: the server's engine and HTTP threads, without the client process that shares the cores), and p50/p99
+time to first token and inter-token latency as the clients saw them; then the cost of constrained decoding
+(a JSON schema through llguidance) against the same requests unconstrained, in process.  Each side runs
+``--repeats`` times (alternating) and keeps its fastest run.  Wall times: the machine may be shared, so say
+so with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+try:
+    import aiohttp  # noqa: F401
+    import openai
+except ImportError:
+    print("error: this benchmark needs aiohttp and openai (pip install 'megalite[serve]' openai)", file=sys.stderr)
+    raise SystemExit(2) from None
+
+from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
+from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
+from megalite.inference.api_server import ServerConfig, build_app  # noqa: E402
+from megalite.inference.engine_loop import EngineLoop  # noqa: E402
+from megalite.models import GPTConfig, GPTModel  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # internal: be the client process
+    return p.parse_args()
+
+
+def build_model(args, vocab: int) -> GPTModel:
+    heads = max(1, args.hidden // 64)
+    config = GPTConfig(vocab_size=vocab, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
+                       num_query_groups=heads, ffn_hidden_size=int(args.hidden * 8 / 3) // 8 * 8,
+                       max_position_embeddings=512, normalization="RMSNorm", activation="swiglu",
+                       position_embedding_type="rope", add_bias_linear=False, init_method_std=0.02, seed=0)
+    return GPTModel(config).eval()
+
+
+def prompts(count: int) -> list[str]:
+    rng = random.Random(0)
+    words = "the a cat dog sat on mat ran far away home tree blue red green one two three four".split()
+    out = []
+    for _ in range(count):
+        text = ""
+        while len(text) < rng.randint(16, 128):
+            text += rng.choice(words) + " "
+        out.append(text)
+    return out
+
+
+def engine_config(requests: int) -> EngineConfig:
+    return EngineConfig(block_size=16, num_blocks=requests * 16, max_num_seqs=requests)
+
+
+def in_process(model, tokenizer, texts, max_tokens):
+    llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    started, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(texts, params)
+    elapsed = time.perf_counter() - started
+    return elapsed, [o.outputs[0].text for o in outputs], time.process_time() - cpu
+
+
+SCHEMA = {"type": "object", "properties": {"note": {"type": "string"}, "count": {"type": "integer"}},
+          "required": ["note", "count"]}
+"""The constrained run's schema: a free string first, so a random model writes about as many tokens as without."""
+
+
+def structured(model, tokenizer, texts, max_tokens):
+    """Generated tokens/s of ``LLM.generate`` without and with a JSON-schema grammar (llguidance), same
+    prompts, greedy; each side's best of two runs.  Counts the tokens each side actually made (a constrained
+    sample may end early, when its JSON is complete)."""
+    from megalite.inference.grammar import GrammarCompiler
+
+    llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
+    grammar = GrammarCompiler(tokenizer, vocab_size=model.config.vocab_size,
+                              stop_token_ids=[tokenizer.eod]).compile("json_schema", SCHEMA)
+    rates = {}
+    for name, extra in (("plain", {}), ("constrained", {"structured_outputs": grammar})) * 2:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+        started = time.perf_counter()
+        outputs = llm.generate(texts, params)
+        made = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rates[name] = max(rates.get(name, 0.0), made / (time.perf_counter() - started))
+    return rates["plain"], rates["constrained"]
+
+
+class Served:
+    """The server on 127.0.0.1:<free port>, its HTTP loop on a thread (as in the tests' harness)."""
+
+    def __init__(self, model, tokenizer, requests):
+        from aiohttp import web
+
+        llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(requests))
+        self.loop = EngineLoop(llm.engine, max_pending=4 * requests)
+        self.loop.start()
+        self.aio = asyncio.new_event_loop()
+        threading.Thread(target=self.aio.run_forever, daemon=True).start()
+
+        async def start():
+            self.runner = web.AppRunner(build_app(self.loop, ServerConfig(max_tokens_limit=512), tokenizer=tokenizer),
+                                        access_log=None)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            return self.runner.addresses[0][1]
+
+        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.aio).result()}/v1"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.aio).result()
+        self.aio.call_soon_threadsafe(self.aio.stop)
+        self.loop.stop()
+
+
+def over_http(url, args):
+    """All requests at once from a client process; returns wall time, texts, times to first token, inter-token
+    gaps."""
+    command = [sys.executable, os.path.abspath(__file__), "--client", url, "--requests", str(args.requests),
+               "--max-tokens", str(args.max_tokens)]
+    cpu = time.process_time()
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    cpu = time.process_time() - cpu  # the server's threads only (engine, HTTP loop), not the client process
+    result = json.loads(done.stdout.splitlines()[-1])
+    return result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"]
+
+
+def client(url, texts, max_tokens):
+    """The client process: every request at once, streaming, one thread and openai client each."""
+    def one(text):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        sent = time.perf_counter()
+        stamps, pieces = [], []
+        for chunk in client.completions.create(model="megalite", prompt=text, max_tokens=max_tokens, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                stamps.append(time.perf_counter())
+                pieces.append(chunk.choices[0].text)
+        return sent, stamps, "".join(pieces)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(pool.map(one, texts))
+    elapsed = time.perf_counter() - started
+    ttft = [stamps[0] - sent for sent, stamps, _ in results]
+    itl = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
+    print(json.dumps({"elapsed": elapsed, "texts": [text for _, _, text in results], "ttft": ttft, "itl": itl}))
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main():
+    args = parse_args()
+    if args.client:
+        return client(args.client, prompts(args.requests), args.max_tokens)
+    tokenizer = ByteTokenizer()
+    model = build_model(args, tokenizer.vocab_size)
+    texts = prompts(args.requests)
+    tokens = args.requests * args.max_tokens
+    server = Served(model, tokenizer, args.requests)
+    best_local = best_http = None
+    in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
+    try:
+        for _ in range(args.repeats):
+            local = in_process(model, tokenizer, texts, args.max_tokens)
+            http = over_http(server.url, args)
+            if best_local is None or local[0] < best_local[0]:
+                best_local = local
+            if best_http is None or http[0] < best_http[0]:
+                best_http = http
+    finally:
+        server.close()
+    if best_local[1] != best_http[1]:
+        print("warning: the HTTP texts differ from the in-process texts", file=sys.stderr)
+    local_tps, http_tps = tokens / best_local[0], tokens / best_http[0]
+    print(f"model: {args.layers} layers, hidden {args.hidden}, ByteTokenizer; {args.requests} requests x "
+          f"{args.max_tokens} tokens, greedy; threads: {os.environ.get('OMP_NUM_THREADS', 'default')}")
+    print(f"LLM.generate in process   {best_local[0]:7.2f} s  {local_tps:8.1f} tokens/s")
+    print(f"openai client over HTTP   {best_http[0]:7.2f} s  {http_tps:8.1f} tokens/s  "
+          f"(ratio {http_tps / local_tps:.3f}; overhead {100 * (1 - http_tps / local_tps):.1f}%)")
+    print(f"server CPU s: in process {best_local[2]:.2f}, HTTP server {best_http[2]:.2f} "
+          f"(CPU ratio {best_local[2] / best_http[2]:.3f}; the client process's CPU is not counted)")
+    ttft, itl = best_http[3], best_http[4]
+    print(f"time to first token  p50 {1000 * percentile(ttft, 0.5):8.1f} ms  p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
+    print(f"inter-token latency  p50 {1000 * percentile(itl, 0.5):8.1f} ms  p99 {1000 * percentile(itl, 0.99):8.1f} ms"
+          f"  (mean {1000 * statistics.mean(itl):.1f} ms)")
+    plain, constrained = structured(model, tokenizer, texts, args.max_tokens)
+    print(f"LLM.generate, JSON schema {constrained:8.1f} tokens/s vs unconstrained {plain:8.1f} tokens/s "
+          f"(ratio {constrained / plain:.3f}; cost {100 * (1 - constrained / plain):.1f}%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Conversion between Megatron-LM torch_dist checkpoints and megalite's, streaming chunk by chunk.
+
+- :func:`convert_megatron_to_megalite`: every saved chunk of the Megatron-LM checkpoint (one layer of one
+  tensor-parallel shard) becomes a chunk of the megalite checkpoint as a view of the memory-mapped input
+  file, so no tensor is ever held whole and the peak memory is about one chunk.
+- :func:`convert_megalite_to_megatron`: a megalite checkpoint (any layout) written as the iteration directory
+  Megatron-LM's ``--ckpt-format torch_dist`` writes (``metadata.json``, ``common.pt`` with Megatron-LM's
+  ``args``, the DCP files with stacked layers and Transformer-Engine layer-norm names, a padded vocabulary)
+  plus ``latest_checkpointed_iteration.txt``, so Megatron-Core's ``dist_checkpointing.load`` reads it.
+
+Model weights only (optimizer state, RNG and the LR schedule are not converted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from megalite.checkpoint import global_shapes, open_reader, save_global_shards
+from megalite.checkpoint.files import fresh_output, move_into_place
+from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
+from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name
+from megalite.checkpoint.sharding import VOCAB_PARAMS
+from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
+from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
+
+# Megatron-Core's sharded objects beside each linear layer (Transformer Engine's FP8 state; None otherwise).
+_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
+    """Every saved chunk of ``reader``'s model tensors as megalite :class:`TensorShard` boxes, each a view of the
+    memory-mapped shard file it lies in (vocabulary padding rows cut off)."""
+    chunks = StoredChunks(reader.directory, {"files": {}}, reader.metadata, hashed=False)
+    shards = []
+    for name, (key, lead, shape) in reader._sources.items():
+        for chunk in reader.chunks(name):
+            view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
+            for dim, index in enumerate(lead):
+                if chunk.sizes[dim] != 1:
+                    raise ValueError(f"{reader.directory}: a chunk of {key} spans several layers, which Megatron-Core "
+                                     "never writes")
+            view = view.reshape(tuple(chunk.sizes)[len(lead):])
+            offset = tuple(chunk.offsets)[len(lead):]
+            if name in VOCAB_PARAMS:
+                if offset[0] >= shape[0]:
+                    continue
+                view = view.narrow(0, 0, min(view.shape[0], shape[0] - offset[0]))
+            shards.append(TensorShard(name, shape, offset, view))
+    return shards
+
+
+def convert_megatron_to_megalite(path: str, output: str) -> None:
+    """Write the Megatron-LM torch_dist checkpoint ``path`` as a megalite checkpoint in ``output``."""
+    reader = MegatronDistReader(path)
+    tmp = fresh_output(output)
+    save_global_shards(tmp, reader.config, megatron_shards(reader), iteration=reader.iteration,
+                       extra={"consumed_samples": reader.state["consumed_samples"]})
+    move_into_place(tmp, output)
+
+
+def megatron_args(config, tp: int, iteration: int) -> dict:
+    """Megatron-LM's architecture arguments of ``config`` (what its ``--use-checkpoint-args`` reads back)."""
+    return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_hidden_size,
+            "group_query_attention": config.num_query_groups != config.num_attention_heads,
+            "num_query_groups": config.num_query_groups, "kv_channels": config.kv_channels,
+            "max_position_embeddings": config.max_position_embeddings, "seq_length": config.max_position_embeddings,
+            "position_embedding_type": config.position_embedding_type, "rotary_base": config.rotary_base,
+            "rotary_percent": config.rotary_percent, "normalization": config.normalization,
+            "norm_epsilon": config.norm_eps, "swiglu": config.activation == "swiglu",
+            "squared_relu": config.activation == "squared_relu", "add_bias_linear": config.add_bias_linear,
+            "add_qkv_bias": config.add_bias_linear, "hidden_dropout": config.hidden_dropout,
+            "attention_dropout": config.attention_dropout, "init_method_std": config.init_method_std,
+            "untie_embeddings_and_output_weights": config.untie_embeddings_and_output_weights,
+            "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by, "vocab_size": config.vocab_size,
+            "padded_vocab_size": pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp),
+            "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "world_size": tp,
+            "data_parallel_size": 1, "ckpt_format": "torch_dist", "iteration": iteration,
+            "qk_layernorm": False, "num_experts": None}
+
+
+class _MegatronSavePlanner(ShardSavePlanner):
+    """:class:`ShardSavePlanner` plus the byte records of Megatron-Core's sharded objects."""
+
+    def __init__(self, shards: list[TensorShard], objects: dict[str, bytes]):
+        super().__init__(shards)
+        self._objects = objects
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        plan.items.extend(WriteItem(index=dcp_metadata.MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                          for key in self._objects)
+        return plan
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn])
+        return super().resolve_data(write_item)
+
+
+def convert_megalite_to_megatron(path: str, output: str, tp: int = 1) -> None:
+    """Write the megalite checkpoint ``path`` as a Megatron-LM torch_dist save directory ``output`` whose vocabulary
+    is padded for a Megatron run at tensor-parallel size ``tp``."""
+    reader = open_reader(path)
+    config = reader.config
+    if config is None:
+        raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
+    if config.moe is not None:
+        raise ValueError(f"checkpoint {reader.directory} holds an MoE model; --to megatron writes dense GPTs only")
+    args = megatron_args(config, tp, reader.iteration)
+    padded = args["padded_vocab_size"]
+    layers = config.num_layers
+    shards = []
+    for name, shape in global_shapes(config).items():
+        if name.startswith(LAYERS):
+            layer, rest = name[len(LAYERS):].split(".", 1)
+            key = LAYERS + megatron_name(rest)
+            shards.append(TensorShard(key, (layers,) + shape, (int(layer),) + (0,) * len(shape),
+                                      reader.read(name).unsqueeze(0)))
+        elif name in VOCAB_PARAMS:
+            tensor = torch.zeros((padded,) + shape[1:], dtype=reader.dtype(name))
+            tensor[:shape[0]] = reader.read(name)
+            shards.append(TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor))
+        else:
+            shards.append(TensorShard(name, shape, (0,) * len(shape), reader.read(name)))
+    blob = io.BytesIO()
+    torch.save([None], blob)  # Megatron-Core stores each sharded object as a one-element list
+    extra = {f"{LAYERS}{module}._extra_state/shard_{layer}_{layers}": blob.getvalue()
+             for layer in range(layers) for module in _EXTRA_STATE}
+    tmp = fresh_output(output)
+    directory = os.path.join(tmp, f"iter_{reader.iteration:07d}")
+    os.makedirs(directory)
+    with quiet_single_process():
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(directory), planner=_MegatronSavePlanner(shards, extra),
+                 no_dist=True)
+    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": reader.iteration},
+               os.path.join(directory, COMMON))
+    with open(os.path.join(directory, MEGATRON_DIST_METADATA), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    with open(os.path.join(tmp, MEGATRON_TRACKER), "w") as f:
+        f.write(str(reader.iteration))
+    move_into_place(tmp, output)

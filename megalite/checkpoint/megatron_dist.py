@@ -1,0 +1,331 @@
+"""Megatron-LM ``torch_dist`` checkpoints (Megatron-Core ``dist_checkpointing``) read as megalite global tensors.
+
+An iteration directory Megatron-LM writes with ``--ckpt-format torch_dist`` holds ``metadata.json``
+(``sharded_backend: torch_dist``), ``common.pt`` (``args``, ``iteration``, ``checkpoint_version``: the
+state no rank shards) and a torch.distributed.checkpoint directory (``.metadata`` and ``__R_I.distcp``).
+Its tensors are already global and layout-free, in the layout megalite's own checkpoints use
+(:mod:`megalite.checkpoint.sharding`: grouped QKV, SwiGLU fc1 as ``[gate; up]``), with two differences
+this reader maps away:
+
+- the decoder layers are stacked: ``decoder.layers.<name>`` has a leading dimension of ``num_layers``,
+  and megalite's ``decoder.layers.<i>.<name>`` is its slice ``i``;
+- the layer norms live under the Transformer-Engine names (``linear_qkv.layer_norm_weight`` is
+  ``input_layernorm.weight``), and the vocabulary rows are padded (megalite reads the first
+  ``vocab_size`` rows).
+
+:class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
+``--load``, ``load_model`` and ``inspect`` read only the regions each rank holds, at any layout.
+Nothing is unpickled beyond data: ``.metadata`` with an allow-list of DCP's classes, ``common.pt``
+with every class replaced by an inert record (:func:`read_common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import pickle
+import zipfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megalite.checkpoint.files import DCP_METADATA, open_regular
+from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
+from megalite.checkpoint.ranks import all_gather_object
+from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
+from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
+                                         _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
+from megalite.models.architecture import compare_architecture
+
+COMMON = "common.pt"
+LAYERS = "decoder.layers."
+# Megatron-Core's sharded names of the layer norms that Transformer Engine fuses into the next linear layer
+# (the local layer spec maps its own norms to them too, so both implementations save the same names).
+_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
+_PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
+                 for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
+
+
+class _MegatronMetadataUnpickler(_MetadataUnpickler):
+    def find_class(self, module, name):
+        if (module, name) in _PLAN_CLASSES:
+            return pickle.Unpickler.find_class(self, module, name)
+        return super().find_class(module, name)
+
+
+class Opaque:
+    """An object of a class that :func:`read_common` does not load: its class name and the data it was built from."""
+
+    qualname = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}{self.args!r}>"
+
+
+class _CommonUnpickler(pickle.Unpickler):
+    """Unpickles ``common.pt`` running no code: argparse namespaces, containers and torch dtypes load as
+    themselves, every other class as an :class:`Opaque` record, tensors as None."""
+
+    def find_class(self, module, name):
+        if (module, name) in (("argparse", "Namespace"), ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid):
+        return None
+
+
+def read_common(directory: str) -> dict:
+    """``common.pt`` of a torch_dist directory as plain data (args as a dict), without running pickled code."""
+    path = os.path.join(directory, COMMON)
+    try:
+        with open_regular(path, "Megatron-LM common state") as f, zipfile.ZipFile(f) as archive:
+            pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+            if len(pickled) != 1:
+                raise ValueError("it is not a torch.save archive")
+            with archive.open(pickled[0]) as data:
+                common = _CommonUnpickler(data).load()
+    except ValueError as err:
+        raise ValueError(f"Megatron-LM common state {path} is unreadable: {err}") from None
+    except Exception as err:  # zipfile and pickle raise many kinds on a truncated or foreign file
+        raise ValueError(f"Megatron-LM common state {path} is unreadable (truncated or corrupt): {err}") from None
+    if not isinstance(common, dict):
+        raise ValueError(f"Megatron-LM common state {path} is not a dict")
+    if isinstance(common.get("args"), argparse.Namespace):
+        common["args"] = vars(common["args"])
+    return common
+
+
+def config_from_common_args(args: dict, where: str):
+    """The GPTConfig of Megatron-LM's saved ``args`` (:func:`megatron_args.config_from_megatron_args`, the one
+    mapping), naming ``where`` in its errors.  Without ``args.vocab_size`` (Megatron-LM then took it from the
+    tokenizer) the padded size is the vocabulary: Megatron's softmax runs over every padded row, so that size
+    reproduces its losses; the converter's ``--vocab-size`` is the way to drop the padding rows."""
+    vocab = None if args.get("vocab_size") is not None else args.get("padded_vocab_size")
+    try:
+        return config_from_megatron_args(args, vocab)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def megalite_name(key: str) -> str:
+    """The megalite name of Megatron's (unstacked part of a) tensor name, e.g. ``mlp.linear_fc1.layer_norm_weight``."""
+    return _TE_NAMES.get(key, key)
+
+
+def megatron_name(name: str) -> str:
+    """The inverse of :func:`megalite_name`."""
+    return next((te for te, ours in _TE_NAMES.items() if ours == name), name)
+
+
+class MegatronDistReader:
+    """A Megatron-LM torch_dist checkpoint seen as megalite's global tensors (the interface of
+    :class:`megalite.checkpoint.reader.CheckpointReader` that loading, ``inspect`` and conversion use).
+
+    ``path`` is a Megatron-LM save directory (its ``latest_checkpointed_iteration.txt``) or iteration
+    directory.  Every data file the DCP metadata names must exist, else ValueError naming it.  With
+    ``collective`` the ranks of ``group`` share every outcome (:meth:`agree`), so all fail alike.
+    """
+
+    def __init__(self, path: str, *, group=None, collective: bool = False, verify: bool = True):
+        self.directory = resolve_directory(path)
+        self.group, self.collective = group, collective
+        problem = None
+        try:
+            self._open()
+        except ValueError as err:
+            problem = str(err)
+        self.agree(problem)
+
+    def _open(self) -> None:
+        where = self.directory
+        backend = _read_json(os.path.join(where, MEGATRON_DIST_METADATA))
+        if backend.get("sharded_backend") not in ("torch_dist", "torch"):
+            raise ValueError(f"{where}/{MEGATRON_DIST_METADATA}: sharded_backend {backend.get('sharded_backend')!r} "
+                             "is not torch_dist, the only Megatron-Core backend megalite reads")
+        common = read_common(where)
+        args = common.get("args")
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}/{COMMON} holds no Megatron-LM args, so the architecture is unknown")
+        self.args = args
+        self.iteration = int(common.get("iteration") or 0)
+        self.config_dict = None
+        self._config = config_from_common_args(args, f"{where}/{COMMON}")
+        tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
+        self.world_size = int(args.get("world_size") or tp * pp)
+        self.layout = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size"), "ep":
+                       args.get("expert_model_parallel_size", 1), "vpp": args.get("virtual_pipeline_model_parallel_size")}
+        self.state = {"format": "megatron_dist", "iteration": self.iteration, "world_size": self.world_size,
+                      "optimizer": None, "scheduler": None, "args": None,
+                      "consumed_samples": int(args.get("consumed_train_samples") or 0),
+                      "megatron_checkpoint_version": common.get("checkpoint_version"),
+                      "megatron_scheduler": _plain_dict(common.get("opt_param_scheduler"))}
+        metadata_path = os.path.join(where, DCP_METADATA)
+        try:
+            with open_regular(metadata_path, "checkpoint metadata") as f:
+                self.metadata = _MegatronMetadataUnpickler(f).load()
+        except ValueError:
+            raise
+        except Exception as err:
+            raise ValueError(f"checkpoint metadata {metadata_path} is unreadable (truncated, corrupt or unsafe): "
+                             f"{err}") from None
+        if not isinstance(self.metadata, dcp_metadata.Metadata):
+            raise ValueError(f"checkpoint metadata {metadata_path} is not DCP metadata")
+        for relative in sorted({info.relative_path for info in self.metadata.storage_data.values()}):
+            if os.path.basename(relative) != relative or not os.path.isfile(os.path.join(where, relative)):
+                raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
+                                 f"{DCP_METADATA}, is missing")
+        self._sources = self._map_names()
+
+    def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor."""
+        sources = {}
+        for key, md in self.metadata.state_dict_metadata.items():
+            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith(("optimizer.", "rng_state")):
+                continue
+            size = tuple(md.size)
+            if key.startswith(LAYERS):
+                rest = megalite_name(key[len(LAYERS):])
+                for layer in range(size[0]):
+                    sources[f"{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
+            else:
+                name = megalite_name(key)
+                if name in VOCAB_PARAMS:
+                    size = (min(size[0], self._config.vocab_size),) + size[1:]
+                sources[name] = (key, (), size)
+        return sources
+
+    # The interface load_into, inspect and the converters use.
+    @property
+    def config(self):
+        return self._config
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (_, _, shape) in self._sources.items()}
+
+    def has(self, name: str) -> bool:
+        return name in self._sources
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.metadata.state_dict_metadata[self._sources[name][0]].properties.dtype
+
+    def chunks(self, name: str) -> list:
+        key, lead, _ = self._sources[name]
+        return [c for c in self.metadata.state_dict_metadata[key].chunks
+                if all(o <= i < o + s for o, s, i in zip(c.offsets, c.sizes, lead))]
+
+    def check_architecture(self, config) -> None:
+        if config is None:
+            return
+        differences = compare_architecture(self._config, config)
+        if differences:
+            raise ValueError(f"Megatron-LM checkpoint {self.directory} holds a different architecture: " + "; ".join(
+                f"{d.field} is {d.saved!r} in the checkpoint but {d.current!r} in the model" for d in differences))
+
+    def field_error(self, field: str, problem: str, rank: int | None = None) -> str:
+        return f"Megatron-LM checkpoint {self.directory}/{COMMON}: field {field!r} {problem}"
+
+    def rank_state(self, rank: int) -> dict:
+        return {}
+
+    def agree(self, problem: str | None, *, data: bool = False) -> None:
+        """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""
+        if self.collective:
+            problem = next((p for p in all_gather_object(problem, self.group) if p), None)
+        if problem:
+            raise ValueError(problem)
+
+    def verify_all(self) -> None:
+        """Megatron-LM writes no hashes: check that every shard file is present and non-empty."""
+        for relative in sorted({info.relative_path for info in self.metadata.storage_data.values()}):
+            if os.path.getsize(os.path.join(self.directory, relative)) == 0:
+                raise ValueError(f"Megatron-LM checkpoint {self.directory}: shard file {relative} is empty")
+
+    def _region(self, region: Region) -> Region:
+        if not self.has(region.name):
+            raise ValueError(f"Megatron-LM checkpoint {self.directory} has no tensor {region.name!r}")
+        key, lead, shape = self._sources[region.name]
+        if len(region.offset) != len(shape) or any(o + n > s for o, n, s in zip(region.offset, region.out.shape, shape)):
+            raise ValueError(f"{region.name}: region at {region.offset} of shape {tuple(region.out.shape)} lies outside "
+                             f"the saved global shape {shape}")
+        return Region(key, lead + tuple(region.offset), region.out.view((1,) * len(lead) + tuple(region.out.shape)))
+
+    def read_views(self, boxes, regions=(), *, hashed: bool = True):
+        """The boxes ``(name, offset, shape)`` as ``[[(index, view)]]``, views of the memory-mapped shard files
+        (no copy; the caller copies them and must not write to them), and fill ``regions``; as
+        :meth:`CheckpointReader.read_views`."""
+        chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
+        requests = [self._region(r) for r in regions]
+        views = []
+        try:
+            for name, offset, shape in boxes:
+                self._region(Region(name, tuple(offset), torch.empty(shape, device="meta")))
+                key, lead, _ = self._sources[name]
+                want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
+                parts, filled = [], 0
+                for common, view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
+                                                      want):
+                    view = view.reshape(view.shape[len(lead):])
+                    parts.append((box_slices(common[len(lead):], tuple(offset)), view))
+                    filled += view.numel()
+                if filled != math.prod(shape):
+                    raise ValueError(f"tensor {key!r} region {want} is covered for only {filled} of "
+                                     f"{math.prod(shape)} elements")
+                views.append(parts)
+            if requests:
+                with quiet_single_process():
+                    dcp.load({}, storage_reader=SafeReader(chunks), planner=RegionLoadPlanner(requests), no_dist=True)
+        except (Exception, CheckpointException) as err:  # DCP wraps errors in a BaseException
+            raise ValueError(f"reading Megatron-LM checkpoint {self.directory} failed: {first_line(err)}") from None
+        return views
+
+    def read_regions(self, regions, *, hashed: bool = True) -> None:
+        self.read_views([], regions, hashed=hashed)
+
+    def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        out = {name: torch.empty(self.shapes[name], dtype=dtype or self.dtype(name)) for name in names}
+        self.read_regions([Region(name, (0,) * t.dim(), t) for name, t in out.items()])
+        return out
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.read_all([name], dtype)[name]
+
+
+def _plain_dict(value) -> dict | None:
+    """``value`` when it is a dict of plain scalars (Megatron's ``OptimizerParamScheduler.state_dict()``), else None."""
+    if isinstance(value, dict) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value.values()):
+        return dict(value)
+    return None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open_regular(path, "Megatron-Core checkpoint metadata") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"Megatron-Core checkpoint metadata {path} is unreadable: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"Megatron-Core checkpoint metadata {path} is not a JSON object")
+    return value

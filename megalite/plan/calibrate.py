@@ -1,0 +1,69 @@
+"""``--calibrate``: measure this machine's GEMM throughput, memory bandwidth and collective bandwidth.
+
+The measured GEMM rate becomes the profile's peak with ``efficiency`` 1 (the model's GEMMs run at
+what this machine's GEMMs run at); the all-reduce of a few MiB between two gloo ranks gives the
+link bandwidth and the all-reduce of one element its latency.  Timings take the best of a few runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from megalite.plan.hardware import Hardware, save_hardware
+
+
+def _best(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_flops(dtype_name: str, n: int = 512) -> float:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n ** 3 / _best(lambda: torch.matmul(a, b))
+
+
+def _collective_times(size: int) -> tuple[float, float]:
+    import torch
+    import torch.distributed as dist
+
+    big, small = torch.ones(size), torch.ones(1)
+    return _best(lambda: dist.all_reduce(big)), _best(lambda: dist.all_reduce(small))
+
+
+def measure_link(size: int = 1 << 20) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements."""
+    from megalite.testing import run_distributed
+
+    big, small = run_distributed(_collective_times, 2, size, timeout=120)[0]
+    # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
+    return size * 4 / max(big - small, 1e-9), small
+
+
+def calibrate(path: str) -> Hardware:
+    """Measure this machine and write its profile to ``path``."""
+    import os
+
+    import torch
+
+    copy_src = torch.ones(1 << 24)
+    copy_dst = torch.empty_like(copy_src)
+    hbm = 2 * copy_src.numel() * 4 / _best(lambda: copy_dst.copy_(copy_src))
+    bandwidth, latency = measure_link()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {os.cpu_count()} cores",
+                  peak_flops={p: gemm_flops(p) for p in ("fp32", "bf16")} | {"fp16": gemm_flops("fp16")},
+                  efficiency=1.0, hbm_bytes=memory, hbm_bandwidth=hbm, gpus_per_node=os.cpu_count() or 1,
+                  intra_node_bandwidth=bandwidth, intra_node_latency_s=latency, inter_node_bandwidth=bandwidth,
+                  inter_node_latency_s=latency)
+    save_hardware(hw, path)
+    print(f"wrote {path}: GEMM fp32 {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory {hbm / 1e9:.1f} GB/s, "
+          f"all-reduce {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    return hw

@@ -1,0 +1,188 @@
+"""Offline preference optimisation: DPO, IPO and SimPO losses on chosen/rejected pairs packed into one forward.
+
+A pair is one sample: ``prompt + chosen`` and ``prompt + rejected`` as two documents of a packed row
+(:func:`megalite.data.sft.pack`), so one forward of the policy (and of the reference) gives both sequences'
+log-probs, with attention and positions kept per document.  The model's per-token loss is the vocab-parallel
+cross entropy, so ``-loss`` is the token log-prob without gathering the vocabulary under TP; the sums over
+each completion are taken per document (:func:`pair_log_probs`), and under context parallelism summed over
+the CP ranks.
+
+Losses (``h`` is the policy-minus-reference log-ratio margin, chosen minus rejected):
+
+- ``dpo`` (Rafailov et al. 2023, eq. 7), with conservative label smoothing ``eps``:
+  ``-(1-eps) log sigma(beta h) - eps log sigma(-beta h)``; rewards ``beta * (log pi - log pi_ref)``.
+- ``ipo`` (Azar et al. 2023, eq. 17): ``(h' - 1/(2 beta))^2`` where ``h'`` uses log-ratios averaged over
+  each completion's tokens (the length-normalised form the paper's results use, as TRL does).
+- ``simpo`` (Meng et al. 2024, eq. 6), reference-free: rewards ``beta/|y| log pi(y|x)``, loss
+  ``-(1-eps) log sigma(r_w - r_l - gamma) - eps log sigma(-(r_w - r_l - gamma))``.
+
+KTO (Ethayarajh et al. 2024, eq. 8) is for unpaired data: each completion is desirable or not, and the
+reference point ``z0`` is the policy-to-reference KL estimated on mismatched prompt/completion pairs (pack
+them as the second document of the row, so :func:`pair_log_probs` gives both); see :func:`kto_loss`.
+
+The reference log-probs are inputs: computed once up front and stored with the pairs, or on the fly by
+a frozen reference model's forward under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megalite.context_parallel import slice_for_rank
+from megalite.data.sft import pack
+from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
+from megalite.training.training import LOSS_METRIC
+
+LOSS_TYPES = ("dpo", "ipo", "simpo")
+REFERENCE_FREE = ("simpo",)
+
+
+@dataclass
+class PreferenceConfig:
+    """Which loss and its constants."""
+
+    loss_type: str = "dpo"
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss type {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+def pack_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]], seq_length: int,
+              pad_id: int):
+    """``(tokens, completion_mask, document_ids)`` ``[seq_length + 1]`` from two ``(ids, completion_mask)``
+    sequences (each the prompt then its completion, e.g. rendered by :class:`megalite.data.sft.ChatRenderer`):
+    chosen is document 0, rejected document 1, then padding."""
+    if not any(chosen[1][1:]) or not any(rejected[1][1:]):
+        raise ValueError("a preference pair needs a non-empty chosen and rejected completion")
+    if list(chosen[0]) == list(rejected[0]):
+        raise ValueError("the chosen completion equals the rejected one, so the pair says nothing")
+    need = len(chosen[0]) + len(rejected[0])
+    if need > seq_length + 1:
+        raise ValueError(f"a preference pair needs {need} tokens (prompt twice, chosen, rejected), more than "
+                         f"--seq-length + 1 = {seq_length + 1}")
+    (sample,), _ = pack([chosen, rejected], seq_length, pad_id)
+    return sample
+
+
+def completion_pair(prompt: list[int], chosen: list[int], rejected: list[int]):
+    """Token-level pairs for :func:`pack_pair`: ``(prompt + completion, mask of the completion)`` twice."""
+    return tuple((list(prompt) + list(c), [0] * len(prompt) + [1] * len(c)) for c in (chosen, rejected))
+
+
+def pair_log_probs(per_token_log_probs: torch.Tensor, loss_mask: torch.Tensor, documents: torch.Tensor,
+                   cp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs and token counts of the chosen and rejected documents, each ``[b]``.
+
+    ``per_token_log_probs`` and ``loss_mask`` are this CP rank's ``[b, s/cp]`` (from ``prepare_batch``);
+    ``documents`` is the whole ``[b, s]``.  Under CP the sums are added over the ranks (backward: each rank's
+    tokens get the gradient of the whole sum).
+    """
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
+    local = slice_for_rank(documents, cp, rank)
+    sums = []
+    for doc in (0, 1):
+        weight = loss_mask * (local == doc)
+        sums += [(per_token_log_probs * weight).sum(-1), weight.sum(-1)]
+    stacked = torch.stack(sums)
+    if cp > 1:
+        stacked = reduce_from_tensor_parallel_region(stacked, cp_group)
+    return stacked[0], stacked[2], stacked[1].detach(), stacked[3].detach()
+
+
+def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                    ref_rejected: torch.Tensor | None, config: PreferenceConfig,
+                    chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None):
+    """Per-pair losses ``[b]``, chosen and rejected rewards ``[b]`` (detached) from summed log-probs."""
+    lengths = (chosen_lengths, rejected_lengths)
+    if config.loss_type in ("ipo", "simpo") and any(n is None for n in lengths):
+        raise ValueError(f"{config.loss_type} needs the completions' token counts")
+    if config.loss_type in REFERENCE_FREE:
+        chosen_rewards = config.beta * chosen / chosen_lengths
+        rejected_rewards = config.beta * rejected / rejected_lengths
+        logits = chosen_rewards - rejected_rewards - config.simpo_gamma
+    else:
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError(f"{config.loss_type} needs the reference model's log-probs")
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        chosen_rewards, rejected_rewards = config.beta * chosen_ratio, config.beta * rejected_ratio
+        if config.loss_type == "ipo":
+            margin = chosen_ratio / chosen_lengths - rejected_ratio / rejected_lengths
+            return (margin - 1 / (2 * config.beta)) ** 2, chosen_rewards.detach(), rejected_rewards.detach()
+        logits = config.beta * (chosen_ratio - rejected_ratio)
+    eps = config.label_smoothing
+    losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def kto_loss(policy: torch.Tensor, reference: torch.Tensor, policy_kl: torch.Tensor, reference_kl: torch.Tensor,
+             desirable: torch.Tensor, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             dp_group=None):
+    """KTO: per-sample losses ``[b]``, rewards ``beta * log-ratio`` ``[b]`` (detached) and ``z0``.
+
+    ``policy``/``reference``: summed completion log-probs; ``policy_kl``/``reference_kl``: those of the
+    mismatched completions; ``desirable`` a bool ``[b]``.  ``z0 = max(0, mean(policy_kl - reference_kl))``,
+    detached and averaged over ``dp_group``; loss ``w_D (1 - sigma(beta (r - z0)))`` for a desirable
+    completion, ``w_U (1 - sigma(beta (z0 - r)))`` for an undesirable one.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be positive, got {beta}")
+    z0 = (policy_kl - reference_kl).detach().mean()
+    if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(z0, group=dp_group)
+        z0 = z0 / torch.distributed.get_world_size(dp_group)
+    z0 = z0.clamp(min=0)
+    ratio = policy - reference
+    desirable = desirable.bool()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    return losses, beta * ratio.detach(), z0
+
+
+def preference_forward_step(config: PreferenceConfig, cp_group=None):
+    """A pipeline-schedule forward step (``forward_step(data_iterator, model)``) for preference pairs.
+
+    Each micro-batch is ``prepare_batch``'s output for packed pairs plus ``ref_chosen``/``ref_rejected``
+    ``[b]`` (the reference's summed log-probs, computed up front or by a reference forward just before;
+    not needed by SimPO).  The last stage turns the per-token loss into the mean pair loss.  Under CP
+    every rank holds the whole loss but only its tokens' gradient, which DDP averages over dp x cp, so
+    the loss it backpropagates is multiplied by cp (the logged metrics are not).
+    """
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        batch = {key: value.to(device) for key, value in batch.items()}
+        output = model(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                       document_ids=batch["document_ids"])
+
+        def loss_func(per_token_loss):
+            chosen, rejected, n_chosen, n_rejected = pair_log_probs(-per_token_loss.float(), batch["loss_mask"],
+                                                                    batch["document_ids"], cp_group)
+            losses, chosen_rewards, rejected_rewards = preference_loss(
+                chosen, rejected, batch.get("ref_chosen"), batch.get("ref_rejected"), config, n_chosen, n_rejected)
+            return losses.mean() * cp, preference_metrics(losses, chosen_rewards, rejected_rewards)
+
+        return output, loss_func
+
+    return forward_step
+
+
+def preference_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict:
+    """The batch means logged per step: loss (as the trainer's loss), rewards, reward accuracy and margin."""
+    return {LOSS_METRIC: losses.detach().mean(), "rewards_chosen": chosen_rewards.mean(),
+            "rewards_rejected": rejected_rewards.mean(),
+            "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+            "reward_margin": (chosen_rewards - rejected_rewards).mean()}

@@ -1,0 +1,121 @@
+"""Preference optimisation through :func:`megalite.training.pretrain`: pair data, flags and the forward step.
+
+``--pref-data FILE.jsonl`` holds ``prompt``, ``chosen`` and ``rejected`` per line (each a string, or a list of
+messages as TRL's conversational form); every pair is rendered with the chat template (see
+:mod:`megalite.data.sft`) and packed into one sample (:func:`megalite.rlhf.preference.pack_pair`), split by
+``--split`` into train/valid/test.  The reference is a frozen copy of the policy's weights when training
+starts (the ``--load``ed model), kept by :class:`~megalite.rlhf.reference.ReferenceModel` and run on the fly
+before each micro-batch's policy forward (optionally parked in CPU memory with ``--offload-reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.data.sft import conversation_from_record, jsonl_records
+from megalite.flags import Flag, FlagTable
+from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pair_log_probs
+from megalite.rlhf.preference import preference_forward_step
+from megalite.rlhf.reference import ReferenceModel
+from megalite.data.gpt_dataset import split_documents
+from megalite.training import gpt, sft
+
+GROUP = "preference optimisation"
+PREFERENCE_FLAGS = FlagTable((
+    Flag("--pref-data", GROUP, required=True, help="jsonl with prompt, chosen and rejected per line"),
+    Flag("--pref-loss", GROUP, ("PreferenceConfig.loss_type",), choices=LOSS_TYPES),
+    Flag("--beta", GROUP, ("PreferenceConfig.beta",), type=float),
+    Flag("--pref-label-smoothing", GROUP, ("PreferenceConfig.label_smoothing",), type=float,
+         help="conservative DPO / SimPO: the chance a preference label is flipped"),
+    Flag("--simpo-gamma", GROUP, ("PreferenceConfig.simpo_gamma",), type=float, help="SimPO's target margin"),
+    Flag("--offload-reference", GROUP, default=False, help="keep the reference's weights in CPU memory"),
+), configs=(PreferenceConfig,))
+
+
+def add_preference_flags(parser):
+    """``extra_args_provider`` of a preference run (with SFT's ``--chat-template``)."""
+    PREFERENCE_FLAGS.add_to(parser)
+    sft.SFT_FLAGS.add_to(parser, names=["--chat-template"])
+    return parser
+
+
+def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
+    """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
+    try:
+        records = list(jsonl_records(path))
+    except OSError as err:
+        raise ValueError(f"--pref-data: {err}") from None
+    pairs = []
+    for where, record in records:
+        if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= set(record):
+            raise ValueError(f"{where}: needs 'prompt', 'chosen' and 'rejected'")
+        if record["chosen"] == record["rejected"]:
+            raise ValueError(f"{where}: the chosen completion equals the rejected one, so the pair says nothing")
+        pairs.append(tuple(conversation_from_record({"prompt": record["prompt"], "completion": record[key]}, where)
+                           for key in ("chosen", "rejected")))
+    if not pairs:
+        raise ValueError(f"{path} holds no preference pairs")
+    return pairs
+
+
+class PairDataset:
+    """Packed pairs ``{"tokens", "assistant_mask", "document_ids"}``, repeated to ``num_samples``."""
+
+    packed_documents = True
+
+    def __init__(self, pairs, renderer, seq_length: int, num_samples: int):
+        self.samples = [pack_pair(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
+                        for pair in pairs]
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens, mask, docs = self.samples[index % len(self.samples)]
+        return {"tokens": tokens, "assistant_mask": mask, "document_ids": docs}
+
+
+class PreferenceTraining:
+    """The providers of one run: ``prepare_data``, ``datasets`` and ``forward_step`` (see the module docstring)."""
+
+    def __init__(self):
+        self.args = None
+        self.reference = None
+
+    def prepare_data(self, args) -> None:
+        sft.check_chat_tokenizer(args)
+        read_pairs(args.pref_data)
+
+    def datasets(self, args, num_samples):
+        self.args = args
+        renderer = sft.renderer_from_args(args)
+        pairs = read_pairs(args.pref_data)
+        out = []
+        for indices, wanted in zip(split_documents(len(pairs), args.split), num_samples):
+            out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted))
+                       if wanted and len(indices) else None)
+        return tuple(out)
+
+    def forward_step(self, data_iterator, model):
+        from megalite import topology
+
+        args, topo = self.args, topology.current()
+        config = PreferenceConfig(**PREFERENCE_FLAGS.config_values(args, "PreferenceConfig"))
+        device = next(model.parameters()).device
+        batch = {key: value.to(device) for key, value in next(data_iterator).items()}
+        if config.loss_type not in REFERENCE_FREE:
+            if topo.pp.size > 1:
+                raise ValueError("the on-the-fly reference runs a whole model: use --pipeline-model-parallel-size 1")
+            if self.reference is None:
+                fresh = gpt.model_provider(args, pre_process=True, post_process=True, layer_range=(0, args.num_layers))
+                fresh.to(device)
+                self.reference = ReferenceModel(fresh, source=model, offload=args.offload_reference)
+            with torch.no_grad(), self.reference.on_device() as ref:
+                log_probs = -ref(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                                 document_ids=batch["document_ids"])
+                chosen, rejected, _, _ = pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"],
+                                                        topo.cp.group)
+            batch = {**batch, "ref_chosen": chosen, "ref_rejected": rejected}
+        return preference_forward_step(config, topo.cp.group)(iter([batch]), model)
+

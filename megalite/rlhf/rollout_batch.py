@@ -1,0 +1,98 @@
+"""``Rollout``: one typed batch of sampled episodes that flows unchanged from the engine to the loss.
+
+Generation fills the token tensors and the behaviour policy's log-probs, scoring adds the rewards, the
+reference log-probs and the critic's values, and the update reads them; nothing is re-tokenised on the way
+(the text in ``prompts``/``responses`` is decoded once, for reward functions and logs).  The four token tensors
+have fixed shapes for a given config (:meth:`Rollout.wire_tensors`), so a rollout rank can send them and a
+trainer rebuild the batch (:meth:`Rollout.from_wire`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+WIRE = ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs")
+"""The token tensors a rollout rank sends, in this order."""
+
+
+@dataclass
+class Rollout:
+    """A batch of ``b`` episodes.
+
+    ``input_ids``/``attention_mask`` ``[b, P + N]``: the prompt left-padded to ``prompt_width`` (P) tokens, then
+    the response (padding after end-of-document).  ``response_mask``/``behaviour_log_probs`` ``[b, P + N - 1]``
+    are aligned with ``input_ids[:, 1:]`` (the token each position predicts): 1 / the sampling policy's log-prob
+    on generated tokens, 0 on prompt and padding.  ``turn_spans[i]`` lists row ``i``'s model-generated
+    ``(start, end)`` column ranges of ``input_ids`` (one per turn).  ``rewards`` ``[b]`` (the reward function's,
+    before shaping), ``ref_log_probs`` and ``old_values`` (aligned like ``response_mask``) are filled by scoring.
+    ``iteration`` and ``version`` (the policy version that sampled it) place the batch in the run; ``metadata``
+    holds the rest (kept group fraction, phase timings).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    behaviour_log_probs: torch.Tensor
+    prompt_width: int
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    turn_spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    iteration: int = 0
+    version: int = 0
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        b, width = self.input_ids.shape
+        if self.prompt_width >= width:
+            raise ValueError(f"prompt_width {self.prompt_width} leaves no response columns in input_ids of width "
+                             f"{width}")
+        for name in WIRE[1:]:
+            expected = (b, width) if name == "attention_mask" else (b, width - 1)
+            if tuple(getattr(self, name).shape) != expected:
+                raise ValueError(f"Rollout.{name} must be {list(expected)}, got {list(getattr(self, name).shape)}")
+        if not self.turn_spans:
+            lengths = self.response_mask[:, self.prompt_width - 1:].sum(dim=1).long().tolist()
+            self.turn_spans = [[(self.prompt_width, self.prompt_width + n)] for n in lengths]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """``[b, P]``, left-padded."""
+        return self.input_ids[:, :self.prompt_width]
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """``[b, N]``, padded after end-of-document."""
+        return self.input_ids[:, self.prompt_width:]
+
+    def wire_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in WIRE]
+
+    @classmethod
+    def from_wire(cls, tensors: list[torch.Tensor], prompt_width: int, **rest) -> "Rollout":
+        return cls(**dict(zip(WIRE, tensors)), prompt_width=prompt_width, **rest)
+
+    def rows(self, start: int, end: int) -> "Rollout":
+        """Rows ``start:end`` (every per-row field sliced alike)."""
+        return replace(self, **{f.name: value[start:end] for f in fields(self)
+                                if _per_row(value := getattr(self, f.name))})
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """The rows of ``parts`` in order; the scalars and metadata are the first part's."""
+        def join(values):
+            return torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
+        first = parts[0]
+        return replace(first, **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
+                                 if _per_row(getattr(first, f.name))})
+
+
+def _per_row(value) -> bool:
+    return isinstance(value, (torch.Tensor, list))

@@ -1,0 +1,54 @@
+"""Disaggregated rollouts: the loop of a rank that only generates (``--rollout-world-size``).
+
+It receives the trainers' weights (``WeightSync``, in place, so one inference engine serves every iteration),
+generates the rollouts of the DP shards it serves with
+:func:`megalite.rlhf.rollouts.sample_shard` and sends them to those shards' trainer ranks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch.distributed as dist
+
+from megalite.models import GPTModel
+from megalite.rlhf.arithmetic import TOKENIZER
+from megalite.rlhf.generation import SamplingConfig
+from megalite.rlhf.rollouts import rollout_sampler, sample_shard
+from megalite.rlhf.weight_sync import ROLLOUT, SyncRole, WeightSync
+
+
+def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]) -> None:
+    """A rollout rank's loop: receive weights, generate its DP shards' rollouts, send them to the trainers.
+
+    Iteration ``i`` is generated with the weights after update ``max(0, i - 1 - S)``, so up to S
+    iterations are generated while the trainers train.  ``trainer_dp[r]`` is global rank r's trainer
+    DP rank (-1 for rollout ranks)."""
+    world = len(trainer_dp)
+    first = world - args.rollout_world_size
+    local = dist.get_rank() - first
+    rtp = args.rollout_tensor_parallel_size
+    replica, tp_rank = local // rtp, local % rtp
+    replicas = args.rollout_world_size // rtp
+    model = GPTModel(config, tp_group=rollout_tp_group).to(device)
+    sync = WeightSync(model, SyncRole(ROLLOUT, replica, tp_rank, rtp))
+    sync.sync()
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad,
+                              temperature=args.temperature)
+    shards = [d for d in range(args.dp) if d % replicas == replica]
+    rngs = {d: random.Random(args.seed * 1000 + d) for d in shards}
+    sample = rollout_sampler(model)
+    pending = []
+    for iteration in range(1, args.train_iters + 1):
+        if iteration > args.max_staleness + 1:
+            sync.sync()
+            for work, _ in pending:
+                work.wait()
+            pending = []
+        for shard in shards:
+            tensors = sample_shard(sample, args, sampling, rngs[shard], iteration, 0, shard, device).wire_tensors()
+            if tp_rank == 0:
+                for dst in (r for r, d in enumerate(trainer_dp) if d == shard):
+                    pending += [(dist.isend(t, dst), t) for t in tensors]
+    for work, _ in pending:
+        work.wait()

@@ -1,0 +1,169 @@
+"""Rollouts: prompts drawn per DP rank, groups of sampled responses (the generation phase), their scores (a local
+reward), reference log-probs and values (the scoring phase), and DAPO's dynamic-sampling refill, each round a
+typed :class:`~megalite.rlhf.rollout_batch.Rollout`.
+
+Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
+rollouts ahead of the update that trains on the current one.  With ``--rollout-world-size`` the rollouts are
+generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
+(:func:`shard_shapes`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from megalite.rlhf.actor import pipeline_log_probs
+from megalite.rlhf.arithmetic import TOKENIZER, problem, prompt_width, response_text
+from megalite.rlhf.critic import pipeline_values
+from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
+from megalite.rlhf.rewards import varied_groups
+from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.scoring import score_batches, shaped_scores
+
+
+def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def rollout_sampler(model):
+    """The one switch between engines: ``sample(prompts, prompt_mask, sampling, generator)`` on one
+    :class:`RolloutEngine` built for ``model`` and reused (weights updated in place) where the engine runs it
+    (pp=1), else on the static pipelined decoder."""
+    if engine_supports(model):
+        return RolloutEngine(model).generate
+    return lambda prompts, prompt_mask, sampling, generator: generate(model, prompts, prompt_mask, sampling,
+                                                                      generator)
+
+
+def sample_shard(sample, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int,
+                 device) -> Rollout:
+    """One generation round of DP shard ``shard`` with ``sample`` (:func:`rollout_sampler`): prompts x n samples,
+    padded to a fixed width ``[b, P + N]`` so rounds concatenate and the tensors can be sent."""
+    n, width, new = args.n_samples_per_prompt, prompt_width(args.max_operand), args.max_new_tokens
+    prompts = [p for p in (problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)) for _ in range(n)]
+    ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
+    generator = torch.Generator(device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt + shard)
+    out = sample(ids.to(device), mask.to(device), sampling, generator)
+    b, fill = len(prompts), new - out.response_mask.shape[1]
+    tokens = torch.cat([out.tokens, out.tokens.new_full((b, fill), TOKENIZER.pad)], dim=1)
+    attention = torch.cat([out.attention_mask, out.attention_mask.new_zeros(b, fill)], dim=1)
+    response_mask = torch.cat([out.response_mask.new_zeros(b, width - 1), out.response_mask,
+                               out.response_mask.new_zeros(b, fill)], dim=1)
+    log_probs = torch.cat([out.log_probs.new_zeros(b, width - 1), out.log_probs, out.log_probs.new_zeros(b, fill)],
+                          dim=1)
+    return Rollout(tokens.long(), attention.long(), response_mask.float(), log_probs.float(), width)
+
+
+def decode(rollout: Rollout) -> Rollout:
+    """``rollout`` with its prompt and response text (the response up to end-of-document)."""
+    width = rollout.prompt_width
+    rollout.prompts = [TOKENIZER.detokenize(row) for row in rollout.prompt_ids.tolist()]
+    rollout.responses = [response_text([t for t, m in zip(row, keep) if m]) for row, keep in
+                         zip(rollout.response_ids.tolist(), rollout.response_mask[:, width - 1:].tolist())]
+    return rollout
+
+
+def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
+    """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike."""
+    b, width = args.prompts_per_rank * args.n_samples_per_prompt, prompt_width(args.max_operand) + args.max_new_tokens
+    return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
+            ((b, width - 1), torch.float32)]
+
+
+def lookahead(items, depth: int):
+    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(item)
+        if len(pending) > depth:
+            yield pending.popleft()
+    yield from pending
+
+
+class Rollouts:
+    """Draws prompts, samples groups of responses (the generation phase), scores them (local reward) and
+    computes reference log-probs and values (the scoring phase); every rollout records the policy version
+    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's."""
+
+    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement):
+        self.args, self.topo, self.actor, self.reference = args, topo, actor, reference
+        self.value_model, self.reward, self.placement = value_model, reward, placement
+        self.rollout_source = None
+        if args.rollout_world_size:
+            replicas = args.rollout_world_size // args.rollout_tensor_parallel_size
+            self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
+        self.device = device
+        self.version, self.start = 0, 1
+        self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
+        self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
+        self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
+                                       pad_id=TOKENIZER.pad, temperature=args.temperature)
+
+    def __iter__(self):
+        for iteration in range(self.start, self.args.train_iters + 1):
+            yield self.rollout(iteration)
+
+    def _micro_batches(self, ids, mask):
+        mb = self.args.micro_batch_size
+        return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
+
+    def _sample(self, iteration: int, attempt: int) -> Rollout:
+        """One generation round of this DP rank, generated here or received from its rollout rank."""
+        with self.placement.phase("generation"):
+            if self.rollout_source is None:
+                rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,
+                                       self.topo.dp.rank, self.device)
+            else:
+                tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
+                for t in tensors:
+                    dist.recv(t, src=self.rollout_source)
+                rollout = Rollout.from_wire([t.to(self.device) for t in tensors], prompt_width(self.args.max_operand))
+        decode(rollout)
+        if not self.args.use_scoring_server:
+            with self.placement.phase("scoring"):
+                rollout.rewards = score_batches(self.reward, [(rollout.prompts, rollout.responses)])[0].to(self.device)
+        return rollout
+
+    def rollout(self, iteration: int) -> Rollout:
+        start = time.monotonic()
+        rollout = self._sample(iteration, 0)
+        kept_fraction = 1.0
+        if self.args.dynamic_sampling:
+            rollout, kept_fraction = self._refill(rollout, iteration)
+        generate_s = time.monotonic() - start
+        micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
+        with self.placement.phase("scoring"):
+            ref_log_probs, _ = pipeline_log_probs(self.reference.module, micro_batches, self.args.temperature)
+            rollout.ref_log_probs = ref_log_probs.to(self.device)
+            if self.value_model is not None:
+                rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]
+        rollout.iteration = iteration
+        rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
+                                                                                 - self.args.max_staleness)
+        rollout.metadata.update(kept_fraction=kept_fraction, generate_s=generate_s,
+                                log_probs_s=time.monotonic() - start - generate_s)
+        return rollout
+
+    def _refill(self, first: Rollout, iteration: int) -> tuple[Rollout, float]:
+        """DAPO dynamic sampling: keep groups whose shaped rewards vary; generate more rounds until the batch
+        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups."""
+        n, need = self.args.n_samples_per_prompt, self.args.prompts_per_rank
+        kept, dropped = [], []
+        rollout, attempt = first, 0
+        while True:
+            varied = varied_groups(shaped_scores(rollout.rewards, rollout.response_mask, self.args), n)
+            for group, keep in enumerate(varied.tolist()):
+                (kept if keep else dropped).append(rollout.rows(group * n, group * n + n))
+            attempt += 1
+            if len(kept) >= need or attempt >= self.args.max_num_gen_batches:
+                break
+            rollout = self._sample(iteration, attempt)
+        fraction = min(len(kept), need) / need
+        return Rollout.concat((kept + dropped)[:need]), fraction

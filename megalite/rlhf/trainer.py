@@ -1,0 +1,229 @@
+"""``RLTrainer``: RL (PPO, GRPO, RLOO, REINFORCE++, DAPO's pieces) on megalite's tensor/pipeline/data-parallel GPT.
+
+One config (``megalite.rlhf.trainer_config``: pretraining's and RL's flag rows, one default each) drives the loop:
+generation -> scoring (reward, reference, critic, teacher) -> advantages -> updates -> weight sync, colocated or
+disaggregated (``--rollout-world-size``), on-policy or bounded-staleness (``--max-staleness``).
+
+    trainer = RLTrainer(parse_args(argv))
+    trainer.train()
+
+The actor is first warmed up on the arithmetic task (or loaded with ``--load``); rollouts, scoring and the update
+live in ``rollouts``, ``scoring`` and ``update``.  With ``--use-scoring-server`` the reward (and a teacher) run on
+one rank; the placement plan (``megalite.rlhf.placement``) parks models and optimizer state between phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite import topology
+from megalite.models import GPTConfig, GPTModel
+from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.rlhf.arithmetic import TOKENIZER, prompt_width
+from megalite.rlhf.backend import TrainingBackend
+from megalite.rlhf.critic import CriticModel
+from megalite.rlhf.distillation import TeacherOutput
+from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
+from megalite.rlhf.placement import Placement
+from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.reward_model import RewardModelScorer
+from megalite.rlhf.rollout_ranks import serve_rollouts
+from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
+from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served_scores
+from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
+from megalite.rlhf.target import PolyakTarget
+from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
+from megalite.rlhf.trainer_config import validate
+from megalite.rlhf.trainer_log import eval_line, evaluate, iteration_line, sample_lines
+from megalite.rlhf.trainer_models import build, build_teacher, pipeline_chunk, pretrain
+from megalite.rlhf.update import rl_update
+from megalite.rlhf.weight_sync import TRAINER, SyncRole, WeightSync
+from megalite.training.metrics import MetricsLogger
+
+ACTOR, CRITIC, REFERENCE, TARGET_CRITIC = "actor", "critic", "reference", "target critic"
+"""The trained and frozen models' names in the placement plan."""
+
+
+class RLTrainer:
+    """The RL loop of one rank.  ``args`` is the config from ``trainer_config.parse_args``; it is validated here
+    (before any collective) against ``world_size`` (default: the running world, else ``$WORLD_SIZE``)."""
+
+    def __init__(self, args: argparse.Namespace, world_size: int | None = None):
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        validate(args, world_size)
+        self.resume = check_resume(args)
+        if self.resume is not None and (args.max_staleness or args.rollout_world_size or args.use_scoring_server):
+            raise ValueError("a resume (--load of an RL checkpoint) needs an on-policy, colocated run: --max-staleness "
+                             "0 and no --rollout-world-size or --use-scoring-server")
+        self.args, self.world_size = args, world_size
+
+    def build_placement(self, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
+        """This rank's models in the placement plan: the trained actor (and critic), the reference, the reward
+        model and teacher where this rank holds them (moved per request on the scoring-server rank) and the target
+        critic (also used in training when stale rollouts recompute their values)."""
+        args = self.args
+        placement = Placement(args.offload, device)
+        placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
+        if critic is not None:
+            placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
+        placement.add_frozen(REFERENCE, reference.module)
+        if isinstance(reward, RewardModelScorer):
+            placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
+        if teacher_model is not None:
+            placement.add_frozen(TEACHER, teacher_model, on_demand=True)
+        if target is not None:
+            placement.add_target(TARGET_CRITIC, *target, phases=("scoring", "training") if args.max_staleness
+                                 else ("scoring",))
+        return placement
+
+    def train(self) -> int:
+        """Runs the whole job on this rank (a rollout rank serves rollouts instead); 0 when done.  Afterwards
+        ``self.actor`` (and ``self.critic``) hold the trained models."""
+        owns_process_group = not dist.is_initialized()
+        if self._setup():
+            self._loop()
+        if owns_process_group:
+            topology.destroy()
+        return 0
+
+    def _setup(self) -> bool:
+        """Topology, models, placement and the rollout stream; False on a rollout rank (it served rollouts)."""
+        args, world_size = self.args, self.world_size
+        torch.set_num_threads(1)
+        trainers = world_size - args.rollout_world_size
+        self.topo = topo = topology.initialize(tp=args.tensor_model_parallel_size,
+                                               pp=args.pipeline_model_parallel_size, ranks=list(range(trainers)))
+        self.device = device = topology.device()
+        torch.manual_seed(args.seed)
+        config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers,
+                           hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                           max_position_embeddings=16, make_vocab_size_divisible_by=8, seed=args.seed)
+        single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
+        self.sync = None
+        if args.rollout_world_size:
+            rtp = args.rollout_tensor_parallel_size
+            rollout_tp_groups = {start: dist.new_group(list(range(start, start + rtp)))
+                                 for start in range(trainers, world_size, rtp)}
+            trainer_dp = [None] * world_size
+            dist.all_gather_object(trainer_dp, topo.dp.rank if topo.global_rank < trainers else -1)
+            if topo.global_rank >= trainers:
+                start = trainers + (topo.global_rank - trainers) // rtp * rtp
+                serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp)
+                return False
+        actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
+        self.lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
+        self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
+        if args.rollout_world_size:
+            self.sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
+            self.sync.sync()
+        self.actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
+                                                                                clip_grad=1.0), [actor_chunk]),
+                                     PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
+                                     args.micro_batch_size, topo)
+        self.critic = critic_chunk = self.target = None
+        if args.advantage.needs_critic:
+            critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
+            self.critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo),
+                                          args.micro_batch_size, topo)
+            if args.target_critic_tau is not None:
+                self.target = (pipeline_chunk(CriticModel, config, topo, device),
+                               PolyakTarget(critic_chunk.module, args.target_critic_tau))
+        owner = topo.global_rank == args.scoring_server_rank
+        self.reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
+        teacher_model = teacher = None
+        if args.use_scoring_server and owner and args.use_teacher:
+            teacher_model, teacher = build_teacher(args, config, single_group, device)
+        self.placement = self.build_placement(device, self.actor, self.critic, self.reference, self.reward,
+                                              teacher_model, self.target)
+        if topo.global_rank == 0 or (owner and args.use_scoring_server):
+            print(f"rank {topo.global_rank} {self.placement.table()}", flush=True)
+        self.value_model = self.target[0] if self.target is not None else critic_chunk
+        self.rollouts = Rollouts(args, topo, self.actor, self.reference, self.value_model, device, self.reward,
+                                 self.placement)
+        if self.resume is not None:
+            self._load()
+        self.scoring_server = None
+        if args.use_scoring_server:
+            per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
+            serve = served_scores(self.reward, teacher, prompt_width(args.max_operand), self.placement) if owner \
+                else None
+            self.scoring_server = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token,
+                                                device=device)
+            self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
+                                     inputs_of=lambda r: (r.input_ids, r.attention_mask))
+        else:
+            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts,
+                                                                0 if self.sync else args.max_staleness))
+        self.eval_sample = (self.rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
+        return True
+
+    def _loop(self) -> None:
+        """Update on each scored rollout, sync the weights, log, evaluate and save."""
+        args, topo, placement = self.args, self.topo, self.placement
+        logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
+                               stream=open(os.devnull, "w"))
+        last = time.monotonic()
+        for rollout, served in self.stream:
+            teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
+            rollout.rewards = served[0]
+            with placement.phase("training"):
+                metrics = rl_update(rollout, args, topo, self.actor, self.critic, self.device, self.rollouts.version,
+                                    teacher, self.value_model)
+                if self.target is not None:
+                    placement.update_target(TARGET_CRITIC, self.critic.chunk.module)
+            metrics.update(placement.take_metrics())
+            if args.use_scoring_server:
+                metrics["scorer_staleness"] = float(self.stream.staleness[-1])
+            self.rollouts.version += 1
+            if self.sync is not None and rollout.iteration <= args.train_iters - args.max_staleness - 1:
+                start_sync, sent = time.monotonic(), self.sync.bytes_sent
+                self.sync.sync()
+                metrics.update(time_sync_s=time.monotonic() - start_sync,
+                               sync_bytes_sent=float(self.sync.bytes_sent - sent))
+            metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
+            metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
+            logger.log(rollout.iteration, metrics)
+            if topo.global_rank == 0:
+                print(iteration_line(rollout.iteration, args.train_iters, metrics), flush=True)
+                if args.sample_interval and rollout.iteration % args.sample_interval == 0:
+                    print("\n".join(sample_lines(rollout)), flush=True)
+            if args.eval_interval and rollout.iteration % args.eval_interval == 0:
+                with placement.phase("generation"):
+                    valid = evaluate(self.eval_sample, args, self.rollouts.sampling, self.reward, topo, self.device,
+                                     rollout.iteration)
+                logger.log(rollout.iteration, valid)
+                if topo.global_rank == 0:
+                    print(eval_line(rollout.iteration, valid), flush=True)
+            if args.save and (rollout.iteration == args.train_iters
+                              or (args.save_interval and rollout.iteration % args.save_interval == 0)):
+                self._save(rollout.iteration)
+        if self.scoring_server is not None:
+            self.scoring_server.close()
+        logger.close()
+        if self.lock is not None:
+            self.lock.release()
+
+    def _save(self, iteration: int) -> None:
+        """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""
+        with self.placement.phase("scoring"):
+            save_frozen(self.args.save, iteration, self.reference, self.target)
+        with self.placement.phase("training"):
+            save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
+                         self.rollouts.version, self.rollouts.rng)
+
+    def _load(self) -> None:
+        """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
+        with self.placement.phase("scoring"):
+            load_frozen(self.args.load, self.resume, self.reference, self.target)
+        with self.placement.phase("training"):
+            self.rollouts.version = load_trained(self.args.load, self.resume, self.topo, self.actor, self.critic,
+                                                 self.rollouts.rng)
+        self.rollouts.start = self.resume + 1
+        if self.topo.global_rank == 0:
+            print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

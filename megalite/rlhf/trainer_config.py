@@ -1,0 +1,117 @@
+"""The RL trainer's one config: the parsed rows of pretraining's and RL's flag tables, checked before any collective.
+
+:func:`parse_args` builds the command line from the same ``Flag`` tables as pretraining (``megalite.training.flags``
+for the model, batch and I/O options, ``megalite.rlhf.flags.RL_FLAGS`` for the RL ones), so every option has one
+default.  :func:`validate` checks every size and combination and fills the derived values the trainer reads
+(``dp``, the per-rank batch sizes and the ``AdvantageConfig``/``PPOConfig``/``OffloadConfig`` built from the rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megalite.flags import ArgumentParser
+from megalite.rlhf.advantages import AdvantageConfig
+from megalite.rlhf.arithmetic import TOKENIZER
+from megalite.rlhf.flags import RL_FLAGS
+from megalite.rlhf.placement import OffloadConfig
+from megalite.rlhf.ppo import PPOConfig
+from megalite.rlhf.reward_model import check_reward_model
+from megalite.rlhf.rewards import load_reward_fn
+from megalite.training.flags import FLAGS
+
+MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
+               "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size", "--train-iters",
+               "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--eval-interval",
+               "--metrics-file", "--tensorboard-dir"]
+"""The pretraining rows the RL trainer takes (with the RL defaults and help below)."""
+
+
+def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) on megalite's parallel GPT"
+               ) -> argparse.Namespace:
+    p = ArgumentParser(description=description)
+    FLAGS.add_to(p, MODEL_FLAGS,
+                 defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
+                           "--global-batch-size": 128, "--micro-batch-size": 32, "--train-iters": 100,
+                           "--tensorboard-dir": "runs/rlhf_ppo", "--eval-interval": None},
+                 helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
+                        "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
+                        "--load": "an RL checkpoint (a --save directory) to resume from, or a pretrained actor (a "
+                                  "megalite checkpoint) to start RL from instead of the warm-up",
+                        "--save": "save the whole RL state here (megalite.rlhf.trainer_checkpoint) every "
+                                  "--save-interval iterations and at the end",
+                        "--save-interval": "RL iterations between checkpoints; None: only at the end",
+                        "--eval-interval": "RL iterations between greedy evaluations on a fixed prompt set with the "
+                                           "same reward (logged as valid_*); None: no evaluation"})
+    RL_FLAGS.add_to(p)
+    return p.parse_args(argv)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Every size check before any collective; fills ``args.dp`` and the per-rank batch sizes."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    rollout, rollout_tp = args.rollout_world_size, args.rollout_tensor_parallel_size
+    if rollout:
+        if not 0 < rollout < world_size:
+            raise ValueError(f"--rollout-world-size {rollout} leaves no trainer ranks in the world of {world_size}")
+        if rollout_tp < 1 or rollout % rollout_tp:
+            raise ValueError(f"--rollout-world-size {rollout} is not a multiple of --rollout-tensor-parallel-size "
+                             f"{rollout_tp}")
+        if args.use_scoring_server or args.dynamic_sampling:
+            raise ValueError("--rollout-world-size runs with a local reward and without --dynamic-sampling")
+    trainers = world_size - rollout
+    if trainers % model_parallel:
+        raise ValueError(f"{trainers} trainer ranks (world size {world_size} - --rollout-world-size {rollout}) are "
+                         f"not divisible by tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+                         f"pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.dp = trainers // model_parallel
+    for name in ("global_batch_size", "pretrain_global_batch_size"):
+        if getattr(args, name) % args.dp:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is not divisible by the "
+                             f"data-parallel size {args.dp}")
+    args.prompts_per_rank = args.global_batch_size // args.dp
+    args.pretrain_batch_per_rank = args.pretrain_global_batch_size // args.dp
+    rows = args.prompts_per_rank * args.n_samples_per_prompt
+    if rows % args.micro_batch_size:
+        raise ValueError(f"{rows} sequences per DP rank ({args.prompts_per_rank} prompts x "
+                         f"{args.n_samples_per_prompt} samples) are not divisible by --micro-batch-size "
+                         f"{args.micro_batch_size}")
+    if args.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.save_interval is not None and (not args.save or args.save_interval < 1):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
+    for name in ("eval_interval", "sample_interval"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations, got "
+                             f"{getattr(args, name)}")
+    if args.eval_interval and (args.use_scoring_server or args.reward_model):
+        raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
+                         "--reward-model)")
+    if args.save and (args.max_staleness or rollout or args.use_scoring_server):
+        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 and no "
+                         "--rollout-world-size or --use-scoring-server")
+    if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
+        raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
+                         f"and a local reward (not --use-scoring-server)")
+    if args.overlong_buffer_len > args.max_new_tokens:
+        raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} exceeds --max-new-tokens "
+                         f"{args.max_new_tokens}")
+    args.use_teacher = args.distill_coef > 0 or args.teacher_reward_coef > 0
+    if (args.use_teacher or args.teacher_topk is not None) and not args.use_scoring_server:
+        raise ValueError("--distill-coef, --teacher-reward-coef and --teacher-topk need --use-scoring-server")
+    if args.teacher_topk is not None and not (args.use_teacher and 1 <= args.teacher_topk <= TOKENIZER.vocab_size):
+        raise ValueError(f"--teacher-topk {args.teacher_topk} needs --distill-coef or --teacher-reward-coef > 0 and "
+                         f"1 <= K <= the vocabulary size {TOKENIZER.vocab_size}")
+    if not 0 <= args.scoring_server_rank < world_size:
+        raise ValueError(f"--scoring-server-rank {args.scoring_server_rank} is outside the world of {world_size} ranks")
+    if args.target_critic_tau is not None and not (args.advantage_estimator == "gae"
+                                                   and 0.0 < args.target_critic_tau <= 1.0):
+        raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
+                         f"and a rate in (0, 1]")
+    args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
+    args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
+    args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
+    if args.reward_model:
+        check_reward_model(args.reward_model, TOKENIZER.vocab_size)
+    else:
+        args.reward = load_reward_fn(args.reward_fn)

@@ -1,0 +1,57 @@
+"""What the RL trainer prints: one short line per iteration, a separate line per evaluation, and sample completions.
+
+Every metric still goes to the metrics file (JSON lines) and TensorBoard through ``MetricsLogger``; the console
+shows only what a user watches: reward mean and std, KL to the reference, entropy, response length, policy and value
+loss, and throughput.  ``--eval-interval`` runs greedy decoding on a fixed prompt set with the same reward function
+(:func:`evaluate`; logged as ``valid_*``, TensorBoard ``valid/*``); ``--sample-interval`` prints a few prompts with
+their sampled responses and rewards.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollouts import decode, sample_shard
+from megalite.rlhf.scoring import score_batches
+from megalite.rlhf.update import dp_mean
+
+SHOWN = (("reward", "reward {:.3f}"), ("reward_std", "±{:.3f}"), ("kl", "kl {:.4f}"), ("entropy", "entropy {:.3f}"),
+         ("response_length", "len {:.1f}"), ("policy_loss", "pg {:.4f}"), ("value_loss", "vf {:.4f}"),
+         ("samples_per_s", "{:.1f} samples/s"))
+"""The console line's metrics and formats, in order (a metric the run does not have is left out)."""
+
+
+def iteration_line(iteration: int, train_iters: int, metrics: dict) -> str:
+    parts = [f"rl {iteration}/{train_iters}"]
+    for key, fmt in SHOWN:
+        if key in metrics:
+            text = fmt.format(metrics[key])
+            if key == "reward_std":
+                parts[-1] += f" {text}"
+            else:
+                parts.append(text)
+    return " | ".join(parts)
+
+
+def evaluate(sample, args, sampling, reward, topo, device, iteration: int) -> dict:
+    """Greedy responses to this DP rank's fixed evaluation prompts (drawn from their own seed, the same every
+    evaluation), scored by ``reward``: ``valid_reward`` and ``valid_response_length`` averaged over DP ranks."""
+    rng = random.Random(args.seed * 1000 + 500009 + topo.dp.rank)
+    rollout = decode(sample_shard(sample, args, replace(sampling, greedy=True), rng, 0, 0, topo.dp.rank, device))
+    scores = score_batches(reward, [(rollout.prompts, rollout.responses)])[0]
+    return {"valid_reward": dp_mean(float(scores.mean()), topo, device),
+            "valid_response_length": dp_mean(float(rollout.response_mask.sum(dim=1).mean()), topo, device)}
+
+
+def eval_line(iteration: int, metrics: dict) -> str:
+    return (f"eval {iteration} | reward {metrics['valid_reward']:.3f} | "
+            f"len {metrics['valid_response_length']:.1f} (greedy)")
+
+
+def sample_lines(rollout: Rollout, count: int = 3) -> list[str]:
+    """The first ``count`` rows of ``rollout`` as ``prompt -> response (reward r)``."""
+    rewards = rollout.rewards.tolist() if rollout.rewards is not None else [float("nan")] * len(rollout)
+    return [f"  sample {rollout.iteration}: {p!r} -> {r!r} (reward {s:.3f})"
+            for p, r, s in list(zip(rollout.prompts, rollout.responses, rewards))[:count]]

@@ -1,0 +1,64 @@
+"""The RL trainer's models: this rank's pipeline chunk of a GPT or critic (DDP-wrapped, with its optimizer), the
+actor's warm-up pretraining on the arithmetic task (or its ``--load``), and the scoring server's teacher.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import torch
+
+from megalite.checkpoint import load_sharded
+from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.pipeline import build_chunks
+from megalite.rlhf.arithmetic import pretrain_batch
+from megalite.rlhf.backend import TrainingBackend
+from megalite.rlhf.distillation import teacher_fn
+from megalite.rlhf.objectives import LanguageModelObjective
+
+
+def pipeline_chunk(model_cls, config, topo, device):
+    """This rank's (unwrapped) pipeline chunk of ``model_cls``, built by ``pipeline.build_chunks``."""
+    [module] = build_chunks(lambda **where: model_cls(config, **where), config.num_layers, topo.pp.group)
+    return module.to(device)
+
+
+def build(model_cls, config, topo, lr, device):
+    """This rank's DDP-wrapped pipeline chunk of ``model_cls`` and its optimizer."""
+    chunk = DistributedDataParallel(pipeline_chunk(model_cls, config, topo, device), DDPConfig(), topo.dp.group,
+                                    topo.expert_dp.group)
+    return chunk, get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
+
+
+def build_teacher(args, config, single_group, device):
+    """The owner's teacher: an unsharded GPT (``--teacher-load``, else initialized from ``--seed`` + 1) and its
+    served function (top-k with ``--teacher-topk``)."""
+    torch.manual_seed(args.seed + 1)
+    model = GPTModel(replace(config, seed=args.seed + 1), tp_group=single_group).to(device).eval()
+    if args.teacher_load:
+        load_sharded(args.teacher_load, [model], tp_group=single_group)
+    return model, teacher_fn(model, args.teacher_topk)
+
+
+def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDataParallel:
+    """The actor chunk, pretrained here or loaded from ``--load`` (a pretrained actor); as built when ``resume``
+    (the RL checkpoint's weights come later)."""
+    chunk, optimizer = build(GPTModel, config, topo, args.pretrain_lr, device)
+    backend = TrainingBackend(chunk, optimizer, LanguageModelObjective(), args.micro_batch_size, topo)
+    if resume:
+        return chunk
+    if args.load:
+        backend.load(args.load)
+        return chunk
+    rng = random.Random(args.seed + 17 * topo.dp.rank)
+    for step in range(1, args.pretrain_iters + 1):
+        batch = pretrain_batch(rng, args.pretrain_batch_per_rank, args.max_operand)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        metrics = backend.forward_backward(batch)
+        backend.optim_step()
+        if topo.global_rank == 0 and (step % 20 == 0 or step == args.pretrain_iters):
+            print(f"pretrain step {step}/{args.pretrain_iters} | lm_loss {metrics['lm_loss']:.4f}", flush=True)
+    return chunk

@@ -1,0 +1,93 @@
+"""``python -m megalite.plan``: the ranked plan, its JSON shape, the as-given launch line, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megalite.cli import run_cli
+from megalite.models import gpt_flops_per_token
+from megalite.plan.__main__ import main, preset_config
+from megalite.plan.estimate import estimate
+from megalite.plan.hardware import load_hardware
+from megalite.plan.layout import Layout
+from megalite.plan.memory import rank_chunks, rank_state_bytes
+
+SMALL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--vocab-size", "1000",
+         "--seq-length", "512", "--global-batch-size", "32"]
+
+
+def test_json_lists_ranked_layouts_in_the_issue_shape(capsys):
+    assert main(SMALL + ["--num-gpus", "8", "--bf16", "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layouts"]) == 3
+    speeds = [entry["tokens_per_s_per_gpu"] for entry in out["layouts"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for entry in out["layouts"]:
+        assert {"tp", "pp", "vpp", "cp", "ep", "dp", "micro_batch_size", "recompute", "schedule", "memory",
+                "step_time_s", "tokens_per_s_per_gpu", "mfu", "flags"} <= set(entry)
+        assert {"weights", "grads", "optimizer", "activations"} <= set(entry["memory"])
+        assert entry["tp"] * entry["pp"] * entry["cp"] * entry["dp"] == 8
+        assert 0 < entry["mfu"] < 1
+    assert out["as_given"]["tp"] == 1 and out["as_given"]["dp"] == 8
+    assert any("not divisible" in item["reason"] for item in out["infeasible"])
+
+
+def test_mfu_is_the_trainers_model_flops_formula():
+    config = preset_config("llama3-8b")
+    hw = load_hardware("h100")
+    layout = Layout(tp=2, dp=4, precision="bf16", sequence_parallel=True, zero1=True)
+    est = estimate(config, layout, hw, 8192, 64)
+    expected = est.tokens_per_s_per_gpu * gpt_flops_per_token(config, 8192) / hw.peak("bf16")
+    assert est.mfu == pytest.approx(expected, rel=1e-12)
+    assert est.memory["weights"] == rank_state_bytes(config, layout).weights
+
+
+def test_preset_llama3_8b_has_its_published_parameter_count():
+    config = preset_config("llama3-8b")
+    params = sum(p.numel for specs in rank_chunks(config, Layout(), 0) for p in specs)
+    assert params == 8_030_261_248
+
+
+@pytest.mark.parametrize("argv, message", [
+    (SMALL + ["--num-gpus", "8", "--hardware", "tpu-v9"], "unknown hardware profile 'tpu-v9'"),
+    (["--model", "llama3-405b", "--num-gpus", "8", "--seq-length", "8192", "--global-batch-size", "16"],
+     "smallest shortfall: does not fit by"),
+    (SMALL + ["--num-gpus", "6", "--tensor-model-parallel-size", "4"], "--num-gpus 6 is not divisible by tp*pp*cp"),
+    (["--model", "llama3-9b", "--num-gpus", "8", "--global-batch-size", "8"], "unknown --model 'llama3-9b'"),
+    (SMALL[:-2] + ["--num-gpus", "8"], "give --global-batch-size"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(argv, message, capsys):
+    assert run_cli(main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_hugging_face_config_json_is_the_same_model_as_the_preset(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                                  rope_theta=500000.0, tie_word_embeddings=False)
+    path = tmp_path / "config.json"
+    path.write_text(hf.to_json_string())
+    from megalite.checkpoint.hf import hf_config_to_gpt
+
+    config = hf_config_to_gpt(json.loads(path.read_text()))
+    layout = Layout(tp=2, pp=2, dp=2, zero1=True, precision="bf16")
+    for rank in (0, 1):
+        assert (rank_state_bytes(config, layout, rank) == rank_state_bytes(preset_config("llama3-8b"), layout, rank))
+    assert main(["--hf-config", str(path), "--num-gpus", "8", "--seq-length", "8192", "--global-batch-size", "64",
+                 "--json", "--top", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["tokens_per_s_per_gpu"] > 0
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
+    path = tmp_path / "here.json"
+    assert main(["--calibrate", str(path)]) == 0
+    hw = load_hardware(str(path))
+    assert hw.peak("fp32") > 0 and hw.intra_node_bandwidth > 0 and hw.efficiency == 1.0
+    assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["layouts"][0]["step_time_s"] > 0

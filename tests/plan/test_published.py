@@ -1,0 +1,25 @@
+"""The planner's predictions for published runs are within 20% of the published figures.
+
+Rows and citations are in ``megalite/plan/published.json``; each row's predicted and published
+values are printed (``pytest -s``) so the distance of every row is visible, not only the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.plan.published import predict, published_rows
+
+ROWS = published_rows()
+
+
+def test_there_are_published_rows():
+    assert len(ROWS) >= 11
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["name"] for row in ROWS])
+def test_prediction_within_20_percent_of_published(row):
+    predicted, published = predict(row)
+    print(f"{row['name']}: predicted {predicted:.1f}, published {published:.1f} ({predicted / published - 1:+.1%}); "
+          f"{row['source']}")
+    assert abs(predicted - published) <= 0.20 * published
