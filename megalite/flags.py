@@ -121,7 +121,9 @@ class FlagTable:
                            required=flag.required, help=help_text)
 
     def config_values(self, args, cls_name: str) -> dict:
-        """The ``cls_name`` fields the rows set from ``args``; a switch not given leaves its field alone."""
+        """The ``cls_name`` fields the rows set from ``args``; a switch not given leaves its field alone, and
+        so does a row left at its default when another row names the same field (Megatron's other
+        spelling of a flag, e.g. ``--rotary-scaling-factor`` beside ``--rope-scaling-factor``)."""
         values = {}
         for flag in self.flags:
             for target in flag.fields:
@@ -130,7 +132,8 @@ class FlagTable:
                     continue
                 value = getattr(args, flag.dest)
                 if flag.sets is UNSET:
-                    values[field] = value
+                    if field not in values or value != self.default(flag):
+                        values[field] = value
                 elif value:
                     values[field] = flag.sets
         return values

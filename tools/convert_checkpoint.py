@@ -1,5 +1,5 @@
-"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE;
-safetensors), Megatron-LM and megalite.
+"""Convert checkpoints between Hugging Face (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V3; safetensors), Megatron-LM and megalite.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR

@@ -85,14 +85,15 @@ def load_model(path: str, device="cpu"):
 
 
 def global_shapes(config) -> dict[str, tuple[int, ...]]:
-    """The name and shape of every global model tensor of ``config``."""
+    """The name and shape of every global model tensor of ``config``: parameters and persistent buffers
+    (a router's ``expert_bias``), as ``save_sharded`` writes them."""
     from megalite.models import GPTModel
 
     _check_single_process()
     with torch.device("meta"):
         model = GPTModel(config)
     shapes = {}
-    for name, param in model.named_parameters():
+    for name, param in model.state_dict(keep_vars=True).items():
         gp = global_param(name, param, config, ShardContext())
         if not gp.alias:
             shapes[gp.name] = gp.shape

@@ -140,4 +140,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q, k, v = (_SeqToHead.apply(t, group) for t in (q, k, v))
         everyone = tokens(range(cp))
         out = _HeadToSeq.apply(BlockwiseAttention.apply(q, k, v, everyone, everyone, scale, window), group)
-    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * d)
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * out.shape[-1])

@@ -114,12 +114,14 @@ def _count(stats: dict | None, key: str, q: torch.Tensor, rows: int, cols: int) 
 
 def attention_forward(q, k, v, queries: Tokens, keys: Tokens, scale: float, stats: dict | None = None,
                       window: int | None = None):
-    """Output ``[b, n, sq, d]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key).
+    """Output ``[b, n, sq, dv]`` and log-sum-exp ``[b, n, sq]`` (fp32; ``-inf`` for a query that sees no key).
+
+    Values may have their own head dim ``dv`` (multi-latent attention).
 
     ``stats``, when a dict, accumulates the matmul FLOPs of the tiles computed (``forward_flops``).
     """
     q, k, v = q.float(), _expand(k.float(), q.shape[1]), _expand(v.float(), q.shape[1])
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for qt, (qa, qb) in enumerate(queries.tiles):
         acc, acc_lse = None, None

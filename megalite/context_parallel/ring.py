@@ -36,7 +36,7 @@ def _wait(requests, stats: dict | None) -> None:
 
 
 class RingAttention(torch.autograd.Function):
-    """``q [b, n, s/cp, d]``, ``k``/``v`` ``[b, g, s/cp, d]`` -> output ``[b, n, s/cp, d]``.
+    """``q``/``k`` ``[b, n|g, s/cp, d]``, ``v [b, g, s/cp, dv]`` -> output ``[b, n, s/cp, dv]``.
 
     ``key_tokens[j]`` describes the tokens CP rank ``j`` holds; ``window`` is the
     sliding window (see :mod:`megalite.context_parallel.blockwise`).  ``stats``, when
@@ -49,14 +49,15 @@ class RingAttention(torch.autograd.Function):
                 window: int | None = None):
         start = time.perf_counter()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        kv = torch.stack([k, v]).contiguous()
+        dk = k.shape[-1]  # keys and values travel as one tensor, concatenated on the head dim (which may differ)
+        kv = torch.cat([k, v], dim=-1).contiguous()
         out = lse = None
         for step in range(size):
             requests = None
             if step < size - 1:
                 received, requests = _exchange(kv, group)
-            block_out, block_lse = attention_forward(q, kv[0], kv[1], queries, key_tokens[(rank - step) % size], scale,
-                                                     stats, window)
+            block_out, block_lse = attention_forward(q, kv[..., :dk], kv[..., dk:], queries,
+                                                     key_tokens[(rank - step) % size], scale, stats, window)
             out, lse = merge(out, lse, block_out, block_lse)
             if requests is not None:
                 _wait(requests, stats)
@@ -74,24 +75,25 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, stats = ctx.group, ctx.stats
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        kv = torch.stack([k, v]).contiguous()
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).contiguous()
         dq = pending = None
         for step in range(size):
             requests = None
             if step < size - 1:
                 received, requests = _exchange(kv, group)
             keys = ctx.key_tokens[(rank - step) % size]
-            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, ctx.queries, keys, ctx.scale, stats,
-                                                  ctx.window)
+            dq_b, dk_b, dv_b = attention_backward(dout, q, kv[..., :dk], kv[..., dk:], out, lse, ctx.queries, keys,
+                                                  ctx.scale, stats, ctx.window)
             dq = dq_b if dq is None else dq + dq_b
             # The block's gradient accumulator arrives from the previous rank while this step computes.
             if pending is None:
-                dkv = torch.stack([dk_b, dv_b])
+                dkv = torch.cat([dk_b, dv_b], dim=-1)
             else:
                 _wait(pending[1], stats)
                 dkv = pending[0]
-                dkv[0] += dk_b
-                dkv[1] += dv_b
+                dkv[..., :dk] += dk_b
+                dkv[..., dk:] += dv_b
             pending = _exchange(dkv, group) + (dkv,)
             if requests is not None:
                 _wait(requests, stats)
@@ -101,4 +103,5 @@ class RingAttention(torch.autograd.Function):
         dkv = pending[0]
         if stats is not None:
             stats["total_s"] = stats.get("total_s", 0.0) + time.perf_counter() - start
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None,
+                None)

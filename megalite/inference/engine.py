@@ -55,6 +55,9 @@ class LLMEngine:
         if model.sequence_parallel:
             raise ValueError("the inference engine does not support sequence parallelism; build the model "
                              "without it (the weights are the same)")
+        if model.config.multi_latent_attention:
+            raise ValueError("the inference engine does not cache multi-latent attention yet; decode with the "
+                             "contiguous KV cache (megalite.models.kv_cache.KVCache, the static decoder)")
         self.tp_group = model.tp_group
         self.tp_size, self.tp_rank = topology.group_size(self.tp_group), topology.group_rank(self.tp_group)
         mc = model.config

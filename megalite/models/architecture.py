@@ -21,13 +21,15 @@ ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention
                        "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
                        "rotary_base", "rotary_percent", "rotary_interleaved", "rope_scaling", "rope_scaling_factor",
                        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-                       "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate", "normalization",
-                       "norm_eps", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                       "untie_embeddings_and_output_weights", "moe_layer_freq",
-                       "window_size")
+                       "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate", "yarn_mscale",
+                       "yarn_mscale_all_dim", "normalization", "norm_eps", "activation", "add_bias_linear",
+                       "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "moe_layer_freq",
+                       "window_size", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                       "qk_pos_emb_head_dim", "v_head_dim")
 """GPTConfig fields that fix the model's weights or its function."""
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "pre_softmax",
-                           "shared_expert_intermediate_size", "shared_expert_gate")
+                           "shared_expert_intermediate_size", "shared_expert_gate", "score_function",
+                           "enable_expert_bias", "routed_scaling_factor", "num_groups", "group_topk")
 """MoEConfig fields that fix the experts' weights or the routing function."""
 
 

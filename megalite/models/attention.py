@@ -66,7 +66,7 @@ def padding_causal_mask(attention_mask: torch.Tensor, seq: int, offset: int) -> 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, offset: int,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v with a causal mask; ``[s, b, n, d]`` in, ``[s, b, n*d]`` out.
+    """softmax(q k^T / sqrt(d)) v with a causal mask; ``[s, b, n, d]`` in, ``[s, b, n*dv]`` out.
 
     ``k``/``v`` may have fewer (grouped) heads than ``q`` and ``offset`` more
     (cached) positions in front: query ``i`` sees keys ``0 .. offset + i``.
@@ -89,10 +89,68 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: f
                                                  enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * v.shape[-1])
 
 
-class SelfAttention(nn.Module):
+class Attention(nn.Module):
+    """What every attention variant shares: the core attention after the projections.
+
+    :meth:`attend` runs queries, keys and values ``[s, b, heads, d]`` (values may
+    have their own head dim) through the KV cache, the context-parallel /
+    packed-document / sliding-window path, or plain causal attention, with
+    selective recompute; subclasses own the projections around it (and rotate
+    with ``rotary_interleaved``, halves or neighbouring pairs).
+    """
+
+    def __init__(self, config, layer_number: int, *, heads_local: int, groups_local: int, cp_group=None,
+                 cp_comm_type: str = "p2p"):
+        super().__init__()
+        self.cp_group = cp_group
+        self.cp_comm_type = cp_comm_type
+        cp = topology.group_size(cp_group)
+        if cp > 1:
+            check_heads(heads_local, groups_local, cp, cp_comm_type)
+            if config.attention_dropout > 0.0:
+                raise ValueError(f"attention dropout {config.attention_dropout} is not supported with context "
+                                 f"parallelism (cp={cp}); set it to 0")
+        self.context_parallel = cp > 1
+        self.layer_number = layer_number
+        self.attention_dropout = config.attention_dropout
+        self.window_size = config.window_size
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.rotary_interleaved = config.rotary_interleaved
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: AttentionCache | None,
+               mask: torch.Tensor | None, documents: torch.Tensor | None) -> torch.Tensor:
+        """The attention context ``[s, b, heads * dv]`` of rotated ``q``/``k`` and ``v``."""
+        s = q.shape[0]
+        dropout = self.attention_dropout if self.training else 0.0
+        window = self.window_size
+        if window is not None and mask is not None:
+            queries = torch.arange(s, device=mask.device) + (0 if kv_cache is None else kv_cache.offset)
+            mask = mask & (queries[:, None] - torch.arange(mask.shape[-1], device=mask.device) <= window)
+        if kv_cache is not None:
+            if window is not None and mask is None and getattr(kv_cache, "window", None) != window:
+                raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask or a "
+                                 f"KV cache that applies the same window")
+            return kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
+        if self.context_parallel or documents is not None or (window is not None and mask is None):
+            if dropout > 0.0:
+                raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) or "
+                                 f"sliding-window attention; set it to 0")
+            if self.recompute_core and self.training:
+                return recompute(self._document_attention, q, k, v, documents)
+            return self._document_attention(q, k, v, documents)
+        if self.recompute_core and self.training:
+            return recompute(core_attention, q, k, v, dropout, 0, mask)
+        return core_attention(q, k, v, dropout, 0, mask)
+
+    def _document_attention(self, q, k, v, documents):
+        return context_parallel_attention(q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
+                                          documents=documents, window=self.window_size)
+
+
+class SelfAttention(Attention):
     """``linear_qkv`` (column-parallel) -> [per-head q/k norm] -> rotary -> core attention -> ``linear_proj``.
 
     Input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``rotary``
@@ -113,25 +171,12 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config, layer_number: int, *, tp_group=None, cp_group=None, cp_comm_type: str = "p2p",
                  sequence_parallel: bool = False):
-        super().__init__()
         tp = topology.group_size(tp_group)
-        self.cp_group = cp_group
-        self.cp_comm_type = cp_comm_type
-        cp = topology.group_size(cp_group)
-        if cp > 1:
-            check_heads(config.num_attention_heads // tp, config.num_query_groups // tp, cp, cp_comm_type)
-            if config.attention_dropout > 0.0:
-                raise ValueError(f"attention dropout {config.attention_dropout} is not supported with context "
-                                 f"parallelism (cp={cp}); set it to 0")
-        self.context_parallel = cp > 1
-        self.layer_number = layer_number
+        super().__init__(config, layer_number, heads_local=config.num_attention_heads // tp,
+                         groups_local=config.num_query_groups // tp, cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.head_dim = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.num_groups_local = config.num_query_groups // tp
-        self.attention_dropout = config.attention_dropout
-        self.window_size = config.window_size
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.rotary_interleaved = config.rotary_interleaved
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias,
@@ -161,30 +206,4 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary, interleaved=self.rotary_interleaved)
-        dropout = self.attention_dropout if self.training else 0.0
-        window = self.window_size
-        if window is not None and mask is not None:
-            queries = torch.arange(s, device=mask.device) + (0 if kv_cache is None else kv_cache.offset)
-            mask = mask & (queries[:, None] - torch.arange(mask.shape[-1], device=mask.device) <= window)
-        if kv_cache is not None:
-            if window is not None and mask is None and getattr(kv_cache, "window", None) != window:
-                raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask or a "
-                                 f"KV cache that applies the same window")
-            context = kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
-        elif self.context_parallel or documents is not None or (window is not None and mask is None):
-            if dropout > 0.0:
-                raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) or "
-                                 f"sliding-window attention; set it to 0")
-            if self.recompute_core and self.training:
-                context = recompute(self._document_attention, q, k, v, documents)
-            else:
-                context = self._document_attention(q, k, v, documents)
-        elif self.recompute_core and self.training:
-            context = recompute(core_attention, q, k, v, dropout, 0, mask)
-        else:
-            context = core_attention(q, k, v, dropout, 0, mask)
-        return self.linear_proj(context)
-
-    def _document_attention(self, q, k, v, documents):
-        return context_parallel_attention(q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
-                                          documents=documents, window=self.window_size)
+        return self.linear_proj(self.attend(q, k, v, kv_cache, mask, documents))

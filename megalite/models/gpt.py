@@ -37,6 +37,7 @@ from megalite.context_parallel import check_comm_type, check_context_parallel, c
 from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
+from megalite.models.mla import check_mla_config, mla_flops_per_token
 from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
@@ -71,7 +72,8 @@ class GPTConfig:
     (rotate-half) or as neighbouring pairs (``rotary_interleaved``);
     ``rope_scaling`` stretches its frequencies for long context ("linear",
     Llama 3's "llama3", "yarn"; :mod:`megalite.models.rotary` says what each
-    ``rope_*``/``yarn_*`` field means).  ``add_qkv_bias`` gives the QKV
+    ``rope_*``/``yarn_*`` field means; ``yarn_mscale``/``yarn_mscale_all_dim`` are DeepSeek's and
+    Megatron's ``mscale``/``mscale_all_dim``).  ``add_qkv_bias`` gives the QKV
     projection a bias when the other linear layers have none (Qwen2);
     ``qk_layernorm`` normalizes each query and key head before the rotation
     (Qwen3).  Full recompute uses
@@ -105,6 +107,8 @@ class GPTConfig:
     yarn_beta_slow: float = 1.0
     yarn_attention_factor: float | None = None
     yarn_truncate: bool = True
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     normalization: str = "LayerNorm"
@@ -122,6 +126,12 @@ class GPTConfig:
     moe: MoEConfig | None = None
     moe_layer_freq: int | list[int] = 1
     window_size: int | None = None
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     seed: int = 1234
 
     def __post_init__(self):
@@ -137,7 +147,9 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels of each head that RoPE rotates."""
+        """Channels of each head that RoPE rotates (MLA: its decoupled rotary part)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     def is_moe_layer(self, layer_number: int) -> bool:
@@ -165,6 +177,8 @@ class GPTConfig:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.multi_latent_attention:
+            check_mla_config(self)
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
         if heads % tp_size:
@@ -233,6 +247,8 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     h, d = config.hidden_size, config.kv_channels
     heads, groups = config.num_attention_heads, config.num_query_groups
     attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 4 * seq_length * heads * d
+    if config.multi_latent_attention:
+        attention = mla_flops_per_token(config, seq_length)
     forward = 2.0 * h * config.vocab_size
     for layer in range(config.num_layers):
         forward += attention

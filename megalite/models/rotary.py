@@ -10,8 +10,10 @@ stretches them for contexts longer than the model was first trained on:
   (``original`` = ``rope_original_max_position_embeddings``).
 - ``"yarn"``: per-frequency blend of the kept and the divided frequency along a linear ramp between the
   dimensions that turn ``yarn_beta_fast`` and ``yarn_beta_slow`` times over the original context
-  (ramp ends rounded outwards when ``yarn_truncate``), and cos/sin scaled by ``yarn_attention_factor``
-  (default ``0.1 ln(factor) + 1``).
+  (ramp ends rounded outwards when ``yarn_truncate``), and cos/sin scaled by ``yarn_attention_factor``,
+  by default ``yarn_mscale(factor, yarn_mscale) / yarn_mscale(factor, yarn_mscale_all_dim)`` (Megatron's
+  and DeepSeek's ``mscale``/``mscale_all_dim``; ``0.1 ln(factor) + 1`` with their defaults 1 and 0).
+  Multi-latent attention also multiplies its softmax scale by ``yarn_mscale(factor, yarn_mscale_all_dim) ** 2``.
 
 The formulas are those of the Llama 3.1 and YaRN papers, in the order Hugging Face evaluates them
 in fp32, so converted checkpoints compute the same tables.
@@ -64,8 +66,13 @@ def _yarn(config, dim: int, base: float, factor: float, original: int) -> tuple[
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     scale = config.yarn_attention_factor
     if scale is None:
-        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = yarn_mscale(factor, config.yarn_mscale) / yarn_mscale(factor, config.yarn_mscale_all_dim)
     return inv_freq, float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 class RotaryEmbedding(nn.Module):

@@ -8,6 +8,7 @@ from torch import nn
 from megalite import kernels
 from megalite.models.attention import AttentionCache, SelfAttention
 from megalite.models.init import init_stream, layer_stream
+from megalite.models.mla import MultiLatentAttention
 from megalite.models.mlp import MLP
 from megalite.models.norms import build_norm
 from megalite.tensor_parallel import get_rng_tracker, recompute
@@ -24,8 +25,9 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         norm_args = (config.normalization, config.hidden_size, config.norm_eps)
         self.input_layernorm = build_norm(*norm_args, sequence_parallel=sequence_parallel)
-        self.self_attention = SelfAttention(config, layer_number, tp_group=tp_group, cp_group=cp_group,
-                                            cp_comm_type=cp_comm_type, sequence_parallel=sequence_parallel)
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, layer_number, tp_group=tp_group, cp_group=cp_group,
+                                        cp_comm_type=cp_comm_type, sequence_parallel=sequence_parallel)
         self.pre_mlp_layernorm = build_norm(*norm_args, sequence_parallel=sequence_parallel)
         self.is_moe = config.is_moe_layer(layer_number)
         if self.is_moe:

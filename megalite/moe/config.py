@@ -7,6 +7,7 @@ from dataclasses import dataclass
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -26,6 +27,12 @@ class MoEConfig:
     scales it per token by ``sigmoid(x . w)`` (Qwen2-MoE's shared expert).
     ``aux_loss_coeff``/``z_loss_coeff`` weight the load-balancing and router
     z-losses, which the layer feeds into the backward pass itself.
+
+    DeepSeek-V3 routing (see ``sigmoid_routing.py``): ``score_function``
+    "sigmoid", experts chosen by score plus a balancing bias when
+    ``enable_expert_bias`` (moved by ``bias_update_rate`` per step, see
+    ``expert_bias.py``), among the ``group_topk`` best of ``num_groups`` expert
+    groups, combine weights scaled by ``routed_scaling_factor``.
     """
 
     num_experts: int
@@ -42,6 +49,12 @@ class MoEConfig:
     token_drop_policy: str = "probs"
     dispatcher: str = "alltoall"
     grouped_gemm: bool = False
+    score_function: str = "softmax"
+    enable_expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    routed_scaling_factor: float = 1.0
+    num_groups: int | None = None
+    group_topk: int | None = None
     init_method_std: float = 0.02
 
     def validate(self, ep_size: int = 1, expert_tp_size: int = 1) -> None:
@@ -58,7 +71,7 @@ class MoEConfig:
         if expert_tp_size < 1 or self.ffn_hidden_size % expert_tp_size:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the expert "
                              f"tensor-parallel size {expert_tp_size}")
-        choices = {"activation": ACTIVATIONS,
+        choices = {"activation": ACTIVATIONS, "score_function": SCORE_FUNCTIONS,
                    "token_drop_policy": DROP_POLICIES, "dispatcher": DISPATCHERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -73,5 +86,33 @@ class MoEConfig:
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
             raise ValueError(f"loss coefficients must be >= 0, got aux {self.aux_loss_coeff}, "
                              f"z {self.z_loss_coeff}")
+        self._validate_sigmoid_routing()
         if not self.init_method_std > 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
+
+    def _validate_sigmoid_routing(self) -> None:
+        groups, group_topk = self.num_groups, self.group_topk
+        if self.score_function != "sigmoid":
+            if self.enable_expert_bias or groups is not None or self.routed_scaling_factor != 1.0:
+                raise ValueError("expert bias, expert groups and routed_scaling_factor need score_function "
+                                 f"'sigmoid', got {self.score_function!r}")
+            return
+        if self.pre_softmax:
+            raise ValueError("pre_softmax applies to score_function 'softmax', not 'sigmoid'")
+        if self.capacity_factor is not None:
+            raise ValueError("score_function 'sigmoid' routes dropless: capacity_factor must be None")
+        if not self.bias_update_rate >= 0 or not self.routed_scaling_factor > 0:
+            raise ValueError(f"bias_update_rate must be >= 0 and routed_scaling_factor positive, got "
+                             f"{self.bias_update_rate} and {self.routed_scaling_factor}")
+        if (groups is None) != (group_topk is None):
+            raise ValueError(f"num_groups={groups} and group_topk={group_topk} must be given together")
+        if groups is None:
+            return
+        if groups < 1 or group_topk < 1 or self.num_experts % groups:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by num_groups {groups} (or a "
+                             f"size is not positive)")
+        if group_topk > groups:
+            raise ValueError(f"group_topk {group_topk} exceeds num_groups {groups}")
+        if self.topk % group_topk or self.topk > group_topk * (self.num_experts // groups):
+            raise ValueError(f"topk {self.topk} must be a multiple of group_topk {group_topk} and fit in "
+                             f"{group_topk} groups of {self.num_experts // groups} experts")

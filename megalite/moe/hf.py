@@ -9,6 +9,9 @@ keeps the top-k of the full softmax (``MoEConfig.pre_softmax``).  Qwen2-MoE adds
 whose output is scaled by ``sigmoid(x . shared_expert_gate)``.  Which layers are MoE: Mixtral all;
 Qwen-MoE layer ``i`` when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
 ``mlp_only_layers``, which megalite writes as a per-layer ``moe_layer_freq`` list.
+DeepSeek-V3 routes by sigmoid scores with a balancing bias (``gate.e_score_correction_bias``, megalite's
+``router.expert_bias``) among ``topk_group`` of ``n_group`` groups, scaled by ``routed_scaling_factor``;
+its shared experts (``shared_experts.``, ungated) and dense first ``first_k_dense_replace`` layers.
 
 Weight names inside one layer (``take`` reads a Hugging Face tensor by its full name):
 
@@ -37,14 +40,16 @@ import torch
 from megalite.moe.config import MoEConfig
 
 HF_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+HF_MOE_READ_FAMILIES = HF_MOE_FAMILIES + ("deepseek_v3",)
+"""``moe_config_to_hf`` writes the first three; DeepSeek-V3's config is ``checkpoint/hf/deepseek.py``'s."""
 _MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
 _QWEN_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
-def _family(hf: dict) -> str:
+def _family(hf: dict, families: tuple[str, ...] = HF_MOE_FAMILIES) -> str:
     kind = hf.get("model_type")
-    if kind not in HF_MOE_FAMILIES:
-        raise ValueError(f"model_type {kind!r} is not a Hugging Face MoE family megalite knows {HF_MOE_FAMILIES}")
+    if kind not in families:
+        raise ValueError(f"model_type {kind!r} is not a Hugging Face MoE family megalite knows {families}")
     return kind
 
 
@@ -54,10 +59,12 @@ def moe_config_from_hf(hf: dict) -> tuple[MoEConfig, int | list[int]]:
     Dropless (no capacity) and no router losses: Hugging Face's training-only aux loss is not
     carried over (set ``--moe-aux-loss-coeff`` to fine-tune with one).
     """
-    kind = _family(hf)
+    kind = _family(hf, HF_MOE_READ_FAMILIES)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (megalite's SwiGLU uses silu)")
     layers = hf["num_hidden_layers"]
+    if kind == "deepseek_v3":
+        return _deepseek_config(hf, layers)
     # transformers names it num_local_experts in memory (an attribute alias), Qwen's files num_experts.
     num_experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
     if kind == "mixtral":
@@ -74,6 +81,23 @@ def moe_config_from_hf(hf: dict) -> tuple[MoEConfig, int | list[int]]:
         raise ValueError(f"{kind} decoder_sparse_step must be a positive integer, got {step!r}")
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     return config, 1 if all(pattern) else pattern
+
+
+def _deepseek_config(hf: dict, layers: int) -> tuple[MoEConfig, list[int]]:
+    topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if topk > 1 and not hf.get("norm_topk_prob", True):
+        raise ValueError("deepseek_v3 norm_topk_prob=false is not supported (megalite normalises the top-k weights)")
+    if groups > 1 and topk // group_topk != 2:
+        raise ValueError(f"deepseek_v3 scores a group by its best 2 experts; megalite (as Megatron-Core) by its best "
+                         f"num_experts_per_tok / topk_group = {topk} / {group_topk}: these differ")
+    shared = hf.get("n_shared_experts") or 0
+    config = MoEConfig(num_experts=hf["n_routed_experts"], ffn_hidden_size=hf["moe_intermediate_size"], topk=topk,
+                       activation="swiglu", score_function="sigmoid", enable_expert_bias=True,
+                       routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                       num_groups=groups if groups > 1 else None, group_topk=group_topk if groups > 1 else None,
+                       shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared if shared else None)
+    dense = hf.get("first_k_dense_replace") or 0
+    return config, [int(i >= dense) for i in range(layers)]
 
 
 def moe_config_to_hf(config: MoEConfig, moe_layer_freq: int | list[int], num_layers: int, model_type: str) -> dict:
@@ -121,7 +145,7 @@ def moe_tensors_from_hf(take: Callable[[str], torch.Tensor], names: Collection[s
     ``layer_prefix`` is the layer's HF prefix (``"model.layers.3."``), ``names`` every HF tensor
     name (to tell the on-disk from the fused layout) and ``take(name)`` returns one tensor.
     """
-    kind = _family({"model_type": model_type})
+    kind = _family({"model_type": model_type}, HF_MOE_READ_FAMILIES)
     src = _block(kind, names, layer_prefix)
     out = {"router.weight": take(src + "gate.weight")}
     if src + "experts.gate_up_proj" in names:
@@ -135,8 +159,10 @@ def moe_tensors_from_hf(take: Callable[[str], torch.Tensor], names: Collection[s
             fc1.append(torch.cat([take(f"{expert}{part['gate']}.weight"), take(f"{expert}{part['up']}.weight")]))
             fc2.append(take(f"{expert}{part['down']}.weight"))
         out["experts.fc1_weight"], out["experts.fc2_weight"] = torch.stack(fc1), torch.stack(fc2)
+    if kind == "deepseek_v3":
+        out["router.expert_bias"] = take(src + "gate.e_score_correction_bias")
     if config.shared_expert_intermediate_size is not None:
-        shared = src + "shared_expert."
+        shared = src + ("shared_experts." if kind == "deepseek_v3" else "shared_expert.")
         out["shared_experts.linear_fc1.weight"] = torch.cat([take(shared + "gate_proj.weight"),
                                                               take(shared + "up_proj.weight")])
         out["shared_experts.linear_fc2.weight"] = take(shared + "down_proj.weight")
@@ -148,11 +174,14 @@ def moe_tensors_from_hf(take: Callable[[str], torch.Tensor], names: Collection[s
 def moe_tensor_to_hf(name: str, tensor: torch.Tensor, layer_prefix: str, model_type: str
                      ) -> list[tuple[str, torch.Tensor]]:
     """The on-disk HF ``(name, tensor)`` pairs of one global megalite MoE tensor (``name`` under ``mlp.``)."""
-    kind = _family({"model_type": model_type})
+    kind = _family({"model_type": model_type}, HF_MOE_READ_FAMILIES)
     dst = layer_prefix + ("block_sparse_moe." if kind == "mixtral" else "mlp.")
+    shared = dst + ("shared_experts." if kind == "deepseek_v3" else "shared_expert.")
     part = _MIXTRAL_EXPERT if kind == "mixtral" else _QWEN_EXPERT
     if name == "router.weight":
         return [(dst + "gate.weight", tensor)]
+    if name == "router.expert_bias" and kind == "deepseek_v3":
+        return [(dst + "gate.e_score_correction_bias", tensor)]
     if name == "experts.fc1_weight":
         pairs = []
         for e, weight in enumerate(tensor):
@@ -163,9 +192,9 @@ def moe_tensor_to_hf(name: str, tensor: torch.Tensor, layer_prefix: str, model_t
         return [(f"{dst}experts.{e}.{part['down']}.weight", weight) for e, weight in enumerate(tensor)]
     if name == "shared_experts.linear_fc1.weight":
         gate, up = tensor.chunk(2)
-        return [(dst + "shared_expert.gate_proj.weight", gate), (dst + "shared_expert.up_proj.weight", up)]
+        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
     if name == "shared_experts.linear_fc2.weight":
-        return [(dst + "shared_expert.down_proj.weight", tensor)]
+        return [(shared + "down_proj.weight", tensor)]
     if name == "shared_expert_gate":
         return [(dst + "shared_expert_gate.weight", tensor)]
     raise ValueError(f"{model_type} has no Hugging Face tensor for the MoE tensor mlp.{name}")

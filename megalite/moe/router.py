@@ -12,6 +12,7 @@ from torch import nn
 
 from megalite.moe.config import MoEConfig
 from megalite.moe.losses import load_balancing_loss, z_loss
+from megalite.moe.sigmoid_routing import sigmoid_topk
 
 
 @dataclass
@@ -67,6 +68,12 @@ class TopKRouter(nn.Module):
     split (the TP group under sequence parallelism, the CP group): token counts
     and loss values are summed over each in turn so that every rank sees
     micro-batch statistics.  Capacity dropping looks at this rank's tokens only.
+
+    With ``score_function`` "sigmoid" the scores and choice are
+    :func:`~megalite.moe.sigmoid_routing.sigmoid_topk`'s; with
+    ``enable_expert_bias`` the buffers ``expert_bias`` (saved with the model) and
+    ``tokens_since_update`` (training-mode counts) serve
+    :func:`~megalite.moe.expert_bias.update_expert_bias`.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig):
@@ -75,14 +82,21 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         with torch.no_grad():
             self.weight.normal_(0.0, config.init_method_std)
+        biased = config.enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts) if biased else None)
+        self.register_buffer("tokens_since_update", torch.zeros(config.num_experts) if biased else None,
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor, stats_groups=()) -> Routing:
         cfg = self.config
         logits = F.linear(tokens.float(), self.weight.float())
-        scores = torch.softmax(logits, dim=-1)
-        if cfg.pre_softmax:
+        if cfg.score_function == "sigmoid":
+            scores, probs, indices = sigmoid_topk(logits, cfg, self.expert_bias)
+        elif cfg.pre_softmax:
+            scores = torch.softmax(logits, dim=-1)
             probs, indices = scores.topk(cfg.topk, dim=-1)
         else:
+            scores = torch.softmax(logits, dim=-1)
             top, indices = logits.topk(cfg.topk, dim=-1)
             probs = torch.softmax(top, dim=-1)
 
@@ -95,6 +109,8 @@ class TopKRouter(nn.Module):
         num_experts = cfg.num_experts
         total_counts = stats[:num_experts].round().long()
         total_scores = stats[num_experts:2 * num_experts]
+        if self.tokens_since_update is not None and self.training:
+            self.tokens_since_update += total_counts
         num_tokens = max(int(stats[-1].item()), 1)
 
         aux_value = float(num_experts * (total_scores * total_counts).sum() / (num_tokens ** 2 * cfg.topk))

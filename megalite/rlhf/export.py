@@ -71,8 +71,8 @@ def export_global_weights(model_chunks, pp_group=None, ep_group=None,
     ctx = ShardContext.from_groups(groups["tp"], groups["ep"], groups["etp"])
     pp_group = topology.resolve_group(pp_group, "pp")
     params = {}
-    for model in models:
-        for name, param in model.named_parameters():
+    for model in models:  # parameters and persistent buffers (a router's expert_bias), as checkpoints hold them
+        for name, param in model.state_dict(keep_vars=True).items():
             layout = global_param(name, param, config, ctx)
             if not layout.alias:
                 params[layout.name] = (name, param, layout.shape)

@@ -70,7 +70,7 @@ def _describe(model, role: SyncRole) -> dict:
     inner = unwrap(model)
     ctx = ShardContext(tp_rank=role.tp_rank, tp_size=role.tp_size)
     params = {}
-    for name, param in inner.named_parameters():
+    for name, param in inner.state_dict(keep_vars=True).items():  # with persistent buffers (expert_bias)
         gp = global_param(name, param, inner.config, ctx)
         params[name] = (gp.name, gp.shape, gp.pieces, gp.replicated, gp.alias, param.dtype)
     return {"role": role, "params": params}
@@ -158,7 +158,7 @@ class WeightSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Send (trainer) or receive (rollout) this rank's part of the plan."""
-        params = dict(self.model.named_parameters()) if self.model is not None else {}
+        params = dict(self.model.state_dict(keep_vars=True)) if self.model is not None else {}
         pairs: dict[tuple[int, int], list[Transfer]] = {}
         for transfer in self.plan:
             if self.rank in (transfer.src, transfer.dst):

@@ -56,6 +56,13 @@ def moe_layer_freq(text: str) -> int | list[int]:
         raise error from None
 
 
+def rope_type(text: str) -> str | None:
+    """Megatron's ``--rope-type``: ``rope`` (no scaling, None) or ``yarn``."""
+    if text not in ("rope", "yarn"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'rope', 'yarn')")
+    return None if text == "rope" else text
+
+
 def window_size(text: str) -> int | None:
     """``--window-size`` as Megatron writes it, ``(left, right)`` (flash attention's window), or just ``left``.
 
@@ -126,6 +133,14 @@ _TRAINING_ROWS = (
          help="yarn: cos/sin scale; None: 0.1*ln(factor)+1"),
     Flag("--yarn-truncate", MODEL, ("GPTConfig.yarn_truncate",), type=bool,
          help="yarn: round the ramp's ends to whole dimensions"),
+    Flag("--mscale", MODEL, ("GPTConfig.yarn_mscale",), type=float,
+         help="yarn (DeepSeek, Megatron): cos/sin scale numerator's ln(factor) weight"),
+    Flag("--mscale-all-dim", MODEL, ("GPTConfig.yarn_mscale_all_dim",), type=float,
+         help="yarn: cos/sin scale denominator's ln(factor) weight; MLA's softmax scale"),
+    Flag("--rope-type", MODEL, ("GPTConfig.rope_scaling",), type=rope_type,
+         help="Megatron's spelling: 'yarn' is --rope-scaling-type yarn, 'rope' no scaling"),
+    Flag("--rotary-scaling-factor", MODEL, ("GPTConfig.rope_scaling_factor",), type=float,
+         help="Megatron's spelling of --rope-scaling-factor"),
     Flag("--add-qkv-bias", MODEL, ("GPTConfig.add_qkv_bias",), type=bool,
          help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)"),
     Flag("--qk-layernorm", MODEL, ("GPTConfig.qk_layernorm",), type=bool,
@@ -140,6 +155,14 @@ _TRAINING_ROWS = (
     Flag("--window-size", MODEL, ("GPTConfig.window_size",), type=window_size,
          help="sliding-window attention '(left, 0)': each token sees itself and the left tokens before it; "
               "None: full causal"),
+    Flag("--multi-latent-attention", MODEL, ("GPTConfig.multi_latent_attention",), type=bool,
+         help="DeepSeek's multi-latent attention (MLA)"),
+    Flag("--q-lora-rank", MODEL, ("GPTConfig.q_lora_rank",), type=int, help="MLA query latent; None: no latent"),
+    Flag("--kv-lora-rank", MODEL, ("GPTConfig.kv_lora_rank",), type=int),
+    Flag("--qk-head-dim", MODEL, ("GPTConfig.qk_head_dim",), type=int, help="MLA non-rotary query/key channels"),
+    Flag("--qk-pos-emb-head-dim", MODEL, ("GPTConfig.qk_pos_emb_head_dim",), type=int,
+         help="MLA rotary query/key channels"),
+    Flag("--v-head-dim", MODEL, ("GPTConfig.v_head_dim",), type=int),
     Flag("--init-method-std", MODEL, ("GPTConfig.init_method_std",), type=float),
     Flag("--make-vocab-size-divisible-by", MODEL, ("GPTConfig.make_vocab_size_divisible_by",), type=int),
     Flag("--recompute-granularity", MODEL, ("GPTConfig.recompute_granularity",), choices=("full", "selective")),
@@ -161,6 +184,13 @@ _TRAINING_ROWS = (
          help="None: no shared expert"),
     Flag("--moe-shared-expert-gate", MOE, ("MoEConfig.shared_expert_gate",), type=bool,
          help="scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE)"),
+    Flag("--moe-router-score-function", MOE, ("MoEConfig.score_function",), choices=("softmax", "sigmoid")),
+    Flag("--moe-router-enable-expert-bias", MOE, ("MoEConfig.enable_expert_bias",), type=bool,
+         help="aux-loss-free balancing: a per-expert selection bias moved toward equal load after each step"),
+    Flag("--moe-router-bias-update-rate", MOE, ("MoEConfig.bias_update_rate",), type=float),
+    Flag("--moe-router-topk-scaling-factor", MOE, ("MoEConfig.routed_scaling_factor",), type=float),
+    Flag("--moe-router-num-groups", MOE, ("MoEConfig.num_groups",), type=int, help="group-limited routing"),
+    Flag("--moe-router-group-topk", MOE, ("MoEConfig.group_topk",), type=int),
     Flag("--moe-aux-loss-coeff", MOE, ("MoEConfig.aux_loss_coeff",), type=float),
     Flag("--moe-z-loss-coeff", MOE, ("MoEConfig.z_loss_coeff",), type=float),
     Flag("--moe-expert-capacity-factor", MOE, ("MoEConfig.capacity_factor",), type=float),

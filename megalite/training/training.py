@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint import AsyncSaver
 from megalite.distributed import finalize_model_grads
-from megalite.moe import router_statistics, set_aux_loss_scale
+from megalite.moe import router_statistics, set_aux_loss_scale, update_expert_bias
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
 from megalite.training.arguments import lr_schedule_settings
 from megalite.training.batch_ramp import batch_ramp
@@ -162,6 +162,7 @@ class Trainer:
             for chunk in self.chunks:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False, num_microbatches=num_microbatches)
+        update_expert_bias(self.chunks, self.topo.dp.group)
         lr = self.scheduler.get_lr()
         grads = [grad for chunk in self.trained for grad in chunk.grad_tensors()]
         if not self.nan_guard.check(iteration, metrics.get(LOSS_METRIC), grads):

@@ -75,14 +75,18 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
                "untie_embeddings_and_output_weights": True, "moe_layer_freq": 2, "rotary_interleaved": True,
                "rope_scaling": "llama3", "rope_scaling_factor": 4.0, "rope_low_freq_factor": 2.0,
                "rope_high_freq_factor": 8.0, "rope_original_max_position_embeddings": 32, "yarn_beta_fast": 16.0,
-               "yarn_beta_slow": 2.0, "yarn_attention_factor": 1.5, "yarn_truncate": False, "add_qkv_bias": True,
-               "qk_layernorm": True, "window_size": 3}
+               "yarn_beta_slow": 2.0, "yarn_attention_factor": 1.5, "yarn_truncate": False, "yarn_mscale": 0.7,
+               "yarn_mscale_all_dim": 0.7, "add_qkv_bias": True, "qk_layernorm": True, "window_size": 3,
+               "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_head_dim": 4,
+               "qk_pos_emb_head_dim": 2, "v_head_dim": 4}
     assert sorted(changed) == sorted(ARCHITECTURE_FIELDS)
     for name, value in changed.items():
         assert compare_architecture(base, GPTConfig(**{**vars(base), name: value})) == [
             Difference(name, getattr(base, name), value)]
     moe_changed = {"num_experts": 8, "ffn_hidden_size": 32, "topk": 1, "activation": "swiglu", "add_bias": True,
-                   "pre_softmax": True, "shared_expert_intermediate_size": 8, "shared_expert_gate": True}
+                   "pre_softmax": True, "shared_expert_intermediate_size": 8, "shared_expert_gate": True,
+                   "score_function": "sigmoid", "enable_expert_bias": True, "routed_scaling_factor": 2.5,
+                   "num_groups": 2, "group_topk": 1}
     assert sorted(moe_changed) == sorted(MOE_ARCHITECTURE_FIELDS)
     for name, value in moe_changed.items():
         other = GPTConfig(**{**vars(base), "moe": MoEConfig(**{**vars(base.moe), name: value})})

@@ -13,7 +13,8 @@ VOCAB = 100
 def config(kind: str = "gpt2", **overrides) -> GPTConfig:
     """``gpt2``: LayerNorm, GELU, learned positions.  ``llama``: RMSNorm, SwiGLU, RoPE, GQA, no biases.
     ``llama_kv``: llama with a head dimension other than hidden/heads, RoPE on half of it, tanh GELU.
-    ``qwen``: llama with a Q/K/V-only bias, per-head q/k norms, head dim 12, interleaved YaRN RoPE."""
+    ``qwen``: llama with a Q/K/V-only bias, per-head q/k norms, head dim 12, interleaved YaRN RoPE.
+    ``mla``: llama with DeepSeek's multi-latent attention and YaRN RoPE (4x past 8 positions, mscale)."""
     base = dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                 make_vocab_size_divisible_by=8)
     if kind == "llama_kv":
@@ -27,6 +28,11 @@ def config(kind: str = "gpt2", **overrides) -> GPTConfig:
     if kind == "llama":
         base.update(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", num_query_groups=2,
                     add_bias_linear=False, ffn_hidden_size=48, norm_eps=1e-6)
+    if kind == "mla":
+        base.update(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False,
+                    ffn_hidden_size=48, norm_eps=1e-6, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12,
+                    qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_scaling="yarn", rope_scaling_factor=4.0,
+                    rope_original_max_position_embeddings=8, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
     base.update(overrides)
     return GPTConfig(**base)
 

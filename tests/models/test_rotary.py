@@ -25,6 +25,10 @@ ROPE_CASES = {
                          {"rope_scaling": "yarn", "rope_scaling_factor": 2.0,
                           "rope_original_max_position_embeddings": 32, "yarn_beta_fast": 16.0,
                           "yarn_beta_slow": 2.0, "yarn_truncate": False, "yarn_attention_factor": 1.3}),
+    "yarn_mscale": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.9,
+                     "mscale_all_dim": 0.7},
+                    {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_position_embeddings": 64,
+                     "yarn_mscale": 0.9, "yarn_mscale_all_dim": 0.7}),
 }
 
 
@@ -47,6 +51,29 @@ def test_scaled_frequencies_equal_transformers(case):
     angles = torch.cat([angles, angles], -1)
     torch.testing.assert_close(cos, angles.cos() * expected_scale, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, angles.sin() * expected_scale, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mscales", [{"mscale": 0.9, "mscale_all_dim": 0.7}, {"mscale": 0.7}, {"mscale_all_dim": 0.7},
+                                     {"mscale": 1.0, "mscale_all_dim": 1.0}])
+def test_yarn_mscale_keys_read_as_transformers_computes_them(mscales):
+    """DeepSeek's mscale/mscale_all_dim (transformers takes their ratio only when both are non-zero) read
+    through the one HF RoPE reader give transformers' tables, and write back to the same keys."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megalite.checkpoint.hf.rope import rope_config, rope_fields
+
+    rope = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            **mscales}
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=64, max_position_embeddings=256,
+                                  rope_parameters=dict(rope))
+    expected, expected_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    config = _config(**{k: v for k, v in rope_fields({"rope_parameters": rope}).items() if k != "rotary_base"})
+    inv_freq, scale = inverse_frequencies(config)
+    assert torch.equal(inv_freq, expected.float())
+    assert scale == pytest.approx(expected_scale, rel=1e-12)
+    written = rope_config(config, {"rope_parameters": rope})["rope_parameters"]
+    assert {k: written[k] for k in mscales} == mscales
 
 
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])

@@ -122,6 +122,23 @@ def test_moe_routing_flags_and_layer_pattern_take_megatrons_forms():
         parse_args(["--moe-layer-freq", "[1,a]"])
 
 
+def test_megatrons_yarn_spellings_set_the_one_set_of_rope_fields():
+    """--rope-type/--rotary-scaling-factor (Megatron's MLA spelling) and --rope-scaling-type/--rope-scaling-factor
+    name the same GPTConfig fields; a spelling not given leaves the other's value alone."""
+    def rope(*argv):
+        cfg = gpt_config(parse_args([*argv, "--vocab-size", "64"]))
+        return cfg.rope_scaling, cfg.rope_scaling_factor, cfg.yarn_mscale, cfg.yarn_mscale_all_dim
+
+    default_factor = GPTConfig.rope_scaling_factor
+    assert rope() == (None, default_factor, 1.0, 0.0)
+    assert rope("--rope-type", "yarn", "--rotary-scaling-factor", "4", "--mscale", "0.9", "--mscale-all-dim",
+                "0.7") == ("yarn", 4.0, 0.9, 0.7)
+    assert rope("--rope-scaling-type", "yarn", "--rope-scaling-factor", "4") == ("yarn", 4.0, 1.0, 0.0)
+    assert rope("--rope-scaling-type", "llama3", "--rope-type", "rope")[0] == "llama3"
+    with pytest.raises(ValueError, match="--rope-type: invalid choice: 'llama3'"):
+        parse_args(["--rope-type", "llama3"])
+
+
 def test_window_size_takes_megatrons_tuple_or_the_left_size():
     assert [parse_args(["--window-size", text]).window_size for text in ("4", "(4, 0)", "(-1, 0)")] == [4, 4, None]
     assert gpt_config(parse_args(["--window-size", "(7,0)", "--vocab-size", "64"])).window_size == 7

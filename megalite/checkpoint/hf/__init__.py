@@ -2,7 +2,8 @@
 
 Families: GPT-2 (:mod:`.gpt2`) and the Llama-style decoders Llama (RoPE scaling included),
 Mistral (sliding window), Qwen2/2.5, Qwen3 and the MoE families Mixtral, Qwen2-MoE, Qwen3-MoE
-(:mod:`.llama`, RoPE settings in :mod:`.rope`, MoE blocks in :mod:`megalite.moe.hf`).  :mod:`.files` reads
+(:mod:`.llama`), and DeepSeek-V3 (:mod:`.deepseek`: multi-latent attention, YaRN, sigmoid routing); RoPE
+settings in :mod:`.rope`, MoE blocks in :mod:`megalite.moe.hf`.  :mod:`.files` reads
 and writes model directories (lazy sharded safetensors), :mod:`.convert` runs whole conversions.
 """
 

@@ -16,14 +16,14 @@ import torch
 
 from megalite.checkpoint import CheckpointReader, global_shapes, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
-from megalite.checkpoint.hf import gpt2, llama
+from megalite.checkpoint.hf import deepseek, gpt2, llama
 from megalite.checkpoint.hf.files import (GENERATION_CONFIG, open_hf_tensors, parse_size, read_generation_config,
                                           read_hf_config, tokenizer_files, write_hf_tensors, write_json)
 from megalite.checkpoint.tokenizer_export import run_tokenizer, write_tokenizer
 
 TOKENIZER_DIR = "hf_tokenizer"
 """Folder of a converted checkpoint (beside its iteration folders) holding the Hugging Face tokenizer files."""
-FAMILIES = ("gpt2", *llama.FAMILIES)
+FAMILIES = ("gpt2", *llama.FAMILIES, deepseek.FAMILY)
 
 
 def hf_config_to_gpt(hf_config: dict):
@@ -33,6 +33,8 @@ def hf_config_to_gpt(hf_config: dict):
         return gpt2.config_from_hf(hf_config)
     if kind in llama.FAMILIES:
         return llama.config_from_hf(hf_config)
+    if kind == deepseek.FAMILY:
+        return deepseek.config_from_hf(hf_config)
     raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
 
 
@@ -44,6 +46,8 @@ def hf_to_megalite(hf_config: dict, tensors) -> tuple[object, dict, dict]:
         config, out, info = gpt2.to_megalite(hf_config, tensors)
     elif kind in llama.FAMILIES:
         config, out, info = llama.to_megalite(hf_config, tensors)
+    elif kind == deepseek.FAMILY:
+        config, out, info = deepseek.to_megalite(hf_config, tensors)
     else:
         raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
     return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
@@ -51,6 +55,8 @@ def hf_to_megalite(hf_config: dict, tensors) -> tuple[object, dict, dict]:
 
 def hf_family(config) -> str:
     """The Hugging Face model_type a megalite architecture exports as (ValueError when none fits)."""
+    if config.multi_latent_attention:
+        return deepseek.FAMILY
     if config.moe is None and config.window_size is None and gpt2.matches(config):
         return "gpt2"
     family = llama.family_of(config)
@@ -75,7 +81,7 @@ def _family(config, base: dict) -> str:
 
 
 def default_prefix(family: str) -> str:
-    return gpt2.PREFIX if family == "gpt2" else llama.PREFIX
+    return {"gpt2": gpt2.PREFIX, deepseek.FAMILY: deepseek.PREFIX}.get(family, llama.PREFIX)
 
 
 def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str | None = None
@@ -88,6 +94,8 @@ def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str |
     pre = default_prefix(family) if prefix is None else prefix
     if family == "gpt2":
         return gpt2.tensor_to_hf(config, name, tensor, pre)
+    if family == deepseek.FAMILY:
+        return deepseek.tensor_to_hf(name, tensor, pre)
     return llama.tensor_to_hf(config, name, tensor, pre, family)
 
 
@@ -97,7 +105,12 @@ def _hf_config(config, info: dict) -> tuple[dict, str]:
     family = _family(config, base)
     if base.get("model_type", family) != family:
         base = {}
-    hf = gpt2.hf_config(config, base) if family == "gpt2" else llama.hf_config(config, base, family)
+    if family == "gpt2":
+        hf = gpt2.hf_config(config, base)
+    elif family == deepseek.FAMILY:
+        hf = deepseek.hf_config(config, base)
+    else:
+        hf = llama.hf_config(config, base, family)
     return hf, info.get("prefix", default_prefix(family))
 
 

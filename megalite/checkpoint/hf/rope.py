@@ -3,11 +3,15 @@
 transformers 5 writes ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling keys);
 transformers 4 wrote ``rope_theta`` beside a ``rope_scaling`` dict (``rope_type`` or ``type``) or
 null.  Both are read; a config is written back in the form it came in, with the keys it had
-(a fresh export uses ``rope_parameters``).  A scaling megalite cannot compute (``dynamic``,
-``longrope``, YaRN with DeepSeek's ``mscale``) is an error naming the field.
+(a fresh export uses ``rope_parameters``).  YaRN's ``mscale``/``mscale_all_dim`` (DeepSeek) are
+``yarn_mscale``/``yarn_mscale_all_dim``; transformers uses their ratio only when both are non-zero (else
+``0.1 ln(factor) + 1``), so a config with just one of them is read with that scale as ``yarn_attention_factor``.
+A scaling megalite cannot compute (``dynamic``, ``longrope``) is an error naming the field.
 """
 
 from __future__ import annotations
+
+from megalite.models.rotary import yarn_mscale
 
 SCALING_KEYS = {
     # HF key: (GPTConfig field, the value a config without the key means)
@@ -19,11 +23,13 @@ SCALING_KEYS = {
     "beta_slow": ("yarn_beta_slow", 1.0),
     "attention_factor": ("yarn_attention_factor", None),
     "truncate": ("yarn_truncate", True),
+    "mscale": ("yarn_mscale", 1.0),
+    "mscale_all_dim": ("yarn_mscale_all_dim", 0.0),
 }
 _KEYS_OF = {"default": (), "linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
             "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                     "truncate")}
+                     "truncate", "mscale", "mscale_all_dim")}
 _IGNORED = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
@@ -58,6 +64,9 @@ def rope_fields(hf: dict) -> dict:
         if value is None and key != "attention_factor":
             raise ValueError(f"{where}.{key} is required with rope_type {kind!r}")
         fields[field] = value
+    if kind == "yarn" and rope.get("attention_factor") is None and ("mscale" in rope or "mscale_all_dim" in rope) \
+            and not (rope.get("mscale") and rope.get("mscale_all_dim")):
+        fields["yarn_attention_factor"] = yarn_mscale(fields["rope_scaling_factor"], 1.0)
     return fields
 
 
