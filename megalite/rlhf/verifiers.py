@@ -1,0 +1,150 @@
+"""Verifiable rewards: check a response's answer (math, exact match) or run its code against tests.
+
+Each check returns a :class:`Verdict`, a reward of 1.0 or 0.0 and the reason, so a run can log why a response
+scored 0.  Math answers are compared by ``math-verify`` (the optional ``verify`` extra), which parses LaTeX and
+plain expressions and decides equivalence symbolically (``1/2``, ``0.5`` and ``\\frac{1}{2}`` are one answer).
+Code runs in a separate Python process with a wall-clock and CPU time limit, an address-space limit
+(``resource.setrlimit``), no core files, and no network: the child first tries to enter fresh user and network
+namespaces (Linux ``unshare``, where unprivileged user namespaces are enabled: then no interface but a down
+loopback exists) and, either way, replaces ``socket.socket`` with one that refuses (best effort only: code that
+loads its own socket via ``ctypes`` passes that guard).  This is a grader for the model's own outputs, not a
+sandbox for hostile code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+
+class Verdict(NamedTuple):
+    """A verifier's reward (1.0 or 0.0) and why."""
+
+    reward: float
+    reason: str
+
+
+def boxed_answer(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None when there is none
+    or it is not closed."""
+    if not isinstance(text, str):
+        raise ValueError(f"the text to extract a \\boxed{{}} answer from must be a string, got {type(text).__name__}")
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i].strip()
+            depth -= 1
+    return None
+
+
+def _check_strings(response: str, answer: str) -> None:
+    for name, value in (("response", response), ("answer", answer)):
+        if not isinstance(value, str):
+            raise ValueError(f"the {name} to verify must be a string, got {type(value).__name__}")
+    if not answer.strip():
+        raise ValueError("the reference answer is empty")
+
+
+def check_exact(response: str, answer: str) -> Verdict:
+    """1 when the response's answer (its last ``\\boxed{}`` if it has one, else the whole response), with
+    whitespace runs collapsed, equals ``answer`` the same way."""
+    _check_strings(response, answer)
+    boxed = boxed_answer(response)
+    given = " ".join((response if boxed is None else boxed).split())
+    if given == " ".join(answer.split()):
+        return Verdict(1.0, "exact match")
+    return Verdict(0.0, f"answer {given[:80]!r} is not {answer!r}")
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise ImportError("math answers are checked with math-verify: pip install math-verify "
+                          "(or megalite's extra: pip install 'megalite[verify]')") from None
+    return math_verify
+
+
+def check_math(response: str, answer: str) -> Verdict:
+    """1 when math-verify finds the response's answer (a ``\\boxed{}`` one first, else the last expression it
+    finds) equivalent to ``answer`` (plain or LaTeX, e.g. ``0.5`` or ``\\frac{1}{2}``).  A ValueError when
+    math-verify cannot read ``answer`` itself: a reference that cannot be parsed would score every response 0."""
+    _check_strings(response, answer)
+    math_verify = _math_verify()
+    gold = math_verify.parse(f"\\boxed{{{answer}}}")
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    given = math_verify.parse(response)
+    if not given:
+        return Verdict(0.0, "no answer found in the response")
+    if math_verify.verify(gold, given):
+        return Verdict(1.0, f"{given[-1]} equals {answer}")
+    return Verdict(0.0, f"{given[-1]} is not {answer}")
+
+
+_LAUNCHER = r"""
+import ctypes, resource, socket, sys
+seconds, memory = int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+try:
+    ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
+except Exception:
+    pass
+class _NoNetwork(socket.socket):
+    def __init__(self, *args, **kwargs):
+        raise OSError("network access is disabled while verifying code")
+socket.socket = _NoNetwork
+sys.argv = sys.argv[1:2]
+with open(sys.argv[0]) as file:
+    code = compile(file.read(), sys.argv[0], "exec")
+exec(code, {"__name__": "__main__"})
+"""
+
+
+def check_code(program: str, tests: str, time_limit: float = 5.0, memory_mb: int = 512) -> Verdict:
+    """1 when ``program`` followed by ``tests`` (Python source, e.g. ``assert`` lines) exits 0 in a fresh
+    interpreter within ``time_limit`` seconds (wall clock; CPU time is limited the same) and ``memory_mb`` MiB
+    of address space; 0 with the reason (failed assertion or other error, timeout, killed by a signal) else."""
+    for name, value in (("program", program), ("tests", tests)):
+        if not isinstance(value, str):
+            raise ValueError(f"the {name} to run must be a string, got {type(value).__name__}")
+    if not tests.strip():
+        raise ValueError("no tests to run the program against: a program with no tests would always pass")
+    if not time_limit > 0:
+        raise ValueError(f"the time limit must be positive, got {time_limit}")
+    if not (isinstance(memory_mb, int) and memory_mb >= 64):
+        raise ValueError(f"the memory limit must be an integer of at least 64 MiB (Python's own start), got {memory_mb}")
+    with tempfile.TemporaryDirectory(prefix="megalite-verify-") as folder:
+        path = os.path.join(folder, "solution.py")
+        with open(path, "w") as file:
+            file.write(program + "\n\n" + tests + "\n")
+        command = [sys.executable, "-I", "-c", _LAUNCHER, path, str(max(1, int(time_limit + 0.999))),
+                   str(memory_mb << 20)]
+        process = subprocess.Popen(command, cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, start_new_session=True, env={"PATH": os.defpath})
+        try:
+            _, err = process.communicate(timeout=time_limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return Verdict(0.0, f"timed out after {time_limit:g} s")
+    if process.returncode == 0:
+        return Verdict(1.0, "all tests passed")
+    if process.returncode < 0:
+        name = signal.Signals(-process.returncode).name
+        cause = " (CPU time limit)" if name == "SIGXCPU" else ""
+        return Verdict(0.0, f"killed by {name}{cause}")
+    lines = err.decode(errors="replace").strip().splitlines()
+    return Verdict(0.0, f"exit {process.returncode}: {lines[-1] if lines else 'no error output'}")
