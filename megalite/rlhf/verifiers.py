@@ -9,6 +9,9 @@ namespaces (Linux ``unshare``, where unprivileged user namespaces are enabled: t
 loopback exists) and, either way, replaces ``socket.socket`` with one that refuses (best effort only: code that
 loads its own socket via ``ctypes`` passes that guard).  This is a grader for the model's own outputs, not a
 sandbox for hostile code.
+
+For the RL trainer, :func:`math_reward` is a ``--reward-fn`` (``megalite.rlhf.verifiers:math_reward``) and
+:func:`answer_reward` turns ``prompt``/``answer`` records (``megalite.rlhf.math_task.read_answers``) into one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import NamedTuple
+import threading
+from typing import Callable, NamedTuple
+
+from megalite.data.synthetic import arithmetic_answer
 
 
 class Verdict(NamedTuple):
@@ -66,6 +72,10 @@ def check_exact(response: str, answer: str) -> Verdict:
     return Verdict(0.0, f"answer {given[:80]!r} is not {answer!r}")
 
 
+MATH_TIMEOUT_S = 5
+"""Seconds math-verify may spend parsing, and comparing, one answer (its own default), on the main thread."""
+
+
 def _math_verify():
     try:
         import math_verify
@@ -81,15 +91,41 @@ def check_math(response: str, answer: str) -> Verdict:
     math-verify cannot read ``answer`` itself: a reference that cannot be parsed would score every response 0."""
     _check_strings(response, answer)
     math_verify = _math_verify()
-    gold = math_verify.parse(f"\\boxed{{{answer}}}")
+    # math-verify bounds its parsing and comparison with signal.alarm, which only the main thread may set (it
+    # refuses elsewhere); off the main thread (a scoring server's serving thread) the checks run unbounded
+    limit = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=limit)
     if not gold:
         raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
-    given = math_verify.parse(response)
+    given = math_verify.parse(response, parsing_timeout=limit)
     if not given:
         return Verdict(0.0, "no answer found in the response")
-    if math_verify.verify(gold, given):
+    if math_verify.verify(gold, given, timeout_seconds=limit):
         return Verdict(1.0, f"{given[-1]} equals {answer}")
     return Verdict(0.0, f"{given[-1]} is not {answer}")
+
+
+def math_reward(prompt: str, response: str) -> float:
+    """The RL trainer's "a+b=" task scored by :func:`check_math`: any form equivalent to the sum (``7``,
+    ``7.0``, ``\\boxed{7}``) earns 1, where the default ``arithmetic_reward`` wants the digits exactly."""
+    return check_math(response, arithmetic_answer(prompt)).reward
+
+
+def answer_reward(records: list[dict], check: Callable[[str, str], Verdict] = check_math
+                  ) -> Callable[[str, str], float]:
+    """A ``(prompt, response) -> float`` reward that scores a response with ``check`` against its prompt's
+    ``answer`` in ``records``; a ValueError for a prompt given two answers, or scored without one."""
+    answers: dict[str, str] = {}
+    for record in records:
+        prompt, answer = record["prompt"], record["answer"]
+        if answers.setdefault(prompt, answer) != answer:
+            raise ValueError(f"prompt {prompt[:60]!r} has two answers, {answers[prompt]!r} and {answer!r}")
+
+    def reward(prompt: str, response: str) -> float:
+        if prompt not in answers:
+            raise ValueError(f"no answer for prompt {prompt[:60]!r} among the {len(answers)} records")
+        return check(response, answers[prompt]).reward
+    return reward
 
 
 _LAUNCHER = r"""

@@ -1,10 +1,11 @@
 """Verifiable rewards: math answers as math-verify decides, exact match, \\boxed{} extraction, code under limits."""
 
 import sys
+import threading
 
 import pytest
 
-from megalite.rlhf.verifiers import Verdict, boxed_answer, check_code, check_exact, check_math
+from megalite.rlhf.verifiers import Verdict, answer_reward, boxed_answer, check_code, check_exact, check_math
 
 
 def test_boxed_answer_takes_the_last_balanced_box():
@@ -69,3 +70,41 @@ def test_code_timeout_memory_blowup_and_crash_score_zero_with_the_reason():
 def test_code_has_no_network():
     verdict = check_code("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", "pass")
     assert verdict == Verdict(0.0, "exit 1: OSError: network access is disabled while verifying code")
+
+
+def test_math_reward_is_a_reward_fn_for_the_rl_trainer():
+    pytest.importorskip("math_verify")
+    from megalite.rlhf.scoring import score_batches
+    from megalite.rlhf.trainer_config import parse_args, validate
+    args = parse_args(["--reward-fn", "megalite.rlhf.verifiers:math_reward", "--tensor-model-parallel-size", "1",
+                       "--global-batch-size", "4", "--micro-batch-size", "4"])
+    validate(args, 1)
+    [scores] = score_batches(args.reward, [(["3+4=", "3+4=", "3+4=", "9+9="], ["7", "7.0", "8", "\\boxed{18}"])])
+    assert scores.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_answer_reward_scores_by_the_prompts_answer(tmp_path):
+    pytest.importorskip("math_verify")
+    from megalite.rlhf.math_task import math_problems, read_answers, write_math_task
+    path = tmp_path / "math.jsonl"
+    write_math_task(str(path), 5, seed=2)
+    reward = answer_reward(read_answers(str(path)))
+    for record in math_problems(5, seed=2):
+        assert reward(record["prompt"], record["completion"]) == 1.0
+        assert reward(record["prompt"], "\\boxed{-1}") == 0.0
+    exact = answer_reward([{"prompt": "half?", "answer": "1/2"}], check=check_exact)
+    assert exact("half?", "\\boxed{1/2}") == 1.0 and exact("half?", "0.5") == 0.0
+    with pytest.raises(ValueError, match="no answer for prompt 'other\\?' among the 1 records"):
+        exact("other?", "1")
+    with pytest.raises(ValueError, match="has two answers, '1' and '2'"):
+        answer_reward([{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "2"}])
+
+
+def test_math_checks_run_off_the_main_thread():
+    """A scoring server calls the reward on its serving thread, where math-verify's signal.alarm is refused."""
+    pytest.importorskip("math_verify")
+    verdicts = []
+    thread = threading.Thread(target=lambda: verdicts.append(check_math("\\boxed{0.5}", "1/2")))
+    thread.start()
+    thread.join(timeout=60)
+    assert [v.reward for v in verdicts] == [1.0]
