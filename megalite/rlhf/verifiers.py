@@ -129,30 +129,43 @@ def answer_reward(records: list[dict], check: Callable[[str, str], Verdict] = ch
 
 
 _LAUNCHER = r"""
-import ctypes, resource, socket, sys
-seconds, memory = int(sys.argv[2]), int(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-try:
-    ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
-except Exception:
-    pass
-class _NoNetwork(socket.socket):
-    def __init__(self, *args, **kwargs):
-        raise OSError("network access is disabled while verifying code")
-socket.socket = _NoNetwork
-sys.argv = sys.argv[1:2]
-with open(sys.argv[0]) as file:
-    code = compile(file.read(), sys.argv[0], "exec")
-exec(code, {"__name__": "__main__"})
+import ctypes, os, resource, socket, sys
+def main():
+    token = sys.stdin.buffer.read()
+    path, seconds, memory, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
+    except Exception:
+        pass
+    class NoNetwork(socket.socket):
+        def __init__(self, *args, **kwargs):
+            raise OSError("network access is disabled while verifying code")
+    socket.socket = NoNetwork
+    sys.argv = [path]
+    with open(path) as file:
+        code = compile(file.read(), path, "exec")
+    try:
+        exec(code, {"__name__": "__main__"})
+    except SystemExit as stop:
+        raise SystemExit(f"SystemExit({stop.code!r}) before the tests finished")
+    sys.stdout.flush()
+    os.write(1, token)
+main()
 """
+OUTPUT_LIMIT = 16 << 20
+"""Bytes a checked program may write to a file (its stdout and stderr are files too)."""
 
 
 def check_code(program: str, tests: str, time_limit: float = 5.0, memory_mb: int = 512) -> Verdict:
-    """1 when ``program`` followed by ``tests`` (Python source, e.g. ``assert`` lines) exits 0 in a fresh
-    interpreter within ``time_limit`` seconds (wall clock; CPU time is limited the same) and ``memory_mb`` MiB
-    of address space; 0 with the reason (failed assertion or other error, timeout, killed by a signal) else."""
+    """1 when ``program`` followed by ``tests`` (Python statements that raise on failure, e.g. ``assert``
+    lines) runs to the end in a fresh interpreter within ``time_limit`` seconds (wall clock; CPU time is limited
+    the same) and ``memory_mb`` MiB of address space; 0 with the reason (failed assertion or other error,
+    timeout, killed by a signal) else.  Exit status 0 alone is not a pass: the launcher writes a random token
+    to stdout after the tests, so a program that exits early (``sys.exit(0)``, ``os._exit(0)``) fails."""
     for name, value in (("program", program), ("tests", tests)):
         if not isinstance(value, str):
             raise ValueError(f"the {name} to run must be a string, got {type(value).__name__}")
@@ -162,25 +175,37 @@ def check_code(program: str, tests: str, time_limit: float = 5.0, memory_mb: int
         raise ValueError(f"the time limit must be positive, got {time_limit}")
     if not (isinstance(memory_mb, int) and memory_mb >= 64):
         raise ValueError(f"the memory limit must be an integer of at least 64 MiB (Python's own start), got {memory_mb}")
+    token = os.urandom(16).hex().encode()
     with tempfile.TemporaryDirectory(prefix="megalite-verify-") as folder:
         path = os.path.join(folder, "solution.py")
         with open(path, "w") as file:
             file.write(program + "\n\n" + tests + "\n")
         command = [sys.executable, "-I", "-c", _LAUNCHER, path, str(max(1, int(time_limit + 0.999))),
-                   str(memory_mb << 20)]
-        process = subprocess.Popen(command, cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, start_new_session=True, env={"PATH": os.defpath})
-        try:
-            _, err = process.communicate(timeout=time_limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return Verdict(0.0, f"timed out after {time_limit:g} s")
-    if process.returncode == 0:
+                   str(memory_mb << 20), str(OUTPUT_LIMIT)]
+        with open(os.path.join(folder, "out"), "w+b") as out, open(os.path.join(folder, "err"), "w+b") as err:
+            process = subprocess.Popen(command, cwd=folder, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                       start_new_session=True, env={"PATH": os.defpath})
+            try:
+                process.communicate(input=token, timeout=time_limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                return Verdict(0.0, f"timed out after {time_limit:g} s")
+            finished = _tail(out, len(token)) == token
+            error = _tail(err, 4096).decode(errors="replace").strip().splitlines()
+    if process.returncode == 0 and finished:
         return Verdict(1.0, "all tests passed")
+    if process.returncode == 0:
+        return Verdict(0.0, "exit 0 before the tests finished")
     if process.returncode < 0:
         name = signal.Signals(-process.returncode).name
         cause = " (CPU time limit)" if name == "SIGXCPU" else ""
         return Verdict(0.0, f"killed by {name}{cause}")
-    lines = err.decode(errors="replace").strip().splitlines()
-    return Verdict(0.0, f"exit {process.returncode}: {lines[-1] if lines else 'no error output'}")
+    return Verdict(0.0, f"exit {process.returncode}: {error[-1][:200] if error else 'no error output'}")
+
+
+def _tail(file, size: int) -> bytes:
+    """The last ``size`` bytes of an open binary file."""
+    file.seek(0, os.SEEK_END)
+    file.seek(max(0, file.tell() - size))
+    return file.read()

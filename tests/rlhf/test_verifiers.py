@@ -65,6 +65,8 @@ def test_code_timeout_memory_blowup_and_crash_score_zero_with_the_reason():
     assert check_code("import time\ntime.sleep(30)", "pass", time_limit=1) == Verdict(0.0, "timed out after 1 s")
     assert check_code("x = bytearray(4 << 30)", "pass", memory_mb=256) == Verdict(0.0, "exit 1: MemoryError")
     assert check_code("import ctypes\nctypes.string_at(0)", "pass") == Verdict(0.0, "killed by SIGSEGV")
+    flood = Verdict(0.0, "exit 1: OSError: [Errno 27] File too large")  # output is capped at OUTPUT_LIMIT
+    assert check_code("import sys\nsys.stdout.write('x' * (32 << 20))", "pass") == flood
 
 
 def test_code_has_no_network():
@@ -108,3 +110,12 @@ def test_math_checks_run_off_the_main_thread():
     thread.start()
     thread.join(timeout=60)
     assert [v.reward for v in verdicts] == [1.0]
+
+
+def test_code_that_exits_before_its_tests_scores_zero():
+    """Exit status 0 is not a pass: a program that stops before the tests (a reward hack) fails."""
+    tests = "assert False"
+    assert check_code("import sys\nsys.exit(0)", tests) == \
+        Verdict(0.0, "exit 1: SystemExit(0) before the tests finished")
+    assert check_code("import os\nos._exit(0)", tests) == Verdict(0.0, "exit 0 before the tests finished")
+    assert check_code("print('all tests passed')", "print('ok')") == Verdict(1.0, "all tests passed")
