@@ -20,6 +20,7 @@ OPTIONAL = {
     "grammar": ["llguidance>=1.0"],  # structured output (megalite/inference/grammar.py says why llguidance)
     "ray": ["ray>=2.0"],
     "wandb": ["wandb"],  # --wandb-project
+    "verify": ["math-verify"],  # math answers' rewards (megalite/rlhf/verifiers.py)
 }
 """Optional extras, with lower bounds (not pins) where megalite needs an API."""
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core", "openai>=1.0", "requests"]

@@ -1,0 +1,76 @@
+"""The shipped math task: deterministic from its seed, right worked steps, answers that verify."""
+
+import json
+import re
+from fractions import Fraction
+
+import pytest
+
+from megalite.rlhf.math_task import main, math_problem, math_problems, read_answers, write_math_task
+from megalite.rlhf.verifiers import boxed_answer, check_exact
+
+STEP = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (\d+(?:\.\d+)?)")
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+
+
+def test_problems_are_deterministic_per_seed_and_index():
+    first = math_problems(40, seed=3)
+    assert first == math_problems(40, seed=3)
+    assert first[:10] == math_problems(10, seed=3)  # problem i does not depend on the count
+    assert math_problem(3, 17) == first[17]
+    other = math_problems(40, seed=4)
+    assert sum(a["prompt"] != b["prompt"] for a, b in zip(first, other)) >= 35
+    assert len({p["prompt"] for p in first}) == 40
+    # the set is pinned: a change to the generators shows here (str seeds hash the same on every machine)
+    assert math_problem(0, 0) == {
+        "prompt": "A farm collects 482 eggs and packs them into boxes of 12. Each full box sells for 6 dollars. How many "
+                  "dollars does the farm get for its full boxes? Put the final answer in \\boxed{}.",
+        "completion": "482 - 2 = 480 eggs in full boxes. 480 / 12 = 40 boxes. 40 * 6 = 240 dollars. "
+                      "The answer is \\boxed{240}.",
+        "answer": "240"}
+
+
+def test_worked_steps_are_right_and_every_answer_verifies():
+    pytest.importorskip("math_verify")
+    from megalite.rlhf.verifiers import check_math
+    records = math_problems(200, seed=0)
+    kinds = {record["prompt"].split()[1] for record in records}
+    assert len(kinds) == 5  # all five problem kinds are drawn
+    assert any("." in record["answer"] for record in records)  # unit conversions give decimal answers
+    for record in records:
+        steps = STEP.findall(record["completion"])
+        assert len(steps) >= 2, record  # multi-step
+        for a, op, b, c in steps:
+            assert OPS[op](Fraction(a), Fraction(b)) == Fraction(c), record
+        assert Fraction(steps[-1][3]) == Fraction(record["answer"]), record
+        assert record["prompt"].endswith("Put the final answer in \\boxed{}.")
+        assert boxed_answer(record["completion"]) == record["answer"]
+        assert check_math(record["completion"], record["answer"]).reward == 1.0, record
+        assert check_exact(record["completion"], record["answer"]).reward == 1.0, record
+
+
+def test_jsonl_round_trip_and_a_users_own_file(tmp_path):
+    path = tmp_path / "math.jsonl"
+    write_math_task(str(path), 12, seed=1)
+    assert read_answers(str(path)) == math_problems(12, seed=1)
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "source": "mine"}) + "\n\n")
+    assert read_answers(str(own)) == [{"prompt": "2+2?", "answer": "4", "source": "mine"}]
+
+
+def test_bad_task_input_is_one_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "2+2?"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: the record needs a non-empty string 'answer'"):
+        read_answers(str(bad))
+    bad.write_text("[1]\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: a record must be a JSON object"):
+        read_answers(str(bad))
+    bad.write_text("\n")
+    with pytest.raises(ValueError, match="holds no problems"):
+        read_answers(str(bad))
+    with pytest.raises(ValueError, match="positive integer"):
+        math_problems(0)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "x.jsonl"), "--count", "0"])
+    assert exit_.value.code == 2 and "--count must be positive" in capsys.readouterr().err
