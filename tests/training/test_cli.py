@@ -65,8 +65,10 @@ def _bad_inputs(tiny_data, tmp):
          "error: unrecognized arguments: --no-such-flag 3"),
         ("context-parallel", python + ["--context-parallel-size", "2"],
          "error: world size 1 is not divisible by tp*pp*cp = 1*1*2 = 2"),
-        ("finetune-without-checkpoint", python + ["--data-path", tiny_data, "--finetune", "--load", tmp],
-         f"error: --finetune needs a checkpoint, but --load {tmp} holds none"),
+        ("finetune-without-checkpoint", python + ["--data-path", tiny_data, "--finetune", "--load", f"{tmp}/none"],
+         f"error: --finetune needs a checkpoint, but --load {tmp}/none holds none"),
+        ("load-holds-no-checkpoint", python + ["--data-path", tiny_data, "--load", tmp],
+         f"error: {tmp} holds corrupt.bin"),
     ]
 
 
@@ -99,7 +101,8 @@ def _read_rank_logs(log_dir, local_rank):
 
 
 @pytest.mark.parametrize("name", ["missing-data", "corrupt-data", "vocab-too-small", "batch", "heads-tp",
-                                  "seq-max-pos", "unknown-flag", "context-parallel", "finetune-without-checkpoint"])
+                                  "seq-max-pos", "unknown-flag", "context-parallel", "finetune-without-checkpoint",
+                                  "load-holds-no-checkpoint"])
 def test_bad_input_gives_one_error_line(bad_runs, name):
     """Every rank prints exactly one line ``[rank N] error: ...`` (no prefix for one process), its only line
     when the flags or files are bad (a bad token id is found once training runs, after rank 0's start-up
