@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from megalite.models.gpt import GPTConfig
+from megalite.models.config import GPTConfig
 from megalite.moe import MoEConfig
 
 ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

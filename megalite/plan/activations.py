@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from megalite.models.gpt import GPTConfig
+from megalite.models.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 

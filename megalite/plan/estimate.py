@@ -4,7 +4,7 @@ Memory: the exact weights / gradients / optimizer bytes (:mod:`megalite.plan.mem
 micro-batch's activations (:mod:`megalite.plan.activations`) times the micro-batches in flight, plus
 one recomputed layer under full recompute; the larger of the first and last pipeline rank.
 
-Time: model FLOPs (the trainer's :func:`~megalite.models.gpt.gpt_flops_per_token`, plus what
+Time: model FLOPs (the trainer's :func:`~megalite.models.config.gpt_flops_per_token`, plus what
 recompute adds) at ``efficiency x peak``, stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed:
 TP/SP collectives (the column layer's backward all-reduce hides behind its weight-gradient GEMM),
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megalite.models.gpt import GPTConfig, gpt_flops_per_token
+from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.pipeline.timeline import analytic_bubble
 from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
                                        microbatches_in_flight)

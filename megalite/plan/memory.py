@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.models.gpt import GPTConfig
+from megalite.models.config import GPTConfig
 from megalite.plan.layout import Layout
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 

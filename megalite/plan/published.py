@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from megalite.models.gpt import GPTConfig
+from megalite.models.config import GPTConfig
 from megalite.plan.estimate import estimate
 from megalite.plan.hardware import load_hardware
 from megalite.plan.layout import Layout

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.models.config import GPTConfig
+from megalite.models.gpt import GPTModel
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 from megalite.topology import resolve_group
 

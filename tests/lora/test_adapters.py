@@ -7,7 +7,8 @@ from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.lora import LoRAConfig, apply_lora
 from megalite.lora.state import adapter_layouts, global_adapters, load_global_adapters, local_shard
-from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.models.config import GPTConfig
+from megalite.models.gpt import GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import forward_backward, split_layers
 from megalite.testing import run_distributed

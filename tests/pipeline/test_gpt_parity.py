@@ -5,7 +5,8 @@ import torch
 
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
-from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.models.config import GPTConfig
+from megalite.models.gpt import GPTModel
 from megalite.moe import set_aux_loss_scale
 from megalite.pipeline import broadcast_from_last_stage, forward_backward, split_layers
 from megalite.testing import run_distributed

@@ -5,7 +5,8 @@ import torch
 
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
-from megalite.models.gpt import GPTConfig, GPTModel
+from megalite.models.config import GPTConfig
+from megalite.models.gpt import GPTModel
 from megalite.moe import MoEConfig, set_aux_loss_scale
 from megalite.pipeline import StageMap, broadcast_from_last_stage, build_chunks, forward_backward, last_stage_rank
 from megalite.pipeline.schedules import check_schedule
