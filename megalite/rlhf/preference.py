@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from megalite.context_parallel import slice_for_rank
 from megalite.data.sft import pack
 from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
-from megalite.training.training import LOSS_METRIC
+from megalite.training.trainer import LOSS_METRIC
 
 LOSS_TYPES = ("dpo", "ipo", "simpo")
 REFERENCE_FREE = ("simpo",)

@@ -9,7 +9,6 @@ nothing hangs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import math
 
@@ -18,7 +17,6 @@ from megalite.data.gpt_dataset import parse_split
 from megalite.flags import UNSET as _UNSET
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
-from megalite.moe import MoEConfig
 from megalite.pipeline import split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp

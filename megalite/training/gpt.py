@@ -14,7 +14,7 @@ from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
 from megalite.training.flags import context_parallel_config, gpt_config
 from megalite.training.data_checks import eod_token_id
-from megalite.training.training import LOSS_METRIC
+from megalite.training.trainer import LOSS_METRIC
 
 
 def gpt_config_from_args(args) -> GPTConfig:
