@@ -64,15 +64,18 @@ def vocabulary_size(args, vocab_size: int | None = None) -> int:
     return size
 
 
+MEGATRON_LLAMA3 = {"rope_scaling": "llama3", "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                   "rope_original_max_position_embeddings": 8192}
+"""The RoPE scaling of Megatron-LM's ``--use-rope-scaling``: Llama 3's, at Megatron-Core's fixed frequency factors
+and original context (its ``RotaryEmbedding._apply_scaling`` defaults, which no flag changes); only the factor
+(``--rope-scaling-factor``) varies."""
+
+
 def _rope_scaling(args) -> dict:
-    """GPTConfig's RoPE-scaling fields of Megatron-LM's ``--use-rope-scaling``: Llama 3's scaling with factor
-    ``--rope-scaling-factor`` and Megatron-Core's fixed low/high frequency factors 1 and 4 over an original
-    context of 8192 positions (its ``RotaryEmbedding._apply_scaling`` defaults, which no flag changes)."""
+    """GPTConfig's RoPE-scaling fields of Megatron-LM's ``args`` (none without ``use_rope_scaling``)."""
     if not getattr(args, "use_rope_scaling", False):
         return {}
-    return {"rope_scaling": "llama3", "rope_scaling_factor": float(_arg(args, "rope_scaling_factor", 8.0)),
-            "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_max_position_embeddings": 8192}
+    return {**MEGATRON_LLAMA3, "rope_scaling_factor": float(_arg(args, "rope_scaling_factor", 8.0))}
 
 
 def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:

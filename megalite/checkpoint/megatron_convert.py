@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
+from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
 from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
@@ -71,9 +72,8 @@ def megatron_args(config, tp: int, iteration: int) -> dict:
 
     RoPE scaling other than Llama 3's at Megatron-Core's fixed frequency factors is a ValueError: Megatron-LM has
     no flag for it."""
-    llama3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192}
-    if config.rope_scaling is not None and (config.rope_scaling != "llama3" or any(
-            getattr(config, field) != value for field, value in llama3.items())):
+    if config.rope_scaling is not None and any(getattr(config, field) != value
+                                               for field, value in MEGATRON_LLAMA3.items()):
         raise ValueError(f"RoPE scaling {config.rope_scaling!r} at these factors has no Megatron-LM flag (its "
                          "--use-rope-scaling is Llama 3's with low/high frequency factors 1 and 4 over 8192 positions)")
     return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
