@@ -3,9 +3,9 @@
 Megatron-LM stores its parsed command line (an ``argparse.Namespace``, after ``validate_args`` filled in
 derived sizes such as ``ffn_hidden_size``, ``kv_channels`` and ``padded_vocab_size``) in every
 checkpoint.  These are Megatron's attribute names, not megalite's flags, so they are read here, once,
-for every Megatron checkpoint format.  A feature megalite's GPT cannot compute (MoE, MLA, QK norm,
-interleaved or scaled RoPE, 1p LayerNorm, squared ReLU, a QKV-only bias, sliding windows, ...) is one
-error naming the arg.
+for every Megatron checkpoint format.  QK layer norm, interleaved RoPE, a QKV-only bias and Llama-3 RoPE
+scaling map onto GPTConfig's fields of the same meaning; a feature megalite's GPT cannot compute (MoE, MLA,
+1p LayerNorm, squared ReLU, sliding windows, ...) is one error naming the arg.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from megalite.tensor_parallel import pad_vocab_size
 _UNSUPPORTED = (
     ("num_experts", "mixture-of-experts layers"),
     ("multi_latent_attention", "multi-latent attention"),
-    ("qk_layernorm", "QK layer norm"),
-    ("rotary_interleaved", "interleaved rotary embeddings"),
-    ("use_rope_scaling", "RoPE scaling"),
     ("apply_layernorm_1p", "zero-centred (1p) layer norm"),
     ("squared_relu", "squared ReLU"),
     ("apply_residual_connection_post_layernorm", "residuals taken after the layer norm"),
@@ -67,6 +64,20 @@ def vocabulary_size(args, vocab_size: int | None = None) -> int:
     return size
 
 
+MEGATRON_LLAMA3 = {"rope_scaling": "llama3", "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                   "rope_original_max_position_embeddings": 8192}
+"""The RoPE scaling of Megatron-LM's ``--use-rope-scaling``: Llama 3's, at Megatron-Core's fixed frequency factors
+and original context (its ``RotaryEmbedding._apply_scaling`` defaults, which no flag changes); only the factor
+(``--rope-scaling-factor``) varies."""
+
+
+def _rope_scaling(args) -> dict:
+    """GPTConfig's RoPE-scaling fields of Megatron-LM's ``args`` (none without ``use_rope_scaling``)."""
+    if not getattr(args, "use_rope_scaling", False):
+        return {}
+    return {**MEGATRON_LLAMA3, "rope_scaling_factor": float(_arg(args, "rope_scaling_factor", 8.0))}
+
+
 def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
     """The GPTConfig of the model Megatron-LM's ``args`` (a Namespace or a mapping) describe (``vocab_size``: see
     :func:`vocabulary_size`)."""
@@ -84,9 +95,6 @@ def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
         raise ValueError(f"the checkpoint's args.position_embedding_type={position!r}: megalite implements "
                          "learned_absolute and rope")
     bias = _arg(args, "add_bias_linear", True)
-    if getattr(args, "add_qkv_bias", False) and not bias:
-        raise ValueError("the checkpoint's args.add_qkv_bias=True without add_bias_linear (a QKV-only bias): "
-                         "megalite's GPT has biases on every linear layer or none")
     heads = args.num_attention_heads
     activation = "swiglu" if getattr(args, "swiglu", False) else "gelu_tanh" if getattr(args, "openai_gelu",
                                                                                          False) else "gelu"
@@ -97,7 +105,10 @@ def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
         kv_channels=_arg(args, "kv_channels", args.hidden_size // heads),
         max_position_embeddings=_arg(args, "max_position_embeddings", getattr(args, "seq_length", None)),
         position_embedding_type=position, rotary_base=_arg(args, "rotary_base", 10000),
-        rotary_percent=_arg(args, "rotary_percent", 1.0), normalization=_arg(args, "normalization", "LayerNorm"),
+        rotary_percent=_arg(args, "rotary_percent", 1.0),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)), **_rope_scaling(args),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)) and not bias,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), normalization=_arg(args, "normalization", "LayerNorm"),
         norm_eps=_arg(args, "norm_epsilon", 1e-5), activation=activation, add_bias_linear=bias,
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),

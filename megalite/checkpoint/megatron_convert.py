@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
+from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
 from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
@@ -67,24 +68,33 @@ def convert_megatron_to_megalite(path: str, output: str) -> None:
 
 
 def megatron_args(config, tp: int, iteration: int) -> dict:
-    """Megatron-LM's architecture arguments of ``config`` (what its ``--use-checkpoint-args`` reads back)."""
+    """Megatron-LM's architecture arguments of ``config`` (what its ``--use-checkpoint-args`` reads back).
+
+    RoPE scaling other than Llama 3's at Megatron-Core's fixed frequency factors is a ValueError: Megatron-LM has
+    no flag for it."""
+    if config.rope_scaling is not None and any(getattr(config, field) != value
+                                               for field, value in MEGATRON_LLAMA3.items()):
+        raise ValueError(f"RoPE scaling {config.rope_scaling!r} at these factors has no Megatron-LM flag (its "
+                         "--use-rope-scaling is Llama 3's with low/high frequency factors 1 and 4 over 8192 positions)")
     return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_hidden_size,
             "group_query_attention": config.num_query_groups != config.num_attention_heads,
             "num_query_groups": config.num_query_groups, "kv_channels": config.kv_channels,
             "max_position_embeddings": config.max_position_embeddings, "seq_length": config.max_position_embeddings,
             "position_embedding_type": config.position_embedding_type, "rotary_base": config.rotary_base,
-            "rotary_percent": config.rotary_percent, "normalization": config.normalization,
+            "rotary_percent": config.rotary_percent, "rotary_interleaved": config.rotary_interleaved,
+            "use_rope_scaling": config.rope_scaling is not None, "rope_scaling_factor": config.rope_scaling_factor,
+            "normalization": config.normalization,
             "norm_epsilon": config.norm_eps, "swiglu": config.activation == "swiglu",
             "squared_relu": config.activation == "squared_relu", "add_bias_linear": config.add_bias_linear,
-            "add_qkv_bias": config.add_bias_linear, "hidden_dropout": config.hidden_dropout,
+            "add_qkv_bias": config.add_bias_linear or config.add_qkv_bias, "hidden_dropout": config.hidden_dropout,
             "attention_dropout": config.attention_dropout, "init_method_std": config.init_method_std,
             "untie_embeddings_and_output_weights": config.untie_embeddings_and_output_weights,
             "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by, "vocab_size": config.vocab_size,
             "padded_vocab_size": pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp),
             "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "world_size": tp,
             "data_parallel_size": 1, "ckpt_format": "torch_dist", "iteration": iteration,
-            "qk_layernorm": False, "num_experts": None}
+            "qk_layernorm": config.qk_layernorm, "num_experts": None}
 
 
 class _MegatronSavePlanner(ShardSavePlanner):

@@ -174,7 +174,9 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     async def access_log(request, handler):
         """One line per request: id, method and path, status, tokens in and out, latency."""
         started, status = time.perf_counter(), 500
-        slot = {"id": f"cmpl-{uuid.uuid4().hex}"}
+        # OpenAI's prefixes: chat replies are ``chatcmpl-...``, text completions ``cmpl-...``
+        prefix = "chatcmpl" if request.path == "/v1/chat/completions" else "cmpl"
+        slot = {"id": f"{prefix}-{uuid.uuid4().hex}"}
         _SLOT.set(slot)
         try:
             response = await handler(request)

@@ -1,6 +1,7 @@
 """A Megatron-LM torch_dist save directory written by Megatron-Core itself, on CPU ranks (gloo).
 
-The model is Megatron-Core's GPTModel with the local layer spec (no Transformer Engine); the state dict
+The model is Megatron-Core's GPTModel with the local layer spec (no Transformer Engine) and QK layer norm
+(``--qk-layernorm``: its stacked ``q_layernorm``/``k_layernorm`` weights travel both ways); the state dict
 is what Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist`` (``args``,
 ``checkpoint_version`` 3.0, ``iteration``, the model's ``sharded_state_dict()``), saved with
 ``dist_checkpointing.save`` into ``iter_XXXXXXX/`` and published by ``latest_checkpointed_iteration.txt``.
@@ -23,7 +24,7 @@ ARGS = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_att
             position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
             norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0,
             attention_dropout=0.0, init_method_std=0.02, untie_embeddings_and_output_weights=True,
-            make_vocab_size_divisible_by=8, vocab_size=90, padded_vocab_size=96, qk_layernorm=False,
+            make_vocab_size_divisible_by=8, vocab_size=90, padded_vocab_size=96, qk_layernorm=True,
             apply_layernorm_1p=False, num_experts=None, params_dtype=torch.float32, ckpt_format="torch_dist",
             global_batch_size=4, consumed_train_samples=12)
 ITERATION = 3
@@ -60,8 +61,9 @@ def build_model(tp: int, pp: int, seed: int = 1):
         add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=a["padded_vocab_size"],
+        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a["qk_layernorm"])
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=a["qk_layernorm"])
+    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"],
                      max_sequence_length=a["max_position_embeddings"],
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),

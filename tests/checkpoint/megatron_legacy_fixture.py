@@ -7,7 +7,8 @@ Megatron-LM's legacy on-disk layout (``latest_checkpointed_iteration.txt``,
 ``optimizer``, ``rng_state``); then the forward pass runs (stage 0 sends its hidden states to stage 1 by
 point-to-point) and the last stage returns the logits gathered over TP.  The "llama" model (SwiGLU,
 grouped-query attention, RoPE, RMSNorm, untied embeddings) at tp=2 pp=2 and the "gpt3" one (GELU, biases,
-learned positions, LayerNorm, tied embeddings) at tp=2 pp=1 both have a vocabulary that Megatron pads
+learned positions, LayerNorm, tied embeddings) and "qwen3" one (QK layer norm, a QKV-only bias, interleaved
+RoPE with Llama-3 scaling) at tp=2 pp=1 all have a vocabulary that Megatron pads
 (50 -> 64 at make-vocab-size-divisible-by 8 x tp 2), so every layout rule of the legacy format is exercised.
 """
 
@@ -33,20 +34,29 @@ STYLES = {
                   add_bias_linear=False, tied=False),
     "gpt3": dict(num_query_groups=4, position_embedding_type="learned_absolute", normalization="LayerNorm",
                  swiglu=False, add_bias_linear=True, tied=True),
+    "qwen3": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, tied=False, add_qkv_bias=True, qk_layernorm=True, rotary_interleaved=True,
+                  use_rope_scaling=True, rope_scaling_factor=4.0, rotary_base=1000000),
 }
-"""The two model families of Megatron-LM's example scripts: Llama (examples/llama) and GPT-3 (examples/gpt3)."""
+"""The two model families of Megatron-LM's example scripts, Llama (examples/llama) and GPT-3 (examples/gpt3), and
+one with every attention option megalite maps: QK layer norm, a QKV-only bias, interleaved RoPE with Llama-3
+scaling (at base 1e6 two of the four head frequencies have wavelengths the scaling changes)."""
+OPTIONS = dict(add_qkv_bias=False, qk_layernorm=False, rotary_interleaved=False, use_rope_scaling=False,
+               rope_scaling_factor=8.0, rotary_base=10000)
+"""Megatron-LM's defaults of the options only the "qwen3" style sets."""
 
 
 def megatron_args(tp: int, pp: int, style: str = "llama") -> argparse.Namespace:
     """The subset of Megatron-LM's parsed ``args`` (its attribute names) that a legacy checkpoint stores."""
-    model = STYLES[style]
+    model = {**OPTIONS, **STYLES[style]}
     return argparse.Namespace(
         **ARCH, group_query_attention=model["num_query_groups"] != ARCH["num_attention_heads"],
         num_query_groups=model["num_query_groups"], position_embedding_type=model["position_embedding_type"],
-        rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False,
+        rotary_base=model["rotary_base"], rotary_percent=1.0, rotary_interleaved=model["rotary_interleaved"],
+        use_rope_scaling=model["use_rope_scaling"], rope_scaling_factor=model["rope_scaling_factor"],
         normalization=model["normalization"], norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=model["swiglu"],
-        openai_gelu=False, squared_relu=False, add_bias_linear=model["add_bias_linear"], add_qkv_bias=False,
-        qk_layernorm=False, multi_latent_attention=False, untie_embeddings_and_output_weights=not model["tied"],
+        openai_gelu=False, squared_relu=False, add_bias_linear=model["add_bias_linear"], add_qkv_bias=model["add_qkv_bias"],
+        qk_layernorm=model["qk_layernorm"], multi_latent_attention=False, untie_embeddings_and_output_weights=not model["tied"],
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
         make_vocab_size_divisible_by=DIVISIBLE_BY, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
@@ -63,23 +73,26 @@ def _build(tp: int, pp: int, style: str):
 
     parallel_state.initialize_model_parallel(tp, pp)
     torch.manual_seed(1234)  # the same master weights on every rank; each keeps its TP block (CPU initialization)
-    model = STYLES[style]
+    model = {**OPTIONS, **STYLES[style]}
     config = TransformerConfig(
         num_layers=ARCH["num_layers"], hidden_size=ARCH["hidden_size"], ffn_hidden_size=ARCH["ffn_hidden_size"],
         num_attention_heads=ARCH["num_attention_heads"], num_query_groups=model["num_query_groups"],
         kv_channels=ARCH["kv_channels"], normalization=model["normalization"], layernorm_epsilon=1e-5,
         gated_linear_unit=model["swiglu"],
         activation_func=torch.nn.functional.silu if model["swiglu"] else torch.nn.functional.gelu,
-        add_bias_linear=model["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=model["add_bias_linear"], add_qkv_bias=model["add_qkv_bias"],
+        qk_layernorm=model["qk_layernorm"], rotary_interleaved=model["rotary_interleaved"], hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.2, use_cpu_initialization=True, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False)
-    gpt = GPTModel(config, get_gpt_layer_local_spec(normalization=model["normalization"]), vocab_size=PADDED_VOCAB,
+    spec = get_gpt_layer_local_spec(normalization=model["normalization"], qk_layernorm=model["qk_layernorm"])
+    gpt = GPTModel(config, spec, vocab_size=PADDED_VOCAB,
                    max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(),
                    share_embeddings_and_output_weights=model["tied"],
-                   position_embedding_type=model["position_embedding_type"])
+                   position_embedding_type=model["position_embedding_type"], rotary_base=model["rotary_base"],
+                   rope_scaling=model["use_rope_scaling"], rope_scaling_factor=model["rope_scaling_factor"])
     # Norm weights start at ones and biases at zeros: give every replicated tensor values of its own, equal on the
     # TP ranks, and every bias values of its own (a split one per TP rank).
     with torch.no_grad():

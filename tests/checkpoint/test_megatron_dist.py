@@ -67,7 +67,8 @@ def test_load_model_equals_megatron(megatron_dir, reference):
     assert info["iteration"] == megatron_fixture.ITERATION
     config = info["config"]
     assert (config.vocab_size, config.num_layers, config.num_query_groups, config.activation,
-            config.position_embedding_type, config.normalization) == (90, 4, 2, "swiglu", "rope", "RMSNorm")
+            config.position_embedding_type, config.normalization, config.qk_layernorm) == \
+        (90, 4, 2, "swiglu", "rope", "RMSNorm", True)
     with torch.no_grad():
         logits = load_model(megatron_dir)(IDS)
     _close(logits, reference)
@@ -87,6 +88,7 @@ def test_inspect_lists_megalite_names(megatron_dir):
     assert "format: Megatron-LM torch_dist" in text and "tp=2, pp=2" in text
     assert "decoder.layers.3.mlp.linear_fc1.weight" in text and "128x32" in text
     assert "decoder.layers.0.input_layernorm.weight" in text and "embedding.word_embeddings.weight" in text
+    assert "decoder.layers.2.self_attention.k_layernorm.weight" in text  # stacked in Megatron's file
     assert "90x32" in text  # the real vocabulary, without Megatron's padding rows
 
 

@@ -3,6 +3,7 @@ pp=2, convert into megalite checkpoints whose logits equal Megatron-Core's at tp
 is one error line and exit 2 through tools/convert_checkpoint.py."""
 
 import argparse
+import dataclasses
 import importlib.util
 import io
 import os
@@ -114,6 +115,29 @@ def test_gpt3_style_biases_learned_positions_and_tied_embeddings(tmp_path, capsy
     config = read_checkpoint_info(str(tmp_path / "out"))["config"]
     assert (config.activation, config.add_bias_linear, config.position_embedding_type, config.normalization,
             config.untie_embeddings_and_output_weights) == ("gelu", True, "learned_absolute", "LayerNorm", False)
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out"))(ids)
+    assert _relative(logits, per_rank[0][..., :VOCAB]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_qk_layernorm_qkv_only_bias_and_interleaved_scaled_rope(tmp_path, capsys):
+    """Megatron-LM's --qk-layernorm, --add-qkv-bias without --add-bias-linear, --rotary-interleaved and
+    --use-rope-scaling (Llama 3's, --rope-scaling-factor 4) at tp=2 pp=1: the converted model's logits are
+    Megatron-Core's."""
+    pytest.importorskip("megatron.core")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    per_rank = run_distributed(save_and_forward, 2, str(tmp_path / "save"), ids, 2, 1, "qwen3", timeout=240)
+    status, err = _convert(capsys, tmp_path / "save", tmp_path / "out", "--allow-pickle")
+    assert status == 0, err
+    config = read_checkpoint_info(str(tmp_path / "out"))["config"]
+    assert (config.qk_layernorm, config.add_qkv_bias, config.add_bias_linear, config.rotary_interleaved,
+            config.rope_scaling, config.rope_scaling_factor, config.rotary_base) == \
+        (True, True, False, True, "llama3", 4.0, 1000000)
+    names = read_global_tensors(str(tmp_path / "out"))[1]
+    assert "decoder.layers.0.self_attention.k_layernorm.weight" in names
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
+    assert "decoder.layers.0.self_attention.linear_proj.bias" not in names
     with torch.no_grad():
         logits = load_model(str(tmp_path / "out"))(ids)
     assert _relative(logits, per_rank[0][..., :VOCAB]) <= 1e-5
@@ -259,9 +283,39 @@ def test_megatron_args_rules():
     gelu = argparse.Namespace(**{**vars(args), "swiglu": False, "openai_gelu": True})
     assert config_from_megatron_args(gelu).activation == "gelu_tanh"
     assert config_from_megatron_args(vars(args)) == config_from_megatron_args(args)  # args read as plain data
-    for name, value, what in (("num_experts", 8, "mixture-of-experts"), ("qk_layernorm", True, "QK layer norm"),
+    for name, value, what in (("num_experts", 8, "mixture-of-experts"),
                               ("position_embedding_type", "relative", "learned_absolute and rope"),
-                              ("add_qkv_bias", True, "a QKV-only bias"), ("softmax_type", "learnable", "vanilla"),
+                              ("softmax_type", "learnable", "vanilla"),
                               ("window_size", (64, 0), "sliding-window attention")):
         with pytest.raises(ValueError, match=what):
             config_from_megatron_args(argparse.Namespace(**{**vars(args), name: value}))
+
+
+def test_megatron_attention_options_map_both_ways():
+    """QK layer norm, interleaved RoPE, Llama-3 RoPE scaling and a QKV-only bias read from Megatron-LM's args, and
+    megalite -> Megatron conversion writes them back (a bias on every layer makes add_qkv_bias moot)."""
+    from megalite.checkpoint.megatron_convert import megatron_args as to_megatron
+
+    args = vars(megatron_args(2, 1))
+
+    def read(**changes):
+        return config_from_megatron_args({**args, **changes})
+
+    plain = read()
+    assert (plain.qk_layernorm, plain.rotary_interleaved, plain.rope_scaling, plain.add_qkv_bias) == \
+        (False, False, None, False)
+    assert read(qk_layernorm=True).qk_layernorm and read(rotary_interleaved=True).rotary_interleaved
+    scaled = read(use_rope_scaling=True, rope_scaling_factor=16.0)
+    assert (scaled.rope_scaling, scaled.rope_scaling_factor, scaled.rope_low_freq_factor, scaled.rope_high_freq_factor,
+            scaled.rope_original_max_position_embeddings) == ("llama3", 16.0, 1.0, 4.0, 8192)
+    assert read(use_rope_scaling=True, rope_scaling_factor=None).rope_scaling_factor == 8.0  # Megatron's default
+    qkv_only = read(add_bias_linear=False, add_qkv_bias=True)
+    assert qkv_only.add_qkv_bias and not qkv_only.add_bias_linear
+    everywhere = read(add_bias_linear=True, add_qkv_bias=True)
+    assert everywhere.add_bias_linear and not everywhere.add_qkv_bias
+    for config in (plain, scaled, qkv_only, everywhere,
+                   read(qk_layernorm=True, rotary_interleaved=True, use_rope_scaling=True, rope_scaling_factor=4.0)):
+        assert config_from_megatron_args(to_megatron(config, 2, ITERATION)) == config
+    for changes in ({"rope_scaling": "linear"}, {"rope_high_freq_factor": 2.0}):
+        with pytest.raises(ValueError, match="has no Megatron-LM flag"):
+            to_megatron(dataclasses.replace(scaled, **changes), 2, ITERATION)

@@ -71,6 +71,10 @@ def test_chat_through_the_openai_client():
         choice = reply.choices[0]
         assert choice.message.role == "assistant" and choice.message.content == offline.text
         assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 8
+        # OpenAI's id prefixes: chatcmpl- for chat, cmpl- for text completions.
+        assert reply.id.startswith("chatcmpl-") and len(reply.id) > len("chatcmpl-")
+        text_reply = client.completions.create(model="megalite", prompt=prompt, max_tokens=2, temperature=0)
+        assert text_reply.id.startswith("cmpl-")
         ids = prompt + offline.token_ids
         with torch.no_grad():
             full = model(torch.tensor([ids]))[0].float().log_softmax(-1)
@@ -85,6 +89,7 @@ def test_chat_through_the_openai_client():
         chunks = _stream(client, messages=MESSAGES, max_completion_tokens=8, temperature=0,
                          stream_options={"include_usage": True})
         assert chunks[0].choices[0].delta.role == "assistant"
+        assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-") and chunks[0].id != reply.id
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8

@@ -1,13 +1,15 @@
 """lm-evaluation-harness' ``local-completions`` model against the server, on two tiny local tasks: a
 ``generate_until`` task with stop sequences and a multiple-choice (loglikelihood: echo + prompt log-probs) task;
 and ``local-chat-completions`` (chat has no log-likelihoods) on the generation task.  Each completes with one
-scored sample per document."""
+scored sample per document; a model first trained on the multiple-choice answers scores every one of them right
+(chance is 1/3), so the log-likelihoods lm-eval gets are of the right tokens."""
 
 import json
 import math
 import os
 
 import pytest
+import torch
 
 from megalite.data.tokenizer import build_tokenizer
 from tests.data.megatron_fixture import FIXTURE_DIR
@@ -53,13 +55,32 @@ metric_list:
 }
 
 
+MC_SUMS = [(2, 3), (4, 1), (5, 2), (1, 1)]
+"""The multiple-choice task's questions ``a+b=``; its choices are ``a+b`` (the answer), ``a+b+1`` and ``a*b+3``."""
+
+
+def _train_on_answers(model, tokenizer, steps: int = 50):
+    """Fit ``model`` (Adam, full batch) to the multiple-choice questions followed by their answers, tokenized as
+    lm-eval's ``local-completions`` joins them (context, then the target after a space); returns it in eval mode."""
+    sequences = [tokenizer.tokenize(f"{a}+{b}=") + tokenizer.tokenize(f" {a + b}") for a, b in MC_SUMS]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = sum(torch.nn.functional.cross_entropy(model(torch.tensor([s[:-1]]))[0].float(), torch.tensor(s[1:]))
+                   for s in sequences)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
 def _write_tasks(tmp_path):
     """The two tasks' data and YAML files under ``tmp_path``."""
     with open(tmp_path / "gen.jsonl", "w") as f:
         for a, b in [(2, 3), (4, 1), (5, 2)]:
             f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
     with open(tmp_path / "mc.jsonl", "w") as f:
-        for a, b in [(2, 3), (4, 1), (5, 2), (1, 1)]:
+        for a, b in MC_SUMS:
             choices = [str(a + b), str(a + b + 1), str(a * b + 3)]
             f.write(json.dumps({"question": f"{a}+{b}=", "choices": choices, "label": 0}) + "\n")
     for name, text in TASKS.items():
@@ -74,7 +95,7 @@ def test_local_completions_runs_generation_and_multiple_choice_tasks(tmp_path):
     _write_tasks(tmp_path)
     hf_dir = os.path.join(FIXTURE_DIR, "hf_tokenizer")
     tokenizer = build_tokenizer(hf_dir, "HuggingFaceTokenizer")
-    model = tiny_model(vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
+    model = _train_on_answers(tiny_model(vocab_size=tokenizer.vocab_size, max_position_embeddings=256), tokenizer)
     with Server(model, tokenizer=tokenizer) as server:
         results = simple_evaluate(
             model="local-completions",
@@ -84,7 +105,7 @@ def test_local_completions_runs_generation_and_multiple_choice_tasks(tmp_path):
             bootstrap_iters=0)
         assert server.idle()
     assert 0.0 <= results["results"]["megalite_tiny_gen"]["exact_match,none"] <= 1.0
-    assert 0.0 <= results["results"]["megalite_tiny_mc"]["acc,none"] <= 1.0
+    assert results["results"]["megalite_tiny_mc"]["acc,none"] == 1.0  # trained on the answers; chance is 1/3
     gen, mc = results["samples"]["megalite_tiny_gen"], results["samples"]["megalite_tiny_mc"]
     assert len(gen) == 3 and len(mc) == 4
     assert all(isinstance(s["filtered_resps"][0], str) and "\n" not in s["filtered_resps"][0] for s in gen)
