@@ -61,6 +61,20 @@ def test_engine_greedy_equals_the_models_own_greedy_decode():
     assert engine.allocator.num_used() == 0
 
 
+def test_mla_draft_model_and_forked_samples_follow_the_latent_blocks():
+    """An MLA model as its own draft model (its own latent pool) gets every draft accepted; n=2 forks share
+    prompt blocks and copy them on write in both pools; output equals the recompute decode."""
+    model, k = _model(), 3
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [12, 13, 14]]
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, speculative="draft",
+                                           num_speculative_tokens=k), draft_model=model)
+    outputs = engine.generate(prompts, SamplingParams(n=2, max_tokens=1 + 3 * (k + 1), temperature=0))
+    assert engine.drafter.pool.bytes_per_token() == engine.pool.bytes_per_token()
+    assert engine.stats["tokens_from_decoding"] == engine.stats["target_forwards_decoding"] * (k + 1)
+    expected = [recompute_greedy(model, p, 1 + 3 * (k + 1)) for p in prompts]
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
+
+
 def test_engine_greedy_equals_transformers_deepseek_v3_generate(tmp_path):
     pytest.importorskip("transformers")
     from megalite.checkpoint import load_model
