@@ -55,18 +55,15 @@ class LLMEngine:
         if model.sequence_parallel:
             raise ValueError("the inference engine does not support sequence parallelism; build the model "
                              "without it (the weights are the same)")
-        if model.config.multi_latent_attention:
-            raise ValueError("the inference engine does not cache multi-latent attention yet; decode with the "
-                             "contiguous KV cache (megalite.models.kv_cache.KVCache, the static decoder)")
         self.tp_group = model.tp_group
         self.tp_size, self.tp_rank = topology.group_size(self.tp_group), topology.group_rank(self.tp_group)
+        if model.config.multi_latent_attention and self.tp_size > 1:
+            raise ValueError(f"the inference engine caches multi-latent attention at tp=1 only (tp={self.tp_size}); "
+                             "build the model at tp=1")
         mc = model.config
         self.vocab_size, self.max_context = mc.vocab_size, mc.max_position_embeddings
-        param = next(model.parameters())
-        self.device = param.device
-        layers = [int(n) for n in model.decoder.layers]
-        self.pool = KVPool(layers, config.num_blocks, config.block_size, mc.num_query_groups // self.tp_size,
-                           mc.kv_channels, param.dtype, self.device)
+        self.device = next(model.parameters()).device
+        self.pool = KVPool.for_model(model, config.num_blocks, config.block_size, self.tp_size)
         self.allocator = BlockAllocator(config.num_blocks)
         # A sliding-window model frees its early blocks, so its block tables cannot feed the prefix cache.
         self.window = mc.window_size

@@ -27,6 +27,13 @@ step and shared by every layer:
   sequence attends to its own new keys with ``is_causal`` (no gather), a
   later chunk gathers its context and uses a causal mask shifted by its start.
 
+A multi-latent-attention model caches one latent key per token and layer
+(``latent_values`` set): ``[1, num_blocks, block_size, kv_lora_rank +
+qk_pos_emb_head_dim]``, the normalised KV latent followed by the rotary key;
+its first ``kv_lora_rank`` channels are the values.  The layer attends in the
+weight-absorbed form through :meth:`PagedStep.attend_latent` (see
+``megalite.models.mla``), so no per-head keys or values are stored.
+
 A sliding-window model (``window``: a token sees itself and the ``window``
 tokens before it) masks older keys in every path (the fused kernel, which has
 no window, is not used); the scheduler frees blocks that fell out of every
@@ -51,15 +58,36 @@ BUCKET_SIZE = 16
 
 
 class KVPool:
-    """Key and value blocks for the layers ``layer_numbers`` of this rank's model chunk."""
+    """Key and value blocks for the layers ``layer_numbers`` of this rank's model chunk.
+
+    With ``latent_values`` (MLA's ``kv_lora_rank``) only keys are stored: the
+    values are their first ``latent_values`` channels.
+    """
 
     def __init__(self, layer_numbers, num_blocks: int, block_size: int, groups: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 dtype: torch.dtype, device, latent_values: int | None = None):
+        self.num_blocks, self.block_size, self.latent_values = num_blocks, block_size, latent_values
         shape = (groups, num_blocks, block_size, head_dim)
         self.keys = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
-        self.values = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        self.values = {} if latent_values else {n: torch.zeros(shape, dtype=dtype, device=device)
+                                                 for n in layer_numbers}
         self._buffers: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int, tp_size: int = 1) -> KVPool:
+        """The pool for ``model``'s layers: per-group keys and values, or MLA's latent keys."""
+        mc, param = model.config, next(model.parameters())
+        layers = [int(n) for n in model.decoder.layers]
+        if mc.multi_latent_attention:
+            return cls(layers, num_blocks, block_size, 1, mc.kv_lora_rank + mc.qk_pos_emb_head_dim, param.dtype,
+                       param.device, latent_values=mc.kv_lora_rank)
+        return cls(layers, num_blocks, block_size, mc.num_query_groups // tp_size, mc.kv_channels, param.dtype,
+                   param.device)
+
+    def bytes_per_token(self) -> int:
+        """Bytes the pool holds per cached token, over all its layers."""
+        total = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return total // (self.num_blocks * self.block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` into block ``dst`` in every layer (copy-on-write of shared blocks)."""
@@ -178,7 +206,7 @@ class PagedStep:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         short = [i for i, n in enumerate(plan.lengths) if n <= SHORT_QUERY]
         self.fused, self.buckets = None, []
-        if short and window is None and kernels.paged_attention_fused(*pool.keys.values(), *pool.values.values()):
+        if short and window is None and pool.latent_values is None and kernels.paged_attention_fused(*pool.keys.values(), *pool.values.values()):
             blocks = max(-(-(plan.starts[i] + plan.lengths[i]) // bs) for i in short)
             tables = [plan.block_tables[i][:blocks] + [0] * (blocks - len(plan.block_tables[i][:blocks])) for i in short]
             self.fused = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (
@@ -196,28 +224,57 @@ class PagedStep:
         if mask is not None or dropout:
             raise ValueError("the paged KV cache takes no attention mask or dropout (positions come per token)")
         keys, values = self.pool.keys[layer_number], self.pool.values[layer_number]
+        self._write(keys, k)
+        self._write(values, v)
+        d = keys.shape[-1]
+        if self.fused is not None:
+            t, heads = q.shape[0], q.shape[2]
+            out = kernels.paged_attention(q[:, 0].contiguous(), keys, values, *self.fused, d ** -0.5).view(t, heads * d)
+        else:
+            out = None
+        return self._attend(q[:, 0], k, v, keys, values, d ** -0.5, out)
+
+    def attend_latent(self, layer_number: int, q: torch.Tensor, latent: torch.Tensor, scale: float,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """MLA's absorbed attention: ``q [T, 1, heads, r + rope]`` (queries folded through W_UK, then the rotary
+        part) over the latent keys ``[T, 1, 1, r + rope]`` whose first ``r`` channels are the values
+        -> latent context ``[T, 1, heads*r]`` (W_UV is applied by the layer)."""
+        if mask is not None:
+            raise ValueError("the paged KV cache takes no attention mask (positions come per token)")
+        keys, r = self.pool.keys[layer_number], self.pool.latent_values
+        self._write(keys, latent)
+        return self._attend(q[:, 0], latent, latent[..., :r], keys, keys[..., :r], scale, None)
+
+    def _write(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Store the step's new keys or values ``[T, 1, groups, d]`` in their slots."""
+        cache.view(cache.shape[0], -1, cache.shape[-1]).index_copy_(
+            1, self.slots, new[:, 0].transpose(0, 1).to(cache.dtype))
+
+    def _attend(self, q, k, v, keys, values, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+        """Buckets and prefill chunks (and ``out`` from the fused kernel, if any); ``values`` may be a view of
+        ``keys`` (the MLA latent), whose last dimension ``dv`` may be smaller than the keys' ``d``."""
         groups, _, bs, d = keys.shape
-        keys.view(groups, -1, d).index_copy_(1, self.slots, k[:, 0].transpose(0, 1).to(keys.dtype))
-        values.view(groups, -1, d).index_copy_(1, self.slots, v[:, 0].transpose(0, 1).to(values.dtype))
-        q = q[:, 0]
+        dv = values.shape[-1]
+        shared = self.pool.latent_values is not None
         t, heads, _ = q.shape
         per_group = heads // groups
-        if self.fused is not None:
-            out = kernels.paged_attention(q.contiguous(), keys, values, *self.fused, d ** -0.5).view(t, heads * d)
-        else:
-            out = q.new_empty(t, heads * d)
+        if out is None:
+            out = q.new_empty(t, heads * dv)
         for b in self.buckets:
             n, nq, width = b.n, b.q, b.blocks * bs
             size = groups * n * width * d
             key = torch.index_select(keys, 1, b.blocks_index, out=self.pool.buffer("k", size, keys).view(
                 groups, n * b.blocks, bs, d)).view(groups * n, width, d)
-            value = torch.index_select(values, 1, b.blocks_index, out=self.pool.buffer("v", size, values).view(
-                groups, n * b.blocks, bs, d)).view(groups * n, width, d)
+            if shared:
+                value = key[..., :dv]
+            else:
+                value = torch.index_select(values, 1, b.blocks_index, out=self.pool.buffer("v", size, values).view(
+                    groups, n * b.blocks, bs, d)).view(groups * n, width, d)
             query = q.index_select(0, b.queries).view(n, nq, groups, per_group, d).permute(2, 0, 3, 1, 4)
             scores = torch.baddbmm(b.bias_for(groups, per_group, q.dtype), query.reshape(groups * n, per_group * nq, d),
-                                   key.transpose(1, 2), alpha=d ** -0.5).softmax(dim=-1)
+                                   key.transpose(1, 2), alpha=scale).softmax(dim=-1)
             context = torch.bmm(scores, value)
-            context = context.view(groups, n, per_group, nq, d).permute(1, 3, 0, 2, 4).reshape(n * nq, heads * d)
+            context = context.view(groups, n, per_group, nq, dv).permute(1, 3, 0, 2, 4).reshape(n * nq, heads * dv)
             out[b.tokens] = context.index_select(0, b.rows)
         for c in self.chunks:
             query = q[c.first:c.first + c.length].transpose(0, 1).unsqueeze(0)
@@ -227,10 +284,11 @@ class PagedStep:
             else:
                 context_len = c.start + c.length
                 key = keys.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
-                value = values.index_select(1, c.blocks_index).view(1, groups, -1, d)[:, :, :context_len]
-            context = F.scaled_dot_product_attention(query, key, value, attn_mask=c.mask,
-                                                     is_causal=c.mask is None, enable_gqa=groups != heads)
-            out[c.first:c.first + c.length] = context[0].transpose(0, 1).reshape(c.length, heads * d)
+                value = key[..., :dv] if shared else values.index_select(1, c.blocks_index).view(
+                    1, groups, -1, d)[:, :, :context_len]
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=c.mask, is_causal=c.mask is None,
+                                                     scale=scale, enable_gqa=groups != heads)
+            out[c.first:c.first + c.length] = context[0].transpose(0, 1).reshape(c.length, heads * dv)
         return out.unsqueeze(1)
 
     def advance(self, num_tokens: int) -> None:

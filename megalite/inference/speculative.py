@@ -65,11 +65,8 @@ class DraftModelDrafter:
         if model.tp_size != 1 or not (model.pre_process and model.post_process):
             raise ValueError("the draft model must be a whole single-process GPTModel (tp=1, one pipeline stage)")
         self.model = model.eval()
-        param = next(model.parameters())
-        self.device = param.device
-        mc = model.config
-        self.pool = KVPool([int(n) for n in model.decoder.layers], num_blocks, block_size, mc.num_query_groups,
-                           mc.kv_channels, param.dtype, self.device)
+        self.device = next(model.parameters()).device
+        self.pool = KVPool.for_model(model, num_blocks, block_size)
         self.cached: dict[int, list[int]] = {}
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -20,6 +20,11 @@ per rank, is reduced back.
 The softmax scale is ``1/sqrt(qk_head_dim + qk_pos_emb_head_dim)`` times YaRN's
 ``yarn_mscale(factor, yarn_mscale_all_dim) ** 2`` (under ``rope_scaling='yarn'``); the extra factor is folded into
 the queries, so every core-attention backend (KV cache, context parallel) serves MLA unchanged.
+
+A cache with ``attend_latent`` (the inference engine's paged step) stores the
+normalised latent and the rotary key, ``kv_lora_rank + qk_pos_emb_head_dim``
+values per token, instead of per-head keys and values: the layer then attends
+in the weight-absorbed form (W_UK folded into the query, W_UV applied after).
 """
 
 from __future__ import annotations
@@ -131,8 +136,7 @@ class MultiLatentAttention(Attention):
         s, b = q.shape[:2]
         q_nope, q_rope = q.view(s, b, self.heads_local, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(s, b, self.heads_local, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_layernorm(latent)
         # The rotary key feeds this rank's heads only: its gradient is partial per TP rank.
         if self.sequence_parallel:
             k_rope = gather_from_sequence_parallel_region(k_rope, self.tp_group)
@@ -141,8 +145,27 @@ class MultiLatentAttention(Attention):
         k_rope = k_rope.unsqueeze(2)
         if rotary is not None:
             q_rope, k_rope = apply_rotary(q_rope, k_rope, *rotary, interleaved=self.rotary_interleaved)
+        if hasattr(kv_cache, "attend_latent"):
+            return self.linear_proj(self._attend_absorbed(q_nope, q_rope, latent, k_rope, kv_cache, mask))
+        kv = self.linear_kv_up_proj(latent).view(s, b, self.heads_local, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.heads_local, -1)], dim=-1)
         return self.linear_proj(self.attend(q, k, v, kv_cache, mask, documents))
+
+    def _attend_absorbed(self, q_nope, q_rope, latent, k_rope, kv_cache, mask) -> torch.Tensor:
+        """Attention over a latent cache (the inference engine's): per head ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``,
+        so the query is folded through W_UK and attends to the cached ``[c; k_rope]`` of every head at once;
+        W_UV is applied to the attention-weighted latent afterwards.  Returns ``[s, b, heads_local * v_head_dim]``."""
+        weight = self.linear_kv_up_proj.weight.view(self.heads_local, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = weight.split([self.nope, self.v_dim], dim=1)
+        q = torch.cat([torch.einsum("sbhn,hnr->sbhr", q_nope, w_uk), q_rope], dim=-1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        key = torch.cat([latent.unsqueeze(2), k_rope], dim=-1)
+        context = kv_cache.attend_latent(self.layer_number, q, key, (self.nope + self.rope) ** -0.5, mask)
+        s, b = context.shape[:2]
+        context = context.view(s, b, self.heads_local, self.kv_lora_rank)
+        return torch.einsum("sbhr,hvr->sbhv", context, w_uv).reshape(s, b, self.heads_local * self.v_dim)

@@ -1,4 +1,5 @@
-"""Tiny random GPTs for the engine tests, an independent top-k/top-p reference, and a chi-square p-value."""
+"""Tiny random GPTs for the engine tests, a full-recompute greedy decode, an independent top-k/top-p reference,
+and a chi-square p-value."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def tiny_model(kind: str = "llama", **overrides) -> GPTModel:
                     add_bias_linear=False, ffn_hidden_size=48)
     base.update(overrides)
     return GPTModel(GPTConfig(**base)).eval()
+
+
+def recompute_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """``max_new`` greedy tokens after ``prompt``, each from a full forward over everything so far (no cache)."""
+    ids = list(prompt)
+    for _ in range(max_new):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def logprob_model(kind: str = "llama") -> GPTModel:

@@ -14,6 +14,7 @@ import torch
 from megalite.checkpoint import load_model
 from megalite.checkpoint.hf import convert_hf_to_megalite
 from megalite.inference import LLM, EngineConfig, SamplingParams
+from tests.inference.common import recompute_greedy
 
 transformers = pytest.importorskip("transformers")
 VOCAB, CONTEXT = 64, 64
@@ -56,14 +57,6 @@ def _hf_greedy(model, prompt, max_new):
     return out[0, len(prompt):].tolist()
 
 
-def _recompute_greedy(model, prompt, max_new):
-    ids = list(prompt)
-    for _ in range(max_new):
-        with torch.no_grad():
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 VARIANTS = {
     "paged": EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=40),
     "contiguous": EngineConfig(block_size=CONTEXT, num_blocks=16, max_num_batched_tokens=64,
@@ -83,7 +76,7 @@ def test_greedy_matches_transformers_and_recompute_under_every_variant(kind, tmp
     prompts, budgets = _workload()
     expected = [_hf_greedy(hf, p, n) for p, n in zip(prompts, budgets)]
     model = load_model(str(tmp_path / "ckpt"))
-    assert expected == [_recompute_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    assert expected == [recompute_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     draft = _draft(kind)
     params = [SamplingParams(max_tokens=n, temperature=0) for n in budgets]
     for name, engine_config in VARIANTS.items():

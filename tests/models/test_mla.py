@@ -103,13 +103,6 @@ def test_mla_bad_config_is_one_clear_error(overrides, message):
         config("mla", **overrides).validate()
 
 
-def test_the_paged_engine_refuses_mla_with_one_clear_error():
-    from megalite.inference.engine import LLMEngine
-
-    with pytest.raises(ValueError, match="does not cache multi-latent attention yet"):
-        LLMEngine(GPTModel(config("mla")))
-
-
 def _mla_context_parallel():
     from megalite import topology
     from megalite.context_parallel import document_ids
