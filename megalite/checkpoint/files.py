@@ -27,6 +27,13 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "megalite.json"
 DCP_METADATA = ".metadata"
+LOCK_NAME = ".megalite.lock"
+"""The lock file a run holds in its save directory (``training.save_dir.SaveDirLock``)."""
+WANDB_DIR = "wandb"
+"""Where W&B writes under ``--save`` when ``--wandb-save-dir`` is not given (as Megatron-LM)."""
+RUN_FILES = (LOCK_NAME, WANDB_DIR)
+"""What a run puts in its save directory besides checkpoints: a directory holding only these (and partial
+``*.tmp`` saves) holds no checkpoint yet, as after a run killed before its first save."""
 
 
 def iteration_dir(save_dir: str, iteration: int) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import re
 
-from megalite.checkpoint.files import DCP_METADATA, LATEST, MANIFEST, iteration_dir, read_latest, read_pointer
+from megalite.checkpoint.files import (DCP_METADATA, LATEST, MANIFEST, RUN_FILES, iteration_dir, read_latest,
+                                      read_pointer)
 from megalite.checkpoint.integrity import read_manifest, verify_files
 
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
@@ -66,7 +67,8 @@ def find_checkpoint(path: str) -> str | None:
     ValueError when ``path`` looks like a save directory but its ``latest`` is damaged, names a missing
     iteration, or is absent beside iteration directories (the message names the newest verified
     iteration), and when ``path`` holds files but no checkpoint of any known format (the message names
-    them).  Partial ``*.tmp`` directories of an interrupted megalite save count as nothing.
+    them).  A run's own lock file and W&B folder (``files.RUN_FILES``) and partial ``*.tmp`` directories of an
+    interrupted megalite save count as nothing: a run killed before its first save restarts from scratch.
     """
     if not os.path.isdir(path):
         return None
@@ -91,7 +93,7 @@ def find_checkpoint(path: str) -> str | None:
         return path
     if _iterations(path):
         raise ValueError(f"{path} holds iteration directories but no {LATEST} pointer; {_newest_hint(path)}")
-    found = sorted(name for name in os.listdir(path) if not name.endswith(".tmp"))
+    found = sorted(name for name in os.listdir(path) if not name.endswith(".tmp") and name not in RUN_FILES)
     if found:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
         raise ValueError(f"{path} holds {shown}, but no checkpoint: neither a megalite checkpoint ('{LATEST}' or "

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from megalite.checkpoint.files import WANDB_DIR
+
 # Peak dense tensor-core TFLOP/s by GPU name fragment and dtype, for MFU.
 _PEAK_TFLOPS = {
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
@@ -46,7 +48,7 @@ def wandb_init(args) -> dict | None:
     the directory ``--wandb-save-dir``, else ``--save``/wandb); None without it."""
     if not args.wandb_project:
         return None
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, WANDB_DIR) if args.save else None)
     return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": save_dir, "config": vars(args)}
 
 

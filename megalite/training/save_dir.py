@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.files import LOCK_NAME
 from megalite.checkpoint.locate import find_checkpoint
 from megalite.training.checkpointing import read_latest
 
-LOCK_NAME = ".megalite.lock"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import load_model, load_sharded, save_sharded
+from megalite.checkpoint.files import LOCK_NAME, WANDB_DIR
 from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
@@ -214,3 +215,15 @@ def test_a_directory_with_files_but_no_checkpoint_is_an_error(tmp_path):
     os.remove(tmp_path / "notes.txt")
     with pytest.raises(ValueError, match="holds no checkpoint: it is empty"):
         load_model(str(tmp_path))
+
+
+def test_a_run_killed_before_its_first_save_leaves_nothing_to_load(tmp_path):
+    """The lock file and W&B folder a run puts in its save directory are not "files but no checkpoint": a
+    supervisor's restart with the same ``--load`` starts afresh instead of stopping with exit 2."""
+    (tmp_path / LOCK_NAME).write_text("pid 1")
+    (tmp_path / WANDB_DIR).mkdir()
+    (tmp_path / "iter_0000001.tmp").mkdir()
+    assert find_checkpoint(str(tmp_path)) is None
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
+        find_checkpoint(str(tmp_path))
