@@ -7,7 +7,8 @@ disaggregated (``--rollout-world-size``), on-policy or bounded-staleness (``--ma
     trainer = RLTrainer(parse_args(argv))
     trainer.train()
 
-The actor is first warmed up on the arithmetic task (or loaded with ``--load``); rollouts, scoring and the update
+The actor is first warmed up on the arithmetic task, or by SFT on ``--prompt-data``'s completions
+(``megalite.rlhf.prompt_data``), or loaded with ``--load``; rollouts, scoring and the update
 live in ``rollouts``, ``scoring`` and ``update``.  With ``--use-scoring-server`` the reward (and a teacher) run on
 one rank; the placement plan (``megalite.rlhf.placement``) parks models and optimizer state between phases.
 """

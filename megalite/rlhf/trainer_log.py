@@ -2,9 +2,9 @@
 
 Every metric still goes to the metrics file (JSON lines) and TensorBoard through ``MetricsLogger``; the console
 shows only what a user watches: reward mean and std, KL to the reference, entropy, response length, policy and value
-loss, and throughput.  ``--eval-interval`` runs greedy decoding on a fixed prompt set with the same reward function
-(:func:`evaluate`; logged as ``valid_*``, TensorBoard ``valid/*``); ``--sample-interval`` prints a few prompts with
-their sampled responses and rewards.
+loss, and throughput.  ``--eval-interval`` runs greedy decoding on a fixed prompt set (``--prompt-data``'s held-out
+records) with the same reward function (:func:`evaluate`; logged as ``valid_*``, TensorBoard ``valid/*``), before RL
+and every that many iterations; ``--sample-interval`` prints a few prompts with their sampled responses and rewards.
 """
 
 from __future__ import annotations

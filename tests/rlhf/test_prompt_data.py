@@ -57,6 +57,7 @@ def _run(argv):
     return RLTrainer(parse_args(argv)).train()
 
 
+@pytest.mark.slow
 def test_grpo_on_the_math_task_logs_held_out_accuracy_before_and_during_rl(task, tmp_path):
     pytest.importorskip("math_verify")
     metrics = tmp_path / "metrics.jsonl"
