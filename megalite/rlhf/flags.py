@@ -19,6 +19,7 @@ from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
 
 ALGO, ROLLOUT, PLACE = ("RL algorithm", "rollouts and rewards", "placement and offload (see megalite.rlhf.placement)")
 TASK = "task and warm-up pretraining (megalite.rlhf.arithmetic)"
+DEFAULT_REWARD_FN = "megalite.rlhf.rewards:arithmetic_reward"
 
 RL_FLAGS = FlagTable((
     Flag("--advantage-estimator", ALGO, ("AdvantageConfig.estimator",),
@@ -56,7 +57,7 @@ RL_FLAGS = FlagTable((
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
          help="truncation of the stale-rollout importance weight"),
 
-    Flag("--reward-fn", ROLLOUT, default="megalite.rlhf.rewards:arithmetic_reward",
+    Flag("--reward-fn", ROLLOUT, default=DEFAULT_REWARD_FN,
          help="module:function taking (prompt, response) and returning a float"),
     Flag("--reward-model", ROLLOUT,
          help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn"),
@@ -102,6 +103,12 @@ RL_FLAGS = FlagTable((
     Flag("--warmup-direct-fraction", TASK, type=float,
          help="--environment calculator: this fraction of the warm-up demonstrations answer without the tool (a "
               "policy that has yet to learn when to call it); None: the environment's default, always the tool"),
+    Flag("--prompt-data", TASK,
+         help="jsonl of {prompt, answer} records (megalite.rlhf.math_task's file or your own) to draw the prompts "
+              "from instead of a+b, scored against the answers (megalite.rlhf.prompt_data); with a completion in "
+              "every record the warm-up is SFT on them"),
+    Flag("--held-out-prompts", TASK, default=32, type=int,
+         help="--prompt-data: the last records, held out for --eval-interval"),
     Flag("--max-operand", TASK, default=9, type=int,
          help="problems are a+b (a*b for calculator) with 0 <= a, b <= this"),
     Flag("--pretrain-iters", TASK, default=80, type=int, help="warm-up pretraining steps before RL (none with --load)"),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.rlhf.actor import pipeline_log_probs
-from megalite.rlhf.arithmetic import TOKENIZER, problem, prompt_width, response_text
+from megalite.rlhf.arithmetic import TOKENIZER, problem, response_text
 from megalite.rlhf.critic import pipeline_values
 from megalite.rlhf.env_tasks import make_environment
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
@@ -46,12 +46,21 @@ def rollout_sampler(model):
                                                                       generator)
 
 
+def draw_prompts(args, rng: random.Random) -> list[str]:
+    """One DP rank's ``--global-batch-size`` share of prompts: from ``--prompt-data``, else "a+b=" problems."""
+    if args.prompt_set is not None:
+        return args.prompt_set.draw(rng, args.prompts_per_rank)
+    return [problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)]
+
+
 def sample_shard(sample, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int,
-                 device) -> Rollout:
-    """One generation round of DP shard ``shard`` with ``sample`` (:func:`rollout_sampler`): prompts x n samples,
-    padded to a fixed width ``[b, P + N]`` so rounds concatenate and the tensors can be sent."""
-    n, width, new = args.n_samples_per_prompt, prompt_width(args.max_operand), args.max_new_tokens
-    prompts = [p for p in (problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)) for _ in range(n)]
+                 device, prompts: list[str] | None = None, n: int | None = None) -> Rollout:
+    """One generation round of DP shard ``shard`` with ``sample`` (:func:`rollout_sampler`): prompts (drawn with
+    ``rng`` unless given) x ``n`` samples (default ``--n-samples-per-prompt``), padded to a fixed width
+    ``[b, P + N]`` so rounds concatenate and the tensors can be sent."""
+    n = args.n_samples_per_prompt if n is None else n
+    width, new = args.prompt_width, args.max_new_tokens
+    prompts = [p for p in (draw_prompts(args, rng) if prompts is None else prompts) for _ in range(n)]
     ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
     generator = torch.Generator(device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt + shard)
     out = sample(ids.to(device), mask.to(device), sampling, generator)
@@ -76,7 +85,7 @@ def decode(rollout: Rollout) -> Rollout:
 
 def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
     """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike."""
-    b, width = args.prompts_per_rank * args.n_samples_per_prompt, prompt_width(args.max_operand) + args.max_new_tokens
+    b, width = args.prompts_per_rank * args.n_samples_per_prompt, args.prompt_width + args.max_new_tokens
     return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
             ((b, width - 1), torch.float32)]
 
@@ -145,7 +154,7 @@ class Rollouts:
                 tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
                 for t in tensors:
                     dist.recv(t, src=self.rollout_source)
-                rollout = Rollout.from_wire([t.to(self.device) for t in tensors], prompt_width(self.args.max_operand))
+                rollout = Rollout.from_wire([t.to(self.device) for t in tensors], self.args.prompt_width)
         decode(rollout)
         if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):

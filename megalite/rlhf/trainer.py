@@ -7,7 +7,8 @@ disaggregated (``--rollout-world-size``), on-policy or bounded-staleness (``--ma
     trainer = RLTrainer(parse_args(argv))
     trainer.train()
 
-The actor is first warmed up on the arithmetic task (or loaded with ``--load``); rollouts, scoring and the update
+The actor is first warmed up on the arithmetic task, or by SFT on ``--prompt-data``'s completions
+(``megalite.rlhf.prompt_data``), or loaded with ``--load``; rollouts, scoring and the update
 live in ``rollouts``, ``scoring`` and ``update``.  With ``--use-scoring-server`` the reward (and a teacher) run on
 one rank; the placement plan (``megalite.rlhf.placement``) parks models and optimizer state between phases.
 """
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.models import GPTConfig, GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.rlhf.arithmetic import TOKENIZER, prompt_width
+from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.critic import CriticModel
 from megalite.rlhf.distillation import TeacherOutput
@@ -103,7 +104,8 @@ class RLTrainer:
         torch.manual_seed(args.seed)
         config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers,
                            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                           max_position_embeddings=args.max_total_tokens if args.environment else 16,
+                           max_position_embeddings=args.max_total_tokens if args.environment else
+                           max(16, args.prompt_width + args.max_new_tokens),
                            make_vocab_size_divisible_by=8, seed=args.seed)
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
         self.sync = None
@@ -152,7 +154,7 @@ class RLTrainer:
         self.scoring_server = None
         if args.use_scoring_server:
             per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
-            serve = served_scores(self.reward, teacher, prompt_width(args.max_operand), self.placement) if owner \
+            serve = served_scores(self.reward, teacher, args.prompt_width, self.placement) if owner \
                 else None
             self.scoring_server = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token,
                                                 device=device)
@@ -169,6 +171,8 @@ class RLTrainer:
         args, topo, placement = self.args, self.topo, self.placement
         logger = MetricsLogger(topo.global_rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                                stream=open(os.devnull, "w"))
+        if args.eval_interval and self.resume is None:
+            self._evaluate(0, logger)
         last = time.monotonic()
         for rollout, served in self.stream:
             teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
@@ -195,12 +199,7 @@ class RLTrainer:
                 if args.sample_interval and rollout.iteration % args.sample_interval == 0:
                     print("\n".join(sample_lines(rollout)), flush=True)
             if args.eval_interval and rollout.iteration % args.eval_interval == 0:
-                with placement.phase("generation"):
-                    valid = evaluate(self.eval_sample, args, self.rollouts.sampling, self.reward, topo, self.device,
-                                     rollout.iteration)
-                logger.log(rollout.iteration, valid)
-                if topo.global_rank == 0:
-                    print(eval_line(rollout.iteration, valid), flush=True)
+                self._evaluate(rollout.iteration, logger)
             if args.save and (rollout.iteration == args.train_iters
                               or (args.save_interval and rollout.iteration % args.save_interval == 0)):
                 self._save(rollout.iteration)
@@ -209,6 +208,16 @@ class RLTrainer:
         logger.close()
         if self.lock is not None:
             self.lock.release()
+
+    def _evaluate(self, iteration: int, logger: MetricsLogger) -> None:
+        """Greedy evaluation (``trainer_log.evaluate``) after ``iteration`` updates (0: the warmed-up or loaded
+        actor, before RL), logged and printed."""
+        with self.placement.phase("generation"):
+            valid = evaluate(self.eval_sample, self.args, self.rollouts.sampling, self.reward, self.topo,
+                             self.device, iteration)
+        logger.log(iteration, valid)
+        if self.topo.global_rank == 0:
+            print(eval_line(iteration, valid), flush=True)
 
     def _save(self, iteration: int) -> None:
         """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""

@@ -12,10 +12,11 @@ import argparse
 
 from megalite.flags import ArgumentParser
 from megalite.rlhf.advantages import AdvantageConfig
-from megalite.rlhf.arithmetic import TOKENIZER
+from megalite.rlhf.arithmetic import TOKENIZER, prompt_width
 from megalite.rlhf.env_tasks import longest_demonstration
-from megalite.rlhf.flags import RL_FLAGS
+from megalite.rlhf.flags import DEFAULT_REWARD_FN, RL_FLAGS
 from megalite.rlhf.placement import OffloadConfig
+from megalite.rlhf.prompt_data import PromptData
 from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.reward_model import check_reward_model
 from megalite.rlhf.rewards import load_reward_fn
@@ -123,10 +124,39 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                                                    and 0.0 < args.target_critic_tau <= 1.0):
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
+    check_prompt_data(args)
     args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
     args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
     args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
     if args.reward_model:
         check_reward_model(args.reward_model, TOKENIZER.vocab_size)
+    elif args.prompt_set is not None:
+        args.reward = args.prompt_set.reward
     else:
         args.reward = load_reward_fn(args.reward_fn)
+
+
+def check_prompt_data(args: argparse.Namespace) -> None:
+    """Reads ``--prompt-data`` into ``args.prompt_set`` (None without it) and fills ``args.prompt_width``, the
+    tokens every prompt is left-padded to; the file and its combinations with other flags are checked here."""
+    args.prompt_set = None
+    args.prompt_width = prompt_width(args.max_operand)
+    if args.prompt_data is None:
+        return
+    if args.environment or args.rollout_world_size or args.use_scoring_server or args.reward_model:
+        raise ValueError("--prompt-data scores with the records' answers on the training ranks: no --environment, "
+                         "--rollout-world-size, --use-scoring-server or --reward-model")
+    if args.reward_fn != DEFAULT_REWARD_FN:
+        raise ValueError(f"--prompt-data scores responses against the records' answers; drop --reward-fn "
+                         f"{args.reward_fn}")
+    args.prompt_set = data = PromptData(args.prompt_data, args.held_out_prompts)
+    args.prompt_width = data.width
+    if args.eval_interval and len(data.held_out) < args.dp:
+        raise ValueError(f"--eval-interval needs at least one held-out prompt per data-parallel rank: "
+                         f"--held-out-prompts {args.held_out_prompts} < {args.dp}")
+    if not args.load and not data.has_completions:
+        raise ValueError(f"--prompt-data {args.prompt_data}: without --load the warm-up fine-tunes on the records' "
+                         f"completions, and some training records have no string 'completion' field")
+    if not args.load and data.longest_answer() > args.max_new_tokens:
+        raise ValueError(f"--prompt-data {args.prompt_data}: the longest completion takes {data.longest_answer()} "
+                         f"tokens with end-of-document, more than --max-new-tokens {args.max_new_tokens}")

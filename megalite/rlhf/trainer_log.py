@@ -2,9 +2,9 @@
 
 Every metric still goes to the metrics file (JSON lines) and TensorBoard through ``MetricsLogger``; the console
 shows only what a user watches: reward mean and std, KL to the reference, entropy, response length, policy and value
-loss, and throughput.  ``--eval-interval`` runs greedy decoding on a fixed prompt set with the same reward function
-(:func:`evaluate`; logged as ``valid_*``, TensorBoard ``valid/*``); ``--sample-interval`` prints a few prompts with
-their sampled responses and rewards.
+loss, and throughput.  ``--eval-interval`` runs greedy decoding on a fixed prompt set (``--prompt-data``'s held-out
+records) with the same reward function (:func:`evaluate`; logged as ``valid_*``, TensorBoard ``valid/*``), before RL
+and every that many iterations; ``--sample-interval`` prints a few prompts with their sampled responses and rewards.
 """
 
 from __future__ import annotations
@@ -36,13 +36,19 @@ def iteration_line(iteration: int, train_iters: int, metrics: dict) -> str:
 
 
 def evaluate(sample, args, sampling, reward, topo, device, iteration: int) -> dict:
-    """Greedy responses to this DP rank's fixed evaluation prompts (drawn from their own seed, the same every
-    evaluation), scored by ``reward``: ``valid_reward`` and ``valid_response_length`` averaged over DP ranks."""
+    """Greedy responses to this DP rank's fixed evaluation prompts (its share of ``--prompt-data``'s held-out
+    records, else drawn from their own seed, the same every evaluation), scored by ``reward``: ``valid_reward``
+    and ``valid_response_length``, means over every DP rank's prompts."""
     rng = random.Random(args.seed * 1000 + 500009 + topo.dp.rank)
-    rollout = decode(sample_shard(sample, args, replace(sampling, greedy=True), rng, 0, 0, topo.dp.rank, device))
+    prompts, n = None, None
+    if args.prompt_set is not None:
+        prompts, n = args.prompt_set.eval_prompts(topo.dp.rank, topo.dp.size), 1
+    rollout = decode(sample_shard(sample, args, replace(sampling, greedy=True), rng, 0, 0, topo.dp.rank, device,
+                                  prompts, n))
     scores = score_batches(reward, [(rollout.prompts, rollout.responses)])[0]
-    return {"valid_reward": dp_mean(float(scores.mean()), topo, device),
-            "valid_response_length": dp_mean(float(rollout.response_mask.sum(dim=1).mean()), topo, device)}
+    count = dp_mean(float(len(scores)), topo, device)
+    return {"valid_reward": dp_mean(float(scores.sum()), topo, device) / count,
+            "valid_response_length": dp_mean(float(rollout.response_mask.sum()), topo, device) / count}
 
 
 def eval_line(iteration: int, metrics: dict) -> str:

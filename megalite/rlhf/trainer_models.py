@@ -1,5 +1,6 @@
 """The RL trainer's models: this rank's pipeline chunk of a GPT or critic (DDP-wrapped, with its optimizer), the
-actor's warm-up pretraining on the arithmetic task or the ``--environment``'s demonstrations (or its ``--load``),
+actor's warm-up pretraining on the arithmetic task, the ``--environment``'s demonstrations or ``--prompt-data``'s
+completions (SFT), or its ``--load``,
 and the scoring server's teacher.
 """
 
@@ -60,6 +61,8 @@ def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDat
         if args.environment:
             batch = warmup_batch(lambda: make_environment(args), rng,
                                  args.pretrain_batch_per_rank, args.max_total_tokens)
+        elif args.prompt_set is not None:
+            batch = args.prompt_set.warmup_batch(rng, args.pretrain_batch_per_rank)
         else:
             batch = pretrain_batch(rng, args.pretrain_batch_per_rank, args.max_operand)
         batch = {k: v.to(device) for k, v in batch.items()}
