@@ -31,9 +31,16 @@ LOCK_NAME = ".megalite.lock"
 """The lock file a run holds in its save directory (``training.save_dir.SaveDirLock``)."""
 WANDB_DIR = "wandb"
 """Where W&B writes under ``--save`` when ``--wandb-save-dir`` is not given (as Megatron-LM)."""
+WRITE_PROBE = ".write_probe"
+"""Prefix of the temporary file rank 0 writes to check ``--save`` is writable (``training.save_dir``)."""
 RUN_FILES = (LOCK_NAME, WANDB_DIR)
-"""What a run puts in its save directory besides checkpoints: a directory holding only these (and partial
-``*.tmp`` saves) holds no checkpoint yet, as after a run killed before its first save."""
+
+
+def is_run_file(name: str) -> bool:
+    """Whether ``name`` in a save directory is something a run puts there besides checkpoints (its lock, W&B
+    folder, write probe, partial ``*.tmp`` saves): a directory holding only these holds no checkpoint yet, as
+    at the start of a run (other ranks may look while rank 0 probes) or after one killed before its first save."""
+    return name in RUN_FILES or name.startswith(WRITE_PROBE) or name.endswith(".tmp")
 
 
 def iteration_dir(save_dir: str, iteration: int) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from megalite.checkpoint.files import (DCP_METADATA, LATEST, MANIFEST, RUN_FILES, iteration_dir, read_latest,
+from megalite.checkpoint.files import (DCP_METADATA, LATEST, MANIFEST, is_run_file, iteration_dir, read_latest,
                                       read_pointer)
 from megalite.checkpoint.integrity import read_manifest, verify_files
 
@@ -67,8 +67,9 @@ def find_checkpoint(path: str) -> str | None:
     ValueError when ``path`` looks like a save directory but its ``latest`` is damaged, names a missing
     iteration, or is absent beside iteration directories (the message names the newest verified
     iteration), and when ``path`` holds files but no checkpoint of any known format (the message names
-    them).  A run's own lock file and W&B folder (``files.RUN_FILES``) and partial ``*.tmp`` directories of an
-    interrupted megalite save count as nothing: a run killed before its first save restarts from scratch.
+    them).  What a run itself puts there besides checkpoints (:func:`files.is_run_file`: lock, W&B folder, write
+    probe, partial ``*.tmp`` saves) counts as nothing: a run killed before its first save restarts from scratch,
+    and ranks looking while rank 0 probes the directory see no stranger's files.
     """
     if not os.path.isdir(path):
         return None
@@ -93,7 +94,7 @@ def find_checkpoint(path: str) -> str | None:
         return path
     if _iterations(path):
         raise ValueError(f"{path} holds iteration directories but no {LATEST} pointer; {_newest_hint(path)}")
-    found = sorted(name for name in os.listdir(path) if not name.endswith(".tmp") and name not in RUN_FILES)
+    found = sorted(name for name in os.listdir(path) if not is_run_file(name))
     if found:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
         raise ValueError(f"{path} holds {shown}, but no checkpoint: neither a megalite checkpoint ('{LATEST}' or "

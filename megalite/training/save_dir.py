@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import LOCK_NAME
+from megalite.checkpoint.files import LOCK_NAME, WRITE_PROBE
 from megalite.checkpoint.locate import find_checkpoint
 from megalite.training.checkpointing import read_latest
 
@@ -117,7 +117,7 @@ def check_writable_with_room(save_dir: str, needed_bytes: int) -> None:
     """ValueError unless ``save_dir`` can be created and written and has ``needed_bytes`` free."""
     try:
         os.makedirs(save_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".write_probe") as probe:
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=WRITE_PROBE) as probe:
             probe.write(b"megalite")
             probe.flush()
             os.fsync(probe.fileno())

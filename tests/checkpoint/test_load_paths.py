@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import load_model, load_sharded, save_sharded
-from megalite.checkpoint.files import LOCK_NAME, WANDB_DIR
+from megalite.checkpoint.files import LOCK_NAME, WANDB_DIR, WRITE_PROBE
 from megalite.checkpoint.locate import find_checkpoint
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
@@ -223,6 +223,8 @@ def test_a_run_killed_before_its_first_save_leaves_nothing_to_load(tmp_path):
     (tmp_path / LOCK_NAME).write_text("pid 1")
     (tmp_path / WANDB_DIR).mkdir()
     (tmp_path / "iter_0000001.tmp").mkdir()
+    assert find_checkpoint(str(tmp_path)) is None
+    (tmp_path / f"{WRITE_PROBE}abc123").write_text("")  # rank 0's writability probe, seen by other ranks
     assert find_checkpoint(str(tmp_path)) is None
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
