@@ -43,6 +43,7 @@ import torch
 from megalite.checkpoint import global_shapes, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.megatron_dist import megalite_name
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
@@ -50,11 +51,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-"""Transformer Engine's fused-norm parameter names -> the local spec's (megalite's) names."""
 
 
 @dataclass
@@ -138,7 +134,7 @@ def _global_name(name: str, offset: int) -> str:
     if match is None:
         return name
     rest = name[match.end():]
-    return f"decoder.layers.{int(match.group(1)) + offset}.{_TE_NAMES.get(rest, rest)}"
+    return f"decoder.layers.{int(match.group(1)) + offset}.{megalite_name(rest)}"
 
 
 def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: int | None = None) -> LegacyCheckpoint:
