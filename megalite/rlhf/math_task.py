@@ -12,13 +12,13 @@ reads these or a user's own jsonl with ``prompt`` and ``answer`` fields the same
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from fractions import Fraction
 
 from megalite.data.sft import jsonl_records
+from megalite.flags import ArgumentParser
 
 NAMES = ("Ana", "Ravi", "Mei", "Tom", "Sara", "Kofi", "Lena", "Omar")
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -134,8 +134,8 @@ def read_answers(path: str) -> list[dict]:
     return records
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the synthetic math word-problem task as jsonl.")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(description="Write the synthetic math word-problem task as jsonl.")
     parser.add_argument("out", help="the jsonl file to write")
     parser.add_argument("--count", type=int, default=1000, help="how many problems")
     parser.add_argument("--seed", type=int, default=0, help="the set's seed (use another for a held-out set)")
@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.count <= 0:
         parser.error(f"--count must be positive, got {args.count}")
     write_math_task(args.out, args.count, args.seed)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megalite.cli import run_cli
+
+    sys.exit(run_cli(main))

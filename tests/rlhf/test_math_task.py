@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+from megalite.cli import run_cli
 from megalite.rlhf.math_task import main, math_problem, math_problems, read_answers, write_math_task
 from megalite.rlhf.verifiers import boxed_answer, check_exact
 
@@ -71,6 +72,5 @@ def test_bad_task_input_is_one_clear_error(tmp_path, capsys):
         read_answers(str(bad))
     with pytest.raises(ValueError, match="positive integer"):
         math_problems(0)
-    with pytest.raises(SystemExit) as exit_:
-        main([str(tmp_path / "x.jsonl"), "--count", "0"])
-    assert exit_.value.code == 2 and "--count must be positive" in capsys.readouterr().err
+    code = run_cli(main, [str(tmp_path / "x.jsonl"), "--count", "0"])  # as `python -m megalite.rlhf.math_task`
+    assert code == 2 and "--count must be positive" in capsys.readouterr().err
