@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -10,6 +11,23 @@ from torch import nn
 from megalite.distributed.config import DDPConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.topology import group_size, resolve_group
+
+
+def _weakly(method):
+    """A hook that calls ``method`` while its object lives, without keeping it alive.
+
+    A parameter's hook that holds the wrapper makes a cycle through the tensor's C++ side, which
+    Python's garbage collector cannot see: the wrapper, the model and every gradient buffer would
+    stay allocated after the user drops them (on a GPU, device memory held until the process ends).
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
 
 
 class DistributedDataParallel(nn.Module):
@@ -40,6 +58,7 @@ class DistributedDataParallel(nn.Module):
             groups.setdefault((p.dtype, bool(getattr(p, "expert_parallel", False))), []).append(p)
         self.buffers: list[GradBuffer] = []
         self._buffer_of: dict = {}
+        grad_hook = _weakly(self._grad_hook)
         for (dtype, expert), params in groups.items():
             grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else dtype
             group = self.expert_dp_group if expert else self.dp_group
@@ -49,7 +68,7 @@ class DistributedDataParallel(nn.Module):
             self.buffers.append(buffer)
             for p in params:
                 self._buffer_of[p] = buffer
-                p.register_post_accumulate_grad_hook(self._grad_hook)
+                p.register_post_accumulate_grad_hook(grad_hook)
         if self.config.use_distributed_optimizer:
             for sub in module.modules():
                 if any(True for _ in sub.parameters(recurse=False)):

@@ -1,4 +1,6 @@
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -85,6 +87,20 @@ def test_main_grad_buffer_layout_single_process():
     torch.testing.assert_close(params[0].main_grad, 0.5 * next(ref.parameters()).grad, rtol=0, atol=1e-7)
     ddp.zero_grad_buffer()
     assert not buffer.grad_data.any()
+
+
+def test_dropped_wrapper_frees_its_model_and_buffers():
+    """The gradient hooks must not keep the wrapper alive: a parameter's hook holding it is a cycle the garbage
+    collector cannot see through, which kept every finished model's weights and gradient buffers allocated
+    (on a GPU, device memory until the process ended)."""
+    model = mlp()
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=200))
+    x, y = batch(0)
+    F.mse_loss(ddp(x), y).backward()
+    refs = [weakref.ref(ddp), weakref.ref(model), weakref.ref(ddp.buffers[0]), weakref.ref(next(model.parameters()))]
+    del model, ddp
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 def test_bad_config_and_second_backward_without_no_sync():
