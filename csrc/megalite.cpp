@@ -8,6 +8,10 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#ifdef MEGALITE_WITH_CUDA
+#include "cuda/kernels.h"
+#endif
+
 TORCH_LIBRARY(megalite, m) {
   m.def("layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_bwd(Tensor grad, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
@@ -40,6 +44,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (module == nullptr) return nullptr;
 #ifdef MEGALITE_WITH_CUDA
   PyModule_AddIntConstant(module, "WITH_CUDA", 1);
+  PyModule_AddIntConstant(module, "CUDA_MAX_ROW", megalite::cuda::kMaxRow);
 #else
   PyModule_AddIntConstant(module, "WITH_CUDA", 0);
 #endif

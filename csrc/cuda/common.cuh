@@ -1,8 +1,12 @@
 // Device helpers shared by the megalite CUDA kernels: dtype conversion, block reductions, dispatch.
 #pragma once
 
+#include <initializer_list>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
 
 #include "kernels.h"
 
@@ -22,25 +26,136 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Sum / max of v over the block; every thread gets the result.  `scratch` holds 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// ---- 16-byte accesses.  A kernel templated on N moves N elements of T per load and store: N = 16 /
+// sizeof(T) (8 bf16 / fp16, 4 fp32) when the launcher found every pointer 16-byte aligned and rows a
+// whole number of packs, else 1.  Half types move 8 values per instruction instead of 1.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> pack = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(pack.v[i]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> pack;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pack.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pack;
+}
+
+template <int N>
+__device__ __forceinline__ void load_mask(const bool* p, bool (&out)[N]) {
+  const Pack<bool, N> pack = *reinterpret_cast<const Pack<bool, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = pack.v[i];
+}
+
+inline bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+// True when the 16-byte path applies: every non-null pointer 16-byte aligned and `inner` (the length
+// that packs must not straddle) a multiple of the pack size.
+template <typename T>
+inline bool vectorizable(int64_t inner, std::initializer_list<const void*> pointers) {
+  if (inner % kVec<T> != 0) return false;
+  for (const void* p : pointers) {
+    if (p != nullptr && !aligned(p, 16)) return false;
+  }
+  return true;
+}
+
+// ---- Row kernels.  A row of h elements is held in registers by the G threads of its row group
+// (G = blockDim.x, a multiple of 32): thread t keeps packs t, t + G, ..., up to P packs of N elements,
+// so the row is read from global memory once.  Short rows (G = 32) are one warp each, several rows
+// per block (blockDim.y); longer rows take one block each.  Row kernels are compiled for 1024-thread
+// blocks (__launch_bounds__), so rows past 8 floats per thread spill to local memory rather than fail.
+
+// Sum / max over the threads of a row group; every thread gets the result.  `scratch` holds 32 floats.
+__device__ __forceinline__ float row_sum(float v, float* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (blockDim.x == 32) return v;
   __syncthreads();
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < static_cast<int>((blockDim.x + 31) >> 5); ++w) total += scratch[w];
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += scratch[w];
   return total;
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
+__device__ __forceinline__ float row_max(float v, float* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (blockDim.x == 32) return v;
   __syncthreads();
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
   float best = -INFINITY;
-  for (int w = 0; w < static_cast<int>((blockDim.x + 31) >> 5); ++w) best = fmaxf(best, scratch[w]);
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) best = fmaxf(best, scratch[w]);
   return best;
+}
+
+// This thread's packs of a row of `packs` packs: v[q] is pack threadIdx.x + q * G, zeros past the end
+// (or past `limit` packs, which need not be read).
+template <int N, int P, typename T>
+__device__ __forceinline__ void load_row(const T* row, int64_t limit, float (&v)[P][N]) {
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(q) * blockDim.x;
+    if (k < limit) {
+      load<N>(row + k * N, v[q]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[q][i] = 0.0f;
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t pack_index(int q) { return threadIdx.x + static_cast<int64_t>(q) * blockDim.x; }
+
+// The row this thread works on, or -1 past the last row.
+__device__ __forceinline__ int64_t row_index(int64_t rows) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y;
+  return r < rows ? r : -1;
+}
+
+template <int V>
+struct Int {
+  static constexpr int value = V;
+};
+
+// Launch shape of a row kernel for rows of `packs` packs, P packs per thread.
+struct RowLaunch {
+  dim3 grid, block;
+};
+
+inline RowLaunch row_launch(int64_t rows, int64_t packs, int per_thread) {
+  int64_t threads = ((packs + per_thread - 1) / per_thread + 31) / 32 * 32;
+  if (threads < 32) threads = 32;
+  const unsigned int per_block = threads == 32 ? 8 : 1;
+  return {dim3(static_cast<unsigned int>((rows + per_block - 1) / per_block)),
+          dim3(static_cast<unsigned int>(threads), per_block)};
+}
+
+// Calls launch(Int<N>, Int<P>, RowLaunch) with N = kVec<T> when `vec`, else 1, and the fewest floats
+// per thread (8, 32 or 64) that fit a row of h elements in at most 1024 threads.
+template <typename T, typename Launch>
+cudaError_t row_dispatch(bool vec, int64_t rows, int64_t h, Launch&& launch) {
+  if (h > kMaxRow) return cudaErrorInvalidValue;
+  auto with = [&](auto n) {
+    constexpr int N = decltype(n)::value;
+    const int64_t packs = h / N;
+    if (packs <= 1024 * (8 / N)) return launch(n, Int<8 / N>{}, row_launch(rows, packs, 8 / N));
+    if (packs <= 1024 * (32 / N)) return launch(n, Int<32 / N>{}, row_launch(rows, packs, 32 / N));
+    return launch(n, Int<64 / N>{}, row_launch(rows, packs, 64 / N));
+  };
+  return vec ? with(Int<kVec<T>>{}) : with(Int<1>{});
 }
 
 // Threads per block for one block per row of length n: a multiple of 32 in [32, 512].

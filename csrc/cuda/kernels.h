@@ -14,6 +14,10 @@ namespace cuda {
 
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// Longest row the norm and softmax kernels take (1024 threads x 64 floats in registers); callers send
+// longer rows elsewhere (megalite.kernels uses the torch reference).
+constexpr int64_t kMaxRow = 1024 * 64;
+
 // Row chunks of the deterministic two-stage weight-gradient reduction;
 // norm backward launchers need a float workspace of chunks * h (* 2 for LayerNorm).
 int64_t norm_bwd_chunks(int64_t rows);

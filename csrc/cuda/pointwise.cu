@@ -1,5 +1,5 @@
 // Elementwise fused ops: bias + GeLU(tanh), bias + SwiGLU, rotary embedding, bias + dropout + residual.
-// Grid-stride loops with float math.
+// Grid-stride loops over packs of N elements (16-byte accesses when aligned, else N = 1), float math.
 #include "common.cuh"
 
 namespace megalite {
@@ -9,9 +9,15 @@ namespace {
 constexpr float kGeluC0 = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC1 = 0.044715f;
 
-template <typename T>
-__device__ __forceinline__ float biased(const T* x, const T* bias, int64_t i, int64_t h) {
-  return to_float(x[i]) + (bias == nullptr ? 0.0f : to_float(bias[i % h]));
+// x[i, i + N) plus bias at column i % h (packs never straddle a row).
+template <int N, typename T>
+__device__ __forceinline__ void load_biased(const T* x, const T* bias, int64_t i, int64_t h, float (&v)[N]) {
+  load<N>(x + i, v);
+  if (bias == nullptr) return;
+  float b[N];
+  load<N>(bias + i % h, b);
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] += b[k];
 }
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
@@ -19,81 +25,132 @@ __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-template <typename T>
+template <typename T, int N>
 __global__ void gelu_fwd_kernel(const T* x, const T* bias, T* y, int64_t n, int64_t h) {
-  GRID_STRIDE(i, n) {
-    const float v = biased(x, bias, i, h);
-    y[i] = from_float<T>(0.5f * v * (1.0f + tanhf(kGeluC0 * (v + kGeluC1 * v * v * v))));
+  GRID_STRIDE(p, n / N) {
+    float v[N];
+    load_biased<N>(x, bias, p * N, h, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = 0.5f * v[k] * (1.0f + tanhf(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k])));
+    store<N>(y + p * N, v);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void gelu_bwd_kernel(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, int64_t h) {
-  GRID_STRIDE(i, n) {
-    const float v = biased(x, bias, i, h);
-    const float t = tanhf(kGeluC0 * (v + kGeluC1 * v * v * v));
-    const float d = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * v * v);
-    grad_x[i] = from_float<T>(to_float(grad[i]) * d);
+  GRID_STRIDE(p, n / N) {
+    float v[N], g[N];
+    load_biased<N>(x, bias, p * N, h, v);
+    load<N>(grad + p * N, g);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float t = tanhf(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k]));
+      g[k] *= 0.5f * (1.0f + t) + 0.5f * v[k] * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * v[k] * v[k]);
+    }
+    store<N>(grad_x + p * N, g);
   }
 }
 
-// Output element i is (row r, column j) of [rows, h / 2]; gate at x[r, j], up at x[r, j + h / 2].
-template <typename T>
+// Output pack p covers (row r, columns j..j+N) of [rows, h / 2]; gate at x[r, j], up at x[r, j + h / 2].
+template <typename T, int N>
 __global__ void swiglu_fwd_kernel(const T* x, const T* bias, T* y, int64_t n, int64_t h) {
   const int64_t half = h / 2;
-  GRID_STRIDE(i, n) {
-    const int64_t gate_at = (i / half) * h + i % half;
-    const float gate = biased(x, bias, gate_at, h), up = biased(x, bias, gate_at + half, h);
-    y[i] = from_float<T>(gate * sigmoid(gate) * up);
+  GRID_STRIDE(p, n / N) {
+    const int64_t i = p * N, gate_at = (i / half) * h + i % half;
+    float gate[N], up[N];
+    load_biased<N>(x, bias, gate_at, h, gate);
+    load_biased<N>(x, bias, gate_at + half, h, up);
+#pragma unroll
+    for (int k = 0; k < N; ++k) up[k] *= gate[k] * sigmoid(gate[k]);
+    store<N>(y + i, up);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void swiglu_bwd_kernel(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, int64_t h) {
   const int64_t half = h / 2;
-  GRID_STRIDE(i, n) {
-    const int64_t gate_at = (i / half) * h + i % half;
-    const float gate = biased(x, bias, gate_at, h), up = biased(x, bias, gate_at + half, h);
-    const float s = sigmoid(gate), g = to_float(grad[i]);
-    grad_x[gate_at] = from_float<T>(g * up * s * (1.0f + gate * (1.0f - s)));
-    grad_x[gate_at + half] = from_float<T>(g * gate * s);
+  GRID_STRIDE(p, n / N) {
+    const int64_t i = p * N, gate_at = (i / half) * h + i % half;
+    float gate[N], up[N], g[N];
+    load_biased<N>(x, bias, gate_at, h, gate);
+    load_biased<N>(x, bias, gate_at + half, h, up);
+    load<N>(grad + i, g);
+    float d_gate[N], d_up[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float s = sigmoid(gate[k]);
+      d_gate[k] = g[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
+      d_up[k] = g[k] * gate[k] * s;
+    }
+    store<N>(grad_x + gate_at, d_gate);
+    store<N>(grad_x + gate_at + half, d_up);
   }
 }
 
-// Element i is pair (row r, j < d / 2) of x [s * per_pos, d]; row r is at position r / per_pos.
-template <typename T>
+// Pack p covers pairs (row r, j..j+N), j < d / 2, of x [s * per_pos, d]; row r is at position r / per_pos.
+template <typename T, int N>
 __global__ void rotary_kernel(const T* x, const float* cos, const float* sin, T* out, int64_t n, int64_t per_pos,
                               int64_t d, bool backward) {
   const int64_t half = d / 2;
-  GRID_STRIDE(i, n) {
-    const int64_t r = i / half, j = i % half;
+  GRID_STRIDE(p, n / N) {
+    const int64_t r = (p * N) / half, j = (p * N) % half;
     const float* c = cos + (r / per_pos) * d;
     const float* sn = sin + (r / per_pos) * d;
-    const float a = to_float(x[r * d + j]), b = to_float(x[r * d + j + half]);
-    if (backward) {
-      out[r * d + j] = from_float<T>(a * c[j] + b * sn[j + half]);
-      out[r * d + j + half] = from_float<T>(b * c[j + half] - a * sn[j]);
-    } else {
-      out[r * d + j] = from_float<T>(a * c[j] - b * sn[j]);
-      out[r * d + j + half] = from_float<T>(b * c[j + half] + a * sn[j + half]);
+    float a[N], b[N], lo[N], hi[N];
+    load<N>(x + r * d + j, a);
+    load<N>(x + r * d + j + half, b);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (backward) {
+        lo[k] = a[k] * c[j + k] + b[k] * sn[j + k + half];
+        hi[k] = b[k] * c[j + k + half] - a[k] * sn[j + k];
+      } else {
+        lo[k] = a[k] * c[j + k] - b[k] * sn[j + k];
+        hi[k] = b[k] * c[j + k + half] + a[k] * sn[j + k + half];
+      }
     }
+    store<N>(out + r * d + j, lo);
+    store<N>(out + r * d + j + half, hi);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void bias_dropout_add_kernel(const T* x, const T* bias, const T* residual, const bool* mask, T* out,
                                         int64_t n, int64_t h, float scale) {
-  GRID_STRIDE(i, n) {
-    const float v = biased(x, bias, i, h);
-    const float dropped = mask == nullptr ? v : (mask[i] ? v * scale : 0.0f);
-    out[i] = from_float<T>(to_float(residual[i]) + dropped);
+  GRID_STRIDE(p, n / N) {
+    float v[N], res[N];
+    load_biased<N>(x, bias, p * N, h, v);
+    load<N>(residual + p * N, res);
+    bool keep[N];
+    if (mask != nullptr) load_mask<N>(mask + p * N, keep);
+#pragma unroll
+    for (int k = 0; k < N; ++k) res[k] += mask == nullptr ? v[k] : (keep[k] ? v[k] * scale : 0.0f);
+    store<N>(out + p * N, res);
   }
 }
 
-template <typename T>
+template <typename T, int N>
 __global__ void dropout_bwd_kernel(const T* grad, const bool* mask, T* grad_x, int64_t n, float scale) {
-  GRID_STRIDE(i, n) { grad_x[i] = from_float<T>(mask[i] ? to_float(grad[i]) * scale : 0.0f); }
+  GRID_STRIDE(p, n / N) {
+    float g[N];
+    bool keep[N];
+    load<N>(grad + p * N, g);
+    load_mask<N>(mask + p * N, keep);
+#pragma unroll
+    for (int k = 0; k < N; ++k) g[k] = keep[k] ? g[k] * scale : 0.0f;
+    store<N>(grad_x + p * N, g);
+  }
 }
+
+// Launches kernel<T, N> over n elements with N = kVec<T> when `vec`, else 1.
+#define LAUNCH_PACKED(vec, n, kernel, ...)                                                           \
+  do {                                                                                               \
+    if (vec) {                                                                                       \
+      kernel<T, kVec<T>><<<flat_blocks((n) / kVec<T>), 256, 0, stream>>>(__VA_ARGS__);               \
+    } else {                                                                                         \
+      kernel<T, 1><<<flat_blocks(n), 256, 0, stream>>>(__VA_ARGS__);                                 \
+    }                                                                                                \
+  } while (0)
 
 }  // namespace
 
@@ -101,8 +158,8 @@ cudaError_t bias_gelu_fwd(int dtype, const void* x, const void* bias, void* y, i
                           cudaStream_t stream) {
   const int64_t n = rows * h;
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, gelu_fwd_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), n, h));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(h, {x, bias, y}), n, gelu_fwd_kernel,
+                                         static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), n, h));
   return cudaGetLastError();
 }
 
@@ -110,9 +167,9 @@ cudaError_t bias_gelu_bwd(int dtype, const void* grad, const void* x, const void
                           int64_t h, cudaStream_t stream) {
   const int64_t n = rows * h;
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, gelu_bwd_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(grad), static_cast<const T*>(x), static_cast<const T*>(bias),
-                               static_cast<T*>(grad_x), n, h));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(h, {grad, x, bias, grad_x}), n, gelu_bwd_kernel,
+                                         static_cast<const T*>(grad), static_cast<const T*>(x),
+                                         static_cast<const T*>(bias), static_cast<T*>(grad_x), n, h));
   return cudaGetLastError();
 }
 
@@ -120,8 +177,8 @@ cudaError_t bias_swiglu_fwd(int dtype, const void* x, const void* bias, void* y,
                             cudaStream_t stream) {
   const int64_t n = rows * (h / 2);
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, swiglu_fwd_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), n, h));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(h / 2, {x, bias, y}), n, swiglu_fwd_kernel,
+                                         static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), n, h));
   return cudaGetLastError();
 }
 
@@ -129,9 +186,9 @@ cudaError_t bias_swiglu_bwd(int dtype, const void* grad, const void* x, const vo
                             int64_t h, cudaStream_t stream) {
   const int64_t n = rows * (h / 2);
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, swiglu_bwd_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(grad), static_cast<const T*>(x), static_cast<const T*>(bias),
-                               static_cast<T*>(grad_x), n, h));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(h / 2, {grad, x, bias, grad_x}), n, swiglu_bwd_kernel,
+                                         static_cast<const T*>(grad), static_cast<const T*>(x),
+                                         static_cast<const T*>(bias), static_cast<T*>(grad_x), n, h));
   return cudaGetLastError();
 }
 
@@ -139,8 +196,8 @@ cudaError_t rotary(int dtype, const void* x, const float* cos, const float* sin,
                    int64_t per_pos, int64_t d, bool backward, cudaStream_t stream) {
   const int64_t n = s * per_pos * (d / 2);
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, rotary_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(x), cos, sin, static_cast<T*>(out), n, per_pos, d, backward));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(d / 2, {x, out}), n, rotary_kernel, static_cast<const T*>(x),
+                                         cos, sin, static_cast<T*>(out), n, per_pos, d, backward));
   return cudaGetLastError();
 }
 
@@ -148,17 +205,17 @@ cudaError_t bias_dropout_add_fwd(int dtype, const void* x, const void* bias, con
                                  void* out, int64_t rows, int64_t h, float scale, cudaStream_t stream) {
   const int64_t n = rows * h;
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, bias_dropout_add_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(x), static_cast<const T*>(bias),
-                               static_cast<const T*>(residual), mask, static_cast<T*>(out), n, h, scale));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(h, {x, bias, residual, mask, out}), n,
+                                         bias_dropout_add_kernel, static_cast<const T*>(x), static_cast<const T*>(bias),
+                                         static_cast<const T*>(residual), mask, static_cast<T*>(out), n, h, scale));
   return cudaGetLastError();
 }
 
 cudaError_t dropout_bwd(int dtype, const void* grad, const bool* mask, void* grad_x, int64_t n, float scale,
                         cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, dropout_bwd_kernel<T><<<flat_blocks(n), 256, 0, stream>>>(
-                               static_cast<const T*>(grad), mask, static_cast<T*>(grad_x), n, scale));
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(n, {grad, mask, grad_x}), n, dropout_bwd_kernel,
+                                         static_cast<const T*>(grad), mask, static_cast<T*>(grad_x), n, scale));
   return cudaGetLastError();
 }
 

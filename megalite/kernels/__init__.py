@@ -92,7 +92,8 @@ def layer_norm(x, weight, bias, eps: float):
     _check_last_dim("layer_norm", x, "bias", bias)
     if _apex_applies(x, weight, bias):
         return _APEX_NORMS.fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
-    if weight is not None and bias is not None and _float_dtype(x) and _qualifies(x, weight, bias):
+    if (weight is not None and bias is not None and _float_dtype(x) and _qualifies(x, weight, bias)
+            and _fused.row_fits(x)):
         return _fused.layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
 
@@ -105,7 +106,7 @@ def rms_norm(x, weight, eps: float):
     _check_last_dim("rms_norm", x, "weight", weight)
     if _apex_applies(x, weight):
         return _APEX_NORMS.fused_rms_norm_affine(x, weight, (x.shape[-1],), eps)
-    if weight is not None and _float_dtype(x) and _qualifies(x, weight):
+    if weight is not None and _float_dtype(x) and _qualifies(x, weight) and _fused.row_fits(x):
         return _fused.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
@@ -168,7 +169,7 @@ def scaled_upper_triang_masked_softmax(x, scale: float):
     if x.dim() < 2 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"scaled_upper_triang_masked_softmax: x must be [..., sq, sk] with sq == sk, "
                          f"got shape {tuple(x.shape)}")
-    if _float_dtype(x) and _qualifies(x):
+    if _float_dtype(x) and _qualifies(x) and _fused.row_fits(x):
         return _fused.scaled_upper_triang_masked_softmax(x, scale)
     return reference.scaled_upper_triang_masked_softmax(x, scale)
 
@@ -185,7 +186,7 @@ def scaled_masked_softmax(x, mask, scale: float):
     if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
         raise ValueError(f"scaled_masked_softmax: mask {tuple(mask.shape)} broadcasts x {tuple(x.shape)} "
                          f"to a larger shape")
-    if 2 <= x.dim() <= 4 and mask.device == x.device and _float_dtype(x) and _qualifies(x):
+    if 2 <= x.dim() <= 4 and mask.device == x.device and _float_dtype(x) and _qualifies(x) and _fused.row_fits(x):
         return _fused.scaled_masked_softmax(x, mask, scale)
     return reference.scaled_masked_softmax(x, mask, scale)
 

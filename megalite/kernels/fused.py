@@ -26,6 +26,15 @@ OPS = ("layer_norm", "rms_norm", "bias_gelu", "bias_swiglu", "apply_rotary", "bi
        "scaled_upper_triang_masked_softmax", "scaled_masked_softmax", "permute", "unpermute", "paged_attention")
 
 
+# The CUDA norm and softmax kernels hold a row in registers: rows up to this many elements.
+CUDA_MAX_ROW = _C.CUDA_MAX_ROW if WITH_CUDA else 0
+
+
+def row_fits(x) -> bool:
+    """True unless x is a CUDA tensor whose rows are longer than the row kernels hold."""
+    return x.device.type != "cuda" or x.shape[-1] <= CUDA_MAX_ROW
+
+
 def supports_device(device: torch.device) -> bool:
     """True when the extension has kernels for this device."""
     return BUILT and (device.type == "cpu" or (device.type == "cuda" and WITH_CUDA))

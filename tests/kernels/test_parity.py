@@ -1,5 +1,7 @@
 """Every fused op against its plain-torch reference: forward and backward, odd sizes, three dtypes."""
 
+import math
+
 import pytest
 import torch
 
@@ -148,3 +150,84 @@ def test_dropout_uses_default_generator(device):
     kept = first != 0
     assert 0.2 < 1 - kept.float().mean().item() < 0.3
     torch.testing.assert_close(first[kept], x[kept] / 0.75)
+
+
+def _offset_tensor(*shape, device, dtype, offset):
+    """A contiguous tensor starting ``offset`` elements into its storage: offset 1 is not 16-byte aligned, which
+    sends the CUDA kernels down their one-element-per-access path; offset 0 takes the 16-byte path."""
+    base = torch.randn(math.prod(shape) + offset, device=device).to(dtype)
+    return base[offset:].view(shape).detach().requires_grad_()
+
+
+def _packed_cases(h, dtype, offset):
+    """name -> (args builder, public fn, reference fn) at last dim ``h`` (the row kernels' tiers: one warp per
+    row, a block per row, 32 and 64 floats per thread), with inputs aligned (offset 0) or not (offset 1)."""
+    mk = dict(device="cuda", dtype=dtype, offset=offset)
+    rows = max(2, 4096 // h)
+
+    def w():
+        return torch.randn(h, device="cuda", requires_grad=True)
+
+    def rotary_args():
+        d = 64 if h <= 4096 else 128
+        angles = torch.randn(5, d // 2, device="cuda")
+        emb = torch.cat((angles, angles), dim=-1)
+        return _offset_tensor(5, 2, 3, d, **mk), _offset_tensor(5, 2, 1, d, **mk), emb.cos(), emb.sin()
+
+    def experts():
+        return torch.randint(-1, 4, (rows, 2), device="cuda")
+
+    def unpermute_args():
+        permuted, row_map = R.permute(_offset_tensor(rows, h, **mk).detach(), experts())
+        return permuted.requires_grad_(), row_map, torch.rand(rows, 2, device="cuda", requires_grad=True), rows
+
+    return {
+        "layer_norm": (lambda: (_offset_tensor(rows, h, **mk), w(), w(), 1e-5), K.layer_norm, R.layer_norm),
+        "rms_norm": (lambda: (_offset_tensor(rows, h, **mk), w(), 1e-6), K.rms_norm, R.rms_norm),
+        "bias_gelu": (lambda: (_offset_tensor(rows, h, **mk), _offset_tensor(h, **mk)), K.bias_gelu, R.bias_gelu),
+        "bias_swiglu": (lambda: (_offset_tensor(rows, h, **mk), _offset_tensor(h, **mk)), K.bias_swiglu, R.bias_swiglu),
+        "apply_rotary": (rotary_args, K.apply_rotary, R.apply_rotary),
+        "bias_dropout_add": (lambda: (_offset_tensor(rows, h, **mk), _offset_tensor(h, **mk),
+                                      _offset_tensor(rows, h, **mk), 0.3, True), K.bias_dropout_add, R.bias_dropout_add),
+        "causal_softmax": (lambda: (_offset_tensor(1, 2, min(h, 4096), min(h, 4096), **mk) * 4, 0.37),
+                           K.scaled_upper_triang_masked_softmax, R.scaled_upper_triang_masked_softmax),
+        "masked_softmax": (lambda: (_offset_tensor(2, 1, 3, h, **mk) * 4,
+                                    torch.rand(2, 1, 1, h, device="cuda") < 0.3, 0.37),
+                           K.scaled_masked_softmax, R.scaled_masked_softmax),
+        "permute": (lambda: (_offset_tensor(rows, h, **mk), experts()), K.permute, R.permute),
+        "unpermute": (unpermute_args, K.unpermute, R.unpermute),
+    }
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("h", [64, 4096, 12288, 65536])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(_packed_cases(64, torch.float32, 0)))
+def test_cuda_packed_paths_match_reference(name, dtype, h, offset, monkeypatch):
+    """The CUDA kernels' 16-byte and one-element paths, at every register tier of the row kernels."""
+    make_args, fused_fn, reference_fn = _packed_cases(h, dtype, offset)[name]
+    torch.manual_seed(0)
+    args = make_args()
+    op = fused_fn.__name__
+    real, calls = getattr(fused, op), []
+    monkeypatch.setattr(fused, op, lambda *a: calls.append(op) or real(*a))
+    fused_out, fused_grads = _run(fused_fn, args, grads_seed=7)
+    assert calls == [op], f"{name} did not take the fused path"
+    ref_out, ref_grads = _run(reference_fn, args, grads_seed=7)
+    for got, want in zip(fused_out + fused_grads, ref_out + ref_grads):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOL[got.dtype])
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_rows_past_the_register_limit_use_the_reference(monkeypatch):
+    h = fused.CUDA_MAX_ROW + 8
+    x, weight = torch.randn(2, h, device="cuda"), torch.randn(h, device="cuda")
+    monkeypatch.setattr(fused, "rms_norm", lambda *a: pytest.fail("the fused kernel got a row it cannot hold"))
+    assert torch.equal(K.rms_norm(x, weight, 1e-6), R.rms_norm(x, weight, 1e-6))
+    mask = torch.rand(1, 1, 1, h, device="cuda") < 0.5
+    monkeypatch.setattr(fused, "scaled_masked_softmax", lambda *a: pytest.fail("the fused kernel got a long row"))
+    assert torch.equal(K.scaled_masked_softmax(x[None, None], mask, 0.5), R.scaled_masked_softmax(x[None, None], mask, 0.5))
