@@ -35,7 +35,8 @@ def model_flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vo
     return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
 
 
-def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, profile: bool) -> dict:
+def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, profile: bool,
+                 extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         # NullTokenizer ids 0..V-2 plus eod make the model's vocabulary exactly V.
@@ -48,6 +49,7 @@ def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, p
                  "--lr", 1e-4, "--min-lr", 1e-5, "--lr-warmup-iters", 0,
                  "--save", "", "--load", "", "--tensorboard-dir", "",
                  "--data-cache-path", tmp, "--log-throughput", "--metrics-file", metrics]
+        flags += extra
         if profile:
             flags += ["--profile", "--profile-step-start", warmup + 1, "--profile-step-end", warmup + 2]
         cmd = [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py")] + [str(f) for f in flags]
@@ -82,6 +84,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--megalite-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile megalite's first timed iteration")
+    parser.add_argument("--extra-flags", default="",
+                        help="more examples/pretrain_gpt.py flags for megalite, e.g. '--recompute-granularity selective'")
+    parser.add_argument("--commit", default="", help="the megalite commit measured, recorded in the JSON")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu_gpt_mfu.json"))
     args = parser.parse_args()
 
@@ -98,13 +103,15 @@ def main():
 
     best = None
     for micro_batch in args.micro_batch_size:
-        result = run_megalite(micro_batch, args.global_batch_size, args.iters, args.warmup, args.profile)
+        result = run_megalite(micro_batch, args.global_batch_size, args.iters, args.warmup, args.profile,
+                              args.extra_flags.split())
         describe(f"megalite micro-batch {micro_batch}", result)
         if best is None or result["tokens_per_sec"] > best[1]["tokens_per_sec"]:
             best = (micro_batch, result)
     micro_batch, ours = best
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "model": MODEL,
+              "date": time.strftime("%Y-%m-%d"), "commit": args.commit, "model": MODEL,
+              "extra_flags": args.extra_flags,
               "micro_batch_size": micro_batch, "global_batch_size": args.global_batch_size,
               "model_flops_per_token": flops, "peak_tflops": PEAK_TFLOPS,
               "tokens_per_sec": ours["tokens_per_sec"], "tflops": ours["tflops"], "mfu": ours["mfu"]}
