@@ -59,8 +59,10 @@ def _summary(placement, metrics_path) -> dict:
     weights.update({f"target.{k}": v.clone() for k, v in models["target critic"].target.params.items()})
     phase_moved = [m for m in models.values() if m.kind != "trained" and not m.on_demand]
     frozen = [t for m in phase_moved for t in [*m.module.parameters(), *m.module.buffers()]]
+    # Every state tensor on the device is parked, the step counts too (on the device under fused Adam on a GPU,
+    # where each holds a 512-byte allocator block).
     state = [t for m in models.values() if m.optimizer is not None
-             for s in m.optimizer.optimizer.state.values() for t in s.values() if t.numel() > 1]
+             for s in m.optimizer.optimizer.state.values() for t in s.values() if t.device == placement.device]
     on_demand = {m.name: all(p.data_ptr() == m.offloaders["weights"].pool[n].data_ptr()
                              for n, p in m.module.named_parameters())
                  for m in models.values() if m.on_demand and m.offloaders}
