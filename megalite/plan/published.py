@@ -13,7 +13,7 @@ import os
 
 from megalite.models.config import GPTConfig
 from megalite.plan.estimate import estimate
-from megalite.plan.hardware import load_hardware
+from megalite.hardware import load_hardware
 from megalite.plan.layout import Layout
 
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published.json")

@@ -16,25 +16,6 @@ import torch
 
 from megalite.checkpoint.files import WANDB_DIR
 
-# Peak dense tensor-core TFLOP/s by GPU name fragment and dtype, for MFU.
-_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-}
-
-
-def peak_tflops(dtype: str) -> float | None:
-    """This GPU's peak TFLOP/s for ``dtype`` ('bf16', 'fp16', 'fp32'), or None when unknown or on CPU."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    for fragment, peaks in _PEAK_TFLOPS.items():
-        if fragment in name:
-            return peaks[dtype]
-    return None
-
-
 def memory_gib() -> dict[str, float]:
     """Peak memory of this process: GPU allocator peak on GPU, resident set peak on CPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
