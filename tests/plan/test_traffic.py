@@ -24,6 +24,8 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk",
 # (name, extra flags, DDP bucket size override or None)
 LAYOUTS = [
     ("tp2-dp2", ["--tensor-model-parallel-size", "2"], None),
+    ("tp2-sp-dp2-full-recompute", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--recompute-granularity", "full"], None),
     ("tp2-sp-dp2-zero1-bf16", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
                                "--use-distributed-optimizer"], None),
     ("pp2-dp2-tied", ["--pipeline-model-parallel-size", "2"], None),
