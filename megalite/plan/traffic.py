@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from megalite.models.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
-from megalite.plan.memory import _buffer_layout, rank_chunks
+from megalite.plan.memory import ddp_buffer, rank_chunks
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 
 FLOAT32, INT32, INT64, FLOAT64 = 4, 4, 8, 8
@@ -41,11 +41,8 @@ def _sequence_parallel_numel(config: GPTConfig, layers: int, post_process: bool)
 
 
 def _buffer_numel(params, layout: Layout, expert: bool) -> int:
-    group = [p for p in reversed(params) if p.expert == expert]
-    if not group:
-        return 0
-    size = layout.expert_dp if expert else layout.dp * layout.cp
-    return _buffer_layout(group, layout.bucket_size, size, layout.zero1)[2]
+    buffer = ddp_buffer(params, layout, expert)
+    return 0 if buffer is None else buffer[3]
 
 
 def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_batch_size: int,
