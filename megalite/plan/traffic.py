@@ -6,18 +6,19 @@ are the sender's sends).  So the count does not depend on gloo standing in for N
 all-gather with an all-reduce and broadcasts; the ring time of each kind follows from it
 (:mod:`megalite.plan.estimate`).  Groups of one rank move nothing and count nothing.
 
-Keys are the :mod:`megalite.topology` axes: ``tp``, ``pp`` (stage-to-stage sends of activations and
-their gradients), ``dp`` (the dense gradient buffers over dp x cp, ZeRO-1's parameter gather, the metrics
-mean), ``ep`` (token all-to-alls), ``expert_dp`` (expert gradient buffers), ``embedding`` (the tied word
-embedding's gradient between the first and last stage), ``expert_tp`` (the expert gradient norm's sum)
-and ``world`` (the trainer's per-step flags: a
-data error, the NaN guard).  Exact, to the byte, for the dense GPT under DDP and ZeRO-1 with tp, sequence
-parallelism, pp (1F1B, interleaved, zero-bubble, V) and for MoE layers' exchanged counts and expert
-buffers; the all-to-all payload of a rank depends on where its tokens are routed, so ``ep`` is the mean
-over the EP group (their sum is exact).  Not modelled: context-parallel attention, MoE layers under
-tp/etp > 1, FSDP2 (torch's own collectives), MLA, ``--log-num-zeros-in-grad`` and
-``--log-params-norm``; gradient clipping is assumed on (the default), and a step is assumed not skipped
-(an fp16 overflow skips the norm and ZeRO-1's parameter gather).
+Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (the p2p attention ring), ``pp`` (stage-to-stage
+sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp, ZeRO-1's
+parameter gather, the metrics mean), ``ep`` (token all-to-alls), ``expert_dp`` (expert gradient buffers),
+``embedding`` (the tied word embedding's gradient between the first and last stage), ``expert_tp`` (the
+expert gradient norm's sum) and ``world`` (the trainer's per-step flags: a data error, the NaN guard).
+
+Exact, to the byte, for the dense GPT under DDP and ZeRO-1 with tp, sequence parallelism, full recompute,
+cp (the p2p ring), pp (1F1B, interleaved, zero-bubble, V), and for MoE layers' exchanged counts and expert
+buffers.  Approximate: the all-to-all payload of a rank depends on where its tokens are routed, so ``ep``
+is the mean over the EP group (their sum is exact).  Not modelled: the all-gather and a2a context-parallel
+attention, MoE layers under tp/etp > 1, FSDP2 (torch's own collectives), MLA, ``--log-num-zeros-in-grad``
+and ``--log-params-norm``, and objects (the pipeline's pickled metrics broadcast).  Gradient clipping is
+assumed on (the default) and the step not skipped (an fp16 overflow skips the norm and ZeRO-1's gather).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _buffer_numel(params, layout: Layout, expert: bool) -> int:
 def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_batch_size: int,
                      pp_rank: int = 0) -> dict[str, int]:
     """Bytes per axis that pipeline rank ``pp_rank`` sends into collectives in one step (see the module)."""
-    out = {axis: 0 for axis in ("tp", "pp", "dp", "ep", "expert_tp", "expert_dp", "embedding", "world")}
+    out = {axis: 0 for axis in ("tp", "cp", "pp", "dp", "ep", "expert_tp", "expert_dp", "embedding", "world")}
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     e, h, tp = DTYPE_BYTES[layout.precision], config.hidden_size, layout.tp
     grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
@@ -76,6 +77,12 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
                 out["tp"] += m * 3 * tokens * FLOAT32
             if sp:
                 out["tp"] += _sequence_parallel_numel(config, len(layers), last) * grad_bytes
+        if layout.cp > 1:
+            # The p2p ring per layer: cp - 1 sends of this rank's keys and values (one tensor) forward, again in
+            # the backward (and in a full recompute's forward), plus cp sends of their fp32 gradient accumulators.
+            kv = config.num_query_groups // tp * tokens * 2 * config.kv_channels
+            forwards = 3 if layout.recompute == "full" else 2
+            out["cp"] += m * len(layers) * ((layout.cp - 1) * forwards * kv * e + layout.cp * kv * FLOAT32)
         if layout.pp > 1:
             stage = stages.stage(pp_rank, chunk)
             sent = activation // (tp if sp else 1)

@@ -32,6 +32,10 @@ LAYOUTS = [
     ("pp2-vpp2-tp2-zero1", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                             "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], None),
     ("dp4-zero1-fp16-buckets", ["--use-distributed-optimizer", "--fp16", "--initial-loss-scale", "128"], 700),
+    ("cp2-dp2-gqa-bf16", ["--context-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2",
+                          "--bf16"], None),
+    ("cp2-tp2-full-recompute", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--recompute-granularity", "full"], None),
     ("moe-ep2-dp4-zero1", MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], None),
 ]
 AXES = {"dp": "dp_cp"}  # the planner's name -> the topology's, where they differ
@@ -50,12 +54,13 @@ def _count_and_predict(layouts):
     import torch.distributed as dist
 
     from megalite import topology
+    from megalite.context_parallel import prepare_batch
     from megalite.distributed import DDPConfig
     from megalite.plan import Layout
     from megalite.plan.traffic import collective_bytes
     from megalite.training import gpt, setup
     from megalite.training.arguments import lr_schedule_settings, validate_args
-    from megalite.training.flags import gpt_config, parse_args
+    from megalite.training.flags import gpt_config, packing_config, parse_args
     from megalite.training.lr_schedule import LRScheduler
     from megalite.training.trainer import Trainer
 
@@ -94,7 +99,7 @@ def _count_and_predict(layouts):
         for name, extra, bucket_size in layouts:
             args = validate_args(parse_args(MODEL + extra), world)
             topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                                       vpp=args.virtual_pipeline_model_parallel_size,
+                                       vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
                                        ep=args.expert_model_parallel_size)
             if bucket_size is not None:
                 setup.ddp_config = lambda a, b=bucket_size: DDPConfig(**{**vars(ddp_config(a)), "bucket_size": b})
@@ -108,7 +113,11 @@ def _count_and_predict(layouts):
             generator = torch.Generator().manual_seed(topo.dp.rank)
 
             def batches(n=64):
-                return iter([{"tokens": torch.randint(0, 100, (2, 17), generator=generator)} for _ in range(n)])
+                samples = [torch.randint(0, 100, (2, 17), generator=generator) for _ in range(n)]
+                if topo.cp.size == 1:
+                    return iter([{"tokens": tokens} for tokens in samples])
+                return iter([prepare_batch(tokens, packing_config(args), topo.cp.size, topo.cp.rank)
+                             for tokens in samples])
 
             data = batches() if args.virtual_pipeline_model_parallel_size is None else [batches(), batches()]
             counted.clear()
