@@ -67,6 +67,8 @@ def predict_run(args, world: int) -> RunPrediction:
     if args.lora_rank:
         return RunPrediction(hardware, reason="the planner does not model LoRA fine-tuning (frozen base weights)")
     config = gpt_config(args)
+    if config.multi_latent_attention:
+        return RunPrediction(hardware, reason="the planner does not model multi-latent attention")
     layout = Layout.from_args(args, world)
     reason = check_layout(config, layout, args.seq_length, args.global_batch_size)
     if reason is not None:

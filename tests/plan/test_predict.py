@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megalite.hardware import load_hardware
 from megalite.models import gpt_flops_per_token
 from megalite.plan.estimate import estimate
@@ -29,8 +31,13 @@ def test_prediction_is_the_estimate_of_the_flags_layout_and_measured_mfu_uses_it
     assert "memory 3.00 GiB allocated (" in line and f"MFU {mfu:.1%} ({expected.mfu:.1%})" in line
 
 
-def test_a_lora_run_says_the_planner_does_not_model_it():
-    prediction = predict_run(parse_args(FLAGS + ["--lora-rank", "4"]), 4)
+@pytest.mark.parametrize("extra, reason", [
+    (["--lora-rank", "4"], "the planner does not model LoRA fine-tuning (frozen base weights)"),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "16", "--kv-lora-rank", "8",
+      "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8"],
+     "the planner does not model multi-latent attention"),
+])
+def test_a_run_the_planner_does_not_model_says_so(extra, reason):
+    prediction = predict_run(parse_args(FLAGS + extra), 4)
     assert prediction.estimate is None
-    assert prediction.line() == ("plan: no prediction for this run: the planner does not model LoRA fine-tuning "
-                                 "(frozen base weights)")
+    assert prediction.line() == f"plan: no prediction for this run: {reason}"
