@@ -3,8 +3,9 @@
 A collective's bytes are its whole buffer on this rank: the tensor of an all-reduce or broadcast, the
 output of an all-gather, the input of a reduce-scatter or all-to-all, a point-to-point send (receives
 are the sender's sends).  So the count does not depend on gloo standing in for NCCL's reduce-scatter and
-all-gather with an all-reduce and broadcasts; the ring time of each kind follows from it
-(:mod:`megalite.plan.estimate`).  Groups of one rank move nothing and count nothing.
+all-gather with an all-reduce and broadcasts.  Groups of one rank move nothing and count nothing.
+(:mod:`megalite.plan.estimate`'s step time still counts its exposed collectives its own way; deriving
+them from these volumes needs MoE under TP and FSDP2 modelled here first.)
 
 Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (the p2p attention ring), ``pp`` (stage-to-stage
 sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp, ZeRO-1's
