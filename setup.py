@@ -77,7 +77,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
-    package_data={"megalite.plan": ["hardware/*.json", "presets.json"]},
+    package_data={"megalite.hardware": ["*.json"], "megalite.plan": ["presets.json"]},
     install_requires=[torch_requirement(), "numpy", "sentencepiece", "tensorboard", "safetensors", "tqdm"],
     extras_require={**OPTIONAL, "test": TEST + [req for reqs in OPTIONAL.values() for req in reqs]},
     **extension_kwargs(),

@@ -9,8 +9,9 @@ benchmarks/megatron_core_gpt.py, each in its own process on the same GPU with
 the same batch.  megalite reports its last logged interval (the last --warmup
 iterations); Megatron-Core the mean over all --iters iterations after its warm-up.
 Prints tokens/s, TFLOP/s and MFU (Megatron's model-FLOPs formula with
-attention, against the 989 TFLOP/s bf16 peak of an H100) for each, then the
-ratio, and writes them to benchmarks/results/gpu_gpt_mfu.json.
+attention, against the bf16 peak of the running GPU's megalite.hardware
+profile: 989 TFLOP/s on an H100) for each, then the ratio, and writes them to
+benchmarks/results/gpu_gpt_mfu.json.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PEAK_TFLOPS = 989.0
 MODEL = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048, "vocab_size": 50304}
 
 
@@ -92,12 +92,18 @@ def main():
 
     import torch
 
+    from megalite.hardware import detect
+
+    hardware = detect()
+    if hardware is None:
+        sys.exit("error: no megalite.hardware profile names this GPU (or there is none)")
+    peak_tflops = hardware.peak("bf16") / 1e12
     flops = model_flops_per_token(**{k: MODEL[k] for k in ("num_layers", "hidden_size", "seq_length",
                                                             "vocab_size")})
 
     def describe(name, result):
         tflops = result["tokens_per_sec"] * flops / 1e12
-        result.update(tflops=tflops, mfu=tflops / PEAK_TFLOPS)
+        result.update(tflops=tflops, mfu=tflops / peak_tflops)
         print(f"{name}: {result['tokens_per_sec']:.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {result['mfu']:.1%}",
               flush=True)
 
@@ -113,7 +119,7 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "commit": args.commit, "model": MODEL,
               "extra_flags": args.extra_flags,
               "micro_batch_size": micro_batch, "global_batch_size": args.global_batch_size,
-              "model_flops_per_token": flops, "peak_tflops": PEAK_TFLOPS,
+              "model_flops_per_token": flops, "peak_tflops": peak_tflops,
               "tokens_per_sec": ours["tokens_per_sec"], "tflops": ours["tflops"], "mfu": ours["mfu"]}
     if not args.megalite_only:
         theirs = run_megatron_core(micro_batch, args.global_batch_size, args.iters, args.warmup)

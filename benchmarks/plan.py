@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
+from megalite.hardware import load_hardware
 from megalite.plan.__main__ import preset_config
-from megalite.plan.hardware import load_hardware
 from megalite.plan.search import plan
 
 

@@ -15,7 +15,7 @@ import os
 import sys
 
 from megalite.cli import run_cli
-from megalite.plan.hardware import load_hardware, profile_names
+from megalite.hardware import load_hardware, profile_names
 
 PRESETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets.json")
 GIB = 2 ** 30

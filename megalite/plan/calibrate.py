@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from megalite.plan.hardware import Hardware, save_hardware
+from megalite.hardware import Hardware, save_hardware
 
 
 def _best(fn, repeats: int = 3) -> float:

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.pipeline.timeline import analytic_bubble
 from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
                                        microbatches_in_flight)
-from megalite.plan.hardware import Hardware
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 

@@ -177,15 +177,26 @@ def _optimizer_bytes(owned: list[int], param_bytes: int, grad_bytes: int) -> int
     return total
 
 
+def ddp_buffer(params: list[ParamSpec], layout: Layout, expert: bool):
+    """The gradient buffer DDP builds for one chunk's dense (or expert) parameters: ``(its parameters in
+    backward order, each one's range, each bucket's range, elements)``; None when the chunk has none."""
+    group = [p for p in reversed(params) if p.expert == expert]
+    if not group:
+        return None
+    dp = layout.expert_dp if expert else layout.dp * layout.cp
+    return (group, *_buffer_layout(group, layout.bucket_size, dp, layout.zero1))
+
+
 def _ddp_chunk(params: list[ParamSpec], layout: Layout, dp_rank: int, edp_rank: int) -> StateBytes:
     out = StateBytes()
     pbytes = layout.param_bytes
     gbytes = 4 if layout.grad_reduce_in_fp32 else pbytes
-    backward = list(reversed(params))
-    for expert in sorted({p.expert for p in backward}, key=lambda e: [p.expert for p in backward].index(e)):
-        group = [p for p in backward if p.expert == expert]
+    for expert in (False, True):
+        buffer = ddp_buffer(params, layout, expert)
+        if buffer is None:
+            continue
+        group, ranges, buckets, numel = buffer
         dp, rank = (layout.expert_dp, edp_rank) if expert else (layout.dp * layout.cp, dp_rank)
-        ranges, buckets, numel = _buffer_layout(group, layout.bucket_size, dp, layout.zero1)
         out.grads += numel * gbytes
         out.weights += numel * pbytes if layout.zero1 else sum(p.numel for p in group) * pbytes
         owned = _owned(ranges, buckets, dp, rank) if layout.zero1 else [p.numel for p in group]

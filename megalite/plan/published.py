@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 
+from megalite.hardware import load_hardware
 from megalite.models.config import GPTConfig
 from megalite.plan.estimate import estimate
-from megalite.plan.hardware import load_hardware
 from megalite.plan.layout import Layout
 
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published.json")

@@ -13,9 +13,9 @@ import itertools
 from dataclasses import dataclass
 
 from megalite.context_parallel import check_context_parallel
+from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig
 from megalite.plan.estimate import RESERVED_FRACTION, Estimate, estimate, fits
-from megalite.plan.hardware import Hardware
 from megalite.plan.layout import Layout
 
 GIB = 2 ** 30

@@ -16,31 +16,24 @@ import torch
 
 from megalite.checkpoint.files import WANDB_DIR
 
-# Peak dense tensor-core TFLOP/s by GPU name fragment and dtype, for MFU.
-_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-}
-
-
-def peak_tflops(dtype: str) -> float | None:
-    """This GPU's peak TFLOP/s for ``dtype`` ('bf16', 'fp16', 'fp32'), or None when unknown or on CPU."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    for fragment, peaks in _PEAK_TFLOPS.items():
-        if fragment in name:
-            return peaks[dtype]
-    return None
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def memory_gib() -> dict[str, float]:
     """Peak memory of this process: GPU allocator peak on GPU, resident set peak on CPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _on_gpu():
         return {"mem_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
                 "mem_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30}
-    return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+    return {"max_rss_gib": peak_memory()[0] / 2 ** 30}
+
+
+def peak_memory() -> tuple[int, str]:
+    """This process's peak memory in bytes and what it counts: the GPU allocator's peak, or on CPU the resident
+    set's (the whole process: interpreter, libraries and data too)."""
+    if _on_gpu():
+        return torch.cuda.max_memory_allocated(), "allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
 
 
 def wandb_init(args) -> dict | None:

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint import AsyncSaver
 from megalite.distributed import finalize_model_grads
+from megalite.hardware import detect
 from megalite.moe import set_aux_loss_scale, update_expert_bias
 from megalite.pipeline import PipelineRecorder, broadcast_from_last_stage, forward_backward, last_stage_rank
 from megalite.training.batch_ramp import batch_ramp
 from megalite.training.checkpointing import load_checkpoint, resume_adapters, save_adapter_checkpoint, save_checkpoint
 from megalite.training.flags import nan_guard_config
-from megalite.training.metrics import MetricsLogger, peak_tflops, wandb_init
+from megalite.training.metrics import MetricsLogger, wandb_init
 from megalite.training.nan_guard import NanGuard, check_finite_weights
 from megalite.training.setup import param_dtype
 
@@ -56,6 +57,7 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.flops_per_token = flops_per_token
+        self.hardware = detect()  # the running GPU's profile (its peak FLOP/s for MFU); None on CPU
         self.ramp = batch_ramp(args)
         seq = args.seq_length // topo.cp.size // (topo.tp.size if args.sequence_parallel else 1)
         self.tensor_shape = (seq, args.micro_batch_size, args.hidden_size)
@@ -180,16 +182,16 @@ class Trainer:
         return values
 
     def throughput(self, seconds_per_iter: float, samples_per_iter: float) -> dict[str, float]:
-        """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a known GPU)."""
+        """Tokens/s of the whole job; with ``--log-throughput`` TFLOP/s per device (and MFU on a GPU that
+        a :mod:`megalite.hardware` profile names)."""
         tokens = samples_per_iter * self.args.seq_length / seconds_per_iter
         values = {"tokens_per_sec": tokens, "iter_ms": 1000.0 * seconds_per_iter}
         if self.args.log_throughput and self.flops_per_token is not None:
             tflops = self.flops_per_token * tokens / self.topo.world_size / 1e12
             values["tflops"] = tflops
             dtype = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
-            peak = peak_tflops(dtype)
-            if peak:
-                values["mfu"] = tflops / peak
+            if self.hardware is not None:
+                values["mfu"] = tflops * 1e12 / self.hardware.peak(dtype)
         return values
 
     def save(self, iteration: int, consumed_samples: int) -> None:

@@ -27,7 +27,7 @@ from megalite import topology
 from megalite.moe import router_statistics
 from megalite.training.arguments import lr_schedule_settings
 from megalite.training.lr_schedule import LRScheduler
-from megalite.training.metrics import memory_gib
+from megalite.training.metrics import memory_gib, peak_memory
 from megalite.training.parent_death import exit_with_parent
 from megalite.training.save_dir import checkpoint_bytes
 from megalite.training.setup import (build_adapters, build_model, build_optimizer, claim_save_dir, initialize,
@@ -36,21 +36,29 @@ from megalite.training.signals import SigtermFlag
 from megalite.training.trainer import LOSS_METRIC, Trainer, logged_name
 
 
+WARMUP_ITERS = 1
+"""Iterations at the start of a run left out of the measurement printed beside the plan's prediction (buffers,
+optimizer state and caches are allocated in the first)."""
+
+
 def _synchronize():
     if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
 
 
 def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, consumed_samples: int,
-          sigterm: SigtermFlag) -> int:
+          sigterm: SigtermFlag, prediction=None) -> int:
     """Run iterations ``iteration+1 .. --train-iters``; returns the last iteration completed.
 
     Logged losses are means over the iterations since the last log; throughput
-    counts training steps only, not evaluation or checkpointing.
+    counts training steps only, not evaluation or checkpointing.  With a ``prediction`` (see ``pretrain``),
+    the first log after ``WARMUP_ITERS`` iterations also prints the measured step time, peak memory (the
+    largest over ranks) and MFU of the iterations since the warm-up beside it.
     """
     args = trainer.args
     sums: dict[str, float] = {}
     steps, skipped, seconds, samples = 0, 0, 0.0, 0
+    warm = [0, 0.0, 0]  # iterations, seconds, samples after the warm-up, until the measurement is printed
     saved_at, first_iteration = None, iteration
     profiler = None
     batch_size = trainer.global_batch_size(consumed_samples)
@@ -68,8 +76,11 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
         start = time.perf_counter()
         metrics, ok, step_values, lr = trainer.train_step(train_iterator, iteration + 1, batch_size)
         _synchronize()
-        seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
         iteration += 1
+        if iteration - first_iteration > WARMUP_ITERS:
+            warm = [warm[0] + 1, warm[1] + elapsed, warm[2] + batch_size]
         if profiler is not None and (iteration + 1 == args.profile_step_end or iteration == args.train_iters):
             _stop_profiler(profiler, args, trainer.topo.global_rank)
             profiler = None
@@ -97,6 +108,9 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
                 values.update(memory_gib())
             trainer.logger.log(iteration, values, tensorboard_extra=None if args.log_memory else memory_gib())
             sums, steps, skipped, seconds, samples = {}, 0, 0, 0.0, 0
+            if prediction is not None and prediction.estimate is not None and warm[0]:
+                _print_measured(trainer, prediction, *warm)
+                prediction = None
         stop = f"{sigterm.name} received" if sigterm.agreed() else _exit_reason(args, iteration, trainer.start_time)
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             trainer.save(iteration, consumed_samples)
@@ -108,6 +122,16 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
     if args.save and saved_at != iteration and iteration > first_iteration:
         trainer.save(iteration, consumed_samples)
     return iteration
+
+
+def _print_measured(trainer: Trainer, prediction, iterations: int, seconds: float, samples: int) -> None:
+    """Rank 0 prints the measurement beside the prediction; the peak memory is the largest over all ranks."""
+    peak, kind = peak_memory()
+    largest = torch.tensor([peak], dtype=torch.int64, device=topology.device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if trainer.topo.global_rank == 0:
+        tokens = samples / iterations * trainer.args.seq_length
+        print(prediction.measured_line(seconds / iterations, tokens, int(largest.item()), kind), flush=True)
 
 
 def _start_profiler():
@@ -147,14 +171,19 @@ def _exit_reason(args, iteration: int, start_time: float) -> str | None:
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, args_defaults=None,
-             extra_args_provider=None, *, argv=None, prepare_data_func=None, flops_per_token_func=None):
+             extra_args_provider=None, *, argv=None, prepare_data_func=None, flops_per_token_func=None,
+             prediction_func=None):
     """Train a model with Megatron-style flags; returns the last iteration completed.
 
     ``argv`` defaults to ``sys.argv[1:]``.  ``prepare_data_func(args)`` runs
     on every rank after the process groups exist when no ``--data-path`` was
     given, and may set ``args.data_path``/``args.tokenizer_model``.
     ``flops_per_token_func(args)`` gives training FLOPs per token for the
-    TFLOP/s and MFU figures on GPU.  Bad flags or data raise ValueError on
+    TFLOP/s and MFU figures on GPU.  ``prediction_func(args, world)`` gives the
+    planner's prediction for this run (``megalite.plan.predict.predict_run``):
+    rank 0 prints its ``line()`` at start and, after warm-up, its
+    ``measured_line(seconds_per_iter, tokens_per_iter, peak_memory_bytes, kind)``
+    when its ``estimate`` is not None.  Bad flags or data raise ValueError on
     every rank before any collective that could hang.
     """
     exit_with_parent()
@@ -171,6 +200,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     flops = flops_per_token_func(args) if flops_per_token_func is not None else None
     trainer = Trainer(args, topo, chunks, optimizer, scheduler, forward_step_func, flops, adapters)
     trainer.start_time = start_time
+    prediction = prediction_func(args, topo.world_size) if prediction_func is not None else None
+    if prediction is not None and topo.global_rank == 0:
+        print(prediction.line(), flush=True)
     needed = checkpoint_bytes(trainer.trained, topo.dp.size) if args.save else 0
     iteration, consumed_samples = trainer.load() if args.load else (0, 0)
     if iteration >= args.train_iters:
@@ -194,7 +226,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     lock = claim_save_dir(args, iteration, needed, topo, resumed_from) if args.save else None
     sigterm = SigtermFlag()
     try:
-        iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm)
+        iteration = train(trainer, train_iterator, valid_iterator, iteration, consumed_samples, sigterm, prediction)
         trainer.finish_saves()
         trainer.save_timeline()
         if test_ds is not None and args.eval_iters and iteration == args.train_iters:

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from megalite.cli import run_cli
+from megalite.hardware import load_hardware
 from megalite.models import gpt_flops_per_token
 from megalite.plan.__main__ import main, preset_config
 from megalite.plan.estimate import estimate
-from megalite.plan.hardware import load_hardware
 from megalite.plan.layout import Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 

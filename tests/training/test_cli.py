@@ -157,6 +157,13 @@ def test_nothing_is_saved_or_loaded_unless_asked(tiny_data, tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 3
+    # The planner's prediction for this layout at start, the measurement beside it after the warm-up iteration.
+    lines = run.stdout.splitlines()
+    plan = [i for i, line in enumerate(lines) if line.startswith("plan (") and " per rank (weights " in line]
+    measured = [i for i, line in enumerate(lines) if line.startswith("measured after warm-up (plan): step ")]
+    iteration_2 = next(i for i, line in enumerate(lines) if line.startswith("iteration 2/3"))
+    assert len(plan) == 1 and len(measured) == 1 and plan[0] < iteration_2 < measured[0], run.stdout
+    assert " max RSS (" in lines[measured[0]] and " MFU " in lines[measured[0]], lines[measured[0]]
     before = _tree(tmp_path / "checkpoints")
     other = tmp_path / "other"
     other.mkdir()

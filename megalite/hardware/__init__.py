@@ -1,9 +1,11 @@
 """Hardware profiles: peak FLOP/s, memory, and link bandwidth/latency of one accelerator and its node.
 
-Each profile is a small JSON file in ``megalite/plan/hardware/`` (``h100``, ``h200``, ``a100-80gb``,
-``b200``, ``cpu``) or any path given on the command line; ``--calibrate`` writes one measured here.
-``efficiency`` is the fraction of the peak the model's GEMMs reach (calibrated on the machine, or set
-from published runs for the GPU profiles).
+The one peak-FLOP table: the trainer's MFU (:func:`detect` picks the running GPU's profile) and the
+planner (``python -m megalite.plan --hardware NAME``) both read it.  Each profile is a small JSON file in
+``megalite/hardware/`` (``h100``, ``h200``, ``a100-80gb``, ``b200``, ``cpu``) or any path given on the
+command line; the planner's ``--calibrate`` writes one measured here.  ``efficiency`` is the fraction of
+the peak the model's GEMMs reach (calibrated on the machine, or set from published runs for the GPU
+profiles); ``device_names`` are fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
+PROFILE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def profile_names() -> list[str]:
@@ -32,6 +34,7 @@ class Hardware:
     inter_node_bandwidth: float
     inter_node_latency_s: float
     source: str = ""
+    device_names: tuple = ()
 
     def peak(self, precision: str) -> float:
         """Peak dense FLOP/s for ``precision`` (fp32 training runs at the fp32 peak)."""
@@ -54,10 +57,29 @@ def load_hardware(name_or_path: str) -> Hardware:
                          f"(or a .json path)")
     with open(path) as f:
         data = json.load(f)
+    data["device_names"] = tuple(data.get("device_names", ()))
     return Hardware(**data)
+
+
+def profile_for_device(device_name: str) -> Hardware | None:
+    """The profile whose ``device_names`` has a fragment of ``device_name`` (a CUDA device name), or None."""
+    for name in profile_names():
+        hardware = load_hardware(name)
+        if any(fragment in device_name for fragment in hardware.device_names):
+            return hardware
+    return None
+
+
+def detect() -> Hardware | None:
+    """The running GPU's profile; None on CPU or on a GPU no profile names."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return profile_for_device(torch.cuda.get_device_name())
 
 
 def save_hardware(hardware: Hardware, path: str) -> None:
     with open(path, "w") as f:
-        json.dump(vars(hardware), f, indent=1)
+        json.dump({**vars(hardware), "device_names": list(hardware.device_names)}, f, indent=1)
         f.write("\n")

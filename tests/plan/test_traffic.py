@@ -1,0 +1,164 @@
+"""The planner's bytes per collective axis equal the bytes of the collectives one training step issues.
+
+Each layout is built as ``pretrain`` builds it and runs one ``Trainer.train_step`` while every
+``torch.distributed`` collective the step calls is counted: its whole buffer (see
+:mod:`megalite.plan.traffic`) under the ranks of its group.  Axes that share their ranks on a layout
+(the world and dp at ep=2 on 4 ranks, say) are compared together; every rank set is compared on every
+rank to the byte, except the EP all-to-alls, whose per-rank payload depends on the routing: their sum over
+each EP group is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.testing import run_distributed
+
+WORLD = 4
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100",
+         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--make-vocab-size-divisible-by", "4"]
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2"]
+
+# (name, extra flags, DDP bucket size override or None)
+LAYOUTS = [
+    ("tp2-dp2", ["--tensor-model-parallel-size", "2"], None),
+    ("tp2-sp-dp2-full-recompute", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--recompute-granularity", "full"], None),
+    ("tp2-sp-dp2-zero1-bf16", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
+                               "--use-distributed-optimizer"], None),
+    ("pp2-dp2-tied", ["--pipeline-model-parallel-size", "2"], None),
+    ("pp2-vpp2-tp2-zero1", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                            "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], None),
+    ("dp4-zero1-fp16-buckets", ["--use-distributed-optimizer", "--fp16", "--initial-loss-scale", "128"], 700),
+    ("cp2-dp2-gqa-bf16", ["--context-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2",
+                          "--bf16"], None),
+    ("cp2-tp2-full-recompute", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--recompute-granularity", "full"], None),
+    ("moe-ep2-dp4-zero1", MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], None),
+]
+AXES = {"dp": "dp_cp"}  # the planner's name -> the topology's, where they differ
+COLLECTIVES = {  # name -> which argument is the collective's whole buffer
+    "all_reduce": 0, "broadcast": 0, "all_gather_into_tensor": 0, "all_gather_single": 0,
+    "reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "all_to_all_single": 1,
+}
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _count_and_predict(layouts):
+    import torch
+    import torch.distributed as dist
+
+    from megalite import topology
+    from megalite.context_parallel import prepare_batch
+    from megalite.distributed import DDPConfig
+    from megalite.plan import Layout
+    from megalite.plan.traffic import collective_bytes
+    from megalite.training import gpt, setup
+    from megalite.training.arguments import lr_schedule_settings, validate_args
+    from megalite.training.flags import gpt_config, packing_config, parse_args
+    from megalite.training.lr_schedule import LRScheduler
+    from megalite.training.trainer import Trainer
+
+    world = dist.get_world_size()
+    ddp_config = setup.ddp_config
+    counted: dict = {}
+    counting = [False]
+
+    def group_ranks(group):
+        return tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+
+    def add(group, nbytes):
+        ranks = group_ranks(group)
+        if counting[0] and len(ranks) > 1:
+            counted[ranks] = counted.get(ranks, 0) + nbytes
+
+    def wrap(name, fn, arg):
+        def counted_call(*args, **kwargs):
+            add(kwargs.get("group"), _nbytes(args[arg]))
+            return fn(*args, **kwargs)
+        return counted_call
+
+    def batch_isend_irecv(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                add(op.group, _nbytes(op.tensor))
+        return original["batch_isend_irecv"](ops)
+
+    original = {name: getattr(dist, name) for name in list(COLLECTIVES) + ["batch_isend_irecv"] if hasattr(dist, name)}
+    for name, arg in COLLECTIVES.items():
+        if name in original:
+            setattr(dist, name, wrap(name, original[name], arg))
+    dist.batch_isend_irecv = batch_isend_irecv
+    results = []
+    try:
+        for name, extra, bucket_size in layouts:
+            args = validate_args(parse_args(MODEL + extra), world)
+            topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                                       vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
+                                       ep=args.expert_model_parallel_size)
+            if bucket_size is not None:
+                setup.ddp_config = lambda a, b=bucket_size: DDPConfig(**{**vars(ddp_config(a)), "bucket_size": b})
+            try:
+                chunks = setup.build_model(gpt.model_provider, args, topo)
+                optimizer = setup.build_optimizer(args, chunks)
+            finally:
+                setup.ddp_config = ddp_config
+            trainer = Trainer(args, topo, chunks, optimizer, LRScheduler(optimizer, lr_schedule_settings(args)),
+                              gpt.forward_step)
+            generator = torch.Generator().manual_seed(topo.dp.rank)
+
+            def batches(n=64):
+                samples = [torch.randint(0, 100, (2, 17), generator=generator) for _ in range(n)]
+                if topo.cp.size == 1:
+                    return iter([{"tokens": tokens} for tokens in samples])
+                return iter([prepare_batch(tokens, packing_config(args), topo.cp.size, topo.cp.rank)
+                             for tokens in samples])
+
+            data = batches() if args.virtual_pipeline_model_parallel_size is None else [batches(), batches()]
+            counted.clear()
+            counting[0] = True
+            trainer.train_step(data, 1)
+            counting[0] = False
+            layout = Layout.from_args(args, world).with_(bucket_size=bucket_size or ddp_config(args).bucket_size)
+            bytes_per_axis = collective_bytes(gpt_config(args), layout, args.seq_length, args.global_batch_size,
+                                              topo.pp.rank)
+            predicted: dict = {}
+            for axis, nbytes in bytes_per_axis.items():
+                ranks = tuple(range(world)) if axis == "world" else tuple(getattr(topo, AXES.get(axis, axis)).ranks)
+                if len(ranks) > 1:
+                    predicted[ranks] = predicted.get(ranks, 0) + nbytes
+            results.append((name, dict(counted), predicted, tuple(topo.ep.ranks)))
+            trainer.logger.close()
+    finally:
+        for name, fn in original.items():
+            setattr(dist, name, fn)
+    return results
+
+
+@pytest.mark.slow
+def test_predicted_bytes_per_axis_equal_the_collectives_issued():
+    per_rank = run_distributed(_count_and_predict, WORLD, LAYOUTS, timeout=300)
+    mismatches = []
+    for index, (name, _, _) in enumerate(LAYOUTS):
+        ep_sums: dict = {}
+        for rank, results in enumerate(per_rank):
+            layout, counted, predicted, ep_ranks = results[index]
+            assert layout == name and counted, (name, rank, counted)
+            for ranks in set(counted) | set(predicted):
+                if len(ep_ranks) > 1 and ranks == ep_ranks:
+                    total = ep_sums.setdefault(ranks, [0, 0])
+                    total[0] += counted.get(ranks, 0)
+                    total[1] += predicted.get(ranks, 0)
+                elif counted.get(ranks) != predicted.get(ranks):
+                    mismatches.append(f"{name} rank {rank} group {ranks}: counted {counted.get(ranks)}, "
+                                      f"predicted {predicted.get(ranks)}")
+        for ranks, (counted_sum, predicted_sum) in ep_sums.items():
+            assert counted_sum > 0, (name, ranks)
+            if counted_sum != predicted_sum:
+                mismatches.append(f"{name} EP group {ranks}: counted {counted_sum}, predicted {predicted_sum}")
+    assert not mismatches, "\n".join(mismatches)
