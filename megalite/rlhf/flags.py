@@ -1,7 +1,8 @@
 """RL's and reward-model training's command-line flags: rows of the same ``Flag`` table as pretraining, mapped onto the RL configs.
 
 A row with ``fields`` takes its default from the config dataclass (``PPOConfig``, ``AdvantageConfig``,
-``SamplingConfig``, ``OffloadConfig``, ``EpisodeLimits``), so ``megalite.rlhf.trainer.RLTrainer`` and the Python API agree; the
+``SamplingConfig``, ``OffloadConfig``, ``EpisodeLimits``, ``GPTConfig``), so ``megalite.rlhf.trainer.RLTrainer``
+and the Python API agree; the
 other rows are options of the RL loop with their default in the row.  ``RL_FLAGS.config_values(args,
 "PPOConfig")`` gives the config's keyword arguments from parsed flags.  The flag names follow verl
 and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``).
@@ -10,6 +11,7 @@ and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``)
 from __future__ import annotations
 
 from megalite.flags import Flag, FlagTable
+from megalite.models import GPTConfig
 from megalite.rlhf.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megalite.rlhf.env_tasks import ENVIRONMENTS
 from megalite.rlhf.environment import EpisodeLimits
@@ -56,12 +58,14 @@ RL_FLAGS = FlagTable((
     Flag("--max-staleness", ALGO, default=0, type=int, help="rollouts may be this many updates old"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
          help="truncation of the stale-rollout importance weight"),
-
     Flag("--reward-fn", ROLLOUT, default=DEFAULT_REWARD_FN,
          help="module:function taking (prompt, response) and returning a float"),
     Flag("--reward-model", ROLLOUT,
          help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn"),
     Flag("--temperature", ROLLOUT, ("SamplingConfig.temperature",), type=float),
+    Flag("--batch-invariant", ROLLOUT, ("GPTConfig.batch_invariant",), sets=True,
+         help="run the actor in batch-invariant mode (megalite.batch_invariant): the engine's log-probs equal the "
+              "trainer's bit for bit; slower"),
     Flag("--max-new-tokens", ROLLOUT, ("SamplingConfig.max_new_tokens",), default=3, type=int),
     Flag("--rollout-world-size", ROLLOUT, default=0, type=int,
          help="ranks that only generate (the last ones); 0: rollouts run on the training ranks"),
@@ -115,7 +119,7 @@ RL_FLAGS = FlagTable((
     Flag("--pretrain-lr", TASK, default=3e-3, type=float),
     Flag("--pretrain-global-batch-size", TASK, default=64, type=int,
          help="sequences per warm-up step over all data-parallel ranks"),
-), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig, EpisodeLimits))
+), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig, EpisodeLimits, GPTConfig))
 
 PREFERENCES = "preference data"
 
