@@ -17,7 +17,7 @@ from megalite.rlhf.env_tasks import ENVIRONMENTS
 from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import SamplingConfig
 from megalite.rlhf.placement import OffloadConfig
-from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
+from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES, PPOConfig
 
 ALGO, ROLLOUT, PLACE = ("RL algorithm", "rollouts and rewards", "placement and offload (see megalite.rlhf.placement)")
 TASK = "task and warm-up pretraining (megalite.rlhf.arithmetic)"
@@ -57,7 +57,17 @@ RL_FLAGS = FlagTable((
     Flag("--overlong-penalty-factor", ALGO, default=1.0, type=float),
     Flag("--max-staleness", ALGO, default=0, type=int, help="rollouts may be this many updates old"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
-         help="truncation of the stale-rollout importance weight"),
+         help="bound C on the importance weight pi_old / pi_behaviour between the trainer's old log-probs and the "
+              "engine's (stale rollouts, or --recompute-old-log-probs); None: no correction"),
+    Flag("--rollout-is-mode", ALGO, ("PPOConfig.rollout_is_mode",), choices=ROLLOUT_IS_MODES,
+         help="truncate (TIS): min(w, C); mask (MIS): w inside [1/C, C], else 0 (the token or sequence drops out)"),
+    Flag("--rollout-is-level", ALGO, ("PPOConfig.rollout_is_level",), choices=ROLLOUT_IS_LEVELS,
+         help="token: a weight per token; sequence: the product of a response's token ratios, for all its tokens"),
+    Flag("--recompute-old-log-probs", ALGO, default=False,
+         help="recompute the old log-probs with the actor every iteration (not only for stale rollouts): the PPO "
+              "ratio is taken against the trainer's own forward, the engine's log-probs enter through the "
+              "--rollout-is-* weights, and the train/inference log-prob gap is logged"),
+
     Flag("--reward-fn", ROLLOUT, default=DEFAULT_REWARD_FN,
          help="module:function taking (prompt, response) and returning a float"),
     Flag("--reward-model", ROLLOUT,

@@ -1,5 +1,7 @@
 """Batch-invariant mode: the rollout engine's log-probs equal the actor's bit for bit (batch sizes 1, 7, 32; tp=1
-and tp=2), and the mode computes the same function as the plain forward."""
+and tp=2), the mode computes the same function as the plain forward, and the RL trainer logs a zero gap."""
+
+import json
 
 import pytest
 import torch
@@ -8,6 +10,8 @@ from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf.actor import invariant_vocab, pipeline_log_probs, token_log_probs
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args
 from megalite.testing import run_distributed
 from tests.rlhf.common import VOCAB, config
 
@@ -77,5 +81,24 @@ def _tp_rank(kinds):
 @pytest.mark.slow
 def test_engine_log_probs_equal_actor_bit_for_bit_at_tp2():
     """The engine's TP workers, the vocabulary gathered for the actor's log-probs, the ordered all-reduce."""
-    for gaps in run_distributed(_tp_rank, 2, ["gpt2", "llama"], timeout=180):
-        assert gaps == [[(0.0, 0.0)] * 3] * 2
+    for gaps in run_distributed(_tp_rank, 2, ["llama"], timeout=180):
+        assert gaps == [[(0.0, 0.0)] * 3]
+
+
+def _train(argvs):
+    return [RLTrainer(parse_args(argv)).train() for argv in argvs]
+
+
+@pytest.mark.slow
+def test_trainer_logs_a_zero_gap_in_batch_invariant_mode(tmp_path):
+    """--recompute-old-log-probs logs the trainer's old log-probs against the engine's each iteration: exactly 0
+    (TIS weights exactly 1) with --batch-invariant, a float-rounding gap without it."""
+    base = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
+            "--train-iters", "2", "--micro-batch-size", "3", "--global-batch-size", "6", "--pretrain-global-batch-size",
+            "6", "--ppo-epochs", "1", "--tensorboard-dir", "", "--recompute-old-log-probs"]
+    paths = [tmp_path / "invariant.jsonl", tmp_path / "plain.jsonl"]
+    argvs = [base + ["--batch-invariant", "--metrics-file", str(paths[0])], base + ["--metrics-file", str(paths[1])]]
+    assert run_distributed(_train, 1, argvs, timeout=180) == [[0, 0]]
+    invariant, plain = ([json.loads(line) for line in path.read_text().splitlines()] for path in paths)
+    assert [(r["log_prob_gap"], r["log_prob_gap_max"], r["is_weight_mean"]) for r in invariant] == [(0.0, 0.0, 1.0)] * 2
+    assert all(0.0 < r["log_prob_gap_max"] < 1e-4 for r in plain)
