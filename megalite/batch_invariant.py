@@ -9,7 +9,10 @@ differently for a different batch; this is its CPU form over torch's own kernels
 Where plain torch is not invariant, and what is done instead:
 
 - matmul: a BLAS call picks its kernel (and so its summation order) by the number of rows; :func:`linear` runs
-  every row through a call of one fixed shape (:data:`TILE` rows, the last tile padded with zeros).
+  every row through a call of one fixed shape (:data:`TILE` rows, the last tile padded with zeros, every tile
+  64-byte aligned).  This assumes what GEMM micro-kernels do (MKL's here): within one call every row is summed
+  over the inner dimension in the same order, whatever its place in the tile; ``tests/rlhf/test_batch_invariant.py``
+  checks it end to end on the machine it runs on.
 - elementwise activations (silu, gelu, sigmoid): torch's vectorised body and its scalar tail round some values
   differently, and which elements land in the tail depends on the tensor's size; :func:`rowwise` runs them in
   fixed-shape tiles too, so no element ever reaches a tail (one intra-op thread, or rows short enough that a tile
@@ -63,7 +66,7 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     pad = -n % TILE
-    if pad or not rows.is_contiguous():
+    if pad or not rows.is_contiguous() or rows.data_ptr() % 64:  # a fresh copy: contiguous, 64-byte aligned
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     out = torch.cat([fn(tile) for tile in rows.split(TILE)])[:n]
     return out.reshape(*lead, out.shape[-1])
