@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megalite import kernels
+from megalite import batch_invariant, kernels
 
 # Queries up to this length go to the batched-matmul buckets; longer ones (prefill chunks) to per-sequence SDPA.
 SHORT_QUERY = 8
@@ -217,6 +217,7 @@ class PagedStep:
                             for i in range(0, len(short), BUCKET_SIZE)]
         self.chunks = [_Chunk(i, plan, offsets, bs, device, window) for i, n in enumerate(plan.lengths)
                        if n > SHORT_QUERY]
+        self.plan, self.offsets, self.device, self._invariant = plan, offsets, device, None
 
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -227,6 +228,8 @@ class PagedStep:
         self._write(keys, k)
         self._write(values, v)
         d = keys.shape[-1]
+        if batch_invariant.enabled():
+            return self._attend_invariant(q[:, 0], keys, values, d ** -0.5)
         if self.fused is not None:
             t, heads = q.shape[0], q.shape[2]
             out = kernels.paged_attention(q[:, 0].contiguous(), keys, values, *self.fused, d ** -0.5).view(t, heads * d)
@@ -244,6 +247,38 @@ class PagedStep:
         keys, r = self.pool.keys[layer_number], self.pool.latent_values
         self._write(keys, latent)
         return self._attend(q[:, 0], latent, latent[..., :r], keys, keys[..., :r], scale, None)
+
+    def _attend_invariant(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """Every sequence's queries over its cached keys in position order, by ``batch_invariant.attention`` (the
+        trainer's function): ``q [T, heads, d]`` -> ``[T, 1, heads * d]``."""
+        if self._invariant is None:
+            plan, bs = self.plan, self.pool.block_size
+            contexts = [start + length for start, length in zip(plan.starts, plan.lengths)]
+            qn, kn = max(plan.lengths), max(contexts)
+            key_pos, query_pos = torch.arange(kn), torch.arange(qn)
+            slots = torch.tensor([[t[p // bs] * bs + p % bs if p < c else 0 for p in range(kn)]
+                                  for t, c in zip(plan.block_tables, contexts)])
+            starts, lengths = torch.tensor(plan.starts), torch.tensor(plan.lengths)
+            real = query_pos[None, :] < lengths[:, None]                                   # [n, qn]
+            allowed = key_pos[None, None, :] <= (starts[:, None] + query_pos[None, :])[:, :, None]
+            allowed &= real[:, :, None]
+            allowed[:, :, 0] |= ~real  # a padding query sees key 0, so its (unused) row stays finite
+            rows = torch.tensor(self.offsets)[:, None] + query_pos[None, :]
+            self._invariant = tuple(t.to(self.device) for t in (
+                slots.flatten(), allowed, torch.where(real, rows, 0).flatten(), real.flatten().nonzero().squeeze(1),
+                rows[real]))
+        slots, allowed, queries, kept, targets = self._invariant
+        n, qn, kn = allowed.shape
+        groups, d = keys.shape[0], keys.shape[-1]
+
+        def gather(cache):
+            return cache.view(groups, -1, d).index_select(1, slots).view(groups, n, kn, d).permute(1, 2, 0, 3)
+
+        query = q.index_select(0, queries).view(n, qn, q.shape[1], d)
+        context = batch_invariant.attention(query, gather(keys), gather(values), allowed, scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * d)
+        out[targets] = context.reshape(n * qn, -1).index_select(0, kept)
+        return out.unsqueeze(1)
 
     def _write(self, cache: torch.Tensor, new: torch.Tensor) -> None:
         """Store the step's new keys or values ``[T, 1, groups, d]`` in their slots."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite import batch_invariant
 from megalite.inference.params import SamplingParams
 
 
@@ -74,7 +75,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     """``log softmax(logits / T)[token]`` per row (T = 1 when greedy), the actor's convention, and the ``top``
     most likely tokens of each row with theirs ({id: log-prob}, including the token itself) when ``top`` > 0."""
     temperature = 1.0 if params.greedy else params.temperature
-    log_probs = (logits[:len(tokens)].float() / temperature).log_softmax(dim=-1)
+    log_probs = batch_invariant.log_probs(logits[:len(tokens)], temperature)
     index = torch.tensor(tokens, device=logits.device)[:, None]
     chosen = log_probs.gather(-1, index).squeeze(-1).tolist()
     if not top:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import topology
+from megalite import batch_invariant, topology
 from megalite.context_parallel import check_heads, context_parallel_attention
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.models.norms import build_norm
@@ -73,9 +73,15 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: f
     An explicit boolean ``mask`` (see :func:`padding_causal_mask`) replaces the
     causal mask.  Attention dropout runs on the model-parallel RNG state, since
     each TP rank holds different heads.  Runs on torch's
-    scaled_dot_product_attention (flash kernels on GPU without ``mask``).
+    scaled_dot_product_attention (flash kernels on GPU without ``mask``), or under
+    ``batch_invariant.mode`` on :func:`megalite.batch_invariant.attention` (no dropout there).
     """
     s, b, heads, d = q.shape
+    if batch_invariant.enabled():
+        allowed = mask[:, 0] if mask is not None else torch.ones(
+            s, k.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=offset).expand(b, s, k.shape[0])
+        out = batch_invariant.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed, d ** -0.5)
+        return out.transpose(0, 1)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     causal = False
     if mask is None:
@@ -134,6 +140,8 @@ class Attention(nn.Module):
                 raise ValueError(f"sliding-window attention (window_size={window}) needs an attention mask or a "
                                  f"KV cache that applies the same window")
             return kv_cache.attend(self.layer_number, q, k, v, dropout, mask)
+        if batch_invariant.enabled() and (self.context_parallel or documents is not None):
+            raise ValueError("batch-invariant attention runs without context parallelism or packed documents")
         if self.context_parallel or documents is not None or (window is not None and mask is None):
             if dropout > 0.0:
                 raise ValueError(f"attention dropout {dropout} is not supported with packed-sequence (document) or "

@@ -49,6 +49,9 @@ class GPTConfig:
     (Megatron's ``--window-size`` left size) limits attention to a sliding
     window: each token sees itself and the ``window_size`` tokens before it
     (Hugging Face's ``sliding_window`` is ``window_size + 1``); None: full causal.
+    ``batch_invariant`` runs the forward with ``megalite.batch_invariant``'s ops: a token's logits have the same
+    bits in any batch, padding or prefill/decode split (the rollout engine's log-probs equal the trainer's); the
+    same function, slower.  Dense models with full causal attention only.
     """
 
     vocab_size: int
@@ -98,6 +101,7 @@ class GPTConfig:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     seed: int = 1234
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -176,6 +180,10 @@ class GPTConfig:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
             raise ValueError(f"GPTConfig.window_size must be a non-negative integer or None, got {window!r}")
         self._validate_moe_layers()
+        if self.batch_invariant and (self.moe is not None or self.multi_latent_attention or window is not None
+                                     or self.attention_dropout):
+            raise ValueError("GPTConfig.batch_invariant covers dense models with full causal attention: not with moe, "
+                             "multi_latent_attention, window_size or attention_dropout")
 
     def _validate_rope_scaling(self) -> None:
         if self.rope_scaling is not None and self.position_embedding_type != "rope":

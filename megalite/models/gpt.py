@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite import topology
+from megalite import batch_invariant, topology
 from megalite.context_parallel import check_comm_type, check_context_parallel, chunk_indices
 from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.config import GPTConfig
@@ -139,6 +139,11 @@ class GPTModel(nn.Module):
                 position_ids: torch.Tensor | None = None, kv_cache: AttentionCache | None = None,
                 attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        with batch_invariant.mode(self.config.batch_invariant):
+            return self._forward(input_ids, labels, position_ids, kv_cache, attention_mask, return_hidden,
+                                 document_ids)
+
+    def _forward(self, input_ids, labels, position_ids, kv_cache, attention_mask, return_hidden, document_ids):
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
@@ -226,8 +231,9 @@ class GPTModel(nn.Module):
         weight = layer.weight
         if self.tp_size == 1:
             weight = weight[:self.config.vocab_size]
-        logits = column_parallel_linear(hidden, weight, tp_group=self.tp_group,
-                                        sequence_parallel=self.sequence_parallel)
+        with batch_invariant.mode(self.config.batch_invariant):
+            logits = column_parallel_linear(hidden, weight, tp_group=self.tp_group,
+                                            sequence_parallel=self.sequence_parallel)
         if self.tp_size > 1:
             logits = self._mask_padding(logits)
         return logits

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import kernels, topology
+from megalite import batch_invariant, kernels, topology
 from megalite.models.init import normal_init, scaled_normal_init
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -68,4 +68,7 @@ class MLP(nn.Module):
             init_method=scaled_normal_init(std, config.num_layers))
 
     def forward(self, x: torch.Tensor):
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+        hidden = self.linear_fc1(x)
+        if batch_invariant.enabled():  # a fixed-shape call per row: no element in a vector loop's scalar tail
+            return self.linear_fc2(batch_invariant.rowwise(self.activation, hidden))
+        return self.linear_fc2(self.activation(hidden))

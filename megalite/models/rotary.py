@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from megalite import kernels
+from megalite import batch_invariant, kernels
 
 
 def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
@@ -96,9 +96,13 @@ class RotaryEmbedding(nn.Module):
         """cos and sin ``[*positions.shape, head_dim]`` for integer ``positions`` (``[s]``, or ``[s, b]`` per row)."""
         angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
         angles = torch.cat([angles, angles], dim=-1)
+        if batch_invariant.enabled():  # a fixed-shape call per row: no element in a vector loop's scalar tail
+            cos, sin = batch_invariant.rowwise(torch.cos, angles), batch_invariant.rowwise(torch.sin, angles)
+        else:
+            cos, sin = angles.cos(), angles.sin()
         if self.scale == 1.0:
-            return angles.cos(), angles.sin()
-        return angles.cos() * self.scale, angles.sin() * self.scale
+            return cos, sin
+        return cos * self.scale, sin * self.scale
 
 
 def _halves(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from megalite.rlhf.offload import Offloader
 from megalite.rlhf.placement import OffloadConfig, Placement
 from megalite.rlhf.objectives import LanguageModelObjective, PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss,
-                               truncated_is_weights, value_loss, whiten)
+                               rollout_is_weights, value_loss, whiten)
 from megalite.rlhf.preference import (PreferenceConfig, completion_pair, kto_loss, pack_pair, pair_log_probs,
                                       preference_forward_step, preference_loss)
 from megalite.rlhf.reward_model import BradleyTerryObjective, RewardModelScorer
@@ -39,7 +39,7 @@ __all__ = [
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "ScoringServer", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",
     "ADVANTAGE_ESTIMATORS", "AdvantageConfig", "compute_advantages", "discounted_returns", "grpo_advantages",
-    "rloo_advantages", "truncated_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
+    "rloo_advantages", "rollout_is_weights", "load_reward_fn", "overlong_penalty", "token_rewards", "varied_groups",
     "BradleyTerryObjective", "RewardModelScorer", "SyncRole", "WeightSync", "TeacherOutput", "forward_kl",
     "teacher_fn", "teacher_rewards", "ParallelLayout", "TrainingService",
     "PolyakTarget", "Offloader", "OffloadConfig", "Placement", "PreferenceConfig", "completion_pair", "kto_loss",

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import torch
 
+from megalite import batch_invariant
 from megalite.distributed.unwrap import unwrap
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
-from megalite.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from megalite.tensor_parallel import (gather_from_tensor_parallel_region, vocab_parallel_entropy,
+                                      vocab_parallel_log_probs)
 from megalite.topology import resolve_group
 
 
 def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
                     chunk_size: int | None = None, with_entropy: bool = False,
-                    tp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    tp_group=None, invariant_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / temperature)[token]`` ``[b, s]`` and optionally the entropy ``[b, s]`` (fp32).
 
     ``logits_shard [b, s, v/tp]``.  ``chunk_size`` bounds how many sequence
     positions are processed at once, which bounds the fp32 temporaries.
+    ``invariant_vocab`` (a batch-invariant model's vocabulary size, see :func:`invariant_vocab`): the log-probs
+    come from the gathered first ``invariant_vocab`` logits by ``batch_invariant.log_probs``, the rollout engine's
+    expression, so they equal the engine's bit for bit.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -36,9 +41,14 @@ def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperatur
     log_probs, entropies = [], []
     for start in range(0, seq, step):
         logits = logits_shard[:, start:start + step]
+        if invariant_vocab is not None:
+            full = gather_from_tensor_parallel_region(logits, resolve_group(tp_group, "tp"))[..., :invariant_vocab]
+            log_probs.append(batch_invariant.log_probs(full, temperature).gather(
+                -1, tokens[:, start:start + step, None])[..., 0])
         if temperature != 1.0:
             logits = logits / temperature
-        log_probs.append(vocab_parallel_log_probs(logits, tokens[:, start:start + step], tp_group=tp_group))
+        if invariant_vocab is None:
+            log_probs.append(vocab_parallel_log_probs(logits, tokens[:, start:start + step], tp_group=tp_group))
         if with_entropy:
             entropies.append(vocab_parallel_entropy(logits, tp_group=tp_group))
     return torch.cat(log_probs, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
@@ -52,11 +62,17 @@ def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         attention_mask = torch.ones_like(input_ids)
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
     return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
-                           tp_group=_tp_group(model))
+                           tp_group=_tp_group(model), invariant_vocab=invariant_vocab(model))
 
 
 def _tp_group(model):
     return unwrap(model).tp_group
+
+
+def invariant_vocab(model) -> int | None:
+    """The vocabulary size of a batch-invariant model (``GPTConfig.batch_invariant``), else None."""
+    config = unwrap(model).config
+    return config.vocab_size if config.batch_invariant else None
 
 
 def _iterators(model_chunks, micro_batches):
@@ -86,7 +102,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,
-                                      with_entropy, tp_group=_tp_group(chunk))
+                                      with_entropy, tp_group=_tp_group(chunk), invariant_vocab=invariant_vocab(chunk))
             return lp.sum() * 0.0, {"log_probs": lp, "entropy": ent}
 
         return output, collect

@@ -1,7 +1,8 @@
 """RL's and reward-model training's command-line flags: rows of the same ``Flag`` table as pretraining, mapped onto the RL configs.
 
 A row with ``fields`` takes its default from the config dataclass (``PPOConfig``, ``AdvantageConfig``,
-``SamplingConfig``, ``OffloadConfig``, ``EpisodeLimits``), so ``megalite.rlhf.trainer.RLTrainer`` and the Python API agree; the
+``SamplingConfig``, ``OffloadConfig``, ``EpisodeLimits``, ``GPTConfig``), so ``megalite.rlhf.trainer.RLTrainer``
+and the Python API agree; the
 other rows are options of the RL loop with their default in the row.  ``RL_FLAGS.config_values(args,
 "PPOConfig")`` gives the config's keyword arguments from parsed flags.  The flag names follow verl
 and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``).
@@ -10,12 +11,13 @@ and DAPO (``--clip-ratio-low``, ``--loss-agg-mode``, ``--n-samples-per-prompt``)
 from __future__ import annotations
 
 from megalite.flags import Flag, FlagTable
+from megalite.models import GPTConfig
 from megalite.rlhf.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megalite.rlhf.env_tasks import ENVIRONMENTS
 from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import SamplingConfig
 from megalite.rlhf.placement import OffloadConfig
-from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, PPOConfig
+from megalite.rlhf.ppo import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES, PPOConfig
 
 ALGO, ROLLOUT, PLACE = ("RL algorithm", "rollouts and rewards", "placement and offload (see megalite.rlhf.placement)")
 TASK = "task and warm-up pretraining (megalite.rlhf.arithmetic)"
@@ -55,13 +57,25 @@ RL_FLAGS = FlagTable((
     Flag("--overlong-penalty-factor", ALGO, default=1.0, type=float),
     Flag("--max-staleness", ALGO, default=0, type=int, help="rollouts may be this many updates old"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
-         help="truncation of the stale-rollout importance weight"),
+         help="bound C on the importance weight pi_old / pi_behaviour between the trainer's old log-probs and the "
+              "engine's (stale rollouts, or --recompute-old-log-probs); None: no correction"),
+    Flag("--rollout-is-mode", ALGO, ("PPOConfig.rollout_is_mode",), choices=ROLLOUT_IS_MODES,
+         help="truncate (TIS): min(w, C); mask (MIS): w inside [1/C, C], else 0 (the token or sequence drops out)"),
+    Flag("--rollout-is-level", ALGO, ("PPOConfig.rollout_is_level",), choices=ROLLOUT_IS_LEVELS,
+         help="token: a weight per token; sequence: the product of a response's token ratios, for all its tokens"),
+    Flag("--recompute-old-log-probs", ALGO, default=False,
+         help="recompute the old log-probs with the actor every iteration (not only for stale rollouts): the PPO "
+              "ratio is taken against the trainer's own forward, the engine's log-probs enter through the "
+              "--rollout-is-* weights, and the train/inference log-prob gap is logged"),
 
     Flag("--reward-fn", ROLLOUT, default=DEFAULT_REWARD_FN,
          help="module:function taking (prompt, response) and returning a float"),
     Flag("--reward-model", ROLLOUT,
          help="a reward-model checkpoint (examples/train_reward_model.py) used instead of --reward-fn"),
     Flag("--temperature", ROLLOUT, ("SamplingConfig.temperature",), type=float),
+    Flag("--batch-invariant", ROLLOUT, ("GPTConfig.batch_invariant",), sets=True,
+         help="run the actor in batch-invariant mode (megalite.batch_invariant): the engine's log-probs equal the "
+              "trainer's bit for bit; slower"),
     Flag("--max-new-tokens", ROLLOUT, ("SamplingConfig.max_new_tokens",), default=3, type=int),
     Flag("--rollout-world-size", ROLLOUT, default=0, type=int,
          help="ranks that only generate (the last ones); 0: rollouts run on the training ranks"),
@@ -115,7 +129,7 @@ RL_FLAGS = FlagTable((
     Flag("--pretrain-lr", TASK, default=3e-3, type=float),
     Flag("--pretrain-global-batch-size", TASK, default=64, type=int,
          help="sequences per warm-up step over all data-parallel ranks"),
-), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig, EpisodeLimits))
+), (AdvantageConfig, PPOConfig, SamplingConfig, OffloadConfig, EpisodeLimits, GPTConfig))
 
 PREFERENCES = "preference data"
 

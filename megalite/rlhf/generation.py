@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megalite import topology
+from megalite import batch_invariant, topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
 from megalite.inference.sampler import filter_logits
@@ -70,7 +70,7 @@ def choose_tokens(logits: torch.Tensor, config: SamplingConfig,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens ``[b]`` from full-vocabulary logits ``[b, v]`` and their log-probs ``[b]``."""
     scaled = logits.float() / config.temperature
-    log_probs = scaled.log_softmax(dim=-1)
+    log_probs = batch_invariant.log_probs(logits, config.temperature)
     if config.greedy:
         tokens = logits.argmax(dim=-1)
     else:

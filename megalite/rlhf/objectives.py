@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megalite.distributed.unwrap import unwrap
-from megalite.rlhf.actor import token_log_probs
+from megalite.rlhf.actor import invariant_vocab, token_log_probs
 from megalite.rlhf.distillation import TeacherOutput, forward_kl
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
 
@@ -61,7 +61,8 @@ class PPOActorObjective:
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0
         log_probs, entropy = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], self.temperature,
-                                             self.chunk_size, with_entropy, tp_group=unwrap(chunk).tp_group)
+                                             self.chunk_size, with_entropy, tp_group=unwrap(chunk).tp_group,
+                                             invariant_vocab=invariant_vocab(chunk))
         mask = mb["response_mask"]
         loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer,
                                     mb.get("is_weights"))

@@ -18,6 +18,8 @@ from megalite import topology
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -29,9 +31,13 @@ class PPOConfig:
     bound (> 1) on the loss of negative-advantage tokens, ``None`` disables it.  ``kl_coef`` weighs
     the KL to the reference model, estimated by ``kl_estimator`` and clamped to
     ``[-kl_clamp, kl_clamp]``: subtracted from the per-token reward, or with ``use_kl_loss`` added
-    to the actor loss instead (GRPO style).  ``rollout_is_cap``: truncation of the importance weight
-    between the policy at the start of the update and a stale rollout policy (bounded-staleness
-    training); ``None`` means no correction.
+    to the actor loss instead (GRPO style).  ``rollout_is_cap`` (C): bound on the importance weight
+    ``w = pi_old / pi_behaviour`` between the trainer's old log-probs (the policy at the start of the update,
+    recomputed by the actor) and the log-probs the rollout engine sampled with (a stale policy, or the same policy
+    under other numerics); ``None`` means no correction.  ``rollout_is_mode``: "truncate" (TIS, ``min(w, C)``) or
+    "mask" (MIS, ``w`` inside ``[1/C, C]`` and 0 outside).  ``rollout_is_level``: "token" (a weight per token) or
+    "sequence" (the product of a response's token ratios, one weight for all its tokens).  See
+    :func:`rollout_is_weights`.
 
     Defaults are what OpenRLHF and verl users expect and what makes examples/rlhf_ppo.py's reward
     rise: ``kl_coef`` 0.01 (OpenRLHF's; TRL uses 0.05, verl 0.001), ``rollout_is_cap`` 2.0 (verl's
@@ -49,6 +55,8 @@ class PPOConfig:
     loss_aggregation: str = "token-mean"
     use_kl_loss: bool = False
     rollout_is_cap: float | None = 2.0
+    rollout_is_mode: str = "truncate"
+    rollout_is_level: str = "token"
 
     def __post_init__(self):
         if self.clip_eps_high is None:
@@ -66,6 +74,9 @@ class PPOConfig:
             raise ValueError(f"kl_clamp must be positive, got {self.kl_clamp}")
         if self.rollout_is_cap is not None and self.rollout_is_cap < 1.0:
             raise ValueError(f"rollout_is_cap must be >= 1 (or None), got {self.rollout_is_cap}")
+        if self.rollout_is_mode not in ROLLOUT_IS_MODES or self.rollout_is_level not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"rollout_is_mode must be one of {ROLLOUT_IS_MODES} and rollout_is_level one of "
+                             f"{ROLLOUT_IS_LEVELS}, got {self.rollout_is_mode!r} and {self.rollout_is_level!r}")
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3",
@@ -122,10 +133,29 @@ def global_normalizer(mask: torch.Tensor, mode: str, dp_group=None) -> float:
     return float(total.item())
 
 
-def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """``min(pi_old / pi_rollout, cap)`` per token: corrects a loss on stale rollouts (no gradient)."""
-    return torch.exp(old_log_probs - rollout_log_probs).clamp(max=cap).detach()
+def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                       cap: float, mode: str = "truncate", level: str = "token") -> torch.Tensor:
+    """Importance weights ``[b, t]`` (no gradient) correcting a loss on tokens sampled by the rollout policy
+    (``rollout_log_probs``) towards the old policy (``old_log_probs``), over the 0/1 ``mask`` of response tokens.
+
+    ``w = exp(old - rollout)`` per token, or at ``level="sequence"`` ``exp(sum_t mask * (old - rollout))`` for
+    every token of a row.  ``mode="truncate"`` (TIS): ``min(w, cap)``; ``mode="mask"`` (MIS): ``w`` where
+    ``1/cap <= w <= cap``, else 0.  The log-ratio is clamped to ``[-log(1e30), log(1e30)]`` first, so every weight is
+    finite.  Outside ``mask`` the weight is 1 (those tokens carry no loss).
+    """
+    if mode not in ROLLOUT_IS_MODES or level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"mode must be one of {ROLLOUT_IS_MODES} and level one of {ROLLOUT_IS_LEVELS}, got "
+                         f"{mode!r} and {level!r}")
+    mask = mask.to(old_log_probs.dtype)
+    log_ratio = (old_log_probs - rollout_log_probs).detach() * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-69.0, 69.0))
+    if mode == "truncate":
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where((ratio >= 1.0 / cap) & (ratio <= cap), ratio, torch.zeros_like(ratio))
+    return torch.where(mask > 0, weights, torch.ones_like(weights))
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -135,7 +165,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
 
     Per token: ``max(-A r, -A clip(r, 1 - eps, 1 + eps_high))``, and for ``A < 0``
     additionally at most ``-A * dual_clip``; times ``is_weights`` when given
-    (see :func:`truncated_is_weights`).
+    (see :func:`rollout_is_weights`).
     """
     log_ratio = log_probs - old_log_probs
     ratio = torch.exp(log_ratio)

@@ -29,6 +29,7 @@ from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.critic import CriticModel
 from megalite.rlhf.distillation import TeacherOutput
+from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.placement import Placement
 from megalite.rlhf.reference import ReferenceModel
@@ -106,7 +107,8 @@ class RLTrainer:
                            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                            max_position_embeddings=args.max_total_tokens if args.environment else
                            max(16, args.prompt_width + args.max_new_tokens),
-                           make_vocab_size_divisible_by=8, seed=args.seed)
+                           make_vocab_size_divisible_by=8, seed=args.seed,
+                           **RL_FLAGS.config_values(args, "GPTConfig"))
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
         self.sync = None
         if args.rollout_world_size:

@@ -3,6 +3,9 @@ KL to the reference (and the teacher's log-prob rewards), advantages, ``--ppo-ep
 critic) objectives, and the iteration's metrics averaged over data-parallel ranks (``entropy`` is the Monte-Carlo
 estimate of the sampling policy's entropy: the mean negative log-prob of the sampled response tokens; environment
 episodes add ``turns``, the mean actions per episode, and ``episode_errors``, the fraction ended by a raising step).
+When the old log-probs are recomputed by the actor (stale rollouts, ``--recompute-old-log-probs``) the metrics add
+the train/inference gap ``log_prob_gap`` (mean) and ``log_prob_gap_max`` of ``|old - behaviour|`` over response
+tokens, and ``is_weight_mean``, the mean TIS/MIS weight (``--rollout-is-*``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.advantages import compute_advantages
 from megalite.rlhf.critic import pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, teacher_rewards
-from megalite.rlhf.ppo import truncated_is_weights
+from megalite.rlhf.ppo import rollout_is_weights
 from megalite.rlhf.rewards import token_rewards
 from megalite.rlhf.rollout_batch import Rollout
 from megalite.rlhf.scoring import shaped_scores
@@ -26,6 +29,12 @@ def dp_mean(value: float, topo, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=topo.dp.group)
     return float(t) / topo.dp.size
+
+
+def dp_max(value: float, topo, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.dp.group)
+    return float(t)
 
 
 def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
@@ -42,13 +51,17 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
     ppo, mask, raw_scores = args.ppo, rollout.response_mask, rollout.rewards
     old_log_probs, old_values = rollout.behaviour_log_probs, rollout.old_values
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_mask": mask}
-    if staleness:
+    gap = None
+    if staleness or args.recompute_old_log_probs:
         micro_batches = [{"input_ids": rollout.input_ids[i:i + args.micro_batch_size],
                           "attention_mask": rollout.attention_mask[i:i + args.micro_batch_size]}
                          for i in range(0, len(mask), args.micro_batch_size)]
         old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
-        batch["is_weights"] = truncated_is_weights(old_log_probs, rollout.behaviour_log_probs, ppo.rollout_is_cap)
-        if critic is not None:
+        gap = (old_log_probs - rollout.behaviour_log_probs).abs() * mask
+        if ppo.rollout_is_cap is not None:
+            batch["is_weights"] = rollout_is_weights(old_log_probs, rollout.behaviour_log_probs, mask,
+                                                     ppo.rollout_is_cap, ppo.rollout_is_mode, ppo.rollout_is_level)
+        if critic is not None and staleness:
             old_values = pipeline_values(value_model, micro_batches).to(device)[:, :-1]
     scores = shaped_scores(raw_scores.to(device), mask, args)
     rewards, kl = token_rewards(scores, mask, old_log_probs, rollout.ref_log_probs,
@@ -88,6 +101,12 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
                "time_train_s": time.monotonic() - start - log_probs_s}
     if critic is not None:
         metrics["value_loss"] = critic_metrics["value_loss"]
+    if gap is not None:  # the trainer's old log-probs against the engine's, over response tokens
+        metrics["log_prob_gap"] = dp_mean(float(gap.sum() / mask.sum().clamp(min=1)), topo, device)
+        metrics["log_prob_gap_max"] = dp_max(float(gap.max()), topo, device)
+        if "is_weights" in batch:
+            metrics["is_weight_mean"] = dp_mean(float((batch["is_weights"] * mask).sum() / mask.sum().clamp(min=1)),
+                                                topo, device)
     if "turns" in rollout.metadata:  # environment episodes (megalite.rlhf.environment.run_episodes)
         turns, errors = rollout.metadata["turns"], rollout.metadata["errors"]
         metrics["turns"] = dp_mean(sum(turns) / len(turns), topo, device)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import topology
+from megalite import batch_invariant, topology
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.initialization import InitMethod, mark_tensor_parallel, sharded_master_weight
 from megalite.tensor_parallel.utils import divide
@@ -43,7 +43,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight):
         ctx.save_for_backward(input, weight)
-        return F.linear(input, weight)
+        return _forward_linear(input, weight)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -55,10 +55,17 @@ class _LinearFn(torch.autograd.Function):
         return grad_input, grad_weight
 
 
+def _forward_linear(input, weight, bias=None):
+    """``F.linear``, or under ``batch_invariant.mode`` its fixed-shape form (same function, batch-invariant bits)."""
+    if batch_invariant.enabled():
+        return batch_invariant.linear(input, weight, bias)
+    return F.linear(input, weight, bias)
+
+
 def _linear(input, weight, bias=None):
     """``F.linear``, or under an active weight-grad store the form whose weight gradient can be deferred."""
     if current_weight_grad_store() is None:
-        return F.linear(input, weight, bias)
+        return _forward_linear(input, weight, bias)
     output = _LinearFn.apply(input, weight)
     return output if bias is None else output + bias
 
@@ -78,7 +85,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
         ctx.has_bias = bias is not None
-        return F.linear(total, weight, bias)
+        return _forward_linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):

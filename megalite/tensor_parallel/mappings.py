@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite import topology
+from megalite import batch_invariant, topology
 from megalite.collectives import all_gather_single, reduce_scatter_single
 
 
@@ -86,6 +86,8 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, inplace):
+        if batch_invariant.enabled():
+            return batch_invariant.all_reduce(x, group)
         if not inplace:
             return all_reduce(x, group)
         ctx.mark_dirty(x)

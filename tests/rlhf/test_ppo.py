@@ -7,7 +7,7 @@ import torch
 
 from megalite import topology
 from megalite.rlhf.advantages import compute_gae
-from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss, truncated_is_weights,
+from megalite.rlhf.ppo import (PPOConfig, aggregate, global_normalizer, kl_penalty, policy_loss, rollout_is_weights,
                                value_loss, whiten)
 from megalite.testing import run_distributed
 
@@ -68,12 +68,47 @@ def test_policy_loss_matches_reference(mode):
     assert abs(float(loss) - _reference_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, mode)) < 1e-5
     assert 0.0 < metrics["clip_fraction"] < 1.0
     rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
-    weights = truncated_is_weights(old, rollout, cap=1.5)
+    weights = rollout_is_weights(old, rollout, mask, cap=1.5)
     for i in range(old.shape[0]):
         for j in range(old.shape[1]):
-            assert abs(float(weights[i, j]) - min(math.exp(float(old[i, j] - rollout[i, j])), 1.5)) < 1e-6
+            expected = min(math.exp(float(old[i, j] - rollout[i, j])), 1.5) if mask[i, j] else 1.0
+            assert abs(float(weights[i, j]) - expected) < 1e-6
     loss, _ = policy_loss(logp, old, adv, mask, config, norm, weights)
     assert abs(float(loss) - _reference_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, mode, weights)) < 1e-5
+
+
+def _reference_is_weight(old, rollout, mask, cap, mode, level, i, j):
+    """TIS/MIS by the formula, one element at a time (verl's rollout_is_mode / rollout_is_level)."""
+    if not mask[i, j]:
+        return 1.0
+    if level == "token":
+        w = math.exp(float(old[i, j]) - float(rollout[i, j]))
+    else:
+        w = math.exp(sum(float(old[i, k]) - float(rollout[i, k]) for k in range(old.shape[1]) if mask[i, k]))
+    if mode == "truncate":
+        return min(w, cap)
+    return w if 1.0 / cap <= w <= cap else 0.0
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_match_the_formula(mode, level):
+    """TIS truncates w = pi_old / pi_behaviour at C; MIS keeps w in [1/C, C] and zeroes the rest; at the sequence
+    level w is the product of the response's token ratios.  Both bounds are crossed by some entries."""
+    _, old, _, mask = _data(3)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(6))
+    cap = 1.3
+    weights = rollout_is_weights(old, rollout, mask, cap, mode, level)
+    expected = torch.tensor([[_reference_is_weight(old, rollout, mask, cap, mode, level, i, j)
+                              for j in range(old.shape[1])] for i in range(old.shape[0])])
+    torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)
+    kept = weights[mask.bool()]
+    if mode == "truncate":
+        assert (kept == cap).any() and (kept < 1.0).any()
+    else:
+        assert (kept == 0).any() and ((kept > 0) & (kept != 1.0)).any()
+    huge = rollout_is_weights(old, old - 200.0, mask, cap, mode, level)  # finite whatever the gap
+    assert torch.isfinite(huge).all()
 
 
 def test_value_loss_matches_reference():
@@ -118,6 +153,8 @@ def test_bad_config_raises():
         PPOConfig(loss_aggregation="seq-mean")
     with pytest.raises(ValueError, match="rollout_is_cap"):
         PPOConfig(rollout_is_cap=0.5)
+    with pytest.raises(ValueError, match="rollout_is_mode"):
+        PPOConfig(rollout_is_mode="clip")
 
 
 def _split_rank():
