@@ -9,8 +9,9 @@ thread count.
 - SFT: megalite packs conversations into ``--seq-length`` rows with document-aware attention
   (``examples/sft.py``); TRL packs with its default best-fit-decreasing strategy, which makes its batches
   padding-free (flattened, positions restarting per conversation).  tokens/s counts real (non-padding) tokens.
-- DPO: megalite packs chosen and rejected into one row (one forward, ``examples/dpo.py``); TRL pads them to
-  the longest in the batch and runs them as ``2 x batch`` rows.  Both run the frozen reference on the fly.
+- DPO: megalite packs chosen and rejected into one row (one forward, ``examples/dpo.py``) of a fixed
+  ``--seq-length``, set to the shortest that holds every pair; TRL pads them to the longest in the batch and
+  runs them as ``2 x batch`` rows.  Both run the frozen reference on the fly.
 
 Both sides run in this process on one CPU thread.  Each step is timed in wall and CPU time (megalite: around
 the trainer's ``train_step``; TRL: from one step end to the next) and the mean over the ``--steps`` after the
@@ -98,9 +99,9 @@ def make_model(directory: pathlib.Path, args) -> tuple[str, str]:
 
 
 def run_megalite(script: str, data_flags: list[str], hf_dir: str, megalite_dir: str, workdir: pathlib.Path,
-                 args) -> tuple[list[tuple[float, float]], list[dict]]:
-    """``examples/<script>.py``'s main() in this process, on one rank: ``(wall and CPU seconds of each training
-    step, per-iteration metrics)``."""
+                 args, seq_length: int) -> tuple[list[tuple[float, float]], list[dict]]:
+    """``examples/<script>.py``'s main() in this process, on one rank, with rows of ``seq_length`` tokens:
+    ``(wall and CPU seconds of each training step, per-iteration metrics)``."""
     import runpy
 
     from megalite import topology
@@ -108,7 +109,7 @@ def run_megalite(script: str, data_flags: list[str], hf_dir: str, megalite_dir: 
 
     metrics = workdir / f"{script}.jsonl"
     argv = [*data_flags, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir,
-            "--load", megalite_dir, "--finetune", "--use-checkpoint-args", "--seq-length", str(args.seq_length),
+            "--load", megalite_dir, "--finetune", "--use-checkpoint-args", "--seq-length", str(seq_length),
             "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
             "--train-iters", str(args.warmup + args.steps), "--lr", str(args.lr), "--lr-warmup-fraction", "0",
             "--lr-decay-style", "constant", "--weight-decay", "0", "--split", "100,0,0", "--eval-interval", "0",
@@ -142,6 +143,17 @@ def megalite_sft_tokens(conversations, hf_dir: str, args) -> list[int]:
     rows = [int((dataset[i]["tokens"][:-1] != tokenizer.pad).sum()) for i in range(len(dataset.samples))]
     steps = args.warmup + args.steps
     return [sum(rows[(s * args.batch + j) % len(rows)] for j in range(args.batch)) for s in range(steps)]
+
+
+def megalite_dpo_seq_length(pairs, hf_dir: str) -> int:
+    """The shortest ``--seq-length`` that holds every pair packed (prompt twice, chosen, rejected): megalite's rows
+    have that fixed length, where TRL pads to the longest sequence of each batch."""
+    from megalite.data.sft import ChatRenderer, conversation_from_record
+    from megalite.data.tokenizer import HuggingFaceTokenizer
+
+    renderer = ChatRenderer(HuggingFaceTokenizer(hf_dir))
+    return max(sum(len(renderer.render(conversation_from_record({"prompt": p["prompt"], "completion": p[key]}))[0])
+                   for key in ("chosen", "rejected")) for p in pairs) - 1
 
 
 class StepClock:
@@ -263,15 +275,16 @@ def main():
                                    _mean(amounts[-args.steps:]), loss)
 
         steps, ours = run_megalite("sft", ["--sft-data", str(workdir / "chats.jsonl")], hf_dir, megalite_dir, workdir,
-                                   args)
+                                   args, args.seq_length)
         record("sft", "megalite", steps, megalite_sft_tokens(conversations, hf_dir, args), ours[0]["loss"])
         steps, losses, batches = run_trl("sft", hf_dir, datasets.Dataset.from_list(
             [{"messages": m} for m in conversations]), args, workdir)
         record("sft", "TRL", steps, [int(b["input_ids"].numel()) for b in batches], losses[0])
         trl_first_by_megalite = megalite_loss_on_trl_batch(megalite_dir, batches[0])
 
+        dpo_seq = megalite_dpo_seq_length(pairs, hf_dir)
         steps, ours = run_megalite("dpo", ["--pref-data", str(workdir / "pairs.jsonl"), "--beta", str(args.beta)],
-                                   hf_dir, megalite_dir, workdir, args)
+                                   hf_dir, megalite_dir, workdir, args, dpo_seq)
         record("dpo", "megalite", steps, [args.batch] * len(steps), ours[0]["loss"])
         steps, losses, _ = run_trl("dpo", hf_dir, datasets.Dataset.from_list(pairs), args, workdir)
         record("dpo", "TRL", steps, [args.batch] * len(steps), losses[0])
@@ -284,7 +297,10 @@ def main():
     for (task, side), (wall, cpu, amount, loss) in results.items():
         print(f"{task} {side:9} {wall * 1000:8.0f}ms {cpu * 1000:7.0f}ms {amount / wall:11.2f} {amount / cpu:10.2f} "
               f"{loss:11.4f}")
-    print("(SFT: real tokens; DPO: pairs)")
+    print(f"(SFT: real tokens; DPO: pairs, megalite's rows {dpo_seq} tokens, the shortest that holds every pair)")
+    rows = args.batch * args.seq_length
+    print(f"SFT rows filled with real tokens: megalite {results['sft', 'megalite'][2] / rows:.1%} (packed in file "
+          f"order), TRL {results['sft', 'TRL'][2] / rows:.1%} (best-fit decreasing)")
     print(f"SFT: TRL's first loss {results['sft', 'TRL'][3]:.4f}; megalite's model on TRL's first batch "
           f"{trl_first_by_megalite:.4f}")
     print(f"DPO: first losses {results['dpo', 'megalite'][3]:.4f} (megalite), {results['dpo', 'TRL'][3]:.4f} (TRL); "
