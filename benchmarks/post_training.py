@@ -251,7 +251,6 @@ def main():
         parser.error("--warmup and --steps must be at least 1")
     torch.set_num_threads(1)
     require("trl", "test", "the TRL comparison")
-    require("datasets", "test", "the TRL comparison (TRL's trainers read datasets.Dataset)")
     import datasets
     import transformers
 
