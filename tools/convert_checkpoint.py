@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 
+from megalite.checkpoint import read_checkpoint_info
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--from {args.source} --to {args.target}: one side must be megalite (convert in two steps)")
     if args.megatron_tensor_parallel_size < 1:
         parser.error("--megatron-tensor-parallel-size must be a positive integer")
+    if args.source == "megalite" and args.target != "peft" and read_checkpoint_info(args.input)["state"].get("lora"):
+        raise ValueError(f"{args.input} holds LoRA adapters, not a model: write them with --to peft (and convert "
+                         f"the base model they were trained on with --to {args.target})")
     if args.source == "megatron-legacy":
         legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
                                          vocab_size=args.vocab_size)

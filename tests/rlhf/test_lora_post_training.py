@@ -248,8 +248,8 @@ def test_offload_reference_is_refused_under_lora(tmp_path):
 
 
 def test_peft_export_refuses_what_is_not_an_adapter_checkpoint(tmp_path, capsys):
-    """One error line and exit status 2 for a source other than megalite; a base (not adapter) checkpoint is
-    refused before anything is written."""
+    """One error line and exit status 2 for a source other than megalite and for adapters converted as a model;
+    a base (not adapter) checkpoint given to the PEFT export is refused before anything is written."""
     from megalite.cli import run_cli
     from megalite.lora.peft import convert_adapters_to_peft
     from megalite.training.flags import parse_args
@@ -262,3 +262,17 @@ def test_peft_export_refuses_what_is_not_an_adapter_checkpoint(tmp_path, capsys)
     with pytest.raises(ValueError, match="is not a LoRA adapter checkpoint"):
         convert_adapters_to_peft(str(tmp_path / "base"), str(tmp_path / "peft"))
     assert not os.path.exists(tmp_path / "peft")
+    # And the other way round: adapters given where a model is converted.
+    from megalite.lora import LoRAConfig, apply_lora
+    from megalite.lora.state import save_adapters
+    from megalite.models import GPTModel
+    from megalite.training.flags import gpt_config
+
+    model = GPTModel(gpt_config(parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                                            "--seq-length", "8", "--vocab-size", "32"])))
+    save_adapters(str(tmp_path / "adapters"), 1, apply_lora(model, LoRAConfig(rank=2)))
+    assert run_cli(_convert, "--from", "megalite", "--to", "hf", "--input", str(tmp_path / "adapters"), "--output",
+                   str(tmp_path / "hf")) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'adapters'} holds LoRA adapters, not a model: write them "
+                                       "with --to peft (and convert the base model they were trained on with --to "
+                                       "hf)\n")
