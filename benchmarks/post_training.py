@@ -19,7 +19,8 @@ the trainer's ``train_step``; TRL: from one step end to the next) and the mean o
 they are comparable: DPO starts at log 2 on both sides (policy = reference), and TRL's first SFT loss is
 recomputed by megalite's model on TRL's first batch.
 
-    python benchmarks/post_training.py [--hidden 256] [--layers 4] [--seq-length 512] [--batch 4] [--steps 10]
+    python benchmarks/post_training.py [--hidden 256] [--layers 4] [--seq-length 512] [--batch 4] [--steps 8]
+        [--lora-rank 8]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from extras import require  # noqa: E402
 
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
@@ -114,6 +116,8 @@ def run_megalite(script: str, data_flags: list[str], hf_dir: str, megalite_dir: 
             "--train-iters", str(args.warmup + args.steps), "--lr", str(args.lr), "--lr-warmup-fraction", "0",
             "--lr-decay-style", "constant", "--weight-decay", "0", "--split", "100,0,0", "--eval-interval", "0",
             "--log-interval", "1", "--metrics-file", str(metrics), "--tensorboard-dir", ""]
+    if args.lora_rank:
+        argv += ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)]
     steps, train_step = [], Trainer.train_step
 
     def timed(self, *a, **k):
@@ -197,14 +201,20 @@ def _trl_trainer(kind: str, hf_dir: str, dataset, args, workdir: pathlib.Path):
                 return super().compute_loss(model, inputs, *a, **k)
         return Recording
 
+    lora = {}
+    if args.lora_rank:  # the same adapters: megalite's four fused layers are these seven projections
+        import peft
+
+        lora["peft_config"] = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, task_type="CAUSAL_LM",
+                                              target_modules=PEFT_TARGETS)
     if kind == "sft":
         config = trl.SFTConfig(**common, packing=True, assistant_only_loss=True)
         trainer = recording(trl.SFTTrainer)(model=model, args=config, train_dataset=dataset,
-                                            processing_class=tokenizer, callbacks=[callback])
+                                            processing_class=tokenizer, callbacks=[callback], **lora)
     else:
         config = trl.DPOConfig(**common, beta=args.beta)
         trainer = recording(trl.DPOTrainer)(model=model, args=config, train_dataset=dataset,
-                                            processing_class=tokenizer, callbacks=[callback])
+                                            processing_class=tokenizer, callbacks=[callback], **lora)
     return trainer, clock, batches
 
 
@@ -246,11 +256,17 @@ def main():
     parser.add_argument("--conversations", type=int, default=400)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters (alpha 2 x rank) on every projection instead of every weight: "
+                             "megalite's --lora-rank, TRL with a PEFT LoraConfig (DPO's reference is then the base "
+                             "with the adapters disabled on both sides)")
     args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.lora_rank < 0:
+        parser.error("--warmup and --steps must be at least 1, --lora-rank at least 0")
     torch.set_num_threads(1)
     require("trl", "test", "the TRL comparison")
+    if args.lora_rank:
+        require("peft", "test", "the LoRA comparison")
     import datasets
     import transformers
 
@@ -291,7 +307,8 @@ def main():
     params = 4 * args.hidden * args.hidden * 3 // 2 + 3 * args.hidden * int(2.75 * args.hidden)
     print(f"model: Llama-style, hidden {args.hidden}, {args.layers} layers (~{params * args.layers / 1e6:.1f}M "
           f"parameters in the layers), character vocabulary; seq {args.seq_length}, {args.batch} rows/pairs per "
-          f"step, {args.warmup} warm-up + {args.steps} timed steps; fp32, one CPU thread per side")
+          f"step, {args.warmup} warm-up + {args.steps} timed steps; fp32, one CPU thread per side; "
+          + (f"LoRA rank {args.lora_rank} on every projection" if args.lora_rank else "every weight trained"))
     print(f"{'':13} {'wall/step':>10} {'CPU/step':>9} {'per wall s':>11} {'per CPU s':>10} {'first loss':>11}")
     for (task, side), (wall, cpu, amount, loss) in results.items():
         print(f"{task} {side:9} {wall * 1000:8.0f}ms {cpu * 1000:7.0f}ms {amount / wall:11.2f} {amount / cpu:10.2f} "
