@@ -1,10 +1,10 @@
 """LoRA through examples/sft.py and examples/dpo.py (``--finetune --load BASE --lora-rank R``).
 
-SFT: the first loss equals the base model's on the same batch (full fine-tuning's first loss; B starts at zero),
-the loaded base weights stay unchanged, the checkpoint holds the adapters (and their Adam moments) only, and ``convert_checkpoint.py --to
-peft`` exports it so that ``peft.PeftModel`` on the base's HF conversion gives megalite's logits.  DPO: the
-reference is the policy's own base with its adapters disabled (no second model is built), its log-probs equal
-the base model's, and training moves the policy away from it.
+SFT: the first loss equals the base model's on the same batch (full fine-tuning's first loss; B starts at
+zero), the loaded base weights stay unchanged, the checkpoint holds the adapters (and their Adam moments) only,
+and ``convert_checkpoint.py --to peft`` exports it so that ``peft.PeftModel`` on the base's HF conversion gives
+megalite's logits.  DPO: the reference is the policy's own base with its adapters disabled (no second model is
+built), its log-probs equal the base model's, and training moves the policy away from it.
 """
 
 import importlib.util
