@@ -7,6 +7,10 @@
 Each jsonl line holds ``prompt``, ``chosen`` and ``rejected``.  A pair's two sequences are packed into one
 sample and go through one forward; the reference is the loaded model, frozen (see
 megalite.rlhf.preference_training).  Reward accuracy and margin are logged with the loss.
+
+With pretraining's ``--lora-rank`` flags only adapters train, and the reference is the loaded base itself with
+the adapters disabled (no second copy of the model); ``--save`` holds the adapters only, exported to PEFT's
+format by ``tools/convert_checkpoint.py --from megalite --to peft``.
 """
 
 import sys

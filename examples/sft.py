@@ -8,6 +8,10 @@ Each jsonl line holds ``messages`` (system/user/assistant/tool) or ``prompt``/``
 assistant tokens only, and conversations are packed into ``--seq-length`` with attention and positions kept
 per conversation (see megalite.data.sft).  The tokenizer's chat template (or ``--chat-template FILE``) must
 mark assistant output with ``{% generation %}``; TRL ships such ``*_training.jinja`` templates.
+
+LoRA takes pretraining's flags: ``--lora-rank 8 [--lora-alpha 16 --lora-dropout 0.05 --lora-target-modules
+linear_qkv,linear_proj]`` with ``--load BASE --finetune`` trains adapters only (the base stays frozen), and
+``--save`` then holds the adapters only; ``tools/convert_checkpoint.py --from megalite --to peft`` exports them.
 """
 
 import sys

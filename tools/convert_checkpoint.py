@@ -6,11 +6,14 @@ DeepSeek-V3; safetensors), Megatron-LM and megalite.
     python tools/convert_checkpoint.py --from megatron --to megalite --input MEGATRON_SAVE_DIR --output OUT_DIR
     python tools/convert_checkpoint.py --from megalite --to megatron --input CKPT_DIR --output MEGATRON_SAVE_DIR
     python tools/convert_checkpoint.py --from megatron-legacy --to megalite --allow-pickle --input SAVE --output OUT_DIR
+    python tools/convert_checkpoint.py --from megalite --to peft --input ADAPTER_CKPT_DIR --output PEFT_DIR
 
 ``--from megatron`` / ``--to megatron`` is Megatron-LM's torch_dist format (``--ckpt-format torch_dist``), read
 and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), model
 weights only; ``--from megatron-legacy`` reads the older ``mp_rank_XX/model_optim_rng.pt`` pickles (weights and a
-non-distributed optimizer's Adam state), only with ``--allow-pickle``.
+non-distributed optimizer's Adam state), only with ``--allow-pickle``.  ``--to peft`` writes a ``--lora-rank`` run's
+adapter checkpoint in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``) for the base's
+``--to hf`` conversion.
 
 A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
@@ -21,20 +24,23 @@ from __future__ import annotations
 
 import sys
 
+from megalite.checkpoint import read_checkpoint_info
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
 from megalite.cli import run_cli
 from megalite.flags import ArgumentParser
+from megalite.lora.peft import convert_adapters_to_peft
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", choices=("hf", "megalite", "megatron", "megatron-legacy"),
                         required=True)
-    parser.add_argument("--to", dest="target", choices=("hf", "megalite", "megatron"), required=True)
+    parser.add_argument("--to", dest="target", choices=("hf", "megalite", "megatron", "peft"), required=True)
     parser.add_argument("--input", required=True,
-                        help="Hugging Face model directory, megalite checkpoint or Megatron-LM save directory")
+                        help="Hugging Face model directory, megalite checkpoint (an adapter checkpoint for --to "
+                             "peft) or Megatron-LM save directory")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="to hf: above this size the safetensors output is split into "
@@ -54,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--from {args.source} --to {args.target}: one side must be megalite (convert in two steps)")
     if args.megatron_tensor_parallel_size < 1:
         parser.error("--megatron-tensor-parallel-size must be a positive integer")
+    if args.source == "megalite" and args.target != "peft" and read_checkpoint_info(args.input)["state"].get("lora"):
+        raise ValueError(f"{args.input} holds LoRA adapters, not a model: write them with --to peft (and convert "
+                         f"the base model they were trained on with --to {args.target})")
     if args.source == "megatron-legacy":
         legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
                                          vocab_size=args.vocab_size)
@@ -64,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         convert_hf_to_megalite(args.input, args.output)
     elif args.source == "megatron":
         convert_megatron_to_megalite(args.input, args.output)
+    elif args.target == "peft":
+        convert_adapters_to_peft(args.input, args.output)
     elif args.target == "megatron":
         convert_megalite_to_megatron(args.input, args.output, args.megatron_tensor_parallel_size)
     else:

@@ -2,12 +2,13 @@
 
 - :mod:`config`: :class:`LoRAConfig` (rank, alpha, dropout, target modules).
 - :mod:`adapter`: :func:`apply_lora` freezes the model and hooks adapters onto its layers;
-  :class:`LoRAModel` holds them and merges them into the base for export.
+  :class:`LoRAModel` holds them and merges them into the base for export; :func:`adapters_disabled` runs the
+  base model alone (the DPO reference of a LoRA run).
 - :mod:`state`: adapters as global tensors; adapter-only checkpoints (megalite's format) that load under any layout.
 - :mod:`peft`: export to and import from PEFT's adapter format for the converted Hugging Face model.
 """
 
-from megalite.lora.adapter import LoRAAdapter, LoRAModel, apply_lora
+from megalite.lora.adapter import LoRAAdapter, LoRAModel, adapters_disabled, apply_lora
 from megalite.lora.config import TARGETS, LoRAConfig
 
-__all__ = ["LoRAAdapter", "LoRAConfig", "LoRAModel", "TARGETS", "apply_lora"]
+__all__ = ["LoRAAdapter", "LoRAConfig", "LoRAModel", "TARGETS", "adapters_disabled", "apply_lora"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,8 @@ class LoRAAdapter(nn.Module):
         self.sequence_parallel = base.sequence_parallel
         self.scaling = config.scaling
         self.dropout = config.dropout
+        self.enabled = True
+        """False inside :func:`adapters_disabled`: the hook leaves the base layer's output as it is."""
         device = base.weight.device
         master = _init_a(name, config.rank, base.in_features, config.seed)
         if self.column:
@@ -95,6 +98,8 @@ class LoRAAdapter(nn.Module):
 
     def hook(self, module, args, output):
         """Forward hook of the base layer: its output (or ``(output, bias)``) plus the update."""
+        if not self.enabled:
+            return output
         if isinstance(output, tuple):
             main, bias = output
             return main + self.update(args[0], module.training).to(main.dtype), bias
@@ -159,6 +164,29 @@ class LoRAModel(nn.Module):
             weight.add_(adapter.delta_weight().to(weight.dtype))
         self.remove_hooks()
         return self.model_chunks
+
+
+def _hooked_adapters(model) -> list[LoRAAdapter]:
+    """The adapters :func:`apply_lora` hooked onto ``model``'s layers (a data-parallel wrapper is looked through)."""
+    return [hook.__self__ for module in unwrap(model).modules() for hook in module._forward_hooks.values()
+            if isinstance(getattr(hook, "__self__", None), LoRAAdapter)]
+
+
+@contextmanager
+def adapters_disabled(model):
+    """Inside the block ``model`` computes its base model's output: every adapter hooked onto it adds nothing
+    (PEFT's ``disable_adapter()``).  A LoRA run's frozen base serves as the DPO reference this way, with no
+    second copy of the weights.  Raises ValueError when no adapter is hooked onto ``model``."""
+    adapters = _hooked_adapters(model)
+    if not adapters:
+        raise ValueError("no LoRA adapter is hooked onto this model")
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield model
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 def apply_lora(model_chunks, config: LoRAConfig, *, base_dtype: torch.dtype | None = None) -> LoRAModel:

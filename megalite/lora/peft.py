@@ -13,6 +13,9 @@ weight).  megalite fuses layers PEFT keeps apart:
   A's are stacked (rank ``n * r``) and each B fills its own columns: the same update, exactly.  All
   adapters then get the largest rank needed, padded with zero rows/columns, and alpha grows with
   the rank so ``alpha / rank`` (PEFT's scaling) is unchanged.
+
+:func:`convert_adapters_to_peft` (``tools/convert_checkpoint.py --from megalite --to peft``) exports a
+``--lora-rank`` run's adapter checkpoint, saved under any layout.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megalite.checkpoint import global_shapes
+from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.hf import default_prefix, hf_family, megalite_tensor_to_hf
 from megalite.lora.config import TARGETS, LoRAConfig
+from megalite.lora.state import read_adapter_checkpoint
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -69,6 +74,16 @@ def export_peft(output: str, lora_config: LoRAConfig, model_config, tensors: dic
     save_file(out, os.path.join(output, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(output, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+def convert_adapters_to_peft(path: str, output: str, *, base_model_name_or_path: str | None = None) -> None:
+    """Write the adapter checkpoint ``path`` (:func:`megalite.lora.state.save_adapters`, e.g. a ``--lora-rank``
+    run's ``--save``) as the PEFT adapter directory ``output``, for the Hugging Face model that
+    ``convert_checkpoint.py --to hf`` makes of its base.  ``output`` must not exist or be empty."""
+    lora_config, model_config, tensors = read_adapter_checkpoint(path)
+    tmp = fresh_output(output)
+    export_peft(tmp, lora_config, model_config, tensors, base_model_name_or_path=base_model_name_or_path)
+    move_into_place(tmp, output)
 
 
 def _read_peft_config(adapter_dir: str) -> dict:

@@ -6,6 +6,8 @@ messages as TRL's conversational form); every pair is rendered with the chat tem
 ``--split`` into train/valid/test.  The reference is a frozen copy of the policy's weights when training
 starts (the ``--load``ed model), kept by :class:`~megalite.rlhf.reference.ReferenceModel` and run on the fly
 before each micro-batch's policy forward (optionally parked in CPU memory with ``--offload-reference``).
+Under ``--lora-rank`` only the adapters train and the reference is the policy's own frozen base with its
+adapters disabled (:func:`megalite.lora.adapters_disabled`, as TRL does with PEFT), so no second copy exists.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from megalite.data.sft import conversation_from_record, jsonl_records
+from megalite.distributed.unwrap import unwrap
 from megalite.flags import Flag, FlagTable
+from megalite.lora import adapters_disabled
 from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pair_log_probs
 from megalite.rlhf.preference import preference_forward_step
 from megalite.rlhf.reference import ReferenceModel
@@ -28,7 +32,8 @@ PREFERENCE_FLAGS = FlagTable((
     Flag("--pref-label-smoothing", GROUP, ("PreferenceConfig.label_smoothing",), type=float,
          help="conservative DPO / SimPO: the chance a preference label is flipped"),
     Flag("--simpo-gamma", GROUP, ("PreferenceConfig.simpo_gamma",), type=float, help="SimPO's target margin"),
-    Flag("--offload-reference", GROUP, default=False, help="keep the reference's weights in CPU memory"),
+    Flag("--offload-reference", GROUP, default=False,
+         help="keep the reference's weights in CPU memory (not with --lora-rank, whose reference is the base)"),
 ), configs=(PreferenceConfig,))
 
 
@@ -84,6 +89,9 @@ class PreferenceTraining:
         self.reference = None
 
     def prepare_data(self, args) -> None:
+        if args.lora_rank is not None and args.offload_reference:
+            raise ValueError("--offload-reference: under --lora-rank the reference is the frozen base with its "
+                             "adapters disabled; there is no copy to offload")
         sft.check_chat_tokenizer(args)
         read_pairs(args.pref_data)
 
@@ -107,15 +115,39 @@ class PreferenceTraining:
         if config.loss_type not in REFERENCE_FREE:
             if topo.pp.size > 1:
                 raise ValueError("the on-the-fly reference runs a whole model: use --pipeline-model-parallel-size 1")
-            if self.reference is None:
-                fresh = gpt.model_provider(args, pre_process=True, post_process=True, layer_range=(0, args.num_layers))
-                fresh.to(device)
-                self.reference = ReferenceModel(fresh, source=model, offload=args.offload_reference)
-            with torch.no_grad(), self.reference.on_device() as ref:
-                log_probs = -ref(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
-                                 document_ids=batch["document_ids"])
-                chosen, rejected, _, _ = pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"],
-                                                        topo.cp.group)
+            if args.lora_rank is not None:
+                chosen, rejected = base_log_probs(model, batch, topo.cp.group)
+            else:
+                if self.reference is None:
+                    fresh = gpt.model_provider(args, pre_process=True, post_process=True,
+                                               layer_range=(0, args.num_layers))
+                    fresh.to(device)
+                    self.reference = ReferenceModel(fresh, source=model, offload=args.offload_reference)
+                with self.reference.on_device() as ref:
+                    chosen, rejected = reference_log_probs(ref, batch, topo.cp.group)
             batch = {**batch, "ref_chosen": chosen, "ref_rejected": rejected}
         return preference_forward_step(config, topo.cp.group)(iter([batch]), model)
+
+
+@torch.no_grad()
+def reference_log_probs(reference, batch: dict, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed chosen and rejected completion log-probs ``[b]`` of a whole (unpipelined) model chunk on a
+    packed-pairs micro-batch (``prepare_batch``'s output)."""
+    log_probs = -reference(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
+                           document_ids=batch["document_ids"])
+    chosen, rejected, _, _ = pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"], cp_group)
+    return chosen, rejected
+
+
+def base_log_probs(model, batch: dict, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference_log_probs` of a LoRA policy's frozen base: ``model`` in eval mode with its adapters
+    disabled (its mode is restored afterwards)."""
+    module = unwrap(model)
+    training = module.training
+    module.eval()
+    try:
+        with adapters_disabled(module):
+            return reference_log_probs(module, batch, cp_group)
+    finally:
+        module.train(training)
 
