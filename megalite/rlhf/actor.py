@@ -52,11 +52,12 @@ def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         attention_mask = torch.ones_like(input_ids)
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
     return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
-                           tp_group=_tp_group(model))
+                           tp_group=tp_group_of(model))
 
 
-def _tp_group(model):
-    return unwrap(model).tp_group
+def tp_group_of(model):
+    """The model's tensor-parallel group; a user's own module (TrainingService ``"ddp"``/``"fsdp2"``) has none."""
+    return getattr(unwrap(model), "tp_group", None)
 
 
 def _iterators(model_chunks, micro_batches):
@@ -86,7 +87,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,
-                                      with_entropy, tp_group=_tp_group(chunk))
+                                      with_entropy, tp_group=tp_group_of(chunk))
             return lp.sum() * 0.0, {"log_probs": lp, "entropy": ent}
 
         return output, collect
