@@ -1,13 +1,25 @@
-"""RL placement benchmark: the same GRPO workload colocated, disaggregated 2+2 and async (S=1), one run.
+"""RL benchmarks: GRPO speed beside TRL's GRPOTrainer, and the same GRPO workload colocated, disaggregated 2+2 and
+async (S=1).
 
-Runs examples/rlhf_ppo.py three times on 4 CPU ranks (torch.distributed.run) and prints
+``--part trl``: one process, one thread per side, the same model (megalite's GPT of ``--seed``, taught the answer
+format for ``--format-steps`` steps, then converted to a Hugging Face GPT-2 for TRL with megalite's converter; the
+script checks that both give the same logits), the same "a+b=" task, group size, completion length, learning rate,
+reward rule, KL coefficient (k3 estimator, the reference model on both sides), fp32 without activation
+recomputation (TRL's defaults bf16 and gradient checkpointing turned off) and one update per iteration:
+examples/rlhf_ppo.py (in a subprocess, ``--load`` of that model) against ``trl.GRPOTrainer`` (HF ``generate`` for
+rollouts), ``--rounds`` times in turns.  Prints samples/s of each side (its best round) and the ratio, then the
+rollout generation alone: megalite's inference engine (the RL path), its static batched decoder and HF
+``generate``.  Needs ``trl`` and ``datasets`` (``pip install trl datasets``; not megalite dependencies).
+
+``--part placement``: runs examples/rlhf_ppo.py three times on 4 CPU ranks (torch.distributed.run) and prints
 samples/s with the per-iteration time split (generation or waiting for rollouts, log-probs,
 training, weight sync) and the ratio to colocated; then syncs the example's model once from a
 TP2 trainer to two rollout ranks and prints the bytes every rank moved beside the analytic amount
 (each rollout rank receives its shard once, vocabulary padding excluded; each trainer rank sends
 the tensors it uniquely owns once per rollout replica it serves).
 
-    python benchmarks/rl.py [--iters 20] [--global-batch-size 32] [--n-samples-per-prompt 4]
+    python benchmarks/rl.py [--part all|trl|placement] [--iters 20] [--global-batch-size 32] \
+        [--n-samples-per-prompt 4] [--max-new-tokens 3]
 """
 
 from __future__ import annotations
@@ -15,9 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -26,7 +41,12 @@ sys.path.insert(0, ROOT)
 
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
+from megalite.checkpoint import save_sharded  # noqa: E402
+from megalite.checkpoint.hf import convert_megalite_to_hf  # noqa: E402
+from megalite.rlhf.arithmetic import TOKENIZER, pretrain_batch, problem, prompt_width  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
+
+LR, KL_COEF = 5e-4, 0.04  # --part trl: both sides' learning rate and KL coefficient
 
 MODES = {"colocated": ["--tensor-model-parallel-size", "2"],
          "disaggregated 2+2": ["--tensor-model-parallel-size", "2", "--rollout-world-size", "2"],
@@ -34,12 +54,13 @@ MODES = {"colocated": ["--tensor-model-parallel-size", "2"],
 SPLIT = ("time_generate_s", "time_log_probs_s", "time_train_s", "time_sync_s")
 
 
-def run_mode(extra, args, directory, port) -> list[dict]:
+def run_example(extra, args, directory, procs: int = 4, port: int = 29700) -> list[dict]:
+    """examples/rlhf_ppo.py with GRPO and these flags on ``procs`` CPU ranks; its per-iteration metrics."""
     metrics = os.path.join(directory, f"{port}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(port),
-           os.path.join(ROOT, "examples", "rlhf_ppo.py"), "--advantage-estimator", "grpo", "--use-kl-loss",
-           "--n-samples-per-prompt", str(args.n_samples_per_prompt), "--global-batch-size",
-           str(args.global_batch_size), "--train-iters", str(args.iters), "--pretrain-iters", "40",
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(port)]
+    cmd = [sys.executable, *(launch if procs > 1 else []), os.path.join(ROOT, "examples", "rlhf_ppo.py"),
+           "--advantage-estimator", "grpo", "--use-kl-loss", "--n-samples-per-prompt", str(args.n_samples_per_prompt),
+           "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters),
            "--metrics-file", metrics, "--tensorboard-dir", "", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -74,13 +95,181 @@ def _sync_rank(hidden, layers):
     return {"rank": me, "side": role.side, "bytes": sync.bytes_sent + sync.bytes_received, "analytic": analytic}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--n-samples-per-prompt", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2, help="iterations left out of the averages")
-    args = p.parse_args()
+def gpt_config(args) -> GPTConfig:
+    """The actor examples/rlhf_ppo.py builds for these flags (its weights depend only on the config's seed)."""
+    return GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=4, max_position_embeddings=max(16, prompt_width(9) + args.max_new_tokens),
+                     make_vocab_size_divisible_by=8, seed=args.seed)
+
+
+def byte_tokenizer():
+    """megalite's ByteTokenizer (ids 0..255 are bytes; eod 256, pad 257, bos 258) as a Hugging Face tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(256)}
+    vocab.update({"<eod>": TOKENIZER.eod, "<pad>": TOKENIZER.pad, "<bos>": TOKENIZER.bos})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eod>", pad_token="<pad>",
+                                   bos_token="<bos>")
+
+
+def warmed_up_actor(args, directory: str) -> tuple[GPTModel, str]:
+    """megalite's GPT for these flags, taught the "a+b=c<eod>" format as examples/rlhf_ppo.py's warm-up does
+    (``--format-steps`` AdamW steps on 64 documents), so rewards vary from the first iteration; and its checkpoint."""
+    torch.manual_seed(args.seed)
+    model = GPTModel(gpt_config(args))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = random.Random(args.seed)
+    for _ in range(args.format_steps):
+        batch = pretrain_batch(rng, 64, 9)
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1]
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
+                                                      reduction="none")
+        loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval(), save_sharded(os.path.join(directory, "warm"), 0, [model])
+
+
+def hf_model(model: GPTModel, path: str, directory: str):
+    """The checkpoint ``path`` of ``model`` converted to Hugging Face; checked to give megalite's logits."""
+    import transformers
+
+    convert_megalite_to_hf(path, os.path.join(directory, "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(directory, "hf"))
+    for settings in (hf.config, hf.generation_config):  # no run tokenizer in the checkpoint: GPT-2's ids otherwise
+        settings.bos_token_id, settings.eos_token_id = TOKENIZER.bos, TOKENIZER.eod
+        settings.pad_token_id = TOKENIZER.pad
+    ids = torch.tensor([TOKENIZER.tokenize("3+4=7")])
+    with torch.no_grad():
+        ours = model(ids, attention_mask=torch.ones_like(ids))[..., :TOKENIZER.vocab_size]
+        theirs = hf(ids).logits[..., :TOKENIZER.vocab_size]
+    gap = (ours - theirs).abs().max().item()
+    if gap > 1e-4:
+        raise RuntimeError(f"the converted model's logits differ from megalite's by {gap}")
+    return hf
+
+
+def trl_run(args, directory: str, hf) -> tuple[list[float], list[float]]:
+    """TRL's GRPOTrainer on the same model, prompts and settings; seconds and mean reward of each iteration."""
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megalite.rlhf.rewards import arithmetic_reward
+
+    rng = random.Random(args.seed)
+    prompts = [problem(rng, 9) for _ in range(args.global_batch_size * args.iters)]
+    times: list[float] = []
+    rewards: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - self.start)
+
+    def reward(prompts, completions, completion_ids, **_):
+        """megalite's rule: the right answer followed by end-of-document."""
+        scores = [arithmetic_reward(p, c) * (TOKENIZER.eod in ids) for p, c, ids in zip(prompts, completions,
+                                                                                        completion_ids)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    config = GRPOConfig(output_dir=os.path.join(directory, "trl"), per_device_train_batch_size=args.global_batch_size
+                        * args.n_samples_per_prompt, num_generations=args.n_samples_per_prompt,
+                        max_completion_length=args.max_new_tokens, max_steps=args.iters, learning_rate=LR,
+                        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=KL_COEF,
+                        temperature=1.0, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10 ** 6,
+                        disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
+                        bf16=False, gradient_checkpointing=False)  # fp32 without recomputation, as megalite runs
+    trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=byte_tokenizer(),
+                          callbacks=[Clock()])
+    trainer.train()
+    return times, rewards
+
+
+def megalite_run(args, directory: str, checkpoint: str) -> tuple[list[float], list[float]]:
+    """examples/rlhf_ppo.py, one process, the same settings and initial weights; seconds and mean reward of each
+    iteration."""
+    records = run_example(["--tensor-model-parallel-size", "1", "--kl-coef", str(KL_COEF), "--kl-estimator", "k3",
+                           "--ppo-epochs", "1",
+                           "--actor-lr", str(LR), "--load", checkpoint, "--max-new-tokens", str(args.max_new_tokens),
+                           "--micro-batch-size", str(args.global_batch_size * args.n_samples_per_prompt),
+                           "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
+                           "--seed", str(args.seed)], args, directory, procs=1)
+    return [r["time_iteration_s"] for r in records], [r["reward"] for r in records]
+
+
+def compare_with_trl(args) -> None:
+    samples = args.global_batch_size * args.n_samples_per_prompt
+    print(f"GRPO vs TRL GRPOTrainer: {args.global_batch_size} prompts x {args.n_samples_per_prompt} samples, "
+          f"{args.max_new_tokens} new tokens, hidden {args.hidden_size}, {args.num_layers} layers, {args.iters} "
+          f"iterations (first {args.warmup} left out), one process and one thread each, in turn")
+    torch.set_num_threads(1)
+    rates, rewards = {}, {}
+    with tempfile.TemporaryDirectory() as directory:
+        model, checkpoint = warmed_up_actor(args, directory)
+        hf = hf_model(model, checkpoint, directory)
+        generation = rollout_seconds(args, model, hf)
+        initial = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+        for _ in range(args.rounds):  # the sides take turns, so a change in the machine's load hits both
+            for name, run in (("megalite", megalite_run), ("trl", trl_run)):
+                hf.load_state_dict(initial)  # every TRL round starts from the same weights, as megalite's do
+                times, rewards[name] = run(args, directory, checkpoint if name == "megalite" else hf)
+                times = times[args.warmup:]
+                rates.setdefault(name, []).append(samples * len(times) / sum(times))
+    print(f"{'':<10}{'samples/s':>10}{'iterations/s':>14}{'reward, first and last 5 iterations':>38}"
+          f"   samples/s of each round")
+    best = {name: max(values) for name, values in rates.items()}
+    for name, rate in best.items():
+        first, last = (sum(part) / len(part) for part in (rewards[name][:5], rewards[name][-5:]))
+        print(f"{name:<10}{rate:>10.1f}{rate / samples:>14.3f}{first:>24.3f}{last:>14.3f}   "
+              + " ".join(f"{value:.1f}" for value in rates[name]))
+    print(f"ratio megalite / trl (best round of each): {best['megalite'] / best['trl']:.2f}")
+    print(f"\nrollout generation alone ({samples} samples, the same prompts; median seconds per call, sides "
+          "alternating)")
+    for name, seconds in generation.items():
+        print(f"{name:<34}{seconds:>9.4f}")
+
+
+def rollout_seconds(args, model: GPTModel, hf) -> dict[str, float]:
+    """Median seconds of one rollout generation of the iteration's samples: megalite's RL path (the persistent
+    inference engine), megalite's static batched decoder, and Hugging Face ``generate`` (what TRL calls)."""
+    from megalite.rlhf.generation import RolloutEngine, SamplingConfig, generate
+    from megalite.rlhf.rollouts import left_pad
+
+    rng = random.Random(args.seed)
+    prompts = [TOKENIZER.tokenize(problem(rng, 9)) for _ in range(args.global_batch_size)
+               for _ in range(args.n_samples_per_prompt)]
+    ids, mask = left_pad(prompts, TOKENIZER.pad, prompt_width(9))
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad)
+    engine = RolloutEngine(model)
+    sides = {"megalite inference engine (RL's)": lambda g: engine.generate(ids, mask, sampling, g),
+             "megalite static decoder": lambda g: generate(model, ids, mask, sampling, g),
+             "HF generate (TRL's)": lambda g: hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                                          max_new_tokens=args.max_new_tokens, top_k=0)}
+    times = {name: [] for name in sides}
+    with torch.no_grad():
+        for call in range(12):
+            for name in (list(sides) if call % 2 else list(reversed(sides))):
+                torch.manual_seed(call)
+                start = time.perf_counter()
+                sides[name](torch.Generator().manual_seed(call))
+                if call >= 2:
+                    times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+
+
+def compare_placements(args) -> None:
     samples = args.global_batch_size * args.n_samples_per_prompt
     print(f"GRPO, {args.global_batch_size} prompts x {args.n_samples_per_prompt} samples per iteration, "
           f"{args.iters} iterations on 4 CPU ranks ({torch.get_num_threads()} threads each unless OMP says otherwise)")
@@ -89,7 +278,7 @@ def main() -> int:
     base = None
     with tempfile.TemporaryDirectory() as directory:
         for port, (mode, extra) in enumerate(MODES.items(), start=29700):
-            records = run_mode(extra, args, directory, port)[args.warmup:]
+            records = run_example(["--pretrain-iters", "40", *extra], args, directory, port=port)[args.warmup:]
             iteration = sum(r["time_iteration_s"] for r in records) / len(records)
             rate = samples / iteration
             base = base or rate
@@ -101,6 +290,27 @@ def main() -> int:
     print(f"{'rank':>5}{'side':>9}{'bytes':>12}{'analytic':>12}{'ratio':>7}")
     for r in run_distributed(_sync_rank, 4, 64, 2, timeout=300):
         print(f"{r['rank']:>5}{r['side']:>9}{r['bytes']:>12}{r['analytic']:>12}{r['bytes'] / r['analytic']:>7.2f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("all", "trl", "placement"), default="all")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--n-samples-per-prompt", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=3, help="--part trl: completion tokens")
+    p.add_argument("--hidden-size", type=int, default=64, help="--part trl")
+    p.add_argument("--num-layers", type=int, default=2, help="--part trl")
+    p.add_argument("--seed", type=int, default=1234, help="--part trl: the model's and the prompts' seed")
+    p.add_argument("--format-steps", type=int, default=60,
+                   help="--part trl: steps teaching the answer format before RL")
+    p.add_argument("--warmup", type=int, default=2, help="iterations left out of the averages")
+    p.add_argument("--rounds", type=int, default=2, help="--part trl: runs of each side, in turns; the best counts")
+    args = p.parse_args()
+    if args.part in ("all", "trl"):
+        compare_with_trl(args)
+    if args.part in ("all", "placement"):
+        compare_placements(args)
     return 0
 
 

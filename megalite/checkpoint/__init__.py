@@ -139,11 +139,10 @@ def save_global_shards(save_dir: str, config, shards: list[TensorShard], *, iter
 
 
 def read_global_tensors(path: str) -> tuple[object, dict[str, torch.Tensor], dict]:
-    """``(config, tensors, rank 0's JSON state)``: every global model tensor of a checkpoint."""
+    """``(config, tensors, rank 0's JSON state)``: every global model tensor of a checkpoint (``config`` is None
+    for a model without a GPTConfig, e.g. a user's module trained through the TrainingService)."""
     reader = open_reader(path)
     config = reader.config
-    if config is None:
-        raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
     names = [name for name in reader.shapes if not name.startswith("optimizer.")]
     return config, reader.read_all(names), reader.state
 

@@ -62,17 +62,19 @@ def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         attention_mask = torch.ones_like(input_ids)
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
     return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
-                           tp_group=_tp_group(model), invariant_vocab=invariant_vocab(model))
+                           tp_group=tp_group_of(model), invariant_vocab=invariant_vocab(model))
 
 
-def _tp_group(model):
-    return unwrap(model).tp_group
+def tp_group_of(model):
+    """The model's tensor-parallel group; a user's own module (TrainingService ``"ddp"``/``"fsdp2"``) has none."""
+    return getattr(unwrap(model), "tp_group", None)
 
 
 def invariant_vocab(model) -> int | None:
-    """The vocabulary size of a batch-invariant model (``GPTConfig.batch_invariant``), else None."""
-    config = unwrap(model).config
-    return config.vocab_size if config.batch_invariant else None
+    """The vocabulary size of a batch-invariant model (``GPTConfig.batch_invariant``), else None (also for a
+    user's own module, which has no GPTConfig)."""
+    config = getattr(unwrap(model), "config", None)
+    return config.vocab_size if getattr(config, "batch_invariant", False) else None
 
 
 def _iterators(model_chunks, micro_batches):
@@ -102,7 +104,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,
-                                      with_entropy, tp_group=_tp_group(chunk), invariant_vocab=invariant_vocab(chunk))
+                                      with_entropy, tp_group=tp_group_of(chunk), invariant_vocab=invariant_vocab(chunk))
             return lp.sum() * 0.0, {"log_probs": lp, "entropy": ent}
 
         return output, collect

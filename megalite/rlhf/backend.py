@@ -42,12 +42,13 @@ class TrainingBackend:
         self.rollout_engine = RolloutEngine(chunk) if engine_supports(chunk) else None
 
     def _micro_batches(self, batch: dict) -> list[dict]:
-        size = batch["input_ids"].shape[0]
+        first = next(iter(batch))  # input_ids for megalite's objectives; a user objective's batch may lack it
+        size = batch[first].shape[0]
         if size % self.micro_batch_size:
             raise ValueError(f"batch of {size} sequences is not divisible by micro_batch_size={self.micro_batch_size}")
         for key, value in batch.items():
             if value.shape[0] != size:
-                raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, input_ids has {size}")
+                raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, {first} has {size}")
         return [{k: v[i:i + self.micro_batch_size] for k, v in batch.items()}
                 for i in range(0, size, self.micro_batch_size)]
 

@@ -27,6 +27,7 @@ from megalite import batch_invariant, topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
 from megalite.inference.sampler import filter_logits
+from megalite.models import GPTModel
 from megalite.models.kv_cache import KVCache
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
@@ -188,6 +189,8 @@ def engine_supports(model) -> bool:
     if isinstance(model, (list, tuple)):
         return False
     inner = unwrap(model)
+    if not isinstance(inner, GPTModel):  # a user's own module (TrainingService strategy "ddp"/"fsdp2")
+        return False
     return (inner.pre_process and inner.post_process and not inner.sequence_parallel and inner.cp_size == 1
             and not any(isinstance(p, DTensor) for p in inner.parameters()))
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.distributed.unwrap import unwrap
-from megalite.rlhf.actor import invariant_vocab, token_log_probs
+from megalite.rlhf.actor import invariant_vocab, token_log_probs, tp_group_of
 from megalite.rlhf.distillation import TeacherOutput, forward_kl
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
 
@@ -31,7 +30,7 @@ class LanguageModelObjective:
         return chunk(mb["input_ids"], attention_mask=mb["attention_mask"])
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
-        log_probs, _ = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], tp_group=unwrap(chunk).tp_group)
+        log_probs, _ = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], tp_group=tp_group_of(chunk))
         loss = aggregate(-log_probs, mb["loss_mask"], self.mode, normalizer)
         return loss, {"lm_loss": loss.detach()}
 
@@ -61,7 +60,7 @@ class PPOActorObjective:
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0
         log_probs, entropy = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], self.temperature,
-                                             self.chunk_size, with_entropy, tp_group=unwrap(chunk).tp_group,
+                                             self.chunk_size, with_entropy, tp_group=tp_group_of(chunk),
                                              invariant_vocab=invariant_vocab(chunk))
         mask = mb["response_mask"]
         loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer,
@@ -76,7 +75,7 @@ class PPOActorObjective:
             indices = mb.get("teacher_indices")
             teacher = TeacherOutput(mb["teacher_log_probs"][:, :-1], None if indices is None else indices[:, :-1],
                                     None)
-            distill = aggregate(forward_kl(logits[:, :-1], teacher, unwrap(chunk).tp_group), mask, self.mode,
+            distill = aggregate(forward_kl(logits[:, :-1], teacher, tp_group_of(chunk)), mask, self.mode,
                                 normalizer)
             metrics["distill_kl"] = distill.detach()
             loss = loss + self.distill_coef * distill

@@ -9,8 +9,10 @@
 The driver starts ``procs`` workers through a transport (``backend="local"``: processes on this machine;
 ``backend="ray"``: Ray actors), hosts the TCPStore where they join one torch.distributed job (gloo on CPU,
 NCCL with ``with_gpus``), and each builds the model, DDP, optimizer and objective from serializable
-dataclasses; the loss is named (``"language_model"``, ``"ppo_actor"``, ``"ppo_critic"``) or given as
-``"module:attribute"`` (a zero-argument objective factory), so messages carry only data.  Every call is sent to
+dataclasses (or, with ``strategy="fsdp2"`` or ``"ddp"``, your own ``nn.Module`` from a picklable factory,
+sharded or replicated over the workers: :mod:`megalite.rlhf.service_module`); the loss is named
+(``"language_model"``, ``"ppo_actor"``, ``"ppo_critic"``) or given as ``"module:attribute"`` (a zero-argument
+objective factory), so messages carry only data.  Every call is sent to
 every worker at once and returns an asyncio future, so calls pipeline.  A reader thread resolves futures and
 watches the workers: one that dies, or a call unanswered past ``timeout``, fails every pending and later call
 with an error naming the worker and its last message.  Each worker also beats a heartbeat into the store, so
@@ -41,12 +43,14 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from megalite.models import GPTConfig
 from megalite.optim import OptimizerConfig
-from megalite.rlhf.service_config import ParallelLayout, Rendezvous, ServiceSpec, resolve_objective
+from megalite.rlhf.service_config import (ParallelLayout, Rendezvous, ServiceSpec, check_batch, check_model,
+                                           resolve_objective)
 from megalite.rlhf.service_transport import Transport
 from megalite.training.nan_guard import NanGuardConfig
 from megalite.training.save_dir import DirNames, SaveDirLock, check_not_overwriting
@@ -80,21 +84,27 @@ class _Options:
             raise ValueError(f"with_gpus needs {procs} GPUs, this machine has {torch.cuda.device_count()}")
         self.procs, self.with_gpus, self.backend, self.timeout = procs, with_gpus, backend, timeout
 
-    async def as_service(self, model: GPTConfig, optimizer: OptimizerConfig, loss_fn: str,
+    async def as_service(self, model: GPTConfig | Callable, optimizer: OptimizerConfig | Callable, loss_fn: str,
                          parallel: ParallelLayout, checkpoint_dir: str, seed: int = 1234,
-                         nan_guard: NanGuardConfig | None = None,
-                         override_existing_checkpoints: bool = False) -> "TrainingService":
+                         nan_guard: NanGuardConfig | None = None, override_existing_checkpoints: bool = False,
+                         strategy: str = "megalite") -> "TrainingService":
         """Lock ``checkpoint_dir``, start the workers and wait until every one has built its model.
 
-        ``nan_guard``: the trainer's guard settings (default: stop with an error before a non-finite update).
+        ``strategy="megalite"``: ``model`` is a ``GPTConfig`` (TP/PP/DP).  ``"fsdp2"`` / ``"ddp"``: ``model`` is a
+        zero-argument factory of your own ``nn.Module``, sharded (FSDP2) or replicated (DDP) over the ``dp``
+        workers, and ``optimizer`` an ``OptimizerConfig`` or a factory ``params -> torch.optim.Optimizer``
+        (:mod:`megalite.rlhf.service_module`).  ``nan_guard``: the trainer's guard settings (default: stop with an
+        error before a non-finite update).
         """
+        check_model(strategy, model, optimizer, parallel, pickled=self.backend == "local")
         if parallel.world_size != self.procs:
             raise ValueError(f"procs={self.procs} does not match the layout tp={parallel.tp} x pp={parallel.pp} x "
                              f"dp={parallel.dp} = {parallel.world_size} processes")
         resolve_objective(loss_fn)
         nan_guard = nan_guard or NanGuardConfig()
         nan_guard.validate()
-        spec = ServiceSpec(model, optimizer, loss_fn, parallel, checkpoint_dir, seed, self.with_gpus, nan_guard)
+        spec = ServiceSpec(model, optimizer, loss_fn, parallel, checkpoint_dir, seed, self.with_gpus, nan_guard,
+                           strategy)
         os.makedirs(checkpoint_dir, exist_ok=True)
         lock = SaveDirLock(checkpoint_dir, NAMES)
         try:
@@ -111,7 +121,8 @@ class _Options:
             transport.close()
             raise
         try:
-            await service._call("ready", service._rendezvous, deadline=max(self.timeout, STARTUP_SECONDS))
+            service._shapes = await service._call("ready", service._rendezvous,
+                                                  deadline=max(self.timeout, STARTUP_SECONDS))
         except BaseException:
             await service.shutdown()
             raise
@@ -144,6 +155,7 @@ class TrainingService:
         self.spec, self.procs, self.timeout, self._loop, self._transport = spec, procs, timeout, loop, transport
         self._dir_lock, self._override = lock, override_existing_checkpoints
         self._loaded: tuple[str, int] | None = None  # (save directory, iteration) of the last load()
+        self._shapes: dict | None = None  # a user's model: its tensors' global shapes (from the workers)
         self._may_write = False  # checkpoint_dir passed the overwrite check
         # The driver hosts the rendezvous, so it lives as long as the service and its port is never raced for.
         # It listens only on the address it advertises (TCPStore alone would listen on every interface).
@@ -175,7 +187,7 @@ class TrainingService:
 
         The call sends a copy: the transport moves what it sends into shared memory from a background
         thread, which must not touch the caller's tensors (another call may be reading them meanwhile)."""
-        self._check_batch(batch)
+        check_batch(self.spec, batch)
         return self._call("forward_backward", {k: v.detach().to("cpu", copy=True) for k, v in batch.items()})
 
     def optim_step(self) -> asyncio.Future:
@@ -190,7 +202,14 @@ class TrainingService:
         from megalite.checkpoint import save_global_checkpoint
 
         path = os.path.join(self._tmp, f"load_{next(self._ids)}")
-        save_global_checkpoint(path, self.spec.model, weights)
+        if self.spec.user_model:
+            from megalite.checkpoint import TensorShard, save_global_shards
+
+            shards = [TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor.detach().cpu())
+                      for name, tensor in sorted(weights.items())]
+            save_global_shards(path, None, shards, expected=self._shapes)
+        else:
+            save_global_checkpoint(path, self.spec.model, weights)
         return self._call("load_weights", path)
 
     def save(self, step: int) -> asyncio.Future:
@@ -206,6 +225,7 @@ class TrainingService:
             raise ValueError(f"save step must be a non-negative integer, got {step!r}") from None
         if step < 0:
             raise ValueError(f"save step must be a non-negative integer, got {step}")
+        self._check_checkpointable("save")
         if not self._may_write:
             loaded_dir, loaded_iteration = self._loaded or (None, 0)
             warning = check_not_overwriting(self.spec.checkpoint_dir, loaded_dir, loaded_iteration, self._override,
@@ -219,6 +239,7 @@ class TrainingService:
         """Model and optimizer from a megalite checkpoint saved under any layout."""
         from megalite.checkpoint import read_checkpoint_info
 
+        self._check_checkpointable("load")
         try:  # where it comes from, for save()'s overwrite rule; the workers may see paths the driver does not
             info = read_checkpoint_info(path)
         except (OSError, ValueError):
@@ -258,26 +279,11 @@ class TrainingService:
         return self._transport.pids
 
     # --- plumbing ------------------------------------------------------------------------------------
-    def _check_batch(self, batch: dict) -> None:
-        if not isinstance(batch, dict) or "input_ids" not in batch:
-            raise ValueError("forward_backward needs a dict batch with 'input_ids' [B, s]")
-        ids = batch["input_ids"]
-        if ids.dim() != 2:
-            raise ValueError(f"batch['input_ids'] must be [B, s], got shape {tuple(ids.shape)}")
-        rows, layout = ids.shape[0], self.spec.parallel
-        for key, value in batch.items():
-            if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != rows:
-                raise ValueError(f"batch[{key!r}] has shape {tuple(getattr(value, 'shape', ()))}; every entry "
-                                 f"needs the {rows} rows of input_ids")
-        if rows % (layout.dp * layout.micro_batch_size):
-            raise ValueError(f"batch of {rows} sequences is not divisible by dp={layout.dp} x "
-                             f"micro_batch_size={layout.micro_batch_size}")
-        vocab = self.spec.model.vocab_size  # the padded rows past it are no tokens
-        if ids.is_floating_point() or ids.is_complex():
-            raise ValueError(f"batch['input_ids'] must hold integer token ids, got {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.numel():
-            raise ValueError(f"batch['input_ids'] holds token id {int(bad[0])}, outside the vocabulary of {vocab} ids")
+    def _check_checkpointable(self, method: str) -> None:
+        if not isinstance(self.spec.optimizer, OptimizerConfig):
+            raise ValueError(f"{method} stores the optimizer in megalite's checkpoint format, which holds megalite's "
+                             f"optimizer (optimizer=OptimizerConfig(...)), not a torch.optim factory's; "
+                             f"get_weights/load_weights move the weights of either")
 
     def _call(self, method: str, payload, deadline: float | None = None) -> asyncio.Future:
         if self._closed:

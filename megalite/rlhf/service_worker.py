@@ -45,7 +45,8 @@ class ServiceWorker:
         except Exception as error:  # noqa: BLE001 - reported to the driver, which raises it
             return False, f"{type(error).__name__}: {error}"
 
-    def ready(self, rendezvous: Rendezvous) -> bool:
+    def ready(self, rendezvous: Rendezvous) -> dict | None:
+        """Join the job and build the model; a user's model answers with its tensors' global shapes."""
         import torch.distributed as dist
 
         from megalite import topology
@@ -70,17 +71,25 @@ class ServiceWorker:
                                 world_size=rendezvous.world)
         layout = spec.parallel
         self.topo = topo = topology.initialize(tp=layout.tp, pp=layout.pp)
-        model_parallel_seed(spec.seed, topo.tp.rank)
-        [module] = build_chunks(lambda **where: GPTModel(spec.model, **where), spec.model.num_layers, topo.pp.group)
-        module.to(self.device)
-        self.chunk = DistributedDataParallel(module, DDPConfig(), topo.dp.group, topo.expert_dp.group)
-        self.optimizer = get_optimizer(spec.optimizer, [self.chunk])
+        shapes = None
+        if spec.user_model:
+            from megalite.rlhf.service_module import build_user_model, tensor_shapes
+
+            self.chunk, self.optimizer = build_user_model(spec, topo, self.device)
+            shapes = tensor_shapes(self.chunk)
+        else:
+            model_parallel_seed(spec.seed, topo.tp.rank)
+            [module] = build_chunks(lambda **where: GPTModel(spec.model, **where), spec.model.num_layers,
+                                    topo.pp.group)
+            module.to(self.device)
+            self.chunk = DistributedDataParallel(module, DDPConfig(), topo.dp.group, topo.expert_dp.group)
+            self.optimizer = get_optimizer(spec.optimizer, [self.chunk])
         self.backend = TrainingBackend(self.chunk, self.optimizer, resolve_objective(spec.loss_fn),
                                        layout.micro_batch_size, topo)
-        return True
+        return shapes
 
     def forward_backward(self, batch: dict) -> dict:
-        rows = batch["input_ids"].shape[0] // self.topo.dp.size
+        rows = next(iter(batch.values())).shape[0] // self.topo.dp.size
         start = self.topo.dp.rank * rows
         metrics = self.backend.forward_backward({k: v[start:start + rows].to(self.device) for k, v in batch.items()})
         losses = [value for key, value in metrics.items() if key.endswith("loss")]
