@@ -36,7 +36,8 @@ def model_flops_per_token(num_layers: int, hidden_size: int, seq_length: int, vo
 
 
 def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, profile: bool,
-                 extra: list[str]) -> dict:
+                 extra: list[str]) -> dict | None:
+    """Tokens/s and iteration time of the last logged interval, or None when the run failed."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         # NullTokenizer ids 0..V-2 plus eod make the model's vocabulary exactly V.
@@ -56,9 +57,10 @@ def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, p
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
         print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("  ")))
-        if done.returncode != 0:
+        if done.returncode != 0:  # e.g. out of memory at a large micro-batch: the other sizes still count
             print(done.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"megalite run failed with exit code {done.returncode}")
+            print(f"megalite micro-batch {micro_batch}: failed with exit code {done.returncode}", flush=True)
+            return None
         records = [json.loads(line) for line in open(metrics)]
     last = [r for r in records if "tokens_per_sec" in r][-1]
     return {"tokens_per_sec": last["tokens_per_sec"], "iter_ms": last["iter_ms"]}
@@ -111,9 +113,13 @@ def main():
     for micro_batch in args.micro_batch_size:
         result = run_megalite(micro_batch, args.global_batch_size, args.iters, args.warmup, args.profile,
                               args.extra_flags.split())
+        if result is None:
+            continue
         describe(f"megalite micro-batch {micro_batch}", result)
         if best is None or result["tokens_per_sec"] > best[1]["tokens_per_sec"]:
             best = (micro_batch, result)
+    if best is None:
+        raise SystemExit("error: every megalite run failed")
     micro_batch, ours = best
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "commit": args.commit, "model": MODEL,
