@@ -291,14 +291,14 @@ class LLMEngine:
         """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
         grammar."""
         params = seq.request.params
-        if params.adjusts_logits:
-            histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
         if seq.grammar is not None:  # tokens the grammar forbids (drafts rejected where it forbids them)
             rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
                 rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
             best = None
+        if params.adjusts_logits:  # after the grammar: min_tokens gives way where only a stop id is allowed
+            histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
         return verify(rows, drafts, params, seq.generator, argmax=best)
 
     def _prompt_logprobs(self, request: Request, positions: list[int], rows: torch.Tensor) -> None:

@@ -56,3 +56,23 @@ def test_a_grammar_for_another_vocabulary_is_refused():
         llm.generate("x", SamplingParams(structured_outputs=grammar))
     with pytest.raises(ValueError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"type": "json_object"})
+
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_complete_grammar_stops_before_min_tokens(temperature):
+    """Where the grammar allows only eos (the row after a draft that completes it), ``min_tokens`` (which bans
+    eos) gives way: the grammar wins and the sample ends with its complete output, as vLLM decides.  Sampled
+    verification used to fail the request there (a row with no token left)."""
+    grammar = _compiler().compile("regex", "abcd")
+    llm = LLM.from_model(byte_model(), tokenizer=BYTES,
+                         engine_config=EngineConfig(block_size=4, num_blocks=64, speculative="ngram"))
+    prompt = "abcd abcd abcd "  # the n-gram drafter proposes "bcd " after the first "a"
+    params = SamplingParams(n=2, temperature=temperature, seed=0, max_tokens=12, min_tokens=8,
+                            structured_outputs=grammar)
+    free = SamplingParams(temperature=temperature, seed=0, max_tokens=12, min_tokens=8, stop_token_ids=[ord("d")])
+    constrained, unconstrained = llm.generate([prompt, prompt], [params, free])
+    assert llm.engine.stats["draft_tokens"] > 0
+    for choice in constrained.outputs:
+        assert (choice.text, choice.finish_reason) == ("abcd", "stop")
+    assert len(unconstrained.outputs[0].token_ids) >= 8  # without a grammar min_tokens still holds the stop back
