@@ -41,7 +41,7 @@ except ImportError:
     raise SystemExit(2) from None
 
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
-from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
+from megalite.inference import LLM, EngineConfig, SamplingParams, StructuredOutputsParams  # noqa: E402
 from megalite.inference.api_server import ServerConfig, build_app  # noqa: E402
 from megalite.inference.engine_loop import EngineLoop  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
@@ -101,11 +101,8 @@ def structured(model, tokenizer, texts, max_tokens):
     """Generated tokens/s of ``LLM.generate`` without and with a JSON-schema grammar (llguidance), same
     prompts, greedy; each side's best of two runs.  Counts the tokens each side actually made (a constrained
     sample may end early, when its JSON is complete)."""
-    from megalite.inference.grammar import GrammarCompiler
-
     llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
-    grammar = GrammarCompiler(tokenizer, vocab_size=model.config.vocab_size,
-                              stop_token_ids=[tokenizer.eod]).compile("json_schema", SCHEMA)
+    grammar = StructuredOutputsParams(json=SCHEMA)
     rates = {}
     for name, extra in (("plain", {}), ("constrained", {"structured_outputs": grammar})) * 2:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)

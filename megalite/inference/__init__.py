@@ -1,6 +1,7 @@
 """Inference: a continuous-batching engine over a paged KV cache, on megalite's model weights in place.
 
-- ``params.py``: :class:`SamplingParams`, :class:`RequestOutput`, :class:`CompletionOutput`.
+- ``params.py``: :class:`SamplingParams` (with :class:`StructuredOutputsParams`), :class:`RequestOutput`,
+  :class:`CompletionOutput`.
 - ``config.py``: :class:`EngineConfig`.
 - ``block_allocator.py``: refcounted KV blocks; ``paged_cache.py``: the KV pool and the per-step paged view.
 - ``prefix_cache.py``: radix tree of cached prefixes, LRU eviction.
@@ -16,6 +17,7 @@
 from megalite.inference.config import EngineConfig
 from megalite.inference.engine import LLMEngine
 from megalite.inference.llm import LLM
-from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams
+from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]

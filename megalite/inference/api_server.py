@@ -3,8 +3,9 @@
 
 Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
-completions, :mod:`megalite.inference.chat_completions` for chat, whose
-grammars are compiled here on a worker thread, never the engine's);
+completions, :mod:`megalite.inference.chat_completions` for chat; a
+request's ``structured_outputs`` grammar is compiled here on a worker thread,
+so the engine thread finds it in its cache, and one that does not compile is a 400);
 :func:`build_app` adds the parts every endpoint shares: reading the body
 (size limit, a timeout for slow senders, JSON that is too deep or holds
 oversized integers is a 400), submitting to the :class:`EngineLoop`
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import json
 import logging
 import time
@@ -47,8 +47,8 @@ class ServerConfig:
     largest ``max_tokens`` and ``n``/``best_of`` a request may ask; 400 above),
     ``max_pending`` requests held at once (429 above), ``request_timeout_s``
     from arrival to the last token (504 after), ``body_timeout_s`` to receive
-    the body (408 after), ``grammar_compile_time_limit_s`` to compile a request's structured-output
-    grammar (400 after).
+    the body (408 after).  (The time limit to compile a request's grammar is the engine's:
+    ``EngineConfig.grammar_compile_time_limit_s``.)
     """
 
     max_body_bytes: int = 1 << 20
@@ -57,7 +57,6 @@ class ServerConfig:
     max_pending: int = 1024
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
-    grammar_compile_time_limit_s: float = 1.0
     model_name: str = "megalite"
 
     def __post_init__(self):
@@ -65,7 +64,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s", "grammar_compile_time_limit_s"):
+        for name in ("request_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -154,13 +153,11 @@ class Exchange:
         self.open.clear()
 
 
-def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None,
-              grammars=None):
+def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
     """The aiohttp application over a started :class:`EngineLoop`.
 
     ``chat_template``: the model's :class:`ChatTemplate`, or the ChatTemplateError saying why it has none
-    (chat requests get it as their 400); ``grammars``: a :class:`GrammarCompiler` for structured output
-    (None: requests asking for it get a 400)."""
+    (chat requests get it as their 400)."""
     from aiohttp import web
 
     config = config or ServerConfig()
@@ -214,9 +211,19 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
 
         return handler
 
+    async def compile_grammar(params):
+        """Compile ``params.structured_outputs`` off the engine thread (into the engine's cache); 400 if it fails."""
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, loop.engine.compile_grammar,
+                                                                 params.structured_outputs)
+            except GrammarError as failure:
+                raise BadRequest(str(failure)) from None
+
     async def completions(request, body, exchange: Exchange):
         checked = parse_completion(body, loop.engine, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n,
                                    tokenizer=tokenizer)
+        await compile_grammar(checked.params)
         ids = exchange.submit(checked.prompts, checked.params)
         head = {"id": exchange.id, "object": "text_completion", "created": int(time.time()),
                 "model": config.model_name}
@@ -251,17 +258,8 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     async def chat(request, body, exchange: Exchange):
         checked = parse_chat(body, loop.engine, template=chat_template, tokenizer=tokenizer,
                              max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
-        params = checked.completion.params
-        if checked.grammar is not None:
-            if grammars is None:
-                raise BadRequest("structured output is not available on this server (it needs a text tokenizer "
-                                 "and the llguidance package)")
-            try:
-                compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, *checked.grammar)
-            except GrammarError as failure:
-                raise BadRequest(str(failure)) from None
-            params = dataclasses.replace(params, structured_outputs=compiled)
-        exchange.submit(checked.completion.prompts, params)
+        await compile_grammar(checked.completion.params)
+        exchange.submit(checked.completion.prompts, checked.completion.params)
         head = {"id": exchange.id, "created": int(time.time()), "model": config.model_name}
         if checked.completion.stream:
             return await _chat_stream(request, exchange, checked, head)
