@@ -19,6 +19,7 @@ line per request (id, status, tokens in and out, latency).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import json
 import logging
@@ -77,6 +78,14 @@ class HTTPFailure(Exception):
         self.status, self.headers = status, headers or {}
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+
+
+def _json(payload) -> bytes:
+    """``payload`` as compact JSON (a streamed chunk is encoded once per write; no need for spaces)."""
+    return _ENCODE(payload).encode()
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -99,15 +108,36 @@ async def read_json(request, config: ServerConfig):
         raise HTTPFailure(400, f"malformed JSON: {str(error)[:200]}") from None
 
 
-class Exchange:
-    """One HTTP request's engine requests: submit, wait for events (timeout, disconnect), abort what is left."""
+WATCH_S = 0.5
+"""How often waiting handlers wake to check their deadline and whether their client is still there."""
 
-    def __init__(self, loop: EngineLoop, request, config: ServerConfig, request_id: str):
+
+class Exchange:
+    """One HTTP request's engine requests: submit, wait for events (timeout, disconnect), abort what is left.
+
+    The engine loop delivers events through :meth:`put_nowait` (on the asyncio loop); a waiting :meth:`take`
+    sleeps on one future that an event wakes, or the app's watchdog (every ``WATCH_S``, for every exchange in
+    ``live``) so it checks its deadline and connection.  (A timer per wait, as ``asyncio.wait_for`` sets, cost
+    more than the rest of a streamed token's handling.)
+    """
+
+    def __init__(self, loop: EngineLoop, request, config: ServerConfig, request_id: str, live: set | None = None):
         self.loop, self.request, self.config, self.id = loop, request, config, request_id
         self.deadline = time.perf_counter() + config.request_timeout_s
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.inbox: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
         self.open: set[str] = set()
         self.prompt_tokens = self.completion_tokens = 0
+        self.live = live if live is not None else set()
+        self.live.add(self)
+
+    def put_nowait(self, event: dict) -> None:
+        self.inbox.append(event)
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def submit(self, prompts, params) -> list[str]:
         if not self.loop.alive:
@@ -116,7 +146,7 @@ class Exchange:
         for i, prompt in enumerate(prompts):
             engine_id = f"{self.id}-{i}"
             try:
-                self.loop.submit(engine_id, prompt, params, self.events)
+                self.loop.submit(engine_id, prompt, params, self)
             except Overloaded as error:
                 raise HTTPFailure(429, str(error), {"Retry-After": "1"}) from None
             self.open.add(engine_id)
@@ -124,33 +154,40 @@ class Exchange:
             self.prompt_tokens += len(prompt)
         return ids
 
-    async def next(self) -> dict:
-        """The next event of any of this exchange's requests (HTTPFailure on an error, timeout or disconnect)."""
+    async def take(self) -> list[dict]:
+        """Every event waiting for this exchange's requests, oldest first (waiting for one if none is);
+        HTTPFailure on an error, timeout or disconnect."""
         while True:
-            left = self.deadline - time.perf_counter()
-            if left <= 0:
+            if time.perf_counter() >= self.deadline:
                 self.loop.metrics.count("requests_timed_out")
                 raise HTTPFailure(504, f"the request did not finish within {self.config.request_timeout_s:g} s")
             transport = self.request.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client went away")
-            try:
-                event = await asyncio.wait_for(self.events.get(), min(left, 0.5))
-            except asyncio.TimeoutError:
+            if not self.inbox:
+                self.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self.waiter
+                finally:
+                    self.waiter = None
                 continue
-            if "error" in event:
-                self.open.discard(event["request_id"])
-                raise HTTPFailure(event.get("status", 500), event["error"])
-            if event["done"]:
-                self.open.discard(event["request_id"])
-            self.completion_tokens += sum(len(c["token_ids"]) for c in event["choices"])
-            return event
+            events = list(self.inbox)
+            self.inbox.clear()
+            for event in events:
+                if "error" in event:
+                    self.open.discard(event["request_id"])
+                    raise HTTPFailure(event.get("status", 500), event["error"])
+                if event["done"]:
+                    self.open.discard(event["request_id"])
+                self.completion_tokens += sum(len(c["token_ids"]) for c in event["choices"])
+            return events
 
     def close(self) -> None:
         """Abort every request still running (the client left, timed out, or another prompt failed)."""
         for engine_id in self.open:
             self.loop.abort(engine_id)
         self.open.clear()
+        self.live.discard(self)
 
 
 def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
@@ -161,6 +198,18 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     from aiohttp import web
 
     config = config or ServerConfig()
+    live: set[Exchange] = set()  # the exchanges waiting or streaming, woken every WATCH_S by the watchdog
+
+    async def watchdog(app):
+        async def poke():
+            while True:
+                await asyncio.sleep(WATCH_S)
+                for exchange in list(live):
+                    exchange.wake()
+
+        task = asyncio.ensure_future(poke())
+        yield
+        task.cancel()
 
     def error(status: int, message: str, headers=None):
         kind = _ERROR_TYPES.get(status, "server_error")
@@ -199,7 +248,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             try:
                 body = await read_json(request, config)
                 slot = _SLOT.get()
-                exchange = slot["exchange"] = Exchange(loop, request, config, slot["id"])
+                exchange = slot["exchange"] = Exchange(loop, request, config, slot["id"], live)
                 return await run(request, body, exchange)
             except BadRequest as failure:
                 return error(400, str(failure))
@@ -234,9 +283,9 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             return await _stream(request, exchange, checked, ids, texts, head)
         outputs = {}
         while len(outputs) < len(ids):
-            event = await exchange.next()
-            if event["done"]:
-                outputs[event["request_id"]] = event["output"]
+            for event in await exchange.take():
+                if event["done"]:
+                    outputs[event["request_id"]] = event["output"]
         exchange.completion_tokens = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
         choices = []
         for p, engine_id in enumerate(ids):
@@ -263,11 +312,10 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         head = {"id": exchange.id, "created": int(time.time()), "model": config.model_name}
         if checked.completion.stream:
             return await _chat_stream(request, exchange, checked, head)
-        while True:
-            event = await exchange.next()
-            if event["done"]:
-                break
-        outputs = event["output"].outputs
+        output = None
+        while output is None:
+            output = next((e["output"] for e in await exchange.take() if e["done"]), None)
+        outputs = output.outputs
         exchange.completion_tokens = sum(len(c.token_ids) for c in outputs)
         choices = [chat_choice(c.index, c, checked, tokenizer) for c in outputs]
         return web.json_response({**head, "object": "chat.completion", "choices": choices,
@@ -278,70 +326,86 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         usage = {"usage": None} if checked.completion.include_usage else {}
         streams = [ChatStream(i, checked, tokenizer) for i in range(checked.completion.params.n)]
 
-        async def chunks(send):
-            while True:
-                event = await exchange.next()
-                for c in event["choices"]:
-                    for chunk in streams[c["index"]].chunks(c):
-                        await send({**head, "choices": [chunk], **usage})
-                if event["done"]:
-                    break
+        async def chunks(send, flush):
+            done = False
+            while not done:
+                for event in await exchange.take():
+                    for c in event["choices"]:
+                        for chunk in streams[c["index"]].chunks(c):
+                            send({**head, "choices": [chunk], **usage})
+                    done = done or event["done"]
+                await flush()
             if usage:
-                await send({**head, "choices": [], "usage": _usage(exchange)})
+                send({**head, "choices": [], "usage": _usage(exchange)})
 
         return await _sse(request, chunks)
 
     async def _sse(request, produce):
-        """A server-sent-events reply of the payloads ``produce(send)`` sends, an error event on failure,
-        then ``[DONE]``."""
+        """A server-sent-events reply of the payloads ``produce(send, flush)`` sends, an error event on
+        failure, then ``[DONE]``.  ``send`` only encodes (compact JSON); ``flush`` writes what was sent since
+        the last flush in one write, so the chunks of one batch of engine events cost one socket send."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        pending = []
 
-        async def send(payload):
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        def send(payload):
+            pending.append(b"data: " + _json(payload) + b"\n\n")
+
+        async def flush():
+            if pending:
+                data = b"".join(pending)
+                pending.clear()
+                await response.write(data)
 
         try:
-            await produce(send)
+            await produce(send, flush)
         except HTTPFailure as failure:
-            await send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
-                                  "code": failure.status}})
+            send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
+                            "code": failure.status}})
         except ConnectionResetError:
             return response  # the client went away; the endpoint wrapper aborts what is left
-        await response.write(b"data: [DONE]\n\n")
+        pending.append(b"data: [DONE]\n\n")
+        await flush()
         return response
 
     async def _stream(request, exchange, checked, ids, texts, head):
         n = checked.params.n
         builders, prompt_lps = {}, {}
+        position = {engine_id: p for p, engine_id in enumerate(ids)}
+        usage = {"usage": None} if checked.include_usage else {}
 
-        async def chunks(send):
+        async def chunks(send, flush):
             done = 0
             while done < len(ids):
-                event = await exchange.next()
-                p = ids.index(event["request_id"])
-                if "prompt_logprobs" in event:
-                    prompt_lps[p] = event["prompt_logprobs"]
-                choices = []
-                for c in event["choices"]:
-                    index = p * n + c["index"]
-                    text, logprobs = c["text"] or "", None
-                    first = index not in builders
-                    builder = builders.setdefault(index, LogprobsBuilder(tokenizer))
-                    start = len(builder.tokens)
-                    if first and checked.echo:
-                        text = (texts[p] or "") + text
-                        if checked.params.logprobs is not None:
-                            prompt_logprobs(builder, checked.prompts[p], prompt_lps.get(p))
-                    if checked.params.logprobs is not None:
-                        choice_logprobs(builder, c["token_ids"], c["logprobs"], c["top_logprobs"])
-                        logprobs = {k: v[start:] for k, v in builder.json().items()}
-                    choices.append({"index": index, "text": text, "token_ids": c["token_ids"], "logprobs": logprobs,
-                                    "finish_reason": c["finish_reason"]})
-                done += event["done"]
-                if choices:
-                    await send({**head, "choices": choices, **({"usage": None} if checked.include_usage else {})})
+                for event in await exchange.take():
+                    p = position[event["request_id"]]
+                    if "prompt_logprobs" in event:
+                        prompt_lps[p] = event["prompt_logprobs"]
+                    choices = []
+                    for c in event["choices"]:
+                        index = p * n + c["index"]
+                        text, logprobs = c["text"] or "", None
+                        first = index not in builders
+                        if first:
+                            builders[index] = LogprobsBuilder(tokenizer) if checked.params.logprobs is not None \
+                                else None
+                        builder = builders[index]
+                        start = len(builder.tokens) if builder is not None else 0
+                        if first and checked.echo:
+                            text = (texts[p] or "") + text
+                            if builder is not None:
+                                prompt_logprobs(builder, checked.prompts[p], prompt_lps.get(p))
+                        if builder is not None:
+                            choice_logprobs(builder, c["token_ids"], c["logprobs"], c["top_logprobs"])
+                            logprobs = {k: v[start:] for k, v in builder.json().items()}
+                        choices.append({"index": index, "text": text, "token_ids": c["token_ids"],
+                                        "logprobs": logprobs, "finish_reason": c["finish_reason"]})
+                    done += event["done"]
+                    if choices:
+                        send({**head, "choices": choices, **usage})
+                await flush()
             if checked.include_usage:
-                await send({**head, "choices": [], "usage": _usage(exchange)})
+                send({**head, "choices": [], "usage": _usage(exchange)})
 
         return await _sse(request, chunks)
 
@@ -362,6 +426,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
+    app.cleanup_ctx.append(watchdog)
     app.add_routes([web.post("/v1/completions", endpoint(completions)),
                     web.post("/v1/chat/completions", endpoint(chat)), web.get("/v1/models", models),
                     web.get("/metrics", metrics), web.get("/health", health)])
