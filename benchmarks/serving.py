@@ -50,7 +50,7 @@ except ImportError:
     raise SystemExit(2) from None
 
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
-from megalite.inference import LLM, EngineConfig, SamplingParams, StructuredOutputsParams  # noqa: E402
+from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
 from megalite.inference.api_server import ServerConfig, build_app  # noqa: E402
 from megalite.inference.engine_loop import EngineLoop  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
@@ -72,6 +72,7 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-structured", action="store_true", help="only the HTTP vs in-process comparison")
     p.add_argument("--server-cpus", type=cpus, help="pin this process (engine, server, LLM.generate) here: 0-1,4")
     p.add_argument("--client-cpus", type=cpus, help="pin the client process here (disjoint from --server-cpus)")
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # internal: be the client process
@@ -121,6 +122,8 @@ def structured(model, tokenizer, texts, max_tokens):
     """Generated tokens/s of ``LLM.generate`` without and with a JSON-schema grammar (llguidance), same
     prompts, greedy; each side's best of two runs.  Counts the tokens each side actually made (a constrained
     sample may end early, when its JSON is complete)."""
+    from megalite.inference import StructuredOutputsParams
+
     llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
     grammar = StructuredOutputsParams(json=SCHEMA)
     rates = {}
@@ -248,6 +251,8 @@ def main():
     print(f"time to first token  p50 {1000 * percentile(ttft, 0.5):8.1f} ms  p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
     print(f"inter-token latency  p50 {1000 * percentile(itl, 0.5):8.1f} ms  p99 {1000 * percentile(itl, 0.99):8.1f} ms"
           f"  (mean {1000 * statistics.mean(itl):.1f} ms)")
+    if args.skip_structured:
+        return
     plain, constrained = structured(model, tokenizer, texts, args.max_tokens)
     print(f"LLM.generate, JSON schema {constrained:8.1f} tokens/s vs unconstrained {plain:8.1f} tokens/s "
           f"(ratio {constrained / plain:.3f}; cost {100 * (1 - constrained / plain):.1f}%)")

@@ -9,7 +9,8 @@
 - ``sampler.py``: sampling and exact speculative verification; ``speculative.py``: drafters.
 - ``engine.py``: :class:`LLMEngine` (TP rank 0 schedules, broadcasts the plan); ``llm.py``: :class:`LLM`.
 - ``detokenizer.py``: incremental text and stop strings; ``engine_loop.py``: the engine thread of the server;
-  ``completions.py``: OpenAI's completions format; ``api_server.py``: the HTTP app; ``serve.py``: its CLI.
+  ``exchange.py``: one HTTP request's engine requests and events; ``completions.py``: OpenAI's completions
+  format; ``api_server.py``: the HTTP app; ``serve.py``: its CLI.
 - ``chat_template.py``, ``tool_calls.py``, ``grammar.py``: chat messages to prompt text, tool calls out of
   replies, structured-output token masks (imported where used: jinja2 and llguidance are optional extras).
 """

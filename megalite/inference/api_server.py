@@ -19,7 +19,6 @@ line per request (id, status, tokens in and out, latency).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import json
 import logging
@@ -30,7 +29,8 @@ from dataclasses import dataclass
 from megalite.inference.chat_completions import ChatStream, chat_choice, parse_chat
 from megalite.inference.completions import (BadRequest, LogprobsBuilder, choice_logprobs, parse_completion,
                                             prompt_logprobs)
-from megalite.inference.engine_loop import EngineLoop, Overloaded
+from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.exchange import WATCH_S, Exchange, HTTPFailure
 from megalite.inference.grammar import GrammarError
 
 ACCESS_LOG = logging.getLogger("megalite.inference.access")
@@ -70,14 +70,6 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)!r}")
 
 
-class HTTPFailure(Exception):
-    """A reply other than 200: status, message and extra headers."""
-
-    def __init__(self, status: int, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
-
-
 _ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
@@ -106,88 +98,6 @@ async def read_json(request, config: ServerConfig):
         raise HTTPFailure(400, "malformed JSON: nested too deeply") from None
     except ValueError as error:  # JSONDecodeError, bad UTF-8, an integer of more than 4300 digits
         raise HTTPFailure(400, f"malformed JSON: {str(error)[:200]}") from None
-
-
-WATCH_S = 0.5
-"""How often waiting handlers wake to check their deadline and whether their client is still there."""
-
-
-class Exchange:
-    """One HTTP request's engine requests: submit, wait for events (timeout, disconnect), abort what is left.
-
-    The engine loop delivers events through :meth:`put_nowait` (on the asyncio loop); a waiting :meth:`take`
-    sleeps on one future that an event wakes, or the app's watchdog (every ``WATCH_S``, for every exchange in
-    ``live``) so it checks its deadline and connection.  (A timer per wait, as ``asyncio.wait_for`` sets, cost
-    more than the rest of a streamed token's handling.)
-    """
-
-    def __init__(self, loop: EngineLoop, request, config: ServerConfig, request_id: str, live: set | None = None):
-        self.loop, self.request, self.config, self.id = loop, request, config, request_id
-        self.deadline = time.perf_counter() + config.request_timeout_s
-        self.inbox: collections.deque = collections.deque()
-        self.waiter: asyncio.Future | None = None
-        self.open: set[str] = set()
-        self.prompt_tokens = self.completion_tokens = 0
-        self.live = live if live is not None else set()
-        self.live.add(self)
-
-    def put_nowait(self, event: dict) -> None:
-        self.inbox.append(event)
-        self.wake()
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def submit(self, prompts, params) -> list[str]:
-        if not self.loop.alive:
-            raise HTTPFailure(503, f"the engine has stopped: {self.loop.error}")
-        ids = []
-        for i, prompt in enumerate(prompts):
-            engine_id = f"{self.id}-{i}"
-            try:
-                self.loop.submit(engine_id, prompt, params, self)
-            except Overloaded as error:
-                raise HTTPFailure(429, str(error), {"Retry-After": "1"}) from None
-            self.open.add(engine_id)
-            ids.append(engine_id)
-            self.prompt_tokens += len(prompt)
-        return ids
-
-    async def take(self) -> list[dict]:
-        """Every event waiting for this exchange's requests, oldest first (waiting for one if none is);
-        HTTPFailure on an error, timeout or disconnect."""
-        while True:
-            if time.perf_counter() >= self.deadline:
-                self.loop.metrics.count("requests_timed_out")
-                raise HTTPFailure(504, f"the request did not finish within {self.config.request_timeout_s:g} s")
-            transport = self.request.transport
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the client went away")
-            if not self.inbox:
-                self.waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self.waiter
-                finally:
-                    self.waiter = None
-                continue
-            events = list(self.inbox)
-            self.inbox.clear()
-            for event in events:
-                if "error" in event:
-                    self.open.discard(event["request_id"])
-                    raise HTTPFailure(event.get("status", 500), event["error"])
-                if event["done"]:
-                    self.open.discard(event["request_id"])
-                self.completion_tokens += sum(len(c["token_ids"]) for c in event["choices"])
-            return events
-
-    def close(self) -> None:
-        """Abort every request still running (the client left, timed out, or another prompt failed)."""
-        for engine_id in self.open:
-            self.loop.abort(engine_id)
-        self.open.clear()
-        self.live.discard(self)
 
 
 def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
@@ -248,7 +158,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             try:
                 body = await read_json(request, config)
                 slot = _SLOT.get()
-                exchange = slot["exchange"] = Exchange(loop, request, config, slot["id"], live)
+                exchange = slot["exchange"] = Exchange(loop, request, config.request_timeout_s, slot["id"], live)
                 return await run(request, body, exchange)
             except BadRequest as failure:
                 return error(400, str(failure))

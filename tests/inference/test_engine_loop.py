@@ -57,10 +57,10 @@ class _Request:
 
 
 def test_exchange_takes_every_waiting_event_at_once():
-    from megalite.inference.api_server import Exchange, ServerConfig
+    from megalite.inference.exchange import Exchange
 
     async def run():
-        exchange = Exchange(EngineLoop(None), _Request(), ServerConfig(), "cmpl-1")
+        exchange = Exchange(EngineLoop(None), _Request(), 60.0, "cmpl-1")
         exchange.open = {"cmpl-1-0"}
         waiting = asyncio.ensure_future(exchange.take())
         await asyncio.sleep(0)
