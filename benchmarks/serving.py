@@ -2,18 +2,27 @@
 streaming requests over loopback HTTP) and through ``LLM.generate``, in one run.
 
     python benchmarks/serving.py [--requests 64] [--max-tokens 48] [--hidden 256] [--layers 4] [--repeats 2]
+                                 [--server-cpus 0-1 --client-cpus 2-7]
 
 Workload: ``--requests`` text prompts (16-128 bytes, seeded) on a Llama-style model with random weights over
 megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, so both sides make the same
-tokens.  The HTTP side sends all requests at once from a thread pool (one ``openai`` client per thread,
-``stream=True``) in a separate client process, to the server in this process (its engine on its own thread,
-as ``serve`` runs it).
+tokens.  The HTTP side sends all requests at once, streaming, from a thread pool (one thread per request,
+sharing one ``openai`` client as an application would) in a separate client process, to the server in this
+process (its engine on its own thread, as ``serve`` runs it).
+
+Fairness: the client is a separate process whose CPU seconds during the run are printed on their own (an
+OpenAI client parsing server-sent events costs more CPU than the server spends sending them); with
+``--server-cpus``/``--client-cpus`` this process (engine, HTTP loop and ``LLM.generate`` alike) and the client
+are pinned to disjoint cores, so the comparison is between the same engine on the same cores with and without
+HTTP in front of it, the client playing the remote machine it would be.  Without pinning both share the
+machine's cores.  Set ``OMP_NUM_THREADS`` the same for both (it is printed).
+
 Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of this process in each (for
-HTTP: the server's engine and HTTP threads, without the client process that shares the cores), and p50/p99
-time to first token and inter-token latency as the clients saw them; then the cost of constrained decoding
-(a JSON schema through llguidance) against the same requests unconstrained, in process.  Each side runs
-``--repeats`` times (alternating) and keeps its fastest run.  Wall times: the machine may be shared, so say
-so with the numbers.
+HTTP: the server's engine and HTTP threads) and of the client, and p50/p99 time to first token and
+inter-token latency as the clients saw them (a chunk of k tokens counts as k gaps of 1/k of its wait); then
+the cost of constrained decoding (a JSON schema through llguidance) against the same requests
+unconstrained, in process.  Each side runs ``--repeats`` times (alternating) and keeps its fastest run.  Wall
+times: the machine may be shared, so say so with the numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +56,15 @@ from megalite.inference.engine_loop import EngineLoop  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 
 
+def cpus(text: str) -> set[int]:
+    """A CPU list such as ``0-1,4``."""
+    out = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=64)
@@ -54,6 +72,9 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-structured", action="store_true", help="only the HTTP vs in-process comparison")
+    p.add_argument("--server-cpus", type=cpus, help="pin this process (engine, server, LLM.generate) here: 0-1,4")
+    p.add_argument("--client-cpus", type=cpus, help="pin the client process here (disjoint from --server-cpus)")
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # internal: be the client process
     return p.parse_args()
 
@@ -101,11 +122,10 @@ def structured(model, tokenizer, texts, max_tokens):
     """Generated tokens/s of ``LLM.generate`` without and with a JSON-schema grammar (llguidance), same
     prompts, greedy; each side's best of two runs.  Counts the tokens each side actually made (a constrained
     sample may end early, when its JSON is complete)."""
-    from megalite.inference.grammar import GrammarCompiler
+    from megalite.inference import StructuredOutputsParams
 
     llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(len(texts)))
-    grammar = GrammarCompiler(tokenizer, vocab_size=model.config.vocab_size,
-                              stop_token_ids=[tokenizer.eod]).compile("json_schema", SCHEMA)
+    grammar = StructuredOutputsParams(json=SCHEMA)
     rates = {}
     for name, extra in (("plain", {}), ("constrained", {"structured_outputs": grammar})) * 2:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
@@ -148,33 +168,39 @@ def over_http(url, args):
     gaps."""
     command = [sys.executable, os.path.abspath(__file__), "--client", url, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens)]
+    if args.client_cpus:
+        command += ["--client-cpus", ",".join(map(str, sorted(args.client_cpus)))]
     cpu = time.process_time()
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     cpu = time.process_time() - cpu  # the server's threads only (engine, HTTP loop), not the client process
     result = json.loads(done.stdout.splitlines()[-1])
-    return result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"]
+    return result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"], result["cpu"], result["chunks"]
 
 
 def client(url, texts, max_tokens):
-    """The client process: every request at once, streaming, one thread and openai client each."""
+    """The client process: every request at once, streaming, one thread each through one shared openai client
+    (its connection pool holds a connection per stream).  Reports its own CPU seconds during the run."""
+    shared = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
     def one(text):
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         sent = time.perf_counter()
         stamps, pieces = [], []
-        for chunk in client.completions.create(model="megalite", prompt=text, max_tokens=max_tokens, temperature=0,
+        for chunk in shared.completions.create(model="megalite", prompt=text, max_tokens=max_tokens, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True}):
             if chunk.choices:
-                stamps.append(time.perf_counter())
+                stamps.append((time.perf_counter(), len(getattr(chunk.choices[0], "token_ids", None) or [0])))
                 pieces.append(chunk.choices[0].text)
         return sent, stamps, "".join(pieces)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(len(texts)) as pool:
         results = list(pool.map(one, texts))
-    elapsed = time.perf_counter() - started
-    ttft = [stamps[0] - sent for sent, stamps, _ in results]
-    itl = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
-    print(json.dumps({"elapsed": elapsed, "texts": [text for _, _, text in results], "ttft": ttft, "itl": itl}))
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    ttft = [stamps[0][0] - sent for sent, stamps, _ in results]
+    itl = [(b - a) / k for _, stamps, _ in results for (a, _), (b, k) in zip(stamps, stamps[1:]) for _ in range(k)]
+    chunks = sum(len(stamps) for _, stamps, _ in results)
+    print(json.dumps({"elapsed": elapsed, "texts": [text for _, _, text in results], "ttft": ttft, "itl": itl,
+                      "cpu": cpu, "chunks": chunks}))
 
 
 def percentile(values, q):
@@ -185,7 +211,11 @@ def percentile(values, q):
 def main():
     args = parse_args()
     if args.client:
+        if args.client_cpus:
+            os.sched_setaffinity(0, args.client_cpus)
         return client(args.client, prompts(args.requests), args.max_tokens)
+    if args.server_cpus:  # before any thread starts: every thread of this process inherits it
+        os.sched_setaffinity(0, args.server_cpus)
     tokenizer = ByteTokenizer()
     model = build_model(args, tokenizer.vocab_size)
     texts = prompts(args.requests)
@@ -212,11 +242,17 @@ def main():
     print(f"openai client over HTTP   {best_http[0]:7.2f} s  {http_tps:8.1f} tokens/s  "
           f"(ratio {http_tps / local_tps:.3f}; overhead {100 * (1 - http_tps / local_tps):.1f}%)")
     print(f"server CPU s: in process {best_local[2]:.2f}, HTTP server {best_http[2]:.2f} "
-          f"(CPU ratio {best_local[2] / best_http[2]:.3f}; the client process's CPU is not counted)")
+          f"(CPU ratio {best_local[2] / best_http[2]:.3f}); client process CPU s {best_http[5]:.2f}; "
+          f"{best_http[6]} chunks for {tokens} tokens")
+    print(f"cores: this process {sorted(os.sched_getaffinity(0))}, client "
+          f"{sorted(args.client_cpus) if args.client_cpus else 'the same (not pinned)'}; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ttft, itl = best_http[3], best_http[4]
     print(f"time to first token  p50 {1000 * percentile(ttft, 0.5):8.1f} ms  p99 {1000 * percentile(ttft, 0.99):8.1f} ms")
     print(f"inter-token latency  p50 {1000 * percentile(itl, 0.5):8.1f} ms  p99 {1000 * percentile(itl, 0.99):8.1f} ms"
           f"  (mean {1000 * statistics.mean(itl):.1f} ms)")
+    if args.skip_structured:
+        return
     plain, constrained = structured(model, tokenizer, texts, args.max_tokens)
     print(f"LLM.generate, JSON schema {constrained:8.1f} tokens/s vs unconstrained {plain:8.1f} tokens/s "
           f"(ratio {constrained / plain:.3f}; cost {100 * (1 - constrained / plain):.1f}%)")

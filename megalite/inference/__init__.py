@@ -1,6 +1,7 @@
 """Inference: a continuous-batching engine over a paged KV cache, on megalite's model weights in place.
 
-- ``params.py``: :class:`SamplingParams`, :class:`RequestOutput`, :class:`CompletionOutput`.
+- ``params.py``: :class:`SamplingParams` (with :class:`StructuredOutputsParams`), :class:`RequestOutput`,
+  :class:`CompletionOutput`.
 - ``config.py``: :class:`EngineConfig`.
 - ``block_allocator.py``: refcounted KV blocks; ``paged_cache.py``: the KV pool and the per-step paged view.
 - ``prefix_cache.py``: radix tree of cached prefixes, LRU eviction.
@@ -8,7 +9,8 @@
 - ``sampler.py``: sampling and exact speculative verification; ``speculative.py``: drafters.
 - ``engine.py``: :class:`LLMEngine` (TP rank 0 schedules, broadcasts the plan); ``llm.py``: :class:`LLM`.
 - ``detokenizer.py``: incremental text and stop strings; ``engine_loop.py``: the engine thread of the server;
-  ``completions.py``: OpenAI's completions format; ``api_server.py``: the HTTP app; ``serve.py``: its CLI.
+  ``exchange.py``: one HTTP request's engine requests and events; ``completions.py``: OpenAI's completions
+  format; ``api_server.py``: the HTTP app; ``serve.py``: its CLI.
 - ``chat_template.py``, ``tool_calls.py``, ``grammar.py``: chat messages to prompt text, tool calls out of
   replies, structured-output token masks (imported where used: jinja2 and llguidance are optional extras).
 """
@@ -16,6 +18,7 @@
 from megalite.inference.config import EngineConfig
 from megalite.inference.engine import LLMEngine
 from megalite.inference.llm import LLM
-from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams
+from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]

@@ -3,8 +3,9 @@
 
 Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
-completions, :mod:`megalite.inference.chat_completions` for chat, whose
-grammars are compiled here on a worker thread, never the engine's);
+completions, :mod:`megalite.inference.chat_completions` for chat; a
+request's ``structured_outputs`` grammar is compiled here on a worker thread,
+so the engine thread finds it in its cache, and one that does not compile is a 400);
 :func:`build_app` adds the parts every endpoint shares: reading the body
 (size limit, a timeout for slow senders, JSON that is too deep or holds
 oversized integers is a 400), submitting to the :class:`EngineLoop`
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import json
 import logging
 import time
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from megalite.inference.chat_completions import ChatStream, chat_choice, parse_chat
 from megalite.inference.completions import (BadRequest, LogprobsBuilder, choice_logprobs, parse_completion,
                                             prompt_logprobs)
-from megalite.inference.engine_loop import EngineLoop, Overloaded
+from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.exchange import WATCH_S, Exchange, HTTPFailure
 from megalite.inference.grammar import GrammarError
 
 ACCESS_LOG = logging.getLogger("megalite.inference.access")
@@ -47,8 +48,8 @@ class ServerConfig:
     largest ``max_tokens`` and ``n``/``best_of`` a request may ask; 400 above),
     ``max_pending`` requests held at once (429 above), ``request_timeout_s``
     from arrival to the last token (504 after), ``body_timeout_s`` to receive
-    the body (408 after), ``grammar_compile_time_limit_s`` to compile a request's structured-output
-    grammar (400 after).
+    the body (408 after).  (The time limit to compile a request's grammar is the engine's:
+    ``EngineConfig.grammar_compile_time_limit_s``.)
     """
 
     max_body_bytes: int = 1 << 20
@@ -57,7 +58,6 @@ class ServerConfig:
     max_pending: int = 1024
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
-    grammar_compile_time_limit_s: float = 1.0
     model_name: str = "megalite"
 
     def __post_init__(self):
@@ -65,17 +65,17 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s", "grammar_compile_time_limit_s"):
+        for name in ("request_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)!r}")
 
 
-class HTTPFailure(Exception):
-    """A reply other than 200: status, message and extra headers."""
+_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
-    def __init__(self, status: int, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
+
+def _json(payload) -> bytes:
+    """``payload`` as compact JSON (a streamed chunk is encoded once per write; no need for spaces)."""
+    return _ENCODE(payload).encode()
 
 
 def _reject_constant(name: str):
@@ -100,70 +100,26 @@ async def read_json(request, config: ServerConfig):
         raise HTTPFailure(400, f"malformed JSON: {str(error)[:200]}") from None
 
 
-class Exchange:
-    """One HTTP request's engine requests: submit, wait for events (timeout, disconnect), abort what is left."""
-
-    def __init__(self, loop: EngineLoop, request, config: ServerConfig, request_id: str):
-        self.loop, self.request, self.config, self.id = loop, request, config, request_id
-        self.deadline = time.perf_counter() + config.request_timeout_s
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.open: set[str] = set()
-        self.prompt_tokens = self.completion_tokens = 0
-
-    def submit(self, prompts, params) -> list[str]:
-        if not self.loop.alive:
-            raise HTTPFailure(503, f"the engine has stopped: {self.loop.error}")
-        ids = []
-        for i, prompt in enumerate(prompts):
-            engine_id = f"{self.id}-{i}"
-            try:
-                self.loop.submit(engine_id, prompt, params, self.events)
-            except Overloaded as error:
-                raise HTTPFailure(429, str(error), {"Retry-After": "1"}) from None
-            self.open.add(engine_id)
-            ids.append(engine_id)
-            self.prompt_tokens += len(prompt)
-        return ids
-
-    async def next(self) -> dict:
-        """The next event of any of this exchange's requests (HTTPFailure on an error, timeout or disconnect)."""
-        while True:
-            left = self.deadline - time.perf_counter()
-            if left <= 0:
-                self.loop.metrics.count("requests_timed_out")
-                raise HTTPFailure(504, f"the request did not finish within {self.config.request_timeout_s:g} s")
-            transport = self.request.transport
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the client went away")
-            try:
-                event = await asyncio.wait_for(self.events.get(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                continue
-            if "error" in event:
-                self.open.discard(event["request_id"])
-                raise HTTPFailure(event.get("status", 500), event["error"])
-            if event["done"]:
-                self.open.discard(event["request_id"])
-            self.completion_tokens += sum(len(c["token_ids"]) for c in event["choices"])
-            return event
-
-    def close(self) -> None:
-        """Abort every request still running (the client left, timed out, or another prompt failed)."""
-        for engine_id in self.open:
-            self.loop.abort(engine_id)
-        self.open.clear()
-
-
-def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None,
-              grammars=None):
+def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
     """The aiohttp application over a started :class:`EngineLoop`.
 
     ``chat_template``: the model's :class:`ChatTemplate`, or the ChatTemplateError saying why it has none
-    (chat requests get it as their 400); ``grammars``: a :class:`GrammarCompiler` for structured output
-    (None: requests asking for it get a 400)."""
+    (chat requests get it as their 400)."""
     from aiohttp import web
 
     config = config or ServerConfig()
+    live: set[Exchange] = set()  # the exchanges waiting or streaming, woken every WATCH_S by the watchdog
+
+    async def watchdog(app):
+        async def poke():
+            while True:
+                await asyncio.sleep(WATCH_S)
+                for exchange in list(live):
+                    exchange.wake()
+
+        task = asyncio.ensure_future(poke())
+        yield
+        task.cancel()
 
     def error(status: int, message: str, headers=None):
         kind = _ERROR_TYPES.get(status, "server_error")
@@ -202,7 +158,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             try:
                 body = await read_json(request, config)
                 slot = _SLOT.get()
-                exchange = slot["exchange"] = Exchange(loop, request, config, slot["id"])
+                exchange = slot["exchange"] = Exchange(loop, request, config.request_timeout_s, slot["id"], live)
                 return await run(request, body, exchange)
             except BadRequest as failure:
                 return error(400, str(failure))
@@ -214,9 +170,19 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
 
         return handler
 
+    async def compile_grammar(params):
+        """Compile ``params.structured_outputs`` off the engine thread (into the engine's cache); 400 if it fails."""
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, loop.engine.compile_grammar,
+                                                                 params.structured_outputs)
+            except GrammarError as failure:
+                raise BadRequest(str(failure)) from None
+
     async def completions(request, body, exchange: Exchange):
         checked = parse_completion(body, loop.engine, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n,
                                    tokenizer=tokenizer)
+        await compile_grammar(checked.params)
         ids = exchange.submit(checked.prompts, checked.params)
         head = {"id": exchange.id, "object": "text_completion", "created": int(time.time()),
                 "model": config.model_name}
@@ -227,9 +193,9 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
             return await _stream(request, exchange, checked, ids, texts, head)
         outputs = {}
         while len(outputs) < len(ids):
-            event = await exchange.next()
-            if event["done"]:
-                outputs[event["request_id"]] = event["output"]
+            for event in await exchange.take():
+                if event["done"]:
+                    outputs[event["request_id"]] = event["output"]
         exchange.completion_tokens = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
         choices = []
         for p, engine_id in enumerate(ids):
@@ -251,25 +217,15 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
     async def chat(request, body, exchange: Exchange):
         checked = parse_chat(body, loop.engine, template=chat_template, tokenizer=tokenizer,
                              max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
-        params = checked.completion.params
-        if checked.grammar is not None:
-            if grammars is None:
-                raise BadRequest("structured output is not available on this server (it needs a text tokenizer "
-                                 "and the llguidance package)")
-            try:
-                compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, *checked.grammar)
-            except GrammarError as failure:
-                raise BadRequest(str(failure)) from None
-            params = dataclasses.replace(params, structured_outputs=compiled)
-        exchange.submit(checked.completion.prompts, params)
+        await compile_grammar(checked.completion.params)
+        exchange.submit(checked.completion.prompts, checked.completion.params)
         head = {"id": exchange.id, "created": int(time.time()), "model": config.model_name}
         if checked.completion.stream:
             return await _chat_stream(request, exchange, checked, head)
-        while True:
-            event = await exchange.next()
-            if event["done"]:
-                break
-        outputs = event["output"].outputs
+        output = None
+        while output is None:
+            output = next((e["output"] for e in await exchange.take() if e["done"]), None)
+        outputs = output.outputs
         exchange.completion_tokens = sum(len(c.token_ids) for c in outputs)
         choices = [chat_choice(c.index, c, checked, tokenizer) for c in outputs]
         return web.json_response({**head, "object": "chat.completion", "choices": choices,
@@ -280,70 +236,86 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         usage = {"usage": None} if checked.completion.include_usage else {}
         streams = [ChatStream(i, checked, tokenizer) for i in range(checked.completion.params.n)]
 
-        async def chunks(send):
-            while True:
-                event = await exchange.next()
-                for c in event["choices"]:
-                    for chunk in streams[c["index"]].chunks(c):
-                        await send({**head, "choices": [chunk], **usage})
-                if event["done"]:
-                    break
+        async def chunks(send, flush):
+            done = False
+            while not done:
+                for event in await exchange.take():
+                    for c in event["choices"]:
+                        for chunk in streams[c["index"]].chunks(c):
+                            send({**head, "choices": [chunk], **usage})
+                    done = done or event["done"]
+                await flush()
             if usage:
-                await send({**head, "choices": [], "usage": _usage(exchange)})
+                send({**head, "choices": [], "usage": _usage(exchange)})
 
         return await _sse(request, chunks)
 
     async def _sse(request, produce):
-        """A server-sent-events reply of the payloads ``produce(send)`` sends, an error event on failure,
-        then ``[DONE]``."""
+        """A server-sent-events reply of the payloads ``produce(send, flush)`` sends, an error event on
+        failure, then ``[DONE]``.  ``send`` only encodes (compact JSON); ``flush`` writes what was sent since
+        the last flush in one write, so the chunks of one batch of engine events cost one socket send."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        pending = []
 
-        async def send(payload):
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        def send(payload):
+            pending.append(b"data: " + _json(payload) + b"\n\n")
+
+        async def flush():
+            if pending:
+                data = b"".join(pending)
+                pending.clear()
+                await response.write(data)
 
         try:
-            await produce(send)
+            await produce(send, flush)
         except HTTPFailure as failure:
-            await send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
-                                  "code": failure.status}})
+            send({"error": {"message": str(failure), "type": _ERROR_TYPES.get(failure.status, "server_error"),
+                            "code": failure.status}})
         except ConnectionResetError:
             return response  # the client went away; the endpoint wrapper aborts what is left
-        await response.write(b"data: [DONE]\n\n")
+        pending.append(b"data: [DONE]\n\n")
+        await flush()
         return response
 
     async def _stream(request, exchange, checked, ids, texts, head):
         n = checked.params.n
         builders, prompt_lps = {}, {}
+        position = {engine_id: p for p, engine_id in enumerate(ids)}
+        usage = {"usage": None} if checked.include_usage else {}
 
-        async def chunks(send):
+        async def chunks(send, flush):
             done = 0
             while done < len(ids):
-                event = await exchange.next()
-                p = ids.index(event["request_id"])
-                if "prompt_logprobs" in event:
-                    prompt_lps[p] = event["prompt_logprobs"]
-                choices = []
-                for c in event["choices"]:
-                    index = p * n + c["index"]
-                    text, logprobs = c["text"] or "", None
-                    first = index not in builders
-                    builder = builders.setdefault(index, LogprobsBuilder(tokenizer))
-                    start = len(builder.tokens)
-                    if first and checked.echo:
-                        text = (texts[p] or "") + text
-                        if checked.params.logprobs is not None:
-                            prompt_logprobs(builder, checked.prompts[p], prompt_lps.get(p))
-                    if checked.params.logprobs is not None:
-                        choice_logprobs(builder, c["token_ids"], c["logprobs"], c["top_logprobs"])
-                        logprobs = {k: v[start:] for k, v in builder.json().items()}
-                    choices.append({"index": index, "text": text, "token_ids": c["token_ids"], "logprobs": logprobs,
-                                    "finish_reason": c["finish_reason"]})
-                done += event["done"]
-                if choices:
-                    await send({**head, "choices": choices, **({"usage": None} if checked.include_usage else {})})
+                for event in await exchange.take():
+                    p = position[event["request_id"]]
+                    if "prompt_logprobs" in event:
+                        prompt_lps[p] = event["prompt_logprobs"]
+                    choices = []
+                    for c in event["choices"]:
+                        index = p * n + c["index"]
+                        text, logprobs = c["text"] or "", None
+                        first = index not in builders
+                        if first:
+                            builders[index] = LogprobsBuilder(tokenizer) if checked.params.logprobs is not None \
+                                else None
+                        builder = builders[index]
+                        start = len(builder.tokens) if builder is not None else 0
+                        if first and checked.echo:
+                            text = (texts[p] or "") + text
+                            if builder is not None:
+                                prompt_logprobs(builder, checked.prompts[p], prompt_lps.get(p))
+                        if builder is not None:
+                            choice_logprobs(builder, c["token_ids"], c["logprobs"], c["top_logprobs"])
+                            logprobs = {k: v[start:] for k, v in builder.json().items()}
+                        choices.append({"index": index, "text": text, "token_ids": c["token_ids"],
+                                        "logprobs": logprobs, "finish_reason": c["finish_reason"]})
+                    done += event["done"]
+                    if choices:
+                        send({**head, "choices": choices, **usage})
+                await flush()
             if checked.include_usage:
-                await send({**head, "choices": [], "usage": _usage(exchange)})
+                send({**head, "choices": [], "usage": _usage(exchange)})
 
         return await _sse(request, chunks)
 
@@ -364,6 +336,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
+    app.cleanup_ctx.append(watchdog)
     app.add_routes([web.post("/v1/completions", endpoint(completions)),
                     web.post("/v1/chat/completions", endpoint(chat)), web.get("/v1/models", models),
                     web.get("/metrics", metrics), web.get("/health", health)])

@@ -5,8 +5,8 @@ tokenized without the tokenizer's own special tokens (the template already holds
 as the completions body it amounts to (:func:`megalite.inference.completions.parse_completion`: the same
 sampling fields, limits and messages), with ``max_completion_tokens`` (or ``max_tokens``) as the length and
 ``logprobs``/``top_logprobs`` as the per-token alternatives.  ``response_format`` (``json_object``,
-``json_schema``) and a forcing ``tool_choice`` ("required" or a named function) become a grammar to compile
-(the server compiles it off the engine thread and carries it on ``SamplingParams.structured_outputs``).
+``json_schema``), a forcing ``tool_choice`` ("required" or a named function) or vLLM's ``structured_outputs``
+(one of them) become ``SamplingParams.structured_outputs`` (the server compiles it off the engine thread).
 With ``tools``, replies are split into content and ``tool_calls`` in the format the template teaches
 (:mod:`megalite.inference.tool_calls`), whole or streamed; finish reason "tool_calls" when there are calls.
 """
@@ -28,12 +28,11 @@ FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "messages", "max_tokens", "max_c
 
 @dataclass
 class ChatRequest:
-    """A checked chat body: the completion request it amounts to (one prompt), the grammar to compile
-    (``(kind, source)`` or None), the tool-call format replies are parsed in (None: no tools) and whether
+    """A checked chat body: the completion request it amounts to (one prompt, its grammar on
+    ``params.structured_outputs``), the tool-call format replies are parsed in (None: no tools) and whether
     ``logprobs`` were asked."""
 
     completion: CompletionRequest
-    grammar: tuple[str, object] | None
     tool_format: str | None
     logprobs: bool
 
@@ -83,11 +82,6 @@ def parse_chat(body, engine, *, template, tokenizer, max_tokens_limit: int, max_
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:  # OpenAI's default: as long as the context allows
         max_tokens = max(1, min(max_tokens_limit, engine.max_context - len(prompt)))
-    completion = {name: body[name] for name in SAMPLING_FIELDS if name in body}
-    completion.update(prompt=prompt, max_tokens=max_tokens, logprobs=(top or 0) if logprobs else None,
-                      stream=body.get("stream", False), stream_options=body.get("stream_options"))
-    checked = parse_completion(completion, engine, max_tokens_limit=max_tokens_limit, max_n=max_n,
-                               tokenizer=tokenizer)
     tool_format = None
     if tools and tool_choice != "none":
         tool_format = detect_format(template.templates[template.template_for(tools)])
@@ -98,14 +92,25 @@ def parse_chat(body, engine, *, template, tokenizer, max_tokens_limit: int, max_
         grammar = tool_call_grammar(tools, tool_choice, tool_format) if tool_format else None
         if grammar is None and tool_choice not in (None, "auto", "none"):
             raise BadRequest("tool_choice needs tools")
-        if grammar is not None and body.get("response_format") not in (None, {"type": "text"}):
-            raise BadRequest("response_format cannot be combined with a tool_choice that forces tool calls")
+        formats = (("tool_choice", grammar is not None),
+                   ("response_format", body.get("response_format") not in (None, {"type": "text"})),
+                   ("structured_outputs", body.get("structured_outputs") is not None))
+        asked = [name for name, given in formats if given]
+        if len(asked) > 1:
+            raise BadRequest(f"{' and '.join(asked)} each constrain the reply: ask for one")
         grammar = grammar or response_format_grammar(body.get("response_format"))
     except (GrammarError, ValueError) as error:
         if isinstance(error, BadRequest):
             raise
         raise BadRequest(str(error)) from None
-    return ChatRequest(checked, grammar, tool_format, logprobs)
+    completion = {name: body[name] for name in SAMPLING_FIELDS if name in body}
+    completion.update(prompt=prompt, max_tokens=max_tokens, logprobs=(top or 0) if logprobs else None,
+                      stream=body.get("stream", False), stream_options=body.get("stream_options"))
+    if grammar is not None:
+        completion["structured_outputs"] = grammar
+    checked = parse_completion(completion, engine, max_tokens_limit=max_tokens_limit, max_n=max_n,
+                               tokenizer=tokenizer)
+    return ChatRequest(checked, tool_format, logprobs)
 
 
 def chat_logprobs(tokenizer, tokens, logprobs, tops, top_n: int) -> dict:

@@ -6,7 +6,8 @@ strings, a list of token ids or a list of such lists; each prompt becomes
 one engine request and its ``n`` choices are numbered ``prompt * n + j`` as
 OpenAI numbers them.  Fields are OpenAI's plus vLLM's sampling extras
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``).  ``logprobs`` (top-N)
+``stop_token_ids``, ``include_stop_str_in_output``, and ``structured_outputs``: an object of
+:class:`StructuredOutputsParams`' fields, compiled by the server before the request is queued).  ``logprobs`` (top-N)
 gives OpenAI's object (``tokens``, ``token_logprobs``, ``top_logprobs``,
 ``text_offset``); with ``echo`` the prompt comes first, its first token
 without a log-prob, as lm-evaluation-harness' loglikelihood reads it.
@@ -26,7 +27,7 @@ class BadRequest(ValueError):
 # Body fields passed to SamplingParams under the same name (it checks them); the others are handled here.
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "best_of", "seed", "presence_penalty", "frequency_penalty", "stop",
              "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "structured_outputs")
 _OTHER = {"model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo", "suffix", "user"}
 FIELDS = frozenset(SAMPLING_FIELDS) | _OTHER
 # The most alternatives per token that ``logprobs`` may ask (OpenAI allows 5; vLLM more).

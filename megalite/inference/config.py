@@ -15,7 +15,9 @@ class EngineConfig:
     ``max_num_seqs`` the sequences admitted.
     ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
     passed to the engine) proposing ``num_speculative_tokens`` per step.
-    ``seed`` draws the seeds of requests that bring none.  A sliding-window
+    ``seed`` draws the seeds of requests that bring none.
+    ``grammar_compile_time_limit_s`` bounds compiling a request's structured-output grammar (a
+    :class:`GrammarError` after; the server's 400), so a hostile schema cannot stall the engine.  A sliding-window
     model (``GPTConfig.window_size``) runs without prefix caching: its blocks
     older than the window are freed while it decodes.
     """
@@ -30,6 +32,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     seed: int = 0
+    grammar_compile_time_limit_s: float = 1.0
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens"):
@@ -38,3 +41,6 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        limit = self.grammar_compile_time_limit_s
+        if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
+            raise ValueError(f"EngineConfig.grammar_compile_time_limit_s must be positive, got {limit!r}")

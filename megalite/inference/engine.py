@@ -17,6 +17,7 @@ the engine (the ranks' collectives would no longer match).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import torch
@@ -26,9 +27,9 @@ from megalite import topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.config import EngineConfig
-from megalite.inference.grammar import apply_grammar
+from megalite.inference.grammar import CompiledGrammar, GrammarCompiler, GrammarError, apply_grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
-from megalite.inference.params import RequestOutput, SamplingParams
+from megalite.inference.params import RequestOutput, SamplingParams, StructuredOutputsParams
 from megalite.inference.prefix_cache import PrefixCache
 from megalite.inference.sampler import adjust_logits, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
@@ -85,6 +86,8 @@ class LLMEngine:
             eos_token_ids = [] if getattr(tokenizer, "eod", None) is None else [tokenizer.eod]
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # the GrammarCompiler, built on the first structured-output request
+        self._grammars_lock = threading.Lock()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
@@ -110,10 +113,8 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size - 1}]: "
                              f"{outside[:5]}")
-        grammar = params.structured_outputs
-        if grammar is not None and grammar.compiler.vocab_size != self.vocab_size:
-            raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} "
-                             f"ids; the model has {self.vocab_size}")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer); "
                              "use stop_token_ids")
@@ -127,15 +128,30 @@ class LLMEngine:
                              f"request of {total} tokens (needs {-(-total // bs)} blocks)")
         return list(prompt)
 
+    def compile_grammar(self, structured: StructuredOutputsParams) -> CompiledGrammar:
+        """``structured`` compiled for this engine's tokenizer, vocabulary and eos ids (cached, so compiling
+        ahead, e.g. on a server's worker thread, makes the engine's own compile a lookup; thread-safe); a
+        :class:`GrammarError` (a ValueError) when it does not compile within
+        ``EngineConfig.grammar_compile_time_limit_s`` or llguidance is missing."""
+        if self.tokenizer is None:
+            raise GrammarError("structured output needs a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer)")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
+                                                 stop_token_ids=sorted(self.eos_token_ids),
+                                                 compile_time_limit_s=self.config.grammar_compile_time_limit_s)
+        return self._grammars.compile(*structured.spec())
+
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Queue a prompt (token ids); returns its :class:`Request`."""
+        """Queue a prompt (token ids); returns its :class:`Request` (its grammar compiled here, if any)."""
         prompt = self.check_request(prompt, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs is not None else None
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, (), generator=self._seeds))
-        request = Request(request_id, prompt, params, arrival, seed, self.eos_token_ids, self.tokenizer)
+        request = Request(request_id, prompt, params, arrival, seed, self.eos_token_ids, self.tokenizer, grammar)
         request.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request.sequences[0])
@@ -291,14 +307,14 @@ class LLMEngine:
         """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
         grammar."""
         params = seq.request.params
-        if params.adjusts_logits:
-            histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
         if seq.grammar is not None:  # tokens the grammar forbids (drafts rejected where it forbids them)
             rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
                 rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
             best = None
+        if params.adjusts_logits:  # after the grammar: min_tokens gives way where only a stop id is allowed
+            histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
         return verify(rows, drafts, params, seq.generator, argmax=best)
 
     def _prompt_logprobs(self, request: Request, positions: list[int], rows: torch.Tensor) -> None:
@@ -360,6 +376,9 @@ class LLMEngine:
             return box[0]
         outputs = None
         try:
+            for s in params_list:  # every grammar compiles before any request is queued
+                if s.structured_outputs is not None:
+                    self.compile_grammar(s.structured_outputs)
             requests = [self.add_request(p, s) for p, s in zip(checked, params_list)]
             while self.has_unfinished():
                 self.step()

@@ -4,7 +4,9 @@ Handlers (on the asyncio loop) :meth:`EngineLoop.submit` checked requests
 and read their events from an asyncio queue; the engine thread steps the
 engine and publishes, per request and step, each sample's new token ids,
 log-probs, streamable text and finish reason, then the final
-:class:`RequestOutput`.  A request that fails alone gets an ``error`` event
+:class:`RequestOutput`.  A step's events cross to the asyncio loop in one
+hop (one ``call_soon_threadsafe`` per step, not one per request: each hop
+wakes the loop through a pipe).  A request that fails alone gets an ``error`` event
 and the thread goes on; an exception that escapes the engine ends the thread
 (every waiting request gets the error, ``error`` records it, and the server
 exits non-zero).  ``max_pending`` bounds the requests submitted and not yet
@@ -66,14 +68,20 @@ class Metrics:
 class _Stream:
     """Where one request's events go and how much of each sample has been sent."""
 
-    def __init__(self, request_id: str, loop, events, n: int):
-        self.request_id, self.loop, self.events = request_id, loop, events
+    def __init__(self, request_id: str, loop, events, n: int, outbox: dict):
+        self.request_id, self.loop, self.events, self.outbox = request_id, loop, events, outbox
         self.tokens, self.chars = [0] * n, [0] * n
         self.last = time.perf_counter()
         self.sent_prompt = False
 
     def put(self, event: dict) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, {**event, "request_id": self.request_id})
+        """Queue ``event`` for delivery with the rest of this step's (:meth:`EngineLoop._flush`)."""
+        self.outbox.setdefault(self.loop, []).append((self.events, {**event, "request_id": self.request_id}))
+
+
+def _deliver(items) -> None:
+    for events, event in items:
+        events.put_nowait(event)
 
 
 class EngineLoop:
@@ -83,6 +91,7 @@ class EngineLoop:
         self.engine, self.metrics = engine, Metrics()
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, _Stream] = {}
+        self.outbox: dict = {}  # asyncio loop -> this step's (queue, event) pairs, delivered by _flush
         self.heartbeat_s, self.max_pending = heartbeat_s, max_pending
         self.pending = 0
         self.error: BaseException | None = None
@@ -101,10 +110,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.thread.is_alive() and self.error is None
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-               events: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a checked request; its events (tagged ``request_id``) arrive on ``events`` (a new asyncio queue
-        by default, returned); raises Overloaded when ``max_pending`` requests are in."""
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, events=None):
+        """Queue a checked request; its events (tagged ``request_id``) arrive on ``events`` (anything with
+        ``put_nowait``, called on the submitting asyncio loop; a new asyncio queue by default, returned); raises
+        Overloaded when ``max_pending`` requests are in."""
         with self._lock:
             if self.pending >= self.max_pending:
                 self.metrics.count("requests_rejected")
@@ -128,7 +137,7 @@ class EngineLoop:
             self._stopped = True
         elif message[0] == "add":
             _, request_id, prompt, params, loop, events = message
-            self.streams[request_id] = _Stream(request_id, loop, events, params.best_of)
+            self.streams[request_id] = _Stream(request_id, loop, events, params.best_of, self.outbox)
             try:
                 engine.add_request(prompt, params, request_id)
             except ValueError as error:  # checked by the handler already; a duplicate id, say
@@ -160,14 +169,25 @@ class EngineLoop:
                 elif engine.tp_size > 1 and time.perf_counter() - idle_since > self.heartbeat_s:
                     engine.heartbeat()
                     idle_since = time.perf_counter()
+                self._flush()
         except Exception as error:  # report to every waiting client, then stop serving
             logging.getLogger("megalite.inference.engine").exception("the engine failed; the server stops")
             self.error = error
             for stream in self.streams.values():
                 stream.put({"error": f"engine failure: {error}", "status": 500})
+            self._flush()
         finally:
             if engine.tp_size > 1:
                 engine.stop_workers()
+
+    def _flush(self) -> None:
+        """Hand the queued events to their asyncio loops: one thread hop per loop."""
+        for loop, items in self.outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop has closed: its clients are gone
+                pass
+        self.outbox.clear()
 
     def _publish(self, requests) -> None:
         now = time.perf_counter()

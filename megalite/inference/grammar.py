@@ -9,7 +9,8 @@ to compile the same schemas, 17 ms for the 400-property one) and bounds both com
 with deterministic work budgets ("fuel"), so a hostile schema fails fast with an error instead of stalling
 every other request.  ``compile_time_limit_s`` is turned into that budget at llguidance's documented rate.
 
-Use: one :class:`GrammarCompiler` per tokenizer; ``compile(kind, source)`` (cached) gives a
+Use: one :class:`GrammarCompiler` per tokenizer (the engine keeps one: a request asks in vLLM's
+:class:`StructuredOutputsParams` shape); ``compile(kind, source)`` (cached) gives a
 :class:`CompiledGrammar`; each sequence (each of a request's ``n`` samples) takes its own
 :meth:`CompiledGrammar.new_state`.  Per step, :func:`apply_grammar` masks a batch of logits rows (rows
 without a grammar untouched) before sampling; after sampling, :meth:`GrammarState.advance` each emitted
@@ -26,9 +27,12 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 
 import torch
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "lark")
+from megalite.inference.params import StructuredOutputsParams
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "lark")
 """``json_object``: any JSON object (source None); ``json_schema``: a schema (dict or JSON text);
-``regex``; ``ebnf``: GBNF (llama.cpp's EBNF, also vLLM's ``guided_grammar``) or Lark; ``lark``."""
+``regex``; ``choice``: a list of strings, the output one of them; ``ebnf``: GBNF (llama.cpp's EBNF) or Lark
+(vLLM's ``grammar``); ``lark``.  :meth:`StructuredOutputsParams.spec` names one of these."""
 
 _LEXER_FUEL_PER_MS = 50_000  # llguidance's documented speed of its initial lexer build
 JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20]?"}
@@ -51,8 +55,8 @@ def _llguidance():
     return llguidance
 
 
-def response_format_grammar(response_format) -> tuple[str, object] | None:
-    """The ``(kind, source)`` of an OpenAI ``response_format`` (None for ``{"type": "text"}`` or no format)."""
+def response_format_grammar(response_format) -> StructuredOutputsParams | None:
+    """The structured output an OpenAI ``response_format`` asks (None for ``{"type": "text"}`` or no format)."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -61,12 +65,12 @@ def response_format_grammar(response_format) -> tuple[str, object] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return "json_object", None
+        return StructuredOutputsParams(json_object=True)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise GrammarError("response_format json_schema must be {'name': ..., 'schema': {...}}")
-        return "json_schema", spec.get("schema", {})
+        return StructuredOutputsParams(json=spec.get("schema", {}))
     raise GrammarError(f"unknown response_format type {kind!r}; use text, json_object or json_schema")
 
 
@@ -166,6 +170,12 @@ class GrammarCompiler:
                                    f"{str(err)[:200]}") from None
             if not isinstance(source, (dict, bool)):
                 raise GrammarError("a JSON schema must be a JSON object")
+        elif kind == "choice":
+            if not isinstance(source, (list, tuple)) or not source or not all(isinstance(c, str) and c
+                                                                             for c in source):
+                raise GrammarError("a choice grammar must be a non-empty list of non-empty strings")
+            source = json.dumps(list(source))
+            key = (kind, source)
         elif not isinstance(source, str) or not source:
             raise GrammarError(f"a {kind} grammar must be a non-empty string")
         else:

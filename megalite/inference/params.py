@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 # The smallest non-zero temperature: below it ``logits / T`` overflows fp32 (vLLM warns and clamps here).
 MIN_TEMPERATURE = 1e-2
@@ -21,6 +21,55 @@ def _is_real(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must follow, in vLLM's shape (``vllm.sampling_params.StructuredOutputsParams``):
+    exactly one of ``json`` (a JSON schema, as a dict or JSON text), ``regex``, ``choice`` (the output is one of
+    these strings), ``grammar`` (EBNF: llama.cpp's GBNF or Lark) or ``json_object=True`` (any JSON object).
+
+    It is plain data: the engine compiles it for its tokenizer and vocabulary
+    (``LLMEngine.compile_grammar``, cached and time-limited); the server does so off the engine thread, so a
+    grammar that does not compile is a 400.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar and "
+                             f"json_object, got {given or 'none'}")
+        if not isinstance(self.json, (dict, str, type(None))):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or JSON text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str)
+                                                    or not getattr(self, name)):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true (or left out)")
+
+    def spec(self) -> tuple[str, object]:
+        """The ``(kind, source)`` :meth:`megalite.inference.grammar.GrammarCompiler.compile` takes."""
+        if self.json is not None:
+            return "json_schema", self.json
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", list(self.choice)
+        if self.grammar is not None:
+            return "ebnf", self.grammar
+        return "json_object", None
 
 
 @dataclass
@@ -43,9 +92,10 @@ class SamplingParams:
     ``logprobs=N`` returns each chosen token's log-probability under
     ``softmax(logits / T)`` (T = 1 when greedy; before penalties and filters, as
     the actor's forward computes it) and the N most likely; ``prompt_logprobs=N``
-    the same for every prompt token after the first.  ``structured_outputs`` (vLLM's name) is a compiled
-    grammar (``megalite.inference.grammar.GrammarCompiler.compile``): each sample's tokens are masked to
-    those it allows, and a sample ends (reason "stop") once its output is complete.
+    the same for every prompt token after the first.  ``structured_outputs`` (vLLM's name and shape) is a
+    :class:`StructuredOutputsParams` (a dict of its fields is taken as one): each sample's tokens are masked
+    to those its grammar allows, and a sample ends (reason "stop") once its output is complete; where the
+    grammar allows only a stop id, ``min_tokens`` gives way (as in vLLM).
     """
 
     n: int = 1
@@ -67,7 +117,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
-    structured_outputs: object | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         def fail(name, want):
@@ -124,8 +174,15 @@ class SamplingParams:
             if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
                 fail("logit_bias", "a mapping of token ids to biases in [-100, 100]")
 
-        if self.structured_outputs is not None and not callable(getattr(self.structured_outputs, "new_state", None)):
-            fail("structured_outputs", "None or a compiled grammar (GrammarCompiler.compile)")
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)})
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields {unknown}; use json, regex, choice, "
+                                 "grammar or json_object")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            fail("structured_outputs", "None or a StructuredOutputsParams (json, regex, choice, grammar or "
+                 "json_object)")
 
     @property
     def greedy(self) -> bool:

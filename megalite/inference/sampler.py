@@ -23,7 +23,9 @@ def adjust_logits(logits: torch.Tensor, histories: list[list[int]], num_prompt: 
                   stop_ids: frozenset) -> torch.Tensor:
     """Row ``i`` of ``logits`` after ``logit_bias``, the ``min_tokens`` ban on ``stop_ids`` and the penalties
     (vLLM's order and formulas), given the tokens ``histories[i]`` before it (its first ``num_prompt`` are the
-    prompt: repetition counts them, presence and frequency only the output)."""
+    prompt: repetition counts them, presence and frequency only the output).  The ban never empties a row:
+    where a grammar mask (applied before) leaves only stop ids, its output is complete and the grammar wins
+    over ``min_tokens``, as in vLLM."""
     logits = logits.float().clone()
     vocab = logits.shape[-1]
     if params.logit_bias:
@@ -32,7 +34,11 @@ def adjust_logits(logits: torch.Tensor, histories: list[list[int]], num_prompt: 
     for i, history in enumerate(histories):
         row = logits[i]
         if len(history) - num_prompt < params.min_tokens and stop_ids:
-            row[[t for t in stop_ids if 0 <= t < vocab]] = float("-inf")
+            banned = [t for t in stop_ids if 0 <= t < vocab]
+            others = torch.ones(vocab, dtype=torch.bool, device=row.device)
+            others[banned] = False
+            if bool(torch.isfinite(row[others]).any()):
+                row[banned] = float("-inf")
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
             values = row[seen]

@@ -23,8 +23,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.generator = request.generators[index]
         self.detokenizer = request.new_detokenizer()
-        grammar = request.params.structured_outputs
-        self.grammar = grammar.new_state() if grammar is not None else None  # each sample its own state
+        self.grammar = request.grammar.new_state() if request.grammar is not None else None  # each its own
 
     @property
     def arrival(self) -> int:
@@ -96,13 +95,14 @@ class Request:
     """A prompt with its sampling params; its ``best_of`` samples start as one sequence and fork after the prompt.
 
     ``eos_token_ids`` end a sample (unless ``ignore_eos``); ``tokenizer`` (optional) gives each sample its text
-    and stop strings.  ``error`` is set when the request failed alone (e.g. non-finite logits)."""
+    and stop strings; ``grammar`` is ``params.structured_outputs`` compiled (each sample takes its own state).
+    ``error`` is set when the request failed alone (e.g. non-finite logits)."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int, seed: int,
-                 eos_token_ids=(), tokenizer=None):
+                 eos_token_ids=(), tokenizer=None, grammar=None):
         self.request_id, self.prompt, self.params, self.arrival = request_id, list(prompt), params, arrival
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.grammar = tokenizer, grammar
         self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2 ** 63))
                            for i in range(params.best_of)]
         self.prompt_logprobs: dict[int, dict[int, float]] = {}

@@ -45,8 +45,9 @@ SERVE_FLAGS = FlagTable((
          help="seconds to receive a request body (408 after)"),
     Flag("--chat-template", _SERVER, default=None,
          help="a Jinja chat template file (None: the tokenizer's chat_template.jinja or tokenizer_config.json)"),
-    Flag("--grammar-compile-time-limit", _SERVER, ("ServerConfig.grammar_compile_time_limit_s",), type=float,
-         help="seconds to compile a request's response_format or tool_choice grammar (400 after)"),
+    Flag("--grammar-compile-time-limit", _ENGINE, ("EngineConfig.grammar_compile_time_limit_s",), type=float,
+         help="seconds to compile a request's structured_outputs, response_format or tool_choice grammar "
+              "(400 after)"),
     Flag("--block-size", _ENGINE, ("EngineConfig.block_size",), type=int, help="tokens per KV-cache block"),
     Flag("--num-blocks", _ENGINE, ("EngineConfig.num_blocks",), type=int),
     Flag("--max-num-batched-tokens", _ENGINE, ("EngineConfig.max_num_batched_tokens",), type=int),
@@ -65,35 +66,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def chat_support(tokenizer, engine, config: ServerConfig, template_file: str | None):
-    """The chat template (or the ChatTemplateError saying why there is none) and the structured-output
-    :class:`GrammarCompiler` (None without a text tokenizer or llguidance) for :func:`build_app`.  A
+def chat_template(tokenizer, template_file: str | None):
+    """The chat template for :func:`build_app`, or the ChatTemplateError saying why there is none.  A
     ``template_file`` that does not load raises (bad input)."""
     from megalite.inference.chat_template import ChatTemplateError, load_chat_template
-    from megalite.inference.grammar import GrammarCompiler, GrammarError
 
     try:
-        template = load_chat_template(getattr(tokenizer, "path", None), template_file)
+        return load_chat_template(getattr(tokenizer, "path", None), template_file)
     except ChatTemplateError as error:
         if template_file is not None:
             raise
-        template = error
-    grammars = None
-    if tokenizer is not None:
-        try:
-            grammars = GrammarCompiler(tokenizer, vocab_size=engine.vocab_size,
-                                       stop_token_ids=sorted(engine.eos_token_ids),
-                                       compile_time_limit_s=config.grammar_compile_time_limit_s)
-        except GrammarError as error:
-            logging.getLogger("megalite.inference.serve").warning("no structured output: %s", error)
-    return template, grammars
+        return error
 
 
-async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, chat, args) -> None:
+async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, template, args) -> None:
     from aiohttp import web
 
-    template, grammars = chat
-    app = build_app(loop, config, tokenizer=tokenizer, chat_template=template, grammars=grammars)
+    app = build_app(loop, config, tokenizer=tokenizer, chat_template=template)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
     try:
         llm = LLM(args.load, tp, engine_config=config, tokenizer=args.tokenizer)
         engine = llm.engine
-        chat = chat_support(llm.tokenizer, engine, server_config, args.chat_template)  # every rank: a bad file exits
+        template = chat_template(llm.tokenizer, args.chat_template)  # on every rank: a bad file exits
         if engine.tp_rank != 0:
             engine.run_worker()
             return 0
@@ -137,7 +126,7 @@ def main(argv=None) -> int:
         loop = EngineLoop(engine, max_pending=server_config.max_pending)
         loop.start()
         try:
-            asyncio.run(_serve(loop, server_config, llm.tokenizer, chat, args))
+            asyncio.run(_serve(loop, server_config, llm.tokenizer, template, args))
         except KeyboardInterrupt:
             pass
         finally:

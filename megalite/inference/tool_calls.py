@@ -31,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megalite.inference.params import StructuredOutputsParams
+
 TOOL_CALL_FORMATS = ("hermes", "llama3_json")
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -174,8 +176,8 @@ class ToolCallStream:
         return ParsedReply(rest or None, parsed.tool_calls)
 
 
-def tool_call_grammar(tools: list[dict] | None, tool_choice, fmt: str) -> tuple[str, str] | None:
-    """The ``("lark", grammar)`` forcing the reply to be tool calls, for ``tool_choice`` "required" (any tool;
+def tool_call_grammar(tools: list[dict] | None, tool_choice, fmt: str) -> StructuredOutputsParams | None:
+    """The (Lark) grammar forcing the reply to be tool calls, for ``tool_choice`` "required" (any tool;
     one or more calls in ``hermes``, one in ``llama3_json``) or ``{"type": "function", "function": {"name":
     ...}}`` (that tool, once); None for "auto", "none" or no choice.  ValueError for a choice naming no tool."""
     from megalite.inference.grammar import JSON_LAYOUT
@@ -203,6 +205,7 @@ def tool_call_grammar(tools: list[dict] | None, tool_choice, fmt: str) -> tuple[
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
     call = "%json " + json.dumps(schema)
     if fmt == "llama3_json":
-        return "lark", f"start: call\ncall: {call}"
+        return StructuredOutputsParams(grammar=f"start: call\ncall: {call}")
     start = 'block ("\\n" block)*' if tool_choice == "required" else "block"
-    return "lark", f'start: {start}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
+    block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+    return StructuredOutputsParams(grammar=f"start: {start}\n{block}\ncall: {call}")

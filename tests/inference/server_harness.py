@@ -23,13 +23,13 @@ class Server:
     """``build_app`` over an :class:`EngineLoop` of ``model``, served by aiohttp on 127.0.0.1:<free port>."""
 
     def __init__(self, model, config: ServerConfig | None = None, tokenizer=BYTES, engine_config=None, *,
-                 chat_template=None, grammars=None):
+                 chat_template=None):
         self.llm = LLM.from_model(model, tokenizer=tokenizer,
                                   engine_config=engine_config or EngineConfig(block_size=4, num_blocks=256))
         self.config = config or ServerConfig(max_tokens_limit=200)
         self.loop = EngineLoop(self.llm.engine, max_pending=self.config.max_pending)
         self.tokenizer = tokenizer
-        self.chat_template, self.grammars = chat_template, grammars
+        self.chat_template = chat_template
 
     def __enter__(self) -> Server:
         from aiohttp import web
@@ -40,8 +40,7 @@ class Server:
         self.thread.start()
 
         async def start():
-            app = build_app(self.loop, self.config, tokenizer=self.tokenizer, chat_template=self.chat_template,
-                            grammars=self.grammars)
+            app = build_app(self.loop, self.config, tokenizer=self.tokenizer, chat_template=self.chat_template)
             self.runner = web.AppRunner(app, access_log=None)
             await self.runner.setup()
             await web.TCPSite(self.runner, "127.0.0.1", 0).start()

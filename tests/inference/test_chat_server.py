@@ -23,7 +23,6 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-from megalite.inference.grammar import GrammarCompiler  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
@@ -40,8 +39,7 @@ def _model():
 
 
 def _server(model, template, **config):
-    grammars = GrammarCompiler(BYTES, vocab_size=BYTES.vocab_size, stop_token_ids=[BYTES.eod])
-    return Server(model, ServerConfig(max_tokens_limit=200, **config), chat_template=template, grammars=grammars,
+    return Server(model, ServerConfig(max_tokens_limit=200, **config), chat_template=template,
                   engine_config=EngineConfig(block_size=16, num_blocks=512))
 
 
@@ -184,11 +182,38 @@ def test_bad_chat_requests_get_400():
     with Server(_model(), tokenizer=ByteTokenizer(), chat_template=missing) as server:
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             server.client().chat.completions.create(model="megalite", messages=MESSAGES)
+
+
+def test_structured_outputs_in_vllms_shape_over_http():
+    """vLLM's ``structured_outputs`` body field (the client's ``extra_body``) on both endpoints, compiled by the
+    server; one that does not compile, or that competes with response_format, is a 400."""
     template = ChatTemplate(trl_template("qwen2_5"))
+    choices = ["red", "green", "blue"]
     with Server(_model(), chat_template=template, engine_config=EngineConfig(block_size=16, num_blocks=64)) as server:
-        with pytest.raises(openai.BadRequestError, match="structured output is not available"):
-            server.client().chat.completions.create(model="megalite", messages=MESSAGES,
-                                                    response_format={"type": "json_object"})
+        client = server.client()
+        reply = client.completions.create(model="megalite", prompt="colour: ", max_tokens=10, temperature=1.0, n=4,
+                                          seed=1, extra_body={"structured_outputs": {"choice": choices}})
+        assert all(c.text in choices and c.finish_reason == "stop" for c in reply.choices)
+        streamed = client.completions.create(model="megalite", prompt="id: ", max_tokens=10, temperature=0,
+                                             stream=True, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+        text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+        assert len(text) == 4 and text.isdigit()
+        chat = _chat(client, messages=MESSAGES, max_tokens=10, temperature=0,
+                     extra_body={"structured_outputs": {"regex": "(yes|no)!"}})
+        assert chat.choices[0].message.content in ("yes!", "no!")
+        for create, body, message in (
+                (client.completions.create, {"prompt": "x", "extra_body": {"structured_outputs": {"regex": "(a"}}},
+                 "does not compile"),
+                (client.completions.create, {"prompt": "x", "extra_body": {"structured_outputs": {"json": "{"}}},
+                 "not valid JSON"),
+                (client.completions.create, {"prompt": "x", "extra_body": {"structured_outputs": {"choices": ["a"]}}},
+                 "unknown fields"),
+                (client.chat.completions.create, {"messages": MESSAGES, "response_format": {"type": "json_object"},
+                                                  "extra_body": {"structured_outputs": {"regex": "a"}}},
+                 "response_format and structured_outputs each constrain the reply")):
+            with pytest.raises(openai.BadRequestError, match=message):
+                create(model="megalite", **body)
+        assert server.idle()
 
 
 def test_llm_chat_renders_as_the_server_does(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite.data.tokenizer import ByteTokenizer
-from megalite.inference.params import SamplingParams
+from megalite.inference.params import SamplingParams, StructuredOutputsParams
 from megalite.inference.sampler import target_probs, verify
 from megalite.models.kv_cache import KVCache
 from tests.inference.common import tiny_model
@@ -182,9 +182,9 @@ def test_hostile_schema_hits_the_compile_limit():
 
 def test_response_format():
     assert response_format_grammar(None) is None and response_format_grammar({"type": "text"}) is None
-    assert response_format_grammar({"type": "json_object"}) == ("json_object", None)
+    assert response_format_grammar({"type": "json_object"}) == StructuredOutputsParams(json_object=True)
     assert response_format_grammar({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}) == \
-        ("json_schema", SCHEMA)
+        StructuredOutputsParams(json=SCHEMA)
     for bad, match in (({"type": "yaml"}, "unknown response_format type 'yaml'"), ("json", "must be an object"),
                        ({"type": "json_schema", "json_schema": {"schema": 3}}, "json_schema must be")):
         with pytest.raises(GrammarError, match=match):
@@ -255,7 +255,7 @@ def test_forced_tool_calls_parse_and_validate(compiler, fmt, choice):
     jsonschema = pytest.importorskip("jsonschema")
     from megalite.inference.tool_calls import parse_tool_calls, tool_call_grammar
 
-    grammar = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], choice, fmt))
+    grammar = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], choice, fmt).spec())
     names = {"get_weather"} if isinstance(choice, dict) else {"get_weather", "now"}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
     for out in sample_under(grammar, [b"call: "], n=12, max_tokens=120, seed=5):
@@ -274,7 +274,7 @@ def test_forced_tool_calls_parse_and_validate(compiler, fmt, choice):
 def test_required_hermes_admits_several_calls_and_choice_errors(compiler):
     from megalite.inference.tool_calls import tool_call_grammar
 
-    state = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], "required", "hermes")).new_state()
+    state = compiler.compile(*tool_call_grammar([WEATHER, CLOCK], "required", "hermes").spec()).new_state()
     for ch in ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
                '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","days":2}}\n</tool_call>').encode():
         state.advance(ch)

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from megalite.inference import LLM, EngineConfig, SamplingParams
+from megalite.inference import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from megalite.inference.api_server import ServerConfig, build_app
 from megalite.inference.engine_loop import EngineLoop
 from megalite.inference.chat_template import ChatTemplateError
-from megalite.inference.serve import chat_support, parse_args
+from megalite.inference.serve import chat_template, parse_args
 from tests.inference.common import VOCAB, tiny_model
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -183,5 +183,7 @@ def test_cli_chat_template_flag(tmp_path):
         proc.terminate()
         proc.wait(timeout=60)
     # No template anywhere: the server starts, and chat requests get this error's message as their 400.
-    template, grammars = chat_support(llm.tokenizer, llm.engine, ServerConfig(), None)
-    assert isinstance(template, ChatTemplateError) and grammars.vocab_size == 128
+    assert isinstance(chat_template(llm.tokenizer, None), ChatTemplateError)
+    # The engine compiles structured outputs for the checkpoint's tokenizer and the model's vocabulary.
+    pytest.importorskip("llguidance")
+    assert llm.engine.compile_grammar(StructuredOutputsParams(json_object=True)).compiler.vocab_size == 128
