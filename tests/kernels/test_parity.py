@@ -105,10 +105,14 @@ def _run(fn, args, grads_seed):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_fused_matches_reference(name, device, dtype, monkeypatch):
-    make_args, fused_fn, reference_fn = _cases(device, dtype)[name]
+    assert K.fused_enabled()
+    _check_fused(name, *_cases(device, dtype)[name], monkeypatch)
+
+
+def _check_fused(name, make_args, fused_fn, reference_fn, monkeypatch):
+    """The public fn takes the fused path and its outputs and input gradients equal the reference's."""
     torch.manual_seed(0)
     args = make_args()
-    assert K.fused_enabled()
     op = fused_fn.__name__
     real, calls = getattr(fused, op), []
     monkeypatch.setattr(fused, op, lambda *a: calls.append(op) or real(*a))
@@ -214,18 +218,7 @@ def _packed_cases(h, dtype, offset):
 @pytest.mark.parametrize("name", list(_packed_cases(64, torch.float32, 0)))
 def test_cuda_packed_paths_match_reference(name, dtype, h, offset, monkeypatch):
     """The CUDA kernels' 16-byte and one-element paths, at every register tier of the row kernels."""
-    make_args, fused_fn, reference_fn = _packed_cases(h, dtype, offset)[name]
-    torch.manual_seed(0)
-    args = make_args()
-    op = fused_fn.__name__
-    real, calls = getattr(fused, op), []
-    monkeypatch.setattr(fused, op, lambda *a: calls.append(op) or real(*a))
-    fused_out, fused_grads = _run(fused_fn, args, grads_seed=7)
-    assert calls == [op], f"{name} did not take the fused path"
-    ref_out, ref_grads = _run(reference_fn, args, grads_seed=7)
-    for got, want in zip(fused_out + fused_grads, ref_out + ref_grads):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        torch.testing.assert_close(got, want, **TOL[got.dtype])
+    _check_fused(name, *_packed_cases(h, dtype, offset)[name], monkeypatch)
 
 
 @pytest.mark.usefixtures("require_extension")
