@@ -2,7 +2,8 @@
 
 ``LLMEngine`` owns the scheduler, the KV pool and the model runner of one
 model replica.  Under tensor parallelism every TP rank holds the pool for its
-heads; TP rank 0 alone schedules, broadcasts each step's :class:`StepPlan`,
+heads (a multi-latent-attention model's whole latent pool, which all heads
+share); TP rank 0 alone schedules, broadcasts each step's :class:`StepPlan`,
 samples from the logits gathered over TP and keeps the request state.  The
 other ranks execute plans until rank 0 sends ``stop``.  Pipeline parallelism
 is not supported yet.
@@ -58,9 +59,6 @@ class LLMEngine:
                              "without it (the weights are the same)")
         self.tp_group = model.tp_group
         self.tp_size, self.tp_rank = topology.group_size(self.tp_group), topology.group_rank(self.tp_group)
-        if model.config.multi_latent_attention and self.tp_size > 1:
-            raise ValueError(f"the inference engine caches multi-latent attention at tp=1 only (tp={self.tp_size}); "
-                             "build the model at tp=1")
         mc = model.config
         self.vocab_size, self.max_context = mc.vocab_size, mc.max_position_embeddings
         self.device = next(model.parameters()).device

@@ -32,7 +32,8 @@ A multi-latent-attention model caches one latent key per token and layer
 qk_pos_emb_head_dim]``, the normalised KV latent followed by the rotary key;
 its first ``kv_lora_rank`` channels are the values.  The layer attends in the
 weight-absorbed form through :meth:`PagedStep.attend_latent` (see
-``megalite.models.mla``), so no per-head keys or values are stored.
+``megalite.models.mla``), so no per-head keys or values are stored; under
+tensor parallelism every rank holds this whole pool and its own heads attend to it.
 
 A sliding-window model (``window``: a token sees itself and the ``window``
 tokens before it) masks older keys in every path (the fused kernel, which has

@@ -25,6 +25,8 @@ A cache with ``attend_latent`` (the inference engine's paged step) stores the
 normalised latent and the rotary key, ``kv_lora_rank + qk_pos_emb_head_dim``
 values per token, instead of per-head keys and values: the layer then attends
 in the weight-absorbed form (W_UK folded into the query, W_UV applied after).
+Under TP the latent is replicated, so each rank caches all of it and absorbs
+with its own heads' rows of ``linear_kv_up_proj``; ``linear_proj`` sums the heads.
 """
 
 from __future__ import annotations

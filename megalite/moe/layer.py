@@ -27,7 +27,9 @@ class MoELayer(nn.Module):
     ``sequence_parallel``.  Inside the layer every rank dispatches its own tokens:
     without sequence parallelism the router runs on all (replicated) tokens and
     each TP rank then dispatches its 1/tp block of them, gathering the outputs
-    at the end.  Experts ``ep_rank * E/ep ...`` live on this rank, each split over
+    at the end (a token count that does not divide by tp, as the inference
+    engine packs them, is padded with rows routed to no expert).  Experts
+    ``ep_rank * E/ep ...`` live on this rank, each split over
     ``expert_tp_group``.  A capacity limit applies to the tokens one rank routes:
     the whole micro-batch without sequence parallelism, the rank's 1/tp of it with.
 
@@ -94,9 +96,7 @@ class MoELayer(nn.Module):
         split = self.tp_group is not None and not self.sequence_parallel
         tp = topology.group_size(self.tp_group)
         tokens = x.reshape(-1, self.hidden_size)
-        if split and tokens.shape[0] % tp:
-            raise ValueError(f"MoELayer: {tokens.shape[0]} tokens (input {tuple(x.shape)}) do not split "
-                             f"evenly over the tensor-parallel size {tp}")
+        num_tokens = tokens.shape[0]
         stats_groups = [g for g in (self.tp_group if self.sequence_parallel else None, self.cp_group) if g is not None]
         routing = self.router(tokens, stats_groups)
         if self.training:
@@ -106,6 +106,7 @@ class MoELayer(nn.Module):
         if routing.loss is not None:
             probs = attach_loss(probs, routing.loss, self.aux_loss_scale * topology.group_size(self.cp_group))
         if split:
+            tokens, probs, indices = _pad_rows(tokens, probs, indices, -num_tokens % tp)
             tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
             probs = scatter_to_sequence_parallel_region(probs, self.tp_group)
             block = indices.shape[0] // tp
@@ -116,6 +117,7 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(self.experts(rows, counts), plan)
         if split:
             out = gather_from_sequence_parallel_region(out, self.tp_group, tensor_parallel_output_grad=False)
+            out = out[:num_tokens]
         out = out.to(x.dtype).view(x.shape)
         if self.shared_experts is not None:
             out = out + self._shared(x)
@@ -129,6 +131,15 @@ class MoELayer(nn.Module):
         if self.shared_expert_gate is not None:
             shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
         return shared
+
+
+def _pad_rows(tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, pad: int):
+    """``pad`` extra rows that route nowhere (expert -1, weight 0), so the tokens split evenly over TP."""
+    if not pad:
+        return tokens, probs, indices
+    return (torch.cat([tokens, tokens.new_zeros(pad, tokens.shape[1])]),
+            torch.cat([probs, probs.new_zeros(pad, probs.shape[1])]),
+            torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)]))
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
