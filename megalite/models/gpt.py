@@ -18,6 +18,8 @@ Parameter names (HF-convertible)::
     decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                            [v_pad/tp, h]  (untied, or tied on a separate last stage)
+    mtp.layers.{k}.{enorm,hnorm,final_layernorm}.weight, mtp.layers.{k}.eh_proj.weight [h/tp, 2h],
+    mtp.layers.{k}.transformer_layer.*             multi-token prediction depth k (see mtp.py)
 
 ``{i}`` is the global layer index.  The vocabulary is padded to a multiple of
 ``make_vocab_size_divisible_by * tp``; padding rows are zero and padding
@@ -36,6 +38,7 @@ from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.config import GPTConfig
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
+from megalite.models.mtp import MultiTokenPrediction, check_mtp_layout
 from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
@@ -69,6 +72,12 @@ class GPTModel(nn.Module):
 
     Packed samples: ``document_ids [b, S]`` (the whole sequence's document
     index per token) stops attention at document boundaries.
+
+    Multi-token prediction (``config.mtp_num_layers``, on the last chunk): a
+    training-mode forward with ``labels`` adds the MTP loss to the backward
+    pass (:mod:`megalite.models.mtp`); ``loss_mask [b, s]`` (1 = a token in
+    the loss) limits it as it limits the caller's loss.  The returned loss
+    stays the main model's.
 
     Context parallelism (``cp_group`` of ``cp`` ranks, ``cp_comm_type``):
     ``input_ids``, ``labels`` and ``position_ids`` hold this rank's tokens
@@ -130,6 +139,12 @@ class GPTModel(nn.Module):
                     tp_group=self.tp_group, init_method=vocab_init(config.init_method_std, config.vocab_size))
             if tied:
                 self.output_layer.weight.shared_embedding = True
+        self.mtp = None
+        if post_process and config.mtp_num_layers:
+            check_mtp_layout(config, self.cp_size, 1 if pre_process else 2)
+            self.mtp = MultiTokenPrediction(config, tp_group=self.tp_group, ep_group=ep_group,
+                                            expert_tp_group=expert_tp_group, cp_group=self.cp_group,
+                                            cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The hidden states ``[s, b, h]`` this chunk receives from the previous pipeline stage."""
@@ -138,7 +153,7 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: AttentionCache | None = None,
                 attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
@@ -184,8 +199,8 @@ class GPTModel(nn.Module):
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask,
-                              document_ids)
+        rotary = self._rotary(seq, offset, position_ids, hidden.device)
+        hidden = self.decoder(hidden, rotary, kv_cache, mask, document_ids)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if not self.post_process:
@@ -194,6 +209,10 @@ class GPTModel(nn.Module):
             if self.sequence_parallel:
                 hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=False)
             return hidden.transpose(0, 1)
+        if self.mtp is not None and labels is not None and self.training:
+            hidden = self.mtp(hidden, input_ids, position_ids, labels, embedding=self.embedding,
+                              output_logits=self.output_logits, loss_mask=loss_mask, rotary=rotary, mask=mask,
+                              documents=document_ids)
         return self._head(hidden, labels)
 
     def _check_positions(self, total: int, position_ids: torch.Tensor | None) -> None:

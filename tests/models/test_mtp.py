@@ -1,0 +1,187 @@
+"""Multi-token prediction: loss and gradients against a hand-written single-rank reference, and TP parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite import topology
+from megalite.models import GPTModel, gpt_flops_per_token
+from megalite.models.mtp import check_mtp_layout
+from megalite.moe import set_aux_loss_scale
+from megalite.testing import run_distributed
+from megalite.topology import device
+from megalite.training.arguments import validate_args
+from megalite.training.flags import gpt_config, parse_args
+from tests.models.common import VOCAB, batch, config, full_to_shard
+
+SCALE = 0.3
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _mean_ce(hidden, weight, targets, keep):
+    """Mean cross entropy of ``hidden [n, b, h] @ weight^T`` against ``targets [b, n]`` over ``keep [b, n]``."""
+    logits = hidden.transpose(0, 1) @ weight.t()
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    keep = keep.reshape(-1).float()
+    return (per_token * keep).sum() / keep.sum()
+
+
+def _reference_loss(model, ids, labels, keep, documents):
+    """Main mean loss + SCALE * mean over depths of each depth's mean loss, written out by hand.
+
+    Depth ``k`` runs on the first ``s - k - 1`` positions only (causal attention: the positions with a target
+    do not see the rest), so no shifting with padding is involved.
+    """
+    cfg = model.config
+    b, s = ids.shape
+    eps = cfg.norm_eps
+    word = model.embedding.word_embeddings.weight[:VOCAB]
+    head = word if model.output_layer is None else model.output_layer.weight[:VOCAB]
+    rotary = model.rotary(torch.arange(s, device=ids.device))
+    h = model.decoder(model.embedding(ids, None), rotary, None, None, documents)
+    losses = [_mean_ce(h, head, labels, keep)]
+    for depth, layer in enumerate(model.mtp.layers):
+        n = s - depth - 1
+        e = F.embedding(ids[:, depth + 1:].t(), word)
+        x = torch.cat([_rms(e, layer.enorm.weight, eps), _rms(h[:n], layer.hnorm.weight, eps)], dim=-1)
+        x = x @ layer.eh_proj.weight.t()
+        docs = None if documents is None else documents[:, :n]
+        x = layer.transformer_layer(x, model.rotary(torch.arange(n, device=ids.device)), None, None, docs)
+        h = _rms(x, layer.final_layernorm.weight, eps)
+        target_keep = keep[:, depth + 1:]
+        if documents is not None:
+            target_keep = target_keep * (documents[:, depth + 1:] == documents[:, :n])
+        losses.append(_mean_ce(h, head, labels[:, depth + 1:], target_keep))
+    depths = len(model.mtp.layers)
+    return losses[0] + SCALE / depths * sum(losses[1:]), losses
+
+
+@pytest.mark.parametrize("case", ["tied", "untied_masked", "packed"])
+def test_mtp_loss_and_every_gradient_equal_hand_written_reference(case):
+    """Shifted inputs and targets, the end-of-sequence and document cut-offs, the scaling, and the gradient path
+    through the backward pass only (the returned loss stays the main model's)."""
+    ids, labels = batch(s=10)
+    keep = torch.ones_like(labels)
+    documents = None
+    if case == "untied_masked":
+        keep[0, 3] = keep[1, 7] = 0
+    if case == "packed":
+        documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    cfg = config("llama", mtp_num_layers=2, mtp_loss_scaling_factor=SCALE,
+                 untie_embeddings_and_output_weights=case == "untied_masked")
+    model = GPTModel(cfg)
+    per_token = model(ids, labels, document_ids=documents, loss_mask=None if case == "tied" else keep)
+    loss = (per_token * keep).sum() / keep.sum()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(g.abs().sum() > 0 for name, g in grads.items() if name.startswith("mtp.")), "an MTP weight got no grad"
+    model.zero_grad()
+    expected, losses = _reference_loss(model, ids, labels, keep, documents)
+    torch.testing.assert_close(loss, losses[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.stack(model.mtp.last_losses), torch.stack(losses[1:]).detach(), rtol=1e-6,
+                               atol=0)
+    expected.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_mtp_is_training_only_and_changes_no_returned_value():
+    """Evaluation (and logits) run the main model alone; the training loss returned is the main model's."""
+    ids, labels = batch()
+    plain = GPTModel(config("llama"))
+    model = GPTModel(config("llama", mtp_num_layers=1))
+    assert {n for n, _ in plain.named_parameters()} < {n for n, _ in model.named_parameters()}
+    torch.testing.assert_close(model(ids, labels), plain(ids, labels), rtol=0, atol=0)
+    model.eval()
+    model.mtp.last_losses = None
+    model(ids, labels)
+    assert model.mtp.last_losses is None
+
+
+def _check_tp_parity():
+    ids, labels = (t.to(device()) for t in batch(s=8))
+    cfg = config("llama", mtp_num_layers=2, mtp_loss_scaling_factor=SCALE)
+    ref = GPTModel(cfg).to(ids.device)
+    ref(ids, labels).mean().backward()
+    ref_params = dict(ref.named_parameters())
+    topo = topology.initialize(tp=2)
+    for sequence_parallel in (False, True):
+        model = GPTModel(cfg, sequence_parallel=sequence_parallel).to(ids.device)
+        params = dict(model.named_parameters())
+        loss = model(ids, labels)
+        loss.mean().backward()
+        torch.testing.assert_close(torch.stack(model.mtp.last_losses), torch.stack(ref.mtp.last_losses), rtol=1e-6,
+                                   atol=0)
+        for name, param in params.items():
+            grad = param.grad
+            if getattr(param, "sequence_parallel", False):
+                dist.all_reduce(grad, group=topo.tp.group)
+            expected = full_to_shard(name, ref_params[name].grad, param, cfg, topo.tp.rank, topo.tp.size)
+            torch.testing.assert_close(grad, expected, rtol=0, atol=1e-6,
+                                       msg=f"sequence_parallel={sequence_parallel}: grad {name}")
+
+
+@pytest.mark.slow
+def test_mtp_tensor_and_sequence_parallel_match_single_rank():
+    run_distributed(_check_tp_parity, 2, timeout=240)
+
+
+@pytest.mark.parametrize("overrides, layout, message", [
+    ({"mtp_num_layers": 0}, (1, 1), "mtp_num_layers must be a positive integer"),
+    ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, (1, 1), "mtp_loss_scaling_factor must be >= 0"),
+    ({"mtp_num_layers": 1}, (2, 1), "needs context-parallel size 1"),
+])
+def test_mtp_bad_settings_are_one_clear_error(overrides, layout, message):
+    cfg = config("llama", **overrides)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+        check_mtp_layout(cfg, *layout)
+
+
+def test_aux_loss_scale_scales_the_mtp_gradient():
+    """A trainer scales each micro-batch's loss (1/micro-batches, an fp16 loss scale); set_aux_loss_scale scales
+    the MTP loss the same way, which the MTP-only weights' gradients show."""
+    ids, labels = batch()
+    model = GPTModel(config("llama", mtp_num_layers=1))
+    grads = []
+    for scale in (1.0, 0.25):
+        set_aux_loss_scale(model, scale)
+        model.zero_grad()
+        model(ids, labels).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.")})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], 0.25 * grad, rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "needs context-parallel size 1"),
+    (["--mtp-num-layers", "0"], "mtp_num_layers must be a positive integer"),
+])
+def test_mtp_flags_reject_bad_settings(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validate_args(parse_args(flags), 2)
+
+
+def test_mtp_flags_set_the_config():
+    args = validate_args(parse_args(["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.5"]), 1)
+    cfg = gpt_config(args)
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (2, 0.5)
+    assert gpt_config(validate_args(parse_args([]), 1)).mtp_num_layers is None
+
+
+def test_flops_per_token_count_the_mtp_depths():
+    """Each depth adds its projection, its layer and one more pass through the output layer (6N + attention)."""
+    cfg = config("gpt2", untie_embeddings_and_output_weights=True, mtp_num_layers=2)
+    model = GPTModel(cfg)
+    matmul = sum(p.numel() for n, p in model.named_parameters()
+                 if p.dim() == 2 and "embedding" not in n and "output_layer" not in n)
+    matmul += 3 * VOCAB * cfg.hidden_size
+    seq = 8
+    expected = 6 * matmul + 12 * (cfg.num_layers + 2) * cfg.hidden_size * seq
+    assert gpt_flops_per_token(cfg, seq) == pytest.approx(expected)
