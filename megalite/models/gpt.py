@@ -20,6 +20,7 @@ Parameter names (HF-convertible)::
     output_layer.weight                            [v_pad/tp, h]  (untied, or tied on a separate last stage)
     mtp.layers.{k}.{enorm,hnorm,final_layernorm}.weight, mtp.layers.{k}.eh_proj.weight [h/tp, 2h],
     mtp.layers.{k}.transformer_layer.*             multi-token prediction depth k (see mtp.py)
+    mtp.embedding.word_embeddings.weight           the word embedding's copy on a separate last stage with MTP
 
 ``{i}`` is the global layer index.  The vocabulary is padded to a multiple of
 ``make_vocab_size_divisible_by * tp``; padding rows are zero and padding
@@ -112,13 +113,14 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size)
         self.input_tensor = None
         tied = not config.untie_embeddings_and_output_weights
+        mtp = bool(config.mtp_num_layers)
+        if mtp and post_process:
+            check_mtp_layout(config, self.cp_size, pipelined=not pre_process)
 
         self.embedding = None
         if pre_process:
-            with init_stream(config.seed, EMBEDDING_STREAM):
-                self.embedding = GPTEmbedding(config, self.padded_vocab_size, tp_group=self.tp_group,
-                                              sequence_parallel=self.sequence_parallel)
-            if tied and not post_process:
+            self.embedding = self._build_embedding()
+            if (tied or mtp) and not post_process:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
         if config.position_embedding_type == "rope":
@@ -129,8 +131,13 @@ class GPTModel(nn.Module):
         # The output projection uses ``output_layer.weight`` (or the word
         # embedding when tied on one stage); at tp=1 only its real vocabulary
         # rows, so no logits are computed for padding ids.
+        # Multi-token prediction on a separate last stage keeps a copy of the word embedding (Megatron's), which
+        # is then also the tied output layer.
+        mtp_embedding = self._build_embedding() if mtp and post_process and not pre_process else None
+        if mtp_embedding is not None:
+            mtp_embedding.word_embeddings.weight.shared_embedding = True
         self.output_layer = None
-        if post_process and not (tied and pre_process):
+        if post_process and not (tied and (pre_process or mtp_embedding is not None)):
             # Untied: its own stream.  Tied across stages: the embedding's stream,
             # whose first draw is the word embedding, so both copies start equal.
             with init_stream(config.seed, EMBEDDING_STREAM if tied else OUTPUT_LAYER_STREAM):
@@ -140,11 +147,20 @@ class GPTModel(nn.Module):
             if tied:
                 self.output_layer.weight.shared_embedding = True
         self.mtp = None
-        if post_process and config.mtp_num_layers:
-            check_mtp_layout(config, self.cp_size, 1 if pre_process else 2)
-            self.mtp = MultiTokenPrediction(config, tp_group=self.tp_group, ep_group=ep_group,
+        if mtp and post_process:
+            self.mtp = MultiTokenPrediction(config, embedding=mtp_embedding, tp_group=self.tp_group, ep_group=ep_group,
                                             expert_tp_group=expert_tp_group, cp_group=self.cp_group,
                                             cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)
+
+    def _build_embedding(self) -> GPTEmbedding:
+        """The word (and position) embedding, drawn in its own stream: every copy of it starts equal."""
+        with init_stream(self.config.seed, EMBEDDING_STREAM):
+            return GPTEmbedding(self.config, self.padded_vocab_size, tp_group=self.tp_group,
+                                sequence_parallel=self.sequence_parallel)
+
+    def _word_embeddings(self):
+        """This chunk's word embedding: its own, or the multi-token prediction's copy on a separate last stage."""
+        return (self.embedding if self.embedding is not None else self.mtp.embedding).word_embeddings
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The hidden states ``[s, b, h]`` this chunk receives from the previous pipeline stage."""
@@ -210,7 +226,8 @@ class GPTModel(nn.Module):
                 hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=False)
             return hidden.transpose(0, 1)
         if self.mtp is not None and labels is not None and self.training:
-            hidden = self.mtp(hidden, input_ids, position_ids, labels, embedding=self.embedding,
+            hidden = self.mtp(hidden, input_ids, position_ids, labels,
+                              embedding=self.embedding if self.embedding is not None else self.mtp.embedding,
                               output_logits=self.output_logits, loss_mask=loss_mask, rotary=rotary, mask=mask,
                               documents=document_ids)
         return self._head(hidden, labels)
@@ -241,7 +258,7 @@ class GPTModel(nn.Module):
 
         Public so an inference engine can project only the positions it samples from.
         """
-        layer = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
+        layer = self._word_embeddings() if self.output_layer is None else self.output_layer
         weight = layer.weight
         if self.tp_size == 1:
             weight = weight[:self.config.vocab_size]

@@ -1,4 +1,4 @@
-"""Multi-token prediction (DeepSeek-V3's MTP, as Megatron-Core builds it): extra depths that predict tokens further ahead.
+"""Multi-token prediction (DeepSeek-V3's MTP, as Megatron-Core builds it): depths predicting tokens further ahead.
 
 Depth ``k`` (0-based, ``config.mtp_num_layers`` of them) takes the previous depth's hidden states ``h`` (the
 main model's final-norm output for depth 0) and the shared word embedding ``e`` of the input tokens shifted
@@ -13,7 +13,8 @@ each micro-batch's loss.
 
 Parameter names are Megatron-Core's, under ``mtp.layers.{k}.``: ``enorm``, ``hnorm``, ``eh_proj`` (``[h, 2h]``,
 column-parallel), ``transformer_layer`` (a decoder layer, global number ``num_layers + k``, of the last decoder
-layer's kind) and ``final_layernorm``.
+layer's kind) and ``final_layernorm``.  Under pipeline parallelism the depths sit on the last stage, with a copy
+of the word embedding (``mtp.embedding``, a checkpoint alias of the model's; rotary positions only).
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ def check_mtp_config(config) -> None:
         raise ValueError(f"GPTConfig.mtp_loss_scaling_factor must be >= 0, got {config.mtp_loss_scaling_factor}")
 
 
-def check_mtp_layout(config, cp_size: int, pp_size: int) -> None:
-    """Raise ValueError when MTP cannot run with context-parallel size ``cp_size`` and pipeline size ``pp_size``."""
+def check_mtp_layout(config, cp_size: int, pipelined: bool) -> None:
+    """Raise ValueError when MTP cannot run with context-parallel size ``cp_size`` (and pipeline stages)."""
     if not config.mtp_num_layers:
         return
     if cp_size > 1:
         raise ValueError(f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) needs context-parallel "
                          f"size 1, got {cp_size}: the shifted tokens would cross context-parallel ranks")
-    if pp_size > 1:
-        raise ValueError(f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) needs pipeline-parallel "
-                         f"size 1, got {pp_size}: its shared embedding would need a copy on the last stage")
+    if pipelined and config.position_embedding_type != "rope":
+        raise ValueError(f"multi-token prediction under pipeline parallelism needs rotary positions "
+                         f"(position_embedding_type 'rope', got {config.position_embedding_type!r}): the last "
+                         "stage keeps a copy of the word embedding only")
 
 
 def shift_left(x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +90,15 @@ class MTPLayer(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The ``config.mtp_num_layers`` depths of one model (on its last pipeline stage), and their loss."""
+    """The ``config.mtp_num_layers`` depths of one model (on its last pipeline stage), and their loss.
 
-    def __init__(self, config, **layer_kwargs):
+    ``embedding``: on a last stage without the model's embedding, its copy (whose word embedding is a
+    ``shared_embedding``, kept equal to the first stage's as a tied output layer is).
+    """
+
+    def __init__(self, config, embedding: nn.Module | None = None, **layer_kwargs):
         super().__init__()
+        self.embedding = embedding
         self.scaling_factor = config.mtp_loss_scaling_factor
         self.tp_group = layer_kwargs.get("tp_group")
         self.aux_loss_scale = 1.0
@@ -111,6 +118,8 @@ class MultiTokenPrediction(nn.Module):
         ``embedding(ids, positions)`` and ``output_logits(states)`` are the model's shared embedding and head.
         """
         mask_k = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        if position_ids is None:
+            position_ids = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
         ids, positions, targets, h, total, values = input_ids, position_ids, labels, hidden, 0.0, []
         for depth, layer in enumerate(self.layers):
             ids, positions, targets, mask_k = shift_left(ids), shift_left(positions), shift_left(targets), \

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import topology
+from megalite.checkpoint import CheckpointReader, global_shapes, load_model, load_sharded, save_sharded
+from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.models import GPTModel, gpt_flops_per_token
 from megalite.models.mtp import check_mtp_layout
 from megalite.moe import set_aux_loss_scale
+from megalite.pipeline import broadcast_from_last_stage, forward_backward
 from megalite.testing import run_distributed
 from megalite.topology import device
 from megalite.training.arguments import validate_args
@@ -132,13 +138,79 @@ def test_mtp_tensor_and_sequence_parallel_match_single_rank():
     run_distributed(_check_tp_parity, 2, timeout=240)
 
 
-@pytest.mark.parametrize("overrides, layout, message", [
-    ({"mtp_num_layers": 0}, (1, 1), "mtp_num_layers must be a positive integer"),
-    ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, (1, 1), "mtp_loss_scaling_factor must be >= 0"),
-    ({"mtp_num_layers": 1}, (2, 1), "needs context-parallel size 1"),
+def _pipeline_step(data_iterator, chunk):
+    tokens = next(data_iterator)
+    per_token = chunk(tokens[:, :-1], tokens[:, 1:])
+    return per_token, lambda output: (output.mean(), {"loss": output.mean().detach()})
+
+
+def _check_pipeline_parity(directory):
+    """pp=2 (the depths and the embedding's copy on the last stage) against one rank, tied and untied, through
+    the 1F1B schedule with DDP and the trainer's gradient finalization (the copy's grads summed with the first
+    stage's); then saved under ``directory``, and the one-rank checkpoint there loaded (the copy from the
+    model's word embedding)."""
+    m = 2
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, 9), generator=g) for _ in range(m)]
+    topo = topology.initialize(pp=2)
+    for tied in (True, False):
+        cfg = config("llama", mtp_num_layers=2, mtp_loss_scaling_factor=SCALE,
+                     untie_embeddings_and_output_weights=not tied)
+        ref = GPTModel(cfg)
+        set_aux_loss_scale(ref, 1.0 / m)
+        ref_losses = []
+        for tokens in batches:
+            loss = ref(tokens[:, :-1], tokens[:, 1:]).mean()
+            (loss / m).backward()
+            ref_losses.append(loss.item())
+        ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+        first = topo.pp.rank == 0
+        model = GPTModel(cfg, pre_process=first, post_process=not first, layer_range=(0, 1) if first else (1, 2))
+        chunk = DistributedDataParallel(model, DDPConfig(bucket_size=2000))
+        set_aux_loss_scale(chunk, 1.0 / m)
+        metrics = forward_backward(_pipeline_step, iter(batches), chunk, m, tensor_shape=(8, 2, 32),
+                                   finalize_grads_func=finalize_model_grads)
+        losses = broadcast_from_last_stage([mt["loss"].item() for mt in metrics])
+        assert losses == pytest.approx(ref_losses, rel=1e-6), tied
+        if not first:
+            assert model.output_layer is None if tied else model.output_layer is not None
+            assert getattr(model.mtp.embedding.word_embeddings.weight, "shared_embedding", False)
+        for name, param in model.named_parameters():
+            ref_name = "embedding.word_embeddings.weight" if name.startswith("mtp.embedding.") else name
+            torch.testing.assert_close(param.main_grad, ref_grads[ref_name], rtol=1e-5, atol=1e-7,
+                                       msg=f"tied={tied}: {name}")
+        save_sharded(os.path.join(directory, f"pp2_tied_{tied}"), 1, [chunk])
+        load_sharded(os.path.join(directory, f"pp1_tied_{tied}"), [model])
+        saved = GPTModel(dataclasses.replace(cfg, seed=99))
+        for name, param in model.named_parameters():
+            ref_name = "embedding.word_embeddings.weight" if name.startswith("mtp.embedding.") else name
+            assert torch.equal(param, dict(saved.named_parameters())[ref_name]), (tied, name)
+
+
+@pytest.mark.slow
+def test_mtp_pipeline_parallel_matches_single_rank_and_checkpoints_reshard(tmp_path):
+    for tied in (True, False):
+        cfg = config("llama", mtp_num_layers=2, untie_embeddings_and_output_weights=not tied, seed=99)
+        save_sharded(str(tmp_path / f"pp1_tied_{tied}"), 1, [GPTModel(cfg)])
+    run_distributed(_check_pipeline_parity, 2, str(tmp_path), timeout=240)
+    for tied in (True, False):
+        path = str(tmp_path / f"pp2_tied_{tied}")
+        loaded = load_model(path)
+        assert sorted(CheckpointReader(path).shapes) == sorted(global_shapes(loaded.config))
+        fresh = GPTModel(loaded.config)
+        assert loaded.config.mtp_num_layers == 2
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), (tied, name)
+
+
+@pytest.mark.parametrize("kind, overrides, layout, message", [
+    ("llama", {"mtp_num_layers": 0}, (1, False), "mtp_num_layers must be a positive integer"),
+    ("llama", {"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, (1, False), "mtp_loss_scaling_factor must be"),
+    ("llama", {"mtp_num_layers": 1}, (2, False), "needs context-parallel size 1"),
+    ("gpt2", {"mtp_num_layers": 1}, (1, True), "under pipeline parallelism needs rotary positions"),
 ])
-def test_mtp_bad_settings_are_one_clear_error(overrides, layout, message):
-    cfg = config("llama", **overrides)
+def test_mtp_bad_settings_are_one_clear_error(kind, overrides, layout, message):
+    cfg = config(kind, **overrides)
     with pytest.raises(ValueError, match=message):
         cfg.validate()
         check_mtp_layout(cfg, *layout)
@@ -162,6 +234,9 @@ def test_aux_loss_scale_scales_the_mtp_gradient():
 @pytest.mark.parametrize("flags, message", [
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "needs context-parallel size 1"),
     (["--mtp-num-layers", "0"], "mtp_num_layers must be a positive integer"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--pipeline-schedule", "zbv"],
+     "--mtp-num-layers needs another schedule"),
 ])
 def test_mtp_flags_reject_bad_settings(flags, message):
     with pytest.raises(ValueError, match=message):
