@@ -13,8 +13,9 @@ class EngineConfig:
     ``max_num_batched_tokens`` bounds the tokens of one step (chunked prefill
     splits longer prompts; 2048 is vLLM's usual chunked-prefill budget) and
     ``max_num_seqs`` the sequences admitted.
-    ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
-    passed to the engine) proposing ``num_speculative_tokens`` per step.
+    ``speculative``: None, "ngram" (prompt lookup), "draft" (a draft model
+    passed to the engine) or "mtp" (the model's own multi-token prediction
+    layers, at most one draft per layer) proposing ``num_speculative_tokens`` per step.
     ``seed`` draws the seeds of requests that bring none.  A sliding-window
     model (``GPTConfig.window_size``) runs without prefix caching: its blocks
     older than the window are freed while it decodes.
@@ -36,5 +37,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.speculative not in (None, "ngram", "draft"):
-            raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft", "mtp"):
+            raise ValueError(f"EngineConfig.speculative must be None, 'ngram', 'draft' or 'mtp', got "
+                             f"{self.speculative!r}")

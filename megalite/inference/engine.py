@@ -33,6 +33,7 @@ from megalite.inference.prefix_cache import PrefixCache
 from megalite.inference.sampler import adjust_logits, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
+from megalite.inference.mtp_drafter import MTPDrafter
 from megalite.inference.speculative import DraftModelDrafter, NgramDrafter
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
@@ -76,6 +77,8 @@ class LLMEngine:
             if draft_model is None:
                 raise ValueError("EngineConfig.speculative='draft' needs a draft_model")
             drafter = DraftModelDrafter(unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
+        elif config.speculative == "mtp":
+            drafter = MTPDrafter(model, config.num_blocks, config.block_size, self.window)
         self.drafter = drafter
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens,
@@ -171,7 +174,10 @@ class LLMEngine:
             return self._fail({e.seq.request.request_id: e.seq.request for e in entries}.values(),
                               f"the model's forward failed: {error}")
         self.stats["steps"] += 1
-        return self._process(entries, logits)
+        touched = self._process(entries, logits)
+        if self.drafter is not None:
+            self.drafter.observe(entries, self._hidden)
+        return touched
 
     def _fail(self, requests, message: str) -> list[Request]:
         """Finish ``requests`` with ``error`` = ``message`` and free their blocks; the engine goes on."""
@@ -226,6 +232,7 @@ class LLMEngine:
         finally:
             if was_training:
                 model.train()
+        self._hidden = hidden[0]  # final-norm hidden states [T, h], shown to the drafter after sampling
         if not plan.sample_rows:
             return None
         rows = torch.tensor(plan.sample_rows, device=self.device)

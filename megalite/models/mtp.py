@@ -61,7 +61,8 @@ def shift_left(x: torch.Tensor) -> torch.Tensor:
 class MTPLayer(nn.Module):
     """One prediction depth: ``final_layernorm(transformer_layer(eh_proj([enorm(e); hnorm(h)])))``.
 
-    ``h`` and ``e`` are ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), as is the result.
+    ``h`` and ``e`` are ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), as is the result;
+    ``kv_cache``: the layer's cache when drafting (``megalite.inference.mtp_drafter``).
     """
 
     def __init__(self, config, depth: int, *, tp_group=None, ep_group=None, expert_tp_group=None, cp_group=None,
@@ -79,14 +80,14 @@ class MTPLayer(nn.Module):
             cp_group=cp_group, cp_comm_type=cp_comm_type, sequence_parallel=sequence_parallel)
         self.final_layernorm = build_norm(*norm_args, sequence_parallel=sequence_parallel)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None, mask=None,
-                documents=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None, mask=None, documents=None,
+                kv_cache=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         # column-parallel output [s, b, h/tp] -> the whole hidden size, back to this rank's tokens under SP
         x = gather_from_tensor_parallel_region(x, self.tp_group)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        return self.final_layernorm(self.transformer_layer(x, rotary, None, mask, documents))
+        return self.final_layernorm(self.transformer_layer(x, rotary, kv_cache, mask, documents))
 
 
 class MultiTokenPrediction(nn.Module):
