@@ -92,6 +92,7 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
                       "generated_tokens": 0}
+        self._hidden = None  # the last step's final-norm hidden states [T, h] (execute), for the drafter
 
     # ---- requests (TP rank 0) ----------------------------------------------------------------------------------
 
@@ -232,7 +233,7 @@ class LLMEngine:
         finally:
             if was_training:
                 model.train()
-        self._hidden = hidden[0]  # final-norm hidden states [T, h], shown to the drafter after sampling
+        self._hidden = hidden[0]
         if not plan.sample_rows:
             return None
         rows = torch.tensor(plan.sample_rows, device=self.device)
