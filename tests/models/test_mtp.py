@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import os
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from megalite import topology
 from megalite.checkpoint import CheckpointReader, global_shapes, load_model, load_sharded, save_sharded
+from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, megatron_args
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
 from megalite.models import GPTModel, gpt_flops_per_token
 from megalite.models.mtp import check_mtp_layout
@@ -187,7 +189,8 @@ def _check_parallel_layouts(directory, megatron: bool):
     _check_tp_parity()
     _check_pipeline_parity(directory)
     if megatron:  # last: it patches CUDA calls of this process
-        _check_against_megatron_core()
+        return _check_against_megatron_core(directory)
+    return None
 
 
 @pytest.mark.slow
@@ -198,7 +201,8 @@ def test_mtp_parallel_layouts_and_megatron_core_match_single_rank(tmp_path):
     for tied in (True, False):
         cfg = config("llama", mtp_num_layers=2, untie_embeddings_and_output_weights=not tied, seed=99)
         save_sharded(str(tmp_path / f"pp1_tied_{tied}"), 1, [GPTModel(cfg)])
-    run_distributed(_check_parallel_layouts, 2, str(tmp_path), bool(megatron), timeout=300)
+    convert_megalite_to_megatron(str(tmp_path / "pp1_tied_False"), str(tmp_path / "to_megatron"))
+    megatron_saved = run_distributed(_check_parallel_layouts, 2, str(tmp_path), bool(megatron), timeout=300)[0]
     for tied in (True, False):
         path = str(tmp_path / f"pp2_tied_{tied}")
         loaded = load_model(path)
@@ -209,6 +213,10 @@ def test_mtp_parallel_layouts_and_megatron_core_match_single_rank(tmp_path):
             assert torch.equal(loaded.state_dict()[name], value), (tied, name)
     if not megatron:
         pytest.skip("megatron-core is not installed: the tp/pp checks ran, the Megatron-Core comparison did not")
+    loaded = load_model(str(tmp_path / "megatron_saved"))
+    assert loaded.config.mtp_num_layers == 2
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, megatron_saved[name][:value.shape[0]]), name
 
 
 @pytest.mark.parametrize("kind, overrides, layout, message", [
@@ -270,10 +278,13 @@ def test_flops_per_token_count_the_mtp_depths():
     assert gpt_flops_per_token(cfg, seq) == pytest.approx(expected)
 
 
-def _check_against_megatron_core():
+def _check_against_megatron_core(directory):
     """Megatron-Core's GPTModel with its MTP block (local spec, CPU) and megalite's with the same weights: the
-    same per-token loss and, with the MTP loss added through both backward passes, the same gradients."""
-    from megatron.core import parallel_state
+    same per-token loss and, with the MTP loss added through both backward passes, the same gradients.  Then
+    Megatron-Core saves its model (torch_dist, read by megalite in the test) and loads the megalite checkpoint
+    ``directory/pp1_tied_False`` converted for it (``directory/to_megatron``): the same weights.  Returns the
+    saved weights."""
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel as MegatronGPT
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -313,3 +324,26 @@ def _check_against_megatron_core():
     grads = dict(theirs.named_parameters())
     for name, param in ours.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    saved = os.path.join(directory, "megatron_saved")
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(saved, "iter_0000001"))
+    dist.barrier()
+    args = argparse.Namespace(**megatron_args(ours.config, 1, 1))
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": 1,
+                             "model": theirs.sharded_state_dict()}, os.path.join(saved, "iter_0000001"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    converted = config("llama", mtp_num_layers=2, untie_embeddings_and_output_weights=True, seed=99)
+    padded = GPTModel(converted).padded_vocab_size
+    back = MegatronGPT(mc, spec, vocab_size=padded, max_sequence_length=16, share_embeddings_and_output_weights=False,
+                       position_embedding_type="rope",
+                       mtp_block_spec=get_gpt_mtp_block_spec(mc, spec, use_transformer_engine=False))
+    loaded = dist_checkpointing.load({"model": back.sharded_state_dict()},
+                                     os.path.join(directory, "to_megatron", "iter_0000001"))
+    back.load_state_dict(loaded["model"])
+    megatron_state = back.state_dict()
+    for name, value in GPTModel(converted).state_dict().items():
+        assert torch.equal(megatron_state[name][:value.shape[0]], value), name
+    return {name: value for name, value in theirs.state_dict().items() if "_extra_state" not in name}
