@@ -115,7 +115,7 @@ class GPTModel(nn.Module):
         tied = not config.untie_embeddings_and_output_weights
         mtp = bool(config.mtp_num_layers)
         if mtp and post_process:
-            check_mtp_layout(config, self.cp_size, pipelined=not pre_process)
+            check_mtp_layout(config, pipelined=not pre_process)
 
         self.embedding = None
         if pre_process:

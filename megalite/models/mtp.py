@@ -5,7 +5,10 @@ main model's final-norm output for depth 0) and the shared word embedding ``e`` 
 left by ``k + 1``, and computes ``final_layernorm(layer(eh_proj([enorm(e); hnorm(h)])))``; the shared output
 layer turns that into logits for the labels shifted left by ``k + 1`` (the token ``k + 2`` places ahead).
 Shifted positions past the end of the sequence (or, in packed samples, into the next document) take no part
-in the loss.  Each depth's loss is its mean over those tokens; their mean times ``mtp_loss_scaling_factor`` is
+in the loss.  Under context parallelism the token ids, labels and masks are shifted along the whole sequence
+(gathered over CP; the hidden states stay on their rank), and each rank's loss is its share of the
+micro-batch's, weighted by the CP size as replicated weights average their gradients over CP (the main loss's
+convention).  Each depth's loss is its mean over those tokens; their mean times ``mtp_loss_scaling_factor`` is
 added to the micro-batch's loss through the backward pass only (:func:`megalite.moe.losses.attach_loss`,
 Megatron's ``MTPLossAutoScaler``), so the model still returns the main per-token loss.  ``aux_loss_scale``
 (set with the routers' by :func:`megalite.moe.set_aux_loss_scale`) scales that gradient as a trainer scales
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import topology
+from megalite.context_parallel import chunk_indices
 from megalite.models.init import init_stream, layer_stream, normal_init
 from megalite.models.norms import build_norm
 from megalite.models.transformer_block import TransformerLayer
@@ -40,14 +45,9 @@ def check_mtp_config(config) -> None:
         raise ValueError(f"GPTConfig.mtp_loss_scaling_factor must be >= 0, got {config.mtp_loss_scaling_factor}")
 
 
-def check_mtp_layout(config, cp_size: int, pipelined: bool) -> None:
-    """Raise ValueError when MTP cannot run with context-parallel size ``cp_size`` (and pipeline stages)."""
-    if not config.mtp_num_layers:
-        return
-    if cp_size > 1:
-        raise ValueError(f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) needs context-parallel "
-                         f"size 1, got {cp_size}: the shifted tokens would cross context-parallel ranks")
-    if pipelined and config.position_embedding_type != "rope":
+def check_mtp_layout(config, pipelined: bool) -> None:
+    """Raise ValueError when MTP cannot run split over pipeline stages."""
+    if pipelined and config.mtp_num_layers and config.position_embedding_type != "rope":
         raise ValueError(f"multi-token prediction under pipeline parallelism needs rotary positions "
                          f"(position_embedding_type 'rope', got {config.position_embedding_type!r}): the last "
                          "stage keeps a copy of the word embedding only")
@@ -102,6 +102,7 @@ class MultiTokenPrediction(nn.Module):
         self.embedding = embedding
         self.scaling_factor = config.mtp_loss_scaling_factor
         self.tp_group = layer_kwargs.get("tp_group")
+        self.cp_group = layer_kwargs.get("cp_group")
         self.aux_loss_scale = 1.0
         self.last_losses: list[torch.Tensor] | None = None
         self.layers = nn.ModuleList()
@@ -118,23 +119,39 @@ class MultiTokenPrediction(nn.Module):
         are ``[b, s]``; ``documents [b, s]`` (packed samples) keeps each shifted target inside its document.
         ``embedding(ids, positions)`` and ``output_logits(states)`` are the model's shared embedding and head.
         """
+        cp, rank = topology.group_size(self.cp_group), topology.group_rank(self.cp_group)
+        seq = labels.shape[1] * cp
+        mine = chunk_indices(seq, cp, rank, device=labels.device)  # this rank's positions in the whole sequence
         mask_k = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
         if position_ids is None:
-            position_ids = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-        ids, positions, targets, h, total, values = input_ids, position_ids, labels, hidden, 0.0, []
+            position_ids = mine.expand_as(labels)
+        ids, positions, targets, mask_k = (self._whole(x, mine) for x in (input_ids, position_ids, labels, mask_k))
+        h, total, values = hidden, 0.0, []
         for depth, layer in enumerate(self.layers):
             ids, positions, targets, mask_k = shift_left(ids), shift_left(positions), shift_left(targets), \
                 shift_left(mask_k)
             if documents is not None:
                 mask_k = mask_k * _same_document(documents, depth + 1)
-            h = layer(h, embedding(ids, positions), rotary, mask, documents)
-            per_token = vocab_parallel_cross_entropy(output_logits(h), targets.t(), tp_group=self.tp_group).t()
-            loss = (per_token * mask_k).sum() / mask_k.sum().clamp(min=1.0)
+            h = layer(h, embedding(ids[:, mine], positions[:, mine]), rotary, mask, documents)
+            per_token = vocab_parallel_cross_entropy(output_logits(h), targets[:, mine].t(), tp_group=self.tp_group).t()
+            loss = (per_token * mask_k[:, mine]).sum() * cp / mask_k.sum().clamp(min=1.0)
             total = total + loss
             values.append(loss)
         if self.training:
             self.last_losses = [v.detach() for v in values]
         return attach_loss(hidden, total * (self.scaling_factor / len(self.layers)), self.aux_loss_scale)
+
+    def _whole(self, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """``[b, S]`` of this rank's ``[b, S/cp]`` slice ``mine``, gathered over context parallelism."""
+        cp = topology.group_size(self.cp_group)
+        if cp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=self.cp_group)
+        whole = local.new_empty(local.shape[0], local.shape[1] * cp)
+        for rank, part in enumerate(parts):
+            whole[:, chunk_indices(whole.shape[1], cp, rank, device=local.device)] = part
+        return whole
 
 
 def _same_document(documents: torch.Tensor, shift: int) -> torch.Tensor:

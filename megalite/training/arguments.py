@@ -44,7 +44,7 @@ def _check_model(args):
     _require(not (args.swiglu and args.openai_gelu), "--swiglu and --openai-gelu are mutually exclusive")
     config = gpt_config(args, vocab_size=args.vocab_size or 1)
     config.validate(args.tensor_model_parallel_size)
-    check_mtp_layout(config, args.context_parallel_size, pipelined=args.pipeline_model_parallel_size > 1)
+    check_mtp_layout(config, pipelined=args.pipeline_model_parallel_size > 1)
     if config.moe is not None:
         config.moe.validate(args.expert_model_parallel_size,
                             args.expert_tensor_parallel_size or args.tensor_model_parallel_size)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import topology
+from megalite.context_parallel import chunk_indices
 from megalite.checkpoint import CheckpointReader, global_shapes, load_model, load_sharded, save_sharded
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, megatron_args
 from megalite.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
@@ -185,8 +186,32 @@ def _check_pipeline_parity(directory):
             assert torch.equal(param, dict(saved.named_parameters())[ref_name]), (tied, name)
 
 
+def _check_cp_parity():
+    """cp=2 (each rank's tokens: chunks r and 2cp-1-r; the loss weighted as the trainer's masked loss) against
+    one rank: MTP losses, and every gradient averaged over CP as DDP averages it."""
+    topology.initialize()  # every axis of size 1 but dp: the reference is single-rank
+    ids, labels = batch(s=8)
+    cfg = config("llama", mtp_num_layers=2, mtp_loss_scaling_factor=SCALE)
+    ref = GPTModel(cfg)
+    ref(ids, labels).mean().backward()
+    topo = topology.initialize(cp=2)
+    mine = chunk_indices(8, 2, topo.cp.rank)
+    model = GPTModel(cfg)
+    per_token = model(ids[:, mine], labels[:, mine])
+    (per_token.sum() * 2 / labels.numel()).backward()
+    losses = torch.stack(model.mtp.last_losses)
+    dist.all_reduce(losses, group=topo.cp.group)
+    torch.testing.assert_close(losses / 2, torch.stack(ref.mtp.last_losses), rtol=1e-6, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=topo.cp.group)
+        torch.testing.assert_close(grad / 2, ref_params[name].grad, rtol=1e-5, atol=1e-7, msg=f"cp=2: grad {name}")
+
+
 def _check_parallel_layouts(directory, megatron: bool):
     _check_tp_parity()
+    _check_cp_parity()
     _check_pipeline_parity(directory)
     if megatron:  # last: it patches CUDA calls of this process
         return _check_against_megatron_core(directory)
@@ -195,8 +220,8 @@ def _check_parallel_layouts(directory, megatron: bool):
 
 @pytest.mark.slow
 def test_mtp_parallel_layouts_and_megatron_core_match_single_rank(tmp_path):
-    """tp=2 with and without SP, pp=2 tied and untied (and checkpoints resharded pp1 <-> pp2), and Megatron-Core's
-    MTP, in one two-rank run."""
+    """tp=2 with and without SP, cp=2, pp=2 tied and untied (and checkpoints resharded pp1 <-> pp2), and
+    Megatron-Core's MTP (and its checkpoints both ways), in one two-rank run."""
     megatron = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
     for tied in (True, False):
         cfg = config("llama", mtp_num_layers=2, untie_embeddings_and_output_weights=not tied, seed=99)
@@ -219,17 +244,16 @@ def test_mtp_parallel_layouts_and_megatron_core_match_single_rank(tmp_path):
         assert torch.equal(value, megatron_saved[name][:value.shape[0]]), name
 
 
-@pytest.mark.parametrize("kind, overrides, layout, message", [
-    ("llama", {"mtp_num_layers": 0}, (1, False), "mtp_num_layers must be a positive integer"),
-    ("llama", {"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, (1, False), "mtp_loss_scaling_factor must be"),
-    ("llama", {"mtp_num_layers": 1}, (2, False), "needs context-parallel size 1"),
-    ("gpt2", {"mtp_num_layers": 1}, (1, True), "under pipeline parallelism needs rotary positions"),
+@pytest.mark.parametrize("kind, overrides, pipelined, message", [
+    ("llama", {"mtp_num_layers": 0}, False, "mtp_num_layers must be a positive integer"),
+    ("llama", {"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, False, "mtp_loss_scaling_factor must be"),
+    ("gpt2", {"mtp_num_layers": 1}, True, "under pipeline parallelism needs rotary positions"),
 ])
-def test_mtp_bad_settings_are_one_clear_error(kind, overrides, layout, message):
+def test_mtp_bad_settings_are_one_clear_error(kind, overrides, pipelined, message):
     cfg = config(kind, **overrides)
     with pytest.raises(ValueError, match=message):
         cfg.validate()
-        check_mtp_layout(cfg, *layout)
+        check_mtp_layout(cfg, pipelined)
 
 
 def test_aux_loss_scale_scales_the_mtp_gradient():
@@ -248,7 +272,8 @@ def test_aux_loss_scale_scales_the_mtp_gradient():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "needs context-parallel size 1"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4"],
+     "under pipeline parallelism needs rotary positions"),
     (["--mtp-num-layers", "0"], "mtp_num_layers must be a positive integer"),
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
       "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--pipeline-schedule", "zbv"],
