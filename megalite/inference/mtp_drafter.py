@@ -105,7 +105,7 @@ class MTPDrafter:
                 plan.lengths.append(end - start)
                 plan.block_tables.append(seq.block_table)
                 inputs.append(torch.cat([history.states[depth][start:], tails.get(i, history.states[0][:0])]))
-            out = self._forward(layer, plan, torch.cat(inputs))
+            out = self._forward(layer, depth, plan, torch.cat(inputs))
             ends = torch.tensor(plan.lengths, device=self.device).cumsum(0) - 1
             best = self.model.output_logits(out[ends]).argmax(dim=-1)[:, 0].tolist()
             row = 0
@@ -123,11 +123,12 @@ class MTPDrafter:
             active = [i for i in active if len(drafts[i]) < ks[i]]
         return drafts
 
-    def _forward(self, layer, plan: StepPlan, states: torch.Tensor) -> torch.Tensor:
-        """Depth ``layer`` on the packed ``plan`` with the previous depth's ``states [T, h]`` -> ``[T, 1, h]``."""
+    def _forward(self, layer, depth: int, plan: StepPlan, states: torch.Tensor) -> torch.Tensor:
+        """Depth ``depth`` (``layer``) on the packed ``plan`` with the previous depth's ``states [T, h]`` ->
+        ``[T, 1, h]``; the embedded tokens sit ``depth + 1`` places ahead (learned positions too, as in training)."""
         model = self.model
         ids = torch.tensor([plan.token_ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         rotary = None if model.rotary is None else model.rotary(positions.t())
-        return layer(states[:, None], model.embedding(ids, positions), rotary,
+        return layer(states[:, None], model.embedding(ids, positions + depth + 1), rotary,
                      kv_cache=PagedStep(self.pool, plan, self.device, self.window))

@@ -35,19 +35,21 @@ def _reference_drafts(model, tokens: list[int], k: int) -> list[int]:
         ahead, drafts = list(tokens), []
         for depth, layer in enumerate(model.mtp.layers[:k]):
             shifted = torch.tensor([ahead[depth + 1:depth + 1 + n]])
-            state = layer(state, model.embedding(shifted, None), model.rotary(torch.arange(n)))
+            embedded = model.embedding(shifted, torch.arange(depth + 1, depth + 1 + n)[None])
+            state = layer(state, embedded, None if model.rotary is None else model.rotary(torch.arange(n)))
             drafts.append(int(model.output_logits(state[-1:]).argmax()))
             ahead.append(drafts[-1])
     return drafts
 
 
-@pytest.mark.parametrize("kind", ["random", "trained"])
+@pytest.mark.parametrize("kind", ["random", "trained", "learned-positions"])
 @pytest.mark.parametrize("num_blocks, budget", [(64, 512), (8, 8)], ids=["roomy", "chunked-preempted"])
 def test_mtp_drafts_equal_full_recompute_and_greedy_output_equals_plain_decoding(num_blocks, budget, kind, request):
     """Each proposal equals the depths run over the whole sequence (the drafter's paged caches and histories
     follow accepted and rejected drafts, chunked prefills, preemption and block copies), and greedy output
     equals decoding without speculation; drafts are rejected (random weights) or mostly accepted (trained)."""
-    model = tiny_model(mtp_num_layers=2) if kind == "random" else request.getfixturevalue("trained")
+    model = {"random": lambda: tiny_model(mtp_num_layers=2), "trained": lambda: request.getfixturevalue("trained"),
+             "learned-positions": lambda: tiny_model("gpt2", mtp_num_layers=2)}[kind]()
     prompts = [[1, 4, 13], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 12, 13]]
     params = SamplingParams(max_tokens=12, temperature=0)
     plain = LLM.from_model(model).generate(prompts, params)
@@ -73,7 +75,7 @@ def test_mtp_drafts_equal_full_recompute_and_greedy_output_equals_plain_decoding
     stats = llm.engine.stats
     assert stats["draft_tokens"] == sum(checked)
     accepted = stats["tokens_from_decoding"] - stats["target_forwards_decoding"]
-    assert accepted == 0 if kind == "random" else accepted > stats["draft_tokens"] / 2, stats
+    assert accepted > stats["draft_tokens"] / 2 if kind == "trained" else accepted < stats["draft_tokens"] / 2, stats
     if budget < 64:
         assert llm.engine.scheduler.num_preemptions > 0
 
