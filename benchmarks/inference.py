@@ -16,7 +16,9 @@ the machine's speed falls on all alike), and keeps its fastest run (CPU time).
 Output tokens/s counts the tokens each request asked for (a static batch decodes until its longest row is
 done, but only requested tokens count).  Then: prefix sharing (16 prompts x n=8: prefill tokens computed
 with sharing over those without) and speculative decoding (accepted tokens per target forward and speedup,
-n-gram lookup on a repetitive workload, a draft model made of the target's first layers on random prompts).
+n-gram lookup on a repetitive workload, a draft model made of the target's first layers on random prompts,
+and the model's own multi-token prediction layer on a small byte-level model trained briefly with MTP on the
+project's synthetic corpus; ``--mtp-only`` runs that row alone).
 """
 
 from __future__ import annotations
@@ -174,6 +176,52 @@ def draft_from_target(ckpt, num_layers):
     return draft.eval()
 
 
+def mtp_model_trained_briefly(steps: int = 150, seq: int = 96, batch: int = 12):
+    """A byte-level 4-layer model with one MTP depth, trained ``steps`` steps (AdamW) on the synthetic corpus
+    (templated stories and arithmetic); returns it in eval mode and the held-out documents."""
+    from megalite.data.synthetic import generate_corpus
+    from megalite.models import GPTConfig, GPTModel
+
+    docs = [d.encode() for d in generate_corpus(2000, seed=7)]
+    stream = [b for d in docs[:-16] for b in d + b"\n"]
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=256, num_layers=4, hidden_size=128, num_attention_heads=4,
+                               max_position_embeddings=512, position_embedding_type="rope", normalization="RMSNorm",
+                               activation="swiglu", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                               mtp_num_layers=1, mtp_loss_scaling_factor=0.3, seed=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = random.Random(0)
+    for _ in range(steps):
+        starts = [rng.randrange(len(stream) - seq - 1) for _ in range(batch)]
+        tokens = torch.tensor([stream[i:i + seq + 1] for i in starts])
+        optimizer.zero_grad()
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        optimizer.step()
+    return model.eval(), model.mtp.last_losses, docs[-16:]
+
+
+def bench_mtp_speculation():
+    """Accepted tokens per target forward, speed and identical greedy output of speculative="mtp" (k=1)."""
+    with Clock() as training:
+        model, mtp_losses, held_out = mtp_model_trained_briefly()
+    prompts = [list(d[:32]) for d in held_out]
+    params = SamplingParams(max_tokens=96, temperature=0)
+    results = {}
+    for name, config in (("plain", EngineConfig(block_size=16, num_blocks=512)),
+                         ("mtp", EngineConfig(block_size=16, num_blocks=512, speculative="mtp",
+                                              num_speculative_tokens=1))):
+        llm = LLM.from_model(model, engine_config=config)
+        with Clock() as clock:
+            outputs = llm.generate(prompts, params)
+        results[name] = clock.times, [o.outputs[0].token_ids for o in outputs], llm.engine.stats
+    (t_plain, plain_out, _), (t_mtp, mtp_out, stats) = results["plain"], results["mtp"]
+    per_forward = stats["tokens_from_decoding"] / max(stats["target_forwards_decoding"], 1)
+    print(f"speculative, the model's MTP layer (byte-level 4 layers, trained {training.times[0]:.0f}s with MTP, "
+          f"last MTP loss {float(mtp_losses[0]):.2f}), held-out prompts: {per_forward:.2f} tokens per target "
+          f"forward, CPU {t_plain[1]:.2f}s -> {t_mtp[1]:.2f}s ({t_plain[1] / t_mtp[1]:.2f}x; wall {t_plain[0]:.2f}s "
+          f"-> {t_mtp[0]:.2f}s); outputs identical: {plain_out == mtp_out}", flush=True)
+
+
 def bench_decode_attention(sequences=64, repeats=20):
     """One layer's decode attention at the workload's shapes (6 heads in 2 KV groups of 64, contexts 100-350,
     16-token blocks scattered over a 2048-block pool): the extension's paged-attention kernel beside the
@@ -228,7 +276,12 @@ def main():
     parser.add_argument("--old-commit", default="3b80930")
     parser.add_argument("--no-hf-continuous", action="store_true",
                         help="skip transformers' generate_batch (about a minute on CPU at 64 requests)")
+    parser.add_argument("--mtp-only", action="store_true", help="only the MTP speculation row (a few minutes: it trains its model)")
     args = parser.parse_args()
+    if args.mtp_only:
+        torch.set_num_threads(1)
+        bench_mtp_speculation()
+        return
     require("transformers", "hf", "this benchmark (transformers builds its model and is its baseline)")
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="megalite_inference_bench_")
@@ -321,6 +374,7 @@ def main():
             print(f"speculative, {name}: {per_forward:.2f} tokens per target forward, CPU {t_plain[1]:.2f}s -> "
                   f"{t_spec[1]:.2f}s ({t_plain[1] / t_spec[1]:.2f}x; wall {t_plain[0]:.2f}s -> {t_spec[0]:.2f}s); "
                   f"outputs identical: {plain_out == spec_out}", flush=True)
+        bench_mtp_speculation()
         if not args.no_hf_continuous:
             try:
                 t_cb, made = run_hf_continuous(hf, work)

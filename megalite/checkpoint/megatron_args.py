@@ -25,7 +25,6 @@ _UNSUPPORTED = (
     ("window_size", "sliding-window attention"),
     ("rotary_seq_len_interpolation_factor", "RoPE sequence-length interpolation"),
     ("qk_l2_norm", "QK L2 norm"),
-    ("mtp_num_layers", "multi-token prediction layers"),
     ("hybrid_override_pattern", "hybrid (Mamba) layers"),
 )
 """Args that, when set, describe a model megalite's GPT does not compute."""
@@ -113,7 +112,8 @@ def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         init_method_std=_arg(args, "init_method_std", 0.02),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+        mtp_num_layers=_arg(args, "mtp_num_layers"), mtp_loss_scaling_factor=_arg(args, "mtp_loss_scaling_factor", 0.1))
     try:
         config.validate()
     except ValueError as err:

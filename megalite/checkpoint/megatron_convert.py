@@ -27,7 +27,7 @@ from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
 from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
-from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name
+from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_key, megatron_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
@@ -94,7 +94,8 @@ def megatron_args(config, tp: int, iteration: int) -> dict:
             "padded_vocab_size": pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp),
             "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "world_size": tp,
             "data_parallel_size": 1, "ckpt_format": "torch_dist", "iteration": iteration,
-            "qk_layernorm": config.qk_layernorm, "num_experts": None}
+            "qk_layernorm": config.qk_layernorm, "num_experts": None, "mtp_num_layers": config.mtp_num_layers,
+            "mtp_loss_scaling_factor": config.mtp_loss_scaling_factor}
 
 
 class _MegatronSavePlanner(ShardSavePlanner):
@@ -140,11 +141,14 @@ def convert_megalite_to_megatron(path: str, output: str, tp: int = 1) -> None:
             tensor[:shape[0]] = reader.read(name)
             shards.append(TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor))
         else:
-            shards.append(TensorShard(name, shape, (0,) * len(shape), reader.read(name)))
+            shards.append(TensorShard(megatron_key(name), shape, (0,) * len(shape), reader.read(name)))
     blob = io.BytesIO()
     torch.save([None], blob)  # Megatron-Core stores each sharded object as a one-element list
     extra = {f"{LAYERS}{module}._extra_state/shard_{layer}_{layers}": blob.getvalue()
              for layer in range(layers) for module in _EXTRA_STATE}
+    extra.update({f"mtp.layers.{depth}.{module}._extra_state/shard_0_1": blob.getvalue()
+                  for depth in range(config.mtp_num_layers or 0)
+                  for module in ("eh_proj", *(f"transformer_layer.{m}" for m in _EXTRA_STATE))})
     tmp = fresh_output(output)
     directory = os.path.join(tmp, f"iter_{reader.iteration:07d}")
     os.makedirs(directory)

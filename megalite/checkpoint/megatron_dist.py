@@ -10,7 +10,8 @@ this reader maps away:
 - the decoder layers are stacked: ``decoder.layers.<name>`` has a leading dimension of ``num_layers``,
   and megalite's ``decoder.layers.<i>.<name>`` is its slice ``i``;
 - the layer norms live under the Transformer-Engine names (``linear_qkv.layer_norm_weight`` is
-  ``input_layernorm.weight``), and the vocabulary rows are padded (megalite reads the first
+  ``input_layernorm.weight``; in a multi-token prediction depth's ``mtp.layers.<k>.transformer_layer.``
+  too, whose depths are not stacked), and the vocabulary rows are padded (megalite reads the first
   ``vocab_size`` rows).
 
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
@@ -139,6 +140,22 @@ def megatron_name(name: str) -> str:
     return next((te for te, ours in _TE_NAMES.items() if ours == name), name)
 
 
+def megalite_key(key: str) -> str:
+    """The megalite name of one of Megatron's unstacked tensors (a prediction depth's layer norms included)."""
+    return _in_mtp_layer(key, megalite_name)
+
+
+def megatron_key(name: str) -> str:
+    """The inverse of :func:`megalite_key`."""
+    return _in_mtp_layer(name, megatron_name)
+
+
+def _in_mtp_layer(name: str, rename) -> str:
+    """``rename`` applied to the part after ``mtp.layers.<k>.transformer_layer.``, else to the whole name."""
+    head, layer, rest = name.partition(".transformer_layer.")
+    return head + layer + rename(rest) if name.startswith("mtp.layers.") and layer else rename(name)
+
+
 class MegatronDistReader:
     """A Megatron-LM torch_dist checkpoint seen as megalite's global tensors (the interface of
     :class:`megalite.checkpoint.reader.CheckpointReader` that loading, ``inspect`` and conversion use).
@@ -210,7 +227,7 @@ class MegatronDistReader:
                 for layer in range(size[0]):
                     sources[f"{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
             else:
-                name = megalite_name(key)
+                name = megalite_key(key)
                 if name in VOCAB_PARAMS:
                     size = (min(size[0], self._config.vocab_size),) + size[1:]
                 sources[name] = (key, (), size)

@@ -12,7 +12,8 @@ the parallel sizes:
   the padding (which depends on the TP size) is not stored;
 - expert parameters (``expert_parallel``) ``[num_local, ...]`` sit at experts
   ``ep_rank * num_local ...`` of ``[num_experts, ...]``, split over expert-TP like dense shards;
-- a tied output layer on the last pipeline stage is the word embedding itself.
+- a tied output layer on the last pipeline stage is the word embedding itself, and so is multi-token
+  prediction's copy of it there (``mtp.embedding.word_embeddings.weight``).
 
 A local tensor maps onto its global tensor as a list of :class:`Piece`: a box of the local tensor
 and the global coordinates of the box's first element.
@@ -30,8 +31,10 @@ from megalite import topology
 Box = tuple[tuple[int, int], ...]
 """A rectangular region: ``(start, stop)`` for every dimension."""
 
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight", "mtp.embedding.word_embeddings.weight")
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+MTP_WORD_EMBEDDING = "mtp.embedding.word_embeddings.weight"
+"""Multi-token prediction's copy of the word embedding on a separate last pipeline stage."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ def global_param(name: str, param: torch.Tensor, config, ctx: ShardContext) -> G
         global_shape[0] = config.vocab_size
         per_dim[0] = [(lo, min(hi, lo + config.vocab_size - g), g) for lo, hi, g in per_dim[0]
                       if g < config.vocab_size]
-        if name == "output_layer.weight" and not config.untie_embeddings_and_output_weights:
+        if name == MTP_WORD_EMBEDDING or (name == "output_layer.weight"
+                                           and not config.untie_embeddings_and_output_weights):
             global_name, alias = WORD_EMBEDDING, True
 
     pieces = tuple(Piece(tuple((lo, hi) for lo, hi, _ in combo), tuple(g for _, _, g in combo))

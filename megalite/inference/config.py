@@ -13,8 +13,9 @@ class EngineConfig:
     ``max_num_batched_tokens`` bounds the tokens of one step (chunked prefill
     splits longer prompts; 2048 is vLLM's usual chunked-prefill budget) and
     ``max_num_seqs`` the sequences admitted.
-    ``speculative``: None, "ngram" (prompt lookup) or "draft" (a draft model
-    passed to the engine) proposing ``num_speculative_tokens`` per step.
+    ``speculative``: None, "ngram" (prompt lookup), "draft" (a draft model
+    passed to the engine) or "mtp" (the model's own multi-token prediction
+    layers, at most one draft per layer) proposing ``num_speculative_tokens`` per step.
     ``seed`` draws the seeds of requests that bring none.
     ``grammar_compile_time_limit_s`` bounds compiling a request's structured-output grammar (a
     :class:`GrammarError` after; the server's 400), so a hostile schema cannot stall the engine.  A sliding-window
@@ -39,8 +40,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.speculative not in (None, "ngram", "draft"):
-            raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft", "mtp"):
+            raise ValueError(f"EngineConfig.speculative must be None, 'ngram', 'draft' or 'mtp', got "
+                             f"{self.speculative!r}")
         limit = self.grammar_compile_time_limit_s
         if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
             raise ValueError(f"EngineConfig.grammar_compile_time_limit_s must be positive, got {limit!r}")

@@ -35,6 +35,7 @@ from megalite.inference.prefix_cache import PrefixCache
 from megalite.inference.sampler import adjust_logits, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
+from megalite.inference.mtp_drafter import MTPDrafter
 from megalite.inference.speculative import DraftModelDrafter, NgramDrafter
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
@@ -75,6 +76,8 @@ class LLMEngine:
             if draft_model is None:
                 raise ValueError("EngineConfig.speculative='draft' needs a draft_model")
             drafter = DraftModelDrafter(unwrap(draft_model), mc.vocab_size, config.num_blocks, config.block_size)
+        elif config.speculative == "mtp":
+            drafter = MTPDrafter(model, config.num_blocks, config.block_size, self.window)
         self.drafter = drafter
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.prefix_cache, drafter, config.num_speculative_tokens,
@@ -90,6 +93,7 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
                       "generated_tokens": 0}
+        self._hidden = None  # the last step's final-norm hidden states [T, h] (execute), for the drafter
 
     # ---- requests (TP rank 0) ----------------------------------------------------------------------------------
 
@@ -185,7 +189,10 @@ class LLMEngine:
             return self._fail({e.seq.request.request_id: e.seq.request for e in entries}.values(),
                               f"the model's forward failed: {error}")
         self.stats["steps"] += 1
-        return self._process(entries, logits)
+        touched = self._process(entries, logits)
+        if self.drafter is not None:
+            self.drafter.observe(entries, self._hidden)
+        return touched
 
     def _fail(self, requests, message: str) -> list[Request]:
         """Finish ``requests`` with ``error`` = ``message`` and free their blocks; the engine goes on."""
@@ -240,6 +247,7 @@ class LLMEngine:
         finally:
             if was_training:
                 model.train()
+        self._hidden = hidden[0]
         if not plan.sample_rows:
             return None
         rows = torch.tensor(plan.sample_rows, device=self.device)

@@ -75,10 +75,12 @@ class KVPool:
         self._buffers: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, tp_size: int = 1) -> KVPool:
-        """The pool for ``model``'s layers: per-group keys and values, or MLA's latent keys."""
+    def for_model(cls, model, num_blocks: int, block_size: int, tp_size: int = 1,
+                  layer_numbers: list[int] | None = None) -> KVPool:
+        """The pool for ``model``'s layers (or the layers ``layer_numbers``, e.g. its multi-token prediction
+        layers): per-group keys and values, or MLA's latent keys."""
         mc, param = model.config, next(model.parameters())
-        layers = [int(n) for n in model.decoder.layers]
+        layers = [int(n) for n in model.decoder.layers] if layer_numbers is None else layer_numbers
         if mc.multi_latent_attention:
             return cls(layers, num_blocks, block_size, 1, mc.kv_lora_rank + mc.qk_pos_emb_head_dim, param.dtype,
                        param.device, latent_values=mc.kv_lora_rank)

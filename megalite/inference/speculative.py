@@ -1,10 +1,12 @@
-"""Drafters for speculative decoding: n-gram prompt lookup and a smaller draft model.
+"""Drafters for speculative decoding: n-gram prompt lookup, a smaller draft model, and the target's own
+multi-token prediction layers.
 
 A drafter proposes up to ``k`` next tokens for each sequence of a step at
 once; the engine verifies them in one target forward (see
-:func:`megalite.inference.sampler.verify`).  Both drafters here propose
-deterministically (a point-mass draft distribution), which keeps verification
-exact for sampled requests too.
+:func:`megalite.inference.sampler.verify`) and then shows it the step's final
+hidden states (``observe``).  Every drafter here proposes deterministically (a
+point-mass draft distribution), which keeps verification exact for sampled
+requests too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class NgramDrafter:
 
     def forget(self, seq) -> None:
         """Nothing is kept per sequence."""
+
+    def observe(self, entries, hidden: torch.Tensor) -> None:
+        """The target's hidden states are not used."""
 
 
 class DraftModelDrafter:
@@ -116,3 +121,6 @@ class DraftModelDrafter:
     def forget(self, seq) -> None:
         """The sequence's blocks are gone: its draft cache is no longer valid."""
         self.cached.pop(id(seq), None)
+
+    def observe(self, entries, hidden: torch.Tensor) -> None:
+        """The target's hidden states are not used."""

@@ -25,7 +25,7 @@ ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention
                        "yarn_mscale_all_dim", "normalization", "norm_eps", "activation", "add_bias_linear",
                        "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "moe_layer_freq",
                        "window_size", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                       "qk_pos_emb_head_dim", "v_head_dim")
+                       "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 """GPTConfig fields that fix the model's weights or its function."""
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "topk", "activation", "add_bias", "pre_softmax",
                            "shared_expert_intermediate_size", "shared_expert_gate", "score_function",

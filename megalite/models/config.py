@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megalite.models.mla import check_mla_config, mla_flops_per_token
+from megalite.models.mtp import check_mtp_config
 
 if TYPE_CHECKING:
     from megalite.moe import MoEConfig
@@ -52,6 +53,8 @@ class GPTConfig:
     ``batch_invariant`` runs the forward with ``megalite.batch_invariant``'s ops: a token's logits have the same
     bits in any batch, padding or prefill/decode split (the rollout engine's log-probs equal the trainer's); the
     same function, slower.  Dense models with full causal attention only.
+    ``mtp_num_layers`` adds DeepSeek-V3's multi-token prediction depths, whose mean loss times
+    ``mtp_loss_scaling_factor`` joins the training loss (:mod:`megalite.models.mtp`).
     """
 
     vocab_size: int
@@ -100,6 +103,8 @@ class GPTConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     seed: int = 1234
     batch_invariant: bool = False
 
@@ -122,9 +127,14 @@ class GPTConfig:
         return int(self.kv_channels * self.rotary_percent)
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether global layer ``layer_number`` uses the MoE MLP."""
+        """Whether global layer ``layer_number`` uses the MoE MLP.
+
+        The multi-token prediction layers (numbers ``num_layers`` on) are of the last decoder layer's kind,
+        as Megatron-Core builds them from the last layer's spec.
+        """
         if self.moe is None:
             return False
+        layer_number = min(layer_number, self.num_layers - 1)
         if isinstance(self.moe_layer_freq, int):
             return layer_number % self.moe_layer_freq == 0
         return bool(self.moe_layer_freq[layer_number])
@@ -148,6 +158,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.multi_latent_attention:
             check_mla_config(self)
+        check_mtp_config(self)
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
         if heads % tp_size:
@@ -213,7 +224,8 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6N plus attention.
 
     N counts the matmul weights a token passes through (QKV, projection, MLP or
-    its top-k experts, router and shared expert, output layer over the real vocabulary); the
+    its top-k experts, router and shared expert, output layer over the real vocabulary; each
+    multi-token prediction depth's projection, layer and output layer); the
     attention term is ``12 * layers * heads * d * seq_length`` (QK^T and AV,
     without a causal discount, as in PaLM's MFU).
     """
@@ -222,8 +234,9 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 4 * seq_length * heads * d
     if config.multi_latent_attention:
         attention = mla_flops_per_token(config, seq_length)
-    forward = 2.0 * h * config.vocab_size
-    for layer in range(config.num_layers):
+    depths = config.mtp_num_layers or 0
+    forward = 2.0 * h * config.vocab_size * (1 + depths) + depths * 2 * (2 * h) * h
+    for layer in range(config.num_layers + depths):
         forward += attention
         if config.is_moe_layer(layer):
             moe = config.moe

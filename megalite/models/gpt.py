@@ -18,6 +18,9 @@ Parameter names (HF-convertible)::
     decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                            [v_pad/tp, h]  (untied, or tied on a separate last stage)
+    mtp.layers.{k}.{enorm,hnorm,final_layernorm}.weight, mtp.layers.{k}.eh_proj.weight [h/tp, 2h],
+    mtp.layers.{k}.transformer_layer.*             multi-token prediction depth k (see mtp.py)
+    mtp.embedding.word_embeddings.weight           the word embedding's copy on a separate last stage with MTP
 
 ``{i}`` is the global layer index.  The vocabulary is padded to a multiple of
 ``make_vocab_size_divisible_by * tp``; padding rows are zero and padding
@@ -36,6 +39,7 @@ from megalite.models.attention import AttentionCache, padding_causal_mask
 from megalite.models.config import GPTConfig
 from megalite.models.embedding import GPTEmbedding
 from megalite.models.init import EMBEDDING_STREAM, OUTPUT_LAYER_STREAM, init_stream, vocab_init
+from megalite.models.mtp import MultiTokenPrediction, check_mtp_layout
 from megalite.models.rotary import RotaryEmbedding
 from megalite.models.transformer_block import TransformerBlock
 from megalite.tensor_parallel import (ColumnParallelLinear, column_parallel_linear,
@@ -70,6 +74,12 @@ class GPTModel(nn.Module):
     Packed samples: ``document_ids [b, S]`` (the whole sequence's document
     index per token) stops attention at document boundaries.
 
+    Multi-token prediction (``config.mtp_num_layers``, on the last chunk): a
+    training-mode forward with ``labels`` adds the MTP loss to the backward
+    pass (:mod:`megalite.models.mtp`); ``loss_mask [b, s]`` (1 = a token in
+    the loss) limits it as it limits the caller's loss.  The returned loss
+    stays the main model's.
+
     Context parallelism (``cp_group`` of ``cp`` ranks, ``cp_comm_type``):
     ``input_ids``, ``labels`` and ``position_ids`` hold this rank's tokens
     ``[b, S/cp]`` (chunks ``r`` and ``2cp-1-r`` of ``2cp``, see
@@ -103,13 +113,14 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, self.tp_size)
         self.input_tensor = None
         tied = not config.untie_embeddings_and_output_weights
+        mtp = bool(config.mtp_num_layers)
+        if mtp and post_process:
+            check_mtp_layout(config, pipelined=not pre_process)
 
         self.embedding = None
         if pre_process:
-            with init_stream(config.seed, EMBEDDING_STREAM):
-                self.embedding = GPTEmbedding(config, self.padded_vocab_size, tp_group=self.tp_group,
-                                              sequence_parallel=self.sequence_parallel)
-            if tied and not post_process:
+            self.embedding = self._build_embedding()
+            if (tied or mtp) and not post_process:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary = None
         if config.position_embedding_type == "rope":
@@ -120,8 +131,13 @@ class GPTModel(nn.Module):
         # The output projection uses ``output_layer.weight`` (or the word
         # embedding when tied on one stage); at tp=1 only its real vocabulary
         # rows, so no logits are computed for padding ids.
+        # Multi-token prediction on a separate last stage keeps a copy of the word embedding (Megatron's), which
+        # is then also the tied output layer.
+        mtp_embedding = self._build_embedding() if mtp and post_process and not pre_process else None
+        if mtp_embedding is not None:
+            mtp_embedding.word_embeddings.weight.shared_embedding = True
         self.output_layer = None
-        if post_process and not (tied and pre_process):
+        if post_process and not (tied and (pre_process or mtp_embedding is not None)):
             # Untied: its own stream.  Tied across stages: the embedding's stream,
             # whose first draw is the word embedding, so both copies start equal.
             with init_stream(config.seed, EMBEDDING_STREAM if tied else OUTPUT_LAYER_STREAM):
@@ -130,6 +146,21 @@ class GPTModel(nn.Module):
                     tp_group=self.tp_group, init_method=vocab_init(config.init_method_std, config.vocab_size))
             if tied:
                 self.output_layer.weight.shared_embedding = True
+        self.mtp = None
+        if mtp and post_process:
+            self.mtp = MultiTokenPrediction(config, embedding=mtp_embedding, tp_group=self.tp_group, ep_group=ep_group,
+                                            expert_tp_group=expert_tp_group, cp_group=self.cp_group,
+                                            cp_comm_type=cp_comm_type, sequence_parallel=self.sequence_parallel)
+
+    def _build_embedding(self) -> GPTEmbedding:
+        """The word (and position) embedding, drawn in its own stream: every copy of it starts equal."""
+        with init_stream(self.config.seed, EMBEDDING_STREAM):
+            return GPTEmbedding(self.config, self.padded_vocab_size, tp_group=self.tp_group,
+                                sequence_parallel=self.sequence_parallel)
+
+    def _word_embeddings(self):
+        """This chunk's word embedding: its own, or the multi-token prediction's copy on a separate last stage."""
+        return (self.embedding if self.embedding is not None else self.mtp.embedding).word_embeddings
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The hidden states ``[s, b, h]`` this chunk receives from the previous pipeline stage."""
@@ -138,12 +169,13 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: AttentionCache | None = None,
                 attention_mask: torch.Tensor | None = None, return_hidden: bool = False,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         with batch_invariant.mode(self.config.batch_invariant):
             return self._forward(input_ids, labels, position_ids, kv_cache, attention_mask, return_hidden,
-                                 document_ids)
+                                 document_ids, loss_mask)
 
-    def _forward(self, input_ids, labels, position_ids, kv_cache, attention_mask, return_hidden, document_ids):
+    def _forward(self, input_ids, labels, position_ids, kv_cache, attention_mask, return_hidden, document_ids,
+                 loss_mask):
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.pre_process:
             if input_ids is None or input_ids.dim() != 2:
@@ -189,8 +221,8 @@ class GPTModel(nn.Module):
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, self._rotary(seq, offset, position_ids, hidden.device), kv_cache, mask,
-                              document_ids)
+        rotary = self._rotary(seq, offset, position_ids, hidden.device)
+        hidden = self.decoder(hidden, rotary, kv_cache, mask, document_ids)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if not self.post_process:
@@ -199,6 +231,11 @@ class GPTModel(nn.Module):
             if self.sequence_parallel:
                 hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=False)
             return hidden.transpose(0, 1)
+        if self.mtp is not None and labels is not None and self.training:
+            hidden = self.mtp(hidden, input_ids, position_ids, labels,
+                              embedding=self.embedding if self.embedding is not None else self.mtp.embedding,
+                              output_logits=self.output_logits, loss_mask=loss_mask, rotary=rotary, mask=mask,
+                              documents=document_ids)
         return self._head(hidden, labels)
 
     def _check_positions(self, total: int, position_ids: torch.Tensor | None) -> None:
@@ -227,7 +264,7 @@ class GPTModel(nn.Module):
 
         Public so an inference engine can project only the positions it samples from.
         """
-        layer = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
+        layer = self._word_embeddings() if self.output_layer is None else self.output_layer
         weight = layer.weight
         if self.tp_size == 1:
             weight = weight[:self.config.vocab_size]

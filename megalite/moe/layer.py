@@ -143,7 +143,8 @@ def _pad_rows(tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, 
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Set the factor on the router-loss gradients of every MoE layer in ``model``."""
+    """Set the factor on the gradients of the losses ``model``'s modules add in backward: every MoE layer's
+    router losses, and any other module with an ``aux_loss_scale`` (multi-token prediction)."""
     for module in model.modules():
-        if isinstance(module, MoELayer):
+        if isinstance(module, MoELayer) or hasattr(module, "aux_loss_scale"):
             module.aux_loss_scale = scale

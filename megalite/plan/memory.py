@@ -91,17 +91,24 @@ def chunk_params(config: GPTConfig, layout: Layout, pre_process: bool, post_proc
     tied = not config.untie_embeddings_and_output_weights
     vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp) // layout.tp
     h = config.hidden_size
+    depths = config.mtp_num_layers or 0
+    copy = bool(depths) and post_process and not pre_process  # MTP's word embedding on a separate last stage
     specs = []
     if pre_process:
-        specs.append(ParamSpec((vocab, h), shared_embedding=tied and not post_process))
+        specs.append(ParamSpec((vocab, h), shared_embedding=(tied or bool(depths)) and not post_process))
         if config.position_embedding_type == "learned_absolute":
             specs.append(ParamSpec((config.max_position_embeddings, h)))
     for layer in range(*layer_range):
         specs += layer_params(config, layer, layout)
     if post_process:
         specs += _norm(config)
-        if not (tied and pre_process):
+        if not (tied and (pre_process or copy)):
             specs.append(ParamSpec((vocab, h), shared_embedding=tied))
+        if copy:
+            specs.append(ParamSpec((vocab, h), shared_embedding=True))
+        for depth in range(depths):  # enorm, hnorm, eh_proj, the layer, final norm
+            specs += _norm(config) + _norm(config) + [ParamSpec((h // layout.tp, 2 * h))]
+            specs += layer_params(config, config.num_layers + depth, layout) + _norm(config)
     return specs
 
 

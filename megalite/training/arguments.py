@@ -17,6 +17,7 @@ from megalite.data.gpt_dataset import parse_split
 from megalite.flags import UNSET as _UNSET
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
+from megalite.models.mtp import check_mtp_layout
 from megalite.pipeline import split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp
@@ -43,6 +44,7 @@ def _check_model(args):
     _require(not (args.swiglu and args.openai_gelu), "--swiglu and --openai-gelu are mutually exclusive")
     config = gpt_config(args, vocab_size=args.vocab_size or 1)
     config.validate(args.tensor_model_parallel_size)
+    check_mtp_layout(config, pipelined=args.pipeline_model_parallel_size > 1)
     if config.moe is not None:
         config.moe.validate(args.expert_model_parallel_size,
                             args.expert_tensor_parallel_size or args.tensor_model_parallel_size)
@@ -242,6 +244,9 @@ def _check_pipeline_schedule(args):
         _require(not (pp > 1 and not args.untie_embeddings_and_output_weights),
                  f"--pipeline-schedule zbv puts the first and last stage on pipeline rank 0; tied embeddings "
                  f"need --untie-embeddings-and-output-weights (pp={pp})")
+        _require(not (pp > 1 and args.mtp_num_layers),
+                 f"--pipeline-schedule zbv puts the first and last stage on pipeline rank 0; --mtp-num-layers "
+                 f"needs another schedule (pp={pp})")
     micro_times_dp = args.micro_batch_size * args.data_parallel_size
     for batch in _batch_sizes(args):
         check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, batch // micro_times_dp)

@@ -12,6 +12,7 @@ from megalite.data.megatron_cache import hf_tokenizer_identifiers, null_tokenize
 from megalite.data.mock import build_mock_datasets
 from megalite.data.synthetic import build_default_data
 from megalite.models import GPTConfig, GPTModel, gpt_flops_per_token
+from megalite.models.mtp import mtp_losses
 from megalite.training.flags import context_parallel_config, gpt_config
 from megalite.training.data_checks import eod_token_id
 from megalite.training.trainer import LOSS_METRIC
@@ -81,10 +82,24 @@ def forward_step(data_iterator, model):
     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
     tokens = batch["tokens"]
     if "labels" not in batch:
-        return model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), loss_func
+        output = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        return output, _with_mtp_losses(loss_func, model)
     output = model(tokens, batch["labels"], position_ids=batch.get("position_ids"),
-                   document_ids=batch.get("document_ids"))
-    return output, partial(masked_loss_func, batch["loss_mask"], batch["loss_normalizer"])
+                   document_ids=batch.get("document_ids"), loss_mask=batch["loss_mask"])
+    return output, _with_mtp_losses(partial(masked_loss_func, batch["loss_mask"], batch["loss_normalizer"]), model)
+
+
+def _with_mtp_losses(func, model):
+    """``func``, whose report also holds the forward's multi-token prediction losses when the model has MTP."""
+    losses = mtp_losses(model)
+    if not losses:
+        return func
+
+    def report(per_token_loss):
+        loss, metrics = func(per_token_loss)
+        return loss, {**metrics, **losses}
+
+    return report
 
 
 def flops_per_token(args) -> float:

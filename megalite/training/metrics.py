@@ -104,7 +104,8 @@ class MetricsLogger:
             self.wandb.log(scalars, step=iteration)
         total = f"/{self.train_iters}" if self.train_iters else ""
         parts = [f"iteration {iteration}{total}"]
-        parts += [f"{k} {_fmt(record[k])}" for k in self._SHOWN if k in record]
+        mtp = tuple(k for k in record if k.startswith("mtp_"))  # multi-token prediction losses, after the loss
+        parts += [f"{k} {_fmt(record[k])}" for k in self._SHOWN[:1] + mtp + self._SHOWN[1:] if k in record]
         print(" | ".join(parts), file=self.stream, flush=True)
 
     def close(self) -> None:

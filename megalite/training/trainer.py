@@ -150,7 +150,7 @@ class Trainer:
         self.optimizer.zero_grad()
         global_batch_size = global_batch_size or self.args.global_batch_size
         num_microbatches = global_batch_size // (self.args.micro_batch_size * self.topo.dp.size)
-        if self.args.num_experts:
+        if self.args.num_experts or self.args.mtp_num_layers:
             for chunk in self.chunks:
                 set_aux_loss_scale(chunk, self.optimizer.get_loss_scale() / num_microbatches)
         metrics = self._run_schedule(data_iterator, forward_only=False, num_microbatches=num_microbatches)

@@ -102,7 +102,8 @@ def train(trainer: Trainer, train_iterator, valid_iterator, iteration: int, cons
             if args.log_params_norm:
                 values["params_norm"] = trainer.optimizer.params_norm()
             if args.num_experts:
-                values.update(router_statistics(trainer.chunks, args.num_layers, args.num_experts,
+                layers = args.num_layers + (args.mtp_num_layers or 0)  # MTP layers are numbered after the decoder's
+                values.update(router_statistics(trainer.chunks, layers, args.num_experts,
                                                 (trainer.topo.pp.group, trainer.topo.dp.group), topology.device()))
             if args.log_memory:
                 values.update(memory_gib())

@@ -78,7 +78,7 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
                "yarn_beta_slow": 2.0, "yarn_attention_factor": 1.5, "yarn_truncate": False, "yarn_mscale": 0.7,
                "yarn_mscale_all_dim": 0.7, "add_qkv_bias": True, "qk_layernorm": True, "window_size": 3,
                "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_head_dim": 4,
-               "qk_pos_emb_head_dim": 2, "v_head_dim": 4}
+               "qk_pos_emb_head_dim": 2, "v_head_dim": 4, "mtp_num_layers": 1}
     assert sorted(changed) == sorted(ARCHITECTURE_FIELDS)
     for name, value in changed.items():
         assert compare_architecture(base, GPTConfig(**{**vars(base), name: value})) == [
@@ -92,6 +92,7 @@ def test_compare_architecture_covers_exactly_the_architecture_fields():
         other = GPTConfig(**{**vars(base), "moe": MoEConfig(**{**vars(base.moe), name: value})})
         assert compare_architecture(base, other) == [Difference(f"moe.{name}", getattr(base.moe, name), value)]
     free = GPTConfig(**{**vars(base), "hidden_dropout": 0.1, "init_method_std": 0.5, "seed": 1,
+                        "mtp_loss_scaling_factor": 0.5,
                         "make_vocab_size_divisible_by": 64, "recompute_granularity": "full",
                         "moe": MoEConfig(**{**vars(base.moe), "aux_loss_coeff": 0.1, "dispatcher": "allgather"})})
     assert compare_architecture(base, free) == []

@@ -55,6 +55,10 @@ LAYOUTS = [
     ("moe-freq2-pp2-zero1", MOE + ["--moe-layer-freq", "2", "--pipeline-model-parallel-size", "2",
                                    "--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 400),
     ("moe-fsdp-ep2", MOE + ["--use-torch-fsdp2", "--expert-model-parallel-size", "2"], None),
+    ("mtp-pp2-tied-zero1", ["--mtp-num-layers", "2", "--position-embedding-type", "rope",
+                            "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 500),
+    ("mtp-tp2-pp2-untied-llama", ["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
+                                  "--pipeline-model-parallel-size", "2"] + LLAMA, None),
 ]
 
 

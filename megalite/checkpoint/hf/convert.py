@@ -88,14 +88,18 @@ def megalite_tensor_to_hf(config, name: str, tensor: torch.Tensor, prefix: str |
                           ) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face ``(name, tensor)`` pairs of one global megalite model tensor.
 
-    Used tensor by tensor, so weight export can stream a sharded model without holding it whole.
+    Used tensor by tensor, so weight export can stream a sharded model without holding it whole.  Only
+    DeepSeek-V3 stores multi-token prediction depths (``mtp.*``); other families give none for them (a served
+    model does not use them), and a checkpoint conversion refuses them (:func:`_hf_config`).
     """
     family = hf_family(config)
     pre = default_prefix(family) if prefix is None else prefix
+    if family != deepseek.FAMILY and name.startswith("mtp."):
+        return []
     if family == "gpt2":
         return gpt2.tensor_to_hf(config, name, tensor, pre)
     if family == deepseek.FAMILY:
-        return deepseek.tensor_to_hf(name, tensor, pre)
+        return deepseek.tensor_to_hf(config, name, tensor, pre)
     return llama.tensor_to_hf(config, name, tensor, pre, family)
 
 
@@ -105,6 +109,9 @@ def _hf_config(config, info: dict) -> tuple[dict, str]:
     family = _family(config, base)
     if base.get("model_type", family) != family:
         base = {}
+    if config.mtp_num_layers and family != deepseek.FAMILY:
+        raise ValueError(f"{family} cannot store multi-token prediction layers (mtp_num_layers="
+                         f"{config.mtp_num_layers}); only deepseek_v3 checkpoints hold them")
     if family == "gpt2":
         hf = gpt2.hf_config(config, base)
     elif family == deepseek.FAMILY:
