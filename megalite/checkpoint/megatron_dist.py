@@ -13,10 +13,16 @@ this reader maps away:
   ``input_layernorm.weight``), and the vocabulary rows are padded (megalite reads the first
   ``vocab_size`` rows).
 
+Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
+in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
+the Adam step (``common_step``) and the parameter groups come from ``common.pt``'s ``optimizer`` entry, so
+``--load`` resumes Adam where Megatron left it.  A saved optimizer state that cannot be resumed that way is
+left out with the reason in :attr:`MegatronDistReader.optimizer_note`.  RNG states are not read.
+
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
 ``--load``, ``load_model`` and ``inspect`` read only the regions each rank holds, at any layout.
 Nothing is unpickled beyond data: ``.metadata`` with an allow-list of DCP's classes, ``common.pt``
-with every class replaced by an inert record (:func:`read_common`).
+with every class replaced by an inert record and only small tensors read (:func:`read_common`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 import zipfile
 
 import torch
@@ -52,6 +59,10 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+OPTIMIZER_STATE = "optimizer.state."
+# Megatron-Core's optimizer state per parameter, ``optimizer.state.<key>.<parameter's sharded name>`` in the
+# parameter's own layout (its FP32 and mixed-precision optimizers), and megalite's ``optimizer.<key>.<name>``.
+OPTIMIZER_STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
 # DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
 _PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
                  for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
@@ -81,19 +92,52 @@ class Opaque:
         return f"<{self.qualname}{self.args!r}>"
 
 
+_COMMON_TENSOR_LIMIT = 1 << 16
+"""Tensors of ``common.pt`` with more elements than this load as None (it holds scalars such as Adam's step)."""
+
+
 class _CommonUnpickler(pickle.Unpickler):
     """Unpickles ``common.pt`` running no code: argparse namespaces, containers and torch dtypes load as
-    themselves, every other class as an :class:`Opaque` record, tensors as None."""
+    themselves, tensors of at most :data:`_COMMON_TENSOR_LIMIT` elements (read from ``archive``) as tensors, larger
+    ones as None, and every other class as an :class:`Opaque` record."""
+
+    def __init__(self, file, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(file)
+        self.archive, self.prefix = archive, prefix
 
     def find_class(self, module, name):
         if (module, name) in (("argparse", "Namespace"), ("collections", "OrderedDict")):
             return super().find_class(module, name)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if module == "torch" and name in _storage_dtypes():
+            return _storage_dtypes()[name]  # a typed storage class stands for its dtype
         return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
 
     def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)
+                and isinstance(pid[4], int) and pid[4] <= _COMMON_TENSOR_LIMIT):
+            return None
+        data = self.archive.read(f"{self.prefix}data/{pid[2]}")
+        return torch.frombuffer(bytearray(data), dtype=pid[1]) if data else torch.empty(0, dtype=pid[1])
+
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """``{"FloatStorage": torch.float32, ...}``: the typed storage classes torch.save names, by dtype."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading a typed storage class's dtype warns that TypedStorage is deprecated
+        return {name: value.dtype for name, value in vars(torch).items()
+                if name.endswith("Storage") and isinstance(getattr(value, "dtype", None), torch.dtype)}
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    """``torch._utils._rebuild_tensor_v2`` for the flat tensors :meth:`_CommonUnpickler.persistent_load` reads."""
+    if storage is None:
         return None
+    return torch.as_strided(storage, tuple(size), tuple(stride), offset).clone()
 
 
 def read_common(directory: str) -> dict:
@@ -105,7 +149,7 @@ def read_common(directory: str) -> dict:
             if len(pickled) != 1:
                 raise ValueError("it is not a torch.save archive")
             with archive.open(pickled[0]) as data:
-                common = _CommonUnpickler(data).load()
+                common = _CommonUnpickler(data, archive, pickled[0][:-len("data.pkl")]).load()
     except ValueError as err:
         raise ValueError(f"Megatron-LM common state {path} is unreadable: {err}") from None
     except Exception as err:  # zipfile and pickle raise many kinds on a truncated or foreign file
@@ -127,6 +171,39 @@ def config_from_common_args(args: dict, where: str):
         return config_from_megatron_args(args, vocab)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def default_groups_problem(groups: list[dict]) -> str | None:
+    """Why Megatron's optimizer parameter ``groups`` are not its default ones (one per weight-decay multiplier 1 and
+    0, with biases and 1-D parameters undecayed, as megalite groups them), or None when they are."""
+    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
+            g.get("wd_mult", 1.0) not in (0.0, 1.0) or g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel")
+            or g.get("is_decoupled_lr") for g in groups):
+        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
+    return None
+
+
+def optimizer_meta(groups: list[dict], num_steps: int) -> dict:
+    """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``: decayed, then undecayed) of
+    Megatron's default parameter ``groups`` after ``num_steps`` Adam steps."""
+    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
+    param_groups = []
+    for wd_mult in (1.0, 0.0):
+        group = by_mult.get(wd_mult, groups[0])
+        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
+                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
+    return {"num_steps": num_steps, "scaler": None, "param_groups": param_groups}
+
+
+def optimizer_warning(note: str) -> str:
+    """The warning line for a Megatron-LM optimizer state that is not resumed, for the reason ``note``."""
+    return (f"warning: the Megatron optimizer state is not read ({note}): training from this checkpoint starts with "
+            "fresh Adam moments")
+
+
+def parameter_name(name: str) -> str:
+    """The parameter a megalite tensor name belongs to: ``name``, or the ``<name>`` of ``optimizer.<key>.<name>``."""
+    return name.split(".", 2)[2] if name.startswith("optimizer.") else name
 
 
 def megalite_name(key: str) -> str:
@@ -197,24 +274,59 @@ class MegatronDistReader:
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
         self._sources = self._map_names()
+        self.state["optimizer"], self.optimizer_note = self._optimizer_state(common.get("optimizer"))
+        self.state["optimizer_note"] = self.optimizer_note
 
     def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor."""
+        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
+        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see :data:`OPTIMIZER_STATE`)."""
         sources = {}
         for key, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith(("optimizer.", "rng_state")):
+            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
                 continue
+            prefix, model_key = "", key
+            if key.startswith("optimizer."):
+                kind, _, model_key = key[len(OPTIMIZER_STATE):].partition(".")
+                if not key.startswith(OPTIMIZER_STATE) or kind not in OPTIMIZER_STATE_KEYS:
+                    continue  # another optimizer's layout: :meth:`_optimizer_state` names it
+                prefix = f"optimizer.{OPTIMIZER_STATE_KEYS[kind]}."
             size = tuple(md.size)
-            if key.startswith(LAYERS):
-                rest = megalite_name(key[len(LAYERS):])
+            if model_key.startswith(LAYERS):
+                rest = megalite_name(model_key[len(LAYERS):])
                 for layer in range(size[0]):
-                    sources[f"{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
+                    sources[f"{prefix}{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
             else:
-                name = megalite_name(key)
+                name = megalite_name(model_key)
                 if name in VOCAB_PARAMS:
                     size = (min(size[0], self._config.vocab_size),) + size[1:]
-                sources[name] = (key, (), size)
+                sources[prefix + name] = (key, (), size)
         return sources
+
+    def _optimizer_state(self, saved) -> tuple[dict | None, str | None]:
+        """``(megalite's optimizer JSON state, None)`` when ``common.pt``'s ``optimizer`` entry and the per-parameter
+        tensors are Megatron-Core's Adam state of every parameter, in a layout megalite reads; ``(None, why not)``
+        when an optimizer was saved but cannot be resumed; ``(None, None)`` when none was saved."""
+        if saved is None:
+            return None, None
+        if isinstance(saved, dict) and "param_state_sharding_type" in saved:
+            return None, (f"it is a distributed optimizer's state in the {saved['param_state_sharding_type']!r} "
+                          "layout, which megalite does not read")
+        inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+            return None, "its common state holds no parameter groups (a chain of optimizers, or not Adam)"
+        step = (inner.get("state") or {}).get("common_step")
+        problem = default_groups_problem(inner["param_groups"])
+        if problem:
+            return None, problem
+        params = [name for name in self._sources if not name.startswith("optimizer.")]
+        for name in params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = self._sources.get(f"optimizer.{key}.{name}")
+                if moment is None or moment[2] != self._sources[name][2]:
+                    return None, f"it holds no {key} of {name} of the parameter's shape"
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.item() < 1:
+            return None, "its common state holds no Adam step count (common_step)"
+        return optimizer_meta(inner["param_groups"], int(step.item())), None
 
     # The interface load_into, inspect and the converters use.
     @property

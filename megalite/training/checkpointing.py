@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.locate import find_checkpoint
+from megalite.checkpoint.megatron_dist import optimizer_warning
 from megalite.distributed.unwrap import unwrap
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.models.architecture import config_to_dict
@@ -172,6 +173,8 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     reader = checkpoint.load_sharded(load_dir, model_chunks, optimizer if keep_optimizer else None, group=group)
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
+    elif optimizer is not None and reader.state.get("optimizer_note") and rank == 0:
+        print(optimizer_warning(reader.state["optimizer_note"]), flush=True)
     if finetune:
         return LoadResult(0, 0, reader.iteration, dict(reader.layout), reader.state.get("hf"))
     state = reader.state

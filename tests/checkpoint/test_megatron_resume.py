@@ -1,0 +1,138 @@
+"""A Megatron-LM torch_dist checkpoint with Megatron-Core's optimizer state continues in megalite as in Megatron.
+
+Megatron-Core trains a tiny GPT on tp=2 CPU ranks with its own DDP, optimizer and scheduler, saves after 2
+iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 3 more
+(:mod:`tests.checkpoint.megatron_optim_fixture`).  megalite resumes that save at another layout (tp=1 x dp=2)
+with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
+its 3 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
+would start from) they do not.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
+
+from megalite.testing import run_distributed  # noqa: E402
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
+
+TOTAL = fixture.SAVED_AT + fixture.CONTINUED
+
+
+def _micro_batches() -> list[torch.Tensor]:
+    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
+    of document as the trainer derives them from the checkpoint's padded vocabulary."""
+    from megalite.data.mock import build_mock_datasets
+
+    samples = TOTAL * fixture.GLOBAL_BATCH
+    train, _, _ = build_mock_datasets(fixture.SEQ, 1234, [samples, 0, 0], fixture.PADDED_VOCAB,
+                                      fixture.PADDED_VOCAB - 1)
+    return fixture.batches([train[i] for i in range(samples)])
+
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5)``."""
+    path = str(tmp_path_factory.mktemp("megatron_optim") / "save")
+    os.makedirs(path)
+    return path, fixture.train_and_save(path, _micro_batches())
+
+
+def _resume(runs):
+    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn, in these rank processes."""
+    from megalite.training import gpt, pretrain
+
+    outputs = []
+    for path, metrics, extra in runs:
+        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *fixture.FLAGS,
+                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
+                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+        outputs.append(out.getvalue())
+    return outputs
+
+
+def _losses(metrics) -> list[float]:
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records] == list(range(fixture.SAVED_AT + 1, TOTAL + 1))
+    return [r["loss"] for r in records]
+
+
+def _assert_equal_losses(actual, expected):
+    assert len(actual) == len(expected) == fixture.CONTINUED
+    for mine, theirs in zip(actual, expected):
+        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
+
+
+def test_reader_maps_the_adam_state(megatron_run):
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(megatron_run[0])
+    assert reader.optimizer_note is None
+    meta = reader.state["optimizer"]
+    assert meta["num_steps"] == fixture.SAVED_AT
+    assert [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
+    assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+    assert all(g["betas"] == [0.9, 0.95] and g["eps"] == 1e-8 for g in meta["param_groups"])
+    params = [name for name in reader.shapes if not name.startswith("optimizer.")]
+    for name in params:
+        assert reader.shapes[f"optimizer.exp_avg.{name}"] == reader.shapes[name]
+        assert reader.shapes[f"optimizer.exp_avg_sq.{name}"] == reader.shapes[name]
+    # Megatron-Core's second moments are squares of gradients: non-negative and, after 2 steps, not all zero.
+    square = reader.read("optimizer.exp_avg_sq.decoder.layers.3.mlp.linear_fc1.weight")
+    assert square.min() >= 0 and square.max() > 0
+
+
+def test_pretrain_load_continues_the_megatron_losses(megatron_run, tmp_path):
+    """Directly, and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
+    ``--load`` gave before the optimizer state was read) the second loss differs."""
+    path, megatron = megatron_run
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
+                                    "--output", converted) == 0
+    metrics = [str(tmp_path / f"{name}.jsonl") for name in ("direct", "converted", "fresh")]
+    out = run_distributed(_resume, 2, [(path, metrics[0], ()), (converted, metrics[1], ()),
+                                       (path, metrics[2], ("--no-load-optim",))], timeout=240)[0]
+    assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
+    assert "warning" not in out[0] + out[1]
+    _assert_equal_losses(_losses(metrics[0]), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(metrics[1]), megatron[fixture.SAVED_AT:])
+    fresh = _losses(metrics[2])
+    assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
+    assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+
+
+def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run, tmp_path, capsys):
+    """Parameter groups other than Megatron's default ones: the converter says so and keeps the weights."""
+    import shutil
+
+    from megalite.checkpoint import open_reader, read_checkpoint_info
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(megatron_run[0], copy)
+    common = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "common.pt")
+    state = torch.load(common, weights_only=False)  # written by this test's own Megatron-Core run
+    state["optimizer"]["param_groups"][0]["lr_mult"] = 2.0
+    torch.save(state, common)
+    reader = MegatronDistReader(copy)
+    assert reader.state["optimizer"] is None
+    assert reader.optimizer_note == "its parameter groups are not Megatron's default ones (one per weight-decay " \
+                                    "multiplier)"
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", copy,
+                                    "--output", converted) == 0
+    assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
+           "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
+           in capsys.readouterr().out
+    info = read_checkpoint_info(converted)
+    assert info["iteration"] == fixture.SAVED_AT and info["state"]["optimizer"] is None
+    assert not any(name.startswith("optimizer.") for name in open_reader(converted).shapes)
