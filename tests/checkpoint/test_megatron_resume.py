@@ -110,19 +110,41 @@ def test_pretrain_load_continues_the_megatron_losses(megatron_run, tmp_path):
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
 
 
-def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run, tmp_path, capsys):
-    """Parameter groups other than Megatron's default ones: the converter says so and keeps the weights."""
+def _with_common_optimizer(megatron_dir, copy, change):
+    """A copy of ``megatron_dir`` whose ``common.pt`` optimizer entry is ``change(entry)``."""
     import shutil
 
+    shutil.copytree(megatron_dir, copy)
+    common = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "common.pt")
+    state = torch.load(common, weights_only=False)  # written by this test's own Megatron-Core run
+    state["optimizer"] = change(state["optimizer"])
+    torch.save(state, common)
+    return copy
+
+
+def test_a_distributed_optimizer_state_is_named_and_left_out(megatron_run, tmp_path):
+    """Megatron-Core 0.16's distributed optimizer saves flat per-bucket DP shards ('dp_reshardable', its torch_dist
+    default), whose mapping to parameters is Megatron's gradient-buffer layout: named, not read."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"),
+                                  lambda saved: {"param_state_sharding_type": "dp_reshardable"})
+    reader = MegatronDistReader(copy)
+    assert reader.state["optimizer"] is None
+    assert reader.optimizer_note == "it is a distributed optimizer's state in the 'dp_reshardable' layout, which " \
+                                    "megalite does not read"
+
+
+def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run, tmp_path, capsys):
+    """Parameter groups other than Megatron's default ones: the converter says so and keeps the weights."""
     from megalite.checkpoint import open_reader, read_checkpoint_info
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
-    copy = str(tmp_path / "copy")
-    shutil.copytree(megatron_run[0], copy)
-    common = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "common.pt")
-    state = torch.load(common, weights_only=False)  # written by this test's own Megatron-Core run
-    state["optimizer"]["param_groups"][0]["lr_mult"] = 2.0
-    torch.save(state, common)
+    def other_groups(saved):
+        saved["param_groups"][0]["lr_mult"] = 2.0
+        return saved
+
+    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"), other_groups)
     reader = MegatronDistReader(copy)
     assert reader.state["optimizer"] is None
     assert reader.optimizer_note == "its parameter groups are not Megatron's default ones (one per weight-decay " \
