@@ -7,6 +7,8 @@ AdamW under its ``FP32Optimizer``), ``OptimizerParamScheduler``, ``forward_backw
 ``finalize_model_grads``, stepped the way Megatron-LM's ``train_step`` steps them.  After :data:`SAVED_AT`
 iterations the run is saved as ``--ckpt-format torch_dist`` does (``generate_state_dict``: model, optimizer,
 scheduler, args, iteration), then trained :data:`CONTINUED` more iterations: their losses are the reference.
+A second run in bf16 (``Float16Module``, Megatron-Core's mixed-precision optimizer with fp32 main
+weights) is saved beside it.
 
 Gradient clipping stays off (``clip_grad=0``): Megatron-Core's clipping asserts that gradients are CUDA tensors.
 Megatron-Core's other CUDA-only calls (tensors created on ``device='cuda'``) are redirected to the CPU in the
@@ -24,6 +26,8 @@ import torch.distributed as dist
 from tests.checkpoint import megatron_fixture
 
 SAVED_AT, CONTINUED = 2, 3
+BF16 = "_bf16"
+"""The suffix of the bf16 run's save directory."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
 PADDED_VOCAB = megatron_fixture.ARGS["padded_vocab_size"]
 # Megatron-LM's schedule lengths are in samples: 1 warmup iteration, cosine decay over 8, weight decay over the run.
@@ -92,50 +96,85 @@ def _train_step(model, optimizer, scheduler, micro_batches) -> float:
     return (total[0] / total[1]).item()
 
 
-def _run(save_dir: str, micro_batches: list[torch.Tensor]) -> list[float]:
-    from megatron.core import parallel_state
+def _build(bf16: bool = False):
+    """``(model, optimizer, scheduler)`` as Megatron-LM's ``setup_model_and_optimizer`` builds them on this rank:
+    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
 
-    patch_cuda()
-    tp = dist.get_world_size()
-    module = megatron_fixture.build_model(tp, 1)
+    module = megatron_fixture.build_model(dist.get_world_size(), 1)
     module.config.finalize_model_grads_func = finalize_model_grads
+    if bf16:
+        module.config.bf16 = True
+        module = Float16Module(module.config, module)
     model = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=SCHEDULE["max_lr"], min_lr=SCHEDULE["min_lr"], weight_decay=SCHEDULE["start_wd"],
-        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0), [model])
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
+        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=bf16), [model])
+    return model, optimizer, OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
+
+
+def _unwrapped(model):
+    """The GPTModel inside DDP (and Float16Module), as Megatron-LM's ``unwrap_model`` gives it to the save."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _run(save_dir: str, micro_batches: list[torch.Tensor]) -> tuple[list[float], torch.Tensor]:
+    from megatron.core import parallel_state
+
+    patch_cuda()
+    model, optimizer, scheduler = _build()
     per_iteration = len(micro_batches) // (SAVED_AT + CONTINUED)
     losses = []
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
-            _save(save_dir, model, optimizer, scheduler)
+            _save(save_dir, SAVED_AT, model, optimizer, scheduler)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(_train_step(model, optimizer, scheduler, batch))
     parallel_state.destroy_model_parallel()
-    return losses
+
+    # bf16 with fp32 main weights: Megatron-Core's Float16OptimizerWithFloat16Params, whose checks of CUDA tensor
+    # types see the CPU tensors as CUDA ones here.
+    cpu_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (cpu_type(self, *args, **kwargs) if args or kwargs else
+                                                        cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    model, optimizer, scheduler = _build(bf16=True)
+    for i in range(SAVED_AT):  # the first iteration runs at the warmup's LR 0
+        _train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
+    _save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
+    weight = _unwrapped(model).output_layer.weight
+    inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
+    main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+                for param, fp32 in zip(half, mains) if param is weight)
+    parallel_state.destroy_model_parallel()
+    return losses, main.detach().clone()
 
 
-def _save(save_dir: str, model, optimizer, scheduler) -> None:
+def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> None:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
     saves it."""
     tp = dist.get_world_size()
-    args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None,
-                                 "consumed_train_samples": SAVED_AT * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH},
+    args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
+                                 iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
+                                 "params_dtype": torch.bfloat16 if bf16 else torch.float32},
                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
                               data_parallel_size=1)
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": SAVED_AT,
-             "model": model.module.sharded_state_dict()}  # Megatron-LM saves the unwrapped model
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": _unwrapped(model).sharded_state_dict()}
     state["optimizer"] = optimizer.sharded_state_dict(state)
     state["opt_param_scheduler"] = scheduler.state_dict()
-    megatron_fixture.save_state(state, save_dir, SAVED_AT)
+    megatron_fixture.save_state(state, save_dir, iteration)
 
 
-def train_and_save(save_dir: str, micro_batches: list[torch.Tensor]) -> list[float]:
-    """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations; the losses
-    of all :data:`SAVED_AT` + :data:`CONTINUED` iterations (``micro_batches`` in order, 2 per iteration)."""
+def train_and_save(save_dir: str, micro_batches: list[torch.Tensor]) -> tuple[list[float], list[torch.Tensor]]:
+    """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
+    bf16 run saved into ``save_dir + BF16`` at the same iteration: ``(the losses of all SAVED_AT + CONTINUED iterations
+    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer)``."""
     from megalite.testing import run_distributed
 
-    return run_distributed(_run, 2, save_dir, micro_batches, timeout=240)[0]
+    results = run_distributed(_run, 2, save_dir, micro_batches, timeout=240)
+    return results[0][0], [main for _, main in results]

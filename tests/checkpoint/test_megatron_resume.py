@@ -38,10 +38,12 @@ def _micro_batches() -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def megatron_run(tmp_path_factory):
-    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5)``."""
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
+    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16)``."""
     path = str(tmp_path_factory.mktemp("megatron_optim") / "save")
     os.makedirs(path)
-    return path, fixture.train_and_save(path, _micro_batches())
+    os.makedirs(path + fixture.BF16)
+    return (path, *fixture.train_and_save(path, _micro_batches()))
 
 
 def _resume(runs):
@@ -91,10 +93,24 @@ def test_reader_maps_the_adam_state(megatron_run):
     assert square.min() >= 0 and square.max() > 0
 
 
+def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
+    """Megatron-Core's mixed-precision optimizer saves ``optimizer.state.fp32_param.*``: megalite's
+    ``optimizer.main.*``, equal to the fp32 weights Megatron-Core's optimizer holds (the bf16 weights round them)."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.BF16)
+    assert reader.optimizer_note is None and reader.state["optimizer"]["num_steps"] == fixture.SAVED_AT
+    main = reader.read("optimizer.main.output_layer.weight")
+    assert main.dtype == torch.float32 and reader.dtype("output_layer.weight") == torch.bfloat16
+    assert torch.equal(main, torch.cat(megatron_run[2]))
+    assert torch.equal(main.bfloat16(), reader.read("output_layer.weight"))
+    assert not torch.equal(main, main.bfloat16().float())  # fp32 information the bf16 weights do not hold
+
+
 def test_pretrain_load_continues_the_megatron_losses(megatron_run, tmp_path):
     """Directly, and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
     ``--load`` gave before the optimizer state was read) the second loss differs."""
-    path, megatron = megatron_run
+    path, megatron, _ = megatron_run
     converted = str(tmp_path / "megalite")
     assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                     "--output", converted) == 0
