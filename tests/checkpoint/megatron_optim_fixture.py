@@ -123,7 +123,7 @@ def _unwrapped(model):
     return model
 
 
-def _run(save_dir: str, micro_batches: list[torch.Tensor]) -> tuple[list[float], torch.Tensor]:
+def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args) -> tuple[list[float], torch.Tensor, object]:
     from megatron.core import parallel_state
 
     patch_cuda()
@@ -150,8 +150,10 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor]) -> tuple[list[float],
     inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
     main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
                 for param, fp32 in zip(half, mains) if param is weight)
+    main = main.detach().clone()
     parallel_state.destroy_model_parallel()
-    return losses, main.detach().clone()
+    torch.Tensor.type = cpu_type
+    return losses, main, then(*then_args) if then is not None else None
 
 
 def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> None:
@@ -170,11 +172,13 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     megatron_fixture.save_state(state, save_dir, iteration)
 
 
-def train_and_save(save_dir: str, micro_batches: list[torch.Tensor]) -> tuple[list[float], list[torch.Tensor]]:
+def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
-    bf16 run saved into ``save_dir + BF16`` at the same iteration: ``(the losses of all SAVED_AT + CONTINUED iterations
-    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer)``."""
+    bf16 run saved into ``save_dir + BF16`` at the same iteration; then ``then(*then_args)`` in the same rank
+    processes (which saves starting new ones).  Returns ``(the losses of all SAVED_AT + CONTINUED iterations
+    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer, rank 0's
+    result of then)``."""
     from megalite.testing import run_distributed
 
-    results = run_distributed(_run, 2, save_dir, micro_batches, timeout=240)
-    return results[0][0], [main for _, main in results]
+    results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
+    return results[0][0], [main for _, main, _ in results], results[0][2]

@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
 
-from megalite.testing import run_distributed  # noqa: E402
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 
 TOTAL = fixture.SAVED_AT + fixture.CONTINUED
@@ -36,16 +35,6 @@ def _micro_batches() -> list[torch.Tensor]:
     return fixture.batches([train[i] for i in range(samples)])
 
 
-@pytest.fixture(scope="module")
-def megatron_run(tmp_path_factory):
-    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
-    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16)``."""
-    path = str(tmp_path_factory.mktemp("megatron_optim") / "save")
-    os.makedirs(path)
-    os.makedirs(path + fixture.BF16)
-    return (path, *fixture.train_and_save(path, _micro_batches()))
-
-
 def _resume(runs):
     """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn, in these rank processes."""
     from megalite.training import gpt, pretrain
@@ -60,6 +49,32 @@ def _resume(runs):
             pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
         outputs.append(out.getvalue())
     return outputs
+
+
+def _convert_and_resume(path: str, root: str):
+    """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
+    then megalite resumes it directly, converted, and with fresh Adam moments (``--no-load-optim``)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
+                                        "--output", os.path.join(root, "converted")) == 0
+    dist.barrier()
+    return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
+                    (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
+                    (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",))])
+
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
+    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, megalite's outputs of its
+    three resumed runs)``: one set of rank processes (Megatron-Core, then megalite) to keep the test short."""
+    root = str(tmp_path_factory.mktemp("megatron_optim"))
+    path = os.path.join(root, "save")
+    os.makedirs(path)
+    os.makedirs(path + fixture.BF16)
+    return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
 
 def _losses(metrics) -> list[float]:
@@ -107,21 +122,16 @@ def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
     assert not torch.equal(main, main.bfloat16().float())  # fp32 information the bf16 weights do not hold
 
 
-def test_pretrain_load_continues_the_megatron_losses(megatron_run, tmp_path):
+def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     """Directly, and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
     ``--load`` gave before the optimizer state was read) the second loss differs."""
-    path, megatron, _ = megatron_run
-    converted = str(tmp_path / "megalite")
-    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
-                                    "--output", converted) == 0
-    metrics = [str(tmp_path / f"{name}.jsonl") for name in ("direct", "converted", "fresh")]
-    out = run_distributed(_resume, 2, [(path, metrics[0], ()), (converted, metrics[1], ()),
-                                       (path, metrics[2], ("--no-load-optim",))], timeout=240)[0]
+    path, megatron, _, out = megatron_run
+    root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
     assert "warning" not in out[0] + out[1]
-    _assert_equal_losses(_losses(metrics[0]), megatron[fixture.SAVED_AT:])
-    _assert_equal_losses(_losses(metrics[1]), megatron[fixture.SAVED_AT:])
-    fresh = _losses(metrics[2])
+    _assert_equal_losses(_losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
+    fresh = _losses(os.path.join(root, "fresh.jsonl"))
     assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
 
