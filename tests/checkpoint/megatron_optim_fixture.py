@@ -6,7 +6,7 @@ softmax sees it) wrapped in Megatron-Core's ``DistributedDataParallel``, ``get_m
 AdamW under its ``FP32Optimizer``), ``OptimizerParamScheduler``, ``forward_backward_no_pipelining`` and
 ``finalize_model_grads``, stepped the way Megatron-LM's ``train_step`` steps them.  After :data:`SAVED_AT`
 iterations the run is saved as ``--ckpt-format torch_dist`` does (``generate_state_dict``: model, optimizer,
-scheduler, args, iteration), then trained :data:`CONTINUED` more iterations: their losses are the reference.
+scheduler, RNG states, args, iteration), then trained :data:`CONTINUED` more iterations: their losses are the reference.
 A second run in bf16 (``Float16Module``, Megatron-Core's mixed-precision optimizer with fp32 main
 weights) is saved beside it.
 
@@ -169,7 +169,27 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
              "model": _unwrapped(model).sharded_state_dict()}
     state["optimizer"] = optimizer.sharded_state_dict(state)
     state["opt_param_scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_state()
     megatron_fixture.save_state(state, save_dir, iteration)
+
+
+def _rng_state():
+    """Megatron-LM's ``get_rng_state`` for a torch_dist save on a CPU rank: the Python, NumPy and torch generator
+    states (no CUDA state on the CPU) as one sharded object per (pipeline, tensor) rank."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", [state], (parallel_state.get_pipeline_model_parallel_world_size(),
+                                                parallel_state.get_tensor_model_parallel_world_size()),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
 def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):

@@ -94,6 +94,9 @@ def test_reader_maps_the_adam_state(megatron_run):
 
     reader = MegatronDistReader(megatron_run[0])
     assert reader.optimizer_note is None
+    # The save holds Megatron-LM's RNG states too (one object per tensor rank), which megalite does not read.
+    assert sorted(k for k in reader.metadata.state_dict_metadata if k.startswith("rng_state")) == \
+        ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
     meta = reader.state["optimizer"]
     assert meta["num_steps"] == fixture.SAVED_AT
     assert [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
