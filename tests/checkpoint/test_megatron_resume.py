@@ -53,7 +53,8 @@ def _resume(runs):
 
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
-    then megalite resumes it directly, converted, and with fresh Adam moments (``--no-load-optim``)."""
+    then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
+    and with fresh Adam moments (``--no-load-optim``)."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
@@ -61,6 +62,7 @@ def _convert_and_resume(path: str, root: str):
                                         "--output", os.path.join(root, "converted")) == 0
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
+                    (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
                     (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",))])
 
@@ -126,13 +128,14 @@ def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
 
 
 def test_pretrain_load_continues_the_megatron_losses(megatron_run):
-    """Directly, and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
+    """Directly (also with ZeRO-1), and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
     ``--load`` gave before the optimizer state was read) the second loss differs."""
     path, megatron, _, out = megatron_run
     root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
-    assert "warning" not in out[0] + out[1]
+    assert "warning" not in "".join(out[:3])
     _assert_equal_losses(_losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
     _assert_equal_losses(_losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
     fresh = _losses(os.path.join(root, "fresh.jsonl"))
     assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
