@@ -54,17 +54,20 @@ def _resume(runs):
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
-    and with fresh Adam moments (``--no-load-optim``)."""
+    with fresh Adam moments (``--no-load-optim``), and from a copy whose optimizer megalite cannot resume."""
     import torch.distributed as dist
 
+    other = os.path.join(root, "other_groups")
     if dist.get_rank() == 0:
         assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                         "--output", os.path.join(root, "converted")) == 0
+        _with_common_optimizer(path, other, _other_groups)
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
-                    (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",))])
+                    (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
+                    (other, os.path.join(root, "other_groups.jsonl"), ())])
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +143,11 @@ def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     fresh = _losses(os.path.join(root, "fresh.jsonl"))
     assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+    # An optimizer state megalite cannot resume: one warning line, then the fresh-moments run.
+    assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
+           "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
+           in out[4]
+    assert _losses(os.path.join(root, "other_groups.jsonl")) == fresh
 
 
 def _with_common_optimizer(megatron_dir, copy, change):
@@ -152,6 +160,12 @@ def _with_common_optimizer(megatron_dir, copy, change):
     state["optimizer"] = change(state["optimizer"])
     torch.save(state, common)
     return copy
+
+
+def _other_groups(saved):
+    """Megatron's optimizer entry with a learning-rate multiplier on one group (not its default groups)."""
+    saved["param_groups"][0]["lr_mult"] = 2.0
+    return saved
 
 
 def test_a_distributed_optimizer_state_is_named_and_left_out(megatron_run, tmp_path):
@@ -172,11 +186,7 @@ def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run,
     from megalite.checkpoint import open_reader, read_checkpoint_info
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
-    def other_groups(saved):
-        saved["param_groups"][0]["lr_mult"] = 2.0
-        return saved
-
-    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"), other_groups)
+    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"), _other_groups)
     reader = MegatronDistReader(copy)
     assert reader.state["optimizer"] is None
     assert reader.optimizer_note == "its parameter groups are not Megatron's default ones (one per weight-decay " \
