@@ -24,7 +24,7 @@ import sys
 
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
-from megalite.checkpoint.megatron_dist import optimizer_warning
+from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
 from megalite.cli import run_cli
 from megalite.flags import ArgumentParser

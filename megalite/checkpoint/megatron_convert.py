@@ -29,7 +29,8 @@ from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
 from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
-from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name, parameter_name
+from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_name
+from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size

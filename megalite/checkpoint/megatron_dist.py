@@ -17,7 +17,8 @@ Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_av
 in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
 the Adam step (``common_step``) and the parameter groups come from ``common.pt``'s ``optimizer`` entry, so
 ``--load`` resumes Adam where Megatron left it.  A saved optimizer state that cannot be resumed that way is
-left out with the reason in :attr:`MegatronDistReader.optimizer_note`.  RNG states are not read.
+left out with the reason in :attr:`MegatronDistReader.optimizer_note` (:mod:`megalite.checkpoint.megatron_optim`).
+RNG states are not read.
 
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
 ``--load``, ``load_model`` and ``inspect`` read only the regions each rank holds, at any layout.
@@ -47,6 +48,7 @@ from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
 from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
 from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
@@ -59,10 +61,6 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-OPTIMIZER_STATE = "optimizer.state."
-# Megatron-Core's optimizer state per parameter, ``optimizer.state.<key>.<parameter's sharded name>`` in the
-# parameter's own layout (its FP32 and mixed-precision optimizers), and megalite's ``optimizer.<key>.<name>``.
-OPTIMIZER_STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
 # DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
 _PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
                  for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
@@ -173,39 +171,6 @@ def config_from_common_args(args: dict, where: str):
         raise ValueError(f"{where}: {err}") from None
 
 
-def default_groups_problem(groups: list[dict]) -> str | None:
-    """Why Megatron's optimizer parameter ``groups`` are not its default ones (one per weight-decay multiplier 1 and
-    0, with biases and 1-D parameters undecayed, as megalite groups them), or None when they are."""
-    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
-            g.get("wd_mult", 1.0) not in (0.0, 1.0) or g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel")
-            or g.get("is_decoupled_lr") for g in groups):
-        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
-    return None
-
-
-def optimizer_meta(groups: list[dict], num_steps: int) -> dict:
-    """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``: decayed, then undecayed) of
-    Megatron's default parameter ``groups`` after ``num_steps`` Adam steps."""
-    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
-    param_groups = []
-    for wd_mult in (1.0, 0.0):
-        group = by_mult.get(wd_mult, groups[0])
-        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
-                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
-    return {"num_steps": num_steps, "scaler": None, "param_groups": param_groups}
-
-
-def optimizer_warning(note: str) -> str:
-    """The warning line for a Megatron-LM optimizer state that is not resumed, for the reason ``note``."""
-    return (f"warning: the Megatron optimizer state is not read ({note}): training from this checkpoint starts with "
-            "fresh Adam moments")
-
-
-def parameter_name(name: str) -> str:
-    """The parameter a megalite tensor name belongs to: ``name``, or the ``<name>`` of ``optimizer.<key>.<name>``."""
-    return name.split(".", 2)[2] if name.startswith("optimizer.") else name
-
-
 def megalite_name(key: str) -> str:
     """The megalite name of Megatron's (unstacked part of a) tensor name, e.g. ``mlp.linear_fc1.layer_norm_weight``."""
     return _TE_NAMES.get(key, key)
@@ -274,22 +239,23 @@ class MegatronDistReader:
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
         self._sources = self._map_names()
-        self.state["optimizer"], self.optimizer_note = self._optimizer_state(common.get("optimizer"))
+        self.state["optimizer"], self.optimizer_note = resumable_optimizer(
+            common.get("optimizer"), {name: shape for name, (_, _, shape) in self._sources.items()})
         self.state["optimizer_note"] = self.optimizer_note
 
     def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
-        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see :data:`OPTIMIZER_STATE`)."""
+        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see
+        :func:`megalite_optimizer_prefix`)."""
         sources = {}
         for key, md in self.metadata.state_dict_metadata.items():
             if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
                 continue
             prefix, model_key = "", key
             if key.startswith("optimizer."):
-                kind, _, model_key = key[len(OPTIMIZER_STATE):].partition(".")
-                if not key.startswith(OPTIMIZER_STATE) or kind not in OPTIMIZER_STATE_KEYS:
-                    continue  # another optimizer's layout: :meth:`_optimizer_state` names it
-                prefix = f"optimizer.{OPTIMIZER_STATE_KEYS[kind]}."
+                prefix, model_key = megalite_optimizer_prefix(key)
+                if prefix is None:
+                    continue  # another optimizer's layout: :func:`resumable_optimizer` names it
             size = tuple(md.size)
             if model_key.startswith(LAYERS):
                 rest = megalite_name(model_key[len(LAYERS):])
@@ -301,32 +267,6 @@ class MegatronDistReader:
                     size = (min(size[0], self._config.vocab_size),) + size[1:]
                 sources[prefix + name] = (key, (), size)
         return sources
-
-    def _optimizer_state(self, saved) -> tuple[dict | None, str | None]:
-        """``(megalite's optimizer JSON state, None)`` when ``common.pt``'s ``optimizer`` entry and the per-parameter
-        tensors are Megatron-Core's Adam state of every parameter, in a layout megalite reads; ``(None, why not)``
-        when an optimizer was saved but cannot be resumed; ``(None, None)`` when none was saved."""
-        if saved is None:
-            return None, None
-        if isinstance(saved, dict) and "param_state_sharding_type" in saved:
-            return None, (f"it is a distributed optimizer's state in the {saved['param_state_sharding_type']!r} "
-                          "layout, which megalite does not read")
-        inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
-        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-            return None, "its common state holds no parameter groups (a chain of optimizers, or not Adam)"
-        step = (inner.get("state") or {}).get("common_step")
-        problem = default_groups_problem(inner["param_groups"])
-        if problem:
-            return None, problem
-        params = [name for name in self._sources if not name.startswith("optimizer.")]
-        for name in params:
-            for key in ("exp_avg", "exp_avg_sq"):
-                moment = self._sources.get(f"optimizer.{key}.{name}")
-                if moment is None or moment[2] != self._sources[name][2]:
-                    return None, f"it holds no {key} of {name} of the parameter's shape"
-        if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.item() < 1:
-            return None, "its common state holds no Adam step count (common_step)"
-        return optimizer_meta(inner["param_groups"], int(step.item())), None
 
     # The interface load_into, inspect and the converters use.
     @property

@@ -43,7 +43,8 @@ import torch
 from megalite.checkpoint import global_shapes, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
-from megalite.checkpoint.megatron_dist import default_groups_problem, megalite_name, optimizer_meta
+from megalite.checkpoint.megatron_dist import megalite_name
+from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.locate import find_checkpoint
-from megalite.checkpoint.megatron_dist import optimizer_warning
+from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.distributed.unwrap import unwrap
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.models.architecture import config_to_dict
