@@ -18,7 +18,7 @@ in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|ma
 the Adam step (``common_step``) and the parameter groups come from ``common.pt``'s ``optimizer`` entry, so
 ``--load`` resumes Adam where Megatron left it.  A saved optimizer state that cannot be resumed that way is
 left out with the reason in :attr:`MegatronDistReader.optimizer_note` (:mod:`megalite.checkpoint.megatron_optim`).
-RNG states are not read.
+Megatron-LM's RNG states are each rank's :meth:`MegatronDistReader.rank_state` (:mod:`megalite.checkpoint.megatron_rng`).
 
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
 ``--load``, ``load_model`` and ``inspect`` read only the regions each rank holds, at any layout.
@@ -95,7 +95,8 @@ _COMMON_TENSOR_LIMIT = 1 << 16
 
 
 class _CommonUnpickler(pickle.Unpickler):
-    """Unpickles ``common.pt`` running no code: argparse namespaces, containers and torch dtypes load as
+    """Unpickles a Megatron ``torch.save`` archive (``common.pt``, a sharded object) running no code: argparse
+    namespaces, containers and torch dtypes load as
     themselves, tensors of at most :data:`_COMMON_TENSOR_LIMIT` elements (read from ``archive``) as tensors, larger
     ones as None, and every other class as an :class:`Opaque` record."""
 
@@ -138,16 +139,21 @@ def _rebuild_tensor(storage, offset, size, stride, *rest):
     return torch.as_strided(storage, tuple(size), tuple(stride), offset).clone()
 
 
+def unpickle_data(archive: zipfile.ZipFile):
+    """The object of a ``torch.save`` archive, unpickled by :class:`_CommonUnpickler` (no pickled code runs)."""
+    pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+    if len(pickled) != 1:
+        raise ValueError("it is not a torch.save archive")
+    with archive.open(pickled[0]) as data:
+        return _CommonUnpickler(data, archive, pickled[0][:-len("data.pkl")]).load()
+
+
 def read_common(directory: str) -> dict:
     """``common.pt`` of a torch_dist directory as plain data (args as a dict), without running pickled code."""
     path = os.path.join(directory, COMMON)
     try:
         with open_regular(path, "Megatron-LM common state") as f, zipfile.ZipFile(f) as archive:
-            pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            if len(pickled) != 1:
-                raise ValueError("it is not a torch.save archive")
-            with archive.open(pickled[0]) as data:
-                common = _CommonUnpickler(data, archive, pickled[0][:-len("data.pkl")]).load()
+            common = unpickle_data(archive)
     except ValueError as err:
         raise ValueError(f"Megatron-LM common state {path} is unreadable: {err}") from None
     except Exception as err:  # zipfile and pickle raise many kinds on a truncated or foreign file
@@ -216,8 +222,12 @@ class MegatronDistReader:
         self._config = config_from_common_args(args, f"{where}/{COMMON}")
         tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
         self.world_size = int(args.get("world_size") or tp * pp)
-        self.layout = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size"), "ep":
-                       args.get("expert_model_parallel_size", 1), "vpp": args.get("virtual_pipeline_model_parallel_size")}
+        # The keys of megalite's trainer layout, so that a run at Megatron's layout restores its RNG states.
+        self.layout = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size"),
+                       "cp": args.get("context_parallel_size") or 1, "ep": args.get("expert_model_parallel_size", 1),
+                       "vpp": args.get("virtual_pipeline_model_parallel_size"),
+                       "distributed_optimizer": bool(args.get("use_distributed_optimizer")),
+                       "fsdp2": bool(args.get("use_torch_fsdp2"))}
         self.state = {"format": "megatron_dist", "iteration": self.iteration, "world_size": self.world_size,
                       "optimizer": None, "scheduler": None, "args": None,
                       "consumed_samples": int(args.get("consumed_train_samples") or 0),
@@ -300,7 +310,12 @@ class MegatronDistReader:
         return f"Megatron-LM checkpoint {self.directory}/{COMMON}: field {field!r} {problem}"
 
     def rank_state(self, rank: int) -> dict:
-        return {}
+        """``{"megatron_rng": ...}`` (:func:`megalite.checkpoint.megatron_rng.read_rng_state`) when the checkpoint
+        holds Megatron-LM's RNG states for ``rank`` of its layout, else ``{}``."""
+        from megalite.checkpoint.megatron_rng import read_rng_state
+
+        rng = read_rng_state(self.directory, self.metadata, self.layout, rank)
+        return {} if rng is None else {"megatron_rng": rng}
 
     def agree(self, problem: str | None, *, data: bool = False) -> None:
         """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""

@@ -40,7 +40,7 @@ from megalite.tensor_parallel import get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_adapter_checkpoint", "resume_adapters", "checkpoint_info",
            "has_checkpoint", "read_latest", "iteration_dir",
-           "get_rng_state", "set_rng_state", "LoadResult"]
+           "get_rng_state", "set_rng_state", "set_megatron_rng_state", "LoadResult"]
 
 
 class LoadResult(NamedTuple):
@@ -115,6 +115,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_text_to_bytes(s) for s in state["cuda"]])
     get_rng_tracker().set_states({name: (_text_to_bytes(cpu), _text_to_bytes(cuda))
                                   for name, (cpu, cuda) in state["tp_tracker"].items()})
+
+
+def set_megatron_rng_state(state: dict) -> None:
+    """Restore the generators a Megatron-LM checkpoint saved for this rank
+    (:func:`megalite.checkpoint.megatron_rng.read_rng_state`): Python's, NumPy's, torch's CPU one and, on a GPU,
+    the current CUDA one.  The tensor-parallel tracker keeps this run's states (Megatron's are CUDA generators under
+    its own names)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _jsonable_args(args) -> dict | None:
@@ -192,9 +204,11 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
         problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
     try:
-        rng = reader.rank_state(rank).get("rng") if problem is None and load_rng and same_layout else None
-        if rng is not None:
-            set_rng_state(rng)
+        saved = reader.rank_state(rank) if problem is None and load_rng and same_layout else {}
+        if saved.get("rng") is not None:
+            set_rng_state(saved["rng"])
+        elif saved.get("megatron_rng") is not None:
+            set_megatron_rng_state(saved["megatron_rng"])
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
         problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on

@@ -123,7 +123,7 @@ def _unwrapped(model):
     return model
 
 
-def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args) -> tuple[list[float], torch.Tensor, object]:
+def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     from megatron.core import parallel_state
 
     patch_cuda()
@@ -132,7 +132,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args) -> t
     losses = []
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
-            _save(save_dir, SAVED_AT, model, optimizer, scheduler)
+            rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(_train_step(model, optimizer, scheduler, batch))
     parallel_state.destroy_model_parallel()
@@ -153,12 +153,12 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args) -> t
     main = main.detach().clone()
     parallel_state.destroy_model_parallel()
     torch.Tensor.type = cpu_type
-    return losses, main, then(*then_args) if then is not None else None
+    return losses, main, rng, then(*then_args) if then is not None else None
 
 
-def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> None:
+def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> dict:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
-    saves it."""
+    saves it; returns this rank's saved RNG states."""
     tp = dist.get_world_size()
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
@@ -171,6 +171,7 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_state()
     megatron_fixture.save_state(state, save_dir, iteration)
+    return state["rng_state"].data[0]
 
 
 def _rng_state():
@@ -196,9 +197,9 @@ def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, 
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
     bf16 run saved into ``save_dir + BF16`` at the same iteration; then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Returns ``(the losses of all SAVED_AT + CONTINUED iterations
-    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer, rank 0's
-    result of then)``."""
+    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer, each
+    rank's RNG states saved in save_dir, rank 0's result of then)``."""
     from megalite.testing import run_distributed
 
     results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
-    return results[0][0], [main for _, main, _ in results], results[0][2]
+    return results[0][0], [r[1] for r in results], [r[2] for r in results], results[0][3]

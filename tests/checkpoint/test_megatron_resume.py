@@ -36,7 +36,13 @@ def _micro_batches() -> list[torch.Tensor]:
 
 
 def _resume(runs):
-    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn, in these rank processes."""
+    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
+    flags say otherwise), in these rank processes: ``[(its stdout, Python's, NumPy's and torch's RNG states after
+    it)]``."""
+    import random
+
+    import numpy as np
+
     from megalite.training import gpt, pretrain
 
     outputs = []
@@ -47,14 +53,15 @@ def _resume(runs):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
-        outputs.append(out.getvalue())
+        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
     return outputs
 
 
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
-    with fresh Adam moments (``--no-load-optim``), and from a copy whose optimizer megalite cannot resume."""
+    with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, and at
+    Megatron's own layout (tp=2, where its RNG states are restored too)."""
     import torch.distributed as dist
 
     other = os.path.join(root, "other_groups")
@@ -67,14 +74,16 @@ def _convert_and_resume(path: str, root: str):
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
                     (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
-                    (other, os.path.join(root, "other_groups.jsonl"), ())])
+                    (other, os.path.join(root, "other_groups.jsonl"), ()),
+                    (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
 @pytest.fixture(scope="module")
 def megatron_run(tmp_path_factory):
     """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
-    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, megalite's outputs of its
-    three resumed runs)``: one set of rank processes (Megatron-Core, then megalite) to keep the test short."""
+    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
+    rank 0's (output, RNG states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then
+    megalite) to keep the test short."""
     root = str(tmp_path_factory.mktemp("megatron_optim"))
     path = os.path.join(root, "save")
     os.makedirs(path)
@@ -133,7 +142,8 @@ def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
 def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     """Directly (also with ZeRO-1), and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
     ``--load`` gave before the optimizer state was read) the second loss differs."""
-    path, megatron, _, out = megatron_run
+    path, megatron, _, _, runs = megatron_run
+    out = [text for text, *_ in runs]
     root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
     assert "warning" not in "".join(out[:3])
@@ -200,3 +210,24 @@ def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run,
     info = read_checkpoint_info(converted)
     assert info["iteration"] == fixture.SAVED_AT and info["state"]["optimizer"] is None
     assert not any(name.startswith("optimizer.") for name in open_reader(converted).shapes)
+
+
+def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_run):
+    """Each rank's Python, NumPy and torch generator states as Megatron-LM saved them; ``--load`` at Megatron's own
+    layout (tp=2) restores them (training at dropout 0 draws from none of them), another layout (tp=1 x dp=2)
+    keeps the states megalite's initialisation left (torch's differs), and the losses match either way."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    path, megatron, _, saved, runs = megatron_run
+    reader = MegatronDistReader(path)
+    for rank, theirs in enumerate(saved):
+        mine = reader.rank_state(rank)["megatron_rng"]
+        assert mine["python"] == theirs["random_rng_state"]
+        assert mine["numpy"][0] == theirs["np_rng_state"][0] and mine["numpy"][2:] == theirs["np_rng_state"][2:]
+        assert (mine["numpy"][1] == theirs["np_rng_state"][1]).all() and mine["numpy"][1].dtype == "uint32"
+        assert torch.equal(mine["cpu"], theirs["torch_rng_state"]) and mine["cuda"] is None
+    _, python, numpy, cpu = runs[-1]  # rank 0 after the tp=2 run
+    assert python == saved[0]["random_rng_state"] and (numpy == saved[0]["np_rng_state"][1]).all()
+    assert torch.equal(cpu, saved[0]["torch_rng_state"])
+    assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
