@@ -231,3 +231,23 @@ def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_r
     assert torch.equal(cpu, saved[0]["torch_rng_state"])
     assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
     _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
+
+
+def test_a_damaged_rng_state_is_one_clear_error(megatron_run, tmp_path):
+    """A truncated RNG object (its bytes zeroed in the shard file) is a ValueError naming it, not a crash."""
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(megatron_run[0], copy)
+    reader = MegatronDistReader(copy)
+    info = reader.metadata.storage_data[MetadataIndex("rng_state/shard_0.1_1.2")]
+    with open(os.path.join(reader.directory, info.relative_path), "r+b") as f:
+        f.seek(info.offset + 100)
+        f.write(bytes(200))
+    with pytest.raises(ValueError, match=r"Megatron-LM RNG state 'rng_state/shard_0.1_1.2' in .* is unreadable"):
+        reader.rank_state(1)
+    assert reader.rank_state(0)["megatron_rng"]["cpu"].numel() > 0  # the other rank's object is intact
