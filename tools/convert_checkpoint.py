@@ -9,11 +9,12 @@ DeepSeek-V3; safetensors), Megatron-LM and megalite.
     python tools/convert_checkpoint.py --from megalite --to peft --input ADAPTER_CKPT_DIR --output PEFT_DIR
 
 ``--from megatron`` / ``--to megatron`` is Megatron-LM's torch_dist format (``--ckpt-format torch_dist``), read
-and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), model
-weights only; ``--from megatron-legacy`` reads the older ``mp_rank_XX/model_optim_rng.pt`` pickles (weights and a
-non-distributed optimizer's Adam state), only with ``--allow-pickle``.  ``--to peft`` writes a ``--lora-rank`` run's
-adapter checkpoint in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``) for the base's
-``--to hf`` conversion.
+and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``): from
+it the weights, the Adam state and the LR schedule (the converted run resumes), to it the weights only;
+``--from megatron-legacy`` reads the older ``mp_rank_XX/model_optim_rng.pt`` pickles (weights and a
+non-distributed optimizer's Adam state), only with ``--allow-pickle``.  ``--to peft`` writes a ``--lora-rank``
+run's adapter checkpoint in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``) for the
+base's ``--to hf`` conversion.
 
 A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
@@ -27,6 +28,7 @@ import sys
 from megalite.checkpoint import read_checkpoint_info
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
+from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
 from megalite.cli import run_cli
 from megalite.flags import ArgumentParser
@@ -67,12 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         legacy = convert_megatron_legacy(args.input, args.output, allow_pickle=args.allow_pickle,
                                          vocab_size=args.vocab_size)
         if legacy.optimizer_note:
-            print(f"the Megatron optimizer state is not converted ({legacy.optimizer_note}): a run that loads this "
-                  "checkpoint starts with fresh Adam moments")
+            print(optimizer_warning(legacy.optimizer_note))
     elif args.source == "hf":
         convert_hf_to_megalite(args.input, args.output)
     elif args.source == "megatron":
-        convert_megatron_to_megalite(args.input, args.output)
+        reader = convert_megatron_to_megalite(args.input, args.output)
+        if reader.optimizer_note:
+            print(optimizer_warning(reader.optimizer_note))
     elif args.target == "peft":
         convert_adapters_to_peft(args.input, args.output)
     elif args.target == "megatron":

@@ -102,29 +102,26 @@ def global_shapes(config) -> dict[str, tuple[int, ...]]:
 
 def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tensor], *, iteration: int = 0,
                            extra: dict | None = None) -> str:
-    """Write whole global model tensors as a single-rank checkpoint that loads under any layout.
-
-    ``tensors`` must hold exactly the tensors of ``config``'s model with their global shapes, and may add
-    optimizer state as ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` of the same shapes (with its JSON
-    state as ``extra["optimizer"]``).
-    """
-    model = global_shapes(config)
-    expected = {**model, **{f"optimizer.{key}.{name}": shape for key in (*OPTIMIZER_KEYS, "main")
-                            for name, shape in model.items() if f"optimizer.{key}.{name}" in tensors}}
+    """Write whole global tensors as a single-rank checkpoint that loads under any layout (see
+    :func:`save_global_shards`)."""
     shards = [TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor.detach().cpu())
               for name, tensor in sorted(tensors.items())]
-    return save_global_shards(save_dir, config, shards, iteration=iteration, extra=extra, expected=expected)
+    return save_global_shards(save_dir, config, shards, iteration=iteration, extra=extra)
 
 
 def save_global_shards(save_dir: str, config, shards: list[TensorShard], *, iteration: int = 0,
-                       extra: dict | None = None, expected: dict | None = None) -> str:
-    """Write boxes of global model tensors (:class:`TensorShard`, e.g. views of another checkpoint's files, so
+                       extra: dict | None = None) -> str:
+    """Write boxes of global tensors (:class:`TensorShard`, e.g. views of another checkpoint's files, so
     nothing is held whole) as a single-rank checkpoint that loads under any layout.
 
-    The shards must name exactly the tensors of ``config``'s model, with their global shapes.
+    The shards must name exactly the tensors of ``config``'s model, with their global shapes, and may add
+    optimizer state as ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` of the same shapes (with its JSON
+    state as ``extra["optimizer"]``).
     """
-    expected = expected or global_shapes(config)
     shapes = {shard.name: tuple(shard.global_shape) for shard in shards}
+    model = global_shapes(config)
+    expected = {**model, **{f"optimizer.{key}.{name}": shape for key in (*OPTIMIZER_KEYS, "main")
+                            for name, shape in model.items() if f"optimizer.{key}.{name}" in shapes}}
     missing = sorted(set(expected) - set(shapes))
     unknown = sorted(set(shapes) - set(expected))
     if missing or unknown:

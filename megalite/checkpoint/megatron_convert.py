@@ -8,7 +8,9 @@
   ``args``, the DCP files with stacked layers and Transformer-Engine layer-norm names, a padded vocabulary)
   plus ``latest_checkpointed_iteration.txt``, so Megatron-Core's ``dist_checkpointing.load`` reads it.
 
-Model weights only (optimizer state, RNG and the LR schedule are not converted).
+From Megatron-LM: the model weights, the Adam state that :class:`MegatronDistReader` reads (moments, fp32 main
+weights, step count) and the LR schedule, so the converted checkpoint resumes the run; not the RNG states.  To
+Megatron-LM: the model weights only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
 from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
 from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_key, megatron_name
+from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
@@ -37,11 +40,14 @@ _EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.
 
 
 def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
-    """Every saved chunk of ``reader``'s model tensors as megalite :class:`TensorShard` boxes, each a view of the
-    memory-mapped shard file it lies in (vocabulary padding rows cut off)."""
+    """Every saved chunk of ``reader``'s model tensors (and optimizer state, when the reader resumes it) as megalite
+    :class:`TensorShard` boxes, each a view of the memory-mapped shard file it lies in (vocabulary padding rows cut
+    off)."""
     chunks = StoredChunks(reader.directory, {"files": {}}, reader.metadata, hashed=False)
     shards = []
     for name, (key, lead, shape) in reader._sources.items():
+        if name.startswith("optimizer.") and reader.state["optimizer"] is None:
+            continue
         for chunk in reader.chunks(name):
             view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
             for dim, index in enumerate(lead):
@@ -50,7 +56,7 @@ def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
                                      "never writes")
             view = view.reshape(tuple(chunk.sizes)[len(lead):])
             offset = tuple(chunk.offsets)[len(lead):]
-            if name in VOCAB_PARAMS:
+            if parameter_name(name) in VOCAB_PARAMS:
                 if offset[0] >= shape[0]:
                     continue
                 view = view.narrow(0, 0, min(view.shape[0], shape[0] - offset[0]))
@@ -58,13 +64,15 @@ def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
     return shards
 
 
-def convert_megatron_to_megalite(path: str, output: str) -> None:
-    """Write the Megatron-LM torch_dist checkpoint ``path`` as a megalite checkpoint in ``output``."""
+def convert_megatron_to_megalite(path: str, output: str) -> MegatronDistReader:
+    """Write the Megatron-LM torch_dist checkpoint ``path`` as a megalite checkpoint in ``output``; returns its
+    reader (``optimizer_note`` says why a saved optimizer state was left out)."""
     reader = MegatronDistReader(path)
     tmp = fresh_output(output)
-    save_global_shards(tmp, reader.config, megatron_shards(reader), iteration=reader.iteration,
-                       extra={"consumed_samples": reader.state["consumed_samples"]})
+    extra = {key: reader.state[key] for key in ("consumed_samples", "optimizer", "megatron_scheduler")}
+    save_global_shards(tmp, reader.config, megatron_shards(reader), iteration=reader.iteration, extra=extra)
     move_into_place(tmp, output)
+    return reader
 
 
 def megatron_args(config, tp: int, iteration: int) -> dict:

@@ -14,10 +14,17 @@ this reader maps away:
   too, whose depths are not stacked), and the vocabulary rows are padded (megalite reads the first
   ``vocab_size`` rows).
 
+Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
+in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
+the Adam step (``common_step``) and the parameter groups come from ``common.pt``'s ``optimizer`` entry, so
+``--load`` resumes Adam where Megatron left it.  A saved optimizer state that cannot be resumed that way is
+left out with the reason in :attr:`MegatronDistReader.optimizer_note` (:mod:`megalite.checkpoint.megatron_optim`).
+Megatron-LM's RNG states are each rank's :meth:`MegatronDistReader.rank_state` (:mod:`megalite.checkpoint.megatron_rng`).
+
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
 ``--load``, ``load_model`` and ``inspect`` read only the regions each rank holds, at any layout.
 Nothing is unpickled beyond data: ``.metadata`` with an allow-list of DCP's classes, ``common.pt``
-with every class replaced by an inert record (:func:`read_common`).
+with every class replaced by an inert record and only small tensors read (:func:`read_common`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 import zipfile
 
 import torch
@@ -41,6 +49,7 @@ from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
 from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
 from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
@@ -82,19 +91,62 @@ class Opaque:
         return f"<{self.qualname}{self.args!r}>"
 
 
+_COMMON_TENSOR_LIMIT = 1 << 16
+"""Tensors of ``common.pt`` with more elements than this load as None (it holds scalars such as Adam's step)."""
+
+
 class _CommonUnpickler(pickle.Unpickler):
-    """Unpickles ``common.pt`` running no code: argparse namespaces, containers and torch dtypes load as
-    themselves, every other class as an :class:`Opaque` record, tensors as None."""
+    """Unpickles a Megatron ``torch.save`` archive (``common.pt``, a sharded object) running no code: argparse
+    namespaces, containers and torch dtypes load as
+    themselves, tensors of at most :data:`_COMMON_TENSOR_LIMIT` elements (read from ``archive``) as tensors, larger
+    ones as None, and every other class as an :class:`Opaque` record."""
+
+    def __init__(self, file, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(file)
+        self.archive, self.prefix = archive, prefix
 
     def find_class(self, module, name):
         if (module, name) in (("argparse", "Namespace"), ("collections", "OrderedDict")):
             return super().find_class(module, name)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if module == "torch" and name in _storage_dtypes():
+            return _storage_dtypes()[name]  # a typed storage class stands for its dtype
         return type(name, (Opaque,), {"qualname": f"{module}.{name}"})
 
     def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)
+                and isinstance(pid[4], int) and pid[4] <= _COMMON_TENSOR_LIMIT):
+            return None
+        data = self.archive.read(f"{self.prefix}data/{pid[2]}")
+        return torch.frombuffer(bytearray(data), dtype=pid[1]) if data else torch.empty(0, dtype=pid[1])
+
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """``{"FloatStorage": torch.float32, ...}``: the typed storage classes torch.save names, by dtype."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading a typed storage class's dtype warns that TypedStorage is deprecated
+        return {name: value.dtype for name, value in vars(torch).items()
+                if name.endswith("Storage") and isinstance(getattr(value, "dtype", None), torch.dtype)}
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    """``torch._utils._rebuild_tensor_v2`` for the flat tensors :meth:`_CommonUnpickler.persistent_load` reads."""
+    if storage is None:
         return None
+    return torch.as_strided(storage, tuple(size), tuple(stride), offset).clone()
+
+
+def unpickle_data(archive: zipfile.ZipFile):
+    """The object of a ``torch.save`` archive, unpickled by :class:`_CommonUnpickler` (no pickled code runs)."""
+    pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+    if len(pickled) != 1:
+        raise ValueError("it is not a torch.save archive")
+    with archive.open(pickled[0]) as data:
+        return _CommonUnpickler(data, archive, pickled[0][:-len("data.pkl")]).load()
 
 
 def read_common(directory: str) -> dict:
@@ -102,11 +154,7 @@ def read_common(directory: str) -> dict:
     path = os.path.join(directory, COMMON)
     try:
         with open_regular(path, "Megatron-LM common state") as f, zipfile.ZipFile(f) as archive:
-            pickled = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            if len(pickled) != 1:
-                raise ValueError("it is not a torch.save archive")
-            with archive.open(pickled[0]) as data:
-                common = _CommonUnpickler(data).load()
+            common = unpickle_data(archive)
     except ValueError as err:
         raise ValueError(f"Megatron-LM common state {path} is unreadable: {err}") from None
     except Exception as err:  # zipfile and pickle raise many kinds on a truncated or foreign file
@@ -191,8 +239,12 @@ class MegatronDistReader:
         self._config = config_from_common_args(args, f"{where}/{COMMON}")
         tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
         self.world_size = int(args.get("world_size") or tp * pp)
-        self.layout = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size"), "ep":
-                       args.get("expert_model_parallel_size", 1), "vpp": args.get("virtual_pipeline_model_parallel_size")}
+        # The keys of megalite's trainer layout, so that a run at Megatron's layout restores its RNG states.
+        self.layout = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size"),
+                       "cp": args.get("context_parallel_size") or 1, "ep": args.get("expert_model_parallel_size", 1),
+                       "vpp": args.get("virtual_pipeline_model_parallel_size"),
+                       "distributed_optimizer": bool(args.get("use_distributed_optimizer")),
+                       "fsdp2": bool(args.get("use_torch_fsdp2"))}
         self.state = {"format": "megatron_dist", "iteration": self.iteration, "world_size": self.world_size,
                       "optimizer": None, "scheduler": None, "args": None,
                       "consumed_samples": int(args.get("consumed_train_samples") or 0),
@@ -214,23 +266,33 @@ class MegatronDistReader:
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
         self._sources = self._map_names()
+        self.state["optimizer"], self.optimizer_note = resumable_optimizer(
+            common.get("optimizer"), {name: shape for name, (_, _, shape) in self._sources.items()})
+        self.state["optimizer_note"] = self.optimizer_note
 
     def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor."""
+        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
+        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see
+        :func:`megalite_optimizer_prefix`)."""
         sources = {}
         for key, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith(("optimizer.", "rng_state")):
+            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
                 continue
+            prefix, model_key = "", key
+            if key.startswith("optimizer."):
+                prefix, model_key = megalite_optimizer_prefix(key)
+                if prefix is None:
+                    continue  # another optimizer's layout: :func:`resumable_optimizer` names it
             size = tuple(md.size)
-            if key.startswith(LAYERS):
-                rest = megalite_name(key[len(LAYERS):])
+            if model_key.startswith(LAYERS):
+                rest = megalite_name(model_key[len(LAYERS):])
                 for layer in range(size[0]):
-                    sources[f"{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
+                    sources[f"{prefix}{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
             else:
-                name = megalite_key(key)
+                name = megalite_key(model_key)
                 if name in VOCAB_PARAMS:
                     size = (min(size[0], self._config.vocab_size),) + size[1:]
-                sources[name] = (key, (), size)
+                sources[prefix + name] = (key, (), size)
         return sources
 
     # The interface load_into, inspect and the converters use.
@@ -265,7 +327,12 @@ class MegatronDistReader:
         return f"Megatron-LM checkpoint {self.directory}/{COMMON}: field {field!r} {problem}"
 
     def rank_state(self, rank: int) -> dict:
-        return {}
+        """``{"megatron_rng": ...}`` (:func:`megalite.checkpoint.megatron_rng.read_rng_state`) when the checkpoint
+        holds Megatron-LM's RNG states for ``rank`` of its layout, else ``{}``."""
+        from megalite.checkpoint.megatron_rng import read_rng_state
+
+        rng = read_rng_state(self.directory, self.metadata, self.layout, rank)
+        return {} if rng is None else {"megatron_rng": rng}
 
     def agree(self, problem: str | None, *, data: bool = False) -> None:
         """Raise ValueError with the first rank's problem, on every rank (collective readers) or here."""

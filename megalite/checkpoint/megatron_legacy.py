@@ -44,6 +44,7 @@ from megalite.checkpoint import global_shapes, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import megalite_name
+from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
@@ -222,9 +223,9 @@ def _optimizer_entries(saved, chunks: list[dict]):
     if not isinstance(inner, dict) or not inner.get("state"):
         return "it holds no Adam moments (a distributed optimizer keeps them in distrib_optim.pt, DP-sharded)"
     groups = inner.get("param_groups", [])
-    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
-            g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel") or g.get("is_decoupled_lr") for g in groups):
-        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
+    problem = default_groups_problem(groups)
+    if problem:
+        return problem
     params = [(v, name, t) for v, chunk in enumerate(chunks) for name, t in chunk.items()
               if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")]
     mains = saved.get("fp32_from_fp16_params") if "optimizer" in saved else None
@@ -248,13 +249,7 @@ def _optimizer_entries(saved, chunks: list[dict]):
             steps.add(int(state.get("step", 0)))
     if len(steps) != 1:
         return f"its parameters have different Adam steps ({sorted(steps)})"
-    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
-    param_groups = []
-    for wd_mult in (1.0, 0.0):  # megalite's groups: decayed, then undecayed
-        group = by_mult.get(wd_mult, groups[0])
-        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
-                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
-    return entries, {"num_steps": steps.pop(), "scaler": None, "param_groups": param_groups}
+    return entries, optimizer_meta(groups, steps.pop())
 
 
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.checkpoint.files import iteration_dir, read_latest
 from megalite.checkpoint.locate import find_checkpoint
+from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.distributed.unwrap import unwrap
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.models.architecture import config_to_dict
@@ -39,7 +40,7 @@ from megalite.tensor_parallel import get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_adapter_checkpoint", "resume_adapters", "checkpoint_info",
            "has_checkpoint", "read_latest", "iteration_dir",
-           "get_rng_state", "set_rng_state", "LoadResult"]
+           "get_rng_state", "set_rng_state", "set_megatron_rng_state", "LoadResult"]
 
 
 class LoadResult(NamedTuple):
@@ -116,6 +117,18 @@ def set_rng_state(state: dict) -> None:
                                   for name, (cpu, cuda) in state["tp_tracker"].items()})
 
 
+def set_megatron_rng_state(state: dict) -> None:
+    """Restore the generators a Megatron-LM checkpoint saved for this rank
+    (:func:`megalite.checkpoint.megatron_rng.read_rng_state`): Python's, NumPy's, torch's CPU one and, on a GPU,
+    the current CUDA one.  The tensor-parallel tracker keeps this run's states (Megatron's are CUDA generators under
+    its own names)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def _jsonable_args(args) -> dict | None:
     """The flags as JSON data (values of other types are stored as their text)."""
     if args is None:
@@ -172,6 +185,8 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     reader = checkpoint.load_sharded(load_dir, model_chunks, optimizer if keep_optimizer else None, group=group)
     if optimizer is not None and not keep_optimizer:
         _refresh_main_params(optimizer)
+    elif optimizer is not None and reader.state.get("optimizer_note") and rank == 0:
+        print(optimizer_warning(reader.state["optimizer_note"]), flush=True)
     if finetune:
         return LoadResult(0, 0, reader.iteration, dict(reader.layout), reader.state.get("hf"))
     state = reader.state
@@ -189,9 +204,11 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
         problem = reader.field_error("scheduler", f"is not this run's scheduler state: {type(err).__name__}: {err}")
     try:
-        rng = reader.rank_state(rank).get("rng") if problem is None and load_rng and same_layout else None
-        if rng is not None:
-            set_rng_state(rng)
+        saved = reader.rank_state(rank) if problem is None and load_rng and same_layout else {}
+        if saved.get("rng") is not None:
+            set_rng_state(saved["rng"])
+        elif saved.get("megatron_rng") is not None:
+            set_megatron_rng_state(saved["megatron_rng"])
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
         problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on

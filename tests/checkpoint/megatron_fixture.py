@@ -42,6 +42,16 @@ def patch_cuda() -> None:
     multiprocessing.current_process()._config["daemon"] = False
 
 
+def stop_writer_manager() -> None:
+    """Shut down the ``multiprocessing`` manager process that Megatron-Core's checkpoint writer starts for its results
+    queue: a test rank exits without running exit handlers, which would leave it running after the test."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+    if queue is not None and getattr(queue, "_manager", None) is not None:
+        queue._manager.shutdown()
+
+
 def build_model(tp: int, pp: int, seed: int = 1):
     """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec)."""
     from megatron.core import parallel_state
@@ -93,24 +103,44 @@ def megatron_scheduler(iterations: int):
 
 
 def _save(save_dir: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor:
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     model = build_model(tp, pp)
     args = argparse.Namespace(**ARGS, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               world_size=dist.get_world_size(), data_parallel_size=dist.get_world_size() // (tp * pp))
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict(),
              "opt_param_scheduler": megatron_scheduler(ITERATION).state_dict()}
-    directory = os.path.join(save_dir, f"iter_{ITERATION:07d}")
+    save_state(state, save_dir, ITERATION)
+    parallel_state.destroy_model_parallel()
+    return megatron_logits(save_dir, ids)
+
+
+def save_state(state: dict, save_dir: str, iteration: int) -> None:
+    """Save Megatron-LM's state dict as ``--ckpt-format torch_dist`` does: ``dist_checkpointing.save`` into
+    ``iter_XXXXXXX/``, published by ``latest_checkpointed_iteration.txt`` (collective over every rank)."""
+    from megatron.core import dist_checkpointing
+
+    directory = os.path.join(save_dir, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(state, directory)
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(ITERATION))
+            f.write(str(iteration))
     dist.barrier()
-    parallel_state.destroy_model_parallel()
-    return megatron_logits(save_dir, ids)
+    stop_writer_manager()
+
+
+def convert(*argv) -> int:
+    """``tools/convert_checkpoint.py`` run with ``argv`` in this process; its exit status."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
+        os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.main(list(argv))
 
 
 def megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:

@@ -147,31 +147,23 @@ def test_a_contradicting_architecture_is_a_clear_error(megatron_dir):
         load_sharded(megatron_dir, [GPTModel(config)])
 
 
-def _convert(*argv):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
-        os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool.main(list(argv))
-
-
 def test_convert_to_megalite_and_back_to_megatron(megatron_dir, reference, tmp_path):
     from megalite.checkpoint import load_model, read_checkpoint_info
 
     ours, theirs = str(tmp_path / "megalite"), str(tmp_path / "megatron")
-    assert _convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours) == 0
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir,
+                                    "--output", ours) == 0
     assert read_checkpoint_info(ours)["iteration"] == megatron_fixture.ITERATION
     with torch.no_grad():
         _close(load_model(ours)(IDS), reference)
     # Back to Megatron-LM's layout, read by Megatron-Core's own dist_checkpointing.load.
-    assert _convert("--from", "megalite", "--to", "megatron", "--input", ours, "--output", theirs) == 0
+    assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
+                                    "--output", theirs) == 0
     assert open(os.path.join(theirs, "latest_checkpointed_iteration.txt")).read() == "3"
     logits = run_distributed(megatron_fixture.megatron_logits, 1, theirs, IDS, timeout=120)[0]
     _close(logits[..., :90], reference)
     with pytest.raises(ValueError, match="already exists and is not empty"):
-        _convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours)
+        megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", megatron_dir, "--output", ours)
 
 
 def test_a_megalite_save_into_the_megatron_directory_is_loaded_next(megatron_dir, tmp_path):

@@ -182,8 +182,8 @@ def test_transformer_engine_names_a_release_directory_and_old_files(megatron, tm
                                     "--output", str(tmp_path / "te_out"), "--allow-pickle"])
     out = capsys.readouterr().out
     assert status == 0
-    assert "the Megatron optimizer state is not converted (it holds no Adam moments (a distributed optimizer " \
-           "keeps them in distrib_optim.pt, DP-sharded)): a run that loads this checkpoint starts with fresh Adam " \
+    assert "warning: the Megatron optimizer state is not read (it holds no Adam moments (a distributed optimizer " \
+           "keeps them in distrib_optim.pt, DP-sharded)): training from this checkpoint starts with fresh Adam " \
            "moments" in out
     _, local, _ = read_global_tensors(str(tmp_path / "local"))
     _, te, state = read_global_tensors(str(tmp_path / "te_out"))

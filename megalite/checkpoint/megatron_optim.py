@@ -1,0 +1,87 @@
+"""Megatron-LM's optimizer state in megalite's terms, for both Megatron checkpoint readers.
+
+megalite's optimizer (:mod:`megalite.optim`) keeps two AdamW parameter groups, decayed then undecayed (biases
+and 1-D parameters), and stores its state as global tensors ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` beside
+a JSON entry (``num_steps``, ``scaler``, ``param_groups``).  Megatron-Core's default groups are the same ones
+(one per weight-decay multiplier 1 and 0); its FP32 and mixed-precision optimizers save in ``torch_dist`` one
+tensor per parameter and state key, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>`` in the
+parameter's layout, and the step count and groups in ``common.pt``.  Anything else (other groups, the
+distributed optimizer's flat per-bucket layouts) cannot be resumed: the reason becomes one warning line
+(:func:`optimizer_warning`) and training starts with fresh Adam moments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPTIMIZER_STATE = "optimizer.state."
+# Megatron-Core's per-parameter state keys and megalite's names of them.
+OPTIMIZER_STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
+
+
+def megalite_optimizer_prefix(key: str) -> tuple[str | None, str]:
+    """``(megalite's prefix, the parameter's Megatron name)`` of Megatron's tensor ``key``
+    ``optimizer.state.<state key>.<parameter>``, e.g. ``("optimizer.main.", "output_layer.weight")`` for
+    ``optimizer.state.fp32_param.output_layer.weight``; ``(None, key)`` for another optimizer tensor."""
+    kind, _, parameter = key[len(OPTIMIZER_STATE):].partition(".")
+    if not key.startswith(OPTIMIZER_STATE) or kind not in OPTIMIZER_STATE_KEYS or not parameter:
+        return None, key
+    return f"optimizer.{OPTIMIZER_STATE_KEYS[kind]}.", parameter
+
+
+def default_groups_problem(groups: list[dict]) -> str | None:
+    """Why Megatron's optimizer parameter ``groups`` are not its default ones (one per weight-decay multiplier 1 and
+    0, with biases and 1-D parameters undecayed, as megalite groups them), or None when they are."""
+    if len({g.get("wd_mult", 1.0) for g in groups}) != len(groups) or any(
+            g.get("wd_mult", 1.0) not in (0.0, 1.0) or g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel")
+            or g.get("is_decoupled_lr") for g in groups):
+        return "its parameter groups are not Megatron's default ones (one per weight-decay multiplier)"
+    return None
+
+
+def optimizer_meta(groups: list[dict], num_steps: int) -> dict:
+    """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``: decayed, then undecayed) of
+    Megatron's default parameter ``groups`` after ``num_steps`` Adam steps."""
+    by_mult = {g.get("wd_mult", 1.0): g for g in groups}
+    param_groups = []
+    for wd_mult in (1.0, 0.0):
+        group = by_mult.get(wd_mult, groups[0])
+        param_groups.append({"lr": group["lr"], "weight_decay": group["weight_decay"] * wd_mult,
+                             "betas": list(group["betas"]), "eps": group["eps"], "wd_mult": wd_mult})
+    return {"num_steps": num_steps, "scaler": None, "param_groups": param_groups}
+
+
+def optimizer_warning(note: str) -> str:
+    """The warning line for a Megatron-LM optimizer state that is not resumed, for the reason ``note``."""
+    return (f"warning: the Megatron optimizer state is not read ({note}): training from this checkpoint starts with "
+            "fresh Adam moments")
+
+
+def parameter_name(name: str) -> str:
+    """The parameter a megalite tensor name belongs to: ``name``, or the ``<name>`` of ``optimizer.<key>.<name>``."""
+    return name.split(".", 2)[2] if name.startswith("optimizer.") else name
+
+
+def resumable_optimizer(saved, shapes: dict[str, tuple[int, ...]]) -> tuple[dict | None, str | None]:
+    """``(megalite's optimizer JSON state, None)`` when ``common.pt``'s ``optimizer`` entry ``saved`` and the tensors
+    ``shapes`` (megalite names) hold Megatron-Core's Adam state of every parameter in a layout megalite reads;
+    ``(None, why not)`` when an optimizer was saved but cannot be resumed; ``(None, None)`` when none was saved."""
+    if saved is None:
+        return None, None
+    if isinstance(saved, dict) and "param_state_sharding_type" in saved:
+        return None, (f"it is a distributed optimizer's state in the {saved['param_state_sharding_type']!r} "
+                      "layout, which megalite does not read")
+    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        return None, "its common state holds no parameter groups (a chain of optimizers, or not Adam)"
+    problem = default_groups_problem(inner["param_groups"])
+    if problem:
+        return None, problem
+    for name in (name for name in shapes if not name.startswith("optimizer.")):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if shapes.get(f"optimizer.{key}.{name}") != shapes[name]:
+                return None, f"it holds no {key} of {name} of the parameter's shape"
+    step = (inner.get("state") or {}).get("common_step")
+    if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.item() < 1:
+        return None, "its common state holds no Adam step count (common_step)"
+    return optimizer_meta(inner["param_groups"], int(step.item())), None

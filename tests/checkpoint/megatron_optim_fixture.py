@@ -1,0 +1,205 @@
+"""A Megatron-LM training run with Megatron-Core's own optimizer, saved with its optimizer state and continued.
+
+On tp=2 CPU ranks (gloo, local layer spec, fp32): Megatron-Core's GPTModel (:mod:`megatron_fixture`'s
+architecture, saved without ``args.vocab_size`` so that the padded vocabulary is the model's, as Megatron's
+softmax sees it) wrapped in Megatron-Core's ``DistributedDataParallel``, ``get_megatron_optimizer`` (torch
+AdamW under its ``FP32Optimizer``), ``OptimizerParamScheduler``, ``forward_backward_no_pipelining`` and
+``finalize_model_grads``, stepped the way Megatron-LM's ``train_step`` steps them.  After :data:`SAVED_AT`
+iterations the run is saved as ``--ckpt-format torch_dist`` does (``generate_state_dict``: model, optimizer,
+scheduler, RNG states, args, iteration), then trained :data:`CONTINUED` more iterations: their losses are the reference.
+A second run in bf16 (``Float16Module``, Megatron-Core's mixed-precision optimizer with fp32 main
+weights) is saved beside it.
+
+Gradient clipping stays off (``clip_grad=0``): Megatron-Core's clipping asserts that gradients are CUDA tensors.
+Megatron-Core's other CUDA-only calls (tensors created on ``device='cuda'``) are redirected to the CPU in the
+rank processes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import torch.distributed as dist
+
+from tests.checkpoint import megatron_fixture
+
+SAVED_AT, CONTINUED = 2, 3
+BF16 = "_bf16"
+"""The suffix of the bf16 run's save directory."""
+GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
+PADDED_VOCAB = megatron_fixture.ARGS["padded_vocab_size"]
+# Megatron-LM's schedule lengths are in samples: 1 warmup iteration, cosine decay over 8, weight decay over the run.
+SCHEDULE = dict(max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=GLOBAL_BATCH, lr_decay_steps=8 * GLOBAL_BATCH,
+                lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=(SAVED_AT + CONTINUED) * GLOBAL_BATCH,
+                wd_incr_style="constant")
+# The same run in megalite's (Megatron-LM's) flags.
+FLAGS = ["--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
+         "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+         "--lr-decay-iters", "8", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+         "--adam-eps", "1e-8", "--clip-grad", "0"]
+
+
+def _on_cpu(function):
+    """``function`` with ``device='cuda'`` (or a CUDA device index) replaced by the CPU."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or "cuda" in str(device)):
+            kwargs["device"] = "cpu"
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def patch_cuda() -> None:
+    """:func:`megatron_fixture.patch_cuda`, and tensors Megatron-Core creates on the GPU made on the CPU."""
+    megatron_fixture.patch_cuda()
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+
+
+def batches(samples) -> list[torch.Tensor]:
+    """Micro-batches ``[MICRO_BATCH, SEQ + 1]`` of the dataset ``samples`` (megalite's ``--mock-data`` train split,
+    whose samples equal Megatron-Core's MockGPTDataset's), in Megatron-LM's order."""
+    return [torch.stack([torch.as_tensor(samples[i]["tokens"]) for i in range(start, start + MICRO_BATCH)])
+            for start in range(0, len(samples), MICRO_BATCH)]
+
+
+def _forward_step(data_iterator, model):
+    """Megatron-LM's GPT forward step: mean loss over the micro-batch's tokens (no loss mask)."""
+    tokens = next(data_iterator)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(inputs)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    losses = model(inputs, positions, causal, labels=labels)
+
+    def loss_func(output):
+        total, count = output.float().sum(), torch.tensor(output.numel(), dtype=torch.int)
+        return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
+    return losses, loss_func
+
+
+def _train_step(model, optimizer, scheduler, micro_batches) -> float:
+    """One iteration as Megatron-LM's ``train_step`` runs it; its loss as Megatron-LM's ``training_log`` reports it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    stats = get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(micro_batches),
+                                        model=[model], num_microbatches=len(micro_batches), seq_length=SEQ,
+                                        micro_batch_size=MICRO_BATCH, forward_only=False)
+    ok, _, _ = optimizer.step()
+    assert ok
+    scheduler.step(increment=GLOBAL_BATCH)
+    total = torch.stack([s["lm loss"] for s in stats]).sum(0)
+    return (total[0] / total[1]).item()
+
+
+def _build(bf16: bool = False):
+    """``(model, optimizer, scheduler)`` as Megatron-LM's ``setup_model_and_optimizer`` builds them on this rank:
+    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    module = megatron_fixture.build_model(dist.get_world_size(), 1)
+    module.config.finalize_model_grads_func = finalize_model_grads
+    if bf16:
+        module.config.bf16 = True
+        module = Float16Module(module.config, module)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=SCHEDULE["max_lr"], min_lr=SCHEDULE["min_lr"], weight_decay=SCHEDULE["start_wd"],
+        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=bf16), [model])
+    return model, optimizer, OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
+
+
+def _unwrapped(model):
+    """The GPTModel inside DDP (and Float16Module), as Megatron-LM's ``unwrap_model`` gives it to the save."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
+    from megatron.core import parallel_state
+
+    patch_cuda()
+    model, optimizer, scheduler = _build()
+    per_iteration = len(micro_batches) // (SAVED_AT + CONTINUED)
+    losses = []
+    for i in range(SAVED_AT + CONTINUED):
+        if i == SAVED_AT:
+            rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
+        batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
+        losses.append(_train_step(model, optimizer, scheduler, batch))
+    parallel_state.destroy_model_parallel()
+
+    # bf16 with fp32 main weights: Megatron-Core's Float16OptimizerWithFloat16Params, whose checks of CUDA tensor
+    # types see the CPU tensors as CUDA ones here.
+    cpu_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (cpu_type(self, *args, **kwargs) if args or kwargs else
+                                                        cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    model, optimizer, scheduler = _build(bf16=True)
+    for i in range(SAVED_AT):  # the first iteration runs at the warmup's LR 0
+        _train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
+    _save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
+    weight = _unwrapped(model).output_layer.weight
+    inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
+    main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+                for param, fp32 in zip(half, mains) if param is weight)
+    main = main.detach().clone()
+    parallel_state.destroy_model_parallel()
+    torch.Tensor.type = cpu_type
+    return losses, main, rng, then(*then_args) if then is not None else None
+
+
+def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> dict:
+    """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
+    saves it; returns this rank's saved RNG states."""
+    tp = dist.get_world_size()
+    args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
+                                 iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
+                                 "params_dtype": torch.bfloat16 if bf16 else torch.float32},
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
+                              data_parallel_size=1)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": _unwrapped(model).sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_state()
+    megatron_fixture.save_state(state, save_dir, iteration)
+    return state["rng_state"].data[0]
+
+
+def _rng_state():
+    """Megatron-LM's ``get_rng_state`` for a torch_dist save on a CPU rank: the Python, NumPy and torch generator
+    states (no CUDA state on the CPU) as one sharded object per (pipeline, tensor) rank."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", [state], (parallel_state.get_pipeline_model_parallel_world_size(),
+                                                parallel_state.get_tensor_model_parallel_world_size()),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+
+def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
+    """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
+    bf16 run saved into ``save_dir + BF16`` at the same iteration; then ``then(*then_args)`` in the same rank
+    processes (which saves starting new ones).  Returns ``(the losses of all SAVED_AT + CONTINUED iterations
+    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer, each
+    rank's RNG states saved in save_dir, rank 0's result of then)``."""
+    from megalite.testing import run_distributed
+
+    results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
+    return results[0][0], [r[1] for r in results], [r[2] for r in results], results[0][3]

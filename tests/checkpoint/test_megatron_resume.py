@@ -1,0 +1,253 @@
+"""A Megatron-LM torch_dist checkpoint with Megatron-Core's optimizer state continues in megalite as in Megatron.
+
+Megatron-Core trains a tiny GPT on tp=2 CPU ranks with its own DDP, optimizer and scheduler, saves after 2
+iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 3 more
+(:mod:`tests.checkpoint.megatron_optim_fixture`).  megalite resumes that save at another layout (tp=1 x dp=2)
+with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
+its 3 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
+would start from) they do not.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
+
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
+
+TOTAL = fixture.SAVED_AT + fixture.CONTINUED
+
+
+def _micro_batches() -> list[torch.Tensor]:
+    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
+    of document as the trainer derives them from the checkpoint's padded vocabulary."""
+    from megalite.data.mock import build_mock_datasets
+
+    samples = TOTAL * fixture.GLOBAL_BATCH
+    train, _, _ = build_mock_datasets(fixture.SEQ, 1234, [samples, 0, 0], fixture.PADDED_VOCAB,
+                                      fixture.PADDED_VOCAB - 1)
+    return fixture.batches([train[i] for i in range(samples)])
+
+
+def _resume(runs):
+    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
+    flags say otherwise), in these rank processes: ``[(its stdout, Python's, NumPy's and torch's RNG states after
+    it)]``."""
+    import random
+
+    import numpy as np
+
+    from megalite.training import gpt, pretrain
+
+    outputs = []
+    for path, metrics, extra in runs:
+        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *fixture.FLAGS,
+                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
+                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
+    return outputs
+
+
+def _convert_and_resume(path: str, root: str):
+    """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
+    then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
+    with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, and at
+    Megatron's own layout (tp=2, where its RNG states are restored too)."""
+    import torch.distributed as dist
+
+    other = os.path.join(root, "other_groups")
+    if dist.get_rank() == 0:
+        assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
+                                        "--output", os.path.join(root, "converted")) == 0
+        _with_common_optimizer(path, other, _other_groups)
+    dist.barrier()
+    return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
+                    (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
+                    (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
+                    (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
+                    (other, os.path.join(root, "other_groups.jsonl"), ()),
+                    (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
+
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
+    fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
+    rank 0's (output, RNG states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then
+    megalite) to keep the test short."""
+    root = str(tmp_path_factory.mktemp("megatron_optim"))
+    path = os.path.join(root, "save")
+    os.makedirs(path)
+    os.makedirs(path + fixture.BF16)
+    return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
+
+
+def _losses(metrics) -> list[float]:
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records] == list(range(fixture.SAVED_AT + 1, TOTAL + 1))
+    return [r["loss"] for r in records]
+
+
+def _assert_equal_losses(actual, expected):
+    assert len(actual) == len(expected) == fixture.CONTINUED
+    for mine, theirs in zip(actual, expected):
+        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
+
+
+def test_reader_maps_the_adam_state(megatron_run):
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(megatron_run[0])
+    assert reader.optimizer_note is None
+    # The save holds Megatron-LM's RNG states too (one object per tensor rank), which megalite does not read.
+    assert sorted(k for k in reader.metadata.state_dict_metadata if k.startswith("rng_state")) == \
+        ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
+    meta = reader.state["optimizer"]
+    assert meta["num_steps"] == fixture.SAVED_AT
+    assert [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
+    assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+    assert all(g["betas"] == [0.9, 0.95] and g["eps"] == 1e-8 for g in meta["param_groups"])
+    params = [name for name in reader.shapes if not name.startswith("optimizer.")]
+    for name in params:
+        assert reader.shapes[f"optimizer.exp_avg.{name}"] == reader.shapes[name]
+        assert reader.shapes[f"optimizer.exp_avg_sq.{name}"] == reader.shapes[name]
+    # Megatron-Core's second moments are squares of gradients: non-negative and, after 2 steps, not all zero.
+    square = reader.read("optimizer.exp_avg_sq.decoder.layers.3.mlp.linear_fc1.weight")
+    assert square.min() >= 0 and square.max() > 0
+
+
+def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
+    """Megatron-Core's mixed-precision optimizer saves ``optimizer.state.fp32_param.*``: megalite's
+    ``optimizer.main.*``, equal to the fp32 weights Megatron-Core's optimizer holds (the bf16 weights round them)."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.BF16)
+    assert reader.optimizer_note is None and reader.state["optimizer"]["num_steps"] == fixture.SAVED_AT
+    main = reader.read("optimizer.main.output_layer.weight")
+    assert main.dtype == torch.float32 and reader.dtype("output_layer.weight") == torch.bfloat16
+    assert torch.equal(main, torch.cat(megatron_run[2]))
+    assert torch.equal(main.bfloat16(), reader.read("output_layer.weight"))
+    assert not torch.equal(main, main.bfloat16().float())  # fp32 information the bf16 weights do not hold
+
+
+def test_pretrain_load_continues_the_megatron_losses(megatron_run):
+    """Directly (also with ZeRO-1), and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
+    ``--load`` gave before the optimizer state was read) the second loss differs."""
+    path, megatron, _, _, runs = megatron_run
+    out = [text for text, *_ in runs]
+    root = os.path.dirname(path)
+    assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
+    assert "warning" not in "".join(out[:3])
+    _assert_equal_losses(_losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
+    fresh = _losses(os.path.join(root, "fresh.jsonl"))
+    assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
+    assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+    # An optimizer state megalite cannot resume: one warning line, then the fresh-moments run.
+    assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
+           "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
+           in out[4]
+    assert _losses(os.path.join(root, "other_groups.jsonl")) == fresh
+
+
+def _with_common_optimizer(megatron_dir, copy, change):
+    """A copy of ``megatron_dir`` whose ``common.pt`` optimizer entry is ``change(entry)``."""
+    import shutil
+
+    shutil.copytree(megatron_dir, copy)
+    common = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "common.pt")
+    state = torch.load(common, weights_only=False)  # written by this test's own Megatron-Core run
+    state["optimizer"] = change(state["optimizer"])
+    torch.save(state, common)
+    return copy
+
+
+def _other_groups(saved):
+    """Megatron's optimizer entry with a learning-rate multiplier on one group (not its default groups)."""
+    saved["param_groups"][0]["lr_mult"] = 2.0
+    return saved
+
+
+def test_a_distributed_optimizer_state_is_named_and_left_out(megatron_run, tmp_path):
+    """Megatron-Core 0.16's distributed optimizer saves flat per-bucket DP shards ('dp_reshardable', its torch_dist
+    default), whose mapping to parameters is Megatron's gradient-buffer layout: named, not read."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"),
+                                  lambda saved: {"param_state_sharding_type": "dp_reshardable"})
+    reader = MegatronDistReader(copy)
+    assert reader.state["optimizer"] is None
+    assert reader.optimizer_note == "it is a distributed optimizer's state in the 'dp_reshardable' layout, which " \
+                                    "megalite does not read"
+
+
+def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run, tmp_path, capsys):
+    """Parameter groups other than Megatron's default ones: the converter says so and keeps the weights."""
+    from megalite.checkpoint import open_reader, read_checkpoint_info
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"), _other_groups)
+    reader = MegatronDistReader(copy)
+    assert reader.state["optimizer"] is None
+    assert reader.optimizer_note == "its parameter groups are not Megatron's default ones (one per weight-decay " \
+                                    "multiplier)"
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", copy,
+                                    "--output", converted) == 0
+    assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
+           "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
+           in capsys.readouterr().out
+    info = read_checkpoint_info(converted)
+    assert info["iteration"] == fixture.SAVED_AT and info["state"]["optimizer"] is None
+    assert not any(name.startswith("optimizer.") for name in open_reader(converted).shapes)
+
+
+def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_run):
+    """Each rank's Python, NumPy and torch generator states as Megatron-LM saved them; ``--load`` at Megatron's own
+    layout (tp=2) restores them (training at dropout 0 draws from none of them), another layout (tp=1 x dp=2)
+    keeps the states megalite's initialisation left (torch's differs), and the losses match either way."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    path, megatron, _, saved, runs = megatron_run
+    reader = MegatronDistReader(path)
+    for rank, theirs in enumerate(saved):
+        mine = reader.rank_state(rank)["megatron_rng"]
+        assert mine["python"] == theirs["random_rng_state"]
+        assert mine["numpy"][0] == theirs["np_rng_state"][0] and mine["numpy"][2:] == theirs["np_rng_state"][2:]
+        assert (mine["numpy"][1] == theirs["np_rng_state"][1]).all() and mine["numpy"][1].dtype == "uint32"
+        assert torch.equal(mine["cpu"], theirs["torch_rng_state"]) and mine["cuda"] is None
+    _, python, numpy, cpu = runs[-1]  # rank 0 after the tp=2 run
+    assert python == saved[0]["random_rng_state"] and (numpy == saved[0]["np_rng_state"][1]).all()
+    assert torch.equal(cpu, saved[0]["torch_rng_state"])
+    assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
+
+
+def test_a_damaged_rng_state_is_one_clear_error(megatron_run, tmp_path):
+    """A truncated RNG object (its bytes zeroed in the shard file) is a ValueError naming it, not a crash."""
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(megatron_run[0], copy)
+    reader = MegatronDistReader(copy)
+    info = reader.metadata.storage_data[MetadataIndex("rng_state/shard_0.1_1.2")]
+    with open(os.path.join(reader.directory, info.relative_path), "r+b") as f:
+        f.seek(info.offset + 100)
+        f.write(bytes(200))
+    with pytest.raises(ValueError, match=r"Megatron-LM RNG state 'rng_state/shard_0.1_1.2' in .* is unreadable"):
+        reader.rank_state(1)
+    assert reader.rank_state(0)["megatron_rng"]["cpu"].numel() > 0  # the other rank's object is intact
