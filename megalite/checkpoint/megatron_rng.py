@@ -5,7 +5,7 @@ versions), one sharded object ``rng_state`` holding a list of states (one per da
 ``--data-parallel-random-init``, else one): Python's ``random`` state, NumPy's global ``RandomState``, torch's
 CPU generator, the current CUDA generator (absent on a CPU run) and the tensor-parallel tracker's CUDA states.
 Each object is a ``torch.save`` archive inside a DCP data file; it is unpickled with
-:func:`megalite.checkpoint.megatron_dist.unpickle_data` (every class inert) and NumPy's key array rebuilt from
+:func:`megalite.checkpoint.megatron_pickle.unpickle_data` (every class inert) and NumPy's key array rebuilt from
 its raw bytes.  The tracker's states are Megatron's CUDA generators under its own names; megalite keeps its own.
 """
 
@@ -16,8 +16,9 @@ import os
 import zipfile
 
 import numpy as np
-import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from megalite.checkpoint.megatron_pickle import unpickle_data
 
 RNG_STATE = "rng_state"
 
@@ -46,8 +47,6 @@ def read_rng_state(directory: str, metadata, layout: dict, rank: int) -> dict | 
     """``{"python", "numpy", "cpu", "cuda"}`` (``cuda`` None on a CPU run): the generator states Megatron-LM saved
     for ``rank`` of the saved ``layout``, as ``random.setstate``, ``np.random.set_state`` and
     ``torch.set_rng_state`` take them; None when the checkpoint holds none.  ValueError when they are unreadable."""
-    from megalite.checkpoint.megatron_dist import unpickle_data
-
     key = next((k for k in _keys(layout, rank) if k in metadata.state_dict_metadata), None)
     if key is None:
         return None
