@@ -5,10 +5,10 @@ be a single ``scaled_dot_product_attention`` call given the whole ``[b, 1, s, s]
 :func:`megalite.context_parallel.blockwise.visible` (the one attention rule), instead of the tiled path's
 Python loop over tiles.  The fused kernel computes every score, masked or not, while the tiled path skips
 tile pairs that lie wholly above the diagonal or across documents, so the dense path wins on short rows and
-loses on long ones.  Measured on one CPU thread (``[b, 4 heads, s, 64]``, 2 key/value heads, forward and
-backward; benchmarks/README.md): 3.3x faster at the DPO benchmark's 317-token rows, 2.7x at 512, 1.6x at
-1024, 1.1-1.3x at 1792, within 8% either way at 2048, and 1.2-4x slower from 4096 on.  The math is fp32,
-as on the tiled path, and the output is cast back to the inputs' dtype.
+loses on long ones.  Measured on one CPU thread (``benchmarks/document_attention.py``: ``[b, 4 heads, s, 64]``,
+2 key/value heads, forward and backward; numbers in benchmarks/README.md): 2.7-3.3x faster at the DPO
+benchmark's 317-token rows, 1.6-2.0x at 1024, 1.1-1.3x at 1792, 0.95-1.18x at 2048 (a tie), and 1.3-4.3x
+slower from 4096 on.  The math is fp32, as on the tiled path, and the output is cast back to the inputs' dtype.
 """
 
 from __future__ import annotations
