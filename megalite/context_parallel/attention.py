@@ -11,9 +11,11 @@ document-masked) attention over the whole sequence would.  ``comm_type``:
 - ``a2a`` (Ulysses): all-to-all from sequence-split to head-split, attend the
   whole sequence on ``heads/cp`` heads, all-to-all back.
 
-With one rank it is the document-masked blockwise attention of
-:mod:`megalite.context_parallel.blockwise` (the variable-length path for
-packed sequences).
+With one rank, packed rows of at most ``dense.DENSE_MAX_LENGTH`` tokens without
+a sliding window run as one fused call over a dense document mask
+(:mod:`megalite.context_parallel.dense`, faster there); longer rows and windows
+run the document-masked blockwise attention of
+:mod:`megalite.context_parallel.blockwise` (tiles wholly masked are skipped).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.context_parallel.blockwise import DEFAULT_TILE, BlockwiseAttention, Tokens
+from megalite.context_parallel.dense import dense_attention, use_dense
 from megalite.context_parallel.sequence_split import check_context_parallel, chunk_indices
 from megalite.context_parallel.ring import RingAttention
 from megalite.tensor_parallel.mappings import gather_first, reduce_scatter_first
@@ -108,7 +111,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``[b, s]`` (whole sequence, see :func:`sequence_split.document_ids`) confines
     attention to each document; a sliding ``window`` to the query and the
     ``window`` tokens before it (tile pairs wholly outside it are skipped).  ``group`` is the CP group (default: the
-    topology's).  ``stats`` collects the ring's receive-wait time (p2p only).
+    topology's).  ``stats`` collects the ring's receive-wait time (p2p only).  ``tile`` sizes the blockwise
+    tiles (the dense path at one rank, see :func:`dense.use_dense`, has none).
     """
     group = topology.resolve_group(group, "cp")
     cp, rank = topology.group_size(group), topology.group_rank(group)
@@ -127,7 +131,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"the attention window must be a non-negative integer or None, got {window!r}")
-    if cp == 1:
+    if use_dense(seq, cp, window):
+        out = dense_attention(q, k, v, documents, scale)
+    elif cp == 1:
         mine = tokens([0])
         out = BlockwiseAttention.apply(q, k, v, mine, mine, scale, window)
     elif comm_type == "p2p":

@@ -71,13 +71,24 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | No
         return True
     qa, qb = queries.tiles[qt]
     ka, kb = keys.tiles[kt]
-    distance = queries.positions[qa:qb][:, None] - keys.positions[ka:kb][None, :]
+    documents = (None, None) if doc_full else (queries.documents[:, qa:qb], keys.documents[:, ka:kb])
+    return visible(queries.positions[qa:qb], keys.positions[ka:kb], *documents, window)
+
+
+def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
+            k_documents: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """The attention rule as a boolean mask (True: the query may attend the key).
+
+    Query ``i`` sees key ``j`` when ``pos_j <= pos_i`` (within ``window`` of it) and, given documents
+    (``[b, Tq]`` and ``[b, Tk]``), both lie in the same document.  ``[Tq, Tk]`` without documents, else
+    ``[b, 1, Tq, Tk]``.
+    """
+    distance = q_positions[:, None] - k_positions[None, :]
     mask = distance >= 0
     if window is not None:
         mask &= distance <= window
-    if not doc_full:
-        same = queries.documents[:, qa:qb, None] == keys.documents[:, None, ka:kb]
-        mask = (mask & same).unsqueeze(1)
+    if q_documents is not None:
+        mask = (mask & (q_documents[:, :, None] == k_documents[:, None, :])).unsqueeze(1)
     return mask
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megalite.context_parallel import (chunk_indices, context_parallel_attention, document_ids, reset_position_ids,
                                        slice_for_rank)
+from megalite.context_parallel.blockwise import BlockwiseAttention, Tokens
 from megalite.testing import run_distributed
 
 EOD = 0
@@ -78,13 +79,21 @@ def test_cp_attention_matches_sdpa():
 
 
 def test_single_rank_document_attention_matches_sdpa():
+    """The cp=1 entry point (the dense path at this length) and the tiled path (uneven tiles of 4) directly."""
     q, k, v, dout, docs = _inputs(13, 3, 4, 2, 8, seed=3)
     ref = _reference(q, k, v, dout, docs)
-    local = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group=None, documents=docs, tile=4)
-    out.backward(dout)
-    for got, want in zip([out.detach()] + [t.grad for t in local], ref):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    tokens = Tokens(torch.arange(13), docs, tile=4)
+
+    def tiled(q, k, v):
+        out = BlockwiseAttention.apply(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), tokens, tokens, 8 ** -0.5)
+        return out.permute(2, 0, 1, 3).reshape(13, 3, -1)
+
+    for attend in (lambda *t: context_parallel_attention(*t, group=None, documents=docs), tiled):
+        local = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*local)
+        out.backward(dout)
+        for got, want in zip([out.detach()] + [t.grad for t in local], ref):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_sequence_split_helpers():
