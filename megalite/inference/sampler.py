@@ -70,6 +70,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+CHUNK_ELEMENTS = 2 ** 18  # floats per batched sampling op (1 MiB): rows of a large vocabulary stay in cache
+
+
+def _chunks(members: list[int], vocab: int):
+    """``members`` in runs of as many rows as :data:`CHUNK_ELEMENTS` holds (at least one)."""
+    size = max(1, CHUNK_ELEMENTS // vocab)
+    return (members[i:i + size] for i in range(0, len(members), size))
+
+
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
     """One token per row of ``probs`` ``[r, v]`` (CPU), row ``i`` drawn with ``generators[i]``.
 
@@ -103,12 +112,12 @@ def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingPar
     for i, p in enumerate(params):
         if not p.greedy:
             groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-    for members in groups.values():
+    for chunk in (c for members in groups.values() for c in _chunks(members, logits.shape[-1])):
         try:
-            probs = target_probs(logits[[rows[i] for i in members]], params[members[0]]).cpu()
+            probs = target_probs(logits[[rows[i] for i in chunk]], params[chunk[0]]).cpu()
         except FloatingPointError:
             continue
-        for i, token in zip(members, draw(probs, [generators[i] for i in members])):
+        for i, token in zip(chunk, draw(probs, [generators[i] for i in chunk])):
             out[i] = token
     return out
 
@@ -138,10 +147,11 @@ def batch_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], par
     for i, p in enumerate(params):
         groups.setdefault((1.0 if p.greedy else p.temperature, p.logprobs or 0), []).append(i)
     out: list = [None] * len(rows)
-    for (_, top), members in groups.items():
-        chosen, tops = token_logprobs(logits[[rows[i] for i in members]], [tokens[i] for i in members],
-                                      params[members[0]], top)
-        for j, i in enumerate(members):
+    for chunk in (c for members in groups.values() for c in _chunks(members, logits.shape[-1])):
+        top = params[chunk[0]].logprobs or 0
+        chosen, tops = token_logprobs(logits[[rows[i] for i in chunk]], [tokens[i] for i in chunk],
+                                      params[chunk[0]], top)
+        for j, i in enumerate(chunk):
             out[i] = (chosen[j], tops[j] if tops is not None else None)
     return out
 

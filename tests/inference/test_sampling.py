@@ -4,7 +4,7 @@ import torch
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference import sampler
-from megalite.inference.sampler import draw, verify
+from megalite.inference.sampler import choose_batch, draw, verify
 from tests.inference.common import VOCAB, chi_square_p, poison_logits, reference_probs, tiny_model
 
 DRAWS = 1200
@@ -121,3 +121,17 @@ def test_a_row_that_overflows_in_a_shared_draw_fails_alone(monkeypatch):
         engine.step()
     assert "not finite" in requests[1].error and requests[1].finished
     assert [requests[i].output().outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+
+
+def test_chunked_batches_choose_what_one_batch_chooses(monkeypatch):
+    """Rows split into cache-sized chunks (here two rows each) draw the tokens one whole batch draws."""
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.9)] * 5 + [SamplingParams(temperature=0)] * 2
+    rows = [0, 1, 2, 2, 3, 5, 6]
+
+    def choose():
+        return choose_batch(logits, rows, params, [torch.Generator().manual_seed(i) for i in range(7)])
+
+    whole = choose()
+    monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 2 * VOCAB)
+    assert choose() == whole and None not in whole
