@@ -32,7 +32,7 @@ from megalite.inference.grammar import CompiledGrammar, GrammarCompiler, Grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams, StructuredOutputsParams
 from megalite.inference.prefix_cache import PrefixCache
-from megalite.inference.sampler import adjust_logits, token_logprobs, verify
+from megalite.inference.sampler import adjust_logits, batch_logprobs, choose_batch, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
 from megalite.inference.mtp_drafter import MTPDrafter
@@ -259,15 +259,16 @@ class LLMEngine:
         greedy = any(e.sample and e.seq.request.params.greedy and not e.seq.request.params.adjusts_logits
                      and e.seq.grammar is None for e in entries)
         argmax = logits.argmax(dim=-1).tolist() if greedy else None
-        touched, row = {}, 0
-        for e in entries:
+        starts = itertools.accumulate((e.num_rows for e in entries), initial=0)
+        spans = [(start, e.num_rows) for start, e in zip(starts, entries)]
+        picks = self._pick_batch(entries, spans, logits, finite, argmax)
+        touched = {}
+        for index, (e, (row, width)) in enumerate(zip(entries, spans)):
             seq, k, request = e.seq, len(e.drafts), e.seq.request
             seq.num_computed = e.start + e.length - k
-            width = len(e.prompt_positions) + (k + 1 if e.sample else 0)
             rows, best, ok = logits[row:row + width] if width else None, None, all(finite[row:row + width])
             if argmax is not None and e.sample:
                 best = argmax[row + len(e.prompt_positions):row + width]
-            row += width
             if request.error is not None:
                 continue
             try:
@@ -279,7 +280,7 @@ class LLMEngine:
                 if not e.sample:
                     self.scheduler.cache_blocks(seq)
                     continue
-                targets = self._sample(seq, e.drafts, rows, best)
+                targets = self._sample(seq, e.drafts, rows, best, picks.get(index))
             except Exception as error:  # this request's sampling alone: fail it, serve the others
                 touched.update((r.request_id, r) for r in self._fail([request], f"sampling failed: {error}"))
                 continue
@@ -292,22 +293,47 @@ class LLMEngine:
             touched[request.request_id] = request
         return list(touched.values())
 
-    def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best) -> list[Sequence]:
+    def _pick_batch(self, entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:
+        """The next token, log-prob and top log-probs of every sequence whose step needs no work of its own (one
+        token, no drafts, penalties, bias or grammar), chosen for the whole batch at once: one argmax, one draw per
+        sampling setting, one log-softmax per log-prob setting.  Keyed by entry index, one pick per sample the
+        entry emits to (all ``best_of`` of a request that forks this step).  The rest go through :meth:`_choose`."""
+        draws = []  # (entry index, logits row, params, generator)
+        for index, (e, (row, width)) in enumerate(zip(entries, spans)):
+            request, params = e.seq.request, e.seq.request.params
+            if (not e.sample or e.drafts or request.error is not None or params.adjusts_logits
+                    or e.seq.grammar is not None or not all(finite[row:row + width])):
+                continue
+            generators = [e.seq.generator] if request.forked else request.generators
+            draws += [(index, row + width - 1, params, g) for g in generators]
+        if not draws:
+            return {}
+        rows = [d[1] for d in draws]
+        tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], argmax)
+        wanted = [i for i, (d, t) in enumerate(zip(draws, tokens))
+                  if t is not None and entries[d[0]].seq.request.needs_logprobs]
+        found = dict(zip(wanted, batch_logprobs(logits, [rows[i] for i in wanted], [tokens[i] for i in wanted],
+                                                [draws[i][2] for i in wanted])))
+        picks: dict[int, list[tuple]] = {}
+        for i, (d, token) in enumerate(zip(draws, tokens)):
+            picks.setdefault(d[0], []).append(None if token is None else (token, *found.get(i, (None, None))))
+        return picks
+
+    def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best, picks=None) -> list[Sequence]:
         """Emit ``seq``'s next tokens (forking the request's other samples after its prompt); returns the
-        sequences that got tokens."""
-        request, params = seq.request, seq.request.params
-        if not request.forked:
-            targets = [seq] + self._fork(seq)
-            for s in targets:
-                self._emit(s, self._choose(s, rows, [], best), rows)
-            return targets
-        tokens = self._choose(seq, rows, drafts, best)
-        if drafts:
-            self.stats["target_forwards_decoding"] += 1
-            self.stats["tokens_from_decoding"] += len(tokens)
-            self.stats["draft_tokens"] += len(drafts)
-        self._emit(seq, tokens, rows)
-        return [seq]
+        sequences that got tokens.  ``picks``: :meth:`_pick_batch`'s choices, one per sample (None: choose here)."""
+        targets = [seq] if seq.request.forked else [seq] + self._fork(seq)
+        for s, pick in zip(targets, picks or [None] * len(targets)):
+            if pick is not None:
+                self._emit(s, [pick[0]], rows, ([pick[1]], [pick[2]]))
+                continue
+            tokens = self._choose(s, rows, drafts, best)
+            if drafts:
+                self.stats["target_forwards_decoding"] += 1
+                self.stats["tokens_from_decoding"] += len(tokens)
+                self.stats["draft_tokens"] += len(drafts)
+            self._emit(s, tokens, rows)
+        return targets
 
     def _choose(self, seq: Sequence, rows: torch.Tensor, drafts: list[int], best) -> list[int]:
         """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
@@ -345,11 +371,14 @@ class LLMEngine:
         self.scheduler.running[position:position] = children
         return children
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor) -> None:
-        """Append verified tokens up to a stop; accepted drafts' KV stays valid."""
+    def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor, known=None) -> None:
+        """Append verified tokens up to a stop; accepted drafts' KV stays valid.  ``known``: the tokens' log-probs
+        and top log-probs when already computed (else computed here from ``rows`` when the request needs them)."""
         request, params = seq.request, seq.request.params
         logprobs, tops = [None] * len(tokens), [None] * len(tokens)
-        if request.needs_logprobs:
+        if known is not None:
+            logprobs, tops = known
+        elif request.needs_logprobs:
             logprobs, found = token_logprobs(rows, tokens, params, params.logprobs or 0)
             tops = found or tops
         for token, logprob, top in zip(tokens, logprobs, tops):

@@ -76,6 +76,58 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+CHUNK_ELEMENTS = 2 ** 18  # floats per batched sampling op (1 MiB): rows of a large vocabulary stay in cache
+
+
+def _chunks(members: list[int], vocab: int):
+    """``members`` in runs of as many rows as :data:`CHUNK_ELEMENTS` holds (at least one)."""
+    size = max(1, CHUNK_ELEMENTS // vocab)
+    return (members[i:i + size] for i in range(0, len(members), size))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token per row of ``probs`` ``[r, v]`` (CPU), row ``i`` drawn with ``generators[i]``.
+
+    The draw is ``argmax(p / q)`` with ``q ~ Exp(1)`` from the row's generator: what ``torch.multinomial(p, 1)``
+    computes, so a request's seed gives the tokens it gave when each row called ``multinomial`` alone
+    (``tests/inference/test_sampling.py`` checks the two agree).  Only the noise is drawn per row; the division
+    and the argmax run once for the batch, and the tokens come back in one transfer.
+    """
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1).tolist()
+
+
+def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                 generators: list[torch.Generator], argmax: list[int] | None = None) -> list[int | None]:
+    """The next token of draw ``i`` from ``logits[rows[i]]`` under ``params[i]`` with ``generators[i]``: what
+    :func:`verify` chooses without drafts, for a whole batch at once.
+
+    Greedy draws take the argmax (``argmax`` may pass it precomputed, indexed by logits row); sampled draws that
+    share temperature, top-k, top-p and min-p share one :func:`target_probs` and one :func:`draw`.  A group whose
+    probabilities are not finite gets ``None``: the caller samples those rows alone, so the bad one fails alone.
+    """
+    out: list[int | None] = [None] * len(rows)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
+        for i in greedy:
+            out[i] = best[rows[i]]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    for chunk in (c for members in groups.values() for c in _chunks(members, logits.shape[-1])):
+        try:
+            probs = target_probs(logits[[rows[i] for i in chunk]], params[chunk[0]]).cpu()
+        except FloatingPointError:
+            continue
+        for i, token in zip(chunk, draw(probs, [generators[i] for i in chunk])):
+            out[i] = token
+    return out
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int = 0
                    ) -> tuple[list[float], list[dict[int, float]] | None]:
     """``log softmax(logits / T)[token]`` per row (T = 1 when greedy), the actor's convention, and the ``top``
@@ -91,6 +143,23 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     for entry, token, value in zip(tops, tokens, chosen):
         entry[token] = value
     return chosen, tops
+
+
+def batch_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], params: list[SamplingParams]
+                   ) -> list[tuple[float, dict[int, float] | None]]:
+    """:func:`token_logprobs` of ``tokens[i]`` in ``logits[rows[i]]`` under ``params[i]`` (with its ``logprobs``
+    top alternatives), one call per temperature and top count rather than one per row."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((1.0 if p.greedy else p.temperature, p.logprobs or 0), []).append(i)
+    out: list = [None] * len(rows)
+    for chunk in (c for members in groups.values() for c in _chunks(members, logits.shape[-1])):
+        top = params[chunk[0]].logprobs or 0
+        chosen, tops = token_logprobs(logits[[rows[i] for i in chunk]], [tokens[i] for i in chunk],
+                                      params[chunk[0]], top)
+        for j, i in enumerate(chunk):
+            out[i] = (chosen[j], tops[j] if tops is not None else None)
+    return out
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator,
@@ -119,7 +188,5 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
             continue
         residual = p.clone()
         residual[draft] = 0.0
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
-    return out
+        return out + draw(residual[None], [generator])
+    return out + draw(probs[len(drafts):], [generator])

@@ -38,6 +38,12 @@ class Scheduled:
     sample: bool
     prompt_positions: list[int] = field(default_factory=list)
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step's logits this entry gets: its prompt log-prob positions, then one per draft plus one
+        when it samples."""
+        return len(self.prompt_positions) + (len(self.drafts) + 1 if self.sample else 0)
+
 
 class Scheduler:
     """FCFS scheduler over a block allocator (and an optional prefix cache) for one model replica."""

@@ -3,6 +3,8 @@ and a chi-square p-value."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megalite.models import GPTConfig, GPTModel
@@ -19,6 +21,25 @@ def tiny_model(kind: str = "llama", **overrides) -> GPTModel:
                     add_bias_linear=False, ffn_hidden_size=48)
     base.update(overrides)
     return GPTModel(GPTConfig(**base)).eval()
+
+
+def poison_logits(monkeypatch, seed: int, value: float = float("nan")) -> None:
+    """Set the logits rows of the requests with ``seed`` to ``value`` (the whole row; a finite ``value`` only at token
+    0) where the engine's step receives them, to make that request's sampling fail."""
+    from megalite.inference.engine import LLMEngine
+
+    real = LLMEngine._process
+
+    def poisoned(self, entries, logits):
+        if logits is not None:
+            logits, row = logits.clone(), 0
+            for e in entries:
+                if e.seq.request.params.seed == seed:
+                    logits[row:row + e.num_rows, :1 if math.isfinite(value) else None] = value
+                row += e.num_rows
+        return real(self, entries, logits)
+
+    monkeypatch.setattr(LLMEngine, "_process", poisoned)
 
 
 def recompute_greedy(model, prompt: list[int], max_new: int) -> list[int]:

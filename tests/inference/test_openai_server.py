@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megalite.inference import LLM, SamplingParams
+from tests.inference.common import poison_logits
 from tests.inference.server_harness import BYTES, Server, byte_model
 
 openai = pytest.importorskip("openai")
@@ -123,19 +124,11 @@ def test_a_failing_request_fails_alone_beside_others(monkeypatch):
     """Concurrent requests: the one whose logits turn NaN gets its 500, the others their normal replies."""
     import concurrent.futures
 
-    import megalite.inference.engine as engine_module
-
-    real = engine_module.verify
-
-    def poisoned(logits, drafts, params, generator, argmax=None):
-        return real(logits.clone().fill_(float("nan")) if params.seed == 1 else logits, drafts, params, generator,
-                    argmax)
-
     model = byte_model()
     bodies = [{"prompt": [1 + i, 2, 3], "max_tokens": 6, "seed": i} for i in range(4)]
     expected = [LLM.from_model(model).generate([b["prompt"]], SamplingParams(max_tokens=6, seed=b["seed"]))[0]
                 for b in bodies]
-    monkeypatch.setattr(engine_module, "verify", poisoned)
+    poison_logits(monkeypatch, seed=1)
     with Server(model) as server:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             replies = list(pool.map(lambda b: requests.post(f"{server.url}/v1/completions", json=b), bodies))

@@ -8,7 +8,7 @@ import torch
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference.sampler import adjust_logits, filter_logits
-from tests.inference.common import VOCAB, logprob_model, tiny_model
+from tests.inference.common import VOCAB, logprob_model, poison_logits, tiny_model
 
 # vLLM's SamplingParams field names for the options megalite supports.
 VLLM_FIELDS = {"n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
@@ -144,18 +144,11 @@ def test_best_of_returns_the_most_likely_samples():
 
 def test_a_request_with_non_finite_logits_fails_alone(monkeypatch):
     """NaN logits for one request's rows: that request fails, the others in the same steps finish as before."""
-    import megalite.inference.engine as engine_module
-
     model = tiny_model()
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     params = [SamplingParams(max_tokens=4, seed=i) for i in range(3)]
     expected = LLM.from_model(model).generate([prompts[0], prompts[2]], [params[0], params[2]])
-    real = engine_module.verify
-
-    def poisoned(logits, drafts, p, generator, argmax=None):
-        return real(logits.clone().fill_(float("nan")) if p.seed == 1 else logits, drafts, p, generator, argmax)
-
-    monkeypatch.setattr(engine_module, "verify", poisoned)
+    poison_logits(monkeypatch, seed=1)
     engine = LLM.from_model(model).engine
     requests = [engine.add_request(p, s) for p, s in zip(prompts, params)]
     while engine.has_unfinished():
