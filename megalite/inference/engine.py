@@ -32,7 +32,7 @@ from megalite.inference.grammar import CompiledGrammar, GrammarCompiler, Grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams, StructuredOutputsParams
 from megalite.inference.prefix_cache import PrefixCache
-from megalite.inference.sampler import adjust_logits, batch_logprobs, choose_batch, token_logprobs, verify
+from megalite.inference.sampler import adjust_logits, pick_batch, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
 from megalite.inference.mtp_drafter import MTPDrafter
@@ -261,7 +261,7 @@ class LLMEngine:
         argmax = logits.argmax(dim=-1).tolist() if greedy else None
         starts = itertools.accumulate((e.num_rows for e in entries), initial=0)
         spans = [(start, e.num_rows) for start, e in zip(starts, entries)]
-        picks = self._pick_batch(entries, spans, logits, finite, argmax)
+        picks = pick_batch(entries, spans, logits, finite, argmax)
         touched = {}
         for index, (e, (row, width)) in enumerate(zip(entries, spans)):
             seq, k, request = e.seq, len(e.drafts), e.seq.request
@@ -293,35 +293,9 @@ class LLMEngine:
             touched[request.request_id] = request
         return list(touched.values())
 
-    def _pick_batch(self, entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:
-        """The next token, log-prob and top log-probs of every sequence whose step needs no work of its own (one
-        token, no drafts, penalties, bias or grammar), chosen for the whole batch at once: one argmax, one draw per
-        sampling setting, one log-softmax per log-prob setting.  Keyed by entry index, one pick per sample the
-        entry emits to (all ``best_of`` of a request that forks this step).  The rest go through :meth:`_choose`."""
-        draws = []  # (entry index, logits row, params, generator)
-        for index, (e, (row, width)) in enumerate(zip(entries, spans)):
-            request, params = e.seq.request, e.seq.request.params
-            if (not e.sample or e.drafts or request.error is not None or params.adjusts_logits
-                    or e.seq.grammar is not None or not all(finite[row:row + width])):
-                continue
-            generators = [e.seq.generator] if request.forked else request.generators
-            draws += [(index, row + width - 1, params, g) for g in generators]
-        if not draws:
-            return {}
-        rows = [d[1] for d in draws]
-        tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], argmax)
-        wanted = [i for i, (d, t) in enumerate(zip(draws, tokens))
-                  if t is not None and entries[d[0]].seq.request.needs_logprobs]
-        found = dict(zip(wanted, batch_logprobs(logits, [rows[i] for i in wanted], [tokens[i] for i in wanted],
-                                                [draws[i][2] for i in wanted])))
-        picks: dict[int, list[tuple]] = {}
-        for i, (d, token) in enumerate(zip(draws, tokens)):
-            picks.setdefault(d[0], []).append(None if token is None else (token, *found.get(i, (None, None))))
-        return picks
-
     def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best, picks=None) -> list[Sequence]:
         """Emit ``seq``'s next tokens (forking the request's other samples after its prompt); returns the
-        sequences that got tokens.  ``picks``: :meth:`_pick_batch`'s choices, one per sample (None: choose here)."""
+        sequences that got tokens.  ``picks``: :func:`pick_batch`'s choices, one per sample (None: choose here)."""
         targets = [seq] if seq.request.forked else [seq] + self._fork(seq)
         for s, pick in zip(targets, picks or [None] * len(targets)):
             if pick is not None:

@@ -190,3 +190,32 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
         residual[draft] = 0.0
         return out + draw(residual[None], [generator])
     return out + draw(probs[len(drafts):], [generator])
+
+
+def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:
+    """The next token, log-prob and top log-probs of every sequence whose step needs no work of its own (one
+    token, no drafts, penalties, bias or grammar), chosen for the whole batch at once: one argmax, one draw per
+    sampling setting, one log-softmax per log-prob setting.  Keyed by entry index, one pick per sample the
+    entry emits to (all ``best_of`` of a request that forks this step).  The rest go through the engine's own
+    row-by-row choice (penalties, grammar, drafts).  ``entries`` are the scheduler's step entries, ``spans``
+    their ``(first logits row, rows)``, ``finite`` per row, ``argmax`` per row or None."""
+    draws = []  # (entry index, logits row, params, generator)
+    for index, (e, (row, width)) in enumerate(zip(entries, spans)):
+        request, params = e.seq.request, e.seq.request.params
+        if (not e.sample or e.drafts or request.error is not None or params.adjusts_logits
+                or e.seq.grammar is not None or not all(finite[row:row + width])):
+            continue
+        generators = [e.seq.generator] if request.forked else request.generators
+        draws += [(index, row + width - 1, params, g) for g in generators]
+    if not draws:
+        return {}
+    rows = [d[1] for d in draws]
+    tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], argmax)
+    wanted = [i for i, (d, t) in enumerate(zip(draws, tokens))
+              if t is not None and entries[d[0]].seq.request.needs_logprobs]
+    found = dict(zip(wanted, batch_logprobs(logits, [rows[i] for i in wanted], [tokens[i] for i in wanted],
+                                            [draws[i][2] for i in wanted])))
+    picks: dict[int, list[tuple]] = {}
+    for i, (d, token) in enumerate(zip(draws, tokens)):
+        picks.setdefault(d[0], []).append(None if token is None else (token, *found.get(i, (None, None))))
+    return picks
