@@ -110,16 +110,17 @@ def save_global_checkpoint(save_dir: str, config, tensors: dict[str, torch.Tenso
 
 
 def save_global_shards(save_dir: str, config, shards: list[TensorShard], *, iteration: int = 0,
-                       extra: dict | None = None) -> str:
+                       extra: dict | None = None, model_shapes: dict | None = None) -> str:
     """Write boxes of global tensors (:class:`TensorShard`, e.g. views of another checkpoint's files, so
     nothing is held whole) as a single-rank checkpoint that loads under any layout.
 
-    The shards must name exactly the tensors of ``config``'s model, with their global shapes, and may add
-    optimizer state as ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` of the same shapes (with its JSON
-    state as ``extra["optimizer"]``).
+    The shards must name exactly the tensors of ``config``'s model (or, for a model without a GPTConfig such
+    as a user's module trained through the TrainingService, of ``model_shapes``), with their global shapes,
+    and may add optimizer state as ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` of the same shapes (with
+    its JSON state as ``extra["optimizer"]``).
     """
     shapes = {shard.name: tuple(shard.global_shape) for shard in shards}
-    model = global_shapes(config)
+    model = model_shapes if model_shapes is not None else global_shapes(config)
     expected = {**model, **{f"optimizer.{key}.{name}": shape for key in (*OPTIMIZER_KEYS, "main")
                             for name, shape in model.items() if f"optimizer.{key}.{name}" in shapes}}
     missing = sorted(set(expected) - set(shapes))

@@ -207,7 +207,7 @@ class TrainingService:
 
             shards = [TensorShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor.detach().cpu())
                       for name, tensor in sorted(weights.items())]
-            save_global_shards(path, None, shards, expected=self._shapes)
+            save_global_shards(path, None, shards, model_shapes=self._shapes)
         else:
             save_global_checkpoint(path, self.spec.model, weights)
         return self._call("load_weights", path)

@@ -1,5 +1,5 @@
-"""Use in someone else's model: only megalite.tensor_parallel, megalite.topology and megalite.collectives, the
-user's own group."""
+"""Use in someone else's model: only megalite.tensor_parallel, megalite.topology, megalite.collectives and
+megalite.batch_invariant (torch-only numerics the layers switch to under its mode), the user's own group."""
 
 import subprocess
 import sys
@@ -82,5 +82,5 @@ def test_imports_only_topology_and_collectives_from_megalite():
             "print(sorted(m for m in sys.modules if m.startswith('megalite')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = eval(out)
-    allowed = ("megalite", "megalite.topology", "megalite.collectives")
+    allowed = ("megalite", "megalite.topology", "megalite.collectives", "megalite.batch_invariant")
     assert all(m in allowed or m.startswith("megalite.tensor_parallel") for m in loaded), loaded
