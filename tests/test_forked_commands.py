@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from tests.forked_commands import run_commands
+from tests.forked_commands import ForkedCommands
 
 SCRIPT = '''
 import atexit, sys, threading, time, warnings
@@ -28,7 +28,8 @@ def test_forked_commands_print_and_exit_as_fresh_interpreters(tmp_path):
     commands = [([str(script), arg], work, {"EXTRA": "1"}) for arg in ("raise", "message", "3", "0")]
     commands += [(["-m", "json.tool", "missing.json"], work, {}), (["-m", "json.tool", "--no-such-flag"], work, {})]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    forked = run_commands(commands, env, preload=("json.tool",), timeout=60)
+    with ForkedCommands(env, preload=("json.tool",), timeout=60) as helper:  # two batches from one helper
+        forked = helper.run(commands[:4]) + helper.run(commands[4:])
     for (argv, cwd, extra), got in zip(commands, forked):
         real = subprocess.run([sys.executable, *argv], cwd=cwd, env={**env, **extra}, capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, timeout=60)
