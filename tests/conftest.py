@@ -1,10 +1,18 @@
-"""Fixtures shared by every test package: the tiny indexed dataset the training-loop tests train on."""
+"""Fixtures shared by every test package: the tiny indexed dataset the training-loop tests train on; the imports
+run_distributed's fork server does once for every rank."""
 
 import numpy as np
 import pytest
 
+from megalite import testing
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from tests.training.helpers import VOCAB
+
+# What the multi-rank test modules import, imported once by run_distributed's fork server instead of by every rank
+# of every run (transformers and its GPT-2 model, or Megatron-Core, take a rank over a second of CPU each).
+testing.preload("pytest", "megalite.models", "megalite.moe", "megalite.pipeline", "megalite.training.gpt",
+                "megalite.checkpoint.hf", "megalite.inference", "megalite.rlhf.trainer", "transformers",
+                "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "megatron.core")
 
 
 def write_arithmetic_documents(prefix: str, count: int, seed: int, vocab: int, lengths: tuple[int, int],

@@ -1,12 +1,12 @@
 """Every command goes through megalite.cli.run_cli: bad input is one ``error:`` line on stderr and exit 2."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each case runs a command as a subprocess
+from tests.forked_commands import PRELOAD, run_commands
+
+pytestmark = pytest.mark.slow  # each case runs a command in a process of its own
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,18 +44,14 @@ def _cases(tmp):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Start every bad command at once (each imports torch); map name -> (fragment, exit status, stderr)."""
+    """Run every bad command at once, each in its own process forked after torch was imported once
+    (tests/forked_commands.py); map name -> (fragment, exit status, stderr)."""
     tmp = str(tmp_path_factory.mktemp("cli"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("WORLD_SIZE", None)
-    procs = {name: (fragment, subprocess.Popen([sys.executable, *argv], cwd=tmp, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True))
-             for name, argv, fragment in _cases(tmp)}
-    results = {}
-    for name, (fragment, proc) in procs.items():
-        _, err = proc.communicate(timeout=300)
-        results[name] = (fragment, proc.returncode, err)
-    return results
+    cases = _cases(tmp)
+    done = run_commands([(argv, tmp, {}) for _, argv, _ in cases], env, PRELOAD + ("megalite.rlhf",), timeout=300)
+    return {name: (fragment, proc.returncode, proc.stderr) for (name, _, fragment), proc in zip(cases, done)}
 
 
 @pytest.mark.parametrize("name", [case[0] for case in _cases("tmp")])

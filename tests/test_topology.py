@@ -150,6 +150,16 @@ def test_harness_reports_failing_rank():
         run_distributed(_rank_fails, 2, timeout=30)
 
 
+def _imported(name):
+    return name in sys.modules
+
+
+def test_ranks_start_with_what_the_conftest_preloads():
+    """tests/conftest.py has the fork server import megalite.rlhf.trainer (this module does not), so a rank
+    starts with it imported instead of importing it again."""
+    assert run_distributed(_imported, 1, "megalite.rlhf.trainer") == [True]
+
+
 def test_harness_kills_hanging_ranks():
     with pytest.raises(AssertionError, match=r"ranks \[0, 1\] did not finish and were killed after the 3s timeout"):
         run_distributed(_rank_hangs, 2, timeout=3)

@@ -21,6 +21,7 @@ from megalite.testing import run_distributed
 from megalite.training.checkpointing import checkpoint_info, load_checkpoint, save_checkpoint
 from megalite.training.save_dir import check_not_overwriting
 from tests.checkpoint.test_bad_input import load_tp2_error, small_gpt, rehash, flip_byte
+from tests.run_once import run_once
 
 IDS = torch.arange(6).view(1, 6)
 
@@ -182,6 +183,7 @@ def test_a_damaged_latest_names_the_newest_verified_iteration(tmp_path, pointer)
         load_model(save)
 
 
+@run_once
 def resume_from_an_iteration_directory(run) -> tuple[str, int, str, str, int]:
     """Train 3 of 4 iterations (``--exit-interval 3``) saving each into ``run``, then resume the same schedule with
     ``--load RUN/iter_0000002 --save RUN`` to iteration 4.  Returns the iteration directory, the resumed run's last

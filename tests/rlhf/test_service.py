@@ -14,6 +14,7 @@ import torch
 from megalite.optim import OptimizerConfig
 from megalite.rlhf import ParallelLayout, TrainingService
 from tests.rlhf.common import config
+from tests.run_once import run_once
 
 OPTIM = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
 
@@ -120,6 +121,7 @@ def test_killed_worker_fails_pending_and_later_calls(tmp_path):
     asyncio.run(_killed(tmp_path))
 
 
+@run_once
 async def stopped_worker(tmp_path) -> tuple[Exception | None, list[int]]:
     """Stop (SIGSTOP) worker 1 of a two-worker service with a 5 s timeout, then call forward_backward: worker 0
     waits for it in a collective.  Returns the call's exception (None if it returned) and the workers still alive

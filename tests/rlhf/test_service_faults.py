@@ -20,6 +20,7 @@ from megalite.rlhf.service_ray_reaper import children, descendants, processes
 from megalite.training.nan_guard import NanGuardConfig
 from tests.rlhf.common import VOCAB, config
 from tests.rlhf.test_service import OPTIM, alive_pids, toy_batch
+from tests.run_once import run_once
 
 FAILING = "tests.rlhf.service_objectives:FailingLanguageModel"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,6 +167,7 @@ asyncio.run(main())
 """
 
 
+@run_once
 def left_after_signalling_the_driver(path, sig, backend="local") -> tuple[list[str], dict[int, str]]:
     """Start a driver process whose service has two workers (``backend``, ``checkpoint_dir`` ``path``), send the
     driver ``sig``, and return the names of the processes it had started, and (pid -> name) those still running

@@ -4,7 +4,9 @@
 supervisor attempt ``attempt`` (``MEGALITE_RESTART_ATTEMPT``, 0 without a supervisor), global rank
 ``rank`` does ``action`` during the forward of the ``iteration``-th iteration of this launch:
 ``kill`` (SIGKILL itself), ``kill-launcher`` (SIGKILL its parent, the torchrun agent, then go on
-after a minute, so an orphan would outlive the test's 10 s) or ``stall`` (sleep for an hour).  With ``MEGALITE_TEST_PID_DIR`` each rank writes its pid to
+after a minute, so an orphan would outlive the test's 10 s), ``stall`` (sleep for an hour) or ``hang``
+(sleep for an hour, but die at once on SIGTERM: the launcher's stop ends it without the 20 s a stalled
+rank takes, for a test that only checks the other ranks).  With ``MEGALITE_TEST_PID_DIR`` each rank writes its pid to
 ``attempt<a>_rank<r>`` there first.
 """
 
@@ -48,7 +50,9 @@ class FaultyForwardStep:
             elif action == "kill-launcher":
                 os.kill(os.getppid(), signal.SIGKILL)
                 time.sleep(60)
-            elif action == "stall":
+            elif action in ("stall", "hang"):
+                if action == "hang":
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(3600)
         return gpt.forward_step(data_iterator, model)
 

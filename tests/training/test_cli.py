@@ -13,6 +13,7 @@ import pytest
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.training.checkpointing import read_latest
+from tests.forked_commands import PRELOAD, ForkedCommands, run_commands
 from tests.training.helpers import read_metrics, tiny_argv
 
 pytestmark = pytest.mark.slow
@@ -74,20 +75,20 @@ def _bad_inputs(tiny_data, tmp):
 
 @pytest.fixture(scope="module")
 def bad_runs(tiny_data, tmp_path_factory):
-    """Launch every bad-input command at once; map name -> (fragment, exit code, each rank's output).
+    """Run every bad-input command at once, each in its own process forked after torch was imported once
+    (tests/forked_commands.py); map name -> (fragment, exit code, each rank's output).
 
     A torchrun launch redirects each rank's output to files, so the launcher's own failure report
     stays out of what is checked.
     """
     tmp = str(tmp_path_factory.mktemp("bad"))
     cases = _bad_inputs(tiny_data, tmp)
-    procs = {name: (fragment, subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True))
-             for name, cmd, fragment in cases}
+    env = _env()
+    done = run_commands([(cmd[1:], tmp, {"MASTER_PORT": _env()["MASTER_PORT"]}) for _, cmd, _ in cases], env,
+                        timeout=180)
     results = {}
-    for name, (fragment, proc) in procs.items():
-        out, err = proc.communicate(timeout=180)
-        ranks = [out + err]
+    for (name, _, fragment), proc in zip(cases, done):
+        ranks = [proc.stdout + proc.stderr]
         if "torch.distributed.run" in proc.args:
             ranks = [_read_rank_logs(os.path.join(tmp, "torchrun", name), rank) for rank in (0, 1)]
         results[name] = (fragment, proc.returncode, ranks)
@@ -153,29 +154,30 @@ def test_nothing_is_saved_or_loaded_unless_asked(tiny_data, tmp_path):
     nor writes one.  Before, pretrain_gpt.py defaulted both to checkpoints/gpt."""
     first = tiny_argv(tiny_data, tmp_path, "--train-iters", "3", "--save", "checkpoints/gpt", "--load",
                       "checkpoints/gpt")
-    run = subprocess.run([sys.executable, SCRIPT, *first], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 3
-    # The planner's prediction for this layout at start, the measurement beside it after the warm-up iteration.
-    lines = run.stdout.splitlines()
-    plan = [i for i, line in enumerate(lines) if line.startswith("plan (") and " per rank (weights " in line]
-    measured = [i for i, line in enumerate(lines) if line.startswith("measured after warm-up (plan): step ")]
-    iteration_2 = next(i for i, line in enumerate(lines) if line.startswith("iteration 2/3"))
-    assert len(plan) == 1 and len(measured) == 1 and plan[0] < iteration_2 < measured[0], run.stdout
-    assert " max RSS (" in lines[measured[0]] and " MFU " in lines[measured[0]], lines[measured[0]]
-    before = _tree(tmp_path / "checkpoints")
-    other = tmp_path / "other"
-    other.mkdir()
-    second = tiny_argv(tiny_data, other, "--train-iters", "3", "--hidden-size", "48", "--num-layers", "1")
-    run = subprocess.run([sys.executable, SCRIPT, *second], cwd=tmp_path, env=_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    with ForkedCommands(_env(), PRELOAD + ("torch._dynamo", "torch.optim")) as helper:
+        (run,) = helper.run([_pretrain(first, tmp_path)])
+        assert run.returncode == 0, run.stderr
+        assert read_latest(str(tmp_path / "checkpoints" / "gpt")) == 3
+        # The planner's prediction for this layout at start, the measurement beside it after the warm-up iteration.
+        lines = run.stdout.splitlines()
+        plan = [i for i, line in enumerate(lines) if line.startswith("plan (") and " per rank (weights " in line]
+        measured = [i for i, line in enumerate(lines) if line.startswith("measured after warm-up (plan): step ")]
+        iteration_2 = next(i for i, line in enumerate(lines) if line.startswith("iteration 2/3"))
+        assert len(plan) == 1 and len(measured) == 1 and plan[0] < iteration_2 < measured[0], run.stdout
+        assert " max RSS (" in lines[measured[0]] and " MFU " in lines[measured[0]], lines[measured[0]]
+        before = _tree(tmp_path / "checkpoints")
+        other, fresh = tmp_path / "other", tmp_path / "fresh"
+        other.mkdir()
+        fresh.mkdir()
+        second = tiny_argv(tiny_data, other, "--train-iters", "3", "--hidden-size", "48", "--num-layers", "1")
+        runs = helper.run([_pretrain(second, tmp_path), _pretrain(tiny_argv(tiny_data, fresh, "--train-iters", "3"),
+                                                                   fresh)])
+    assert [run.returncode for run in runs] == [0, 0], [run.stderr for run in runs]
     assert [r["iteration"] for r in read_metrics(other / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
     assert _tree(tmp_path / "checkpoints") == before
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    run = subprocess.run([sys.executable, SCRIPT, *tiny_argv(tiny_data, fresh, "--train-iters", "3")], cwd=fresh,
-                         env=_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
     assert not (fresh / "checkpoints").exists()
+
+
+def _pretrain(argv, cwd):
+    """``examples/pretrain_gpt.py ARGV`` from ``cwd`` as a ForkedCommands command, on a port of its own."""
+    return [SCRIPT, *argv], cwd, {"MASTER_PORT": _env()["MASTER_PORT"]}
