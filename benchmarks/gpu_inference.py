@@ -4,7 +4,7 @@
 
 Model: a Llama-style decoder with random weights (h=2048, 16 layers, 16 heads in 8 KV groups, SwiGLU 5632,
 vocab 32000: 0.9B parameters), built with transformers and converted to megalite, both run in bf16.
-Workload (seeded, as benchmarks/inference.py): greedy requests with prompts of 16-256 tokens and 16-128 output
+Workload (benchmarks/inference.py's, seeded, at this vocabulary): greedy requests with prompts of 16-256 tokens and 16-128 output
 tokens each.  transformers runs padded static batches at each size of ``--batches`` (every row decodes as many
 tokens as its batch's longest; only the tokens a request asked for count) and is compared at its best size;
 the engine takes all requests at once (continuous batching over its paged KV cache).  Times are wall seconds
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from extras import require  # noqa: E402
+from inference import run_hf_static, workload  # noqa: E402
 from megalite.checkpoint import load_model  # noqa: E402
 from megalite.checkpoint.hf import convert_hf_to_megalite  # noqa: E402
 from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
@@ -47,32 +47,12 @@ def build(directory: str):
     return model.to("cuda", torch.bfloat16).eval()
 
 
-def workload(n: int, seed: int = 0):
-    rng = random.Random(seed)
-    return [([rng.randrange(VOCAB) for _ in range(rng.randint(16, 256))], rng.randint(16, 128)) for _ in range(n)]
-
-
 def timed(fn):
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start, result
-
-
-def hf_static(model, work, batch):
-    outs = []
-    for i in range(0, len(work), batch):
-        group = work[i:i + batch]
-        p = max(len(w[0]) for w in group)
-        ids = torch.tensor([[0] * (p - len(w[0])) + w[0] for w in group], device="cuda")
-        mask = torch.tensor([[0] * (p - len(w[0])) + [1] * len(w[0]) for w in group], device="cuda")
-        new = max(w[1] for w in group)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                                 pad_token_id=0, eos_token_id=None)
-        outs += [out[j, p:p + w[1]].tolist() for j, w in enumerate(group)]
-    return outs
 
 
 def main():
@@ -85,7 +65,7 @@ def main():
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    work = workload(args.requests)
+    work = workload(args.requests, vocab=VOCAB)
     asked = sum(m for _, m in work)
     with tempfile.TemporaryDirectory() as tmp:
         hf = build(tmp)
@@ -103,8 +83,8 @@ def main():
     print(f"megalite engine: {engine_s:.2f} s, {asked / engine_s:,.0f} output tokens/s", flush=True)
     best = None
     for batch in (int(b) for b in args.batches.split(",")):
-        hf_static(hf, work[:batch], batch)  # warm-up at this size
-        seconds, outs = timed(lambda: hf_static(hf, work, batch))
+        run_hf_static(hf, work[:batch], batch, "cuda")  # warm-up at this size
+        (seconds, _), outs = run_hf_static(hf, work, batch, "cuda")
         print(f"transformers generate, batch {batch}: {seconds:.2f} s, {asked / seconds:,.0f} output tokens/s",
               flush=True)
         if best is None or seconds < best[0]:

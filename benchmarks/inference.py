@@ -80,9 +80,10 @@ def build_model(directory: str):
     return model
 
 
-def workload(n: int, seed: int = 0):
+def workload(n: int, seed: int = 0, vocab: int = VOCAB):
+    """``n`` greedy requests (prompt ids, output tokens): prompts of 16-256 ids below ``vocab``, 16-128 outputs."""
     rng = random.Random(seed)
-    return [([rng.randrange(VOCAB) for _ in range(rng.randint(16, 256))], rng.randint(16, 128)) for _ in range(n)]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(16, 256))], rng.randint(16, 128)) for _ in range(n)]
 
 
 class Clock:
@@ -108,13 +109,15 @@ def run_engine(ckpt, work, config=ENGINE, draft=None):
     return clock.times, [o.outputs[0].token_ids for o in outputs], llm.engine
 
 
-def run_hf_static(model, work, batch):
+def run_hf_static(model, work, batch, device="cpu"):
+    """transformers ``generate`` over padded static batches of ``batch`` requests (on ``device``): (wall and CPU
+    seconds, each request's requested tokens).  The tokens come back to the host, so a GPU has finished."""
     clock, outs = Clock().__enter__(), []
     for i in range(0, len(work), batch):
         group = work[i:i + batch]
         p = max(len(w[0]) for w in group)
-        ids = torch.tensor([[0] * (p - len(w[0])) + w[0] for w in group])
-        mask = torch.tensor([[0] * (p - len(w[0])) + [1] * len(w[0]) for w in group])
+        ids = torch.tensor([[0] * (p - len(w[0])) + w[0] for w in group], device=device)
+        mask = torch.tensor([[0] * (p - len(w[0])) + [1] * len(w[0]) for w in group], device=device)
         new = max(w[1] for w in group)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
