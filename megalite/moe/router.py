@@ -72,7 +72,7 @@ class TopKRouter(nn.Module):
     With ``score_function`` "sigmoid" the scores and choice are
     :func:`~megalite.moe.sigmoid_routing.sigmoid_topk`'s; with
     ``enable_expert_bias`` the buffers ``expert_bias`` (saved with the model) and
-    ``tokens_since_update`` (training-mode counts) serve
+    ``tokens_since_update`` (training-mode counts, with grad enabled) serve
     :func:`~megalite.moe.expert_bias.update_expert_bias`.
     """
 
@@ -111,7 +111,8 @@ class TopKRouter(nn.Module):
         for group in stats_groups:
             dist.all_reduce(stats, group=group)
         total_counts = stats[:num_experts].round().long()
-        if self.tokens_since_update is not None and self.training:
+        if self.tokens_since_update is not None and self.training and torch.is_grad_enabled():
+            # (A recomputed layer routes twice, without grad and then in backward: count once, as Megatron-Core.)
             self.tokens_since_update += total_counts
         num_tokens = max(int(stats[num_experts + 1].item()), 1)
         seq_length = max(num_tokens // balance_counts.shape[0], 1)
