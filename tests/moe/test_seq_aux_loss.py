@@ -5,7 +5,7 @@ Checked element-wise against Megatron-Core's own ``TopKRouter`` with
 the router weight's gradient), on one rank and with the sequences split over two
 ranks (as sequence or context parallelism splits them), where both must equal the
 one-rank computation; and through the MoE layer at tp=2 with and without
-sequence parallelism.
+sequence parallelism, and at cp=2.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.moe import MoEConfig, TopKRouter
+from megalite import topology
+from megalite.context_parallel import chunk_indices
+from megalite.moe import MoEConfig, MoELayer, TopKRouter
 from megalite.testing import run_distributed
 from tests.moe.test_parallel import _run
 
@@ -94,7 +96,45 @@ def _two_ranks(megatron: bool):
     x, _ = _inputs()
     torch.manual_seed(3)
     batch_value = TopKRouter(H, _config())(x.reshape(-1, H), [], 1).aux_loss
+    errors.update(_context_parallel_layer())
     return errors, value, batch_value, grad.abs().max().item()
+
+
+def _context_parallel_layer():
+    """The MoE layer at cp=2 (load-balanced chunks) against one rank: outputs, input and parameter gradients.
+
+    As in training, each CP rank's objective is its share times the CP size and replicated gradients are averaged
+    over CP, so the average equals the one-rank gradient, the balance loss's part included.
+    """
+    x, _ = _inputs()
+    g = torch.randn(S, B, H, generator=torch.Generator().manual_seed(12))
+    config = _config(num_groups=None, group_topk=None, ffn_hidden_size=8)
+    torch.manual_seed(5)
+    reference = MoELayer(H, config)
+    whole = x.clone().requires_grad_(True)
+    out = reference(whole)
+    (out * g).sum().backward()
+    direct = reference.router(x.reshape(-1, H), [], B).aux_loss  # the layer hands the router its B sequences
+    topo = topology.initialize(cp=2)
+    mine = chunk_indices(S, topo.cp.size, topo.cp.rank)
+    torch.manual_seed(5)
+    layer = MoELayer(H, config)
+    part = x[mine].clone().requires_grad_(True)
+    local = layer(part)
+    (local * g[mine]).sum().mul(topo.cp.size).backward()
+    errors = {"cp_out": _relative(local, out[mine]), "cp_dx": _relative(part.grad / topo.cp.size, whole.grad[mine]),
+              "cp_aux": abs(layer.last_stats["aux_loss"] / reference.last_stats["aux_loss"] - 1),
+              "layer_sequences": abs(reference.last_stats["aux_loss"] / direct - 1)}
+    for (name, param), expected in zip(layer.named_parameters(), reference.parameters()):
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=topo.cp.group)
+        errors[f"cp_{name}"] = _relative(grad / topo.cp.size, expected.grad)
+    return errors
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude expected."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 def test_seq_aux_loss_equals_megatron_core_on_one_rank_and_split_over_two():
