@@ -24,7 +24,7 @@ class Routing:
     [T, k] the expert ids with -1 for a dropped assignment.  ``loss`` is this rank's share of
     ``aux_coeff * aux + z_coeff * z`` (differentiable, or None when both
     coefficients are 0); ``aux_loss``/``z_loss`` are the micro-batch's values
-    and ``tokens_per_expert`` its routed assignments per expert, before dropping;
+    (aux of ``MoEConfig.load_balancing_type``) and ``tokens_per_expert`` its routed assignments per expert, before dropping;
     ``dropped`` counts the assignments this rank dropped for capacity.
     """
 
