@@ -104,7 +104,7 @@ class TopKRouter(nn.Module):
 
         num_experts = cfg.num_experts
         counts = torch.bincount(indices.reshape(-1), minlength=num_experts)
-        balance_scores, balance_counts = _balance_inputs(logits, scores, counts, cfg, sequences)
+        balance_scores, balance_counts = _balance_inputs(logits, scores, cfg, sequences)
         stats = torch.cat([counts.double(), torch.logsumexp(logits.detach(), -1).square().sum().double().view(1),
                            torch.tensor([tokens.shape[0]], dtype=torch.float64, device=tokens.device),
                            balance_counts.double().view(-1), balance_scores.detach().sum(0).double().view(-1)])
@@ -140,19 +140,20 @@ class TopKRouter(nn.Module):
                        tokens_per_expert=total_counts.tolist(), dropped=dropped)
 
 
-def _balance_inputs(logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor, config: MoEConfig,
+def _balance_inputs(logits: torch.Tensor, scores: torch.Tensor, config: MoEConfig,
                     sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scores [s, B, E], assignments [B, E])`` the balancing loss compares, for B "sequences".
 
-    "aux_loss": the whole micro-batch is one sequence and the assignments are
-    the routed ones.  "seq_aux_loss": each of the ``sequences`` is its own, and
-    (as DeepSeek-V3 and Megatron-Core define it) a token counts for its top-k
-    experts by unbiased score, whatever groups or bias chose for routing.
+    "aux_loss": the whole micro-batch is one sequence; "seq_aux_loss": each of
+    the ``sequences`` is its own.  As Megatron-Core (and DeepSeek-V3 for its
+    sequence-wise loss) define it, a token counts for its top-k experts by
+    unbiased score, whatever groups or an expert bias chose for routing (with
+    softmax scores these are the routed experts, before capacity dropping).
     """
     num_experts = config.num_experts
     if config.load_balancing_type == "aux_loss":
-        return scores.unsqueeze(1), counts.view(1, num_experts)
-    if logits.shape[0] % sequences:
+        sequences = 1
+    elif logits.shape[0] % sequences:
         raise ValueError(f"{logits.shape[0]} router tokens do not split into {sequences} sequences")
     chosen = logits.detach().topk(config.topk, dim=-1).indices
     routed = torch.zeros_like(logits, dtype=torch.float64).scatter_(1, chosen, 1.0)

@@ -36,18 +36,21 @@ def _inputs():
     return torch.randn(S, B, H, generator=gen), torch.randn(S, B, E, generator=gen)
 
 
-def _ours(rows: slice, group):
+def _ours(kind: str, rows: slice, group):
     """megalite's router on positions ``rows`` of every sequence: (aux value, dense weights, weight grad)."""
     x, g = _inputs()
     torch.manual_seed(3)
-    router = TopKRouter(H, _config())
+    router = TopKRouter(H, _config(load_balancing_type=kind))
     routing = router(x[rows].reshape(-1, H), [group] if group is not None else [], B)
     dense = torch.zeros(routing.probs.shape[0], E).scatter(1, routing.indices, routing.probs)
     ((dense * g[rows].reshape(-1, E)).sum() + routing.loss).backward()
     return routing.aux_loss, dense.detach(), router.weight.grad, router.weight.detach()
 
 
-def _megatron(rows: slice, group, weight):
+TRACKED = {"seq_aux_loss": "seq_load_balancing_loss", "aux_loss": "load_balancing_loss"}
+
+
+def _megatron(kind: str, rows: slice, group, weight):
     """Megatron-Core's router on the same logits; its tp_cp group is ``group``."""
     from types import SimpleNamespace
 
@@ -58,7 +61,7 @@ def _megatron(rows: slice, group, weight):
 
     cfg = _config()
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
-                               moe_router_topk=TOPK, moe_router_load_balancing_type="seq_aux_loss",
+                               moe_router_topk=TOPK, moe_router_load_balancing_type=kind,
                                moe_aux_loss_coeff=COEFF, moe_router_score_function="sigmoid",
                                moe_router_num_groups=cfg.num_groups, moe_router_group_topk=cfg.group_topk,
                                moe_router_topk_scaling_factor=cfg.routed_scaling_factor)
@@ -69,35 +72,39 @@ def _megatron(rows: slice, group, weight):
     w = weight.clone().requires_grad_(True)
     probs, _ = router.routing(F.linear(x[rows], w))
     (probs * g[rows].reshape(-1, E)).sum().backward()
-    value = get_moe_layer_wise_logging_tracker()["seq_load_balancing_loss"]["values"][0].item()
+    value = get_moe_layer_wise_logging_tracker()[TRACKED[kind]]["values"][0].item()
     return value, probs.detach(), w.grad
 
 
-def _two_ranks(megatron: bool):
+def _compare_router(kind: str, megatron: bool) -> dict:
     """Max differences: each rank's half (and Megatron-Core, alone and split) against the one-rank router."""
     rank = dist.get_rank()
     alone = dist.new_group([0]), dist.new_group([1])
     whole, half = slice(0, S), slice(rank * S // 2, (rank + 1) * S // 2)
-    value, dense, grad, weight = _ours(whole, None)
-    split_value, split_dense, split_grad, _ = _ours(half, dist.group.WORLD)
+    value, dense, grad, weight = _ours(kind, whole, None)
+    split_value, split_dense, split_grad, _ = _ours(kind, half, dist.group.WORLD)
     dist.all_reduce(split_grad)
     errors = {"value": abs(split_value - value),
               "probs": (split_dense - dense.view(S, B, E)[half].reshape(-1, E)).abs().max().item(),
               "grad": (split_grad - grad).abs().max().item()}
     if megatron:
-        their_value, their_probs, their_grad = _megatron(whole, alone[rank], weight)
+        their_value, their_probs, their_grad = _megatron(kind, whole, alone[rank], weight)
         errors.update(mcore_value=abs(their_value - value), mcore_probs=(their_probs - dense).abs().max().item(),
                       mcore_grad=(their_grad - grad).abs().max().item())
-        _, their_split_probs, their_split_grad = _megatron(half, dist.group.WORLD, weight)
+        _, their_split_probs, their_split_grad = _megatron(kind, half, dist.group.WORLD, weight)
         dist.all_reduce(their_split_grad)
         errors.update(mcore_split_probs=(their_split_probs - split_dense).abs().max().item(),
                       mcore_split_grad=(their_split_grad - grad).abs().max().item())
-    # The loss is per sequence: the whole micro-batch as one sequence gives another value.
-    x, _ = _inputs()
-    torch.manual_seed(3)
-    batch_value = TopKRouter(H, _config())(x.reshape(-1, H), [], 1).aux_loss
+    return {f"{kind}_{name}": error for name, error in errors.items()}, value, grad.abs().max().item()
+
+
+def _two_ranks(megatron: bool):
+    """The sequence-wise loss, the micro-batch loss (the same comparisons), then the layer at cp=2."""
+    errors, value, grad = _compare_router("seq_aux_loss", megatron)
+    batch_errors, batch_value, _ = _compare_router("aux_loss", megatron)
+    errors.update(batch_errors)
     errors.update(_context_parallel_layer())
-    return errors, value, batch_value, grad.abs().max().item()
+    return errors, value, batch_value, grad
 
 
 def _context_parallel_layer():
@@ -137,7 +144,9 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-def test_seq_aux_loss_equals_megatron_core_on_one_rank_and_split_over_two():
+def test_balance_losses_equal_megatron_core_on_one_rank_and_split_over_two():
+    """Both load-balancing types under group-limited sigmoid routing, where the experts the loss counts (the
+    top-k by unbiased score) differ from the routed ones."""
     try:
         import megatron.core.transformer.moe.router  # noqa: F401
         megatron = True
@@ -145,6 +154,7 @@ def test_seq_aux_loss_equals_megatron_core_on_one_rank_and_split_over_two():
         megatron = False
     for errors, value, batch_value, grad in run_distributed(_two_ranks, 2, megatron, timeout=180):
         assert max(errors.values()) <= 1e-6, errors
+        # The loss is per sequence: the whole micro-batch as one sequence gives another value.
         assert value > 0 and grad > 0 and abs(value - batch_value) > 1e-3 * value
     if not megatron:
         pytest.skip("megatron-core is not installed: the two-rank parity ran, the Megatron-Core comparison did not")
