@@ -18,6 +18,9 @@ Parameter names are Megatron-Core's, under ``mtp.layers.{k}.``: ``enorm``, ``hno
 column-parallel), ``transformer_layer`` (a decoder layer, global number ``num_layers + k``, of the last decoder
 layer's kind) and ``final_layernorm``.  Under pipeline parallelism the depths sit on the last stage, with a copy
 of the word embedding (``mtp.embedding``, a checkpoint alias of the model's; rotary positions only).
+
+Under full recompute (``recompute_granularity`` "full", either method) each depth keeps only its inputs in
+training and recomputes its layer in backward, as Megatron-Core checkpoints its MTP layers.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from megalite.models.init import init_stream, layer_stream, normal_init
 from megalite.models.norms import build_norm
 from megalite.models.transformer_block import TransformerLayer
 from megalite.moe.losses import attach_loss
-from megalite.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_parallel_region,
+from megalite.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_parallel_region, recompute,
                                       scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
 
@@ -104,6 +107,7 @@ class MultiTokenPrediction(nn.Module):
         self.tp_group = layer_kwargs.get("tp_group")
         self.cp_group = layer_kwargs.get("cp_group")
         self.aux_loss_scale = 1.0
+        self.recompute_full = config.recompute_granularity == "full"
         self.last_losses: list[torch.Tensor] | None = None
         self.layers = nn.ModuleList()
         for depth in range(config.mtp_num_layers):
@@ -132,7 +136,11 @@ class MultiTokenPrediction(nn.Module):
                 shift_left(mask_k)
             if documents is not None:
                 mask_k = mask_k * _same_document(documents, depth + 1)
-            h = layer(h, embedding(ids[:, mine], positions[:, mine]), rotary, mask, documents)
+            embedded = embedding(ids[:, mine], positions[:, mine])
+            if self.recompute_full and self.training:
+                h = recompute(layer, h, embedded, rotary, mask, documents)
+            else:
+                h = layer(h, embedded, rotary, mask, documents)
             per_token = vocab_parallel_cross_entropy(output_logits(h), targets[:, mine].t(), tp_group=self.tp_group).t()
             loss = (per_token * mask_k[:, mine]).sum() * cp / mask_k.sum().clamp(min=1.0)
             total = total + loss

@@ -8,6 +8,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss")
 
 
 @dataclass
@@ -27,6 +28,10 @@ class MoEConfig:
     scales it per token by ``sigmoid(x . w)`` (Qwen2-MoE's shared expert).
     ``aux_loss_coeff``/``z_loss_coeff`` weight the load-balancing and router
     z-losses, which the layer feeds into the backward pass itself.
+    ``load_balancing_type`` picks the balancing loss ``aux_loss_coeff`` weighs
+    (Megatron's ``--moe-router-load-balancing-type``): "aux_loss" over the
+    micro-batch's tokens, or "seq_aux_loss", DeepSeek-V3's per-sequence loss
+    averaged over the micro-batch's sequences (see ``losses.py``).
 
     DeepSeek-V3 routing (see ``sigmoid_routing.py``): ``score_function``
     "sigmoid", experts chosen by score plus a balancing bias when
@@ -44,6 +49,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     aux_loss_coeff: float = 0.0
+    load_balancing_type: str = "aux_loss"
     z_loss_coeff: float = 0.0
     capacity_factor: float | None = None
     token_drop_policy: str = "probs"
@@ -72,6 +78,7 @@ class MoEConfig:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the expert "
                              f"tensor-parallel size {expert_tp_size}")
         choices = {"activation": ACTIVATIONS, "score_function": SCORE_FUNCTIONS,
+                   "load_balancing_type": LOAD_BALANCING_TYPES,
                    "token_drop_policy": DROP_POLICIES, "dispatcher": DISPATCHERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         num_tokens = tokens.shape[0]
         stats_groups = [g for g in (self.tp_group if self.sequence_parallel else None, self.cp_group) if g is not None]
-        routing = self.router(tokens, stats_groups)
+        routing = self.router(tokens, stats_groups, x.shape[1] if x.dim() == 3 else 1)
         if self.training:
             self.last_stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss,
                                "tokens_per_expert": routing.tokens_per_expert}

@@ -13,14 +13,29 @@ import torch
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
     """Switch/GShard aux loss ``E * sum_e f_e * P_e`` (1.0 when perfectly balanced).
 
-    ``scores`` [T, E] are this rank's full softmax router probabilities;
-    ``counts`` [E] the routed (token, slot) assignments per expert over the
-    micro-batch, so f_e = counts_e / (num_tokens * topk); P_e is the mean score
-    of expert e over the micro-batch's ``num_tokens`` tokens.
+    ``scores`` [T, E] are this rank's full router probabilities (softmax, or the
+    sigmoids normalised over all experts); ``counts`` [E] the routed (token,
+    slot) assignments per expert over the micro-batch, so f_e = counts_e /
+    (num_tokens * topk); P_e is the mean score of expert e over the
+    micro-batch's ``num_tokens`` tokens.  Given ``scores`` [T, B, E] and
+    ``counts`` [B, E] (B sequences of ``num_tokens`` each) it returns the sum
+    of the B sequences' losses.
     """
-    num_experts = scores.shape[1]
+    num_experts = scores.shape[-1]
     per_expert = scores.sum(0) * counts.to(scores.dtype)
     return per_expert.sum() * (num_experts / (num_tokens * num_tokens * topk))
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq_length: int,
+                                 topk: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the mean over sequences of each one's load-balancing loss.
+
+    ``scores`` [s, B, E] are this rank's positions of the B sequences (all of
+    them, or a sequence/context-parallel share); ``counts`` [B, E] each whole
+    sequence's assignments per expert and ``seq_length`` its full length.
+    Megatron-Core's ``seq_aux_loss`` computes the same.
+    """
+    return load_balancing_loss(scores, counts, seq_length, topk) / counts.shape[0]
 
 
 def z_loss(logits: torch.Tensor, num_tokens: int) -> torch.Tensor:

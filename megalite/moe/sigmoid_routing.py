@@ -10,8 +10,9 @@ routing: with the groups aligned to EP ranks a token's tokens reach at most
 the chosen experts, normalised to sum to 1 over them when ``topk > 1``, times
 ``routed_scaling_factor``; Megatron-Core's ``sigmoid`` score function and
 Hugging Face's ``DeepseekV3TopkRouter`` compute the same.  The scores the
-load-balancing loss sees are the sigmoids normalised over all experts, as
-Megatron-Core's.
+load-balancing loss sees are the sigmoids normalised over all experts, and the
+experts it counts each token for are its top-k by unbiased score (not the
+group-limited, biased choice), as Megatron-Core's.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from megalite.distributed import DDPConfig, FSDPConfig
 from megalite.flags import SHARED_FLAGS, ArgumentParser, Flag, FlagTable
 from megalite.lora import LoRAConfig
 from megalite.models import GPTConfig
-from megalite.moe import MoEConfig
+from megalite.moe.config import LOAD_BALANCING_TYPES, MoEConfig
 from megalite.optim import OptimizerConfig
 from megalite.pipeline import SCHEDULES
 from megalite.training.lr_schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, LRScheduleConfig
@@ -196,6 +196,8 @@ _TRAINING_ROWS = (
     Flag("--moe-router-num-groups", MOE, ("MoEConfig.num_groups",), type=int, help="group-limited routing"),
     Flag("--moe-router-group-topk", MOE, ("MoEConfig.group_topk",), type=int),
     Flag("--moe-aux-loss-coeff", MOE, ("MoEConfig.aux_loss_coeff",), type=float),
+    Flag("--moe-router-load-balancing-type", MOE, ("MoEConfig.load_balancing_type",),
+         choices=LOAD_BALANCING_TYPES, help="seq_aux_loss: DeepSeek-V3's per-sequence balance loss"),
     Flag("--moe-z-loss-coeff", MOE, ("MoEConfig.z_loss_coeff",), type=float),
     Flag("--moe-expert-capacity-factor", MOE, ("MoEConfig.capacity_factor",), type=float),
     Flag("--moe-token-drop-policy", MOE, ("MoEConfig.token_drop_policy",), choices=("probs", "position")),

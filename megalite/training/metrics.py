@@ -61,7 +61,8 @@ class MetricsLogger:
     """
 
     _SHOWN = ("loss", "valid_loss", "valid_ppl", "test_loss", "test_ppl", "lr", "global_batch_size", "grad_norm", "params_norm", "num_zeros",
-              "loss_scale", "tokens_per_sec", "iter_ms", "tflops", "mfu", "skipped", "mem_allocated_gib",
+              "loss_scale", "tokens_per_sec", "iter_ms", "tflops", "mfu", "skipped", "moe_load_imbalance",
+              "moe_expert_bias_norm", "mem_allocated_gib",
               "mem_reserved_gib", "max_rss_gib")
 
     def __init__(self, enabled: bool, metrics_file: str | None = None, tensorboard_dir: str | None = None,

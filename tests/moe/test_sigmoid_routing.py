@@ -187,6 +187,15 @@ def test_pretrain_updates_the_expert_bias_each_step_and_saves_it(tiny_data, tmp_
     assert len(records) == iters and all(r["loss"] == r["loss"] for r in records)
     bias = load_model(str(tmp_path / "ckpt")).get_buffer("decoder.layers.1.mlp.router.expert_bias")
     assert 0 < bias.abs().max() <= iters * 0.01 + 1e-7
+    # The logged router statistics: layer 1 is the only MoE layer, so its loads are the per-expert totals, and the
+    # last record's bias norm is that of the bias saved after the same step.
+    last = records[-1]
+    counts = torch.tensor([last[f"moe_tokens_expert_{e}"] for e in range(4)], dtype=torch.float64)
+    assert last["moe_load_imbalance_layer_1"] == pytest.approx((counts.max() / counts.mean()).item(), rel=1e-12)
+    assert "moe_load_imbalance_layer_0" not in last and "moe_expert_bias_norm_layer_0" not in last
+    norm = torch.linalg.vector_norm(bias.double()).item()
+    assert last["moe_expert_bias_norm_layer_1"] == pytest.approx(norm, rel=1e-6)
+    assert last["moe_expert_bias_norm"] == pytest.approx(norm, rel=1e-6)
 
 
 @pytest.mark.parametrize("extra, world, message", [
