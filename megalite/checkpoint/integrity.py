@@ -27,6 +27,12 @@ def block_digests(data) -> list[str]:
         return [hashlib.sha256(view[start:start + HASH_BLOCK]).hexdigest() for start in range(0, len(view), HASH_BLOCK)]
 
 
+def hash_block(fd: int, index: int) -> str:
+    """The sha256 of block ``index`` of the open file ``fd`` (one entry of :func:`block_digests`), read with
+    ``pread`` so that the writer's own stream position is untouched."""
+    return block_digests(os.pread(fd, HASH_BLOCK, index * HASH_BLOCK))[0]
+
+
 def file_digests(path: str) -> list[str]:
     """The content hash of file ``path`` (the sha256 of each block, see :func:`block_digests`).
 
@@ -46,16 +52,24 @@ def file_digests(path: str) -> list[str]:
             return digests
 
 
-def hash_and_sync(directory: str, names: list[str]) -> dict[str, dict]:
+def hash_and_sync(directory: str, names: list[str], known: dict[str, list[str]] | None = None) -> dict[str, dict]:
     """``{name: {"size", "sha256"}}`` of the files ``names``, fsyncing them meanwhile.
 
-    The hashing reads the page cache while the disk flushes, so it costs the save little time.
+    ``known``: block digests the writer computed as it wrote (see ``writer._FlushingStream``), used for a file
+    whose size they cover exactly; other files are hashed here.  The hashing reads the page cache while the
+    disk flushes, so it costs the save little time.
     """
+    known = known or {}
     paths = [os.path.join(directory, name) for name in names]
     with ThreadPoolExecutor(max_workers=1) as pool:
         synced = pool.submit(lambda: [fsync(path) for path in paths])
-        files = {name: {"size": os.path.getsize(path), "sha256": file_digests(path)}
-                 for name, path in zip(names, paths)}
+        files = {}
+        for name, path in zip(names, paths):
+            size = os.path.getsize(path)
+            digests = known.get(name)
+            if digests is None or len(digests) != -(-size // HASH_BLOCK):
+                digests = file_digests(path)
+            files[name] = {"size": size, "sha256": digests}
         synced.result()
     return files
 

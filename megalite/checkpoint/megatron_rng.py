@@ -6,7 +6,9 @@ versions), one sharded object ``rng_state`` holding a list of states (one per da
 CPU generator, the current CUDA generator (absent on a CPU run) and the tensor-parallel tracker's CUDA states.
 Each object is a ``torch.save`` archive inside a DCP data file; it is unpickled with
 :func:`megalite.checkpoint.megatron_pickle.unpickle_data` (every class inert) and NumPy's key array rebuilt from
-its raw bytes.  The tracker's states are Megatron's CUDA generators under its own names; megalite keeps its own.
+its raw bytes.  The tracker's states (``rng_tracker_states``: one CUDA generator state per tracker name,
+``model-parallel-rng``, ``data-parallel-rng``, ``expert-parallel-rng``) are read as saved; which of them a run
+can restore is the trainer's business (:func:`megalite.training.checkpointing.set_megatron_rng_state`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import zipfile
 
 import numpy as np
+import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from megalite.checkpoint.megatron_pickle import unpickle_data
@@ -44,9 +47,10 @@ def _array(record) -> np.ndarray:
 
 
 def read_rng_state(directory: str, metadata, layout: dict, rank: int) -> dict | None:
-    """``{"python", "numpy", "cpu", "cuda"}`` (``cuda`` None on a CPU run): the generator states Megatron-LM saved
-    for ``rank`` of the saved ``layout``, as ``random.setstate``, ``np.random.set_state`` and
-    ``torch.set_rng_state`` take them; None when the checkpoint holds none.  ValueError when they are unreadable."""
+    """``{"python", "numpy", "cpu", "cuda", "tracker"}`` (``cuda`` None on a CPU run): the generator states
+    Megatron-LM saved for ``rank`` of the saved ``layout``, as ``random.setstate``, ``np.random.set_state`` and
+    ``torch.set_rng_state`` take them, and its tensor-parallel tracker's CUDA generator states by tracker name
+    (``{}`` when it saved none); None when the checkpoint holds none.  ValueError when they are unreadable."""
     key = next((k for k in _keys(layout, rank) if k in metadata.state_dict_metadata), None)
     if key is None:
         return None
@@ -61,7 +65,11 @@ def read_rng_state(directory: str, metadata, layout: dict, rank: int) -> dict | 
         state = states[dp_rank if len(states) > 1 else 0]
         name, keys, pos, has_gauss, cached = state["np_rng_state"]
         version, internal, gauss = state["random_rng_state"]
-        return {"python": (version, tuple(internal), gauss),
+        tracker = dict(state.get("rng_tracker_states") or {})
+        if not all(isinstance(name, str) and isinstance(value, torch.Tensor) and value.dtype == torch.uint8
+                   for name, value in tracker.items()):
+            raise ValueError("its rng_tracker_states are not generator states by name")
+        return {"python": (version, tuple(internal), gauss), "tracker": tracker,
                 "numpy": (name, _array(keys), int(pos), int(has_gauss), float(cached)),
                 "cpu": state["torch_rng_state"], "cuda": state.get("cuda_rng_state")}
     except Exception as err:  # zipfile, pickle and the records' shapes raise many kinds on a damaged object

@@ -1,6 +1,7 @@
 """Atomic, verified checkpoint writes, in the foreground or on a background thread.
 
-Every rank writes into ``iter_N.tmp`` and hashes its files while fsyncing them; rank 0 collects the
+Every rank writes into ``iter_N.tmp`` and hashes its files as it writes them (each block on a helper thread
+once it is written) and fsyncs them; rank 0 collects the
 hashes, writes the manifest, renames the directory and only then replaces ``latest``, fsyncing along
 the way.  A save killed at any moment leaves the previous checkpoint and pointer intact; a failed
 write (disk full, I/O error) removes the partial directory and raises one :class:`CheckpointWriteError`
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from megalite.checkpoint.files import (DCP_METADATA, FORMAT, FORMAT_VERSION, LATEST, META, fsync, iteration_dir,
                                        rank_state_file, read_latest, write_json)
-from megalite.checkpoint.integrity import hash_and_sync, write_manifest
+from megalite.checkpoint.integrity import HASH_BLOCK, hash_and_sync, hash_block, write_manifest
 from megalite.checkpoint.ranks import NO_GROUP, all_gather_object, broadcast_from_zero, rank_and_size
 from megalite.checkpoint.storage import ShardSavePlanner, TensorShard, first_line, quiet_single_process, without_zip_crc
 
@@ -33,14 +34,22 @@ FLUSH_EVERY = 64 << 20
 
 
 class _FlushingStream:
-    """A write stream that starts flushing what it has written to disk every :data:`FLUSH_EVERY` bytes.
+    """A write stream that starts flushing what it has written to disk every :data:`FLUSH_EVERY` bytes and hashes
+    each :data:`HASH_BLOCK` of the file as soon as it is written.
 
     A background ``fdatasync`` overlaps the disk writes with the rest of the serialization, so the
-    fsync before publishing only waits for the tail instead of the whole file.
+    fsync before publishing only waits for the tail instead of the whole file; a second thread reads each
+    finished block back from the page cache and hashes it (sha256 releases the GIL), so the manifest's hashes
+    cost the save no pass of their own.  DCP writes a file front to back: a seek gives up the hashes (the
+    file is then hashed after the write).
     """
 
-    def __init__(self, stream, pool: ThreadPoolExecutor, errors: list[OSError]):
-        self._stream, self._pool, self._unflushed, self._flush, self._errors = stream, pool, 0, None, errors
+    def __init__(self, stream, path, pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor], errors: list[OSError]):
+        self._stream, self._path, self._errors = stream, path, errors
+        self._flush_pool, self._hash_pool = pools
+        self._unflushed, self._flush, self._written, self._blocks = 0, None, 0, []
+        self._reader: int | None = None
+        self._sequential = True
 
     def write(self, data):
         try:
@@ -48,15 +57,50 @@ class _FlushingStream:
         except OSError as err:  # torch.save reports only a short write ("unexpected pos"): keep the cause
             self._errors.append(err)
             raise
-        self._unflushed += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        self._unflushed += nbytes
+        self._written += nbytes
+        if self._sequential and self._written >= (len(self._blocks) + 1) * HASH_BLOCK:
+            self._stream.flush()
+            self._hash_blocks(self._written // HASH_BLOCK)
         if self._unflushed >= FLUSH_EVERY and (self._flush is None or self._flush.done()):
             self._stream.flush()
-            self._flush, self._unflushed = self._pool.submit(os.fdatasync, self._stream.fileno()), 0
+            self._flush, self._unflushed = self._flush_pool.submit(os.fdatasync, self._stream.fileno()), 0
         return written
 
+    def _hash_blocks(self, count: int) -> None:
+        """Queue the hashing of the written (and flushed) blocks up to ``count``."""
+        if self._reader is None:
+            self._reader = os.open(self._path, os.O_RDONLY)
+        while len(self._blocks) < count:
+            self._blocks.append(self._hash_pool.submit(hash_block, self._reader, len(self._blocks)))
+
+    def seek(self, *args):
+        self._sequential = False
+        return self._stream.seek(*args)
+
+    def digests(self) -> list[str] | None:
+        """The file's block digests once every write is done (None after a seek)."""
+        if not self._sequential:
+            return None
+        if not self._stream.closed:  # DCP may close the file itself, which flushes it
+            self._stream.flush()
+            if self._stream.tell() != self._written:
+                return None
+        self._hash_blocks(-(-self._written // HASH_BLOCK))
+        return [block.result() for block in self._blocks]
+
     def wait(self) -> None:
-        if self._flush is not None:
-            self._flush.result()
+        """Wait for the background flush and hashing (the read descriptor is closed after)."""
+        try:
+            if self._flush is not None:
+                self._flush.result()
+            for block in self._blocks:
+                block.exception()
+        finally:
+            if self._reader is not None:
+                os.close(self._reader)
+                self._reader = None
 
     def close(self) -> None:
         self.wait()
@@ -68,11 +112,12 @@ class _FlushingStream:
 
 class _FlushingFileSystem(FileSystem):
     """DCP's local file system, writing through :class:`_FlushingStream`; ``write_errors`` keeps what the
-    streams' writes raised."""
+    streams' writes raised, ``digests`` the block digests of each file written to its end (by file name)."""
 
     def __init__(self):
         super().__init__()
         self.write_errors: list[OSError] = []
+        self.digests: dict[str, list[str]] = {}
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -80,10 +125,14 @@ class _FlushingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-flush") as pool:
-                flushing = _FlushingStream(stream, pool, self.write_errors)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-flush") as flush_pool, \
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-hash") as hash_pool:
+                flushing = _FlushingStream(stream, path, (flush_pool, hash_pool), self.write_errors)
                 try:
                     yield flushing
+                    digests = flushing.digests()
+                    if digests is not None:
+                        self.digests[os.path.basename(path)] = digests
                 finally:
                     flushing.wait()
 
@@ -164,7 +213,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
         write_json(rank_state_file(tmp, rank), rank_state or {}, sync=False)
         mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")) + [os.path.basename(
             rank_state_file(tmp, rank))] + ([META, DCP_METADATA] if rank == 0 else [])
-        files = hash_and_sync(tmp, mine)
+        files = hash_and_sync(tmp, mine, writer.fs.digests)
     except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
         if _no_space(err, writer.fs.write_errors if writer is not None else []):
             error = _no_space_message(save_dir, needed)

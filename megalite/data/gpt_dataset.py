@@ -104,7 +104,7 @@ class GPTDataset(torch.utils.data.Dataset):
                                                _shuffled(np.arange(first_part, total, dtype=dtype), rng)])
             if cache_dir is not None:
                 megatron_cache.save(cache_dir, self.description, megatron_class, index_split, files,
-                                    (self.doc_idx, self.sample_idx, self.shuffle_idx))
+                                    dict(zip(shapes, (self.doc_idx, self.sample_idx, self.shuffle_idx))))
 
     @staticmethod
     def _data_files(indexed: IndexedDataset, documents: np.ndarray) -> dict:
@@ -197,13 +197,24 @@ def normalize_weights(weights) -> np.ndarray:
     return weights / weights.sum()
 
 
+def _blend_counts(weights, size: int, surplus: float) -> list[int]:
+    """Megatron-Core's per-dataset sample counts of a blend of ``size``: ``ceil(ceil(w * size) * (1 + surplus))``."""
+    return [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in normalize_weights(weights).tolist()]
+
+
 def blend_samples_needed(weights, size: int) -> list[int]:
     """How many samples each dataset is built with for a :class:`BlendedDataset` of ``size``.
 
-    Megatron-Core's request, ``ceil(ceil(w * size) * (1 + surplus))``: a dataset's sample
-    order depends on how many samples it is asked for, so the count is Megatron's too.
+    Megatron-Core's request, with its surplus: a dataset's sample order depends on how many samples it is
+    asked for, so the count is Megatron's too.
     """
-    return [int(math.ceil(math.ceil(size * w) * (1 + _BLEND_SURPLUS))) for w in normalize_weights(weights).tolist()]
+    return _blend_counts(weights, size, _BLEND_SURPLUS)
+
+
+def blend_size(weights, size: int) -> int:
+    """The size Megatron-Core gives a blend asked for ``size`` samples: the sum of its datasets' shares, each
+    rounded up (so at least ``size``); its cached indices are named by it."""
+    return sum(_blend_counts(weights, size, 0.0))
 
 
 class BlendedDataset(torch.utils.data.Dataset):
@@ -213,30 +224,46 @@ class BlendedDataset(torch.utils.data.Dataset):
     :func:`_blend_choice`), so dataset counts are within about one of
     ``weight * size``; the interleave is not shuffled (each dataset's own
     samples already are).  Dataset k serves its own samples 0, 1, 2, ... in order.
+    ``dataset_index`` (int16) and ``dataset_sample_index`` (int64) are Megatron-Core's arrays.
+    With ``cache_dir`` (the datasets are :class:`GPTDataset`) they are loaded from, or saved to, the
+    cache as Megatron-Core's ``BlendedDataset`` keeps them there, named by its description
+    (``index_split``: train, valid or test).
     """
 
-    def __init__(self, datasets, weights, size: int):
+    def __init__(self, datasets, weights, size: int, cache_dir: str | None = None, index_split: str = "train"):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        if len(datasets) >= np.iinfo(np.int16).max:
+            raise ValueError(f"a blend holds fewer than {np.iinfo(np.int16).max} datasets, got {len(datasets)}")
         if size < 1:
             raise ValueError(f"size must be positive, got {size}")
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
-        choice = _blend_choice(self.weights, size)
-        self.dataset_index = choice
+        self.description = None if cache_dir is None else megatron_cache.blend_description(
+            [dataset.description for dataset in self.datasets], index_split, self.weights.tolist(), size)
+        shapes = {"dataset_index": (size,), "dataset_sample_index": (size,)}
+        cached = None if cache_dir is None or not os.path.isdir(cache_dir) else megatron_cache.load(
+            cache_dir, self.description, "BlendedDataset", index_split, {}, shapes)
+        if cached is not None:
+            self.dataset_index, self.dataset_sample_index = cached
+            return
+        self.dataset_index = _blend_choice(self.weights, size).astype(np.int16)
         self.dataset_sample_index = np.empty(size, dtype=np.int64)
         for k, dataset in enumerate(self.datasets):
-            mine = choice == k
+            mine = self.dataset_index == k
             count = int(mine.sum())
             if count > len(dataset):
                 raise ValueError(f"blended dataset {k} must supply {count} samples but holds {len(dataset)}")
             self.dataset_sample_index[mine] = np.arange(count)
+        if cache_dir is not None:
+            megatron_cache.save(cache_dir, self.description, "BlendedDataset", index_split, {},
+                                dict(zip(shapes, (self.dataset_index, self.dataset_sample_index))))
 
     def __len__(self) -> int:
         return len(self.dataset_index)
 
     def __getitem__(self, idx: int):
-        return self.datasets[self.dataset_index[idx]][int(self.dataset_sample_index[idx])]
+        return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]
 
 
 def parse_split(split: str) -> list[float]:
@@ -312,5 +339,6 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         parts = [GPTDataset(ds, s[part], n, seq_length, seed, cache_dir, name=f"{os.path.basename(p)}_{name}",
                             vocab_size=vocab_size, split=split, index_split=name, tokenizer=tokenizer)
                  for ds, s, n, p in zip(indexed, splits, counts, prefixes)]
-        results.append(parts[0] if weights is None else BlendedDataset(parts, weights, wanted))
+        results.append(parts[0] if weights is None else
+                       BlendedDataset(parts, weights, blend_size(raw_weights, wanted), cache_dir, name))
     return tuple(results)

@@ -3,7 +3,9 @@
 Megatron-Core names a dataset by a JSON description of everything that identifies it (class, data
 prefix, requested samples, split, seed, sequence length, split string and matrix, tokenizer) and
 keeps, under ``{md5 of the description}-{class}-{split}-``, the files ``description.txt``,
-``document_index.npy``, ``sample_index.npy`` and ``shuffle_index.npy``.  megalite writes the same files
+``document_index.npy``, ``sample_index.npy`` and ``shuffle_index.npy`` (a ``BlendedDataset``: its datasets'
+descriptions, split, weights and size; ``dataset_index.npy`` and ``dataset_sample_index.npy``; see
+:func:`blend_description`).  megalite writes the same files
 (so a Megatron-LM run with the same description loads them) and loads Megatron's: by the exact name,
 else by any description in the directory that agrees on every field but the tokenizer (which does not
 change the indices).  Beside its own files megalite writes ``megalite.json``, the arrays' SHA-256 and
@@ -22,9 +24,6 @@ import re
 from collections import OrderedDict
 
 import numpy as np
-
-ARRAYS = ("document_index", "sample_index", "shuffle_index")
-
 
 def split_matrix(split: str) -> list:
     """Megatron-Core's split matrix of a ``--split`` string: ``[lo, hi]`` fractions per split, None when empty
@@ -48,6 +47,16 @@ def description(class_name: str, dataset_path: str | None, num_samples: int, ind
     return json.dumps(fields, indent=4)
 
 
+def blend_description(dataset_descriptions, index_split: str, weights, size: int) -> str:
+    """The description Megatron-Core's ``BlendedDataset`` writes, byte for byte: its datasets' descriptions
+    (as their own descriptions hold them), the split, the normalized weights and the blend's size."""
+    fields = OrderedDict([("class", "BlendedDataset"),
+                          ("datasets", [json.loads(text, object_pairs_hook=OrderedDict)
+                                        for text in dataset_descriptions]),
+                          ("split", index_split), ("weights", [float(w) for w in weights]), ("size", size)])
+    return json.dumps(fields, indent=4)
+
+
 _TEXT_TOKENIZER = "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText"
 
 
@@ -67,9 +76,9 @@ def hf_tokenizer_identifiers(tokenizer_model: str, vocab_file: str | None = None
                         ("include_special_tokens", "False")])
 
 
-def _paths(cache_dir: str, stem: str) -> dict:
+def _paths(cache_dir: str, stem: str, names) -> dict:
     return {part: os.path.join(cache_dir, f"{stem}-{part}")
-            for part in ("description.txt", "megalite.json", *(f"{a}.npy" for a in ARRAYS))}
+            for part in ("description.txt", "megalite.json", *(f"{a}.npy" for a in names))}
 
 
 def _stem(text: str, class_name: str, index_split: str) -> str:
@@ -77,11 +86,15 @@ def _stem(text: str, class_name: str, index_split: str) -> str:
 
 
 def _same_indices(a: dict, b: dict) -> bool:
-    """Whether two descriptions give the same indices: every field but the tokenizer, data paths resolved."""
+    """Whether two descriptions give the same indices: every field but the tokenizer, data paths resolved
+    (a blend's datasets alike)."""
     def key(d):
+        if not isinstance(d, dict):
+            return d
         path = d.get("dataset_path")
         return {**{k: v for k, v in d.items() if k != "tokenizer"},
-                "dataset_path": None if path is None else os.path.realpath(path)}
+                "dataset_path": None if path is None else os.path.realpath(path),
+                "datasets": [key(part) for part in d.get("datasets", [])]}
     return key(a) == key(b)
 
 
@@ -90,7 +103,7 @@ def digest(array: np.ndarray) -> str:
 
 
 def load(cache_dir: str, text: str, class_name: str, index_split: str, files: dict, shapes: dict):
-    """The cached ``(document_index, sample_index, shuffle_index)`` for description ``text``, memory-mapped, or None.
+    """The cached arrays named by ``shapes`` (in its order) for description ``text``, memory-mapped, or None.
 
     ``files``: the data files' current sizes and mtimes, checked against a megalite record; ``shapes``: each
     array's expected shape, checked always (a mismatch means another build, so the cache is not used).
@@ -101,15 +114,15 @@ def load(cache_dir: str, text: str, class_name: str, index_split: str, files: di
     for path in sorted(glob.glob(pattern)):
         candidates.append(os.path.basename(path)[:-len("-description.txt")])
     for stem in candidates:
-        paths = _paths(cache_dir, stem)
+        paths = _paths(cache_dir, stem, shapes)
         try:
             with open(paths["description.txt"]) as f:
                 if not _same_indices(json.load(f), wanted):
                     continue
-            arrays = [np.load(paths[f"{a}.npy"], mmap_mode="r", allow_pickle=False) for a in ARRAYS]
+            arrays = [np.load(paths[f"{a}.npy"], mmap_mode="r", allow_pickle=False) for a in shapes]
         except (OSError, ValueError):
             continue
-        if any(arr.shape != shapes[name] or arr.dtype.kind not in "iu" for name, arr in zip(ARRAYS, arrays)):
+        if any(arr.shape != shapes[name] or arr.dtype.kind not in "iu" for name, arr in zip(shapes, arrays)):
             continue
         if os.path.exists(paths["megalite.json"]):
             try:
@@ -123,11 +136,11 @@ def load(cache_dir: str, text: str, class_name: str, index_split: str, files: di
     return None
 
 
-def save(cache_dir: str, text: str, class_name: str, index_split: str, files: dict, arrays) -> None:
-    """Write the arrays under Megatron-Core's names, with the description and megalite's record, each file
-    atomically."""
+def save(cache_dir: str, text: str, class_name: str, index_split: str, files: dict, arrays: dict) -> None:
+    """Write ``arrays`` (name to array) under Megatron-Core's names, with the description and megalite's record,
+    each file atomically."""
     os.makedirs(cache_dir, exist_ok=True)
-    paths = _paths(cache_dir, _stem(text, class_name, index_split))
+    paths = _paths(cache_dir, _stem(text, class_name, index_split), arrays)
 
     def replace(path, write):
         tmp = f"{path}.tmp{os.getpid()}"
@@ -135,8 +148,8 @@ def save(cache_dir: str, text: str, class_name: str, index_split: str, files: di
             write(f)
         os.replace(tmp, path)
 
-    for name, array in zip(ARRAYS, arrays):
+    for name, array in arrays.items():
         replace(paths[f"{name}.npy"], lambda f, a=array: np.save(f, a, allow_pickle=False))
-    record = json.dumps({"files": files, "sha256": [digest(a) for a in arrays]}, indent=1).encode()
+    record = json.dumps({"files": files, "sha256": [digest(a) for a in arrays.values()]}, indent=1).encode()
     replace(paths["megalite.json"], lambda f: f.write(record))
     replace(paths["description.txt"], lambda f: f.write(text.encode("utf-8")))  # last: it makes the cache a hit

@@ -36,7 +36,7 @@ from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.distributed.unwrap import unwrap
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.models.architecture import config_to_dict
-from megalite.tensor_parallel import get_rng_tracker
+from megalite.tensor_parallel import MODEL_PARALLEL_RNG, get_rng_tracker
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_adapter_checkpoint", "resume_adapters", "checkpoint_info",
            "has_checkpoint", "read_latest", "iteration_dir",
@@ -117,16 +117,43 @@ def set_rng_state(state: dict) -> None:
                                   for name, (cpu, cuda) in state["tp_tracker"].items()})
 
 
-def set_megatron_rng_state(state: dict) -> None:
+MEGATRON_TRACKER_NAMES = {"model-parallel-rng": MODEL_PARALLEL_RNG}
+"""Megatron-LM's tensor-parallel RNG tracker names with a megalite counterpart (its data- and expert-parallel
+states have none: megalite draws those from the default generator)."""
+
+
+def set_megatron_rng_state(state: dict) -> str | None:
     """Restore the generators a Megatron-LM checkpoint saved for this rank
     (:func:`megalite.checkpoint.megatron_rng.read_rng_state`): Python's, NumPy's, torch's CPU one and, on a GPU,
-    the current CUDA one.  The tensor-parallel tracker keeps this run's states (Megatron's are CUDA generators under
-    its own names)."""
+    the current CUDA one and the CUDA half of the tracker states that megalite has
+    (:data:`MEGATRON_TRACKER_NAMES`).  Returns the warning line naming what was saved but not restored (CUDA
+    states on a run without a CUDA generator, tracker states megalite has no counterpart of), or None."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["cpu"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    cuda = torch.cuda.is_available()
+    tracker = state.get("tracker") or {}
+    if not cuda:
+        skipped = (["the current CUDA generator"] if state["cuda"] is not None else []) + \
+            [f"tracker state {name!r}" for name in sorted(tracker)]
+        reason = "CUDA generator states, and this run has no CUDA generator"
+    else:
+        if state["cuda"] is not None:
+            torch.cuda.set_rng_state(state["cuda"])
+        mine = get_rng_tracker().get_states()
+        skipped = []
+        for name in sorted(tracker):
+            ours = MEGATRON_TRACKER_NAMES.get(name)
+            if ours in mine:
+                mine[ours] = (mine[ours][0], tracker[name])
+            else:
+                skipped.append(f"tracker state {name!r}")
+        get_rng_tracker().set_states(mine)
+        reason = "megalite has no tracker state of that name"
+    if not skipped:
+        return None
+    return (f"warning: Megatron-LM's saved RNG states {', '.join(skipped)} are not restored ({reason}): "
+            "what they would draw comes from this run's seeded generators")
 
 
 def _jsonable_args(args) -> dict | None:
@@ -208,7 +235,9 @@ def load_checkpoint(load_dir: str, model_chunks, optimizer, scheduler, *, layout
         if saved.get("rng") is not None:
             set_rng_state(saved["rng"])
         elif saved.get("megatron_rng") is not None:
-            set_megatron_rng_state(saved["megatron_rng"])
+            skipped = set_megatron_rng_state(saved["megatron_rng"])
+            if skipped and rank == 0:
+                print(skipped, flush=True)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
         problem = reader.field_error("rng", f"is not a set of RNG states: {type(err).__name__}: {err}", rank)
     reader.agree(problem)  # a bad rank file fails every rank, not one while the others train on

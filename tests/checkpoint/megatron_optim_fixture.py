@@ -174,15 +174,32 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     return state["rng_state"].data[0]
 
 
+def _cuda_state(seed: int, offset: int = 0) -> torch.Tensor:
+    """A CUDA generator state as ``torch.cuda.get_rng_state`` returns it: its seed and offset, int64 bytes."""
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8).clone()
+
+
+def tracker_states(seed: int = 1234) -> dict[str, torch.Tensor]:
+    """The tensor-parallel tracker states Megatron-LM's ``model_parallel_cuda_manual_seed(seed)`` gives this rank
+    on a GPU (data-, model- and expert-parallel: seed, seed + 2718 + tp rank, seed + 1024), built without one."""
+    from megatron.core import parallel_state
+
+    return {"data-parallel-rng": _cuda_state(seed),
+            "model-parallel-rng": _cuda_state(seed + 2718 + parallel_state.get_tensor_model_parallel_rank()),
+            "expert-parallel-rng": _cuda_state(seed + 1024)}
+
+
 def _rng_state():
     """Megatron-LM's ``get_rng_state`` for a torch_dist save on a CPU rank: the Python, NumPy and torch generator
-    states (no CUDA state on the CPU) as one sharded object per (pipeline, tensor) rank."""
+    states (no current CUDA state on the CPU) and the tracker's CUDA states (:func:`tracker_states`, set into
+    Megatron-Core's tracker as a GPU run's seeding leaves it) as one sharded object per (pipeline, tensor) rank."""
     import random
 
     import numpy as np
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker_states())
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(),
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}

@@ -108,7 +108,7 @@ def test_reader_maps_the_adam_state(megatron_run):
 
     reader = MegatronDistReader(megatron_run[0])
     assert reader.optimizer_note is None
-    # The save holds Megatron-LM's RNG states too (one object per tensor rank), which megalite does not read.
+    # The save holds Megatron-LM's RNG states too (one object per tensor rank; the RNG tests below read them).
     assert sorted(k for k in reader.metadata.state_dict_metadata if k.startswith("rng_state")) == \
         ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
     meta = reader.state["optimizer"]
@@ -212,10 +212,18 @@ def test_an_optimizer_megalite_cannot_resume_is_named_and_left_out(megatron_run,
     assert not any(name.startswith("optimizer.") for name in open_reader(converted).shapes)
 
 
+TRACKER_WARNING = ("warning: Megatron-LM's saved RNG states tracker state 'data-parallel-rng', tracker state "
+                   "'expert-parallel-rng', tracker state 'model-parallel-rng' are not restored (CUDA generator "
+                   "states, and this run has no CUDA generator): what they would draw comes from this run's seeded "
+                   "generators")
+
+
 def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_run):
-    """Each rank's Python, NumPy and torch generator states as Megatron-LM saved them; ``--load`` at Megatron's own
-    layout (tp=2) restores them (training at dropout 0 draws from none of them), another layout (tp=1 x dp=2)
-    keeps the states megalite's initialisation left (torch's differs), and the losses match either way."""
+    """Each rank's Python, NumPy and torch generator states and its tensor-parallel tracker's CUDA states as
+    Megatron-LM saved them; ``--load`` at Megatron's own layout (tp=2) restores the CPU ones (training at dropout 0
+    draws from none of them) and warns once that the tracker's CUDA states have no generator here, another layout
+    (tp=1 x dp=2) keeps the states megalite's initialisation left (torch's differs, no warning), and the losses
+    match either way."""
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
     path, megatron, _, saved, runs = megatron_run
@@ -226,11 +234,44 @@ def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_r
         assert mine["numpy"][0] == theirs["np_rng_state"][0] and mine["numpy"][2:] == theirs["np_rng_state"][2:]
         assert (mine["numpy"][1] == theirs["np_rng_state"][1]).all() and mine["numpy"][1].dtype == "uint32"
         assert torch.equal(mine["cpu"], theirs["torch_rng_state"]) and mine["cuda"] is None
-    _, python, numpy, cpu = runs[-1]  # rank 0 after the tp=2 run
+        assert sorted(mine["tracker"]) == sorted(theirs["rng_tracker_states"]) == \
+            ["data-parallel-rng", "expert-parallel-rng", "model-parallel-rng"]
+        for name, state in theirs["rng_tracker_states"].items():
+            assert torch.equal(mine["tracker"][name], state) and mine["tracker"][name].dtype == torch.uint8
+    assert not torch.equal(saved[0]["rng_tracker_states"]["model-parallel-rng"],
+                           saved[1]["rng_tracker_states"]["model-parallel-rng"])  # per tensor rank
+    output, python, numpy, cpu = runs[-1]  # rank 0 after the tp=2 run
+    assert output.count(TRACKER_WARNING) == 1 and TRACKER_WARNING not in runs[0][0]
     assert python == saved[0]["random_rng_state"] and (numpy == saved[0]["np_rng_state"][1]).all()
     assert torch.equal(cpu, saved[0]["torch_rng_state"])
     assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
     _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
+
+
+def test_a_gpu_run_takes_megatrons_model_parallel_rng_state(megatron_run, monkeypatch):
+    """With a CUDA generator (its two calls stood in for here), Megatron-LM's 'model-parallel-rng' state becomes the
+    CUDA half of megalite's model-parallel state (its CPU half stays); the data- and expert-parallel states have no
+    megalite counterpart and are named."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.tensor_parallel import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
+    from megalite.training.checkpointing import set_megatron_rng_state
+
+    saved = megatron_run[3]
+    state = MegatronDistReader(megatron_run[0]).rank_state(1)["megatron_rng"]
+    state["cuda"] = saved[1]["rng_tracker_states"]["data-parallel-rng"]  # a current CUDA state, as a GPU saves one
+    model_parallel_seed(1, 1)
+    cpu_half = get_rng_tracker().get_states()[MODEL_PARALLEL_RNG][0]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda new_state, device="cuda": restored.append(new_state))
+    warning = set_megatron_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0], state["cuda"])
+    cpu, cuda = get_rng_tracker().get_states()[MODEL_PARALLEL_RNG]
+    assert torch.equal(cpu, cpu_half) and torch.equal(cuda, saved[1]["rng_tracker_states"]["model-parallel-rng"])
+    assert torch.equal(torch.get_rng_state(), saved[1]["torch_rng_state"])
+    assert warning == ("warning: Megatron-LM's saved RNG states tracker state 'data-parallel-rng', tracker state "
+                       "'expert-parallel-rng' are not restored (megalite has no tracker state of that name): what "
+                       "they would draw comes from this run's seeded generators")
 
 
 def test_a_damaged_rng_state_is_one_clear_error(megatron_run, tmp_path):

@@ -137,3 +137,67 @@ def test_the_trainer_names_its_tokenizer_as_megatron_does(kind, argv):
     args = parse_args(argv + ["--mock-data"])
     check_data(args)
     assert dict(megatron_tokenizer_identifiers(args)) == dict(TOKENIZERS[kind][0]().unique_identifiers)
+
+
+def _blend_sources(tmp_path):
+    from tests.data.test_megatron_order import _other_dataset
+
+    return [FIXTURE_PREFIX, _other_dataset(tmp_path / "b", seed=2, low=30000, high=31000),
+            _other_dataset(tmp_path / "c", seed=3, low=31000, high=32000)]
+
+
+def _megatron_blend(prefixes, weights, sizes, tokenizer, cache, monkeypatch):
+    """Megatron-Core's blend; its BlendedDataset asks for the rank before building a cache it misses, so
+    this process (one without a process group) is rank 0 for that call."""
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    config = GPTDatasetConfig(random_seed=SEED, sequence_length=16, blend=(prefixes, weights), split=SPLIT,
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=cache)
+    return BlendedMegatronDatasetBuilder(MegatronGPTDataset, sizes, lambda: True, config).build()
+
+
+# 0.3, 0.5 and 0.2 of 301 round up to 91 + 151 + 61: Megatron's blend holds 303 samples, named by that size.
+BLEND_WEIGHTS, BLEND_SIZES = [3.0, 5.0, 2.0], [301, 33, 17]
+
+
+def test_megalite_loads_the_blend_cache_megatron_writes(tmp_path, monkeypatch):
+    """Megatron-Core's BlendedDataset caches (dataset_index, dataset_sample_index) and its GPTDatasets' arrays;
+    megalite memory-maps every one of them and builds nothing."""
+    from megalite.data import gpt_dataset
+
+    cache, prefixes = str(tmp_path / "cache"), _blend_sources(tmp_path)
+    theirs = _megatron_blend(prefixes, BLEND_WEIGHTS, BLEND_SIZES, _Tokenizer(), cache, monkeypatch)
+    written = _files(cache)
+    assert sum("-BlendedDataset-" in name for name in written) == 3 * 3  # description and two arrays per split
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("megalite rebuilt indices Megatron-Core had cached")
+
+    monkeypatch.setattr(gpt_dataset, "_blend_choice", no_build)
+    monkeypatch.setattr(gpt_dataset.GPTDataset, "_build_doc_idx", no_build)
+    data_path = [part for w, p in zip(BLEND_WEIGHTS, prefixes) for part in (str(w), p)]
+    ours = build_train_valid_test_datasets(data_path, SPLIT, 16, SEED, BLEND_SIZES, cache_dir=cache)
+    assert _files(cache) == written
+    for mine, megatron, split in zip(ours, theirs, ("train", "valid", "test")):
+        assert isinstance(mine.dataset_index, np.memmap)
+        assert f"-BlendedDataset-{split}-dataset_index.npy" in mine.dataset_index.filename
+        _assert_same_indices(mine, megatron)
+        assert [mine[i]["tokens"].tolist() for i in range(len(mine))] == _megatron_windows(megatron, len(mine))
+    assert len(ours[0]) == 303
+
+
+def test_megatron_loads_the_blend_cache_megalite_writes(tmp_path, monkeypatch):
+    cache, prefixes = str(tmp_path / "cache"), _blend_sources(tmp_path)
+    data_path = [part for w, p in zip(BLEND_WEIGHTS, prefixes) for part in (str(w), p)]
+    ours = build_train_valid_test_datasets(data_path, SPLIT, 16, SEED, BLEND_SIZES, cache_dir=cache,
+                                           tokenizer=null_tokenizer_identifiers(VOCAB))
+    written = _files(cache)
+    assert len(written) == 3 * (3 * 5 + 4)  # per split: three datasets' five files, the blend's four
+    theirs = _megatron_blend(prefixes, BLEND_WEIGHTS, BLEND_SIZES, _null_tokenizer(), cache, monkeypatch)
+    assert _files(cache) == written  # Megatron-Core built and wrote nothing
+    for mine, megatron, split in zip(ours, theirs, ("train", "valid", "test")):
+        assert megatron.unique_description == mine.description
+        assert isinstance(megatron.dataset_index, np.memmap)
+        _assert_same_indices(mine, megatron)

@@ -64,8 +64,13 @@ def _assert_same_order(data_path: list[str], sizes: list[int], tmp_path):
 
 
 def _assert_same_indices(mine, megatron):
-    """Every GPT dataset's document, sample and shuffle index equal Megatron-Core's: values, dtypes and shapes."""
+    """Every GPT dataset's document, sample and shuffle index, and a blend's dataset and dataset-sample index,
+    equal Megatron-Core's: values, dtypes and shapes."""
     if isinstance(megatron, MegatronBlendedDataset):
+        for ours, theirs in ((mine.dataset_index, megatron.dataset_index),
+                             (mine.dataset_sample_index, megatron.dataset_sample_index)):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+            assert np.array_equal(ours, theirs)
         for ours, theirs in zip(mine.datasets, megatron.datasets):
             _assert_same_indices(ours, theirs)
         return
