@@ -211,7 +211,8 @@ def _ddp_chunk(params: list[ParamSpec], layout: Layout, dp_rank: int, edp_rank: 
     return out
 
 
-def _fsdp_rows(rows: int, size: int, rank: int) -> int:
+def fsdp_rows(rows: int, size: int, rank: int) -> int:
+    """Rows of a ``rows``-row parameter that FSDP2 places on ``rank`` of ``size`` (ceil-sized shards)."""
     per = -(-rows // size)
     return max(0, min((rank + 1) * per, rows) - min(rank * per, rows))
 
@@ -220,7 +221,7 @@ def _fsdp_chunk(params: list[ParamSpec], layout: Layout, dp_rank: int, edp_rank:
     out = StateBytes()
     for p in params:
         size, rank = (layout.expert_dp, edp_rank) if p.expert else (layout.dp * layout.cp, dp_rank)
-        n = _fsdp_rows(p.shape[0], size, rank) * (p.numel // p.shape[0])
+        n = fsdp_rows(p.shape[0], size, rank) * (p.numel // p.shape[0])
         out.weights += 4 * n
         out.grads += 4 * n
         out.optimizer += _optimizer_bytes([n], 4, 4)

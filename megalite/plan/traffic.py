@@ -7,18 +7,20 @@ all-gather with an all-reduce and broadcasts.  Groups of one rank move nothing a
 (:mod:`megalite.plan.estimate`'s step time still counts its exposed collectives its own way; deriving
 them from these volumes needs MoE under TP and FSDP2 modelled here first.)
 
-Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (the p2p attention ring), ``pp`` (stage-to-stage
-sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp, ZeRO-1's
-parameter gather, the metrics mean), ``ep`` (token all-to-alls), ``expert_dp`` (expert gradient buffers),
-``embedding`` (the tied word embedding's gradient between the first and last stage), ``expert_tp`` (the
-expert gradient norm's sum) and ``world`` (the trainer's per-step flags: a data error, the NaN guard).
+Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (attention's keys and values), ``pp``
+(stage-to-stage sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp,
+ZeRO-1's parameter gather, FSDP2's gathers and reduce-scatters, the metrics mean), ``ep`` (token
+all-to-alls), ``expert_dp`` (expert gradient buffers, FSDP2's expert units), ``embedding`` (the tied word
+embedding's gradient between the first and last stage), ``expert_tp`` (the expert gradient norm's sum) and
+``world`` (the trainer's per-step flags: a data error, the NaN guard).
 
-Exact, to the byte, for the dense GPT under DDP and ZeRO-1 with tp, sequence parallelism, full recompute,
-cp (the p2p ring), pp (1F1B, interleaved, zero-bubble, V), and for MoE layers' exchanged counts and expert
-buffers.  Approximate: the all-to-all payload of a rank depends on where its tokens are routed, so ``ep``
-is the mean over the EP group (their sum is exact).  Not modelled: the all-gather and a2a context-parallel
-attention, MoE layers under tp/etp > 1, FSDP2 (torch's own collectives), MLA, ``--log-num-zeros-in-grad``
-and ``--log-params-norm``, and objects (the pipeline's pickled metrics broadcast).  Gradient clipping is
+Exact, to the byte, for the dense GPT under DDP, ZeRO-1 and FSDP2 (each unit gathered in the compute
+dtype per forward and per backward, padded per parameter to the shard count, its gradients reduce-scattered
+once) with tp, sequence parallelism, full recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B,
+interleaved, zero-bubble, V), and for MoE layers' exchanged counts and expert buffers.  Approximate: the
+all-to-all payload of a rank depends on where its tokens are routed, so ``ep`` is the mean over the EP group
+(their sum is exact).  Not modelled: MoE layers under tp/etp > 1, MLA, ``--log-num-zeros-in-grad`` and
+``--log-params-norm``, and objects (the pipeline's pickled metrics broadcast).  Gradient clipping is
 assumed on (the default) and the step not skipped (an fp16 overflow skips the norm and ZeRO-1's gather).
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from megalite.models.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
-from megalite.plan.memory import ddp_buffer, rank_chunks
+from megalite.plan.memory import ddp_buffer, fsdp_rows, rank_chunks
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 
 FLOAT32, INT32, INT64, FLOAT64 = 4, 4, 8, 8
@@ -34,12 +36,42 @@ LOGGED_METRICS = 1
 """Values the GPT forward step reports per micro-batch (``lm_loss``), averaged over dp x cp each step."""
 
 
-def _sequence_parallel_numel(config: GPTConfig, layers: int, post_process: bool) -> int:
+def _sequence_parallel_numel(config: GPTConfig, layers: int, post_process: bool, fsdp_layout: Layout | None = None,
+                             dp_rank: int = 0) -> int:
     """Elements of one chunk's parameters replicated over TP under sequence parallelism (norms, row
-    biases), whose gradients are summed over TP after the last micro-batch."""
-    norm = config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
-    per_layer = 2 * norm + (2 * config.hidden_size if config.add_bias_linear else 0)
-    return layers * per_layer + (norm if post_process else 0)
+    biases), whose gradients are summed over TP after the last micro-batch; with ``fsdp_layout``, of this
+    rank's FSDP2 shards of them (the sum runs on the sharded gradients)."""
+    h = config.hidden_size
+    vectors = (2 if config.normalization == "LayerNorm" else 1) * (2 * layers + int(post_process))
+    vectors += 2 * layers if config.add_bias_linear else 0
+    if fsdp_layout is None:
+        return vectors * h
+    return vectors * fsdp_rows(h, fsdp_layout.dp * fsdp_layout.cp, dp_rank)
+
+
+def _cp_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> int:
+    """One layer's context-parallel bytes for one micro-batch of ``tokens`` tokens per rank.
+
+    ``p2p``: the ring sends this rank's keys and values (one tensor) cp - 1 times forward, again in the
+    backward (and in a full recompute's forward), plus cp sends of their fp32 gradient accumulators.
+    ``all_gather``: the keys and values are gathered (output: cp blocks) in each forward and their
+    gradients reduce-scattered (input: cp blocks).  ``a2a``: queries, keys, values and the output each go
+    through one all-to-all per forward and one per backward.
+    """
+    tp, cp = layout.tp, layout.cp
+    groups, heads, d = config.num_query_groups // tp, config.num_attention_heads // tp, config.kv_channels
+    kv = groups * tokens * 2 * d
+    forwards = 2 if layout.recompute == "full" else 1
+    if layout.cp_comm_type == "all_gather":
+        return (forwards + 1) * cp * kv * e
+    if layout.cp_comm_type == "a2a":
+        return (forwards + 1) * (kv + 2 * heads * tokens * d) * e
+    return (cp - 1) * (forwards + 1) * kv * e + cp * kv * FLOAT32
+
+
+def _padded_numel(params, size: int) -> int:
+    """Elements FSDP2 gathers for ``params``: each one's dim 0 padded to a multiple of ``size``."""
+    return sum(-(-p.shape[0] // size) * size * (p.numel // p.shape[0]) for p in params)
 
 
 def _buffer_numel(params, layout: Layout, expert: bool) -> int:
@@ -47,13 +79,26 @@ def _buffer_numel(params, layout: Layout, expert: bool) -> int:
     return 0 if buffer is None else buffer[3]
 
 
+def _fsdp_units(layout: Layout, params) -> dict[str, int]:
+    """Padded elements of one chunk's FSDP2 units per axis: each layer's dense parameters and the chunk's
+    rest (embedding, final norm, output layer) over dp x cp, each MoE layer's experts over expert dp
+    (padding is per parameter, so the units' sum is the chunk's)."""
+    sizes = {"dp": layout.dp * layout.cp, "expert_dp": layout.expert_dp}
+    return {axis: _padded_numel([p for p in params if p.expert == (axis == "expert_dp")], size)
+            for axis, size in sizes.items() if size > 1}
+
+
 def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_batch_size: int,
-                     pp_rank: int = 0) -> dict[str, int]:
-    """Bytes per axis that pipeline rank ``pp_rank`` sends into collectives in one step (see the module)."""
+                     pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+    """Bytes per axis that pipeline rank ``pp_rank`` sends into collectives in one step (see the module).
+
+    ``dp_rank`` (over dp x cp) matters only under FSDP2, whose last shards may hold fewer rows.
+    """
     out = {axis: 0 for axis in ("tp", "cp", "pp", "dp", "ep", "expert_tp", "expert_dp", "embedding", "world")}
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     e, h, tp = DTYPE_BYTES[layout.precision], config.hidden_size, layout.tp
-    grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
+    grad_bytes = 4 if layout.grad_reduce_in_fp32 else DTYPE_BYTES[layout.precision] if layout.fsdp \
+        else layout.param_bytes
     tokens = layout.micro_batch_size * seq_length // layout.cp
     activation = tokens * h * e
     sp = layout.sequence_parallel and tp > 1
@@ -77,13 +122,10 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
             if last:
                 out["tp"] += m * 3 * tokens * FLOAT32
             if sp:
-                out["tp"] += _sequence_parallel_numel(config, len(layers), last) * grad_bytes
+                out["tp"] += _sequence_parallel_numel(config, len(layers), last, layout, dp_rank) * 4 \
+                    if layout.fsdp else _sequence_parallel_numel(config, len(layers), last) * grad_bytes
         if layout.cp > 1:
-            # The p2p ring per layer: cp - 1 sends of this rank's keys and values (one tensor) forward, again in
-            # the backward (and in a full recompute's forward), plus cp sends of their fp32 gradient accumulators.
-            kv = config.num_query_groups // tp * tokens * 2 * config.kv_channels
-            forwards = 3 if layout.recompute == "full" else 2
-            out["cp"] += m * len(layers) * ((layout.cp - 1) * forwards * kv * e + layout.cp * kv * FLOAT32)
+            out["cp"] += m * len(layers) * _cp_layer_bytes(config, layout, tokens, e)
         if layout.pp > 1:
             stage = stages.stage(pp_rank, chunk)
             sent = activation // (tp if sp else 1)
@@ -93,12 +135,19 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
                 out["pp"] += m * sent
             if tied and (first or last):
                 vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp) // tp
-                out["embedding"] += vocab * h * grad_bytes
+                out["embedding"] += (fsdp_rows(vocab, dp_span, dp_rank) * h * 4 if layout.fsdp
+                                     else vocab * h * grad_bytes)
         if moe_layers and layout.ep > 1:
             # Per MoE layer and micro-batch: the [ep, local experts] int64 counts, then the routed rows out
             # and back, forward and backward (a rank's rows back equal, on average, its rows out).
             routed = tokens * config.moe.topk * h * e
             out["ep"] += m * moe_layers * (config.moe.num_experts * INT64 + 4 * routed)
+        if layout.fsdp:
+            for axis, numel in _fsdp_units(layout, params).items():
+                # Every unit is gathered for each micro-batch's forward and again for its backward (resharded
+                # after each); the gradients are reduce-scattered once, after the last micro-batch.
+                out[axis] += numel * (2 * m * e + grad_bytes)
+            continue
         if dp_span > 1:
             numel = _buffer_numel(params, layout, expert=False)
             out["dp"] += numel * grad_bytes + (numel * layout.param_bytes if layout.zero1 else 0)
@@ -111,7 +160,7 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
     # for the dense and the expert parameters; fp16's inf check a float32 max over dp, tp and pp.
     sizes = {"tp": tp, "pp": layout.pp, "dp": dp_span, "ep": layout.ep, "expert_dp": layout.expert_dp,
              "expert_tp": layout.expert_tp}
-    axes = ["tp", "pp", "expert_tp", "ep", "pp"] + (["dp", "expert_dp"] if layout.zero1 else [])
+    axes = ["tp", "pp", "expert_tp", "ep", "pp"] + (["dp", "expert_dp"] if layout.zero1 or layout.fsdp else [])
     axes += ["dp", "tp", "pp"] if layout.precision == "fp16" else []
     for axis in axes:
         if sizes[axis] > 1:
