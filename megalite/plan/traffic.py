@@ -4,8 +4,7 @@ A collective's bytes are its whole buffer on this rank: the tensor of an all-red
 output of an all-gather, the input of a reduce-scatter or all-to-all, a point-to-point send (receives
 are the sender's sends).  So the count does not depend on gloo standing in for NCCL's reduce-scatter and
 all-gather with an all-reduce and broadcasts.  Groups of one rank move nothing and count nothing.
-(:mod:`megalite.plan.estimate`'s step time still counts its exposed collectives its own way; deriving
-them from these volumes needs MoE under TP and FSDP2 modelled here first.)
+:mod:`megalite.plan.estimate`'s step time is these bytes over each axis's link, less what overlaps compute.
 
 Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (attention's keys and values), ``pp``
 (stage-to-stage sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp,
@@ -88,11 +87,25 @@ def _fsdp_units(layout: Layout, params) -> dict[str, int]:
             for axis, size in sizes.items() if size > 1}
 
 
+def _chunk_counts(config: GPTConfig, layout: Layout, pp_rank: int) -> list[tuple]:
+    """Per model chunk of ``pp_rank``: its DDP buffers' dense and expert elements, its FSDP2 units' padded
+    elements per axis."""
+    out = []
+    for params in rank_chunks(config, layout, pp_rank):
+        if layout.fsdp:
+            out.append((0, 0, _fsdp_units(layout, params)))
+        else:
+            out.append((_buffer_numel(params, layout, False), _buffer_numel(params, layout, True), {}))
+    return out
+
+
 def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_batch_size: int,
-                     pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+                     pp_rank: int = 0, dp_rank: int = 0, cache: dict | None = None) -> dict[str, int]:
     """Bytes per axis that pipeline rank ``pp_rank`` sends into collectives in one step (see the module).
 
-    ``dp_rank`` (over dp x cp) matters only under FSDP2, whose last shards may hold fewer rows.
+    ``dp_rank`` (over dp x cp) matters only under FSDP2, whose last shards may hold fewer rows.  ``cache``:
+    a dict kept across calls for one model (the planner's search), holding what the micro-batch size and
+    recompute do not change.
     """
     out = {axis: 0 for axis in ("tp", "cp", "pp", "dp", "ep", "expert_tp", "expert_dp", "embedding", "world")}
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
@@ -106,7 +119,14 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
     ranges = layout.chunk_ranges(config.num_layers)[pp_rank]
     tied = not config.untie_embeddings_and_output_weights
     dp_span = layout.dp * layout.cp
-    for chunk, params in enumerate(rank_chunks(config, layout, pp_rank)):
+    key = ("traffic", layout.with_(micro_batch_size=1, recompute=None), pp_rank)
+    if cache is None or key not in cache:
+        counts = _chunk_counts(config, layout, pp_rank)
+        if cache is not None:
+            cache[key] = counts
+    else:
+        counts = cache[key]
+    for chunk, (dense_numel, expert_numel, fsdp_units) in enumerate(counts):
         first, last = stages.is_first(pp_rank, chunk), stages.is_last(pp_rank, chunk)
         layers = range(*ranges[chunk])
         moe_layers = sum(config.is_moe_layer(i) for i in layers)
@@ -143,17 +163,15 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
             routed = tokens * config.moe.topk * h * e
             out["ep"] += m * moe_layers * (config.moe.num_experts * INT64 + 4 * routed)
         if layout.fsdp:
-            for axis, numel in _fsdp_units(layout, params).items():
+            for axis, numel in fsdp_units.items():
                 # Every unit is gathered for each micro-batch's forward and again for its backward (resharded
                 # after each); the gradients are reduce-scattered once, after the last micro-batch.
                 out[axis] += numel * (2 * m * e + grad_bytes)
             continue
         if dp_span > 1:
-            numel = _buffer_numel(params, layout, expert=False)
-            out["dp"] += numel * grad_bytes + (numel * layout.param_bytes if layout.zero1 else 0)
+            out["dp"] += dense_numel * grad_bytes + (dense_numel * layout.param_bytes if layout.zero1 else 0)
         if layout.expert_dp > 1:
-            numel = _buffer_numel(params, layout, expert=True)
-            out["expert_dp"] += numel * grad_bytes + (numel * layout.param_bytes if layout.zero1 else 0)
+            out["expert_dp"] += expert_numel * grad_bytes + (expert_numel * layout.param_bytes if layout.zero1 else 0)
     if dp_span > 1 and pp_rank == stages.last_rank:
         out["dp"] += LOGGED_METRICS * FLOAT64  # the loss, on the last stage
     # The global gradient norm: one float32 sum over each model-parallel group (and the ZeRO-1 shards' group)

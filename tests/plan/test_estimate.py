@@ -1,0 +1,41 @@
+"""The step time's communication is :mod:`megalite.plan.traffic`'s bytes over each group's link (one definition)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megalite.hardware import load_hardware
+from megalite.models.config import GPTConfig
+from megalite.plan.estimate import estimate
+from megalite.plan.layout import Layout
+from megalite.plan.traffic import collective_bytes
+
+CONFIG = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=512,
+                   max_position_embeddings=256, ffn_hidden_size=150)  # 150 rows: FSDP2 pads them to 152
+SEQ, BATCH = 256, 16
+BANDWIDTH = 1e6  # slow enough that no collective hides behind compute
+
+
+def _hardware():
+    return dataclasses.replace(load_hardware("h100"), gpus_per_node=64, intra_node_bandwidth=BANDWIDTH,
+                               intra_node_latency_s=0.0, inter_node_bandwidth=BANDWIDTH, inter_node_latency_s=0.0)
+
+
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+def test_context_parallel_time_is_its_collectives_bytes(comm_type):
+    layout = Layout(cp=4, dp=2, cp_comm_type=comm_type, precision="bf16", micro_batch_size=2)
+    est = estimate(CONFIG, layout, _hardware(), SEQ, BATCH)
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)["cp"]
+    assert sent > 0 and est.time["cp"] == pytest.approx(3 / 4 * sent / BANDWIDTH, rel=1e-12)
+
+
+def test_fsdp2_time_is_its_gathers_and_reduce_scatters_past_the_compute():
+    layout = Layout(dp=4, fsdp=True, precision="bf16", grad_reduce_in_fp32=False, micro_batch_size=1)
+    est = estimate(CONFIG, layout, _hardware(), SEQ, BATCH)
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)["dp"]
+    assert est.time["dp"] == pytest.approx(3 / 4 * sent / BANDWIDTH - est.time["compute"], rel=1e-12)
+    # Each micro-batch gathers every unit twice: fewer, larger micro-batches move fewer bytes.
+    fewer = estimate(CONFIG, layout.with_(micro_batch_size=4), _hardware(), SEQ, BATCH)
+    assert fewer.time["dp"] < est.time["dp"]
