@@ -5,7 +5,8 @@ micro-batch's activations (:mod:`megalite.plan.activations`) times the micro-bat
 one recomputed layer under full recompute; the larger of the first and last pipeline rank.
 
 Time: model FLOPs (the trainer's :func:`~megalite.models.config.gpt_flops_per_token`, plus what
-recompute adds) at ``efficiency x peak``, stretched by the schedule's bubble
+recompute adds) at the peak times the GEMM efficiency at one micro-batch's rows
+(:meth:`~megalite.hardware.Hardware.gemm_efficiency`), stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
@@ -181,7 +182,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
                           "fsdp_gathered": gathered, "total": total, "pp_rank": pp_rank}
 
     e = DTYPE_BYTES[layout.precision]
-    peak = hw.peak(layout.precision) * hw.efficiency
+    # GEMM rows: one micro-batch's tokens on this rank (sequence-parallel inputs are gathered before the GEMM).
+    peak = hw.peak(layout.precision) * hw.gemm_efficiency(layout.micro_batch_size * seq_length / layout.cp)
     tokens = global_batch_size * seq_length
     flops_per_token = _cached(cache, ("flops", seq_length), lambda: gpt_flops_per_token(config, seq_length))
     h, d = config.hidden_size, config.kv_channels

@@ -39,3 +39,24 @@ def test_fsdp2_time_is_its_gathers_and_reduce_scatters_past_the_compute():
     # Each micro-batch gathers every unit twice: fewer, larger micro-batches move fewer bytes.
     fewer = estimate(CONFIG, layout.with_(micro_batch_size=4), _hardware(), SEQ, BATCH)
     assert fewer.time["dp"] < est.time["dp"]
+
+
+def test_calibration_fit_recovers_the_gemm_curve():
+    from megalite.plan.calibrate import fit_gemm_curve
+
+    rows = (16, 64, 256, 1024)
+    peak, half = fit_gemm_curve(rows, [3e10 * r / (r + 40.0) for r in rows])
+    assert peak == pytest.approx(3e10, rel=1e-9) and half == pytest.approx(40.0, rel=1e-9)
+
+
+def test_smaller_micro_batches_are_predicted_slower_where_the_gemm_curve_says():
+    """GPT 1.3B on one H200: megalite measured 53,649 tokens/s at micro-batch 8 and 59,553 at 16
+    (benchmarks/README.md); the profile's curve is fitted to them."""
+    config = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50303,
+                       max_position_embeddings=2048)
+    hw = load_hardware("h200")
+    speed = {mbs: estimate(config, Layout(precision="bf16", micro_batch_size=mbs), hw, 2048, 32).tokens_per_s_per_gpu
+             for mbs in (8, 16)}
+    assert speed[16] / speed[8] == pytest.approx(59553 / 53649, rel=0.01)
+    for mbs, measured in ((8, 53649), (16, 59553)):
+        assert speed[mbs] == pytest.approx(measured, rel=0.02)
