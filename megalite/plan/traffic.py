@@ -13,12 +13,12 @@ all-to-alls), ``expert_dp`` (expert gradient buffers, FSDP2's expert units), ``e
 embedding's gradient between the first and last stage), ``expert_tp`` (the expert gradient norm's sum) and
 ``world`` (the trainer's per-step flags: a data error, the NaN guard).
 
-Exact, to the byte, for the dense GPT under DDP, ZeRO-1 and FSDP2 (each unit gathered in the compute
+Exact, to the byte, for the dense GPT (standard or multi-latent attention) under DDP, ZeRO-1 and FSDP2 (each unit gathered in the compute
 dtype per forward and per backward, padded per parameter to the shard count, its gradients reduce-scattered
 once) with tp, sequence parallelism, full recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B,
 interleaved, zero-bubble, V), and for MoE layers' exchanged counts and expert buffers.  Approximate: the
 all-to-all payload of a rank depends on where its tokens are routed, so ``ep`` is the mean over the EP group
-(their sum is exact).  Not modelled: MoE layers under tp/etp > 1, MLA, ``--log-num-zeros-in-grad`` and
+(their sum is exact).  Not modelled: MoE layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and
 ``--log-params-norm``, and objects (the pipeline's pickled metrics broadcast).  Gradient clipping is
 assumed on (the default) and the step not skipped (an fp16 overflow skips the norm and ZeRO-1's gather).
 """
@@ -35,17 +35,26 @@ LOGGED_METRICS = 1
 """Values the GPT forward step reports per micro-batch (``lm_loss``), averaged over dp x cp each step."""
 
 
-def _sequence_parallel_numel(config: GPTConfig, layers: int, post_process: bool, fsdp_layout: Layout | None = None,
-                             dp_rank: int = 0) -> int:
-    """Elements of one chunk's parameters replicated over TP under sequence parallelism (norms, row
-    biases), whose gradients are summed over TP after the last micro-batch; with ``fsdp_layout``, of this
-    rank's FSDP2 shards of them (the sum runs on the sharded gradients)."""
+def _sequence_parallel_numel(params, layout: Layout, dp_rank: int) -> int:
+    """Elements of one chunk's sequence-parallel parameters (norms, row biases, MLA's down-projections; see
+    :class:`~megalite.plan.memory.ParamSpec`), whose gradients are summed over TP after the last micro-batch;
+    under FSDP2 of this rank's shards of them (the sum runs on the sharded gradients)."""
+    specs = [p for p in params if p.sequence_parallel]
+    if not layout.fsdp:
+        return sum(p.numel for p in specs)
+    size = layout.dp * layout.cp
+    return sum(fsdp_rows(p.shape[0], size, dp_rank) * (p.numel // p.shape[0]) for p in specs)
+
+
+def _tp_widths(config: GPTConfig) -> tuple[int, int]:
+    """Elements per token of one layer's column-parallel inputs and of its row-parallel outputs: the QKV and
+    first MLP inputs and the projection and second MLP outputs; MLA's column inputs are the query input (the
+    hidden state or its latent), the key/value latent and its shared rotary key (gathered like one)."""
     h = config.hidden_size
-    vectors = (2 if config.normalization == "LayerNorm" else 1) * (2 * layers + int(post_process))
-    vectors += 2 * layers if config.add_bias_linear else 0
-    if fsdp_layout is None:
-        return vectors * h
-    return vectors * fsdp_rows(h, fsdp_layout.dp * fsdp_layout.cp, dp_rank)
+    if not config.multi_latent_attention:
+        return 2 * h, 2 * h
+    query = h if config.q_lora_rank is None else config.q_lora_rank
+    return query + config.kv_lora_rank + config.qk_pos_emb_head_dim + h, 2 * h
 
 
 def _cp_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> int:
@@ -58,13 +67,17 @@ def _cp_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> i
     through one all-to-all per forward and one per backward.
     """
     tp, cp = layout.tp, layout.cp
-    groups, heads, d = config.num_query_groups // tp, config.num_attention_heads // tp, config.kv_channels
-    kv = groups * tokens * 2 * d
+    heads = config.num_attention_heads // tp
+    if config.multi_latent_attention:  # one key/value head per query head, keys [nope; rope]
+        groups, dk, dv = heads, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    else:
+        groups, dk, dv = config.num_query_groups // tp, config.kv_channels, config.kv_channels
+    kv = groups * tokens * (dk + dv)
     forwards = 2 if layout.recompute == "full" else 1
     if layout.cp_comm_type == "all_gather":
         return (forwards + 1) * cp * kv * e
     if layout.cp_comm_type == "a2a":
-        return (forwards + 1) * (kv + 2 * heads * tokens * d) * e
+        return (forwards + 1) * (kv + heads * tokens * (dk + dv)) * e
     return (cp - 1) * (forwards + 1) * kv * e + cp * kv * FLOAT32
 
 
@@ -87,15 +100,16 @@ def _fsdp_units(layout: Layout, params) -> dict[str, int]:
             for axis, size in sizes.items() if size > 1}
 
 
-def _chunk_counts(config: GPTConfig, layout: Layout, pp_rank: int) -> list[tuple]:
+def _chunk_counts(config: GPTConfig, layout: Layout, pp_rank: int, dp_rank: int) -> list[tuple]:
     """Per model chunk of ``pp_rank``: its DDP buffers' dense and expert elements, its FSDP2 units' padded
-    elements per axis."""
+    elements per axis, its sequence-parallel elements."""
     out = []
     for params in rank_chunks(config, layout, pp_rank):
+        sp = _sequence_parallel_numel(params, layout, dp_rank)
         if layout.fsdp:
-            out.append((0, 0, _fsdp_units(layout, params)))
+            out.append((0, 0, _fsdp_units(layout, params), sp))
         else:
-            out.append((_buffer_numel(params, layout, False), _buffer_numel(params, layout, True), {}))
+            out.append((_buffer_numel(params, layout, False), _buffer_numel(params, layout, True), {}, sp))
     return out
 
 
@@ -119,31 +133,32 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
     ranges = layout.chunk_ranges(config.num_layers)[pp_rank]
     tied = not config.untie_embeddings_and_output_weights
     dp_span = layout.dp * layout.cp
-    key = ("traffic", layout.with_(micro_batch_size=1, recompute=None), pp_rank)
+    key = ("traffic", layout.with_(micro_batch_size=1, recompute=None), pp_rank, dp_rank)
     if cache is None or key not in cache:
-        counts = _chunk_counts(config, layout, pp_rank)
+        counts = _chunk_counts(config, layout, pp_rank, dp_rank)
         if cache is not None:
             cache[key] = counts
     else:
         counts = cache[key]
-    for chunk, (dense_numel, expert_numel, fsdp_units) in enumerate(counts):
+    for chunk, (dense_numel, expert_numel, fsdp_units, sp_numel) in enumerate(counts):
         first, last = stages.is_first(pp_rank, chunk), stages.is_last(pp_rank, chunk)
         layers = range(*ranges[chunk])
         moe_layers = sum(config.is_moe_layer(i) for i in layers)
         if tp > 1:
-            # Per layer: two column and two row layers; an all-reduce each way (forward, backward) without
-            # sequence parallelism, an all-gather and a reduce-scatter each way with it.  The embedding and
-            # the output layer add one each way; cross entropy all-reduces the max, then sum-exp and target.
-            per_layer = 8 if sp else 4
-            if layout.recompute == "full":
-                per_layer += 4 if sp else 2  # the recomputed forward's collectives
+            # Per layer: an all-reduce per column layer's input (backward) and per row layer's output (forward)
+            # without sequence parallelism; an all-gather and a reduce-scatter each with it; a full recompute
+            # repeats the forward ones.  The embedding and the output layer add one each way; cross entropy
+            # all-reduces the max, then sum-exp and target.
+            columns, rows = _tp_widths(config)
+            recompute = layout.recompute == "full"
+            per_layer = (2 if sp else 1) * (columns + rows) + recompute * ((columns if sp else 0) + rows)
+            out["tp"] += m * len(layers) * per_layer * tokens * e
             ends = int(first) + int(last)
-            out["tp"] += m * (per_layer * len(layers) + (2 if sp else 1) * ends) * activation
+            out["tp"] += m * (2 if sp else 1) * ends * activation
             if last:
                 out["tp"] += m * 3 * tokens * FLOAT32
             if sp:
-                out["tp"] += _sequence_parallel_numel(config, len(layers), last, layout, dp_rank) * 4 \
-                    if layout.fsdp else _sequence_parallel_numel(config, len(layers), last) * grad_bytes
+                out["tp"] += sp_numel * (4 if layout.fsdp else grad_bytes)
         if layout.cp > 1:
             out["cp"] += m * len(layers) * _cp_layer_bytes(config, layout, tokens, e)
         if layout.pp > 1:

@@ -22,6 +22,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--make-vocab-size-divisible-by", "4"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2"]
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 
 # (name, extra flags, DDP bucket size override or None)
 LAYOUTS = [
@@ -47,6 +49,10 @@ LAYOUTS = [
     # ffn 38 rows over dp 4: FSDP2 pads the shards to 10 rows
     ("fsdp2-dp4-bf16-padded", ["--use-torch-fsdp2", "--bf16", "--ffn-hidden-size", "38"], None),
     ("fsdp2-tp2-sp-dp2", ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], None),
+    ("mla-tp2-sp-dp2-zero1-bf16", MLA + ["--q-lora-rank", "12", "--tensor-model-parallel-size", "2",
+                                         "--sequence-parallel", "--use-distributed-optimizer", "--bf16"], None),
+    ("mla-cp2-tp2-a2a-full-recompute", MLA + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                              "--cp-comm-type", "a2a", "--recompute-granularity", "full"], None),
     ("fsdp2-moe-ep2-pp2", MOE + ["--use-torch-fsdp2", "--expert-model-parallel-size", "2",
                                  "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],
      None),
