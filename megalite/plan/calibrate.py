@@ -2,8 +2,9 @@
 
 GEMMs of a few row counts (``[rows, 512] x [512, 512]``) give how the rate falls with fewer rows: the fit of
 ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's peak (with ``efficiency`` 1: the
-model's large GEMMs run at what this machine's do) and ``gemm_half_rows``; the all-reduce of a few MiB between two gloo ranks gives the
-link bandwidth and the all-reduce of one element its latency.  Timings take the best of a few runs.
+model's large GEMMs run at what this machine's do) and ``gemm_half_rows``; the all-reduce of a few MiB
+between two gloo ranks gives the link bandwidth and the all-reduce of one element its latency.  Timings
+take the best of a few runs.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def calibrate(path: str) -> Hardware:
     scale = (512 + half_rows) / 512
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {os.cpu_count()} cores",
                   peak_flops={"fp32": fp32_peak} | {p: gemm_flops(p) * scale for p in ("bf16", "fp16")},
-                  efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm, gpus_per_node=os.cpu_count() or 1,
+                  efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
+                  gpus_per_node=os.cpu_count() or 1,
                   intra_node_bandwidth=bandwidth, intra_node_latency_s=latency, inter_node_bandwidth=bandwidth,
                   inter_node_latency_s=latency)
     save_hardware(hw, path)
-    print(f"wrote {path}: GEMM fp32 {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), memory {hbm / 1e9:.1f} GB/s, "
-          f"all-reduce {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    print(f"wrote {path}: GEMM fp32 {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
+          f"memory {hbm / 1e9:.1f} GB/s, all-reduce {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
     return hw

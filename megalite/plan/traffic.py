@@ -13,14 +13,15 @@ all-to-alls), ``expert_dp`` (expert gradient buffers, FSDP2's expert units), ``e
 embedding's gradient between the first and last stage), ``expert_tp`` (the expert gradient norm's sum) and
 ``world`` (the trainer's per-step flags: a data error, the NaN guard).
 
-Exact, to the byte, for the dense GPT (standard or multi-latent attention) under DDP, ZeRO-1 and FSDP2 (each unit gathered in the compute
-dtype per forward and per backward, padded per parameter to the shard count, its gradients reduce-scattered
-once) with tp, sequence parallelism, full recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B,
-interleaved, zero-bubble, V), and for MoE layers' exchanged counts and expert buffers.  Approximate: the
-all-to-all payload of a rank depends on where its tokens are routed, so ``ep`` is the mean over the EP group
-(their sum is exact).  Not modelled: MoE layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and
-``--log-params-norm``, and objects (the pipeline's pickled metrics broadcast).  Gradient clipping is
-assumed on (the default) and the step not skipped (an fp16 overflow skips the norm and ZeRO-1's gather).
+Exact, to the byte, for the dense GPT (standard or multi-latent attention) under DDP, ZeRO-1 and FSDP2
+(each unit gathered in the compute dtype per forward and per backward, padded per parameter to the shard
+count, its gradients reduce-scattered once) with tp, sequence parallelism, full recompute, cp (each of the
+p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for MoE layers' exchanged counts
+and expert buffers.  Approximate: the all-to-all payload of a rank depends on where its tokens are routed,
+so ``ep`` is the mean over the EP group (their sum is exact).  Not modelled: MoE layers under tp/etp > 1,
+``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's pickled metrics
+broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16 overflow skips
+the norm and ZeRO-1's gather).
 """
 
 from __future__ import annotations
