@@ -4,7 +4,7 @@ GEMMs of a few row counts (``[rows, 512] x [512, 512]``) give how the rate falls
 ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's peak (with ``efficiency`` 1: the
 model's large GEMMs run at what this machine's do) and ``gemm_half_rows``; the all-reduce of a few MiB
 between two gloo ranks gives the link bandwidth and the all-reduce of one element its latency.  Timings
-take the best of a few runs.
+take the best of ten runs (on a shared machine the best is the least preempted).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from megalite.hardware import Hardware, save_hardware
 
 
-def _best(fn, repeats: int = 3) -> float:
+def _best(fn, repeats: int = 10) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
