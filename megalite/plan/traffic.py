@@ -26,6 +26,8 @@ the norm and ZeRO-1's gather).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megalite.models.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import ddp_buffer, fsdp_rows, rank_chunks
@@ -101,17 +103,45 @@ def _fsdp_units(layout: Layout, params) -> dict[str, int]:
             for axis, size in sizes.items() if size > 1}
 
 
-def _chunk_counts(config: GPTConfig, layout: Layout, pp_rank: int, dp_rank: int) -> list[tuple]:
-    """Per model chunk of ``pp_rank``: its DDP buffers' dense and expert elements, its FSDP2 units' padded
-    elements per axis, its sequence-parallel elements."""
+@dataclass(frozen=True)
+class _Chunk:
+    """What one model chunk's traffic needs that the micro-batch size and recompute do not change."""
+
+    dense: int  # DDP buffer elements
+    expert: int
+    fsdp_units: dict  # FSDP2: padded elements per axis
+    sequence_parallel: int  # elements summed over TP under SP
+    layers: int
+    moe_layers: int
+    first: bool
+    last: bool
+    pp_sends: int  # neighbouring stages on another rank (each gets this chunk's activation or gradient)
+
+
+def _chunks(config: GPTConfig, layout: Layout, pp_rank: int, dp_rank: int) -> list[_Chunk]:
+    stages = layout.stage_map()
     out = []
-    for params in rank_chunks(config, layout, pp_rank):
-        sp = _sequence_parallel_numel(params, layout, dp_rank)
-        if layout.fsdp:
-            out.append((0, 0, _fsdp_units(layout, params), sp))
-        else:
-            out.append((_buffer_numel(params, layout, False), _buffer_numel(params, layout, True), {}, sp))
+    for chunk, (params, bounds) in enumerate(zip(rank_chunks(config, layout, pp_rank),
+                                                 layout.chunk_ranges(config.num_layers)[pp_rank])):
+        first, last = stages.is_first(pp_rank, chunk), stages.is_last(pp_rank, chunk)
+        stage = stages.stage(pp_rank, chunk)
+        sends = 0
+        if layout.pp > 1:
+            sends = int(not last and stages.rank_of(stage + 1) != pp_rank)
+            sends += int(not first and stages.rank_of(stage - 1) != pp_rank)
+        buffers = (0, 0) if layout.fsdp else (_buffer_numel(params, layout, False), _buffer_numel(params, layout, True))
+        out.append(_Chunk(*buffers, _fsdp_units(layout, params) if layout.fsdp else {},
+                          _sequence_parallel_numel(params, layout, dp_rank), bounds[1] - bounds[0],
+                          sum(config.is_moe_layer(i) for i in range(*bounds)), first, last, sends))
     return out
+
+
+def _static_key(layout: Layout, pp_rank: int, dp_rank: int) -> tuple:
+    """The :class:`Layout` fields :func:`_chunks` depends on (all but the micro-batch size, recompute,
+    sequence parallelism and the CP comm type), with the ranks."""
+    return (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.etp, layout.vpp, layout.schedule,
+            layout.zero1, layout.fsdp, layout.precision, layout.grad_reduce_in_fp32, layout.bucket_size,
+            layout.first_stage_layers, layout.last_stage_layers, pp_rank, dp_rank)
 
 
 def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_batch_size: int,
@@ -131,20 +161,17 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
     activation = tokens * h * e
     sp = layout.sequence_parallel and tp > 1
     stages = layout.stage_map()
-    ranges = layout.chunk_ranges(config.num_layers)[pp_rank]
     tied = not config.untie_embeddings_and_output_weights
     dp_span = layout.dp * layout.cp
-    key = ("traffic", layout.with_(micro_batch_size=1, recompute=None), pp_rank, dp_rank)
+    key = ("traffic", _static_key(layout, pp_rank, dp_rank))
     if cache is None or key not in cache:
-        counts = _chunk_counts(config, layout, pp_rank, dp_rank)
+        chunks = _chunks(config, layout, pp_rank, dp_rank)
         if cache is not None:
-            cache[key] = counts
+            cache[key] = chunks
     else:
-        counts = cache[key]
-    for chunk, (dense_numel, expert_numel, fsdp_units, sp_numel) in enumerate(counts):
-        first, last = stages.is_first(pp_rank, chunk), stages.is_last(pp_rank, chunk)
-        layers = range(*ranges[chunk])
-        moe_layers = sum(config.is_moe_layer(i) for i in layers)
+        chunks = cache[key]
+    for chunk in chunks:
+        first, last, layers, moe_layers = chunk.first, chunk.last, chunk.layers, chunk.moe_layers
         if tp > 1:
             # Per layer: an all-reduce per column layer's input (backward) and per row layer's output (forward)
             # without sequence parallelism; an all-gather and a reduce-scatter each with it; a full recompute
@@ -153,22 +180,17 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
             columns, rows = _tp_widths(config)
             recompute = layout.recompute == "full"
             per_layer = (2 if sp else 1) * (columns + rows) + recompute * ((columns if sp else 0) + rows)
-            out["tp"] += m * len(layers) * per_layer * tokens * e
+            out["tp"] += m * layers * per_layer * tokens * e
             ends = int(first) + int(last)
             out["tp"] += m * (2 if sp else 1) * ends * activation
             if last:
                 out["tp"] += m * 3 * tokens * FLOAT32
             if sp:
-                out["tp"] += sp_numel * (4 if layout.fsdp else grad_bytes)
+                out["tp"] += chunk.sequence_parallel * (4 if layout.fsdp else grad_bytes)
         if layout.cp > 1:
-            out["cp"] += m * len(layers) * _cp_layer_bytes(config, layout, tokens, e)
+            out["cp"] += m * layers * _cp_layer_bytes(config, layout, tokens, e)
         if layout.pp > 1:
-            stage = stages.stage(pp_rank, chunk)
-            sent = activation // (tp if sp else 1)
-            if not last and stages.rank_of(stage + 1) != pp_rank:
-                out["pp"] += m * sent
-            if not first and stages.rank_of(stage - 1) != pp_rank:
-                out["pp"] += m * sent
+            out["pp"] += chunk.pp_sends * m * (activation // (tp if sp else 1))
             if tied and (first or last):
                 vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp) // tp
                 out["embedding"] += (fsdp_rows(vocab, dp_span, dp_rank) * h * 4 if layout.fsdp
@@ -179,15 +201,15 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
             routed = tokens * config.moe.topk * h * e
             out["ep"] += m * moe_layers * (config.moe.num_experts * INT64 + 4 * routed)
         if layout.fsdp:
-            for axis, numel in fsdp_units.items():
+            for axis, numel in chunk.fsdp_units.items():
                 # Every unit is gathered for each micro-batch's forward and again for its backward (resharded
                 # after each); the gradients are reduce-scattered once, after the last micro-batch.
                 out[axis] += numel * (2 * m * e + grad_bytes)
             continue
         if dp_span > 1:
-            out["dp"] += dense_numel * grad_bytes + (dense_numel * layout.param_bytes if layout.zero1 else 0)
+            out["dp"] += chunk.dense * (grad_bytes + (layout.param_bytes if layout.zero1 else 0))
         if layout.expert_dp > 1:
-            out["expert_dp"] += expert_numel * grad_bytes + (expert_numel * layout.param_bytes if layout.zero1 else 0)
+            out["expert_dp"] += chunk.expert * (grad_bytes + (layout.param_bytes if layout.zero1 else 0))
     if dp_span > 1 and pp_rank == stages.last_rank:
         out["dp"] += LOGGED_METRICS * FLOAT64  # the loss, on the last stage
     # The global gradient norm: one float32 sum over each model-parallel group (and the ZeRO-1 shards' group)
