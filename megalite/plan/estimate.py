@@ -24,7 +24,7 @@ from megalite.pipeline.timeline import analytic_bubble
 from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
                                        microbatches_in_flight)
 from megalite.plan.layout import DTYPE_BYTES, Layout
-from megalite.plan.memory import rank_state_bytes
+from megalite.plan.memory import rank_chunks, rank_state_bytes
 from megalite.plan.traffic import collective_bytes
 
 TP_HIDDEN_SHARE = 0.25
@@ -82,13 +82,16 @@ def _cached(cache: dict | None, key, compute):
     return cache[key]
 
 
-def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout) -> int:
-    """FSDP2's unsharded parameters in flight: two transformer layers (one computing, one prefetched) and
-    their unsharded gradients, in the compute dtype."""
+def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int:
+    """FSDP2's unsharded parameters in flight: two transformer layers (one computing, one prefetched), or
+    all of the rank's when they are kept from forward to backward, and two layers' unsharded gradients, in
+    the compute dtype."""
     from megalite.plan.memory import layer_params
 
     layer = max(sum(p.numel for p in layer_params(config, i, layout)) for i in range(min(config.num_layers, 2)))
-    return 2 * 2 * layer * DTYPE_BYTES[layout.precision]
+    held = 2 * layer if layout.reshard_after_forward else \
+        sum(p.numel for chunk in rank_chunks(config, layout, pp_rank) for p in chunk)
+    return (held + 2 * layer) * DTYPE_BYTES[layout.precision]
 
 
 def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
@@ -173,7 +176,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
             extra = _cached(cache, ("layer", shape), lambda: layer_activation_bytes(config, layout, seq_length, 0))
         gathered = 0
         if layout.fsdp:
-            gathered = _cached(cache, ("gathered", base), lambda: _fsdp_gathered_bytes(config, layout))
+            gathered = _cached(cache, ("gathered", base, layout.reshard_after_forward, pp_rank),
+                               lambda: _fsdp_gathered_bytes(config, layout, pp_rank))
         total = state.weights + state.grads + state.optimizer + int(act * in_flight) + extra + gathered
         if not est.memory or total > est.memory["total"]:
             est.memory = {"weights": state.weights, "grads": state.grads, "optimizer": state.optimizer,

@@ -14,13 +14,13 @@ embedding's gradient between the first and last stage), ``expert_tp`` (the exper
 ``world`` (the trainer's per-step flags: a data error, the NaN guard).
 
 Exact, to the byte, for the dense GPT (standard or multi-latent attention) under DDP, ZeRO-1 and FSDP2
-(each unit gathered in the compute dtype per forward and per backward, padded per parameter to the shard
-count, its gradients reduce-scattered once) with tp, sequence parallelism, full recompute, cp (each of the
-p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for MoE layers' exchanged counts
-and expert buffers.  Approximate: the all-to-all payload of a rank depends on where its tokens are routed,
-so ``ep`` is the mean over the EP group (their sum is exact).  Not modelled: MoE layers under tp/etp > 1,
-``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's pickled metrics
-broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16 overflow skips
+(each unit gathered in the compute dtype per forward and, unless kept after it, per backward, padded per
+parameter to the shard count, its gradients reduce-scattered once) with tp, sequence parallelism, full
+recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for
+MoE layers' exchanged counts and expert buffers.  Approximate: the all-to-all payload of a rank depends on
+where its tokens are routed, so ``ep`` is the mean over the EP group (their sum is exact).  Not modelled: MoE
+layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's
+pickled metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16 overflow skips
 the norm and ZeRO-1's gather).
 """
 
@@ -201,10 +201,11 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
             routed = tokens * config.moe.topk * h * e
             out["ep"] += m * moe_layers * (config.moe.num_experts * INT64 + 4 * routed)
         if layout.fsdp:
+            gathers = 2 if layout.reshard_after_forward else 1
             for axis, numel in chunk.fsdp_units.items():
-                # Every unit is gathered for each micro-batch's forward and again for its backward (resharded
-                # after each); the gradients are reduce-scattered once, after the last micro-batch.
-                out[axis] += numel * (2 * m * e + grad_bytes)
+                # Every unit is gathered for each micro-batch's forward and, resharded after it, again for its
+                # backward (resharded after each); the gradients are reduce-scattered once, after the last one.
+                out[axis] += numel * (gathers * m * e + grad_bytes)
             continue
         if dp_span > 1:
             out["dp"] += chunk.dense * (grad_bytes + (layout.param_bytes if layout.zero1 else 0))

@@ -60,3 +60,20 @@ def test_smaller_micro_batches_are_predicted_slower_where_the_gemm_curve_says():
     assert speed[16] / speed[8] == pytest.approx(59553 / 53649, rel=0.01)
     for mbs, measured in ((8, 53649), (16, 59553)):
         assert speed[mbs] == pytest.approx(measured, rel=0.02)
+
+
+def test_fsdp2_kept_after_forward_gathers_once_per_micro_batch_and_holds_the_whole_model():
+    from megalite.plan.memory import layer_params, rank_chunks
+
+    layout = Layout(dp=4, fsdp=True, precision="bf16", grad_reduce_in_fp32=False, micro_batch_size=1)
+    kept = layout.with_(reshard_after_forward=False)
+    assert "--no-reshard-after-forward" in kept.flags()
+    resharded, held = (estimate(CONFIG, x, _hardware(), SEQ, BATCH) for x in (layout, kept))
+    m = BATCH // 4
+    sent = {x: collective_bytes(CONFIG, x, SEQ, BATCH)["dp"] for x in (layout, kept)}
+    gathered = (sent[layout] - sent[kept]) / (m * 2)  # one gather less per micro-batch, in bf16
+    assert gathered == sum(-(-p.shape[0] // 4) * 4 * (p.numel // p.shape[0]) for p in rank_chunks(CONFIG, layout, 0)[0])
+    layer = sum(p.numel for p in layer_params(CONFIG, 0, layout))
+    everything = sum(p.numel for p in rank_chunks(CONFIG, layout, 0)[0])
+    assert held.memory["fsdp_gathered"] == (everything + 2 * layer) * 2
+    assert resharded.memory["fsdp_gathered"] == 4 * layer * 2

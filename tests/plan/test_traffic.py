@@ -48,7 +48,8 @@ LAYOUTS = [
                                     "--num-attention-heads", "8"], None),
     # ffn 38 rows over dp 4: FSDP2 pads the shards to 10 rows
     ("fsdp2-dp4-bf16-padded", ["--use-torch-fsdp2", "--bf16", "--ffn-hidden-size", "38"], None),
-    ("fsdp2-tp2-sp-dp2", ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], None),
+    ("fsdp2-tp2-sp-dp2-kept", ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--no-reshard-after-forward"], None),
     ("mla-tp2-sp-dp2-zero1-bf16", MLA + ["--q-lora-rank", "12", "--tensor-model-parallel-size", "2",
                                          "--sequence-parallel", "--use-distributed-optimizer", "--bf16"], None),
     ("mla-cp2-tp2-a2a-full-recompute", MLA + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
