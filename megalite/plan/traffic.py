@@ -20,8 +20,8 @@ recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B, interleaved,
 MoE layers' exchanged counts and expert buffers.  Approximate: the all-to-all payload of a rank depends on
 where its tokens are routed, so ``ep`` is the mean over the EP group (their sum is exact).  Not modelled: MoE
 layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's
-pickled metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16 overflow skips
-the norm and ZeRO-1's gather).
+pickled metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an
+fp16 overflow skips the norm and ZeRO-1's gather).
 """
 
 from __future__ import annotations
