@@ -6,7 +6,8 @@ planner (``python -m megalite.plan --hardware NAME``) both read it.  Each profil
 command line; the planner's ``--calibrate`` writes one measured here.  ``efficiency`` is the fraction of
 the peak the model's large GEMMs reach (calibrated on the machine, or set from measured runs for the GPU
 profiles); ``gemm_half_rows`` the GEMM row count (tokens of one micro-batch on a rank) at which they reach
-half of that, so smaller micro-batches run slower (0: no dependence on the shape); ``device_names`` are fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
+half of that, so smaller micro-batches run slower (0: no dependence on the shape); ``device_names`` are
+fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
 """
 
 from __future__ import annotations
