@@ -4,8 +4,10 @@ The one peak-FLOP table: the trainer's MFU (:func:`detect` picks the running GPU
 planner (``python -m megalite.plan --hardware NAME``) both read it.  Each profile is a small JSON file in
 ``megalite/hardware/`` (``h100``, ``h200``, ``a100-80gb``, ``b200``, ``cpu``) or any path given on the
 command line; the planner's ``--calibrate`` writes one measured here.  ``efficiency`` is the fraction of
-the peak the model's GEMMs reach (calibrated on the machine, or set from published runs for the GPU
-profiles); ``device_names`` are fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
+the peak the model's large GEMMs reach (calibrated on the machine, or set from measured runs for the GPU
+profiles); ``gemm_half_rows`` the GEMM row count (tokens of one micro-batch on a rank) at which they reach
+half of that, so smaller micro-batches run slower (0: no dependence on the shape); ``device_names`` are
+fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ class Hardware:
     inter_node_latency_s: float
     source: str = ""
     device_names: tuple = ()
+    gemm_half_rows: float = 0.0
+
+    def gemm_efficiency(self, rows: float) -> float:
+        """Fraction of the peak reached by GEMMs of ``rows`` rows: ``efficiency * rows / (rows + gemm_half_rows)``,
+        a fixed cost per GEMM (launch, tile edges) amortised over its rows."""
+        return self.efficiency * rows / (rows + self.gemm_half_rows)
 
     def peak(self, precision: str) -> float:
         """Peak dense FLOP/s for ``precision`` (fp32 training runs at the fp32 peak)."""

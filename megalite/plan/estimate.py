@@ -5,13 +5,12 @@ micro-batch's activations (:mod:`megalite.plan.activations`) times the micro-bat
 one recomputed layer under full recompute; the larger of the first and last pipeline rank.
 
 Time: model FLOPs (the trainer's :func:`~megalite.models.config.gpt_flops_per_token`, plus what
-recompute adds) at ``efficiency x peak``, stretched by the schedule's bubble
-(:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed:
-TP/SP collectives (the column layer's backward all-reduce hides behind its weight-gradient GEMM),
-the CP ring beyond the attention it overlaps, EP all-to-alls, PP sends, DP gradient reduction past
-the last micro-batch's backward (ZeRO-1's parameter all-gather after the step; FSDP2's gathers
-behind the whole step's compute), and the optimizer step at HBM bandwidth.  Collectives are ring
-algorithms on the link their group spans (NVLink within a node, else the network).
+recompute adds) at the peak times the GEMM efficiency at one micro-batch's rows
+(:meth:`~megalite.hardware.Hardware.gemm_efficiency`), stretched by the schedule's bubble
+(:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
+:func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
+group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
+:func:`_exposed_communication`), and the optimizer step at HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +25,10 @@ from megalite.plan.activations import (layer_activation_bytes, microbatch_activa
                                        microbatches_in_flight)
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
+from megalite.plan.traffic import collective_bytes
+
+TP_HIDDEN_SHARE = 0.25
+"""Share of a layer's TP communication that overlaps compute: one of its four collectives (per direction)."""
 
 RESERVED_FRACTION = 0.1
 """Share of device memory kept free for the allocator's fragmentation, workspaces and the CUDA context."""
@@ -61,23 +64,14 @@ def _bubble(schedule: str, pp: int, m: int, vpp: int) -> float:
     return analytic_bubble(schedule, pp, m, vpp)
 
 
-def _ring(bytes_: float, n: int, link: tuple[float, float], passes: float) -> float:
-    """``passes`` x (n-1)/n of ``bytes_`` over the link, plus a latency per ring step."""
+def _collective(bytes_: float, n: int, link: tuple[float, float], passes: int, calls: float = 0) -> float:
+    """A ring collective of ``bytes_`` (its whole buffer, as :mod:`~megalite.plan.traffic` counts it) over
+    ``n`` ranks: ``passes`` (2 for an all-reduce, 1 for an all-gather, reduce-scatter or all-to-all) x
+    (n-1)/n of the buffer over the link, plus a latency per ring step of each of ``calls`` collectives."""
     if n <= 1:
         return 0.0
     bandwidth, latency = link
-    return passes * ((n - 1) / n * bytes_ / bandwidth + (n - 1) * latency)
-
-
-def _param_counts(config: GPTConfig, layout: Layout, pp_rank: int) -> tuple[int, int]:
-    dense = expert = 0
-    for chunk in rank_chunks(config, layout, pp_rank):
-        for p in chunk:
-            if p.expert:
-                expert += p.numel
-            else:
-                dense += p.numel
-    return dense, expert
+    return passes * ((n - 1) / n * bytes_ / bandwidth + calls * (n - 1) * latency)
 
 
 def _cached(cache: dict | None, key, compute):
@@ -88,13 +82,72 @@ def _cached(cache: dict | None, key, compute):
     return cache[key]
 
 
-def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout) -> int:
-    """FSDP2's unsharded parameters in flight: two transformer layers (one computing, one prefetched) and
-    their unsharded gradients, in the compute dtype."""
+def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int:
+    """FSDP2's unsharded parameters in flight: two transformer layers (one computing, one prefetched), or
+    all of the rank's when they are kept from forward to backward, and two layers' unsharded gradients, in
+    the compute dtype."""
     from megalite.plan.memory import layer_params
 
     layer = max(sum(p.numel for p in layer_params(config, i, layout)) for i in range(min(config.num_layers, 2)))
-    return 2 * 2 * layer * DTYPE_BYTES[layout.precision]
+    held = 2 * layer if layout.reshard_after_forward else \
+        sum(p.numel for chunk in rank_chunks(config, layout, pp_rank) for p in chunk)
+    return (held + 2 * layer) * DTYPE_BYTES[layout.precision]
+
+
+def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
+                           global_batch_size: int, compute: float, peak: float, cache: dict | None) -> dict:
+    """Seconds of each axis's communication left exposed, from :func:`~megalite.plan.traffic.collective_bytes`
+    (the larger of the first and last pipeline rank, per axis) over the link its group spans.
+
+    Overlap: one of a layer's four TP collectives (a column layer's input-gradient reduction) hides behind
+    its weight-gradient GEMM; the p2p CP ring behind the attention it feeds (the all-gather and a2a
+    variants wait); DP gradient reduction behind the last micro-batch's backward (ZeRO-1's parameter
+    all-gather follows the step), FSDP2's gathers and reduce-scatters behind the whole step's compute.
+    EP all-to-alls and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
+    """
+    m = global_batch_size // (layout.micro_batch_size * layout.dp)
+    tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
+    volume: dict = {}
+    for pp_rank in sorted({0, pp - 1}):
+        sent = collective_bytes(config, layout, seq_length, global_batch_size, pp_rank, cache=cache)
+        volume = {axis: max(volume.get(axis, 0), nbytes) for axis, nbytes in sent.items()}
+    layers = config.num_layers / pp
+    sp = layout.sequence_parallel and tp > 1
+    forwards = 2 if layout.recompute == "full" else 1
+    out = {}
+    tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
+    out["tp"] = (1 - TP_HIDDEN_SHARE) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
+    cp_link = hw.link(tp * cp)
+    if layout.cp_comm_type == "p2p":
+        # Point-to-point sends: the whole payload crosses the link once.
+        sends = m * layers * ((cp - 1) * (forwards + 1) + cp)
+        ring = 0.0 if cp == 1 else volume["cp"] / cp_link[0] + sends * cp_link[1]
+        mb_tokens = layout.micro_batch_size * seq_length / cp
+        attention = (forwards + 2) * 4 * mb_tokens * seq_length * config.num_attention_heads / tp \
+            * config.kv_channels / 2 / peak
+        out["cp"] = max(0.0, ring - layers * m * attention)
+    else:
+        calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
+        out["cp"] = _collective(volume["cp"], cp, cp_link, 1, calls)
+    moe_layers = 0 if config.moe is None else sum(map(config.is_moe_layer, range(config.num_layers))) / pp
+    out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 5)
+    link = hw.link(world)
+    out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
+    out["pp"] += _collective(volume["embedding"], 2, link, 2)
+    last_backward = 2 * compute / m / 3
+    dp = 0.0
+    for axis, n, span in (("dp", layout.dp * cp, tp * layout.dp * cp), ("expert_dp", layout.expert_dp, world // pp)):
+        if layout.fsdp:
+            dp += max(0.0, _collective(volume[axis], n, hw.link(span), 1) - compute)
+        elif layout.zero1:
+            grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
+            share = grad_bytes / (grad_bytes + layout.param_bytes)
+            grads = _collective(volume[axis] * share, n, hw.link(span), 1)
+            dp += max(0.0, grads - last_backward) + _collective(volume[axis] * (1 - share), n, hw.link(span), 1)
+        else:
+            dp += max(0.0, _collective(volume[axis], n, hw.link(span), 2) - last_backward)
+    out["dp"] = dp
+    return out
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
@@ -123,7 +176,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
             extra = _cached(cache, ("layer", shape), lambda: layer_activation_bytes(config, layout, seq_length, 0))
         gathered = 0
         if layout.fsdp:
-            gathered = _cached(cache, ("gathered", base), lambda: _fsdp_gathered_bytes(config, layout))
+            gathered = _cached(cache, ("gathered", base, layout.reshard_after_forward, pp_rank),
+                               lambda: _fsdp_gathered_bytes(config, layout, pp_rank))
         total = state.weights + state.grads + state.optimizer + int(act * in_flight) + extra + gathered
         if not est.memory or total > est.memory["total"]:
             est.memory = {"weights": state.weights, "grads": state.grads, "optimizer": state.optimizer,
@@ -132,7 +186,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
                           "fsdp_gathered": gathered, "total": total, "pp_rank": pp_rank}
 
     e = DTYPE_BYTES[layout.precision]
-    peak = hw.peak(layout.precision) * hw.efficiency
+    # GEMM rows: one micro-batch's tokens on this rank (sequence-parallel inputs are gathered before the GEMM).
+    peak = hw.peak(layout.precision) * hw.gemm_efficiency(layout.micro_batch_size * seq_length / layout.cp)
     tokens = global_batch_size * seq_length
     flops_per_token = _cached(cache, ("flops", seq_length), lambda: gpt_flops_per_token(config, seq_length))
     h, d = config.hidden_size, config.kv_channels
@@ -147,51 +202,10 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)
     pipeline = compute / (1 - bubble) - compute
 
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
-    layers = config.num_layers / pp
-    mb_tokens = layout.micro_batch_size * seq_length / cp
-    tp_time = 0.0
-    if tp > 1:
-        collectives = 3 + (2 if layout.recompute == "full" else 0)
-        tp_time = layers * m * collectives * _ring(mb_tokens * h * e, tp, hw.link(tp), 2)
-    cp_time = 0.0
-    if cp > 1:
-        kv = 2 * mb_tokens * config.num_query_groups / tp * d * e
-        ring = 3 * _ring(kv * cp, cp, hw.link(tp * cp), 1)
-        attention = 3 * 4 * mb_tokens * seq_length * config.num_attention_heads / tp * d / 2 / peak
-        cp_time = layers * m * max(0.0, ring - attention)
-    ep_time = 0.0
-    if config.moe is not None and layout.ep > 1:
-        moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers)) / pp
-        routed = mb_tokens * config.moe.topk * h * e / (tp if layout.sequence_parallel else 1)
-        ep_time = moe_layers * m * 4 * _ring(routed, layout.ep, hw.link(layout.expert_tp * layout.ep), 1)
-    pp_time = 0.0
-    if pp > 1:
-        sent = mb_tokens * h * e / (tp if layout.sequence_parallel else 1)
-        bandwidth, latency = hw.link(layout.world)
-        pp_time = m * layout.stage_map().chunks * 2 * (sent / bandwidth + latency)
-    dense, expert = _cached(cache, ("params", base), lambda: _param_counts(config, layout, 0))
-    grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
-    dp_span, edp = layout.dp * cp, layout.expert_dp
-    dense_link, expert_link = hw.link(tp * dp_span), hw.link(layout.world // pp)
-    last_backward = 2 * compute / m / 3
-    if layout.fsdp:
-        gathered = DTYPE_BYTES[layout.precision]
-        comm = (_ring(dense * (2 * m * gathered + grad_bytes), dp_span, dense_link, 1)
-                + _ring(expert * (2 * m * gathered + grad_bytes), edp, expert_link, 1))
-        dp_time = max(0.0, comm - compute)
-    elif layout.zero1:
-        grads = _ring(dense * grad_bytes, dp_span, dense_link, 1) + _ring(expert * grad_bytes, edp, expert_link, 1)
-        params = (_ring(dense * layout.param_bytes, dp_span, dense_link, 1)
-                  + _ring(expert * layout.param_bytes, edp, expert_link, 1))
-        dp_time = max(0.0, grads - last_backward) + params
-    else:
-        grads = _ring(dense * grad_bytes, dp_span, dense_link, 2) + _ring(expert * grad_bytes, edp, expert_link, 2)
-        dp_time = max(0.0, grads - last_backward)
+    comm = _exposed_communication(config, layout, hw, seq_length, global_batch_size, compute, peak, cache)
     state_bytes = est.memory["weights"] + est.memory["grads"] + est.memory["optimizer"]
     optimizer_time = 2 * state_bytes / hw.hbm_bandwidth
-    est.time = {"compute": compute, "pipeline_bubble": pipeline, "tp": tp_time, "cp": cp_time, "ep": ep_time,
-                "pp": pp_time, "dp": dp_time, "optimizer": optimizer_time}
+    est.time = {"compute": compute, "pipeline_bubble": pipeline, **comm, "optimizer": optimizer_time}
     est.step_time_s = sum(est.time.values())
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / layout.world
     est.mfu = est.tokens_per_s_per_gpu * flops_per_token / hw.peak(layout.precision)

@@ -27,6 +27,8 @@ def _split(num_layers: int, pp: int, chunks: int, first, last, v_shape: bool):
 class Layout:
     """Parallel sizes, data-parallel flavour, precision and micro-batching of one run.
 
+    ``cp_comm_type`` is ``--cp-comm-type`` (``p2p``, ``all_gather`` or ``a2a``); ``reshard_after_forward`` is
+    FSDP2's ``--[no-]reshard-after-forward``.
     ``world = tp * cp * dp * pp`` for the dense layers and ``etp * ep * expert_dp * pp``
     for the expert layers (the rank grid of :mod:`megalite.topology`).  ``zero1`` is
     ``--use-distributed-optimizer``, ``fsdp`` is ``--use-torch-fsdp2``.
@@ -36,12 +38,14 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    cp_comm_type: str = "p2p"
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
     schedule: str | None = None
     zero1: bool = False
     fsdp: bool = False
+    reshard_after_forward: bool = True
     precision: str = "fp32"
     grad_reduce_in_fp32: bool = True
     bucket_size: int | None = 40_000_000
@@ -90,10 +94,11 @@ class Layout:
 
         fsdp = bool(args.use_torch_fsdp2)
         ddp = ddp_config(args)
-        return cls(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), ep=args.expert_model_parallel_size,
-                   etp=args.expert_tensor_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+        return cls(tp=tp, pp=pp, cp=cp, cp_comm_type=args.cp_comm_type, dp=world // (tp * pp * cp),
+                   ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                   vpp=args.virtual_pipeline_model_parallel_size,
                    schedule=args.pipeline_schedule, zero1=bool(args.use_distributed_optimizer) and not fsdp,
-                   fsdp=fsdp, precision=precision,
+                   fsdp=fsdp, reshard_after_forward=fsdp_config(args).reshard_after_forward, precision=precision,
                    grad_reduce_in_fp32=fsdp_config(args).grad_reduce_in_fp32 if fsdp else ddp.grad_reduce_in_fp32,
                    bucket_size=ddp.bucket_size, sequence_parallel=bool(args.sequence_parallel),
                    micro_batch_size=args.micro_batch_size, recompute=args.recompute_granularity,
@@ -106,6 +111,7 @@ class Layout:
         for flag, value, default in (("--tensor-model-parallel-size", self.tp, 1),
                                      ("--pipeline-model-parallel-size", self.pp, 1),
                                      ("--context-parallel-size", self.cp, 1),
+                                     ("--cp-comm-type", self.cp_comm_type, "p2p"),
                                      ("--expert-model-parallel-size", self.ep, 1),
                                      ("--expert-tensor-parallel-size", self.etp, None),
                                      ("--virtual-pipeline-model-parallel-size", self.vpp, None),
@@ -120,6 +126,8 @@ class Layout:
             out.append("--use-distributed-optimizer")
         if self.fsdp:
             out.append("--use-torch-fsdp2")
+            if not self.reshard_after_forward:
+                out.append("--no-reshard-after-forward")
         if self.precision != "fp32":
             out.append(f"--{self.precision}")
         return out

@@ -25,11 +25,14 @@ ADAM_STEP_BYTES = 4
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter tensor of a rank: its local shape, whether it is an expert weight, tied across stages."""
+    """One parameter tensor of a rank: its local shape, whether it is an expert weight, tied across stages,
+    replicated over TP with a partial gradient under sequence parallelism (summed over TP after the step's
+    last micro-batch)."""
 
     shape: tuple[int, ...]
     expert: bool = False
     shared_embedding: bool = False
+    sequence_parallel: bool = False
 
     @property
     def numel(self) -> int:
@@ -39,9 +42,13 @@ class ParamSpec:
         return n
 
 
-def _norm(config: GPTConfig) -> list[ParamSpec]:
-    h = config.hidden_size
-    return [ParamSpec((h,)), ParamSpec((h,))] if config.normalization == "LayerNorm" else [ParamSpec((h,))]
+def _norm(config: GPTConfig, size: int | None = None) -> list[ParamSpec]:
+    h = config.hidden_size if size is None else size
+    return [ParamSpec((h,), sequence_parallel=True)] * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def _row_bias(config: GPTConfig) -> list[ParamSpec]:
+    return [ParamSpec((config.hidden_size,), sequence_parallel=True)] if config.add_bias_linear else []
 
 
 def _linear(out_features: int, in_features: int, bias: bool, bias_size: int | None = None) -> list[ParamSpec]:
@@ -54,7 +61,7 @@ def _linear(out_features: int, in_features: int, bias: bool, bias_size: int | No
 def _mlp(config: GPTConfig, ffn: int, tp: int) -> list[ParamSpec]:
     h, bias = config.hidden_size, config.add_bias_linear
     rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
-    return _linear(rows, h, bias) + [ParamSpec((h, ffn // tp))] + ([ParamSpec((h,))] if bias else [])
+    return _linear(rows, h, bias) + [ParamSpec((h, ffn // tp))] + _row_bias(config)
 
 
 def _moe(config: GPTConfig, layout: Layout) -> list[ParamSpec]:
@@ -72,14 +79,32 @@ def _moe(config: GPTConfig, layout: Layout) -> list[ParamSpec]:
     return specs
 
 
+def mla_params(config: GPTConfig, tp: int) -> list[ParamSpec]:
+    """Multi-latent attention's parameters on one TP rank (:class:`~megalite.models.mla.MultiLatentAttention`):
+    the replicated down-projections and latent norms, the column-parallel up-projections, the row output."""
+    h, heads, rope = config.hidden_size, config.num_attention_heads, config.qk_pos_emb_head_dim
+    q_size = heads * (config.qk_head_dim + rope) // tp
+    if config.q_lora_rank is None:
+        specs = [ParamSpec((q_size, h))]
+    else:
+        specs = [ParamSpec((config.q_lora_rank, h), sequence_parallel=True)] + _norm(config, config.q_lora_rank)
+        specs.append(ParamSpec((q_size, config.q_lora_rank)))
+    specs += [ParamSpec((config.kv_lora_rank + rope, h), sequence_parallel=True)] + _norm(config, config.kv_lora_rank)
+    specs.append(ParamSpec((heads * (config.qk_head_dim + config.v_head_dim) // tp, config.kv_lora_rank)))
+    return specs + [ParamSpec((h, heads * config.v_head_dim // tp))] + _row_bias(config)
+
+
 def layer_params(config: GPTConfig, layer: int, layout: Layout) -> list[ParamSpec]:
     """Parameters of global transformer layer ``layer`` on one rank, in registration order."""
     tp, h, d = layout.tp, config.hidden_size, config.kv_channels
     groups, heads = config.num_query_groups, config.num_attention_heads
-    qkv = groups * (heads // groups + 2) * d
     specs = _norm(config)
-    specs += _linear(qkv // tp, h, config.add_bias_linear)
-    specs += [ParamSpec((h, heads * d // tp))] + ([ParamSpec((h,))] if config.add_bias_linear else [])
+    if config.multi_latent_attention:
+        specs += mla_params(config, tp)
+    else:
+        qkv = groups * (heads // groups + 2) * d
+        specs += _linear(qkv // tp, h, config.add_bias_linear)
+        specs += [ParamSpec((h, heads * d // tp))] + _row_bias(config)
     specs += _norm(config)
     specs += _moe(config, layout) if config.is_moe_layer(layer) else _mlp(config, config.ffn_hidden_size, tp)
     return specs
@@ -211,7 +236,8 @@ def _ddp_chunk(params: list[ParamSpec], layout: Layout, dp_rank: int, edp_rank: 
     return out
 
 
-def _fsdp_rows(rows: int, size: int, rank: int) -> int:
+def fsdp_rows(rows: int, size: int, rank: int) -> int:
+    """Rows of a ``rows``-row parameter that FSDP2 places on ``rank`` of ``size`` (ceil-sized shards)."""
     per = -(-rows // size)
     return max(0, min((rank + 1) * per, rows) - min(rank * per, rows))
 
@@ -220,7 +246,7 @@ def _fsdp_chunk(params: list[ParamSpec], layout: Layout, dp_rank: int, edp_rank:
     out = StateBytes()
     for p in params:
         size, rank = (layout.expert_dp, edp_rank) if p.expert else (layout.dp * layout.cp, dp_rank)
-        n = _fsdp_rows(p.shape[0], size, rank) * (p.numel // p.shape[0])
+        n = fsdp_rows(p.shape[0], size, rank) * (p.numel // p.shape[0])
         out.weights += 4 * n
         out.grads += 4 * n
         out.optimizer += _optimizer_bytes([n], 4, 4)

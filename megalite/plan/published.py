@@ -2,7 +2,8 @@
 
 A row gives the model, the layout, the batch and the published figure: achieved TFLOP/s per GPU
 counted with the source's own FLOPs formula (Megatron-LM SC 2021: ``96 B s l h^2 (1 + s/6h + V/16lh)``
-per iteration, which includes the recomputed forward), or tokens/s per GPU.  The prediction's step
+per iteration, which includes the recomputed forward), model FLOPs utilization (Korthikanti et al. 2022:
+``72 B s l h^2 (1 + s/6h + V/12lh)`` over the peak), or tokens/s per GPU.  The prediction's step
 time is converted into the same unit, so the two are comparable as published.
 """
 
@@ -29,15 +30,35 @@ def sc21_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, voc
     return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+def korthikanti_model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Korthikanti et al. (2022): model FLOPs of one iteration, no recompute counted (their MFU's numerator)."""
+    return 72 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def _config(row: dict) -> GPTConfig:
+    if "preset" in row:
+        from megalite.plan.__main__ import preset_config
+
+        return preset_config(row["preset"])
+    return GPTConfig(vocab_size=row["vocab_size"], max_position_embeddings=row["seq_length"], **row["model"])
+
+
 def predict(row: dict) -> tuple[float, float]:
     """``(predicted, published)`` in the row's unit."""
-    seq, vocab = row["seq_length"], row["vocab_size"]
-    config = GPTConfig(vocab_size=vocab, max_position_embeddings=seq, **row["model"])
-    tp, pp = row["tp"], row["pp"]
-    layout = Layout(tp=tp, pp=pp, dp=row["gpus"] // (tp * pp), precision=row["precision"],
-                    recompute=row["recompute"], micro_batch_size=row["micro_batch_size"])
-    est = estimate(config, layout, load_hardware(row["hardware"]), seq, row["global_batch_size"])
+    seq, config = row["seq_length"], _config(row)
+    tp, pp, cp = row["tp"], row["pp"], row.get("cp", 1)
+    layout = Layout(tp=tp, pp=pp, cp=cp, dp=row["gpus"] // (tp * pp * cp), precision=row["precision"],
+                    recompute=row["recompute"], micro_batch_size=row["micro_batch_size"],
+                    fsdp=row.get("fsdp", False), sequence_parallel=row.get("sequence_parallel", False),
+                    schedule=row.get("schedule"), vpp=row.get("vpp"), first_stage_layers=row.get("first_stage_layers"),
+                    last_stage_layers=row.get("last_stage_layers"))
+    hardware = load_hardware(row["hardware"])
+    est = estimate(config, layout, hardware, seq, row["global_batch_size"])
+    shape = (row["global_batch_size"], seq, config.num_layers, config.hidden_size, config.vocab_size)
     if "achieved_tflops_per_gpu" in row:
-        flops = sc21_flops_per_iteration(row["global_batch_size"], seq, config.num_layers, config.hidden_size, vocab)
-        return flops / est.step_time_s / row["gpus"] / 1e12, float(row["achieved_tflops_per_gpu"])
+        return sc21_flops_per_iteration(*shape) / est.step_time_s / row["gpus"] / 1e12, \
+            float(row["achieved_tflops_per_gpu"])
+    if "achieved_mfu" in row:
+        flops = korthikanti_model_flops_per_iteration(*shape)
+        return flops / est.step_time_s / row["gpus"] / hardware.peak(row["precision"]), float(row["achieved_mfu"])
     return est.tokens_per_s_per_gpu, float(row["achieved_tokens_per_s_per_gpu"])

@@ -16,6 +16,8 @@ WORLD = 4
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100",
          "--seq-length", "16", "--max-position-embeddings", "16", "--global-batch-size", "8"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2"]
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
 
@@ -42,6 +44,9 @@ LAYOUTS = [
     ("cp2-tp2-bf16", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--bf16"], None),
     ("tp2-zero1-llama-bf16", ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"] + LLAMA,
      None),
+    ("mla-tp2-sp-zero1-bf16", MLA + ["--q-lora-rank", "12", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--use-distributed-optimizer", "--bf16"], 300),
+    ("mla-fsdp-dp4", MLA + ["--use-torch-fsdp2"], None),
     ("fsdp-dp4", ["--use-torch-fsdp2"], None),
     ("fsdp-tp2-bf16", ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--bf16"], None),
     ("fsdp-pp2-untied", ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2",

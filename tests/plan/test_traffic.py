@@ -10,6 +10,8 @@ each EP group is exact.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from megalite.testing import run_distributed
@@ -20,6 +22,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--make-vocab-size-divisible-by", "4"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2"]
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 
 # (name, extra flags, DDP bucket size override or None)
 LAYOUTS = [
@@ -37,11 +41,28 @@ LAYOUTS = [
     ("cp2-tp2-full-recompute", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--recompute-granularity", "full"], None),
     ("moe-ep2-dp4-zero1", MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], None),
+    ("cp2-dp2-all-gather-gqa-bf16", ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--bf16",
+                                     "--group-query-attention", "--num-query-groups", "2"], None),
+    ("cp2-tp2-a2a-full-recompute", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--cp-comm-type", "a2a", "--recompute-granularity", "full",
+                                    "--num-attention-heads", "8"], None),
+    # ffn 38 rows over dp 4: FSDP2 pads the shards to 10 rows
+    ("fsdp2-dp4-bf16-padded", ["--use-torch-fsdp2", "--bf16", "--ffn-hidden-size", "38"], None),
+    ("fsdp2-tp2-sp-dp2-kept", ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--no-reshard-after-forward"], None),
+    ("mla-tp2-sp-dp2-zero1-bf16", MLA + ["--q-lora-rank", "12", "--tensor-model-parallel-size", "2",
+                                         "--sequence-parallel", "--use-distributed-optimizer", "--bf16"], None),
+    ("mla-cp2-tp2-a2a-full-recompute", MLA + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                              "--cp-comm-type", "a2a", "--recompute-granularity", "full"], None),
+    ("fsdp2-moe-ep2-pp2", MOE + ["--use-torch-fsdp2", "--expert-model-parallel-size", "2",
+                                 "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],
+     None),
 ]
 AXES = {"dp": "dp_cp"}  # the planner's name -> the topology's, where they differ
-COLLECTIVES = {  # name -> which argument is the collective's whole buffer
-    "all_reduce": 0, "broadcast": 0, "all_gather_into_tensor": 0, "all_gather_single": 0,
-    "reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "all_to_all_single": 1,
+COLLECTIVES = {  # name -> the argument that is the collective's whole buffer (FSDP2 passes it by keyword)
+    "all_reduce": "tensor", "broadcast": "tensor", "all_gather_into_tensor": "output_tensor",
+    "all_gather_single": "output_tensor", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
+    "all_to_all_single": "input",
 }
 
 
@@ -78,8 +99,11 @@ def _count_and_predict(layouts):
             counted[ranks] = counted.get(ranks, 0) + nbytes
 
     def wrap(name, fn, arg):
+        signature = inspect.signature(fn)
+
         def counted_call(*args, **kwargs):
-            add(kwargs.get("group"), _nbytes(args[arg]))
+            bound = signature.bind(*args, **kwargs).arguments
+            add(bound.get("group"), _nbytes(bound[arg]))
             return fn(*args, **kwargs)
         return counted_call
 
@@ -126,7 +150,7 @@ def _count_and_predict(layouts):
             counting[0] = False
             layout = Layout.from_args(args, world).with_(bucket_size=bucket_size or ddp_config(args).bucket_size)
             bytes_per_axis = collective_bytes(gpt_config(args), layout, args.seq_length, args.global_batch_size,
-                                              topo.pp.rank)
+                                              topo.pp.rank, topo.dp_cp.rank)
             predicted: dict = {}
             for axis, nbytes in bytes_per_axis.items():
                 ranks = tuple(range(world)) if axis == "world" else tuple(getattr(topo, AXES.get(axis, axis)).ranks)
