@@ -14,7 +14,9 @@ TP layout, with each adapter matching its base layer's split so no extra weight 
   B ``[out, r]`` replicated.  ``x A^T`` is all-reduced over TP (r values per token), then B runs
   replicated; under sequence parallelism its output is split along the sequence afterwards.
 
-Adapters stay fp32 whatever the base dtype: the input is cast up and the update cast back.
+Adapters stay fp32 whatever the base dtype: the input is cast up and the update cast back.  Their matmuls are
+the base layers' (batch-invariant under ``GPTConfig.batch_invariant``), so a batch-invariant model with adapters
+gives the rollout engine's log-probs bit for bit too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megalite.distributed.unwrap import unwrap
 from megalite.lora.config import LoRAConfig
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, mappings
 from megalite.tensor_parallel.initialization import mark_tensor_parallel
+from megalite.tensor_parallel.layers import forward_linear
 
 
 def _init_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
@@ -88,10 +91,10 @@ class LoRAAdapter(nn.Module):
         if self.column:
             if self.sequence_parallel:
                 x = mappings.gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=False)
-            low = mappings.copy_to_tensor_parallel_region(F.linear(x, self.lora_A), self.tp_group)
-            return F.linear(low, self.lora_B) * self.scaling
-        low = mappings.reduce_from_tensor_parallel_region(F.linear(x, self.lora_A), self.tp_group)
-        out = F.linear(low, self.lora_B) * self.scaling
+            low = mappings.copy_to_tensor_parallel_region(forward_linear(x, self.lora_A), self.tp_group)
+            return forward_linear(low, self.lora_B) * self.scaling
+        low = mappings.reduce_from_tensor_parallel_region(forward_linear(x, self.lora_A), self.tp_group)
+        out = forward_linear(low, self.lora_B) * self.scaling
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, self.tp_group)
         return out

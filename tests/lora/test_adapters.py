@@ -1,4 +1,5 @@
-"""LoRA adapters: identity at init, TP/SP/PP gradients equal one rank's, adapter-only optimizer state, errors."""
+"""LoRA adapters: identity at init, TP/SP/PP gradients equal one rank's, adapter-only optimizer state, errors, and
+batch-invariant numerics (the engine's log-probs bit for bit)."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from megalite.models.gpt import GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import forward_backward, split_layers
 from megalite.testing import run_distributed
+from tests.rlhf.common import config as rl_config
+from tests.rlhf.test_batch_invariant import _gaps
 
 SEQ, BATCH, VOCAB = 8, 2, 64
 REL = 1e-5
@@ -201,3 +204,12 @@ def test_moe_model_is_refused():
     model = GPTModel(_config(moe=MoEConfig(num_experts=2, ffn_hidden_size=16, topk=1)))
     with pytest.raises(ValueError, match="LoRA on MoE models is not supported"):
         apply_lora(model, LoRAConfig(rank=2))
+
+
+def test_batch_invariant_model_with_adapters_gives_the_engine_log_probs_bit_for_bit():
+    """The adapters' matmuls are the base layers' batch-invariant ones (plain F.linear missed by rounding)."""
+    torch.manual_seed(0)
+    model = GPTModel(rl_config("llama", batch_invariant=True))
+    lora = apply_lora(model, LoRAConfig(rank=4, alpha=8))
+    load_global_adapters(lora, _random_b(lora))
+    assert _gaps(model) == [(0.0, 0.0)] * 3
