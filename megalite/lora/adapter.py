@@ -52,10 +52,7 @@ class LoRAAdapter(nn.Module):
         self.column = isinstance(base, ColumnParallelLinear)
         if not self.column and not isinstance(base, RowParallelLinear):
             raise ValueError(f"{name} is a {type(base).__name__}, not a column- or row-parallel linear layer")
-        if config.rank > min(base.in_features, base.out_features):
-            raise ValueError(f"LoRA rank {config.rank} is larger than layer {name} "
-                             f"([{base.out_features}, {base.in_features}]) allows: at most "
-                             f"{min(base.in_features, base.out_features)}")
+        config.check_rank(name, base.out_features, base.in_features)
         self.tp_group, self.tp_size, self.tp_rank = base.tp_group, base.tp_size, base.tp_rank
         self.sequence_parallel = base.sequence_parallel
         self.scaling = config.scaling
@@ -135,7 +132,7 @@ class LoRAModel(nn.Module):
                 raise ValueError("LoRA on MoE models is not supported (expert layers are not column/row-parallel "
                                  "linear layers)")
             for name, module in chunk.named_modules():
-                if name.rsplit(".", 1)[-1] in config.target_modules and ".layers." in f".{name}":
+                if config.targets(name):
                     adapter = LoRAAdapter(name, module, config)
                     key = name.replace(".", "__")
                     self.adapters[key] = adapter
