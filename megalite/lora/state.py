@@ -58,9 +58,10 @@ def _global_slices(gp: GlobalParam, piece) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor]) -> None:
-    """Set this rank's adapter shards from whole global tensors (e.g. a single-process run's)."""
-    for name, param, gp in adapter_layouts(lora):
+def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor], ctx: ShardContext | None = None) -> None:
+    """Set this rank's adapter shards from whole global tensors (e.g. a single-process run's); ``ctx``: this rank's
+    coordinates (default: the current topology's)."""
+    for name, param, gp in adapter_layouts(lora, ctx):
         if name not in tensors:
             raise ValueError(f"adapter tensor {name} is missing")
         if tuple(tensors[name].shape) != gp.shape:
@@ -69,9 +70,10 @@ def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor]) -> N
             param[box_slices(piece.local)] = tensors[name][_global_slices(gp, piece)]
 
 
-def local_shard(lora: LoRAModel, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the global adapter tensor ``name`` (e.g. a reference gradient)."""
-    for global_name, param, gp in adapter_layouts(lora):
+def local_shard(lora: LoRAModel, name: str, tensor: torch.Tensor, ctx: ShardContext | None = None) -> torch.Tensor:
+    """This rank's shard of the global adapter tensor ``name`` (e.g. a reference gradient); ``ctx`` as in
+    :func:`load_global_adapters`."""
+    for global_name, param, gp in adapter_layouts(lora, ctx):
         if global_name == name:
             out = torch.empty_like(param)
             for piece in gp.pieces:
