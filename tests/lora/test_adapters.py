@@ -1,10 +1,11 @@
-"""LoRA adapters: identity at init, TP/SP/PP gradients equal one rank's, adapter-only optimizer state, errors, and
-batch-invariant numerics (the engine's log-probs bit for bit)."""
+"""LoRA adapters: identity at init, TP/SP/PP/CP/DP gradients equal one rank's, adapter-only optimizer state,
+errors, and batch-invariant numerics (the engine's log-probs bit for bit)."""
 
 import pytest
 import torch
 
 from megalite import topology
+from megalite.context_parallel import slice_for_rank
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.lora import LoRAConfig, apply_lora
 from megalite.lora.state import adapter_layouts, global_adapters, load_global_adapters, local_shard
@@ -132,8 +133,32 @@ def _dp_case():
     return [worst]
 
 
+def _cp_case():
+    """cp=2: each rank runs its two sequence chunks; the adapters' gradients summed over CP are the one-rank
+    gradients of the summed loss."""
+    lora_config = LoRAConfig(rank=2, alpha=4)
+    tokens = _tokens(5)[0]
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    model = GPTModel(_config())
+    lora = apply_lora(model, lora_config)
+    tensors = _random_b(lora)
+    load_global_adapters(lora, tensors)
+    model(input_ids=ids, labels=labels).sum().backward()
+    ref = {name: p.grad.clone() for name, p, _ in adapter_layouts(lora)}
+    topo = topology.initialize(cp=2)
+    model = GPTModel(_config())
+    lora = apply_lora(model, lora_config)
+    load_global_adapters(lora, tensors)
+    cp, rank = topo.cp.size, topo.cp.rank
+    model(input_ids=slice_for_rank(ids, cp, rank), labels=slice_for_rank(labels, cp, rank)).sum().backward()
+    for param in lora.parameters():
+        torch.distributed.all_reduce(param.grad, group=topo.cp.group)
+    return [_max_rel_error(lora, ref)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [_tp_case, _pp_case, _dp_case], ids=["tp2-and-sp", "pp2", "dp2-ddp"])
+@pytest.mark.parametrize("case", [_tp_case, _pp_case, _dp_case, _cp_case], ids=["tp2-and-sp", "pp2", "dp2-ddp",
+                                                                                 "cp2"])
 def test_adapter_grads_equal_one_rank(case):
     for rank, errors in enumerate(run_distributed(case, 2, timeout=120)):
         assert errors and all(err <= REL for err in errors), (rank, errors)
