@@ -12,7 +12,8 @@ The actor is first warmed up on the arithmetic task, or by SFT on ``--prompt-dat
 live in ``rollouts``, ``scoring`` and ``update``.  With ``--use-scoring-server`` the reward (and a teacher) run on
 one rank; the placement plan (``megalite.rlhf.placement``) parks models and optimizer state between phases.
 Under ``--lora-rank`` the warmed-up (or loaded) actor is frozen and only LoRA adapters train
-(``trainer_models.attach_adapters``); weight sync then sends the adapters alone.
+(``trainer_models.attach_adapters``); the reference is that frozen base with the adapters off (no copy), and weight
+sync sends the adapters alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from megalite.rlhf.critic import CriticModel
 from megalite.rlhf.distillation import TeacherOutput
 from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.placement import Placement
-from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.reference import LoRABaseReference, ReferenceModel
 from megalite.rlhf.reward_model import RewardModelScorer
 from megalite.rlhf.rollout_ranks import serve_rollouts
 from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
@@ -74,7 +75,8 @@ class RLTrainer:
         placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
         if critic is not None:
             placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
-        placement.add_frozen(REFERENCE, reference.module)
+        if isinstance(reference, ReferenceModel):  # not a LoRA policy's base, which is the actor's own weights
+            placement.add_frozen(REFERENCE, reference.module)
         if isinstance(reward, RewardModelScorer):
             placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
         if teacher_model is not None:
@@ -118,15 +120,16 @@ class RLTrainer:
                 return False
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
         self.lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
-        self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
         role = SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size)
         if args.rollout_world_size:
             self.sync = WeightSync(actor_chunk, role)
             self.sync.sync()
         trained = [actor_chunk]
-        if args.lora is not None:  # the base is frozen from here on; the engines apply the adapters unmerged
+        if args.lora is None:
+            self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
+        else:  # the base is frozen from here on (and is the reference); the engines apply the adapters unmerged
             actor_chunk, adapters = attach_adapters(args, actor_chunk, topo, device)
-            trained = [adapters]
+            self.reference, trained = LoRABaseReference(actor_chunk), [adapters]
             if self.sync is not None:
                 self.sync = WeightSync(adapters, role)
                 self.sync.sync()

@@ -5,11 +5,13 @@ hooks on its model).
 A short GRPO run colocated and the same run with one rollout rank give equal metrics (the rollouts, rewards and
 losses of an engine fed adapter-only syncs are the colocated engine's); each sync sends exactly the adapters' bytes;
 the rollout engine's log-probs equal the actor's recomputed ones bit for bit (batch-invariant mode, so any
-difference in the synced adapters would show); the base weights end bit-identical to the warmed-up actor (the
-reference's copy) while the adapters moved, and the optimizer holds the adapters only.
+difference in the synced adapters would show); the base weights end bit-identical to the warmed-up actor while the
+adapters moved, the reference is that base with the adapters off (no copy: KL exactly 0 before the first update),
+and the optimizer holds the adapters only.
 """
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch
 from megalite.distributed.unwrap import unwrap
 from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.rlhf.trainer_models import attach_adapters
 from megalite.testing import run_distributed
 
 BASE = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "3",
@@ -27,17 +30,25 @@ BASE = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layer
 
 
 def _run(argv):
-    """Train; on a trainer rank return what the test checks of the actor, its adapters and its optimizer."""
+    """Train; on a trainer rank return what the test checks of the actor, its adapters, its reference and its
+    optimizer (the warmed-up actor's weights are copied as the adapters attach)."""
+    warmed_up = {}
+
+    def attach(args, chunk, *rest):
+        warmed_up.update({k: v.clone() for k, v in unwrap(chunk).state_dict().items()})
+        return attach_adapters(args, chunk, *rest)
+
     trainer = RLTrainer(parse_args(argv))
-    trainer.train()
+    with mock.patch("megalite.rlhf.trainer.attach_adapters", attach):
+        trainer.train()
     if not hasattr(trainer, "actor"):
         return None  # a rollout rank
     base = unwrap(trainer.actor.chunk).state_dict()
-    reference = trainer.reference.module.state_dict()
     adapters = unwrap(trainer.actor.trained[0])
     params = list(adapters.parameters())
-    return {"base_unchanged": base.keys() == reference.keys() and all(torch.equal(base[k], reference[k])
+    return {"base_unchanged": base.keys() == warmed_up.keys() and all(torch.equal(base[k], warmed_up[k])
                                                                        for k in base),
+            "reference_is_base": trainer.reference.module is unwrap(trainer.actor.chunk),
             "frozen": not any(p.requires_grad for p in unwrap(trainer.actor.chunk).parameters()),
             "adapters_moved": all(adapter.lora_B.abs().sum() > 0 for _, adapter in adapters.named_adapters()),
             "adapter_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -57,10 +68,13 @@ def test_grpo_with_lora_trains_adapters_only_and_syncs_them_alone(tmp_path):
                                                                      str(paths[1])], timeout=180)
     assert rollout_state is None
     for state in (colocated_state, trainer_state):
-        assert state["base_unchanged"] and state["frozen"] and state["adapters_moved"], state
+        assert state["base_unchanged"] and state["reference_is_base"] and state["frozen"], state
+        assert state["adapters_moved"], state
         assert state["optimizer_numel"] == state["adapter_numel"] > 0
     colocated, disaggregated = _records(paths[0]), _records(paths[1])
     assert all(r["policy_loss"] != 0.0 for r in colocated)  # the second epoch moved the policy
+    # the reference is the base: the policy equals it exactly until the first update, then it has moved from it
+    assert colocated[0]["kl"] == 0.0 and colocated[1]["kl"] > 0.0
     # one sync after the first update (none after the last): exactly the adapters, at tp=1 their global size
     assert disaggregated[0]["sync_bytes_sent"] == trainer_state["adapter_bytes"]
     assert "sync_bytes_sent" not in disaggregated[1]
