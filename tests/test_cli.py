@@ -4,11 +4,24 @@ import os
 
 import pytest
 
+from megalite.checkpoint import save_global_checkpoint
+from megalite.models import GPTConfig, GPTModel
 from tests.forked_commands import PRELOAD, run_commands
 
 pytestmark = pytest.mark.slow  # each case runs a command in a process of its own
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+BASE_FLAGS = ["--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "8", "--max-position-embeddings", "8"]
+"""The tiny base model the LoRA case loads (written by the ``runs`` fixture)."""
+
+
+def _save_base(directory):
+    """A checkpoint of the BASE_FLAGS model, for ``--finetune --load``."""
+    config = GPTConfig(vocab_size=128, num_layers=1, hidden_size=32, num_attention_heads=4, max_position_embeddings=8)
+    save_global_checkpoint(directory, config, GPTModel(config).state_dict())
 
 
 def _cases(tmp):
@@ -20,6 +33,11 @@ def _cases(tmp):
          "global batch size 8 is not divisible by micro batch size 3"),
         ("rlhf_ppo", [example("rlhf_ppo"), "--tensor-model-parallel-size", "3"],
          "1 trainer ranks (world size 1 - --rollout-world-size 0) are not divisible"),
+        ("pretrain_gpt-lora-zero1", [example("pretrain_gpt"), "--finetune", "--load", os.path.join(tmp, "base"),
+                                     "--lora-rank", "4", "--use-distributed-optimizer", *BASE_FLAGS],
+         "--lora-rank does not work with --use-distributed-optimizer"),
+        ("rlhf_ppo-lora-rank", [example("rlhf_ppo"), "--tensor-model-parallel-size", "1", "--lora-rank", "65"],
+         "LoRA rank 65 is larger than layer decoder.layers.0.self_attention.linear_qkv ([192, 64])"),
         ("train_reward_model", [example("train_reward_model")], "the following arguments are required: --save"),
         ("training_service", [example("training_service"), "--backend", "cloud"],
          "argument --backend: invalid choice: 'cloud'"),
@@ -49,6 +67,7 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("cli"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("WORLD_SIZE", None)
+    _save_base(os.path.join(tmp, "base"))
     cases = _cases(tmp)
     done = run_commands([(argv, tmp, {}) for _, argv, _ in cases], env, PRELOAD + ("megalite.rlhf",), timeout=300)
     return {name: (fragment, proc.returncode, proc.stderr) for (name, _, fragment), proc in zip(cases, done)}

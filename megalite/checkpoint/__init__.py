@@ -20,6 +20,7 @@ reader: :mod:`megalite.checkpoint.megatron_dist`); :mod:`megalite.checkpoint.meg
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
@@ -84,13 +85,27 @@ def load_model(path: str, device="cpu"):
     return model.to(device).eval()
 
 
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Random fills of meta tensors do nothing: they hold no values, and torch's meta kernel for a draw imports
+    its compiler the first time (seconds), which a shapes-only model need not pay."""
+
+    DRAWS = (torch.nn.init.normal_, torch.Tensor.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if func in self.DRAWS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
+
+
 def global_shapes(config) -> dict[str, tuple[int, ...]]:
     """The name and shape of every global model tensor of ``config``: parameters and persistent buffers
     (a router's ``expert_bias``), as ``save_sharded`` writes them."""
     from megalite.models import GPTModel
 
     _check_single_process()
-    with torch.device("meta"):
+    with torch.device("meta"), _NoDrawsOnMeta():
         model = GPTModel(config)
     shapes = {}
     for name, param in model.state_dict(keep_vars=True).items():

@@ -14,7 +14,9 @@ TP layout, with each adapter matching its base layer's split so no extra weight 
   B ``[out, r]`` replicated.  ``x A^T`` is all-reduced over TP (r values per token), then B runs
   replicated; under sequence parallelism its output is split along the sequence afterwards.
 
-Adapters stay fp32 whatever the base dtype: the input is cast up and the update cast back.
+Adapters stay fp32 whatever the base dtype: the input is cast up and the update cast back.  Their matmuls are
+the base layers' (batch-invariant under ``GPTConfig.batch_invariant``), so a batch-invariant model with adapters
+gives the rollout engine's log-probs bit for bit too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megalite.distributed.unwrap import unwrap
 from megalite.lora.config import LoRAConfig
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, mappings
 from megalite.tensor_parallel.initialization import mark_tensor_parallel
+from megalite.tensor_parallel.layers import forward_linear
 
 
 def _init_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
@@ -49,10 +52,7 @@ class LoRAAdapter(nn.Module):
         self.column = isinstance(base, ColumnParallelLinear)
         if not self.column and not isinstance(base, RowParallelLinear):
             raise ValueError(f"{name} is a {type(base).__name__}, not a column- or row-parallel linear layer")
-        if config.rank > min(base.in_features, base.out_features):
-            raise ValueError(f"LoRA rank {config.rank} is larger than layer {name} "
-                             f"([{base.out_features}, {base.in_features}]) allows: at most "
-                             f"{min(base.in_features, base.out_features)}")
+        config.check_rank(name, base.out_features, base.in_features)
         self.tp_group, self.tp_size, self.tp_rank = base.tp_group, base.tp_size, base.tp_rank
         self.sequence_parallel = base.sequence_parallel
         self.scaling = config.scaling
@@ -88,10 +88,10 @@ class LoRAAdapter(nn.Module):
         if self.column:
             if self.sequence_parallel:
                 x = mappings.gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=False)
-            low = mappings.copy_to_tensor_parallel_region(F.linear(x, self.lora_A), self.tp_group)
-            return F.linear(low, self.lora_B) * self.scaling
-        low = mappings.reduce_from_tensor_parallel_region(F.linear(x, self.lora_A), self.tp_group)
-        out = F.linear(low, self.lora_B) * self.scaling
+            low = mappings.copy_to_tensor_parallel_region(forward_linear(x, self.lora_A), self.tp_group)
+            return forward_linear(low, self.lora_B) * self.scaling
+        low = mappings.reduce_from_tensor_parallel_region(forward_linear(x, self.lora_A), self.tp_group)
+        out = forward_linear(low, self.lora_B) * self.scaling
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, self.tp_group)
         return out
@@ -132,7 +132,7 @@ class LoRAModel(nn.Module):
                 raise ValueError("LoRA on MoE models is not supported (expert layers are not column/row-parallel "
                                  "linear layers)")
             for name, module in chunk.named_modules():
-                if name.rsplit(".", 1)[-1] in config.target_modules and ".layers." in f".{name}":
+                if config.targets(name):
                     adapter = LoRAAdapter(name, module, config)
                     key = name.replace(".", "__")
                     self.adapters[key] = adapter

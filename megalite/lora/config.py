@@ -35,6 +35,16 @@ class LoRAConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 
+    def targets(self, module_name: str) -> bool:
+        """Whether an adapter attaches to the model's module ``module_name``: a target layer of a transformer layer."""
+        return module_name.rsplit(".", 1)[-1] in self.target_modules and ".layers." in f".{module_name}"
+
+    def check_rank(self, module_name: str, out_features: int, in_features: int) -> None:
+        """ValueError when the rank is larger than target layer ``module_name`` (weight ``[out, in]``) allows."""
+        if self.rank > min(in_features, out_features):
+            raise ValueError(f"LoRA rank {self.rank} is larger than layer {module_name} ([{out_features}, "
+                             f"{in_features}]) allows: at most {min(in_features, out_features)}")
+
     @property
     def scaling(self) -> float:
         """``alpha / rank``, PEFT's scaling of the adapter output."""

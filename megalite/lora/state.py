@@ -5,6 +5,7 @@ An adapter tensor's global form is what a single-process model's adapter would h
 the base weight's layout (:func:`megalite.checkpoint.sharding.global_param` with the base weight's
 name, so the SwiGLU fc1's B is stored as ``[gate; up]`` rows like fc1 itself), so an adapter
 checkpoint saved under one layout loads under any other, on top of the base model's checkpoint.
+:func:`check_model` checks adapter settings against a model's global shapes before any model or process group exists.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import torch
 
 from megalite import topology
-from megalite.checkpoint import CheckpointReader
+from megalite.checkpoint import CheckpointReader, global_shapes
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 from megalite.checkpoint.sharding import GlobalParam, ShardContext, box_slices, global_param
 from megalite.checkpoint.storage import Region, TensorShard
@@ -22,6 +23,15 @@ from megalite.checkpoint.writer import write_checkpoint
 from megalite.lora.adapter import LoRAModel
 from megalite.lora.config import LoRAConfig
 from megalite.models.architecture import config_to_dict
+
+
+def check_model(config: LoRAConfig, model_config) -> None:
+    """What :func:`megalite.lora.apply_lora` would refuse on ``model_config``'s model, found from its global shapes
+    alone (no model built, no collective): a rank larger than a target layer allows.  ValueError."""
+    for name, shape in global_shapes(model_config).items():
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and config.targets(module):
+            config.check_rank(module, *shape)
 
 
 def _model_config(lora: LoRAModel):
@@ -48,9 +58,10 @@ def _global_slices(gp: GlobalParam, piece) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor]) -> None:
-    """Set this rank's adapter shards from whole global tensors (e.g. a single-process run's)."""
-    for name, param, gp in adapter_layouts(lora):
+def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor], ctx: ShardContext | None = None) -> None:
+    """Set this rank's adapter shards from whole global tensors (e.g. a single-process run's); ``ctx``: this rank's
+    coordinates (default: the current topology's)."""
+    for name, param, gp in adapter_layouts(lora, ctx):
         if name not in tensors:
             raise ValueError(f"adapter tensor {name} is missing")
         if tuple(tensors[name].shape) != gp.shape:
@@ -59,9 +70,10 @@ def load_global_adapters(lora: LoRAModel, tensors: dict[str, torch.Tensor]) -> N
             param[box_slices(piece.local)] = tensors[name][_global_slices(gp, piece)]
 
 
-def local_shard(lora: LoRAModel, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the global adapter tensor ``name`` (e.g. a reference gradient)."""
-    for global_name, param, gp in adapter_layouts(lora):
+def local_shard(lora: LoRAModel, name: str, tensor: torch.Tensor, ctx: ShardContext | None = None) -> torch.Tensor:
+    """This rank's shard of the global adapter tensor ``name`` (e.g. a reference gradient); ``ctx`` as in
+    :func:`load_global_adapters`."""
+    for global_name, param, gp in adapter_layouts(lora, ctx):
         if global_name == name:
             out = torch.empty_like(param)
             for piece in gp.pieces:

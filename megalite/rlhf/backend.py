@@ -26,16 +26,20 @@ class TrainingBackend:
 
     ``chunk``: this rank's pipeline chunk wrapped by DDP (optionally ZeRO-1) or by
     ``FullyShardedDataParallel`` (FSDP2); ``optimizer``: megalite's
-    optimizer over it; ``objective``: see :mod:`megalite.rlhf.objectives`.
+    optimizer over it, or over ``trained``; ``objective``: see :mod:`megalite.rlhf.objectives`.
+    ``trained``: the wrapped modules whose gradients the optimizer steps (default ``[chunk]``), e.g. the
+    ``DistributedDataParallel(LoRAModel)`` of LoRA adapters hooked onto a frozen ``chunk``.
     Gradients of one ``forward_backward`` call are applied by the next
     ``optim_step`` (one call each per update).  A ``forward_backward`` that raises
     leaves nothing behind (see :meth:`discard`), so a retry starts clean.
     """
 
-    def __init__(self, chunk, optimizer, objective, micro_batch_size: int, topo: topology.Topology | None = None):
+    def __init__(self, chunk, optimizer, objective, micro_batch_size: int, topo: topology.Topology | None = None,
+                 trained: list | None = None):
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         self.chunk, self.optimizer, self.objective = chunk, optimizer, objective
+        self.trained = [chunk] if trained is None else trained
         self.micro_batch_size = micro_batch_size
         self.topo = topo or topology.current()
         self._pending = False
@@ -76,7 +80,7 @@ class TrainingBackend:
             results = forward_backward(forward_step, iter(micro_batches), self.chunk, len(micro_batches),
                                        pp_group=topo.pp.group, scale_loss=self.optimizer.scale_loss,
                                        finalize_grads_func=lambda chunks: finalize_model_grads(
-                                           chunks, topo.tp.group, topo.embedding.group))
+                                           self.trained, topo.tp.group, topo.embedding.group))
         except BaseException:
             self.discard()  # the micro-batches before the failing one accumulated gradients
             raise
@@ -121,14 +125,22 @@ class TrainingBackend:
         return generate(self.chunk, prompts, prompt_mask, sampling, generator, pp_group=self.topo.pp.group)
 
     def save(self, directory: str) -> None:
-        """Save the model and optimizer in megalite's checkpoint format (collective; loads under any layout)."""
+        """Save the model and optimizer in megalite's checkpoint format (collective; loads under any layout).
+        Only for a backend whose optimizer trains ``chunk`` itself (not adapters hooked onto it)."""
+        self._check_whole()
         save_sharded(directory, self.optimizer.num_steps, [self.chunk], self.optimizer, **self._groups())
 
     def load(self, directory: str) -> None:
         """Load a checkpoint written by :meth:`save` (or the trainer), whatever layout wrote it."""
+        self._check_whole()
         groups = self._groups()
         load_sharded(directory, [self.chunk], self.optimizer, tp_group=groups["tp_group"],
                      ep_group=groups["ep_group"], expert_tp_group=groups["expert_tp_group"])
+
+    def _check_whole(self) -> None:
+        if self.trained != [self.chunk]:
+            raise ValueError("save/load hold a model with its optimizer; this backend's optimizer trains other "
+                             "modules (adapters) than its chunk")
 
     def _groups(self) -> dict:
         topo = self.topo

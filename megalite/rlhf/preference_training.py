@@ -15,12 +15,10 @@ from __future__ import annotations
 import torch
 
 from megalite.data.sft import conversation_from_record, jsonl_records
-from megalite.distributed.unwrap import unwrap
 from megalite.flags import Flag, FlagTable
-from megalite.lora import adapters_disabled
 from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pair_log_probs
 from megalite.rlhf.preference import preference_forward_step
-from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.reference import ReferenceModel, lora_base
 from megalite.data.gpt_dataset import split_documents
 from megalite.training import gpt, sft
 
@@ -140,14 +138,7 @@ def reference_log_probs(reference, batch: dict, cp_group=None) -> tuple[torch.Te
 
 
 def base_log_probs(model, batch: dict, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reference_log_probs` of a LoRA policy's frozen base: ``model`` in eval mode with its adapters
-    disabled (its mode is restored afterwards)."""
-    module = unwrap(model)
-    training = module.training
-    module.eval()
-    try:
-        with adapters_disabled(module):
-            return reference_log_probs(module, batch, cp_group)
-    finally:
-        module.train(training)
+    """:func:`reference_log_probs` of a LoRA policy's frozen base (:func:`megalite.rlhf.reference.lora_base`)."""
+    with lora_base(model) as base:
+        return reference_log_probs(base, batch, cp_group)
 

@@ -4,7 +4,8 @@ With ``offload=True`` the weights live in a host pool (pinned, when CUDA is
 available) and are copied to the device asynchronously only for the duration
 of a forward (:class:`~megalite.rlhf.offload.Offloader`), so the reference
 model costs no device memory between uses.  A :class:`~megalite.rlhf.placement.Placement`
-can manage ``self.module`` instead, per RL phase.
+can manage ``self.module`` instead, per RL phase.  A LoRA policy's reference is its own frozen base
+(:class:`LoRABaseReference`, :func:`lora_base`): no copy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from megalite.distributed.unwrap import unwrap
+from megalite.lora import adapters_disabled
 from megalite.rlhf.actor import sequence_log_probs
 from megalite.rlhf.offload import Offloader, module_tensors
 
@@ -57,3 +59,29 @@ class ReferenceModel(nn.Module):
         """
         with self.on_device() as module:
             return sequence_log_probs(module, input_ids, attention_mask, temperature, chunk_size)[0]
+
+
+@contextmanager
+def lora_base(model):
+    """Inside the block ``model`` (a LoRA policy, optionally DDP-wrapped) is its frozen base: its adapters disabled
+    and in eval mode (its mode is restored afterwards).  Yields the unwrapped model."""
+    module = unwrap(model)
+    training = module.training
+    module.eval()
+    try:
+        with adapters_disabled(module):
+            yield module
+    finally:
+        module.train(training)
+
+
+class LoRABaseReference:
+    """The reference of a LoRA policy: the policy's own frozen base (:func:`lora_base`), as TRL does with PEFT, so
+    no second copy of the weights exists.  ``module`` is the policy's chunk, which the placement plan manages as
+    the actor's; :meth:`on_device` is :class:`ReferenceModel`'s interface."""
+
+    def __init__(self, model: nn.Module):
+        self.module = unwrap(model)
+
+    def on_device(self):
+        return lora_base(self.module)

@@ -1,6 +1,7 @@
 """Disaggregated rollouts: the loop of a rank that only generates (``--rollout-world-size``).
 
-It receives the trainers' weights (``WeightSync``, in place, so one inference engine serves every iteration),
+It receives the trainers' weights (``WeightSync``, in place, so one inference engine serves every iteration;
+under ``--lora-rank`` the base once, then the adapters only, which the engine applies through their hooks),
 generates the rollouts of the DP shards it serves with
 :func:`megalite.rlhf.rollouts.sample_shard` and sends them to those shards' trainer ranks.
 """
@@ -11,6 +12,7 @@ import random
 
 import torch.distributed as dist
 
+from megalite.lora import apply_lora
 from megalite.models import GPTModel
 from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.generation import SamplingConfig
@@ -31,8 +33,12 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
     replica, tp_rank = local // rtp, local % rtp
     replicas = args.rollout_world_size // rtp
     model = GPTModel(config, tp_group=rollout_tp_group).to(device)
-    sync = WeightSync(model, SyncRole(ROLLOUT, replica, tp_rank, rtp))
+    role = SyncRole(ROLLOUT, replica, tp_rank, rtp)
+    sync = WeightSync(model, role)
     sync.sync()
+    if args.lora is not None:  # the base came once; from now on only the adapters, hooked onto the model
+        sync = WeightSync(apply_lora(model, args.lora).to(device), role)
+        sync.sync()
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad,
                               temperature=args.temperature)
     shards = [d for d in range(args.dp) if d % replicas == replica]

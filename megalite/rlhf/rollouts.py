@@ -170,7 +170,8 @@ class Rollouts:
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
         with self.placement.phase("scoring"):
-            ref_log_probs, _ = pipeline_log_probs(self.reference.module, micro_batches, self.args.temperature)
+            with self.reference.on_device() as reference:
+                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]

@@ -11,6 +11,9 @@ The actor is first warmed up on the arithmetic task, or by SFT on ``--prompt-dat
 (``megalite.rlhf.prompt_data``), or loaded with ``--load``; rollouts, scoring and the update
 live in ``rollouts``, ``scoring`` and ``update``.  With ``--use-scoring-server`` the reward (and a teacher) run on
 one rank; the placement plan (``megalite.rlhf.placement``) parks models and optimizer state between phases.
+Under ``--lora-rank`` the warmed-up (or loaded) actor is frozen and only LoRA adapters train
+(``trainer_models.attach_adapters``); the reference is that frozen base with the adapters off (no copy), and weight
+sync sends the adapters alone.
 """
 
 from __future__ import annotations
@@ -23,16 +26,14 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.models import GPTConfig, GPTModel
+from megalite.models import GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
-from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.critic import CriticModel
 from megalite.rlhf.distillation import TeacherOutput
-from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.placement import Placement
-from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.reference import LoRABaseReference, ReferenceModel
 from megalite.rlhf.reward_model import RewardModelScorer
 from megalite.rlhf.rollout_ranks import serve_rollouts
 from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
@@ -40,9 +41,9 @@ from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served
 from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
 from megalite.rlhf.target import PolyakTarget
 from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
-from megalite.rlhf.trainer_config import validate
+from megalite.rlhf.trainer_config import actor_config, validate
 from megalite.rlhf.trainer_log import eval_line, evaluate, iteration_line, sample_lines
-from megalite.rlhf.trainer_models import build, build_teacher, pipeline_chunk, pretrain
+from megalite.rlhf.trainer_models import attach_adapters, build, build_teacher, pipeline_chunk, pretrain
 from megalite.rlhf.update import rl_update
 from megalite.rlhf.weight_sync import TRAINER, SyncRole, WeightSync
 from megalite.training.metrics import MetricsLogger
@@ -74,7 +75,8 @@ class RLTrainer:
         placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
         if critic is not None:
             placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
-        placement.add_frozen(REFERENCE, reference.module)
+        if isinstance(reference, ReferenceModel):  # not a LoRA policy's base, which is the actor's own weights
+            placement.add_frozen(REFERENCE, reference.module)
         if isinstance(reward, RewardModelScorer):
             placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
         if teacher_model is not None:
@@ -103,12 +105,7 @@ class RLTrainer:
                                                pp=args.pipeline_model_parallel_size, ranks=list(range(trainers)))
         self.device = device = topology.device()
         torch.manual_seed(args.seed)
-        config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers,
-                           hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                           max_position_embeddings=args.max_total_tokens if args.environment else
-                           max(16, args.prompt_width + args.max_new_tokens),
-                           make_vocab_size_divisible_by=8, seed=args.seed,
-                           **RL_FLAGS.config_values(args, "GPTConfig"))
+        config = actor_config(args)
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
         self.sync = None
         if args.rollout_world_size:
@@ -123,14 +120,23 @@ class RLTrainer:
                 return False
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
         self.lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
-        self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
+        role = SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size)
         if args.rollout_world_size:
-            self.sync = WeightSync(actor_chunk, SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size))
+            self.sync = WeightSync(actor_chunk, role)
             self.sync.sync()
+        trained = [actor_chunk]
+        if args.lora is None:
+            self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
+        else:  # the base is frozen from here on (and is the reference); the engines apply the adapters unmerged
+            actor_chunk, adapters = attach_adapters(args, actor_chunk, topo, device)
+            self.reference, trained = LoRABaseReference(actor_chunk), [adapters]
+            if self.sync is not None:
+                self.sync = WeightSync(adapters, role)
+                self.sync.sync()
         self.actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
-                                                                                clip_grad=1.0), [actor_chunk]),
+                                                                                clip_grad=1.0), trained),
                                      PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
-                                     args.micro_batch_size, topo)
+                                     args.micro_batch_size, topo, trained)
         self.critic = critic_chunk = self.target = None
         if args.advantage.needs_critic:
             critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)

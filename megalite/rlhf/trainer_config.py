@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 from megalite.flags import ArgumentParser
+from megalite.lora.state import check_model
+from megalite.models import GPTConfig
 from megalite.rlhf.advantages import AdvantageConfig
 from megalite.rlhf.arithmetic import TOKENIZER, prompt_width
 from megalite.rlhf.env_tasks import longest_demonstration
@@ -20,12 +22,14 @@ from megalite.rlhf.prompt_data import PromptData
 from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.reward_model import check_reward_model
 from megalite.rlhf.rewards import load_reward_fn
-from megalite.training.flags import FLAGS
+from megalite.rlhf.trainer_checkpoint import rl_iteration
+from megalite.training.flags import FLAGS, lora_config
 
 MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
                "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size", "--train-iters",
                "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--eval-interval",
-               "--metrics-file", "--tensorboard-dir"]
+               "--metrics-file", "--tensorboard-dir", "--lora-rank", "--lora-alpha", "--lora-dropout",
+               "--lora-target-modules"]
 """The pretraining rows the RL trainer takes (with the RL defaults and help below)."""
 
 
@@ -44,7 +48,10 @@ def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) 
                                   "--save-interval iterations and at the end",
                         "--save-interval": "RL iterations between checkpoints; None: only at the end",
                         "--eval-interval": "RL iterations between greedy evaluations on a fixed prompt set with the "
-                                           "same reward (logged as valid_*); None: no evaluation"})
+                                           "same reward (logged as valid_*); None: no evaluation",
+                        "--lora-rank": "None: RL trains every actor weight; a rank: the warmed-up (or loaded) actor is "
+                                       "frozen and RL trains low-rank adapters on it, and weight sync to rollout "
+                                       "ranks sends the adapters only"})
     RL_FLAGS.add_to(p)
     return p.parse_args(argv)
 
@@ -125,6 +132,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
     check_prompt_data(args)
+    args.lora = lora_config(args)
+    if args.lora is not None and (args.save or rl_iteration(args.load) is not None):
+        raise ValueError("--lora-rank trains adapters on a warmed-up actor or a pretrained one (--load of a megalite "
+                         "checkpoint); RL checkpoints hold whole actors, so it runs without --save and cannot "
+                         "resume one")
+    if args.lora is not None:
+        check_model(args.lora, actor_config(args))
     args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
     args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
     args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
@@ -134,6 +148,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.reward = args.prompt_set.reward
     else:
         args.reward = load_reward_fn(args.reward_fn)
+
+
+def actor_config(args: argparse.Namespace) -> GPTConfig:
+    """The actor's (and every RL model's) GPT architecture: the flags' sizes on the task tokenizer's vocabulary, with
+    positions for the longest prompt and response (or episode)."""
+    return GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads,
+                     max_position_embeddings=args.max_total_tokens if args.environment else
+                     max(16, args.prompt_width + args.max_new_tokens),
+                     make_vocab_size_divisible_by=8, seed=args.seed, **RL_FLAGS.config_values(args, "GPTConfig"))
 
 
 def check_prompt_data(args: argparse.Namespace) -> None:

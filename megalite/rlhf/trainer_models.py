@@ -13,6 +13,8 @@ import torch
 
 from megalite.checkpoint import load_sharded
 from megalite.distributed import DDPConfig, DistributedDataParallel
+from megalite.distributed.unwrap import unwrap
+from megalite.lora import apply_lora
 from megalite.models import GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import build_chunks
@@ -34,6 +36,20 @@ def build(model_cls, config, topo, lr, device):
     chunk = DistributedDataParallel(pipeline_chunk(model_cls, config, topo, device), DDPConfig(), topo.dp.group,
                                     topo.expert_dp.group)
     return chunk, get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
+
+
+def attach_adapters(args, chunk, topo, device):
+    """``--lora-rank``: freeze the actor ``chunk`` and hook fp32 LoRA adapters onto it.  Returns the actor re-wrapped
+    by a DDP with no gradient buffer (the warm-up's buffer is released) and ``DistributedDataParallel(adapters)``,
+    the module the optimizer trains; the adapters' gradients are reduced over DP once per update."""
+    module = unwrap(chunk)
+    adapters = apply_lora(module, args.lora).to(device)
+    for param in module.parameters():
+        if hasattr(param, "main_grad"):
+            del param.main_grad
+    return (DistributedDataParallel(module, DDPConfig(), topo.dp.group, topo.expert_dp.group),
+            DistributedDataParallel(adapters, DDPConfig(overlap_grad_reduce=False), topo.dp.group,
+                                    topo.expert_dp.group))
 
 
 def build_teacher(args, config, single_group, device):

@@ -1,7 +1,9 @@
 """Trainer -> rollout weight sync over torch.distributed, resharding TP/PP to the rollout TP layout.
 
 Trainer ranks hold a TP x PP (x DP) sharded GPT; rollout ranks hold the same
-GPT sharded over their own TP size (no PP).  Both sides describe their
+GPT sharded over their own TP size (no PP).  A sync of a :class:`megalite.lora.LoRAModel` (a ``--lora-rank``
+run, after one sync of the base) moves its adapters only: the rollout model carries the same adapters,
+hooked onto its layers, so the engine applies them unmerged.  Both sides describe their
 parameters with the checkpoint's shard layout (:func:`checkpoint.sharding.global_param`:
 where each local box lies in the layout-free global tensor), exchange those
 descriptions once, and every rank derives the same plan: for each rollout
@@ -26,6 +28,8 @@ import torch.distributed as dist
 
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param, intersect
 from megalite.distributed.unwrap import unwrap
+from megalite.lora import LoRAModel
+from megalite.lora.state import adapter_layouts
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 
@@ -66,13 +70,19 @@ class Transfer:
         return count
 
 
+def _tensors(model, ctx: ShardContext) -> dict:
+    """``{local name: (tensor, GlobalParam)}`` of what a sync of ``model`` moves: a GPT chunk's state dict (with
+    persistent buffers such as ``expert_bias``), or a LoRAModel's adapters (named after their global tensors)."""
+    if isinstance(model, LoRAModel):
+        return {name: (param, gp) for name, param, gp in adapter_layouts(model, ctx)}
+    return {name: (param, global_param(name, param, model.config, ctx))
+            for name, param in model.state_dict(keep_vars=True).items()}
+
+
 def _describe(model, role: SyncRole) -> dict:
-    inner = unwrap(model)
     ctx = ShardContext(tp_rank=role.tp_rank, tp_size=role.tp_size)
-    params = {}
-    for name, param in inner.state_dict(keep_vars=True).items():  # with persistent buffers (expert_bias)
-        gp = global_param(name, param, inner.config, ctx)
-        params[name] = (gp.name, gp.shape, gp.pieces, gp.replicated, gp.alias, param.dtype)
+    params = {name: (gp.name, gp.shape, gp.pieces, gp.replicated, gp.alias, param.dtype)
+              for name, (param, gp) in _tensors(model, ctx).items()}
     return {"role": role, "params": params}
 
 
@@ -125,9 +135,9 @@ def build_plan(descriptions: list[dict]) -> list[Transfer]:
 
 
 class WeightSync:
-    """Collective over ``group`` (default: the world): every member passes its model chunk and :class:`SyncRole`
-    (None: a member that neither sends nor receives).  ``sync()`` then moves the trainer weights in place
-    into the rollout models."""
+    """Collective over ``group`` (default: the world): every member passes its model chunk (or its LoRAModel, for
+    an adapter-only sync) and :class:`SyncRole` (None: a member that neither sends nor receives).  ``sync()`` then
+    moves the trainer weights in place into the rollout models."""
 
     def __init__(self, model, role: SyncRole | None, group=None, bucket_numel: int = 1 << 22):
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
@@ -136,7 +146,7 @@ class WeightSync:
         self.rank = dist.get_rank(group)
         self.model, self.role = (unwrap(model) if model is not None else None), role
         descriptions = [None] * dist.get_world_size(group)
-        dist.all_gather_object(descriptions, _describe(model, role) if role is not None else None, group=group)
+        dist.all_gather_object(descriptions, _describe(self.model, role) if role is not None else None, group=group)
         self.plan = build_plan(descriptions)
         mine = descriptions[self.rank]
         self.expected_bytes_received = 0
@@ -158,7 +168,9 @@ class WeightSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Send (trainer) or receive (rollout) this rank's part of the plan."""
-        params = dict(self.model.state_dict(keep_vars=True)) if self.model is not None else {}
+        params = {} if self.model is None else {
+            name: tensor for name, (tensor, _) in _tensors(self.model, ShardContext(self.role.tp_rank,
+                                                                                    self.role.tp_size)).items()}
         pairs: dict[tuple[int, int], list[Transfer]] = {}
         for transfer in self.plan:
             if self.rank in (transfer.src, transfer.dst):

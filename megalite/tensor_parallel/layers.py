@@ -43,7 +43,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight):
         ctx.save_for_backward(input, weight)
-        return _forward_linear(input, weight)
+        return forward_linear(input, weight)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -55,7 +55,7 @@ class _LinearFn(torch.autograd.Function):
         return grad_input, grad_weight
 
 
-def _forward_linear(input, weight, bias=None):
+def forward_linear(input, weight, bias=None):
     """``F.linear``, or under ``batch_invariant.mode`` its fixed-shape form (same function, batch-invariant bits)."""
     if batch_invariant.enabled():
         return batch_invariant.linear(input, weight, bias)
@@ -65,7 +65,7 @@ def _forward_linear(input, weight, bias=None):
 def _linear(input, weight, bias=None):
     """``F.linear``, or under an active weight-grad store the form whose weight gradient can be deferred."""
     if current_weight_grad_store() is None:
-        return _forward_linear(input, weight, bias)
+        return forward_linear(input, weight, bias)
     output = _LinearFn.apply(input, weight)
     return output if bias is None else output + bias
 
@@ -85,7 +85,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
         ctx.has_bias = bias is not None
-        return _forward_linear(total, weight, bias)
+        return forward_linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -15,6 +15,7 @@ import math
 from megalite.context_parallel import check_context_parallel
 from megalite.data.gpt_dataset import parse_split
 from megalite.flags import UNSET as _UNSET
+from megalite.lora.state import check_model
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
 from megalite.models.mtp import check_mtp_layout
@@ -204,7 +205,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
 
 def _check_lora(args):
-    """``--lora-*``: valid settings, on a loaded base, on the paths that train adapters (DDP, no MoE)."""
+    """``--lora-*``: valid settings (a rank no target layer is too small for), on a loaded base, on the paths that
+    train adapters (DDP, no MoE)."""
     config = lora_config(args)
     if config is None:
         return
@@ -214,6 +216,8 @@ def _check_lora(args):
                                      ("--num-experts", args.num_experts is not None)) if on]
     _require(not refused, f"--lora-rank does not work with {', '.join(refused)}: adapters train under plain "
                           "data parallelism (their optimizer state is small) on dense models")
+    # the target layers' shapes do not depend on the vocabulary, which a tokenizer may only give later
+    check_model(config, gpt_config(args, vocab_size=args.vocab_size or 1))
 
 
 def lr_schedule_settings(args) -> ScheduleSettings:

@@ -38,3 +38,19 @@ def test_gated_fc1_and_vocab_pieces():
     gp = global_param("output_layer.weight", vocab, config, ShardContext(tp_rank=2, tp_size=3))
     assert gp.name == "embedding.word_embeddings.weight" and gp.alias and gp.shape == (10, 8)
     assert [(p.local, p.offset) for p in gp.pieces] == [(((0, 2), (0, 8)), (8, 0))]
+
+
+def test_global_shapes_draw_no_values(monkeypatch):
+    """The shapes-only (meta) model behind global_shapes skips its random fills (torch's meta kernel for a draw
+    imports its compiler the first time, seconds at every LoRA run's start) and still names every tensor."""
+    from megalite.checkpoint import global_shapes
+    from megalite.models import GPTConfig, GPTModel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a random fill ran on a meta tensor")
+
+    config = GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, max_position_embeddings=4,
+                       make_vocab_size_divisible_by=1)
+    expected = {name: tuple(p.shape) for name, p in GPTModel(config).state_dict().items()}
+    monkeypatch.setattr(torch.nn.init, "_no_grad_normal_", refuse)
+    assert global_shapes(config) == expected

@@ -1,9 +1,11 @@
-"""LoRA adapters: identity at init, TP/SP/PP gradients equal one rank's, adapter-only optimizer state, errors."""
+"""LoRA adapters: identity at init, TP/SP/PP/CP/DP gradients equal one rank's, adapter-only optimizer state,
+errors, and batch-invariant numerics (the engine's log-probs bit for bit)."""
 
 import pytest
 import torch
 
 from megalite import topology
+from megalite.context_parallel import slice_for_rank
 from megalite.distributed import DDPConfig, DistributedDataParallel
 from megalite.lora import LoRAConfig, apply_lora
 from megalite.lora.state import adapter_layouts, global_adapters, load_global_adapters, local_shard
@@ -12,6 +14,8 @@ from megalite.models.gpt import GPTModel
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.pipeline import forward_backward, split_layers
 from megalite.testing import run_distributed
+from tests.rlhf.common import config as rl_config
+from tests.rlhf.test_batch_invariant import _gaps
 
 SEQ, BATCH, VOCAB = 8, 2, 64
 REL = 1e-5
@@ -129,8 +133,32 @@ def _dp_case():
     return [worst]
 
 
+def _cp_case():
+    """cp=2: each rank runs its two sequence chunks; the adapters' gradients summed over CP are the one-rank
+    gradients of the summed loss."""
+    lora_config = LoRAConfig(rank=2, alpha=4)
+    tokens = _tokens(5)[0]
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    model = GPTModel(_config())
+    lora = apply_lora(model, lora_config)
+    tensors = _random_b(lora)
+    load_global_adapters(lora, tensors)
+    model(input_ids=ids, labels=labels).sum().backward()
+    ref = {name: p.grad.clone() for name, p, _ in adapter_layouts(lora)}
+    topo = topology.initialize(cp=2)
+    model = GPTModel(_config())
+    lora = apply_lora(model, lora_config)
+    load_global_adapters(lora, tensors)
+    cp, rank = topo.cp.size, topo.cp.rank
+    model(input_ids=slice_for_rank(ids, cp, rank), labels=slice_for_rank(labels, cp, rank)).sum().backward()
+    for param in lora.parameters():
+        torch.distributed.all_reduce(param.grad, group=topo.cp.group)
+    return [_max_rel_error(lora, ref)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [_tp_case, _pp_case, _dp_case], ids=["tp2-and-sp", "pp2", "dp2-ddp"])
+@pytest.mark.parametrize("case", [_tp_case, _pp_case, _dp_case, _cp_case], ids=["tp2-and-sp", "pp2", "dp2-ddp",
+                                                                                 "cp2"])
 def test_adapter_grads_equal_one_rank(case):
     for rank, errors in enumerate(run_distributed(case, 2, timeout=120)):
         assert errors and all(err <= REL for err in errors), (rank, errors)
@@ -201,3 +229,12 @@ def test_moe_model_is_refused():
     model = GPTModel(_config(moe=MoEConfig(num_experts=2, ffn_hidden_size=16, topk=1)))
     with pytest.raises(ValueError, match="LoRA on MoE models is not supported"):
         apply_lora(model, LoRAConfig(rank=2))
+
+
+def test_batch_invariant_model_with_adapters_gives_the_engine_log_probs_bit_for_bit():
+    """The adapters' matmuls are the base layers' batch-invariant ones (plain F.linear missed by rounding)."""
+    torch.manual_seed(0)
+    model = GPTModel(rl_config("llama", batch_invariant=True))
+    lora = apply_lora(model, LoRAConfig(rank=4, alpha=8))
+    load_global_adapters(lora, _random_b(lora))
+    assert _gaps(model) == [(0.0, 0.0)] * 3

@@ -1,11 +1,17 @@
 """Trainer -> rollout weight sync: after a sync every rollout rank's weights equal the trainer's bit for bit
 (tp2 x pp2 -> tp1 with a tied embedding, tp1 -> tp2 and tp2 -> tp2 with SwiGLU, and two trainer DP replicas
-feeding three rollout replicas), and each rollout rank receives exactly its shard's bytes."""
+feeding three rollout replicas), and each rollout rank receives exactly its shard's bytes.  An adapter-only sync
+(LoRA, tp2 x pp2 -> tp1 and tp1 -> tp2 with SwiGLU) moves exactly the adapters and leaves the base alone."""
+
+import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.sharding import ShardContext
+from megalite.lora import LoRAConfig, apply_lora
+from megalite.lora.state import adapter_layouts, load_global_adapters, local_shard
 from megalite.models import GPTModel
 from megalite.pipeline import split_layers
 from megalite.rlhf.weight_sync import ROLLOUT, TRAINER, SyncRole, WeightSync, build_plan
@@ -15,7 +21,9 @@ from tests.rlhf.common import config
 
 # name: (config kind, trainer tp, trainer pp, trainer dp, rollout tp, rollout replicas)
 SCENARIOS = {"tp2pp2->tp1": ("gpt2", 2, 2, 1, 1, 1), "tp1->tp2": ("llama", 1, 1, 1, 2, 1),
-             "tp2->tp2": ("llama", 2, 1, 1, 2, 1), "dp2->3 replicas": ("gpt2", 1, 1, 2, 1, 3)}
+             "tp2->tp2": ("llama", 2, 1, 1, 2, 1), "dp2->3 replicas": ("gpt2", 1, 1, 2, 1, 3),
+             "lora tp2pp2->tp1": ("llama", 2, 2, 1, 1, 1), "lora tp1->tp2": ("llama", 1, 1, 1, 2, 1)}
+"""The ``lora`` scenarios sync the adapters of a LoRAModel hooked onto each side's model, nothing else."""
 
 
 def _weights(cfg, replica):
@@ -23,6 +31,31 @@ def _weights(cfg, replica):
     model = GPTModel(cfg)
     g = torch.Generator().manual_seed(1000 + replica)
     return {n: (p + 0.1 * torch.randn(p.shape, generator=g)).detach() for n, p in model.named_parameters()}
+
+
+def _adapter_tensors(lora, ctx, replica):
+    """The global adapters trainer DP replica ``replica`` holds: each drawn from a seed of its name and replica."""
+    return {name: torch.randn(gp.shape, generator=torch.Generator().manual_seed(2000 + replica + zlib.crc32(
+        name.encode()))) for name, _, gp in adapter_layouts(lora, ctx)}
+
+
+def _lora_sync(model, role, group, bucket_numel, tdp):
+    """Hook adapters onto ``model``; trainers set theirs, rollout ranks check theirs after one adapter-only sync
+    (each receives exactly its adapter shards' bytes)."""
+    lora = apply_lora(model, LoRAConfig(rank=2, alpha=4))
+    ctx = ShardContext(role.tp_rank, role.tp_size)
+    base = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    if role.side == TRAINER:
+        load_global_adapters(lora, _adapter_tensors(lora, ctx, role.replica), ctx)
+    sync = WeightSync(lora, role, group=group, bucket_numel=bucket_numel)
+    sync.sync()
+    assert all(torch.equal(base[n], p) for n, p in model.state_dict().items())  # the base is not touched
+    if role.side == ROLLOUT:
+        want = _adapter_tensors(lora, ctx, role.replica % tdp)
+        for name, param, _ in adapter_layouts(lora, ctx):
+            assert torch.equal(param, local_shard(lora, name, want[name], ctx)), name
+        assert sync.bytes_received == sync.expected_bytes_received == sum(p.numel() * 4 for p in lora.parameters())
+    return {"sent": sync.bytes_sent, "received": sync.bytes_received}
 
 
 def _real_rows(name, cfg, rank, tp, rows):
@@ -61,6 +94,8 @@ def _scenario(name, bucket_numel):
         tp_group = made[tuple(range(me - tp_rank, me - tp_rank + rtp))]
         model = GPTModel(config(kind, num_layers=2, seed=55), tp_group=tp_group)
         role = SyncRole(ROLLOUT, replica, tp_rank, rtp)
+    if name.startswith("lora"):
+        return _lora_sync(model, role, group, bucket_numel, tdp)
     sync = WeightSync(model, role, group=group, bucket_numel=bucket_numel)
     if role.side == ROLLOUT:
         want = _weights(cfg, role.replica % tdp)

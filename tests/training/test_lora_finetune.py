@@ -127,6 +127,8 @@ def test_lora_finetune_trains_adapters_only_and_resumes(tiny_data, tmp_path):
     (["--finetune", "--use-distributed-optimizer"], "--lora-rank does not work with --use-distributed-optimizer"),
     (["--finetune", "--num-experts", "4"], "--lora-rank does not work with --num-experts"),
     (["--finetune", "--lora-target-modules", "linear_qkv,q_proj"], "match no layer; the available ones are"),
+    (["--finetune", "--hidden-size", "32", "--num-attention-heads", "4", "--lora-rank", "33"],
+     r"LoRA rank 33 is larger than layer decoder.layers.0.self_attention.linear_qkv \(\[96, 32\]\) allows"),
 ])
 def test_lora_flags_the_adapters_cannot_use_are_refused(tmp_path, extra, message):
     args = parse_args(["--load", str(tmp_path), "--lora-rank", "4", "--vocab-size", "64", *extra])
