@@ -99,16 +99,20 @@ class _NoDrawsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def meta_model(config):
+    """``GPTModel(config)`` on the meta device (shapes and parameter attributes, no storage, no random draws)."""
+    from megalite.models import GPTModel
+
+    with torch.device("meta"), _NoDrawsOnMeta():
+        return GPTModel(config)
+
+
 def global_shapes(config) -> dict[str, tuple[int, ...]]:
     """The name and shape of every global model tensor of ``config``: parameters and persistent buffers
     (a router's ``expert_bias``), as ``save_sharded`` writes them."""
-    from megalite.models import GPTModel
-
     _check_single_process()
-    with torch.device("meta"), _NoDrawsOnMeta():
-        model = GPTModel(config)
     shapes = {}
-    for name, param in model.state_dict(keep_vars=True).items():
+    for name, param in meta_model(config).state_dict(keep_vars=True).items():
         gp = global_param(name, param, config, ShardContext())
         if not gp.alias:
             shapes[gp.name] = gp.shape

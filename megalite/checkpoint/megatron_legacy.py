@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpoint import global_shapes, save_global_checkpoint
+from megalite.checkpoint import global_shapes, meta_model, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import megalite_name
@@ -254,11 +254,8 @@ def _optimizer_entries(saved, chunks: list[dict]):
 
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
     """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
-    from megalite.models import GPTModel
-
-    with torch.device("meta"):
-        attributes = {name: (getattr(t, "tensor_model_parallel", False), getattr(t, "partition_dim", None))
-                      for name, t in GPTModel(config).state_dict(keep_vars=True).items()}
+    attributes = {name: (getattr(t, "tensor_model_parallel", False), getattr(t, "partition_dim", None))
+                  for name, t in meta_model(config).state_dict(keep_vars=True).items()}
     expected = global_shapes(config)
     # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
     vpp = len(chunks[(0, 0)])

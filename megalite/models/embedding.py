@@ -27,8 +27,7 @@ class GPTEmbedding(nn.Module):
             init_method=vocab_init(config.init_method_std, config.vocab_size))
         if config.position_embedding_type == "learned_absolute":
             weight = torch.empty(config.max_position_embeddings, config.hidden_size)
-            if not weight.is_meta:  # a meta model (shapes only) has no values to draw
-                torch.nn.init.normal_(weight, mean=0.0, std=config.init_method_std)
+            torch.nn.init.normal_(weight, mean=0.0, std=config.init_method_std)
             self.position_embeddings = nn.Embedding.from_pretrained(weight, freeze=False)
         else:
             self.position_embeddings = None

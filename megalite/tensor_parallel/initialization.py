@@ -33,8 +33,7 @@ def sharded_master_weight(shape: tuple[int, ...], partition_dim: int, rank: int,
     a copy of its own (a view would keep the whole master weight alive on CPU).
     """
     master = torch.empty(shape, dtype=torch.float32)
-    if not master.is_meta:  # a meta model (shapes only) has no values to draw
-        (init_method or normal_init())(master)
+    (init_method or normal_init())(master)
     shard = master.chunk(size, dim=partition_dim)[rank]
     return shard.to(dtype=dtype, device=device, memory_format=torch.contiguous_format, copy=True)
 

@@ -1,12 +1,11 @@
 """What a checkpoint write costs beyond the bytes: the manifest's block hashes of each data file are computed
-while the file is written (not in a second pass over it), and the model shapes a conversion checks come from a
-meta model that draws no values."""
+while the file is written (not in a second pass over it)."""
 
 import os
 
 import torch
 
-from megalite.checkpoint import global_shapes, integrity, load_model, save_sharded, writer
+from megalite.checkpoint import integrity, load_model, save_sharded, writer
 from megalite.models import GPTConfig, GPTModel
 
 CONFIG = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
@@ -38,24 +37,3 @@ def test_data_files_are_hashed_while_written(tmp_path, monkeypatch):
     loaded = load_model(str(tmp_path / "ckpt"))
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
-
-
-def test_a_meta_model_draws_no_values(monkeypatch):
-    """Drawing on a meta tensor runs torch's Python reference kernels (importing torch._dynamo, ~2 s the first
-    time) for values that do not exist: global_shapes' meta model must not draw."""
-    real = torch.nn.init.normal_
-
-    def normal_(tensor, *args, **kwargs):
-        assert not tensor.is_meta, "a meta tensor was initialized"
-        return real(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.init, "normal_", normal_)
-    shapes = global_shapes(CONFIG)
-    assert shapes["embedding.position_embeddings.weight"] == (16, 32)
-    assert shapes["embedding.word_embeddings.weight"] == (64, 32)
-    with torch.device("meta"):
-        model = GPTModel(CONFIG)
-    assert all(p.is_meta for p in model.parameters())
-    torch.manual_seed(0)
-    reference = GPTModel(CONFIG).state_dict()  # the CPU model still draws every weight
-    assert reference["embedding.position_embeddings.weight"].std() > 0
