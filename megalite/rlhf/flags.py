@@ -35,6 +35,8 @@ RL_FLAGS = FlagTable((
     Flag("--ppo-epochs", ALGO, default=2, type=int, help="passes over each batch of rollouts"),
     Flag("--actor-lr", ALGO, default=5e-4, type=float),
     Flag("--critic-lr", ALGO, default=2e-3, type=float),
+    Flag("--guide-lr", ALGO, default=5e-4, type=float,
+         help="--environment guidance: the guide's learning rate (it has its own optimizer)"),
     Flag("--loss-agg-mode", ALGO, ("PPOConfig.loss_aggregation",), choices=LOSS_AGGREGATIONS),
     Flag("--clip-ratio-low", ALGO, ("PPOConfig.clip_eps",), type=float),
     Flag("--clip-ratio-high", ALGO, ("PPOConfig.clip_eps_high",), type=float,
@@ -107,8 +109,8 @@ RL_FLAGS = FlagTable((
          help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
     Flag("--environment", TASK, choices=tuple(ENVIRONMENTS),
          help="play episodes of this environment (megalite.rlhf.env_tasks) instead of the built-in rollouts: "
-              "verifier (a+b, one turn) or calculator (a*b with a <calc>EXPR</calc> tool); the environment gives "
-              "the reward"),
+              "verifier (a+b, one turn), calculator (a*b with a <calc>EXPR</calc> tool) or guidance (a*b: "
+              "attempt, a trained guide model's hint, revision); the environment gives the reward"),
     Flag("--max-turns", TASK, ("EpisodeLimits.max_turns",), type=int, help="--environment: actions per episode"),
     Flag("--max-total-tokens", TASK, ("EpisodeLimits.max_total_tokens",), type=int,
          help="--environment: prompt, actions and observations of an episode together (also the model's positions)"),
@@ -117,6 +119,9 @@ RL_FLAGS = FlagTable((
     Flag("--warmup-direct-fraction", TASK, type=float,
          help="--environment calculator: this fraction of the warm-up demonstrations answer without the tool (a "
               "policy that has yet to learn when to call it); None: the environment's default, always the tool"),
+    Flag("--warmup-wrong-hint-fraction", TASK, type=float,
+         help="--environment guidance: this fraction of the guide's warm-up hints are wrong numbers (a guide RL has "
+              "to teach); None: the environment's default, every hint right"),
     Flag("--prompt-data", TASK,
          help="jsonl of {prompt, answer} records (megalite.rlhf.math_task's file or your own) to draw the prompts "
               "from instead of a+b, scored against the answers (megalite.rlhf.prompt_data); with a completion in "

@@ -1,7 +1,8 @@
 """Rollouts: prompts drawn per DP rank, groups of sampled responses (the generation phase), their scores (a local
 reward), reference log-probs and values (the scoring phase), and DAPO's dynamic-sampling refill, each round a
 typed :class:`~megalite.rlhf.rollout_batch.Rollout`.  With ``--environment`` a round is one episode per sample,
-played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environment.
+played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environment; the guidance flow's episodes
+also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide"]``.
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--rollout-world-size`` the rollouts are
@@ -103,10 +104,11 @@ def lookahead(items, depth: int):
 class Rollouts:
     """Draws prompts, samples groups of responses (the generation phase), scores them (local reward) and
     computes reference log-probs and values (the scoring phase); every rollout records the policy version
-    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's."""
+    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's; ``guide``: the
+    guidance flow's :class:`~megalite.rlhf.guidance.Guide` (``--environment guidance``), else None."""
 
-    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement):
-        self.args, self.topo, self.actor, self.reference = args, topo, actor, reference
+    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement, guide=None):
+        self.args, self.topo, self.actor, self.reference, self.guide = args, topo, actor, reference, guide
         self.value_model, self.reward, self.placement = value_model, reward, placement
         self.rollout_source = None
         if args.rollout_world_size:
@@ -135,11 +137,17 @@ class Rollouts:
         seeds = [s for s in (self.rng.randrange(2 ** 31) for _ in range(args.prompts_per_rank))
                  for _ in range(args.n_samples_per_prompt)]
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        guide = None
+        if self.guide is not None:  # the guide samples its hints from a stream of its own
+            guide = self.guide.writer(self.sampling, torch.Generator(self.device).manual_seed(
+                args.seed + 7919 * iteration + self.topo.dp.rank + 104723))
+        envs = [make_environment(args, guide) for _ in seeds]
         with self.placement.phase("generation"):
-            rollout = run_episodes([make_environment(args) for _ in seeds], seeds,
-                                   self.sample, self.sampling, self.limits, generator)
+            rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
+        if guide is not None:
+            rollout.metadata["episodes"] = envs
         return rollout
 
     def _sample(self, iteration: int, attempt: int) -> Rollout:
@@ -169,14 +177,16 @@ class Rollouts:
             rollout, kept_fraction = self._refill(rollout, iteration)
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
+        rollout.iteration = iteration
+        rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
+                                                                                 - self.args.max_staleness)
         with self.placement.phase("scoring"):
             ref_log_probs, _ = pipeline_log_probs(self.reference.module, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]
-        rollout.iteration = iteration
-        rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
-                                                                                 - self.args.max_staleness)
+            if self.guide is not None:
+                rollout.metadata["guide"] = self.guide.rollout(rollout.metadata.pop("episodes"), rollout, self.device)
         rollout.metadata.update(kept_fraction=kept_fraction, generate_s=generate_s,
                                 log_probs_s=time.monotonic() - start - generate_s)
         return rollout

@@ -17,7 +17,8 @@ from megalite.rlhf.rollouts import decode, sample_shard
 from megalite.rlhf.scoring import score_batches
 from megalite.rlhf.update import dp_mean
 
-SHOWN = (("reward", "reward {:.3f}"), ("reward_std", "±{:.3f}"), ("kl", "kl {:.4f}"), ("entropy", "entropy {:.3f}"),
+SHOWN = (("reward", "reward {:.3f}"), ("reward_std", "±{:.3f}"), ("attempt_reward", "attempt {:.3f}"),
+         ("guide_reward", "guide {:+.3f}"), ("kl", "kl {:.4f}"), ("entropy", "entropy {:.3f}"),
          ("response_length", "len {:.1f}"), ("policy_loss", "pg {:.4f}"), ("value_loss", "vf {:.4f}"),
          ("samples_per_s", "{:.1f} samples/s"))
 """The console line's metrics and formats, in order (a metric the run does not have is left out)."""
