@@ -65,6 +65,9 @@ RL_FLAGS = FlagTable((
          help="truncate (TIS): min(w, C); mask (MIS): w inside [1/C, C], else 0 (the token or sequence drops out)"),
     Flag("--rollout-is-level", ALGO, ("PPOConfig.rollout_is_level",), choices=ROLLOUT_IS_LEVELS,
          help="token: a weight per token; sequence: the product of a response's token ratios, for all its tokens"),
+    Flag("--balance-dp-tokens", ALGO, default=False,
+         help="before the update, move rows between data-parallel ranks so each trains about the same number of "
+              "tokens (equal rows per rank; the loss and gradients are those of the unbalanced batch)"),
     Flag("--recompute-old-log-probs", ALGO, default=False,
          help="recompute the old log-probs with the actor every iteration (not only for stale rollouts): the PPO "
               "ratio is taken against the trainer's own forward, the engine's log-probs enter through the "
