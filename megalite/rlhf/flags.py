@@ -108,6 +108,10 @@ RL_FLAGS = FlagTable((
          help="gae: advantages use a target critic, a host copy of the critic moved by Polyak averaging at this "
               "rate after each update"),
 
+    Flag("--eval-samples", ROLLOUT, type=int,
+         help="--eval-interval: also sample this many responses per evaluation prompt (at --temperature) and log "
+              "valid_pass@1 and valid_pass@N (the unbiased estimator; a sample passes with reward >= 1); None: "
+              "greedy only"),
     Flag("--sample-interval", ROLLOUT, type=int,
          help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
     Flag("--environment", TASK, choices=tuple(ENVIRONMENTS),

@@ -86,6 +86,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations, got "
                              f"{getattr(args, name)}")
+    if args.eval_samples is not None and (args.eval_samples < 1 or not args.eval_interval):
+        raise ValueError(f"--eval-samples {args.eval_samples} needs --eval-interval and at least 1 sample")
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
