@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from megalite.rlhf.generation import SamplingConfig
-from megalite.rlhf.rollout_batch import Rollout
-from megalite.rlhf.rollouts import left_pad
+from megalite.rlhf.rollout_batch import Rollout, left_pad
 
 
 @dataclass
@@ -34,20 +33,26 @@ class _Row:
 class PartialRollouts:
     """Unfinished generations of one rank.  ``sample``: ``rollout_sampler``'s contract (weights updated in place
     between rounds); ``sampling.max_new_tokens``: the whole response budget of a row; ``chunk_tokens``: tokens a
-    row may gain per :meth:`advance`; ``prompt_width``: every prompt's left-padded width in the rollouts."""
+    row may gain per :meth:`advance`; ``prompt_width``: every prompt's left-padded width in the rollouts;
+    ``group_size``: rows are added and leave in groups of this many consecutive rows (a GRPO group leaves when
+    its last row ends)."""
 
-    def __init__(self, sample, sampling: SamplingConfig, chunk_tokens: int, prompt_width: int):
+    def __init__(self, sample, sampling: SamplingConfig, chunk_tokens: int, prompt_width: int, group_size: int = 1):
         if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= sampling.max_new_tokens:
             raise ValueError(f"chunk_tokens must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], "
                              f"got {chunk_tokens!r}")
         self.sample, self.sampling, self.chunk_tokens, self.prompt_width = sample, sampling, chunk_tokens, prompt_width
+        self.group_size = group_size
         self.rows: list[_Row] = []
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def add(self, prompts: list[list[int]]) -> None:
-        """New rows (prompt token ids, at most ``prompt_width`` each) to generate, after the unfinished ones."""
+        """New rows (prompt token ids, at most ``prompt_width`` each; whole groups) to generate, after the
+        unfinished ones."""
+        if len(prompts) % self.group_size:
+            raise ValueError(f"{len(prompts)} rows are not whole groups of {self.group_size}")
         for prompt in prompts:
             if not 1 <= len(prompt) <= self.prompt_width:
                 raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prompt_width {self.prompt_width}")
@@ -58,11 +63,12 @@ class PartialRollouts:
                                                                    and row.tokens[-1] == self.sampling.eos_id)
 
     def advance(self, version: int, generator: torch.Generator | None = None, device="cpu") -> Rollout | None:
-        """One round: every row samples up to ``chunk_tokens`` more tokens with the current weights (policy
-        ``version``; one ``sample`` call per remaining budget); the rows that ended leave, in their order, as a
-        Rollout (None when none did)."""
-        budgets = [min(self.chunk_tokens, self.sampling.max_new_tokens - len(row.tokens)) for row in self.rows]
-        for budget in sorted(set(budgets), reverse=True):
+        """One round: every unfinished row samples up to ``chunk_tokens`` more tokens with the current weights
+        (policy ``version``; one ``sample`` call per remaining budget); the groups whose rows have all ended leave,
+        in their order, as a Rollout (None when none did)."""
+        budgets = [0 if self._done(row) else min(self.chunk_tokens, self.sampling.max_new_tokens - len(row.tokens))
+                   for row in self.rows]
+        for budget in sorted(set(budgets) - {0}, reverse=True):
             index = [i for i, b in enumerate(budgets) if b == budget]
             prefixes = [self.rows[i].prompt + self.rows[i].tokens for i in index]
             width = max(len(p) for p in prefixes)
@@ -75,8 +81,10 @@ class PartialRollouts:
                 row.tokens += out.tokens[r, width:width + k].tolist()
                 row.log_probs += out.log_probs[r, :k].tolist()
                 row.versions += [version] * k
-        finished = [row for row in self.rows if self._done(row)]
-        self.rows = [row for row in self.rows if not self._done(row)]
+        g = self.group_size
+        groups = [self.rows[i:i + g] for i in range(0, len(self.rows), g)]
+        finished = [row for group in groups if all(map(self._done, group)) for row in group]
+        self.rows = [row for group in groups if not all(map(self._done, group)) for row in group]
         return self._rollout(finished, device) if finished else None
 
     def _rollout(self, rows: list[_Row], device) -> Rollout:

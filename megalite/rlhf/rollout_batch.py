@@ -97,5 +97,12 @@ class Rollout:
                                  if _per_row(getattr(first, f.name))})
 
 
+def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows left-padded with ``pad`` to ``width`` columns, and their attention mask."""
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
 def _per_row(value) -> bool:
     return isinstance(value, (torch.Tensor, list))

@@ -5,7 +5,8 @@ played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environ
 also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide"]``.
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
-rollouts ahead of the update that trains on the current one.  With ``--rollout-world-size`` the rollouts are
+rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
+instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``).  With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -26,15 +27,10 @@ from megalite.rlhf.env_tasks import make_environment
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
+from megalite.rlhf.partial_rollouts import PartialRollouts
 from megalite.rlhf.rewards import varied_groups
-from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
-
-
-def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def rollout_sampler(model):
@@ -121,6 +117,10 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
+        self.partial, self.ready = None, []  # --partial-rollout-tokens: rows in flight, finished groups in order
+        if args.partial_rollout_tokens:
+            self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
+                                           args.n_samples_per_prompt)
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
@@ -150,12 +150,35 @@ class Rollouts:
             rollout.metadata["episodes"] = envs
         return rollout
 
+    def _continue(self, iteration: int) -> Rollout:
+        """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
+        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until a batch of groups
+        has finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
+        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped."""
+        args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
+        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        while True:
+            self.ready = [g for g in self.ready if self.version - g.version <= args.max_staleness]
+            if len(self.ready) >= need:
+                break
+            if len(self.partial) < need * n:
+                self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
+            done = self.partial.advance(self.version, generator, self.device)
+            if done is not None:
+                self.ready += [done.rows(i, i + n) for i in range(0, len(done), n)]
+        batch, self.ready = self.ready[:need], self.ready[need:]
+        rollout = Rollout.concat(batch)
+        rollout.version = min(g.version for g in batch)
+        return rollout
+
     def _sample(self, iteration: int, attempt: int) -> Rollout:
         """One generation round of this DP rank, generated here or received from its rollout rank."""
         if self.args.environment:
             return self._play(iteration)
         with self.placement.phase("generation"):
-            if self.rollout_source is None:
+            if self.partial is not None:
+                rollout = self._continue(iteration)
+            elif self.rollout_source is None:
                 rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,
                                        self.topo.dp.rank, self.device)
             else:
@@ -178,8 +201,9 @@ class Rollouts:
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
         rollout.iteration = iteration
-        rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
-                                                                                 - self.args.max_staleness)
+        if self.partial is None:  # a partial rollout's version is its oldest token's
+            rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
+                                                                                     - self.args.max_staleness)
         with self.placement.phase("scoring"):
             ref_log_probs, _ = pipeline_log_probs(self.reference.module, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)

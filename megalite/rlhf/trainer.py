@@ -181,8 +181,8 @@ class RLTrainer:
             self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
                                      inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
-            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts,
-                                                                0 if self.sync else args.max_staleness))
+            depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds
+            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts, depth))
         self.eval_sample = (self.rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
         return True
 

@@ -80,6 +80,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"{args.micro_batch_size}")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.partial_rollout_tokens is not None and (
+            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment or rollout
+            or args.use_scoring_server or args.dynamic_sampling or args.save):
+        raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
+                         f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts that "
+                         f"does not save (rows in flight are not checkpointed): no --environment, "
+                         f"--rollout-world-size, --use-scoring-server, --dynamic-sampling or --save")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):

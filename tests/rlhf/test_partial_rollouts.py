@@ -1,5 +1,8 @@
 """Partial rollouts: a generation started under weights v and finished under v+1 keeps, per token, the behaviour
-log-prob of the weights that sampled it, and the RL update weighs each token by its own."""
+log-prob of the weights that sampled it, and the RL update weighs each token by its own; the RL trainer's
+--partial-rollout-tokens."""
+
+import json
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from megalite.rlhf.generation import RolloutEngine, SamplingConfig
 from megalite.rlhf.objectives import PPOActorObjective
 from megalite.rlhf.partial_rollouts import PartialRollouts
 from megalite.rlhf.backend import TrainingBackend
+from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args, validate
 from megalite.rlhf.trainer_models import build
 from megalite.rlhf.update import rl_update
@@ -112,3 +116,35 @@ def test_the_update_weighs_each_token_by_its_own_behaviour_log_prob():
     [(gap, expected_gap, weight, expected_weight, gap_on_v1, gap_max)] = run_distributed(_update, 1, argv, timeout=120)
     assert gap == pytest.approx(expected_gap, rel=1e-5) and weight == pytest.approx(expected_weight, rel=1e-5)
     assert gap_on_v1 < 1e-5 < gap_max  # the tokens of version 1 are on-policy, those of version 0 are not
+
+
+def _train(argv):
+    return RLTrainer(parse_args(argv)).train()
+
+
+def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_path):
+    """--partial-rollout-tokens 1: rows grow one token per round; a batch is the first groups to finish, the rest
+    continue under the next weights, so some batches hold tokens of an older version (staleness > 0, bounded by
+    --max-staleness), whose per-token behaviour log-probs the update corrects with (log_prob_gap, TIS weights)."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--train-iters", "6", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+            "4", "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "1",
+            "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2",
+            "--metrics-file", str(metrics)]
+    assert run_distributed(_train, 1, argv, timeout=120) == [0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 7))
+    assert all(r["staleness"] <= 2 for r in records) and any(r["staleness"] >= 1 for r in records)
+    assert all(("log_prob_gap" in r) == (r["staleness"] > 0) for r in records)
+    assert all(r["log_prob_gap"] > 0 and r["is_weight_mean"] > 0 for r in records if r["staleness"] > 0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
+    (["--partial-rollout-tokens", "1", "--dynamic-sampling"], "no --environment, --rollout-world-size"),
+])
+def test_partial_rollouts_bad_input(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parse_args(["--tensor-model-parallel-size", "1", "--global-batch-size", "2",
+                             "--n-samples-per-prompt", "2", "--micro-batch-size", "4"] + extra), 1)
