@@ -1,5 +1,5 @@
-"""Token-balanced data parallelism for RL updates: rows moved between DP ranks so every rank trains about the same
-number of tokens.
+"""Token-balanced batching for RL updates: rows moved between DP ranks so every rank trains about the same number
+of tokens, and micro-batches cut by a token budget instead of a row count.
 
 Rollouts vary in length, so the rows each DP rank generated can hold very different token counts, and the rank
 with the most tokens sets the update's pace.  :func:`balanced_partitions` splits the whole batch's rows (sorted
@@ -8,7 +8,9 @@ micro-batch size still divides every rank's share; :func:`balance_batches` gathe
 keeps this rank's part.  The loss does not change: megalite's objectives normalize by the global token (or
 sequence) count (``ppo.global_normalizer``), so any assignment of rows to ranks gives the same global mean and,
 after DDP's all-reduce, the same gradients.  Rebalance after the advantages (GRPO groups are contiguous rows of
-one rank).
+one rank).  :func:`token_micro_batches` packs a rank's rows, longest first, into micro-batches of at most
+``budget`` padded tokens, each cut to its longest row's columns (right padding only: no real token moves), so
+short rows stop paying for the longest row's width; the global normalizer keeps the loss the same.
 """
 
 from __future__ import annotations
@@ -60,3 +62,33 @@ def balance_batches(batches: list[dict], attention_mask: torch.Tensor, group) ->
         result.append({key: _gather_rows(value, value.shape[1] + shift if value.dim() > 1 else 0, group)[mine]
                        for key, value in batch.items()})
     return result, [sum(lengths[i] for i in part) for part in partitions]
+
+
+def token_micro_batches(batch: dict, budget: int) -> list[dict]:
+    """``batch``'s rows (``[b, s, ...]`` and ``[b, s - 1, ...]`` tensors with an ``attention_mask`` ``[b, s]``)
+    sorted by their last real column, longest first, and packed greedily into micro-batches of at most
+    ``budget`` padded tokens (rows x the micro-batch's columns; a longer row goes alone), each cut after its
+    longest row's last real column."""
+    if "attention_mask" not in batch:
+        raise ValueError("token-budget micro-batches need the batch's attention_mask")
+    mask = batch["attention_mask"]
+    width = mask.shape[1]
+    ends = (mask * torch.arange(1, width + 1, device=mask.device)).amax(dim=1).tolist()
+    groups: list[list[int]] = []
+    for i in sorted(range(len(ends)), key=lambda i: (-ends[i], i)):
+        if groups and (len(groups[-1]) + 1) * ends[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+
+    def cut(value: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
+        value = value[rows]
+        if value.dim() > 1 and value.shape[1] in (width, width - 1):
+            value = value[:, :cols - (width - value.shape[1])]
+        return value
+
+    micro_batches = []
+    for group in groups:
+        rows = torch.tensor(group, device=mask.device)
+        micro_batches.append({key: cut(value, rows, max(int(ends[group[0]]), 2)) for key, value in batch.items()})
+    return micro_batches

@@ -72,6 +72,9 @@ RL_FLAGS = FlagTable((
     Flag("--balance-dp-tokens", ALGO, default=False,
          help="before the update, move rows between data-parallel ranks so each trains about the same number of "
               "tokens (equal rows per rank; the loss and gradients are those of the unbalanced batch)"),
+    Flag("--micro-batch-tokens", ALGO, type=int,
+         help="cut the RL update's micro-batches by this many padded tokens (rows sorted longest first, each "
+              "micro-batch cut to its longest row) instead of --micro-batch-size rows; pp=1; None: by rows"),
     Flag("--recompute-old-log-probs", ALGO, default=False,
          help="recompute the old log-probs with the actor every iteration (not only for stale rollouts): the PPO "
               "ratio is taken against the trainer's own forward, the engine's log-probs enter through the "

@@ -97,7 +97,7 @@ class RLTrainer:
         optimizer = get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), [chunk])
         return TrainingBackend(chunk, optimizer, PPOActorObjective(args.ppo, args.temperature,
                                                                    distill_coef=args.distill_coef),
-                               args.micro_batch_size, topo=self.topo)
+                               args.micro_batch_size, topo=self.topo, micro_batch_tokens=args.micro_batch_tokens)
 
     def train(self) -> int:
         """Runs the whole job on this rank (a rollout rank serves rollouts instead); 0 when done.  Afterwards
@@ -153,7 +153,7 @@ class RLTrainer:
         if args.advantage.needs_critic:
             critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
             self.critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo),
-                                          args.micro_batch_size, topo)
+                                          args.micro_batch_size, topo, micro_batch_tokens=args.micro_batch_tokens)
             if args.target_critic_tau is not None:
                 self.target = (pipeline_chunk(CriticModel, config, topo, device),
                                PolyakTarget(critic_chunk.module, args.target_critic_tau))

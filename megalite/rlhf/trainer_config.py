@@ -78,6 +78,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"{rows} sequences per DP rank ({args.prompts_per_rank} prompts x "
                          f"{args.n_samples_per_prompt} samples) are not divisible by --micro-batch-size "
                          f"{args.micro_batch_size}")
+    if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.pipeline_model_parallel_size > 1):
+        raise ValueError(f"--micro-batch-tokens {args.micro_batch_tokens} needs a positive budget and "
+                         f"--pipeline-model-parallel-size 1")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (

@@ -1,4 +1,5 @@
-"""Token-balanced DP for RL updates: the partition bounds the ranks' token spread, and the balanced assignment's
+"""Token-balanced batching for RL updates: the partition bounds the ranks' token spread, token-budget micro-batches
+keep every real token within their budget, and the balanced assignment's (and the token-budget micro-batches')
 loss and gradients equal the unbalanced one's (the same global mean)."""
 
 import random
@@ -9,7 +10,7 @@ import torch
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf.backend import TrainingBackend
-from megalite.rlhf.dp_balance import balance_batches, balanced_partitions
+from megalite.rlhf.dp_balance import balance_batches, balanced_partitions, token_micro_batches
 from megalite.rlhf.objectives import PPOActorObjective
 from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.rollout_batch import Rollout
@@ -42,6 +43,25 @@ def test_partitions_have_equal_rows_and_a_token_spread_below_the_longest_row(par
         balanced_partitions([1] * 5, 2)
 
 
+def test_token_micro_batches_respect_the_budget_and_keep_every_real_token():
+    batch = _rows(1, b=6)
+    batch["attention_mask"][3, 5:] = 0
+    batch["response_mask"][3, 4:] = 0
+    batch["attention_mask"][4, 2:] = 0
+    batch["response_mask"][4, 1:] = 0
+    batch["advantages"] *= batch["response_mask"]
+    micro_batches = token_micro_batches(batch, 25)
+    # rows end at columns 12, 11, 10, 5, 2, 10: packed longest first as (12, 11), (10, 10), (5, 2)
+    assert [tuple(mb["input_ids"].shape) for mb in micro_batches] == [(2, 12), (2, 10), (2, 5)]
+    assert all(mb["input_ids"].numel() <= 25 and mb["old_log_probs"].shape[1] == mb["input_ids"].shape[1] - 1
+               for mb in micro_batches)
+    for key in ("attention_mask", "response_mask", "advantages"):
+        assert float(sum(mb[key].sum() for mb in micro_batches)) == pytest.approx(float(batch[key].sum()), rel=1e-6)
+    assert len(token_micro_batches(batch, 1)) == 6  # a row longer than the budget goes alone
+    with pytest.raises(ValueError, match="token-budget micro-batches need the batch's attention_mask"):
+        token_micro_batches({"input_ids": batch["input_ids"]}, 25)
+
+
 def _rows(rank: int, b: int = 4, s: int = 12):
     """This rank's rows: rank 0's short, rank 1's long (right-padded), with PPO inputs."""
     g = torch.Generator().manual_seed(10 + rank)
@@ -58,10 +78,10 @@ def _rows(rank: int, b: int = 4, s: int = 12):
 def _grads_and_loss():
     topo = topology.initialize(tp=1, pp=1)
     results = []
-    for balance in (False, True):
+    for balance, budget in ((False, None), (True, None), (True, 20)):
         torch.manual_seed(0)
         chunk, optimizer = build(GPTModel, config(max_position_embeddings=16), topo, 1e-3, "cpu")
-        backend = TrainingBackend(chunk, optimizer, PPOActorObjective(PPOConfig()), 2, topo)
+        backend = TrainingBackend(chunk, optimizer, PPOActorObjective(PPOConfig()), 2, topo, micro_batch_tokens=budget)
         batch = _rows(topo.dp.rank)
         tokens = None
         if balance:
@@ -74,11 +94,13 @@ def _grads_and_loss():
 
 def test_balanced_rows_give_the_unbalanced_loss_and_gradients():
     """2 DP ranks, rank 0's rows short and rank 1's long: balancing moves rows so both train about the same
-    tokens, and the loss and every gradient equal the unbalanced assignment's."""
+    tokens, and the loss and every gradient equal the unbalanced assignment's, also with micro-batches cut by a
+    token budget (a different number of micro-batches per rank)."""
     ranks = run_distributed(_grads_and_loss, 2, timeout=120)
-    for (loss, grads, _, _), (b_loss, b_grads, b_tokens, spread) in ranks:
-        assert loss == pytest.approx(b_loss, rel=1e-6, abs=1e-7)
+    for (loss, grads, _, _), (b_loss, b_grads, b_tokens, spread), (t_loss, t_grads, _, _) in ranks:
+        assert loss == pytest.approx(b_loss, rel=1e-6, abs=1e-7) and loss == pytest.approx(t_loss, rel=1e-6, abs=1e-7)
         torch.testing.assert_close(b_grads, grads, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(t_grads, grads, rtol=1e-5, atol=1e-7)  # token-budget micro-batches
         assert float(grads.abs().max()) > 0
         assert b_tokens in spread and max(spread) - min(spread) <= 12  # at most the longest row apart
     assert ranks[1][0][2] - ranks[0][0][2] > 24  # the unbalanced ranks were far apart
@@ -107,3 +129,12 @@ def test_rl_update_balances_on_request_with_the_same_loss():
         assert "dp_tokens_max_over_min" not in a and b["dp_tokens_max_over_min"] < 1.2
         assert b["policy_loss"] == pytest.approx(a["policy_loss"], rel=1e-6, abs=1e-7)
         assert b["reward"] == a["reward"] and b["kl"] == pytest.approx(a["kl"], rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("extra", [["--micro-batch-tokens", "0"],
+                                   ["--micro-batch-tokens", "64", "--pipeline-model-parallel-size", "2"]])
+def test_micro_batch_tokens_bad_input(extra):
+    with pytest.raises(ValueError, match="--micro-batch-tokens .* needs a positive budget and "
+                                         "--pipeline-model-parallel-size 1"):
+        validate(parse_args(["--tensor-model-parallel-size", "1", "--global-batch-size", "4",
+                             "--n-samples-per-prompt", "2", "--micro-batch-size", "2"] + extra), 2)
