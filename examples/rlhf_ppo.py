@@ -20,7 +20,9 @@ current one (truncated importance sampling, ``--rollout-is-cap``, corrects a sta
 ``--teacher-topk K``) on one rank.  ``--offload-frozen-models`` / ``--offload-optimizer`` park models and optimizer
 state in host memory outside their phase (rank 0 prints the placement plan).  ``--environment calculator`` (or
 ``verifier``) plays multi-turn episodes of ``megalite.rlhf.env_tasks`` instead: a*b with a ``<calc>EXPR</calc>``
-tool, the reward given by the environment, ``--max-turns`` / ``--max-total-tokens`` per episode.  Each iteration is printed and
+tool, the reward given by the environment, ``--max-turns`` / ``--max-total-tokens`` per episode;
+``--environment guidance`` trains a second model, a guide whose hint comes between the policy's attempt and its
+revision (``megalite.rlhf.guidance``).  Each iteration is printed and
 written to ``--metrics-file`` (JSON lines) and TensorBoard.  ``--help`` lists every option.
 """
 

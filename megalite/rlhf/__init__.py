@@ -1,6 +1,7 @@
 """RLHF on megalite's parallel GPT: the RL trainer (``megalite.rlhf.trainer.RLTrainer``), actor log-probs, generation,
 critic, reference model, PPO math, advantage estimators (GAE, GRPO, RLOO, REINFORCE++), rewards and a learned reward
-model, multi-turn tool-using environments (``environment``, ``env_tasks``), a scoring server (a reward or teacher
+model, multi-turn tool-using environments (``environment``, ``env_tasks``) and the guidance flow's second trained model
+(``guidance``), a scoring server (a reward or teacher
 model on one rank, with tensor transport and prefetch), distillation from a teacher's top-k, a training backend and a
 training service for outside RL loops, weight export and trainer -> rollout weight sync, and the placement plan with
 CPU offload of frozen models and optimizer state between the generation, scoring and training phases."""
@@ -12,7 +13,7 @@ from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.scoring_server import ScoringServer, Prefetcher
 from megalite.rlhf.critic import CriticModel, pipeline_values
 from megalite.rlhf.environment import Environment, EpisodeLimits, StepResult, run_episodes
-from megalite.rlhf.env_tasks import CalculatorEnvironment, VerifierEnvironment
+from megalite.rlhf.env_tasks import CalculatorEnvironment, GuidanceEnvironment, VerifierEnvironment
 from megalite.rlhf.distillation import TeacherOutput, forward_kl, teacher_fn, teacher_rewards
 from megalite.rlhf.generation import (GenerationOutput, RolloutEngine, SamplingConfig, engine_generate, engine_supports,
                                       generate)
@@ -34,7 +35,7 @@ from megalite.rlhf.target import PolyakTarget
 __all__ = [
     "token_log_probs", "sequence_log_probs", "pipeline_log_probs", "generate", "engine_generate", "engine_supports",
     "SamplingConfig", "RolloutEngine", "Environment", "EpisodeLimits", "StepResult", "run_episodes",
-    "CalculatorEnvironment", "VerifierEnvironment",
+    "CalculatorEnvironment", "GuidanceEnvironment", "VerifierEnvironment",
     "GenerationOutput", "CriticModel", "pipeline_values", "ReferenceModel", "PPOConfig", "kl_penalty", "policy_loss",
     "value_loss", "aggregate", "global_normalizer", "compute_gae", "whiten", "ScoringServer", "Prefetcher",
     "TrainingBackend", "LanguageModelObjective", "PPOActorObjective", "PPOCriticObjective",

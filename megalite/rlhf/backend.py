@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.checkpoint import load_sharded, save_sharded
 from megalite.distributed import finalize_model_grads
+from megalite.rlhf.dp_balance import token_micro_batches
 from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
@@ -28,31 +29,38 @@ class TrainingBackend:
     ``FullyShardedDataParallel`` (FSDP2); ``optimizer``: megalite's
     optimizer over it, or over ``trained``; ``objective``: see :mod:`megalite.rlhf.objectives`.
     ``trained``: the wrapped modules whose gradients the optimizer steps (default ``[chunk]``), e.g. the
-    ``DistributedDataParallel(LoRAModel)`` of LoRA adapters hooked onto a frozen ``chunk``.
+    ``DistributedDataParallel(LoRAModel)`` of LoRA adapters hooked onto a frozen ``chunk``.  ``micro_batch_tokens``:
+    cut micro-batches by this many padded tokens instead of ``micro_batch_size`` rows
+    (:func:`~megalite.rlhf.dp_balance.token_micro_batches`; pp=1).
     Gradients of one ``forward_backward`` call are applied by the next
     ``optim_step`` (one call each per update).  A ``forward_backward`` that raises
     leaves nothing behind (see :meth:`discard`), so a retry starts clean.
     """
 
     def __init__(self, chunk, optimizer, objective, micro_batch_size: int, topo: topology.Topology | None = None,
-                 trained: list | None = None):
+                 trained: list | None = None, micro_batch_tokens: int | None = None):
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         self.chunk, self.optimizer, self.objective = chunk, optimizer, objective
         self.trained = [chunk] if trained is None else trained
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.topo = topo or topology.current()
+        if micro_batch_tokens is not None and (micro_batch_tokens < 1 or self.topo.pp.size > 1):
+            raise ValueError(f"micro_batch_tokens {micro_batch_tokens} needs a positive budget and no pipeline "
+                             f"stages (their micro-batches have one shape)")
         self._pending = False
         self.rollout_engine = RolloutEngine(chunk) if engine_supports(chunk) else None
 
     def _micro_batches(self, batch: dict) -> list[dict]:
         first = next(iter(batch))  # input_ids for megalite's objectives; a user objective's batch may lack it
         size = batch[first].shape[0]
-        if size % self.micro_batch_size:
-            raise ValueError(f"batch of {size} sequences is not divisible by micro_batch_size={self.micro_batch_size}")
         for key, value in batch.items():
             if value.shape[0] != size:
                 raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, {first} has {size}")
+        if self.micro_batch_tokens is not None:
+            return token_micro_batches(batch, self.micro_batch_tokens)
+        if size % self.micro_batch_size:
+            raise ValueError(f"batch of {size} sequences is not divisible by micro_batch_size={self.micro_batch_size}")
         return [{k: v[i:i + self.micro_batch_size] for k, v in batch.items()}
                 for i in range(0, size, self.micro_batch_size)]
 

@@ -1,4 +1,5 @@
-"""The shipped environments: a single-turn verifier task and a calculator-tool arithmetic task, and their warm-up.
+"""The shipped environments: a single-turn verifier task, a calculator-tool arithmetic task and the two-turn
+guidance flow, and their warm-up.
 
 :class:`VerifierEnvironment` asks one question and scores the one answer with a verifier (by default the RL
 trainer's "a+b=" task and its exact-answer reward).  :class:`CalculatorEnvironment` asks a multiplication
@@ -6,7 +7,9 @@ trainer's "a+b=" task and its exact-answer reward).  :class:`CalculatorEnvironme
 environment evaluates and answers with the observation ``<result>VALUE</result>`` (reward 0, the episode goes on);
 any other action is the final answer, rewarded 1 when it is the product.  A tool call whose expression is not
 plain integer arithmetic, or divides by zero, raises, and the episode driver ends that episode with its error
-reward.  :func:`warmup_batch` turns an environment's demonstration episodes into the RL trainer's warm-up
+reward.  :class:`GuidanceEnvironment` is the guidance flow: the policy's attempt at "a*b=", a second (trained) model's
+hint, the policy's revised attempt, a reward on the revision (``megalite.rlhf.guidance`` trains the guide on
+the revision's improvement).  :func:`warmup_batch` turns an environment's demonstration episodes into the RL trainer's warm-up
 batches (``--environment``).
 """
 
@@ -120,14 +123,127 @@ class CalculatorEnvironment(Environment):
         return StepResult([], float(text.strip() == str(self.answer)), done=True)
 
 
-ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnvironment}
+HintWriter = Callable[[list[int]], tuple[list[int], list[float]]]
+"""The guide of :class:`GuidanceEnvironment`: its prompt's token ids -> the hint's sampled ids (ending in
+end-of-document unless cut) and their behaviour log-probs (``megalite.rlhf.guidance.hint_writer`` builds one on a
+sampler)."""
+
+
+def _product(rng: random.Random, max_operand: int) -> str:
+    return f"{rng.randint(0, max_operand)}*{rng.randint(0, max_operand)}="
+
+
+class GuidanceEnvironment(Environment):
+    """attempt -> hint -> revised attempt -> reward on the revision, for "a*b=" with ``0 <= a, b <= max_operand``.
+
+    The policy's first action is its attempt (turn reward 0).  The guide, a second model, reads the question,
+    the attempt's ids as sampled and the reference answer (privileged information the policy lacks, as a
+    teacher marking the attempt has) as ``"a*b=" + attempt + "|answer|"``, and writes a hint; the policy sees it
+    as the observation ``<hint>HINT</hint>`` (the guide's sampled ids as they are) and answers again: the
+    revision, rewarded 1 when it is the product.  After the episode ``attempt_reward``, ``revision_reward``
+    (None when the episode ended before a revision: then the attempt stands) and ``guide_turn`` (the guide's
+    prompt ids, hint ids and log-probs, None before a hint) describe it.
+
+    ``guide`` may be None for demonstrations only.  In the policy's demonstrations the attempt is right or (half
+    of them, drawn with the question) a wrong number, shown but not trained, and the revision copies a right
+    hint; in the guide's (:meth:`guide_task`) the hint is the answer, or a wrong number for
+    ``wrong_hint_fraction`` of them: a guide RL still has to teach."""
+
+    HINT_OPEN, HINT_CLOSE = "<hint>", "</hint>"
+
+    def __init__(self, tokenizer, max_operand: int = 9, guide: HintWriter | None = None,
+                 wrong_hint_fraction: float = 0.0):
+        super().__init__(tokenizer)
+        if not 0.0 <= wrong_hint_fraction <= 1.0:
+            raise ValueError(f"wrong_hint_fraction must be in [0, 1], got {wrong_hint_fraction}")
+        self.task = VerifierEnvironment(tokenizer, lambda rng: _product(rng, max_operand))
+        self.max_operand, self.guide, self.wrong_hint_fraction = max_operand, guide, wrong_hint_fraction
+        self.attempt_reward, self.revision_reward, self.guide_turn = 0.0, None, None
+        self.wrong_attempt, self.wrong_hint = "", ""
+
+    def reset(self, seed: int) -> list[int]:
+        return self.pose(random.Random(seed))
+
+    def pose(self, rng: random.Random) -> list[int]:
+        """The question drawn from ``rng``, as prompt ids (the demonstrations' draws come from ``rng`` too)."""
+        prompt = self.task.pose(rng)
+        answer, largest = int(self.task.answer(self.task.prompt)), max(self.max_operand ** 2, 1)
+        wrong = lambda: str((answer + rng.randint(1, largest)) % (largest + 1))  # noqa: E731  (0..largest, not answer)
+        self.wrong_attempt = wrong() if rng.random() < 0.5 else ""
+        self.wrong_hint = wrong() if rng.random() < self.wrong_hint_fraction else ""
+        self.attempt_reward, self.revision_reward, self.guide_turn = 0.0, None, None
+        return prompt
+
+    def guide_prompt(self, attempt: list[int]) -> list[int]:
+        """What the guide reads: the question, the attempt's ids (without end-of-document) and the answer."""
+        if self.tokenizer.eod in attempt:
+            attempt = attempt[:attempt.index(self.tokenizer.eod)]
+        tokens = self.tokenizer.tokenize
+        return tokens(self.task.prompt) + list(attempt) + tokens(f"|{self.task.answer(self.task.prompt)}|")
+
+    def hint_observation(self, hint: list[int]) -> list[int]:
+        """The policy's observation around the guide's ids (without end-of-document)."""
+        if self.tokenizer.eod in hint:
+            hint = hint[:hint.index(self.tokenizer.eod)]
+        tokens = self.tokenizer.tokenize
+        return tokens(self.HINT_OPEN) + list(hint) + tokens(self.HINT_CLOSE)
+
+    def step(self, action: list[int]) -> StepResult:
+        score = self.task.step(action).reward
+        if self.guide_turn is not None:
+            self.revision_reward = score
+            return StepResult([], score, done=True)
+        if self.guide is None:
+            raise RuntimeError("GuidanceEnvironment was built without a guide; it can only give demonstrations")
+        self.attempt_reward = score
+        prompt = self.guide_prompt(action)
+        hint, log_probs = self.guide(prompt)
+        self.guide_turn = (prompt, list(hint), list(log_probs))
+        return StepResult(self.hint_observation(hint))
+
+    def demonstration(self) -> list[tuple[list[int], bool]]:
+        """A right attempt, or a wrong one (shown, not trained); a right hint; the revision copying it."""
+        tokens, eod = self.tokenizer.tokenize, self.tokenizer.eod
+        answer = self.task.answer(self.task.prompt)
+        return [(tokens(self.wrong_attempt or answer) + [eod], not self.wrong_attempt),
+                (self.hint_observation(tokens(answer)), False), (tokens(answer) + [eod], True)]
+
+    def guide_task(self) -> "Environment":
+        """The guide's side of this episode as a one-turn environment whose demonstration is the hint: its
+        warm-up (``warmup_batch``) reads the guide's prompt after the demonstrated attempt."""
+        return _GuideTask(self)
+
+
+class _GuideTask(Environment):
+    def __init__(self, episode: GuidanceEnvironment):
+        super().__init__(episode.tokenizer)
+        self.episode = episode
+
+    def reset(self, seed: int) -> list[int]:
+        return self.pose(random.Random(seed))
+
+    def pose(self, rng: random.Random) -> list[int]:
+        self.episode.pose(rng)
+        attempt, _ = self.episode.demonstration()[0]
+        return self.episode.guide_prompt(attempt)
+
+    def demonstration(self) -> list[tuple[list[int], bool]]:
+        episode = self.episode
+        hint = episode.wrong_hint or episode.task.answer(episode.task.prompt)
+        return [(self.tokenizer.tokenize(hint) + [self.tokenizer.eod], True)]
+
+
+ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnvironment, "guidance": GuidanceEnvironment}
 """The RL trainer's ``--environment`` choices."""
 
 
-def make_environment(args) -> Environment:
-    """A fresh episode of the trainer's ``--environment`` (``--max-operand``, ``--warmup-direct-fraction``) on its
-    byte tokenizer."""
+def make_environment(args, guide: HintWriter | None = None) -> Environment:
+    """A fresh episode of the trainer's ``--environment`` (``--max-operand``, ``--warmup-direct-fraction``,
+    ``--warmup-wrong-hint-fraction``; ``guide``: the guidance flow's hint writer) on its byte tokenizer."""
     options = {} if args.warmup_direct_fraction is None else {"direct_fraction": args.warmup_direct_fraction}
+    if args.environment == "guidance":
+        options = {"guide": guide} if args.warmup_wrong_hint_fraction is None else \
+            {"guide": guide, "wrong_hint_fraction": args.warmup_wrong_hint_fraction}
     return ENVIRONMENTS[args.environment](TOKENIZER, max_operand=args.max_operand, **options)
 
 
@@ -144,9 +260,11 @@ class _Largest(random.Random):
 
 def longest_demonstration(args) -> int:
     """Tokens of the longest warm-up demonstration of the trainer's ``--environment`` (both operands
-    ``--max-operand``), so the trainer can check ``--max-total-tokens`` before any collective."""
+    ``--max-operand``; the guidance flow's policy and guide alike), so the trainer can check
+    ``--max-total-tokens`` before any collective."""
     env = make_environment(args)
-    return len(env.pose(_Largest())) + sum(len(ids) for ids, _ in env.demonstration())
+    views = [env, env.guide_task()] if isinstance(env, GuidanceEnvironment) else [env]
+    return max(len(view.pose(_Largest())) + sum(len(ids) for ids, _ in view.demonstration()) for view in views)
 
 
 def warmup_batch(make: Callable[[], Environment], rng: random.Random, rows: int, max_tokens: int) -> dict:

@@ -35,6 +35,8 @@ RL_FLAGS = FlagTable((
     Flag("--ppo-epochs", ALGO, default=2, type=int, help="passes over each batch of rollouts"),
     Flag("--actor-lr", ALGO, default=5e-4, type=float),
     Flag("--critic-lr", ALGO, default=2e-3, type=float),
+    Flag("--guide-lr", ALGO, default=5e-4, type=float,
+         help="--environment guidance: the guide's learning rate (it has its own optimizer)"),
     Flag("--loss-agg-mode", ALGO, ("PPOConfig.loss_aggregation",), choices=LOSS_AGGREGATIONS),
     Flag("--clip-ratio-low", ALGO, ("PPOConfig.clip_eps",), type=float),
     Flag("--clip-ratio-high", ALGO, ("PPOConfig.clip_eps_high",), type=float,
@@ -56,6 +58,10 @@ RL_FLAGS = FlagTable((
     Flag("--overlong-buffer-len", ALGO, default=0, type=int, help="DAPO overlong shaping window (0: off)"),
     Flag("--overlong-penalty-factor", ALGO, default=1.0, type=float),
     Flag("--max-staleness", ALGO, default=0, type=int, help="rollouts may be this many updates old"),
+    Flag("--partial-rollout-tokens", ALGO, type=int,
+         help="partial rollouts: generate in rounds of at most this many tokens per row; a batch is the first groups "
+              "to finish, unfinished rows continue under the next weights, each token keeping its behaviour "
+              "log-prob (groups older than --max-staleness are dropped); None: whole generations"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
          help="bound C on the importance weight pi_old / pi_behaviour between the trainer's old log-probs and the "
               "engine's (stale rollouts, or --recompute-old-log-probs); None: no correction"),
@@ -63,6 +69,12 @@ RL_FLAGS = FlagTable((
          help="truncate (TIS): min(w, C); mask (MIS): w inside [1/C, C], else 0 (the token or sequence drops out)"),
     Flag("--rollout-is-level", ALGO, ("PPOConfig.rollout_is_level",), choices=ROLLOUT_IS_LEVELS,
          help="token: a weight per token; sequence: the product of a response's token ratios, for all its tokens"),
+    Flag("--balance-dp-tokens", ALGO, default=False,
+         help="before the update, move rows between data-parallel ranks so each trains about the same number of "
+              "tokens (equal rows per rank; the loss and gradients are those of the unbalanced batch)"),
+    Flag("--micro-batch-tokens", ALGO, type=int,
+         help="cut the RL update's micro-batches by this many padded tokens (rows sorted longest first, each "
+              "micro-batch cut to its longest row) instead of --micro-batch-size rows; pp=1; None: by rows"),
     Flag("--recompute-old-log-probs", ALGO, default=False,
          help="recompute the old log-probs with the actor every iteration (not only for stale rollouts): the PPO "
               "ratio is taken against the trainer's own forward, the engine's log-probs enter through the "
@@ -103,12 +115,16 @@ RL_FLAGS = FlagTable((
          help="gae: advantages use a target critic, a host copy of the critic moved by Polyak averaging at this "
               "rate after each update"),
 
+    Flag("--eval-samples", ROLLOUT, type=int,
+         help="--eval-interval: also sample this many responses per evaluation prompt (at --temperature) and log "
+              "valid_pass@1 and valid_pass@N (the unbiased estimator; a sample passes with reward >= 1); None: "
+              "greedy only"),
     Flag("--sample-interval", ROLLOUT, type=int,
          help="print a few prompts with their sampled responses and rewards every this many iterations; None: never"),
     Flag("--environment", TASK, choices=tuple(ENVIRONMENTS),
          help="play episodes of this environment (megalite.rlhf.env_tasks) instead of the built-in rollouts: "
-              "verifier (a+b, one turn) or calculator (a*b with a <calc>EXPR</calc> tool); the environment gives "
-              "the reward"),
+              "verifier (a+b, one turn), calculator (a*b with a <calc>EXPR</calc> tool) or guidance (a*b: "
+              "attempt, a trained guide model's hint, revision); the environment gives the reward"),
     Flag("--max-turns", TASK, ("EpisodeLimits.max_turns",), type=int, help="--environment: actions per episode"),
     Flag("--max-total-tokens", TASK, ("EpisodeLimits.max_total_tokens",), type=int,
          help="--environment: prompt, actions and observations of an episode together (also the model's positions)"),
@@ -117,6 +133,9 @@ RL_FLAGS = FlagTable((
     Flag("--warmup-direct-fraction", TASK, type=float,
          help="--environment calculator: this fraction of the warm-up demonstrations answer without the tool (a "
               "policy that has yet to learn when to call it); None: the environment's default, always the tool"),
+    Flag("--warmup-wrong-hint-fraction", TASK, type=float,
+         help="--environment guidance: this fraction of the guide's warm-up hints are wrong numbers (a guide RL has "
+              "to teach); None: the environment's default, every hint right"),
     Flag("--prompt-data", TASK,
          help="jsonl of {prompt, answer} records (megalite.rlhf.math_task's file or your own) to draw the prompts "
               "from instead of a+b, scored against the answers (megalite.rlhf.prompt_data); with a completion in "

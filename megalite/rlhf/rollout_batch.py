@@ -27,8 +27,10 @@ class Rollout:
     on generated tokens, 0 on prompt and padding.  ``turn_spans[i]`` lists row ``i``'s model-generated
     ``(start, end)`` column ranges of ``input_ids`` (one per turn).  ``rewards`` ``[b]`` (the reward function's,
     before shaping), ``ref_log_probs`` and ``old_values`` (aligned like ``response_mask``) are filled by scoring.
-    ``iteration`` and ``version`` (the policy version that sampled it) place the batch in the run; ``metadata``
-    holds the rest (kept group fraction, phase timings).
+    ``iteration`` and ``version`` (the policy version that sampled it; the oldest one for partial rollouts) place
+    the batch in the run; ``token_versions`` (partial rollouts, ``megalite.rlhf.partial_rollouts``; aligned like
+    ``response_mask``, -1 off the response) the version that sampled each token; ``metadata`` holds the rest
+    (kept group fraction, phase timings).
     """
 
     input_ids: torch.Tensor
@@ -42,6 +44,7 @@ class Rollout:
     rewards: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
     iteration: int = 0
     version: int = 0
     metadata: dict = field(default_factory=dict)
@@ -92,6 +95,13 @@ class Rollout:
         first = parts[0]
         return replace(first, **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
                                  if _per_row(getattr(first, f.name))})
+
+
+def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows left-padded with ``pad`` to ``width`` columns, and their attention mask."""
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
 
 
 def _per_row(value) -> bool:

@@ -1,10 +1,12 @@
 """Rollouts: prompts drawn per DP rank, groups of sampled responses (the generation phase), their scores (a local
 reward), reference log-probs and values (the scoring phase), and DAPO's dynamic-sampling refill, each round a
 typed :class:`~megalite.rlhf.rollout_batch.Rollout`.  With ``--environment`` a round is one episode per sample,
-played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environment.
+played by ``megalite.rlhf.environment.run_episodes`` and rewarded by the environment; the guidance flow's episodes
+also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide"]``.
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
-rollouts ahead of the update that trains on the current one.  With ``--rollout-world-size`` the rollouts are
+rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
+instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``).  With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -25,15 +27,10 @@ from megalite.rlhf.env_tasks import make_environment
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
+from megalite.rlhf.partial_rollouts import PartialRollouts
 from megalite.rlhf.rewards import varied_groups
-from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
-
-
-def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def rollout_sampler(model):
@@ -103,10 +100,11 @@ def lookahead(items, depth: int):
 class Rollouts:
     """Draws prompts, samples groups of responses (the generation phase), scores them (local reward) and
     computes reference log-probs and values (the scoring phase); every rollout records the policy version
-    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's."""
+    (``self.version``) that made it.  ``value_model``: the critic chunk, or the target critic's; ``guide``: the
+    guidance flow's :class:`~megalite.rlhf.guidance.Guide` (``--environment guidance``), else None."""
 
-    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement):
-        self.args, self.topo, self.actor, self.reference = args, topo, actor, reference
+    def __init__(self, args, topo, actor, reference, value_model, device, reward, placement, guide=None):
+        self.args, self.topo, self.actor, self.reference, self.guide = args, topo, actor, reference, guide
         self.value_model, self.reward, self.placement = value_model, reward, placement
         self.rollout_source = None
         if args.rollout_world_size:
@@ -119,6 +117,10 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
+        self.partial, self.ready = None, []  # --partial-rollout-tokens: rows in flight, finished groups in order
+        if args.partial_rollout_tokens:
+            self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
+                                           args.n_samples_per_prompt)
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
@@ -135,11 +137,38 @@ class Rollouts:
         seeds = [s for s in (self.rng.randrange(2 ** 31) for _ in range(args.prompts_per_rank))
                  for _ in range(args.n_samples_per_prompt)]
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        guide = None
+        if self.guide is not None:  # the guide samples its hints from a stream of its own
+            guide = self.guide.writer(self.sampling, torch.Generator(self.device).manual_seed(
+                args.seed + 7919 * iteration + self.topo.dp.rank + 104723))
+        envs = [make_environment(args, guide) for _ in seeds]
         with self.placement.phase("generation"):
-            rollout = run_episodes([make_environment(args) for _ in seeds], seeds,
-                                   self.sample, self.sampling, self.limits, generator)
+            rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
+        if guide is not None:
+            rollout.metadata["episodes"] = envs
+        return rollout
+
+    def _continue(self, iteration: int) -> Rollout:
+        """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
+        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until a batch of groups
+        has finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
+        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped."""
+        args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
+        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        while True:
+            self.ready = [g for g in self.ready if self.version - g.version <= args.max_staleness]
+            if len(self.ready) >= need:
+                break
+            if len(self.partial) < need * n:
+                self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
+            done = self.partial.advance(self.version, generator, self.device)
+            if done is not None:
+                self.ready += [done.rows(i, i + n) for i in range(0, len(done), n)]
+        batch, self.ready = self.ready[:need], self.ready[need:]
+        rollout = Rollout.concat(batch)
+        rollout.version = min(g.version for g in batch)
         return rollout
 
     def _sample(self, iteration: int, attempt: int) -> Rollout:
@@ -147,7 +176,9 @@ class Rollouts:
         if self.args.environment:
             return self._play(iteration)
         with self.placement.phase("generation"):
-            if self.rollout_source is None:
+            if self.partial is not None:
+                rollout = self._continue(iteration)
+            elif self.rollout_source is None:
                 rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,
                                        self.topo.dp.rank, self.device)
             else:
@@ -169,15 +200,18 @@ class Rollouts:
             rollout, kept_fraction = self._refill(rollout, iteration)
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
+        rollout.iteration = iteration
+        if self.partial is None:  # a partial rollout's version is its oldest token's
+            rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
+                                                                                     - self.args.max_staleness)
         with self.placement.phase("scoring"):
             with self.reference.on_device() as reference:
                 ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]
-        rollout.iteration = iteration
-        rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
-                                                                                 - self.args.max_staleness)
+            if self.guide is not None:
+                rollout.metadata["guide"] = self.guide.rollout(rollout.metadata.pop("episodes"), rollout, self.device)
         rollout.metadata.update(kept_fraction=kept_fraction, generate_s=generate_s,
                                 log_probs_s=time.monotonic() - start - generate_s)
         return rollout

@@ -31,6 +31,7 @@ from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.critic import CriticModel
 from megalite.rlhf.distillation import TeacherOutput
+from megalite.rlhf.guidance import GUIDE, GUIDE_REFERENCE, Guide
 from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.placement import Placement
 from megalite.rlhf.reference import LoRABaseReference, ReferenceModel
@@ -49,7 +50,8 @@ from megalite.rlhf.weight_sync import TRAINER, SyncRole, WeightSync
 from megalite.training.metrics import MetricsLogger
 
 ACTOR, CRITIC, REFERENCE, TARGET_CRITIC = "actor", "critic", "reference", "target critic"
-"""The trained and frozen models' names in the placement plan."""
+"""The trained and frozen models' names in the placement plan (the guide's are ``guidance.GUIDE``,
+``GUIDE_REFERENCE``)."""
 
 
 class RLTrainer:
@@ -66,10 +68,12 @@ class RLTrainer:
                              "0 and no --rollout-world-size or --use-scoring-server")
         self.args, self.world_size = args, world_size
 
-    def build_placement(self, device, actor, critic, reference, reward, teacher_model, target) -> Placement:
-        """This rank's models in the placement plan: the trained actor (and critic), the reference, the reward
-        model and teacher where this rank holds them (moved per request on the scoring-server rank) and the target
-        critic (also used in training when stale rollouts recompute their values)."""
+    def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
+                        guide: Guide | None = None) -> Placement:
+        """This rank's models in the placement plan: the trained actor (and critic, and the guidance flow's
+        guide), the references, the reward model and teacher where this rank holds them (moved per request on the
+        scoring-server rank) and the target critic (also used in training when stale rollouts recompute their
+        values)."""
         args = self.args
         placement = Placement(args.offload, device)
         placement.add_trained(ACTOR, actor.chunk, actor.optimizer)
@@ -77,6 +81,9 @@ class RLTrainer:
             placement.add_trained(CRITIC, critic.chunk, critic.optimizer)
         if isinstance(reference, ReferenceModel):  # not a LoRA policy's base, which is the actor's own weights
             placement.add_frozen(REFERENCE, reference.module)
+        if guide is not None:
+            placement.add_trained(GUIDE, guide.backend.chunk, guide.backend.optimizer)
+            placement.add_frozen(GUIDE_REFERENCE, guide.reference.module)
         if isinstance(reward, RewardModelScorer):
             placement.add_frozen(REWARD_MODEL, reward.model, on_demand=args.use_scoring_server)
         if teacher_model is not None:
@@ -86,9 +93,18 @@ class RLTrainer:
                                  else ("scoring",))
         return placement
 
+    def _policy_backend(self, chunk, lr: float, trained: list | None = None) -> TrainingBackend:
+        """A policy's (the actor's, the guide's) training backend: its own optimizer at ``lr`` over ``trained``
+        (default ``[chunk]``; LoRA: the adapters), the PPO objective."""
+        args, trained = self.args, trained or [chunk]
+        optimizer = get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), trained)
+        return TrainingBackend(chunk, optimizer, PPOActorObjective(args.ppo, args.temperature,
+                                                                   distill_coef=args.distill_coef),
+                               args.micro_batch_size, self.topo, trained, micro_batch_tokens=args.micro_batch_tokens)
+
     def train(self) -> int:
         """Runs the whole job on this rank (a rollout rank serves rollouts instead); 0 when done.  Afterwards
-        ``self.actor`` (and ``self.critic``) hold the trained models."""
+        ``self.actor`` (and ``self.critic``, ``self.guide``) hold the trained models."""
         owns_process_group = not dist.is_initialized()
         if self._setup():
             self._loop()
@@ -133,15 +149,18 @@ class RLTrainer:
             if self.sync is not None:
                 self.sync = WeightSync(adapters, role)
                 self.sync.sync()
-        self.actor = TrainingBackend(actor_chunk, get_optimizer(OptimizerConfig(lr=args.actor_lr, weight_decay=0.0,
-                                                                                clip_grad=1.0), trained),
-                                     PPOActorObjective(args.ppo, args.temperature, distill_coef=args.distill_coef),
-                                     args.micro_batch_size, topo, trained)
+        self.actor = self._policy_backend(actor_chunk, args.actor_lr, trained)
+        self.guide = None
+        if args.environment == "guidance":  # a second actor: its own warm-up, optimizer and reference
+            guide_chunk = pretrain(args, topo, config, device, guide=True)
+            self.guide = Guide(self._policy_backend(guide_chunk, args.guide_lr),
+                               ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=guide_chunk),
+                               args)
         self.critic = critic_chunk = self.target = None
         if args.advantage.needs_critic:
             critic_chunk, critic_optimizer = build(CriticModel, config, topo, args.critic_lr, device)
             self.critic = TrainingBackend(critic_chunk, critic_optimizer, PPOCriticObjective(args.ppo),
-                                          args.micro_batch_size, topo)
+                                          args.micro_batch_size, topo, micro_batch_tokens=args.micro_batch_tokens)
             if args.target_critic_tau is not None:
                 self.target = (pipeline_chunk(CriticModel, config, topo, device),
                                PolyakTarget(critic_chunk.module, args.target_critic_tau))
@@ -151,12 +170,12 @@ class RLTrainer:
         if args.use_scoring_server and owner and args.use_teacher:
             teacher_model, teacher = build_teacher(args, config, single_group, device)
         self.placement = self.build_placement(device, self.actor, self.critic, self.reference, self.reward,
-                                              teacher_model, self.target)
+                                              teacher_model, self.target, self.guide)
         if topo.global_rank == 0 or (owner and args.use_scoring_server):
             print(f"rank {topo.global_rank} {self.placement.table()}", flush=True)
         self.value_model = self.target[0] if self.target is not None else critic_chunk
         self.rollouts = Rollouts(args, topo, self.actor, self.reference, self.value_model, device, self.reward,
-                                 self.placement)
+                                 self.placement, self.guide)
         if self.resume is not None:
             self._load()
         self.scoring_server = None
@@ -169,8 +188,8 @@ class RLTrainer:
             self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
                                      inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
-            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts,
-                                                                0 if self.sync else args.max_staleness))
+            depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds
+            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts, depth))
         self.eval_sample = (self.rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
         return True
 
@@ -190,6 +209,9 @@ class RLTrainer:
                                     teacher, self.value_model)
                 if self.target is not None:
                     placement.update_target(TARGET_CRITIC, self.critic.chunk.module)
+                if self.guide is not None:
+                    metrics.update(self.guide.update(rollout.metadata["guide"], topo, self.device,
+                                                     self.rollouts.version))
             metrics.update(placement.take_metrics())
             if args.use_scoring_server:
                 metrics["scorer_staleness"] = float(self.stream.staleness[-1])

@@ -85,14 +85,26 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"{rows} sequences per DP rank ({args.prompts_per_rank} prompts x "
                          f"{args.n_samples_per_prompt} samples) are not divisible by --micro-batch-size "
                          f"{args.micro_batch_size}")
+    if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.pipeline_model_parallel_size > 1):
+        raise ValueError(f"--micro-batch-tokens {args.micro_batch_tokens} needs a positive budget and "
+                         f"--pipeline-model-parallel-size 1")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.partial_rollout_tokens is not None and (
+            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment or rollout
+            or args.use_scoring_server or args.dynamic_sampling or args.save):
+        raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
+                         f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts that "
+                         f"does not save (rows in flight are not checkpointed): no --environment, "
+                         f"--rollout-world-size, --use-scoring-server, --dynamic-sampling or --save")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of iterations, got "
                              f"{getattr(args, name)}")
+    if args.eval_samples is not None and (args.eval_samples < 1 or not args.eval_interval):
+        raise ValueError(f"--eval-samples {args.eval_samples} needs --eval-interval and at least 1 sample")
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
@@ -115,6 +127,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"{args.max_total_tokens}")
     if args.warmup_direct_fraction is not None and args.environment != "calculator":
         raise ValueError("--warmup-direct-fraction shapes the warm-up of --environment calculator")
+    if args.warmup_wrong_hint_fraction is not None and args.environment != "guidance":
+        raise ValueError("--warmup-wrong-hint-fraction shapes the warm-up of --environment guidance")
+    if args.environment == "guidance" and (args.advantage_estimator == "gae" or args.save or args.load):
+        raise ValueError("--environment guidance trains a guide model beside the policy with a critic-free "
+                         "--advantage-estimator (grpo, rloo, reinforce_plus_plus) and does not save or load (no --save, "
+                         "--load)")
     if args.environment and not args.load and longest_demonstration(args) > args.max_total_tokens:
         raise ValueError(f"--environment {args.environment} warm-up demonstrations up to --max-operand "
                          f"{args.max_operand} take {longest_demonstration(args)} tokens, more than "

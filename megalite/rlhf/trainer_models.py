@@ -1,15 +1,17 @@
 """The RL trainer's models: this rank's pipeline chunk of a GPT or critic (DDP-wrapped, with its optimizer), the
-actor's warm-up pretraining on the arithmetic task, the ``--environment``'s demonstrations or ``--prompt-data``'s
-completions (SFT), or its ``--load``,
+actor's (and the guidance flow's guide's) warm-up pretraining on the arithmetic task, the ``--environment``'s
+demonstrations or ``--prompt-data``'s completions (SFT), with a progress bar on rank 0's stderr, or its ``--load``,
 and the scoring server's teacher.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import replace
 
 import torch
+from tqdm import tqdm
 
 from megalite.checkpoint import load_sharded
 from megalite.distributed import DDPConfig, DistributedDataParallel
@@ -62,9 +64,10 @@ def build_teacher(args, config, single_group, device):
     return model, teacher_fn(model, args.teacher_topk)
 
 
-def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDataParallel:
+def pretrain(args, topo, config, device, resume: bool = False, guide: bool = False) -> DistributedDataParallel:
     """The actor chunk, pretrained here or loaded from ``--load`` (a pretrained actor); as built when ``resume``
-    (the RL checkpoint's weights come later)."""
+    (the RL checkpoint's weights come later).  ``guide``: the guidance flow's guide instead, warmed up on the
+    hints of the environment's demonstrations."""
     chunk, optimizer = build(GPTModel, config, topo, args.pretrain_lr, device)
     backend = TrainingBackend(chunk, optimizer, LanguageModelObjective(), args.micro_batch_size, topo)
     if resume:
@@ -73,10 +76,14 @@ def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDat
         backend.load(args.load)
         return chunk
     rng = random.Random(args.seed + 17 * topo.dp.rank)
-    for step in range(1, args.pretrain_iters + 1):
+    name = "guide warm-up" if guide else "warm-up"
+    steps = tqdm(range(1, args.pretrain_iters + 1), desc=name, unit="step", disable=topo.global_rank != 0,
+                 mininterval=1.0, file=sys.stderr)
+    metrics = None
+    for step in steps:
         if args.environment:
-            batch = warmup_batch(lambda: make_environment(args), rng,
-                                 args.pretrain_batch_per_rank, args.max_total_tokens)
+            batch = warmup_batch(lambda: make_environment(args).guide_task() if guide else make_environment(args),
+                                 rng, args.pretrain_batch_per_rank, args.max_total_tokens)
         elif args.prompt_set is not None:
             batch = args.prompt_set.warmup_batch(rng, args.pretrain_batch_per_rank)
         else:
@@ -84,6 +91,7 @@ def pretrain(args, topo, config, device, resume: bool = False) -> DistributedDat
         batch = {k: v.to(device) for k, v in batch.items()}
         metrics = backend.forward_backward(batch)
         backend.optim_step()
-        if topo.global_rank == 0 and (step % 20 == 0 or step == args.pretrain_iters):
-            print(f"pretrain step {step}/{args.pretrain_iters} | lm_loss {metrics['lm_loss']:.4f}", flush=True)
+        steps.set_postfix_str(f"lm_loss {metrics['lm_loss']:.4f}", refresh=False)
+    if topo.global_rank == 0 and metrics is not None:
+        print(f"{name}: {args.pretrain_iters} steps | lm_loss {metrics['lm_loss']:.4f}", flush=True)
     return chunk

@@ -5,7 +5,9 @@ estimate of the sampling policy's entropy: the mean negative log-prob of the sam
 episodes add ``turns``, the mean actions per episode, and ``episode_errors``, the fraction ended by a raising step).
 When the old log-probs are recomputed by the actor (stale rollouts, ``--recompute-old-log-probs``) the metrics add
 the train/inference gap ``log_prob_gap`` (mean) and ``log_prob_gap_max`` of ``|old - behaviour|`` over response
-tokens, and ``is_weight_mean``, the mean TIS/MIS weight (``--rollout-is-*``).
+tokens, and ``is_weight_mean``, the mean TIS/MIS weight (``--rollout-is-*``).  With ``--balance-dp-tokens`` the
+rows are redistributed over the DP ranks by token count before the passes (``megalite.rlhf.dp_balance``; the same
+global mean) and ``dp_tokens_max_over_min`` logs the ranks' token spread after it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.advantages import compute_advantages
 from megalite.rlhf.critic import pipeline_values
 from megalite.rlhf.distillation import TeacherOutput, teacher_rewards
+from megalite.rlhf.dp_balance import balance_batches
 from megalite.rlhf.ppo import rollout_is_weights
 from megalite.rlhf.rewards import token_rewards
 from megalite.rlhf.rollout_batch import Rollout
@@ -80,6 +83,11 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
     if critic is not None:
         critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
                         "old_values": old_values, "returns": returns}
+    dp_tokens = None
+    if args.balance_dp_tokens and topo.dp.size > 1:  # after the advantages: GRPO groups are one rank's rows
+        balanced, dp_tokens = balance_batches([batch] + ([critic_batch] if critic is not None else []),
+                                              batch["attention_mask"], topo.dp.group)
+        batch, critic_batch = balanced[0], balanced[-1] if critic is not None else None
     for _ in range(args.ppo_epochs):
         actor_metrics = actor.forward_backward(batch)
         actor.optim_step()
@@ -101,6 +109,8 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
                "time_train_s": time.monotonic() - start - log_probs_s}
     if critic is not None:
         metrics["value_loss"] = critic_metrics["value_loss"]
+    if dp_tokens is not None:
+        metrics["dp_tokens_max_over_min"] = max(dp_tokens) / max(min(dp_tokens), 1)
     if gap is not None:  # the trainer's old log-probs against the engine's, over response tokens
         metrics["log_prob_gap"] = dp_mean(float(gap.sum() / mask.sum().clamp(min=1)), topo, device)
         metrics["log_prob_gap_max"] = dp_max(float(gap.max()), topo, device)

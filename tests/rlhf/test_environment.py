@@ -15,11 +15,11 @@ from megalite.rlhf.actor import sequence_log_probs
 from megalite.rlhf.env_tasks import (CalculatorEnvironment, VerifierEnvironment, calculate, longest_demonstration,
                                      warmup_batch)
 from megalite.rlhf.environment import Environment, EpisodeLimits, StepResult, run_episodes
-from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig
+from megalite.rlhf.generation import RolloutEngine, SamplingConfig
 from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args, validate
 from megalite.testing import run_distributed
-from tests.rlhf.common import config
+from tests.rlhf.common import config, scripted_output
 
 TOK = ByteTokenizer()
 SAMPLING = SamplingConfig(max_new_tokens=4, eos_id=TOK.eod, pad_id=TOK.pad, temperature=1.0)
@@ -96,21 +96,13 @@ def test_episodes_near_the_token_limit_sample_only_what_fits():
 def scripted(script: dict[str, list[str]], log_prob: float = -0.5):
     """A sampler that writes ``script[prompt][turn]`` (turn = observations so far) for the row of each prompt."""
     def sample(prompts, prompt_mask, sampling, generator):
-        b, p = prompts.shape
         actions = []
         for row in prompts.tolist():
             text = TOK.detokenize(row)
             prompt = next(key for key in script if text.startswith(key))
             actions.append((TOK.tokenize(script[prompt][text.count("</result>")]) + [TOK.eod])
                            [:sampling.max_new_tokens])
-        n = max(len(a) for a in actions)
-        tokens = torch.cat([prompts, torch.full((b, n), sampling.pad_id)], dim=1)
-        response_mask = torch.zeros(b, n, dtype=torch.long)
-        for i, action in enumerate(actions):
-            tokens[i, p:p + len(action)] = torch.tensor(action)
-            response_mask[i, :len(action)] = 1
-        return GenerationOutput(tokens, torch.cat([prompt_mask, response_mask], dim=1),
-                                log_prob * response_mask.float(), response_mask)
+        return scripted_output(prompts, prompt_mask, actions, sampling.pad_id, log_prob)
     return sample
 
 

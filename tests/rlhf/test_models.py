@@ -1,15 +1,21 @@
-"""Reference model offload, and the training backend's DP/micro-batch invariance and checkpoints."""
+"""Reference model offload, the training backend's DP/micro-batch invariance and checkpoints, and the RL trainer's
+warm-up progress bar."""
 
+import contextlib
+import io
 import math
 
 import torch
 
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel
-from megalite.models import GPTModel
+from megalite.models import GPTConfig, GPTModel
 from megalite.rlhf import (PPOActorObjective, PPOConfig, ReferenceModel, TrainingBackend, policy_loss,
                                   sequence_log_probs)
 from megalite.optim import OptimizerConfig, get_optimizer
+from megalite.rlhf.arithmetic import TOKENIZER
+from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.rlhf.trainer_models import pretrain
 from megalite.testing import run_distributed
 from tests.rlhf.common import VOCAB, config, padded_prompts
 
@@ -99,3 +105,24 @@ def _check_backend(mode, kl_loss):
 
 def test_backend_gradient_independent_of_micro_batches_and_dp_and_save_load(tmp_path):
     run_distributed(_backend_rank, 2, str(tmp_path), timeout=180)
+
+
+def _warm_up(argv):
+    """The trainer's warm-up with rank 0's stderr captured: (stderr, stdout)."""
+    args = parse_args(argv)
+    validate(args, 1)
+    topo = topology.initialize(tp=1, pp=1)
+    model_config = GPTConfig(vocab_size=TOKENIZER.vocab_size, num_layers=1, hidden_size=32, num_attention_heads=4,
+                             max_position_embeddings=16, make_vocab_size_divisible_by=8)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        pretrain(args, topo, model_config, "cpu")
+    return err.getvalue(), out.getvalue()
+
+
+def test_warm_up_shows_a_progress_bar_and_one_summary_line():
+    argv = ["--tensor-model-parallel-size", "1", "--pretrain-iters", "3", "--pretrain-global-batch-size", "4",
+            "--micro-batch-size", "4", "--global-batch-size", "4"]
+    [(err, out)] = run_distributed(_warm_up, 1, argv, timeout=120)
+    assert "warm-up: 100%" in err and "3/3" in err and "lm_loss" in err
+    assert out.startswith("warm-up: 3 steps | lm_loss ") and out.count("\n") == 1

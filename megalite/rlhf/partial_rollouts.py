@@ -1,0 +1,105 @@
+"""Partial rollouts: long generations that continue across weight updates, each token keeping the behaviour log-prob
+of the weights that sampled it.
+
+With a bounded generation budget per iteration (Kimi k1.5's and verl's partial rollouts), a round decodes at most
+``chunk_tokens`` more tokens of every unfinished row; the rows that end (end-of-document, or ``max_new_tokens``
+in all) leave as a typed :class:`~megalite.rlhf.rollout_batch.Rollout`, the others wait for the next round, which
+samples their continuation (prompt and tokens so far as its prefix) with the weights of that time.  A finished
+row therefore mixes tokens of several policy versions: its ``behaviour_log_probs`` hold, per token, the log-prob
+under the weights that sampled that token; ``token_versions`` (aligned like ``response_mask``, -1 off the
+response) says which version that was, and ``version`` is the oldest, so that ``rl_update`` checks the
+staleness bound (``--max-staleness``) against it and, with stale tokens, recomputes the old log-probs and weighs
+each token by its own behaviour log-prob (``--rollout-is-*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from megalite.rlhf.generation import SamplingConfig
+from megalite.rlhf.rollout_batch import Rollout, left_pad
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class PartialRollouts:
+    """Unfinished generations of one rank.  ``sample``: ``rollout_sampler``'s contract (weights updated in place
+    between rounds); ``sampling.max_new_tokens``: the whole response budget of a row; ``chunk_tokens``: tokens a
+    row may gain per :meth:`advance`; ``prompt_width``: every prompt's left-padded width in the rollouts;
+    ``group_size``: rows are added and leave in groups of this many consecutive rows (a GRPO group leaves when
+    its last row ends)."""
+
+    def __init__(self, sample, sampling: SamplingConfig, chunk_tokens: int, prompt_width: int, group_size: int = 1):
+        if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= sampling.max_new_tokens:
+            raise ValueError(f"chunk_tokens must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], "
+                             f"got {chunk_tokens!r}")
+        self.sample, self.sampling, self.chunk_tokens, self.prompt_width = sample, sampling, chunk_tokens, prompt_width
+        self.group_size = group_size
+        self.rows: list[_Row] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, prompts: list[list[int]]) -> None:
+        """New rows (prompt token ids, at most ``prompt_width`` each; whole groups) to generate, after the
+        unfinished ones."""
+        if len(prompts) % self.group_size:
+            raise ValueError(f"{len(prompts)} rows are not whole groups of {self.group_size}")
+        for prompt in prompts:
+            if not 1 <= len(prompt) <= self.prompt_width:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prompt_width {self.prompt_width}")
+        self.rows += [_Row(list(prompt)) for prompt in prompts]
+
+    def _done(self, row: _Row) -> bool:
+        return len(row.tokens) == self.sampling.max_new_tokens or (bool(row.tokens)
+                                                                   and row.tokens[-1] == self.sampling.eos_id)
+
+    def advance(self, version: int, generator: torch.Generator | None = None, device="cpu") -> Rollout | None:
+        """One round: every unfinished row samples up to ``chunk_tokens`` more tokens with the current weights
+        (policy ``version``; one ``sample`` call per remaining budget); the groups whose rows have all ended leave,
+        in their order, as a Rollout (None when none did)."""
+        budgets = [0 if self._done(row) else min(self.chunk_tokens, self.sampling.max_new_tokens - len(row.tokens))
+                   for row in self.rows]
+        for budget in sorted(set(budgets) - {0}, reverse=True):
+            index = [i for i, b in enumerate(budgets) if b == budget]
+            prefixes = [self.rows[i].prompt + self.rows[i].tokens for i in index]
+            width = max(len(p) for p in prefixes)
+            ids, mask = left_pad(prefixes, self.sampling.pad_id, width)
+            out = self.sample(ids.to(device), mask.to(device), replace(self.sampling, max_new_tokens=budget),
+                              generator)
+            for r, i in enumerate(index):
+                k = int(out.response_mask[r].sum())
+                row = self.rows[i]
+                row.tokens += out.tokens[r, width:width + k].tolist()
+                row.log_probs += out.log_probs[r, :k].tolist()
+                row.versions += [version] * k
+        g = self.group_size
+        groups = [self.rows[i:i + g] for i in range(0, len(self.rows), g)]
+        finished = [row for group in groups if all(map(self._done, group)) for row in group]
+        self.rows = [row for group in groups if not all(map(self._done, group)) for row in group]
+        return self._rollout(finished, device) if finished else None
+
+    def _rollout(self, rows: list[_Row], device) -> Rollout:
+        p, n, b = self.prompt_width, self.sampling.max_new_tokens, len(rows)
+        input_ids = torch.full((b, p + n), self.sampling.pad_id, dtype=torch.long)
+        attention = torch.zeros(b, p + n, dtype=torch.long)
+        response_mask = torch.zeros(b, p + n - 1)
+        log_probs = torch.zeros(b, p + n - 1)
+        versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
+        for i, row in enumerate(rows):
+            start, k = p - len(row.prompt), len(row.tokens)
+            input_ids[i, start:p + k] = torch.tensor(row.prompt + row.tokens)
+            attention[i, start:p + k] = 1
+            response_mask[i, p - 1:p - 1 + k] = 1
+            log_probs[i, p - 1:p - 1 + k] = torch.tensor(row.log_probs)
+            versions[i, p - 1:p - 1 + k] = torch.tensor(row.versions)
+        return Rollout(input_ids.to(device), attention.to(device), response_mask.to(device), log_probs.to(device), p,
+                       token_versions=versions.to(device), version=int(versions[versions >= 0].min()))

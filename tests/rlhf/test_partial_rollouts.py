@@ -1,0 +1,150 @@
+"""Partial rollouts: a generation started under weights v and finished under v+1 keeps, per token, the behaviour
+log-prob of the weights that sampled it, and the RL update weighs each token by its own; the RL trainer's
+--partial-rollout-tokens."""
+
+import json
+
+import pytest
+import torch
+
+from megalite import topology
+from megalite.models import GPTModel
+from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.generation import RolloutEngine, SamplingConfig
+from megalite.rlhf.objectives import PPOActorObjective
+from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.backend import TrainingBackend
+from megalite.rlhf.trainer import RLTrainer
+from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.rlhf.trainer_models import build
+from megalite.rlhf.update import rl_update
+from megalite.testing import run_distributed
+from tests.rlhf.common import VOCAB, config
+
+SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=VOCAB - 1, pad_id=0, temperature=1.0)
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def _log_probs(model, rollout, state=None):
+    """``model``'s log-probs of ``rollout``'s tokens, with the weights ``state`` (default: its own)."""
+    current = {k: v.clone() for k, v in model.state_dict().items()}
+    if state is not None:
+        model.load_state_dict(state)
+    with torch.no_grad():
+        result = sequence_log_probs(model, rollout.input_ids, rollout.attention_mask, SAMPLING.temperature)[0]
+    model.load_state_dict(current)
+    return result
+
+
+def _perturb(model, seed):
+    """A weight update in place (the engine keeps running on the same parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _two_versions(model, sample):
+    """Rows started under the weights of version 0 (3 tokens each), finished under version 1: (the rollout of the
+    rows that spanned both, the weights of version 0)."""
+    partial = PartialRollouts(sample, SAMPLING, chunk_tokens=3, prompt_width=4)
+    partial.add(PROMPTS)
+    generator = torch.Generator().manual_seed(0)
+    first = partial.advance(0, generator)
+    assert first is None or len(first) < len(PROMPTS)
+    carried = len(partial)
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    _perturb(model, 1)
+    second = partial.advance(1, generator)
+    assert len(partial) == 0 and len(second) == carried >= 2
+    return second, v0
+
+
+def test_a_row_finished_after_a_weight_update_keeps_each_tokens_behaviour_log_prob():
+    model = GPTModel(config())
+    rollout, v0 = _two_versions(model, RolloutEngine(model).generate)
+    p, mask, versions = rollout.prompt_width, rollout.response_mask, rollout.token_versions
+    assert rollout.version == 0
+    assert torch.equal(versions[:, p - 1:p + 2], torch.zeros(len(rollout), 3, dtype=torch.long))
+    assert bool((versions[mask > 0][versions[mask > 0] != 0] == 1).all()) and bool((versions[mask == 0] == -1).all())
+    old, new = _log_probs(model, rollout, v0), _log_probs(model, rollout)
+    expected = torch.where(versions == 0, old, new) * mask
+    torch.testing.assert_close(rollout.behaviour_log_probs, expected, rtol=0, atol=1e-5)
+    # the two versions disagree on the carried tokens: one version's log-probs for all would not pass above
+    assert float(((old - new).abs() * (versions == 0)).max()) > 1e-3
+    assert [row[row != 0].tolist() for row in rollout.prompt_ids] == PROMPTS  # every row carried over, in order
+
+
+def test_chunk_tokens_bounds():
+    model = GPTModel(config())
+    with pytest.raises(ValueError, match=r"chunk_tokens must be an integer in \[1, max_new_tokens=6\], got 7"):
+        PartialRollouts(RolloutEngine(model).generate, SAMPLING, 7, 4)
+    with pytest.raises(ValueError, match="a prompt of 5 tokens does not fit prompt_width 4"):
+        PartialRollouts(RolloutEngine(model).generate, SAMPLING, 3, 4).add([[1, 2, 3, 4, 5]])
+
+
+def _update(argv):
+    """rl_update on a rollout started at version 0 and finished at version 1, with the actor at version 1: the
+    train/inference gap it logs and its TIS weights come from each token's own behaviour log-prob."""
+    args = parse_args(argv)
+    validate(args, 1)
+    topo = topology.initialize(tp=1, pp=1)
+    torch.manual_seed(3)
+    model_config = config(max_position_embeddings=16)
+    chunk, optimizer = build(GPTModel, model_config, topo, 1e-3, "cpu")
+    actor = TrainingBackend(chunk, optimizer, PPOActorObjective(args.ppo), args.micro_batch_size, topo)
+    rollout, _ = _two_versions(chunk.module, RolloutEngine(chunk).generate)
+    rollout = rollout.rows(0, 2)
+    mask = rollout.response_mask
+    current = _log_probs(chunk.module, rollout) * mask
+    gap = (current - rollout.behaviour_log_probs).abs() * mask
+    weights = torch.where(mask > 0, torch.exp(current - rollout.behaviour_log_probs).clamp(max=10.0), 1.0)
+    rollout.rewards = torch.tensor([1.0, 0.0])
+    rollout.ref_log_probs = current
+    rollout.metadata.update(kept_fraction=1.0, generate_s=0.0, log_probs_s=0.0)
+    metrics = rl_update(rollout, args, topo, actor, None, "cpu", version=1)
+    on_v1 = (rollout.token_versions == 1) & (mask > 0)
+    result = (metrics["log_prob_gap"], float(gap.sum() / mask.sum()), metrics["is_weight_mean"],
+              float((weights * mask).sum() / mask.sum()), float(gap[on_v1].max()), float(gap.max()))
+    return result
+
+
+def test_the_update_weighs_each_token_by_its_own_behaviour_log_prob():
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--global-batch-size",
+            "1", "--n-samples-per-prompt", "2", "--micro-batch-size", "2", "--advantage-estimator", "grpo",
+            "--ppo-epochs", "1", "--max-new-tokens", "6", "--max-staleness", "1", "--rollout-is-cap", "10"]
+    [(gap, expected_gap, weight, expected_weight, gap_on_v1, gap_max)] = run_distributed(_update, 1, argv, timeout=120)
+    assert gap == pytest.approx(expected_gap, rel=1e-5) and weight == pytest.approx(expected_weight, rel=1e-5)
+    assert gap_on_v1 < 1e-5 < gap_max  # the tokens of version 1 are on-policy, those of version 0 are not
+
+
+def _train(argv):
+    return RLTrainer(parse_args(argv)).train()
+
+
+def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_path):
+    """--partial-rollout-tokens 1: rows grow one token per round; a batch is the first groups to finish, the rest
+    continue under the next weights, so some batches hold tokens of an older version (staleness > 0, bounded by
+    --max-staleness), whose per-token behaviour log-probs the update corrects with (log_prob_gap, TIS weights)."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--train-iters", "6", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+            "4", "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "1",
+            "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2",
+            "--metrics-file", str(metrics)]
+    assert run_distributed(_train, 1, argv, timeout=120) == [0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 7))
+    assert all(r["staleness"] <= 2 for r in records) and any(r["staleness"] >= 1 for r in records)
+    assert all(("log_prob_gap" in r) == (r["staleness"] > 0) for r in records)
+    assert all(r["log_prob_gap"] > 0 and r["is_weight_mean"] > 0 for r in records if r["staleness"] > 0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
+    (["--partial-rollout-tokens", "1", "--dynamic-sampling"], "no --environment, --rollout-world-size"),
+])
+def test_partial_rollouts_bad_input(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parse_args(["--tensor-model-parallel-size", "1", "--global-batch-size", "2",
+                             "--n-samples-per-prompt", "2", "--micro-batch-size", "4"] + extra), 1)
