@@ -52,7 +52,7 @@ except ImportError:
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
 from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
 from megalite.inference.api_server import ServerConfig, build_app  # noqa: E402
-from megalite.inference.engine_loop import EngineLoop  # noqa: E402
+from megalite.inference.engine_client import EngineThread  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 
 
@@ -143,7 +143,7 @@ class Served:
         from aiohttp import web
 
         llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(requests))
-        self.loop = EngineLoop(llm.engine, max_pending=4 * requests)
+        self.loop = EngineThread(llm.engine, max_pending=4 * requests)
         self.loop.start()
         self.aio = asyncio.new_event_loop()
         threading.Thread(target=self.aio.run_forever, daemon=True).start()

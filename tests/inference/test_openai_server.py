@@ -4,6 +4,7 @@ with usage, /v1/models; a failing request fails alone with its own status; a dea
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -156,15 +157,29 @@ def test_a_dead_engine_answers_503():
         assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
 
 
-def test_the_cli_exits_nonzero_when_the_engine_dies(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_cli_exits_nonzero_when_the_engine_dies(tmp_path):
+    """The engine process dies (killed, as by the OOM killer): waiting requests get a 500, and the server stops
+    with status 1 so a supervisor restarts it."""
+    import signal
+    import subprocess
+
     from megalite.checkpoint import save_sharded
-    from megalite.inference import LLMEngine
-    from megalite.inference.serve import main
+    from tests.inference.server_harness import engine_pid, exits, serve_command
 
     save_sharded(str(tmp_path / "ckpt"), 1, [byte_model()])
-
-    def broken(self):
-        raise RuntimeError("engine bug")
-
-    monkeypatch.setattr(LLMEngine, "has_unfinished", broken)
-    assert main(["--load", str(tmp_path / "ckpt"), "--port", "0"]) == 1
+    command, env = serve_command(str(tmp_path / "ckpt"))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.split()[-1]
+        assert requests.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+        engine = engine_pid(proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert exits(engine)
+        assert proc.wait(timeout=60) == 1
+        assert "error: the engine failed: the engine process exited with status -9" in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
