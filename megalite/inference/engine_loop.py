@@ -50,6 +50,7 @@ class EngineLoop:
         self.counts = dict.fromkeys(ENGINE_COUNTERS, 0)
         self.ttft = [0.0, 0]  # sum of seconds, count
         self.itl = [0.0, 0]
+        self.step_s = [0.0, 0.0]  # wall and CPU seconds in engine.step: wall above CPU is time not on a core
         self._stopped = False
 
     def _put(self, request_id: str, event: dict) -> None:
@@ -88,8 +89,12 @@ class EngineLoop:
                     self.handle(message)
                     message = None if self._stopped else self.receive(0)
                 if engine.has_unfinished() and not self._stopped:
-                    self.publish(engine.step())
+                    started, cpu = time.perf_counter(), time.thread_time()
+                    requests = engine.step()
                     idle_since, busy = time.perf_counter(), True
+                    self.step_s[0] += idle_since - started
+                    self.step_s[1] += time.thread_time() - cpu
+                    self.publish(requests)
                 elif engine.tp_size > 1 and time.perf_counter() - idle_since > self.heartbeat_s:
                     engine.heartbeat()
                     idle_since = time.perf_counter()
@@ -113,6 +118,9 @@ class EngineLoop:
                 "megalite_time_to_first_token_seconds_count": self.ttft[1],
                 "megalite_inter_token_latency_seconds_sum": self.itl[0],
                 "megalite_inter_token_latency_seconds_count": self.itl[1],
+                "megalite_engine_steps_total": engine.stats["steps"],
+                "megalite_engine_step_seconds_sum": self.step_s[0],
+                "megalite_engine_step_cpu_seconds_sum": self.step_s[1],
                 **{f"megalite_{name}_total": value for name, value in self.counts.items()},
                 "megalite_queue_depth": len(engine.scheduler.waiting),
                 "megalite_sequences_running": len(engine.scheduler.running),

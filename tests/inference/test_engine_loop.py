@@ -49,7 +49,9 @@ def test_one_thread_hop_per_engine_step():
         callback(*args)
     for events in queues:
         assert [len(e["choices"][0]["token_ids"]) for e in events] == [1, 1, 1] and events[-1]["done"]
-    assert client.pending == 0 and client.metrics.engine["megalite_requests_finished_total"] == 4
+    stats = client.metrics.engine
+    assert client.pending == 0 and stats["megalite_requests_finished_total"] == 4
+    assert stats["megalite_engine_steps_total"] == 3 and stats["megalite_generation_tokens_total"] == 12
 
 
 def test_a_failed_engine_fails_every_waiting_request():
