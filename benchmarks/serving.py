@@ -256,10 +256,10 @@ def main():
     scratch = tempfile.mkdtemp(prefix="megalite-serving-")
     server = Served(model, args.requests, os.path.join(scratch, "ckpt"))
     best_local = best_http = None
-    in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
-    openai.OpenAI(base_url=server.url, api_key="unused").completions.create(model="megalite", prompt=texts[0],
-                                                                            max_tokens=4)  # the server's
     try:
+        in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
+        openai.OpenAI(base_url=server.url, api_key="unused").completions.create(model="megalite", prompt=texts[0],
+                                                                                max_tokens=4)  # the server's
         for _ in range(args.repeats):
             local = in_process(model, tokenizer, texts, args.max_tokens)
             http = over_http(server, args)

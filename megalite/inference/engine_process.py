@@ -12,9 +12,10 @@ thread receives each batch and hands it to the asyncio loop in one hop.  So the
 HTTP loop and the engine no longer share a GIL.
 
 Lifetime: :meth:`EngineProcess.stop` asks the child to stop and waits for it.
-The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-group; the HTTP process decides) and stops when its pipe closes, so it does
-not outlive an HTTP process that was killed.  A child that dies, or whose
+The child ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a launcher such
+as torchrun, signals the whole process group: the HTTP process decides, and
+stops it cleanly) and stops when its pipe closes, so it does not outlive an
+HTTP process that was killed.  A child that dies, or whose
 engine fails, fails every waiting request and turns ``alive`` false: the
 server then exits non-zero.  Under tensor parallelism the child is TP rank 0
 (it joins the process group torchrun's environment describes; the other ranks
@@ -50,6 +51,7 @@ class EngineStartError(RuntimeError):
 def engine_main(conn, spec: EngineSpec) -> None:
     """The child: load, report ``("ready", EngineFacts)`` (or ``("failed", bad_input, message)``), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch.distributed as dist
 
     from megalite import topology
