@@ -2,7 +2,7 @@
 streaming requests over loopback HTTP) and through ``LLM.generate``, in one run.
 
     python benchmarks/serving.py [--requests 64] [--max-tokens 48] [--hidden 256] [--layers 4] [--repeats 2]
-                                 [--server-cpus 0-1 --client-cpus 2-7]
+                                 [--server-cpus 0-1 --client-cpus 2-7 [--http-cpus 2-3]]
 
 Workload: ``--requests`` text prompts (16-128 bytes, seeded) on a Llama-style model with random weights over
 megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, so both sides make the same
@@ -14,9 +14,11 @@ engine process, as deployed; same engine config as the in-process side).
 Fairness: the client is a separate process whose CPU seconds during the run are printed on their own (an
 OpenAI client parsing server-sent events costs more CPU than the server spends sending them); with
 ``--server-cpus``/``--client-cpus`` this process (``LLM.generate``, and the server's two processes, which
-inherit its cores) and the client are pinned to disjoint cores, so the comparison is between the same engine on the same cores with and without
-HTTP in front of it, the client playing the remote machine it would be.  Without pinning both share the
-machine's cores.  Set ``OMP_NUM_THREADS`` the same for both (it is printed).
+inherit its cores) and the client are pinned to disjoint cores, so the comparison is between the same engine
+on the same cores with and without HTTP in front of it, the client playing the remote machine it would be;
+``--http-cpus`` moves the server's HTTP process off the engine's cores, as vLLM deploys its API server beside
+its engine core.  Without pinning both share the machine's cores.  Set ``OMP_NUM_THREADS`` the same for both
+(it is printed).
 
 Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of the engine side in each (for
 HTTP: the server's HTTP and engine processes) and of the client, and p50/p99 time to first token and
@@ -75,6 +77,8 @@ def parse_args():
     p.add_argument("--skip-structured", action="store_true", help="only the HTTP vs in-process comparison")
     p.add_argument("--server-cpus", type=cpus, help="pin this process (engine, server, LLM.generate) here: 0-1,4")
     p.add_argument("--client-cpus", type=cpus, help="pin the client process here (disjoint from --server-cpus)")
+    p.add_argument("--http-cpus", type=cpus, help="pin the server's HTTP process here, leaving its engine process "
+                                                  "on --server-cpus (vLLM's layout); default: both there")
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # internal: be the client process
     return p.parse_args()
 
@@ -160,7 +164,7 @@ class Served:
     """``python -m megalite.inference.serve`` (its engine in its own process, as deployed) over ``model`` saved as
     a checkpoint in ``directory``, with the in-process side's engine config, on this process's cores."""
 
-    def __init__(self, model, requests, directory):
+    def __init__(self, model, requests, directory, http_cpus=None):
         from megalite.checkpoint import save_sharded
 
         save_sharded(directory, 1, [model], extra={"args": {}})  # no tokenizer flags: ByteTokenizer
@@ -176,6 +180,9 @@ class Served:
             raise SystemExit(f"error: the server did not start: {line!r}")
         self.url = line.split()[-1] + "/v1"
         self.pids = [self.proc.pid, *children(self.proc.pid)]  # HTTP process; engine process (+ resource tracker)
+        if http_cpus:  # every thread of the HTTP process (threads it starts later inherit it)
+            for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+                os.sched_setaffinity(int(task), http_cpus)
 
     def cpu(self) -> list[float]:
         """CPU seconds each of the server's processes (HTTP, engine) has used so far."""
@@ -254,7 +261,7 @@ def main():
     texts = prompts(args.requests)
     tokens = args.requests * args.max_tokens
     scratch = tempfile.mkdtemp(prefix="megalite-serving-")
-    server = Served(model, args.requests, os.path.join(scratch, "ckpt"))
+    server = Served(model, args.requests, os.path.join(scratch, "ckpt"), args.http_cpus)
     best_local = best_http = None
     try:
         in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
@@ -287,7 +294,8 @@ def main():
           f"{engine['engine_steps_total']:.0f}, in engine.step {engine['engine_step_seconds_sum']:.2f} s wall / "
           f"{engine['engine_step_cpu_seconds_sum']:.2f} s CPU of its {best_http[0]:.2f} s; the client sent its "
           f"requests over {best_http[8]:.2f} s")
-    print(f"cores: this process {sorted(os.sched_getaffinity(0))}, client "
+    print(f"cores: this process and the engine process {sorted(os.sched_getaffinity(0))}, HTTP process "
+          f"{sorted(args.http_cpus) if args.http_cpus else 'the same'}, client "
           f"{sorted(args.client_cpus) if args.client_cpus else 'the same (not pinned)'}; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ttft, itl = best_http[3], best_http[4]

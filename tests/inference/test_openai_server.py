@@ -2,6 +2,7 @@
 text, ids, lists of them, n, echo + logprobs equal to the model's log-probs (1e-5), stop strings, streaming
 with usage, /v1/models; a failing request fails alone with its own status; a dead engine is a 503."""
 
+import asyncio
 import json
 import logging
 import os
@@ -158,28 +159,38 @@ def test_a_dead_engine_answers_503():
 
 
 @pytest.mark.slow
-def test_the_cli_exits_nonzero_when_the_engine_dies(tmp_path):
-    """The engine process dies (killed, as by the OOM killer): waiting requests get a 500, and the server stops
-    with status 1 so a supervisor restarts it."""
+def test_the_cli_exits_nonzero_when_the_engine_dies_and_loads_no_weights_itself(tmp_path, monkeypatch):
+    """``serve``'s engine process serves a request, then dies (killed, as by the OOM killer): the server stops
+    with status 1 so a supervisor restarts it.  The HTTP process never loads the weights (loading them raises
+    here; the spawned engine process is a fresh interpreter, which loads them)."""
     import signal
-    import subprocess
 
     from megalite.checkpoint import save_sharded
-    from tests.inference.server_harness import engine_pid, exits, serve_command
+    from megalite.inference import llm as llm_module
+    from megalite.inference import serve
+    from tests.inference.server_harness import exits
 
-    save_sharded(str(tmp_path / "ckpt"), 1, [byte_model()])
-    command, env = serve_command(str(tmp_path / "ckpt"))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line
-        url = line.split()[-1]
-        assert requests.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code == 200
-        engine = engine_pid(proc.pid)
-        os.kill(engine, signal.SIGKILL)
-        assert exits(engine)
-        assert proc.wait(timeout=60) == 1
-        assert "error: the engine failed: the engine process exited with status -9" in proc.stdout.read()
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
+    model = byte_model()
+    save_sharded(str(tmp_path / "ckpt"), 1, [model], extra={"args": {}})
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    expected = LLM.from_model(model).generate([[1, 2, 3]], params)
+    seen = []
+
+    def no_weights_here(*args, **kwargs):
+        raise AssertionError("the HTTP process loaded the model")
+
+    async def drive(client, config, tokenizer, template, args):  # in place of the HTTP server
+        events = client.submit("r0", [1, 2, 3], params)
+        while not (event := await events.get())["done"]:
+            pass
+        seen.append(event["output"].outputs[0].token_ids)
+        os.kill(client.pid, signal.SIGKILL)
+        seen.append(exits(client.pid))
+        while client.alive:
+            await asyncio.sleep(0.05)
+        seen.append(client.error)
+
+    monkeypatch.setattr(llm_module, "_load", no_weights_here)
+    monkeypatch.setattr(serve, "_serve", drive)
+    assert serve.main(["--load", str(tmp_path / "ckpt")]) == 1
+    assert seen == [expected[0].outputs[0].token_ids, True, "the engine process exited with status -9"]
