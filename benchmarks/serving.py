@@ -213,7 +213,7 @@ def over_http(server, args):
               ("engine_steps_total", "engine_step_seconds_sum", "engine_step_cpu_seconds_sum")}
     result = json.loads(done.stdout.splitlines()[-1])
     return (result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"], result["cpu"], result["chunks"],
-            engine, result["spread"])
+            engine, result["spread"], result["first"])
 
 
 def client(url, texts, max_tokens):
@@ -239,8 +239,9 @@ def client(url, texts, max_tokens):
     itl = [(b - a) / k for _, stamps, _ in results for (a, _), (b, k) in zip(stamps, stamps[1:]) for _ in range(k)]
     chunks = sum(len(stamps) for _, stamps, _ in results)
     sent = [sent for sent, _, _ in results]
+    first = min(stamps[0][0] for _, stamps, _ in results) - started  # the first token of any request
     print(json.dumps({"elapsed": elapsed, "texts": [text for _, _, text in results], "ttft": ttft, "itl": itl,
-                      "cpu": cpu, "chunks": chunks, "spread": max(sent) - min(sent)}))
+                      "cpu": cpu, "chunks": chunks, "spread": max(sent) - min(sent), "first": first}))
 
 
 def percentile(values, q):
@@ -293,7 +294,7 @@ def main():
     print(f"engine steps: in process {best_local[3]} in {best_local[0]:.2f} s; HTTP server "
           f"{engine['engine_steps_total']:.0f}, in engine.step {engine['engine_step_seconds_sum']:.2f} s wall / "
           f"{engine['engine_step_cpu_seconds_sum']:.2f} s CPU of its {best_http[0]:.2f} s; the client sent its "
-          f"requests over {best_http[8]:.2f} s")
+          f"requests over {best_http[8]:.2f} s and read the first token {best_http[9]:.2f} s after it started")
     print(f"cores: this process and the engine process {sorted(os.sched_getaffinity(0))}, HTTP process "
           f"{sorted(args.http_cpus) if args.http_cpus else 'the same'}, client "
           f"{sorted(args.client_cpus) if args.client_cpus else 'the same (not pinned)'}; load average "

@@ -5,7 +5,7 @@ Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
 completions, :mod:`megalite.inference.chat_completions` for chat; a
 request's ``structured_outputs`` grammar is compiled here on a worker thread,
-so the engine finds it in its cache (when it runs in this process), and one that does not compile is a 400);
+so an engine in this process finds it in its cache, and one that does not compile is a 400);
 :func:`build_app` adds the parts every endpoint shares: reading the body
 (size limit, a timeout for slow senders, JSON that is too deep or holds
 oversized integers is a 400), submitting to the :class:`EngineClient`
@@ -171,7 +171,8 @@ def build_app(loop: EngineClient, config: ServerConfig | None = None, *, tokeniz
         return handler
 
     async def compile_grammar(params):
-        """Compile ``params.structured_outputs`` off the engine thread (into the engine's cache); 400 if it fails."""
+        """Compile ``params.structured_outputs`` on a worker thread, off the event loop (into the checker's cache:
+        the engine's own when it runs in this process); 400 if it fails."""
         if params.structured_outputs is not None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, loop.checker.compile_grammar,
