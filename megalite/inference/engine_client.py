@@ -10,7 +10,7 @@ and cross to the asyncio loop in one hop (one ``call_soon_threadsafe`` per batch
 each hop wakes the loop through a pipe).  ``max_pending`` bounds the requests
 submitted and not yet finished: past it :meth:`submit` raises :class:`Overloaded`
 (HTTP 429).  Where the engine runs is the subclass's business: on a thread here
-(:class:`EngineThread`: tests, benchmarks, an application embedding the server) or
+(:class:`EngineThread`: tests, or an application serving a live model it holds) or
 in its own process (:class:`megalite.inference.engine_process.EngineProcess`: what
 ``serve`` runs, so the HTTP loop and the engine do not share a GIL).
 """
