@@ -66,7 +66,8 @@ def engine_main(conn, spec: EngineSpec) -> None:
         llm = LLM(spec.checkpoint, spec.tensor_parallel_size, engine_config=spec.engine_config,
                   tokenizer=spec.tokenizer)
     except Exception as error:  # noqa: BLE001 - the HTTP process reports it and exits
-        conn.send(("failed", isinstance(error, (ValueError, FileNotFoundError)), f"{type(error).__name__}: {error}"))
+        bad_input = isinstance(error, (ValueError, FileNotFoundError))  # run_cli's exit 2, its message as is
+        conn.send(("failed", bad_input, str(error) if bad_input else f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     conn.send(("ready", llm.engine.checker.facts))
 
