@@ -2,23 +2,26 @@
 streaming requests over loopback HTTP) and through ``LLM.generate``, in one run.
 
     python benchmarks/serving.py [--requests 64] [--max-tokens 48] [--hidden 256] [--layers 4] [--repeats 2]
-                                 [--server-cpus 0-1 --client-cpus 2-7]
+                                 [--server-cpus 0-1 --client-cpus 2-7 [--http-cpus 2-3]]
 
 Workload: ``--requests`` text prompts (16-128 bytes, seeded) on a Llama-style model with random weights over
 megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, so both sides make the same
 tokens.  The HTTP side sends all requests at once, streaming, from a thread pool (one thread per request,
-sharing one ``openai`` client as an application would) in a separate client process, to the server in this
-process (its engine on its own thread, as ``serve`` runs it).
+sharing one ``openai`` client as an application would) in a separate client process, to
+``python -m megalite.inference.serve`` over the same model saved as a checkpoint (its HTTP process and its
+engine process, as deployed; same engine config as the in-process side).
 
 Fairness: the client is a separate process whose CPU seconds during the run are printed on their own (an
 OpenAI client parsing server-sent events costs more CPU than the server spends sending them); with
-``--server-cpus``/``--client-cpus`` this process (engine, HTTP loop and ``LLM.generate`` alike) and the client
-are pinned to disjoint cores, so the comparison is between the same engine on the same cores with and without
-HTTP in front of it, the client playing the remote machine it would be.  Without pinning both share the
-machine's cores.  Set ``OMP_NUM_THREADS`` the same for both (it is printed).
+``--server-cpus``/``--client-cpus`` this process (``LLM.generate``, and the server's two processes, which
+inherit its cores) and the client are pinned to disjoint cores, so the comparison is between the same engine
+on the same cores with and without HTTP in front of it, the client playing the remote machine it would be;
+``--http-cpus`` moves the server's HTTP process off the engine's cores, as vLLM deploys its API server beside
+its engine core.  Without pinning both share the machine's cores.  Set ``OMP_NUM_THREADS`` the same for both
+(it is printed).
 
-Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of this process in each (for
-HTTP: the server's engine and HTTP threads) and of the client, and p50/p99 time to first token and
+Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of the engine side in each (for
+HTTP: the server's HTTP and engine processes) and of the client, and p50/p99 time to first token and
 inter-token latency as the clients saw them (a chunk of k tokens counts as k gaps of 1/k of its wait); then
 the cost of constrained decoding (a JSON schema through llguidance) against the same requests
 unconstrained, in process.  Each side runs ``--repeats`` times (alternating) and keeps its fastest run.  Wall
@@ -28,15 +31,16 @@ times: the machine may be shared, so say so with the numbers.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +55,6 @@ except ImportError:
 
 from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
 from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
-from megalite.inference.api_server import ServerConfig, build_app  # noqa: E402
-from megalite.inference.engine_loop import EngineLoop  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 
 
@@ -75,6 +77,8 @@ def parse_args():
     p.add_argument("--skip-structured", action="store_true", help="only the HTTP vs in-process comparison")
     p.add_argument("--server-cpus", type=cpus, help="pin this process (engine, server, LLM.generate) here: 0-1,4")
     p.add_argument("--client-cpus", type=cpus, help="pin the client process here (disjoint from --server-cpus)")
+    p.add_argument("--http-cpus", type=cpus, help="pin the server's HTTP process here, leaving its engine process "
+                                                  "on --server-cpus (vLLM's layout); default: both there")
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # internal: be the client process
     return p.parse_args()
 
@@ -110,7 +114,7 @@ def in_process(model, tokenizer, texts, max_tokens):
     started, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(texts, params)
     elapsed = time.perf_counter() - started
-    return elapsed, [o.outputs[0].text for o in outputs], time.process_time() - cpu
+    return elapsed, [o.outputs[0].text for o in outputs], time.process_time() - cpu, llm.engine.stats["steps"]
 
 
 SCHEMA = {"type": "object", "properties": {"note": {"type": "string"}, "count": {"type": "integer"}},
@@ -136,45 +140,80 @@ def structured(model, tokenizer, texts, max_tokens):
     return rates["plain"], rates["constrained"]
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(") ", 1)[-1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 class Served:
-    """The server on 127.0.0.1:<free port>, its HTTP loop on a thread (as in the tests' harness)."""
+    """``python -m megalite.inference.serve`` (its engine in its own process, as deployed) over ``model`` saved as
+    a checkpoint in ``directory``, with the in-process side's engine config, on this process's cores."""
 
-    def __init__(self, model, tokenizer, requests):
-        from aiohttp import web
+    def __init__(self, model, requests, directory, http_cpus=None):
+        from megalite.checkpoint import save_sharded
 
-        llm = LLM.from_model(model, tokenizer=tokenizer, engine_config=engine_config(requests))
-        self.loop = EngineLoop(llm.engine, max_pending=4 * requests)
-        self.loop.start()
-        self.aio = asyncio.new_event_loop()
-        threading.Thread(target=self.aio.run_forever, daemon=True).start()
+        save_sharded(directory, 1, [model], extra={"args": {}})  # no tokenizer flags: ByteTokenizer
+        config = engine_config(requests)
+        command = [sys.executable, "-m", "megalite.inference.serve", "--load", directory, "--port", "0",
+                   "--max-tokens-limit", "512", "--max-pending-requests", str(4 * requests),
+                   "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
+                   "--max-num-seqs", str(config.max_num_seqs)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONPATH": ROOT})
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            raise SystemExit(f"error: the server did not start: {line!r}")
+        self.url = line.split()[-1] + "/v1"
+        self.pids = [self.proc.pid, *children(self.proc.pid)]  # HTTP process; engine process (+ resource tracker)
+        if http_cpus:  # every thread of the HTTP process (threads it starts later inherit it)
+            for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+                os.sched_setaffinity(int(task), http_cpus)
 
-        async def start():
-            self.runner = web.AppRunner(build_app(self.loop, ServerConfig(max_tokens_limit=512), tokenizer=tokenizer),
-                                        access_log=None)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-            return self.runner.addresses[0][1]
+    def cpu(self) -> list[float]:
+        """CPU seconds each of the server's processes (HTTP, engine) has used so far."""
+        return [process_cpu(pid) for pid in self.pids]
 
-        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.aio).result()}/v1"
+    def metrics(self) -> dict:
+        """The server's ``/metrics``."""
+        with urllib.request.urlopen(self.url[:-len("/v1")] + "/metrics") as reply:
+            return {name: float(value) for name, value in (line.split() for line in reply.read().decode().splitlines())}
 
     def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.aio).result()
-        self.aio.call_soon_threadsafe(self.aio.stop)
-        self.loop.stop()
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
-def over_http(url, args):
-    """All requests at once from a client process; returns wall time, texts, times to first token, inter-token
-    gaps."""
-    command = [sys.executable, os.path.abspath(__file__), "--client", url, "--requests", str(args.requests),
+def over_http(server, args):
+    """All requests at once from a client process; returns wall time, texts, the server's CPU seconds, times to
+    first token, inter-token gaps, the client's CPU seconds and the chunks it read."""
+    command = [sys.executable, os.path.abspath(__file__), "--client", server.url, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens)]
     if args.client_cpus:
         command += ["--client-cpus", ",".join(map(str, sorted(args.client_cpus)))]
-    cpu = time.process_time()
+    cpu, before = server.cpu(), server.metrics()
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    cpu = time.process_time() - cpu  # the server's threads only (engine, HTTP loop), not the client process
+    cpu = [b - a for a, b in zip(cpu, server.cpu())]  # the server's processes (HTTP, engine), not the client
+    after = server.metrics()
+    engine = {name: after[f"megalite_{name}"] - before[f"megalite_{name}"] for name in
+              ("engine_steps_total", "engine_step_seconds_sum", "engine_step_cpu_seconds_sum")}
     result = json.loads(done.stdout.splitlines()[-1])
-    return result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"], result["cpu"], result["chunks"]
+    return (result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"], result["cpu"], result["chunks"],
+            engine, result["spread"], result["first"])
 
 
 def client(url, texts, max_tokens):
@@ -199,8 +238,10 @@ def client(url, texts, max_tokens):
     ttft = [stamps[0][0] - sent for sent, stamps, _ in results]
     itl = [(b - a) / k for _, stamps, _ in results for (a, _), (b, k) in zip(stamps, stamps[1:]) for _ in range(k)]
     chunks = sum(len(stamps) for _, stamps, _ in results)
+    sent = [sent for sent, _, _ in results]
+    first = min(stamps[0][0] for _, stamps, _ in results) - started  # the first token of any request
     print(json.dumps({"elapsed": elapsed, "texts": [text for _, _, text in results], "ttft": ttft, "itl": itl,
-                      "cpu": cpu, "chunks": chunks}))
+                      "cpu": cpu, "chunks": chunks, "spread": max(sent) - min(sent), "first": first}))
 
 
 def percentile(values, q):
@@ -220,19 +261,23 @@ def main():
     model = build_model(args, tokenizer.vocab_size)
     texts = prompts(args.requests)
     tokens = args.requests * args.max_tokens
-    server = Served(model, tokenizer, args.requests)
+    scratch = tempfile.mkdtemp(prefix="megalite-serving-")
+    server = Served(model, args.requests, os.path.join(scratch, "ckpt"), args.http_cpus)
     best_local = best_http = None
-    in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
     try:
+        in_process(model, tokenizer, texts[:4], 4)  # warm-up: first forwards, allocator
+        openai.OpenAI(base_url=server.url, api_key="unused").completions.create(model="megalite", prompt=texts[0],
+                                                                                max_tokens=4)  # the server's
         for _ in range(args.repeats):
             local = in_process(model, tokenizer, texts, args.max_tokens)
-            http = over_http(server.url, args)
+            http = over_http(server, args)
             if best_local is None or local[0] < best_local[0]:
                 best_local = local
             if best_http is None or http[0] < best_http[0]:
                 best_http = http
     finally:
         server.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     if best_local[1] != best_http[1]:
         print("warning: the HTTP texts differ from the in-process texts", file=sys.stderr)
     local_tps, http_tps = tokens / best_local[0], tokens / best_http[0]
@@ -241,10 +286,17 @@ def main():
     print(f"LLM.generate in process   {best_local[0]:7.2f} s  {local_tps:8.1f} tokens/s")
     print(f"openai client over HTTP   {best_http[0]:7.2f} s  {http_tps:8.1f} tokens/s  "
           f"(ratio {http_tps / local_tps:.3f}; overhead {100 * (1 - http_tps / local_tps):.1f}%)")
-    print(f"server CPU s: in process {best_local[2]:.2f}, HTTP server {best_http[2]:.2f} "
-          f"(CPU ratio {best_local[2] / best_http[2]:.3f}); client process CPU s {best_http[5]:.2f}; "
+    print(f"server CPU s: in process {best_local[2]:.2f}, HTTP server {sum(best_http[2]):.2f} (HTTP process "
+          f"{best_http[2][0]:.2f} + engine process {sum(best_http[2][1:]):.2f}; CPU ratio "
+          f"{best_local[2] / sum(best_http[2]):.3f}); client process CPU s {best_http[5]:.2f}; "
           f"{best_http[6]} chunks for {tokens} tokens")
-    print(f"cores: this process {sorted(os.sched_getaffinity(0))}, client "
+    engine = best_http[7]
+    print(f"engine steps: in process {best_local[3]} in {best_local[0]:.2f} s; HTTP server "
+          f"{engine['engine_steps_total']:.0f}, in engine.step {engine['engine_step_seconds_sum']:.2f} s wall / "
+          f"{engine['engine_step_cpu_seconds_sum']:.2f} s CPU of its {best_http[0]:.2f} s; the client sent its "
+          f"requests over {best_http[8]:.2f} s and read the first token {best_http[9]:.2f} s after it started")
+    print(f"cores: this process and the engine process {sorted(os.sched_getaffinity(0))}, HTTP process "
+          f"{sorted(args.http_cpus) if args.http_cpus else 'the same'}, client "
           f"{sorted(args.client_cpus) if args.client_cpus else 'the same (not pinned)'}; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ttft, itl = best_http[3], best_http[4]

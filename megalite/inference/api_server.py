@@ -5,10 +5,10 @@ Each endpoint is a function from a checked body to engine requests and from
 their events to a reply (:mod:`megalite.inference.completions` for
 completions, :mod:`megalite.inference.chat_completions` for chat; a
 request's ``structured_outputs`` grammar is compiled here on a worker thread,
-so the engine thread finds it in its cache, and one that does not compile is a 400);
+so an engine in this process finds it in its cache, and one that does not compile is a 400);
 :func:`build_app` adds the parts every endpoint shares: reading the body
 (size limit, a timeout for slow senders, JSON that is too deep or holds
-oversized integers is a 400), submitting to the :class:`EngineLoop`
+oversized integers is a 400), submitting to the :class:`EngineClient`
 (429 with ``Retry-After`` when its queue is full, 503 once the engine has
 died), waiting with a per-request timeout while watching for the client
 going away (its requests are aborted, freeing their KV blocks), errors in
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from megalite.inference.chat_completions import ChatStream, chat_choice, parse_chat
 from megalite.inference.completions import (BadRequest, LogprobsBuilder, choice_logprobs, parse_completion,
                                             prompt_logprobs)
-from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.engine_client import EngineClient
 from megalite.inference.exchange import WATCH_S, Exchange, HTTPFailure
 from megalite.inference.grammar import GrammarError
 
@@ -100,8 +100,8 @@ async def read_json(request, config: ServerConfig):
         raise HTTPFailure(400, f"malformed JSON: {str(error)[:200]}") from None
 
 
-def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
-    """The aiohttp application over a started :class:`EngineLoop`.
+def build_app(loop: EngineClient, config: ServerConfig | None = None, *, tokenizer=None, chat_template=None):
+    """The aiohttp application over a started :class:`EngineClient` (an engine on a thread or in its own process).
 
     ``chat_template``: the model's :class:`ChatTemplate`, or the ChatTemplateError saying why it has none
     (chat requests get it as their 400)."""
@@ -171,16 +171,17 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return handler
 
     async def compile_grammar(params):
-        """Compile ``params.structured_outputs`` off the engine thread (into the engine's cache); 400 if it fails."""
+        """Compile ``params.structured_outputs`` on a worker thread, off the event loop (into the checker's cache:
+        the engine's own when it runs in this process); 400 if it fails."""
         if params.structured_outputs is not None:
             try:
-                await asyncio.get_running_loop().run_in_executor(None, loop.engine.compile_grammar,
+                await asyncio.get_running_loop().run_in_executor(None, loop.checker.compile_grammar,
                                                                  params.structured_outputs)
             except GrammarError as failure:
                 raise BadRequest(str(failure)) from None
 
     async def completions(request, body, exchange: Exchange):
-        checked = parse_completion(body, loop.engine, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n,
+        checked = parse_completion(body, loop.checker, max_tokens_limit=config.max_tokens_limit, max_n=config.max_n,
                                    tokenizer=tokenizer)
         await compile_grammar(checked.params)
         ids = exchange.submit(checked.prompts, checked.params)
@@ -215,7 +216,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.json_response({**head, "choices": choices, "usage": _usage(exchange)})
 
     async def chat(request, body, exchange: Exchange):
-        checked = parse_chat(body, loop.engine, template=chat_template, tokenizer=tokenizer,
+        checked = parse_chat(body, loop.checker, template=chat_template, tokenizer=tokenizer,
                              max_tokens_limit=config.max_tokens_limit, max_n=config.max_n)
         await compile_grammar(checked.completion.params)
         exchange.submit(checked.completion.prompts, checked.completion.params)
@@ -333,7 +334,7 @@ def build_app(loop: EngineLoop, config: ServerConfig | None = None, *, tokenizer
         return web.json_response({"status": "ok"})
 
     async def metrics(request):
-        return web.Response(text=loop.metrics.render(loop), content_type="text/plain")
+        return web.Response(text=loop.metrics.render(loop.pending), content_type="text/plain")
 
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[access_log])
     app.cleanup_ctx.append(watchdog)

@@ -44,7 +44,7 @@ def render_chat(template, tokenizer, messages, tools=None, chat_template_kwargs=
     return list(tokenizer.tokenize(text, add_special_tokens=False))
 
 
-def parse_chat(body, engine, *, template, tokenizer, max_tokens_limit: int, max_n: int) -> ChatRequest:
+def parse_chat(body, checker, *, template, tokenizer, max_tokens_limit: int, max_n: int) -> ChatRequest:
     """The checked request a chat body asks for, or BadRequest naming what is wrong.
 
     ``template`` is the model's :class:`ChatTemplate`, or the :class:`ChatTemplateError` saying why it has
@@ -81,7 +81,7 @@ def parse_chat(body, engine, *, template, tokenizer, max_tokens_limit: int, max_
         raise BadRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], with logprobs: true")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:  # OpenAI's default: as long as the context allows
-        max_tokens = max(1, min(max_tokens_limit, engine.max_context - len(prompt)))
+        max_tokens = max(1, min(max_tokens_limit, checker.max_context - len(prompt)))
     tool_format = None
     if tools and tool_choice != "none":
         tool_format = detect_format(template.templates[template.template_for(tools)])
@@ -108,7 +108,7 @@ def parse_chat(body, engine, *, template, tokenizer, max_tokens_limit: int, max_
                       stream=body.get("stream", False), stream_options=body.get("stream_options"))
     if grammar is not None:
         completion["structured_outputs"] = grammar
-    checked = parse_completion(completion, engine, max_tokens_limit=max_tokens_limit, max_n=max_n,
+    checked = parse_completion(completion, checker, max_tokens_limit=max_tokens_limit, max_n=max_n,
                                tokenizer=tokenizer)
     return ChatRequest(checked, tool_format, logprobs)
 

@@ -67,8 +67,9 @@ def _prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
     return ids, [p if isinstance(p, str) else None for p in prompt]
 
 
-def parse_completion(body, engine, *, max_tokens_limit: int, max_n: int, tokenizer=None) -> CompletionRequest:
-    """The checked request a completions body asks for, or BadRequest naming what is wrong."""
+def parse_completion(body, checker, *, max_tokens_limit: int, max_n: int, tokenizer=None) -> CompletionRequest:
+    """The checked request a completions body asks for, or BadRequest naming what is wrong (the prompts
+    checked by ``checker``, a :class:`megalite.inference.request_check.RequestChecker`)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -117,7 +118,7 @@ def parse_completion(body, engine, *, max_tokens_limit: int, max_n: int, tokeniz
         raise BadRequest("best_of > n cannot be streamed")
     prompts, texts = _prompts(body.get("prompt"), tokenizer)
     try:
-        prompts = [engine.check_request(p, params) for p in prompts]
+        prompts = [checker.check_request(p, params) for p in prompts]
     except ValueError as error:
         raise BadRequest(str(error)) from None
     include_usage = bool(options and options.get("include_usage"))

@@ -18,7 +18,6 @@ the engine (the ranks' collectives would no longer match).
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import torch
@@ -28,10 +27,11 @@ from megalite import topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference.block_allocator import BlockAllocator
 from megalite.inference.config import EngineConfig
-from megalite.inference.grammar import CompiledGrammar, GrammarCompiler, GrammarError, apply_grammar
+from megalite.inference.grammar import CompiledGrammar, apply_grammar
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams, StructuredOutputsParams
 from megalite.inference.prefix_cache import PrefixCache
+from megalite.inference.request_check import EngineFacts, RequestChecker
 from megalite.inference.sampler import adjust_logits, pick_batch, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
@@ -87,8 +87,8 @@ class LLMEngine:
             eos_token_ids = [] if getattr(tokenizer, "eod", None) is None else [tokenizer.eod]
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._grammars = None  # the GrammarCompiler, built on the first structured-output request
-        self._grammars_lock = threading.Lock()
+        self.checker = RequestChecker(EngineFacts(self.vocab_size, self.max_context,
+                                                  tuple(sorted(self.eos_token_ids)), config), tokenizer)
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
@@ -99,50 +99,12 @@ class LLMEngine:
 
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt as a list of ids, or a ValueError naming what is wrong (callable on every rank)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("a prompt must be a non-empty list of token ids")
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a list of integer token ids")
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"prompt token ids range over [{low}, {high}], outside the vocabulary [0, "
-                             f"{self.vocab_size - 1}]")
-        outside = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if outside:
-            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size - 1}]: "
-                             f"{outside[:5]}")
-        if params.structured_outputs is not None and self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer); "
-                             "use stop_token_ids")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_context:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} = {total} "
-                             f"exceeds the model's context of {self.max_context} tokens")
-        bs = self.config.block_size
-        if -(-total // bs) > self.config.num_blocks:
-            raise ValueError(f"the KV pool of {self.config.num_blocks} blocks x {bs} tokens cannot hold even one "
-                             f"request of {total} tokens (needs {-(-total // bs)} blocks)")
-        return list(prompt)
+        return self.checker.check_request(prompt, params)
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> CompiledGrammar:
-        """``structured`` compiled for this engine's tokenizer, vocabulary and eos ids (cached, so compiling
-        ahead, e.g. on a server's worker thread, makes the engine's own compile a lookup; thread-safe); a
-        :class:`GrammarError` (a ValueError) when it does not compile within
-        ``EngineConfig.grammar_compile_time_limit_s`` or llguidance is missing."""
-        if self.tokenizer is None:
-            raise GrammarError("structured output needs a tokenizer (LLM(..., tokenizer=...) or serve --tokenizer)")
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
-                                                 stop_token_ids=sorted(self.eos_token_ids),
-                                                 compile_time_limit_s=self.config.grammar_compile_time_limit_s)
-        return self._grammars.compile(*structured.spec())
+        """``structured`` compiled for this engine (:meth:`RequestChecker.compile_grammar`: cached, thread-safe,
+        time-limited; a :class:`GrammarError` when it does not compile)."""
+        return self.checker.compile_grammar(structured)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (token ids); returns its :class:`Request` (its grammar compiled here, if any)."""

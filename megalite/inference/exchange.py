@@ -1,4 +1,4 @@
-"""One HTTP request's engine requests (:class:`Exchange`): submit them to the :class:`EngineLoop`, take their
+"""One HTTP request's engine requests (:class:`Exchange`): submit them to the :class:`EngineClient`, take their
 events as they come (watching the request's deadline and its client), abort what is left; and the HTTP
 failure (:class:`HTTPFailure`) a handler answers with instead of 200."""
 
@@ -8,7 +8,7 @@ import asyncio
 import collections
 import time
 
-from megalite.inference.engine_loop import EngineLoop, Overloaded
+from megalite.inference.engine_client import EngineClient, Overloaded
 
 
 class HTTPFailure(Exception):
@@ -27,13 +27,13 @@ class Exchange:
     """One HTTP request's engine requests: submit, wait for events (``timeout_s`` from now, disconnect), abort
     what is left.
 
-    The engine loop delivers events through :meth:`put_nowait` (on the asyncio loop); a waiting :meth:`take`
+    The engine client delivers events through :meth:`put_nowait` (on the asyncio loop); a waiting :meth:`take`
     sleeps on one future that an event wakes, or the app's watchdog (every ``WATCH_S``, for every exchange in
     ``live``) so it checks its deadline and connection: no task and timer per streamed token, as
     ``asyncio.wait_for`` would cost.
     """
 
-    def __init__(self, loop: EngineLoop, request, timeout_s: float, request_id: str, live: set | None = None):
+    def __init__(self, loop: EngineClient, request, timeout_s: float, request_id: str, live: set | None = None):
         self.loop, self.request, self.timeout_s, self.id = loop, request, timeout_s, request_id
         self.deadline = time.perf_counter() + timeout_s
         self.inbox: collections.deque = collections.deque()

@@ -30,8 +30,8 @@ class StructuredOutputsParams:
     these strings), ``grammar`` (EBNF: llama.cpp's GBNF or Lark) or ``json_object=True`` (any JSON object).
 
     It is plain data: the engine compiles it for its tokenizer and vocabulary
-    (``LLMEngine.compile_grammar``, cached and time-limited); the server does so off the engine thread, so a
-    grammar that does not compile is a 400.
+    (``RequestChecker.compile_grammar``, cached and time-limited); the HTTP server does so first, on a worker
+    thread, so a grammar that does not compile is a 400 before the engine sees it.
     """
 
     json: dict | str | None = None

@@ -8,23 +8,26 @@ The tokenizer is the checkpoint's (``--tokenizer`` names another: a Hugging
 Face directory or a sentencepiece model); chat requests use its chat template
 (``--chat-template FILE`` overrides; a file that does not load exits 2; a
 model with none answers chat requests with a 400 saying so).  Endpoints and limits are
-:mod:`megalite.inference.api_server`'s; the engine runs on its own thread
-(:mod:`megalite.inference.engine_loop`; TP rank 0 also broadcasts step plans
-from there).  Safe by default: it binds 127.0.0.1 unless ``--host`` says
-otherwise.  When the engine thread dies the server stops and the process
-exits with status 1, so a supervisor restarts it.
+:mod:`megalite.inference.api_server`'s; the engine runs in its own process
+(:mod:`megalite.inference.engine_process`: only it loads the weights; under TP
+it is rank 0 and broadcasts step plans), so the HTTP loop does not share its
+GIL.  Safe by default: it binds 127.0.0.1 unless ``--host`` says otherwise.
+When the engine dies the server stops and the process exits with status 1, so
+a supervisor restarts it; SIGINT or SIGTERM stop the server and its engine
+process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 from megalite.cli import run_cli
 from megalite.flags import SHARED_FLAGS, ArgumentParser, Flag, FlagTable
 from megalite.inference.api_server import ServerConfig, build_app
 from megalite.inference.config import EngineConfig
-from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.engine_client import EngineClient
 
 _SERVER, _ENGINE = "server", "engine"
 SERVE_FLAGS = FlagTable((
@@ -79,7 +82,7 @@ def chat_template(tokenizer, template_file: str | None):
         return error
 
 
-async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, template, args) -> None:
+async def _serve(loop: EngineClient, config: ServerConfig, tokenizer, template, args) -> None:
     from aiohttp import web
 
     app = build_app(loop, config, tokenizer=tokenizer, chat_template=template)
@@ -88,9 +91,11 @@ async def _serve(loop: EngineLoop, config: ServerConfig, tokenizer, template, ar
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     port = runner.addresses[0][1]
+    terminated = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminated.set)
     print(f"megalite.inference.serve listening on http://{args.host}:{port}", flush=True)
     try:
-        while loop.alive:
+        while loop.alive and not terminated.is_set():
             await asyncio.sleep(0.2)
     finally:
         await runner.cleanup()
@@ -102,43 +107,41 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megalite import topology
-    from megalite.inference.llm import LLM
+    from megalite.inference.engine_process import EngineProcess, EngineSpec
+    from megalite.inference.llm import LLM, checkpoint_tokenizer, load_tokenizer
 
     args = parse_args(argv)
     config = EngineConfig(**SERVE_FLAGS.config_values(args, "EngineConfig"))
     server_config = ServerConfig(**SERVE_FLAGS.config_values(args, "ServerConfig"))
     tp = args.tensor_model_parallel_size
-    distributed = "WORLD_SIZE" in os.environ or tp > 1
-    if distributed:
+    if "WORLD_SIZE" in os.environ or tp > 1:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != tp:
             raise ValueError(f"the server runs one model replica: WORLD_SIZE={world} must equal "
                              f"--tensor-model-parallel-size={tp}")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else checkpoint_tokenizer(args.load)[0]
+    template = chat_template(tokenizer, args.chat_template)  # on every rank: a bad file exits
+    if int(os.environ.get("RANK", "0")) != 0:  # a TP worker: rank 0's engine process drives it
         topology.initialize(tp=tp)
-    try:
-        llm = LLM(args.load, tp, engine_config=config, tokenizer=args.tokenizer)
-        engine = llm.engine
-        template = chat_template(llm.tokenizer, args.chat_template)  # on every rank: a bad file exits
-        if engine.tp_rank != 0:
-            engine.run_worker()
-            return 0
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        loop = EngineLoop(engine, max_pending=server_config.max_pending)
-        loop.start()
         try:
-            asyncio.run(_serve(loop, server_config, llm.tokenizer, template, args))
-        except KeyboardInterrupt:
-            pass
+            LLM(args.load, tp, engine_config=config, tokenizer=args.tokenizer).engine.run_worker()
         finally:
-            if loop.thread.is_alive():
-                loop.stop()
-        if loop.error is not None:
-            print(f"error: the engine failed: {loop.error}", flush=True)
-            return 1
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine = EngineProcess(EngineSpec(args.load, tp, config, args.tokenizer), tokenizer,
+                           max_pending=server_config.max_pending)
+    try:
+        asyncio.run(_serve(engine, server_config, tokenizer, template, args))
+    except KeyboardInterrupt:
+        pass
     finally:
-        if distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        engine.stop()
+    if engine.error is not None:
+        print(f"error: the engine failed: {engine.error}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

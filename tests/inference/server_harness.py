@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
+import time
 
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.inference import LLM, EngineConfig
 from megalite.inference.api_server import ServerConfig, build_app
-from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.engine_client import EngineThread
 from tests.inference.common import tiny_model
 
 BYTES = ByteTokenizer()
@@ -20,14 +23,14 @@ def byte_model(**overrides):
 
 
 class Server:
-    """``build_app`` over an :class:`EngineLoop` of ``model``, served by aiohttp on 127.0.0.1:<free port>."""
+    """``build_app`` over an :class:`EngineThread` of ``model``, served by aiohttp on 127.0.0.1:<free port>."""
 
     def __init__(self, model, config: ServerConfig | None = None, tokenizer=BYTES, engine_config=None, *,
                  chat_template=None):
         self.llm = LLM.from_model(model, tokenizer=tokenizer,
                                   engine_config=engine_config or EngineConfig(block_size=4, num_blocks=256))
         self.config = config or ServerConfig(max_tokens_limit=200)
-        self.loop = EngineLoop(self.llm.engine, max_pending=self.config.max_pending)
+        self.loop = EngineThread(self.llm.engine, max_pending=self.config.max_pending)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
@@ -65,3 +68,39 @@ class Server:
     def idle(self) -> bool:
         engine = self.llm.engine
         return engine.allocator.num_used() == 0 and not engine.requests and not engine.has_unfinished()
+
+
+def serve_command(checkpoint: str, *extra: str) -> tuple[list[str], dict]:
+    """``python -m megalite.inference.serve --load checkpoint --port 0 ...`` and its environment (this checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    return [sys.executable, "-m", "megalite.inference.serve", "--load", checkpoint, "--port", "0", *extra], env
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of the serve process's engine process (its multiprocessing child; Linux ``/proc``)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(") ", 1)[-1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError):  # not a process, or one that just ended
+            continue
+        if parent == server_pid and spawned:
+            return int(entry)
+    raise AssertionError(f"the server (pid {server_pid}) has no engine process")
+
+
+def exits(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether process ``pid`` ends (or is a zombie) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(") ", 1)[-1].startswith(("Z", "X")):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

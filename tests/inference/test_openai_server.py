@@ -2,8 +2,10 @@
 text, ids, lists of them, n, echo + logprobs equal to the model's log-probs (1e-5), stop strings, streaming
 with usage, /v1/models; a failing request fails alone with its own status; a dead engine is a 503."""
 
+import asyncio
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -156,15 +158,39 @@ def test_a_dead_engine_answers_503():
         assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
 
 
-def test_the_cli_exits_nonzero_when_the_engine_dies(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_cli_exits_nonzero_when_the_engine_dies_and_loads_no_weights_itself(tmp_path, monkeypatch):
+    """``serve``'s engine process serves a request, then dies (killed, as by the OOM killer): the server stops
+    with status 1 so a supervisor restarts it.  The HTTP process never loads the weights (loading them raises
+    here; the spawned engine process is a fresh interpreter, which loads them)."""
+    import signal
+
     from megalite.checkpoint import save_sharded
-    from megalite.inference import LLMEngine
-    from megalite.inference.serve import main
+    from megalite.inference import llm as llm_module
+    from megalite.inference import serve
+    from tests.inference.server_harness import exits
 
-    save_sharded(str(tmp_path / "ckpt"), 1, [byte_model()])
+    model = byte_model()
+    save_sharded(str(tmp_path / "ckpt"), 1, [model], extra={"args": {}})
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    expected = LLM.from_model(model).generate([[1, 2, 3]], params)
+    seen = []
 
-    def broken(self):
-        raise RuntimeError("engine bug")
+    def no_weights_here(*args, **kwargs):
+        raise AssertionError("the HTTP process loaded the model")
 
-    monkeypatch.setattr(LLMEngine, "has_unfinished", broken)
-    assert main(["--load", str(tmp_path / "ckpt"), "--port", "0"]) == 1
+    async def drive(client, config, tokenizer, template, args):  # in place of the HTTP server
+        events = client.submit("r0", [1, 2, 3], params)
+        while not (event := await events.get())["done"]:
+            pass
+        seen.append(event["output"].outputs[0].token_ids)
+        os.kill(client.pid, signal.SIGKILL)
+        seen.append(exits(client.pid))
+        while client.alive:
+            await asyncio.sleep(0.05)
+        seen.append(client.error)
+
+    monkeypatch.setattr(llm_module, "_load", no_weights_here)
+    monkeypatch.setattr(serve, "_serve", drive)
+    assert serve.main(["--load", str(tmp_path / "ckpt")]) == 1
+    assert seen == [expected[0].outputs[0].token_ids, True, "the engine process exited with status -9"]

@@ -3,18 +3,17 @@ many requests leave no KV blocks behind; /metrics reports the engine."""
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from megalite.inference import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from megalite.inference.api_server import ServerConfig, build_app
-from megalite.inference.engine_loop import EngineLoop
+from megalite.inference.engine_client import EngineThread
 from megalite.inference.chat_template import ChatTemplateError
 from megalite.inference.serve import chat_template, parse_args
 from tests.inference.common import VOCAB, tiny_model
+from tests.inference.server_harness import engine_pid, exits, serve_command
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
@@ -24,7 +23,7 @@ PROMPTS = [[(3 * i + j) % VOCAB for j in range(2 + i)] for i in range(8)]
 
 
 async def _with_server(engine, body):
-    loop = EngineLoop(engine)
+    loop = EngineThread(engine)
     loop.start()
     runner = web.AppRunner(build_app(loop, ServerConfig(max_body_bytes=4096, max_tokens_limit=250)))
     await runner.setup()
@@ -119,7 +118,8 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
 
 @pytest.mark.slow
 def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenizer(tmp_path):
-    """``serve --load CKPT`` with no --tokenizer answers a text prompt through the openai client, as LLM(CKPT)."""
+    """``serve --load CKPT`` with no --tokenizer answers a text prompt through the openai client, as LLM(CKPT);
+    SIGTERM stops it (status 0) and its engine process with it."""
     openai = pytest.importorskip("openai")
     assert parse_args(["--load", "x"]).host == "127.0.0.1"
     from megalite.checkpoint import save_sharded
@@ -130,10 +130,8 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenize
     save_sharded(str(tmp_path / "ckpt"), 1, [tiny_model("gpt2", vocab_size=128)],
                  extra={"args": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}})
     expected = LLM(str(tmp_path / "ckpt")).generate(["Ada has"], SamplingParams(max_tokens=4, temperature=0))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    command, env = serve_command(str(tmp_path / "ckpt"))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, line
@@ -141,15 +139,20 @@ def test_cli_binds_loopback_by_default_and_serves_a_checkpoint_with_its_tokenize
         reply = client.completions.create(model="megalite", prompt="Ada has", max_tokens=4, temperature=0)
         assert reply.choices[0].text == expected[0].outputs[0].text
         assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
-    finally:
+        engine = engine_pid(proc.pid)
         proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        assert exits(engine)
+    finally:
+        proc.kill()
         proc.wait(timeout=60)
 
 
 @pytest.mark.slow
 def test_cli_chat_template_flag(tmp_path):
     """``--chat-template FILE`` serves chat through the openai client; a file that does not load exits 2 before
-    serving; with no template at all the server still starts and keeps the reason for chat requests' 400."""
+    serving; with no template at all the server still starts and keeps the reason for chat requests' 400.  A
+    server killed outright (SIGKILL) leaves no engine process behind."""
     openai = pytest.importorskip("openai")
     from megalite.checkpoint import save_sharded
     from megalite.data.synthetic import generate_corpus
@@ -161,9 +164,7 @@ def test_cli_chat_template_flag(tmp_path):
     (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                                          "{% if add_generation_prompt %}assistant:{% endif %}")
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "megalite.inference.serve", "--load", str(tmp_path / "ckpt"), "--port", "0"]
+    command, env = serve_command(str(tmp_path / "ckpt"))
     bad = subprocess.run(command + ["--chat-template", str(tmp_path / "bad.jinja")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert bad.returncode == 2 and "does not compile" in bad.stdout + bad.stderr
@@ -179,8 +180,12 @@ def test_cli_chat_template_flag(tmp_path):
         expected = llm.generate(["user: Ada has\nassistant:"], SamplingParams(max_tokens=4, temperature=0))
         assert reply.choices[0].message.content == expected[0].outputs[0].text
         assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+        engine = engine_pid(proc.pid)
+        proc.kill()
+        proc.wait(timeout=60)
+        assert exits(engine)  # its pipe closed: it stopped
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=60)
     # No template anywhere: the server starts, and chat requests get this error's message as their 400.
     assert isinstance(chat_template(llm.tokenizer, None), ChatTemplateError)
