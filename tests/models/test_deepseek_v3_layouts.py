@@ -1,5 +1,5 @@
 """A tiny DeepSeek-V3-style model (MLA, a dense first layer, sigmoid group-limited routing with the expert bias, a
-shared expert, one MTP depth) trains under pp=2, FSDP2 dp=2 and cp=2 exactly as on one rank: losses and gradient
+shared expert, one MTP depth) trains under pp=2, FSDP2 dp=2, cp=2, tp=2 with SP and ep=2 exactly as on one rank: losses and gradient
 norms of 8 iterations, the MTP loss, and the final weights and expert biases (the checkpoint holds both)."""
 
 import pytest
@@ -27,7 +27,10 @@ def reference(tiny_data, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--pipeline-model-parallel-size", "2"], ["--use-torch-fsdp2"],
-                                   ["--context-parallel-size", "2"]], ids=["pp2-mtp-last-stage", "fsdp2-dp2", "cp2"])
+                                   ["--context-parallel-size", "2"],
+                                   ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                   ["--expert-model-parallel-size", "2"]],
+                         ids=["pp2-mtp-last-stage", "fsdp2-dp2", "cp2", "tp2-sp", "ep2"])
 def test_deepseek_v3_style_model_matches_one_rank(tiny_data, tmp_path, reference, flags):
     records, ref_ckpt = reference
     _, got = train(tiny_data, tmp_path, 2, *FLAGS, *flags, "--save", str(tmp_path / "ckpt"), iters=ITERS)
