@@ -9,13 +9,11 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.context_parallel import prepare_batch, reset_position_ids
 from megalite.context_parallel.sequence_split import BRANCH
-from megalite.models import GPTModel
-from megalite.rlhf.preference import (PreferenceConfig, completion_pair, pack_pair, pack_shared_pair,
-                                      pair_log_probs, preference_loss)
+from megalite.rlhf.preference import PreferenceConfig, completion_pair, pack_pair, pack_shared_pair, pair_log_probs
 from megalite.testing import run_distributed
-from tests.models.common import config, full_to_shard
+from tests.models.common import full_to_shard
+from tests.rlhf.test_preference import _batch, _grads, _models, _packed
 
-SEQ = 32
 # The second and third pairs' completions start alike, so the shared prefix runs past the prompt.
 PAIRS = [([5, 6, 7], [8, 9, 10, 11], [12, 13]), ([20, 21], [22, 23, 24], [22, 23, 25, 26, 27]),
          ([30, 31, 32, 33, 34], [35, 36], [35, 38, 39])]
@@ -23,35 +21,12 @@ CONFIGS = [PreferenceConfig("dpo", beta=0.3, label_smoothing=0.2), PreferenceCon
            PreferenceConfig("simpo", beta=2.0, simpo_gamma=0.4)]
 
 
-def _models():
-    return tuple(GPTModel(config("llama", max_position_embeddings=SEQ, seed=seed)) for seed in (0, 1))
-
-
 def _rows(pack):
-    return [torch.stack(x) for x in zip(*(pack(*completion_pair(p, c, r), SEQ, 0) for p, c, r in PAIRS))]
+    return _batch(PAIRS, pack)
 
 
-def _losses(model, ref_model, cfg, pack, cp_group=None, tile=None):
-    tokens, mask, docs = _rows(pack)
-    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-    batch = prepare_batch(tokens, cp=cp, cp_rank=0 if cp == 1 else dist.get_rank(cp_group), assistant_mask=mask,
-                          documents=docs)
-
-    def sums(m):
-        log_probs = -m(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],
-                       document_ids=batch["document_ids"])
-        return pair_log_probs(log_probs, batch["loss_mask"], batch["document_ids"], cp_group)
-
-    chosen, rejected, n_chosen, n_rejected = sums(model)
-    with torch.no_grad():
-        ref_chosen, ref_rejected, _, _ = sums(ref_model)
-    return preference_loss(chosen, rejected, ref_chosen, ref_rejected, cfg, n_chosen, n_rejected)
-
-
-def _grads(model, loss):
-    model.zero_grad()
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+def _losses(model, ref_model, cfg, pack, cp_group=None):
+    return _packed(model, ref_model, cfg, cp_group, PAIRS, pack)
 
 
 def test_shared_row_layout():
