@@ -9,9 +9,10 @@ thread count.
 - SFT: megalite packs conversations into ``--seq-length`` rows with document-aware attention
   (``examples/sft.py``); TRL packs with its default best-fit-decreasing strategy, which makes its batches
   padding-free (flattened, positions restarting per conversation).  tokens/s counts real (non-padding) tokens.
-- DPO: megalite packs chosen and rejected into one row (one forward, ``examples/dpo.py``) of a fixed
-  ``--seq-length``, set to the shortest that holds every pair; TRL pads them to the longest in the batch and
-  runs them as ``2 x batch`` rows.  Both run the frozen reference on the fly.
+- DPO: megalite packs each pair into one row (one forward, ``examples/dpo.py``): the shared prefix once, then
+  chosen, then rejected (a prefix-sharing tree mask), in a ``--seq-length`` set to the shortest that holds every
+  pair unshared, and cuts each batch after its last labelled token; TRL pads chosen and rejected to the longest
+  in the batch and runs them as ``2 x batch`` rows.  Both run the frozen reference on the fly.
 
 Both sides run in this process on one CPU thread.  Each step is timed in wall and CPU time (megalite: around
 the trainer's ``train_step``; TRL: from one step end to the next) and the mean over the ``--steps`` after the
@@ -150,8 +151,8 @@ def megalite_sft_tokens(conversations, hf_dir: str, args) -> list[int]:
 
 
 def megalite_dpo_seq_length(pairs, hf_dir: str) -> int:
-    """The shortest ``--seq-length`` that holds every pair packed (prompt twice, chosen, rejected): megalite's rows
-    have that fixed length, where TRL pads to the longest sequence of each batch."""
+    """The shortest ``--seq-length`` that holds every pair packed without sharing (prompt twice, chosen, rejected);
+    megalite's prefix-shared rows are cut to each batch's longest, as TRL pads to the longest of each batch."""
     from megalite.data.sft import ChatRenderer, conversation_from_record
     from megalite.data.tokenizer import HuggingFaceTokenizer
 
@@ -313,7 +314,8 @@ def main():
     for (task, side), (wall, cpu, amount, loss) in results.items():
         print(f"{task} {side:9} {wall * 1000:8.0f}ms {cpu * 1000:7.0f}ms {amount / wall:11.2f} {amount / cpu:10.2f} "
               f"{loss:11.4f}")
-    print(f"(SFT: real tokens; DPO: pairs, megalite's rows {dpo_seq} tokens, the shortest that holds every pair)")
+    print(f"(SFT: real tokens; DPO: pairs, megalite's rows the shared prefix once, cut to each batch's longest, "
+          f"at most {dpo_seq} tokens)")
     rows = args.batch * args.seq_length
     print(f"SFT rows filled with real tokens: megalite {results['sft', 'megalite'][2] / rows:.1%} (packed in file "
           f"order), TRL {results['sft', 'TRL'][2] / rows:.1%} (best-fit decreasing)")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.config import PackedSequenceConfig
-from megalite.context_parallel.sequence_split import check_context_parallel, document_ids, reset_position_ids, slice_for_rank
+from megalite.context_parallel.sequence_split import (check_context_parallel, document_ids, reset_position_ids, sees,
+                                                     slice_for_rank)
 
 
 def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = None, cp: int = 1,
@@ -23,7 +24,8 @@ def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = N
 
     Packed chat data (:mod:`megalite.data.sft`) gives its own ``documents [b, S+1]`` (a conversation's
     end-of-turn tokens do not end it) and ``assistant_mask [b, S+1]``: a label counts when it is an
-    assistant token in the same document as its input; positions and attention follow those documents.
+    assistant token its input's document continues into (the same document and branch, or a branch off the
+    input's trunk; see :mod:`sequence_split`); positions and attention follow those documents.
 
     ``position_ids [b, S/cp]`` comes with ``reset_position_ids``,
     ``document_ids [b, S]`` with ``reset_attention_mask``.
@@ -38,7 +40,7 @@ def prepare_batch(tokens: torch.Tensor, packing: PackedSequenceConfig | None = N
     loss_mask = torch.ones(inputs.shape, dtype=torch.float32, device=tokens.device)
     batch = {}
     if documents is not None:
-        labelled = assistant_mask[:, 1:].bool() & (documents[:, 1:] == documents[:, :-1])
+        labelled = assistant_mask[:, 1:].bool() & sees(documents[:, 1:], documents[:, :-1])
         loss_mask = labelled.to(torch.float32)
         documents = documents[:, :-1].contiguous()
         batch["position_ids"] = slice_for_rank(reset_position_ids(documents), cp, cp_rank)

@@ -3,7 +3,8 @@
 Queries and keys carry their global sequence index (``positions``, ``[s]``)
 and optionally their document id (``documents``, ``[b, s]``, non-decreasing
 along the sequence).  Query ``i`` may attend key ``j`` when ``pos_j <= pos_i``
-and both lie in the same document; with a sliding ``window`` also
+and both lie in the same document (or the key in the trunk of the query's
+branched document, see :mod:`megalite.context_parallel.sequence_split`); with a sliding ``window`` also
 ``pos_i - pos_j <= window`` (each query sees itself and the ``window`` keys
 before it; Hugging Face's ``sliding_window`` is ``window + 1``).  Work is cut into tiles of at most
 ``tile`` consecutive positions: a tile pair that is entirely masked is
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.context_parallel.sequence_split import document_of, sees
+
 DEFAULT_TILE = 512
 
 
@@ -33,11 +36,14 @@ class Tokens:
         self.positions = positions
         self.documents = documents
         self.tiles = _tiles(positions.tolist(), tile)
-        # Per tile: first and last global index, and each row's first and last document.
+        # Per tile: first and last global index, and each row's first and last document (branches dropped,
+        # for skipping) and document id (branches kept, for telling a tile of one branch).
         self.bounds = [(positions[a].item(), positions[b - 1].item()) for a, b in self.tiles]
-        self.doc_bounds = None
+        self.doc_bounds = self.id_bounds = None
         if documents is not None:
-            self.doc_bounds = [(documents[:, a], documents[:, b - 1]) for a, b in self.tiles]
+            docs = document_of(documents)
+            self.doc_bounds = [(docs[:, a], docs[:, b - 1]) for a, b in self.tiles]
+            self.id_bounds = [(documents[:, a], documents[:, b - 1]) for a, b in self.tiles]
 
 
 def _tiles(positions: list[int], tile: int) -> list[tuple[int, int]]:
@@ -66,7 +72,9 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | No
         kd_first, kd_last = keys.doc_bounds[kt]
         if bool(((kd_first > qd_last) | (kd_last < qd_first)).all()):
             return None
-        doc_full = bool(((qd_first == qd_last) & (kd_first == kd_last) & (qd_first == kd_first)).all())
+        qi_first, qi_last = queries.id_bounds[qt]
+        ki_first, ki_last = keys.id_bounds[kt]
+        doc_full = bool(((qi_first == qi_last) & (ki_first == ki_last) & sees(qi_first, ki_first)).all())
     if causal_full and doc_full:
         return True
     qa, qb = queries.tiles[qt]
@@ -80,7 +88,8 @@ def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: t
     """The attention rule as a boolean mask (True: the query may attend the key).
 
     Query ``i`` sees key ``j`` when ``pos_j <= pos_i`` (within ``window`` of it) and, given documents
-    (``[b, Tq]`` and ``[b, Tk]``), both lie in the same document.  ``[Tq, Tk]`` without documents, else
+    (``[b, Tq]`` and ``[b, Tk]``), both lie in the same document and branch, or the key in the trunk of the
+    query's document (:func:`megalite.context_parallel.sequence_split.sees`).  ``[Tq, Tk]`` without documents, else
     ``[b, 1, Tq, Tk]``.
     """
     distance = q_positions[:, None] - k_positions[None, :]
@@ -88,7 +97,7 @@ def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: t
     if window is not None:
         mask &= distance <= window
     if q_documents is not None:
-        mask = (mask & (q_documents[:, :, None] == k_documents[:, None, :])).unsqueeze(1)
+        mask = (mask & sees(q_documents[:, :, None], k_documents[:, None, :])).unsqueeze(1)
     return mask
 
 

@@ -9,6 +9,14 @@ alone, which is what the attention's masks are built from.
 Packed samples hold several documents, each ending with an end-of-document
 (eod) token.  A token's document id is the number of eod tokens before it, so
 document ids are non-decreasing along the sequence.
+
+A document may also branch (prefix sharing, e.g. a preference pair's prompt
+once, then its chosen and its rejected completion): its trunk keeps the id
+``d`` and branch ``k >= 1`` carries ``d + k * BRANCH``.  A branch token sees its
+own branch and its document's trunk, not a sibling branch, and its positions
+continue from the trunk's end.  Branches follow their trunk in order, so
+:func:`document_of` stays non-decreasing and no raw id comes back after another
+one (what the tiled attention's bounds rely on).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import torch
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+BRANCH = 1 << 32
+"""Document ids of branch ``k`` of document ``d`` are ``d + k * BRANCH`` (see the module docstring)."""
 
 
 def check_comm_type(comm_type: str) -> None:
@@ -65,11 +75,31 @@ def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return is_eod.cumsum(dim=-1) - is_eod
 
 
+def document_of(documents: torch.Tensor) -> torch.Tensor:
+    """The document of each token, its branch dropped (non-decreasing along the sequence)."""
+    return documents % BRANCH
+
+
+def sees(q_documents: torch.Tensor, k_documents: torch.Tensor) -> torch.Tensor:
+    """The document part of the attention rule, elementwise: a query sees a key of its own document and branch,
+    or of its document's trunk (the causal part is :func:`megalite.context_parallel.blockwise.visible`'s)."""
+    return (q_documents == k_documents) | (k_documents == document_of(q_documents))
+
+
 def reset_position_ids(documents: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 at each document's first token (``documents`` from :func:`document_ids`)."""
+    """Positions that restart at 0 at each document's first token (``documents`` from :func:`document_ids`);
+    a branch's continue from its trunk's last position."""
     b, s = documents.shape
     positions = torch.arange(s, device=documents.device).expand(b, s)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=-1).values
-    return positions - first
+    zeros = torch.zeros_like(positions)
+    first = torch.where(starts, positions, zeros).cummax(dim=-1).values
+    within = positions - first
+    trunk = documents < BRANCH
+    if bool(trunk.all()):
+        return within
+    # The latest trunk token and trunk start before each token: a branch's own trunk (branches follow it).
+    trunk_last = torch.where(trunk, positions, zeros).cummax(dim=-1).values
+    trunk_first = torch.where(trunk & starts, positions, zeros).cummax(dim=-1).values
+    return torch.where(trunk, within, within + trunk_last - trunk_first + 1)

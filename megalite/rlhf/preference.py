@@ -1,8 +1,13 @@
 """Offline preference optimisation: DPO, IPO and SimPO losses on chosen/rejected pairs packed into one forward.
 
-A pair is one sample: ``prompt + chosen`` and ``prompt + rejected`` as two documents of a packed row
-(:func:`megalite.data.sft.pack`), so one forward of the policy (and of the reference) gives both sequences'
-log-probs, with attention and positions kept per document.  The model's per-token loss is the vocab-parallel
+A pair is one sample, so one forward of the policy (and of the reference) gives both sequences' log-probs.
+The trainer shares the prefix (:func:`pack_shared_pair`, as in Wang et al. 2024, "Accelerating Direct
+Preference Optimization with Prefix Sharing"): the tokens the two sequences share (the prompt, and any start
+the completions share) once, then the rest of chosen, then the rest of rejected, as two branches of one
+document (see :mod:`megalite.context_parallel.sequence_split`): rejected sees the shared prefix and itself, not
+chosen, and its positions continue from the prefix, so every log-prob is the one of the sequence run alone.
+:func:`pack_pair` packs ``prompt + chosen`` and ``prompt + rejected`` as two documents instead
+(:func:`megalite.data.sft.pack`).  The model's per-token loss is the vocab-parallel
 cross entropy, so ``-loss`` is the token log-prob without gathering the vocabulary under TP; the sums over
 each completion are taken per document (:func:`pair_log_probs`), and under context parallelism summed over
 the CP ranks.
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.context_parallel import slice_for_rank
+from megalite.context_parallel.sequence_split import BRANCH
 from megalite.data.sft import pack
 from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
 from megalite.training.trainer import LOSS_METRIC
@@ -58,21 +64,55 @@ class PreferenceConfig:
             raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
+def _check_pair(chosen, rejected) -> None:
+    if not any(chosen[1][1:]) or not any(rejected[1][1:]):
+        raise ValueError("a preference pair needs a non-empty chosen and rejected completion")
+    if list(chosen[0]) == list(rejected[0]):
+        raise ValueError("the chosen completion equals the rejected one, so the pair says nothing")
+
+
 def pack_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]], seq_length: int,
               pad_id: int):
     """``(tokens, completion_mask, document_ids)`` ``[seq_length + 1]`` from two ``(ids, completion_mask)``
     sequences (each the prompt then its completion, e.g. rendered by :class:`megalite.data.sft.ChatRenderer`):
     chosen is document 0, rejected document 1, then padding."""
-    if not any(chosen[1][1:]) or not any(rejected[1][1:]):
-        raise ValueError("a preference pair needs a non-empty chosen and rejected completion")
-    if list(chosen[0]) == list(rejected[0]):
-        raise ValueError("the chosen completion equals the rejected one, so the pair says nothing")
+    _check_pair(chosen, rejected)
     need = len(chosen[0]) + len(rejected[0])
     if need > seq_length + 1:
         raise ValueError(f"a preference pair needs {need} tokens (prompt twice, chosen, rejected), more than "
                          f"--seq-length + 1 = {seq_length + 1}")
     (sample,), _ = pack([chosen, rejected], seq_length, pad_id)
     return sample
+
+
+def pack_shared_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]], seq_length: int,
+                     pad_id: int):
+    """:func:`pack_pair`'s sample with the shared prefix once: document 0's trunk holds the tokens (and mask
+    values) the two sequences share but the last, branch 1 chosen from that token on, branch 2 rejected from
+    it on (its positions restart there), then padding (document 1).
+
+    The last shared token is in both branches because its label differs (the completions' first different
+    tokens).  Without two shared tokens it is :func:`pack_pair`'s row.
+    """
+    _check_pair(chosen, rejected)
+    common = 0
+    for token in zip(*chosen, *rejected):
+        if token[:2] != token[2:]:
+            break
+        common += 1
+    if common < 2:
+        return pack_pair(chosen, rejected, seq_length, pad_id)
+    trunk = common - 1
+    need = len(chosen[0]) + len(rejected[0]) - trunk
+    if need > seq_length + 1:
+        raise ValueError(f"a preference pair needs {need} tokens (the shared prefix once, then chosen and rejected), "
+                         f"more than --seq-length + 1 = {seq_length + 1}")
+    fill = seq_length + 1 - need
+    tokens = list(chosen[0]) + list(rejected[0][trunk:]) + [pad_id] * fill
+    mask = list(chosen[1]) + list(rejected[1][trunk:]) + [0] * fill
+    docs = ([0] * trunk + [BRANCH] * (len(chosen[0]) - trunk) + [2 * BRANCH] * (len(rejected[0]) - trunk)
+            + [1] * fill)
+    return tuple(torch.tensor(x, dtype=torch.long) for x in (tokens, mask, docs))
 
 
 def completion_pair(prompt: list[int], chosen: list[int], rejected: list[int]):
@@ -85,15 +125,17 @@ def pair_log_probs(per_token_log_probs: torch.Tensor, loss_mask: torch.Tensor, d
     """Summed completion log-probs and token counts of the chosen and rejected documents, each ``[b]``.
 
     ``per_token_log_probs`` and ``loss_mask`` are this CP rank's ``[b, s/cp]`` (from ``prepare_batch``);
-    ``documents`` is the whole ``[b, s]``.  Under CP the sums are added over the ranks (backward: each rank's
-    tokens get the gradient of the whole sum).
+    ``documents`` is the whole ``[b, s]``, rows of :func:`pack_pair` or :func:`pack_shared_pair` (whose shared
+    labels count for both).  Under CP the sums are added over the ranks (backward: each rank's tokens get the
+    gradient of the whole sum).
     """
     cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
     rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
     local = slice_for_rank(documents, cp, rank)
+    shared = (documents >= BRANCH).any(-1, keepdim=True)
     sums = []
-    for doc in (0, 1):
-        weight = loss_mask * (local == doc)
+    for unshared, branch in ((local == 0, local == BRANCH), (local == 1, local == 2 * BRANCH)):
+        weight = loss_mask * torch.where(shared, (local == 0) | branch, unshared)
         sums += [(per_token_log_probs * weight).sum(-1), weight.sum(-1)]
     stacked = torch.stack(sums)
     if cp > 1:

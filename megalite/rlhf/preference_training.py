@@ -2,8 +2,10 @@
 
 ``--pref-data FILE.jsonl`` holds ``prompt``, ``chosen`` and ``rejected`` per line (each a string, or a list of
 messages as TRL's conversational form); every pair is rendered with the chat template (see
-:mod:`megalite.data.sft`) and packed into one sample (:func:`megalite.rlhf.preference.pack_pair`), split by
-``--split`` into train/valid/test.  The reference is a frozen copy of the policy's weights when training
+:mod:`megalite.data.sft`) and packed into one sample with the shared prefix once
+(:func:`megalite.rlhf.preference.pack_shared_pair`), split by ``--split`` into train/valid/test.  Without
+context or pipeline parallelism each micro-batch is cut after its last labelled token (:func:`trim`), so rows
+cost what their pairs hold, not ``--seq-length``.  The reference is a frozen copy of the policy's weights when training
 starts (the ``--load``ed model), kept by :class:`~megalite.rlhf.reference.ReferenceModel` and run on the fly
 before each micro-batch's policy forward (optionally parked in CPU memory with ``--offload-reference``).
 Under ``--lora-rank`` only the adapters train and the reference is the policy's own frozen base with its
@@ -16,7 +18,7 @@ import torch
 
 from megalite.data.sft import conversation_from_record, jsonl_records
 from megalite.flags import Flag, FlagTable
-from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pair_log_probs
+from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_shared_pair, pair_log_probs
 from megalite.rlhf.preference import preference_forward_step
 from megalite.rlhf.reference import ReferenceModel, lora_base
 from megalite.data.gpt_dataset import split_documents
@@ -67,7 +69,7 @@ class PairDataset:
     packed_documents = True
 
     def __init__(self, pairs, renderer, seq_length: int, num_samples: int):
-        self.samples = [pack_pair(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
+        self.samples = [pack_shared_pair(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
                         for pair in pairs]
         self.num_samples = num_samples
 
@@ -110,6 +112,8 @@ class PreferenceTraining:
         config = PreferenceConfig(**PREFERENCE_FLAGS.config_values(args, "PreferenceConfig"))
         device = next(model.parameters()).device
         batch = {key: value.to(device) for key, value in next(data_iterator).items()}
+        if topo.cp.size == 1 and topo.pp.size == 1:
+            batch = trim(batch, 8 * topo.tp.size)
         if config.loss_type not in REFERENCE_FREE:
             if topo.pp.size > 1:
                 raise ValueError("the on-the-fly reference runs a whole model: use --pipeline-model-parallel-size 1")
@@ -125,6 +129,18 @@ class PreferenceTraining:
                     chosen, rejected = reference_log_probs(ref, batch, topo.cp.group)
             batch = {**batch, "ref_chosen": chosen, "ref_rejected": rejected}
         return preference_forward_step(config, topo.cp.group)(iter([batch]), model)
+
+
+def trim(batch: dict, multiple: int) -> dict:
+    """A one-rank (no CP, no pipeline) ``prepare_batch`` micro-batch cut after its last labelled token, rounded up
+    to ``multiple`` tokens (sequence parallelism splits the rows over TP).  Exact: attention is causal, so the
+    tokens cut change no labelled token's log-prob."""
+    seq = batch["tokens"].shape[1]
+    labelled = batch["loss_mask"].any(0).nonzero()
+    end = int(labelled[-1]) + 1 if len(labelled) else 1
+    end = min(seq, -(-end // multiple) * multiple)
+    return {key: value[:, :end] if value.dim() == 2 and value.shape[1] == seq else value
+            for key, value in batch.items()}
 
 
 @torch.no_grad()

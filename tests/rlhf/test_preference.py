@@ -31,15 +31,17 @@ def _models():
     return tuple(GPTModel(config("llama", max_position_embeddings=SEQ, seed=seed)) for seed in (0, 1))
 
 
-def _batch():
-    samples = [pack_pair(*completion_pair(p, c, r), SEQ, pad_id=0) for p, c, r in PAIRS]
+def _batch(pairs=PAIRS, pack=pack_pair):
+    samples = [pack(*completion_pair(p, c, r), SEQ, pad_id=0) for p, c, r in pairs]
     return [torch.stack(x) for x in zip(*samples)]
 
 
-def _packed(model, ref_model, cfg, cp_group=None):
-    """megalite: one packed forward per model, per-document sums, the loss."""
-    tokens, mask, docs = _batch()
-    batch = prepare_batch(tokens, assistant_mask=mask, documents=docs)
+def _packed(model, ref_model, cfg, cp_group=None, pairs=PAIRS, pack=pack_pair):
+    """megalite: one packed forward per model (this CP rank's tokens), per-sequence sums, the loss."""
+    tokens, mask, docs = _batch(pairs, pack)
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    batch = prepare_batch(tokens, cp=cp, cp_rank=0 if cp == 1 else dist.get_rank(cp_group), assistant_mask=mask,
+                          documents=docs)
 
     def sums(m):
         log_probs = -m(batch["tokens"], batch["labels"], position_ids=batch["position_ids"],

@@ -102,3 +102,16 @@ def test_bad_guard_flags():
         NanGuardConfig(skip_nan_iterations=-1).validate()
     with pytest.raises(ValueError, match="--loss-spike-factor must be greater than 1, got 0.5"):
         NanGuardConfig(loss_spike_factor=0.5).validate()
+
+
+def test_all_finite_is_exact():
+    """The sum shortcut: nan, +inf, -inf and +inf/-inf together are found; finite values whose sum overflows are
+    not taken for inf."""
+    from megalite.training.nan_guard import all_finite
+
+    big = torch.full((8,), 3e38)
+    assert all_finite(torch.randn(100)) and all_finite(big) and not bool(torch.isfinite(big.sum()))
+    for bad in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+        x = torch.randn(100)
+        x[:len(bad)] = torch.tensor(bad)
+        assert not all_finite(x), bad
