@@ -16,7 +16,6 @@ dispatch itself (not the expert GEMMs) decides the time.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.moe import MoEConfig, MoELayer
+from megalite.moe.dispatcher import ranks_per_token
 from megalite.testing import run_distributed
 
 EP, EXPERTS, TOPK = 4, 8, 2
@@ -82,9 +82,8 @@ def main() -> None:
         speed[kind] = EP * tokens / statistics.median(per_step)
         print(f"  {kind:9s}: {speed[kind]:10.0f} tokens/s")
     print(f"  alltoall / allgather speed: {speed['alltoall'] / speed['allgather']:.2f}x")
-    # alltoall sends a token once to each other rank holding one of its k distinct experts: under uniform
-    # routing a given rank holds none of them with probability C(E - E/ep, k) / C(E, k).
-    reached = (EP - 1) * (1 - math.comb(EXPERTS - EXPERTS // EP, TOPK) / math.comb(EXPERTS, TOPK))
+    # alltoall sends a token once to each other rank holding one of its experts: (ep-1)/ep of the ranks reached.
+    reached = ranks_per_token(EXPERTS, TOPK, EP) * (EP - 1) / EP
     analytic = {"alltoall": reached * tokens * hidden * elem,
                 "allgather": tokens * hidden * elem * (EP - 1)}
     for kind in ("alltoall", "allgather"):

@@ -15,6 +15,7 @@ volume).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,15 @@ class _AllGatherPlan:
     probs: torch.Tensor
     ep_sizes: list[int]
     etp_sizes: list[int]
+
+
+def ranks_per_token(num_experts: int, topk: int, ep_size: int, group_topk: int | None = None) -> float:
+    """EP ranks one token's rows reach in :class:`AllToAllDispatcher` (itself included), expected under uniform
+    routing: a rank holds none of the token's k distinct experts with probability C(E - E/ep, k) / C(E, k).
+    Group-limited routing with the groups aligned to the EP ranks caps it at ``group_topk``."""
+    missed = math.comb(num_experts - num_experts // ep_size, topk) / math.comb(num_experts, topk)
+    reached = ep_size * (1 - missed)
+    return reached if group_topk is None else min(reached, group_topk)
 
 
 def _ranks(group) -> tuple[int, int]:

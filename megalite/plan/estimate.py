@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
+from megalite.moe.dispatcher import ranks_per_token
 from megalite.pipeline.timeline import analytic_bubble
 from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
                                        microbatches_in_flight)
@@ -163,7 +164,9 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
     ep_time = 0.0
     if config.moe is not None and layout.ep > 1:
         moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers)) / pp
-        routed = mb_tokens * config.moe.topk * h * e / (tp if layout.sequence_parallel else 1)
+        moe = config.moe
+        reached = ranks_per_token(moe.num_experts, moe.topk, layout.ep, moe.group_topk)
+        routed = mb_tokens * reached * h * e / (tp if layout.sequence_parallel else 1)
         ep_time = moe_layers * m * 4 * _ring(routed, layout.ep, hw.link(layout.expert_tp * layout.ep), 1)
     pp_time = 0.0
     if pp > 1:
