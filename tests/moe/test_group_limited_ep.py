@@ -127,3 +127,17 @@ def test_ep4_group_limited_sends_each_token_once_per_destination_rank():
         assert payload == pairs * H * 4, f"rank {rank}: sent {payload} bytes for {pairs} (token, rank) pairs"
         assert reported == payload, f"rank {rank}: last_bytes_sent {reported} != the all-to-all's {payload}"
         assert 0 < payload <= tokens * GROUP_TOPK * H * 4, f"rank {rank}: {payload} bytes"
+
+
+def test_ranks_per_token_is_the_mean_over_every_expert_set():
+    """The planner's expected EP ranks per token under uniform routing equals the average over all C(E, k) expert
+    sets, enumerated; group-limited routing caps it at group_topk."""
+    from itertools import combinations
+
+    from megalite.moe.dispatcher import ranks_per_token
+
+    for experts, topk, ep in ((8, 2, 4), (16, 4, 4), (4, 3, 2), (8, 1, 2)):
+        sets = list(combinations(range(experts), topk))
+        mean = sum(len({e // (experts // ep) for e in chosen}) for chosen in sets) / len(sets)
+        assert ranks_per_token(experts, topk, ep) == pytest.approx(mean, rel=1e-12), (experts, topk, ep)
+    assert ranks_per_token(EXPERTS, TOPK, EP, GROUP_TOPK) == GROUP_TOPK
