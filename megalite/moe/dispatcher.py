@@ -26,6 +26,9 @@ from megalite.moe.comm import all_gather_counts, all_to_all, gather_rows, reduce
 
 @dataclass
 class _AllToAllPlan:
+    """Source side: ``rank_map`` (rows by destination rank; None without EP), the all-to-all splits.  Receiver
+    side: the ETP block sizes, ``row_map`` (rows by local expert) with the rows' ``gates`` over ``num_rows``."""
+
     rank_map: torch.Tensor | None
     num_tokens: int
     send_splits: list[int]
