@@ -4,8 +4,8 @@ One MoE layer (8 experts, top-2) per dispatcher, built from the same seed, runs
 forward+backward on each rank's own tokens; the two alternate step by step so
 that machine load affects both alike.  Prints tokens/s for each, their ratio,
 and the hidden-state bytes each rank sent to other EP ranks in one dispatch
-beside the analytic volumes: k*T*h*(ep-1)/ep for alltoall (uniform routing),
-T*h*(ep-1) for allgather.
+beside the analytic volumes under uniform routing: T*h*(ep-1)*(1 - C(E-E/ep, k)/C(E, k))
+for alltoall (one row per (token, other rank holding one of its experts)), T*h*(ep-1) for allgather.
 
     python benchmarks/moe_dispatch.py [--tokens 4096] [--hidden 256] [--ffn 64] [--steps 8]
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megalite import topology
 from megalite.moe import MoEConfig, MoELayer
+from megalite.moe.dispatcher import ranks_per_token
 from megalite.testing import run_distributed
 
 EP, EXPERTS, TOPK = 4, 8, 2
@@ -81,7 +82,9 @@ def main() -> None:
         speed[kind] = EP * tokens / statistics.median(per_step)
         print(f"  {kind:9s}: {speed[kind]:10.0f} tokens/s")
     print(f"  alltoall / allgather speed: {speed['alltoall'] / speed['allgather']:.2f}x")
-    analytic = {"alltoall": TOPK * tokens * hidden * elem * (EP - 1) / EP,
+    # alltoall sends a token once to each other rank holding one of its experts: (ep-1)/ep of the ranks reached.
+    reached = ranks_per_token(EXPERTS, TOPK, EP) * (EP - 1) / EP
+    analytic = {"alltoall": reached * tokens * hidden * elem,
                 "allgather": tokens * hidden * elem * (EP - 1)}
     for kind in ("alltoall", "allgather"):
         sent = [r["sent"][kind] for r in results]

@@ -19,10 +19,12 @@ bytes under group-limited routing.
    and the ratio megalite / torchtitan.
 2. ep=4 (4 gloo ranks, one MoE layer, groups aligned to the EP ranks): the hidden-state bytes each rank's
    dispatch sends to other EP ranks (the dispatcher's ``last_bytes_sent``, the payload it hands the
-   all-to-all), beside the analytic bounds for that rank's T tokens: T x topk x hidden x 4 (one row per chosen
-   expert, what megalite's all-to-all sends) and T x min(topk, group_topk) x hidden x 4 (one row per chosen
-   rank, what a dispatcher that sends a token once per rank would send), and the most EP ranks any token
-   touched (at most group_topk).  The same layer without group limiting is printed beside it.
+   all-to-all), beside the exact volume of a dispatch that sends each token once per other EP rank holding
+   one of its experts (what megalite's all-to-all does): (distinct (token, other rank) pairs, from the routing)
+   x hidden x 4; and the analytic bounds for that rank's T tokens: T x topk x hidden x 4 (one row per chosen
+   expert) and T x min(topk, group_topk) x hidden x 4 (one row per chosen rank, the own rank included), and
+   the most EP ranks any token touched (at most group_topk).  The same layer without group limiting is
+   printed beside it.
 
 torchtitan is optional: install it outside the shared environment
 (``pip install --no-deps --target /tmp/tt_site torchtitan==0.3.0 tyro docstring_parser spmd_types==0.2.3``)
@@ -205,7 +207,8 @@ def _ep_bytes(hidden, experts, topk, groups, group_topk, tokens):
         layer(x).sum().backward()
         ranks = layer.router(x.view(tokens, hidden)).indices // (experts // topo.ep.size)
         touched = max(len(set(row.tolist())) for row in ranks)
-        results[name] = (layer.dispatcher.last_bytes_sent, touched)
+        pairs = sum(len(set(row.tolist()) - {topo.ep.rank}) for row in ranks)
+        results[name] = (layer.dispatcher.last_bytes_sent, touched, pairs * hidden * 4)
     return results
 
 
@@ -221,8 +224,9 @@ def compare_ep_bytes(args) -> None:
     for name in ("group-limited", "not limited"):
         sent = [rank[name][0] for rank in per_rank]
         touched = max(rank[name][1] for rank in per_rank)
+        exact = [rank[name][2] for rank in per_rank]
         print(f"  {name:13}: sent per rank {sent} (mean {sum(sent) / len(sent):.0f}); "
-              f"most EP ranks one token touched: {touched}")
+              f"(token, other rank) pairs x h x 4: {exact}; most EP ranks one token touched: {touched}")
 
 
 def main() -> None:

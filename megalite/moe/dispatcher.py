@@ -15,6 +15,7 @@ volume).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,13 +26,17 @@ from megalite.moe.comm import all_gather_counts, all_to_all, gather_rows, reduce
 
 @dataclass
 class _AllToAllPlan:
-    row_map: torch.Tensor
-    probs: torch.Tensor
+    """Source side: ``rank_map`` (rows by destination rank; None without EP), the all-to-all splits.  Receiver
+    side: the ETP block sizes, ``row_map`` (rows by local expert) with the rows' ``gates`` over ``num_rows``."""
+
+    rank_map: torch.Tensor | None
     num_tokens: int
     send_splits: list[int]
     recv_splits: list[int]
     etp_sizes: list[int]
-    order: torch.Tensor | None
+    row_map: torch.Tensor
+    gates: torch.Tensor
+    num_rows: int
 
 
 @dataclass
@@ -42,12 +47,31 @@ class _AllGatherPlan:
     etp_sizes: list[int]
 
 
+def ranks_per_token(num_experts: int, topk: int, ep_size: int, group_topk: int | None = None) -> float:
+    """EP ranks one token's rows reach in :class:`AllToAllDispatcher` (itself included), expected under uniform
+    routing: a rank holds none of the token's k distinct experts with probability C(E - E/ep, k) / C(E, k).
+    Group-limited routing with the groups aligned to the EP ranks caps it at ``group_topk``."""
+    missed = math.comb(num_experts - num_experts // ep_size, topk) / math.comb(num_experts, topk)
+    reached = ep_size * (1 - missed)
+    return reached if group_topk is None else min(reached, group_topk)
+
+
 def _ranks(group) -> tuple[int, int]:
     return topology.group_size(group), topology.group_rank(group)
 
 
 class AllToAllDispatcher:
-    """Permute by expert, exchange counts, all-to-all over EP, gather over ETP; the reverse to combine."""
+    """Send each token once to every EP rank holding one of its experts; expand it to those experts there.
+
+    As DeepEP does it: the source permutes tokens by destination rank (one row per
+    (token, rank), however many of the token's experts that rank holds) and sends
+    each row's local expert ids and gates beside it; the receiver gathers the rows
+    over ETP and permutes them by local expert.  To combine, the receiver sums each
+    row's expert outputs weighted by their gates, reduce-scatters over ETP, and
+    sends one row per (token, rank) back, where the source sums over ranks.  So a
+    token whose experts lie on g ranks costs g rows of hidden state, not k.
+    Without an EP group the rank step is skipped (every expert is local).
+    """
 
     def __init__(self, num_experts: int, ep_group=None, etp_group=None):
         self.num_experts = num_experts
@@ -57,38 +81,45 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.ep_size
         self.last_bytes_sent = 0
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
-        ep, num_local = self.ep_size, self.num_local
-        permuted, row_map = kernels.permute(tokens, indices)
-        send = torch.bincount(indices[indices >= 0], minlength=self.num_experts).view(ep, num_local)
-        recv = all_to_all(send, self.ep_group, [1] * ep, [1] * ep)
-        grid = all_gather_counts(recv, self.etp_group)
-        send_list, grid_list = send.sum(1).tolist(), grid.tolist()
-        recv_splits = [sum(row) for row in grid_list[topology.group_rank(self.etp_group)]]
-        etp_sizes = [sum(map(sum, block)) for block in grid_list]
-        self.last_bytes_sent = (sum(send_list) - send_list[self.ep_rank]) * tokens.shape[1] * tokens.element_size()
+    def _to_ranks(self, tokens, probs, indices):
+        """Rows by destination rank, with each row's local expert ids (-1: not on that rank) and gates."""
+        ep = self.ep_size
+        dest = torch.where(indices >= 0, torch.div(indices, self.num_local, rounding_mode="floor"), -1)
+        ranks = torch.arange(ep, device=indices.device)
+        hit = (dest.unsqueeze(-1) == ranks).any(1)
+        rows, rank_map = kernels.permute(tokens, torch.where(hit, ranks, -1))
+        token, rank = torch.div(rank_map, ep, rounding_mode="floor"), rank_map % ep
+        local = torch.where(dest[token] == rank[:, None], indices[token] - rank[:, None] * self.num_local, -1)
+        return rows, local, probs.index_select(0, token), rank_map, hit.sum(0)
 
-        rows = all_to_all(permuted, self.ep_group, recv_splits, send_list)
-        rows = gather_rows(rows, self.etp_group, etp_sizes)
-        counts = grid.sum((0, 1))
-        order = None
-        if num_local > 1 and ep * self.etp_size > 1:
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(num_local, device=rows.device).repeat(ep * self.etp_size), grid.reshape(-1),
-                output_size=rows.shape[0])
-            order = torch.argsort(expert_of_row, stable=True)
-            rows = rows.index_select(0, order)
-        plan = _AllToAllPlan(row_map, probs, tokens.shape[0], send_list, recv_splits, etp_sizes, order)
-        return rows, counts.tolist(), plan
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        num_tokens = tokens.shape[0]
+        rank_map, send_list, recv_splits = None, [num_tokens], [num_tokens]
+        rows, local, gates = tokens, indices, probs
+        if self.ep_group is not None:
+            rows, local, gates, rank_map, send = self._to_ranks(tokens, probs, indices)
+            send_list = send.tolist()
+            recv_splits = all_to_all(send, self.ep_group, [1] * self.ep_size, [1] * self.ep_size).tolist()
+            rows, local, gates = (all_to_all(t, self.ep_group, recv_splits, send_list) for t in (rows, local, gates))
+        self.last_bytes_sent = (sum(send_list) - send_list[self.ep_rank]) * tokens.shape[1] * tokens.element_size()
+        etp_sizes = [rows.shape[0]]
+        if self.etp_group is not None:
+            etp_sizes = all_gather_counts(torch.tensor([rows.shape[0]], device=rows.device), self.etp_group)
+            etp_sizes = etp_sizes.reshape(-1).tolist()
+            rows, local, gates = (gather_rows(t, self.etp_group, etp_sizes) for t in (rows, local, gates))
+        expert_rows, row_map = kernels.permute(rows, local)
+        counts = torch.bincount(local[local >= 0], minlength=self.num_local)
+        plan = _AllToAllPlan(rank_map, num_tokens, send_list, recv_splits, etp_sizes, row_map, gates, rows.shape[0])
+        return expert_rows, counts.tolist(), plan
 
     def combine(self, expert_rows: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
-        if plan.order is not None:
-            inverse = torch.empty_like(plan.order)
-            inverse[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)
-            expert_rows = expert_rows.index_select(0, inverse)
-        rows = reduce_scatter_rows(expert_rows, self.etp_group, plan.etp_sizes)
+        rows = kernels.unpermute(expert_rows, plan.row_map, plan.gates, plan.num_rows)
+        rows = reduce_scatter_rows(rows, self.etp_group, plan.etp_sizes)
+        if plan.rank_map is None:
+            return rows
         rows = all_to_all(rows, self.ep_group, plan.send_splits, plan.recv_splits)
-        return kernels.unpermute(rows, plan.row_map, plan.probs, plan.num_tokens)
+        ones = torch.ones(plan.num_tokens, self.ep_size, dtype=torch.float32, device=rows.device)
+        return kernels.unpermute(rows, plan.rank_map, ones, plan.num_tokens)
 
 
 class AllGatherDispatcher:

@@ -130,7 +130,9 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
         calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
         out["cp"] = _collective(volume["cp"], cp, cp_link, 1, calls)
     moe_layers = 0 if config.moe is None else sum(map(config.is_moe_layer, range(config.num_layers))) / pp
-    out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 5)
+    # per MoE layer and micro-batch: the counts, then rows, expert ids and gates out and rows back, forward; rows
+    # both ways and the gates' gradient in the backward
+    out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
@@ -185,7 +187,6 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
                           "microbatches_in_flight": in_flight, "recompute_buffer": extra,
                           "fsdp_gathered": gathered, "total": total, "pp_rank": pp_rank}
 
-    e = DTYPE_BYTES[layout.precision]
     # GEMM rows: one micro-batch's tokens on this rank (sequence-parallel inputs are gathered before the GEMM).
     peak = hw.peak(layout.precision) * hw.gemm_efficiency(layout.micro_batch_size * seq_length / layout.cp)
     tokens = global_batch_size * seq_length

@@ -17,8 +17,9 @@ Exact, to the byte, for the dense GPT (standard or multi-latent attention) under
 (each unit gathered in the compute dtype per forward and, unless kept after it, per backward, padded per
 parameter to the shard count, its gradients reduce-scattered once) with tp, sequence parallelism, full
 recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for
-MoE layers' exchanged counts and expert buffers.  Approximate: the all-to-all payload of a rank depends on
-where its tokens are routed, so ``ep`` is the mean over the EP group (their sum is exact).  Not modelled: MoE
+MoE layers' exchanged counts and expert buffers.  Approximate: the all-to-all payload depends on where tokens
+are routed, so ``ep`` is the expectation under uniform routing (:func:`megalite.moe.dispatcher.ranks_per_token`),
+exact over an EP group when every token reaches every rank.  Not modelled: MoE
 layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's
 pickled metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an
 fp16 overflow skips the norm and ZeRO-1's gather).
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.models.config import GPTConfig
+from megalite.moe.dispatcher import ranks_per_token
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import ddp_buffer, fsdp_rows, rank_chunks
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
@@ -196,10 +198,13 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
                 out["embedding"] += (fsdp_rows(vocab, dp_span, dp_rank) * h * 4 if layout.fsdp
                                      else vocab * h * grad_bytes)
         if moe_layers and layout.ep > 1:
-            # Per MoE layer and micro-batch: the [ep, local experts] int64 counts, then the routed rows out
-            # and back, forward and backward (a rank's rows back equal, on average, its rows out).
-            routed = tokens * config.moe.topk * h * e
-            out["ep"] += m * moe_layers * (config.moe.num_experts * INT64 + 4 * routed)
+            # Per MoE layer and micro-batch: the [ep] int64 row counts; then one row per (token, rank reached)
+            # out and back, forward and backward (a rank's rows back equal, on average, its rows out), with
+            # each row's k int64 local expert ids and k float32 gates out, and the gates' gradient back.
+            moe = config.moe
+            rows = tokens * ranks_per_token(moe.num_experts, moe.topk, layout.ep, moe.group_topk)
+            per_row = 4 * h * e + moe.topk * (INT64 + 2 * FLOAT32)
+            out["ep"] += round(m * moe_layers * (layout.ep * INT64 + rows * per_row))
         if layout.fsdp:
             gathers = 2 if layout.reshard_after_forward else 1
             for axis, numel in chunk.fsdp_units.items():

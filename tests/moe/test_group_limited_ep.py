@@ -38,8 +38,8 @@ def _dispatched_ranks(grouped: bool):
     x = torch.randn(16, 4, H, generator=torch.Generator().manual_seed(topology.current().ep.rank))
     layer(x)
     ranks = seen["indices"] // dispatcher.num_local
-    per_rank = torch.bincount(ranks.reshape(-1), minlength=EP).tolist()
-    assert per_rank == seen["sent"], "the all-to-all sends differ from the routed assignments"
+    per_rank = (ranks.unsqueeze(-1) == torch.arange(EP)).any(1).sum(0).tolist()
+    assert per_rank == seen["sent"], "the all-to-all does not send one row per (token, destination rank)"
     return max(len(set(row.tolist())) for row in ranks)
 
 
@@ -89,3 +89,55 @@ def test_ep4_group_limited_training_matches_one_rank(tiny_data, tmp_path):
         # (The logged aux loss and loads are the last micro-batch's: one of four here, all four's sum at ep=4.)
         for key in ("loss", "grad_norm", "moe_expert_bias_norm"):
             assert mine[key] == pytest.approx(ref[key], rel=1e-5), (ref["iteration"], key)
+
+
+def _sent_bytes():
+    """(bytes in the hidden-state all-to-all to other ranks, last_bytes_sent, distinct (token, other rank) pairs,
+    tokens) for one forward of a group-limited layer, read from the collective's own arguments."""
+    from megalite.moe import dispatcher as module
+
+    topology.initialize(ep=EP)
+    torch.manual_seed(7)
+    layer = MoELayer(H, MoEConfig(**ROUTING, ffn_hidden_size=8, init_method_std=0.5))
+    rank, calls, original = topology.current().ep.rank, [], module.all_to_all
+
+    def spy(x, group, output_splits, input_splits):
+        calls.append((x, list(input_splits)))
+        return original(x, group, output_splits, input_splits)
+
+    x = torch.randn(32, 2, H, generator=torch.Generator().manual_seed(rank))
+    module.all_to_all = spy
+    try:
+        layer(x)
+    finally:
+        module.all_to_all = original
+    hidden = [(t, splits) for t, splits in calls if t.is_floating_point() and t.shape[1:] == (H,)]
+    t, splits = hidden[0]
+    payload = (sum(splits) - splits[rank]) * H * t.element_size()
+    ranks = layer.router(x.view(-1, H)).indices // layer.dispatcher.num_local
+    pairs = sum(len(set(row.tolist()) - {rank}) for row in ranks)
+    return payload, layer.dispatcher.last_bytes_sent, pairs, ranks.shape[0]
+
+
+def test_ep4_group_limited_sends_each_token_once_per_destination_rank():
+    """DeepEP's volume: a token goes once to each other EP rank holding one of its experts, so a rank sends
+    exactly (distinct (token, other rank) pairs) x h x 4 bytes, within T x group_topk x h x 4.  Here each
+    token's top-4 fills both of its groups (2 experts each), so one row per expert would send twice that."""
+    for rank, (payload, reported, pairs, tokens) in enumerate(run_distributed(_sent_bytes, EP, timeout=120)):
+        assert payload == pairs * H * 4, f"rank {rank}: sent {payload} bytes for {pairs} (token, rank) pairs"
+        assert reported == payload, f"rank {rank}: last_bytes_sent {reported} != the all-to-all's {payload}"
+        assert 0 < payload <= tokens * GROUP_TOPK * H * 4, f"rank {rank}: {payload} bytes"
+
+
+def test_ranks_per_token_is_the_mean_over_every_expert_set():
+    """The planner's expected EP ranks per token under uniform routing equals the average over all C(E, k) expert
+    sets, enumerated; group-limited routing caps it at group_topk."""
+    from itertools import combinations
+
+    from megalite.moe.dispatcher import ranks_per_token
+
+    for experts, topk, ep in ((8, 2, 4), (16, 4, 4), (4, 3, 2), (8, 1, 2)):
+        sets = list(combinations(range(experts), topk))
+        mean = sum(len({e // (experts // ep) for e in chosen}) for chosen in sets) / len(sets)
+        assert ranks_per_token(experts, topk, ep) == pytest.approx(mean, rel=1e-12), (experts, topk, ep)
+    assert ranks_per_token(EXPERTS, TOPK, EP, GROUP_TOPK) == GROUP_TOPK
