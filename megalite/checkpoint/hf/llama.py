@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from megalite.checkpoint.hf.rope import rope_config, rope_fields
-from megalite.checkpoint.hf.tensors import Taker, finish_output_layer, key_prefix
+from megalite.checkpoint.hf.tensors import Taker, embedding_group, key_prefix, output_group, output_info
 from megalite.moe.hf import HF_MOE_FAMILIES, moe_config_from_hf, moe_config_to_hf, moe_tensor_to_hf, moe_tensors_from_hf
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -136,23 +136,29 @@ def config_from_hf(hf: dict):
     return config
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+def to_megalite(hf: dict, tensors) -> tuple[object, object, dict]:
+    """``(GPTConfig, groups, conversion info)``: ``groups`` yields the global megalite tensors as one dict per
+    layer (the embedding first, the final norm and output layer last), reading the inputs of each when reached."""
     config = config_from_hf(hf)
-    family, heads, groups, d = hf["model_type"], config.num_attention_heads, config.num_query_groups, config.kv_channels
-    bias, qkv_bias, tied = config.add_bias_linear, config.add_qkv_bias, not config.untie_embeddings_and_output_weights
     pre = key_prefix(tensors, PREFIX)
-    names = set(tensors.keys())
-    take = Taker(tensors, f"the {family} checkpoint")
+    take = Taker(tensors, f"the {hf['model_type']} checkpoint")
+    return config, _groups(config, hf["model_type"], take, pre, set(tensors.keys())), output_info(take, pre)
+
+
+def _groups(config, family: str, take: Taker, pre: str, names: set):
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bias, qkv_bias, tied = config.add_bias_linear, config.add_qkv_bias, not config.untie_embeddings_and_output_weights
     r = heads // groups
-    out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
+    yield embedding_group(take, tied, pre + "embed_tokens.weight")
     for i in range(config.num_layers):
-        src, dst = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        src, dst, out = f"{pre}layers.{i}.", f"decoder.layers.{i}.", {}
         for kind in ["weight"] + (["bias"] if bias or qkv_bias else []):
             q, k, v = (take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
             rest = q.shape[1:]
             out[f"{dst}self_attention.linear_qkv.{kind}"] = torch.cat(
                 [q.reshape(groups, r * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
                 dim=1).reshape(-1, *rest)
+            del q, k, v
             if kind == "bias" and not bias:
                 continue
             out[f"{dst}self_attention.linear_proj.{kind}"] = take(f"{src}self_attn.o_proj.{kind}")
@@ -164,13 +170,15 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
         if config.is_moe_layer(i):
             moe = moe_tensors_from_hf(take, names, src, family, config.moe)
             out.update({f"{dst}mlp.{name}": tensor for name, tensor in moe.items()})
+            del moe
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
         if config.qk_layernorm:
             out[dst + "self_attention.q_layernorm.weight"] = take(src + "self_attn.q_norm.weight")
             out[dst + "self_attention.k_layernorm.weight"] = take(src + "self_attn.k_norm.weight")
-    out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
-    return config, out, finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
+        yield out
+        del out
+    yield output_group(take, tied, {"decoder.final_layernorm.weight": take(pre + "norm.weight")})
 
 
 def tensor_to_hf(config, name: str, tensor: torch.Tensor, pre: str, family: str) -> list[tuple[str, torch.Tensor]]:
