@@ -88,9 +88,9 @@ class ShardSavePlanner(DefaultSavePlanner):
         if data.shape != shard.tensor.shape or data.dtype != shard.tensor.dtype:
             raise ValueError(f"{shard.name} was planned as {shard.tensor.dtype} {tuple(shard.tensor.shape)} but "
                              f"made as {data.dtype} {tuple(data.shape)}")
-        storage = data.untyped_storage()
-        if not data.is_contiguous() or not storage.resizable() or storage.nbytes() != data.nbytes:
-            data = data.contiguous().clone()  # a storage of exactly its bytes that _release may free
+        data = data.contiguous()
+        if not data.untyped_storage().resizable() or data.untyped_storage().nbytes() != data.nbytes:
+            data = data.clone()  # a storage of exactly its bytes that _release may free
         self._loaded = data
         return data
 
