@@ -49,6 +49,17 @@ def cpu_seconds(attend, q, k, v, reps: int) -> float:
     return best
 
 
+def compare(b: int, s: int, ids: torch.Tensor | None, window: int | None, reps: int, gen: torch.Generator):
+    """CPU seconds ``(tiled, dense)`` of one attention call over ``[b, 4 heads, s, 64]`` (2 key/value heads)."""
+    q = torch.randn(b, 4, s, 64, generator=gen)
+    k, v = (torch.randn(b, 2, s, 64, generator=gen) for _ in range(2))
+    scale = 1 / math.sqrt(64)
+    tokens = Tokens(torch.arange(s), ids)
+    tiled = cpu_seconds(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale, window), q, k, v, reps)
+    dense = cpu_seconds(lambda *t: dense_attention(*t, ids, scale, window), q, k, v, reps)
+    return tiled, dense
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the rows up to 1024 tokens only, two repetitions")
@@ -59,25 +70,15 @@ def main():
     for b, s, doc in SHAPES:
         if args.quick and s > 1024:
             continue
-        q = torch.randn(b, 4, s, 64, generator=gen)
-        k, v = (torch.randn(b, 2, s, 64, generator=gen) for _ in range(2))
         ids = documents(b, s, doc, gen)
-        scale = 1 / math.sqrt(64)
-        tokens = Tokens(torch.arange(s), ids)
-        reps = 2 if args.quick or s > 1024 else 4
-        tiled = cpu_seconds(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale), q, k, v, reps)
-        dense = cpu_seconds(lambda *t: dense_attention(*t, ids, scale), q, k, v, reps)
+        tiled, dense = compare(b, s, ids, None, 2 if args.quick or s > 1024 else 4, gen)
         print(f"{b:>2} {s:>5} {doc:>5} {tiled * 1e3:7.1f}ms {dense * 1e3:7.1f}ms {tiled / dense:12.2f}  "
               f"{'dense' if s <= DENSE_MAX_LENGTH else 'tiled'}", flush=True)
     print(f"{'b':>2} {'s':>5} {'window':>6} {'tiled':>9} {'dense':>9} {'tiled/dense':>12}")
     for b, s, window in WINDOW_SHAPES:
         if args.quick and s > 1024:
             continue
-        q = torch.randn(b, 4, s, 64, generator=gen)
-        k, v = (torch.randn(b, 2, s, 64, generator=gen) for _ in range(2))
-        tokens, scale, reps = Tokens(torch.arange(s), None), 1 / math.sqrt(64), 2 if args.quick else 3
-        tiled = cpu_seconds(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale, window), q, k, v, reps)
-        dense = cpu_seconds(lambda *t: dense_attention(*t, None, scale, window), q, k, v, reps)
+        tiled, dense = compare(b, s, None, window, 2 if args.quick else 3, gen)
         print(f"{b:>2} {s:>5} {window:>6} {tiled * 1e3:7.1f}ms {dense * 1e3:7.1f}ms {tiled / dense:12.2f}", flush=True)
 
 
