@@ -18,7 +18,8 @@ base's ``--to hf`` conversion.
 
 A megalite checkpoint is written as whole global tensors; loading it under any tensor-, pipeline-, expert-
 or data-parallel layout splits them (fused QKV and SwiGLU gate/up included), so no target layout
-is needed.  The output directory must not exist or be empty; nothing is overwritten.
+is needed.  Conversions stream: to or from Hugging Face, memory holds about the largest layer plus one
+output shard (``--max-shard-size``), not the model.  The output directory must not exist or be empty; nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 
 from megalite.checkpoint import read_checkpoint_info
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf
+from megalite.checkpoint.memory import return_freed_tensors
 from megalite.checkpoint.megatron_convert import convert_megalite_to_megatron, convert_megatron_to_megalite
 from megalite.checkpoint.megatron_optim import optimizer_warning
 from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int,
                         help="megatron-legacy: the real vocabulary size, when Megatron's saved args lack it")
     args = parser.parse_args(argv)
+    return_freed_tensors()  # the conversions stream: keep the resident set at about one layer
     if args.source == args.target:
         parser.error(f"--from and --to are both {args.source!r}; nothing to convert")
     if "megalite" not in (args.source, args.target):

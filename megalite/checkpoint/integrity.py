@@ -43,13 +43,19 @@ def file_digests(path: str) -> list[str]:
         if os.fstat(f.fileno()).st_size == 0:
             return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            digests = []
-            for start in range(0, len(data), HASH_BLOCK):
-                length = min(HASH_BLOCK, len(data) - start)
-                digests += block_digests(memoryview(data)[start:start + length])
-                first_page = start - start % mmap.PAGESIZE  # madvise needs a page-aligned start
-                data.madvise(mmap.MADV_DONTNEED, first_page, start + length - first_page)
-            return digests
+            return mapped_digests(data)
+
+
+def mapped_digests(data: mmap.mmap) -> list[str]:
+    """The content hash of a memory-mapped file, dropping each hashed block from the mapping at once (the page
+    cache keeps it; a later read maps it again), so hashing adds about one block to the resident memory."""
+    digests = []
+    for start in range(0, len(data), HASH_BLOCK):
+        length = min(HASH_BLOCK, len(data) - start)
+        digests += block_digests(memoryview(data)[start:start + length])
+        first_page = start - start % mmap.PAGESIZE  # madvise needs a page-aligned start
+        data.madvise(mmap.MADV_DONTNEED, first_page, start + length - first_page)
+    return digests
 
 
 def hash_and_sync(directory: str, names: list[str], known: dict[str, list[str]] | None = None) -> dict[str, dict]:

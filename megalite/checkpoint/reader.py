@@ -180,13 +180,32 @@ class CheckpointReader:
         for region in regions:
             self.check_region(region)
         if regions:
-            try:
-                with quiet_single_process():
-                    dcp.load({}, storage_reader=SafeReader(chunks), planner=RegionLoadPlanner(list(regions)),
-                             no_dist=True)
-            except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
-                raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
+            self._fill(chunks, regions)
         return views
+
+    def _fill(self, chunks: StoredChunks, regions) -> None:
+        try:
+            with quiet_single_process():
+                dcp.load({}, storage_reader=SafeReader(chunks), planner=RegionLoadPlanner(list(regions)), no_dist=True)
+        except (Exception, CheckpointException) as err:  # DCP wraps any rank's error in a BaseException
+            raise ValueError(f"reading {self.directory} failed: {first_line(err)}") from None
+
+    def read_each(self, names, dtype: torch.dtype | None = None):
+        """``(name, whole global tensor)`` for each of ``names``, read when the caller takes it.
+
+        For streaming a checkpoint through (conversion): each data file is mapped and hashed once, and the
+        pages a tensor was copied from are dropped from this process's memory at once, so memory holds about
+        the tensor being taken rather than the files.
+        """
+        chunks = StoredChunks(self.directory, self.manifest, self.metadata, hashed=True)
+        for name in names:
+            out = torch.empty(self.shapes[name] if self.has(name) else (),
+                              dtype=dtype or (self.dtype(name) if self.has(name) else torch.float32))
+            region = Region(name, (0,) * out.dim(), out)
+            self.check_region(region)
+            self._fill(chunks, [region])
+            chunks.drop_pages()
+            yield name, out
 
     def read_all(self, names, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Whole global tensors ``names``."""

@@ -23,6 +23,7 @@ import sys
 import threading
 import warnings
 import zipfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megalite.checkpoint.files import DCP_METADATA, MANIFEST, open_regular
-from megalite.checkpoint.integrity import block_digests, check_file, is_data_file
+from megalite.checkpoint.integrity import check_file, is_data_file, mapped_digests
 from megalite.checkpoint.sharding import intersect
 
 
@@ -42,12 +43,16 @@ class TensorShard:
     """``tensor`` is the box of global tensor ``name`` (shape ``global_shape``) that starts at ``offset``.
 
     The one unit the format stores: TP/EP/ZeRO-1 pieces and DTensor local shards all become these.
+    With ``load``, ``tensor`` is a meta tensor (the box's shape and dtype) and ``load()`` makes the data when
+    the writer reaches the shard, a tensor nothing else uses: the writer frees it once written, so a
+    conversion holds one such tensor at a time (:class:`ShardSavePlanner`).
     """
 
     name: str
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
     tensor: torch.Tensor
+    load: Callable[[], torch.Tensor] | None = None
 
 
 class ShardSavePlanner(DefaultSavePlanner):
@@ -56,6 +61,7 @@ class ShardSavePlanner(DefaultSavePlanner):
     def __init__(self, shards: list[TensorShard]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._shards = {(s.name, tuple(s.offset)): s for s in shards}
+        self._loaded: torch.Tensor | None = None
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -74,7 +80,30 @@ class ShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return _exact_storage(self._shards[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach())
+        shard = self._shards[(write_item.index.fqn, tuple(write_item.index.offset))]
+        if shard.load is None:
+            return _exact_storage(shard.tensor.detach())
+        self._release()
+        data = shard.load().detach()
+        if data.shape != shard.tensor.shape or data.dtype != shard.tensor.dtype:
+            raise ValueError(f"{shard.name} was planned as {shard.tensor.dtype} {tuple(shard.tensor.shape)} but "
+                             f"made as {data.dtype} {tuple(data.shape)}")
+        data = data.contiguous()
+        if not data.untyped_storage().resizable() or data.untyped_storage().nbytes() != data.nbytes:
+            data = data.clone()  # a storage of exactly its bytes that _release may free
+        self._loaded = data
+        return data
+
+    def _release(self) -> None:
+        """Free the data of the lazy shard resolved last.
+
+        DCP's file writer keeps a reference to every tensor of a file until the whole file is written; with
+        the serial loader (:func:`megalite.checkpoint.writer.write_checkpoint` asks for it when a shard is
+        lazy) it resolves an item only after writing the one before, so that one's memory can go.
+        """
+        if self._loaded is not None:
+            self._loaded.untyped_storage().resize_(0)
+            self._loaded = None
 
 
 def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -244,11 +273,18 @@ class StoredChunks:
             with open_regular(path) as f:
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views may be writable
             if self.hashed:
-                problem = check_file(path, self.manifest, len(data), lambda: block_digests(data))
+                problem = check_file(path, self.manifest, len(data), lambda: mapped_digests(data))
                 if problem:
                     raise ValueError(problem)
             self._maps[relative] = data
         return self._maps[relative]
+
+    def drop_pages(self) -> None:
+        """Drop the pages read so far from this process's mappings (the page cache keeps them; a later read maps
+        them again): reading a checkpoint tensor by tensor then holds about one tensor, not the files.  The
+        views are only read (the mappings are private but never written), so nothing is lost."""
+        for data in self._maps.values():
+            data.madvise(mmap.MADV_DONTNEED)
 
     def tensor(self, index: dcp_metadata.MetadataIndex) -> torch.Tensor:
         """The whole stored chunk of tensor ``index.fqn`` at ``index.offset``."""

@@ -139,10 +139,11 @@ class _FlushingFileSystem(FileSystem):
 
 class _FlushingWriter(dcp.FileSystemWriter):
     """DCP's file writer, flushing each data file to disk as it goes; the final fsync of every file is
-    :func:`hash_and_sync`'s."""
+    :func:`hash_and_sync`'s.  ``serial``: resolve each tensor only after writing the one before (no copying
+    ahead from a GPU), as lazily made shards need (:class:`~megalite.checkpoint.storage.ShardSavePlanner`)."""
 
-    def __init__(self, path: str):
-        super().__init__(path, sync_files=False)
+    def __init__(self, path: str, serial: bool = False):
+        super().__init__(path, sync_files=False, **({"per_thread_copy_ahead": 0} if serial else {}))
         self.fs = _FlushingFileSystem()
 
 
@@ -202,7 +203,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: list[TensorShard], s
 
     files, error, writer = {}, None, None
     try:
-        writer = _FlushingWriter(tmp)
+        writer = _FlushingWriter(tmp, serial=any(shard.load is not None for shard in shards))
         with quiet_single_process(), without_zip_crc():
             dcp.save({}, storage_writer=writer, planner=ShardSavePlanner(shards),
                      process_group=None if group is NO_GROUP else group, no_dist=world == 1)

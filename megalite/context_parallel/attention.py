@@ -11,9 +11,9 @@ document-masked) attention over the whole sequence would.  ``comm_type``:
 - ``a2a`` (Ulysses): all-to-all from sequence-split to head-split, attend the
   whole sequence on ``heads/cp`` heads, all-to-all back.
 
-With one rank, packed rows of at most ``dense.DENSE_MAX_LENGTH`` tokens without
-a sliding window run as one fused call over a dense document mask
-(:mod:`megalite.context_parallel.dense`, faster there); longer rows and windows
+With one rank, packed or sliding-window rows of at most ``dense.DENSE_MAX_LENGTH``
+tokens run as one fused call over a dense document / window mask
+(:mod:`megalite.context_parallel.dense`, faster there); longer rows
 run the document-masked blockwise attention of
 :mod:`megalite.context_parallel.blockwise` (tiles wholly masked are skipped).
 """
@@ -131,8 +131,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"the attention window must be a non-negative integer or None, got {window!r}")
-    if use_dense(seq, cp, window):
-        out = dense_attention(q, k, v, documents, scale)
+    if use_dense(seq, cp):
+        out = dense_attention(q, k, v, documents, scale, window)
     elif cp == 1:
         mine = tokens([0])
         out = BlockwiseAttention.apply(q, k, v, mine, mine, scale, window)

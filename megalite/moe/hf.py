@@ -153,12 +153,16 @@ def moe_tensors_from_hf(take: Callable[[str], torch.Tensor], names: Collection[s
         out["experts.fc2_weight"] = take(src + "experts.down_proj")
     else:
         part = _MIXTRAL_EXPERT if kind == "mixtral" else _QWEN_EXPERT
-        fc1, fc2 = [], []
-        for e in range(config.num_experts):
+        fc1 = fc2 = None
+        for e in range(config.num_experts):  # each expert read into the stacked result: no second copy of them all
             expert = f"{src}experts.{e}."
-            fc1.append(torch.cat([take(f"{expert}{part['gate']}.weight"), take(f"{expert}{part['up']}.weight")]))
-            fc2.append(take(f"{expert}{part['down']}.weight"))
-        out["experts.fc1_weight"], out["experts.fc2_weight"] = torch.stack(fc1), torch.stack(fc2)
+            gate_up = torch.cat([take(f"{expert}{part['gate']}.weight"), take(f"{expert}{part['up']}.weight")])
+            down = take(f"{expert}{part['down']}.weight")
+            if fc1 is None:
+                fc1 = gate_up.new_empty((config.num_experts, *gate_up.shape))
+                fc2 = down.new_empty((config.num_experts, *down.shape))
+            fc1[e], fc2[e] = gate_up, down
+        out["experts.fc1_weight"], out["experts.fc2_weight"] = fc1, fc2
     if kind == "deepseek_v3":
         out["router.expert_bias"] = take(src + "gate.e_score_correction_bias")
     if config.shared_expert_intermediate_size is not None:

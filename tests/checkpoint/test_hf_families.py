@@ -1,6 +1,7 @@
 """The Llama-style families both ways with Hugging Face: Llama 3.1 (llama3 RoPE scaling, GQA, head dim
 other than hidden/heads), Qwen2 (Q/K/V bias only, tied), Qwen3 (per-head Q/K RMSNorm, YaRN, head dim 16 at
-hidden 32), Mistral (linear RoPE scaling, a sliding window shorter than the sequences), and the MoE families
+hidden 32; and with a sliding window on every layer), Mistral (linear RoPE scaling, a sliding window shorter
+than the sequences), and the MoE families
 Mixtral (a window too), Qwen2-MoE (gated shared expert, top-k of the full softmax, a dense first layer) and
 Qwen3-MoE (renormalised top-k, tied).
 
@@ -37,6 +38,9 @@ FAMILIES = {
         **SMALL, head_dim=16, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64})),
+    # a window on every layer, shorter than the sequences
+    "qwen3_window": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **SMALL, head_dim=16, use_sliding_window=True, sliding_window=5, max_window_layers=0)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         **SMALL, sliding_window=8, tie_word_embeddings=False,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
@@ -110,17 +114,17 @@ def test_converts_both_ways_exactly(family, tmp_path):
     assert_same_hf_model(tmp_path / "hf", tmp_path / "back", type(model), ids, expected)
 
 
-@pytest.mark.parametrize("family", ["mistral", *MOE_FAMILIES])
+@pytest.mark.parametrize("family", ["mistral", "qwen3_window", *MOE_FAMILIES])
 def test_a_model_without_its_original_config_exports_as_its_family(family, tmp_path):
     """With no Hugging Face config kept (a model megalite trained), the architecture picks the family (a window:
-    Mistral; MoE with a shared expert: Qwen2-MoE, with Q/K norm: Qwen3-MoE, else Mixtral) and the config.json
+    Mistral, with Q/K norm Qwen3 windowed on every layer; MoE with a shared expert: Qwen2-MoE, with Q/K norm: Qwen3-MoE, else Mixtral) and the config.json
     written from scratch makes transformers compute the same logits."""
     from megalite.checkpoint.hf import hf_to_megalite, megalite_to_hf, write_hf_tensors
 
     model = _hf_model(family)
     config, tensors, _ = hf_to_megalite(model.config.to_dict(), dict(model.state_dict()))
     hf, out = megalite_to_hf(config, tensors)
-    assert hf["model_type"] == family
+    assert hf["model_type"] == model.config.model_type
     write_hf_tensors(str(tmp_path), out.items(), 1 << 30)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     ids = _ids(5)
@@ -221,10 +225,14 @@ def test_engine_greedy_equals_transformers_generate(family, tmp_path):
 
 
 BAD_CONFIGS = [
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16},
-     r"qwen2 use_sliding_window asks for per-layer sliding-window attention \(sliding_window=16 < "
-     r"max_position_embeddings=256\)"),
-    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "qwen3 use_sliding_window asks for per-layer"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]},
+     r"qwen2 layer_types asks for per-layer sliding-window attention \(sliding_window=16 < "
+     r"max_position_embeddings=256 on layers \[1\] of 2\)"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1, "layer_types": None},
+     r"qwen3 max_window_layers asks for per-layer sliding-window attention \(sliding_window=16 < "
+     r"max_position_embeddings=256 on layers \[1\] of 2\)"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+     "qwen3_moe max_window_layers asks for per-layer"),
     ("mistral", {"sliding_window": 0}, "mistral sliding_window must be a positive integer or null, got 0"),
     ("mixtral", {"hidden_act": "gelu"}, "mixtral hidden_act 'gelu' is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},

@@ -39,10 +39,12 @@ def _run(fn, q, k, v, dout):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kind", ["causal", "single", "many", "tile_aligned", "one_token", "padded"])
 @pytest.mark.parametrize("heads,groups,dv", [(4, 4, 8), (4, 2, 8), (4, 1, 6)])
-def test_dense_equals_blockwise(kind, heads, groups, dv):
-    """Every packing, multi-head, GQA and a value head dim of its own (MLA): output, dq, dk, dv <= 1e-5."""
+def test_dense_equals_blockwise(kind, heads, groups, dv, window):
+    """Every packing, with and without a sliding window, multi-head, GQA and a value head dim of its own (MLA):
+    output, dq, dk, dv <= 1e-5."""
     b, d = 3, 8
     gen = torch.Generator().manual_seed(heads * 10 + groups)
     q = torch.randn(b, heads, SEQ, d, generator=gen)
@@ -51,13 +53,13 @@ def test_dense_equals_blockwise(kind, heads, groups, dv):
     dout = torch.randn(b, heads, SEQ, dv, generator=gen)
     documents = _documents(kind, b)
     scale = 1 / math.sqrt(d)
-    got = _run(lambda *t: dense_attention(*t, documents, scale), q, k, v, dout)
+    got = _run(lambda *t: dense_attention(*t, documents, scale, window), q, k, v, dout)
     for tile in (4, 512):  # uneven tiles that skip pairs, and one tile over the whole row
         tokens = Tokens(torch.arange(SEQ), documents, tile)
-        want = _run(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale), q, k, v, dout)
+        want = _run(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale, window), q, k, v, dout)
         for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert a.shape == w.shape, name
-            torch.testing.assert_close(a, w, rtol=0, atol=1e-5, msg=f"{kind} tile {tile}: {name}")
+            torch.testing.assert_close(a, w, rtol=0, atol=1e-5, msg=f"{kind} window {window} tile {tile}: {name}")
 
 
 def test_dense_keeps_the_input_dtype():
@@ -71,11 +73,10 @@ def test_dense_keeps_the_input_dtype():
     torch.testing.assert_close(out, BlockwiseAttention.apply(q, k, v, tokens, tokens, 0.5))
 
 
-def test_only_short_rows_without_window_at_one_rank_run_dense(monkeypatch):
-    assert use_dense(317, 1, None) and use_dense(DENSE_MAX_LENGTH, 1, None)
-    assert not use_dense(DENSE_MAX_LENGTH + 1, 1, None)  # long packs keep the tiles, which skip masked pairs
-    assert not use_dense(317, 1, 16)  # a sliding window keeps the tiles
-    assert not use_dense(317, 2, None)  # context parallelism keeps its own paths
+def test_only_short_rows_at_one_rank_run_dense(monkeypatch):
+    assert use_dense(317, 1) and use_dense(DENSE_MAX_LENGTH, 1)
+    assert not use_dense(DENSE_MAX_LENGTH + 1, 1)  # long packs keep the tiles, which skip masked pairs
+    assert not use_dense(317, 2)  # context parallelism keeps its own paths
     calls = []
     monkeypatch.setattr(attention, "dense_attention", lambda *a: calls.append("dense") or dense_attention(*a))
     real = BlockwiseAttention.apply
@@ -84,4 +85,4 @@ def test_only_short_rows_without_window_at_one_rank_run_dense(monkeypatch):
     documents = _documents("many", 2)
     context_parallel_attention(q, q, q, group=None, documents=documents)
     context_parallel_attention(q, q, q, group=None, documents=documents, window=3)
-    assert calls == ["dense", "tiles"]
+    assert calls == ["dense", "dense"]  # a sliding window too (faster dense up to DENSE_MAX_LENGTH)

@@ -9,12 +9,13 @@ back reproduces the Hugging Face directory.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
 import torch
 
-from megalite.checkpoint import CheckpointReader, global_shapes, save_global_checkpoint
+from megalite.checkpoint import CheckpointReader, TensorShard, global_shapes, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.hf import deepseek, gpt2, llama
 from megalite.checkpoint.hf.files import (GENERATION_CONFIG, open_hf_tensors, parse_size, read_generation_config,
@@ -38,19 +39,41 @@ def hf_config_to_gpt(hf_config: dict):
     raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
 
 
+def _family_to_megalite(hf_config: dict, tensors) -> tuple[object, object, dict]:
+    """``(GPTConfig, groups of global megalite tensors, conversion info)`` from the family's converter."""
+    kind = hf_config.get("model_type")
+    if kind == "gpt2":
+        return gpt2.to_megalite(hf_config, tensors)
+    if kind in llama.FAMILIES:
+        return llama.to_megalite(hf_config, tensors)
+    if kind == deepseek.FAMILY:
+        return deepseek.to_megalite(hf_config, tensors)
+    raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
+
+
 def hf_to_megalite(hf_config: dict, tensors) -> tuple[object, dict, dict]:
     """``(GPTConfig, global megalite tensors, conversion info)`` of a Hugging Face checkpoint's config and
     tensors (a dict or :class:`~megalite.checkpoint.hf.files.LazyTensors`)."""
-    kind = hf_config.get("model_type")
-    if kind == "gpt2":
-        config, out, info = gpt2.to_megalite(hf_config, tensors)
-    elif kind in llama.FAMILIES:
-        config, out, info = llama.to_megalite(hf_config, tensors)
-    elif kind == deepseek.FAMILY:
-        config, out, info = deepseek.to_megalite(hf_config, tensors)
-    else:
-        raise ValueError(f"model_type {kind!r} is not supported; the converter knows {', '.join(FAMILIES)}")
-    return config, {k: v.contiguous() for k, v in out.items()}, {**info, "config": hf_config}
+    config, groups, info = _family_to_megalite(hf_config, tensors)
+    out = {k: v.contiguous() for group in groups for k, v in group.items()}
+    return config, out, {**info, "config": hf_config}
+
+
+class _GroupStream:
+    """The tensors of a family converter's groups (one layer each), handed out one by one in the groups'
+    order, the next group converted when the current one is used up."""
+
+    def __init__(self, groups):
+        self._groups, self._group = iter(groups), {}
+
+    def take(self, name: str) -> torch.Tensor:
+        while name not in self._group:
+            if self._group:
+                raise ValueError(f"the writer asked for {name} before {sorted(self._group)[0]} of the layer in hand")
+            self._group = next(self._groups, None)
+            if self._group is None:
+                raise ValueError(f"the conversion made no tensor {name}")
+        return self._group.pop(name)
 
 
 def hf_family(config) -> str:
@@ -121,11 +144,10 @@ def _hf_config(config, info: dict) -> tuple[dict, str]:
     return hf, info.get("prefix", default_prefix(family))
 
 
-def _hf_tensors(config, read, info: dict, prefix: str):
-    """The Hugging Face ``(name, tensor)`` pairs of a model whose global tensors ``read(name)`` returns, one
-    megalite tensor at a time."""
-    for name in global_shapes(config):
-        tensor = read(name)
+def _hf_tensors(config, tensors, info: dict, prefix: str):
+    """The Hugging Face ``(name, tensor)`` pairs of a model's global ``(name, tensor)`` pairs, one megalite
+    tensor at a time."""
+    for name, tensor in tensors:
         yield from megalite_tensor_to_hf(config, name, tensor, prefix)
         if (name == "embedding.word_embeddings.weight" and not config.untie_embeddings_and_output_weights
                 and info.get("lm_head_stored")):
@@ -136,22 +158,31 @@ def megalite_to_hf(config, tensors: dict, info: dict | None = None) -> tuple[dic
     """``(config.json contents, Hugging Face tensors)`` of a megalite GPTConfig and its global tensors."""
     info = info or {}
     hf, prefix = _hf_config(config, info)
-    return hf, {k: v.contiguous() for k, v in _hf_tensors(config, tensors.__getitem__, info, prefix)}
+    pairs = ((name, tensors[name]) for name in global_shapes(config))
+    return hf, {k: v.contiguous() for k, v in _hf_tensors(config, pairs, info, prefix)}
 
 
 def convert_hf_to_megalite(hf_dir: str, output: str) -> None:
     """Write the Hugging Face checkpoint ``hf_dir`` as a megalite checkpoint (global tensors) in ``output``.
 
-    Tensors are read lazily from (sharded) safetensors; the tokenizer files go to ``output/hf_tokenizer``
-    (use it as ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model``).
+    Streams layer by layer: a dry run over the tensors' shapes and dtypes names every output tensor (and finds
+    a missing, unknown or misshapen one before anything is written); then each layer's tensors are read from
+    the (sharded) safetensors and converted when the writer reaches that layer, and each converted tensor is
+    freed once written.  Memory holds about the largest layer plus the tensor being written, so a model
+    converts on a machine with far less memory than its size.  The tokenizer files go to
+    ``output/hf_tokenizer`` (use it as ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model``).
     """
     hf_config = read_hf_config(hf_dir)
-    config, global_tensors, info = hf_to_megalite(hf_config, open_hf_tensors(hf_dir))
+    tensors = open_hf_tensors(hf_dir)
+    config, planned, info = hf_to_megalite(hf_config, tensors.shapes_only())
+    stream = _GroupStream(_family_to_megalite(hf_config, tensors)[1])
+    shards = [TensorShard(name, tuple(meta.shape), (0,) * meta.dim(), meta, load=functools.partial(stream.take, name))
+              for name, meta in planned.items()]
     generation = read_generation_config(hf_dir)
     if generation is not None:
         info["generation_config"] = generation
     tmp = fresh_output(output)
-    save_global_checkpoint(tmp, config, global_tensors, extra={"hf": info})
+    save_global_shards(tmp, config, shards, extra={"hf": info})
     for name in tokenizer_files(hf_dir):
         os.makedirs(os.path.dirname(os.path.join(tmp, TOKENIZER_DIR, name)), exist_ok=True)
         shutil.copy(os.path.join(hf_dir, name), os.path.join(tmp, TOKENIZER_DIR, name))
@@ -181,8 +212,8 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     """Write the megalite checkpoint ``path`` as config.json + safetensors (sharded above ``max_shard_size``),
     generation_config.json and the tokenizer files.
 
-    Streams: one megalite tensor is read at a time and each output shard written when full, so memory
-    holds at most one shard plus the tensor being converted.
+    Streams: one megalite tensor is read at a time (:meth:`~megalite.checkpoint.reader.CheckpointReader.read_each`)
+    and each output shard written when full, so memory holds at most one shard plus the tensor being converted.
 
     The tokenizer is the one of the run that saved the checkpoint (its flags, see
     :mod:`megalite.checkpoint.tokenizer_export`), else the one a conversion from Hugging Face kept;
@@ -206,7 +237,7 @@ def convert_megalite_to_hf(path: str, output: str, max_shard_size: int | str = "
     tmp = fresh_output(output)
     os.makedirs(tmp)
     write_tokenizer(files, tmp)
-    write_hf_tensors(tmp, _hf_tensors(config, reader.read, info, prefix), limit)
+    write_hf_tensors(tmp, _hf_tensors(config, reader.read_each(global_shapes(config)), info, prefix), limit)
     write_json(os.path.join(tmp, "config.json"), hf_config)
     if generation is not None:
         write_json(os.path.join(tmp, GENERATION_CONFIG), generation)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.hf.rope import rope_config, rope_fields
-from megalite.checkpoint.hf.tensors import Taker, finish_output_layer, key_prefix
+from megalite.checkpoint.hf.tensors import Taker, embedding_group, key_prefix, output_group, output_info
 from megalite.moe.hf import moe_config_from_hf, moe_tensor_to_hf, moe_tensors_from_hf
 
 FAMILY = "deepseek_v3"
@@ -121,13 +121,17 @@ def _mtp_depths(take: Taker, pre: str, num_layers: int) -> int:
     return depths
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
-    """``(GPTConfig, global tensors, conversion info)`` of a DeepSeek-V3 checkpoint's config and tensors."""
+def to_megalite(hf: dict, tensors) -> tuple[object, list[dict], dict]:
+    """``(GPTConfig, groups, conversion info)`` of a DeepSeek-V3 checkpoint's config and tensors: one group of
+    every global tensor (the prediction depths' count is known only after reading them, so this family is
+    converted whole, not layer by layer)."""
     config = config_from_hf(hf)
     pre, names = key_prefix(tensors, PREFIX), set(tensors.keys())
     take = Taker(tensors, "the DeepSeek-V3 checkpoint")
+    info = output_info(take, pre)
+    tied = not config.untie_embeddings_and_output_weights
     interleaved = hf.get("rope_interleave", True)
-    out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
+    out = embedding_group(take, tied, pre + "embed_tokens.weight")
     for i in range(config.num_layers):
         out.update(_layer_to_megalite(take, names, f"{pre}layers.{i}.", f"decoder.layers.{i}.", config, i, interleaved))
     out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
@@ -143,15 +147,14 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
         out.update(_layer_to_megalite(take, names, src, dst + "transformer_layer.", config, config.num_layers + k,
                                       interleaved))
         copies += [(src + name, take(src + name)) for name in _MTP_SHARED if src + name in take]
-    tied = not config.untie_embeddings_and_output_weights
-    info = finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
+    output_group(take, tied, out)
     for name, tensor in copies:
         head = name.endswith("head.weight") and not tied
         shared = "output_layer.weight" if head else "embedding.word_embeddings.weight"
-        if not torch.equal(tensor, out[shared]):
+        if not tensor.is_meta and not torch.equal(tensor, out[shared]):
             raise ValueError(f"{name} differs from the model's {shared.split('.')[0]} weights; megalite shares "
                              "the embedding and output head with the multi-token prediction layers")
-    return config, out, info
+    return config, [out], info
 
 
 def hf_config(config, base: dict) -> dict:

@@ -28,11 +28,13 @@ class LazyTensors:
     """The tensors of safetensors files by name, each read from its file when taken.
 
     ``pop(name)`` reads one tensor; ``keys()`` lists what is left, so a converter can report the
-    tensors it did not use.
+    tensors it did not use.  :meth:`shapes_only` gives a copy whose ``pop`` reads only a tensor's shape
+    and dtype (a meta tensor), for a dry run of a conversion that names what it will write.
     """
 
     def __init__(self, files: list[str], source: str):
         self._where: dict[str, str] = {}
+        self._meta = False
         for path in files:
             if not os.path.isfile(path):
                 raise ValueError(f"{path}, listed in {source}, does not exist")
@@ -52,10 +54,21 @@ class LazyTensors:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def shapes_only(self) -> LazyTensors:
+        copy = LazyTensors([], "")
+        copy._where, copy._meta = dict(self._where), True
+        return copy
+
     def pop(self, name: str) -> torch.Tensor:
         path = self._where.pop(name)
         with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
+            if not self._meta:
+                return f.get_tensor(name)
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            # the dtype of one element (a 0-d or empty tensor is read whole: it is tiny)
+            probe = part[tuple(slice(0, 1) for _ in shape)] if shape and 0 not in shape else f.get_tensor(name)
+            return torch.empty(shape, dtype=probe.dtype, device="meta")
 
     def items(self):
         """Read every tensor left (for callers that want them all)."""

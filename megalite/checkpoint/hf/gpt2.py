@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.checkpoint.hf.tensors import Taker, finish_output_layer, key_prefix
+from megalite.checkpoint.hf.tensors import Taker, embedding_group, key_prefix, output_group, output_info
 
 PREFIX = "transformer."
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
@@ -46,19 +46,25 @@ def config_from_hf(hf: dict):
     return config
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+def to_megalite(hf: dict, tensors) -> tuple[object, object, dict]:
+    """``(GPTConfig, groups, conversion info)``: ``groups`` yields the global megalite tensors as one dict per
+    layer (the embeddings first, the final norm and output layer last), reading the inputs of each when reached."""
     config = config_from_hf(hf)
-    h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_layers
-    tied = not config.untie_embeddings_and_output_weights
     pre = key_prefix(tensors, PREFIX)
     take = Taker(tensors, "the GPT-2 checkpoint")
+    return config, _groups(config, take, pre), output_info(take, pre)
+
+
+def _groups(config, take: Taker, pre: str):
+    h, heads, layers = config.hidden_size, config.num_attention_heads, config.num_layers
+    tied = not config.untie_embeddings_and_output_weights
     d = h // heads
-    out = {"embedding.word_embeddings.weight": take(pre + "wte.weight"),
+    yield {**embedding_group(take, tied, pre + "wte.weight"),
            "embedding.position_embeddings.weight": take(pre + "wpe.weight")}
     for i in range(layers):
         src, dst = f"{pre}h.{i}.", f"decoder.layers.{i}."
         qkv_w, qkv_b = take(src + "attn.c_attn.weight").t(), take(src + "attn.c_attn.bias")
-        out.update({
+        yield {
             dst + "input_layernorm.weight": take(src + "ln_1.weight"),
             dst + "input_layernorm.bias": take(src + "ln_1.bias"),
             dst + "self_attention.linear_qkv.weight": qkv_w.reshape(3, heads, d, h).transpose(0, 1).reshape(3 * h, h),
@@ -71,10 +77,10 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
             dst + "mlp.linear_fc1.bias": take(src + "mlp.c_fc.bias"),
             dst + "mlp.linear_fc2.weight": take(src + "mlp.c_proj.weight").t(),
             dst + "mlp.linear_fc2.bias": take(src + "mlp.c_proj.bias"),
-        })
-    out["decoder.final_layernorm.weight"] = take(pre + "ln_f.weight")
-    out["decoder.final_layernorm.bias"] = take(pre + "ln_f.bias")
-    return config, out, finish_output_layer(take, out, tied, pre, "wte.weight")
+        }
+        del qkv_w, qkv_b
+    yield output_group(take, tied, {"decoder.final_layernorm.weight": take(pre + "ln_f.weight"),
+                                    "decoder.final_layernorm.bias": take(pre + "ln_f.bias")})
 
 
 def tensor_to_hf(config, name: str, tensor: torch.Tensor, pre: str) -> list[tuple[str, torch.Tensor]]:

@@ -5,8 +5,9 @@
 All are pre-norm RMSNorm / SwiGLU / RoPE decoders with the same attention tensor names; they differ in
 biases (Llama: on every linear layer or none; Qwen2 and Qwen2-MoE: on Q/K/V only; the others: none),
 Qwen3's per-head RMSNorm on queries and keys, and sliding-window attention.  Mistral's and Mixtral's
-``sliding_window`` (every layer) is megalite's ``window_size + 1``; Qwen's per-layer windows
-(``use_sliding_window``, ``layer_types``) are an error naming the field when shorter than the context.
+``sliding_window`` (every layer) is megalite's ``window_size + 1``, and so is Qwen2's and Qwen3's when
+``use_sliding_window`` puts it on every layer (``max_window_layers`` 0, or every ``layer_types`` entry sliding);
+a window shorter than the context on some layers only (or on Qwen-MoE) is an error naming the field.
 Each MoE family has the attention of its dense relative (:data:`ATTENTION_OF`); its MoE MLP blocks'
 config keys and tensors are :mod:`megalite.moe.hf`'s.
 
@@ -24,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from megalite.checkpoint.hf.rope import rope_config, rope_fields
-from megalite.checkpoint.hf.tensors import Taker, finish_output_layer, key_prefix
+from megalite.checkpoint.hf.tensors import Taker, embedding_group, key_prefix, output_group, output_info
 from megalite.moe.hf import HF_MOE_FAMILIES, moe_config_from_hf, moe_config_to_hf, moe_tensor_to_hf, moe_tensors_from_hf
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -35,7 +36,8 @@ ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"
 PREFIX = "model."
 DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_dropout": 0.0, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "qkv_bias": True,
-            "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+            "max_window_layers": 28}
 _NAMES = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm",
           "self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj",
           "self_attention.q_layernorm": "self_attn.q_norm", "self_attention.k_layernorm": "self_attn.k_norm"}
@@ -44,7 +46,7 @@ _NAMES = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_atten
 def family_of(config) -> str | None:
     """The model_type a megalite architecture exports as (None: not Llama-style).
 
-    A sliding window makes a Llama a Mistral (Qwen's per-layer windows are not megalite's).  An MoE model with a shared expert is Qwen2-MoE, one with Q/K norm Qwen3-MoE, else Mixtral;
+    A sliding window makes a Llama a Mistral; Qwen2 and Qwen3 keep their family with a window on every layer.  An MoE model with a shared expert is Qwen2-MoE, one with Q/K norm Qwen3-MoE, else Mixtral;
     :func:`megalite.moe.hf.moe_config_to_hf` names what the chosen family cannot represent.
     """
     if not (config.position_embedding_type == "rope" and config.normalization == "RMSNorm"
@@ -56,8 +58,10 @@ def family_of(config) -> str | None:
         dense = "qwen2"
     else:
         dense = "llama"
-    if config.window_size is not None:
-        dense = "mistral" if dense == "llama" and not config.add_bias_linear else None
+    if config.window_size is not None and dense == "llama":
+        dense = None if config.add_bias_linear else "mistral"
+    elif config.window_size is not None and config.moe is not None:
+        return None  # Qwen-MoE windows are not converted
     if config.moe is None or dense is None:
         return dense
     if config.moe.shared_expert_intermediate_size is not None:
@@ -71,22 +75,32 @@ def _get(hf: dict, key: str):
 
 
 def _window_size(hf: dict, family: str) -> int | None:
-    """GPTConfig.window_size of a config: Mistral's/Mixtral's ``sliding_window - 1`` when the window is shorter
-    than the context (a longer one changes nothing); Qwen's per-layer windows that short are an error."""
+    """GPTConfig.window_size of a config: ``sliding_window - 1`` when the window is shorter than the context (a
+    longer one changes nothing) and applies to every layer: always for Mistral and Mixtral; for Qwen2 and Qwen3
+    with ``use_sliding_window``, on the layers ``layer_types`` names ``sliding_attention`` (transformers 5) or
+    else those from ``max_window_layers`` on.  A window on some layers only (or any for Qwen-MoE, whose windows
+    are not converted) is an error naming the field."""
     window, context = hf.get("sliding_window"), hf["max_position_embeddings"]
     if window is None or window >= context:
         return None
-    if family == "mistral":
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"{family} sliding_window must be a positive integer or null, got {window!r}")
-        return window - 1
-    used = hf.get("use_sliding_window", False) or any(t != "full_attention" for t in hf.get("layer_types") or [])
-    field = "use_sliding_window" if hf.get("use_sliding_window") else "layer_types"
-    if used:
-        raise ValueError(f"{family} {field} asks for per-layer sliding-window attention (sliding_window={window} < "
-                         f"max_position_embeddings={context}), which megalite does not compute (its window_size "
-                         "applies to every layer)")
-    return None
+    if family != "mistral":
+        if not hf.get("use_sliding_window", False):
+            return None  # transformers drops the window then
+        types, field = hf.get("layer_types"), "layer_types"
+        if types is None:
+            start, field = hf.get("max_window_layers", DEFAULTS["max_window_layers"]), "max_window_layers"
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(hf["num_hidden_layers"])]
+        sliding = [t == "sliding_attention" for t in types]
+        if not any(sliding):
+            return None
+        if hf["model_type"] not in ("qwen2", "qwen3") or not all(sliding):
+            raise ValueError(f"{hf['model_type']} {field} asks for per-layer sliding-window attention (sliding_window="
+                             f"{window} < max_position_embeddings={context} on layers "
+                             f"{[i for i, s in enumerate(sliding) if s]} of {len(sliding)}), which megalite does not "
+                             "compute (its window_size applies to every layer)")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{hf['model_type']} sliding_window must be a positive integer or null, got {window!r}")
+    return window - 1
 
 
 def _biases(hf: dict, family: str) -> tuple[bool, bool]:
@@ -136,23 +150,29 @@ def config_from_hf(hf: dict):
     return config
 
 
-def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
+def to_megalite(hf: dict, tensors) -> tuple[object, object, dict]:
+    """``(GPTConfig, groups, conversion info)``: ``groups`` yields the global megalite tensors as one dict per
+    layer (the embedding first, the final norm and output layer last), reading the inputs of each when reached."""
     config = config_from_hf(hf)
-    family, heads, groups, d = hf["model_type"], config.num_attention_heads, config.num_query_groups, config.kv_channels
-    bias, qkv_bias, tied = config.add_bias_linear, config.add_qkv_bias, not config.untie_embeddings_and_output_weights
     pre = key_prefix(tensors, PREFIX)
-    names = set(tensors.keys())
-    take = Taker(tensors, f"the {family} checkpoint")
+    take = Taker(tensors, f"the {hf['model_type']} checkpoint")
+    return config, _groups(config, hf["model_type"], take, pre, set(tensors.keys())), output_info(take, pre)
+
+
+def _groups(config, family: str, take: Taker, pre: str, names: set):
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bias, qkv_bias, tied = config.add_bias_linear, config.add_qkv_bias, not config.untie_embeddings_and_output_weights
     r = heads // groups
-    out = {"embedding.word_embeddings.weight": take(pre + "embed_tokens.weight")}
+    yield embedding_group(take, tied, pre + "embed_tokens.weight")
     for i in range(config.num_layers):
-        src, dst = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        src, dst, out = f"{pre}layers.{i}.", f"decoder.layers.{i}.", {}
         for kind in ["weight"] + (["bias"] if bias or qkv_bias else []):
             q, k, v = (take(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
             rest = q.shape[1:]
             out[f"{dst}self_attention.linear_qkv.{kind}"] = torch.cat(
                 [q.reshape(groups, r * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
                 dim=1).reshape(-1, *rest)
+            del q, k, v
             if kind == "bias" and not bias:
                 continue
             out[f"{dst}self_attention.linear_proj.{kind}"] = take(f"{src}self_attn.o_proj.{kind}")
@@ -164,13 +184,15 @@ def to_megalite(hf: dict, tensors) -> tuple[object, dict, dict]:
         if config.is_moe_layer(i):
             moe = moe_tensors_from_hf(take, names, src, family, config.moe)
             out.update({f"{dst}mlp.{name}": tensor for name, tensor in moe.items()})
+            del moe
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
         if config.qk_layernorm:
             out[dst + "self_attention.q_layernorm.weight"] = take(src + "self_attn.q_norm.weight")
             out[dst + "self_attention.k_layernorm.weight"] = take(src + "self_attn.k_norm.weight")
-    out["decoder.final_layernorm.weight"] = take(pre + "norm.weight")
-    return config, out, finish_output_layer(take, out, tied, pre, "embed_tokens.weight")
+        yield out
+        del out
+    yield output_group(take, tied, {"decoder.final_layernorm.weight": take(pre + "norm.weight")})
 
 
 def tensor_to_hf(config, name: str, tensor: torch.Tensor, pre: str, family: str) -> list[tuple[str, torch.Tensor]]:
@@ -213,6 +235,8 @@ def hf_config(config, base: dict, family: str) -> dict:
         values["qkv_bias"] = config.add_qkv_bias
     if attention == "mistral":
         values["sliding_window"] = _sliding_window(config, base)
+    if family in ("qwen2", "qwen3"):
+        values.update(_qwen_window(config, base))
     if config.moe is not None:
         values.update(_moe_keys(config, base, family))
     fresh = not base
@@ -235,6 +259,17 @@ def _sliding_window(config, base: dict) -> int | None:
         return config.window_size + 1
     old = base.get("sliding_window")
     return old if old is None or old >= config.max_position_embeddings else None
+
+
+def _qwen_window(config, base: dict) -> dict:
+    """Qwen2's/Qwen3's window keys: with a window_size, a window on every layer; without, the original's keys
+    unless they gave one (then ``use_sliding_window`` false)."""
+    if config.window_size is None:
+        return {"use_sliding_window": False} if base and _window_size(base, base["model_type"]) is not None else {}
+    keys = {"use_sliding_window": True, "sliding_window": config.window_size + 1, "max_window_layers": 0}
+    if not base or "layer_types" in base:
+        keys["layer_types"] = ["sliding_attention"] * config.num_layers
+    return keys
 
 
 def _moe_keys(config, base: dict, family: str) -> dict:

@@ -33,13 +33,26 @@ class Taker:
             raise ValueError(f"{self.source} has tensors this converter does not know: {left[:5]}")
 
 
-def finish_output_layer(take: Taker, out: dict, tied: bool, pre: str, embedding_name: str) -> dict:
-    """Read the untied lm_head (a tied one must equal the embedding) and check every tensor was used."""
-    lm_head_stored = "lm_head.weight" in take
-    if tied:
-        if lm_head_stored and not torch.equal(take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
+def output_info(take: Taker, pre: str) -> dict:
+    """The conversion info of a checkpoint's names: its key prefix and whether it stores ``lm_head.weight``
+    (a tied one is written back only when the original had it)."""
+    return {"prefix": pre, "lm_head_stored": "lm_head.weight" in take}
+
+
+def embedding_group(take: Taker, tied: bool, embedding_name: str) -> dict:
+    """The megalite embedding of ``embedding_name``; a stored tied lm_head is checked against it here, while
+    both are at hand (ValueError when they differ)."""
+    embedding = take(embedding_name)
+    if tied and "lm_head.weight" in take:
+        head = take("lm_head.weight")
+        if not head.is_meta and not torch.equal(head, embedding):
             raise ValueError(f"tie_word_embeddings is true but lm_head.weight differs from {embedding_name}")
-    else:
+    return {"embedding.word_embeddings.weight": embedding}
+
+
+def output_group(take: Taker, tied: bool, out: dict) -> dict:
+    """``out`` (the last tensors) plus the untied lm_head, after checking that every tensor was used."""
+    if not tied:
         out["output_layer.weight"] = take("lm_head.weight")
     take.finish()
-    return {"prefix": pre, "lm_head_stored": lm_head_stored}
+    return out
