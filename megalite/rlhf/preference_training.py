@@ -18,7 +18,8 @@ import torch
 
 from megalite.data.sft import conversation_from_record, jsonl_records
 from megalite.flags import Flag, FlagTable
-from megalite.rlhf.preference import LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_shared_pair, pair_log_probs
+from megalite.rlhf.preference import (LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pack_shared_pair,
+                                      pair_log_probs)
 from megalite.rlhf.preference import preference_forward_step
 from megalite.rlhf.reference import ReferenceModel, lora_base
 from megalite.data.gpt_dataset import split_documents
@@ -68,8 +69,11 @@ class PairDataset:
 
     packed_documents = True
 
-    def __init__(self, pairs, renderer, seq_length: int, num_samples: int):
-        self.samples = [pack_shared_pair(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
+    def __init__(self, pairs, renderer, seq_length: int, num_samples: int, window_size: int | None = None):
+        # A sliding window counts row distance, which in a shared row would run from rejected back across chosen
+        # into the prompt: windowed models keep each sequence whole.
+        pack = pack_shared_pair if window_size is None else pack_pair
+        self.samples = [pack(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
                         for pair in pairs]
         self.num_samples = num_samples
 
@@ -101,7 +105,8 @@ class PreferenceTraining:
         pairs = read_pairs(args.pref_data)
         out = []
         for indices, wanted in zip(split_documents(len(pairs), args.split), num_samples):
-            out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted))
+            out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
+                                   getattr(args, "window_size", None))
                        if wanted and len(indices) else None)
         return tuple(out)
 
