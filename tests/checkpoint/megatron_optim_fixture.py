@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tests.checkpoint import megatron_fixture
 
-SAVED_AT, CONTINUED = 2, 3
+SAVED_AT, CONTINUED = 2, 5
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16

@@ -1,10 +1,10 @@
 """A Megatron-LM torch_dist checkpoint with Megatron-Core's optimizer state continues in megalite as in Megatron.
 
 Megatron-Core trains a tiny GPT on tp=2 CPU ranks with its own DDP, optimizer and scheduler, saves after 2
-iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 3 more
+iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 5 more
 (:mod:`tests.checkpoint.megatron_optim_fixture`).  megalite resumes that save at another layout (tp=1 x dp=2)
 with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
-its 3 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
+its 5 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
 would start from) they do not.
 """
 
@@ -80,7 +80,7 @@ def _convert_and_resume(path: str, root: str):
 
 @pytest.fixture(scope="module")
 def megatron_run(tmp_path_factory):
-    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..7, each tensor rank's
     fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
     rank 0's (output, RNG states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then
     megalite) to keep the test short."""
