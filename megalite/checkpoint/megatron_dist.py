@@ -177,7 +177,7 @@ class MegatronDistReader:
                       "optimizer": None, "scheduler": None, "args": None,
                       "consumed_samples": int(args.get("consumed_train_samples") or 0),
                       "megatron_checkpoint_version": common.get("checkpoint_version"),
-                      "megatron_scheduler": _plain_dict(common.get("opt_param_scheduler"))}
+                      "megatron_scheduler": plain_dict(common.get("opt_param_scheduler"))}
         metadata_path = os.path.join(where, DCP_METADATA)
         try:
             with open_regular(metadata_path, "checkpoint metadata") as f:
@@ -373,7 +373,7 @@ class MegatronDistReader:
         return self.read_all([name], dtype)[name]
 
 
-def _plain_dict(value) -> dict | None:
+def plain_dict(value) -> dict | None:
     """``value`` when it is a dict of plain scalars (Megatron's ``OptimizerParamScheduler.state_dict()``), else None."""
     if isinstance(value, dict) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value.values()):
         return dict(value)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,8 @@ from tests.checkpoint import megatron_fixture
 SAVED_AT, CONTINUED = 2, 5
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
+LEGACY = "_legacy"
+"""The suffix of the save directory of the fp32 run's legacy-format save (``--ckpt-format torch``)."""
 DISTRIBUTED = "_distopt"
 """The suffix of the save directory of the run with Megatron-Core's distributed optimizer (tp=1 x dp=2)."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
@@ -140,6 +143,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
             rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
+            _save_legacy(save_dir + LEGACY, SAVED_AT, model, optimizer, scheduler)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(_train_step(model, optimizer, scheduler, batch))
     parallel_state.destroy_model_parallel()
@@ -197,6 +201,27 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     return state["rng_state"].data[0]
 
 
+def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler) -> None:
+    """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_XX/model_optim_rng.pt``
+    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`)."""
+    from megatron.core import parallel_state
+
+    from tests.checkpoint.megatron_legacy_fixture import write_rank
+
+    tp = dist.get_world_size()
+    args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
+                                 iteration * GLOBAL_BATCH,
+                                 "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch"},
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
+                              data_parallel_size=1, transformer_impl="local", use_distributed_optimizer=False)
+    write_rank(save_dir, _unwrapped(model), optimizer, args, parallel_state.get_tensor_model_parallel_rank(), 0, 1,
+               iteration, scheduler)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
 def _cuda_state(seed: int, offset: int = 0) -> torch.Tensor:
     """A CUDA generator state as ``torch.cuda.get_rng_state`` returns it: its seed and offset, int64 bytes."""
     return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8).clone()
@@ -235,7 +260,8 @@ def _rng_state():
 
 def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
-    bf16 run saved into ``save_dir + BF16`` at the same iteration; then ``then(*then_args)`` in the same rank
+    bf16 run saved into ``save_dir + BF16`` at the same iteration (the fp32 run in the legacy format too, into
+    ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
     saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued.  Returns ``(the losses of all
     SAVED_AT + CONTINUED iterations (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of

@@ -71,6 +71,9 @@ def _convert_and_resume(path: str, root: str):
         assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                         "--output", os.path.join(root, "converted")) == 0
         _with_common_optimizer(path, other, _other_groups)
+        assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
+                                        "--vocab-size", str(fixture.PADDED_VOCAB), "--input", path + fixture.LEGACY,
+                                        "--output", os.path.join(root, "legacy")) == 0
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
@@ -79,6 +82,7 @@ def _convert_and_resume(path: str, root: str):
                     (other, os.path.join(root, "other_groups.jsonl"), ()),
                     (distributed, os.path.join(root, "distopt_dp2.jsonl"), ("--use-distributed-optimizer",)),
                     (distributed, os.path.join(root, "distopt_tp2.jsonl"), ("--tensor-model-parallel-size", "2")),
+                    (os.path.join(root, "legacy"), os.path.join(root, "legacy.jsonl"), ()),
                     (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
@@ -94,6 +98,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path)
     os.makedirs(path + fixture.BF16)
     os.makedirs(path + fixture.DISTRIBUTED)
+    os.makedirs(path + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
 
@@ -226,6 +231,15 @@ def test_the_distributed_optimizer_state_is_read_and_converted(megatron_run, tmp
     for name in ("optimizer.exp_avg.embedding.word_embeddings.weight", "optimizer.exp_avg_sq.output_layer.weight",
                  "optimizer.exp_avg.decoder.layers.0.self_attention.q_layernorm.weight"):
         assert torch.equal(mine.read(name), reader.read(name))
+
+
+def test_a_legacy_save_with_its_optimizer_state_continues_the_megatron_losses(megatron_run):
+    """The same Megatron-Core run saved in the legacy format (``model_optim_rng.pt``, Adam state from
+    ``optimizer.state_dict()``), converted behind ``--allow-pickle`` and resumed at tp=1 x dp=2: Megatron's 5
+    losses."""
+    path, megatron, _, _, _, runs = megatron_run
+    assert "warning: the Megatron optimizer state" not in runs[7][0]
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
 
 
 def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out(megatron_run, tmp_path):
