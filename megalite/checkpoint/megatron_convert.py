@@ -48,6 +48,9 @@ def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
     for name, (key, lead, shape) in reader._sources.items():
         if name.startswith("optimizer.") and reader.state["optimizer"] is None:
             continue
+        if name in reader._flat:  # the distributed optimizer's state: gathered from its flat buckets
+            shards.append(TensorShard(name, shape, (0,) * len(shape), reader.flat_tensor(name, chunks)))
+            continue
         for chunk in reader.chunks(name):
             view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
             for dim, index in enumerate(lead):

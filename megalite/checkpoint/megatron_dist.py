@@ -17,8 +17,10 @@ this reader maps away:
 Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
 in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
 the Adam step (``common_step``) and the parameter groups come from ``common.pt``'s ``optimizer`` entry, so
-``--load`` resumes Adam where Megatron left it.  A saved optimizer state that cannot be resumed that way is
-left out with the reason in :attr:`MegatronDistReader.optimizer_note` (:mod:`megalite.checkpoint.megatron_optim`).
+``--load`` resumes Adam where Megatron left it.  The distributed optimizer's flat per-bucket state
+('dp_reshardable') is mapped to the same names (:mod:`megalite.checkpoint.megatron_distopt`).  A saved
+optimizer state that cannot be resumed that way is left out with the reason in
+:attr:`MegatronDistReader.optimizer_note` (:mod:`megalite.checkpoint.megatron_optim`).
 Megatron-LM's RNG states are each rank's :meth:`MegatronDistReader.rank_state` (:mod:`megalite.checkpoint.megatron_rng`).
 
 :class:`MegatronDistReader` answers the calls :func:`megalite.checkpoint.state.load_into` makes, so
@@ -48,8 +50,9 @@ from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
 from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
 from megalite.checkpoint.megatron_args import config_from_megatron_args
+from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
 from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
-from megalite.checkpoint.megatron_pickle import unpickle_data
+from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
@@ -174,7 +177,7 @@ class MegatronDistReader:
                       "optimizer": None, "scheduler": None, "args": None,
                       "consumed_samples": int(args.get("consumed_train_samples") or 0),
                       "megatron_checkpoint_version": common.get("checkpoint_version"),
-                      "megatron_scheduler": _plain_dict(common.get("opt_param_scheduler"))}
+                      "megatron_scheduler": plain_dict(common.get("opt_param_scheduler"))}
         metadata_path = os.path.join(where, DCP_METADATA)
         try:
             with open_regular(metadata_path, "checkpoint metadata") as f:
@@ -191,9 +194,50 @@ class MegatronDistReader:
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
         self._sources = self._map_names()
-        self.state["optimizer"], self.optimizer_note = resumable_optimizer(
-            common.get("optimizer"), {name: shape for name, (_, _, shape) in self._sources.items()})
+        self._flat = {}
+        saved = common.get("optimizer")
+        if isinstance(saved, dict) and saved.get("param_state_sharding_type") == "dp_reshardable":
+            self.state["optimizer"], self.optimizer_note = self._distributed_optimizer()
+        else:
+            self.state["optimizer"], self.optimizer_note = resumable_optimizer(
+                saved, {name: shape for name, (_, _, shape) in self._sources.items()})
         self.state["optimizer_note"] = self.optimizer_note
+
+    def _distributed_optimizer(self) -> tuple[dict | None, str | None]:
+        """Map the distributed optimizer's flat bucket state onto megalite's optimizer tensors
+        (:mod:`megalite.checkpoint.megatron_distopt`): ``(megalite's optimizer JSON state, None)`` or
+        ``(None, why not)``."""
+        md = self.metadata.state_dict_metadata
+        model = {name: source for name, source in self._sources.items() if not name.startswith("optimizer.")}
+        buckets = {key: m.size[0] for key, m in md.items()
+                   if key.startswith(DISTRIBUTED_PREFIX) and isinstance(m, dcp_metadata.TensorStorageMetadata)}
+        try:
+            saved = read_sharded_object(self.directory, self.metadata, f"{DISTRIBUTED_PREFIX}0.optimizer/shard_0_1")
+        except Exception as err:  # zipfile and pickle raise many kinds on a damaged object
+            raise ValueError(f"Megatron-LM distributed optimizer state in {self.directory} is unreadable: "
+                             f"{type(err).__name__}: {err}") from None
+        self._flat, meta, note = distributed_optimizer(
+            self.args, {name: shape for name, (_, _, shape) in model.items()},
+            {name: math.prod(md[key].size[len(lead):]) for name, (key, lead, _) in model.items()}, buckets, saved)
+        for name, (key, _, shape) in self._flat.items():
+            self._sources[name] = (key, (), shape)
+        return meta, note
+
+    def flat_tensor(self, name: str, chunks: StoredChunks | None = None) -> torch.Tensor:
+        """The distributed optimizer's state tensor ``name`` (a key of :attr:`_flat`), gathered from the DP ranks'
+        shares of its flat bucket and shaped as the parameter (a copy)."""
+        key, start, shape = self._flat[name]
+        chunks = chunks or StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
+        out = torch.empty(math.prod(shape), dtype=self.dtype(name))
+        filled = 0
+        for ((lo, hi),), view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
+                                                   ((start, start + out.numel()),)):
+            out[lo - start:hi - start] = view
+            filled += hi - lo
+        if filled != out.numel():
+            raise ValueError(f"Megatron-LM checkpoint {self.directory}: {key} covers only {filled} of the "
+                             f"{out.numel()} elements of {name}")
+        return out.view(shape)
 
     def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
@@ -286,11 +330,18 @@ class MegatronDistReader:
         (no copy; the caller copies them and must not write to them), and fill ``regions``; as
         :meth:`CheckpointReader.read_views`."""
         chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        requests = [self._region(r) for r in regions]
+        requests = [self._region(r) for r in regions if r.name not in self._flat]
         views = []
         try:
+            for region in (r for r in regions if r.name in self._flat):
+                region.out.copy_(self.flat_tensor(region.name, chunks)[box_slices(
+                    tuple((o, o + n) for o, n in zip(region.offset, region.out.shape)))])
             for name, offset, shape in boxes:
                 self._region(Region(name, tuple(offset), torch.empty(shape, device="meta")))
+                if name in self._flat:
+                    box = tuple((o, o + n) for o, n in zip(offset, shape))
+                    views.append([(box_slices(box, tuple(offset)), self.flat_tensor(name, chunks)[box_slices(box)])])
+                    continue
                 key, lead, _ = self._sources[name]
                 want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
                 parts, filled = [], 0
@@ -322,7 +373,7 @@ class MegatronDistReader:
         return self.read_all([name], dtype)[name]
 
 
-def _plain_dict(value) -> dict | None:
+def plain_dict(value) -> dict | None:
     """``value`` when it is a dict of plain scalars (Megatron's ``OptimizerParamScheduler.state_dict()``), else None."""
     if isinstance(value, dict) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value.values()):
         return dict(value)

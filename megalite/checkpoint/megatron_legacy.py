@@ -43,7 +43,7 @@ import torch
 from megalite.checkpoint import global_shapes, meta_model, save_global_checkpoint
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
-from megalite.checkpoint.megatron_dist import megalite_name
+from megalite.checkpoint.megatron_dist import megalite_name, plain_dict
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS
@@ -67,6 +67,9 @@ class LegacyCheckpoint:
     """megalite's optimizer JSON state (``num_steps``, ``scaler``, ``param_groups``) when the moments were converted."""
     optimizer_note: str | None
     """Why the saved optimizer state was not converted (None: converted, or none saved)."""
+    scheduler: dict | None = None
+    """Megatron-LM's ``OptimizerParamScheduler.state_dict()`` (``opt_param_scheduler``) when saved, so that
+    ``--load`` of the conversion continues its schedule as a torch_dist one does."""
 
 
 def legacy_directory(path: str) -> str | None:
@@ -185,7 +188,7 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
         tensors.update(moments)
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
     return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),
-                            meta, note)
+                            meta, note, plain_dict(state.get("opt_param_scheduler")))
 
 
 def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
@@ -306,7 +309,7 @@ def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = Fals
     tmp = fresh_output(output)
     legacy = read_megatron_legacy(path, allow_pickle=allow_pickle, vocab_size=vocab_size)
     extra = {"consumed_samples": legacy.consumed_samples or 0, "megatron_legacy": legacy.directory,
-             "optimizer": legacy.optimizer}
+             "optimizer": legacy.optimizer, "megatron_scheduler": legacy.scheduler}
     save_global_checkpoint(tmp, legacy.config, legacy.tensors, iteration=legacy.iteration, extra=extra)
     move_into_place(tmp, output)
     return legacy

@@ -5,9 +5,10 @@ and 1-D parameters), and stores its state as global tensors ``optimizer.<exp_avg
 a JSON entry (``num_steps``, ``scaler``, ``param_groups``).  Megatron-Core's default groups are the same ones
 (one per weight-decay multiplier 1 and 0); its FP32 and mixed-precision optimizers save in ``torch_dist`` one
 tensor per parameter and state key, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>`` in the
-parameter's layout, and the step count and groups in ``common.pt``.  Anything else (other groups, the
-distributed optimizer's flat per-bucket layouts) cannot be resumed: the reason becomes one warning line
-(:func:`optimizer_warning`) and training starts with fresh Adam moments.
+parameter's layout, and the step count and groups in ``common.pt``; the distributed optimizer's default
+'dp_reshardable' layout is mapped onto the same names by :mod:`megalite.checkpoint.megatron_distopt`.  Anything
+else (other groups, the distributed optimizer's other layouts) cannot be resumed: the reason becomes one warning
+line (:func:`optimizer_warning`) and training starts with fresh Adam moments.
 """
 
 from __future__ import annotations

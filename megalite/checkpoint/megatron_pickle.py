@@ -5,6 +5,8 @@ other class as an inert :class:`Opaque` record.  Used by the torch_dist reader a
 from __future__ import annotations
 
 import functools
+import io
+import os
 import pickle
 import warnings
 import zipfile
@@ -85,3 +87,18 @@ def unpickle_data(archive: zipfile.ZipFile):
         raise ValueError("it is not a torch.save archive")
     with archive.open(pickled[0]) as data:
         return _CommonUnpickler(data, archive, pickled[0][:-len("data.pkl")]).load()
+
+
+def read_sharded_object(directory: str, metadata, key: str):
+    """The sharded object ``key`` of a torch_dist directory's DCP ``metadata`` (a ``torch.save`` archive inside a
+    data file), unpickled by :func:`unpickle_data`; None when the checkpoint holds no such object."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    if key not in metadata.state_dict_metadata:
+        return None
+    info = metadata.storage_data[dcp_metadata.MetadataIndex(key)]
+    with open(os.path.join(directory, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return unpickle_data(archive)

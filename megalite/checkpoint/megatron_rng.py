@@ -13,15 +13,10 @@ can restore is the trainer's business (:func:`megalite.training.checkpointing.se
 
 from __future__ import annotations
 
-import io
-import os
-import zipfile
-
 import numpy as np
 import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from megalite.checkpoint.megatron_pickle import unpickle_data
+from megalite.checkpoint.megatron_pickle import read_sharded_object
 
 RNG_STATE = "rng_state"
 
@@ -54,13 +49,8 @@ def read_rng_state(directory: str, metadata, layout: dict, rank: int) -> dict | 
     key = next((k for k in _keys(layout, rank) if k in metadata.state_dict_metadata), None)
     if key is None:
         return None
-    info = metadata.storage_data[dcp_metadata.MetadataIndex(key)]
-    with open(os.path.join(directory, info.relative_path), "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            states = unpickle_data(archive)[0]
+        states = read_sharded_object(directory, metadata, key)[0]
         dp_rank = (rank // (int(layout.get("tp") or 1) * int(layout.get("cp") or 1))) % int(layout.get("dp") or 1)
         state = states[dp_rank if len(states) > 1 else 0]
         name, keys, pos, has_gauss, cached = state["np_rng_state"]

@@ -132,16 +132,20 @@ def _adam(model):
     return optimizer
 
 
-def _write(save_dir: str, model, optimizer, args, tp_rank: int, pp_rank: int, pp: int) -> None:
-    """This rank's ``model_optim_rng.pt`` as Megatron-LM's training/checkpointing.py lays it out."""
+def write_rank(save_dir: str, model, optimizer, args, tp_rank: int, pp_rank: int, pp: int,
+               iteration: int = ITERATION, scheduler=None) -> None:
+    """This rank's ``model_optim_rng.pt`` as Megatron-LM's training/checkpointing.py lays it out (with the
+    ``OptimizerParamScheduler``'s state when ``scheduler`` is given)."""
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-    directory = os.path.join(save_dir, f"iter_{ITERATION:07d}", rank_dir)
+    directory = os.path.join(save_dir, f"iter_{iteration:07d}", rank_dir)
     os.makedirs(directory, exist_ok=True)
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(), "rng_state": [rng],
              "num_floating_point_operations_so_far": 0}
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
 
 
@@ -154,7 +158,7 @@ def save_and_forward(save_dir: str, ids: torch.Tensor, tp: int = 2, pp: int = 2,
     model = _build(tp, pp, style)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    _write(save_dir, model, _adam(model), megatron_args(tp, pp, style), tp_rank, pp_rank, pp)
+    write_rank(save_dir, model, _adam(model), megatron_args(tp, pp, style), tp_rank, pp_rank, pp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:

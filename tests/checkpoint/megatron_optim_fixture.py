@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import torch
 import torch.distributed as dist
 
 from tests.checkpoint import megatron_fixture
 
-SAVED_AT, CONTINUED = 2, 3
+SAVED_AT, CONTINUED = 2, 5
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
+LEGACY = "_legacy"
+"""The suffix of the save directory of the fp32 run's legacy-format save (``--ckpt-format torch``)."""
+DISTRIBUTED = "_distopt"
+"""The suffix of the save directory of the run with Megatron-Core's distributed optimizer (tp=1 x dp=2)."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
 PADDED_VOCAB = megatron_fixture.ARGS["padded_vocab_size"]
 # Megatron-LM's schedule lengths are in samples: 1 warmup iteration, cosine decay over 8, weight decay over the run.
@@ -82,6 +87,7 @@ def _forward_step(data_iterator, model):
 
 def _train_step(model, optimizer, scheduler, micro_batches) -> float:
     """One iteration as Megatron-LM's ``train_step`` runs it; its loss as Megatron-LM's ``training_log`` reports it."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.zero_grad_buffer()
@@ -93,26 +99,30 @@ def _train_step(model, optimizer, scheduler, micro_batches) -> float:
     assert ok
     scheduler.step(increment=GLOBAL_BATCH)
     total = torch.stack([s["lm loss"] for s in stats]).sum(0)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())  # as Megatron-LM's train_step
     return (total[0] / total[1]).item()
 
 
-def _build(bf16: bool = False):
+def _build(bf16: bool = False, distributed: bool = False):
     """``(model, optimizer, scheduler)`` as Megatron-LM's ``setup_model_and_optimizer`` builds them on this rank:
-    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler."""
+    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler; with
+    ``distributed`` at tp=1 x dp=2 with the distributed optimizer (``--use-distributed-optimizer``), else at tp=2."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    module = megatron_fixture.build_model(dist.get_world_size(), 1)
+    module = megatron_fixture.build_model(1 if distributed else dist.get_world_size(), 1)
     module.config.finalize_model_grads_func = finalize_model_grads
     if bf16:
         module.config.bf16 = True
         module = Float16Module(module.config, module)
-    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), module)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=SCHEDULE["max_lr"], min_lr=SCHEDULE["min_lr"], weight_decay=SCHEDULE["start_wd"],
-        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=bf16), [model])
+        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=bf16,
+        use_distributed_optimizer=distributed), [model])
     return model, optimizer, OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
 
 
@@ -133,12 +143,13 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
             rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
+            _save_legacy(save_dir + LEGACY, SAVED_AT, model, optimizer, scheduler)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(_train_step(model, optimizer, scheduler, batch))
     parallel_state.destroy_model_parallel()
 
     # bf16 with fp32 main weights: Megatron-Core's Float16OptimizerWithFloat16Params, whose checks of CUDA tensor
-    # types see the CPU tensors as CUDA ones here.
+    # types see the CPU tensors as CUDA ones here (as the distributed optimizer's below).
     cpu_type = torch.Tensor.type
     torch.Tensor.type = lambda self, *args, **kwargs: (cpu_type(self, *args, **kwargs) if args or kwargs else
                                                         cpu_type(self).replace("torch.", "torch.cuda.", 1))
@@ -152,26 +163,63 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
                 for param, fp32 in zip(half, mains) if param is weight)
     main = main.detach().clone()
     parallel_state.destroy_model_parallel()
+
+    # The distributed optimizer at dp=2 (whose type checks need the same patch): each rank runs one of an
+    # iteration's two micro-batches.
+    model, optimizer, scheduler = _build(distributed=True)
+    distributed_losses = []
+    for i in range(SAVED_AT + CONTINUED):
+        if i == SAVED_AT:
+            _save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
+        batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
+        distributed_losses.append(_train_step(model, optimizer, scheduler, batch[dist.get_rank()::2]))
+    parallel_state.destroy_model_parallel()
     torch.Tensor.type = cpu_type
-    return losses, main, rng, then(*then_args) if then is not None else None
+    return losses, main, rng, distributed_losses, then(*then_args) if then is not None else None
 
 
-def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False) -> dict:
+def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False,
+          distributed: bool = False) -> dict:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
-    saves it; returns this rank's saved RNG states."""
-    tp = dist.get_world_size()
+    saves it (the distributed optimizer's state in its default 'dp_reshardable' layout); returns this rank's saved
+    RNG states."""
+    world = dist.get_world_size()
+    tp, dp = (1, world) if distributed else (world, 1)
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
                                  "params_dtype": torch.bfloat16 if bf16 else torch.float32},
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
-                              data_parallel_size=1)
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=world,
+                              data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False,
+                              transformer_impl="local")
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": _unwrapped(model).sharded_state_dict()}
-    state["optimizer"] = optimizer.sharded_state_dict(state)
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if distributed else None)
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_state()
     megatron_fixture.save_state(state, save_dir, iteration)
     return state["rng_state"].data[0]
+
+
+def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler) -> None:
+    """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_XX/model_optim_rng.pt``
+    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`)."""
+    from megatron.core import parallel_state
+
+    from tests.checkpoint.megatron_legacy_fixture import write_rank
+
+    tp = dist.get_world_size()
+    args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
+                                 iteration * GLOBAL_BATCH,
+                                 "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch"},
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
+                              data_parallel_size=1, transformer_impl="local", use_distributed_optimizer=False)
+    write_rank(save_dir, _unwrapped(model), optimizer, args, parallel_state.get_tensor_model_parallel_rank(), 0, 1,
+               iteration, scheduler)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
 
 
 def _cuda_state(seed: int, offset: int = 0) -> torch.Tensor:
@@ -212,11 +260,14 @@ def _rng_state():
 
 def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
-    bf16 run saved into ``save_dir + BF16`` at the same iteration; then ``then(*then_args)`` in the same rank
-    processes (which saves starting new ones).  Returns ``(the losses of all SAVED_AT + CONTINUED iterations
-    (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of the bf16 output layer, each
-    rank's RNG states saved in save_dir, rank 0's result of then)``."""
+    bf16 run saved into ``save_dir + BF16`` at the same iteration (the fp32 run in the legacy format too, into
+    ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
+    processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
+    saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued.  Returns ``(the losses of all
+    SAVED_AT + CONTINUED iterations (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of
+    the bf16 output layer, each rank's RNG states saved in save_dir, the distributed-optimizer run's losses,
+    rank 0's result of then)``."""
     from megalite.testing import run_distributed
 
     results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
-    return results[0][0], [r[1] for r in results], [r[2] for r in results], results[0][3]
+    return results[0][0], [r[1] for r in results], [r[2] for r in results], results[0][3], results[0][4]

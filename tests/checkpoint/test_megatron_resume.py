@@ -1,11 +1,12 @@
 """A Megatron-LM torch_dist checkpoint with Megatron-Core's optimizer state continues in megalite as in Megatron.
 
 Megatron-Core trains a tiny GPT on tp=2 CPU ranks with its own DDP, optimizer and scheduler, saves after 2
-iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 3 more
+iterations (model, Adam moments and step, scheduler, iteration, consumed samples) and trains 5 more
 (:mod:`tests.checkpoint.megatron_optim_fixture`).  megalite resumes that save at another layout (tp=1 x dp=2)
 with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
-its 3 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
-would start from) they do not.
+its 5 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
+would start from) they do not.  A third Megatron-Core run, at tp=1 x dp=2 with its distributed optimizer (flat
+per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with the same 5 losses as Megatron's.
 """
 
 import contextlib
@@ -60,34 +61,44 @@ def _resume(runs):
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
-    with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, and at
-    Megatron's own layout (tp=2, where its RNG states are restored too)."""
+    with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, the
+    distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, and at Megatron's own layout
+    (tp=2, where its RNG states are restored too)."""
     import torch.distributed as dist
 
-    other = os.path.join(root, "other_groups")
+    other, distributed = os.path.join(root, "other_groups"), path + fixture.DISTRIBUTED
     if dist.get_rank() == 0:
         assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                         "--output", os.path.join(root, "converted")) == 0
         _with_common_optimizer(path, other, _other_groups)
+        assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
+                                        "--vocab-size", str(fixture.PADDED_VOCAB), "--input", path + fixture.LEGACY,
+                                        "--output", os.path.join(root, "legacy")) == 0
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
                     (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
                     (other, os.path.join(root, "other_groups.jsonl"), ()),
+                    (distributed, os.path.join(root, "distopt_dp2.jsonl"), ("--use-distributed-optimizer",)),
+                    (distributed, os.path.join(root, "distopt_tp2.jsonl"), ("--tensor-model-parallel-size", "2")),
+                    (os.path.join(root, "legacy"), os.path.join(root, "legacy.jsonl"), ()),
                     (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
 @pytest.fixture(scope="module")
 def megatron_run(tmp_path_factory):
-    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..5, each tensor rank's
+    """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..7, each tensor rank's
     fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
-    rank 0's (output, RNG states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then
-    megalite) to keep the test short."""
+    the losses of the distributed optimizer's run saved in the directory + DISTRIBUTED, rank 0's (output, RNG
+    states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then megalite) to keep the
+    test short."""
     root = str(tmp_path_factory.mktemp("megatron_optim"))
     path = os.path.join(root, "save")
     os.makedirs(path)
     os.makedirs(path + fixture.BF16)
+    os.makedirs(path + fixture.DISTRIBUTED)
+    os.makedirs(path + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
 
@@ -142,7 +153,7 @@ def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
 def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     """Directly (also with ZeRO-1), and after ``--from megatron`` conversion; with fresh Adam moments (``--no-load-optim``, what
     ``--load`` gave before the optimizer state was read) the second loss differs."""
-    path, megatron, _, _, runs = megatron_run
+    path, megatron, _, _, _, runs = megatron_run
     out = [text for text, *_ in runs]
     root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
@@ -160,16 +171,21 @@ def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     assert _losses(os.path.join(root, "other_groups.jsonl")) == fresh
 
 
-def _with_common_optimizer(megatron_dir, copy, change):
-    """A copy of ``megatron_dir`` whose ``common.pt`` optimizer entry is ``change(entry)``."""
+def _with_common(megatron_dir, copy, key, change):
+    """A copy of ``megatron_dir`` whose ``common.pt`` entry ``key`` is ``change(entry)``."""
     import shutil
 
     shutil.copytree(megatron_dir, copy)
     common = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "common.pt")
     state = torch.load(common, weights_only=False)  # written by this test's own Megatron-Core run
-    state["optimizer"] = change(state["optimizer"])
+    state[key] = change(state[key])
     torch.save(state, common)
     return copy
+
+
+def _with_common_optimizer(megatron_dir, copy, change):
+    """A copy of ``megatron_dir`` whose ``common.pt`` optimizer entry is ``change(entry)``."""
+    return _with_common(megatron_dir, copy, "optimizer", change)
 
 
 def _other_groups(saved):
@@ -178,16 +194,73 @@ def _other_groups(saved):
     return saved
 
 
-def test_a_distributed_optimizer_state_is_named_and_left_out(megatron_run, tmp_path):
-    """Megatron-Core 0.16's distributed optimizer saves flat per-bucket DP shards ('dp_reshardable', its torch_dist
-    default), whose mapping to parameters is Megatron's gradient-buffer layout: named, not read."""
+def test_the_distributed_optimizer_state_continues_the_megatron_losses(megatron_run):
+    """Megatron-Core's distributed optimizer at tp=1 x dp=2, saved in its default 'dp_reshardable' layout (flat
+    per-bucket DP shards): megalite maps the buckets to per-parameter Adam moments and resumes at dp=2 (ZeRO-1)
+    and at tp=2 with Megatron's next 5 losses; without the moments (``--no-load-optim``) the second loss differs."""
+    path, _, _, _, megatron, runs = megatron_run
+    root = os.path.dirname(path)
+    assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0]
+    for name in ("distopt_dp2.jsonl", "distopt_tp2.jsonl"):
+        _assert_equal_losses(_losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
+    fresh = _losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
+    assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+
+
+def test_the_distributed_optimizer_state_is_read_and_converted(megatron_run, tmp_path):
+    """The flat buckets become ``optimizer.<exp_avg|exp_avg_sq>.<name>`` of every parameter (fp32 run: no main
+    weights beside the model's), with Megatron's step count and groups; ``--from megatron`` writes them."""
+    from megalite.checkpoint import open_reader, read_checkpoint_info
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
+    reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED)
+    assert reader.optimizer_note is None
+    meta = reader.state["optimizer"]
+    assert meta["num_steps"] == fixture.SAVED_AT and [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
+    params = [name for name in reader.shapes if not name.startswith("optimizer.")]
+    assert sorted(reader._flat) == sorted(f"optimizer.{key}.{name}" for name in params
+                                          for key in ("exp_avg", "exp_avg_sq"))
+    square = reader.read("optimizer.exp_avg_sq.decoder.layers.3.mlp.linear_fc1.weight")
+    assert square.shape == reader.shapes["decoder.layers.3.mlp.linear_fc1.weight"]
+    assert square.min() >= 0 and square.max() > 0
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", reader.directory,
+                                    "--output", converted) == 0
+    assert read_checkpoint_info(converted)["state"]["optimizer"]["num_steps"] == fixture.SAVED_AT
+    mine = open_reader(converted)
+    for name in ("optimizer.exp_avg.embedding.word_embeddings.weight", "optimizer.exp_avg_sq.output_layer.weight",
+                 "optimizer.exp_avg.decoder.layers.0.self_attention.q_layernorm.weight"):
+        assert torch.equal(mine.read(name), reader.read(name))
+
+
+def test_a_legacy_save_with_its_optimizer_state_continues_the_megatron_losses(megatron_run):
+    """The same Megatron-Core run saved in the legacy format (``model_optim_rng.pt``, Adam state from
+    ``optimizer.state_dict()``), converted behind ``--allow-pickle`` and resumed at tp=1 x dp=2: Megatron's 5
+    losses."""
+    path, megatron, _, _, _, runs = megatron_run
+    assert "warning: the Megatron optimizer state" not in runs[7][0]
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
+
+
+def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out(megatron_run, tmp_path):
+    """Buckets other than megalite's rebuild of Megatron's gradient buffer gives (here: args that say the run
+    split it into 1000-element buckets with --overlap-grad-reduce) and Megatron's other distributed layouts are
+    named, not read."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    copy = _with_common(megatron_run[0] + fixture.DISTRIBUTED, str(tmp_path / "buckets"), "args",
+                        lambda args: setattr(args, "overlap_grad_reduce", True) or setattr(args, "ddp_bucket_size",
+                                                                                            1000) or args)
+    reader = MegatronDistReader(copy)
+    assert reader.state["optimizer"] is None and not reader._flat
+    assert reader.optimizer_note.startswith("it is a distributed optimizer's state ('dp_reshardable') whose buckets "
+                                            "({0: 44096}) are not the [3072, 2112, 4096, ")
+    assert reader.optimizer_note.endswith("elements megalite's rebuild of Megatron's gradient buffer gives")
     copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"),
-                                  lambda saved: {"param_state_sharding_type": "dp_reshardable"})
+                                  lambda saved: {"param_state_sharding_type": "fully_reshardable"})
     reader = MegatronDistReader(copy)
     assert reader.state["optimizer"] is None
-    assert reader.optimizer_note == "it is a distributed optimizer's state in the 'dp_reshardable' layout, which " \
+    assert reader.optimizer_note == "it is a distributed optimizer's state in the 'fully_reshardable' layout, which " \
                                     "megalite does not read"
 
 
@@ -226,7 +299,7 @@ def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_r
     match either way."""
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
-    path, megatron, _, saved, runs = megatron_run
+    path, megatron, _, saved, _, runs = megatron_run
     reader = MegatronDistReader(path)
     for rank, theirs in enumerate(saved):
         mine = reader.rank_state(rank)["megatron_rng"]
