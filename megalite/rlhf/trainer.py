@@ -188,7 +188,7 @@ class RLTrainer:
                                stream=open(os.devnull, "w"))
         if args.eval_interval and self.resume is None:
             self._evaluate(0, logger)
-        last = time.monotonic()
+        last, last_cpu = time.monotonic(), time.process_time()  # wall and this process's CPU time per iteration
         for rollout, served in self.stream:
             teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
             rollout.rewards = served[0]
@@ -210,6 +210,7 @@ class RLTrainer:
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
                                sync_bytes_sent=float(self.sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
+            metrics["cpu_iteration_s"], last_cpu = time.process_time() - last_cpu, time.process_time()
             metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
             logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
