@@ -206,7 +206,7 @@ def megalite_run(args, directory: str, checkpoint: str) -> tuple[list[tuple[floa
                            "--micro-batch-size", str(args.global_batch_size * args.n_samples_per_prompt),
                            "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
                            "--seed", str(args.seed)], args, directory, procs=1)
-    return [(r["time_iteration_s"], r["cpu_iteration_s"]) for r in records], [r["reward"] for r in records]
+    return [(r["time_iteration_s"], r["time_iteration_cpu_s"]) for r in records], [r["reward"] for r in records]
 
 
 def compare_with_trl(args) -> None:

@@ -210,7 +210,7 @@ class RLTrainer:
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
                                sync_bytes_sent=float(self.sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
-            metrics["cpu_iteration_s"], last_cpu = time.process_time() - last_cpu, time.process_time()
+            metrics["time_iteration_cpu_s"], last_cpu = time.process_time() - last_cpu, time.process_time()
             metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
             logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
