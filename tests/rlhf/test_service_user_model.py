@@ -114,3 +114,34 @@ def test_bad_model_and_optimizer_arguments_fail_in_the_driver(tmp_path):
                             parallel=ParallelLayout(dp=2), checkpoint_dir=str(tmp_path)), **overrides}
         with pytest.raises(ValueError, match=error):
             asyncio.run(options.as_service(**arguments))
+
+
+def _swap_optimizers(directory: str) -> list[str]:
+    """One rank: a checkpoint of megalite's optimizer loaded with a torch optimizer, and the other way round."""
+    from megalite import topology
+    from megalite.checkpoint import load_sharded, save_sharded
+    from megalite.optim import OptimizerConfig, get_optimizer
+    from megalite.rlhf.service_module import WRAPPERS, TorchOptimizer
+
+    topo = topology.initialize(tp=1, pp=1)
+    chunk = WRAPPERS["ddp"](tiny_lm(), topo)
+    optimizers = {"megalite": get_optimizer(OptimizerConfig(lr=1e-2), [chunk]),
+                  "torch": TorchOptimizer(OPTIMIZER, chunk)}
+    errors = []
+    for saved, loaded in (("megalite", "torch"), ("torch", "megalite")):
+        path = save_sharded(f"{directory}/{saved}", 1, [chunk], optimizers[saved])
+        try:
+            load_sharded(path, [chunk], optimizers[loaded])
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_kind_of_optimizer_is_a_clear_error(tmp_path):
+    from megalite.testing import run_distributed
+
+    [errors] = run_distributed(_swap_optimizers, 1, str(tmp_path), timeout=60)
+    assert len(errors) == 2
+    assert "the checkpoint holds the state of megalite's optimizer, this run has torch.optim.AdamW" in errors[0]
+    assert "the checkpoint holds the state of torch.optim.AdamW, this run has megalite's optimizer" in errors[1]
