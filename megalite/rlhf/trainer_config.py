@@ -141,7 +141,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
     check_prompt_data(args)
-    args.actor_schedule, args.critic_schedule = (lr_schedule(args, lr) for lr in (args.actor_lr, args.critic_lr))
+    args.actor_schedule, args.critic_schedule = (lr_schedule(args, lr, flag) for lr, flag in
+                                                 ((args.actor_lr, "--actor-lr"), (args.critic_lr, "--critic-lr")))
     args.lora = lora_config(args)
     if args.lora is not None and (args.save or rl_iteration(args.load) is not None):
         raise ValueError("--lora-rank trains adapters on a warmed-up actor or a pretrained one (--load of a megalite "
@@ -160,16 +161,19 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.reward = load_reward_fn(args.reward_fn)
 
 
-def lr_schedule(args: argparse.Namespace, lr: float) -> ScheduleSettings:
+def lr_schedule(args: argparse.Namespace, lr: float, flag: str = "--actor-lr") -> ScheduleSettings:
     """The schedule of a model trained at peak ``lr`` (the actor's ``--actor-lr`` or the critic's ``--critic-lr``):
     pretraining's schedule flags with ``--min-lr`` and ``--lr-warmup-init`` scaled by ``lr / --actor-lr``, so both
     models follow one shape.  It advances once per RL iteration by ``--global-batch-size`` prompts, so every length
-    is in RL iterations."""
+    is in RL iterations.  Errors name ``flag``, the peak's flag, where pretraining's name ``--lr``."""
     scale = lr / args.actor_lr if args.actor_lr else 1.0
     config = lr_schedule_config(args)
     config.lr_warmup_init *= scale
-    return schedule_settings(config, lr=lr, min_lr=args.min_lr * scale, weight_decay=0.0,
-                             global_batch_size=args.global_batch_size, train_iters=args.train_iters)
+    try:
+        return schedule_settings(config, lr=lr, min_lr=args.min_lr * scale, weight_decay=0.0,
+                                 global_batch_size=args.global_batch_size, train_iters=args.train_iters)
+    except ValueError as error:
+        raise ValueError(str(error).replace("--lr ", f"{flag} ")) from None
 
 
 def actor_config(args: argparse.Namespace) -> GPTConfig:

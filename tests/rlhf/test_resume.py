@@ -136,7 +136,7 @@ def test_lr_schedule_is_megatrons_per_rl_iteration():
 
 
 def test_lr_schedule_bad_input():
-    with pytest.raises(ValueError, match="--min-lr 0.001 must be between 0"):
+    with pytest.raises(ValueError, match="--min-lr 0.001 must be between 0 and --actor-lr 0.0005"):
         validate(parse_args(BASE + ["--min-lr", "1e-3"]), 2)
     with pytest.raises(ValueError, match="lr warmup"):
         validate(parse_args(BASE + ["--lr-warmup-iters", "4"]), 2)
