@@ -7,7 +7,8 @@ script checks that both give the same logits), the same "a+b=" task, group size,
 reward rule, KL coefficient (k3 estimator, the reference model on both sides), fp32 without activation
 recomputation (TRL's defaults bf16 and gradient checkpointing turned off) and one update per iteration:
 examples/rlhf_ppo.py (in a subprocess, ``--load`` of that model) against ``trl.GRPOTrainer`` (HF ``generate`` for
-rollouts), ``--rounds`` times in turns.  Prints samples/s of each side (its best round) and the ratio, then the
+rollouts), ``--rounds`` times in turns.  Prints samples/s of each side (its best round) per wall second and per
+CPU second of its process (the steadier figure on a loaded machine) and the ratios, then the
 rollout generation alone: megalite's inference engine (the RL path), its static batched decoder and HF
 ``generate``.  Needs ``trl`` and ``datasets`` (``pip install trl datasets``; not megalite dependencies).
 
@@ -154,8 +155,9 @@ def hf_model(model: GPTModel, path: str, directory: str):
     return hf
 
 
-def trl_run(args, directory: str, hf) -> tuple[list[float], list[float]]:
-    """TRL's GRPOTrainer on the same model, prompts and settings; seconds and mean reward of each iteration."""
+def trl_run(args, directory: str, hf) -> tuple[list[tuple[float, float]], list[float]]:
+    """TRL's GRPOTrainer on the same model, prompts and settings; (wall, CPU) seconds and mean reward of each
+    iteration."""
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -164,15 +166,15 @@ def trl_run(args, directory: str, hf) -> tuple[list[float], list[float]]:
 
     rng = random.Random(args.seed)
     prompts = [problem(rng, 9) for _ in range(args.global_batch_size * args.iters)]
-    times: list[float] = []
+    times: list[tuple[float, float]] = []
     rewards: list[float] = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, *_, **__):
-            self.start = time.perf_counter()
+            self.start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
-            times.append(time.perf_counter() - self.start)
+            times.append((time.perf_counter() - self.start[0], time.process_time() - self.start[1]))
 
     def reward(prompts, completions, completion_ids, **_):
         """megalite's rule: the right answer followed by end-of-document."""
@@ -195,16 +197,16 @@ def trl_run(args, directory: str, hf) -> tuple[list[float], list[float]]:
     return times, rewards
 
 
-def megalite_run(args, directory: str, checkpoint: str) -> tuple[list[float], list[float]]:
-    """examples/rlhf_ppo.py, one process, the same settings and initial weights; seconds and mean reward of each
-    iteration."""
+def megalite_run(args, directory: str, checkpoint: str) -> tuple[list[tuple[float, float]], list[float]]:
+    """examples/rlhf_ppo.py, one process, the same settings and initial weights; (wall, CPU) seconds and mean
+    reward of each iteration."""
     records = run_example(["--tensor-model-parallel-size", "1", "--kl-coef", str(KL_COEF), "--kl-estimator", "k3",
                            "--ppo-epochs", "1",
                            "--actor-lr", str(LR), "--load", checkpoint, "--max-new-tokens", str(args.max_new_tokens),
                            "--micro-batch-size", str(args.global_batch_size * args.n_samples_per_prompt),
                            "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
                            "--seed", str(args.seed)], args, directory, procs=1)
-    return [r["time_iteration_s"] for r in records], [r["reward"] for r in records]
+    return [(r["time_iteration_s"], r["time_iteration_cpu_s"]) for r in records], [r["reward"] for r in records]
 
 
 def compare_with_trl(args) -> None:
@@ -213,7 +215,7 @@ def compare_with_trl(args) -> None:
           f"{args.max_new_tokens} new tokens, hidden {args.hidden_size}, {args.num_layers} layers, {args.iters} "
           f"iterations (first {args.warmup} left out), one process and one thread each, in turn")
     torch.set_num_threads(1)
-    rates, rewards = {}, {}
+    rates, rewards = {"wall": {}, "cpu": {}}, {}
     with tempfile.TemporaryDirectory() as directory:
         model, checkpoint = warmed_up_actor(args, directory)
         hf = hf_model(model, checkpoint, directory)
@@ -223,16 +225,18 @@ def compare_with_trl(args) -> None:
             for name, run in (("megalite", megalite_run), ("trl", trl_run)):
                 hf.load_state_dict(initial)  # every TRL round starts from the same weights, as megalite's do
                 times, rewards[name] = run(args, directory, checkpoint if name == "megalite" else hf)
-                times = times[args.warmup:]
-                rates.setdefault(name, []).append(samples * len(times) / sum(times))
-    print(f"{'':<10}{'samples/s':>10}{'iterations/s':>14}{'reward, first and last 5 iterations':>38}"
-          f"   samples/s of each round")
-    best = {name: max(values) for name, values in rates.items()}
-    for name, rate in best.items():
+                for clock, seconds in zip(("wall", "cpu"), zip(*times[args.warmup:])):
+                    rates[clock].setdefault(name, []).append(samples * len(seconds) / sum(seconds))
+    print(f"{'':<10}{'samples/s':>10}{'per CPU s':>10}{'reward, first and last 5 iterations':>38}"
+          f"   samples/s (wall | CPU) of each round")
+    best = {clock: {name: max(values) for name, values in by_name.items()} for clock, by_name in rates.items()}
+    for name in best["wall"]:
         first, last = (sum(part) / len(part) for part in (rewards[name][:5], rewards[name][-5:]))
-        print(f"{name:<10}{rate:>10.1f}{rate / samples:>14.3f}{first:>24.3f}{last:>14.3f}   "
-              + " ".join(f"{value:.1f}" for value in rates[name]))
-    print(f"ratio megalite / trl (best round of each): {best['megalite'] / best['trl']:.2f}")
+        print(f"{name:<10}{best['wall'][name]:>10.1f}{best['cpu'][name]:>10.1f}{first:>24.3f}{last:>14.3f}   "
+              + " ".join(f"{wall:.1f} | {cpu:.1f}" for wall, cpu in zip(rates["wall"][name], rates["cpu"][name])))
+    for clock in ("wall", "cpu"):
+        print(f"ratio megalite / trl by {clock} time (best round of each): "
+              f"{best[clock]['megalite'] / best[clock]['trl']:.2f}")
     print(f"\nrollout generation alone ({samples} samples, the same prompts; median seconds per call, sides "
           "alternating)")
     for name, seconds in generation.items():

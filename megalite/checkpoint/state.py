@@ -2,8 +2,9 @@
 
 Model weights are written once: by data-parallel rank 0 (expert-data-parallel rank 0 for expert
 parameters) and, for parameters replicated over (expert) TP, by TP rank 0.  The optimizer's fp32
-state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32) is written as
-the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
+state (``exp_avg``, ``exp_avg_sq``, and ``main`` when the parameters are not fp32; an optimizer whose
+``sharded_state_dict`` names other ``state_keys`` (a torch optimizer's, e.g. ``momentum_buffer``) those) is
+written as the global tensors ``optimizer.<key>.<parameter>``: each ZeRO-1 shard, a flat range of a local
 parameter, is cut into boxes (:func:`flat_boxes`) and placed like the parameter itself.  FSDP2
 parameters (DTensors holding rows of the local parameter, also a flat range) and their optimizer
 state are written the same way, by every DP rank.  Every box is a :class:`TensorShard` of the DCP
@@ -103,12 +104,12 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
             if not writes(shard.param, gp, sharded):
                 continue
             entry = saved["entries"][shard.key]
-            keys = [k for k in OPTIMIZER_KEYS if k in entry]
+            keys = [k for k in saved.get("state_keys", OPTIMIZER_KEYS) if k in entry]
             if shard.param.dtype != torch.float32:
                 keys.append("main")
             for key in keys:
                 add_flat(f"optimizer.{key}.{gp.name}", gp, tuple(shard.param.shape), entry[key], shard.lo, shard.hi)
-        optimizer_meta = {"num_steps": saved["num_steps"], "scaler": saved["scaler"],
+        optimizer_meta = {**{k: v for k, v in saved.items() if k != "entries"},
                           "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
                                            for g in saved["param_groups"]]}
     return shards, optimizer_meta
@@ -246,7 +247,11 @@ def _read_local(reader, model_chunks, optimizer, tp_group, ep_group, expert_tp_g
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
         meta = {**meta, "param_groups": [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
                                          for g in meta["param_groups"]]}
-        keys = OPTIMIZER_KEYS if meta["num_steps"] > 0 else ()
+        saved_kind, kind = meta.get("torch_optimizer"), getattr(optimizer, "torch_optimizer", None)
+        if saved_kind != kind:
+            name = lambda k: f"torch.optim.{k}" if k else "megalite's optimizer"  # noqa: E731
+            raise ValueError(f"the checkpoint holds the state of {name(saved_kind)}, this run has {name(kind)}")
+        keys = tuple(meta.get("state_keys", OPTIMIZER_KEYS)) if meta["num_steps"] > 0 else ()
         entries, fp32_mains = {}, []
         for shard in optimizer.shards:
             gp = layouts[shard.param]

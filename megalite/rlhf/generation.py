@@ -245,18 +245,16 @@ class RolloutEngine:
         engine = self._engine_for(b, p + config.max_new_tokens)
         completions = [o.outputs[0] for o in engine.generate(rows, params)]
         n = max(len(c.token_ids) for c in completions)
-        tokens = torch.full((b, p + n), config.pad_id, dtype=prompts.dtype, device=prompts.device)
-        tokens[:, :p] = prompts
-        mask = torch.zeros(b, p + n, dtype=prompts.dtype, device=prompts.device)
-        mask[:, :p] = prompt_mask
-        log_probs = torch.zeros(b, n, dtype=torch.float32, device=prompts.device)
-        for i, c in enumerate(completions):
-            k = len(c.token_ids)
-            tokens[i, p:p + k] = torch.tensor(c.token_ids, dtype=prompts.dtype)
-            mask[i, p:p + k] = 1
-            log_probs[i, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return GenerationOutput(tokens=tokens, attention_mask=mask, log_probs=log_probs,
-                                response_mask=mask[:, p:].clone())
+        pads = [n - len(c.token_ids) for c in completions]  # each response padded on the right, one tensor each
+        response = torch.tensor([c.token_ids + [config.pad_id] * k for c, k in zip(completions, pads)],
+                                dtype=prompts.dtype, device=prompts.device)
+        response_mask = torch.tensor([[1] * (n - k) + [0] * k for k in pads], dtype=prompts.dtype,
+                                     device=prompts.device)
+        log_probs = torch.tensor([list(c.logprobs) + [0.0] * k for c, k in zip(completions, pads)],
+                                 dtype=torch.float32, device=prompts.device)
+        return GenerationOutput(tokens=torch.cat([prompts, response], dim=1),
+                                attention_mask=torch.cat([prompt_mask.to(prompts.dtype), response_mask], dim=1),
+                                log_probs=log_probs, response_mask=response_mask)
 
 
 def engine_generate(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, config: SamplingConfig,

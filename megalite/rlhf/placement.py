@@ -218,9 +218,9 @@ class Placement:
         """(every model's tensors, every pool's tensors)."""
         tensors, pools = [], []
         for model in self.models.values():  # FSDP2 parameters are DTensors: count their local shards
-            tensors += list(model.module.parameters()) + list(model.module.buffers())
-            tensors += [g for p in model.module.parameters() for g in (p.grad, getattr(p, "main_grad", None))
-                        if g is not None]
+            params = list(model.module.parameters())  # one walk of the module tree (this runs twice a phase)
+            tensors += params + list(model.module.buffers())
+            tensors += [g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
             if model.optimizer is not None:
                 tensors += list(optimizer_tensors(model.optimizer)().values())
             for offloader in model.offloaders.values():
@@ -232,10 +232,9 @@ class Placement:
     def resident_bytes(self) -> dict[str, int]:
         """``{"device": bytes on the compute device, "pool": bytes parked in host pools}``, each storage once."""
         tensors, pools = self._tensors()
-        parked = {_storage_key(t): _nbytes(t) for t in pools}
-        on_device = {_storage_key(t): _nbytes(t) for t in tensors
-                     if t.device == self.device and _storage_key(t) not in parked}
-        return {"device": sum(on_device.values()), "pool": sum(parked.values())}
+        parked = dict(map(_storage, pools))
+        on_device = dict(_storage(t) for t in tensors if t.device == self.device)
+        return {"device": sum(n for key, n in on_device.items() if key not in parked), "pool": sum(parked.values())}
 
     def _record(self, phase: str, values: dict[str, int]) -> None:
         for kind, value in values.items():
@@ -249,9 +248,7 @@ class Placement:
         return metrics
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    return tensor.device, tensor.untyped_storage().data_ptr()
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
+def _storage(tensor: torch.Tensor) -> tuple[tuple, int]:
+    """``((device, storage address), storage bytes)``: a storage counted once however many tensors view it."""
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr()), storage.nbytes()

@@ -225,7 +225,6 @@ class TrainingService:
             raise ValueError(f"save step must be a non-negative integer, got {step!r}") from None
         if step < 0:
             raise ValueError(f"save step must be a non-negative integer, got {step}")
-        self._check_checkpointable("save")
         if not self._may_write:
             loaded_dir, loaded_iteration = self._loaded or (None, 0)
             warning = check_not_overwriting(self.spec.checkpoint_dir, loaded_dir, loaded_iteration, self._override,
@@ -239,7 +238,6 @@ class TrainingService:
         """Model and optimizer from a megalite checkpoint saved under any layout."""
         from megalite.checkpoint import read_checkpoint_info
 
-        self._check_checkpointable("load")
         try:  # where it comes from, for save()'s overwrite rule; the workers may see paths the driver does not
             info = read_checkpoint_info(path)
         except (OSError, ValueError):
@@ -279,12 +277,6 @@ class TrainingService:
         return self._transport.pids
 
     # --- plumbing ------------------------------------------------------------------------------------
-    def _check_checkpointable(self, method: str) -> None:
-        if not isinstance(self.spec.optimizer, OptimizerConfig):
-            raise ValueError(f"{method} stores the optimizer in megalite's checkpoint format, which holds megalite's "
-                             f"optimizer (optimizer=OptimizerConfig(...)), not a torch.optim factory's; "
-                             f"get_weights/load_weights move the weights of either")
-
     def _call(self, method: str, payload, deadline: float | None = None) -> asyncio.Future:
         if self._closed:
             raise RuntimeError(f"TrainingService.{method} called after shutdown")

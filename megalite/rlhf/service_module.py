@@ -7,20 +7,24 @@ parameters, gradients and optimizer state sharded), ``"ddp"`` in megalite's
 :class:`~megalite.distributed.DistributedDataParallel`; either way the same :class:`~megalite.rlhf.backend
 .TrainingBackend` splits micro-batches, normalizes the objective over the global batch and accumulates gradients.
 
-The optimizer is megalite's (an ``OptimizerConfig``: its state goes into checkpoints) or a factory
-``params -> torch.optim.Optimizer`` that :class:`TorchOptimizer` drives.  A factory that raises on any worker
+The optimizer is megalite's (an ``OptimizerConfig``) or a factory ``params -> torch.optim.Optimizer`` that
+:class:`TorchOptimizer` drives; either one's state goes into the service's checkpoints.  A factory that raises on any worker
 fails ``ready`` on every worker at once (the others name the failed ranks) rather than leaving them waiting for
 it in a collective.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megalite import topology
 from megalite.distributed import DDPConfig, DistributedDataParallel, FSDPConfig, FullyShardedDataParallel
+from megalite.distributed.fsdp import owned_flat_range
 from megalite.optim import OptimizerConfig, get_optimizer
 from megalite.optim.clip_grads import global_grad_norm
 
@@ -36,6 +40,12 @@ class TorchOptimizer:
     Under DDP the reduced gradient lives in ``param.main_grad``; it is lent to ``param.grad`` for the step.
     Under FSDP2 ``param.grad`` is already the persistent sharded gradient.  The wrapper's
     ``zero_grad_buffer`` clears either in place (``optimizer.zero_grad`` would drop FSDP's persistent grads).
+
+    Checkpoints hold its state in megalite's format through the interface of megalite's optimizer (``shards``,
+    ``sharded_state_dict``, ``load_sharded_state_dict``): every per-parameter state tensor of the parameter's shape
+    (Adam's moments, SGD's momentum) as the global tensor ``optimizer.<key>.<parameter>`` (so it loads under
+    any number of workers and either strategy), every scalar (Adam's ``step``) and the parameter groups'
+    hyperparameters as JSON.
     """
 
     scale_loss = None  # no loss scaling: the parameters compute in fp32
@@ -49,6 +59,58 @@ class TorchOptimizer:
                             "not a torch.optim.Optimizer")
         self.sharded = isinstance(chunk, FullyShardedDataParallel)
         self.num_steps = 0
+        self.torch_optimizer = type(self.optimizer).__name__
+        ordered = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ranges = [owned_flat_range(p) if self.sharded else (0, p.numel()) for p in ordered]
+        self.shards = [SimpleNamespace(key=index, param=p, lo=lo, hi=hi)
+                       for index, (p, (lo, hi)) in enumerate(zip(ordered, ranges))]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def sharded_state_dict(self, copy: bool = False) -> dict:
+        """This worker's state: each parameter's state tensors as its flat local range (views unless ``copy``),
+        the scalars and the groups' hyperparameters as JSON.  A state value of another kind is a ValueError."""
+        entries, scalars, keys = {}, {}, set()
+        for shard in self.shards:
+            entry = entries[shard.key] = {"shape": tuple(shard.param.shape), "offset": shard.lo}
+            for key, value in self.optimizer.state.get(shard.param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.param.shape:
+                    local = (value.to_local() if isinstance(value, DTensor) else value).detach().reshape(-1)
+                    entry[key] = local.clone() if copy else local
+                    keys.add(key)
+                elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                    scalars.setdefault(str(shard.key), {})[key] = [value.item(), str(value.dtype).split(".")[-1]]
+                elif value is None or isinstance(value, (bool, int, float)):
+                    scalars.setdefault(str(shard.key), {})[key] = [value, None]
+                else:
+                    raise ValueError(f"{self.torch_optimizer}'s state {key!r} ({type(value).__name__}) is neither a "
+                                     f"tensor of its parameter's shape nor a scalar, so it cannot be checkpointed")
+        return {"entries": entries, "num_steps": self.num_steps, "scaler": None,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "torch_optimizer": self.torch_optimizer, "state_keys": sorted(keys), "scalar_state": scalars}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """The state of :meth:`sharded_state_dict` (this worker's ranges read from the checkpoint)."""
+        torch_state = {}
+        for shard in self.shards:
+            entry, values = state["entries"][shard.key], {}
+            for key in state.get("state_keys", ()):
+                if key in entry:
+                    values[key] = torch.zeros_like(shard.param.detach())
+                    local = values[key].to_local() if isinstance(values[key], DTensor) else values[key]
+                    local.view(-1).copy_(entry[key])
+            for key, (value, dtype) in state.get("scalar_state", {}).get(str(shard.key), {}).items():
+                values[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
+            if values:
+                torch_state[shard.key] = values
+        groups, start = [], 0
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        self.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
+        self.num_steps = state["num_steps"]
 
     def grad_norm(self) -> float:
         """The L2 norm of the whole averaged gradient (its FSDP shards summed over the data-parallel group)."""

@@ -47,6 +47,7 @@ from megalite.rlhf.trainer_log import eval_line, evaluate, iteration_line, sampl
 from megalite.rlhf.trainer_models import attach_adapters, build, build_teacher, pipeline_chunk, pretrain
 from megalite.rlhf.update import rl_update
 from megalite.rlhf.weight_sync import TRAINER, SyncRole, WeightSync
+from megalite.training.lr_schedule import LRScheduler
 from megalite.training.metrics import MetricsLogger
 
 ACTOR, CRITIC, REFERENCE, TARGET_CRITIC = "actor", "critic", "reference", "target critic"
@@ -164,6 +165,12 @@ class RLTrainer:
             if args.target_critic_tau is not None:
                 self.target = (pipeline_chunk(CriticModel, config, topo, device),
                                PolyakTarget(critic_chunk.module, args.target_critic_tau))
+        self.schedulers = {name: LRScheduler(backend.optimizer, settings,
+                                             override_opt_param_scheduler=args.override_opt_param_scheduler,
+                                             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+                           for name, backend, settings in ((ACTOR, self.actor, args.actor_schedule),
+                                                           (CRITIC, self.critic, args.critic_schedule))
+                           if backend is not None}
         owner = topo.global_rank == args.scoring_server_rank
         self.reward = reward_function(args, owner or not args.use_scoring_server, single_group, device)
         teacher_model = teacher = None
@@ -200,7 +207,7 @@ class RLTrainer:
                                stream=open(os.devnull, "w"))
         if args.eval_interval and self.resume is None:
             self._evaluate(0, logger)
-        last = time.monotonic()
+        last, last_cpu = time.monotonic(), time.process_time()  # wall and this process's CPU time per iteration
         for rollout, served in self.stream:
             teacher = TeacherOutput.from_outputs(served[1:]) if args.use_teacher else None
             rollout.rewards = served[0]
@@ -212,6 +219,9 @@ class RLTrainer:
                 if self.guide is not None:
                     metrics.update(self.guide.update(rollout.metadata["guide"], topo, self.device,
                                                      self.rollouts.version))
+            for name, scheduler in self.schedulers.items():  # the LR this iteration ran at, then the next one's
+                metrics[f"{name}_lr"] = scheduler.get_lr()
+                scheduler.step(args.global_batch_size)
             metrics.update(placement.take_metrics())
             if args.use_scoring_server:
                 metrics["scorer_staleness"] = float(self.stream.staleness[-1])
@@ -222,6 +232,7 @@ class RLTrainer:
                 metrics.update(time_sync_s=time.monotonic() - start_sync,
                                sync_bytes_sent=float(self.sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
+            metrics["time_iteration_cpu_s"], last_cpu = time.process_time() - last_cpu, time.process_time()
             metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
             logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
@@ -255,7 +266,7 @@ class RLTrainer:
             save_frozen(self.args.save, iteration, self.reference, self.target)
         with self.placement.phase("training"):
             save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                         self.rollouts.version, self.rollouts.rng)
+                         self.rollouts.version, self.rollouts.rng, self.schedulers)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
@@ -263,7 +274,7 @@ class RLTrainer:
             load_frozen(self.args.load, self.resume, self.reference, self.target)
         with self.placement.phase("training"):
             self.rollouts.version = load_trained(self.args.load, self.resume, self.topo, self.actor, self.critic,
-                                                 self.rollouts.rng)
+                                                 self.rollouts.rng, self.schedulers)
         self.rollouts.start = self.resume + 1
         if self.topo.global_rank == 0:
             print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

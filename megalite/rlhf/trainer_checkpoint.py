@@ -3,7 +3,7 @@
 ``--save SAVE`` holds one megalite save directory per model: ``SAVE/actor`` (with its optimizer; its ``latest`` is
 the run's commit point, written last), ``SAVE/critic`` (with its optimizer), ``SAVE/reference`` and
 ``SAVE/target_critic`` (the Polyak target's values).  The actor's JSON state adds the RL state (``rl``: algorithm,
-iteration, policy version, layout); each rank's adds its RNG streams and its prompt stream's position.  A resume
+iteration, policy version, the actor's and critic's LR schedules, layout); each rank's adds its RNG streams and its prompt stream's position.  A resume
 (``--load SAVE``) reads every model at the actor's iteration, so a kill between two models' writes loads the
 previous complete set.  The policy is a plain megalite checkpoint: ``tools/convert_checkpoint.py --from megalite
 --to hf --input SAVE/actor`` exports it to Hugging Face.
@@ -76,12 +76,14 @@ def save_frozen(save_dir: str, iteration: int, reference, target) -> None:
         save_sharded(os.path.join(save_dir, TARGET_CRITIC), iteration, [target[0]])
 
 
-def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng) -> None:
-    """The critic, then the actor with the RL state (its ``latest`` commits the set); call in the training
-    phase, where the optimizer state is resident."""
+def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng,
+                 schedulers: dict) -> None:
+    """The critic, then the actor with the RL state and the LR ``schedulers`` (name -> ``LRScheduler``; its
+    ``latest`` commits the set); call in the training phase, where the optimizer state is resident."""
     if critic is not None:
         save_sharded(os.path.join(save_dir, CRITIC), iteration, [critic.chunk], critic.optimizer)
-    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version}
+    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version,
+          "schedulers": {name: scheduler.state_dict() for name, scheduler in schedulers.items()}}
     version_, internal, gauss = prompt_rng.getstate()
     save_sharded(os.path.join(save_dir, ACTOR), iteration, [actor.chunk], actor.optimizer,
                  extra={"rl": rl}, rank_extra={"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]},
@@ -98,15 +100,19 @@ def load_frozen(load_dir: str, iteration: int, reference, target) -> None:
             target[1].params[name].copy_(param.detach())
 
 
-def load_trained(load_dir: str, iteration: int, topo, actor, critic, prompt_rng: random.Random) -> int:
-    """The actor and critic with their optimizers, and (same layout) this rank's RNG streams and prompt position;
-    returns the policy version."""
+def load_trained(load_dir: str, iteration: int, topo, actor, critic, prompt_rng: random.Random,
+                 schedulers: dict) -> int:
+    """The actor and critic with their optimizers and LR ``schedulers`` (name -> ``LRScheduler``; a schedule that
+    differs from the saved one is a ValueError unless the run overrides it), and (same layout) this rank's RNG
+    streams and prompt position; returns the policy version."""
     group = dist.group.WORLD
     if critic is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, CRITIC), iteration), [critic.chunk], critic.optimizer,
                      group=group)
     reader = load_sharded(iteration_dir(os.path.join(load_dir, ACTOR), iteration), [actor.chunk], actor.optimizer,
                           group=group)
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(reader.state["rl"]["schedulers"][name])
     if reader.world_size == dist.get_world_size() and reader.layout == _layout(topo):
         state = reader.rank_state(dist.get_rank())
         set_rng_state(state["rng"])

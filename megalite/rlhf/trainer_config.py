@@ -23,14 +23,19 @@ from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.reward_model import check_reward_model
 from megalite.rlhf.rewards import load_reward_fn
 from megalite.rlhf.trainer_checkpoint import rl_iteration
-from megalite.training.flags import FLAGS, lora_config
+from megalite.training.flags import FLAGS, lora_config, lr_schedule_config
+from megalite.training.lr_schedule import ScheduleSettings, schedule_settings
 
 MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
                "--num-layers", "--num-attention-heads", "--global-batch-size", "--micro-batch-size", "--train-iters",
                "--load", "--save", "--save-interval", "--override-existing-checkpoints", "--eval-interval",
                "--metrics-file", "--tensorboard-dir", "--lora-rank", "--lora-alpha", "--lora-dropout",
-               "--lora-target-modules"]
-"""The pretraining rows the RL trainer takes (with the RL defaults and help below)."""
+               "--lora-target-modules", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters",
+               "--lr-warmup-fraction", "--lr-warmup-init", "--lr-wsd-decay-style", "--lr-wsd-decay-iters",
+               "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"]
+"""The pretraining rows the RL trainer takes (with the RL defaults and help below).  The LR schedule rows are
+pretraining's (Megatron's ``OptimizerParamScheduler``, counted in RL iterations); their default stays a constant
+LR."""
 
 
 def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) on megalite's parallel GPT"
@@ -39,7 +44,8 @@ def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) 
     FLAGS.add_to(p, MODEL_FLAGS,
                  defaults={"--tensor-model-parallel-size": 2, "--seed": 1234, "--hidden-size": 64, "--num-layers": 2,
                            "--global-batch-size": 128, "--micro-batch-size": 32, "--train-iters": 100,
-                           "--tensorboard-dir": "runs/rlhf_ppo", "--eval-interval": None},
+                           "--tensorboard-dir": "runs/rlhf_ppo", "--eval-interval": None,
+                           "--lr-decay-style": "constant"},
                  helps={"--global-batch-size": "prompts per RL iteration over all data-parallel ranks",
                         "--micro-batch-size": "sequences per forward on one rank", "--train-iters": "RL iterations",
                         "--load": "an RL checkpoint (a --save directory) to resume from, or a pretrained actor (a "
@@ -49,6 +55,9 @@ def parse_args(argv=None, description: str = "RL (PPO, GRPO, RLOO, REINFORCE++) 
                         "--save-interval": "RL iterations between checkpoints; None: only at the end",
                         "--eval-interval": "RL iterations between greedy evaluations on a fixed prompt set with the "
                                            "same reward (logged as valid_*); None: no evaluation",
+                        "--min-lr": "the actor's LR floor of the schedule; the critic's is scaled by --critic-lr / "
+                                    "--actor-lr",
+                        "--lr-decay-iters": "RL iterations the LR decays over; None: --train-iters",
                         "--lora-rank": "None: RL trains every actor weight; a rank: the warmed-up (or loaded) actor is "
                                        "frozen and RL trains low-rank adapters on it, and weight sync to rollout "
                                        "ranks sends the adapters only"})
@@ -150,6 +159,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--target-critic-tau {args.target_critic_tau} needs --advantage-estimator gae (a critic) "
                          f"and a rate in (0, 1]")
     check_prompt_data(args)
+    args.actor_schedule, args.critic_schedule = (lr_schedule(args, lr, flag) for lr, flag in
+                                                 ((args.actor_lr, "--actor-lr"), (args.critic_lr, "--critic-lr")))
     args.lora = lora_config(args)
     if args.lora is not None and (args.save or rl_iteration(args.load) is not None):
         raise ValueError("--lora-rank trains adapters on a warmed-up actor or a pretrained one (--load of a megalite "
@@ -166,6 +177,21 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.reward = args.prompt_set.reward
     else:
         args.reward = load_reward_fn(args.reward_fn)
+
+
+def lr_schedule(args: argparse.Namespace, lr: float, flag: str = "--actor-lr") -> ScheduleSettings:
+    """The schedule of a model trained at peak ``lr`` (the actor's ``--actor-lr`` or the critic's ``--critic-lr``):
+    pretraining's schedule flags with ``--min-lr`` and ``--lr-warmup-init`` scaled by ``lr / --actor-lr``, so both
+    models follow one shape.  It advances once per RL iteration by ``--global-batch-size`` prompts, so every length
+    is in RL iterations.  Errors name ``flag``, the peak's flag, where pretraining's name ``--lr``."""
+    scale = lr / args.actor_lr if args.actor_lr else 1.0
+    config = lr_schedule_config(args)
+    config.lr_warmup_init *= scale
+    try:
+        return schedule_settings(config, lr=lr, min_lr=args.min_lr * scale, weight_decay=0.0,
+                                 global_batch_size=args.global_batch_size, train_iters=args.train_iters)
+    except ValueError as error:
+        raise ValueError(str(error).replace("--lr ", f"{flag} ")) from None
 
 
 def actor_config(args: argparse.Namespace) -> GPTConfig:

@@ -12,22 +12,25 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megalite.rlhf.trainer import RLTrainer
-from megalite.rlhf.trainer_config import parse_args
+from megalite.rlhf.trainer_config import parse_args, validate
+from megalite.training.lr_schedule import lr_at
 from megalite.testing import run_distributed
 from tests.rlhf.test_example import text_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--tensor-model-parallel-size", "2", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "1",
         "--train-iters", "4", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--global-batch-size",
-        "4", "--ppo-epochs", "2", "--tensorboard-dir", "", "--reward-fn", "tests.rlhf.test_resume:stalling_reward"]
+        "4", "--ppo-epochs", "2", "--tensorboard-dir", "", "--reward-fn", "tests.rlhf.test_resume:stalling_reward",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-warmup-init", "1e-4", "--min-lr", "2e-4"]
 ARGV = BASE + ["--target-critic-tau", "0.5"]
 SAVED = ARGV + ["--save-interval", "2"]
-COMPARED = ("reward", "kl", "policy_loss", "value_loss", "clip_fraction", "response_length")
+COMPARED = ("reward", "kl", "policy_loss", "value_loss", "clip_fraction", "response_length", "actor_lr", "critic_lr")
 _calls = 0
 
 
@@ -89,6 +92,10 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
     for iteration, record in resumed.items():
         assert {k: record[k] for k in COMPARED} == {k: expected[iteration][k] for k in COMPARED}, iteration
     assert any(r["policy_loss"] != 0.0 for r in resumed.values())
+    args = parse_args(ARGV)
+    validate(args, 2)
+    for name, settings in (("actor_lr", args.actor_schedule), ("critic_lr", args.critic_schedule)):
+        assert [expected[i][name] for i in range(1, 5)] == [lr_at(settings, (i - 1) * 4) for i in range(1, 5)]
 
     with pytest.raises(ValueError, match="was trained with --advantage-estimator gae; this run uses grpo"):
         RLTrainer(parse_args(BASE + ["--load", str(killed), "--advantage-estimator", "grpo",
@@ -105,6 +112,34 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
         ours = load_model(str(whole / "actor"))(ids)
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs[..., :ours.shape[-1]], ours[..., :theirs.shape[-1]], rtol=0, atol=1e-5)
+
+
+def test_lr_schedule_is_megatrons_per_rl_iteration():
+    """The actor's and critic's LRs at each RL iteration equal Megatron-Core's OptimizerParamScheduler advanced by
+    one global batch per iteration, the critic's at --critic-lr with --min-lr and --lr-warmup-init scaled alike."""
+    scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    args = parse_args(BASE + ["--train-iters", "6", "--lr-warmup-iters", "2"])
+    validate(args, 2)
+    for settings, lr in ((args.actor_schedule, args.actor_lr), (args.critic_schedule, args.critic_lr)):
+        scale = lr / args.actor_lr
+        group = {"lr": 0.0, "weight_decay": 0.0}
+        peer = scheduler_module.OptimizerParamScheduler(
+            SimpleNamespace(param_groups=[group]), init_lr=1e-4 * scale, max_lr=lr, min_lr=2e-4 * scale,
+            lr_warmup_steps=2 * 4, lr_decay_steps=6 * 4, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+            wd_incr_steps=6 * 4, wd_incr_style="constant")
+        ours = []
+        for iteration in range(6):
+            ours.append(lr_at(settings, iteration * 4))
+            assert ours[-1] == pytest.approx(group["lr"], rel=1e-12, abs=0), iteration
+            peer.step(increment=4)
+        assert len(set(ours)) == 6  # warmup, then a decay: every iteration's LR differs
+
+
+def test_lr_schedule_bad_input():
+    with pytest.raises(ValueError, match="--min-lr 0.001 must be between 0 and --actor-lr 0.0005"):
+        validate(parse_args(BASE + ["--min-lr", "1e-3"]), 2)
+    with pytest.raises(ValueError, match="lr warmup"):
+        validate(parse_args(BASE + ["--lr-warmup-iters", "4"]), 2)
 
 
 @pytest.mark.parametrize("extra, message", [

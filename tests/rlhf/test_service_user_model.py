@@ -1,5 +1,6 @@
 """TrainingService for a user's own nn.Module (issue 38): a plain torch model trains through 2 workers under
-FSDP2 and under DDP exactly as it trains in one process (losses and final weights), and a model factory that
+FSDP2 and under DDP exactly as it trains in one process (losses and final weights), saves its model and torch
+optimizer state and, loaded, continues with the uninterrupted run's losses and weights, and a model factory that
 raises on one worker is one clear error at the caller, from every worker at once (no timeout)."""
 
 import asyncio
@@ -13,6 +14,7 @@ from megalite.rlhf import ParallelLayout, TrainingService
 from tests.rlhf.user_models import VOCAB, fails_on_worker_1, tiny_lm
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
+MOMENTUM = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)  # state beyond Adam's: momentum_buffer
 SEED, STEPS = 1234, 3
 
 
@@ -23,11 +25,11 @@ def batch(step: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
 
 
-def one_process() -> tuple[list[float], dict]:
+def one_process(factory) -> tuple[list[float], dict]:
     """The same model, seed, batches and optimizer in this process: the losses and the final weights."""
     torch.manual_seed(SEED)
     model = tiny_lm()
-    optimizer = OPTIMIZER(model.parameters())
+    optimizer = factory(model.parameters())
     losses = []
     for step in range(STEPS):
         b = batch(step)
@@ -41,14 +43,16 @@ def one_process() -> tuple[list[float], dict]:
     return losses, {name: p.detach() for name, p in model.state_dict().items()}
 
 
-async def _train(strategy: str, path) -> tuple[list[float], dict, list[float]]:
+async def _train(strategy: str, factory, path) -> tuple[list[float], dict, list[float]]:
     service = await TrainingService.options(procs=2).as_service(
-        model=tiny_lm, optimizer=OPTIMIZER, loss_fn="language_model", strategy=strategy,
+        model=tiny_lm, optimizer=factory, loss_fn="language_model", strategy=strategy,
         parallel=ParallelLayout(dp=2, micro_batch_size=2), checkpoint_dir=str(path), seed=SEED)
     try:
         calls = []
         for step in range(STEPS):  # pipelined: every call queued before the first is awaited
             calls += [service.forward_backward(batch(step)), service.optim_step()]
+            if step == 0:
+                saved = service.save(1)  # model and the torch optimizer's state after one step
         results = await asyncio.gather(*calls)
         weights = await service.get_weights()
         torch.manual_seed(SEED)
@@ -56,17 +60,24 @@ async def _train(strategy: str, path) -> tuple[list[float], dict, list[float]]:
         await service.load_weights(initial)  # weights move both ways in the global layout
         for name, value in (await service.get_weights()).items():
             torch.testing.assert_close(value, initial[name], rtol=0, atol=0)
-        with pytest.raises(ValueError, match="megalite's optimizer"):
-            service.save(1)
+        await service.load(await saved)  # resumed after step 0: steps 1 and 2 again, as uninterrupted
+        replayed = []
+        for step in range(1, STEPS):
+            replayed.append((await service.forward_backward(batch(step)))["lm_loss"])
+            await service.optim_step()
+        assert replayed == [m["lm_loss"] for m in results[2::2]]  # step 2's loss depends on the optimizer state
+        for name, value in (await service.get_weights()).items():
+            torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
     finally:
         await service.shutdown()
     return [m["lm_loss"] for m in results[::2]], weights, [m["grad_norm"] for m in results[1::2]]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)])
-def test_a_plain_torch_module_trains_through_the_service_as_in_one_process(tmp_path, strategy):
-    losses, weights, grad_norms = asyncio.run(_train(strategy, tmp_path))
-    expected_losses, expected_weights = one_process()
+@pytest.mark.parametrize("strategy, factory", [("fsdp2", OPTIMIZER),
+                                               pytest.param("ddp", MOMENTUM, marks=pytest.mark.slow)])
+def test_a_plain_torch_module_trains_through_the_service_as_in_one_process(tmp_path, strategy, factory):
+    losses, weights, grad_norms = asyncio.run(_train(strategy, factory, tmp_path))
+    expected_losses, expected_weights = one_process(factory)
     assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
     assert expected_losses[-1] < expected_losses[0]
     assert all(norm > 0 for norm in grad_norms)
@@ -103,3 +114,34 @@ def test_bad_model_and_optimizer_arguments_fail_in_the_driver(tmp_path):
                             parallel=ParallelLayout(dp=2), checkpoint_dir=str(tmp_path)), **overrides}
         with pytest.raises(ValueError, match=error):
             asyncio.run(options.as_service(**arguments))
+
+
+def _swap_optimizers(directory: str) -> list[str]:
+    """One rank: a checkpoint of megalite's optimizer loaded with a torch optimizer, and the other way round."""
+    from megalite import topology
+    from megalite.checkpoint import load_sharded, save_sharded
+    from megalite.optim import OptimizerConfig, get_optimizer
+    from megalite.rlhf.service_module import WRAPPERS, TorchOptimizer
+
+    topo = topology.initialize(tp=1, pp=1)
+    chunk = WRAPPERS["ddp"](tiny_lm(), topo)
+    optimizers = {"megalite": get_optimizer(OptimizerConfig(lr=1e-2), [chunk]),
+                  "torch": TorchOptimizer(OPTIMIZER, chunk)}
+    errors = []
+    for saved, loaded in (("megalite", "torch"), ("torch", "megalite")):
+        path = save_sharded(f"{directory}/{saved}", 1, [chunk], optimizers[saved])
+        try:
+            load_sharded(path, [chunk], optimizers[loaded])
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_kind_of_optimizer_is_a_clear_error(tmp_path):
+    from megalite.testing import run_distributed
+
+    [errors] = run_distributed(_swap_optimizers, 1, str(tmp_path), timeout=60)
+    assert len(errors) == 2
+    assert "the checkpoint holds the state of megalite's optimizer, this run has torch.optim.AdamW" in errors[0]
+    assert "the checkpoint holds the state of torch.optim.AdamW, this run has megalite's optimizer" in errors[1]
