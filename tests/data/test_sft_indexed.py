@@ -1,6 +1,7 @@
 """Preprocessed SFT data (tokens and loss mask as two Megatron indexed datasets) gives the samples the jsonl
 gives, the jsonl's rendering is cached, and a bad prefix fails with one clear error."""
 
+import hashlib
 import json
 import os
 
@@ -10,7 +11,7 @@ import pytest
 from megalite.context_parallel import prepare_batch
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.data.sft import ChatRenderer
-from megalite.data.sft_indexed import MASK_SUFFIX, TEXT_SUFFIX, load_documents, read_documents
+from megalite.data.sft_indexed import MASK_SUFFIX, TEXT_SUFFIX, cache_description, load_documents, read_documents
 from tests.data.sft_fixtures import CONVERSATION, chat_tokenizer
 from tests.inference.chat_fixtures import trl_template
 
@@ -89,8 +90,14 @@ def test_preprocessed_prefix_and_cache_give_the_jsonl_samples(tmp_path, monkeypa
     with open(data, "a") as handle:
         handle.write(json.dumps({"prompt": "new?", "completion": "yes."}) + "\n")
     monkeypatch.setattr(ChatRenderer, "render", lambda self, m: calls.append(1) or render(self, m))
-    _samples(_args(data, tokenizer, "--data-cache-path", cache))
+    grown = _samples(_args(data, tokenizer, "--data-cache-path", cache))
     assert len(calls) == 8 + 9
+    # A damaged entry (a truncated mask file) is rendered again and replaced.
+    key = hashlib.md5(cache_description(data, ChatRenderer(_tok(tokenizer))).encode()).hexdigest()
+    os.truncate(os.path.join(cache, f"{key}-SFT{MASK_SUFFIX}.bin"), 1)
+    assert _samples(_args(data, tokenizer, "--data-cache-path", cache)) == grown
+    assert _samples(_args(data, tokenizer, "--data-cache-path", cache)) == grown
+    assert len(calls) == 8 + 9 + 9
 
 
 def _tok(path):
@@ -99,6 +106,7 @@ def _tok(path):
     return HuggingFaceTokenizer(path)
 
 
+@pytest.mark.slow  # importing Megatron-Core takes seconds
 def test_megatron_reads_the_preprocessed_files(tmp_path):
     """Both files are plain Megatron indexed datasets with the same document lengths (Megatron-Core reads them)."""
     indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
