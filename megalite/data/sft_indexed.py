@@ -56,9 +56,9 @@ def source_kind(sft_data: str) -> str:
                      f"({index_file(sft_data + TEXT_SUFFIX)} does not exist)")
 
 
-def read_documents(prefix: str, vocab_size: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """The ``(ids, mask)`` documents under ``prefix``, checked: the mask dataset exists, has the same document
-    lengths, holds only 0 and 1, and (with ``vocab_size``) every id is inside the vocabulary."""
+def open_documents(prefix: str, vocab_size: int | None = None) -> tuple[IndexedDataset, IndexedDataset]:
+    """The token and loss-mask datasets under ``prefix``, checked: the mask dataset exists, has the same
+    document lengths, holds only 0 and 1, and (with ``vocab_size``) every id is inside the vocabulary."""
     text_prefix, mask_prefix = prefix + TEXT_SUFFIX, prefix + MASK_SUFFIX
     text = IndexedDataset(text_prefix)
     if not os.path.isfile(index_file(mask_prefix)):
@@ -78,6 +78,12 @@ def read_documents(prefix: str, vocab_size: int | None = None) -> list[tuple[lis
     if vocab_size is not None and text.num_tokens and int(text.tokens.max()) >= vocab_size:
         raise ValueError(f"{text_prefix}: token id {int(text.tokens.max())} is outside the tokenizer's "
                          f"vocabulary of {vocab_size} (preprocessed with another tokenizer?)")
+    return text, mask
+
+
+def read_documents(prefix: str, vocab_size: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """The ``(ids, mask)`` documents under ``prefix`` (checked by :func:`open_documents`)."""
+    text, mask = open_documents(prefix, vocab_size)
     return [(text[i].tolist(), mask[i].tolist()) for i in range(len(text))]
 
 

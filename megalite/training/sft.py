@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from megalite.data.gpt_dataset import split_documents
 from megalite.data.sft import ChatRenderer, SFTDataset, read_jsonl
-from megalite.data.sft_indexed import load_documents, read_documents, source_kind
+from megalite.data.sft_indexed import load_documents, open_documents, source_kind
 from megalite.data.tokenizer import HuggingFaceTokenizer
 from megalite.flags import Flag, FlagTable
 from megalite.training.data_checks import check_data
@@ -64,7 +64,7 @@ def prepare_sft_data(args) -> None:
     if source_kind(args.sft_data) == "prefix":
         _check_tokenizer_type(args)
         check_data(args)
-        read_documents(args.sft_data, args.vocab_size)
+        open_documents(args.sft_data, args.vocab_size)
         return
     check_chat_tokenizer(args)
     try:
