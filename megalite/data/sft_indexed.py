@@ -33,7 +33,7 @@ TEXT_SUFFIX, MASK_SUFFIX = "_text_document", "_loss_mask_document"
 
 
 def write_documents(prefix: str, documents, vocab_size: int) -> dict:
-    """Write ``(ids, mask)`` documents under ``prefix`` (both datasets, or neither on error); a summary."""
+    """Write ``(ids, mask)`` documents under ``prefix`` (a bad document leaves neither dataset); a summary."""
     count = tokens = assistant = 0
     with IndexedDatasetBuilder(prefix + TEXT_SUFFIX, best_dtype(vocab_size)) as text, \
             IndexedDatasetBuilder(prefix + MASK_SUFFIX, np.uint8) as mask:
