@@ -144,7 +144,8 @@ def megalite_sft_tokens(conversations, hf_dir: str, args) -> list[int]:
     from megalite.data.tokenizer import HuggingFaceTokenizer
 
     tokenizer = HuggingFaceTokenizer(hf_dir)
-    dataset = SFTDataset(conversations, ChatRenderer(tokenizer), args.seq_length)
+    renderer = ChatRenderer(tokenizer)
+    dataset = SFTDataset([renderer.render(c) for c in conversations], args.seq_length, tokenizer.pad)
     rows = [int((dataset[i]["tokens"][:-1] != tokenizer.pad).sum()) for i in range(len(dataset.samples))]
     steps = args.warmup + args.steps
     return [sum(rows[(s * args.batch + j) % len(rows)] for j in range(args.batch)) for s in range(steps)]

@@ -9,6 +9,10 @@ assistant tokens only, and conversations are packed into ``--seq-length`` with a
 per conversation (see megalite.data.sft).  The tokenizer's chat template (or ``--chat-template FILE``) must
 mark assistant output with ``{% generation %}``; TRL ships such ``*_training.jinja`` templates.
 
+Large sets: ``tools/preprocess_data.py --chat --input chats.jsonl --output-prefix data/chats ...`` renders once
+into Megatron indexed files (tokens and loss mask) and ``--sft-data data/chats`` reads them, giving the same
+samples; or keep the jsonl and pass ``--data-cache-path DIR``, where the rendering is cached for the next run.
+
 LoRA takes pretraining's flags: ``--lora-rank 8 [--lora-alpha 16 --lora-dropout 0.05 --lora-target-modules
 linear_qkv,linear_proj]`` with ``--load BASE --finetune`` trains adapters only (the base stays frozen), and
 ``--save`` then holds the adapters only; ``tools/convert_checkpoint.py --from megalite --to peft`` exports them.

@@ -178,6 +178,11 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every sequence's tokens back to back, as ``.bin`` holds them (memory-mapped, read-only)."""
+        return self._tokens
+
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 

@@ -133,16 +133,16 @@ def pack(rendered: list[tuple[list[int], list[int]]], seq_length: int, pad_id: i
 class SFTDataset:
     """Packed SFT samples ``{"tokens", "assistant_mask", "document_ids"}``, each ``[seq_length + 1]``.
 
-    ``num_samples`` > the packed count repeats the samples in order (epochs), as the trainer asks for a
-    fixed number of samples per split.
+    ``documents``: each conversation's ``(ids, mask)`` as :meth:`ChatRenderer.render` gives them (rendered now,
+    or read back from preprocessed files by :mod:`megalite.data.sft_indexed`).  ``num_samples`` > the packed
+    count repeats the samples in order (epochs), as the trainer asks for a fixed number of samples per split.
     """
 
     packed_documents = True  # the trainer derives positions, documents and the loss mask from the sample
 
-    def __init__(self, conversations: list[list[dict]], renderer: ChatRenderer, seq_length: int,
+    def __init__(self, documents: list[tuple[list[int], list[int]]], seq_length: int, pad_id: int,
                  num_samples: int | None = None):
-        rendered = [renderer.render(messages) for messages in conversations]
-        self.samples, self.dropped = pack(rendered, seq_length, renderer.tokenizer.pad)
+        self.samples, self.dropped = pack(documents, seq_length, pad_id)
         if not self.samples:
             raise ValueError(f"no conversation keeps an assistant token within --seq-length {seq_length}")
         self.num_samples = num_samples or len(self.samples)

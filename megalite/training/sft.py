@@ -1,23 +1,27 @@
 """SFT providers for :func:`megalite.training.pretrain`: chat jsonl in, the same GPT model, trainer and schedule.
 
-``--sft-data FILE.jsonl`` (see :mod:`megalite.data.sft` for the format, truncation and packing) is split by
-conversations with ``--split`` into train/valid/test, so ``--eval-interval`` reports the loss on held-out
-conversations.  The tokenizer is ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``; its chat
-template, or ``--chat-template FILE``, must mark assistant output with ``{% generation %}``.  A base model
-comes in with ``--load DIR --finetune`` as in pretraining.
+``--sft-data FILE.jsonl`` (see :mod:`megalite.data.sft` for the format, truncation and packing), or the prefix
+``tools/preprocess_data.py --chat`` wrote (:mod:`megalite.data.sft_indexed`), is split by conversations with
+``--split`` into train/valid/test, so ``--eval-interval`` reports the loss on held-out conversations.  With
+``--data-cache-path DIR`` a jsonl file's rendering is cached there and reused by the next run.  The tokenizer
+is ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``; its chat template, or ``--chat-template
+FILE``, must mark assistant output with ``{% generation %}`` (a preprocessed prefix is already rendered, so
+only its vocabulary is checked).  A base model comes in with ``--load DIR --finetune`` as in pretraining.
 """
 
 from __future__ import annotations
 
 from megalite.data.gpt_dataset import split_documents
 from megalite.data.sft import ChatRenderer, SFTDataset, read_jsonl
+from megalite.data.sft_indexed import load_documents, open_documents, source_kind
 from megalite.data.tokenizer import HuggingFaceTokenizer
 from megalite.flags import Flag, FlagTable
 from megalite.training.data_checks import check_data
 
 SFT_FLAGS = FlagTable((
     Flag("--sft-data", "SFT data", required=True,
-         help="jsonl of conversations ('messages') or 'prompt'/'completion' pairs"),
+         help="jsonl of conversations ('messages') or 'prompt'/'completion' pairs, or the prefix "
+              "tools/preprocess_data.py --chat wrote"),
     Flag("--chat-template", "SFT data", help="a .jinja chat template with {% generation %} markers "
                                             "(default: the tokenizer's)"),
 ))
@@ -57,6 +61,11 @@ def check_chat_tokenizer(args) -> None:
 def prepare_sft_data(args) -> None:
     """``prepare_data_func``: settle the vocabulary from the tokenizer and check the data and template
     (every rank, identically, so a bad file fails all of them together)."""
+    if source_kind(args.sft_data) == "prefix":
+        _check_tokenizer_type(args)
+        check_data(args)
+        open_documents(args.sft_data, args.vocab_size)
+        return
     check_chat_tokenizer(args)
     try:
         read_jsonl(args.sft_data)
@@ -66,15 +75,16 @@ def prepare_sft_data(args) -> None:
 
 def sft_datasets_provider(args, num_samples):
     """Packed train/valid/test SFT datasets over the conversations of ``--sft-data`` split by ``--split``."""
-    renderer = renderer_from_args(args)
-    conversations = read_jsonl(args.sft_data)
+    renderer = None if source_kind(args.sft_data) == "prefix" else renderer_from_args(args)
+    pad = (renderer.tokenizer if renderer else HuggingFaceTokenizer(args.tokenizer_model)).pad
+    documents = load_documents(args.sft_data, renderer, args.data_cache_path, args.vocab_size)
     datasets = []
-    for name, indices, wanted in zip(("train", "valid", "test"), split_documents(len(conversations), args.split),
+    for name, indices, wanted in zip(("train", "valid", "test"), split_documents(len(documents), args.split),
                                      num_samples):
         if not wanted or not len(indices):
             datasets.append(None)
             continue
-        dataset = SFTDataset([conversations[i] for i in indices], renderer, args.seq_length, int(wanted))
+        dataset = SFTDataset([documents[i] for i in indices], args.seq_length, pad, int(wanted))
         if dataset.dropped:
             print(f"sft {name}: {dataset.dropped} conversations have no assistant token within --seq-length "
                   f"{args.seq_length} and are left out", flush=True)

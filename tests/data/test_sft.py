@@ -64,7 +64,7 @@ def test_truncation_and_bad_input(tmp_path):
     assert dropped == 0 and kept[0][0].tolist() == ids[:first + 2]
     assert pack([(ids, mask), (ids, mask)], first - 2, tokenizer.pad) == ([], 2)
     with pytest.raises(ValueError, match="no conversation keeps an assistant token within --seq-length 3"):
-        SFTDataset([CONVERSATION], renderer, 3)
+        SFTDataset([renderer.render(CONVERSATION)], 3, tokenizer.pad)
 
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "completion": "hello"}) + "\n\n"
