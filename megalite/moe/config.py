@@ -26,6 +26,10 @@ class MoEConfig:
     always-active MLP of that hidden size (the model's activation, tensor-parallel
     like the dense MLP) to every token's routed output; ``shared_expert_gate``
     scales it per token by ``sigmoid(x . w)`` (Qwen2-MoE's shared expert).
+    ``shared_expert_overlap`` (Megatron's ``--moe-shared-expert-overlap``) runs
+    the shared expert while the all-to-all dispatcher's token exchange is in
+    flight, and its backward while the rows' gradients travel back; the numbers
+    are the same as without it, only the schedule changes.
     ``aux_loss_coeff``/``z_loss_coeff`` weight the load-balancing and router
     z-losses, which the layer feeds into the backward pass itself.
     ``load_balancing_type`` picks the balancing loss ``aux_loss_coeff`` weighs
@@ -48,6 +52,7 @@ class MoEConfig:
     pre_softmax: bool = False
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    shared_expert_overlap: bool = False
     aux_loss_coeff: float = 0.0
     load_balancing_type: str = "aux_loss"
     z_loss_coeff: float = 0.0
@@ -88,6 +93,9 @@ class MoEConfig:
             raise ValueError(f"shared_expert_intermediate_size must be a positive integer or None, got {shared!r}")
         if self.shared_expert_gate and shared is None:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size)")
+        if self.shared_expert_overlap and (shared is None or self.dispatcher != "alltoall"):
+            raise ValueError(f"shared_expert_overlap needs a shared expert (shared_expert_intermediate_size, got "
+                             f"{shared}) and the alltoall dispatcher (got {self.dispatcher!r})")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be positive or None, got {self.capacity_factor}")
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:

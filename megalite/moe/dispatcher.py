@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite import kernels, topology
-from megalite.moe.comm import all_gather_counts, all_to_all, gather_rows, reduce_scatter_rows
+from megalite.moe.comm import (PendingAllToAll, all_gather_counts, all_to_all, all_to_all_start, gather_rows,
+                               reduce_scatter_rows)
 
 
 @dataclass
@@ -37,6 +38,18 @@ class _AllToAllPlan:
     row_map: torch.Tensor
     gates: torch.Tensor
     num_rows: int
+
+
+@dataclass
+class _InFlightDispatch:
+    """A dispatch before :meth:`AllToAllDispatcher.finish_dispatch`: the rows, local expert ids and gates
+    received (or pending), and the source side of the plan."""
+
+    received: list[torch.Tensor | PendingAllToAll]
+    rank_map: torch.Tensor | None
+    num_tokens: int
+    send_splits: list[int]
+    recv_splits: list[int]
 
 
 @dataclass
@@ -93,15 +106,30 @@ class AllToAllDispatcher:
         return rows, local, probs.index_select(0, token), rank_map, hit.sum(0)
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        return self.finish_dispatch(self._exchange(tokens, probs, indices, all_to_all))
+
+    def start_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> _InFlightDispatch:
+        """Issue the dispatch's EP all-to-alls without waiting; :meth:`finish_dispatch` completes it.  Work run in
+        between overlaps the token exchange (``MoEConfig.shared_expert_overlap``), and, in backward, the
+        exchange of the rows' gradients (see :func:`all_to_all_start`)."""
+        return self._exchange(tokens, probs, indices, all_to_all_start)
+
+    def _exchange(self, tokens, probs, indices, send) -> _InFlightDispatch:
+        """Rows, local expert ids and gates sent to the EP ranks by ``send`` (blocking or not)."""
         num_tokens = tokens.shape[0]
         rank_map, send_list, recv_splits = None, [num_tokens], [num_tokens]
         rows, local, gates = tokens, indices, probs
         if self.ep_group is not None:
-            rows, local, gates, rank_map, send = self._to_ranks(tokens, probs, indices)
-            send_list = send.tolist()
-            recv_splits = all_to_all(send, self.ep_group, [1] * self.ep_size, [1] * self.ep_size).tolist()
-            rows, local, gates = (all_to_all(t, self.ep_group, recv_splits, send_list) for t in (rows, local, gates))
+            rows, local, gates, rank_map, send_counts = self._to_ranks(tokens, probs, indices)
+            send_list = send_counts.tolist()
+            recv_splits = all_to_all(send_counts, self.ep_group, [1] * self.ep_size, [1] * self.ep_size).tolist()
         self.last_bytes_sent = (sum(send_list) - send_list[self.ep_rank]) * tokens.shape[1] * tokens.element_size()
+        received = [send(t, self.ep_group, recv_splits, send_list) for t in (rows, local, gates)]
+        return _InFlightDispatch(received, rank_map, num_tokens, send_list, recv_splits)
+
+    def finish_dispatch(self, started: _InFlightDispatch):
+        """Wait for :meth:`start_dispatch`'s exchange; return ``dispatch``'s ``(rows, counts, plan)``."""
+        rows, local, gates = (t.wait() if isinstance(t, PendingAllToAll) else t for t in started.received)
         etp_sizes = [rows.shape[0]]
         if self.etp_group is not None:
             etp_sizes = all_gather_counts(torch.tensor([rows.shape[0]], device=rows.device), self.etp_group)
@@ -109,7 +137,8 @@ class AllToAllDispatcher:
             rows, local, gates = (gather_rows(t, self.etp_group, etp_sizes) for t in (rows, local, gates))
         expert_rows, row_map = kernels.permute(rows, local)
         counts = torch.bincount(local[local >= 0], minlength=self.num_local)
-        plan = _AllToAllPlan(rank_map, num_tokens, send_list, recv_splits, etp_sizes, row_map, gates, rows.shape[0])
+        plan = _AllToAllPlan(started.rank_map, started.num_tokens, started.send_splits, started.recv_splits,
+                             etp_sizes, row_map, gates, rows.shape[0])
         return expert_rows, counts.tolist(), plan
 
     def combine(self, expert_rows: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:

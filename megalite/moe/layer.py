@@ -50,7 +50,11 @@ class MoELayer(nn.Module):
     dense MLP module of that size, built by the caller and passed as
     ``shared_experts`` (called on ``x``, returning ``(out, bias)`` in ``x``'s
     layout); with ``config.shared_expert_gate`` its output is scaled by
-    ``sigmoid(x . shared_expert_gate)``, a replicated ``[1, h]`` weight.
+    ``sigmoid(x . shared_expert_gate)``, a replicated ``[1, h]`` weight.  With
+    ``config.shared_expert_overlap`` it runs between the start and the end of the
+    dispatch's token all-to-all, so it computes while the tokens travel (and its
+    backward while their gradients travel back); its output is added in the
+    same place either way, so the results are bitwise the same.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, *, layer_number: int = 0, tp_group=None,
@@ -113,14 +117,20 @@ class MoELayer(nn.Module):
             start = topology.group_rank(self.tp_group) * block
             indices = indices[start:start + block]
 
-        rows, counts, plan = self.dispatcher.dispatch(tokens, probs, indices)
+        shared = None
+        if self.config.shared_expert_overlap:
+            started = self.dispatcher.start_dispatch(tokens, probs, indices)
+            shared = self._shared(x)
+            rows, counts, plan = self.dispatcher.finish_dispatch(started)
+        else:
+            rows, counts, plan = self.dispatcher.dispatch(tokens, probs, indices)
         out = self.dispatcher.combine(self.experts(rows, counts), plan)
         if split:
             out = gather_from_sequence_parallel_region(out, self.tp_group, tensor_parallel_output_grad=False)
             out = out[:num_tokens]
         out = out.to(x.dtype).view(x.shape)
         if self.shared_experts is not None:
-            out = out + self._shared(x)
+            out = out + (shared if shared is not None else self._shared(x))
         return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
