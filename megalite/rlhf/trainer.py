@@ -176,6 +176,7 @@ class RLTrainer:
         self.value_model = self.target[0] if self.target is not None else critic_chunk
         self.rollouts = Rollouts(args, topo, self.actor, self.reference, self.value_model, device, self.reward,
                                  self.placement, self.guide)
+        self.base = None  # a LoRA run: the iteration --save holds its base at
         if self.resume is not None:
             self._load()
         self.scoring_server = None
@@ -254,16 +255,19 @@ class RLTrainer:
         with self.placement.phase("scoring"):
             save_frozen(self.args.save, iteration, self.reference, self.target)
         with self.placement.phase("training"):
-            save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                         self.rollouts.version, self.rollouts.rng)
+            self.base = save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
+                                     self.rollouts.version, self.rollouts.rng, self.base)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
         with self.placement.phase("scoring"):
             load_frozen(self.args.load, self.resume, self.reference, self.target)
         with self.placement.phase("training"):
-            self.rollouts.version = load_trained(self.args.load, self.resume, self.topo, self.actor, self.critic,
-                                                 self.rollouts.rng)
+            rl = load_trained(self.args.load, self.resume, self.args, self.topo, self.actor, self.critic,
+                              self.rollouts.rng)
+        self.rollouts.version = rl["version"]
+        if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
+            self.base = rl.get("base")  # a LoRA base already saved there
         self.rollouts.start = self.resume + 1
         if self.topo.global_rank == 0:
             print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

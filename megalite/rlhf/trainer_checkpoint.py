@@ -3,10 +3,16 @@
 ``--save SAVE`` holds one megalite save directory per model: ``SAVE/actor`` (with its optimizer; its ``latest`` is
 the run's commit point, written last), ``SAVE/critic`` (with its optimizer), ``SAVE/reference`` and
 ``SAVE/target_critic`` (the Polyak target's values).  The actor's JSON state adds the RL state (``rl``: algorithm,
-iteration, policy version, layout); each rank's adds its RNG streams and its prompt stream's position.  A resume
+iteration, policy version, layout); each rank's adds its RNG streams and its prompt stream's position.
+
+Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
+first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
+iteration), and ``SAVE/actor`` is an adapter checkpoint (``megalite.lora.state``: the adapters and their optimizer
+state, reshardable) with the same RL state.  A resume
 (``--load SAVE``) reads every model at the actor's iteration, so a kill between two models' writes loads the
 previous complete set.  The policy is a plain megalite checkpoint: ``tools/convert_checkpoint.py --from megalite
---to hf --input SAVE/actor`` exports it to Hugging Face.
+--to hf --input SAVE/actor`` exports it to Hugging Face (a LoRA policy: ``SAVE/reference`` is the base to convert,
+and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
 RNG streams and prompt positions are restored when the layout matches the saved one (as in pretraining); after
 resharding the run's seeds apply.  The staleness buffer is empty by construction: saving needs an on-policy,
@@ -23,6 +29,10 @@ import torch.distributed as dist
 
 from megalite.checkpoint import load_sharded, read_checkpoint_info, save_sharded
 from megalite.checkpoint.files import iteration_dir, read_latest
+from megalite.distributed.unwrap import unwrap
+from megalite.lora import LoRAConfig
+from megalite.lora.state import load_adapters, save_adapters
+from megalite.rlhf.reference import ReferenceModel
 from megalite.training.checkpointing import get_rng_state, set_rng_state
 from megalite.training.save_dir import checkpoint_bytes
 from megalite.training.setup import claim_save_dir
@@ -45,13 +55,29 @@ def check_resume(args) -> int | None:
     iteration = rl_iteration(args.load)
     if iteration is None:
         return None
-    rl = read_checkpoint_info(iteration_dir(os.path.join(args.load, ACTOR), iteration))["state"].get("rl")
+    state = read_checkpoint_info(iteration_dir(os.path.join(args.load, ACTOR), iteration))["state"]
+    rl = state.get("rl")
     if rl is None:
         raise ValueError(f"--load {args.load}: {ACTOR}/ is not an RL checkpoint (no RL state)")
     if rl["algorithm"] != args.advantage_estimator:
         raise ValueError(f"--load {args.load} was trained with --advantage-estimator {rl['algorithm']}; this run uses "
                          f"{args.advantage_estimator} (resume with the same algorithm, or start a new run)")
+    saved = LoRAConfig(**state["lora"]) if isinstance(state.get("lora"), dict) else None
+    ours = args.lora
+    if (saved is None) != (ours is None) or saved is not None and (
+            (saved.rank, saved.alpha, tuple(saved.target_modules)) != (ours.rank, ours.alpha,
+                                                                      tuple(ours.target_modules))):
+        raise ValueError(f"--load {args.load} was trained with {_adapters(saved)}; this run uses {_adapters(ours)} "
+                         f"(resume with the same adapters, or start a new run)")
     return iteration
+
+
+def _adapters(config: LoRAConfig | None) -> str:
+    """A run's LoRA flags, as an error message names them."""
+    if config is None:
+        return "no --lora-rank"
+    return (f"--lora-rank {config.rank} --lora-alpha {config.alpha} "
+            f"--lora-target-modules {','.join(config.target_modules)}")
 
 
 def claim(args, actor_chunk, loaded_iteration: int, topo):
@@ -68,48 +94,67 @@ def _layout(topo) -> dict:
 
 
 def save_frozen(save_dir: str, iteration: int, reference, target) -> None:
-    """The reference and the target critic (``(chunk, PolyakTarget)`` or None); call in the scoring phase, where
-    both are resident."""
-    save_sharded(os.path.join(save_dir, REFERENCE), iteration, [reference.module])
+    """The reference (not a LoRA policy's base: :func:`save_trained`) and the target critic (``(chunk,
+    PolyakTarget)`` or None); call in the scoring phase, where both are resident."""
+    if isinstance(reference, ReferenceModel):
+        save_sharded(os.path.join(save_dir, REFERENCE), iteration, [reference.module])
     if target is not None:
         target[1].load_into(target[0])
         save_sharded(os.path.join(save_dir, TARGET_CRITIC), iteration, [target[0]])
 
 
-def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng) -> None:
+def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng,
+                 base: int | None = None) -> int | None:
     """The critic, then the actor with the RL state (its ``latest`` commits the set); call in the training
-    phase, where the optimizer state is resident."""
+    phase, where the optimizer state is resident.  A LoRA actor (``args.lora``): its base first unless ``base``
+    (the iteration ``SAVE/reference`` already holds it at), then its adapters; returns the base's iteration (None
+    without LoRA)."""
+    if args.lora is not None and base is None:
+        save_sharded(os.path.join(save_dir, REFERENCE), iteration, [actor.chunk])
+        base = iteration
     if critic is not None:
         save_sharded(os.path.join(save_dir, CRITIC), iteration, [critic.chunk], critic.optimizer)
-    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version}
+    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version, "base": base}
     version_, internal, gauss = prompt_rng.getstate()
-    save_sharded(os.path.join(save_dir, ACTOR), iteration, [actor.chunk], actor.optimizer,
-                 extra={"rl": rl}, rank_extra={"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]},
-                 layout=_layout(topo))
+    rank_extra = {"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]}
+    if args.lora is not None:
+        save_adapters(os.path.join(save_dir, ACTOR), iteration, unwrap(actor.trained[0]), optimizer=actor.optimizer,
+                      extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra)
+    else:
+        save_sharded(os.path.join(save_dir, ACTOR), iteration, [actor.chunk], actor.optimizer, extra={"rl": rl},
+                     rank_extra=rank_extra, layout=_layout(topo))
+    return base
 
 
 def load_frozen(load_dir: str, iteration: int, reference, target) -> None:
-    """The reference and the target critic at ``iteration`` (in the scoring phase)."""
+    """The reference (not a LoRA policy's base: :func:`load_trained`) and the target critic at ``iteration`` (in the
+    scoring phase)."""
     group = dist.group.WORLD
-    load_sharded(iteration_dir(os.path.join(load_dir, REFERENCE), iteration), [reference.module], group=group)
+    if isinstance(reference, ReferenceModel):
+        load_sharded(iteration_dir(os.path.join(load_dir, REFERENCE), iteration), [reference.module], group=group)
     if target is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, TARGET_CRITIC), iteration), [target[0]], group=group)
         for name, param in target[0].named_parameters():
             target[1].params[name].copy_(param.detach())
 
 
-def load_trained(load_dir: str, iteration: int, topo, actor, critic, prompt_rng: random.Random) -> int:
-    """The actor and critic with their optimizers, and (same layout) this rank's RNG streams and prompt position;
-    returns the policy version."""
+def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, prompt_rng: random.Random) -> dict:
+    """The actor (a LoRA actor: its base and adapters) and critic with their optimizers, and (same layout) this
+    rank's RNG streams and prompt position; returns the RL state (``rl``: policy version, base iteration)."""
     group = dist.group.WORLD
     if critic is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, CRITIC), iteration), [critic.chunk], critic.optimizer,
                      group=group)
-    reader = load_sharded(iteration_dir(os.path.join(load_dir, ACTOR), iteration), [actor.chunk], actor.optimizer,
-                          group=group)
+    path = iteration_dir(os.path.join(load_dir, ACTOR), iteration)
+    if args.lora is not None:
+        reader = load_adapters(path, unwrap(actor.trained[0]), optimizer=actor.optimizer)
+        load_sharded(iteration_dir(os.path.join(load_dir, REFERENCE), reader.state["rl"]["base"]), [actor.chunk],
+                     group=group)
+    else:
+        reader = load_sharded(path, [actor.chunk], actor.optimizer, group=group)
     if reader.world_size == dist.get_world_size() and reader.layout == _layout(topo):
         state = reader.rank_state(dist.get_rank())
         set_rng_state(state["rng"])
         version_, internal, gauss = state["prompt_rng"]
         prompt_rng.setstate((version_, tuple(internal), gauss))
-    return reader.state["rl"]["version"]
+    return reader.state["rl"]

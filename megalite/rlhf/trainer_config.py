@@ -22,7 +22,6 @@ from megalite.rlhf.prompt_data import PromptData
 from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.reward_model import check_reward_model
 from megalite.rlhf.rewards import load_reward_fn
-from megalite.rlhf.trainer_checkpoint import rl_iteration
 from megalite.training.flags import FLAGS, lora_config
 
 MODEL_FLAGS = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seed", "--hidden-size",
@@ -151,10 +150,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                          f"and a rate in (0, 1]")
     check_prompt_data(args)
     args.lora = lora_config(args)
-    if args.lora is not None and (args.save or rl_iteration(args.load) is not None):
-        raise ValueError("--lora-rank trains adapters on a warmed-up actor or a pretrained one (--load of a megalite "
-                         "checkpoint); RL checkpoints hold whole actors, so it runs without --save and cannot "
-                         "resume one")
     if args.lora is not None:
         check_model(args.lora, actor_config(args))
     args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))

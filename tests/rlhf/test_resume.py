@@ -3,7 +3,11 @@ target critic, TP2 on two ranks: the 4-rank tp2 x dp2 run is too slow for this s
 SIGKILL in iteration 3 after saving at iteration 2; ``--load`` resumes it and iterations 3-4 log the same rewards, KL,
 losses and response lengths as an uninterrupted run.  The saved policy exports to Hugging Face with the converter
 and gives the same logits in transformers.  Resuming with another algorithm, or saving an off-policy run, is a clear
-error before any collective."""
+error before any collective.
+
+The modes beside it resume the same way (a run saved at iteration 2 and resumed in a new run equals the uninterrupted
+run's iterations 3-4, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
+optimizer each save)."""
 
 import json
 import os
@@ -105,6 +109,53 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
         ours = load_model(str(whole / "actor"))(ids)
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs[..., :ours.shape[-1]], ours[..., :theirs.shape[-1]], rtol=0, atol=1e-5)
+
+
+def _resume_equals_uninterrupted(argv, tmp_path, ranks: int) -> dict:
+    """Runs ``argv`` for 4 iterations; again for 2 saving at the end into ``SAVE``; then resumes ``SAVE`` up to 4
+    (saving into it again).  Asserts the resumed iterations' rewards, KL, losses and lengths equal the
+    uninterrupted run's, and that the policy moved in them; returns the resumed run's records."""
+    def run(name, extra):
+        argv_ = argv + extra + ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
+        assert run_distributed(_run, ranks, argv_, timeout=240) == [0] * ranks
+        return _records(tmp_path / f"{name}.jsonl")
+
+    save = str(tmp_path / "save")
+    expected = run("whole", ["--train-iters", "4"])
+    assert sorted(run("first", ["--train-iters", "2", "--save", save])) == [1, 2]
+    resumed = run("resumed", ["--train-iters", "4", "--save", save, "--load", save])
+    assert sorted(resumed) == [3, 4]
+    compared = [k for k in COMPARED if k in expected[3]]
+    assert "reward" in compared and "policy_loss" in compared
+    for iteration, record in resumed.items():
+        assert {k: record[k] for k in compared} == {k: expected[iteration][k] for k in compared}, iteration
+    assert any(r["policy_loss"] != 0.0 for r in resumed.values())
+    return resumed
+
+
+LORA = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
+        "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "2", "--global-batch-size",
+        "2", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo", "--tensorboard-dir", "", "--reward-fn",
+        "tests.rlhf.test_example:text_reward", "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
+
+
+@pytest.mark.slow
+def test_lora_resume_equals_an_uninterrupted_run(tmp_path):
+    """``--lora-rank`` saves its base once (``SAVE/reference``, the reference) and its adapters with their optimizer
+    and dropout RNG each save (``SAVE/actor``, an adapter checkpoint); the resume equals the uninterrupted run, and
+    the second save into ``SAVE`` does not write the base again."""
+    from megalite.checkpoint import read_checkpoint_info
+    from megalite.checkpoint.files import iteration_dir, read_latest
+
+    _resume_equals_uninterrupted(LORA, tmp_path, 1)
+    save = tmp_path / "save"
+    assert read_latest(str(save / "actor")) == 4 and read_latest(str(save / "reference")) == 2
+    assert read_checkpoint_info(iteration_dir(str(save / "actor"), 4))["state"]["rl"]["base"] == 2
+    with pytest.raises(ValueError, match="was trained with --lora-rank 4 --lora-alpha 8.0 .*; this run uses --lora-rank "
+                                         "2 --lora-alpha 8.0"):
+        RLTrainer(parse_args(LORA + ["--load", str(save), "--lora-rank", "2"]), world_size=1)
+    with pytest.raises(ValueError, match="this run uses no --lora-rank"):
+        RLTrainer(parse_args(LORA[:-6] + ["--load", str(save)]), world_size=1)
 
 
 @pytest.mark.parametrize("extra, message", [
