@@ -152,7 +152,7 @@ class RLTrainer:
         self.actor = self._policy_backend(actor_chunk, args.actor_lr, trained)
         self.guide = None
         if args.environment == "guidance":  # a second actor: its own warm-up, optimizer and reference
-            guide_chunk = pretrain(args, topo, config, device, guide=True)
+            guide_chunk = pretrain(args, topo, config, device, resume=self.resume is not None, guide=True)
             self.guide = Guide(self._policy_backend(guide_chunk, args.guide_lr),
                                ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=guide_chunk),
                                args)
@@ -253,18 +253,18 @@ class RLTrainer:
     def _save(self, iteration: int) -> None:
         """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""
         with self.placement.phase("scoring"):
-            save_frozen(self.args.save, iteration, self.reference, self.target)
+            save_frozen(self.args.save, iteration, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
             self.base = save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                                     self.rollouts.version, self.rollouts.rng, self.base)
+                                     self.rollouts.version, self.rollouts.rng, self.base, self.guide)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
         with self.placement.phase("scoring"):
-            load_frozen(self.args.load, self.resume, self.reference, self.target)
+            load_frozen(self.args.load, self.resume, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
             rl = load_trained(self.args.load, self.resume, self.args, self.topo, self.actor, self.critic,
-                              self.rollouts.rng)
+                              self.rollouts.rng, self.guide)
         self.rollouts.version = rl["version"]
         if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
             self.base = rl.get("base")  # a LoRA base already saved there

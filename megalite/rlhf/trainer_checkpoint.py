@@ -2,8 +2,9 @@
 
 ``--save SAVE`` holds one megalite save directory per model: ``SAVE/actor`` (with its optimizer; its ``latest`` is
 the run's commit point, written last), ``SAVE/critic`` (with its optimizer), ``SAVE/reference`` and
-``SAVE/target_critic`` (the Polyak target's values).  The actor's JSON state adds the RL state (``rl``: algorithm,
-iteration, policy version, layout); each rank's adds its RNG streams and its prompt stream's position.
+``SAVE/target_critic`` (the Polyak target's values); the guidance flow's guide adds ``SAVE/guide`` (with its
+optimizer) and ``SAVE/guide_reference``.  The actor's JSON state adds the RL state (``rl``: algorithm,
+iteration, policy version, environment, layout); each rank's adds its RNG streams and its prompt stream's position.
 
 Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
 first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
@@ -39,6 +40,8 @@ from megalite.training.setup import claim_save_dir
 
 ACTOR, CRITIC, REFERENCE, TARGET_CRITIC = "actor", "critic", "reference", "target_critic"
 """The models' save directories under ``--save``, in the order they are written (the actor last)."""
+GUIDE, GUIDE_REFERENCE = "guide", "guide_reference"
+"""The guidance flow's guide's save directories (written before the actor)."""
 
 
 def rl_iteration(load_dir: str | None) -> int | None:
@@ -54,6 +57,9 @@ def check_resume(args) -> int | None:
     algorithm or critic differ from this run's.  Reads JSON files only, so it runs before any collective."""
     iteration = rl_iteration(args.load)
     if iteration is None:
+        if args.load and args.environment == "guidance":
+            raise ValueError(f"--load {args.load} is not an RL checkpoint: --environment guidance warms up its "
+                             f"policy and guide itself and loads only its own RL checkpoints")
         return None
     state = read_checkpoint_info(iteration_dir(os.path.join(args.load, ACTOR), iteration))["state"]
     rl = state.get("rl")
@@ -62,6 +68,9 @@ def check_resume(args) -> int | None:
     if rl["algorithm"] != args.advantage_estimator:
         raise ValueError(f"--load {args.load} was trained with --advantage-estimator {rl['algorithm']}; this run uses "
                          f"{args.advantage_estimator} (resume with the same algorithm, or start a new run)")
+    if rl.get("environment") != args.environment:
+        raise ValueError(f"--load {args.load} was trained with --environment {rl.get('environment')}; this run uses "
+                         f"{args.environment} (resume with the same environment, or start a new run)")
     saved = LoRAConfig(**state["lora"]) if isinstance(state.get("lora"), dict) else None
     ours = args.lora
     if (saved is None) != (ours is None) or saved is not None and (
@@ -93,19 +102,22 @@ def _layout(topo) -> dict:
     return {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size}
 
 
-def save_frozen(save_dir: str, iteration: int, reference, target) -> None:
-    """The reference (not a LoRA policy's base: :func:`save_trained`) and the target critic (``(chunk,
-    PolyakTarget)`` or None); call in the scoring phase, where both are resident."""
+def save_frozen(save_dir: str, iteration: int, reference, target, guide=None) -> None:
+    """The reference (not a LoRA policy's base: :func:`save_trained`), the target critic (``(chunk, PolyakTarget)``
+    or None) and the guide's reference (``guide``: the guidance flow's ``Guide``, or None); call in the scoring
+    phase, where they are resident."""
     if isinstance(reference, ReferenceModel):
         save_sharded(os.path.join(save_dir, REFERENCE), iteration, [reference.module])
+    if guide is not None:
+        save_sharded(os.path.join(save_dir, GUIDE_REFERENCE), iteration, [guide.reference.module])
     if target is not None:
         target[1].load_into(target[0])
         save_sharded(os.path.join(save_dir, TARGET_CRITIC), iteration, [target[0]])
 
 
 def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng,
-                 base: int | None = None) -> int | None:
-    """The critic, then the actor with the RL state (its ``latest`` commits the set); call in the training
+                 base: int | None = None, guide=None) -> int | None:
+    """The critic and the guide (``Guide`` or None) with their optimizers, then the actor with the RL state (its ``latest`` commits the set); call in the training
     phase, where the optimizer state is resident.  A LoRA actor (``args.lora``): its base first unless ``base``
     (the iteration ``SAVE/reference`` already holds it at), then its adapters; returns the base's iteration (None
     without LoRA)."""
@@ -114,7 +126,10 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, versi
         base = iteration
     if critic is not None:
         save_sharded(os.path.join(save_dir, CRITIC), iteration, [critic.chunk], critic.optimizer)
-    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version, "base": base}
+    if guide is not None:
+        save_sharded(os.path.join(save_dir, GUIDE), iteration, [guide.backend.chunk], guide.backend.optimizer)
+    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version, "base": base,
+          "environment": args.environment}
     version_, internal, gauss = prompt_rng.getstate()
     rank_extra = {"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]}
     if args.lora is not None:
@@ -126,25 +141,32 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, versi
     return base
 
 
-def load_frozen(load_dir: str, iteration: int, reference, target) -> None:
-    """The reference (not a LoRA policy's base: :func:`load_trained`) and the target critic at ``iteration`` (in the
-    scoring phase)."""
+def load_frozen(load_dir: str, iteration: int, reference, target, guide=None) -> None:
+    """The reference (not a LoRA policy's base: :func:`load_trained`), the target critic and the guide's reference
+    at ``iteration`` (in the scoring phase)."""
     group = dist.group.WORLD
     if isinstance(reference, ReferenceModel):
         load_sharded(iteration_dir(os.path.join(load_dir, REFERENCE), iteration), [reference.module], group=group)
+    if guide is not None:
+        load_sharded(iteration_dir(os.path.join(load_dir, GUIDE_REFERENCE), iteration), [guide.reference.module],
+                     group=group)
     if target is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, TARGET_CRITIC), iteration), [target[0]], group=group)
         for name, param in target[0].named_parameters():
             target[1].params[name].copy_(param.detach())
 
 
-def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, prompt_rng: random.Random) -> dict:
-    """The actor (a LoRA actor: its base and adapters) and critic with their optimizers, and (same layout) this
+def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, prompt_rng: random.Random,
+                 guide=None) -> dict:
+    """The actor (a LoRA actor: its base and adapters), critic and guide with their optimizers, and (same layout) this
     rank's RNG streams and prompt position; returns the RL state (``rl``: policy version, base iteration)."""
     group = dist.group.WORLD
     if critic is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, CRITIC), iteration), [critic.chunk], critic.optimizer,
                      group=group)
+    if guide is not None:
+        load_sharded(iteration_dir(os.path.join(load_dir, GUIDE), iteration), [guide.backend.chunk],
+                     guide.backend.optimizer, group=group)
     path = iteration_dir(os.path.join(load_dir, ACTOR), iteration)
     if args.lora is not None:
         reader = load_adapters(path, unwrap(actor.trained[0]), optimizer=actor.optimizer)

@@ -128,10 +128,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--warmup-direct-fraction shapes the warm-up of --environment calculator")
     if args.warmup_wrong_hint_fraction is not None and args.environment != "guidance":
         raise ValueError("--warmup-wrong-hint-fraction shapes the warm-up of --environment guidance")
-    if args.environment == "guidance" and (args.advantage_estimator == "gae" or args.save or args.load):
+    if args.environment == "guidance" and args.advantage_estimator == "gae":
         raise ValueError("--environment guidance trains a guide model beside the policy with a critic-free "
-                         "--advantage-estimator (grpo, rloo, reinforce_plus_plus) and does not save or load (no --save, "
-                         "--load)")
+                         "--advantage-estimator (grpo, rloo, reinforce_plus_plus)")
     if args.environment and not args.load and longest_demonstration(args) > args.max_total_tokens:
         raise ValueError(f"--environment {args.environment} warm-up demonstrations up to --max-operand "
                          f"{args.max_operand} take {longest_demonstration(args)} tokens, more than "

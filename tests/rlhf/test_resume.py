@@ -7,7 +7,7 @@ error before any collective.
 
 The modes beside it resume the same way (a run saved at iteration 2 and resumed in a new run equals the uninterrupted
 run's iterations 3-4, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
-optimizer each save)."""
+optimizer each save) and the guidance flow (the guide, its optimizer and its reference beside the policy's)."""
 
 import json
 import os
@@ -111,10 +111,11 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
     torch.testing.assert_close(theirs[..., :ours.shape[-1]], ours[..., :theirs.shape[-1]], rtol=0, atol=1e-5)
 
 
-def _resume_equals_uninterrupted(argv, tmp_path, ranks: int) -> dict:
+def _resume_equals_uninterrupted(argv, tmp_path, ranks: int, also=()) -> dict:
     """Runs ``argv`` for 4 iterations; again for 2 saving at the end into ``SAVE``; then resumes ``SAVE`` up to 4
     (saving into it again).  Asserts the resumed iterations' rewards, KL, losses and lengths equal the
-    uninterrupted run's, and that the policy moved in them; returns the resumed run's records."""
+    uninterrupted run's (and the metrics ``also`` names), and that the policy moved in them; returns the resumed
+    run's records."""
     def run(name, extra):
         argv_ = argv + extra + ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
         assert run_distributed(_run, ranks, argv_, timeout=240) == [0] * ranks
@@ -125,7 +126,7 @@ def _resume_equals_uninterrupted(argv, tmp_path, ranks: int) -> dict:
     assert sorted(run("first", ["--train-iters", "2", "--save", save])) == [1, 2]
     resumed = run("resumed", ["--train-iters", "4", "--save", save, "--load", save])
     assert sorted(resumed) == [3, 4]
-    compared = [k for k in COMPARED if k in expected[3]]
+    compared = [k for k in COMPARED if k in expected[3]] + list(also)
     assert "reward" in compared and "policy_loss" in compared
     for iteration, record in resumed.items():
         assert {k: record[k] for k in compared} == {k: expected[iteration][k] for k in compared}, iteration
@@ -156,6 +157,29 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path):
         RLTrainer(parse_args(LORA + ["--load", str(save), "--lora-rank", "2"]), world_size=1)
     with pytest.raises(ValueError, match="this run uses no --lora-rank"):
         RLTrainer(parse_args(LORA[:-6] + ["--load", str(save)]), world_size=1)
+
+
+GUIDANCE = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters",
+            "40", "--pretrain-lr", "1e-2", "--micro-batch-size", "8", "--pretrain-global-batch-size", "16",
+            "--ppo-epochs", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "4", "--advantage-estimator",
+            "grpo", "--tensorboard-dir", "", "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "4",
+            "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--environment", "guidance"]
+
+
+@pytest.mark.slow
+def test_guidance_resume_equals_an_uninterrupted_run(tmp_path):
+    """The guidance flow saves the guide (``SAVE/guide`` with its optimizer, ``SAVE/guide_reference``) beside the
+    policy; the resume equals the uninterrupted run, the guide's rewards and losses included.  A resume in another
+    environment, or a guidance run loading a checkpoint that is not an RL one, is a clear error."""
+    resumed = _resume_equals_uninterrupted(GUIDANCE, tmp_path, 1, also=("guide_reward", "guide_policy_loss",
+                                                                        "attempt_reward"))
+    assert any(r["guide_policy_loss"] != 0.0 for r in resumed.values())
+    assert {"guide", "guide_reference"} <= set(os.listdir(tmp_path / "save"))
+    with pytest.raises(ValueError, match="was trained with --environment guidance; this run uses calculator"):
+        RLTrainer(parse_args(GUIDANCE[:-2] + ["--environment", "calculator", "--load", str(tmp_path / "save")]),
+                  world_size=1)
+    with pytest.raises(ValueError, match="is not an RL checkpoint: --environment guidance warms up"):
+        RLTrainer(parse_args(GUIDANCE + ["--load", str(tmp_path / "save" / "actor")]), world_size=1)
 
 
 @pytest.mark.parametrize("extra, message", [
