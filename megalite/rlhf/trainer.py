@@ -63,9 +63,11 @@ class RLTrainer:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
         self.resume = check_resume(args)
-        if self.resume is not None and (args.max_staleness or args.rollout_world_size or args.use_scoring_server):
-            raise ValueError("a resume (--load of an RL checkpoint) needs an on-policy, colocated run: --max-staleness "
-                             "0 and no --rollout-world-size or --use-scoring-server")
+        if self.resume is not None and (args.max_staleness and not args.partial_rollout_tokens
+                                        or args.rollout_world_size or args.use_scoring_server):
+            raise ValueError("a resume (--load of an RL checkpoint) needs a colocated run that draws no rollouts "
+                             "ahead: --max-staleness 0 (unless --partial-rollout-tokens) and no --rollout-world-size "
+                             "or --use-scoring-server")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
@@ -256,7 +258,7 @@ class RLTrainer:
             save_frozen(self.args.save, iteration, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
             self.base = save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                                     self.rollouts.version, self.rollouts.rng, self.base, self.guide)
+                                     self.rollouts, self.base, self.guide)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
@@ -264,8 +266,7 @@ class RLTrainer:
             load_frozen(self.args.load, self.resume, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
             rl = load_trained(self.args.load, self.resume, self.args, self.topo, self.actor, self.critic,
-                              self.rollouts.rng, self.guide)
-        self.rollouts.version = rl["version"]
+                              self.rollouts, self.guide)
         if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
             self.base = rl.get("base")  # a LoRA base already saved there
         self.rollouts.start = self.resume + 1

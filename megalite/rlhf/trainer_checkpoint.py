@@ -4,7 +4,9 @@
 the run's commit point, written last), ``SAVE/critic`` (with its optimizer), ``SAVE/reference`` and
 ``SAVE/target_critic`` (the Polyak target's values); the guidance flow's guide adds ``SAVE/guide`` (with its
 optimizer) and ``SAVE/guide_reference``.  The actor's JSON state adds the RL state (``rl``: algorithm,
-iteration, policy version, environment, layout); each rank's adds its RNG streams and its prompt stream's position.
+iteration, policy version, environment, layout); each rank's adds its RNG streams, its prompt stream's position
+and, with ``--partial-rollout-tokens``, its rows in flight and finished rows waiting for a batch (tokens, per-token
+behaviour log-probs and policy versions: ``PartialRollouts.state``), so a resume continues every one of them.
 
 Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
 first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
@@ -15,15 +17,15 @@ previous complete set.  The policy is a plain megalite checkpoint: ``tools/conve
 --to hf --input SAVE/actor`` exports it to Hugging Face (a LoRA policy: ``SAVE/reference`` is the base to convert,
 and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
-RNG streams and prompt positions are restored when the layout matches the saved one (as in pretraining); after
-resharding the run's seeds apply.  The staleness buffer is empty by construction: saving needs an on-policy,
-colocated run (``--max-staleness 0``, no rollout ranks, no scoring server; ``trainer_config.validate``).
+RNG streams, prompt positions and partial rows are restored when the layout matches the saved one (as in
+pretraining); after resharding the run's seeds apply and generation starts afresh.  The staleness buffer is
+otherwise empty by construction: saving needs a colocated run that draws no rollouts ahead (``--max-staleness 0``
+unless partial rollouts bound it, no rollout ranks, no scoring server; ``trainer_config.validate``).
 """
 
 from __future__ import annotations
 
 import os
-import random
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -115,10 +117,11 @@ def save_frozen(save_dir: str, iteration: int, reference, target, guide=None) ->
         save_sharded(os.path.join(save_dir, TARGET_CRITIC), iteration, [target[0]])
 
 
-def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, version: int, prompt_rng,
-                 base: int | None = None, guide=None) -> int | None:
-    """The critic and the guide (``Guide`` or None) with their optimizers, then the actor with the RL state (its ``latest`` commits the set); call in the training
-    phase, where the optimizer state is resident.  A LoRA actor (``args.lora``): its base first unless ``base``
+def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollouts, base: int | None = None,
+                 guide=None) -> int | None:
+    """The critic and the guide (``Guide`` or None) with their optimizers, then the actor with the RL state and
+    ``rollouts``' (its ``latest`` commits the set); call in the training phase, where the optimizer state is
+    resident.  A LoRA actor (``args.lora``): its base first unless ``base``
     (the iteration ``SAVE/reference`` already holds it at), then its adapters; returns the base's iteration (None
     without LoRA)."""
     if args.lora is not None and base is None:
@@ -128,10 +131,12 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, versi
         save_sharded(os.path.join(save_dir, CRITIC), iteration, [critic.chunk], critic.optimizer)
     if guide is not None:
         save_sharded(os.path.join(save_dir, GUIDE), iteration, [guide.backend.chunk], guide.backend.optimizer)
-    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": version, "base": base,
+    rl = {"algorithm": args.advantage_estimator, "iteration": iteration, "version": rollouts.version, "base": base,
           "environment": args.environment}
-    version_, internal, gauss = prompt_rng.getstate()
+    version_, internal, gauss = rollouts.rng.getstate()
     rank_extra = {"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]}
+    if rollouts.partial is not None:
+        rank_extra["partial_rollouts"] = rollouts.partial.state()
     if args.lora is not None:
         save_adapters(os.path.join(save_dir, ACTOR), iteration, unwrap(actor.trained[0]), optimizer=actor.optimizer,
                       extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra)
@@ -156,10 +161,10 @@ def load_frozen(load_dir: str, iteration: int, reference, target, guide=None) ->
             target[1].params[name].copy_(param.detach())
 
 
-def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, prompt_rng: random.Random,
-                 guide=None) -> dict:
+def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, rollouts, guide=None) -> dict:
     """The actor (a LoRA actor: its base and adapters), critic and guide with their optimizers, and (same layout) this
-    rank's RNG streams and prompt position; returns the RL state (``rl``: policy version, base iteration)."""
+    rank's RNG streams, prompt position and partial rows into ``rollouts`` (and its policy version); returns the RL
+    state (``rl``)."""
     group = dist.group.WORLD
     if critic is not None:
         load_sharded(iteration_dir(os.path.join(load_dir, CRITIC), iteration), [critic.chunk], critic.optimizer,
@@ -178,5 +183,8 @@ def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, promp
         state = reader.rank_state(dist.get_rank())
         set_rng_state(state["rng"])
         version_, internal, gauss = state["prompt_rng"]
-        prompt_rng.setstate((version_, tuple(internal), gauss))
+        rollouts.rng.setstate((version_, tuple(internal), gauss))
+        if rollouts.partial is not None and "partial_rollouts" in state:
+            rollouts.partial.load_state(state["partial_rollouts"])
+    rollouts.version = reader.state["rl"]["version"]
     return reader.state["rl"]
