@@ -11,9 +11,10 @@ behaviour log-probs and policy versions: ``PartialRollouts.state``), so a resume
 Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
 first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
 iteration), and ``SAVE/actor`` is an adapter checkpoint (``megalite.lora.state``: the adapters and their optimizer
-state, reshardable) with the same RL state.  A resume
-(``--load SAVE``) reads every model at the actor's iteration, so a kill between two models' writes loads the
-previous complete set.  The policy is a plain megalite checkpoint: ``tools/convert_checkpoint.py --from megalite
+state, reshardable) with the same RL state.
+
+A resume (``--load SAVE``) reads every model at the actor's iteration, so a kill between two models' writes loads
+the previous complete set.  The policy is a plain megalite checkpoint: ``tools/convert_checkpoint.py --from megalite
 --to hf --input SAVE/actor`` exports it to Hugging Face (a LoRA policy: ``SAVE/reference`` is the base to convert,
 and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
@@ -56,7 +57,8 @@ def rl_iteration(load_dir: str | None) -> int | None:
 
 def check_resume(args) -> int | None:
     """The iteration ``--load`` resumes from (None: no RL checkpoint there); ValueError when the checkpoint's
-    algorithm or critic differ from this run's.  Reads JSON files only, so it runs before any collective."""
+    algorithm, environment or LoRA settings differ from this run's (or a guidance run's ``--load`` is no RL
+    checkpoint).  Reads JSON files only, so it runs before any collective."""
     iteration = rl_iteration(args.load)
     if iteration is None:
         if args.load and args.environment == "guidance":

@@ -7,8 +7,8 @@ error before any collective.
 
 The modes beside it resume the same way (a run saved at iteration k and resumed in a new run equals the uninterrupted
 run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
-optimizer each save) the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial rollouts (the rows
-in flight and the finished ones waiting, with their per-token log-probs and versions)."""
+optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
+rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions)."""
 
 import json
 import os
@@ -114,9 +114,9 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
 
 def _resume_equals_uninterrupted(argv, tmp_path, ranks: int, also=(), at: int = 2) -> dict:
     """Runs ``argv`` for ``at`` + 2 iterations; again for ``at`` saving at the end into ``SAVE``; then resumes
-    ``SAVE`` up to ``at`` + 2 (saving into it again).  Asserts the resumed iterations' rewards, KL, losses and lengths equal the
-    uninterrupted run's (and the metrics ``also`` names, where either run logs them), and that the policy moved in them; returns the resumed
-    run's records."""
+    ``SAVE`` up to ``at`` + 2 (saving into it again).  Asserts the resumed iterations' rewards, KL, losses and
+    lengths equal the uninterrupted run's (and the metrics ``also`` names, where either run logs them), and that
+    the policy moved in them; returns the resumed run's records."""
     def run(name, extra):
         argv_ = argv + extra + ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
         assert run_distributed(_run, ranks, argv_, timeout=240) == [0] * ranks
