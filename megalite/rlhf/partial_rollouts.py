@@ -10,6 +10,10 @@ under the weights that sampled that token; ``token_versions`` (aligned like ``re
 response) says which version that was, and ``version`` is the oldest, so that ``rl_update`` checks the
 staleness bound (``--max-staleness``) against it and, with stale tokens, recomputes the old log-probs and weighs
 each token by its own behaviour log-prob (``--rollout-is-*``).
+
+Finished groups wait in order until a batch takes them (:meth:`PartialRollouts.take`).  The rows in flight and the
+finished ones (tokens, per-token log-probs and versions) are plain JSON (:meth:`PartialRollouts.state`), which the RL
+checkpoint stores per rank, so a resumed run continues every row where it stopped.
 """
 
 from __future__ import annotations
@@ -44,9 +48,23 @@ class PartialRollouts:
         self.sample, self.sampling, self.chunk_tokens, self.prompt_width = sample, sampling, chunk_tokens, prompt_width
         self.group_size = group_size
         self.rows: list[_Row] = []
+        self.finished: list[_Row] = []
+        """Rows of finished groups that no batch has taken yet, in the order they finished."""
 
     def __len__(self) -> int:
+        """The rows in flight."""
         return len(self.rows)
+
+    def state(self) -> dict:
+        """The rows in flight and the finished ones, as JSON: ``[prompt, tokens, log-probs, versions]`` each."""
+        def rows(rows):
+            return [[row.prompt, row.tokens, row.log_probs, row.versions] for row in rows]
+        return {"rows": rows(self.rows), "finished": rows(self.finished)}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state`'s rows (replacing this object's)."""
+        self.rows = [_Row(*map(list, row)) for row in state["rows"]]
+        self.finished = [_Row(*map(list, row)) for row in state["finished"]]
 
     def add(self, prompts: list[list[int]]) -> None:
         """New rows (prompt token ids, at most ``prompt_width`` each; whole groups) to generate, after the
@@ -63,9 +81,27 @@ class PartialRollouts:
                                                                    and row.tokens[-1] == self.sampling.eos_id)
 
     def advance(self, version: int, generator: torch.Generator | None = None, device="cpu") -> Rollout | None:
+        """One :meth:`round`; the finished groups leave, in their order, as a Rollout (None when none did)."""
+        self.round(version, generator, device)
+        finished, self.finished = self.finished, []
+        return self.rollout(finished, device) if finished else None
+
+    def take(self, groups: int, version: int, max_staleness: int, device="cpu") -> Rollout | None:
+        """The first ``groups`` finished groups as a Rollout, once that many have finished (else None), after
+        dropping those with a token more than ``max_staleness`` versions older than ``version``."""
+        g = self.group_size
+        waiting = [self.finished[i:i + g] for i in range(0, len(self.finished), g)]
+        waiting = [group for group in waiting if version - min(min(row.versions) for row in group) <= max_staleness]
+        self.finished = [row for group in waiting for row in group]
+        if len(waiting) < groups:
+            return None
+        batch, self.finished = self.finished[:groups * g], self.finished[groups * g:]
+        return self.rollout(batch, device)
+
+    def round(self, version: int, generator: torch.Generator | None = None, device="cpu") -> None:
         """One round: every unfinished row samples up to ``chunk_tokens`` more tokens with the current weights
-        (policy ``version``; one ``sample`` call per remaining budget); the groups whose rows have all ended leave,
-        in their order, as a Rollout (None when none did)."""
+        (policy ``version``; one ``sample`` call per remaining budget); the groups whose rows have all ended join
+        :attr:`finished`, in their order."""
         budgets = [0 if self._done(row) else min(self.chunk_tokens, self.sampling.max_new_tokens - len(row.tokens))
                    for row in self.rows]
         for budget in sorted(set(budgets) - {0}, reverse=True):
@@ -83,11 +119,11 @@ class PartialRollouts:
                 row.versions += [version] * k
         g = self.group_size
         groups = [self.rows[i:i + g] for i in range(0, len(self.rows), g)]
-        finished = [row for group in groups if all(map(self._done, group)) for row in group]
+        self.finished += [row for group in groups if all(map(self._done, group)) for row in group]
         self.rows = [row for group in groups if not all(map(self._done, group)) for row in group]
-        return self._rollout(finished, device) if finished else None
 
-    def _rollout(self, rows: list[_Row], device) -> Rollout:
+    def rollout(self, rows: list[_Row], device="cpu") -> Rollout:
+        """``rows`` (finished) as a Rollout; its ``version`` is its oldest token's."""
         p, n, b = self.prompt_width, self.sampling.max_new_tokens, len(rows)
         input_ids = torch.full((b, p + n), self.sampling.pad_id, dtype=torch.long)
         attention = torch.zeros(b, p + n, dtype=torch.long)

@@ -117,7 +117,7 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
-        self.partial, self.ready = None, []  # --partial-rollout-tokens: rows in flight, finished groups in order
+        self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting
         if args.partial_rollout_tokens:
             self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
                                            args.n_samples_per_prompt)
@@ -158,18 +158,12 @@ class Rollouts:
         args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
         while True:
-            self.ready = [g for g in self.ready if self.version - g.version <= args.max_staleness]
-            if len(self.ready) >= need:
-                break
+            rollout = self.partial.take(need, self.version, args.max_staleness, self.device)
+            if rollout is not None:
+                return rollout
             if len(self.partial) < need * n:
                 self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
-            done = self.partial.advance(self.version, generator, self.device)
-            if done is not None:
-                self.ready += [done.rows(i, i + n) for i in range(0, len(done), n)]
-        batch, self.ready = self.ready[:need], self.ready[need:]
-        rollout = Rollout.concat(batch)
-        rollout.version = min(g.version for g in batch)
-        return rollout
+            self.partial.round(self.version, generator, self.device)
 
     def _sample(self, iteration: int, attempt: int) -> Rollout:
         """One generation round of this DP rank, generated here or received from its rollout rank."""

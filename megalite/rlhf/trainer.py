@@ -64,9 +64,11 @@ class RLTrainer:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
         self.resume = check_resume(args)
-        if self.resume is not None and (args.max_staleness or args.rollout_world_size or args.use_scoring_server):
-            raise ValueError("a resume (--load of an RL checkpoint) needs an on-policy, colocated run: --max-staleness "
-                             "0 and no --rollout-world-size or --use-scoring-server")
+        if self.resume is not None and (args.max_staleness and not args.partial_rollout_tokens
+                                        or args.rollout_world_size or args.use_scoring_server):
+            raise ValueError("a resume (--load of an RL checkpoint) needs a colocated run that draws no rollouts "
+                             "ahead: --max-staleness 0 (unless --partial-rollout-tokens) and no --rollout-world-size "
+                             "or --use-scoring-server")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
@@ -153,7 +155,7 @@ class RLTrainer:
         self.actor = self._policy_backend(actor_chunk, args.actor_lr, trained)
         self.guide = None
         if args.environment == "guidance":  # a second actor: its own warm-up, optimizer and reference
-            guide_chunk = pretrain(args, topo, config, device, guide=True)
+            guide_chunk = pretrain(args, topo, config, device, resume=self.resume is not None, guide=True)
             self.guide = Guide(self._policy_backend(guide_chunk, args.guide_lr),
                                ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=guide_chunk),
                                args)
@@ -183,6 +185,7 @@ class RLTrainer:
         self.value_model = self.target[0] if self.target is not None else critic_chunk
         self.rollouts = Rollouts(args, topo, self.actor, self.reference, self.value_model, device, self.reward,
                                  self.placement, self.guide)
+        self.base = None  # a LoRA run: the iteration --save holds its base at
         if self.resume is not None:
             self._load()
         self.scoring_server = None
@@ -263,18 +266,20 @@ class RLTrainer:
     def _save(self, iteration: int) -> None:
         """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""
         with self.placement.phase("scoring"):
-            save_frozen(self.args.save, iteration, self.reference, self.target)
+            save_frozen(self.args.save, iteration, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
-            save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                         self.rollouts.version, self.rollouts.rng, self.schedulers)
+            self.base = save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
+                                     self.rollouts, self.schedulers, self.base, self.guide)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
         with self.placement.phase("scoring"):
-            load_frozen(self.args.load, self.resume, self.reference, self.target)
+            load_frozen(self.args.load, self.resume, self.reference, self.target, self.guide)
         with self.placement.phase("training"):
-            self.rollouts.version = load_trained(self.args.load, self.resume, self.topo, self.actor, self.critic,
-                                                 self.rollouts.rng, self.schedulers)
+            rl = load_trained(self.args.load, self.resume, self.args, self.topo, self.actor, self.critic,
+                              self.rollouts, self.schedulers, self.guide)
+        if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
+            self.base = rl.get("base")  # a LoRA base already saved there
         self.rollouts.start = self.resume + 1
         if self.topo.global_rank == 0:
             print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

@@ -22,7 +22,6 @@ from megalite.rlhf.prompt_data import PromptData
 from megalite.rlhf.ppo import PPOConfig
 from megalite.rlhf.reward_model import check_reward_model
 from megalite.rlhf.rewards import load_reward_fn
-from megalite.rlhf.trainer_checkpoint import rl_iteration
 from megalite.training.flags import FLAGS, lora_config, lr_schedule_config
 from megalite.training.lr_schedule import ScheduleSettings, schedule_settings
 
@@ -101,11 +100,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (
             not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment or rollout
-            or args.use_scoring_server or args.dynamic_sampling or args.save):
+            or args.use_scoring_server or args.dynamic_sampling):
         raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
-                         f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts that "
-                         f"does not save (rows in flight are not checkpointed): no --environment, "
-                         f"--rollout-world-size, --use-scoring-server, --dynamic-sampling or --save")
+                         f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts: no "
+                         f"--environment, --rollout-world-size, --use-scoring-server or --dynamic-sampling")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):
@@ -117,9 +115,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
-    if args.save and (args.max_staleness or rollout or args.use_scoring_server):
-        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 and no "
-                         "--rollout-world-size or --use-scoring-server")
+    if args.save and (args.max_staleness and not args.partial_rollout_tokens or rollout or args.use_scoring_server):
+        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 (unless "
+                         "--partial-rollout-tokens, whose rows it saves) and no --rollout-world-size or "
+                         "--use-scoring-server")
     if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
                          f"and a local reward (not --use-scoring-server)")
@@ -138,10 +137,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--warmup-direct-fraction shapes the warm-up of --environment calculator")
     if args.warmup_wrong_hint_fraction is not None and args.environment != "guidance":
         raise ValueError("--warmup-wrong-hint-fraction shapes the warm-up of --environment guidance")
-    if args.environment == "guidance" and (args.advantage_estimator == "gae" or args.save or args.load):
+    if args.environment == "guidance" and args.advantage_estimator == "gae":
         raise ValueError("--environment guidance trains a guide model beside the policy with a critic-free "
-                         "--advantage-estimator (grpo, rloo, reinforce_plus_plus) and does not save or load (no --save, "
-                         "--load)")
+                         "--advantage-estimator (grpo, rloo, reinforce_plus_plus)")
     if args.environment and not args.load and longest_demonstration(args) > args.max_total_tokens:
         raise ValueError(f"--environment {args.environment} warm-up demonstrations up to --max-operand "
                          f"{args.max_operand} take {longest_demonstration(args)} tokens, more than "
@@ -162,10 +160,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     args.actor_schedule, args.critic_schedule = (lr_schedule(args, lr, flag) for lr, flag in
                                                  ((args.actor_lr, "--actor-lr"), (args.critic_lr, "--critic-lr")))
     args.lora = lora_config(args)
-    if args.lora is not None and (args.save or rl_iteration(args.load) is not None):
-        raise ValueError("--lora-rank trains adapters on a warmed-up actor or a pretrained one (--load of a megalite "
-                         "checkpoint); RL checkpoints hold whole actors, so it runs without --save and cannot "
-                         "resume one")
     if args.lora is not None:
         check_model(args.lora, actor_config(args))
     args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))

@@ -152,7 +152,6 @@ RUN = ["--tensor-model-parallel-size", "1", "--hidden-size", "64", "--num-layers
 @pytest.mark.parametrize("extra, message", [
     (["--advantage-estimator", "gae"], "--environment guidance trains a guide model beside the policy with a "
                                        "critic-free --advantage-estimator"),
-    (["--save", "/tmp/nowhere"], "does not save or load"),
     (["--environment", "calculator"], "--warmup-wrong-hint-fraction shapes the warm-up of --environment guidance"),
     (["--warmup-wrong-hint-fraction", "2"], r"wrong_hint_fraction must be in \[0, 1\], got 2.0"),
     (["--max-total-tokens", "20"], "--environment guidance warm-up demonstrations up to --max-operand 9 take 25 "

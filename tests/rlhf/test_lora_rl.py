@@ -85,17 +85,13 @@ def test_grpo_with_lora_trains_adapters_only_and_syncs_them_alone(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--save", "{tmp}/save"], "runs without --save and cannot resume one"),
-    (["--load", "{tmp}/rl"], "runs without --save and cannot resume one"),
     (["--lora-rank", "33"],
      r"LoRA rank 33 is larger than layer decoder.layers.0.self_attention.linear_qkv \(\[96, 32\]\) allows"),
     (["--lora-target-modules", "linear_qkv,q_proj"], "q_proj.* match no layer; the available ones are linear_qkv"),
 ])
-def test_lora_bad_input_is_refused_before_any_collective(tmp_path, extra, message):
-    """validate() (no process group yet) refuses what the adapters cannot run: a rank above a layer's, an unknown
-    target, and RL checkpoints (whole actors) to save or resume."""
-    (tmp_path / "rl" / "actor").mkdir(parents=True)
-    (tmp_path / "rl" / "actor" / "latest").write_text("2")
-    args = parse_args(BASE + [a.format(tmp=tmp_path) for a in extra])
+def test_lora_bad_input_is_refused_before_any_collective(extra, message):
+    """validate() (no process group yet) refuses what the adapters cannot run: a rank above a layer's and an unknown
+    target (saving and resuming: tests/rlhf/test_resume.py)."""
+    args = parse_args(BASE + extra)
     with pytest.raises(ValueError, match=message):
         validate(args, 1)

@@ -3,7 +3,12 @@ target critic, TP2 on two ranks: the 4-rank tp2 x dp2 run is too slow for this s
 SIGKILL in iteration 3 after saving at iteration 2; ``--load`` resumes it and iterations 3-4 log the same rewards, KL,
 losses and response lengths as an uninterrupted run.  The saved policy exports to Hugging Face with the converter
 and gives the same logits in transformers.  Resuming with another algorithm, or saving an off-policy run, is a clear
-error before any collective."""
+error before any collective.
+
+The modes beside it resume the same way (a run saved at iteration k and resumed in a new run equals the uninterrupted
+run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
+optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
+rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions)."""
 
 import json
 import os
@@ -140,6 +145,100 @@ def test_lr_schedule_bad_input():
         validate(parse_args(BASE + ["--min-lr", "1e-3"]), 2)
     with pytest.raises(ValueError, match="lr warmup"):
         validate(parse_args(BASE + ["--lr-warmup-iters", "4"]), 2)
+
+
+def _resume_equals_uninterrupted(argv, tmp_path, ranks: int, also=(), at: int = 2) -> dict:
+    """Runs ``argv`` for ``at`` + 2 iterations; again for ``at`` saving at the end into ``SAVE``; then resumes
+    ``SAVE`` up to ``at`` + 2 (saving into it again).  Asserts the resumed iterations' rewards, KL, losses and
+    lengths equal the uninterrupted run's (and the metrics ``also`` names, where either run logs them), and that
+    the policy moved in them; returns the resumed run's records."""
+    def run(name, extra):
+        argv_ = argv + extra + ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
+        assert run_distributed(_run, ranks, argv_, timeout=240) == [0] * ranks
+        return _records(tmp_path / f"{name}.jsonl")
+
+    save = str(tmp_path / "save")
+    expected = run("whole", ["--train-iters", str(at + 2)])
+    assert sorted(run("first", ["--train-iters", str(at), "--save", save])) == list(range(1, at + 1))
+    # The first run's --train-iters (its LR schedule's length) differs from this one's, as in Megatron-LM.
+    resumed = run("resumed", ["--train-iters", str(at + 2), "--save", save, "--load", save,
+                              "--override-opt-param-scheduler"])
+    assert sorted(resumed) == [at + 1, at + 2]
+    compared = [k for k in COMPARED if k in expected[at + 1]] + list(also)
+    assert "reward" in compared and "policy_loss" in compared
+    for iteration, record in resumed.items():
+        assert {k: record.get(k) for k in compared} == {k: expected[iteration].get(k) for k in compared}, iteration
+    assert any(r["policy_loss"] != 0.0 for r in resumed.values())
+    return resumed
+
+
+LORA = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "2",
+        "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "2", "--global-batch-size",
+        "2", "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo", "--tensorboard-dir", "", "--reward-fn",
+        "tests.rlhf.test_example:text_reward", "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
+
+
+@pytest.mark.slow
+def test_lora_resume_equals_an_uninterrupted_run(tmp_path):
+    """``--lora-rank`` saves its base once (``SAVE/reference``, the reference) and its adapters with their optimizer
+    and dropout RNG each save (``SAVE/actor``, an adapter checkpoint); the resume equals the uninterrupted run, and
+    the second save into ``SAVE`` does not write the base again."""
+    from megalite.checkpoint import read_checkpoint_info
+    from megalite.checkpoint.files import iteration_dir, read_latest
+
+    _resume_equals_uninterrupted(LORA, tmp_path, 1)
+    save = tmp_path / "save"
+    assert read_latest(str(save / "actor")) == 4 and read_latest(str(save / "reference")) == 2
+    assert read_checkpoint_info(iteration_dir(str(save / "actor"), 4))["state"]["rl"]["base"] == 2
+    with pytest.raises(ValueError, match="was trained with --lora-rank 4 --lora-alpha 8.0 .*; this run uses "
+                                         "--lora-rank 2 --lora-alpha 8.0"):
+        RLTrainer(parse_args(LORA + ["--load", str(save), "--lora-rank", "2"]), world_size=1)
+    with pytest.raises(ValueError, match="this run uses no --lora-rank"):
+        RLTrainer(parse_args(LORA[:-6] + ["--load", str(save)]), world_size=1)
+
+
+GUIDANCE = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters",
+            "40", "--pretrain-lr", "1e-2", "--micro-batch-size", "8", "--pretrain-global-batch-size", "16",
+            "--ppo-epochs", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "4", "--advantage-estimator",
+            "grpo", "--tensorboard-dir", "", "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "4",
+            "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--environment", "guidance"]
+
+
+@pytest.mark.slow
+def test_guidance_resume_equals_an_uninterrupted_run(tmp_path):
+    """The guidance flow saves the guide (``SAVE/guide`` with its optimizer, ``SAVE/guide_reference``) beside the
+    policy; the resume equals the uninterrupted run, the guide's rewards and losses included.  A resume in another
+    environment, or a guidance run loading a checkpoint that is not an RL one, is a clear error."""
+    resumed = _resume_equals_uninterrupted(GUIDANCE, tmp_path, 1, also=("guide_reward", "guide_policy_loss",
+                                                                        "attempt_reward"))
+    assert any(r["guide_policy_loss"] != 0.0 for r in resumed.values())
+    assert {"guide", "guide_reference"} <= set(os.listdir(tmp_path / "save"))
+    with pytest.raises(ValueError, match="was trained with --environment guidance; this run uses calculator"):
+        RLTrainer(parse_args(GUIDANCE[:-2] + ["--environment", "calculator", "--load", str(tmp_path / "save")]),
+                  world_size=1)
+    with pytest.raises(ValueError, match="is not an RL checkpoint: --environment guidance warms up"):
+        RLTrainer(parse_args(GUIDANCE + ["--load", str(tmp_path / "save" / "actor")]), world_size=1)
+
+
+PARTIAL = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+           "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+           "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "2",
+           "--tensorboard-dir", "", "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2",
+           "--reward-fn", "tests.rlhf.test_example:text_reward"]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
+    """``--partial-rollout-tokens``: the save at iteration 3 holds rows still being generated (their tokens, per-token
+    behaviour log-probs and versions); the resume continues them, so its batches, staleness and importance weights
+    equal the uninterrupted run's."""
+    from megalite.checkpoint import CheckpointReader
+    from megalite.checkpoint.files import iteration_dir
+
+    resumed = _resume_equals_uninterrupted(PARTIAL, tmp_path, 1, also=("staleness", "is_weight_mean"), at=3)
+    assert any(r["staleness"] > 0 and r["is_weight_mean"] > 0 for r in resumed.values())
+    saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 3)).rank_state(0)["partial_rollouts"]
+    assert saved["rows"] and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in saved["rows"])
 
 
 @pytest.mark.parametrize("extra, message", [
