@@ -12,8 +12,14 @@ max(40M, 1M x dp)), each bucket's end padded to a multiple of lcm(dp, 128) (lcm(
 ones, else the state is named and left out.  The step count and parameter groups are the sharded object
 ``optimizer.distributed.dp_group_idx_0.optimizer``.
 
-Read: a dense GPT (no experts) saved at tp=1, pp=1 with the local layer spec (``--transformer-impl local``),
-whose module order is :data:`LAYER_ORDER`; megalite resumes it at any layout.  Other saves are named.
+Each model-parallel rank (tensor rank t, pipeline rank p: ``dp_group_idx_<t + tp x p>``) has a buffer of its
+own local parameters (its stage's layers, its TP shards), laid out by the same rule; each shard's state is placed
+into its global tensor by :func:`megalite.checkpoint.sharding.global_param`, the one global layout (per-rank
+SwiGLU ``[gate_r; up_r]`` rows, padded vocabulary rows cut), as the legacy reader places weights.
+
+Read: a dense GPT (no experts) saved at any tp and pp (even pipeline stages; untied embeddings when pp > 1)
+with the local layer spec (``--transformer-impl local``), whose module order is :data:`LAYER_ORDER`; megalite
+resumes it at any layout.  Other saves are named.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import re
 
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
+from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
 
 PREFIX = "optimizer.distributed.dp_group_idx_"
 # Megatron-Core's state keys of a parameter's flat shard and megalite's names of them.
@@ -32,7 +39,12 @@ LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attentio
                "mlp.linear_fc1.", "mlp.linear_fc2.")
 _TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
         "output_layer.": 4}
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_0\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_0\.dtype_.+\.bucket_idx_(\d+)\.(\w+)$")
+# Megatron-LM's flags of pipeline stages that are not an even split of the layers.
+UNEVEN_STAGES = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split", "virtual_pipeline_model_parallel_size")
 
 
 def _place(name: str):
@@ -70,24 +82,69 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
     return places[::-1], unpadded
 
 
-def distributed_optimizer(args: dict, shapes: dict[str, tuple[int, ...]], numels: dict[str, int], bucket_sizes: dict,
+def _stage(name: str, layers_per_stage: int, pp: int) -> int:
+    """The pipeline stage whose model holds ``name`` (Megatron's even split: the embeddings on the first stage,
+    the final norm and output layer on the last)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if match:
+        return int(match.group(1)) // layers_per_stage
+    return 0 if name.startswith("embedding.") else pp - 1
+
+
+def stage_layout(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
+                 bucket_size: int | None, high_bandwidth: bool = False):
+    """The gradient buffer of each tensor rank of pipeline stage ``p`` (model ``config`` whose tensors have
+    Megatron's global shapes ``shapes``): ``(its parameters in module order, {parameter: local shape}, their
+    (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded size)``.  ValueError when a
+    tensor does not split over ``tp``."""
+    from megalite.checkpoint import split_dims
+
+    dims = split_dims(config)
+    stage = [n for n in sorted(shapes, key=lambda n: _place(n) or ())
+             if _stage(n, config.num_layers // pp, pp) == p]
+    local = {}
+    for name in stage:
+        dim, shape = dims[name], list(shapes[name])
+        if dim is not None:
+            if shape[dim] % tp:
+                raise ValueError(f"whose {name} {tuple(shape)} does not split over tp={tp}")
+            shape[dim] //= tp
+        local[name] = tuple(shape)
+    # Megatron-Core buckets only the first pipeline stage's buffer (the others reduce off the critical path).
+    places, unpadded = bucket_layout([math.prod(local[n]) for n in stage], dp, bucket_size if p == 0 else None,
+                                     high_bandwidth)
+    return stage, local, places, unpadded
+
+
+def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
                           saved: dict | None) -> tuple[dict, dict | None, str | None]:
-    """``({megalite optimizer tensor name: (Megatron bucket key, start, shape)}, megalite's optimizer JSON state,
-    None)`` for a 'dp_reshardable' save whose model tensors are ``shapes`` (megalite names, global; a vocabulary
-    parameter's first rows, which lie first in its flat state) of ``numels`` elements as Megatron holds them, whose flat
-    bucket tensors have the lengths ``bucket_sizes`` (DCP key: length), and whose sharded object ``saved`` holds
-    Megatron's inner optimizer state (``param_groups`` with ``step``, in a one-element list as Megatron saves a
-    sharded object); ``({}, None, why not)`` otherwise."""
+    """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces)]}, megalite's
+    optimizer JSON state, None)`` for a 'dp_reshardable' save of the model ``config`` whose model tensors have
+    Megatron's global shapes ``shapes`` (megalite names; the vocabulary padded), whose flat bucket tensors have the
+    lengths ``bucket_sizes`` (DCP key: length), and whose sharded object ``saved`` holds Megatron's inner optimizer
+    state (``param_groups`` with ``step``, in a one-element list as Megatron saves a sharded object); ``({}, None,
+    why not)`` otherwise.  Each model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its own buffer of
+    its local parameters; each of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose
+    ``pieces`` (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor."""
+    from megalite.checkpoint import split_dims
+
     def no(why):
         return {}, None, f"it is a distributed optimizer's state ('dp_reshardable') {why}"
 
-    tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
-    if (tp, pp) != (1, 1) or args.get("num_experts") or args.get("transformer_impl") != "local":
-        return no(f"saved at tp={tp}, pp={pp} with transformer_impl {args.get('transformer_impl')!r}"
-                  f"{' and experts' if args.get('num_experts') else ''}; megalite reads it from tp=1, pp=1 runs of "
-                  "the local layer spec without experts")
-    names = sorted(shapes, key=lambda n: _place(n) or ())
-    unknown = [n for n in names if _place(n) is None]
+    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+    if args.get("num_experts") or args.get("transformer_impl") != "local":
+        return no(f"saved with transformer_impl {args.get('transformer_impl')!r}"
+                  f"{' and experts' if args.get('num_experts') else ''}; megalite reads it from runs of the local "
+                  "layer spec without experts")
+    uneven = next((flag for flag in UNEVEN_STAGES if args.get(flag)), None)
+    if uneven or config.num_layers % pp:
+        return no(f"saved with pipeline stages other than {pp} even ones ({uneven or 'num_layers'}), whose "
+                  "parameters megalite does not place")
+    if pp > 1 and not config.untie_embeddings_and_output_weights:
+        return no("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
+                  "megalite does not read")
+    dims = split_dims(config)
+    unknown = [n for n in shapes if _place(n) is None or n not in dims]
     if unknown:
         return no(f"of parameters whose place in Megatron's gradient buffer megalite does not know ({unknown[0]})")
     saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
@@ -105,24 +162,38 @@ def distributed_optimizer(args: dict, shapes: dict[str, tuple[int, ...]], numels
     size = None
     if args.get("overlap_grad_reduce"):
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
-    places, unpadded = bucket_layout([numels[n] for n in names], dp, size,
-                                     bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
     keys = {}
     for key, length in bucket_sizes.items():
         match = _BUCKET.match(key)
         if match is None:
-            return no(f"in more than one gradient buffer or model-parallel rank ({key})")
-        keys.setdefault(int(match.group(2)), {})[match.group(3)] = (key, length)
-    if sorted(keys) != list(range(len(unpadded))) or any(
-            length != unpadded[b] for b, by_state in keys.items() for _, length in by_state.values()):
-        return no(f"whose buckets ({ {b: max(l for _, l in s.values()) for b, s in sorted(keys.items())} }) are not "
-                  f"the {unpadded} elements megalite's rebuild of Megatron's gradient buffer gives")
+            return no(f"in more than one gradient buffer ({key})")
+        keys.setdefault(int(match.group(1)), {}).setdefault(int(match.group(2)), {})[match.group(3)] = (key, length)
+    if sorted(keys) != list(range(tp * pp)):
+        return no(f"of model-parallel ranks {sorted(keys)}, not the {tp * pp} of its tp={tp} x pp={pp}")
     mixed = bool(args.get("bf16") or args.get("fp16"))
     flat = {}
-    for name, (bucket, start) in zip(names, places):
-        for state, ours in STATE_KEYS.items():
-            if state in keys[bucket] and (state != "param" or mixed):  # fp32 runs: the main weights are the model's
-                flat[f"optimizer.{ours}.{name}"] = (keys[bucket][state][0], start, shapes[name])
-    if not all(f"optimizer.{k}.{n}" in flat for n in names for k in ("exp_avg", "exp_avg_sq")):
+    for p in range(pp):
+        try:
+            stage, local, places, unpadded = stage_layout(config, shapes, p, tp, pp, dp, size,
+                                                          bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+        except ValueError as err:
+            return no(str(err))
+        for t in range(tp):
+            rank = keys[t + tp * p]
+            if sorted(rank) != list(range(len(unpadded))) or any(
+                    length != unpadded[b] for b, by_state in rank.items() for _, length in by_state.values()):
+                return no(f"whose buckets ({ {b: max(l for _, l in s.values()) for b, s in sorted(rank.items())} }) "
+                          f"are not the {unpadded} elements megalite's rebuild of Megatron's gradient buffer gives "
+                          f"for model-parallel rank {t + tp * p}")
+            context = ShardContext(tp_rank=t, tp_size=tp)
+            for name, (bucket, start) in zip(stage, places):
+                if dims[name] is None and t > 0:
+                    continue  # a replica of tensor rank 0's
+                pieces = global_param(name, local_meta(local[name], dims[name]), config, context).pieces
+                for state, ours in STATE_KEYS.items():
+                    if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
+                        flat.setdefault(f"optimizer.{ours}.{name}", []).append(
+                            (rank[bucket][state][0], start, local[name], pieces))
+    if not all(f"optimizer.{k}.{n}" in flat for n in shapes for k in ("exp_avg", "exp_avg_sq")):
         return no("without Adam moments")
     return flat, optimizer_meta(groups, int(step)), None

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpoint import global_shapes, meta_model, save_global_checkpoint
+from megalite.checkpoint import global_shapes, save_global_checkpoint, split_dims
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import megalite_name, plain_dict
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
-from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
+from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -257,8 +257,7 @@ def _optimizer_entries(saved, chunks: list[dict]):
 
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
     """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
-    attributes = {name: (getattr(t, "tensor_model_parallel", False), getattr(t, "partition_dim", None))
-                  for name, t in meta_model(config).state_dict(keep_vars=True).items()}
+    dims = split_dims(config)
     expected = global_shapes(config)
     # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
     vpp = len(chunks[(0, 0)])
@@ -277,23 +276,18 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
-                if name not in attributes:
+                if name not in dims:
                     raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
                                      "the saved args describe")
-                split, dim = attributes[name]
-                local = torch.empty(value.shape, device="meta")
-                local.tensor_model_parallel, local.partition_dim = split, dim
-                gp = global_param(name, local, config, ShardContext(tp_rank=t, tp_size=tp))
-                if gp.alias or (not split and t > 0):
+                gp = global_param(name, local_meta(value.shape, dims[name]), config,
+                                  ShardContext(tp_rank=t, tp_size=tp))
+                if gp.alias or (dims[name] is None and t > 0):
                     continue  # a tied output layer's copy, or a TP replica of rank 0's tensor
                 if tuple(gp.shape) != expected.get(gp.name):
                     raise ValueError(f"{directory}: {key} of tensor rank {t} has shape {tuple(value.shape)}, which "
                                      f"makes a global {tuple(gp.shape)}; the saved args need {expected.get(gp.name)}")
                 target = out.setdefault(gp.name, torch.empty(gp.shape, dtype=value.dtype))
-                for piece in gp.pieces:
-                    part = value[box_slices(piece.local)]
-                    target[tuple(slice(o, o + n) for o, n in zip(piece.offset, part.shape))] = part
-                    filled[gp.name] = filled.get(gp.name, 0) + part.numel()
+                filled[gp.name] = filled.get(gp.name, 0) + place(target, value, gp.pieces)
     missing = [name for name, shape in expected.items() if filled.get(name, 0) != torch.Size(shape).numel()]
     if missing:
         raise ValueError(f"{directory} does not hold all of {missing[0]} (nor of {len(missing) - 1} other tensors)")

@@ -6,7 +6,8 @@ iterations (model, Adam moments and step, scheduler, iteration, consumed samples
 with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
 its 5 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
 would start from) they do not.  A third Megatron-Core run, at tp=1 x dp=2 with its distributed optimizer (flat
-per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with the same 5 losses as Megatron's.
+per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with the same 5 losses as Megatron's,
+and so does a fourth at tp=2 x dp=1 (one buffer per tensor rank, of its shards) resumed at tp=1 x dp=2.
 """
 
 import contextlib
@@ -62,7 +63,8 @@ def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
     with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, the
-    distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, and at Megatron's own layout
+    distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, the distributed optimizer's tp=2
+    save at tp=1 x dp=2 (ZeRO-1), and at Megatron's own layout
     (tp=2, where its RNG states are restored too)."""
     import torch.distributed as dist
 
@@ -83,6 +85,8 @@ def _convert_and_resume(path: str, root: str):
                     (distributed, os.path.join(root, "distopt_dp2.jsonl"), ("--use-distributed-optimizer",)),
                     (distributed, os.path.join(root, "distopt_tp2.jsonl"), ("--tensor-model-parallel-size", "2")),
                     (os.path.join(root, "legacy"), os.path.join(root, "legacy.jsonl"), ()),
+                    (path + fixture.DISTRIBUTED_TP, os.path.join(root, "distopt_from_tp2.jsonl"),
+                     ("--use-distributed-optimizer",)),
                     (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
@@ -90,7 +94,8 @@ def _convert_and_resume(path: str, root: str):
 def megatron_run(tmp_path_factory):
     """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..7, each tensor rank's
     fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
-    the losses of the distributed optimizer's run saved in the directory + DISTRIBUTED, rank 0's (output, RNG
+    the losses of the distributed optimizer's runs saved in the directory + DISTRIBUTED and + DISTRIBUTED_TP, rank
+    0's (output, RNG
     states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then megalite) to keep the
     test short."""
     root = str(tmp_path_factory.mktemp("megatron_optim"))
@@ -98,6 +103,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path)
     os.makedirs(path + fixture.BF16)
     os.makedirs(path + fixture.DISTRIBUTED)
+    os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
@@ -197,14 +203,62 @@ def _other_groups(saved):
 def test_the_distributed_optimizer_state_continues_the_megatron_losses(megatron_run):
     """Megatron-Core's distributed optimizer at tp=1 x dp=2, saved in its default 'dp_reshardable' layout (flat
     per-bucket DP shards): megalite maps the buckets to per-parameter Adam moments and resumes at dp=2 (ZeRO-1)
-    and at tp=2 with Megatron's next 5 losses; without the moments (``--no-load-optim``) the second loss differs."""
-    path, _, _, _, megatron, runs = megatron_run
+    and at tp=2 with Megatron's next 5 losses; so does its save at tp=2 x dp=1 (a buffer per tensor rank) resumed
+    at tp=1 x dp=2 (ZeRO-1); without the moments (``--no-load-optim``) the second loss differs."""
+    path, _, _, _, (megatron, megatron_tp2, _), runs = megatron_run
     root = os.path.dirname(path)
-    assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0]
+    assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0] + runs[8][0]
     for name in ("distopt_dp2.jsonl", "distopt_tp2.jsonl"):
         _assert_equal_losses(_losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
     fresh = _losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+
+
+def test_a_tp2_distributed_optimizer_state_is_placed_in_the_global_tensors(megatron_run):
+    """At tp=2 each tensor rank's buffer holds its shards (column- and row-parallel, SwiGLU ``[gate_r; up_r]``,
+    padded vocabulary rows, replicated norms): the global moments megalite assembles equal those of the same tp=2
+    run with Megatron-Core's non-distributed optimizer (the same fp32 arithmetic at dp=1), for every parameter."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_distopt import PREFIX
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
+    plain = MegatronDistReader(megatron_run[0])
+    assert reader.optimizer_note is None and plain.optimizer_note is None
+    assert reader.state["optimizer"] == plain.state["optimizer"]
+    assert sorted(reader._flat) == sorted(name for name in plain.shapes if name.startswith("optimizer.")) != []
+    assert {len(parts) for name, parts in reader._flat.items()} == {1, 2}  # replicated, split
+    # Each shard's bucket and start are those of Megatron-Core's own _ParamAndGradBuffer on its tensor rank.
+    for rank, layouts in enumerate(megatron_run[4][2]):
+        for name, (bucket, start, shape) in layouts["tp2"][0].items():
+            parts = reader._flat[f"optimizer.exp_avg.{name}"]
+            if rank > 0 and len(parts) == 1:
+                continue  # a replicated parameter: megalite reads tensor rank 0's copy
+            key, begin, local, _ = parts[rank]
+            assert (key, begin, tuple(local)) == (f"{PREFIX}{rank}.gbuf_idx_0.dtype_(torch.float32, torch.float32)."
+                                                  f"bucket_idx_{bucket}.exp_avg", start, shape), name
+    for name in reader._flat:
+        torch.testing.assert_close(reader.read(name), plain.read(name), rtol=1e-6, atol=0)
+
+
+def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_run):
+    """megalite's rebuild of a tp=2 rank's and of each pp=2 stage's gradient buffer (its local shards, its layers;
+    several buckets) equals Megatron-Core's ``_ParamAndGradBuffer`` of that rank's parameters."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_distopt import stage_layout
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
+    shapes = reader.megatron_shapes()
+    # (tp, pp, dp, bucket size, high-bandwidth padding) of each layout the Megatron-Core ranks built.
+    sizes = {"tp2": (2, 1, 1, None, False), "tp2_buckets": (2, 1, 3, 2000, True), "pp2": (1, 2, 2, 1500, False)}
+    for rank, layouts in enumerate(megatron_run[4][2]):
+        for which, (tp, pp, dp, size, high) in sizes.items():
+            names, local, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
+                                                          size, high)
+            theirs, their_unpadded = layouts[which]
+            assert unpadded == their_unpadded, (rank, which)
+            assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs, (rank, which)
+        assert len(layouts["tp2_buckets"][1]) > 1 and (len(layouts["pp2"][1]) > 1) == (rank == 0)
 
 
 def test_the_distributed_optimizer_state_is_read_and_converted(megatron_run, tmp_path):
@@ -255,7 +309,8 @@ def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out
     assert reader.state["optimizer"] is None and not reader._flat
     assert reader.optimizer_note.startswith("it is a distributed optimizer's state ('dp_reshardable') whose buckets "
                                             "({0: 44096}) are not the [3072, 2112, 4096, ")
-    assert reader.optimizer_note.endswith("elements megalite's rebuild of Megatron's gradient buffer gives")
+    assert reader.optimizer_note.endswith("elements megalite's rebuild of Megatron's gradient buffer gives for "
+                                          "model-parallel rank 0")
     copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"),
                                   lambda saved: {"param_state_sharding_type": "fully_reshardable"})
     reader = MegatronDistReader(copy)
