@@ -94,26 +94,71 @@ def _stage(name: str, layers_per_stage: int, pp: int) -> int:
 def stage_layout(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                  bucket_size: int | None, high_bandwidth: bool = False):
     """The gradient buffer of each tensor rank of pipeline stage ``p`` (model ``config`` whose tensors have
-    Megatron's global shapes ``shapes``): ``(its parameters in module order, {parameter: local shape}, their
+    Megatron's global shapes ``shapes``): ``({parameter: local shape}, its parameters in module order, their
     (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded size)``.  ValueError when a
     tensor does not split over ``tp``."""
     from megalite.checkpoint import split_dims
 
     dims = split_dims(config)
-    stage = [n for n in sorted(shapes, key=lambda n: _place(n) or ())
-             if _stage(n, config.num_layers // pp, pp) == p]
     local = {}
-    for name in stage:
+    for name in (n for n in shapes if _stage(n, config.num_layers // pp, pp) == p):
         dim, shape = dims[name], list(shapes[name])
         if dim is not None:
             if shape[dim] % tp:
                 raise ValueError(f"whose {name} {tuple(shape)} does not split over tp={tp}")
             shape[dim] //= tp
         local[name] = tuple(shape)
+    return (local, *_rank_buffer(local, p, dp, bucket_size, high_bandwidth))
+
+
+def _rank_buffer(local: dict[str, tuple[int, ...]], p: int, dp: int, bucket_size: int | None,
+                 high_bandwidth: bool):
+    """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
+    a rank of pipeline stage ``p`` that holds the local shards ``local`` (``{parameter: local shape}``)."""
+    names = sorted(local, key=lambda n: _place(n) or ())
     # Megatron-Core buckets only the first pipeline stage's buffer (the others reduce off the critical path).
-    places, unpadded = bucket_layout([math.prod(local[n]) for n in stage], dp, bucket_size if p == 0 else None,
+    places, unpadded = bucket_layout([math.prod(local[n]) for n in names], dp, bucket_size if p == 0 else None,
                                      high_bandwidth)
-    return stage, local, places, unpadded
+    return names, places, unpadded
+
+
+def _run_problem(args: dict, config, names, saved):
+    """What makes a distributed optimizer's save of the model ``config`` (parameters ``names``) unreadable, or
+    ``(its parameter groups, its Adam step, (dp, bucket size, high-bandwidth padding), whether it has fp32 main
+    weights of half-precision ones)`` from its saved args and Megatron's inner optimizer state ``saved``
+    (``param_groups`` with ``step``; in a one-element list as Megatron saves a sharded object or a chain)."""
+    from megalite.checkpoint import split_dims
+
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    if args.get("num_experts") or args.get("transformer_impl") != "local":
+        return (f"saved with transformer_impl {args.get('transformer_impl')!r}"
+                f"{' and experts' if args.get('num_experts') else ''}; megalite reads it from runs of the local "
+                "layer spec without experts")
+    uneven = next((flag for flag in UNEVEN_STAGES if args.get(flag)), None)
+    if uneven or config.num_layers % pp:
+        return (f"saved with pipeline stages other than {pp} even ones ({uneven or 'num_layers'}), whose "
+                "parameters megalite does not place")
+    if pp > 1 and not config.untie_embeddings_and_output_weights:
+        return ("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
+                "megalite does not read")
+    dims = split_dims(config)
+    unknown = [n for n in names if _place(n) is None or n not in dims]
+    if unknown:
+        return f"of parameters whose place in Megatron's gradient buffer megalite does not know ({unknown[0]})"
+    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        return "without its parameter groups"
+    groups = saved["param_groups"]
+    steps = {g.get("step") for g in groups}  # a float under torch's Adam, an int under TE's or Apex's
+    step = next(iter(steps), None)
+    if len(steps) != 1 or not isinstance(step, (int, float)) or step != int(step) or step < 1:
+        return "without one Adam step count in its parameter groups"
+    dp = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
+    size = None
+    if args.get("overlap_grad_reduce"):
+        size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
+    buffer = (dp, size, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+    return groups, int(step), buffer, bool(args.get("bf16") or args.get("fp16"))
 
 
 def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
@@ -122,46 +167,23 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     optimizer JSON state, None)`` for a 'dp_reshardable' save of the model ``config`` whose model tensors have
     Megatron's global shapes ``shapes`` (megalite names; the vocabulary padded), whose flat bucket tensors have the
     lengths ``bucket_sizes`` (DCP key: length), and whose sharded object ``saved`` holds Megatron's inner optimizer
-    state (``param_groups`` with ``step``, in a one-element list as Megatron saves a sharded object); ``({}, None,
-    why not)`` otherwise.  Each model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its own buffer of
-    its local parameters; each of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose
-    ``pieces`` (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor."""
+    state (``optimizer.distributed.dp_group_idx_0.optimizer``); ``({}, None, why not)`` otherwise.  Each
+    model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its own buffer of its local parameters; each
+    of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
+    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor."""
     from megalite.checkpoint import split_dims
 
     def no(why):
         return {}, None, f"it is a distributed optimizer's state ('dp_reshardable') {why}"
 
-    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
-    if args.get("num_experts") or args.get("transformer_impl") != "local":
-        return no(f"saved with transformer_impl {args.get('transformer_impl')!r}"
-                  f"{' and experts' if args.get('num_experts') else ''}; megalite reads it from runs of the local "
-                  "layer spec without experts")
-    uneven = next((flag for flag in UNEVEN_STAGES if args.get(flag)), None)
-    if uneven or config.num_layers % pp:
-        return no(f"saved with pipeline stages other than {pp} even ones ({uneven or 'num_layers'}), whose "
-                  "parameters megalite does not place")
-    if pp > 1 and not config.untie_embeddings_and_output_weights:
-        return no("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
-                  "megalite does not read")
-    dims = split_dims(config)
-    unknown = [n for n in shapes if _place(n) is None or n not in dims]
-    if unknown:
-        return no(f"of parameters whose place in Megatron's gradient buffer megalite does not know ({unknown[0]})")
-    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        return no("without its parameter groups (optimizer.distributed.dp_group_idx_0.optimizer)")
-    groups = saved["param_groups"]
+    found = _run_problem(args, config, shapes, saved)
+    if isinstance(found, str):
+        return no(found)
+    groups, step, (dp, size, high_bandwidth), mixed = found
     problem = default_groups_problem(groups)
     if problem:
         return {}, None, problem
-    steps = {g.get("step") for g in groups}  # a float under torch's Adam, an int under TE's or Apex's
-    step = next(iter(steps))
-    if len(steps) != 1 or not isinstance(step, (int, float)) or step != int(step) or step < 1:
-        return no("without one Adam step count in its parameter groups")
-    dp = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
-    size = None
-    if args.get("overlap_grad_reduce"):
-        size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
+    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
     keys = {}
     for key, length in bucket_sizes.items():
         match = _BUCKET.match(key)
@@ -170,12 +192,11 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
         keys.setdefault(int(match.group(1)), {}).setdefault(int(match.group(2)), {})[match.group(3)] = (key, length)
     if sorted(keys) != list(range(tp * pp)):
         return no(f"of model-parallel ranks {sorted(keys)}, not the {tp * pp} of its tp={tp} x pp={pp}")
-    mixed = bool(args.get("bf16") or args.get("fp16"))
+    dims = split_dims(config)
     flat = {}
     for p in range(pp):
         try:
-            stage, local, places, unpadded = stage_layout(config, shapes, p, tp, pp, dp, size,
-                                                          bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+            local, stage, places, unpadded = stage_layout(config, shapes, p, tp, pp, dp, size, high_bandwidth)
         except ValueError as err:
             return no(str(err))
         for t in range(tp):
@@ -196,4 +217,45 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
                             (rank[bucket][state][0], start, local[name], pieces))
     if not all(f"optimizer.{k}.{n}" in flat for n in shapes for k in ("exp_avg", "exp_avg_sq")):
         return no("without Adam moments")
-    return flat, optimizer_meta(groups, int(step)), None
+    return flat, optimizer_meta(groups, step), None
+
+
+def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local: dict):
+    """``({(tp rank, pp rank): {megalite state key: {parameter: local shard}}}, megalite's optimizer JSON state)``
+    of a legacy save's distributed optimizer, or why it cannot be read (a string).  ``saved``: the
+    ``optimizer`` entry of ``model_optim_rng.pt`` (Megatron's ``DistributedOptimizer.state_dict()``: the inner
+    optimizer's ``param_groups`` with ``step``); ``buffers``: each model-parallel rank's ``distrib_optim.pt``
+    (``save_parameter_state``: per gradient buffer and dtype, the flat ``param``/``exp_avg``/``exp_avg_sq`` of
+    the whole buffer, its buckets' unpadded parts gathered from the DP ranks and concatenated);
+    ``local``: each rank's ``{parameter (global layer numbers): local shape}``."""
+    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
+    inner = saved.get("optimizer") if isinstance(saved, dict) else None
+    found = _run_problem(args, config, {n for names in local.values() for n in names}, inner)
+    if isinstance(found, str):
+        return f"it is a distributed optimizer's state {found}"
+    groups, step, (dp, size, high_bandwidth), mixed = found
+    problem = default_groups_problem(groups)
+    if problem:
+        return problem
+    out = {}
+    for (t, p), buffer in buffers.items():
+        where = f"the distrib_optim.pt of tensor rank {t}, pipeline rank {p}"
+        gbufs = {k: v for k, v in buffer.items() if k != "buckets_coalesced"} if isinstance(buffer, dict) else {}
+        if not buffer.get("buckets_coalesced") or list(gbufs) != [0] or len(gbufs[0]) != 1:
+            return f"{where} is not Megatron-Core's one coalesced gradient buffer (save_parameter_state)"
+        world = next(iter(gbufs[0].values()))
+        names, places, unpadded = _rank_buffer(local[(t, p)], p, dp, size, high_bandwidth)
+        if world.get("numel_unpadded") != sum(unpadded) or any(
+                world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
+            return (f"{where} holds {world.get('numel_unpadded')} elements, not the {sum(unpadded)} of megalite's "
+                    "rebuild of Megatron's gradient buffer")
+        offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
+        states = out.setdefault((t, p), {})
+        for name, (bucket, start) in zip(names, places):
+            begin, shape = offsets[bucket] + start, local[(t, p)][name]
+            for state, ours in STATE_KEYS.items():
+                if state in world and (state != "param" or mixed):
+                    states.setdefault(ours, {})[name] = world[state][begin:begin + math.prod(shape)].view(shape)
+        if any(key not in states for key in ("exp_avg", "exp_avg_sq")):
+            return f"{where} holds no Adam moments"
+    return out, optimizer_meta(groups, step)

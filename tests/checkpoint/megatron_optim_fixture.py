@@ -174,6 +174,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
             _save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
+            _save_legacy(save_dir + DISTRIBUTED + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         distributed_losses.append(_train_step(model, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
@@ -184,6 +185,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
             _save(save_dir + DISTRIBUTED_TP, SAVED_AT, model, optimizer, scheduler, distributed=True, tp=2)
+            _save_legacy(save_dir + DISTRIBUTED_TP + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
         tp_losses.append(_train_step(model, optimizer, scheduler,
                                      micro_batches[i * per_iteration:(i + 1) * per_iteration]))
     # (A second buffer takes over the parameters' storage: built once the run is over.)
@@ -255,22 +257,30 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     return state["rng_state"].data[0]
 
 
-def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler) -> None:
+def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler, distributed: bool = False) -> None:
     """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_XX/model_optim_rng.pt``
-    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`)."""
+    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`);
+    with the distributed optimizer, as Megatron-LM's ``save_checkpoint`` does: ``model_optim_rng.pt`` from the
+    first DP rank, and ``distrib_optim.pt`` beside it written by Megatron-Core's ``save_parameter_state``."""
     from megatron.core import parallel_state
 
     from tests.checkpoint.megatron_legacy_fixture import write_rank
 
-    tp = dist.get_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH,
                                  "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch"},
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
-                              data_parallel_size=1, transformer_impl="local", use_distributed_optimizer=False)
-    write_rank(save_dir, _unwrapped(model), optimizer, args, parallel_state.get_tensor_model_parallel_rank(), 0, 1,
-               iteration, scheduler)
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                              world_size=dist.get_world_size(), data_parallel_size=dist.get_world_size() // tp,
+                              transformer_impl="local", use_distributed_optimizer=distributed,
+                              overlap_grad_reduce=False)
+    if parallel_state.get_data_parallel_rank() == 0:
+        write_rank(save_dir, _unwrapped(model), optimizer, args, tp_rank, 0, 1, iteration, scheduler)
     dist.barrier()
+    if distributed:
+        optimizer.save_parameter_state(os.path.join(save_dir, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}",
+                                                    "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
@@ -318,7 +328,7 @@ def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, 
     ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
     saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued, and so is one at tp=2 x dp=1 (into
-    ``save_dir + DISTRIBUTED_TP``).  Returns ``(the losses of all
+    ``save_dir + DISTRIBUTED_TP``); both in the legacy format too (``+ LEGACY``, with ``distrib_optim.pt``).  Returns ``(the losses of all
     SAVED_AT + CONTINUED iterations (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of
     the bf16 output layer, each rank's RNG states saved in save_dir, ``(the distributed-optimizer runs' losses at
     tp=1 x dp=2 and at tp=2 x dp=1, each rank's gradient-buffer layouts (:func:`_buffer_layout`): "tp2" the

@@ -64,7 +64,8 @@ def _convert_and_resume(path: str, root: str):
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
     with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, the
     distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, the distributed optimizer's tp=2
-    save at tp=1 x dp=2 (ZeRO-1), and at Megatron's own layout
+    save at tp=1 x dp=2 (ZeRO-1), the tp=1 x dp=2 run's legacy save (distrib_optim.pt) converted, at tp=2, and at
+    Megatron's own layout
     (tp=2, where its RNG states are restored too)."""
     import torch.distributed as dist
 
@@ -73,9 +74,11 @@ def _convert_and_resume(path: str, root: str):
         assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                         "--output", os.path.join(root, "converted")) == 0
         _with_common_optimizer(path, other, _other_groups)
-        assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
-                                        "--vocab-size", str(fixture.PADDED_VOCAB), "--input", path + fixture.LEGACY,
-                                        "--output", os.path.join(root, "legacy")) == 0
+        for source, converted in ((path + fixture.LEGACY, "legacy"), (distributed + fixture.LEGACY, "legacy_distopt"),
+                                  (path + fixture.DISTRIBUTED_TP + fixture.LEGACY, "legacy_distopt_tp2")):
+            assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
+                                            "--vocab-size", str(fixture.PADDED_VOCAB), "--input", source,
+                                            "--output", os.path.join(root, converted)) == 0
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
@@ -87,6 +90,8 @@ def _convert_and_resume(path: str, root: str):
                     (os.path.join(root, "legacy"), os.path.join(root, "legacy.jsonl"), ()),
                     (path + fixture.DISTRIBUTED_TP, os.path.join(root, "distopt_from_tp2.jsonl"),
                      ("--use-distributed-optimizer",)),
+                    (os.path.join(root, "legacy_distopt"), os.path.join(root, "legacy_distopt.jsonl"),
+                     ("--tensor-model-parallel-size", "2")),
                     (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
@@ -253,7 +258,7 @@ def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_
     sizes = {"tp2": (2, 1, 1, None, False), "tp2_buckets": (2, 1, 3, 2000, True), "pp2": (1, 2, 2, 1500, False)}
     for rank, layouts in enumerate(megatron_run[4][2]):
         for which, (tp, pp, dp, size, high) in sizes.items():
-            names, local, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
+            local, names, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
                                                           size, high)
             theirs, their_unpadded = layouts[which]
             assert unpadded == their_unpadded, (rank, which)
@@ -344,6 +349,39 @@ TRACKER_WARNING = ("warning: Megatron-LM's saved RNG states tracker state 'data-
                    "'expert-parallel-rng', tracker state 'model-parallel-rng' are not restored (CUDA generator "
                    "states, and this run has no CUDA generator): what they would draw comes from this run's seeded "
                    "generators")
+
+
+def test_a_legacy_distributed_optimizer_save_continues_the_megatron_losses(megatron_run, tmp_path):
+    """Megatron-LM's legacy save with the distributed optimizer: ``model_optim_rng.pt`` (groups and step) and each
+    model-parallel rank's ``distrib_optim.pt`` written by Megatron-Core's own ``save_parameter_state`` (the flat
+    buffer gathered over DP).  Converted behind ``--allow-pickle``: the tp=1 x dp=2 run resumes at tp=2 with
+    Megatron's 5 losses, and the tp=2 x dp=1 run's moments equal those its torch_dist save holds."""
+    from megalite.checkpoint import open_reader, read_checkpoint_info
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    path, _, _, _, (megatron, _, _), runs = megatron_run
+    root = os.path.dirname(path)
+    assert "warning: the Megatron optimizer state" not in runs[9][0]
+    _assert_equal_losses(_losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
+    theirs = MegatronDistReader(path + fixture.DISTRIBUTED_TP)
+    mine = open_reader(os.path.join(root, "legacy_distopt_tp2"))
+    assert read_checkpoint_info(mine.directory)["state"]["optimizer"] == theirs.state["optimizer"]
+    assert sorted(n for n in mine.shapes if n.startswith("optimizer.")) == sorted(theirs._flat)
+    for name in theirs._flat:
+        assert torch.equal(mine.read(name), theirs.read(name)), name
+    # Without the pickle opt-in nothing is read; a missing distrib_optim.pt is named and the weights still convert.
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(path + fixture.DISTRIBUTED_TP + fixture.LEGACY, copy)
+    with pytest.raises(ValueError, match="pass --allow-pickle"):
+        read_megatron_legacy(copy)
+    os.remove(os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "mp_rank_01", "distrib_optim.pt"))
+    legacy = read_megatron_legacy(copy, allow_pickle=True, vocab_size=fixture.PADDED_VOCAB)
+    assert legacy.optimizer is None and not any(n.startswith("optimizer.") for n in legacy.tensors)
+    assert legacy.optimizer_note == ("it is a distributed optimizer's state whose "
+                                     f"{copy}/iter_{fixture.SAVED_AT:07d}/mp_rank_01/distrib_optim.pt is missing")
 
 
 def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_run):
