@@ -17,6 +17,11 @@ own local parameters (its stage's layers, its TP shards), laid out by the same r
 into its global tensor by :func:`megalite.checkpoint.sharding.global_param`, the one global layout (per-rank
 SwiGLU ``[gate_r; up_r]`` rows, padded vocabulary rows cut), as the legacy reader places weights.
 
+Megatron-LM's legacy format (``--ckpt-format torch``) keeps the same state in ``distrib_optim.pt`` beside each
+model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per gradient buffer, the flat state of
+the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same layout
+(:func:`legacy_distributed_optimizer`).
+
 Read: a dense GPT (no experts) saved at any tp and pp (even pipeline stages; untied embeddings when pp > 1)
 with the local layer spec (``--transformer-impl local``), whose module order is :data:`LAYER_ORDER`; megalite
 resumes it at any layout.  Other saves are named.
