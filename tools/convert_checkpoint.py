@@ -12,8 +12,8 @@ DeepSeek-V3; safetensors), Megatron-LM and megalite.
 and written as Megatron-LM's save directory (``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``): from
 it the weights, the Adam state (the distributed optimizer's 'dp_reshardable' buckets too) and the LR schedule
 (the converted run resumes), to it the weights only; ``--from megatron-legacy`` reads the older
-``mp_rank_XX/model_optim_rng.pt`` pickles (weights, a non-distributed optimizer's Adam state and the LR
-schedule), only with ``--allow-pickle``.  ``--to peft`` writes a ``--lora-rank``
+``mp_rank_XX/model_optim_rng.pt`` pickles (weights, the Adam state, a distributed optimizer's from its
+``distrib_optim.pt`` files, and the LR schedule), only with ``--allow-pickle``.  ``--to peft`` writes a ``--lora-rank``
 run's adapter checkpoint in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``) for the
 base's ``--to hf`` conversion.
 

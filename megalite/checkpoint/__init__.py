@@ -107,6 +107,13 @@ def meta_model(config):
         return GPTModel(config)
 
 
+def split_dims(config) -> dict[str, int | None]:
+    """The tensor-parallel split dimension (``partition_dim``) of every model tensor of ``config``, None where
+    each tensor rank holds all of it: what :func:`global_param` needs of a local shard read from a file."""
+    return {name: getattr(t, "partition_dim", None) if getattr(t, "tensor_model_parallel", False) else None
+            for name, t in meta_model(config).state_dict(keep_vars=True).items()}
+
+
 def global_shapes(config) -> dict[str, tuple[int, ...]]:
     """The name and shape of every global model tensor of ``config``: parameters and persistent buffers
     (a router's ``expert_bias``), as ``save_sharded`` writes them."""

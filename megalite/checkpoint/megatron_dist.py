@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices
+from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices, place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
 from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
@@ -216,28 +216,39 @@ class MegatronDistReader:
         except Exception as err:  # zipfile and pickle raise many kinds on a damaged object
             raise ValueError(f"Megatron-LM distributed optimizer state in {self.directory} is unreadable: "
                              f"{type(err).__name__}: {err}") from None
-        self._flat, meta, note = distributed_optimizer(
-            self.args, {name: shape for name, (_, _, shape) in model.items()},
-            {name: math.prod(md[key].size[len(lead):]) for name, (key, lead, _) in model.items()}, buckets, saved)
-        for name, (key, _, shape) in self._flat.items():
-            self._sources[name] = (key, (), shape)
+        self._flat, meta, note = distributed_optimizer(self.args, self._config, self.megatron_shapes(), buckets, saved)
+        for name, parts in self._flat.items():
+            self._sources[name] = (parts[0][0], (), model[name.split(".", 2)[2]][2])
         return meta, note
 
+    def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every model tensor's global shape as Megatron holds it (megalite names; the vocabulary padded)."""
+        md = self.metadata.state_dict_metadata
+        return {name: tuple(md[key].size[len(lead):]) for name, (key, lead, _) in self._sources.items()
+                if not name.startswith("optimizer.")}
+
     def flat_tensor(self, name: str, chunks: StoredChunks | None = None) -> torch.Tensor:
-        """The distributed optimizer's state tensor ``name`` (a key of :attr:`_flat`), gathered from the DP ranks'
-        shares of its flat bucket and shaped as the parameter (a copy)."""
-        key, start, shape = self._flat[name]
+        """The distributed optimizer's state tensor ``name`` (a key of :attr:`_flat`), its model-parallel ranks'
+        local shards each gathered from the DP ranks' shares of its flat bucket and placed in the global tensor
+        (a copy)."""
         chunks = chunks or StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        out = torch.empty(math.prod(shape), dtype=self.dtype(name))
-        filled = 0
-        for ((lo, hi),), view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
-                                                   ((start, start + out.numel()),)):
-            out[lo - start:hi - start] = view
-            filled += hi - lo
-        if filled != out.numel():
-            raise ValueError(f"Megatron-LM checkpoint {self.directory}: {key} covers only {filled} of the "
+        out = torch.empty(self._sources[name][2], dtype=self.dtype(name))
+        placed = 0
+        for key, start, shape, pieces in self._flat[name]:
+            local = torch.empty(math.prod(shape), dtype=out.dtype)
+            filled = 0
+            for ((lo, hi),), view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
+                                                       ((start, start + local.numel()),)):
+                local[lo - start:hi - start] = view
+                filled += hi - lo
+            if filled != local.numel():
+                raise ValueError(f"Megatron-LM checkpoint {self.directory}: {key} covers only {filled} of the "
+                                 f"{local.numel()} elements of a shard of {name}")
+            placed += place(out, local.view(shape), pieces)
+        if placed != out.numel():
+            raise ValueError(f"Megatron-LM checkpoint {self.directory}: its buckets hold only {placed} of the "
                              f"{out.numel()} elements of {name}")
-        return out.view(shape)
+        return out
 
     def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of

@@ -25,8 +25,11 @@ parameter in Megatron's group order: groups by weight-decay multiplier, each in 
 ``named_parameters()``, with biases and 1-D parameters undecayed (Megatron's default rule).  Each group
 is matched to its parameters by that rule and every moment's shape is checked; the moments then take the
 weights' way into global tensors (``optimizer.exp_avg.<name>``, as :mod:`megalite.checkpoint.state` writes
-them).  Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: a distributed
-optimizer's state (flat DP-sharded buffers in ``distrib_optim.pt``), groups with other learning-rate
+them).  A distributed optimizer (``--use-distributed-optimizer``) keeps the moments and main weights in
+``mp_rank_TT[_PPP]/distrib_optim.pt`` beside each rank's file (Megatron-Core's ``save_parameter_state``: the
+rank's whole flat gradient buffer gathered on its first DP rank), read under the same opt-in and cut into local
+shards by the rebuilt buffer layout (:mod:`megalite.checkpoint.megatron_distopt`), then placed like the weights.
+Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: groups with other learning-rate
 multipliers, and anything that does not match.  MoE (expert-parallel ``mp_rank_TT_PPP_EEE``) checkpoints
 are refused by :func:`config_from_megatron_args`.
 """
@@ -40,16 +43,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpoint import global_shapes, meta_model, save_global_checkpoint
+from megalite.checkpoint import global_shapes, save_global_checkpoint, split_dims
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import megalite_name, plain_dict
+from megalite.checkpoint.megatron_distopt import legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
-from megalite.checkpoint.sharding import ShardContext, box_slices, global_param
+from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
+DISTRIB_FILE = "distrib_optim.pt"
+"""A distributed optimizer's state beside each rank's MODEL_FILE (Megatron-Core's ``save_parameter_state``)."""
 _RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -105,6 +111,14 @@ def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 def _unpickle(path: str) -> dict:
     """One rank file, memory-mapped (tensors are read when placed) unless torch < 1.6 wrote it (no zip archive)."""
+    state = _load(path)
+    if not isinstance(state, dict) or "args" not in state:
+        raise ValueError(f"{path} holds no Megatron-LM checkpoint (no 'args' entry)")
+    return state
+
+
+def _load(path: str):
+    """A pickle file of the checkpoint (behind the opt-in), memory-mapped unless torch < 1.6 wrote it."""
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -114,8 +128,6 @@ def _unpickle(path: str) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a damaged zip or pickle raises many types
         raise ValueError(f"{path} is not a readable Megatron-LM checkpoint file: {type(err).__name__}: {err}") from None
-    if not isinstance(state, dict) or "args" not in state:
-        raise ValueError(f"{path} holds no Megatron-LM checkpoint (no 'args' entry)")
     return state
 
 
@@ -194,6 +206,8 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
 def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
     """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer, or
     ``({}, None, why it cannot be converted)``."""
+    if getattr(states[(0, 0)]["args"], "use_distributed_optimizer", False):
+        return _distributed(states, chunks, config, tp, pp, directory)
     found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in states}
     note = next((entry for entry in found.values() if isinstance(entry, str)), None)
     if note is None and len({meta["num_steps"] for _, meta in found.values()}) > 1:
@@ -208,6 +222,37 @@ def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: 
             tensors.update({f"optimizer.{key}.{name}": value
                             for name, value in _assemble(config, moments, tp, pp, directory).items()})
     return tensors, found[(0, 0)][1], None
+
+
+def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
+    """As :func:`_optimizer`, for a distributed optimizer: each model-parallel rank's ``distrib_optim.pt`` (its
+    flat buffer's state, read under the same pickle opt-in) cut into local shards by the rebuilt gradient-buffer
+    layout (:func:`megalite.checkpoint.megatron_distopt.legacy_distributed_optimizer`), then placed like weights."""
+    files = {key: os.path.join(os.path.dirname(rank_file(directory, *key, pp)), DISTRIB_FILE) for key in states}
+    missing = [f for f in files.values() if not os.path.isfile(f)]
+    if missing:
+        return {}, None, f"it is a distributed optimizer's state whose {missing[0]} is missing"
+    if any(len(per_stage) > 1 for per_stage in chunks.values()):
+        return {}, None, "it is a distributed optimizer's state of virtual pipeline stages, which megalite does not read"
+    offsets = [sum(_layers(chunks[(0, q)][0]) for q in range(p)) for p in range(pp)]
+    names = {key: {_global_name(name, offsets[key[1]]): name for name, t in chunk[0].items()
+                   if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")} for key, chunk in chunks.items()}
+    local = {key: {name: tuple(chunks[key][0][ours].shape) for name, ours in per_rank.items()}
+             for key, per_rank in names.items()}
+    buffers = {key: _load(f) for key, f in files.items()}
+    found = legacy_distributed_optimizer(vars(states[(0, 0)]["args"]), config, states[(0, 0)]["optimizer"], buffers,
+                                         local)
+    if isinstance(found, str):
+        return {}, None, found
+    per_rank, meta = found
+    tensors = {}
+    for key in ("exp_avg", "exp_avg_sq", "main"):
+        if all(key in by_key for by_key in per_rank.values()):
+            moments = {rank: [{names[rank][name]: t for name, t in by_key[key].items()}]
+                       for rank, by_key in per_rank.items()}
+            tensors.update({f"optimizer.{key}.{name}": value
+                            for name, value in _assemble(config, moments, tp, pp, directory).items()})
+    return tensors, meta, None
 
 
 def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
@@ -257,8 +302,7 @@ def _optimizer_entries(saved, chunks: list[dict]):
 
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
     """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
-    attributes = {name: (getattr(t, "tensor_model_parallel", False), getattr(t, "partition_dim", None))
-                  for name, t in meta_model(config).state_dict(keep_vars=True).items()}
+    dims = split_dims(config)
     expected = global_shapes(config)
     # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
     vpp = len(chunks[(0, 0)])
@@ -277,23 +321,18 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
-                if name not in attributes:
+                if name not in dims:
                     raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
                                      "the saved args describe")
-                split, dim = attributes[name]
-                local = torch.empty(value.shape, device="meta")
-                local.tensor_model_parallel, local.partition_dim = split, dim
-                gp = global_param(name, local, config, ShardContext(tp_rank=t, tp_size=tp))
-                if gp.alias or (not split and t > 0):
+                gp = global_param(name, local_meta(value.shape, dims[name]), config,
+                                  ShardContext(tp_rank=t, tp_size=tp))
+                if gp.alias or (dims[name] is None and t > 0):
                     continue  # a tied output layer's copy, or a TP replica of rank 0's tensor
                 if tuple(gp.shape) != expected.get(gp.name):
                     raise ValueError(f"{directory}: {key} of tensor rank {t} has shape {tuple(value.shape)}, which "
                                      f"makes a global {tuple(gp.shape)}; the saved args need {expected.get(gp.name)}")
                 target = out.setdefault(gp.name, torch.empty(gp.shape, dtype=value.dtype))
-                for piece in gp.pieces:
-                    part = value[box_slices(piece.local)]
-                    target[tuple(slice(o, o + n) for o, n in zip(piece.offset, part.shape))] = part
-                    filled[gp.name] = filled.get(gp.name, 0) + part.numel()
+                filled[gp.name] = filled.get(gp.name, 0) + place(target, value, gp.pieces)
     missing = [name for name, shape in expected.items() if filled.get(name, 0) != torch.Size(shape).numel()]
     if missing:
         raise ValueError(f"{directory} does not hold all of {missing[0]} (nor of {len(missing) - 1} other tensors)")

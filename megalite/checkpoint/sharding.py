@@ -133,6 +133,24 @@ def global_param(name: str, param: torch.Tensor, config, ctx: ShardContext) -> G
     return GlobalParam(global_name, tuple(global_shape), pieces, replicated, alias, expert)
 
 
+def local_meta(shape: tuple[int, ...], split_dim: int | None) -> torch.Tensor:
+    """A meta tensor of a local shard's ``shape`` split along ``split_dim`` (None: replicated), carrying the
+    attributes :func:`global_param` reads: a shard read from a file rather than held by a model."""
+    local = torch.empty(tuple(shape), device="meta")
+    local.tensor_model_parallel, local.partition_dim = split_dim is not None, split_dim
+    return local
+
+
+def place(target: torch.Tensor, local: torch.Tensor, pieces: tuple[Piece, ...]) -> int:
+    """Copy each piece of the local shard ``local`` into the global tensor ``target``; returns the elements copied."""
+    copied = 0
+    for piece in pieces:
+        part = local[box_slices(piece.local)]
+        target[tuple(slice(o, o + n) for o, n in zip(piece.offset, part.shape))] = part
+        copied += part.numel()
+    return copied
+
+
 def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[Box, int]]:
     """Split the flat range ``[lo, hi)`` of a row-major ``shape`` into boxes, each a contiguous run.
 

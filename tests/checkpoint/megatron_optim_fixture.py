@@ -33,6 +33,8 @@ LEGACY = "_legacy"
 """The suffix of the save directory of the fp32 run's legacy-format save (``--ckpt-format torch``)."""
 DISTRIBUTED = "_distopt"
 """The suffix of the save directory of the run with Megatron-Core's distributed optimizer (tp=1 x dp=2)."""
+DISTRIBUTED_TP = "_distopt_tp2"
+"""The suffix of the save directory of the run with Megatron-Core's distributed optimizer at tp=2 x dp=1."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
 PADDED_VOCAB = megatron_fixture.ARGS["padded_vocab_size"]
 # Megatron-LM's schedule lengths are in samples: 1 warmup iteration, cosine decay over 8, weight decay over the run.
@@ -103,16 +105,17 @@ def _train_step(model, optimizer, scheduler, micro_batches) -> float:
     return (total[0] / total[1]).item()
 
 
-def _build(bf16: bool = False, distributed: bool = False):
+def _build(bf16: bool = False, distributed: bool = False, tp: int | None = None):
     """``(model, optimizer, scheduler)`` as Megatron-LM's ``setup_model_and_optimizer`` builds them on this rank:
     Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler; with
-    ``distributed`` at tp=1 x dp=2 with the distributed optimizer (``--use-distributed-optimizer``), else at tp=2."""
+    ``distributed`` with the distributed optimizer (``--use-distributed-optimizer``) at ``tp`` (default 1: tp=1 x
+    dp=2), else at tp=2."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    module = megatron_fixture.build_model(1 if distributed else dist.get_world_size(), 1)
+    module = megatron_fixture.build_model(tp or (1 if distributed else dist.get_world_size()), 1)
     module.config.finalize_model_grads_func = finalize_model_grads
     if bf16:
         module.config.bf16 = True
@@ -171,20 +174,73 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT + CONTINUED):
         if i == SAVED_AT:
             _save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
+            _save_legacy(save_dir + DISTRIBUTED + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         distributed_losses.append(_train_step(model, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
+    # The distributed optimizer at tp=2 x dp=1: each tensor rank's buffer holds its shards.
+    model, optimizer, scheduler = _build(distributed=True, tp=2)
+    layout = {"tp2": _buffer_layout(model.buffers[0], _unwrapped(model))}
+    tp_losses = []
+    for i in range(SAVED_AT + CONTINUED):
+        if i == SAVED_AT:
+            _save(save_dir + DISTRIBUTED_TP, SAVED_AT, model, optimizer, scheduler, distributed=True, tp=2)
+            _save_legacy(save_dir + DISTRIBUTED_TP + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
+        tp_losses.append(_train_step(model, optimizer, scheduler,
+                                     micro_batches[i * per_iteration:(i + 1) * per_iteration]))
+    # (A second buffer takes over the parameters' storage: built once the run is over.)
+    layout["tp2_buckets"] = _buffer_layout(_buffer(_unwrapped(model), 3, 2000, True), _unwrapped(model))
+    parallel_state.destroy_model_parallel()
+    # A pipeline stage's buffer of its layers (numbered within the stage), with DDP's buckets (first stage only).
+    module = megatron_fixture.build_model(1, 2)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    layout["pp2"] = _buffer_layout(_buffer(module, 2, 1500 if stage == 0 else None), module,
+                                   stage * megatron_fixture.ARGS["num_layers"] // 2)
+    parallel_state.destroy_model_parallel()
     torch.Tensor.type = cpu_type
-    return losses, main, rng, distributed_losses, then(*then_args) if then is not None else None
+    return losses, main, rng, (distributed_losses, tp_losses, layout), then(*then_args) if then is not None else None
+
+
+def _buffer(module, dp: int, bucket_size: int | None, high_bandwidth: bool = False):
+    """Megatron-Core's ``_ParamAndGradBuffer`` of ``module``'s parameters as its DDP builds it under the distributed
+    optimizer at data-parallel size ``dp`` (a stand-in group: the layout needs only its size)."""
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer.log_on_each_pipeline_stage = lambda *args, **kwargs: None  # needs a real group
+    group = types.SimpleNamespace(size=lambda: dp, rank=lambda: 0)
+    named = list(module.named_parameters())
+    params = [param for _, param in named]
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                           pad_buckets_for_high_nccl_busbw=high_bandwidth)
+    return param_and_grad_buffer._ParamAndGradBuffer(
+        config, torch.float32, torch.float32, params, group, bucket_size, {p: n for n, p in named}, 1.0,
+        list(range(len(params))), False, types.SimpleNamespace(tp=group, dp_cp=group))
+
+
+def _buffer_layout(buffer, module, layer_offset: int = 0):
+    """``({parameter of module: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of ``buffer``,
+    the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
+    import re
+
+    layout = {}
+    for name, param in module.named_parameters():
+        start, _, bucket = buffer.param_index_map[param]
+        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+        layout[name] = (bucket, start - buffer.buckets[bucket].offset, tuple(param.shape))
+    return layout, [bucket.numel_unpadded for bucket in buffer.buckets]
 
 
 def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False,
-          distributed: bool = False) -> dict:
+          distributed: bool = False, tp: int | None = None) -> dict:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
     saves it (the distributed optimizer's state in its default 'dp_reshardable' layout); returns this rank's saved
     RNG states."""
     world = dist.get_world_size()
-    tp, dp = (1, world) if distributed else (world, 1)
+    tp = tp or (1 if distributed else world)
+    dp = world // tp
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
                                  "params_dtype": torch.bfloat16 if bf16 else torch.float32},
@@ -201,22 +257,30 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     return state["rng_state"].data[0]
 
 
-def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler) -> None:
+def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler, distributed: bool = False) -> None:
     """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_XX/model_optim_rng.pt``
-    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`)."""
+    with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`);
+    with the distributed optimizer, as Megatron-LM's ``save_checkpoint`` does: ``model_optim_rng.pt`` from the
+    first DP rank, and ``distrib_optim.pt`` beside it written by Megatron-Core's ``save_parameter_state``."""
     from megatron.core import parallel_state
 
     from tests.checkpoint.megatron_legacy_fixture import write_rank
 
-    tp = dist.get_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH,
                                  "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch"},
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=tp,
-                              data_parallel_size=1, transformer_impl="local", use_distributed_optimizer=False)
-    write_rank(save_dir, _unwrapped(model), optimizer, args, parallel_state.get_tensor_model_parallel_rank(), 0, 1,
-               iteration, scheduler)
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                              world_size=dist.get_world_size(), data_parallel_size=dist.get_world_size() // tp,
+                              transformer_impl="local", use_distributed_optimizer=distributed,
+                              overlap_grad_reduce=False)
+    if parallel_state.get_data_parallel_rank() == 0:
+        write_rank(save_dir, _unwrapped(model), optimizer, args, tp_rank, 0, 1, iteration, scheduler)
     dist.barrier()
+    if distributed:
+        optimizer.save_parameter_state(os.path.join(save_dir, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}",
+                                                    "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
@@ -263,11 +327,16 @@ def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, 
     bf16 run saved into ``save_dir + BF16`` at the same iteration (the fp32 run in the legacy format too, into
     ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
-    saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued.  Returns ``(the losses of all
+    saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued, and so is one at tp=2 x dp=1 (into
+    ``save_dir + DISTRIBUTED_TP``); both in the legacy format too (``+ LEGACY``, with ``distrib_optim.pt``).  Returns ``(the losses of all
     SAVED_AT + CONTINUED iterations (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of
-    the bf16 output layer, each rank's RNG states saved in save_dir, the distributed-optimizer run's losses,
+    the bf16 output layer, each rank's RNG states saved in save_dir, ``(the distributed-optimizer runs' losses at
+    tp=1 x dp=2 and at tp=2 x dp=1, each rank's gradient-buffer layouts (:func:`_buffer_layout`): "tp2" the
+    latter's, "tp2_buckets" its parameters' at dp=3 in 2000-element buckets with high-bandwidth padding, "pp2" a
+    pp=2 stage's at dp=2 in 1500-element buckets)``,
     rank 0's result of then)``."""
     from megalite.testing import run_distributed
 
     results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
-    return results[0][0], [r[1] for r in results], [r[2] for r in results], results[0][3], results[0][4]
+    return (results[0][0], [r[1] for r in results], [r[2] for r in results],
+            (*results[0][3][:2], [r[3][2] for r in results]), results[0][4])

@@ -34,3 +34,33 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     for param, (bucket, start) in zip(params, places):
         begin, _, their_bucket = theirs.param_index_map[param]
         assert (bucket, start) == (their_bucket, begin - theirs.buckets[their_bucket].offset)
+
+
+_TIED = "of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own)"
+_UNEVEN = "saved with pipeline stages other than {} even ones ({}), whose parameters megalite does not place"
+
+
+@pytest.mark.parametrize("change, note", [
+    (dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False), _TIED + ", which megalite "
+     "does not read"),
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
+     _UNEVEN.format(2, "decoder_first_pipeline_num_layers")),
+    (dict(pipeline_model_parallel_size=3), _UNEVEN.format(3, "num_layers")),
+    (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
+])
+def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
+    """Pipeline stages other than an even split, tied embeddings over stages (Megatron gives the last stage's copy
+    a bucket of its own), and a model-parallel rank without buckets are named, not guessed at."""
+    from megalite.checkpoint import global_shapes
+    from megalite.checkpoint.megatron_args import config_from_megatron_args
+    from megalite.checkpoint.megatron_distopt import distributed_optimizer
+    from tests.checkpoint.megatron_fixture import ARGS
+
+    args = {**ARGS, "transformer_impl": "local", "tensor_model_parallel_size": 1, **change}
+    config = config_from_megatron_args(args)
+    groups = [{"wd_mult": mult, "lr_mult": 1.0, "lr": 1e-3, "weight_decay": 0.1 * mult, "betas": (0.9, 0.95),
+               "eps": 1e-8, "step": 2.0} for mult in (1.0, 0.0)]
+    buckets = {"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_x.bucket_idx_0.exp_avg": 1}
+    flat, meta, why = distributed_optimizer(args, config, global_shapes(config), buckets, {"param_groups": groups})
+    assert (flat, meta) == ({}, None)
+    assert why == f"it is a distributed optimizer's state ('dp_reshardable') {note}"

@@ -6,7 +6,8 @@ iterations (model, Adam moments and step, scheduler, iteration, consumed samples
 with ``pretrain --load`` and, after ``tools/convert_checkpoint.py --from megatron``, from the converted directory:
 its 5 losses equal Megatron-Core's continuation in fp32.  Without the optimizer state (the moments a fresh run
 would start from) they do not.  A third Megatron-Core run, at tp=1 x dp=2 with its distributed optimizer (flat
-per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with the same 5 losses as Megatron's.
+per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with the same 5 losses as Megatron's,
+and so does a fourth at tp=2 x dp=1 (one buffer per tensor rank, of its shards) resumed at tp=1 x dp=2.
 """
 
 import contextlib
@@ -62,7 +63,9 @@ def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
     then megalite resumes it directly, with its optimizer state sharded over the two DP ranks (ZeRO-1), converted,
     with fresh Adam moments (``--no-load-optim``), from a copy whose optimizer megalite cannot resume, the
-    distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, and at Megatron's own layout
+    distributed optimizer's save at its layout (tp=1 x dp=2, ZeRO-1) and at tp=2, the distributed optimizer's tp=2
+    save at tp=1 x dp=2 (ZeRO-1), the tp=1 x dp=2 run's legacy save (distrib_optim.pt) converted, at tp=2, and at
+    Megatron's own layout
     (tp=2, where its RNG states are restored too)."""
     import torch.distributed as dist
 
@@ -71,9 +74,11 @@ def _convert_and_resume(path: str, root: str):
         assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", path,
                                         "--output", os.path.join(root, "converted")) == 0
         _with_common_optimizer(path, other, _other_groups)
-        assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
-                                        "--vocab-size", str(fixture.PADDED_VOCAB), "--input", path + fixture.LEGACY,
-                                        "--output", os.path.join(root, "legacy")) == 0
+        for source, converted in ((path + fixture.LEGACY, "legacy"), (distributed + fixture.LEGACY, "legacy_distopt"),
+                                  (path + fixture.DISTRIBUTED_TP + fixture.LEGACY, "legacy_distopt_tp2")):
+            assert megatron_fixture.convert("--from", "megatron-legacy", "--to", "megalite", "--allow-pickle",
+                                            "--vocab-size", str(fixture.PADDED_VOCAB), "--input", source,
+                                            "--output", os.path.join(root, converted)) == 0
     dist.barrier()
     return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
@@ -83,6 +88,10 @@ def _convert_and_resume(path: str, root: str):
                     (distributed, os.path.join(root, "distopt_dp2.jsonl"), ("--use-distributed-optimizer",)),
                     (distributed, os.path.join(root, "distopt_tp2.jsonl"), ("--tensor-model-parallel-size", "2")),
                     (os.path.join(root, "legacy"), os.path.join(root, "legacy.jsonl"), ()),
+                    (path + fixture.DISTRIBUTED_TP, os.path.join(root, "distopt_from_tp2.jsonl"),
+                     ("--use-distributed-optimizer",)),
+                    (os.path.join(root, "legacy_distopt"), os.path.join(root, "legacy_distopt.jsonl"),
+                     ("--tensor-model-parallel-size", "2")),
                     (path, os.path.join(root, "tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
 
 
@@ -90,7 +99,8 @@ def _convert_and_resume(path: str, root: str):
 def megatron_run(tmp_path_factory):
     """``(Megatron-LM save directory at iteration 2, Megatron-Core's losses of iterations 1..7, each tensor rank's
     fp32 main rows of the output layer of the bf16 run saved in the directory + BF16, each rank's saved RNG states,
-    the losses of the distributed optimizer's run saved in the directory + DISTRIBUTED, rank 0's (output, RNG
+    the losses of the distributed optimizer's runs saved in the directory + DISTRIBUTED and + DISTRIBUTED_TP, rank
+    0's (output, RNG
     states) of megalite's resumed runs)``: one set of rank processes (Megatron-Core, then megalite) to keep the
     test short."""
     root = str(tmp_path_factory.mktemp("megatron_optim"))
@@ -98,6 +108,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path)
     os.makedirs(path + fixture.BF16)
     os.makedirs(path + fixture.DISTRIBUTED)
+    os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
@@ -197,14 +208,62 @@ def _other_groups(saved):
 def test_the_distributed_optimizer_state_continues_the_megatron_losses(megatron_run):
     """Megatron-Core's distributed optimizer at tp=1 x dp=2, saved in its default 'dp_reshardable' layout (flat
     per-bucket DP shards): megalite maps the buckets to per-parameter Adam moments and resumes at dp=2 (ZeRO-1)
-    and at tp=2 with Megatron's next 5 losses; without the moments (``--no-load-optim``) the second loss differs."""
-    path, _, _, _, megatron, runs = megatron_run
+    and at tp=2 with Megatron's next 5 losses; so does its save at tp=2 x dp=1 (a buffer per tensor rank) resumed
+    at tp=1 x dp=2 (ZeRO-1); without the moments (``--no-load-optim``) the second loss differs."""
+    path, _, _, _, (megatron, megatron_tp2, _), runs = megatron_run
     root = os.path.dirname(path)
-    assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0]
+    assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0] + runs[8][0]
     for name in ("distopt_dp2.jsonl", "distopt_tp2.jsonl"):
         _assert_equal_losses(_losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
     fresh = _losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
+
+
+def test_a_tp2_distributed_optimizer_state_is_placed_in_the_global_tensors(megatron_run):
+    """At tp=2 each tensor rank's buffer holds its shards (column- and row-parallel, SwiGLU ``[gate_r; up_r]``,
+    padded vocabulary rows, replicated norms): the global moments megalite assembles equal those of the same tp=2
+    run with Megatron-Core's non-distributed optimizer (the same fp32 arithmetic at dp=1), for every parameter."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_distopt import PREFIX
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
+    plain = MegatronDistReader(megatron_run[0])
+    assert reader.optimizer_note is None and plain.optimizer_note is None
+    assert reader.state["optimizer"] == plain.state["optimizer"]
+    assert sorted(reader._flat) == sorted(name for name in plain.shapes if name.startswith("optimizer.")) != []
+    assert {len(parts) for name, parts in reader._flat.items()} == {1, 2}  # replicated, split
+    # Each shard's bucket and start are those of Megatron-Core's own _ParamAndGradBuffer on its tensor rank.
+    for rank, layouts in enumerate(megatron_run[4][2]):
+        for name, (bucket, start, shape) in layouts["tp2"][0].items():
+            parts = reader._flat[f"optimizer.exp_avg.{name}"]
+            if rank > 0 and len(parts) == 1:
+                continue  # a replicated parameter: megalite reads tensor rank 0's copy
+            key, begin, local, _ = parts[rank]
+            assert (key, begin, tuple(local)) == (f"{PREFIX}{rank}.gbuf_idx_0.dtype_(torch.float32, torch.float32)."
+                                                  f"bucket_idx_{bucket}.exp_avg", start, shape), name
+    for name in reader._flat:
+        torch.testing.assert_close(reader.read(name), plain.read(name), rtol=1e-6, atol=0)
+
+
+def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_run):
+    """megalite's rebuild of a tp=2 rank's and of each pp=2 stage's gradient buffer (its local shards, its layers;
+    several buckets) equals Megatron-Core's ``_ParamAndGradBuffer`` of that rank's parameters."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_distopt import stage_layout
+
+    reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
+    shapes = reader.megatron_shapes()
+    # (tp, pp, dp, bucket size, high-bandwidth padding) of each layout the Megatron-Core ranks built.
+    sizes = {"tp2": (2, 1, 1, None, False), "tp2_buckets": (2, 1, 3, 2000, True), "pp2": (1, 2, 2, 1500, False)}
+    for rank, layouts in enumerate(megatron_run[4][2]):
+        for which, (tp, pp, dp, size, high) in sizes.items():
+            local, names, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
+                                                          size, high)
+            theirs, their_unpadded = layouts[which]
+            assert unpadded == their_unpadded, (rank, which)
+            assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs, (rank, which)
+        assert len(layouts["tp2_buckets"][1]) > 1 and (len(layouts["pp2"][1]) > 1) == (rank == 0)
 
 
 def test_the_distributed_optimizer_state_is_read_and_converted(megatron_run, tmp_path):
@@ -255,7 +314,8 @@ def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out
     assert reader.state["optimizer"] is None and not reader._flat
     assert reader.optimizer_note.startswith("it is a distributed optimizer's state ('dp_reshardable') whose buckets "
                                             "({0: 44096}) are not the [3072, 2112, 4096, ")
-    assert reader.optimizer_note.endswith("elements megalite's rebuild of Megatron's gradient buffer gives")
+    assert reader.optimizer_note.endswith("elements megalite's rebuild of Megatron's gradient buffer gives for "
+                                          "model-parallel rank 0")
     copy = _with_common_optimizer(megatron_run[0], str(tmp_path / "copy"),
                                   lambda saved: {"param_state_sharding_type": "fully_reshardable"})
     reader = MegatronDistReader(copy)
@@ -289,6 +349,39 @@ TRACKER_WARNING = ("warning: Megatron-LM's saved RNG states tracker state 'data-
                    "'expert-parallel-rng', tracker state 'model-parallel-rng' are not restored (CUDA generator "
                    "states, and this run has no CUDA generator): what they would draw comes from this run's seeded "
                    "generators")
+
+
+def test_a_legacy_distributed_optimizer_save_continues_the_megatron_losses(megatron_run, tmp_path):
+    """Megatron-LM's legacy save with the distributed optimizer: ``model_optim_rng.pt`` (groups and step) and each
+    model-parallel rank's ``distrib_optim.pt`` written by Megatron-Core's own ``save_parameter_state`` (the flat
+    buffer gathered over DP).  Converted behind ``--allow-pickle``: the tp=1 x dp=2 run resumes at tp=2 with
+    Megatron's 5 losses, and the tp=2 x dp=1 run's moments equal those its torch_dist save holds."""
+    from megalite.checkpoint import open_reader, read_checkpoint_info
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    path, _, _, _, (megatron, _, _), runs = megatron_run
+    root = os.path.dirname(path)
+    assert "warning: the Megatron optimizer state" not in runs[9][0]
+    _assert_equal_losses(_losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
+    theirs = MegatronDistReader(path + fixture.DISTRIBUTED_TP)
+    mine = open_reader(os.path.join(root, "legacy_distopt_tp2"))
+    assert read_checkpoint_info(mine.directory)["state"]["optimizer"] == theirs.state["optimizer"]
+    assert sorted(n for n in mine.shapes if n.startswith("optimizer.")) == sorted(theirs._flat)
+    for name in theirs._flat:
+        assert torch.equal(mine.read(name), theirs.read(name)), name
+    # Without the pickle opt-in nothing is read; a missing distrib_optim.pt is named and the weights still convert.
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(path + fixture.DISTRIBUTED_TP + fixture.LEGACY, copy)
+    with pytest.raises(ValueError, match="pass --allow-pickle"):
+        read_megatron_legacy(copy)
+    os.remove(os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "mp_rank_01", "distrib_optim.pt"))
+    legacy = read_megatron_legacy(copy, allow_pickle=True, vocab_size=fixture.PADDED_VOCAB)
+    assert legacy.optimizer is None and not any(n.startswith("optimizer.") for n in legacy.tensors)
+    assert legacy.optimizer_note == ("it is a distributed optimizer's state whose "
+                                     f"{copy}/iter_{fixture.SAVED_AT:07d}/mp_rank_01/distrib_optim.pt is missing")
 
 
 def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_run):
