@@ -98,14 +98,14 @@ ITEMS = ("apples", "stamps", "marbles", "cards", "shells")
 
 
 def _count(rng: random.Random) -> tuple[str, list[str], Fraction]:
-    """One step: a count that grows or shrinks, numbers up to 20."""
-    name, item, have = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 20)
-    change = rng.randint(1, min(9, have - 1))  # never gives all away, so no count is zero or negative
-    if rng.random() < 0.5:
+    """One step: a count that grows or shrinks, one-digit numbers."""
+    name, item, have = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 9)
+    change = rng.randint(1, 9) if rng.random() < 0.5 else -rng.randint(1, have - 1)  # no count is zero or less
+    if change > 0:
         prompt = f"{name} has {have} {item} and gets {change} more. How many {item} does {name} have?"
         return prompt, [_step(have, "+", change, have + change, item)], Fraction(have + change)
-    prompt = f"{name} has {have} {item} and gives away {change}. How many {item} does {name} have?"
-    return prompt, [_step(have, "-", change, have - change, item)], Fraction(have - change)
+    prompt = f"{name} has {have} {item} and gives away {-change}. How many {item} does {name} have?"
+    return prompt, [_step(have, "-", -change, have + change, item)], Fraction(have + change)
 
 
 def _bags(rng: random.Random) -> tuple[str, list[str], Fraction]:
@@ -133,8 +133,8 @@ KINDS = (_travel, _change, _flour, _tank, _eggs)
 the answer."""
 
 LEVELS = {1: (_count,), 2: (_bags, _swap), 3: KINDS}
-"""The difficulty knob: the generators of each level, drawn uniformly.  1: one ``+``/``-`` step on numbers up to
-20; 2: two steps (a small product or a gain and a loss) on numbers up to 29; 3 (the default): two or three steps
+"""The difficulty knob: the generators of each level, drawn uniformly.  1: one ``+``/``-`` step on one-digit
+numbers; 2: two steps (a small product or a gain and a loss) on numbers up to 29; 3 (the default): two or three steps
 on numbers in the hundreds, with money and unit conversions and decimal answers."""
 
 
