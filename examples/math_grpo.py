@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 from megalite.cli import run_cli
-from megalite.rlhf.math_task import write_math_task
+from megalite.rlhf.math_task import LEVELS, write_math_task
 from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args
 
@@ -51,10 +51,13 @@ def main(argv=None) -> int:
     task = argparse.ArgumentParser(add_help=False)
     task.add_argument("--count", type=int, default=2000, help="problems written (the held-out ones included)")
     task.add_argument("--task-seed", type=int, default=0, help="the problem set's seed")
+    task.add_argument("--level", type=int, default=3, help=f"the problems' difficulty, one of {sorted(LEVELS)}")
     task.add_argument("--workdir", help="where the task file and metrics go (default: a temporary directory)")
     ours, rest = task.parse_known_args(argv)
     if ours.count <= 0:
         raise ValueError(f"--count must be positive, got {ours.count}")
+    if ours.level not in LEVELS:
+        raise ValueError(f"--level must be one of {sorted(LEVELS)}, got {ours.level}")
     workdir = ours.workdir or tempfile.mkdtemp(prefix="math_grpo_")
     os.makedirs(workdir, exist_ok=True)
     data, metrics = os.path.join(workdir, "math.jsonl"), os.path.join(workdir, "metrics.jsonl")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     if not args.eval_interval:
         raise ValueError("the recipe reports held-out accuracy: give --eval-interval a positive value")
     rank = int(os.environ.get("RANK", "0"))
-    write_math_task(f"{data}.{rank}", ours.count, ours.task_seed)  # every rank writes the same (deterministic)
+    write_math_task(f"{data}.{rank}", ours.count, ours.task_seed, ours.level)  # every rank writes the same (deterministic)
     os.replace(f"{data}.{rank}", data)  # file whole, so no rank reads a half-written one and none need wait
     status = RLTrainer(args).train()
     if rank == 0:
