@@ -7,7 +7,10 @@ a short worked solution, each step an ``a op b = c`` equation, ending ``\\boxed{
 serves SFT (``prompt``/``completion`` pairs) and RL (the ``answer`` a verifier checks).  :func:`read_answers`
 reads these or a user's own jsonl with ``prompt`` and ``answer`` fields the same way.
 
-    python -m megalite.rlhf.math_task OUT.jsonl --count 1000 --seed 0
+``level`` (:data:`LEVELS`) is the difficulty knob: one step on small numbers, two steps, or the full multi-step
+problems with units (the default), so a small model can be given a task it half solves after SFT.
+
+    python -m megalite.rlhf.math_task OUT.jsonl --count 1000 --seed 0 --level 2
 """
 
 from __future__ import annotations
@@ -91,28 +94,71 @@ def _eggs(rng: random.Random) -> tuple[str, list[str], Fraction]:
     return prompt, steps, Fraction(boxes * price)
 
 
+ITEMS = ("apples", "stamps", "marbles", "cards", "shells")
+
+
+def _count(rng: random.Random) -> tuple[str, list[str], Fraction]:
+    """One step: a count that grows or shrinks, one-digit numbers."""
+    name, item, have = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 9)
+    change = rng.randint(1, 9) if rng.random() < 0.5 else -rng.randint(1, have - 1)  # no count is zero or less
+    if change > 0:
+        prompt = f"{name} has {have} {item} and gets {change} more. How many {item} does {name} have?"
+        return prompt, [_step(have, "+", change, have + change, item)], Fraction(have + change)
+    prompt = f"{name} has {have} {item} and gives away {-change}. How many {item} does {name} have?"
+    return prompt, [_step(have, "-", -change, have + change, item)], Fraction(have + change)
+
+
+def _bags(rng: random.Random) -> tuple[str, list[str], Fraction]:
+    """Two steps: bags of a few items, then some more or fewer."""
+    name, item, bags, size, more = (rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 5), rng.randint(2, 9),
+                                    rng.randint(1, 9))
+    total = bags * size
+    prompt = f"{name} has {bags} bags of {size} {item} and {more} loose {item}. How many {item} does {name} have?"
+    return prompt, [_step(bags, "*", size, total, item), _step(total, "+", more, total + more, item)], \
+        Fraction(total + more)
+
+
+def _swap(rng: random.Random) -> tuple[str, list[str], Fraction]:
+    """Two steps: a count that grows, then shrinks."""
+    name, item, have, gets = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(5, 20), rng.randint(1, 9)
+    gives = rng.randint(1, min(9, have + gets - 1))
+    prompt = (f"{name} has {have} {item}, gets {gets} more, then gives away {gives}. "
+              f"How many {item} does {name} have?")
+    steps = [_step(have, "+", gets, have + gets, item), _step(have + gets, "-", gives, have + gets - gives, item)]
+    return prompt, steps, Fraction(have + gets - gives)
+
+
 KINDS = (_travel, _change, _flour, _tank, _eggs)
-"""The problem generators, drawn uniformly; each returns the prompt, the worked steps and the answer."""
+"""The hardest level's generators (multi-step, unit conversions); each returns the prompt, the worked steps and
+the answer."""
+
+LEVELS = {1: (_count,), 2: (_bags, _swap), 3: KINDS}
+"""The difficulty knob: the generators of each level, drawn uniformly.  1: one ``+``/``-`` step on one-digit
+numbers; 2: two steps (a small product or a gain and a loss) on numbers up to 29; 3 (the default): two or three steps
+on numbers in the hundreds, with money and unit conversions and decimal answers."""
 
 
-def math_problem(seed: int, index: int) -> dict:
-    """Problem ``index`` of the set drawn with ``seed``: ``{"prompt", "completion", "answer"}``."""
+def math_problem(seed: int, index: int, level: int = 3) -> dict:
+    """Problem ``index`` of the set drawn with ``seed`` at difficulty ``level`` (:data:`LEVELS`):
+    ``{"prompt", "completion", "answer"}``."""
+    if level not in LEVELS:
+        raise ValueError(f"the difficulty level must be one of {sorted(LEVELS)}, got {level!r}")
     rng = random.Random(f"{seed}:{index}")
-    prompt, steps, answer = rng.choice(KINDS)(rng)
+    prompt, steps, answer = rng.choice(LEVELS[level])(rng)
     completion = ". ".join(steps) + f". The answer is \\boxed{{{number(answer)}}}."
     return {"prompt": f"{prompt} {INSTRUCTION}", "completion": completion, "answer": number(answer)}
 
 
-def math_problems(count: int, seed: int = 0) -> list[dict]:
-    """The first ``count`` problems of ``seed``."""
+def math_problems(count: int, seed: int = 0, level: int = 3) -> list[dict]:
+    """The first ``count`` problems of ``seed`` at difficulty ``level``."""
     if not (isinstance(count, int) and count > 0):
         raise ValueError(f"the number of problems must be a positive integer, got {count!r}")
-    return [math_problem(seed, index) for index in range(count)]
+    return [math_problem(seed, index, level) for index in range(count)]
 
 
-def write_math_task(path: str, count: int, seed: int = 0) -> None:
-    """Write :func:`math_problems` to ``path`` as jsonl, one record a line."""
-    records = math_problems(count, seed)
+def write_math_task(path: str, count: int, seed: int = 0, level: int = 3) -> None:
+    """Write :func:`math_problems` (``level`` their difficulty) to ``path`` as jsonl, one record a line."""
+    records = math_problems(count, seed, level)
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")
@@ -139,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the jsonl file to write")
     parser.add_argument("--count", type=int, default=1000, help="how many problems")
     parser.add_argument("--seed", type=int, default=0, help="the set's seed (use another for a held-out set)")
+    parser.add_argument("--level", type=int, default=3, choices=sorted(LEVELS),
+                        help="difficulty: 1 one step, 2 two small steps, 3 multi-step with units")
     args = parser.parse_args(argv)
     if args.count <= 0:
         parser.error(f"--count must be positive, got {args.count}")
-    write_math_task(args.out, args.count, args.seed)
+    write_math_task(args.out, args.count, args.seed, args.level)
     return 0
 
 

@@ -34,3 +34,4 @@ def test_recipe_bad_input_exits_2(tmp_path):
     assert run_cli(main, ["--count", "0", "--workdir", str(tmp_path)]) == 2
     assert run_cli(main, ["--count", "4", "--held-out-prompts", "4", "--workdir", str(tmp_path)]) == 2
     assert run_cli(main, ["--count", "40", "--eval-interval", "0", "--workdir", str(tmp_path)]) == 2
+    assert run_cli(main, ["--count", "40", "--level", "0", "--workdir", str(tmp_path)]) == 2

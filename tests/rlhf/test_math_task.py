@@ -50,6 +50,29 @@ def test_worked_steps_are_right_and_every_answer_verifies():
         assert check_exact(record["completion"], record["answer"]).reward == 1.0, record
 
 
+def test_difficulty_levels_are_deterministic_right_and_ordered():
+    pytest.importorskip("math_verify")
+    from megalite.rlhf.verifiers import check_math
+    assert math_problems(30, seed=2, level=3) == math_problems(30, seed=2)  # the default is the hardest level
+    for level, (fewest, most, biggest) in {1: (1, 1, 18), 2: (2, 2, 54), 3: (2, 3, None)}.items():
+        records = math_problems(100, seed=5, level=level)
+        assert records == math_problems(100, seed=5, level=level) and math_problem(5, 7, level) == records[7]
+        assert len({r["prompt"] for r in records}) >= 90
+        for record in records:
+            steps = STEP.findall(record["completion"])
+            assert fewest <= len(steps) <= most and Fraction(record["answer"]) > 0, record
+            for a, op, b, c in steps:
+                assert OPS[op](Fraction(a), Fraction(b)) == Fraction(c), record
+                if biggest is not None:
+                    assert max(Fraction(a), Fraction(b), Fraction(c)) <= biggest, record
+            assert check_math(record["completion"], record["answer"]).reward == 1.0, record
+    # easier levels are shorter: fewer tokens to generate, and fewer to get wrong
+    lengths = [max(len(r["completion"]) for r in math_problems(100, seed=5, level=level)) for level in (1, 2, 3)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[2] / 2
+    with pytest.raises(ValueError, match=r"level must be one of \[1, 2, 3\], got 0"):
+        math_problem(0, 0, level=0)
+
+
 def test_jsonl_round_trip_and_a_users_own_file(tmp_path):
     path = tmp_path / "math.jsonl"
     write_math_task(str(path), 12, seed=1)
@@ -74,3 +97,6 @@ def test_bad_task_input_is_one_clear_error(tmp_path, capsys):
         math_problems(0)
     code = run_cli(main, [str(tmp_path / "x.jsonl"), "--count", "0"])  # as `python -m megalite.rlhf.math_task`
     assert code == 2 and "--count must be positive" in capsys.readouterr().err
+    assert run_cli(main, [str(tmp_path / "x.jsonl"), "--level", "4"]) == 2 and "--level" in capsys.readouterr().err
+    assert run_cli(main, [str(tmp_path / "y.jsonl"), "--count", "3", "--level", "1"]) == 0
+    assert read_answers(str(tmp_path / "y.jsonl")) == math_problems(3, level=1)
