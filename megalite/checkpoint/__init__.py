@@ -20,10 +20,10 @@ reader: :mod:`megalite.checkpoint.megatron_dist`); :mod:`megalite.checkpoint.meg
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megalite import topology
 from megalite.checkpoint.files import iteration_dir, read_latest
+from megalite.checkpoint.meta import meta_model
 from megalite.checkpoint.reader import CheckpointReader, open_reader
 from megalite.checkpoint.sharding import ShardContext, global_param
 from megalite.checkpoint.state import OPTIMIZER_KEYS, load_into, local_shards, save_sharded
@@ -83,35 +83,6 @@ def load_model(path: str, device="cpu"):
         raise ValueError(reader.field_error("config", f"does not build a model: {err}")) from None
     load_into(reader, [model])
     return model.to(device).eval()
-
-
-class _NoDrawsOnMeta(TorchFunctionMode):
-    """Random fills of meta tensors do nothing: they hold no values, and torch's meta kernel for a draw imports
-    its compiler the first time (seconds), which a shapes-only model need not pay."""
-
-    DRAWS = (torch.nn.init.normal_, torch.Tensor.normal_)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if func in self.DRAWS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-            return tensor
-        return func(*args, **kwargs)
-
-
-def meta_model(config):
-    """``GPTModel(config)`` on the meta device (shapes and parameter attributes, no storage, no random draws)."""
-    from megalite.models import GPTModel
-
-    with torch.device("meta"), _NoDrawsOnMeta():
-        return GPTModel(config)
-
-
-def split_dims(config) -> dict[str, int | None]:
-    """The tensor-parallel split dimension (``partition_dim``) of every model tensor of ``config``, None where
-    each tensor rank holds all of it: what :func:`global_param` needs of a local shard read from a file."""
-    return {name: getattr(t, "partition_dim", None) if getattr(t, "tensor_model_parallel", False) else None
-            for name, t in meta_model(config).state_dict(keep_vars=True).items()}
 
 
 def global_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -33,6 +33,7 @@ import math
 import re
 
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
+from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
 
 PREFIX = "optimizer.distributed.dp_group_idx_"
@@ -102,7 +103,6 @@ def stage_layout(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp
     Megatron's global shapes ``shapes``): ``({parameter: local shape}, its parameters in module order, their
     (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded size)``.  ValueError when a
     tensor does not split over ``tp``."""
-    from megalite.checkpoint import split_dims
 
     dims = split_dims(config)
     local = {}
@@ -132,7 +132,6 @@ def _run_problem(args: dict, config, names, saved):
     ``(its parameter groups, its Adam step, (dp, bucket size, high-bandwidth padding), whether it has fp32 main
     weights of half-precision ones)`` from its saved args and Megatron's inner optimizer state ``saved``
     (``param_groups`` with ``step``; in a one-element list as Megatron saves a sharded object or a chain)."""
-    from megalite.checkpoint import split_dims
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     if args.get("num_experts") or args.get("transformer_impl") != "local":
@@ -176,7 +175,6 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its own buffer of its local parameters; each
     of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
     (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor."""
-    from megalite.checkpoint import split_dims
 
     def no(why):
         return {}, None, f"it is a distributed optimizer's state ('dp_reshardable') {why}"

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpoint import global_shapes, save_global_checkpoint, split_dims
+from megalite.checkpoint import global_shapes, save_global_checkpoint
+from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import megalite_name, plain_dict
