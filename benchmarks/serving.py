@@ -7,7 +7,8 @@ streaming requests over loopback HTTP) and through ``LLM.generate``, in one run.
 Workload: ``--requests`` text prompts (16-128 bytes, seeded) on a Llama-style model with random weights over
 megalite's ByteTokenizer; greedy, ``ignore_eos``, ``--max-tokens`` tokens each, so both sides make the same
 tokens.  The HTTP side sends all requests at once, streaming, from a thread pool (one thread per request,
-sharing one ``openai`` client as an application would) in a separate client process, to
+sharing one ``openai`` client as an application would, its pool's connections opened before timing) in a
+separate client process, to
 ``python -m megalite.inference.serve`` over the same model saved as a checkpoint (its HTTP process and its
 engine process, as deployed; same engine config as the in-process side).
 
@@ -22,7 +23,10 @@ its engine core.  Without pinning both share the machine's cores.  Set ``OMP_NUM
 
 Prints output tokens/s of both and their ratio (HTTP overhead), the CPU seconds of the engine side in each (for
 HTTP: the server's HTTP and engine processes) and of the client, and p50/p99 time to first token and
-inter-token latency as the clients saw them (a chunk of k tokens counts as k gaps of 1/k of its wait); then
+inter-token latency as the clients saw them (a chunk of k tokens counts as k gaps of 1/k of its wait), and
+where a request's first token went, from the server's ``/metrics`` (mean ms from arrival to submission, to
+admission by the engine loop, to the start of its first step, to its first token, and a batch's delivery to
+the HTTP loop) beside the engine loop's time between steps; then
 the cost of constrained decoding (a JSON schema through llguidance) against the same requests
 unconstrained, in process.  Each side runs ``--repeats`` times (alternating) and keeps its fastest run.  Wall
 times: the machine may be shared, so say so with the numbers.
@@ -198,28 +202,51 @@ class Served:
         self.proc.wait(timeout=60)
 
 
+LATENCIES = ("request_submit", "request_admission", "request_queue", "time_to_first_token", "batch_delivery")
+"""The server's latencies on a request's way to its first token, in order (``/metrics`` sums and counts)."""
+
+
 def over_http(server, args):
-    """All requests at once from a client process; returns wall time, texts, the server's CPU seconds, times to
-    first token, inter-token gaps, the client's CPU seconds and the chunks it read."""
+    """All requests at once from a client process (its connections opened before timing); returns wall time,
+    texts, the server's CPU seconds, times to first token, inter-token gaps, the client's CPU seconds, the chunks
+    it read, the engine's step and loop seconds, the client's send spread, its first token, and the server's
+    mean latencies (:data:`LATENCIES`) over the run."""
     command = [sys.executable, os.path.abspath(__file__), "--client", server.url, "--requests", str(args.requests),
                "--max-tokens", str(args.max_tokens)]
     if args.client_cpus:
         command += ["--client-cpus", ",".join(map(str, sorted(args.client_cpus)))]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "warm":  # its pool holds a connection per request now
+        raise SystemExit("error: the client process failed while warming up")
     cpu, before = server.cpu(), server.metrics()
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        raise SystemExit("error: the client process failed")
     cpu = [b - a for a, b in zip(cpu, server.cpu())]  # the server's processes (HTTP, engine), not the client
     after = server.metrics()
-    engine = {name: after[f"megalite_{name}"] - before[f"megalite_{name}"] for name in
-              ("engine_steps_total", "engine_step_seconds_sum", "engine_step_cpu_seconds_sum")}
-    result = json.loads(done.stdout.splitlines()[-1])
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    engine = {name: delta[f"megalite_{name}"] for name in
+              ("engine_steps_total", "engine_step_seconds_sum", "engine_step_cpu_seconds_sum",
+               "engine_loop_seconds_sum")}
+    means = {name: delta[f"megalite_{name}_seconds_sum"] / max(delta[f"megalite_{name}_seconds_count"], 1)
+             for name in LATENCIES}
+    result = json.loads(out.splitlines()[-1])
     return (result["elapsed"], result["texts"], cpu, result["ttft"], result["itl"], result["cpu"], result["chunks"],
-            engine, result["spread"], result["first"])
+            engine, result["spread"], result["first"], means)
 
 
 def client(url, texts, max_tokens):
     """The client process: every request at once, streaming, one thread each through one shared openai client
-    (its connection pool holds a connection per stream).  Reports its own CPU seconds during the run."""
+    (its connection pool holds a connection per stream, opened before timing by as many concurrent one-token
+    requests: a deployed client's pool is warm).  Prints ``warm``, waits for a line on stdin, then runs and
+    reports its own CPU seconds during the run."""
     shared = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    with ThreadPoolExecutor(len(texts)) as pool:
+        list(pool.map(lambda text: shared.completions.create(model="megalite", prompt=text, max_tokens=1), texts))
+    print("warm", flush=True)
+    sys.stdin.readline()
 
     def one(text):
         sent = time.perf_counter()
@@ -293,8 +320,13 @@ def main():
     engine = best_http[7]
     print(f"engine steps: in process {best_local[3]} in {best_local[0]:.2f} s; HTTP server "
           f"{engine['engine_steps_total']:.0f}, in engine.step {engine['engine_step_seconds_sum']:.2f} s wall / "
-          f"{engine['engine_step_cpu_seconds_sum']:.2f} s CPU of its {best_http[0]:.2f} s; the client sent its "
-          f"requests over {best_http[8]:.2f} s and read the first token {best_http[9]:.2f} s after it started")
+          f"{engine['engine_step_cpu_seconds_sum']:.2f} s CPU of its {best_http[0]:.2f} s, the engine loop "
+          f"{engine['engine_loop_seconds_sum']:.2f} s outside them; the client sent its requests over "
+          f"{best_http[8]:.2f} s and read the first token {best_http[9]:.2f} s after it started")
+    means = best_http[10]
+    print("to the first token, server means in ms: " + ", ".join(f"{name} {1000 * value:.1f}" for name, value in
+                                                                  means.items()) +
+          f"; the client's own time to first token: mean {1000 * statistics.mean(best_http[3]):.1f}")
     print(f"cores: this process and the engine process {sorted(os.sched_getaffinity(0))}, HTTP process "
           f"{sorted(args.http_cpus) if args.http_cpus else 'the same'}, client "
           f"{sorted(args.client_cpus) if args.client_cpus else 'the same (not pinned)'}; load average "

@@ -132,7 +132,7 @@ def build_app(loop: EngineClient, config: ServerConfig | None = None, *, tokeniz
         started, status = time.perf_counter(), 500
         # OpenAI's prefixes: chat replies are ``chatcmpl-...``, text completions ``cmpl-...``
         prefix = "chatcmpl" if request.path == "/v1/chat/completions" else "cmpl"
-        slot = {"id": f"{prefix}-{uuid.uuid4().hex}"}
+        slot = {"id": f"{prefix}-{uuid.uuid4().hex}", "arrived": started}
         _SLOT.set(slot)
         try:
             response = await handler(request)
@@ -158,7 +158,8 @@ def build_app(loop: EngineClient, config: ServerConfig | None = None, *, tokeniz
             try:
                 body = await read_json(request, config)
                 slot = _SLOT.get()
-                exchange = slot["exchange"] = Exchange(loop, request, config.request_timeout_s, slot["id"], live)
+                exchange = slot["exchange"] = Exchange(loop, request, config.request_timeout_s, slot["id"], live,
+                                                            slot["arrived"])
                 return await run(request, body, exchange)
             except BadRequest as failure:
                 return error(400, str(failure))

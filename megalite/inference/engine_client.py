@@ -33,24 +33,39 @@ class Overloaded(RuntimeError):
 
 
 class Metrics:
-    """``/metrics``: the engine's values (its latest batch's ``stats``) and the counters kept here."""
+    """``/metrics``: the engine's values (its latest batch's ``stats``) and the counters and latencies kept here.
+
+    Latencies (``megalite_<name>_seconds_sum`` and ``_count``; the engine side keeps the others, see
+    :mod:`megalite.inference.engine_loop`) time the HTTP process's part of a request's way to its first token:
+    ``request_submit``, from the HTTP request's arrival to its submission to the engine (body, parse, tokenize,
+    checks); ``batch_delivery``, from the engine sending a batch to this process routing it on the asyncio loop
+    (pipe, reader thread, loop wake-up)."""
 
     COUNTERS = ("requests_rejected", "requests_timed_out")
+    LATENCIES = ("request_submit", "batch_delivery")
 
     def __init__(self):
         self.start = time.perf_counter()
         self.counts = dict.fromkeys(self.COUNTERS, 0)
+        self.latencies = {name: [0.0, 0] for name in self.LATENCIES}
         self.engine: dict = {}
 
     def count(self, name: str, value: int = 1) -> None:
         self.counts[name] += value
+
+    def observe(self, name: str, seconds: float) -> None:
+        total = self.latencies[name]
+        total[0] += seconds
+        total[1] += 1
 
     def render(self, pending: int) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         values = {**self.engine, **{f"megalite_{name}_total": value for name, value in self.counts.items()},
                   "megalite_generation_tokens_per_second":
                       self.engine.get("megalite_generation_tokens_total", 0) / elapsed,
-                  "megalite_requests_pending": pending}
+                  "megalite_requests_pending": pending,
+                  **{f"megalite_{name}_seconds_{part}": total[i] for name, total in self.latencies.items()
+                     for i, part in enumerate(("sum", "count"))}}
         return "".join(f"{name} {value}\n" for name, value in values.items())
 
 
@@ -74,16 +89,21 @@ class EngineClient:
     def alive(self) -> bool:
         return self.error is None
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, events=None):
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, events=None,
+               arrived: float | None = None):
         """Queue a checked request; its events (tagged ``request_id``) arrive on ``events`` (a new asyncio queue
-        by default, returned) on this asyncio loop; raises Overloaded when ``max_pending`` requests are in."""
+        by default, returned) on this asyncio loop; raises Overloaded when ``max_pending`` requests are in.
+        ``arrived``: when its HTTP request arrived (``time.perf_counter()``), for ``request_submit``."""
         if len(self.routes) >= self.max_pending:
             self.metrics.count("requests_rejected")
             raise Overloaded(f"the server already holds {len(self.routes)} requests (--max-pending-requests)")
         self._aio = asyncio.get_running_loop()
         events = asyncio.Queue() if events is None else events
         self.routes[request_id] = events
-        self._post(("add", request_id, prompt, params))
+        now = time.perf_counter()  # CLOCK_MONOTONIC on Linux: the engine process reads the same clock
+        if arrived is not None:
+            self.metrics.observe("request_submit", now - arrived)
+        self._post(("add", request_id, prompt, params, now))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -104,6 +124,8 @@ class EngineClient:
     def deliver(self, batch: dict) -> None:
         """Route a batch's events to their requests (on the asyncio loop)."""
         self.metrics.engine = batch["stats"]
+        if batch["events"]:
+            self.metrics.observe("batch_delivery", time.perf_counter() - batch["sent"])
         routes = self.routes
         for event in batch["events"]:
             rid = event["request_id"]

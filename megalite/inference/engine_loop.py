@@ -5,18 +5,29 @@ It runs wherever the engine is: on a thread beside the HTTP server
 (:class:`megalite.inference.engine_client.EngineThread`) or as the main loop of
 the engine process (:mod:`megalite.inference.engine_process`, what ``serve``
 runs), and knows neither: messages arrive through ``receive(timeout)`` (an
-``("add", request_id, prompt, params)``, ``("abort", request_id)`` or
-``("stop",)``; ``None`` when none came within ``timeout``) and each step's
-batch leaves through ``send(batch)``.  A batch is plain data: ``{"events":
-[...], "stats": {...}}``, where each event tags its ``request_id`` and carries,
-per sample, the new token ids, log-probs, streamable text and finish reason
-(and the final :class:`RequestOutput` once ``done``), and ``stats`` are the
-engine's ``/metrics`` values.  Batching per step, not per request, is what
-makes the hop cheap (one thread wake-up or one pipe write per step).  A
-request that fails alone gets an ``error`` event and the loop goes on; an
-exception that escapes the engine ends the loop with a last batch whose
-``failed`` names it (the client fails every waiting request with it, and the
-server exits non-zero).
+``("add", request_id, prompt, params, submitted)``, ``submitted`` being the
+client's ``time.perf_counter()``; ``("abort", request_id)`` or ``("stop",)``;
+``None`` when none came within ``timeout``) and each step's batch leaves
+through ``send(batch)``.  A batch is plain data: ``{"events": [...], "stats":
+{...}, "sent": seconds}``, where each event tags its ``request_id`` and
+carries, per sample, the new token ids, log-probs, streamable text and finish
+reason (and the final :class:`RequestOutput` once ``done``), ``stats`` are the
+engine's ``/metrics`` values and ``sent`` is when the batch left
+(``time.perf_counter()``: CLOCK_MONOTONIC on Linux, one clock for both
+processes).  Batching per step, not per request, is what makes the hop cheap
+(one thread wake-up or one pipe write per step).  A request that fails alone
+gets an ``error`` event and the loop goes on; an exception that escapes the
+engine ends the loop with a last batch whose ``failed`` names it (the client
+fails every waiting request with it, and the server exits non-zero).
+
+Besides time to first token and inter-token latency, ``stats`` time the
+engine's part of a request's way to its first token (sums and counts,
+``megalite_<name>_seconds_sum``/``_count``): ``request_admission``, from the
+client's submission to this loop taking the request (the pipe, and a step in
+progress); ``request_queue``, from then to the start of the step that made its
+first token; and ``engine_loop_seconds_sum``, the wall time of busy iterations
+outside ``engine.step`` (taking messages, publishing, sending, and being off
+the core meanwhile).
 """
 
 from __future__ import annotations
@@ -51,6 +62,9 @@ class EngineLoop:
         self.ttft = [0.0, 0]  # sum of seconds, count
         self.itl = [0.0, 0]
         self.step_s = [0.0, 0.0]  # wall and CPU seconds in engine.step: wall above CPU is time not on a core
+        self.admission, self.queue = [0.0, 0], [0.0, 0]  # sum of seconds, count
+        self.loop_s = 0.0  # wall seconds of busy iterations outside engine.step
+        self.step_started = 0.0
         self._stopped = False
 
     def _put(self, request_id: str, event: dict) -> None:
@@ -62,7 +76,9 @@ class EngineLoop:
         if message[0] == "stop":
             self._stopped = True
         elif message[0] == "add":
-            _, request_id, prompt, params = message
+            _, request_id, prompt, params, submitted = message
+            self.admission[0] += time.perf_counter() - submitted
+            self.admission[1] += 1
             try:
                 engine.add_request(prompt, params, request_id)
             except ValueError as error:  # checked by the handler already; a duplicate id, say
@@ -84,15 +100,17 @@ class EngineLoop:
         try:
             while not self._stopped:
                 message = self.receive(0 if engine.has_unfinished() else 1.0)
-                busy = message is not None
+                busy, iteration = message is not None, time.perf_counter()
                 while message is not None:
                     self.handle(message)
                     message = None if self._stopped else self.receive(0)
                 if engine.has_unfinished() and not self._stopped:
                     started, cpu = time.perf_counter(), time.thread_time()
+                    self.step_started = started
                     requests = engine.step()
                     idle_since, busy = time.perf_counter(), True
                     self.step_s[0] += idle_since - started
+                    self.loop_s -= idle_since - started
                     self.step_s[1] += time.thread_time() - cpu
                     self.publish(requests)
                 elif engine.tp_size > 1 and time.perf_counter() - idle_since > self.heartbeat_s:
@@ -100,6 +118,7 @@ class EngineLoop:
                     idle_since = time.perf_counter()
                 if busy:
                     self._flush()
+                    self.loop_s += time.perf_counter() - iteration
             return None
         except Exception as error:  # report it to the client, then stop serving
             logging.getLogger("megalite.inference.engine").exception("the engine failed; the server stops")
@@ -121,6 +140,11 @@ class EngineLoop:
                 "megalite_engine_steps_total": engine.stats["steps"],
                 "megalite_engine_step_seconds_sum": self.step_s[0],
                 "megalite_engine_step_cpu_seconds_sum": self.step_s[1],
+                "megalite_engine_loop_seconds_sum": self.loop_s,
+                "megalite_request_admission_seconds_sum": self.admission[0],
+                "megalite_request_admission_seconds_count": self.admission[1],
+                "megalite_request_queue_seconds_sum": self.queue[0],
+                "megalite_request_queue_seconds_count": self.queue[1],
                 **{f"megalite_{name}_total": value for name, value in self.counts.items()},
                 "megalite_queue_depth": len(engine.scheduler.waiting),
                 "megalite_sequences_running": len(engine.scheduler.running),
@@ -130,7 +154,7 @@ class EngineLoop:
 
     def _flush(self, failed: str | None = None) -> None:
         """Send this step's events and the engine's stats as one batch."""
-        batch = {"events": self.events, "stats": self.stats()}
+        batch = {"events": self.events, "stats": self.stats(), "sent": time.perf_counter()}
         if failed is not None:
             batch["failed"] = failed
         self.events = []
@@ -158,6 +182,9 @@ class EngineLoop:
                 if stream.tokens[i] == 0:
                     self.ttft[0] += now - request.arrival_time
                     self.ttft[1] += 1
+                    if i == 0:
+                        self.queue[0] += max(self.step_started - request.arrival_time, 0.0)
+                        self.queue[1] += 1
                 elif new:
                     self.itl[0] += now - stream.last
                     self.itl[1] += len(new)

@@ -33,8 +33,10 @@ class Exchange:
     ``asyncio.wait_for`` would cost.
     """
 
-    def __init__(self, loop: EngineClient, request, timeout_s: float, request_id: str, live: set | None = None):
+    def __init__(self, loop: EngineClient, request, timeout_s: float, request_id: str, live: set | None = None,
+                 arrived: float | None = None):
         self.loop, self.request, self.timeout_s, self.id = loop, request, timeout_s, request_id
+        self.arrived = arrived  # when the HTTP request arrived (perf_counter), for the client's request_submit
         self.deadline = time.perf_counter() + timeout_s
         self.inbox: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
@@ -58,7 +60,7 @@ class Exchange:
         for i, prompt in enumerate(prompts):
             engine_id = f"{self.id}-{i}"
             try:
-                self.loop.submit(engine_id, prompt, params, self)
+                self.loop.submit(engine_id, prompt, params, self, self.arrived)
             except Overloaded as error:
                 raise HTTPFailure(429, str(error), {"Retry-After": "1"}) from None
             self.open.add(engine_id)

@@ -3,10 +3,11 @@ write from the engine process) per engine step, not one per request, and a handl
 for it at once (its chunks then go out in one write)."""
 
 import asyncio
-
+import time
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference.engine_client import EngineClient, EngineThread
+from megalite.inference.engine_loop import EngineLoop
 from tests.inference.server_harness import BYTES, byte_model
 
 
@@ -38,7 +39,8 @@ def test_one_thread_hop_per_engine_step():
     client._aio = aio  # what submit records: the handlers' asyncio loop
     for i, events in enumerate(queues):
         client.routes[f"r{i}"] = events
-        client.core.handle(("add", f"r{i}", [65 + i, 66], SamplingParams(max_tokens=3, temperature=0)))
+        client.core.handle(("add", f"r{i}", [65 + i, 66], SamplingParams(max_tokens=3, temperature=0),
+                            time.perf_counter()))
     steps = 0
     while llm.engine.has_unfinished():
         client.core.publish(llm.engine.step())
@@ -52,6 +54,50 @@ def test_one_thread_hop_per_engine_step():
     stats = client.metrics.engine
     assert client.pending == 0 and stats["megalite_requests_finished_total"] == 4
     assert stats["megalite_engine_steps_total"] == 3 and stats["megalite_generation_tokens_total"] == 12
+
+
+def test_the_way_to_the_first_token_is_timed():
+    """/metrics splits a request's way to its first token: submitted (the HTTP request's arrival to the
+    client's submit), admitted by the engine loop (submit to the loop taking it), queued (to the start of the
+    step that made its first token), and each batch's delivery (sent by the engine to routed by the client);
+    and the loop's own time between steps.  Each is a sum and a count, cheap enough to keep."""
+    llm = LLM.from_model(byte_model(), tokenizer=BYTES, engine_config=EngineConfig(block_size=4, num_blocks=64))
+    client, routed = EngineClient(llm.engine.checker, lambda message: None), _Queue()
+    late = time.perf_counter() - 0.25  # submitted a quarter second before the loop reads them
+    inbox = [("add", f"r{i}", [65 + i, 66], SamplingParams(max_tokens=3, temperature=0), late) for i in range(2)]
+    batches = []
+
+    def receive(timeout):
+        if inbox:
+            return inbox.pop(0)
+        return None if llm.engine.has_unfinished() else ("stop",)
+
+    core = EngineLoop(llm.engine, receive, batches.append)
+    assert core.run() is None
+    stats = batches[-1]["stats"]
+    assert stats["megalite_request_admission_seconds_count"] == 2
+    assert stats["megalite_request_admission_seconds_sum"] >= 0.5
+    assert stats["megalite_request_queue_seconds_count"] == 2
+    assert 0 <= stats["megalite_request_queue_seconds_sum"] <= stats["megalite_time_to_first_token_seconds_sum"]
+    assert stats["megalite_engine_loop_seconds_sum"] > 0
+    assert all(0 < batch["sent"] <= time.perf_counter() for batch in batches)
+
+    client.routes = {"r0": routed, "r1": routed}
+    for batch in batches:
+        client.deliver(batch)
+    assert len(routed) == 6 and client.pending == 0
+    text = client.metrics.render(client.pending)
+    values = {name: float(value) for name, value in (line.split() for line in text.splitlines())}
+    assert values["megalite_batch_delivery_seconds_count"] == 3  # the batches with events, not the first stats
+    assert values["megalite_batch_delivery_seconds_sum"] > 0
+    assert values["megalite_request_admission_seconds_count"] == 2  # the engine's, passed on
+
+    async def submit():
+        client.submit("r2", [65], SamplingParams(max_tokens=1), _Queue(), arrived=time.perf_counter() - 0.125)
+
+    asyncio.run(submit())
+    assert client.metrics.latencies["request_submit"][1] == 1
+    assert client.metrics.latencies["request_submit"][0] >= 0.125
 
 
 def test_a_failed_engine_fails_every_waiting_request():

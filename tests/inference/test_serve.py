@@ -108,6 +108,8 @@ def test_concurrent_streams_bad_requests_disconnects_and_no_leaks():
             text = await response.text()
         values = dict(line.split() for line in text.splitlines())
         assert float(values["megalite_time_to_first_token_seconds_count"]) >= 208
+        for name in ("request_submit", "request_admission", "request_queue"):  # each request, once
+            assert float(values[f"megalite_{name}_seconds_count"]) >= 200, name
         assert float(values["megalite_kv_blocks_used"]) == 0
         assert float(values["megalite_requests_aborted_total"]) == 1
         assert float(values["megalite_generation_tokens_per_second"]) > 0
