@@ -160,14 +160,14 @@ class PreferenceTraining:
         if args.lora_rank is not None and args.offload_reference:
             raise ValueError("--offload-reference: under --lora-rank the reference is the frozen base with its "
                              "adapters disabled; there is no copy to offload")
-        sft.check_chat_tokenizer(args)
         if args.pref_loss != "kto":
             read_pairs(args.pref_data)
-            return
-        read_unpaired(args.pref_data)
-        if args.micro_batch_size < 2:
+        elif args.micro_batch_size < 2:
             raise ValueError("--pref-loss kto estimates its KL reference point from the other samples of a "
                              "micro-batch: use --micro-batch-size 2 or more")
+        else:
+            read_unpaired(args.pref_data)
+        sft.check_chat_tokenizer(args)
 
     def datasets(self, args, num_samples):
         self.args = args
