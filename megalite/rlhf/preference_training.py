@@ -53,14 +53,17 @@ def add_preference_flags(parser):
     return parser
 
 
-def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
-    """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
+def _records(path: str) -> list:
     try:
-        records = list(jsonl_records(path))
+        return list(jsonl_records(path))
     except OSError as err:
         raise ValueError(f"--pref-data: {err}") from None
+
+
+def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
+    """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
     pairs = []
-    for where, record in records:
+    for where, record in _records(path):
         if isinstance(record, dict) and "label" in record and "completion" in record:
             raise ValueError(f"{where}: an unpaired (KTO) record: use --pref-loss kto, or give 'chosen' and "
                              f"'rejected'")
@@ -77,12 +80,8 @@ def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
 
 def read_unpaired(path: str) -> list[tuple[dict, bool]]:
     """``(record, desirable)`` per jsonl line of KTO data (``prompt``, ``completion``, boolean ``label``), checked."""
-    try:
-        records = list(jsonl_records(path))
-    except OSError as err:
-        raise ValueError(f"--pref-data: {err}") from None
     out = []
-    for where, record in records:
+    for where, record in _records(path):
         if isinstance(record, dict) and {"chosen", "rejected"} <= set(record):
             raise ValueError(f"{where}: a paired record (chosen and rejected): --pref-loss kto takes unpaired "
                              f"'prompt', 'completion' and 'label'")
