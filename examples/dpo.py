@@ -1,4 +1,5 @@
-"""Preference optimisation (DPO, IPO, SimPO) on chat pairs, through the same trainer as pretraining and SFT.
+"""Preference optimisation (DPO, IPO, SimPO on chat pairs; KTO on unpaired data), through the same trainer as
+pretraining and SFT.
 
     torchrun --nproc_per_node 2 examples/dpo.py --tensor-model-parallel-size 2 \
         --pref-data pairs.jsonl --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR \
@@ -7,6 +8,10 @@
 Each jsonl line holds ``prompt``, ``chosen`` and ``rejected``.  A pair's two sequences are packed into one
 sample and go through one forward; the reference is the loaded model, frozen (see
 megalite.rlhf.preference_training).  Reward accuracy and margin are logged with the loss.
+
+``--pref-loss kto`` takes TRL's unpaired form instead: ``prompt``, ``completion`` and ``label`` (true for a
+desirable completion) per line, weighted by ``--kto-desirable-weight``/``--kto-undesirable-weight``; its KL
+reference point ``kl`` and the desirable and undesirable rewards are logged (micro-batches of 2 or more).
 
 With pretraining's ``--lora-rank`` flags only adapters train, and the reference is the loaded base itself with
 the adapters disabled (no second copy of the model); ``--save`` holds the adapters only, exported to PEFT's

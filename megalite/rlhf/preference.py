@@ -42,7 +42,7 @@ from megalite.data.sft import pack
 from megalite.tensor_parallel.mappings import reduce_from_tensor_parallel_region
 from megalite.training.trainer import LOSS_METRIC
 
-LOSS_TYPES = ("dpo", "ipo", "simpo")
+LOSS_TYPES = ("dpo", "ipo", "simpo", "kto")
 REFERENCE_FREE = ("simpo",)
 
 
@@ -54,6 +54,8 @@ class PreferenceConfig:
     beta: float = 0.1
     label_smoothing: float = 0.0  # conservative DPO / SimPO: the chance a label is flipped
     simpo_gamma: float = 0.5  # SimPO's target reward margin
+    desirable_weight: float = 1.0  # KTO's lambda_D (TRL's desirable_weight)
+    undesirable_weight: float = 1.0  # KTO's lambda_U (TRL's undesirable_weight)
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -62,6 +64,9 @@ class PreferenceConfig:
             raise ValueError(f"beta must be positive, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
+            raise ValueError(f"KTO's desirable and undesirable weights must be positive, got "
+                             f"{self.desirable_weight} and {self.undesirable_weight}")
 
 
 def _check_pair(chosen, rejected) -> None:
@@ -77,11 +82,25 @@ def pack_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], li
     sequences (each the prompt then its completion, e.g. rendered by :class:`megalite.data.sft.ChatRenderer`):
     chosen is document 0, rejected document 1, then padding."""
     _check_pair(chosen, rejected)
-    need = len(chosen[0]) + len(rejected[0])
+    return _pack_two(chosen, rejected, seq_length, pad_id, "a preference pair", "prompt twice, chosen, rejected")
+
+
+def pack_unpaired(completion: tuple[list[int], list[int]], mismatched: tuple[list[int], list[int]], seq_length: int,
+                  pad_id: int):
+    """A KTO row, :func:`pack_pair`'s layout: the sample's prompt and completion as document 0, its prompt with
+    another sample's completion (the KL estimate's mismatched pair) as document 1, then padding.  The prompts
+    differ between the two, so no prefix is shared."""
+    if not any(completion[1][1:]) or not any(mismatched[1][1:]):
+        raise ValueError("a KTO sample needs a non-empty completion")
+    return _pack_two(completion, mismatched, seq_length, pad_id, "a KTO sample",
+                     "prompt twice, its completion and a mismatched one")
+
+
+def _pack_two(first, second, seq_length: int, pad_id: int, what: str, parts: str):
+    need = len(first[0]) + len(second[0])
     if need > seq_length + 1:
-        raise ValueError(f"a preference pair needs {need} tokens (prompt twice, chosen, rejected), more than "
-                         f"--seq-length + 1 = {seq_length + 1}")
-    (sample,), _ = pack([chosen, rejected], seq_length, pad_id)
+        raise ValueError(f"{what} needs {need} tokens ({parts}), more than --seq-length + 1 = {seq_length + 1}")
+    (sample,), _ = pack([first, second], seq_length, pad_id)
     return sample
 
 
@@ -192,7 +211,7 @@ def kto_loss(policy: torch.Tensor, reference: torch.Tensor, policy_kl: torch.Ten
     return losses, beta * ratio.detach(), z0
 
 
-def preference_forward_step(config: PreferenceConfig, cp_group=None):
+def preference_forward_step(config: PreferenceConfig, cp_group=None, dp_group=None):
     """A pipeline-schedule forward step (``forward_step(data_iterator, model)``) for preference pairs.
 
     Each micro-batch is ``prepare_batch``'s output for packed pairs plus ``ref_chosen``/``ref_rejected``
@@ -200,6 +219,9 @@ def preference_forward_step(config: PreferenceConfig, cp_group=None):
     not needed by SimPO).  The last stage turns the per-token loss into the mean pair loss.  Under CP
     every rank holds the whole loss but only its tokens' gradient, which DDP averages over dp x cp, so
     the loss it backpropagates is multiplied by cp (the logged metrics are not).
+
+    KTO's rows are :func:`pack_unpaired`'s (document 0 the completion, document 1 the mismatched one, whose
+    reference sums come as ``ref_rejected``) with ``desirable`` ``[b]``; ``z0`` is averaged over ``dp_group``.
     """
     cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
 
@@ -213,6 +235,11 @@ def preference_forward_step(config: PreferenceConfig, cp_group=None):
         def loss_func(per_token_loss):
             chosen, rejected, n_chosen, n_rejected = pair_log_probs(-per_token_loss.float(), batch["loss_mask"],
                                                                     batch["document_ids"], cp_group)
+            if config.loss_type == "kto":
+                losses, rewards, z0 = kto_loss(chosen, batch["ref_chosen"], rejected, batch["ref_rejected"],
+                                               batch["desirable"], config.beta, config.desirable_weight,
+                                               config.undesirable_weight, dp_group)
+                return losses.mean() * cp, kto_metrics(losses, rewards, z0, batch["desirable"])
             losses, chosen_rewards, rejected_rewards = preference_loss(
                 chosen, rejected, batch.get("ref_chosen"), batch.get("ref_rejected"), config, n_chosen, n_rejected)
             return losses.mean() * cp, preference_metrics(losses, chosen_rewards, rejected_rewards)
@@ -228,3 +255,13 @@ def preference_metrics(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejec
             "rewards_rejected": rejected_rewards.mean(),
             "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean(),
             "reward_margin": (chosen_rewards - rejected_rewards).mean()}
+
+
+def kto_metrics(losses: torch.Tensor, rewards: torch.Tensor, z0: torch.Tensor, desirable: torch.Tensor) -> dict:
+    """KTO's batch values logged per step: loss, the reference point ``kl`` (z0), and the mean rewards of the
+    desirable and undesirable completions (0 where the micro-batch has none)."""
+    desirable = desirable.bool()
+    out = {LOSS_METRIC: losses.detach().mean(), "kl": z0}
+    for name, which in (("rewards_desirable", desirable), ("rewards_undesirable", ~desirable)):
+        out[name] = (rewards * which).sum() / which.sum().clamp(min=1)
+    return out

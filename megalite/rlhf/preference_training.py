@@ -8,7 +8,10 @@ context or pipeline parallelism each micro-batch is cut after its last labelled 
 cost what their pairs hold, not ``--seq-length``.  The reference is a frozen copy of the policy's weights when training
 starts (the ``--load``ed model), kept by :class:`~megalite.rlhf.reference.ReferenceModel` and run on the fly
 before each micro-batch's policy forward (optionally parked in CPU memory with ``--offload-reference``).
-Under ``--lora-rank`` only the adapters train and the reference is the policy's own frozen base with its
+With ``--pref-loss kto`` the file is unpaired, TRL's KTO form: ``prompt``, ``completion`` and a boolean ``label``
+(desirable or not) per line.  Each sample's row holds its completion and, as a second document, its prompt with the
+completion of the previous sample in its micro-batch (the first takes the last's), TRL's rotation for the KL
+reference point (:class:`UnpairedDataset`).  Under ``--lora-rank`` only the adapters train and the reference is the policy's own frozen base with its
 adapters disabled (:func:`megalite.lora.adapters_disabled`, as TRL does with PEFT), so no second copy exists.
 """
 
@@ -19,7 +22,7 @@ import torch
 from megalite.data.sft import conversation_from_record, jsonl_records
 from megalite.flags import Flag, FlagTable
 from megalite.rlhf.preference import (LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pack_shared_pair,
-                                      pair_log_probs)
+                                      pack_unpaired, pair_log_probs)
 from megalite.rlhf.preference import preference_forward_step
 from megalite.rlhf.reference import ReferenceModel, lora_base
 from megalite.data.gpt_dataset import split_documents
@@ -27,12 +30,17 @@ from megalite.training import gpt, sft
 
 GROUP = "preference optimisation"
 PREFERENCE_FLAGS = FlagTable((
-    Flag("--pref-data", GROUP, required=True, help="jsonl with prompt, chosen and rejected per line"),
+    Flag("--pref-data", GROUP, required=True,
+         help="jsonl with prompt, chosen and rejected per line (kto: prompt, completion and a boolean label)"),
     Flag("--pref-loss", GROUP, ("PreferenceConfig.loss_type",), choices=LOSS_TYPES),
     Flag("--beta", GROUP, ("PreferenceConfig.beta",), type=float),
     Flag("--pref-label-smoothing", GROUP, ("PreferenceConfig.label_smoothing",), type=float,
          help="conservative DPO / SimPO: the chance a preference label is flipped"),
     Flag("--simpo-gamma", GROUP, ("PreferenceConfig.simpo_gamma",), type=float, help="SimPO's target margin"),
+    Flag("--kto-desirable-weight", GROUP, ("PreferenceConfig.desirable_weight",), type=float,
+         help="KTO's weight on desirable completions' losses"),
+    Flag("--kto-undesirable-weight", GROUP, ("PreferenceConfig.undesirable_weight",), type=float,
+         help="KTO's weight on undesirable completions' losses"),
     Flag("--offload-reference", GROUP, default=False,
          help="keep the reference's weights in CPU memory (not with --lora-rank, whose reference is the base)"),
 ), configs=(PreferenceConfig,))
@@ -45,14 +53,20 @@ def add_preference_flags(parser):
     return parser
 
 
-def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
-    """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
+def _records(path: str) -> list:
     try:
-        records = list(jsonl_records(path))
+        return list(jsonl_records(path))
     except OSError as err:
         raise ValueError(f"--pref-data: {err}") from None
+
+
+def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
+    """``(chosen conversation, rejected conversation)`` per jsonl line, checked (errors name file and line)."""
     pairs = []
-    for where, record in records:
+    for where, record in _records(path):
+        if isinstance(record, dict) and "label" in record and "completion" in record:
+            raise ValueError(f"{where}: an unpaired (KTO) record: use --pref-loss kto, or give 'chosen' and "
+                             f"'rejected'")
         if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= set(record):
             raise ValueError(f"{where}: needs 'prompt', 'chosen' and 'rejected'")
         if record["chosen"] == record["rejected"]:
@@ -62,6 +76,55 @@ def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
     if not pairs:
         raise ValueError(f"{path} holds no preference pairs")
     return pairs
+
+
+def read_unpaired(path: str) -> list[tuple[dict, bool]]:
+    """``(record, desirable)`` per jsonl line of KTO data (``prompt``, ``completion``, boolean ``label``), checked."""
+    out = []
+    for where, record in _records(path):
+        if isinstance(record, dict) and {"chosen", "rejected"} <= set(record):
+            raise ValueError(f"{where}: a paired record (chosen and rejected): --pref-loss kto takes unpaired "
+                             f"'prompt', 'completion' and 'label'")
+        if not isinstance(record, dict) or not {"prompt", "completion", "label"} <= set(record):
+            raise ValueError(f"{where}: --pref-loss kto needs 'prompt', 'completion' and 'label' per line")
+        if not isinstance(record["label"], bool):
+            raise ValueError(f"{where}: 'label' must be true (desirable) or false, got {record['label']!r}")
+        conversation_from_record(record, where)
+        out.append(({"prompt": record["prompt"], "completion": record["completion"]}, record["label"]))
+    if not out:
+        raise ValueError(f"{path} holds no KTO samples")
+    return out
+
+
+class UnpairedDataset:
+    """KTO rows ``{"tokens", "assistant_mask", "document_ids", "desirable"}`` (:func:`pack_unpaired`), repeated to
+    ``num_samples``.  The sampler's micro-batches are aligned runs of ``micro_batch_size`` indices; within each,
+    a sample's mismatched completion is the previous index's (the first takes the last's), as TRL's KTOTrainer
+    rotates completions within a device batch, so the KL estimate uses the batch's own completions."""
+
+    packed_documents = True
+
+    def __init__(self, samples, renderer, seq_length: int, num_samples: int, micro_batch_size: int):
+        self.records, self.renderer, self.seq_length = samples, renderer, seq_length
+        self.num_samples, self.micro_batch_size = num_samples, micro_batch_size
+        self.rows = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = index - index % self.micro_batch_size
+        other = start + (index - start - 1) % self.micro_batch_size
+        i, j = index % len(self.records), other % len(self.records)
+        if (i, j) not in self.rows:
+            record = self.records[i][0]
+            mismatched = {"prompt": record["prompt"], "completion": self.records[j][0]["completion"]}
+            self.rows[i, j] = pack_unpaired(*(self.renderer.render(conversation_from_record(r))
+                                              for r in (record, mismatched)),
+                                            self.seq_length, self.renderer.tokenizer.pad)
+        tokens, mask, docs = self.rows[i, j]
+        return {"tokens": tokens, "assistant_mask": mask, "document_ids": docs,
+                "desirable": torch.tensor(self.records[i][1])}
 
 
 class PairDataset:
@@ -96,18 +159,30 @@ class PreferenceTraining:
         if args.lora_rank is not None and args.offload_reference:
             raise ValueError("--offload-reference: under --lora-rank the reference is the frozen base with its "
                              "adapters disabled; there is no copy to offload")
+        if args.pref_loss != "kto":
+            read_pairs(args.pref_data)
+        elif args.micro_batch_size < 2:
+            raise ValueError("--pref-loss kto estimates its KL reference point from the other samples of a "
+                             "micro-batch: use --micro-batch-size 2 or more")
+        else:
+            read_unpaired(args.pref_data)
         sft.check_chat_tokenizer(args)
-        read_pairs(args.pref_data)
 
     def datasets(self, args, num_samples):
         self.args = args
         renderer = sft.renderer_from_args(args)
-        pairs = read_pairs(args.pref_data)
+        kto = args.pref_loss == "kto"
+        pairs = read_unpaired(args.pref_data) if kto else read_pairs(args.pref_data)
         out = []
         for indices, wanted in zip(split_documents(len(pairs), args.split), num_samples):
-            out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
-                                   getattr(args, "window_size", None))
-                       if wanted and len(indices) else None)
+            if not wanted or not len(indices):
+                out.append(None)
+            elif kto:
+                out.append(UnpairedDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
+                                           args.micro_batch_size))
+            else:
+                out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
+                                       getattr(args, "window_size", None)))
         return tuple(out)
 
     def forward_step(self, data_iterator, model):
@@ -133,7 +208,7 @@ class PreferenceTraining:
                 with self.reference.on_device() as ref:
                     chosen, rejected = reference_log_probs(ref, batch, topo.cp.group)
             batch = {**batch, "ref_chosen": chosen, "ref_rejected": rejected}
-        return preference_forward_step(config, topo.cp.group)(iter([batch]), model)
+        return preference_forward_step(config, topo.cp.group, topo.dp.group)(iter([batch]), model)
 
 
 def trim(batch: dict, multiple: int) -> dict:

@@ -165,6 +165,9 @@ def num_samples(args) -> list[int]:
     return [train, evals * args.eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 
+PREPARED = ("tokens", "assistant_mask", "document_ids")  # the fields prepare_batch turns into its own
+
+
 def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
     """This DP rank's micro-batches from ``consumed_samples`` on; one iterator per model chunk under vpp.
 
@@ -175,6 +178,7 @@ def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
     this CP rank's chunks plus their positions, documents and loss mask
     (:func:`megalite.context_parallel.prepare_batch`), as does a dataset of packed chat samples
     (``packed_documents``, :class:`megalite.data.sft.SFTDataset`); otherwise it stays ``{"tokens": [mb, seq+1]}``.
+    A prepared micro-batch keeps the dataset's other per-sample fields (KTO's ``desirable`` labels) as they are.
     """
     if dataset is None:
         return None
@@ -190,8 +194,9 @@ def micro_batch_iterator(dataset, consumed_samples, args, topo, ramp=None):
         batches = build_data_iterator(dataset, sampler)
         if not prepare:
             return batches
-        return (prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank, batch.get("assistant_mask"),
-                              batch.get("document_ids")) for batch in batches)
+        return ({**prepare_batch(batch["tokens"], packing, topo.cp.size, topo.cp.rank, batch.get("assistant_mask"),
+                                 batch.get("document_ids")),
+                 **{key: value for key, value in batch.items() if key not in PREPARED}} for batch in batches)
 
     vpp = args.virtual_pipeline_model_parallel_size
     return one() if vpp is None else [one() for _ in range(vpp)]

@@ -167,8 +167,8 @@ def test_bad_input():
         pack_pair(*completion_pair([1, 2], [3, 4], [3, 4]), SEQ, 0)
     with pytest.raises(ValueError, match="a preference pair needs 13 tokens .* more than --seq-length \\+ 1 = 9"):
         pack_pair(*completion_pair([1, 2, 3, 4, 5], [6], [7, 8]), 8, 0)
-    with pytest.raises(ValueError, match="loss type 'kto' is not one of dpo, ipo, simpo"):
-        PreferenceConfig("kto")
+    with pytest.raises(ValueError, match="loss type .orpo. is not one of dpo, ipo, simpo, kto"):
+        PreferenceConfig("orpo")
     with pytest.raises(ValueError, match="dpo needs the reference model's log-probs"):
         preference_loss(torch.zeros(1), torch.zeros(1), None, None, PreferenceConfig())
 
