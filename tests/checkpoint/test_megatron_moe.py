@@ -1,0 +1,160 @@
+"""Megatron-LM torch_dist MoE checkpoints, written by Megatron-Core at ep=2, load into megalite at ep=1 and ep=2.
+
+Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU experts, top-2, dropless, a shared
+expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
+two expert-parallel ranks.  megalite reads the architecture from the saved args and its logits equal
+Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.  Both Megatron
+expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
+GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
+checkpoint covers both.
+"""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 ranks
+
+from megalite.testing import run_distributed  # noqa: E402
+from tests.checkpoint import megatron_fixture  # noqa: E402
+
+ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
+            qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+            moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
+
+
+def _build(ep: int, seed: int, grouped: bool = False):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
+    ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+
+    megatron_fixture.patch_cuda()
+    moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    torch.manual_seed(seed)
+    a = ARGS
+    config = TransformerConfig(
+        num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
+        ffn_hidden_size=a["ffn_hidden_size"], kv_channels=a["kv_channels"], hidden_dropout=0.0,
+        attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
+        add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
+        moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
+        moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
+        moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
+        moe_use_legacy_grouped_gemm=grouped)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    with torch.no_grad():  # non-zero norm weights and a router that separates experts
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif "router" in name:
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def _sharded_shapes(model) -> dict:
+    """``{sharded key: global shape}`` of the tensors ``model`` saves."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
+
+
+def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Save the checkpoint from an ep grid; Megatron-Core's logits of ``ids`` after its own load into an ep=1 model,
+    and whether GroupedMLP experts (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    model = _build(ep, seed=1)
+    grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
+    args = argparse.Namespace(**ARGS, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              expert_model_parallel_size=ep, world_size=dist.get_world_size(),
+                              data_parallel_size=dist.get_world_size())
+    megatron_fixture.save_state({"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
+                                 "model": model.sharded_state_dict()}, save_dir, megatron_fixture.ITERATION)
+    parallel_state.destroy_model_parallel()
+    model = _build(1, seed=7)
+    directory = os.path.join(save_dir, f"iter_{megatron_fixture.ITERATION:07d}")
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
+    model.eval()
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return model(ids, positions, causal), grouped_same
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``(save directory, Megatron-Core's logits of IDS over the real vocabulary)``."""
+    path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
+    os.makedirs(path)
+    logits, grouped_same = run_distributed(_save, 2, path, 2, IDS, timeout=240)[0]
+    return path, logits[..., :90], grouped_same
+
+
+def _close(actual, expected):
+    assert actual.shape == expected.shape
+    rel = (actual - expected).abs().max() / expected.abs().max()
+    assert rel <= 1e-5, f"relative difference {rel.item():.3g}"
+
+
+def _ep_logits(path, ep):
+    from megalite import checkpoint, topology
+    from megalite.models import GPTModel
+
+    topology.initialize(ep=ep)
+    config = checkpoint.read_checkpoint_info(path)["config"]
+    model = GPTModel(config).eval()
+    checkpoint.load_sharded(path, [model])
+    with torch.no_grad():
+        logits = model(IDS)[..., :config.vocab_size]
+    return logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+
+
+def test_grouped_experts_save_the_sequential_layout(saved):
+    assert saved[2]
+
+
+def test_moe_config_from_megatron_args(saved):
+    from megalite.checkpoint import read_checkpoint_info
+
+    config = read_checkpoint_info(saved[0])["config"]
+    moe = config.moe
+    assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.activation, moe.shared_expert_intermediate_size,
+            moe.capacity_factor, moe.dispatcher) == (4, 2, 48, "swiglu", 40, None, "allgather")
+    assert config.moe_layer_freq == [1, 0]
+
+
+def test_load_model_ep1_equals_megatron(saved):
+    from megalite.checkpoint import load_model
+
+    with torch.no_grad():
+        logits = load_model(saved[0])(IDS)
+    _close(logits, saved[1])
+
+
+def test_ep2_load_equals_megatron(saved):
+    for logits in run_distributed(_ep_logits, 2, saved[0], 2, timeout=120):
+        _close(logits, saved[1])
