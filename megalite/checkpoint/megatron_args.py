@@ -111,6 +111,7 @@ def moe_config_from_megatron_args(args, activation: str, bias: bool) -> MoEConfi
         pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         shared_expert_intermediate_size=_arg(args, "moe_shared_expert_intermediate_size"),
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
         aux_loss_coeff=aux, load_balancing_type=balancing, z_loss_coeff=float(_arg(args, "moe_z_loss_coeff", 0.0)),
         capacity_factor=_arg(args, "moe_expert_capacity_factor"),
         token_drop_policy=_arg(args, "moe_token_drop_policy", "probs"),
@@ -122,6 +123,34 @@ def moe_config_from_megatron_args(args, activation: str, bias: bool) -> MoEConfi
         routed_scaling_factor=float(_arg(args, "moe_router_topk_scaling_factor", 1.0)),
         num_groups=_arg(args, "moe_router_num_groups"), group_topk=_arg(args, "moe_router_group_topk"),
         init_method_std=_arg(args, "init_method_std", 0.02))
+
+
+def megatron_moe_args(config) -> dict:
+    """Megatron-LM's ``moe_*`` args of GPTConfig ``config`` (the inverse of :func:`moe_config_from_megatron_args`;
+    ``{"num_experts": None}`` for a dense model).  Megatron's experts share the dense MLP's activation, bias and
+    init std: an MoEConfig that differs from the model there has no Megatron-LM flag (ValueError)."""
+    moe = config.moe
+    if moe is None:
+        return {"num_experts": None}
+    for field, ours, model in (("activation", moe.activation, config.activation),
+                               ("add_bias", moe.add_bias, config.add_bias_linear),
+                               ("init_method_std", moe.init_method_std, config.init_method_std)):
+        if ours != model:
+            raise ValueError(f"the MoE's {field} {ours!r} differs from the model's {model!r}: Megatron-LM's experts "
+                             "share the dense MLP's, so it has no flag for this")
+    return {"num_experts": moe.num_experts, "moe_ffn_hidden_size": moe.ffn_hidden_size, "moe_router_topk": moe.topk,
+            "moe_router_pre_softmax": moe.pre_softmax,
+            "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+            "moe_shared_expert_gate": moe.shared_expert_gate, "moe_shared_expert_overlap": moe.shared_expert_overlap,
+            "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_load_balancing_type": moe.load_balancing_type,
+            "moe_z_loss_coeff": moe.z_loss_coeff or None, "moe_expert_capacity_factor": moe.capacity_factor,
+            "moe_token_drop_policy": moe.token_drop_policy, "moe_token_dispatcher_type": moe.dispatcher,
+            "moe_grouped_gemm": moe.grouped_gemm, "moe_router_score_function": moe.score_function,
+            "moe_router_enable_expert_bias": moe.enable_expert_bias,
+            "moe_router_bias_update_rate": moe.bias_update_rate,
+            "moe_router_topk_scaling_factor": None if moe.routed_scaling_factor == 1.0 else moe.routed_scaling_factor,
+            "moe_router_num_groups": moe.num_groups, "moe_router_group_topk": moe.group_topk,
+            "moe_layer_freq": config.moe_layer_freq}
 
 
 def _moe(args, activation: str, bias: bool) -> dict:

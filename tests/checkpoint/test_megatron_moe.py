@@ -6,7 +6,8 @@ two expert-parallel ranks.  megalite reads the architecture from the saved args 
 Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.  Both Megatron
 expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
 GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
-checkpoint covers both.
+checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
+logits again.
 """
 
 import argparse
@@ -85,7 +86,7 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool
     """Save the checkpoint from an ep grid; Megatron-Core's logits of ``ids`` after its own load into an ep=1 model,
     and whether GroupedMLP experts (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     model = _build(ep, seed=1)
     grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
@@ -95,6 +96,14 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool
     megatron_fixture.save_state({"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
                                  "model": model.sharded_state_dict()}, save_dir, megatron_fixture.ITERATION)
     parallel_state.destroy_model_parallel()
+    return _megatron_logits(save_dir, ids), grouped_same
+
+
+def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's logits of ``ids`` after its own ``dist_checkpointing.load`` of ``save_dir`` into an ep=1
+    model."""
+    from megatron.core import dist_checkpointing
+
     model = _build(1, seed=7)
     directory = os.path.join(save_dir, f"iter_{megatron_fixture.ITERATION:07d}")
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
@@ -102,7 +111,7 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
     causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
-        return model(ids, positions, causal), grouped_same
+        return model(ids, positions, causal)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +167,45 @@ def test_load_model_ep1_equals_megatron(saved):
 def test_ep2_load_equals_megatron(saved):
     for logits in run_distributed(_ep_logits, 2, saved[0], 2, timeout=120):
         _close(logits, saved[1])
+
+
+def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
+    """``--to megatron`` writes the MoE model as Megatron-Core saves it (experts, shared expert, unstacked mixed
+    layers, their sharded objects): its own load gives its logits again."""
+    from megalite.checkpoint import load_model
+
+    ours, theirs = str(tmp_path / "megalite"), str(tmp_path / "megatron")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", saved[0],
+                                    "--output", ours) == 0
+    with torch.no_grad():
+        _close(load_model(ours)(IDS), saved[1])
+    assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
+                                    "--output", theirs) == 0
+    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0][..., :90], saved[1])
+
+
+def test_moe_args_map_both_ways():
+    """megalite's MoEConfig -> Megatron-LM's args -> MoEConfig is the identity; a setting Megatron has no flag for is
+    an error naming it."""
+    import dataclasses
+
+    from megalite.checkpoint.megatron_args import config_from_megatron_args
+    from megalite.checkpoint.megatron_convert import megatron_args
+    from megalite.models import GPTConfig
+    from megalite.moe import MoEConfig
+
+    dense = GPTConfig(vocab_size=90, num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                      activation="swiglu", normalization="RMSNorm", add_bias_linear=False,
+                      position_embedding_type="rope", max_position_embeddings=16, make_vocab_size_divisible_by=8)
+    moe = MoEConfig(num_experts=8, ffn_hidden_size=24, topk=3, activation="swiglu", pre_softmax=True,
+                    shared_expert_intermediate_size=16, shared_expert_gate=True, shared_expert_overlap=True,
+                    aux_loss_coeff=0.01, load_balancing_type="seq_aux_loss", z_loss_coeff=0.001, capacity_factor=1.5,
+                    token_drop_policy="position", grouped_gemm=True)
+    sigmoid = dataclasses.replace(moe, pre_softmax=False, capacity_factor=None, score_function="sigmoid",
+                                  enable_expert_bias=True, bias_update_rate=0.01, routed_scaling_factor=2.5,
+                                  num_groups=4, group_topk=2, dispatcher="allgather", shared_expert_overlap=False)
+    for config in (dataclasses.replace(dense, moe=moe, moe_layer_freq=[1, 0, 1, 1]),
+                   dataclasses.replace(dense, moe=sigmoid, moe_layer_freq=2)):
+        assert config_from_megatron_args(megatron_args(config, 1, 0)) == config
+    with pytest.raises(ValueError, match="the MoE's activation 'gelu' differs from the model's 'swiglu'"):
+        megatron_args(dataclasses.replace(dense, moe=dataclasses.replace(moe, activation="gelu")), 1, 0)
