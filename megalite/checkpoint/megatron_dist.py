@@ -269,7 +269,7 @@ class MegatronDistReader:
             if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
                 continue
             prefix, model_key = "", key
-            if key.startswith("optimizer."):
+            if key.startswith(("optimizer.", "chained_")):
                 prefix, model_key = megalite_optimizer_prefix(key)
                 if prefix is None:
                     continue  # another optimizer's layout: :func:`resumable_optimizer` names it

@@ -90,13 +90,48 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool
 
     model = _build(ep, seed=1)
     grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
+    optimizer, scheduler, moments = _train_one_step(model)
     args = argparse.Namespace(**ARGS, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               expert_model_parallel_size=ep, world_size=dist.get_world_size(),
-                              data_parallel_size=dist.get_world_size())
-    megatron_fixture.save_state({"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
-                                 "model": model.sharded_state_dict()}, save_dir, megatron_fixture.ITERATION)
+                              data_parallel_size=dist.get_world_size(), transformer_impl="local")
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
+             "model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    megatron_fixture.save_state(state, save_dir, megatron_fixture.ITERATION)
     parallel_state.destroy_model_parallel()
-    return _megatron_logits(save_dir, ids), grouped_same
+    return _megatron_logits(save_dir, ids), grouped_same, moments
+
+
+def _train_one_step(model):
+    """One iteration of Megatron-Core's DDP and Adam (at ep > 1 a ChainedOptimizer: the experts' is the second) on
+    ``model``; ``(optimizer, scheduler, {megalite name: this rank's Adam moment})`` for layer 0's router and the
+    first moment of its local experts' fc1 and second of their fc2, stacked in expert order."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from tests.checkpoint import megatron_optim_fixture as run
+
+    run.patch_cuda()
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0),
+                                       [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **run.SCHEDULE)
+    generator = torch.Generator().manual_seed(3)
+    run._train_step(ddp, optimizer, scheduler, [torch.randint(0, 90, (run.MICRO_BATCH, run.SEQ + 1),
+                                                              generator=generator)
+                                                for _ in range(run.GLOBAL_BATCH // run.MICRO_BATCH)])
+    state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
+    params = dict(model.named_parameters())
+    layer = "decoder.layers.0.mlp."
+    experts = sorted(n for n in params if n.startswith(layer + "experts.local_experts.") and "fc1" in n)
+    return optimizer, scheduler, {
+        f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"],
+        f"optimizer.exp_avg.{layer}experts.fc1_weight": torch.stack([state[params[n]]["exp_avg"] for n in experts]),
+        f"optimizer.exp_avg_sq.{layer}experts.fc2_weight": torch.stack(
+            [state[params[n.replace("fc1", "fc2")]]["exp_avg_sq"] for n in experts])}
 
 
 def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
@@ -119,8 +154,10 @@ def saved(tmp_path_factory):
     """``(save directory, Megatron-Core's logits of IDS over the real vocabulary)``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     os.makedirs(path)
-    logits, grouped_same = run_distributed(_save, 2, path, 2, IDS, timeout=240)[0]
-    return path, logits[..., :90], grouped_same
+    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=240)
+    moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
+               for name in ranks[0][2]}
+    return path, ranks[0][0][..., :90], ranks[0][1], moments
 
 
 def _close(actual, expected):
@@ -209,3 +246,17 @@ def test_moe_args_map_both_ways():
         assert config_from_megatron_args(megatron_args(config, 1, 0)) == config
     with pytest.raises(ValueError, match="the MoE's activation 'gelu' differs from the model's 'swiglu'"):
         megatron_args(dataclasses.replace(dense, moe=dataclasses.replace(moe, activation="gelu")), 1, 0)
+
+
+def test_expert_moments_of_the_chained_optimizer_are_read(saved):
+    """At ep=2 Megatron-Core chains a second Adam for the experts (``chained_1.optimizer.state...``, its own
+    parameter groups in ``common.pt``): megalite reads both as one optimizer state, the experts' moments (from both
+    EP ranks) and the dense ones equal to Megatron's own after the step."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(saved[0])
+    assert reader.optimizer_note is None
+    assert reader.state["optimizer"]["num_steps"] == 1
+    assert [g["weight_decay"] for g in reader.state["optimizer"]["param_groups"]] == [0.1, 0.0]
+    for name, expected in saved[3].items():
+        torch.testing.assert_close(reader.read(name), expected, rtol=0, atol=0)
