@@ -167,16 +167,24 @@ def _close(actual, expected):
 
 
 def _ep_logits(path, ep):
+    """megalite's logits of IDS at ep (the model and its optimizer loaded as the trainer builds them), the Adam step
+    count, and this rank's first moment of layer 0's expert fc1 weights."""
     from megalite import checkpoint, topology
+    from megalite.distributed import DDPConfig, DistributedDataParallel
     from megalite.models import GPTModel
+    from megalite.optim import OptimizerConfig, get_optimizer
 
     topology.initialize(ep=ep)
     config = checkpoint.read_checkpoint_info(path)["config"]
-    model = GPTModel(config).eval()
-    checkpoint.load_sharded(path, [model])
+    chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
+    checkpoint.load_sharded(path, [chunk], optimizer)
+    fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
+    shard = next(s for s in optimizer.shards if s.param is fc1)
     with torch.no_grad():
-        logits = model(IDS)[..., :config.vocab_size]
-    return logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+        logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
+    logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+    return logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)
 
 
 def test_grouped_experts_save_the_sequential_layout(saved):
@@ -202,8 +210,13 @@ def test_load_model_ep1_equals_megatron(saved):
 
 
 def test_ep2_load_equals_megatron(saved):
-    for logits in run_distributed(_ep_logits, 2, saved[0], 2, timeout=120):
+    """At ep=2 the logits equal Megatron's, and each rank's optimizer resumes its experts' moments."""
+    ranks = run_distributed(_ep_logits, 2, saved[0], 2, timeout=120)
+    expected = saved[3]["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"]
+    for rank, (logits, steps, exp_avg) in enumerate(ranks):
         _close(logits, saved[1])
+        assert steps == 1
+        torch.testing.assert_close(exp_avg, expected[2 * rank:2 * rank + 2], rtol=0, atol=0)
 
 
 def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
