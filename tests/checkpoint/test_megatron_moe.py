@@ -273,3 +273,24 @@ def test_expert_moments_of_the_chained_optimizer_are_read(saved):
     assert [g["weight_decay"] for g in reader.state["optimizer"]["param_groups"]] == [0.1, 0.0]
     for name, expected in saved[3].items():
         torch.testing.assert_close(reader.read(name), expected, rtol=0, atol=0)
+
+
+def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):
+    """A Megatron MoE checkpoint whose args ask for what megalite's MoE cannot compute (input jitter) converts to
+    nothing: exit 2 and one error line naming the arg."""
+    import shutil
+
+    from megalite.checkpoint.megatron_dist import COMMON
+    from megalite.cli import run_cli
+
+    copy = str(tmp_path / "jitter")
+    shutil.copytree(saved[0], copy)
+    common = os.path.join(copy, f"iter_{megatron_fixture.ITERATION:07d}", COMMON)
+    state = torch.load(common, weights_only=False)
+    state["args"].moe_input_jitter_eps = 0.01
+    torch.save(state, common)
+    status = run_cli(lambda argv: megatron_fixture.convert(*argv), ["--from", "megatron", "--to", "megalite",
+                                                                     "--input", copy, "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and not os.path.exists(tmp_path / "o"), err
+    assert "args.moe_input_jitter_eps=0.01 (MoE input jitter): megalite's GPT does not implement it" in err
