@@ -4,8 +4,9 @@ Megatron-LM stores its parsed command line (an ``argparse.Namespace``, after ``v
 derived sizes such as ``ffn_hidden_size``, ``kv_channels`` and ``padded_vocab_size``) in every
 checkpoint.  These are Megatron's attribute names, not megalite's flags, so they are read here, once,
 for every Megatron checkpoint format.  QK layer norm, interleaved RoPE, a QKV-only bias and Llama-3 RoPE
-scaling map onto GPTConfig's fields of the same meaning; a feature megalite's GPT cannot compute (MoE, MLA,
-1p LayerNorm, squared ReLU, sliding windows, ...) is one error naming the arg.
+scaling map onto GPTConfig's fields of the same meaning, and Megatron's ``moe_*`` args onto :class:`MoEConfig`
+(:func:`moe_config_from_megatron_args`); a feature megalite's GPT cannot compute (MLA, 1p LayerNorm, squared
+ReLU, sliding windows, an MoE setting megalite's MoE lacks, ...) is one error naming the arg.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import argparse
 from collections.abc import Mapping
 
 from megalite.models import GPTConfig
+from megalite.moe import MoEConfig
 from megalite.tensor_parallel import pad_vocab_size
 
 _UNSUPPORTED = (
-    ("num_experts", "mixture-of-experts layers"),
+    ("moe_input_jitter_eps", "MoE input jitter"),
+    ("moe_pad_expert_input_to_capacity", "expert inputs padded to capacity"),
+    ("moe_router_force_load_balancing", "forced load-balanced routing"),
+    ("moe_apply_probs_on_input", "routing probabilities applied to the expert input"),
     ("multi_latent_attention", "multi-latent attention"),
     ("apply_layernorm_1p", "zero-centred (1p) layer norm"),
     ("squared_relu", "squared ReLU"),
@@ -77,6 +82,85 @@ def _rope_scaling(args) -> dict:
     return {**MEGATRON_LLAMA3, "rope_scaling_factor": float(_arg(args, "rope_scaling_factor", 8.0))}
 
 
+def _single(args, name: str, default):
+    """Megatron's ``name``, which newer versions also accept as a one-per-loss list: its one value."""
+    value = _arg(args, name, default)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"the checkpoint's args.{name}={value!r}: megalite's MoE has one router balancing "
+                             "loss")
+        value = value[0]
+    return value
+
+
+def moe_config_from_megatron_args(args, activation: str, bias: bool) -> MoEConfig:
+    """The MoEConfig of Megatron-LM's ``moe_*`` args (``num_experts`` set); ``activation`` and ``bias`` are the
+    dense MLP's, which Megatron's experts share.  The token dispatcher (alltoall, allgather, flex) changes only
+    where tokens travel, not the numbers: one Megatron does not have maps to megalite's alltoall."""
+    balancing = _single(args, "moe_router_load_balancing_type", "aux_loss")
+    aux = float(_single(args, "moe_aux_loss_coeff", 0.0))
+    if balancing == "none":
+        balancing, aux = "aux_loss", 0.0
+    if balancing not in ("aux_loss", "seq_aux_loss"):
+        raise ValueError(f"the checkpoint's args.moe_router_load_balancing_type={balancing!r}: megalite's MoE "
+                         "implements aux_loss, seq_aux_loss and none")
+    dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")
+    return MoEConfig(
+        num_experts=args.num_experts, ffn_hidden_size=_arg(args, "moe_ffn_hidden_size", args.ffn_hidden_size),
+        topk=_arg(args, "moe_router_topk", 2), activation=activation, add_bias=bias,
+        pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+        shared_expert_intermediate_size=_arg(args, "moe_shared_expert_intermediate_size"),
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
+        aux_loss_coeff=aux, load_balancing_type=balancing, z_loss_coeff=float(_arg(args, "moe_z_loss_coeff", 0.0)),
+        capacity_factor=_arg(args, "moe_expert_capacity_factor"),
+        token_drop_policy=_arg(args, "moe_token_drop_policy", "probs"),
+        dispatcher=dispatcher if dispatcher == "allgather" else "alltoall",
+        grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        score_function=_arg(args, "moe_router_score_function", "softmax"),
+        enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        bias_update_rate=float(_arg(args, "moe_router_bias_update_rate", 1e-3)),
+        routed_scaling_factor=float(_arg(args, "moe_router_topk_scaling_factor", 1.0)),
+        num_groups=_arg(args, "moe_router_num_groups"), group_topk=_arg(args, "moe_router_group_topk"),
+        init_method_std=_arg(args, "init_method_std", 0.02))
+
+
+def megatron_moe_args(config) -> dict:
+    """Megatron-LM's ``moe_*`` args of GPTConfig ``config`` (the inverse of :func:`moe_config_from_megatron_args`;
+    ``{"num_experts": None}`` for a dense model).  Megatron's experts share the dense MLP's activation, bias and
+    init std: an MoEConfig that differs from the model there has no Megatron-LM flag (ValueError)."""
+    moe = config.moe
+    if moe is None:
+        return {"num_experts": None}
+    for field, ours, model in (("activation", moe.activation, config.activation),
+                               ("add_bias", moe.add_bias, config.add_bias_linear),
+                               ("init_method_std", moe.init_method_std, config.init_method_std)):
+        if ours != model:
+            raise ValueError(f"the MoE's {field} {ours!r} differs from the model's {model!r}: Megatron-LM's experts "
+                             "share the dense MLP's, so it has no flag for this")
+    return {"num_experts": moe.num_experts, "moe_ffn_hidden_size": moe.ffn_hidden_size, "moe_router_topk": moe.topk,
+            "moe_router_pre_softmax": moe.pre_softmax,
+            "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+            "moe_shared_expert_gate": moe.shared_expert_gate, "moe_shared_expert_overlap": moe.shared_expert_overlap,
+            "moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_load_balancing_type": moe.load_balancing_type,
+            "moe_z_loss_coeff": moe.z_loss_coeff or None, "moe_expert_capacity_factor": moe.capacity_factor,
+            "moe_token_drop_policy": moe.token_drop_policy, "moe_token_dispatcher_type": moe.dispatcher,
+            "moe_grouped_gemm": moe.grouped_gemm, "moe_router_score_function": moe.score_function,
+            "moe_router_enable_expert_bias": moe.enable_expert_bias,
+            "moe_router_bias_update_rate": moe.bias_update_rate,
+            "moe_router_topk_scaling_factor": None if moe.routed_scaling_factor == 1.0 else moe.routed_scaling_factor,
+            "moe_router_num_groups": moe.num_groups, "moe_router_group_topk": moe.group_topk,
+            "moe_layer_freq": config.moe_layer_freq}
+
+
+def _moe(args, activation: str, bias: bool) -> dict:
+    """GPTConfig's MoE fields of Megatron-LM's ``args`` (none without ``num_experts``)."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    return {"moe": moe_config_from_megatron_args(args, activation, bias),
+            "moe_layer_freq": _arg(args, "moe_layer_freq", 1)}
+
+
 def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
     """The GPTConfig of the model Megatron-LM's ``args`` (a Namespace or a mapping) describe (``vocab_size``: see
     :func:`vocabulary_size`)."""
@@ -113,7 +197,8 @@ def config_from_megatron_args(args, vocab_size: int | None = None) -> GPTConfig:
         untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
         init_method_std=_arg(args, "init_method_std", 0.02),
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
-        mtp_num_layers=_arg(args, "mtp_num_layers"), mtp_loss_scaling_factor=_arg(args, "mtp_loss_scaling_factor", 0.1))
+        mtp_num_layers=_arg(args, "mtp_num_layers"), mtp_loss_scaling_factor=_arg(args, "mtp_loss_scaling_factor", 0.1),
+        **_moe(args, activation, bias))
     try:
         config.validate()
     except ValueError as err:

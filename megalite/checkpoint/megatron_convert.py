@@ -5,12 +5,13 @@
   file, so no tensor is ever held whole and the peak memory is about one chunk.
 - :func:`convert_megalite_to_megatron`: a megalite checkpoint (any layout) written as the iteration directory
   Megatron-LM's ``--ckpt-format torch_dist`` writes (``metadata.json``, ``common.pt`` with Megatron-LM's
-  ``args``, the DCP files with stacked layers and Transformer-Engine layer-norm names, a padded vocabulary)
+  ``args``, the DCP files with stacked layers (unstacked when dense and MoE layers mix, as Megatron-Core saves
+  them), Megatron's expert and Transformer-Engine layer-norm names, a padded vocabulary)
   plus ``latest_checkpointed_iteration.txt``, so Megatron-Core's ``dist_checkpointing.load`` reads it.
 
 From Megatron-LM: the model weights, the Adam state that :class:`MegatronDistReader` reads (moments, fp32 main
 weights, step count) and the LR schedule, so the converted checkpoint resumes the run; not the RNG states.  To
-Megatron-LM: the model weights only.
+Megatron-LM: the model weights only (dense or MoE).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
-from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3
+from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3, megatron_moe_args
 from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_key, megatron_name
 from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
@@ -37,6 +38,44 @@ from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 
 # Megatron-Core's sharded objects beside each linear layer (Transformer Engine's FP8 state; None otherwise).
 _EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_ATTENTION_EXTRA_STATE = _EXTRA_STATE[:2]
+
+
+def _stacks_layers(config) -> bool:
+    """Whether Megatron-Core saves ``config``'s decoder layers stacked on a leading dimension: not with dense and MoE
+    layers mixed (its ``TransformerBlock.sharded_state_dict`` unstacks whenever ``moe_layer_freq`` is a list or
+    above 1)."""
+    freq = config.moe_layer_freq
+    return config.moe is None or (isinstance(freq, int) and freq == 1)
+
+
+def _layer_extra_state(config, layer: int) -> list[tuple[str, tuple[int, int] | None]]:
+    """``(module, (expert, num_experts) or None)`` of every sharded object of decoder layer ``layer`` (an MoE
+    layer's experts each have one, along an expert axis)."""
+    modules = [(m, None) for m in _ATTENTION_EXTRA_STATE]
+    if not config.is_moe_layer(layer):
+        return modules + [(m, None) for m in _EXTRA_STATE[2:]]
+    experts = config.moe.num_experts
+    modules += [(f"mlp.experts.experts.linear_fc{i}", (e, experts)) for e in range(experts) for i in (1, 2)]
+    if config.moe.shared_expert_intermediate_size is not None:
+        modules += [(f"mlp.shared_experts.linear_fc{i}", None) for i in (1, 2)]
+    return modules
+
+
+def _extra_state_keys(config) -> list[str]:
+    """The keys of the sharded objects Megatron-Core's ``dist_checkpointing.load`` expects of ``config``'s layers:
+    ``<key>/shard_<offsets>_<sizes>``, the offsets and sizes of the layer axis (when stacked), then the expert axis
+    (or a single axis of size 1)."""
+    layers, stacked = config.num_layers, _stacks_layers(config)
+    keys = []
+    for layer in range(layers):
+        for module, expert in _layer_extra_state(config, layer):
+            axes = ([(layer, layers)] if stacked else []) + ([expert] if expert else [])
+            offsets, sizes = zip(*(axes or [(0, 1)]))
+            prefix = LAYERS if stacked else f"{LAYERS}{layer}."
+            keys.append(f"{prefix}{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
+                        f"{'.'.join(map(str, sizes))}")
+    return keys
 
 
 def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
@@ -105,8 +144,8 @@ def megatron_args(config, tp: int, iteration: int) -> dict:
             "padded_vocab_size": pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp),
             "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "world_size": tp,
             "data_parallel_size": 1, "ckpt_format": "torch_dist", "iteration": iteration,
-            "qk_layernorm": config.qk_layernorm, "num_experts": None, "mtp_num_layers": config.mtp_num_layers,
-            "mtp_loss_scaling_factor": config.mtp_loss_scaling_factor}
+            "qk_layernorm": config.qk_layernorm, "mtp_num_layers": config.mtp_num_layers,
+            "mtp_loss_scaling_factor": config.mtp_loss_scaling_factor, **megatron_moe_args(config)}
 
 
 class _MegatronSavePlanner(ShardSavePlanner):
@@ -135,14 +174,16 @@ def convert_megalite_to_megatron(path: str, output: str, tp: int = 1) -> None:
     config = reader.config
     if config is None:
         raise ValueError(f"checkpoint {reader.directory} stores no GPTConfig")
-    if config.moe is not None:
-        raise ValueError(f"checkpoint {reader.directory} holds an MoE model; --to megatron writes dense GPTs only")
     args = megatron_args(config, tp, reader.iteration)
     padded = args["padded_vocab_size"]
     layers = config.num_layers
     shards = []
     for name, shape in global_shapes(config).items():
-        if name.startswith(LAYERS):
+        if name.startswith(LAYERS) and not _stacks_layers(config):
+            layer, rest = name[len(LAYERS):].split(".", 1)
+            shards.append(TensorShard(f"{LAYERS}{layer}.{megatron_name(rest)}", shape, (0,) * len(shape),
+                                      reader.read(name)))
+        elif name.startswith(LAYERS):
             layer, rest = name[len(LAYERS):].split(".", 1)
             key = LAYERS + megatron_name(rest)
             shards.append(TensorShard(key, (layers,) + shape, (int(layer),) + (0,) * len(shape),
@@ -155,8 +196,7 @@ def convert_megalite_to_megatron(path: str, output: str, tp: int = 1) -> None:
             shards.append(TensorShard(megatron_key(name), shape, (0,) * len(shape), reader.read(name)))
     blob = io.BytesIO()
     torch.save([None], blob)  # Megatron-Core stores each sharded object as a one-element list
-    extra = {f"{LAYERS}{module}._extra_state/shard_{layer}_{layers}": blob.getvalue()
-             for layer in range(layers) for module in _EXTRA_STATE}
+    extra = {key: blob.getvalue() for key in _extra_state_keys(config)}
     extra.update({f"mtp.layers.{depth}.{module}._extra_state/shard_0_1": blob.getvalue()
                   for depth in range(config.mtp_num_layers or 0)
                   for module in ("eh_proj", *(f"transformer_layer.{m}" for m in _EXTRA_STATE))})

@@ -9,6 +9,9 @@ this reader maps away:
 
 - the decoder layers are stacked: ``decoder.layers.<name>`` has a leading dimension of ``num_layers``,
   and megalite's ``decoder.layers.<i>.<name>`` is its slice ``i``;
+- MoE experts are ``mlp.experts.experts.linear_fc1|2.weight`` with an expert dimension (SequentialMLP and
+  GroupedMLP alike), megalite's ``mlp.experts.fc1|2_weight``; with dense and MoE layers mixed
+  (``moe_layer_freq``) Megatron-Core does not stack the layers but saves ``decoder.layers.<i>.<name>``;
 - the layer norms live under the Transformer-Engine names (``linear_qkv.layer_norm_weight`` is
   ``input_layernorm.weight``; in a multi-token prediction depth's ``mtp.layers.<k>.transformer_layer.``
   too, whose depths are not stacked), and the vocabulary rows are padded (megalite reads the first
@@ -65,6 +68,13 @@ _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# Megatron-Core's sharded names of the MoE tensors that megalite names differently: both its SequentialMLP and its
+# GroupedMLP (``--moe-grouped-gemm``) save the experts as ``experts.experts.linear_fc1|2`` with an expert dimension
+# (SwiGLU fc1 as ``[gate; up]``), the layout of megalite's stacked ``experts.fc1|2_weight``.
+_MOE_NAMES = {f"mlp.experts.experts.linear_fc{i}.{kind}": f"mlp.experts.fc{i}_{kind}"
+              for i in (1, 2) for kind in ("weight", "bias")}
+_MOE_NAMES["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate"
+_NAMES = {**_TE_NAMES, **_MOE_NAMES}
 # DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
 _PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
                  for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
@@ -108,12 +118,12 @@ def config_from_common_args(args: dict, where: str):
 
 def megalite_name(key: str) -> str:
     """The megalite name of Megatron's (unstacked part of a) tensor name, e.g. ``mlp.linear_fc1.layer_norm_weight``."""
-    return _TE_NAMES.get(key, key)
+    return _NAMES.get(key, key)
 
 
 def megatron_name(name: str) -> str:
     """The inverse of :func:`megalite_name`."""
-    return next((te for te, ours in _TE_NAMES.items() if ours == name), name)
+    return next((theirs for theirs, ours in _NAMES.items() if ours == name), name)
 
 
 def megalite_key(key: str) -> str:
@@ -259,12 +269,16 @@ class MegatronDistReader:
             if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
                 continue
             prefix, model_key = "", key
-            if key.startswith("optimizer."):
+            if key.startswith(("optimizer.", "chained_")):
                 prefix, model_key = megalite_optimizer_prefix(key)
                 if prefix is None:
                     continue  # another optimizer's layout: :func:`resumable_optimizer` names it
             size = tuple(md.size)
-            if model_key.startswith(LAYERS):
+            layer, dot, rest = model_key[len(LAYERS):].partition(".")
+            if model_key.startswith(LAYERS) and layer.isdigit() and dot:
+                # Dense and MoE layers mixed (``moe_layer_freq`` not 1): Megatron-Core saves every layer unstacked.
+                sources[f"{prefix}{LAYERS}{layer}.{megalite_name(rest)}"] = (key, (), size)
+            elif model_key.startswith(LAYERS):
                 rest = megalite_name(model_key[len(LAYERS):])
                 for layer in range(size[0]):
                     sources[f"{prefix}{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])

@@ -30,8 +30,8 @@ them).  A distributed optimizer (``--use-distributed-optimizer``) keeps the mome
 rank's whole flat gradient buffer gathered on its first DP rank), read under the same opt-in and cut into local
 shards by the rebuilt buffer layout (:mod:`megalite.checkpoint.megatron_distopt`), then placed like the weights.
 Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: groups with other learning-rate
-multipliers, and anything that does not match.  MoE (expert-parallel ``mp_rank_TT_PPP_EEE``) checkpoints
-are refused by :func:`config_from_megatron_args`.
+multipliers, and anything that does not match.  MoE checkpoints (``args.num_experts``, expert-parallel
+``mp_rank_TT_PPP_EEE``) are refused here: megalite reads Megatron's MoE checkpoints in the torch_dist format.
 """
 
 from __future__ import annotations
@@ -178,9 +178,9 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     state = _unpickle(first)
     args = state["args"]
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
-    if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-        raise ValueError(f"{directory}: expert-parallel checkpoints (args.expert_model_parallel_size="
-                         f"{args.expert_model_parallel_size}) are not supported")
+    if getattr(args, "num_experts", None):
+        raise ValueError(f"{directory}: a legacy-format MoE checkpoint (args.num_experts={args.num_experts}) is not "
+                         "supported; megalite reads Megatron-LM's MoE checkpoints in --ckpt-format torch_dist")
     config = config_from_megatron_args(args, vocab_size)
     files = {(t, p): rank_file(directory, t, p, pp) for p in range(pp) for t in range(tp)}
     missing = [f for f in files.values() if not os.path.isfile(f)]

@@ -5,7 +5,8 @@ and 1-D parameters), and stores its state as global tensors ``optimizer.<exp_avg
 a JSON entry (``num_steps``, ``scaler``, ``param_groups``).  Megatron-Core's default groups are the same ones
 (one per weight-decay multiplier 1 and 0); its FP32 and mixed-precision optimizers save in ``torch_dist`` one
 tensor per parameter and state key, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>`` in the
-parameter's layout, and the step count and groups in ``common.pt``; the distributed optimizer's default
+parameter's layout, and the step count and groups in ``common.pt`` (an MoE run at ep > 1 chains a second optimizer
+for the experts: its keys start with ``chained_<k>.``, and its groups join megalite's when they train alike); the distributed optimizer's default
 'dp_reshardable' layout is mapped onto the same names by :mod:`megalite.checkpoint.megatron_distopt`.  Anything
 else (other groups, the distributed optimizer's other layouts) cannot be resumed: the reason becomes one warning
 line (:func:`optimizer_warning`) and training starts with fresh Adam moments.
@@ -13,9 +14,12 @@ line (:func:`optimizer_warning`) and training starts with fresh Adam moments.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 OPTIMIZER_STATE = "optimizer.state."
+_CHAINED = re.compile(r"^chained_\d+\.")
 # Megatron-Core's per-parameter state keys and megalite's names of them.
 OPTIMIZER_STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
 
@@ -24,6 +28,7 @@ def megalite_optimizer_prefix(key: str) -> tuple[str | None, str]:
     """``(megalite's prefix, the parameter's Megatron name)`` of Megatron's tensor ``key``
     ``optimizer.state.<state key>.<parameter>``, e.g. ``("optimizer.main.", "output_layer.weight")`` for
     ``optimizer.state.fp32_param.output_layer.weight``; ``(None, key)`` for another optimizer tensor."""
+    key = _CHAINED.sub("", key)
     kind, _, parameter = key[len(OPTIMIZER_STATE):].partition(".")
     if not key.startswith(OPTIMIZER_STATE) or kind not in OPTIMIZER_STATE_KEYS or not parameter:
         return None, key
@@ -72,17 +77,40 @@ def resumable_optimizer(saved, shapes: dict[str, tuple[int, ...]]) -> tuple[dict
     if isinstance(saved, dict) and "param_state_sharding_type" in saved:
         return None, (f"it is a distributed optimizer's state in the {saved['param_state_sharding_type']!r} "
                       "layout, which megalite does not read")
-    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
-    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-        return None, "its common state holds no parameter groups (a chain of optimizers, or not Adam)"
-    problem = default_groups_problem(inner["param_groups"])
+    inners = [saved.get("optimizer", saved) if isinstance(saved, dict) else None for saved in _chain(saved)]
+    if not all(isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) for inner in inners):
+        return None, "its common state holds no parameter groups (not Adam)"
+    groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
+    problem = default_groups_problem(groups) or _expert_groups_problem(inners, groups)
     if problem:
         return None, problem
     for name in (name for name in shapes if not name.startswith("optimizer.")):
         for key in ("exp_avg", "exp_avg_sq"):
             if shapes.get(f"optimizer.{key}.{name}") != shapes[name]:
                 return None, f"it holds no {key} of {name} of the parameter's shape"
-    step = (inner.get("state") or {}).get("common_step")
-    if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.item() < 1:
+    steps = [(inner.get("state") or {}).get("common_step") for inner in inners]
+    if not all(isinstance(step, torch.Tensor) and step.numel() == 1 and step.item() >= 1 for step in steps):
         return None, "its common state holds no Adam step count (common_step)"
-    return optimizer_meta(inner["param_groups"], int(step.item())), None
+    if len({step.item() for step in steps}) != 1:
+        return None, f"its chained optimizers took different numbers of steps ({[s.item() for s in steps]})"
+    return optimizer_meta(groups, int(steps[0].item())), None
+
+
+def _chain(saved) -> list:
+    """The optimizers of Megatron-Core's ``ChainedOptimizer`` state ``{0: ..., 1: ...}`` (an MoE run at ep > 1 keeps
+    its expert parameters in a second one), else ``[saved]``."""
+    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
+        return [saved[k] for k in sorted(saved)]
+    return [saved]
+
+
+def _expert_groups_problem(inners: list[dict], groups: list[dict]) -> str | None:
+    """Why the expert-parallel parameter groups of ``inners`` cannot join megalite's two groups: each must train
+    like the other parameters of its weight-decay multiplier (``groups``), as megalite's optimizer trains them."""
+    dense = {g.get("wd_mult", 1.0): g for g in groups}
+    for group in (g for inner in inners for g in inner["param_groups"] if g.get("is_expert_parallel")):
+        like = dense.get(group.get("wd_mult", 1.0))
+        fields = ("lr", "weight_decay", "betas", "eps", "lr_mult", "is_decoupled_lr")
+        if like is None or any(group.get(f) != like.get(f) for f in fields):
+            return "its expert-parallel parameter groups train otherwise than the other parameters"
+    return None

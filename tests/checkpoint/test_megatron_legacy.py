@@ -260,6 +260,14 @@ def test_bad_input_is_one_error_line_and_exit_2(megatron, tmp_path, capsys):
     assert "holds mp_rank_01_000, which the saved args' tensor_model_parallel_size 1 x " \
            "pipeline_model_parallel_size 2 do not have" in err
 
+    def with_experts(state, rank_dir):
+        state["args"].num_experts = 4
+
+    _rewrite(save, tmp_path / "moe", with_experts)
+    status, err = _convert(capsys, tmp_path / "moe", tmp_path / "f", "--allow-pickle")
+    assert status == 2 and err.count("error:") == 1 and not os.path.exists(tmp_path / "f")
+    assert "a legacy-format MoE checkpoint (args.num_experts=4) is not supported" in err
+
     def without_vocab_size(state, rank_dir):
         state["args"].vocab_size = None
 
@@ -283,12 +291,22 @@ def test_megatron_args_rules():
     gelu = argparse.Namespace(**{**vars(args), "swiglu": False, "openai_gelu": True})
     assert config_from_megatron_args(gelu).activation == "gelu_tanh"
     assert config_from_megatron_args(vars(args)) == config_from_megatron_args(args)  # args read as plain data
-    for name, value, what in (("num_experts", 8, "mixture-of-experts"),
-                              ("position_embedding_type", "relative", "learned_absolute and rope"),
-                              ("softmax_type", "learnable", "vanilla"),
-                              ("window_size", (64, 0), "sliding-window attention")):
+    moe = {"num_experts": 4, "moe_router_topk": 2}
+    for changes, what in (({**moe, "moe_input_jitter_eps": 0.01}, r"args.moe_input_jitter_eps=0.01 \(MoE input jitter"),
+                          ({**moe, "moe_router_load_balancing_type": "sinkhorn"},
+                           "args.moe_router_load_balancing_type='sinkhorn': megalite's MoE implements"),
+                          ({**moe, "moe_aux_loss_coeff": [0.01, 0.1], "moe_router_load_balancing_type":
+                            ["aux_loss", "seq_aux_loss"]}, "args.moe_router_load_balancing_type=.*one router"),
+                          ({"position_embedding_type": "relative"}, "learned_absolute and rope"),
+                          ({"softmax_type": "learnable"}, "vanilla"),
+                          ({"window_size": (64, 0)}, "sliding-window attention")):
         with pytest.raises(ValueError, match=what):
-            config_from_megatron_args(argparse.Namespace(**{**vars(args), name: value}))
+            config_from_megatron_args(argparse.Namespace(**{**vars(args), **changes}))
+    routed = config_from_megatron_args(argparse.Namespace(**{**vars(args), **moe, "moe_ffn_hidden_size": 24,
+                                                             "moe_router_load_balancing_type": ["seq_aux_loss"],
+                                                             "moe_aux_loss_coeff": [0.01], "moe_layer_freq": 2}))
+    assert (routed.moe.num_experts, routed.moe.ffn_hidden_size, routed.moe.load_balancing_type,
+            routed.moe.aux_loss_coeff, routed.moe_layer_freq) == (4, 24, "seq_aux_loss", 0.01, 2)
 
 
 def test_megatron_attention_options_map_both_ways():

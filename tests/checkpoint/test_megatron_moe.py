@@ -1,0 +1,296 @@
+"""Megatron-LM torch_dist MoE checkpoints, written by Megatron-Core at ep=2, load into megalite at ep=1 and ep=2.
+
+Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU experts, top-2, dropless, a shared
+expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
+two expert-parallel ranks.  megalite reads the architecture from the saved args and its logits equal
+Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.  Both Megatron
+expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
+GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
+checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
+logits again.
+"""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 ranks
+
+from megalite.testing import run_distributed  # noqa: E402
+from tests.checkpoint import megatron_fixture  # noqa: E402
+
+ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
+            qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+            moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
+
+
+def _build(ep: int, seed: int, grouped: bool = False):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
+    ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+
+    megatron_fixture.patch_cuda()
+    moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    torch.manual_seed(seed)
+    a = ARGS
+    config = TransformerConfig(
+        num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
+        ffn_hidden_size=a["ffn_hidden_size"], kv_channels=a["kv_channels"], hidden_dropout=0.0,
+        attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
+        add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
+        moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
+        moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
+        moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
+        moe_use_legacy_grouped_gemm=grouped)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    with torch.no_grad():  # non-zero norm weights and a router that separates experts
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif "router" in name:
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def _sharded_shapes(model) -> dict:
+    """``{sharded key: global shape}`` of the tensors ``model`` saves."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
+
+
+def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Save the checkpoint from an ep grid; Megatron-Core's logits of ``ids`` after its own load into an ep=1 model,
+    and whether GroupedMLP experts (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    model = _build(ep, seed=1)
+    grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
+    optimizer, scheduler, moments = _train_one_step(model)
+    args = argparse.Namespace(**ARGS, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              expert_model_parallel_size=ep, world_size=dist.get_world_size(),
+                              data_parallel_size=dist.get_world_size(), transformer_impl="local")
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
+             "model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    megatron_fixture.save_state(state, save_dir, megatron_fixture.ITERATION)
+    parallel_state.destroy_model_parallel()
+    return _megatron_logits(save_dir, ids), grouped_same, moments
+
+
+def _train_one_step(model):
+    """One iteration of Megatron-Core's DDP and Adam (at ep > 1 a ChainedOptimizer: the experts' is the second) on
+    ``model``; ``(optimizer, scheduler, {megalite name: this rank's Adam moment})`` for layer 0's router and the
+    first moment of its local experts' fc1 and second of their fc2, stacked in expert order."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from tests.checkpoint import megatron_optim_fixture as run
+
+    run.patch_cuda()
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0),
+                                       [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **run.SCHEDULE)
+    generator = torch.Generator().manual_seed(3)
+    run._train_step(ddp, optimizer, scheduler, [torch.randint(0, 90, (run.MICRO_BATCH, run.SEQ + 1),
+                                                              generator=generator)
+                                                for _ in range(run.GLOBAL_BATCH // run.MICRO_BATCH)])
+    state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
+    params = dict(model.named_parameters())
+    layer = "decoder.layers.0.mlp."
+    experts = sorted(n for n in params if n.startswith(layer + "experts.local_experts.") and "fc1" in n)
+    return optimizer, scheduler, {
+        f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"],
+        f"optimizer.exp_avg.{layer}experts.fc1_weight": torch.stack([state[params[n]]["exp_avg"] for n in experts]),
+        f"optimizer.exp_avg_sq.{layer}experts.fc2_weight": torch.stack(
+            [state[params[n.replace("fc1", "fc2")]]["exp_avg_sq"] for n in experts])}
+
+
+def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's logits of ``ids`` after its own ``dist_checkpointing.load`` of ``save_dir`` into an ep=1
+    model."""
+    from megatron.core import dist_checkpointing
+
+    model = _build(1, seed=7)
+    directory = os.path.join(save_dir, f"iter_{megatron_fixture.ITERATION:07d}")
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
+    model.eval()
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return model(ids, positions, causal)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``(save directory, Megatron-Core's logits of IDS over the real vocabulary)``."""
+    path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
+    os.makedirs(path)
+    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=240)
+    moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
+               for name in ranks[0][2]}
+    return path, ranks[0][0][..., :90], ranks[0][1], moments
+
+
+def _close(actual, expected):
+    assert actual.shape == expected.shape
+    rel = (actual - expected).abs().max() / expected.abs().max()
+    assert rel <= 1e-5, f"relative difference {rel.item():.3g}"
+
+
+def _ep_logits(path, ep):
+    """megalite's logits of IDS at ep (the model and its optimizer loaded as the trainer builds them), the Adam step
+    count, and this rank's first moment of layer 0's expert fc1 weights."""
+    from megalite import checkpoint, topology
+    from megalite.distributed import DDPConfig, DistributedDataParallel
+    from megalite.models import GPTModel
+    from megalite.optim import OptimizerConfig, get_optimizer
+
+    topology.initialize(ep=ep)
+    config = checkpoint.read_checkpoint_info(path)["config"]
+    chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
+    checkpoint.load_sharded(path, [chunk], optimizer)
+    fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
+    shard = next(s for s in optimizer.shards if s.param is fc1)
+    with torch.no_grad():
+        logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
+    logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+    return logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)
+
+
+def test_grouped_experts_save_the_sequential_layout(saved):
+    assert saved[2]
+
+
+def test_moe_config_from_megatron_args(saved):
+    from megalite.checkpoint import read_checkpoint_info
+
+    config = read_checkpoint_info(saved[0])["config"]
+    moe = config.moe
+    assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.activation, moe.shared_expert_intermediate_size,
+            moe.capacity_factor, moe.dispatcher) == (4, 2, 48, "swiglu", 40, None, "allgather")
+    assert config.moe_layer_freq == [1, 0]
+
+
+def test_load_model_ep1_equals_megatron(saved):
+    from megalite.checkpoint import load_model
+
+    with torch.no_grad():
+        logits = load_model(saved[0])(IDS)
+    _close(logits, saved[1])
+
+
+def test_ep2_load_equals_megatron(saved):
+    """At ep=2 the logits equal Megatron's, and each rank's optimizer resumes its experts' moments."""
+    ranks = run_distributed(_ep_logits, 2, saved[0], 2, timeout=120)
+    expected = saved[3]["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"]
+    for rank, (logits, steps, exp_avg) in enumerate(ranks):
+        _close(logits, saved[1])
+        assert steps == 1
+        torch.testing.assert_close(exp_avg, expected[2 * rank:2 * rank + 2], rtol=0, atol=0)
+
+
+def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
+    """``--to megatron`` writes the MoE model as Megatron-Core saves it (experts, shared expert, unstacked mixed
+    layers, their sharded objects): its own load gives its logits again."""
+    from megalite.checkpoint import load_model
+
+    ours, theirs = str(tmp_path / "megalite"), str(tmp_path / "megatron")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", saved[0],
+                                    "--output", ours) == 0
+    with torch.no_grad():
+        _close(load_model(ours)(IDS), saved[1])
+    assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
+                                    "--output", theirs) == 0
+    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0][..., :90], saved[1])
+
+
+def test_moe_args_map_both_ways():
+    """megalite's MoEConfig -> Megatron-LM's args -> MoEConfig is the identity; a setting Megatron has no flag for is
+    an error naming it."""
+    import dataclasses
+
+    from megalite.checkpoint.megatron_args import config_from_megatron_args
+    from megalite.checkpoint.megatron_convert import megatron_args
+    from megalite.models import GPTConfig
+    from megalite.moe import MoEConfig
+
+    dense = GPTConfig(vocab_size=90, num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                      activation="swiglu", normalization="RMSNorm", add_bias_linear=False,
+                      position_embedding_type="rope", max_position_embeddings=16, make_vocab_size_divisible_by=8)
+    moe = MoEConfig(num_experts=8, ffn_hidden_size=24, topk=3, activation="swiglu", pre_softmax=True,
+                    shared_expert_intermediate_size=16, shared_expert_gate=True, shared_expert_overlap=True,
+                    aux_loss_coeff=0.01, load_balancing_type="seq_aux_loss", z_loss_coeff=0.001, capacity_factor=1.5,
+                    token_drop_policy="position", grouped_gemm=True)
+    sigmoid = dataclasses.replace(moe, pre_softmax=False, capacity_factor=None, score_function="sigmoid",
+                                  enable_expert_bias=True, bias_update_rate=0.01, routed_scaling_factor=2.5,
+                                  num_groups=4, group_topk=2, dispatcher="allgather", shared_expert_overlap=False)
+    for config in (dataclasses.replace(dense, moe=moe, moe_layer_freq=[1, 0, 1, 1]),
+                   dataclasses.replace(dense, moe=sigmoid, moe_layer_freq=2)):
+        assert config_from_megatron_args(megatron_args(config, 1, 0)) == config
+    with pytest.raises(ValueError, match="the MoE's activation 'gelu' differs from the model's 'swiglu'"):
+        megatron_args(dataclasses.replace(dense, moe=dataclasses.replace(moe, activation="gelu")), 1, 0)
+
+
+def test_expert_moments_of_the_chained_optimizer_are_read(saved):
+    """At ep=2 Megatron-Core chains a second Adam for the experts (``chained_1.optimizer.state...``, its own
+    parameter groups in ``common.pt``): megalite reads both as one optimizer state, the experts' moments (from both
+    EP ranks) and the dense ones equal to Megatron's own after the step."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    reader = MegatronDistReader(saved[0])
+    assert reader.optimizer_note is None
+    assert reader.state["optimizer"]["num_steps"] == 1
+    assert [g["weight_decay"] for g in reader.state["optimizer"]["param_groups"]] == [0.1, 0.0]
+    for name, expected in saved[3].items():
+        torch.testing.assert_close(reader.read(name), expected, rtol=0, atol=0)
+
+
+def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):
+    """A Megatron MoE checkpoint whose args ask for what megalite's MoE cannot compute (input jitter) converts to
+    nothing: exit 2 and one error line naming the arg."""
+    import shutil
+
+    from megalite.checkpoint.megatron_dist import COMMON
+    from megalite.cli import run_cli
+
+    copy = str(tmp_path / "jitter")
+    shutil.copytree(saved[0], copy)
+    common = os.path.join(copy, f"iter_{megatron_fixture.ITERATION:07d}", COMMON)
+    state = torch.load(common, weights_only=False)
+    state["args"].moe_input_jitter_eps = 0.01
+    torch.save(state, common)
+    status = run_cli(lambda argv: megatron_fixture.convert(*argv), ["--from", "megatron", "--to", "megalite",
+                                                                     "--input", copy, "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and not os.path.exists(tmp_path / "o"), err
+    assert "args.moe_input_jitter_eps=0.01 (MoE input jitter): megalite's GPT does not implement it" in err
