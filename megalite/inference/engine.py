@@ -224,6 +224,7 @@ class LLMEngine:
         starts = itertools.accumulate((e.num_rows for e in entries), initial=0)
         spans = [(start, e.num_rows) for start, e in zip(starts, entries)]
         picks = pick_batch(entries, spans, logits, finite, argmax)
+        masked = self._grammar_rows(entries, spans, logits, finite)
         touched = {}
         for index, (e, (row, width)) in enumerate(zip(entries, spans)):
             seq, k, request = e.seq, len(e.drafts), e.seq.request
@@ -242,7 +243,7 @@ class LLMEngine:
                 if not e.sample:
                     self.scheduler.cache_blocks(seq)
                     continue
-                targets = self._sample(seq, e.drafts, rows, best, picks.get(index))
+                targets = self._sample(seq, e.drafts, rows, best, picks.get(index), masked.get(index))
             except Exception as error:  # this request's sampling alone: fail it, serve the others
                 touched.update((r.request_id, r) for r in self._fail([request], f"sampling failed: {error}"))
                 continue
@@ -255,15 +256,33 @@ class LLMEngine:
             touched[request.request_id] = request
         return list(touched.values())
 
-    def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best, picks=None) -> list[Sequence]:
+    def _grammar_rows(self, entries, spans, logits, finite) -> dict[int, torch.Tensor]:
+        """The sampled row of every entry with a grammar and no drafts, its forbidden tokens at -inf, keyed by
+        entry index: the masks of the whole step in one parallel computation (:func:`apply_grammar`) instead of
+        one per sequence.  Empty where none, or where that computation fails (each sequence then masks its own
+        row and fails alone)."""
+        wanted = [(index, row + width - 1) for index, (e, (row, width)) in enumerate(zip(entries, spans))
+                  if e.sample and not e.drafts and e.seq.grammar is not None and e.seq.request.error is None
+                  and all(finite[row:row + width])]
+        if not wanted:
+            return {}
+        try:
+            rows = apply_grammar(logits[[row for _, row in wanted]], [entries[i].seq.grammar for i, _ in wanted])
+        except Exception:  # the per-sequence path below reports it against its own request
+            return {}
+        return {index: rows[k:k + 1] for k, (index, _) in enumerate(wanted)}
+
+    def _sample(self, seq: Sequence, drafts: list[int], rows: torch.Tensor, best, picks=None,
+                masked: torch.Tensor | None = None) -> list[Sequence]:
         """Emit ``seq``'s next tokens (forking the request's other samples after its prompt); returns the
-        sequences that got tokens.  ``picks``: :func:`pick_batch`'s choices, one per sample (None: choose here)."""
+        sequences that got tokens.  ``picks``: :func:`pick_batch`'s choices, one per sample (None: choose here);
+        ``masked``: ``seq``'s row under its grammar, from :meth:`_grammar_rows` (forks mask their own)."""
         targets = [seq] if seq.request.forked else [seq] + self._fork(seq)
         for s, pick in zip(targets, picks or [None] * len(targets)):
             if pick is not None:
                 self._emit(s, [pick[0]], rows, ([pick[1]], [pick[2]]))
                 continue
-            tokens = self._choose(s, rows, drafts, best)
+            tokens = self._choose(s, rows, drafts, best, masked if s is seq else None)
             if drafts:
                 self.stats["target_forwards_decoding"] += 1
                 self.stats["tokens_from_decoding"] += len(tokens)
@@ -271,13 +290,17 @@ class LLMEngine:
             self._emit(s, tokens, rows)
         return targets
 
-    def _choose(self, seq: Sequence, rows: torch.Tensor, drafts: list[int], best) -> list[int]:
+    def _choose(self, seq: Sequence, rows: torch.Tensor, drafts: list[int], best,
+                masked: torch.Tensor | None = None) -> list[int]:
         """Verify ``drafts`` (or sample one token) from ``rows`` after the request's penalties, biases and
-        grammar."""
+        grammar (``masked``: the row already under the grammar)."""
         params = seq.request.params
         if seq.grammar is not None:  # tokens the grammar forbids (drafts rejected where it forbids them)
-            rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
-                rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
+            if masked is not None:
+                rows = masked
+            else:
+                rows = apply_grammar(rows, [seq.grammar]) if not drafts else \
+                    rows.masked_fill(~seq.grammar.draft_masks(drafts).to(rows.device), float("-inf"))
             best = None
         if params.adjusts_logits:  # after the grammar: min_tokens gives way where only a stop id is allowed
             histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]

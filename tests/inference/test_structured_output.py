@@ -100,3 +100,31 @@ def test_a_complete_grammar_stops_before_min_tokens(temperature):
     for choice in constrained.outputs:
         assert (choice.text, choice.finish_reason) == ("abcd", "stop")
     assert len(unconstrained.outputs[0].token_ids) >= 8  # without a grammar min_tokens still holds the stop back
+
+
+def test_a_steps_grammar_masks_are_one_computation(monkeypatch):
+    """Every decoding sequence under a grammar gets its mask from one parallel computation per engine step (it was
+    one per sequence: ~30% of throughput at 64 requests), and the outputs are those of masking row by row."""
+    from megalite.inference import grammar
+
+    grammar_params = StructuredOutputsParams(json=SCHEMA)
+    prompts = ['answer in JSON: {"ok": ' + str(i) for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar_params)
+
+    def run(batched: bool):
+        llm = LLM.from_model(byte_model(), tokenizer=BYTES, engine_config=EngineConfig(block_size=4, num_blocks=512))
+        if not batched:
+            monkeypatch.setattr(type(llm.engine), "_grammar_rows", lambda self, *args: {})
+        calls = []
+        real = grammar.GrammarState._masks
+        monkeypatch.setattr(grammar.GrammarState, "_masks",
+                            staticmethod(lambda states: calls.append(len(states)) or real(states)))
+        texts = [o.outputs[0].text for o in llm.generate(prompts, params)]
+        monkeypatch.undo()
+        return texts, calls, llm.engine.stats["steps"]
+
+    texts, calls, steps = run(batched=True)
+    per_row_texts, per_row_calls, _ = run(batched=False)
+    assert texts == per_row_texts and all(_valid(t) for t in texts)
+    assert len(calls) <= steps and max(calls) == len(prompts)  # all five rows in one computation
+    assert len(per_row_calls) > steps and max(per_row_calls) == 1
