@@ -27,10 +27,22 @@ def block_digests(data) -> list[str]:
         return [hashlib.sha256(view[start:start + HASH_BLOCK]).hexdigest() for start in range(0, len(view), HASH_BLOCK)]
 
 
+HASH_READ = 1 << 20
+""":func:`hash_block` reads its block in pieces of this many bytes: a writer hashing beside its writes holds one
+piece, not a block."""
+
+
 def hash_block(fd: int, index: int) -> str:
     """The sha256 of block ``index`` of the open file ``fd`` (one entry of :func:`block_digests`), read with
-    ``pread`` so that the writer's own stream position is untouched."""
-    return block_digests(os.pread(fd, HASH_BLOCK, index * HASH_BLOCK))[0]
+    ``pread`` (the writer's own stream position is untouched) a piece at a time."""
+    digest, start, end = hashlib.sha256(), index * HASH_BLOCK, (index + 1) * HASH_BLOCK
+    for offset in range(start, end, HASH_READ):
+        wanted = min(HASH_READ, end - offset)
+        piece = os.pread(fd, wanted, offset)
+        digest.update(piece)
+        if len(piece) < wanted:  # the end of the file
+            break
+    return digest.hexdigest()
 
 
 def file_digests(path: str) -> list[str]:

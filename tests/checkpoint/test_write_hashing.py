@@ -37,3 +37,19 @@ def test_data_files_are_hashed_while_written(tmp_path, monkeypatch):
     loaded = load_model(str(tmp_path / "ckpt"))
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_a_block_hashed_in_pieces_equals_its_digest(tmp_path, monkeypatch):
+    """The writer's helper thread reads a block a piece at a time (a piece of memory, not a block): the digests equal
+    those of whole blocks, for files ending inside a piece, at a piece boundary and at a block boundary."""
+    monkeypatch.setattr(integrity, "HASH_BLOCK", 4096)
+    monkeypatch.setattr(integrity, "HASH_READ", 1000)
+    for size in (5, 999, 1000, 4095, 4096, 4097, 3 * 4096 + 1500):
+        data = os.urandom(size)
+        path = tmp_path / f"f{size}"
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert [integrity.hash_block(fd, i) for i in range(-(-size // 4096))] == integrity.block_digests(data)
+        finally:
+            os.close(fd)
