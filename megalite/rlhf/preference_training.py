@@ -182,7 +182,7 @@ class PreferenceTraining:
                                            args.micro_batch_size))
             else:
                 out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
-                                       getattr(args, "window_size", None)))
+                                       args.window_size))
         return tuple(out)
 
     def forward_step(self, data_iterator, model):
