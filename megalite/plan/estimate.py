@@ -103,7 +103,7 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     its weight-gradient GEMM; the p2p CP ring behind the attention it feeds (the all-gather and a2a
     variants wait); DP gradient reduction behind the last micro-batch's backward (ZeRO-1's parameter
     all-gather follows the step), FSDP2's gathers and reduce-scatters behind the whole step's compute.
-    EP all-to-alls and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
+    EP and expert-TP all-to-alls (counted together as ``ep``) and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -133,6 +133,10 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     # per MoE layer and micro-batch: the counts, then rows, expert ids and gates out and rows back, forward; rows
     # both ways and the gates' gradient in the backward
     out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
+    # expert TP, per MoE layer and micro-batch: the row count, rows, expert ids and gates gathered and the outputs
+    # reduce-scattered forward; rows, gates and outputs the other way in the backward
+    etp = layout.expert_tp
+    out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
