@@ -21,8 +21,8 @@ from functools import lru_cache
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.pipeline.timeline import analytic_bubble
-from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
-                                       microbatches_in_flight)
+from megalite.plan.activations import (TORCHTITAN_OP, layer_activation_bytes, microbatch_activation_bytes,
+                                       microbatches_in_flight, op_recompute_flops_per_token)
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 from megalite.plan.traffic import collective_bytes
@@ -202,6 +202,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
         extra = (flops_per_token - 6.0 * h * config.vocab_size) / 3
     elif layout.recompute == "selective":
         extra = attention_fwd_per_token
+    elif layout.recompute == TORCHTITAN_OP:
+        extra = op_recompute_flops_per_token(config)
     compute = tokens * (flops_per_token + extra) / layout.world / peak
     schedule = schedule_name(layout)
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)
