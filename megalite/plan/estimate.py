@@ -135,8 +135,9 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
     # expert TP, per MoE layer and micro-batch: the row count, rows, expert ids and gates gathered and the outputs
     # reduce-scattered forward; rows, gates and outputs the other way in the backward
-    etp = layout.expert_tp
-    out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
+    if moe_layers:
+        etp = layout.expert_tp
+        out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
