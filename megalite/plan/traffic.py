@@ -19,8 +19,8 @@ Exact, to the byte, for the dense GPT (standard or multi-latent attention) under
 parameter to the shard count, its gradients reduce-scattered once) with tp, sequence parallelism, full
 recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for
 MoE layers' exchanged counts, router statistics and expert buffers, with or without tp, sequence
-parallelism, expert TP and cp.  Approximate: the all-to-all payload depends on where tokens are routed, so
-``ep`` and ``expert_tp`` are the expectation under uniform routing
+parallelism, expert TP and cp, and either dispatcher.  Approximate: the all-to-all dispatcher's payload depends
+on where tokens are routed, so its ``ep`` and ``expert_tp`` are the expectation under uniform routing
 (:func:`megalite.moe.dispatcher.ranks_per_token`), exact when every token reaches every EP rank.  Not
 modelled: ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's pickled
 metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16
@@ -110,7 +110,9 @@ def _moe_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> 
     gradient back.  Expert TP: the received row count is all-gathered, then every row, with its expert ids and
     gates, gathered to the etp shards (an all-to-all whose input is the row repeated etp times) and the partial
     outputs reduce-scattered back; the backward the same rows the other way, with the gates' gradient.  A full
-    recompute repeats the forward collectives.
+    recompute repeats the forward collectives.  The ``allgather`` dispatcher moves the same per-row payload, but
+    each rank gathers every EP rank's rows (and the expert-TP gather every rank's of those): exact, whatever the
+    routing.
     """
     moe, h, k = config.moe, config.hidden_size, config.moe.topk
     tp, ep, etp = layout.tp, layout.ep, layout.expert_tp
@@ -125,7 +127,10 @@ def _moe_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> 
     for axis, size in (("tp", tp if sp else 1), ("cp", layout.cp)):
         if size > 1:
             out[axis] += forwards * stats
-    rows = tokens / tp * ranks_per_token(moe.num_experts, k, ep, moe.group_topk)
+    if moe.dispatcher == "allgather":  # every rank's rows (padding included) gathered over EP, then over expert TP
+        rows = (tokens / tp if sp else -(-tokens // tp)) * ep
+    else:
+        rows = tokens / tp * ranks_per_token(moe.num_experts, k, ep, moe.group_topk)
     forward_row, backward_row = 2 * h * e + k * (INT64 + FLOAT32), 2 * h * e + k * FLOAT32
     if ep > 1:
         out["ep"] += forwards * (ep * INT64 + rows * forward_row) + rows * backward_row

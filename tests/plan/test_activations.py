@@ -159,7 +159,8 @@ def test_torchtitan_op_recompute_matches_torch_selective_checkpointing():
     before = live_storages()
     out = forward(x, True)
     gc.collect()
-    kept = {ptr: n for ptr, n in live_storages().items() if ptr not in before and ptr != out.untyped_storage().data_ptr()}
+    kept = {ptr: n for ptr, n in live_storages().items()
+            if ptr not in before and ptr != out.untyped_storage().data_ptr()}
     # Every block keeps its input: the first block's is x, alive before the forward.
     measured = sum(kept.values()) + x.numel() * x.element_size()
     layout = Layout(micro_batch_size=batch, recompute=TORCHTITAN_OP)
