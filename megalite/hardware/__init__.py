@@ -2,8 +2,9 @@
 
 The one peak-FLOP table: the trainer's MFU (:func:`detect` picks the running GPU's profile) and the
 planner (``python -m megalite.plan --hardware NAME``) both read it.  Each profile is a small JSON file in
-``megalite/hardware/`` (``h100``, ``h200``, ``a100-80gb``, ``b200``, ``cpu``) or any path given on the
-command line; the planner's ``--calibrate`` writes one measured here.  ``efficiency`` is the fraction of
+``megalite/hardware/`` (``h100``, ``h200``, ``a100-80gb``, ``b200``, ``cpu``; ``h100-hbm2e-500w``, the parts of
+torchtitan's published H100 runs) or any path given on the command line; the planner's ``--calibrate`` writes
+one measured here.  ``efficiency`` is the fraction of
 the peak the model's large GEMMs reach (calibrated on the machine, or set from measured runs for the GPU
 profiles); ``gemm_half_rows`` the GEMM row count (tokens of one micro-batch on a rank) at which they reach
 half of that, so smaller micro-batches run slower (0: no dependence on the shape); ``device_names`` are

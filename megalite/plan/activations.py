@@ -17,6 +17,13 @@ stage adds the final norm, the logits ``[T, vocab / tp]`` and the loss; the firs
 dropout (a mask of the activation dtype).  Context parallelism's ring
 keeps the key/value blocks it received, counted as the whole sequence's keys and values.
 
+``torchtitan-op`` is torchtitan's op-level selective checkpointing (its ``selective_ac_option = 'op'``,
+which its Llama presets use), modelled for published torchtitan runs; megalite's trainer does not run it.  Within
+each checkpointed block it keeps the outputs of scaled-dot-product attention and of every odd-numbered
+matmul in the block's order (``wq wk wv wo w1 w3 w2``: ``wq``, ``wv``, ``w1`` and ``w2``), with the block's
+input, and recomputes the rest in the backward: the even matmuls ``wk``, ``wo``, ``w3`` (their FLOPs are
+:func:`op_recompute_flops_per_token`) and the norms, RoPE and activation.
+
 Checked against autograd's saved tensors at tp 1-2 with and without sequence parallelism, for each
 recompute option (tests/plan/test_activations.py, within 5%).  The CP and MoE terms are not checked
 yet: a probe at cp=2 found them 15-20% high.
@@ -34,6 +41,25 @@ STAT_BYTES = 4
 """Norm statistics and attention log-sum-exp are fp32 whatever the activation dtype."""
 
 
+TORCHTITAN_OP = "torchtitan-op"
+
+
+def _block_matmuls(config: GPTConfig, tp: int) -> list[tuple[int, int]]:
+    """``(in, out)`` features per token of a torchtitan Llama block's forward matmuls on one TP rank, in order:
+    ``wq wk wv wo`` then ``w1 w3 w2`` (SwiGLU) or ``w1 w2``."""
+    if config.multi_latent_attention or config.moe is not None:
+        raise ValueError(f"recompute {TORCHTITAN_OP!r} models torchtitan's dense Llama block (no MoE or MLA)")
+    h, d, ffn = config.hidden_size, config.kv_channels, config.ffn_hidden_size // tp
+    q, kv = config.num_attention_heads // tp * d, config.num_query_groups // tp * d
+    mlp = [(h, ffn), (h, ffn), (ffn, h)] if config.activation == "swiglu" else [(h, ffn), (ffn, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h)] + mlp
+
+
+def op_recompute_flops_per_token(config: GPTConfig) -> float:
+    """FLOPs per token ``torchtitan-op`` adds to a step: every layer's even-numbered matmuls run again."""
+    return config.num_layers * sum(2 * i * o for i, o in _block_matmuls(config, 1)[1::2])
+
+
 def layer_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, layer: int = 0,
                            recompute: str | None = None) -> int:
     """Bytes one transformer layer saves for one micro-batch on one rank."""
@@ -45,6 +71,9 @@ def layer_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, l
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
     if recompute == "full":
         return e * sp_tokens * h
+    if recompute == TORCHTITAN_OP:  # the input, the odd matmuls' outputs, attention's output and log-sum-exp
+        saved = sum(o for _, o in _block_matmuls(config, tp)[::2])
+        return e * (sp_tokens * h + tokens * (saved + heads * d)) + STAT_BYTES * tokens * heads
     elements = sp_tokens * h * 2 + tokens * h * 2
     elements += tokens * (heads + 2 * groups) * d + tokens * heads * d
     if config.position_embedding_type == "rope":

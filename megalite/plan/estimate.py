@@ -21,8 +21,8 @@ from functools import lru_cache
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.pipeline.timeline import analytic_bubble
-from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
-                                       microbatches_in_flight)
+from megalite.plan.activations import (TORCHTITAN_OP, layer_activation_bytes, microbatch_activation_bytes,
+                                       microbatches_in_flight, op_recompute_flops_per_token)
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 from megalite.plan.traffic import collective_bytes
@@ -103,7 +103,7 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     its weight-gradient GEMM; the p2p CP ring behind the attention it feeds (the all-gather and a2a
     variants wait); DP gradient reduction behind the last micro-batch's backward (ZeRO-1's parameter
     all-gather follows the step), FSDP2's gathers and reduce-scatters behind the whole step's compute.
-    EP all-to-alls and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
+    EP and expert-TP all-to-alls (counted together as ``ep``) and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -133,6 +133,11 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     # per MoE layer and micro-batch: the counts, then rows, expert ids and gates out and rows back, forward; rows
     # both ways and the gates' gradient in the backward
     out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
+    # expert TP, per MoE layer and micro-batch: the row count, rows, expert ids and gates gathered and the outputs
+    # reduce-scattered forward; rows, gates and outputs the other way in the backward
+    if moe_layers:
+        etp = layout.expert_tp
+        out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
@@ -198,6 +203,8 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
         extra = (flops_per_token - 6.0 * h * config.vocab_size) / 3
     elif layout.recompute == "selective":
         extra = attention_fwd_per_token
+    elif layout.recompute == TORCHTITAN_OP:
+        extra = op_recompute_flops_per_token(config)
     compute = tokens * (flops_per_token + extra) / layout.world / peak
     schedule = schedule_name(layout)
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)

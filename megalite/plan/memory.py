@@ -69,8 +69,9 @@ def _moe(config: GPTConfig, layout: Layout) -> list[ParamSpec]:
     local = moe.num_experts // layout.ep
     shard = moe.ffn_hidden_size // layout.expert_tp
     rows = 2 * shard if moe.activation == "swiglu" else shard
-    specs = [ParamSpec((1, h))] if moe.shared_expert_gate else []
-    specs.append(ParamSpec((moe.num_experts, h)))
+    # The shared expert's gate and the router see the sequence-parallel tokens: their gradients are summed over TP.
+    specs = [ParamSpec((1, h), sequence_parallel=True)] if moe.shared_expert_gate else []
+    specs.append(ParamSpec((moe.num_experts, h), sequence_parallel=True))
     specs += [ParamSpec((local, rows, h), expert=True), ParamSpec((local, h, shard), expert=True)]
     if moe.add_bias:
         specs += [ParamSpec((local, rows), expert=True), ParamSpec((local, h), expert=True)]

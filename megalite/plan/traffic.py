@@ -10,19 +10,21 @@ Keys are the :mod:`megalite.topology` axes: ``tp``, ``cp`` (attention's keys and
 (stage-to-stage sends of activations and their gradients), ``dp`` (the dense gradient buffers over dp x cp,
 ZeRO-1's parameter gather, FSDP2's gathers and reduce-scatters, the metrics mean), ``ep`` (token
 all-to-alls), ``expert_dp`` (expert gradient buffers, FSDP2's expert units), ``embedding`` (the tied word
-embedding's gradient between the first and last stage), ``expert_tp`` (the expert gradient norm's sum) and
-``world`` (the trainer's per-step flags: a data error, the NaN guard).
+embedding's gradient between the first and last stage), ``expert_tp`` (routed rows gathered to and reduced
+from the expert shards, the expert gradient norm's sum) and ``world`` (the trainer's per-step flags: a data
+error, the NaN guard).
 
 Exact, to the byte, for the dense GPT (standard or multi-latent attention) under DDP, ZeRO-1 and FSDP2
 (each unit gathered in the compute dtype per forward and, unless kept after it, per backward, padded per
 parameter to the shard count, its gradients reduce-scattered once) with tp, sequence parallelism, full
 recompute, cp (each of the p2p ring, all-gather and a2a), pp (1F1B, interleaved, zero-bubble, V), and for
-MoE layers' exchanged counts and expert buffers.  Approximate: the all-to-all payload depends on where tokens
-are routed, so ``ep`` is the expectation under uniform routing (:func:`megalite.moe.dispatcher.ranks_per_token`),
-exact over an EP group when every token reaches every rank.  Not modelled: MoE
-layers under tp/etp > 1, ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's
-pickled metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an
-fp16 overflow skips the norm and ZeRO-1's gather).
+MoE layers' exchanged counts, router statistics and expert buffers, with or without tp, sequence
+parallelism, expert TP and cp, and either dispatcher.  Approximate: the all-to-all dispatcher's payload depends
+on where tokens are routed, so its ``ep`` and ``expert_tp`` are the expectation under uniform routing
+(:func:`megalite.moe.dispatcher.ranks_per_token`), exact when every token reaches every EP rank.  Not
+modelled: ``--log-num-zeros-in-grad`` and ``--log-params-norm``, and objects (the pipeline's pickled
+metrics broadcast).  Gradient clipping is assumed on (the default) and the step not skipped (an fp16
+overflow skips the norm and ZeRO-1's gather).
 """
 
 from __future__ import annotations
@@ -84,6 +86,57 @@ def _cp_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> i
     if layout.cp_comm_type == "a2a":
         return (forwards + 1) * (kv + heads * tokens * (dk + dv)) * e
     return (cp - 1) * (forwards + 1) * kv * e + cp * kv * FLOAT32
+
+
+def _tp_layer_numel(layout: Layout, columns: int, rows: int) -> int:
+    """Elements per token one layer puts into TP collectives per micro-batch, for ``columns`` elements of
+    column-parallel inputs and ``rows`` of row-parallel outputs (see :func:`_tp_widths`): an all-reduce per
+    column input (backward) and per row output (forward) without sequence parallelism; an all-gather and a
+    reduce-scatter each with it; a full recompute repeats the forward ones."""
+    sp = layout.sequence_parallel and layout.tp > 1
+    return (2 if sp else 1) * (columns + rows) + (layout.recompute == "full") * ((columns if sp else 0) + rows)
+
+
+def _moe_layer_bytes(config: GPTConfig, layout: Layout, tokens: int, e: int) -> dict[str, float]:
+    """One MoE layer's bytes per axis for one micro-batch of ``tokens`` tokens per rank (expected, see the module).
+
+    Each TP rank routes its 1/tp of the tokens: under sequence parallelism its own; without it, its block of
+    the replicated tokens (padded to a multiple of tp), so the outputs are all-gathered over TP forward, the
+    tokens' and their float32 gates' gradients backward.  The router's float64 statistics (expert counts,
+    z-loss sum, token count, the balancing loss's counts and scores per sequence) are all-reduced over the
+    groups the tokens are split over: TP under sequence parallelism, CP.  EP: the [ep] int64 row counts; then
+    one row per (token, EP rank reached) out and back, forward and backward (a rank's rows back equal, on
+    average, its rows out), with each row's k int64 local expert ids and k float32 gates out and the gates'
+    gradient back.  Expert TP: the received row count is all-gathered, then every row, with its expert ids and
+    gates, gathered to the etp shards (an all-to-all whose input is the row repeated etp times) and the partial
+    outputs reduce-scattered back; the backward the same rows the other way, with the gates' gradient.  A full
+    recompute repeats the forward collectives.  The ``allgather`` dispatcher moves the same per-row payload, but
+    each rank gathers every EP rank's rows (and the expert-TP gather every rank's of those): exact, whatever the
+    routing.
+    """
+    moe, h, k = config.moe, config.hidden_size, config.moe.topk
+    tp, ep, etp = layout.tp, layout.ep, layout.expert_tp
+    sp = layout.sequence_parallel and tp > 1
+    forwards = 2 if layout.recompute == "full" else 1
+    out = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "expert_tp": 0.0}
+    if tp > 1 and not sp:
+        padded = -(-tokens // tp) * tp
+        out["tp"] += forwards * padded * h * e + padded * (h * e + k * FLOAT32)
+    sequences = layout.micro_batch_size if moe.load_balancing_type == "seq_aux_loss" else 1
+    stats = FLOAT64 * (moe.num_experts + 2 + 2 * sequences * moe.num_experts)
+    for axis, size in (("tp", tp if sp else 1), ("cp", layout.cp)):
+        if size > 1:
+            out[axis] += forwards * stats
+    if moe.dispatcher == "allgather":  # every rank's rows (padding included) gathered over EP, then over expert TP
+        rows = (tokens / tp if sp else -(-tokens // tp)) * ep
+    else:
+        rows = tokens / tp * ranks_per_token(moe.num_experts, k, ep, moe.group_topk)
+    forward_row, backward_row = 2 * h * e + k * (INT64 + FLOAT32), 2 * h * e + k * FLOAT32
+    if ep > 1:
+        out["ep"] += forwards * (ep * INT64 + rows * forward_row) + rows * backward_row
+    if etp > 1:
+        out["expert_tp"] += forwards * etp * (INT64 + rows * forward_row) + etp * rows * backward_row
+    return out
 
 
 def _padded_numel(params, size: int) -> int:
@@ -175,14 +228,14 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
     for chunk in chunks:
         first, last, layers, moe_layers = chunk.first, chunk.last, chunk.layers, chunk.moe_layers
         if tp > 1:
-            # Per layer: an all-reduce per column layer's input (backward) and per row layer's output (forward)
-            # without sequence parallelism; an all-gather and a reduce-scatter each with it; a full recompute
-            # repeats the forward ones.  The embedding and the output layer add one each way; cross entropy
-            # all-reduces the max, then sum-exp and target.
+            # Each layer's column inputs and row outputs (an MoE layer's own are in _moe_layer_bytes).  The
+            # embedding and the output layer add one each way; cross entropy all-reduces the max, then sum-exp
+            # and target.
             columns, rows = _tp_widths(config)
-            recompute = layout.recompute == "full"
-            per_layer = (2 if sp else 1) * (columns + rows) + recompute * ((columns if sp else 0) + rows)
-            out["tp"] += m * layers * per_layer * tokens * e
+            out["tp"] += m * (layers - moe_layers) * _tp_layer_numel(layout, columns, rows) * tokens * e
+            if moe_layers:  # the attention's, and a shared expert's (a dense MLP) when there is one
+                mlp = h if config.moe.shared_expert_intermediate_size is not None else 0
+                out["tp"] += m * moe_layers * _tp_layer_numel(layout, columns - h + mlp, rows - h + mlp) * tokens * e
             ends = int(first) + int(last)
             out["tp"] += m * (2 if sp else 1) * ends * activation
             if last:
@@ -197,14 +250,9 @@ def collective_bytes(config: GPTConfig, layout: Layout, seq_length: int, global_
                 vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp) // tp
                 out["embedding"] += (fsdp_rows(vocab, dp_span, dp_rank) * h * 4 if layout.fsdp
                                      else vocab * h * grad_bytes)
-        if moe_layers and layout.ep > 1:
-            # Per MoE layer and micro-batch: the [ep] int64 row counts; then one row per (token, rank reached)
-            # out and back, forward and backward (a rank's rows back equal, on average, its rows out), with
-            # each row's k int64 local expert ids and k float32 gates out, and the gates' gradient back.
-            moe = config.moe
-            rows = tokens * ranks_per_token(moe.num_experts, moe.topk, layout.ep, moe.group_topk)
-            per_row = 4 * h * e + moe.topk * (INT64 + 2 * FLOAT32)
-            out["ep"] += round(m * moe_layers * (layout.ep * INT64 + rows * per_row))
+        if moe_layers:
+            for axis, nbytes in _moe_layer_bytes(config, layout, tokens, e).items():
+                out[axis] += round(m * moe_layers * nbytes)
         if layout.fsdp:
             gathers = 2 if layout.reshard_after_forward else 1
             for axis, numel in chunk.fsdp_units.items():

@@ -86,3 +86,91 @@ def test_microbatches_in_flight_follow_each_schedules_warm_up():
     assert per_rank("interleaved-1f1b", 2, 4) == [4, 4, 4, 4]
     # ZBV: two chunks per rank in a V; rank 0 holds the first and the last stage.
     assert per_rank("zbv", None, 8) == [4, 4, 4, 4]
+
+
+def test_torchtitan_op_recompute_matches_torch_selective_checkpointing():
+    """``torchtitan-op``'s bytes and recomputed FLOPs equal what torch's selective checkpointing keeps and reruns
+    for a plain Llama block (wq wk wv wo, SDPA, w1 w3 w2) under the policy torchtitan's option states: save
+    attention's outputs and every odd-numbered matmul's, recompute the rest (RNG state not kept, as there)."""
+    import gc
+    from collections import defaultdict
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megalite.models import GPTConfig
+    from megalite.plan.activations import TORCHTITAN_OP, layer_activation_bytes, op_recompute_flops_per_token
+    from megalite.plan.layout import Layout
+
+    h, heads, groups, ffn, batch, seq = 64, 4, 2, 96, 2, 32
+    d = h // heads
+    config = GPTConfig(vocab_size=128, num_layers=2, hidden_size=h, num_attention_heads=heads,
+                       num_query_groups=groups, ffn_hidden_size=ffn, activation="swiglu", normalization="RMSNorm",
+                       position_embedding_type="rope", max_position_embeddings=seq)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = nn.ModuleList([nn.RMSNorm(h), nn.RMSNorm(h)])
+            self.wq, self.wk, self.wv = (nn.Linear(h, n * d, bias=False) for n in (heads, groups, groups))
+            self.wo = nn.Linear(heads * d, h, bias=False)
+            self.w1, self.w3, self.w2 = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False), \
+                nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x):
+            y = self.norms[0](x)
+            q, k, v = (t.view(batch, seq, -1, d).transpose(1, 2) for t in (self.wq(y), self.wk(y), self.wv(y)))
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(attention.transpose(1, 2).reshape(batch, seq, -1))
+            y = self.norms[1](x)
+            return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+    attention_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def context():
+        matmuls = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            if func == torch.ops.aten.mm.default:
+                matmuls[ctx.is_recompute] += 1
+                save = matmuls[ctx.is_recompute] % 2 == 1
+            else:
+                save = func in attention_ops
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Block() for _ in range(config.num_layers)])
+
+    def forward(x, selective):
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False, context_fn=context, preserve_rng_state=False) \
+                if selective else block(x)
+        return x
+
+    def live_storages():
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+
+    x = torch.randn(batch, seq, h, requires_grad=True)
+    before = live_storages()
+    out = forward(x, True)
+    gc.collect()
+    kept = {ptr: n for ptr, n in live_storages().items()
+            if ptr not in before and ptr != out.untyped_storage().data_ptr()}
+    # Every block keeps its input: the first block's is x, alive before the forward.
+    measured = sum(kept.values()) + x.numel() * x.element_size()
+    layout = Layout(micro_batch_size=batch, recompute=TORCHTITAN_OP)
+    assert measured > 0
+    assert measured == config.num_layers * layer_activation_bytes(config, layout, seq, 0, TORCHTITAN_OP)
+    out.sum().backward()
+
+    flops = []
+    for selective in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            forward(x, selective).sum().backward()
+        flops.append(counter.get_total_flops())
+    assert flops[1] - flops[0] == op_recompute_flops_per_token(config) * batch * seq > 0

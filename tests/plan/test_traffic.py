@@ -59,16 +59,31 @@ LAYOUTS = [
     ("fsdp2-moe-ep2-pp2", MOE + ["--use-torch-fsdp2", "--expert-model-parallel-size", "2",
                                  "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],
      None),
+    ("moe-tp2-ep2-bf16-full-recompute", MOE + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size",
+                                               "2", "--bf16", "--recompute-granularity", "full"], None),
+    ("moe-tp2-sp-ep2-allgather-bf16", MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                             "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                             "allgather", "--bf16"], None),
+    ("moe-cp2-tp2-sp-ep2-etp1-seq-aux-loss", MOE + ["--context-parallel-size", "2", "--tensor-model-parallel-size",
+                                                    "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                                                    "--expert-tensor-parallel-size", "1",
+                                                    "--moe-router-load-balancing-type", "seq_aux_loss",
+                                                    "--moe-aux-loss-coeff", "0.01",
+                                                    "--moe-shared-expert-intermediate-size", "16",
+                                                    "--moe-shared-expert-gate"], None),
 ]
 AXES = {"dp": "dp_cp"}  # the planner's name -> the topology's, where they differ
 COLLECTIVES = {  # name -> the argument that is the collective's whole buffer (FSDP2 passes it by keyword)
-    "all_reduce": "tensor", "broadcast": "tensor", "all_gather_into_tensor": "output_tensor",
-    "all_gather_single": "output_tensor", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
+    "all_reduce": "tensor", "all_gather": "tensor_list", "broadcast": "tensor",
+    "all_gather_into_tensor": "output_tensor", "all_gather_single": "output_tensor", "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input",
     "all_to_all_single": "input",
 }
 
 
 def _nbytes(tensor) -> int:
+    if isinstance(tensor, (list, tuple)):  # all_gather's output list
+        return sum(map(_nbytes, tensor))
     return tensor.numel() * tensor.element_size()
 
 
@@ -126,7 +141,7 @@ def _count_and_predict(layouts):
             args = validate_args(parse_args(MODEL + extra), world)
             topo = topology.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                        vpp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
-                                       ep=args.expert_model_parallel_size)
+                                       ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
             if bucket_size is not None:
                 setup.ddp_config = lambda a, b=bucket_size: DDPConfig(**{**vars(ddp_config(a)), "bucket_size": b})
             try:
