@@ -30,7 +30,8 @@ from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
 from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3, megatron_moe_args
-from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_key, megatron_name
+from megalite.checkpoint.megatron_dist import COMMON, MegatronDistReader
+from megalite.checkpoint.megatron_names import LAYERS, megatron_key, megatron_name
 from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process

@@ -3,19 +3,9 @@
 An iteration directory Megatron-LM writes with ``--ckpt-format torch_dist`` holds ``metadata.json``
 (``sharded_backend: torch_dist``), ``common.pt`` (``args``, ``iteration``, ``checkpoint_version``: the
 state no rank shards) and a torch.distributed.checkpoint directory (``.metadata`` and ``__R_I.distcp``).
-Its tensors are already global and layout-free, in the layout megalite's own checkpoints use
-(:mod:`megalite.checkpoint.sharding`: grouped QKV, SwiGLU fc1 as ``[gate; up]``), with two differences
-this reader maps away:
-
-- the decoder layers are stacked: ``decoder.layers.<name>`` has a leading dimension of ``num_layers``,
-  and megalite's ``decoder.layers.<i>.<name>`` is its slice ``i``;
-- MoE experts are ``mlp.experts.experts.linear_fc1|2.weight`` with an expert dimension (SequentialMLP and
-  GroupedMLP alike), megalite's ``mlp.experts.fc1|2_weight``; with dense and MoE layers mixed
-  (``moe_layer_freq``) Megatron-Core does not stack the layers but saves ``decoder.layers.<i>.<name>``;
-- the layer norms live under the Transformer-Engine names (``linear_qkv.layer_norm_weight`` is
-  ``input_layernorm.weight``; in a multi-token prediction depth's ``mtp.layers.<k>.transformer_layer.``
-  too, whose depths are not stacked), and the vocabulary rows are padded (megalite reads the first
-  ``vocab_size`` rows).
+Its tensors are already global and layout-free, in the layout megalite's own checkpoints use, under Megatron's
+keys (stacked layers, expert and Transformer-Engine names, a padded vocabulary), which
+:mod:`megalite.checkpoint.megatron_names` maps to megalite's names.
 
 Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
 in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
@@ -51,30 +41,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices, place
+from megalite.checkpoint.sharding import box_slices, place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
-from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
+from megalite.checkpoint.megatron_names import map_names
+from megalite.checkpoint.megatron_optim import resumable_optimizer
 from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
 
 COMMON = "common.pt"
-LAYERS = "decoder.layers."
-# Megatron-Core's sharded names of the layer norms that Transformer Engine fuses into the next linear layer
-# (the local layer spec maps its own norms to them too, so both implementations save the same names).
-_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-# Megatron-Core's sharded names of the MoE tensors that megalite names differently: both its SequentialMLP and its
-# GroupedMLP (``--moe-grouped-gemm``) save the experts as ``experts.experts.linear_fc1|2`` with an expert dimension
-# (SwiGLU fc1 as ``[gate; up]``), the layout of megalite's stacked ``experts.fc1|2_weight``.
-_MOE_NAMES = {f"mlp.experts.experts.linear_fc{i}.{kind}": f"mlp.experts.fc{i}_{kind}"
-              for i in (1, 2) for kind in ("weight", "bias")}
-_MOE_NAMES["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate"
-_NAMES = {**_TE_NAMES, **_MOE_NAMES}
 # DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
 _PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
                  for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
@@ -114,32 +91,6 @@ def config_from_common_args(args: dict, where: str):
         return config_from_megatron_args(args, vocab)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-
-
-def megalite_name(key: str) -> str:
-    """The megalite name of Megatron's (unstacked part of a) tensor name, e.g. ``mlp.linear_fc1.layer_norm_weight``."""
-    return _NAMES.get(key, key)
-
-
-def megatron_name(name: str) -> str:
-    """The inverse of :func:`megalite_name`."""
-    return next((theirs for theirs, ours in _NAMES.items() if ours == name), name)
-
-
-def megalite_key(key: str) -> str:
-    """The megalite name of one of Megatron's unstacked tensors (a prediction depth's layer norms included)."""
-    return _in_mtp_layer(key, megalite_name)
-
-
-def megatron_key(name: str) -> str:
-    """The inverse of :func:`megalite_key`."""
-    return _in_mtp_layer(name, megatron_name)
-
-
-def _in_mtp_layer(name: str, rename) -> str:
-    """``rename`` applied to the part after ``mtp.layers.<k>.transformer_layer.``, else to the whole name."""
-    head, layer, rest = name.partition(".transformer_layer.")
-    return head + layer + rename(rest) if name.startswith("mtp.layers.") and layer else rename(name)
 
 
 class MegatronDistReader:
@@ -203,7 +154,7 @@ class MegatronDistReader:
             if os.path.basename(relative) != relative or not os.path.isfile(os.path.join(where, relative)):
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
-        self._sources = self._map_names()
+        self._sources = map_names(self.metadata, self._config.vocab_size)
         self._flat = {}
         saved = common.get("optimizer")
         if isinstance(saved, dict) and saved.get("param_state_sharding_type") == "dp_reshardable":
@@ -259,35 +210,6 @@ class MegatronDistReader:
             raise ValueError(f"Megatron-LM checkpoint {self.directory}: its buckets hold only {placed} of the "
                              f"{out.numel()} elements of {name}")
         return out
-
-    def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
-        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see
-        :func:`megalite_optimizer_prefix`)."""
-        sources = {}
-        for key, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
-                continue
-            prefix, model_key = "", key
-            if key.startswith(("optimizer.", "chained_")):
-                prefix, model_key = megalite_optimizer_prefix(key)
-                if prefix is None:
-                    continue  # another optimizer's layout: :func:`resumable_optimizer` names it
-            size = tuple(md.size)
-            layer, dot, rest = model_key[len(LAYERS):].partition(".")
-            if model_key.startswith(LAYERS) and layer.isdigit() and dot:
-                # Dense and MoE layers mixed (``moe_layer_freq`` not 1): Megatron-Core saves every layer unstacked.
-                sources[f"{prefix}{LAYERS}{layer}.{megalite_name(rest)}"] = (key, (), size)
-            elif model_key.startswith(LAYERS):
-                rest = megalite_name(model_key[len(LAYERS):])
-                for layer in range(size[0]):
-                    sources[f"{prefix}{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
-            else:
-                name = megalite_key(model_key)
-                if name in VOCAB_PARAMS:
-                    size = (min(size[0], self._config.vocab_size),) + size[1:]
-                sources[prefix + name] = (key, (), size)
-        return sources
 
     # The interface load_into, inspect and the converters use.
     @property
