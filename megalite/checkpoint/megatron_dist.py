@@ -4,8 +4,9 @@ An iteration directory Megatron-LM writes with ``--ckpt-format torch_dist`` hold
 (``sharded_backend: torch_dist``), ``common.pt`` (``args``, ``iteration``, ``checkpoint_version``: the
 state no rank shards) and a torch.distributed.checkpoint directory (``.metadata`` and ``__R_I.distcp``).
 Its tensors are already global and layout-free, in the layout megalite's own checkpoints use, under Megatron's
-keys (stacked layers, expert and Transformer-Engine names, a padded vocabulary), which
-:mod:`megalite.checkpoint.megatron_names` maps to megalite's names.
+keys (stacked layers, expert and Transformer-Engine names, a padded vocabulary; with ``singleton_local_shards``
+each expert and each SwiGLU fc1 half a tensor of its own), which :mod:`megalite.checkpoint.megatron_names` maps to
+megalite's names (:meth:`MegatronDistReader.placed_chunks`: each saved chunk's place in megalite's tensor).
 
 Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
 in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
@@ -41,10 +42,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import box_slices, place
+from megalite.checkpoint.sharding import box_slices, intersect, place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
-from megalite.checkpoint.megatron_names import map_names
+from megalite.checkpoint.megatron_names import Part, Source, map_names
 from megalite.checkpoint.megatron_optim import resumable_optimizer
 from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
@@ -154,14 +155,14 @@ class MegatronDistReader:
             if os.path.basename(relative) != relative or not os.path.isfile(os.path.join(where, relative)):
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
-        self._sources = map_names(self.metadata, self._config.vocab_size)
+        self._sources = map_names(self.metadata, self._config.vocab_size, where)
         self._flat = {}
         saved = common.get("optimizer")
         if isinstance(saved, dict) and saved.get("param_state_sharding_type") == "dp_reshardable":
             self.state["optimizer"], self.optimizer_note = self._distributed_optimizer()
         else:
             self.state["optimizer"], self.optimizer_note = resumable_optimizer(
-                saved, {name: shape for name, (_, _, shape) in self._sources.items()})
+                saved, {name: source.shape for name, source in self._sources.items()})
         self.state["optimizer_note"] = self.optimizer_note
 
     def _distributed_optimizer(self) -> tuple[dict | None, str | None]:
@@ -179,21 +180,23 @@ class MegatronDistReader:
                              f"{type(err).__name__}: {err}") from None
         self._flat, meta, note = distributed_optimizer(self.args, self._config, self.megatron_shapes(), buckets, saved)
         for name, parts in self._flat.items():
-            self._sources[name] = (parts[0][0], (), model[name.split(".", 2)[2]][2])
+            shape = model[name.split(".", 2)[2]].shape
+            self._sources[name] = Source((Part(parts[0][0], (), (0,) * len(shape), False),), shape)
         return meta, note
 
     def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every model tensor's global shape as Megatron holds it (megalite names; the vocabulary padded)."""
+        """Every model tensor's global shape as Megatron holds it (megalite names; the vocabulary padded; a tensor
+        saved in singleton shards (:mod:`megalite.checkpoint.megatron_names`) as the whole Megatron-Core holds)."""
         md = self.metadata.state_dict_metadata
-        return {name: tuple(md[key].size[len(lead):]) for name, (key, lead, _) in self._sources.items()
-                if not name.startswith("optimizer.")}
+        return {name: tuple(md[parts[0].key].size[len(parts[0].lead):]) if len(parts) == 1 and not parts[0].expert
+                else shape for name, (parts, shape) in self._sources.items() if not name.startswith("optimizer.")}
 
     def flat_tensor(self, name: str, chunks: StoredChunks | None = None) -> torch.Tensor:
         """The distributed optimizer's state tensor ``name`` (a key of :attr:`_flat`), its model-parallel ranks'
         local shards each gathered from the DP ranks' shares of its flat bucket and placed in the global tensor
         (a copy)."""
         chunks = chunks or StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        out = torch.empty(self._sources[name][2], dtype=self.dtype(name))
+        out = torch.empty(self._sources[name].shape, dtype=self.dtype(name))
         placed = 0
         for key, start, shape, pieces in self._flat[name]:
             local = torch.empty(math.prod(shape), dtype=out.dtype)
@@ -218,18 +221,40 @@ class MegatronDistReader:
 
     @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: shape for name, (_, _, shape) in self._sources.items()}
+        return {name: source.shape for name, source in self._sources.items()}
 
     def has(self, name: str) -> bool:
         return name in self._sources
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.metadata.state_dict_metadata[self._sources[name][0]].properties.dtype
+        return self.metadata.state_dict_metadata[self._sources[name].parts[0].key].properties.dtype
 
     def chunks(self, name: str) -> list:
-        key, lead, _ = self._sources[name]
-        return [c for c in self.metadata.state_dict_metadata[key].chunks
-                if all(o <= i < o + s for o, s, i in zip(c.offsets, c.sizes, lead))]
+        """The saved chunks of ``name`` in megalite's coordinates."""
+        return [dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(size))
+                for _, _, offset, size in self.placed_chunks(name)]
+
+    def placed_chunks(self, name: str) -> list[tuple[Part, dcp_metadata.ChunkStorageMetadata, tuple, tuple]]:
+        """``[(part, saved chunk, its offset, its shape)]``: every saved chunk of model or optimizer tensor ``name``
+        (a key of :data:`_sources`), placed in megalite's global tensor (its vocabulary rows uncut)."""
+        md, placed = self.metadata.state_dict_metadata, []
+        for part in self._sources[name].parts:
+            lead = len(part.lead)
+            for chunk in md[part.key].chunks:
+                if all(o <= i < o + s for o, s, i in zip(chunk.offsets, chunk.sizes, part.lead)):
+                    offset = (0,) * part.expert + tuple(chunk.offsets)[lead:]
+                    placed.append((part, chunk, tuple(p + o for p, o in zip(part.offset, offset)),
+                                   (1,) * part.expert + tuple(chunk.sizes)[lead:]))
+        return placed
+
+    @staticmethod
+    def chunk_view(chunks: StoredChunks, part: Part, chunk, shape: tuple[int, ...]) -> torch.Tensor:
+        """The saved ``chunk`` of ``part`` (:meth:`placed_chunks`) of shape ``shape`` in megalite's tensor, as a view of
+        the memory-mapped shard file."""
+        view = chunks.tensor(dcp_metadata.MetadataIndex(part.key, chunk.offsets))
+        for dim, index in enumerate(part.lead):
+            view = view.narrow(dim, index - chunk.offsets[dim], 1)
+        return view.reshape(shape)
 
     def check_architecture(self, config) -> None:
         if config is None:
@@ -263,42 +288,61 @@ class MegatronDistReader:
             if os.path.getsize(os.path.join(self.directory, relative)) == 0:
                 raise ValueError(f"Megatron-LM checkpoint {self.directory}: shard file {relative} is empty")
 
-    def _region(self, region: Region) -> Region:
-        if not self.has(region.name):
-            raise ValueError(f"Megatron-LM checkpoint {self.directory} has no tensor {region.name!r}")
-        key, lead, shape = self._sources[region.name]
-        if len(region.offset) != len(shape) or any(o + n > s for o, n, s in zip(region.offset, region.out.shape, shape)):
-            raise ValueError(f"{region.name}: region at {region.offset} of shape {tuple(region.out.shape)} lies outside "
-                             f"the saved global shape {shape}")
-        return Region(key, lead + tuple(region.offset), region.out.view((1,) * len(lead) + tuple(region.out.shape)))
+    def _check(self, name: str, offset, shape) -> None:
+        if not self.has(name):
+            raise ValueError(f"Megatron-LM checkpoint {self.directory} has no tensor {name!r}")
+        saved = self._sources[name].shape
+        if len(offset) != len(saved) or any(o + n > s for o, n, s in zip(offset, shape, saved)):
+            raise ValueError(f"{name}: region at {offset} of shape {tuple(shape)} lies outside the saved global shape "
+                             f"{saved}")
+
+    def _regions(self, region: Region) -> list[Region]:
+        """``region`` of megalite's tensor as regions of Megatron's saved tensors, each ``out`` a view of its part of
+        ``region.out``."""
+        self._check(region.name, region.offset, region.out.shape)
+        md, out, filled = self.metadata.state_dict_metadata, [], 0
+        want = tuple((o, o + n) for o, n in zip(region.offset, region.out.shape))
+        for part in self._sources[region.name].parts:
+            size = (1,) * part.expert + tuple(md[part.key].size)[len(part.lead):]
+            common = intersect(want, tuple((o, o + n) for o, n in zip(part.offset, size)))
+            if common is None:
+                continue
+            view = region.out[box_slices(common, tuple(region.offset))]
+            start = tuple(lo - o for (lo, _), o in zip(common, part.offset))[part.expert:]
+            inner = tuple(hi - lo for lo, hi in common)[part.expert:]
+            out.append(Region(part.key, part.lead + start, view.view((1,) * len(part.lead) + inner)))
+            filled += view.numel()
+        if filled != region.out.numel():
+            raise ValueError(f"Megatron-LM checkpoint {self.directory}: its parts of {region.name} cover only {filled} "
+                             f"of the {region.out.numel()} elements of region {want}")
+        return out
 
     def read_views(self, boxes, regions=(), *, hashed: bool = True):
         """The boxes ``(name, offset, shape)`` as ``[[(index, view)]]``, views of the memory-mapped shard files
         (no copy; the caller copies them and must not write to them), and fill ``regions``; as
         :meth:`CheckpointReader.read_views`."""
         chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        requests = [self._region(r) for r in regions if r.name not in self._flat]
+        requests = [part for r in regions if r.name not in self._flat for part in self._regions(r)]
         views = []
         try:
             for region in (r for r in regions if r.name in self._flat):
                 region.out.copy_(self.flat_tensor(region.name, chunks)[box_slices(
                     tuple((o, o + n) for o, n in zip(region.offset, region.out.shape)))])
             for name, offset, shape in boxes:
-                self._region(Region(name, tuple(offset), torch.empty(shape, device="meta")))
+                self._check(name, tuple(offset), shape)
+                box = tuple((o, o + n) for o, n in zip(offset, shape))
                 if name in self._flat:
-                    box = tuple((o, o + n) for o, n in zip(offset, shape))
                     views.append([(box_slices(box, tuple(offset)), self.flat_tensor(name, chunks)[box_slices(box)])])
                     continue
-                key, lead, _ = self._sources[name]
-                want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
                 parts, filled = [], 0
-                for common, view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
-                                                      want):
-                    view = view.reshape(view.shape[len(lead):])
-                    parts.append((box_slices(common[len(lead):], tuple(offset)), view))
-                    filled += view.numel()
+                for part, chunk, at, size in self.placed_chunks(name):
+                    common = intersect(box, tuple((o, o + n) for o, n in zip(at, size)))
+                    if common is not None:
+                        view = self.chunk_view(chunks, part, chunk, size)[box_slices(common, at)]
+                        parts.append((box_slices(common, tuple(offset)), view))
+                        filled += view.numel()
                 if filled != math.prod(shape):
-                    raise ValueError(f"tensor {key!r} region {want} is covered for only {filled} of "
+                    raise ValueError(f"tensor {name!r} region {box} is covered for only {filled} of "
                                      f"{math.prod(shape)} elements")
                 views.append(parts)
             if requests:

@@ -4,8 +4,8 @@ Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU expert
 expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
 two expert-parallel ranks after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained
 CONTINUED more (:mod:`megatron_optim_fixture`'s run).  megalite reads the architecture from the saved args and
-its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.  Both Megatron
-expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
+its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.
+Both Megatron expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
 GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
 checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
 logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.
@@ -27,6 +27,9 @@ ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query
             qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
             moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+SINGLETON = "_singleton"
+"""The suffix of the directory of the same save with Megatron-Core's ``singleton_local_shards`` (per-expert tensors,
+SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
@@ -108,10 +111,12 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor):
                                       tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                       expert_model_parallel_size=ep, world_size=dist.get_world_size(),
                                       data_parallel_size=dist.get_world_size(), transformer_impl="local")
-            state = {"args": args, "checkpoint_version": 3.0, "iteration": i, "model": model.sharded_state_dict()}
-            state["optimizer"] = optimizer.sharded_state_dict(state)
-            state["opt_param_scheduler"] = scheduler.state_dict()
-            megatron_fixture.save_state(state, save_dir, i)
+            for directory, metadata in ((save_dir, None), (save_dir + SINGLETON, {"singleton_local_shards": True})):
+                state = {"args": args, "checkpoint_version": 3.0, "iteration": i,
+                         "model": model.sharded_state_dict(metadata=metadata)}
+                state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+                state["opt_param_scheduler"] = scheduler.state_dict()
+                megatron_fixture.save_state(state, directory, i)
         batch = batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
@@ -160,6 +165,7 @@ def saved(tmp_path_factory):
     files (ep=1, ep=2) and rank 0's output of them)``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     os.makedirs(path)
+    os.makedirs(path + SINGLETON)
     ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
     moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
                for name in ranks[0][2]}
@@ -310,3 +316,60 @@ def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and not os.path.exists(tmp_path / "o"), err
     assert "args.moe_input_jitter_eps=0.01 (MoE input jitter): megalite's GPT does not implement it" in err
+
+
+def test_a_singleton_local_shards_save_reads_as_the_stacked_one(saved, tmp_path):
+    """Megatron-Core's ``singleton_local_shards`` save (each expert a tensor of its own, each SwiGLU fc1 split into
+    ``weight_w`` and ``weight_v``, dense and shared-expert MLPs too; Adam's moments likewise): megalite reads every
+    model and optimizer tensor equal to the default save's, and converts it (``--from megatron``) to a checkpoint
+    whose logits are Megatron's."""
+    from megalite.checkpoint import load_model
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.storage import Region
+
+    single, stacked = MegatronDistReader(saved[0] + SINGLETON), MegatronDistReader(saved[0])
+    keys = single.metadata.state_dict_metadata
+    assert "decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight_v" in keys
+    assert "chained_1.optimizer.state.exp_avg.decoder.layers.0.mlp.experts.experts.0.linear_fc2.weight" in keys
+    assert "decoder.layers.1.mlp.linear_fc1.weight_w" in keys
+    assert single.shapes == stacked.shapes and single.optimizer_note is None
+    assert single.state["optimizer"] == stacked.state["optimizer"]
+    assert single.megatron_shapes() == stacked.megatron_shapes()
+    names = list(stacked.shapes)
+    ours, theirs = single.read_all(names), stacked.read_all(names)
+    for name in names:
+        assert torch.equal(ours[name], theirs[name]), name
+    region = torch.empty(2, 60, 32)  # experts 1-2, across their gate/up halves
+    single.read_regions([Region("decoder.layers.0.mlp.experts.fc1_weight", (1, 20, 0), region)])
+    assert torch.equal(region, theirs["decoder.layers.0.mlp.experts.fc1_weight"][1:3, 20:80])
+    region.zero_()
+    (views,) = single.read_views([("decoder.layers.0.mlp.experts.fc1_weight", (1, 20, 0), (2, 60, 32))])
+    assert len(views) == 4  # the gate and up halves of two experts
+    for index, view in views:
+        region[index] = view
+    assert torch.equal(region, theirs["decoder.layers.0.mlp.experts.fc1_weight"][1:3, 20:80])
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", saved[0] + SINGLETON,
+                                    "--output", converted) == 0
+    with torch.no_grad():
+        _close(load_model(converted)(IDS), saved[1])
+
+
+def test_incomplete_singleton_shards_are_one_error():
+    """A tensor saved in singleton shards that lacks one is an error naming the missing parts."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from megalite.checkpoint.megatron_names import map_names
+
+    def entry(*size):
+        chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=torch.Size(size))
+        return dcp_metadata.TensorStorageMetadata(dcp_metadata.TensorProperties(dtype=torch.float32),
+                                                  torch.Size(size), [chunk])
+
+    key = "decoder.layers.0.mlp.experts.experts.{}.linear_fc1.weight_{}"
+    present = {key.format(e, h): entry(48, 32) for e, h in ((0, "w"), (0, "v"), (2, "w"), (2, "v"), (1, "w"))}
+    metadata = dcp_metadata.Metadata(state_dict_metadata=present)
+    with pytest.raises(ValueError, match=r"Megatron-LM checkpoint /x: the singleton shards of "
+                                         r"decoder\.layers\.0\.mlp\.experts\.fc1_weight are incomplete "
+                                         r"\(missing: expert 1 _v\)"):
+        map_names(metadata, 96, "/x")
