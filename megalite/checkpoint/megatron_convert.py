@@ -6,7 +6,8 @@
 - :func:`convert_megalite_to_megatron`: a megalite checkpoint (any layout) written as the iteration directory
   Megatron-LM's ``--ckpt-format torch_dist`` writes (``metadata.json``, ``common.pt`` with Megatron-LM's
   ``args``, the DCP files with stacked layers (unstacked when dense and MoE layers mix, as Megatron-Core saves
-  them), Megatron's expert and Transformer-Engine layer-norm names, a padded vocabulary)
+  them), Megatron's expert and Transformer-Engine layer-norm names, a padded vocabulary; Megatron-LM's default
+  layout, ``singleton_local_shards`` off)
   plus ``latest_checkpointed_iteration.txt``, so Megatron-Core's ``dist_checkpointing.load`` reads it.
 
 From Megatron-LM: the model weights, the Adam state that :class:`MegatronDistReader` reads (moments, fp32 main
@@ -30,7 +31,8 @@ from megalite.checkpoint import global_shapes, open_reader, save_global_shards
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, MEGATRON_TRACKER
 from megalite.checkpoint.megatron_args import MEGATRON_LLAMA3, megatron_moe_args
-from megalite.checkpoint.megatron_dist import COMMON, LAYERS, MegatronDistReader, megatron_key, megatron_name
+from megalite.checkpoint.megatron_dist import COMMON, MegatronDistReader
+from megalite.checkpoint.megatron_names import LAYERS, megatron_key, megatron_name
 from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
 from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
@@ -84,20 +86,14 @@ def megatron_shards(reader: MegatronDistReader) -> list[TensorShard]:
     off)."""
     chunks = StoredChunks(reader.directory, {"files": {}}, reader.metadata, hashed=False)
     shards = []
-    for name, (key, lead, shape) in reader._sources.items():
+    for name, shape in reader.shapes.items():
         if name.startswith("optimizer.") and reader.state["optimizer"] is None:
             continue
         if name in reader._flat:  # the distributed optimizer's state: gathered from its flat buckets
             shards.append(TensorShard(name, shape, (0,) * len(shape), reader.flat_tensor(name, chunks)))
             continue
-        for chunk in reader.chunks(name):
-            view = chunks.tensor(dcp_metadata.MetadataIndex(key, chunk.offsets))
-            for dim, index in enumerate(lead):
-                if chunk.sizes[dim] != 1:
-                    raise ValueError(f"{reader.directory}: a chunk of {key} spans several layers, which Megatron-Core "
-                                     "never writes")
-            view = view.reshape(tuple(chunk.sizes)[len(lead):])
-            offset = tuple(chunk.offsets)[len(lead):]
+        for part, chunk, offset, size in reader.placed_chunks(name):
+            view = reader.chunk_view(chunks, part, chunk, size)
             if parameter_name(name) in VOCAB_PARAMS:
                 if offset[0] >= shape[0]:
                     continue

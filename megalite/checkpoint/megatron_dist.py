@@ -3,19 +3,10 @@
 An iteration directory Megatron-LM writes with ``--ckpt-format torch_dist`` holds ``metadata.json``
 (``sharded_backend: torch_dist``), ``common.pt`` (``args``, ``iteration``, ``checkpoint_version``: the
 state no rank shards) and a torch.distributed.checkpoint directory (``.metadata`` and ``__R_I.distcp``).
-Its tensors are already global and layout-free, in the layout megalite's own checkpoints use
-(:mod:`megalite.checkpoint.sharding`: grouped QKV, SwiGLU fc1 as ``[gate; up]``), with two differences
-this reader maps away:
-
-- the decoder layers are stacked: ``decoder.layers.<name>`` has a leading dimension of ``num_layers``,
-  and megalite's ``decoder.layers.<i>.<name>`` is its slice ``i``;
-- MoE experts are ``mlp.experts.experts.linear_fc1|2.weight`` with an expert dimension (SequentialMLP and
-  GroupedMLP alike), megalite's ``mlp.experts.fc1|2_weight``; with dense and MoE layers mixed
-  (``moe_layer_freq``) Megatron-Core does not stack the layers but saves ``decoder.layers.<i>.<name>``;
-- the layer norms live under the Transformer-Engine names (``linear_qkv.layer_norm_weight`` is
-  ``input_layernorm.weight``; in a multi-token prediction depth's ``mtp.layers.<k>.transformer_layer.``
-  too, whose depths are not stacked), and the vocabulary rows are padded (megalite reads the first
-  ``vocab_size`` rows).
+Its tensors are already global and layout-free, in the layout megalite's own checkpoints use, under Megatron's
+keys (stacked layers, expert and Transformer-Engine names, a padded vocabulary; with ``singleton_local_shards``
+each expert and each SwiGLU fc1 half a tensor of its own), which :mod:`megalite.checkpoint.megatron_names` maps to
+megalite's names (:meth:`MegatronDistReader.placed_chunks`: each saved chunk's place in megalite's tensor).
 
 Megatron-Core's optimizer state per parameter, ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter>``
 in the parameter's layout, becomes megalite's ``optimizer.<exp_avg|exp_avg_sq|main>.<name>`` the same way;
@@ -51,30 +42,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalite.checkpoint.files import DCP_METADATA, open_regular
 from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
-from megalite.checkpoint.sharding import VOCAB_PARAMS, box_slices, place
+from megalite.checkpoint.sharding import box_slices, intersect, place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
-from megalite.checkpoint.megatron_optim import megalite_optimizer_prefix, resumable_optimizer
+from megalite.checkpoint.megatron_names import Part, Source, map_names
+from megalite.checkpoint.megatron_optim import resumable_optimizer
 from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
 from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
                                          _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
 from megalite.models.architecture import compare_architecture
 
 COMMON = "common.pt"
-LAYERS = "decoder.layers."
-# Megatron-Core's sharded names of the layer norms that Transformer Engine fuses into the next linear layer
-# (the local layer spec maps its own norms to them too, so both implementations save the same names).
-_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-# Megatron-Core's sharded names of the MoE tensors that megalite names differently: both its SequentialMLP and its
-# GroupedMLP (``--moe-grouped-gemm``) save the experts as ``experts.experts.linear_fc1|2`` with an expert dimension
-# (SwiGLU fc1 as ``[gate; up]``), the layout of megalite's stacked ``experts.fc1|2_weight``.
-_MOE_NAMES = {f"mlp.experts.experts.linear_fc{i}.{kind}": f"mlp.experts.fc{i}_{kind}"
-              for i in (1, 2) for kind in ("weight", "bias")}
-_MOE_NAMES["mlp.shared_experts.gate_weight"] = "mlp.shared_expert_gate"
-_NAMES = {**_TE_NAMES, **_MOE_NAMES}
 # DCP's save-plan classes, which Megatron-Core's planner keeps in ``.metadata`` (plain dataclasses and an enum).
 _PLAN_CLASSES = {("torch.distributed.checkpoint.planner", name)
                  for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
@@ -114,32 +92,6 @@ def config_from_common_args(args: dict, where: str):
         return config_from_megatron_args(args, vocab)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-
-
-def megalite_name(key: str) -> str:
-    """The megalite name of Megatron's (unstacked part of a) tensor name, e.g. ``mlp.linear_fc1.layer_norm_weight``."""
-    return _NAMES.get(key, key)
-
-
-def megatron_name(name: str) -> str:
-    """The inverse of :func:`megalite_name`."""
-    return next((theirs for theirs, ours in _NAMES.items() if ours == name), name)
-
-
-def megalite_key(key: str) -> str:
-    """The megalite name of one of Megatron's unstacked tensors (a prediction depth's layer norms included)."""
-    return _in_mtp_layer(key, megalite_name)
-
-
-def megatron_key(name: str) -> str:
-    """The inverse of :func:`megalite_key`."""
-    return _in_mtp_layer(name, megatron_name)
-
-
-def _in_mtp_layer(name: str, rename) -> str:
-    """``rename`` applied to the part after ``mtp.layers.<k>.transformer_layer.``, else to the whole name."""
-    head, layer, rest = name.partition(".transformer_layer.")
-    return head + layer + rename(rest) if name.startswith("mtp.layers.") and layer else rename(name)
 
 
 class MegatronDistReader:
@@ -203,14 +155,14 @@ class MegatronDistReader:
             if os.path.basename(relative) != relative or not os.path.isfile(os.path.join(where, relative)):
                 raise ValueError(f"Megatron-LM checkpoint {where} is incomplete: shard file {relative}, named in its "
                                  f"{DCP_METADATA}, is missing")
-        self._sources = self._map_names()
+        self._sources = map_names(self.metadata, self._config.vocab_size, where)
         self._flat = {}
         saved = common.get("optimizer")
         if isinstance(saved, dict) and saved.get("param_state_sharding_type") == "dp_reshardable":
             self.state["optimizer"], self.optimizer_note = self._distributed_optimizer()
         else:
             self.state["optimizer"], self.optimizer_note = resumable_optimizer(
-                saved, {name: shape for name, (_, _, shape) in self._sources.items()})
+                saved, {name: source.shape for name, source in self._sources.items()})
         self.state["optimizer_note"] = self.optimizer_note
 
     def _distributed_optimizer(self) -> tuple[dict | None, str | None]:
@@ -228,21 +180,23 @@ class MegatronDistReader:
                              f"{type(err).__name__}: {err}") from None
         self._flat, meta, note = distributed_optimizer(self.args, self._config, self.megatron_shapes(), buckets, saved)
         for name, parts in self._flat.items():
-            self._sources[name] = (parts[0][0], (), model[name.split(".", 2)[2]][2])
+            shape = model[name.split(".", 2)[2]].shape
+            self._sources[name] = Source((Part(parts[0][0], (), (0,) * len(shape), False),), shape)
         return meta, note
 
     def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every model tensor's global shape as Megatron holds it (megalite names; the vocabulary padded)."""
+        """Every model tensor's global shape as Megatron holds it (megalite names; the vocabulary padded; a tensor
+        saved in singleton shards (:mod:`megalite.checkpoint.megatron_names`) as the whole Megatron-Core holds)."""
         md = self.metadata.state_dict_metadata
-        return {name: tuple(md[key].size[len(lead):]) for name, (key, lead, _) in self._sources.items()
-                if not name.startswith("optimizer.")}
+        return {name: tuple(md[parts[0].key].size[len(parts[0].lead):]) if len(parts) == 1 and not parts[0].expert
+                else shape for name, (parts, shape) in self._sources.items() if not name.startswith("optimizer.")}
 
     def flat_tensor(self, name: str, chunks: StoredChunks | None = None) -> torch.Tensor:
         """The distributed optimizer's state tensor ``name`` (a key of :attr:`_flat`), its model-parallel ranks'
         local shards each gathered from the DP ranks' shares of its flat bucket and placed in the global tensor
         (a copy)."""
         chunks = chunks or StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        out = torch.empty(self._sources[name][2], dtype=self.dtype(name))
+        out = torch.empty(self._sources[name].shape, dtype=self.dtype(name))
         placed = 0
         for key, start, shape, pieces in self._flat[name]:
             local = torch.empty(math.prod(shape), dtype=out.dtype)
@@ -260,35 +214,6 @@ class MegatronDistReader:
                              f"{out.numel()} elements of {name}")
         return out
 
-    def _map_names(self) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        """``{megalite name: (Megatron name, leading offset, megalite global shape)}`` of every model tensor and of
-        the optimizer state kept per parameter (``optimizer.state.<key>.<parameter>``, see
-        :func:`megalite_optimizer_prefix`)."""
-        sources = {}
-        for key, md in self.metadata.state_dict_metadata.items():
-            if not isinstance(md, dcp_metadata.TensorStorageMetadata) or key.startswith("rng_state"):
-                continue
-            prefix, model_key = "", key
-            if key.startswith(("optimizer.", "chained_")):
-                prefix, model_key = megalite_optimizer_prefix(key)
-                if prefix is None:
-                    continue  # another optimizer's layout: :func:`resumable_optimizer` names it
-            size = tuple(md.size)
-            layer, dot, rest = model_key[len(LAYERS):].partition(".")
-            if model_key.startswith(LAYERS) and layer.isdigit() and dot:
-                # Dense and MoE layers mixed (``moe_layer_freq`` not 1): Megatron-Core saves every layer unstacked.
-                sources[f"{prefix}{LAYERS}{layer}.{megalite_name(rest)}"] = (key, (), size)
-            elif model_key.startswith(LAYERS):
-                rest = megalite_name(model_key[len(LAYERS):])
-                for layer in range(size[0]):
-                    sources[f"{prefix}{LAYERS}{layer}.{rest}"] = (key, (layer,), size[1:])
-            else:
-                name = megalite_key(model_key)
-                if name in VOCAB_PARAMS:
-                    size = (min(size[0], self._config.vocab_size),) + size[1:]
-                sources[prefix + name] = (key, (), size)
-        return sources
-
     # The interface load_into, inspect and the converters use.
     @property
     def config(self):
@@ -296,18 +221,40 @@ class MegatronDistReader:
 
     @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: shape for name, (_, _, shape) in self._sources.items()}
+        return {name: source.shape for name, source in self._sources.items()}
 
     def has(self, name: str) -> bool:
         return name in self._sources
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.metadata.state_dict_metadata[self._sources[name][0]].properties.dtype
+        return self.metadata.state_dict_metadata[self._sources[name].parts[0].key].properties.dtype
 
     def chunks(self, name: str) -> list:
-        key, lead, _ = self._sources[name]
-        return [c for c in self.metadata.state_dict_metadata[key].chunks
-                if all(o <= i < o + s for o, s, i in zip(c.offsets, c.sizes, lead))]
+        """The saved chunks of ``name`` in megalite's coordinates."""
+        return [dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(size))
+                for _, _, offset, size in self.placed_chunks(name)]
+
+    def placed_chunks(self, name: str) -> list[tuple[Part, dcp_metadata.ChunkStorageMetadata, tuple, tuple]]:
+        """``[(part, saved chunk, its offset, its shape)]``: every saved chunk of model or optimizer tensor ``name``
+        (a key of :data:`_sources`), placed in megalite's global tensor (its vocabulary rows uncut)."""
+        md, placed = self.metadata.state_dict_metadata, []
+        for part in self._sources[name].parts:
+            lead = len(part.lead)
+            for chunk in md[part.key].chunks:
+                if all(o <= i < o + s for o, s, i in zip(chunk.offsets, chunk.sizes, part.lead)):
+                    offset = (0,) * part.expert + tuple(chunk.offsets)[lead:]
+                    placed.append((part, chunk, tuple(p + o for p, o in zip(part.offset, offset)),
+                                   (1,) * part.expert + tuple(chunk.sizes)[lead:]))
+        return placed
+
+    @staticmethod
+    def chunk_view(chunks: StoredChunks, part: Part, chunk, shape: tuple[int, ...]) -> torch.Tensor:
+        """The saved ``chunk`` of ``part`` (:meth:`placed_chunks`) of shape ``shape`` in megalite's tensor, as a view of
+        the memory-mapped shard file."""
+        view = chunks.tensor(dcp_metadata.MetadataIndex(part.key, chunk.offsets))
+        for dim, index in enumerate(part.lead):
+            view = view.narrow(dim, index - chunk.offsets[dim], 1)
+        return view.reshape(shape)
 
     def check_architecture(self, config) -> None:
         if config is None:
@@ -341,42 +288,61 @@ class MegatronDistReader:
             if os.path.getsize(os.path.join(self.directory, relative)) == 0:
                 raise ValueError(f"Megatron-LM checkpoint {self.directory}: shard file {relative} is empty")
 
-    def _region(self, region: Region) -> Region:
-        if not self.has(region.name):
-            raise ValueError(f"Megatron-LM checkpoint {self.directory} has no tensor {region.name!r}")
-        key, lead, shape = self._sources[region.name]
-        if len(region.offset) != len(shape) or any(o + n > s for o, n, s in zip(region.offset, region.out.shape, shape)):
-            raise ValueError(f"{region.name}: region at {region.offset} of shape {tuple(region.out.shape)} lies outside "
-                             f"the saved global shape {shape}")
-        return Region(key, lead + tuple(region.offset), region.out.view((1,) * len(lead) + tuple(region.out.shape)))
+    def _check(self, name: str, offset, shape) -> None:
+        if not self.has(name):
+            raise ValueError(f"Megatron-LM checkpoint {self.directory} has no tensor {name!r}")
+        saved = self._sources[name].shape
+        if len(offset) != len(saved) or any(o + n > s for o, n, s in zip(offset, shape, saved)):
+            raise ValueError(f"{name}: region at {offset} of shape {tuple(shape)} lies outside the saved global shape "
+                             f"{saved}")
+
+    def _regions(self, region: Region) -> list[Region]:
+        """``region`` of megalite's tensor as regions of Megatron's saved tensors, each ``out`` a view of its part of
+        ``region.out``."""
+        self._check(region.name, region.offset, region.out.shape)
+        md, out, filled = self.metadata.state_dict_metadata, [], 0
+        want = tuple((o, o + n) for o, n in zip(region.offset, region.out.shape))
+        for part in self._sources[region.name].parts:
+            size = (1,) * part.expert + tuple(md[part.key].size)[len(part.lead):]
+            common = intersect(want, tuple((o, o + n) for o, n in zip(part.offset, size)))
+            if common is None:
+                continue
+            view = region.out[box_slices(common, tuple(region.offset))]
+            start = tuple(lo - o for (lo, _), o in zip(common, part.offset))[part.expert:]
+            inner = tuple(hi - lo for lo, hi in common)[part.expert:]
+            out.append(Region(part.key, part.lead + start, view.view((1,) * len(part.lead) + inner)))
+            filled += view.numel()
+        if filled != region.out.numel():
+            raise ValueError(f"Megatron-LM checkpoint {self.directory}: its parts of {region.name} cover only {filled} "
+                             f"of the {region.out.numel()} elements of region {want}")
+        return out
 
     def read_views(self, boxes, regions=(), *, hashed: bool = True):
         """The boxes ``(name, offset, shape)`` as ``[[(index, view)]]``, views of the memory-mapped shard files
         (no copy; the caller copies them and must not write to them), and fill ``regions``; as
         :meth:`CheckpointReader.read_views`."""
         chunks = StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
-        requests = [self._region(r) for r in regions if r.name not in self._flat]
+        requests = [part for r in regions if r.name not in self._flat for part in self._regions(r)]
         views = []
         try:
             for region in (r for r in regions if r.name in self._flat):
                 region.out.copy_(self.flat_tensor(region.name, chunks)[box_slices(
                     tuple((o, o + n) for o, n in zip(region.offset, region.out.shape)))])
             for name, offset, shape in boxes:
-                self._region(Region(name, tuple(offset), torch.empty(shape, device="meta")))
+                self._check(name, tuple(offset), shape)
+                box = tuple((o, o + n) for o, n in zip(offset, shape))
                 if name in self._flat:
-                    box = tuple((o, o + n) for o, n in zip(offset, shape))
                     views.append([(box_slices(box, tuple(offset)), self.flat_tensor(name, chunks)[box_slices(box)])])
                     continue
-                key, lead, _ = self._sources[name]
-                want = tuple((i, i + 1) for i in lead) + tuple((o, o + n) for o, n in zip(offset, shape))
                 parts, filled = [], 0
-                for common, view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
-                                                      want):
-                    view = view.reshape(view.shape[len(lead):])
-                    parts.append((box_slices(common[len(lead):], tuple(offset)), view))
-                    filled += view.numel()
+                for part, chunk, at, size in self.placed_chunks(name):
+                    common = intersect(box, tuple((o, o + n) for o, n in zip(at, size)))
+                    if common is not None:
+                        view = self.chunk_view(chunks, part, chunk, size)[box_slices(common, at)]
+                        parts.append((box_slices(common, tuple(offset)), view))
+                        filled += view.numel()
                 if filled != math.prod(shape):
-                    raise ValueError(f"tensor {key!r} region {want} is covered for only {filled} of "
+                    raise ValueError(f"tensor {name!r} region {box} is covered for only {filled} of "
                                      f"{math.prod(shape)} elements")
                 views.append(parts)
             if requests:

@@ -47,7 +47,8 @@ from megalite.checkpoint import global_shapes, save_global_checkpoint
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
-from megalite.checkpoint.megatron_dist import megalite_name, plain_dict
+from megalite.checkpoint.megatron_dist import plain_dict
+from megalite.checkpoint.megatron_names import megalite_name
 from megalite.checkpoint.megatron_distopt import legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place

@@ -18,7 +18,10 @@ rank processes only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
+import json
 import os
 
 import torch
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from tests.checkpoint import megatron_fixture
 
 SAVED_AT, CONTINUED = 2, 5
+TOTAL = SAVED_AT + CONTINUED
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
 LEGACY = "_legacy"
@@ -73,6 +77,52 @@ def batches(samples) -> list[torch.Tensor]:
             for start in range(0, len(samples), MICRO_BATCH)]
 
 
+def micro_batches() -> list[torch.Tensor]:
+    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
+    of document as the trainer derives them from the checkpoint's padded vocabulary, as :func:`batches`."""
+    from megalite.data.mock import build_mock_datasets
+
+    samples = TOTAL * GLOBAL_BATCH
+    train, _, _ = build_mock_datasets(SEQ, 1234, [samples, 0, 0], PADDED_VOCAB, PADDED_VOCAB - 1)
+    return batches([train[i] for i in range(samples)])
+
+
+def resume(runs):
+    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
+    flags say otherwise), with :data:`FLAGS` to iteration :data:`TOTAL` on ``--mock-data``, in these rank processes:
+    ``[(its stdout, Python's, NumPy's and torch's RNG states after it)]``."""
+    import random
+
+    import numpy as np
+
+    from megalite.training import gpt, pretrain
+
+    outputs = []
+    for path, metrics, extra in runs:
+        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *FLAGS,
+                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
+                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
+    return outputs
+
+
+def losses(metrics) -> list[float]:
+    """The losses a resumed run (:func:`resume`) wrote to its metrics file, of iterations SAVED_AT + 1 .. TOTAL."""
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records] == list(range(SAVED_AT + 1, TOTAL + 1))
+    return [r["loss"] for r in records]
+
+
+def assert_equal_losses(actual, expected):
+    """The :data:`CONTINUED` losses equal, each within 1e-5 relative (fp32)."""
+    assert len(actual) == len(expected) == CONTINUED
+    for mine, theirs in zip(actual, expected):
+        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
+
+
 def _forward_step(data_iterator, model):
     """Megatron-LM's GPT forward step: mean loss over the micro-batch's tokens (no loss mask)."""
     tokens = next(data_iterator)
@@ -107,15 +157,22 @@ def _train_step(model, optimizer, scheduler, micro_batches) -> float:
 
 def _build(bf16: bool = False, distributed: bool = False, tp: int | None = None):
     """``(model, optimizer, scheduler)`` as Megatron-LM's ``setup_model_and_optimizer`` builds them on this rank:
-    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``), DDP, optimizer and scheduler; with
-    ``distributed`` with the distributed optimizer (``--use-distributed-optimizer``) at ``tp`` (default 1: tp=1 x
-    dp=2), else at tp=2."""
+    Megatron-Core's GPT (in bf16 under its ``Float16Module`` when ``bf16``) with :func:`wrap`'s DDP, optimizer and
+    scheduler; with ``distributed`` with the distributed optimizer (``--use-distributed-optimizer``) at ``tp``
+    (default 1: tp=1 x dp=2), else at tp=2."""
+    module = megatron_fixture.build_model(tp or (1 if distributed else dist.get_world_size()), 1)
+    return wrap(module, bf16, distributed)
+
+
+def wrap(module, bf16: bool = False, distributed: bool = False):
+    """``(model, optimizer, scheduler)``: Megatron-Core's GPT ``module`` (put in bf16 under its ``Float16Module``
+    when ``bf16``) in Megatron-Core's DDP, with its Adam (:data:`FLAGS`' settings; the distributed optimizer when
+    ``distributed``) and :data:`SCHEDULE`, as Megatron-LM's ``setup_model_and_optimizer`` builds them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    module = megatron_fixture.build_model(tp or (1 if distributed else dist.get_world_size()), 1)
     module.config.finalize_model_grads_func = finalize_model_grads
     if bf16:
         module.config.bf16 = True

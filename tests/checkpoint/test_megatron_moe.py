@@ -2,12 +2,13 @@
 
 Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU experts, top-2, dropless, a shared
 expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
-two expert-parallel ranks.  megalite reads the architecture from the saved args and its logits equal
-Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.  Both Megatron
-expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
+two expert-parallel ranks after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained
+CONTINUED more (:mod:`megatron_optim_fixture`'s run).  megalite reads the architecture from the saved args and
+its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.
+Both Megatron expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
 GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
 checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
-logits again.
+logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.
 """
 
 import argparse
@@ -20,12 +21,15 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 ranks
 
 from megalite.testing import run_distributed  # noqa: E402
-from tests.checkpoint import megatron_fixture  # noqa: E402
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run  # noqa: E402
 
 ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
             qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
             moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+SINGLETON = "_singleton"
+"""The suffix of the directory of the same save with Megatron-Core's ``singleton_local_shards`` (per-expert tensors,
+SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
@@ -82,53 +86,57 @@ def _sharded_shapes(model) -> dict:
     return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
 
 
-def _save(save_dir: str, ep: int, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Save the checkpoint from an ep grid; Megatron-Core's logits of ``ids`` after its own load into an ep=1 model,
-    and whether GroupedMLP experts (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones."""
+def _save(save_dir: str, ep: int, ids: torch.Tensor):
+    """Megatron-LM's run on an ep grid (tp=1, dp=2: each rank one micro-batch of an iteration) with Megatron-Core's
+    DDP, (non-distributed) Adam and scheduler, saved after SAVED_AT iterations and continued to TOTAL; then megalite
+    resumes the save (:func:`megatron_optim_fixture.resume`) at ep=1 and at ep=2 in these rank processes.  Returns
+    Megatron-Core's logits of ``ids`` after its own load of the save into an ep=1 model, whether GroupedMLP experts
+    (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones, this rank's saved Adam moments
+    (:func:`_moments`), Megatron's losses of every iteration and the resumed runs' metrics files."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     model = _build(ep, seed=1)
     grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
-    optimizer, scheduler, moments = _train_one_step(model)
-    args = argparse.Namespace(**ARGS, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              expert_model_parallel_size=ep, world_size=dist.get_world_size(),
-                              data_parallel_size=dist.get_world_size(), transformer_impl="local")
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": megatron_fixture.ITERATION,
-             "model": model.sharded_state_dict()}
-    state["optimizer"] = optimizer.sharded_state_dict(state)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    megatron_fixture.save_state(state, save_dir, megatron_fixture.ITERATION)
-    parallel_state.destroy_model_parallel()
-    return _megatron_logits(save_dir, ids), grouped_same, moments
-
-
-def _train_one_step(model):
-    """One iteration of Megatron-Core's DDP and Adam (at ep > 1 a ChainedOptimizer: the experts' is the second) on
-    ``model``; ``(optimizer, scheduler, {megalite name: this rank's Adam moment})`` for layer 0's router and the
-    first moment of its local experts' fc1 and second of their fc2, stacked in expert order."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from tests.checkpoint import megatron_optim_fixture as run
-
     run.patch_cuda()
-    model.config.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0),
-                                       [ddp])
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **run.SCHEDULE)
-    generator = torch.Generator().manual_seed(3)
-    run._train_step(ddp, optimizer, scheduler, [torch.randint(0, 90, (run.MICRO_BATCH, run.SEQ + 1),
-                                                              generator=generator)
-                                                for _ in range(run.GLOBAL_BATCH // run.MICRO_BATCH)])
+    ddp, optimizer, scheduler = run.wrap(model)
+    batches = run.micro_batches()
+    per_iteration = len(batches) // run.TOTAL
+    losses = []
+    for i in range(run.TOTAL):
+        if i == run.SAVED_AT:
+            moments = _moments(model, optimizer)
+            args = argparse.Namespace(**{**ARGS, "vocab_size": None, "global_batch_size": run.GLOBAL_BATCH,
+                                         "consumed_train_samples": i * run.GLOBAL_BATCH},
+                                      tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                      expert_model_parallel_size=ep, world_size=dist.get_world_size(),
+                                      data_parallel_size=dist.get_world_size(), transformer_impl="local")
+            for directory, metadata in ((save_dir, None), (save_dir + SINGLETON, {"singleton_local_shards": True})):
+                state = {"args": args, "checkpoint_version": 3.0, "iteration": i,
+                         "model": model.sharded_state_dict(metadata=metadata)}
+                state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+                state["opt_param_scheduler"] = scheduler.state_dict()
+                megatron_fixture.save_state(state, directory, i)
+        batch = batches[i * per_iteration:(i + 1) * per_iteration]
+        losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
+    parallel_state.destroy_model_parallel()
+    logits = _megatron_logits(save_dir, ids)
+    root = os.path.dirname(save_dir)
+    metrics = [os.path.join(root, f"ep{ep}.jsonl") for ep in (1, 2)]
+    outputs = run.resume([(save_dir, metrics[0], ()), (save_dir, metrics[1], ("--expert-model-parallel-size", "2"))])
+    return logits, grouped_same, moments, losses, metrics, [text for text, *_ in outputs]
+
+
+def _moments(model, optimizer):
+    """This rank's Adam moments in megalite's names (at ep > 1 Megatron-Core chains a second optimizer for the
+    experts): layer 0's router's first moment and the first moment of its local experts' fc1 and second of their
+    fc2, stacked in expert order."""
     state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
     params = dict(model.named_parameters())
     layer = "decoder.layers.0.mlp."
     experts = sorted(n for n in params if n.startswith(layer + "experts.local_experts.") and "fc1" in n)
-    return optimizer, scheduler, {
-        f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"],
+    return {
+        f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"].clone(),
         f"optimizer.exp_avg.{layer}experts.fc1_weight": torch.stack([state[params[n]]["exp_avg"] for n in experts]),
         f"optimizer.exp_avg_sq.{layer}experts.fc2_weight": torch.stack(
             [state[params[n.replace("fc1", "fc2")]]["exp_avg_sq"] for n in experts])}
@@ -140,7 +148,7 @@ def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
     from megatron.core import dist_checkpointing
 
     model = _build(1, seed=7)
-    directory = os.path.join(save_dir, f"iter_{megatron_fixture.ITERATION:07d}")
+    directory = os.path.join(save_dir, f"iter_{run.SAVED_AT:07d}")
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
     model.eval()
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
@@ -151,13 +159,17 @@ def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``(save directory, Megatron-Core's logits of IDS over the real vocabulary)``."""
+    """``(save directory, Megatron-Core's logits of IDS (its padded vocabulary, the model's: the save has no
+    args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments (:func:`_moments`,
+    the experts' from both EP ranks), Megatron's losses of iterations 1..TOTAL, megalite's resumed runs' metrics
+    files (ep=1, ep=2) and rank 0's output of them)``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     os.makedirs(path)
-    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=240)
+    os.makedirs(path + SINGLETON)
+    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
     moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
                for name in ranks[0][2]}
-    return path, ranks[0][0][..., :90], ranks[0][1], moments
+    return (path, ranks[0][0], ranks[0][1], moments, *ranks[0][3:])
 
 
 def _close(actual, expected):
@@ -215,8 +227,18 @@ def test_ep2_load_equals_megatron(saved):
     expected = saved[3]["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"]
     for rank, (logits, steps, exp_avg) in enumerate(ranks):
         _close(logits, saved[1])
-        assert steps == 1
+        assert steps == run.SAVED_AT
         torch.testing.assert_close(exp_avg, expected[2 * rank:2 * rank + 2], rtol=0, atol=0)
+
+
+def test_pretrain_load_continues_the_megatron_moe_losses(saved):
+    """Megatron-Core's MoE run (ep=2, its non-distributed Adam chained for the experts) resumed with
+    ``pretrain --load`` at ep=1 and at ep=2: the next CONTINUED losses equal Megatron's continuation."""
+    path, megatron = saved[0], saved[4]
+    assert all(f"loaded checkpoint {path} at iteration {run.SAVED_AT}" in text and "warning" not in text
+               for text in saved[6]), saved[6]
+    for metrics in saved[5]:
+        run.assert_equal_losses(run.losses(metrics), megatron[run.SAVED_AT:])
 
 
 def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
@@ -231,7 +253,7 @@ def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
         _close(load_model(ours)(IDS), saved[1])
     assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
                                     "--output", theirs) == 0
-    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0][..., :90], saved[1])
+    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0], saved[1])
 
 
 def test_moe_args_map_both_ways():
@@ -269,7 +291,7 @@ def test_expert_moments_of_the_chained_optimizer_are_read(saved):
 
     reader = MegatronDistReader(saved[0])
     assert reader.optimizer_note is None
-    assert reader.state["optimizer"]["num_steps"] == 1
+    assert reader.state["optimizer"]["num_steps"] == run.SAVED_AT
     assert [g["weight_decay"] for g in reader.state["optimizer"]["param_groups"]] == [0.1, 0.0]
     for name, expected in saved[3].items():
         torch.testing.assert_close(reader.read(name), expected, rtol=0, atol=0)
@@ -285,7 +307,7 @@ def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys
 
     copy = str(tmp_path / "jitter")
     shutil.copytree(saved[0], copy)
-    common = os.path.join(copy, f"iter_{megatron_fixture.ITERATION:07d}", COMMON)
+    common = os.path.join(copy, f"iter_{run.SAVED_AT:07d}", COMMON)
     state = torch.load(common, weights_only=False)
     state["args"].moe_input_jitter_eps = 0.01
     torch.save(state, common)
@@ -294,3 +316,60 @@ def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and not os.path.exists(tmp_path / "o"), err
     assert "args.moe_input_jitter_eps=0.01 (MoE input jitter): megalite's GPT does not implement it" in err
+
+
+def test_a_singleton_local_shards_save_reads_as_the_stacked_one(saved, tmp_path):
+    """Megatron-Core's ``singleton_local_shards`` save (each expert a tensor of its own, each SwiGLU fc1 split into
+    ``weight_w`` and ``weight_v``, dense and shared-expert MLPs too; Adam's moments likewise): megalite reads every
+    model and optimizer tensor equal to the default save's, and converts it (``--from megatron``) to a checkpoint
+    whose logits are Megatron's."""
+    from megalite.checkpoint import load_model
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.storage import Region
+
+    single, stacked = MegatronDistReader(saved[0] + SINGLETON), MegatronDistReader(saved[0])
+    keys = single.metadata.state_dict_metadata
+    assert "decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight_v" in keys
+    assert "chained_1.optimizer.state.exp_avg.decoder.layers.0.mlp.experts.experts.0.linear_fc2.weight" in keys
+    assert "decoder.layers.1.mlp.linear_fc1.weight_w" in keys
+    assert single.shapes == stacked.shapes and single.optimizer_note is None
+    assert single.state["optimizer"] == stacked.state["optimizer"]
+    assert single.megatron_shapes() == stacked.megatron_shapes()
+    names = list(stacked.shapes)
+    ours, theirs = single.read_all(names), stacked.read_all(names)
+    for name in names:
+        assert torch.equal(ours[name], theirs[name]), name
+    region = torch.empty(2, 60, 32)  # experts 1-2, across their gate/up halves
+    single.read_regions([Region("decoder.layers.0.mlp.experts.fc1_weight", (1, 20, 0), region)])
+    assert torch.equal(region, theirs["decoder.layers.0.mlp.experts.fc1_weight"][1:3, 20:80])
+    region.zero_()
+    (views,) = single.read_views([("decoder.layers.0.mlp.experts.fc1_weight", (1, 20, 0), (2, 60, 32))])
+    assert len(views) == 4  # the gate and up halves of two experts
+    for index, view in views:
+        region[index] = view
+    assert torch.equal(region, theirs["decoder.layers.0.mlp.experts.fc1_weight"][1:3, 20:80])
+    converted = str(tmp_path / "megalite")
+    assert megatron_fixture.convert("--from", "megatron", "--to", "megalite", "--input", saved[0] + SINGLETON,
+                                    "--output", converted) == 0
+    with torch.no_grad():
+        _close(load_model(converted)(IDS), saved[1])
+
+
+def test_incomplete_singleton_shards_are_one_error():
+    """A tensor saved in singleton shards that lacks one is an error naming the missing parts."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from megalite.checkpoint.megatron_names import map_names
+
+    def entry(*size):
+        chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=torch.Size(size))
+        return dcp_metadata.TensorStorageMetadata(dcp_metadata.TensorProperties(dtype=torch.float32),
+                                                  torch.Size(size), [chunk])
+
+    key = "decoder.layers.0.mlp.experts.experts.{}.linear_fc1.weight_{}"
+    present = {key.format(e, h): entry(48, 32) for e, h in ((0, "w"), (0, "v"), (2, "w"), (2, "v"), (1, "w"))}
+    metadata = dcp_metadata.Metadata(state_dict_metadata=present)
+    with pytest.raises(ValueError, match=r"Megatron-LM checkpoint /x: the singleton shards of "
+                                         r"decoder\.layers\.0\.mlp\.experts\.fc1_weight are incomplete "
+                                         r"\(missing: expert 1 _v\)"):
+        map_names(metadata, 96, "/x")

@@ -10,9 +10,6 @@ per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with
 and so does a fourth at tp=2 x dp=1 (one buffer per tensor rank, of its shards) resumed at tp=1 x dp=2.
 """
 
-import contextlib
-import io
-import json
 import os
 
 import pytest
@@ -22,42 +19,9 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
-
-TOTAL = fixture.SAVED_AT + fixture.CONTINUED
-
-
-def _micro_batches() -> list[torch.Tensor]:
-    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
-    of document as the trainer derives them from the checkpoint's padded vocabulary."""
-    from megalite.data.mock import build_mock_datasets
-
-    samples = TOTAL * fixture.GLOBAL_BATCH
-    train, _, _ = build_mock_datasets(fixture.SEQ, 1234, [samples, 0, 0], fixture.PADDED_VOCAB,
-                                      fixture.PADDED_VOCAB - 1)
-    return fixture.batches([train[i] for i in range(samples)])
-
-
-def _resume(runs):
-    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
-    flags say otherwise), in these rank processes: ``[(its stdout, Python's, NumPy's and torch's RNG states after
-    it)]``."""
-    import random
-
-    import numpy as np
-
-    from megalite.training import gpt, pretrain
-
-    outputs = []
-    for path, metrics, extra in runs:
-        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *fixture.FLAGS,
-                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
-                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
-        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
-    return outputs
-
+from tests.checkpoint.megatron_optim_fixture import (assert_equal_losses as _assert_equal_losses,  # noqa: E402
+                                                     losses as _losses, micro_batches as _micro_batches,
+                                                     resume as _resume)
 
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
@@ -111,18 +75,6 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
-
-
-def _losses(metrics) -> list[float]:
-    records = [json.loads(line) for line in open(metrics)]
-    assert [r["iteration"] for r in records] == list(range(fixture.SAVED_AT + 1, TOTAL + 1))
-    return [r["loss"] for r in records]
-
-
-def _assert_equal_losses(actual, expected):
-    assert len(actual) == len(expected) == fixture.CONTINUED
-    for mine, theirs in zip(actual, expected):
-        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
 
 
 def test_reader_maps_the_adam_state(megatron_run):
