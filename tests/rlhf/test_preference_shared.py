@@ -127,19 +127,3 @@ def test_trim_is_exact():
         return torch.stack(pair_log_probs(log_probs, b["loss_mask"], b["document_ids"]))
 
     torch.testing.assert_close(sums(cut), sums(batch), rtol=1e-6, atol=1e-6)
-
-
-def test_a_windowed_model_keeps_each_sequence_whole():
-    """A sliding window counts row distance, which in a shared row would reach from rejected back across chosen:
-    the pair dataset of a windowed model packs the unshared rows (shared ones otherwise)."""
-    from types import SimpleNamespace
-
-    from megalite.rlhf.preference_training import PairDataset
-
-    pair = completion_pair(*PAIRS[1])
-    renderer = SimpleNamespace(render=lambda sequence: sequence, tokenizer=SimpleNamespace(pad=0))
-    for window, pack in ((None, pack_shared_pair), (4, pack_pair)):
-        sample = PairDataset([pair], renderer, 12, 1, window_size=window)[0]
-        expected = pack(*pair, 12, 0)
-        assert [sample[key].tolist() for key in ("tokens", "assistant_mask", "document_ids")] == \
-            [t.tolist() for t in expected]
