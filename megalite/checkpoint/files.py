@@ -11,7 +11,8 @@ Layout under a save directory::
 
 How tensors are stored is :mod:`megalite.checkpoint.storage` (read back without unpickling:
 :mod:`megalite.checkpoint.stored_chunks`); the manifest, :mod:`megalite.checkpoint.integrity`; writing and
-publishing, :mod:`megalite.checkpoint.writer`; reading, :mod:`megalite.checkpoint.reader`.  Nothing is pickled by megalite: state is JSON.
+publishing, :mod:`megalite.checkpoint.writer`; reading, :mod:`megalite.checkpoint.reader`.  Nothing is
+pickled by megalite: state is JSON.
 """
 
 from __future__ import annotations
