@@ -9,9 +9,10 @@ Layout under a save directory::
     iter_0000100/rank_00000.json  each rank's own state (RNG streams), plain JSON
     iter_0000100/manifest.json    size of every other file and the sha256 of each of its blocks
 
-How tensors are stored is :mod:`megalite.checkpoint.storage`; the manifest,
-:mod:`megalite.checkpoint.integrity`; writing and publishing, :mod:`megalite.checkpoint.writer`;
-reading, :mod:`megalite.checkpoint.reader`.  Nothing is pickled by megalite: state is JSON.
+How tensors are stored is :mod:`megalite.checkpoint.storage` (read back without unpickling:
+:mod:`megalite.checkpoint.stored_chunks`); the manifest, :mod:`megalite.checkpoint.integrity`; writing and
+publishing, :mod:`megalite.checkpoint.writer`; reading, :mod:`megalite.checkpoint.reader`.  Nothing is
+pickled by megalite: state is JSON.
 """
 
 from __future__ import annotations

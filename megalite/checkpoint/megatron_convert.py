@@ -35,7 +35,8 @@ from megalite.checkpoint.megatron_dist import COMMON, MegatronDistReader
 from megalite.checkpoint.megatron_names import LAYERS, megatron_key, megatron_name
 from megalite.checkpoint.megatron_optim import parameter_name
 from megalite.checkpoint.sharding import VOCAB_PARAMS
-from megalite.checkpoint.storage import ShardSavePlanner, StoredChunks, TensorShard, quiet_single_process
+from megalite.checkpoint.storage import ShardSavePlanner, TensorShard, quiet_single_process
+from megalite.checkpoint.stored_chunks import StoredChunks
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
 
 # Megatron-Core's sharded objects beside each linear layer (Transformer Engine's FP8 state; None otherwise).

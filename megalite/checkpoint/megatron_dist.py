@@ -48,8 +48,8 @@ from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, d
 from megalite.checkpoint.megatron_names import Part, Source, map_names
 from megalite.checkpoint.megatron_optim import resumable_optimizer
 from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
-from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks,
-                                         _MetadataUnpickler, first_line, overlapping_views, quiet_single_process)
+from megalite.checkpoint.storage import Region, RegionLoadPlanner, first_line, quiet_single_process
+from megalite.checkpoint.stored_chunks import SafeReader, StoredChunks, _MetadataUnpickler, overlapping_views
 from megalite.models.architecture import compare_architecture
 
 COMMON = "common.pt"

@@ -16,8 +16,8 @@ from megalite.checkpoint.integrity import data_blocks, is_data_file, read_manife
 from megalite.checkpoint.locate import checkpoint_format, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object, rank_and_size
 from megalite.checkpoint.sharding import box_slices, intersect
-from megalite.checkpoint.storage import (Region, RegionLoadPlanner, SafeReader, StoredChunks, first_line,
-                                         overlapping_views, quiet_single_process, read_dcp_metadata)
+from megalite.checkpoint.storage import Region, RegionLoadPlanner, first_line, quiet_single_process
+from megalite.checkpoint.stored_chunks import SafeReader, StoredChunks, overlapping_views, read_dcp_metadata
 from megalite.models.architecture import compare_architecture, config_from_dict
 
 

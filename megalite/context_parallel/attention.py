@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megalite import topology
 from megalite.context_parallel.blockwise import DEFAULT_TILE, BlockwiseAttention, Tokens
 from megalite.context_parallel.dense import dense_attention, use_dense
-from megalite.context_parallel.sequence_split import check_context_parallel, chunk_indices
+from megalite.context_parallel.sequence_split import check_context_parallel, chunk_indices, sequence_positions
 from megalite.context_parallel.ring import RingAttention
 from megalite.tensor_parallel.mappings import gather_first, reduce_scatter_first
 
@@ -110,9 +110,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``k``/``v`` ``[s/cp, b, g, d]`` may have grouped heads.  ``documents``
     ``[b, s]`` (whole sequence, see :func:`sequence_split.document_ids`) confines
     attention to each document; a sliding ``window`` to the query and the
-    ``window`` tokens before it (tile pairs wholly outside it are skipped).  ``group`` is the CP group (default: the
-    topology's).  ``stats`` collects the ring's receive-wait time (p2p only).  ``tile`` sizes the blockwise
-    tiles (the dense path at one rank, see :func:`dense.use_dense`, has none).
+    ``window`` tokens before it along its own sequence (a branch's tokens follow their trunk,
+    :func:`sequence_split.sequence_positions`; tile pairs wholly outside the window are skipped).
+    ``group`` is the CP group (default: the topology's).  ``stats`` collects the ring's receive-wait time (p2p
+    only).  ``tile`` sizes the blockwise tiles (the dense path at one rank, see :func:`dense.use_dense`, has none).
     """
     group = topology.resolve_group(group, "cp")
     cp, rank = topology.group_size(group), topology.group_rank(group)
@@ -122,15 +123,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_heads(heads, k.shape[2], cp, comm_type)
     if documents is not None and tuple(documents.shape) != (b, seq):
         raise ValueError(f"documents must be [b, s] = [{b}, {seq}] (the whole sequence), got {tuple(documents.shape)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"the attention window must be a non-negative integer or None, got {window!r}")
     scale = 1.0 / math.sqrt(d)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    # The tiles' window measures each token's position along its own sequence (the dense path finds its own).
+    tiled_window = window is not None and documents is not None and not use_dense(seq, cp)
+    sequence = sequence_positions(documents) if tiled_window else None
 
     def tokens(ranks):
         positions = torch.cat([chunk_indices(seq, cp, r, device=q.device) for r in ranks])
-        return Tokens(positions, None if documents is None else documents[:, positions], tile)
+        return Tokens(positions, None if documents is None else documents[:, positions], tile,
+                      None if sequence is None else sequence[:, positions])
 
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ValueError(f"the attention window must be a non-negative integer or None, got {window!r}")
     if use_dense(seq, cp):
         out = dense_attention(q, k, v, documents, scale, window)
     elif cp == 1:

@@ -5,8 +5,10 @@ and optionally their document id (``documents``, ``[b, s]``, non-decreasing
 along the sequence).  Query ``i`` may attend key ``j`` when ``pos_j <= pos_i``
 and both lie in the same document (or the key in the trunk of the query's
 branched document, see :mod:`megalite.context_parallel.sequence_split`); with a sliding ``window`` also
-``pos_i - pos_j <= window`` (each query sees itself and the ``window`` keys
-before it; Hugging Face's ``sliding_window`` is ``window + 1``).  Work is cut into tiles of at most
+``seq_i - seq_j <= window`` (each query sees itself and the ``window`` keys
+before it; Hugging Face's ``sliding_window`` is ``window + 1``), where ``seq`` is the index along the token's own
+sequence (:func:`~megalite.context_parallel.sequence_split.sequence_positions`: the global index, but a
+branch's tokens follow their trunk, not the sibling branches packed between).  Work is cut into tiles of at most
 ``tile`` consecutive positions: a tile pair that is entirely masked is
 skipped, one that is entirely visible runs without a mask, and only the
 partial pairs build a ``[tile, tile]`` mask, so no ``s x s`` mask is ever made.
@@ -30,11 +32,18 @@ DEFAULT_TILE = 512
 
 
 class Tokens:
-    """The global indices (``[s]``) and optional document ids (``[b, s]``) of a block of tokens, cut into tiles."""
+    """The global indices (``[s]``) and optional document ids (``[b, s]``) of a block of tokens, cut into tiles.
 
-    def __init__(self, positions: torch.Tensor, documents: torch.Tensor | None, tile: int = DEFAULT_TILE):
+    ``sequence`` (``[b, s]``, with documents) holds the tokens' positions along their own sequences
+    (:func:`~megalite.context_parallel.sequence_split.sequence_positions`), which a sliding window measures
+    when the row may branch; without it the window measures the global indices.
+    """
+
+    def __init__(self, positions: torch.Tensor, documents: torch.Tensor | None, tile: int = DEFAULT_TILE,
+                 sequence: torch.Tensor | None = None):
         self.positions = positions
         self.documents = documents
+        self.sequence = sequence
         self.tiles = _tiles(positions.tolist(), tile)
         # Per tile: first and last global index, and each row's first and last document (branches dropped,
         # for skipping) and document id (branches kept, for telling a tile of one branch).
@@ -44,6 +53,9 @@ class Tokens:
             docs = document_of(documents)
             self.doc_bounds = [(docs[:, a], docs[:, b - 1]) for a, b in self.tiles]
             self.id_bounds = [(documents[:, a], documents[:, b - 1]) for a, b in self.tiles]
+        # Each row's least and greatest sequence position per tile (branches make them non-monotonic).
+        self.sequence_bounds = None if sequence is None else [
+            (sequence[:, a:b].amin(dim=-1), sequence[:, a:b].amax(dim=-1)) for a, b in self.tiles]
 
 
 def _tiles(positions: list[int], tile: int) -> list[tuple[int, int]]:
@@ -63,9 +75,16 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | No
     """
     q_first, q_last = queries.bounds[qt]
     k_first, k_last = keys.bounds[kt]
-    if k_first > q_last or (window is not None and q_first - k_last > window):
+    near = far = True  # some pair within the window; every pair within it
+    if window is not None and queries.sequence is None:
+        near, far = q_first - k_last <= window, q_last - k_first <= window
+    elif window is not None:
+        (qs_least, qs_most), (ks_least, ks_most) = queries.sequence_bounds[qt], keys.sequence_bounds[kt]
+        near = bool((qs_least - ks_most <= window).any())
+        far = bool((qs_most - ks_least <= window).all())
+    if k_first > q_last or not near:
         return None
-    causal_full = k_last <= q_first and (window is None or q_last - k_first <= window)
+    causal_full = k_last <= q_first and far
     doc_full = True
     if queries.documents is not None:
         qd_first, qd_last = queries.doc_bounds[qt]
@@ -79,26 +98,37 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | No
         return True
     qa, qb = queries.tiles[qt]
     ka, kb = keys.tiles[kt]
-    documents = (None, None) if doc_full else (queries.documents[:, qa:qb], keys.documents[:, ka:kb])
-    return visible(queries.positions[qa:qb], keys.positions[ka:kb], *documents, window)
+    q_positions, k_positions = queries.positions[qa:qb], keys.positions[ka:kb]
+    if doc_full and (far or queries.sequence is None):  # the rule needs no document ids here
+        return visible(q_positions, k_positions, window=None if far else window)
+    sequence = (None, None) if queries.sequence is None else (queries.sequence[:, qa:qb], keys.sequence[:, ka:kb])
+    return visible(q_positions, k_positions, queries.documents[:, qa:qb], keys.documents[:, ka:kb], window,
+                   *sequence)
 
 
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
-            k_documents: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+            k_documents: torch.Tensor | None = None, window: int | None = None,
+            q_sequence: torch.Tensor | None = None, k_sequence: torch.Tensor | None = None) -> torch.Tensor:
     """The attention rule as a boolean mask (True: the query may attend the key).
 
-    Query ``i`` sees key ``j`` when ``pos_j <= pos_i`` (within ``window`` of it) and, given documents
-    (``[b, Tq]`` and ``[b, Tk]``), both lie in the same document and branch, or the key in the trunk of the
-    query's document (:func:`megalite.context_parallel.sequence_split.sees`).  ``[Tq, Tk]`` without documents, else
-    ``[b, 1, Tq, Tk]``.
+    Query ``i`` sees key ``j`` when ``pos_j <= pos_i`` and, given documents (``[b, Tq]`` and ``[b, Tk]``), both
+    lie in the same document and branch, or the key in the trunk of the query's document
+    (:func:`megalite.context_parallel.sequence_split.sees`); with a ``window`` also within ``window`` of it,
+    measured along the sequence: ``q_sequence - k_sequence`` (``[b, Tq]`` and ``[b, Tk]``, given with documents:
+    the tokens' :func:`~megalite.context_parallel.sequence_split.sequence_positions`) when the row may branch,
+    else ``pos_i - pos_j``.
+    ``[Tq, Tk]`` without documents, else ``[b, 1, Tq, Tk]``.
     """
     distance = q_positions[:, None] - k_positions[None, :]
     mask = distance >= 0
-    if window is not None:
+    if window is not None and q_sequence is None:
         mask &= distance <= window
-    if q_documents is not None:
-        mask = (mask & sees(q_documents[:, :, None], k_documents[:, None, :])).unsqueeze(1)
-    return mask
+    if q_documents is None:
+        return mask
+    mask = mask & sees(q_documents[:, :, None], k_documents[:, None, :])
+    if window is not None and q_sequence is not None:
+        mask &= q_sequence[:, :, None] - k_sequence[:, None, :] <= window
+    return mask.unsqueeze(1)
 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.context_parallel.blockwise import visible
+from megalite.context_parallel.sequence_split import sequence_positions
 
 DENSE_MAX_LENGTH = 1792
 """The longest row that runs dense: the longest measured faster than the tiled path with a margin."""
@@ -35,10 +36,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents
     ``k [b, g, s, d]`` and ``v [b, g, s, dv]`` (``g`` grouped heads), ``documents [b, s]`` or None ->
     ``[b, n, s, dv]``.
 
-    Every query sees at least itself, so no row of the mask is empty.
+    Every query sees at least itself, so no row of the mask is empty.  The window measures distance along each
+    token's own sequence (:func:`sequence_positions`: a branch's tokens follow their trunk).
     """
     positions = torch.arange(q.shape[2], device=q.device)
-    mask = visible(positions, positions, documents, documents, window)
+    sequence = None if window is None or documents is None else sequence_positions(documents)
+    mask = visible(positions, positions, documents, documents, window, sequence, sequence)
     out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.to(q.dtype)

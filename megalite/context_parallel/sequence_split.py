@@ -14,7 +14,8 @@ A document may also branch (prefix sharing, e.g. a preference pair's prompt
 once, then its chosen and its rejected completion): its trunk keeps the id
 ``d`` and branch ``k >= 1`` carries ``d + k * BRANCH``.  A branch token sees its
 own branch and its document's trunk, not a sibling branch, and its positions
-continue from the trunk's end.  Branches follow their trunk in order, so
+continue from the trunk's end, so a sliding window measures distance in those positions
+(:func:`sequence_positions`), not along the row.  Branches follow their trunk in order, so
 :func:`document_of` stays non-decreasing and no raw id comes back after another
 one (what the tiled attention's bounds rely on).
 """
@@ -103,3 +104,18 @@ def reset_position_ids(documents: torch.Tensor) -> torch.Tensor:
     trunk_last = torch.where(trunk, positions, zeros).cummax(dim=-1).values
     trunk_first = torch.where(trunk & starts, positions, zeros).cummax(dim=-1).values
     return torch.where(trunk, within, within + trunk_last - trunk_first + 1)
+
+
+def sequence_positions(documents: torch.Tensor) -> torch.Tensor:
+    """``[b, s]``: each token's index along the row as its own sequence counts it, the distance a sliding window
+    measures.  The row index, except that a branch's tokens follow their trunk's last token rather than the
+    sibling branches packed between (its document's first row plus :func:`reset_position_ids`): two tokens that
+    see each other are as far apart here as in their sequence run alone, while without branches this is the row
+    index itself (so tiles far apart along the row stay far apart)."""
+    b, s = documents.shape
+    rows = torch.arange(s, device=documents.device).expand(b, s)
+    doc = document_of(documents)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.where(starts, rows, torch.zeros_like(rows)).cummax(dim=-1).values
+    return first + reset_position_ids(documents)

@@ -21,8 +21,8 @@ import torch
 
 from megalite.data.sft import conversation_from_record, jsonl_records
 from megalite.flags import Flag, FlagTable
-from megalite.rlhf.preference import (LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_pair, pack_shared_pair,
-                                      pack_unpaired, pair_log_probs)
+from megalite.rlhf.preference import (LOSS_TYPES, REFERENCE_FREE, PreferenceConfig, pack_shared_pair, pack_unpaired,
+                                      pair_log_probs)
 from megalite.rlhf.preference import preference_forward_step
 from megalite.rlhf.reference import ReferenceModel, lora_base
 from megalite.data.gpt_dataset import split_documents
@@ -128,15 +128,13 @@ class UnpairedDataset:
 
 
 class PairDataset:
-    """Packed pairs ``{"tokens", "assistant_mask", "document_ids"}``, repeated to ``num_samples``."""
+    """Packed pairs ``{"tokens", "assistant_mask", "document_ids"}`` with the shared prefix once (also for a
+    sliding-window model: its window measures distance along each sequence), repeated to ``num_samples``."""
 
     packed_documents = True
 
-    def __init__(self, pairs, renderer, seq_length: int, num_samples: int, window_size: int | None = None):
-        # A sliding window counts row distance, which in a shared row would run from rejected back across chosen
-        # into the prompt: windowed models keep each sequence whole.
-        pack = pack_shared_pair if window_size is None else pack_pair
-        self.samples = [pack(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
+    def __init__(self, pairs, renderer, seq_length: int, num_samples: int):
+        self.samples = [pack_shared_pair(*(renderer.render(c) for c in pair), seq_length, renderer.tokenizer.pad)
                         for pair in pairs]
         self.num_samples = num_samples
 
@@ -181,8 +179,7 @@ class PreferenceTraining:
                 out.append(UnpairedDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
                                            args.micro_batch_size))
             else:
-                out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted),
-                                       args.window_size))
+                out.append(PairDataset([pairs[i] for i in indices], renderer, args.seq_length, int(wanted)))
         return tuple(out)
 
     def forward_step(self, data_iterator, model):

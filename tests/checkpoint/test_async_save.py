@@ -7,7 +7,7 @@ import threading
 import torch
 
 from megalite.checkpoint import AsyncSaver, load_model, read_latest, save_sharded
-from megalite.checkpoint import storage as checkpoint_storage
+from megalite.checkpoint import writer as checkpoint_writer
 from tests.checkpoint.test_bad_input import kill_mid_write
 
 
@@ -23,14 +23,14 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path, monkeypatch):
     model = _model()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     release, started = threading.Event(), threading.Event()
-    real_save = checkpoint_storage.dcp.save
+    real_save = checkpoint_writer.dcp.save
 
     def gated_save(*args, **kwargs):
         started.set()
         assert release.wait(60)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_storage.dcp, "save", gated_save)
+    monkeypatch.setattr(checkpoint_writer.dcp, "save", gated_save)
     saver = AsyncSaver()
     save_sharded(save, 5, [model], saver=saver)
     assert started.wait(60) and saver.in_flight

@@ -104,12 +104,12 @@ def test_conversion_both_ways_streams_layer_by_layer(tmp_path):
 def test_export_hashes_each_data_file_once(tmp_path, monkeypatch):
     """Reading a checkpoint tensor by tensor maps and hashes its data file once, not once per tensor (which made
     exporting a large model quadratic in its size)."""
-    from megalite.checkpoint import storage
+    from megalite.checkpoint import stored_chunks
 
     _write_qwen3(tmp_path / "hf", layers=2, hidden=128)
     convert_hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "m"))
     hashed = []
-    digests = storage.mapped_digests
-    monkeypatch.setattr(storage, "mapped_digests", lambda data: hashed.append(len(data)) or digests(data))
+    digests = stored_chunks.mapped_digests
+    monkeypatch.setattr(stored_chunks, "mapped_digests", lambda data: hashed.append(len(data)) or digests(data))
     convert_megalite_to_hf(str(tmp_path / "m"), str(tmp_path / "back"))
     assert len(hashed) == 1

@@ -1,4 +1,5 @@
-"""The dense packed-document path at cp=1 equals the tiled (blockwise) path: output and every gradient, fp32."""
+"""The dense packed-document path at cp=1 equals the tiled (blockwise) path: output and every gradient, fp32
+(documents branched for prefix sharing included, with a window measured along each sequence)."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch
 from megalite.context_parallel import attention, context_parallel_attention
 from megalite.context_parallel.blockwise import BlockwiseAttention, Tokens
 from megalite.context_parallel.dense import DENSE_MAX_LENGTH, dense_attention, use_dense
+from megalite.context_parallel.sequence_split import BRANCH, sequence_positions
 
 SEQ = 24
 
@@ -29,6 +31,11 @@ def _documents(kind: str, b: int) -> torch.Tensor | None:
     if kind == "padded":  # pack()'s layout: conversations, then one padding document to the end of the row
         rows = [[0] * 9 + [1] * 7 + [2] * 8, [0] * 20 + [1] * 4, [0] * 5 + [1] * 3 + [2] * 16]
         return torch.tensor(rows[:b])
+    if kind == "branched":  # prefix sharing: trunks with two or three branches of uneven lengths, then padding
+        rows = [[0] * 4 + [BRANCH] * 9 + [2 * BRANCH] * 6 + [1] * 5,
+                [0] * 2 + [BRANCH] * 3 + [2 * BRANCH] * 7 + [3 * BRANCH] * 5 + [1] * 7,
+                [0] * 6 + [1] * 2 + [1 + BRANCH] * 8 + [1 + 2 * BRANCH] * 8]
+        return torch.tensor(rows[:b])
     raise AssertionError(kind)
 
 
@@ -40,7 +47,7 @@ def _run(fn, q, k, v, dout):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("kind", ["causal", "single", "many", "tile_aligned", "one_token", "padded"])
+@pytest.mark.parametrize("kind", ["causal", "single", "many", "tile_aligned", "one_token", "padded", "branched"])
 @pytest.mark.parametrize("heads,groups,dv", [(4, 4, 8), (4, 2, 8), (4, 1, 6)])
 def test_dense_equals_blockwise(kind, heads, groups, dv, window):
     """Every packing, with and without a sliding window, multi-head, GQA and a value head dim of its own (MLA):
@@ -54,8 +61,9 @@ def test_dense_equals_blockwise(kind, heads, groups, dv, window):
     documents = _documents(kind, b)
     scale = 1 / math.sqrt(d)
     got = _run(lambda *t: dense_attention(*t, documents, scale, window), q, k, v, dout)
+    sequence = None if documents is None else sequence_positions(documents)  # as context_parallel_attention's
     for tile in (4, 512):  # uneven tiles that skip pairs, and one tile over the whole row
-        tokens = Tokens(torch.arange(SEQ), documents, tile)
+        tokens = Tokens(torch.arange(SEQ), documents, tile, sequence)
         want = _run(lambda *t: BlockwiseAttention.apply(*t, tokens, tokens, scale, window), q, k, v, dout)
         for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert a.shape == w.shape, name

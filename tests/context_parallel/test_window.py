@@ -2,8 +2,8 @@
 
 - The blockwise attention with a window (tiles skipped, full and partial) equals a dense masked
   softmax, forward and backward, with and without documents.
-- A GPT with a window at cp=2 (p2p, all_gather, a2a; plain and packed samples) gives the cp=1
-  per-token losses and gradients.
+- A GPT with a window at cp=2 (p2p, all_gather, a2a; plain, packed and branched (prefix-shared) samples)
+  gives the cp=1 per-token losses and gradients.
 - Against transformers' own MistralForCausalLM with a window shorter than the sequence: logits,
   left-padded logits, greedy generation with the static decoder (KV cache) and with the paged
   inference engine (chunked prefill, blocks behind the window freed).
@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megalite import topology
-from megalite.context_parallel import chunk_indices, context_parallel_attention, document_ids, slice_for_rank
+from megalite.context_parallel import (chunk_indices, context_parallel_attention, document_ids, reset_position_ids,
+                                       slice_for_rank)
+from megalite.context_parallel.sequence_split import BRANCH
 from megalite.models import GPTModel
 from megalite.testing import run_distributed
 from tests.models.common import VOCAB, config
@@ -87,15 +89,21 @@ def _rank_fn():
     tokens[0, [6, 15]] = EOD
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     docs = document_ids(ids, EOD)
+    # A trunk of 3 and branches of 7 and 8 (the second's window reaches the trunk across the first), then a document.
+    branched = torch.tensor([[0] * 3 + [BRANCH] * 7 + [2 * BRANCH] * 8 + [1] * 6, [0] * 9 + [1] * 15])
+    positions = reset_position_ids(branched)
     cfg = config("llama", max_position_embeddings=SEQ, window_size=5)
     reference = GPTModel(cfg)
-    refs = {"causal": _run(reference, ids, labels), "packed": _run(reference, ids, labels, document_ids=docs)}
+    refs = {"causal": _run(reference, ids, labels), "packed": _run(reference, ids, labels, document_ids=docs),
+            "branched": _run(reference, ids, labels, document_ids=branched, position_ids=positions)}
     topo = topology.initialize(cp=2)
     index = chunk_indices(SEQ, 2, topo.cp.rank)
     errors = {}
     for comm in ("p2p", "all_gather", "a2a"):
         model = GPTModel(cfg, cp_comm_type=comm)
-        for kind, kwargs in (("causal", {}), ("packed", {"document_ids": docs})):
+        for kind, kwargs in (("causal", {}), ("packed", {"document_ids": docs}),
+                             ("branched", {"document_ids": branched,
+                                           "position_ids": slice_for_rank(positions, 2, topo.cp.rank)})):
             loss, grads = _run(model, slice_for_rank(ids, 2, topo.cp.rank), slice_for_rank(labels, 2, topo.cp.rank),
                                **kwargs)
             ref_loss, ref_grads = refs[kind]
@@ -108,7 +116,7 @@ def _rank_fn():
 
 def test_window_at_cp2_matches_cp1():
     for errors in run_distributed(_rank_fn, 2, timeout=240):
-        assert len(errors) == 12
+        assert len(errors) == 18
         for key, error in errors.items():
             assert error < 1e-5, (key, error)
 

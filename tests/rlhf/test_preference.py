@@ -26,9 +26,10 @@ CONFIGS = [PreferenceConfig("dpo", beta=0.5), PreferenceConfig("dpo", beta=0.3, 
                                                                    label_smoothing=0.1)]
 
 
-def _models():
-    """Policy and reference: two seeds of the same tiny Llama-style GPT."""
-    return tuple(GPTModel(config("llama", max_position_embeddings=SEQ, seed=seed)) for seed in (0, 1))
+def _models(window_size=None):
+    """Policy and reference: two seeds of the same tiny Llama-style GPT (optionally with a sliding window)."""
+    return tuple(GPTModel(config("llama", max_position_embeddings=SEQ, seed=seed, window_size=window_size))
+                 for seed in (0, 1))
 
 
 def _batch(pairs=PAIRS, pack=pack_pair):
