@@ -10,9 +10,6 @@ per-bucket 'dp_reshardable' state), resumes in megalite at dp=2 and at tp=2 with
 and so does a fourth at tp=2 x dp=1 (one buffer per tensor rank, of its shards) resumed at tp=1 x dp=2.
 """
 
-import contextlib
-import io
-import json
 import os
 
 import pytest
@@ -22,42 +19,7 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
-
-TOTAL = fixture.SAVED_AT + fixture.CONTINUED
-
-
-def _micro_batches() -> list[torch.Tensor]:
-    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
-    of document as the trainer derives them from the checkpoint's padded vocabulary."""
-    from megalite.data.mock import build_mock_datasets
-
-    samples = TOTAL * fixture.GLOBAL_BATCH
-    train, _, _ = build_mock_datasets(fixture.SEQ, 1234, [samples, 0, 0], fixture.PADDED_VOCAB,
-                                      fixture.PADDED_VOCAB - 1)
-    return fixture.batches([train[i] for i in range(samples)])
-
-
-def _resume(runs):
-    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
-    flags say otherwise), in these rank processes: ``[(its stdout, Python's, NumPy's and torch's RNG states after
-    it)]``."""
-    import random
-
-    import numpy as np
-
-    from megalite.training import gpt, pretrain
-
-    outputs = []
-    for path, metrics, extra in runs:
-        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *fixture.FLAGS,
-                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
-                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
-        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
-    return outputs
-
+from tests.checkpoint.megatron_optim_fixture import assert_equal_losses, losses  # noqa: E402
 
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
@@ -80,7 +42,7 @@ def _convert_and_resume(path: str, root: str):
                                             "--vocab-size", str(fixture.PADDED_VOCAB), "--input", source,
                                             "--output", os.path.join(root, converted)) == 0
     dist.barrier()
-    return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
+    return fixture.resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
                     (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
@@ -110,19 +72,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path + fixture.DISTRIBUTED)
     os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
-    return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
-
-
-def _losses(metrics) -> list[float]:
-    records = [json.loads(line) for line in open(metrics)]
-    assert [r["iteration"] for r in records] == list(range(fixture.SAVED_AT + 1, TOTAL + 1))
-    return [r["loss"] for r in records]
-
-
-def _assert_equal_losses(actual, expected):
-    assert len(actual) == len(expected) == fixture.CONTINUED
-    for mine, theirs in zip(actual, expected):
-        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
+    return (path, *fixture.train_and_save(path, fixture.micro_batches(), _convert_and_resume, path, root))
 
 
 def test_reader_maps_the_adam_state(megatron_run):
@@ -169,17 +119,17 @@ def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
     assert "warning" not in "".join(out[:3])
-    _assert_equal_losses(_losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
-    _assert_equal_losses(_losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
-    _assert_equal_losses(_losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
-    fresh = _losses(os.path.join(root, "fresh.jsonl"))
+    assert_equal_losses(losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
+    fresh = losses(os.path.join(root, "fresh.jsonl"))
     assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
     # An optimizer state megalite cannot resume: one warning line, then the fresh-moments run.
     assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
            "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
            in out[4]
-    assert _losses(os.path.join(root, "other_groups.jsonl")) == fresh
+    assert losses(os.path.join(root, "other_groups.jsonl")) == fresh
 
 
 def _with_common(megatron_dir, copy, key, change):
@@ -214,9 +164,9 @@ def test_the_distributed_optimizer_state_continues_the_megatron_losses(megatron_
     root = os.path.dirname(path)
     assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0] + runs[8][0]
     for name in ("distopt_dp2.jsonl", "distopt_tp2.jsonl"):
-        _assert_equal_losses(_losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
-    _assert_equal_losses(_losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
-    fresh = _losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
+        assert_equal_losses(losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
+    fresh = losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
 
 
@@ -250,7 +200,7 @@ def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_
     """megalite's rebuild of a tp=2 rank's and of each pp=2 stage's gradient buffer (its local shards, its layers;
     several buckets) equals Megatron-Core's ``_ParamAndGradBuffer`` of that rank's parameters."""
     from megalite.checkpoint.megatron_dist import MegatronDistReader
-    from megalite.checkpoint.megatron_distopt import stage_layout
+    from megalite.checkpoint.megatron_buffers import chunk_layouts
 
     reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
     shapes = reader.megatron_shapes()
@@ -258,8 +208,8 @@ def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_
     sizes = {"tp2": (2, 1, 1, None, False), "tp2_buckets": (2, 1, 3, 2000, True), "pp2": (1, 2, 2, 1500, False)}
     for rank, layouts in enumerate(megatron_run[4][2]):
         for which, (tp, pp, dp, size, high) in sizes.items():
-            local, names, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
-                                                          size, high)
+            (local, names, places, unpadded), = chunk_layouts(reader.config, shapes, rank if pp > 1 else 0, tp, pp,
+                                                              dp, size, high)
             theirs, their_unpadded = layouts[which]
             assert unpadded == their_unpadded, (rank, which)
             assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs, (rank, which)
@@ -298,7 +248,7 @@ def test_a_legacy_save_with_its_optimizer_state_continues_the_megatron_losses(me
     losses."""
     path, megatron, _, _, _, runs = megatron_run
     assert "warning: the Megatron optimizer state" not in runs[7][0]
-    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
 
 
 def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out(megatron_run, tmp_path):
@@ -363,7 +313,7 @@ def test_a_legacy_distributed_optimizer_save_continues_the_megatron_losses(megat
     path, _, _, _, (megatron, _, _), runs = megatron_run
     root = os.path.dirname(path)
     assert "warning: the Megatron optimizer state" not in runs[9][0]
-    _assert_equal_losses(_losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
     theirs = MegatronDistReader(path + fixture.DISTRIBUTED_TP)
     mine = open_reader(os.path.join(root, "legacy_distopt_tp2"))
     assert read_checkpoint_info(mine.directory)["state"]["optimizer"] == theirs.state["optimizer"]
@@ -411,7 +361,7 @@ def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_r
     assert python == saved[0]["random_rng_state"] and (numpy == saved[0]["np_rng_state"][1]).all()
     assert torch.equal(cpu, saved[0]["torch_rng_state"])
     assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
-    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
+    assert_equal_losses(losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
 
 
 def test_a_gpu_run_takes_megatrons_model_parallel_rng_state(megatron_run, monkeypatch):

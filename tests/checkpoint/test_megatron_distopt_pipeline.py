@@ -1,0 +1,132 @@
+"""Megatron-Core's distributed optimizer over pipeline stages, resumed in megalite with Megatron's next losses.
+
+On 2 CPU ranks (pp=2, gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
+optimizer, scheduler and pipeline schedule, the way :mod:`megatron_optim_fixture` runs it, in three layouts whose
+gradient buffers differ from an even split of untied layers:
+
+- ``tied``: tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both copies
+  are in buckets of their own, their gradients all-reduced over the embedding group);
+- ``uneven``: ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
+- ``vpp``: 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``).
+
+Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
+tp=1 x dp=2 (and the uneven one at its own stages) and its 5 losses equal Megatron's.  Each chunk's buffer layout
+megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core trains three pipelined runs on 2 ranks, megalite resumes them
+
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
+
+# Each case: (megatron_fixture.build_model's arguments, Megatron-LM's args of the run).
+CASES = {"tied": (dict(tied=True), dict(untie_embeddings_and_output_weights=False)),
+         "uneven": (dict(num_layers_in_first_pipeline_stage=1), dict(decoder_first_pipeline_num_layers=1)),
+         "vpp": (dict(vpp=2), dict(virtual_pipeline_model_parallel_size=2))}
+
+
+def _megatron_run(root: str, micro_batches, case: str):
+    """Megatron-Core's run of ``case`` on this rank (pp=2): ``(its losses (last stage; else None), each model
+    chunk's buffer layout (:func:`megatron_optim_fixture.buffer_layout`))``, saved into ``root/case``."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    build, args = CASES[case]
+    modules = megatron_fixture.build_model(1, 2, **build)
+    modules = modules if isinstance(modules, list) else [modules]
+    chunks = []
+    for index, module in enumerate(modules):
+        module.config.finalize_model_grads_func = finalize_model_grads
+        # As Megatron-LM's get_model: chunks after the first are not split into buckets.
+        chunks.append(DistributedDataParallel(module.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), module, disable_bucketing=index > 0))
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=fixture.SCHEDULE["max_lr"], min_lr=fixture.SCHEDULE["min_lr"],
+        weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
+        use_distributed_optimizer=True), chunks)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
+    layouts = [fixture.buffer_layout(chunk.buffers[0], module, module.decoder.layers[0].layer_number - 1)
+               for chunk, module in zip(chunks, modules)]
+    model = chunks if len(chunks) > 1 else chunks[0]
+    per_iteration = len(micro_batches) // fixture.TOTAL
+    losses = []
+    for i in range(fixture.TOTAL):
+        if i == fixture.SAVED_AT:
+            fixture.save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
+                         pipeline_model_parallel_size=2, **args)
+        losses.append(fixture.train_step(model, optimizer, scheduler,
+                                         micro_batches[i * per_iteration:(i + 1) * per_iteration]))
+    parallel_state.destroy_model_parallel()
+    return (None if None in losses else losses), layouts
+
+
+def _run(root: str, micro_batches):
+    """Megatron-Core's three runs, then megalite's resumption of each in the same rank processes."""
+    fixture.patch_cuda()
+    # The distributed optimizer's checks of CUDA tensor types see the CPU tensors as CUDA ones (as in the fixture).
+    cpu_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (cpu_type(self, *args, **kwargs) if args or kwargs else
+                                                        cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    runs = {case: _megatron_run(root, micro_batches, case) for case in CASES}
+    torch.Tensor.type = cpu_type
+    outputs = fixture.resume(
+        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
+        + [(os.path.join(root, "tied"), os.path.join(root, "tied_zero.jsonl"), ("--use-distributed-optimizer",)),
+           (os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
+            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"))])
+    return runs, [text for text, *_ in outputs]
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory):
+    """``(save root, {case: (Megatron's losses, [each rank's chunk layouts])}, rank 0's outputs of megalite's
+    resumed runs)``."""
+    from megalite.testing import run_distributed
+
+    root = str(tmp_path_factory.mktemp("megatron_distopt_pipeline"))
+    for case in CASES:
+        os.makedirs(os.path.join(root, case))
+    results = run_distributed(_run, 2, root, fixture.micro_batches(), timeout=300)
+    runs = {case: (results[1][0][case][0], [r[0][case][1] for r in results]) for case in CASES}
+    return root, runs, results[0][1]
+
+
+def test_pipelined_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
+    """Tied embeddings over stages, uneven stages and interleaved chunks: megalite resumes each Megatron save at
+    tp=1 x dp=2 (plain DDP and ZeRO-1; the uneven one also at its own stages, pp=2) with Megatron's next 5 losses,
+    without a warning about the optimizer state."""
+    root, runs, outputs = megatron_runs
+    assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
+    for case in CASES:
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+                                    runs[case][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "tied_zero.jsonl")),
+                                runs["tied"][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
+                                runs["uneven"][0][fixture.SAVED_AT:])
+
+
+def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
+    """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
+    included) equals Megatron-Core's ``_ParamAndGradBuffer`` in each run."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+
+    root, runs, _ = megatron_runs
+    for case in CASES:
+        reader = MegatronDistReader(os.path.join(root, case))
+        for rank, theirs in enumerate(runs[case][1]):
+            mine = chunk_layouts(reader.config, reader.megatron_shapes(), rank, **buffer_args(reader.args))
+            assert len(mine) == len(theirs) == (2 if case == "vpp" else 1)
+            for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
+                assert unpadded == their_unpadded, (case, rank)
+                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == their_places, (case, rank)
+        if case == "tied":  # the word embeddings' copies in buckets of their own
+            assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
