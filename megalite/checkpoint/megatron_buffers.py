@@ -23,10 +23,16 @@ import re
 from megalite.checkpoint.meta import split_dims
 from megalite.pipeline import split_layers
 
-# The order Megatron-Core's TransformerLayer (local spec) registers its parameters in.
+# The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
+# router, the local experts, the shared experts).
 LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
+               "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
                "mlp.linear_fc1.", "mlp.linear_fc2.")
+# megalite's stacked expert weights (``[experts, ...]``) and the names of one local expert's in Megatron-Core's
+# SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
+EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
+_LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 _TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
         "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -42,12 +48,17 @@ def place(name: str):
         return None
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
-            return (rank, 0, 0, kind)
+            return (rank, 0, 0, 0, kind)
+    expert = _LOCAL_EXPERT.fullmatch(name)
+    if expert:  # a local expert's weight: its experts in order, each fc1 then fc2
+        layer = int(expert.group(1).split(".")[2])
+        return (2, layer, LAYER_ORDER.index("mlp.experts."), 2 * int(expert.group(2)) + (expert.group(3)[-1] == "2"),
+                kind)
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if match is None:
         return None
-    module = next((i for i, m in enumerate(LAYER_ORDER) if m == match.group(2) + "."), None)
-    return None if module is None else (2, int(match.group(1)), module, kind)
+    module = next((i for i, m in enumerate(LAYER_ORDER) if m == match.group(2) + "." and m != "mlp.experts."), None)
+    return None if module is None else (2, int(match.group(1)), module, 0, kind)
 
 
 def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
@@ -89,10 +100,12 @@ def buffer_args(args: dict) -> dict:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
-    return dict(tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size")
-                                                                            or 1),
-                dp=dp, bucket_size=size, high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
-                vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last)
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
+                high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
+                vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
+                ep=int(args.get("expert_model_parallel_size") or 1),
+                etp=int(args.get("expert_tensor_parallel_size") or tp))
 
 
 def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
@@ -107,15 +120,23 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
-                  first: int | None = None, last: int | None = None) -> list[tuple]:
-    """The gradient buffer of each model chunk of a tensor rank of pipeline stage ``p`` (model ``config`` whose
-    tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its parameters
-    in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded size)``.
+                  first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
+                  experts: bool = False) -> list[tuple]:
+    """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
+    whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
+    parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
+    size)``; with ``experts`` the chunks' expert-parallel buffers (ep > 1: Megatron-Core keeps the local experts'
+    weights, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``, in buffers of their own,
+    sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
-    word embeddings.  ValueError when a tensor does not split over ``tp`` or the layers do not split as given."""
+    word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
+    split as given."""
     ranges = split_layers(config.num_layers, pp, vpp, first, last)
     dims = split_dims(config)
+    etp = etp or tp
     tied = pp > 1 and not config.untie_embeddings_and_output_weights
+    if experts:  # the expert data-parallel group: the ranks of one (expert tensor, expert, pipeline) rank
+        dp, tied = dp * tp // (etp * ep), False
     layouts = []
     for chunk in range(len(ranges[p])):
         local = {}
@@ -123,6 +144,19 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
         if tied and (p, chunk) == (pp - 1, len(ranges[p]) - 1):
             names.append(OUTPUT_COPY)
         for name in names:
+            weight = next((w for w in EXPERT_WEIGHTS if name.endswith("." + w)), None)
+            if (experts and weight is None) or (not experts and weight is not None and ep > 1):
+                continue  # in the other buffer
+            if weight is not None:
+                count, *shape = shapes[name]
+                dim = dims[name] - 1
+                if count % ep or shape[dim] % etp:
+                    raise ValueError(f"whose {name} {shapes[name]} does not split over ep={ep}, etp={etp}")
+                shape[dim] //= etp
+                for index in range(count // ep):
+                    local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
+                        tuple(shape)
+                continue
             source = WORD_EMBEDDINGS if name == OUTPUT_COPY and tied else name
             dim, shape = dims[source], list(shapes[source])
             if dim is not None:
@@ -133,6 +167,16 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
                                           tied)))
     return layouts
+
+
+def local_expert(name: str) -> tuple[str, int] | None:
+    """``(megalite's stacked expert weight, local expert index)`` of a local expert's weight ``name``
+    (:func:`chunk_layouts`' name of it), or None for another parameter."""
+    match = _LOCAL_EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    weight = next(w for w, theirs in EXPERT_WEIGHTS.items() if theirs == match.group(3))
+    return match.group(1) + weight, int(match.group(2))
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,

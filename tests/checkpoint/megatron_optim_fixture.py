@@ -235,12 +235,14 @@ def _buffer(module, dp: int, bucket_size: int | None, high_bandwidth: bool = Fal
 
 
 def buffer_layout(buffer, module, layer_offset: int = 0):
-    """``({parameter of module: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of ``buffer``,
-    the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
+    """``({parameter of module in buffer: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of
+    ``buffer``, the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
     import re
 
     layout = {}
     for name, param in module.named_parameters():
+        if param not in buffer.param_index_map:
+            continue  # in another buffer (an expert's, at ep > 1)
         start, _, bucket = buffer.param_index_map[param]
         name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
         layout[name] = (bucket, start - buffer.buckets[bucket].offset, tuple(param.shape))

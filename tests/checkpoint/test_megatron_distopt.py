@@ -47,10 +47,16 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True),
      "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
     (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
+    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=True),
+     "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"),
+    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=2),
+     "of 1 chained optimizers, not the 2 of its dense and expert parameters"),
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's splits that
-    count the embedding or loss as a layer) and a model-parallel rank without buckets are named, not guessed at."""
+    count the embedding or loss as a layer), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
+    run without its experts' chained optimizer and a model-parallel rank without buckets are named, not guessed
+    at."""
     from megalite.checkpoint import global_shapes
     from megalite.checkpoint.megatron_args import config_from_megatron_args
     from megalite.checkpoint.megatron_distopt import distributed_optimizer

@@ -1,45 +1,54 @@
-"""Megatron-Core's distributed optimizer over pipeline stages, resumed in megalite with Megatron's next losses.
+"""Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
-On 2 CPU ranks (pp=2, gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and pipeline schedule, the way :mod:`megatron_optim_fixture` runs it, in three layouts whose
-gradient buffers differ from an even split of untied layers:
+On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in four layouts whose
+gradient buffers differ from an even split of untied dense layers:
 
-- ``tied``: tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both copies
-  are in buckets of their own, their gradients all-reduced over the embedding group);
-- ``uneven``: ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
-- ``vpp``: 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``).
+- ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
+  copies are in buckets of their own, their gradients all-reduced over the embedding group);
+- ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
+- ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
+  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages) and its 5 losses equal Megatron's.  Each chunk's buffer layout
-megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
+tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 """
 
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains three pipelined runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains four runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
+from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
 
-# Each case: (megatron_fixture.build_model's arguments, Megatron-LM's args of the run).
-CASES = {"tied": (dict(tied=True), dict(untie_embeddings_and_output_weights=False)),
-         "uneven": (dict(num_layers_in_first_pipeline_stage=1), dict(decoder_first_pipeline_num_layers=1)),
-         "vpp": (dict(vpp=2), dict(virtual_pipeline_model_parallel_size=2))}
+# Each case: (megatron_fixture.build_model's arguments (None: test_megatron_moe's MoE GPT at ep=2), Megatron-LM's
+# args of the run).
+CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
+         "uneven": (dict(num_layers_in_first_pipeline_stage=1),
+                    dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
+         "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
+                            expert_model_parallel_size=2))}
 
 
 def _megatron_run(root: str, micro_batches, case: str):
-    """Megatron-Core's run of ``case`` on this rank (pp=2): ``(its losses (last stage; else None), each model
-    chunk's buffer layout (:func:`megatron_optim_fixture.buffer_layout`))``, saved into ``root/case``."""
+    """Megatron-Core's run of ``case`` on this rank: ``(its losses (last stage; else None), each model chunk's
+    buffer layout (:func:`megatron_optim_fixture.buffer_layout`; the MoE run's expert buffer after the dense
+    one))``, saved into ``root/case``."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     build, args = CASES[case]
-    modules = megatron_fixture.build_model(1, 2, **build)
+    modules = megatron_fixture.build_model(1, 2, **build) if build is not None else moe._build(2, seed=1)
     modules = modules if isinstance(modules, list) else [modules]
     chunks = []
     for index, module in enumerate(modules):
@@ -52,17 +61,19 @@ def _megatron_run(root: str, micro_batches, case: str):
         weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=True), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
-    layouts = [fixture.buffer_layout(chunk.buffers[0], module, module.decoder.layers[0].layer_number - 1)
-               for chunk, module in zip(chunks, modules)]
+    layouts = [fixture.buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+               for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
+               if buffers]
     model = chunks if len(chunks) > 1 else chunks[0]
     per_iteration = len(micro_batches) // fixture.TOTAL
     losses = []
     for i in range(fixture.TOTAL):
         if i == fixture.SAVED_AT:
             fixture.save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
-                         pipeline_model_parallel_size=2, **args)
-        losses.append(fixture.train_step(model, optimizer, scheduler,
-                                         micro_batches[i * per_iteration:(i + 1) * per_iteration]))
+                         **args)
+        batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
+        dp = parallel_state.get_data_parallel_world_size()  # the MoE run: each DP rank one of the 2 micro-batches
+        losses.append(fixture.train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
     parallel_state.destroy_model_parallel()
     return (None if None in losses else losses), layouts
 
@@ -80,7 +91,8 @@ def _run(root: str, micro_batches):
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
         + [(os.path.join(root, "tied"), os.path.join(root, "tied_zero.jsonl"), ("--use-distributed-optimizer",)),
            (os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"))])
+            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -90,7 +102,7 @@ def megatron_runs(tmp_path_factory):
     resumed runs)``."""
     from megalite.testing import run_distributed
 
-    root = str(tmp_path_factory.mktemp("megatron_distopt_pipeline"))
+    root = str(tmp_path_factory.mktemp("megatron_distopt_layouts"))
     for case in CASES:
         os.makedirs(os.path.join(root, case))
     results = run_distributed(_run, 2, root, fixture.micro_batches(), timeout=300)
@@ -98,10 +110,10 @@ def megatron_runs(tmp_path_factory):
     return root, runs, results[0][1]
 
 
-def test_pipelined_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages and interleaved chunks: megalite resumes each Megatron save at
-    tp=1 x dp=2 (plain DDP and ZeRO-1; the uneven one also at its own stages, pp=2) with Megatron's next 5 losses,
-    without a warning about the optimizer state."""
+def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
+    """Tied embeddings over stages, uneven stages, interleaved chunks and experts in a chained optimizer: megalite
+    resumes each Megatron save at tp=1 x dp=2 (plain DDP and ZeRO-1; the uneven one also at its own stages, pp=2;
+    the MoE one also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
@@ -111,11 +123,13 @@ def test_pipelined_distributed_optimizer_states_continue_the_megatron_losses(meg
                                 runs["tied"][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included) equals Megatron-Core's ``_ParamAndGradBuffer`` in each run."""
+    included; the MoE run's dense and expert-parallel buffers) equals Megatron-Core's ``_ParamAndGradBuffer`` in
+    each run."""
     from megalite.checkpoint.megatron_dist import MegatronDistReader
     from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
 
@@ -123,8 +137,11 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     for case in CASES:
         reader = MegatronDistReader(os.path.join(root, case))
         for rank, theirs in enumerate(runs[case][1]):
-            mine = chunk_layouts(reader.config, reader.megatron_shapes(), rank, **buffer_args(reader.args))
-            assert len(mine) == len(theirs) == (2 if case == "vpp" else 1)
+            stage = 0 if case == "moe" else rank
+            mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
+                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
+                                  experts=experts)]
+            assert len(mine) == len(theirs) == (1 if case in ("tied", "uneven") else 2)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == their_places, (case, rank)
