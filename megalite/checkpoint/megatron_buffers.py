@@ -36,16 +36,25 @@ _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts
 _TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
         "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
+# Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) a dense layer's norms are fused into
+# the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
+# megalite's norm of each of those modules.
+TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_layernorm.": "mlp.linear_fc1."}
 # Megatron-LM's flags of pipeline splits megalite does not rebuild (the layers' stages would be guessed at).
 OTHER_SPLITS = ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                 "account_for_loss_in_pipeline_split")
 
 
-def place(name: str):
-    """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it."""
-    kind = 0 if name.endswith(".weight") else 1 if name.endswith(".bias") else None
+def place(name: str, te: bool = False):
+    """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
+    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`).  Each module registers its weight before
+    its bias, after a fused norm's weight and bias."""
+    kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
     if kind is None:
         return None
+    fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
+    if te and fused and fused.group(1) in TE_FUSED_NORMS:
+        name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
@@ -105,7 +114,8 @@ def buffer_args(args: dict) -> dict:
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
                 vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
                 ep=int(args.get("expert_model_parallel_size") or 1),
-                etp=int(args.get("expert_tensor_parallel_size") or tp))
+                etp=int(args.get("expert_tensor_parallel_size") or tp),
+                te=args.get("transformer_impl") == "transformer_engine")
 
 
 def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
@@ -121,13 +131,14 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
                   first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
-                  experts: bool = False) -> list[tuple]:
+                  te: bool = False, experts: bool = False) -> list[tuple]:
     """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
     whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
     parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
     size)``; with ``experts`` the chunks' expert-parallel buffers (ep > 1: Megatron-Core keeps the local experts'
     weights, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``, in buffers of their own,
-    sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1).
+    sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
+    ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
     word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
     split as given."""
@@ -165,7 +176,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 shape[dim] //= tp
             local[name] = tuple(shape)
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
-                                          tied)))
+                                          tied, te)))
     return layouts
 
 
@@ -180,11 +191,12 @@ def local_expert(name: str) -> tuple[str, int] | None:
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
-              tied: bool = False):
+              tied: bool = False, te: bool = False):
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
     a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
-    over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own)."""
-    order = sorted(local, key=lambda n: place(n) or ())
+    over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
+    Transformer-Engine spec's parameter order."""
+    order = sorted(local, key=lambda n: place(n, te) or ())
     shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
     places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
     return order, places, unpadded

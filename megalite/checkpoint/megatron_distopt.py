@@ -20,6 +20,11 @@ model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per grad
 the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same layout
 (:func:`legacy_distributed_optimizer`).
 
+Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
+LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
+``linear_qkv`` (after ``linear_proj``) and ``linear_fc1``
+(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`).
+
 An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
 each expert-model-parallel rank keeps its local experts' weights (SequentialMLP's) in buffers of their own,
 sharded over the expert data-parallel group; each local expert's state is placed at its expert's index of
@@ -27,9 +32,9 @@ megalite's stacked expert weights.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
-layer spec (``--transformer-impl local``), whose module order is
-:data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`; megalite resumes it at any layout.  The legacy
-format's reader keeps to even stages, one chunk, untied embeddings over stages and no experts.  Other saves are
+layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
+or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader keeps
+to the local spec, even stages, one chunk, untied embeddings over stages and no experts.  Other saves are
 named.
 """
 
@@ -82,9 +87,10 @@ def _run_problem(args: dict, config, names, saved, legacy: bool = False):
     (:func:`_inners`: ``param_groups`` with ``step``).  ``legacy``: the legacy format's reader."""
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
-    if args.get("transformer_impl") != "local":
-        return (f"saved with transformer_impl {args.get('transformer_impl')!r}; megalite reads it from runs of the "
-                "local layer spec")
+    impl = args.get("transformer_impl")
+    if impl not in ("local", "transformer_engine") or (impl != "local" and (legacy or args.get("num_experts"))):
+        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
+                "Transformer Engine's without experts in the torch_dist format")
     if args.get("num_experts") and (legacy or args.get("moe_grouped_gemm")):
         return (f"of experts {'in GroupedMLP (--moe-grouped-gemm)' if not legacy else 'in the legacy format'}, "
                 "which megalite does not place")

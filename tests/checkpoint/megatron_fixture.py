@@ -52,10 +52,12 @@ def stop_writer_manager() -> None:
         queue._manager.shutdown()
 
 
-def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | None = None, **stages):
-    """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec); with
-    ``tied`` its output layer shares the word embeddings; with ``vpp`` this rank's list of model chunks; ``stages``:
-    TransformerConfig's uneven-stage fields (``num_layers_in_first_pipeline_stage``)."""
+def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | None = None, layer_spec=None,
+                **stages):
+    """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec, or
+    ``layer_spec(local spec)``); with ``tied`` its output layer shares the word embeddings; with ``vpp`` this
+    rank's list of model chunks; ``stages``: TransformerConfig's uneven-stage fields
+    (``num_layers_in_first_pipeline_stage``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -76,6 +78,7 @@ def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | 
         bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a["qk_layernorm"],
         virtual_pipeline_model_parallel_size=vpp, **stages)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=a["qk_layernorm"])
+    spec = spec if layer_spec is None else layer_spec(spec)
     chunks = []
     for vp_stage in range(vpp or 1):
         virtual = dict(ignore_virtual=vpp is None, vp_stage=vp_stage if vpp else None)

@@ -254,17 +254,17 @@ def save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool 
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
     saves it (the distributed optimizer's state in its default 'dp_reshardable' layout); returns this rank's saved
     RNG states.  ``model``: the DDP-wrapped model or a list of its chunks (``model0``, ``model1``, ... in the save);
-    ``layout``: Megatron-LM's args of the pipeline (``pipeline_model_parallel_size`` ...) and embeddings."""
+    ``layout``: Megatron-LM's args of the pipeline (``pipeline_model_parallel_size`` ...), embeddings, experts and
+    layer spec (``transformer_impl``)."""
     world = dist.get_world_size()
     tp = tp or (1 if distributed else world)
     dp = world // (tp * layout.get("pipeline_model_parallel_size", 1))
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
                                  "params_dtype": torch.bfloat16 if bf16 else torch.float32,
-                                 "pipeline_model_parallel_size": 1, **layout},
+                                 "pipeline_model_parallel_size": 1, "transformer_impl": "local", **layout},
                               tensor_model_parallel_size=tp, world_size=world,
-                              data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False,
-                              transformer_impl="local")
+                              data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
     if isinstance(model, list):
         state.update({f"model{i}": unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})

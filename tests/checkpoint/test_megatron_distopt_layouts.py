@@ -1,18 +1,23 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in four layouts whose
-gradient buffers differ from an even split of untied dense layers:
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in five layouts whose
+gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
   copies are in buckets of their own, their gradients all-reduced over the embedding group);
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
+  give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
+  source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
+  way with Megatron-Core's local modules;
 - ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2, the TE-ordered one at tp=2 too) and its
+5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 """
 
@@ -23,10 +28,45 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains four runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains five runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
+
+
+def _fused_norm_linear():
+    """Megatron-Core's ColumnParallelLinear with an RMSNorm of its input fused in, its parameters registered in the
+    order of Transformer Engine's LayerNormLinear (``layer_norm_weight``, then ``weight``), which
+    ``--transformer-impl transformer_engine`` builds ``linear_qkv`` and ``linear_fc1`` of."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class FusedNormLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *args, **kwargs):
+            super().__init__(input_size, output_size, *args, **kwargs)
+            norm = torch.nn.Parameter(torch.ones(input_size))
+            self._parameters = {"layer_norm_weight": norm, **self._parameters}  # TE registers it first
+
+        def forward(self, input_, *args, **kwargs):
+            normed = torch.nn.functional.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
+                                                  self.config.layernorm_epsilon)
+            return super().forward(normed, *args, **kwargs)
+
+    return FusedNormLinear
+
+
+def _te_order(spec):
+    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and pre-MLP norms, each
+    fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's TE spec builds the layer."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
+    spec.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
+    spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
+    return spec
+
 
 # Each case: (megatron_fixture.build_model's arguments (None: test_megatron_moe's MoE GPT at ep=2), Megatron-LM's
 # args of the run).
@@ -34,6 +74,7 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
                     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 
@@ -48,7 +89,11 @@ def _megatron_run(root: str, micro_batches, case: str):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     build, args = CASES[case]
-    modules = megatron_fixture.build_model(1, 2, **build) if build is not None else moe._build(2, seed=1)
+    if build is None:
+        modules = moe._build(2, seed=1)
+    else:
+        build = dict(build)
+        modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)
     modules = modules if isinstance(modules, list) else [modules]
     chunks = []
     for index, module in enumerate(modules):
@@ -92,7 +137,8 @@ def _run(root: str, micro_batches):
         + [(os.path.join(root, "tied"), os.path.join(root, "tied_zero.jsonl"), ("--use-distributed-optimizer",)),
            (os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2")),
+           (os.path.join(root, "te"), os.path.join(root, "te_tp2.jsonl"), ("--tensor-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -124,26 +170,37 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "te_tp2.jsonl")), runs["te"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included; the MoE run's dense and expert-parallel buffers) equals Megatron-Core's ``_ParamAndGradBuffer`` in
-    each run."""
-    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    included; the MoE run's dense and expert-parallel buffers; Transformer Engine's order, whose fused norms are
+    megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
+    run."""
+    import re
+
     from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+    from megalite.checkpoint.megatron_dist import MegatronDistReader, megalite_name
 
     root, runs, _ = megatron_runs
     for case in CASES:
         reader = MegatronDistReader(os.path.join(root, case))
         for rank, theirs in enumerate(runs[case][1]):
-            stage = 0 if case == "moe" else rank
+            stage = 0 if case in ("moe", "te") else rank
             mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (1 if case in ("tied", "uneven") else 2)
+            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe") else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
-                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == their_places, (case, rank)
+                theirs_named = {re.sub(r"^(decoder\.layers\.\d+\.)(.+)$",  # TE's norm names as megalite's
+                                       lambda m: m.group(1) + megalite_name(m.group(2)), name): place
+                                for name, place in their_places.items()}
+                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
         if case == "tied":  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
+        if case == "te":  # the fused norms after linear_proj: another order than the local spec's
+            local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
+                                               **dict(buffer_args(reader.args), te=False))[0]
+            assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
