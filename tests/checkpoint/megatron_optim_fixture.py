@@ -79,6 +79,52 @@ def batches(samples) -> list[torch.Tensor]:
             for start in range(0, len(samples), MICRO_BATCH)]
 
 
+def micro_batches() -> list[torch.Tensor]:
+    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
+    of document as the trainer derives them from the checkpoint's padded vocabulary, as :func:`batches`."""
+    from megalite.data.mock import build_mock_datasets
+
+    samples = TOTAL * GLOBAL_BATCH
+    train, _, _ = build_mock_datasets(SEQ, 1234, [samples, 0, 0], PADDED_VOCAB, PADDED_VOCAB - 1)
+    return batches([train[i] for i in range(samples)])
+
+
+def resume(runs):
+    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
+    flags say otherwise), with :data:`FLAGS` to iteration :data:`TOTAL` on ``--mock-data``, in these rank processes:
+    ``[(its stdout, Python's, NumPy's and torch's RNG states after it)]``."""
+    import random
+
+    import numpy as np
+
+    from megalite.training import gpt, pretrain
+
+    outputs = []
+    for path, metrics, extra in runs:
+        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *FLAGS,
+                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
+                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
+        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
+    return outputs
+
+
+def losses(metrics) -> list[float]:
+    """The losses a resumed run (:func:`resume`) wrote to its metrics file, of iterations SAVED_AT + 1 .. TOTAL."""
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records] == list(range(SAVED_AT + 1, TOTAL + 1))
+    return [r["loss"] for r in records]
+
+
+def assert_equal_losses(actual, expected):
+    """The :data:`CONTINUED` losses equal, each within 1e-5 relative (fp32)."""
+    assert len(actual) == len(expected) == CONTINUED
+    for mine, theirs in zip(actual, expected):
+        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)
+
+
 def _forward_step(data_iterator, model):
     """Megatron-LM's GPT forward step: mean loss over the micro-batch's tokens (no loss mask)."""
     tokens = next(data_iterator)
@@ -93,7 +139,7 @@ def _forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def train_step(model, optimizer, scheduler, micro_batches) -> float | None:
+def _train_step(model, optimizer, scheduler, micro_batches) -> float | None:
     """One iteration as Megatron-LM's ``train_step`` runs it; its loss as Megatron-LM's ``training_log`` reports it
     (None off the last pipeline stage).  ``model``: the DDP-wrapped model, or a list of its chunks (pipelined: each
     chunk reads its own iterator of the micro-batches)."""
@@ -143,7 +189,7 @@ def _build(bf16: bool = False, distributed: bool = False, tp: int | None = None)
     return model, optimizer, OptimizerParamScheduler(optimizer, init_lr=0.0, **SCHEDULE)
 
 
-def unwrapped(model):
+def _unwrapped(model):
     """The GPTModel inside DDP (and Float16Module), as Megatron-LM's ``unwrap_model`` gives it to the save."""
     while hasattr(model, "module"):
         model = model.module
@@ -159,10 +205,10 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     losses = []
     for i in range(TOTAL):
         if i == SAVED_AT:
-            rng = save(save_dir, SAVED_AT, model, optimizer, scheduler)
+            rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
             _save_legacy(save_dir + LEGACY, SAVED_AT, model, optimizer, scheduler)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
-        losses.append(train_step(model, optimizer, scheduler, batch))
+        losses.append(_train_step(model, optimizer, scheduler, batch))
     parallel_state.destroy_model_parallel()
 
     # bf16 with fp32 main weights: Megatron-Core's Float16OptimizerWithFloat16Params, whose checks of CUDA tensor
@@ -172,9 +218,9 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
                                                         cpu_type(self).replace("torch.", "torch.cuda.", 1))
     model, optimizer, scheduler = _build(bf16=True)
     for i in range(SAVED_AT):  # the first iteration runs at the warmup's LR 0
-        train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
-    save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
-    weight = unwrapped(model).output_layer.weight
+        _train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
+    _save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
+    weight = _unwrapped(model).output_layer.weight
     inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
     main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
                 for param, fp32 in zip(half, mains) if param is weight)
@@ -187,28 +233,28 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     distributed_losses = []
     for i in range(TOTAL):
         if i == SAVED_AT:
-            save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
+            _save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
             _save_legacy(save_dir + DISTRIBUTED + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
-        distributed_losses.append(train_step(model, optimizer, scheduler, batch[dist.get_rank()::2]))
+        distributed_losses.append(_train_step(model, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
     # The distributed optimizer at tp=2 x dp=1: each tensor rank's buffer holds its shards.
     model, optimizer, scheduler = _build(distributed=True, tp=2)
-    layout = {"tp2": buffer_layout(model.buffers[0], unwrapped(model))}
+    layout = {"tp2": _buffer_layout(model.buffers[0], _unwrapped(model))}
     tp_losses = []
     for i in range(TOTAL):
         if i == SAVED_AT:
-            save(save_dir + DISTRIBUTED_TP, SAVED_AT, model, optimizer, scheduler, distributed=True, tp=2)
+            _save(save_dir + DISTRIBUTED_TP, SAVED_AT, model, optimizer, scheduler, distributed=True, tp=2)
             _save_legacy(save_dir + DISTRIBUTED_TP + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
-        tp_losses.append(train_step(model, optimizer, scheduler,
+        tp_losses.append(_train_step(model, optimizer, scheduler,
                                      micro_batches[i * per_iteration:(i + 1) * per_iteration]))
     # (A second buffer takes over the parameters' storage: built once the run is over.)
-    layout["tp2_buckets"] = buffer_layout(_buffer(unwrapped(model), 3, 2000, True), unwrapped(model))
+    layout["tp2_buckets"] = _buffer_layout(_buffer(_unwrapped(model), 3, 2000, True), _unwrapped(model))
     parallel_state.destroy_model_parallel()
     # A pipeline stage's buffer of its layers (numbered within the stage), with DDP's buckets (first stage only).
     module = megatron_fixture.build_model(1, 2)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    layout["pp2"] = buffer_layout(_buffer(module, 2, 1500 if stage == 0 else None), module,
+    layout["pp2"] = _buffer_layout(_buffer(module, 2, 1500 if stage == 0 else None), module,
                                    stage * megatron_fixture.ARGS["num_layers"] // 2)
     parallel_state.destroy_model_parallel()
     torch.Tensor.type = cpu_type
@@ -234,7 +280,7 @@ def _buffer(module, dp: int, bucket_size: int | None, high_bandwidth: bool = Fal
         list(range(len(params))), False, types.SimpleNamespace(tp=group, dp_cp=group))
 
 
-def buffer_layout(buffer, module, layer_offset: int = 0):
+def _buffer_layout(buffer, module, layer_offset: int = 0):
     """``({parameter of module in buffer: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of
     ``buffer``, the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
     import re
@@ -249,7 +295,7 @@ def buffer_layout(buffer, module, layer_offset: int = 0):
     return layout, [bucket.numel_unpadded for bucket in buffer.buckets]
 
 
-def save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False,
+def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False,
          distributed: bool = False, tp: int | None = None, **layout) -> dict:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
     saves it (the distributed optimizer's state in its default 'dp_reshardable' layout); returns this rank's saved
@@ -267,9 +313,9 @@ def save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool 
                               data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
     if isinstance(model, list):
-        state.update({f"model{i}": unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})
+        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})
     else:
-        state["model"] = unwrapped(model).sharded_state_dict()
+        state["model"] = _unwrapped(model).sharded_state_dict()
     state["optimizer"] = optimizer.sharded_state_dict(
         state, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if distributed else None)
     state["opt_param_scheduler"] = scheduler.state_dict()
@@ -297,7 +343,7 @@ def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler, dis
                               transformer_impl="local", use_distributed_optimizer=distributed,
                               overlap_grad_reduce=False)
     if parallel_state.get_data_parallel_rank() == 0:
-        write_rank(save_dir, unwrapped(model), optimizer, args, tp_rank, 0, 1, iteration, scheduler)
+        write_rank(save_dir, _unwrapped(model), optimizer, args, tp_rank, 0, 1, iteration, scheduler)
     dist.barrier()
     if distributed:
         optimizer.save_parameter_state(os.path.join(save_dir, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}",
@@ -352,7 +398,7 @@ def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, 
     ``save_dir + DISTRIBUTED_TP``); both in the legacy format too (``+ LEGACY``, with ``distrib_optim.pt``).  Returns ``(the losses of all
     SAVED_AT + CONTINUED iterations (micro_batches in order, 2 per iteration), each tensor rank's fp32 main rows of
     the bf16 output layer, each rank's RNG states saved in save_dir, ``(the distributed-optimizer runs' losses at
-    tp=1 x dp=2 and at tp=2 x dp=1, each rank's gradient-buffer layouts (:func:`buffer_layout`): "tp2" the
+    tp=1 x dp=2 and at tp=2 x dp=1, each rank's gradient-buffer layouts (:func:`_buffer_layout`): "tp2" the
     latter's, "tp2_buckets" its parameters' at dp=3 in 2000-element buckets with high-bandwidth padding, "pp2" a
     pp=2 stage's at dp=2 in 1500-element buckets)``,
     rank 0's result of then)``."""
@@ -361,49 +407,3 @@ def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, 
     results = run_distributed(_run, 2, save_dir, micro_batches, then, then_args, timeout=300)
     return (results[0][0], [r[1] for r in results], [r[2] for r in results],
             (*results[0][3][:2], [r[3][2] for r in results]), results[0][4])
-
-
-def micro_batches() -> list[torch.Tensor]:
-    """The samples megalite's ``--mock-data`` gives the run (Megatron-Core's MockGPTDataset's), vocabulary and end
-    of document as the trainer derives them from the checkpoint's padded vocabulary."""
-    from megalite.data.mock import build_mock_datasets
-
-    samples = TOTAL * GLOBAL_BATCH
-    train, _, _ = build_mock_datasets(SEQ, 1234, [samples, 0, 0], PADDED_VOCAB, PADDED_VOCAB - 1)
-    return batches([train[i] for i in range(samples)])
-
-
-def resume(runs):
-    """``pretrain --load`` of each ``(directory, metrics file, extra flags)`` in turn (at tp=1 x dp=2 unless the
-    flags say otherwise), in these rank processes: ``[(its stdout, Python's, NumPy's and torch's RNG states after
-    it)]``."""
-    import random
-
-    import numpy as np
-
-    from megalite.training import gpt, pretrain
-
-    outputs = []
-    for path, metrics, extra in runs:
-        argv = ["--load", path, "--use-checkpoint-args", "--tensor-model-parallel-size", "1", *FLAGS,
-                "--train-iters", str(TOTAL), "--metrics-file", metrics, "--log-interval", "1", "--eval-interval",
-                "100", "--eval-iters", "0", "--mock-data", "--split", "100,0,0", *extra]
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            pretrain(gpt.train_valid_test_datasets_provider, gpt.model_provider, gpt.forward_step, argv=argv)
-        outputs.append((out.getvalue(), random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()))
-    return outputs
-
-
-def losses(metrics) -> list[float]:
-    """The losses of iterations SAVED_AT + 1 .. TOTAL in megalite's metrics file ``metrics``."""
-    records = [json.loads(line) for line in open(metrics)]
-    assert [r["iteration"] for r in records] == list(range(SAVED_AT + 1, TOTAL + 1))
-    return [r["loss"] for r in records]
-
-
-def assert_equal_losses(actual, expected):
-    """The CONTINUED losses ``actual`` equal Megatron's ``expected`` (fp32: relative 1e-5)."""
-    assert len(actual) == len(expected) == CONTINUED
-    for mine, theirs in zip(actual, expected):
-        assert abs(mine - theirs) <= 1e-5 * abs(theirs), (actual, expected)

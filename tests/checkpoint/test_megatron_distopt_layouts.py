@@ -80,7 +80,7 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
 
 def _megatron_run(root: str, micro_batches, case: str):
     """Megatron-Core's run of ``case`` on this rank: ``(its losses (last stage; else None), each model chunk's
-    buffer layout (:func:`megatron_optim_fixture.buffer_layout`; the MoE run's expert buffer after the dense
+    buffer layout (:func:`megatron_optim_fixture._buffer_layout`; the MoE run's expert buffer after the dense
     one))``, saved into ``root/case``."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -105,7 +105,7 @@ def _megatron_run(root: str, micro_batches, case: str):
         weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=True), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
-    layouts = [fixture.buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+    layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
     model = chunks if len(chunks) > 1 else chunks[0]
@@ -113,11 +113,11 @@ def _megatron_run(root: str, micro_batches, case: str):
     losses = []
     for i in range(fixture.TOTAL):
         if i == fixture.SAVED_AT:
-            fixture.save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
-                         **args)
+            fixture._save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
+                          **args)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         dp = parallel_state.get_data_parallel_world_size()  # the MoE run: each DP rank one of the 2 micro-batches
-        losses.append(fixture.train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
+        losses.append(fixture._train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
     parallel_state.destroy_model_parallel()
     return (None if None in losses else losses), layouts
 

@@ -120,9 +120,9 @@ def _train_one_step(model):
                                        [ddp])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **run.SCHEDULE)
     generator = torch.Generator().manual_seed(3)
-    run.train_step(ddp, optimizer, scheduler, [torch.randint(0, 90, (run.MICRO_BATCH, run.SEQ + 1),
-                                                             generator=generator)
-                                               for _ in range(run.GLOBAL_BATCH // run.MICRO_BATCH)])
+    run._train_step(ddp, optimizer, scheduler, [torch.randint(0, 90, (run.MICRO_BATCH, run.SEQ + 1),
+                                                              generator=generator)
+                                                for _ in range(run.GLOBAL_BATCH // run.MICRO_BATCH)])
     state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
     params = dict(model.named_parameters())
     layer = "decoder.layers.0.mlp."

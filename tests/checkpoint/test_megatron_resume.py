@@ -19,7 +19,9 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core trains and saves on 2 ranks, megalite resumes on 2
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
-from tests.checkpoint.megatron_optim_fixture import assert_equal_losses, losses  # noqa: E402
+from tests.checkpoint.megatron_optim_fixture import (assert_equal_losses as _assert_equal_losses,  # noqa: E402
+                                                     losses as _losses, micro_batches as _micro_batches,
+                                                     resume as _resume)
 
 def _convert_and_resume(path: str, root: str):
     """In Megatron's rank processes once its run is saved: rank 0 converts the save directory (``--from megatron``),
@@ -42,7 +44,7 @@ def _convert_and_resume(path: str, root: str):
                                             "--vocab-size", str(fixture.PADDED_VOCAB), "--input", source,
                                             "--output", os.path.join(root, converted)) == 0
     dist.barrier()
-    return fixture.resume([(path, os.path.join(root, "direct.jsonl"), ()),
+    return _resume([(path, os.path.join(root, "direct.jsonl"), ()),
                     (path, os.path.join(root, "zero.jsonl"), ("--use-distributed-optimizer",)),
                     (os.path.join(root, "converted"), os.path.join(root, "converted.jsonl"), ()),
                     (path, os.path.join(root, "fresh.jsonl"), ("--no-load-optim",)),
@@ -72,7 +74,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path + fixture.DISTRIBUTED)
     os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
-    return (path, *fixture.train_and_save(path, fixture.micro_batches(), _convert_and_resume, path, root))
+    return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
 
 def test_reader_maps_the_adam_state(megatron_run):
@@ -119,17 +121,17 @@ def test_pretrain_load_continues_the_megatron_losses(megatron_run):
     root = os.path.dirname(path)
     assert f"loaded checkpoint {path} at iteration {fixture.SAVED_AT}" in out[0]
     assert "warning" not in "".join(out[:3])
-    assert_equal_losses(losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
-    assert_equal_losses(losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
-    assert_equal_losses(losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
-    fresh = losses(os.path.join(root, "fresh.jsonl"))
+    _assert_equal_losses(_losses(os.path.join(root, "direct.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "zero.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "converted.jsonl")), megatron[fixture.SAVED_AT:])
+    fresh = _losses(os.path.join(root, "fresh.jsonl"))
     assert abs(fresh[0] - megatron[fixture.SAVED_AT]) <= 1e-5 * megatron[fixture.SAVED_AT]  # the same weights
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
     # An optimizer state megalite cannot resume: one warning line, then the fresh-moments run.
     assert "warning: the Megatron optimizer state is not read (its parameter groups are not Megatron's default " \
            "ones (one per weight-decay multiplier)): training from this checkpoint starts with fresh Adam moments" \
            in out[4]
-    assert losses(os.path.join(root, "other_groups.jsonl")) == fresh
+    assert _losses(os.path.join(root, "other_groups.jsonl")) == fresh
 
 
 def _with_common(megatron_dir, copy, key, change):
@@ -164,9 +166,9 @@ def test_the_distributed_optimizer_state_continues_the_megatron_losses(megatron_
     root = os.path.dirname(path)
     assert "warning: the Megatron optimizer state" not in runs[5][0] + runs[6][0] + runs[8][0]
     for name in ("distopt_dp2.jsonl", "distopt_tp2.jsonl"):
-        assert_equal_losses(losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
-    assert_equal_losses(losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
-    fresh = losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
+        _assert_equal_losses(_losses(os.path.join(root, name)), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "distopt_from_tp2.jsonl")), megatron_tp2[fixture.SAVED_AT:])
+    fresh = _losses(os.path.join(root, "fresh.jsonl"))  # the same data and schedule from fresh moments
     assert abs(fresh[1] - megatron[fixture.SAVED_AT + 1]) > 1e-3
 
 
@@ -248,7 +250,7 @@ def test_a_legacy_save_with_its_optimizer_state_continues_the_megatron_losses(me
     losses."""
     path, megatron, _, _, _, runs = megatron_run
     assert "warning: the Megatron optimizer state" not in runs[7][0]
-    assert_equal_losses(losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "legacy.jsonl")), megatron[fixture.SAVED_AT:])
 
 
 def test_a_distributed_optimizer_state_megalite_cannot_map_is_named_and_left_out(megatron_run, tmp_path):
@@ -313,7 +315,7 @@ def test_a_legacy_distributed_optimizer_save_continues_the_megatron_losses(megat
     path, _, _, _, (megatron, _, _), runs = megatron_run
     root = os.path.dirname(path)
     assert "warning: the Megatron optimizer state" not in runs[9][0]
-    assert_equal_losses(losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(root, "legacy_distopt.jsonl")), megatron[fixture.SAVED_AT:])
     theirs = MegatronDistReader(path + fixture.DISTRIBUTED_TP)
     mine = open_reader(os.path.join(root, "legacy_distopt_tp2"))
     assert read_checkpoint_info(mine.directory)["state"]["optimizer"] == theirs.state["optimizer"]
@@ -361,7 +363,7 @@ def test_megatron_rng_states_are_read_and_restored_at_the_same_layout(megatron_r
     assert python == saved[0]["random_rng_state"] and (numpy == saved[0]["np_rng_state"][1]).all()
     assert torch.equal(cpu, saved[0]["torch_rng_state"])
     assert not torch.equal(runs[0][3], saved[0]["torch_rng_state"])  # the tp=1 x dp=2 run: not restored
-    assert_equal_losses(losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
+    _assert_equal_losses(_losses(os.path.join(os.path.dirname(path), "tp2.jsonl")), megatron[fixture.SAVED_AT:])
 
 
 def test_a_gpu_run_takes_megatrons_model_parallel_rng_state(megatron_run, monkeypatch):
