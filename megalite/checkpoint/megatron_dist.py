@@ -44,7 +44,7 @@ from megalite.checkpoint.locate import MEGATRON_DIST_METADATA, resolve_directory
 from megalite.checkpoint.ranks import all_gather_object
 from megalite.checkpoint.sharding import box_slices, intersect, place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
-from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer
+from megalite.checkpoint.megatron_distopt import PREFIX as DISTRIBUTED_PREFIX, distributed_optimizer, dp_reshardable
 from megalite.checkpoint.megatron_names import Part, Source, map_names
 from megalite.checkpoint.megatron_optim import resumable_optimizer
 from megalite.checkpoint.megatron_pickle import read_sharded_object, unpickle_data
@@ -158,23 +158,25 @@ class MegatronDistReader:
         self._sources = map_names(self.metadata, self._config.vocab_size, where)
         self._flat = {}
         saved = common.get("optimizer")
-        if isinstance(saved, dict) and saved.get("param_state_sharding_type") == "dp_reshardable":
-            self.state["optimizer"], self.optimizer_note = self._distributed_optimizer()
+        if dp_reshardable(saved):
+            self.state["optimizer"], self.optimizer_note = self._distributed_optimizer(dp_reshardable(saved))
         else:
             self.state["optimizer"], self.optimizer_note = resumable_optimizer(
                 saved, {name: source.shape for name, source in self._sources.items()})
         self.state["optimizer_note"] = self.optimizer_note
 
-    def _distributed_optimizer(self) -> tuple[dict | None, str | None]:
+    def _distributed_optimizer(self, prefixes: list[str]) -> tuple[dict | None, str | None]:
         """Map the distributed optimizer's flat bucket state onto megalite's optimizer tensors
         (:mod:`megalite.checkpoint.megatron_distopt`): ``(megalite's optimizer JSON state, None)`` or
         ``(None, why not)``."""
         md = self.metadata.state_dict_metadata
         model = {name: source for name, source in self._sources.items() if not name.startswith("optimizer.")}
         buckets = {key: m.size[0] for key, m in md.items()
-                   if key.startswith(DISTRIBUTED_PREFIX) and isinstance(m, dcp_metadata.TensorStorageMetadata)}
+                   if key.startswith(tuple(p + DISTRIBUTED_PREFIX for p in prefixes))
+                   and isinstance(m, dcp_metadata.TensorStorageMetadata)}
         try:
-            saved = read_sharded_object(self.directory, self.metadata, f"{DISTRIBUTED_PREFIX}0.optimizer/shard_0_1")
+            saved = [read_sharded_object(self.directory, self.metadata, f"{p}{DISTRIBUTED_PREFIX}0.optimizer/shard_0_1")
+                     for p in prefixes]
         except Exception as err:  # zipfile and pickle raise many kinds on a damaged object
             raise ValueError(f"Megatron-LM distributed optimizer state in {self.directory} is unreadable: "
                              f"{type(err).__name__}: {err}") from None

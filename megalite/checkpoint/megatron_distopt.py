@@ -3,17 +3,15 @@
 Megatron-LM saves it in ``torch_dist`` as 'dp_reshardable' (its default): per model-parallel rank
 (``dp_group_idx_<i>``), gradient buffer and bucket, one flat tensor per state key,
 ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<dtypes>.bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``,
-whose length is the bucket's unpadded size; each DP rank wrote its contiguous share of it.  Where each
-parameter lies in a bucket is Megatron-Core's gradient-buffer layout (``_ParamAndGradBuffer``), rebuilt here:
-the parameters in reverse module order, each start padded to a multiple of 64 elements, a new bucket once a
-bucket holds ``bucket_size`` elements (only with ``--overlap-grad-reduce``; ``--ddp-bucket-size``, by default
-max(40M, 1M x dp)), each bucket's end padded to a multiple of lcm(dp, 128) (lcm(dp, 128, 2^16) with
-``--ddp-pad-buckets-for-high-nccl-busbw``).  The bucket sizes the checkpoint holds must equal the rebuilt
+whose length is the bucket's unpadded size; each DP rank wrote its contiguous share of it.  A gradient buffer
+is a model chunk's (``gbuf_idx_<chunk>``: one, or one per interleaved chunk).  Where each parameter lies in a
+bucket is Megatron-Core's gradient-buffer layout (``_ParamAndGradBuffer``), rebuilt by
+:mod:`megalite.checkpoint.megatron_buffers`.  The bucket sizes the checkpoint holds must equal the rebuilt
 ones, else the state is named and left out.  The step count and parameter groups are the sharded object
 ``optimizer.distributed.dp_group_idx_0.optimizer``.
 
-Each model-parallel rank (tensor rank t, pipeline rank p: ``dp_group_idx_<t + tp x p>``) has a buffer of its
-own local parameters (its stage's layers, its TP shards), laid out by the same rule; each shard's state is placed
+Each model-parallel rank (tensor rank t, pipeline rank p: ``dp_group_idx_<t + tp x p>``) has a buffer per model
+chunk of its own local parameters (the chunk's layers, its TP shards); each shard's state is placed
 into its global tensor by :func:`megalite.checkpoint.sharding.global_param`, the one global layout (per-rank
 SwiGLU ``[gate_r; up_r]`` rows, padded vocabulary rows cut), as the legacy reader places weights.
 
@@ -22,9 +20,22 @@ model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per grad
 the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same layout
 (:func:`legacy_distributed_optimizer`).
 
-Read: a dense GPT (no experts) saved at any tp and pp (even pipeline stages; untied embeddings when pp > 1)
-with the local layer spec (``--transformer-impl local``), whose module order is :data:`LAYER_ORDER`; megalite
-resumes it at any layout.  Other saves are named.
+Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
+LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
+``linear_qkv`` (after ``linear_proj``) and ``linear_fc1``
+(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`).
+
+An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
+each expert-model-parallel rank keeps its local experts' weights (SequentialMLP's) in buffers of their own,
+sharded over the expert data-parallel group; each local expert's state is placed at its expert's index of
+megalite's stacked expert weights.
+
+Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
+interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
+layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
+or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader keeps
+to the local spec, even stages, one chunk, untied embeddings over stages and no experts.  Other saves are
+named.
 """
 
 from __future__ import annotations
@@ -32,149 +43,96 @@ from __future__ import annotations
 import math
 import re
 
-from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
+from dataclasses import replace
+
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OTHER_SPLITS, OUTPUT_COPY, buffer_args, buffer_of,
+                                                  chunk_layouts, local_expert, place)
+from megalite.checkpoint.megatron_optim import default_groups_problem, expert_groups_problem, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
+from megalite.pipeline import split_layers
 
 PREFIX = "optimizer.distributed.dp_group_idx_"
 # Megatron-Core's state keys of a parameter's flat shard and megalite's names of them.
 STATE_KEYS = {"param": "main", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-# The order Megatron-Core's TransformerLayer (local spec) registers its parameters in.
-LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-               "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-               "mlp.linear_fc1.", "mlp.linear_fc2.")
-_TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
-        "output_layer.": 4}
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_0\.dtype_.+\.bucket_idx_(\d+)\.(\w+)$")
-# Megatron-LM's flags of pipeline stages that are not an even split of the layers.
-UNEVEN_STAGES = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                 "account_for_loss_in_pipeline_split", "virtual_pipeline_model_parallel_size")
+_BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
+                     r"\.bucket_idx_(\d+)\.(\w+)$")
+# Pipeline layouts the legacy format's reader does not read (its rank files hold one chunk's state each).
+_LEGACY_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "virtual_pipeline_model_parallel_size")
 
 
-def _place(name: str):
-    """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it."""
-    kind = 0 if name.endswith(".weight") else 1 if name.endswith(".bias") else None
-    if kind is None:
-        return None
-    for prefix, rank in _TOP.items():
-        if name.startswith(prefix) and name.count(".") == prefix.count("."):
-            return (rank, 0, 0, kind)
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if match is None:
-        return None
-    module = next((i for i, m in enumerate(LAYER_ORDER) if m == match.group(2) + "."), None)
-    return None if module is None else (2, int(match.group(1)), module, kind)
+def dp_reshardable(saved) -> list[str] | None:
+    """The key prefixes (``""``, or ``chained_<k>.`` of each chained optimizer: an MoE run at ep > 1) of a
+    'dp_reshardable' distributed optimizer whose ``common.pt`` entry is ``saved``; None for another optimizer."""
+    chained = isinstance(saved, dict) and bool(saved) and all(isinstance(k, int) for k in saved)
+    chain = [saved[k] for k in sorted(saved)] if chained else [saved]
+    if all(isinstance(s, dict) and s.get("param_state_sharding_type") == "dp_reshardable" for s in chain):
+        return [f"chained_{k}." for k in range(len(chain))] if chained else [""]
+    return None
 
 
-def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_bandwidth: bool = False):
-    """Megatron-Core's gradient-buffer layout of parameters of ``numels`` elements (module order) under the
-    distributed optimizer: ``([(bucket, start within the bucket)] in module order, [each bucket's unpadded size])``."""
-    divisor = math.lcm(dp, 128, 2 ** 16) if high_bandwidth else math.lcm(dp, 128)
-    places, unpadded = [], []
-    start = bucket_start = end = 0
-    for numel in reversed(numels):
-        start = -(-start // 64) * 64
-        places.append((len(unpadded), start - bucket_start))
-        end = start + numel
-        if bucket_size is not None and end - bucket_start >= bucket_size:
-            unpadded.append(end - bucket_start)
-            start = bucket_start = -(-end // divisor) * divisor
-        else:
-            start = end
-    if not places or places[-1][0] == len(unpadded):
-        unpadded.append(end - bucket_start)
-    return places[::-1], unpadded
+def _inners(saved) -> list:
+    """Megatron's inner optimizer states of ``saved``: one, a one-element list (a sharded object), or a list of the
+    chained optimizers' (an MoE run at ep > 1: the dense parameters', then the experts')."""
+    saved = saved if isinstance(saved, list) else [saved]
+    return [s[0] if isinstance(s, list) and len(s) == 1 else s for s in saved]
 
 
-def _stage(name: str, layers_per_stage: int, pp: int) -> int:
-    """The pipeline stage whose model holds ``name`` (Megatron's even split: the embeddings on the first stage,
-    the final norm and output layer on the last)."""
-    match = re.match(r"decoder\.layers\.(\d+)\.", name)
-    if match:
-        return int(match.group(1)) // layers_per_stage
-    return 0 if name.startswith("embedding.") else pp - 1
-
-
-def stage_layout(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
-                 bucket_size: int | None, high_bandwidth: bool = False):
-    """The gradient buffer of each tensor rank of pipeline stage ``p`` (model ``config`` whose tensors have
-    Megatron's global shapes ``shapes``): ``({parameter: local shape}, its parameters in module order, their
-    (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded size)``.  ValueError when a
-    tensor does not split over ``tp``."""
-
-    dims = split_dims(config)
-    local = {}
-    for name in (n for n in shapes if _stage(n, config.num_layers // pp, pp) == p):
-        dim, shape = dims[name], list(shapes[name])
-        if dim is not None:
-            if shape[dim] % tp:
-                raise ValueError(f"whose {name} {tuple(shape)} does not split over tp={tp}")
-            shape[dim] //= tp
-        local[name] = tuple(shape)
-    return (local, *_rank_buffer(local, p, dp, bucket_size, high_bandwidth))
-
-
-def _rank_buffer(local: dict[str, tuple[int, ...]], p: int, dp: int, bucket_size: int | None,
-                 high_bandwidth: bool):
-    """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
-    a rank of pipeline stage ``p`` that holds the local shards ``local`` (``{parameter: local shape}``)."""
-    names = sorted(local, key=lambda n: _place(n) or ())
-    # Megatron-Core buckets only the first pipeline stage's buffer (the others reduce off the critical path).
-    places, unpadded = bucket_layout([math.prod(local[n]) for n in names], dp, bucket_size if p == 0 else None,
-                                     high_bandwidth)
-    return names, places, unpadded
-
-
-def _run_problem(args: dict, config, names, saved):
+def _run_problem(args: dict, config, names, saved, legacy: bool = False):
     """What makes a distributed optimizer's save of the model ``config`` (parameters ``names``) unreadable, or
-    ``(its parameter groups, its Adam step, (dp, bucket size, high-bandwidth padding), whether it has fp32 main
-    weights of half-precision ones)`` from its saved args and Megatron's inner optimizer state ``saved``
-    (``param_groups`` with ``step``; in a one-element list as Megatron saves a sharded object or a chain)."""
+    ``(its dense parameter groups, its inner optimizer states, its Adam step, :func:`buffer_args`, whether it has
+    fp32 main weights of half-precision ones)`` from its saved args and Megatron's inner optimizer states ``saved``
+    (:func:`_inners`: ``param_groups`` with ``step``).  ``legacy``: the legacy format's reader."""
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
-    if args.get("num_experts") or args.get("transformer_impl") != "local":
-        return (f"saved with transformer_impl {args.get('transformer_impl')!r}"
-                f"{' and experts' if args.get('num_experts') else ''}; megalite reads it from runs of the local "
-                "layer spec without experts")
-    uneven = next((flag for flag in UNEVEN_STAGES if args.get(flag)), None)
-    if uneven or config.num_layers % pp:
-        return (f"saved with pipeline stages other than {pp} even ones ({uneven or 'num_layers'}), whose "
-                "parameters megalite does not place")
-    if pp > 1 and not config.untie_embeddings_and_output_weights:
+    impl = args.get("transformer_impl")
+    if impl not in ("local", "transformer_engine") or (impl != "local" and (legacy or args.get("num_experts"))):
+        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
+                "Transformer Engine's without experts in the torch_dist format")
+    if args.get("num_experts") and (legacy or args.get("moe_grouped_gemm")):
+        return (f"of experts {'in GroupedMLP (--moe-grouped-gemm)' if not legacy else 'in the legacy format'}, "
+                "which megalite does not place")
+    layout = buffer_args(args)
+    other = next((flag for flag in OTHER_SPLITS + (_LEGACY_SPLITS if legacy else ()) if args.get(flag)), None)
+    try:
+        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+    except ValueError as err:
+        other = other or str(err)
+    if other:
+        return f"saved with pipeline stages megalite does not place ({other})"
+    if legacy and pp > 1 and not config.untie_embeddings_and_output_weights:
         return ("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
-                "megalite does not read")
+                "megalite's legacy reader does not read")
     dims = split_dims(config)
-    unknown = [n for n in names if _place(n) is None or n not in dims]
+    unknown = [n for n in names if n not in dims or (place(n) is None and not n.endswith(tuple(EXPERT_WEIGHTS)))]
     if unknown:
         return f"of parameters whose place in Megatron's gradient buffer megalite does not know ({unknown[0]})"
-    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+    inners = _inners(saved)
+    if not all(isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) for inner in inners):
         return "without its parameter groups"
-    groups = saved["param_groups"]
-    steps = {g.get("step") for g in groups}  # a float under torch's Adam, an int under TE's or Apex's
+    steps = {g.get("step") for inner in inners for g in inner["param_groups"]}  # a float under torch's Adam
     step = next(iter(steps), None)
     if len(steps) != 1 or not isinstance(step, (int, float)) or step != int(step) or step < 1:
         return "without one Adam step count in its parameter groups"
-    dp = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
-    size = None
-    if args.get("overlap_grad_reduce"):
-        size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
-    buffer = (dp, size, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
-    return groups, int(step), buffer, bool(args.get("bf16") or args.get("fp16"))
+    groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
+    return groups, inners, int(step), layout, bool(args.get("bf16") or args.get("fp16"))
 
 
 def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
-                          saved: dict | None) -> tuple[dict, dict | None, str | None]:
+                          saved) -> tuple[dict, dict | None, str | None]:
     """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces)]}, megalite's
     optimizer JSON state, None)`` for a 'dp_reshardable' save of the model ``config`` whose model tensors have
     Megatron's global shapes ``shapes`` (megalite names; the vocabulary padded), whose flat bucket tensors have the
-    lengths ``bucket_sizes`` (DCP key: length), and whose sharded object ``saved`` holds Megatron's inner optimizer
-    state (``optimizer.distributed.dp_group_idx_0.optimizer``); ``({}, None, why not)`` otherwise.  Each
-    model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its own buffer of its local parameters; each
-    of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
-    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor."""
+    lengths ``bucket_sizes`` (DCP key: length), and whose sharded objects ``saved`` (:func:`_inners`) hold
+    Megatron's inner optimizer states (``[chained_<k>.]optimizer.distributed.dp_group_idx_0.optimizer``);
+    ``({}, None, why not)`` otherwise.  Each model-parallel rank (``dp_group_idx`` tp_rank + tp x pp_rank) has its
+    own buffer of each model chunk's local parameters (``gbuf_idx`` the chunk); at ep > 1 each expert-model-parallel
+    rank (etp_rank + etp x (ep_rank + ep x pp_rank)) has one of its local experts in the second chained optimizer
+    (``chained_1.``).  Each of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
+    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor.  The last stage's copy of
+    tied embeddings is not read: the first stage's copy has the same state."""
 
     def no(why):
         return {}, None, f"it is a distributed optimizer's state ('dp_reshardable') {why}"
@@ -182,45 +140,83 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     found = _run_problem(args, config, shapes, saved)
     if isinstance(found, str):
         return no(found)
-    groups, step, (dp, size, high_bandwidth), mixed = found
-    problem = default_groups_problem(groups)
+    groups, inners, step, layout, mixed = found
+    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
     if problem:
         return {}, None, problem
-    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+    tp, pp, ep, etp = layout["tp"], layout["pp"], layout["ep"], layout["etp"]
+    expert_chain = ep > 1 and bool(args.get("num_experts"))
+    if len(inners) != 1 + expert_chain:
+        return no(f"of {len(inners)} chained optimizers, not the {1 + expert_chain} of its dense and expert "
+                  "parameters")
     keys = {}
     for key, length in bucket_sizes.items():
         match = _BUCKET.match(key)
         if match is None:
-            return no(f"in more than one gradient buffer ({key})")
-        keys.setdefault(int(match.group(1)), {}).setdefault(int(match.group(2)), {})[match.group(3)] = (key, length)
-    if sorted(keys) != list(range(tp * pp)):
-        return no(f"of model-parallel ranks {sorted(keys)}, not the {tp * pp} of its tp={tp} x pp={pp}")
-    dims = split_dims(config)
+            return no(f"in a gradient buffer megalite does not know ({key})")
+        chain, rank, gbuf, bucket = (int(g or 0) for g in match.group(1, 2, 3, 4))
+        keys.setdefault(chain, {}).setdefault(rank, {}).setdefault(gbuf, {}).setdefault(bucket, {})[
+            match.group(5)] = (key, length)
     flat = {}
-    for p in range(pp):
-        try:
-            local, stage, places, unpadded = stage_layout(config, shapes, p, tp, pp, dp, size, high_bandwidth)
-        except ValueError as err:
-            return no(str(err))
-        for t in range(tp):
-            rank = keys[t + tp * p]
-            if sorted(rank) != list(range(len(unpadded))) or any(
-                    length != unpadded[b] for b, by_state in rank.items() for _, length in by_state.values()):
-                return no(f"whose buckets ({ {b: max(l for _, l in s.values()) for b, s in sorted(rank.items())} }) "
-                          f"are not the {unpadded} elements megalite's rebuild of Megatron's gradient buffer gives "
-                          f"for model-parallel rank {t + tp * p}")
-            context = ShardContext(tp_rank=t, tp_size=tp)
-            for name, (bucket, start) in zip(stage, places):
-                if dims[name] is None and t > 0:
-                    continue  # a replica of tensor rank 0's
-                pieces = global_param(name, local_meta(local[name], dims[name]), config, context).pieces
-                for state, ours in STATE_KEYS.items():
-                    if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
-                        flat.setdefault(f"optimizer.{ours}.{name}", []).append(
-                            (rank[bucket][state][0], start, local[name], pieces))
+    # (chain, buffer ranks: (dp_group_idx, pipeline rank, tensor rank, expert rank)), expert tensor-parallel size)
+    passes = [(0, [(t + tp * p, p, t, 0) for p in range(pp) for t in range(tp)], tp)]
+    if expert_chain:
+        passes.append((1, [(t + etp * (e + ep * p), p, t, e) for p in range(pp) for e in range(ep)
+                           for t in range(etp)], etp))
+    for chain, ranks, expert_tp in passes:
+        if sorted(keys.get(chain, {})) != [rank for rank, *_ in sorted(ranks)]:
+            return no(f"of model-parallel ranks {sorted(keys.get(chain, {}))}, not the {len(ranks)} of its tp={tp} x "
+                      f"pp={pp}{f' x ep={ep}' if chain else ''}")
+        for rank, p, t, e in ranks:
+            try:
+                chunks = chunk_layouts(config, shapes, p, **layout, experts=chain == 1)
+            except ValueError as err:
+                return no(str(err))
+            why = _read_rank(flat, keys[chain][rank], chunks, config, shapes, mixed,
+                             ShardContext(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, etp_rank=t,
+                                          etp_size=expert_tp))
+            if why:
+                return no(f"{why} for model-parallel rank {rank}")
     if not all(f"optimizer.{k}.{n}" in flat for n in shapes for k in ("exp_avg", "exp_avg_sq")):
         return no("without Adam moments")
     return flat, optimizer_meta(groups, step), None
+
+
+def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mixed: bool, ctx: ShardContext):
+    """Add to ``flat`` (:func:`distributed_optimizer`'s) the state of one rank's local parameters, its gradient
+    buffers ``buffers`` (``{gbuf: {bucket: {state key: (DCP key, length)}}}``) laid out as ``chunks``
+    (:func:`chunk_layouts`), at ``ctx``'s coordinates; why not (a string) when the buckets are others."""
+    dims = split_dims(config)
+    if sorted(buffers) != list(range(len(chunks))):
+        return f"whose gradient buffers {sorted(buffers)} are not one per model chunk ({len(chunks)})"
+    for chunk, (local, names, places, unpadded) in enumerate(chunks):
+        rank = buffers[chunk]
+        if sorted(rank) != list(range(len(unpadded))) or any(
+                length != unpadded[b] for b, by_state in rank.items() for _, length in by_state.values()):
+            sizes = {b: max(length for _, length in s.values()) for b, s in sorted(rank.items())}
+            return f"whose buckets ({sizes}) are not the {unpadded} elements megalite's rebuild of Megatron's " \
+                   "gradient buffer gives"
+        for name, (bucket, start) in zip(names, places):
+            if name == OUTPUT_COPY and name not in shapes:
+                continue  # the last stage's copy of tied embeddings
+            expert = local_expert(name)
+            if expert is None:
+                ours, shape, context = name, local[name], replace(ctx, ep_rank=0, ep_size=1)
+                meta = local_meta(shape, dims[name])
+                if dims[name] is None and ctx.tp_rank > 0:
+                    continue  # a replica of tensor rank 0's
+            else:  # one local expert: its own place along the expert dimension
+                ours, count = expert[0], shapes[expert[0]][0]
+                shape, per_rank = (1, *local[name]), count // ctx.ep_size
+                context = replace(ctx, ep_rank=ctx.ep_rank * per_rank + expert[1], ep_size=count)
+                meta = local_meta(shape, dims[ours])
+                meta.expert_parallel = True
+            pieces = global_param(ours, meta, config, context).pieces
+            for state, key in STATE_KEYS.items():
+                if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
+                    flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start, shape,
+                                                                           pieces))
+    return None
 
 
 def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local: dict):
@@ -233,10 +229,10 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
     ``local``: each rank's ``{parameter (global layer numbers): local shape}``."""
     saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
     inner = saved.get("optimizer") if isinstance(saved, dict) else None
-    found = _run_problem(args, config, {n for names in local.values() for n in names}, inner)
+    found = _run_problem(args, config, {n for names in local.values() for n in names}, inner, legacy=True)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
-    groups, step, (dp, size, high_bandwidth), mixed = found
+    groups, _, step, layout, mixed = found
     problem = default_groups_problem(groups)
     if problem:
         return problem
@@ -247,7 +243,8 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
         if not buffer.get("buckets_coalesced") or list(gbufs) != [0] or len(gbufs[0]) != 1:
             return f"{where} is not Megatron-Core's one coalesced gradient buffer (save_parameter_state)"
         world = next(iter(gbufs[0].values()))
-        names, places, unpadded = _rank_buffer(local[(t, p)], p, dp, size, high_bandwidth)
+        names, places, unpadded = buffer_of(local[(t, p)], layout["dp"], layout["bucket_size"] if p == 0 else None,
+                                            layout["high_bandwidth"])
         if world.get("numel_unpadded") != sum(unpadded) or any(
                 world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
             return (f"{where} holds {world.get('numel_unpadded')} elements, not the {sum(unpadded)} of megalite's "

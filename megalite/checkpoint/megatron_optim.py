@@ -81,7 +81,7 @@ def resumable_optimizer(saved, shapes: dict[str, tuple[int, ...]]) -> tuple[dict
     if not all(isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) for inner in inners):
         return None, "its common state holds no parameter groups (not Adam)"
     groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
-    problem = default_groups_problem(groups) or _expert_groups_problem(inners, groups)
+    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
     if problem:
         return None, problem
     for name in (name for name in shapes if not name.startswith("optimizer.")):
@@ -104,7 +104,7 @@ def _chain(saved) -> list:
     return [saved]
 
 
-def _expert_groups_problem(inners: list[dict], groups: list[dict]) -> str | None:
+def expert_groups_problem(inners: list[dict], groups: list[dict]) -> str | None:
     """Why the expert-parallel parameter groups of ``inners`` cannot join megalite's two groups: each must train
     like the other parameters of its weight-decay multiplier (``groups``), as megalite's optimizer trains them."""
     dense = {g.get("wd_mult", 1.0): g for g in groups}

@@ -52,15 +52,19 @@ def stop_writer_manager() -> None:
         queue._manager.shutdown()
 
 
-def build_model(tp: int, pp: int, seed: int = 1):
-    """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec)."""
+def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | None = None, layer_spec=None,
+                **stages):
+    """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec, or
+    ``layer_spec(local spec)``); with ``tied`` its output layer shares the word embeddings; with ``vpp`` this
+    rank's list of model chunks; ``stages``: TransformerConfig's uneven-stage fields
+    (``num_layers_in_first_pipeline_stage``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     patch_cuda()
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(seed)
     a = ARGS
     config = TransformerConfig(
@@ -71,19 +75,26 @@ def build_model(tp: int, pp: int, seed: int = 1):
         add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a["qk_layernorm"])
+        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a["qk_layernorm"],
+        virtual_pipeline_model_parallel_size=vpp, **stages)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=a["qk_layernorm"])
-    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"],
-                     max_sequence_length=a["max_position_embeddings"],
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    # Non-zero norm weights so a misplaced norm shows in the logits.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "layer_norm" in name:
-                param.uniform_(0.5, 1.5)
-    return model
+    spec = spec if layer_spec is None else layer_spec(spec)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        virtual = dict(ignore_virtual=vpp is None, vp_stage=vp_stage if vpp else None)
+        model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"],
+                         max_sequence_length=a["max_position_embeddings"],
+                         pre_process=parallel_state.is_pipeline_first_stage(**virtual),
+                         post_process=parallel_state.is_pipeline_last_stage(**virtual),
+                         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+                         vp_stage=virtual["vp_stage"])
+        # Non-zero norm weights so a misplaced norm shows in the logits.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "layer_norm" in name:
+                    param.uniform_(0.5, 1.5)
+        chunks.append(model)
+    return chunks if vpp else chunks[0]
 
 
 SCHEDULE = dict(max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=16, lr_decay_style="cosine",

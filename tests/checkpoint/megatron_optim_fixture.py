@@ -43,7 +43,7 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 2, 16
 PADDED_VOCAB = megatron_fixture.ARGS["padded_vocab_size"]
 # Megatron-LM's schedule lengths are in samples: 1 warmup iteration, cosine decay over 8, weight decay over the run.
 SCHEDULE = dict(max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=GLOBAL_BATCH, lr_decay_steps=8 * GLOBAL_BATCH,
-                lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=(SAVED_AT + CONTINUED) * GLOBAL_BATCH,
+                lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=TOTAL * GLOBAL_BATCH,
                 wd_incr_style="constant")
 # The same run in megalite's (Megatron-LM's) flags.
 FLAGS = ["--seq-length", str(SEQ), "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
@@ -64,8 +64,10 @@ def _on_cpu(function):
 
 
 def patch_cuda() -> None:
-    """:func:`megatron_fixture.patch_cuda`, and tensors Megatron-Core creates on the GPU made on the CPU."""
+    """:func:`megatron_fixture.patch_cuda`, and tensors Megatron-Core creates on (or moves to) the GPU kept on the
+    CPU."""
     megatron_fixture.patch_cuda()
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     for name in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(torch, name, _on_cpu(getattr(torch, name)))
 
@@ -137,19 +139,27 @@ def _forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def _train_step(model, optimizer, scheduler, micro_batches) -> float:
-    """One iteration as Megatron-LM's ``train_step`` runs it; its loss as Megatron-LM's ``training_log`` reports it."""
+def _train_step(model, optimizer, scheduler, micro_batches) -> float | None:
+    """One iteration as Megatron-LM's ``train_step`` runs it; its loss as Megatron-LM's ``training_log`` reports it
+    (None off the last pipeline stage).  ``model``: the DDP-wrapped model, or a list of its chunks (pipelined: each
+    chunk reads its own iterator of the micro-batches)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.zero_grad_buffer()
+    chunks = model if isinstance(model, list) else [model]
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    stats = get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(micro_batches),
-                                        model=[model], num_microbatches=len(micro_batches), seq_length=SEQ,
+    iterators = [iter(micro_batches) for _ in chunks]
+    stats = get_forward_backward_func()(forward_step_func=_forward_step,
+                                        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                                        model=chunks, num_microbatches=len(micro_batches), seq_length=SEQ,
                                         micro_batch_size=MICRO_BATCH, forward_only=False)
     ok, _, _ = optimizer.step()
     assert ok
     scheduler.step(increment=GLOBAL_BATCH)
+    if not stats:
+        return None
     total = torch.stack([s["lm loss"] for s in stats]).sum(0)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())  # as Megatron-LM's train_step
     return (total[0] / total[1]).item()
@@ -198,9 +208,9 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
 
     patch_cuda()
     model, optimizer, scheduler = _build()
-    per_iteration = len(micro_batches) // (SAVED_AT + CONTINUED)
+    per_iteration = len(micro_batches) // TOTAL
     losses = []
-    for i in range(SAVED_AT + CONTINUED):
+    for i in range(TOTAL):
         if i == SAVED_AT:
             rng = _save(save_dir, SAVED_AT, model, optimizer, scheduler)
             _save_legacy(save_dir + LEGACY, SAVED_AT, model, optimizer, scheduler)
@@ -228,7 +238,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     # iteration's two micro-batches.
     model, optimizer, scheduler = _build(distributed=True)
     distributed_losses = []
-    for i in range(SAVED_AT + CONTINUED):
+    for i in range(TOTAL):
         if i == SAVED_AT:
             _save(save_dir + DISTRIBUTED, SAVED_AT, model, optimizer, scheduler, distributed=True)
             _save_legacy(save_dir + DISTRIBUTED + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
@@ -239,7 +249,7 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     model, optimizer, scheduler = _build(distributed=True, tp=2)
     layout = {"tp2": _buffer_layout(model.buffers[0], _unwrapped(model))}
     tp_losses = []
-    for i in range(SAVED_AT + CONTINUED):
+    for i in range(TOTAL):
         if i == SAVED_AT:
             _save(save_dir + DISTRIBUTED_TP, SAVED_AT, model, optimizer, scheduler, distributed=True, tp=2)
             _save_legacy(save_dir + DISTRIBUTED_TP + LEGACY, SAVED_AT, model, optimizer, scheduler, distributed=True)
@@ -278,12 +288,14 @@ def _buffer(module, dp: int, bucket_size: int | None, high_bandwidth: bool = Fal
 
 
 def _buffer_layout(buffer, module, layer_offset: int = 0):
-    """``({parameter of module: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of ``buffer``,
-    the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
+    """``({parameter of module in buffer: (bucket, start in the bucket, shape)}, each bucket's unpadded size)`` of
+    ``buffer``, the layers numbered from ``layer_offset`` (a pipeline stage's first layer)."""
     import re
 
     layout = {}
     for name, param in module.named_parameters():
+        if param not in buffer.param_index_map:
+            continue  # in another buffer (an expert's, at ep > 1)
         start, _, bucket = buffer.param_index_map[param]
         name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
         layout[name] = (bucket, start - buffer.buckets[bucket].offset, tuple(param.shape))
@@ -291,21 +303,26 @@ def _buffer_layout(buffer, module, layer_offset: int = 0):
 
 
 def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool = False,
-          distributed: bool = False, tp: int | None = None) -> dict:
+         distributed: bool = False, tp: int | None = None, **layout) -> dict:
     """The state dict Megatron-LM's ``generate_state_dict`` builds for ``--ckpt-format torch_dist``, saved as it
     saves it (the distributed optimizer's state in its default 'dp_reshardable' layout); returns this rank's saved
-    RNG states."""
+    RNG states.  ``model``: the DDP-wrapped model or a list of its chunks (``model0``, ``model1``, ... in the save);
+    ``layout``: Megatron-LM's args of the pipeline (``pipeline_model_parallel_size`` ...), embeddings, experts and
+    layer spec (``transformer_impl``)."""
     world = dist.get_world_size()
     tp = tp or (1 if distributed else world)
-    dp = world // tp
+    dp = world // (tp * layout.get("pipeline_model_parallel_size", 1))
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
                                  iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bf16,
-                                 "params_dtype": torch.bfloat16 if bf16 else torch.float32},
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, world_size=world,
-                              data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False,
-                              transformer_impl="local")
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-             "model": _unwrapped(model).sharded_state_dict()}
+                                 "params_dtype": torch.bfloat16 if bf16 else torch.float32,
+                                 "pipeline_model_parallel_size": 1, "transformer_impl": "local", **layout},
+                              tensor_model_parallel_size=tp, world_size=world,
+                              data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    if isinstance(model, list):
+        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})
+    else:
+        state["model"] = _unwrapped(model).sharded_state_dict()
     state["optimizer"] = optimizer.sharded_state_dict(
         state, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if distributed else None)
     state["opt_param_scheduler"] = scheduler.state_dict()

@@ -1,5 +1,6 @@
 """megalite's rebuild of Megatron-Core's gradient-buffer layout under the distributed optimizer equals
-Megatron-Core's own ``_ParamAndGradBuffer``: each parameter's bucket and start, each bucket's unpadded size."""
+Megatron-Core's own ``_ParamAndGradBuffer``: each parameter's bucket and start, each bucket's unpadded size (shared
+embeddings in buckets of their own included)."""
 
 import types
 
@@ -9,13 +10,15 @@ import torch
 pytest.importorskip("megatron.core.distributed.param_and_grad_buffer")
 
 
-@pytest.mark.parametrize("dp, bucket_size, high_bandwidth", [(2, None, False), (3, 2000, False), (3, 2000, True),
-                                                             (4, 4096, False)])
-def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size, high_bandwidth):
+@pytest.mark.parametrize("dp, bucket_size, high_bandwidth, shared", [
+    (2, None, False, ()), (3, 2000, False, ()), (3, 2000, True, ()), (4, 4096, False, ()), (2, None, False, (0,)),
+    (3, 2000, False, (0, 8)), (2, None, False, (3,))])
+def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size, high_bandwidth, shared):
+    """``shared``: the parameters Megatron-Core marks ``shared_embedding`` (tied embeddings over stages)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed import param_and_grad_buffer as buffer
 
-    from megalite.checkpoint.megatron_distopt import bucket_layout
+    from megalite.checkpoint.megatron_buffers import bucket_layout
 
     # The buffer is built on the CPU, and its closing log line (which needs a process group) is left out.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
@@ -23,34 +26,40 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     group = types.SimpleNamespace(size=lambda: dp, rank=lambda: 0)
     numels = [96 * 32, 32, 1000, 7, 4096, 130, 64, 5000, 1]
     params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    for index in shared:
+        params[index].shared_embedding = True
     config = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                            pad_buckets_for_high_nccl_busbw=high_bandwidth)
     theirs = buffer._ParamAndGradBuffer(config, torch.float32, torch.float32, params, group, bucket_size,
                                         {p: str(i) for i, p in enumerate(params)}, 1.0, list(range(len(params))),
                                         False, types.SimpleNamespace(tp=group, dp_cp=group))
-    places, unpadded = bucket_layout(numels, dp, bucket_size, high_bandwidth)
+    places, unpadded = bucket_layout(numels, dp, bucket_size, high_bandwidth, frozenset(shared))
     assert unpadded == [b.numel_unpadded for b in theirs.buckets]
-    assert len(unpadded) == (1 if bucket_size is None else 3)
+    assert len(unpadded) == (1 if bucket_size is None else 3) + len(shared) + (3 in shared)
     for param, (bucket, start) in zip(params, places):
         begin, _, their_bucket = theirs.param_index_map[param]
         assert (bucket, start) == (their_bucket, begin - theirs.buckets[their_bucket].offset)
 
 
-_TIED = "of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own)"
-_UNEVEN = "saved with pipeline stages other than {} even ones ({}), whose parameters megalite does not place"
-
-
 @pytest.mark.parametrize("change, note", [
-    (dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False), _TIED + ", which megalite "
-     "does not read"),
-    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
-     _UNEVEN.format(2, "decoder_first_pipeline_num_layers")),
-    (dict(pipeline_model_parallel_size=3), _UNEVEN.format(3, "num_layers")),
+    (dict(pipeline_model_parallel_size=3), "saved with pipeline stages megalite does not place (num_layers=4 is not "
+     "divisible by pipeline size pp=3; give first/last stage layer counts to split unevenly)"),
+    (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True),
+     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
     (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
+    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=True),
+     "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"),
+    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=2),
+     "of 1 chained optimizers, not the 2 of its dense and expert parameters"),
+    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, transformer_impl="transformer_engine"),
+     "saved with transformer_impl 'transformer_engine'; megalite reads it from runs of the local layer spec, or of "
+     "Transformer Engine's without experts in the torch_dist format"),
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
-    """Pipeline stages other than an even split, tied embeddings over stages (Megatron gives the last stage's copy
-    a bucket of its own), and a model-parallel rank without buckets are named, not guessed at."""
+    """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's splits that
+    count the embedding or loss as a layer), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
+    run without its experts' chained optimizer, experts under Transformer Engine's spec (whose MoE layers keep
+    their pre-MLP norm apart) and a model-parallel rank without buckets are named, not guessed at."""
     from megalite.checkpoint import global_shapes
     from megalite.checkpoint.megatron_args import config_from_megatron_args
     from megalite.checkpoint.megatron_distopt import distributed_optimizer

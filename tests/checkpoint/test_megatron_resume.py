@@ -202,7 +202,7 @@ def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_
     """megalite's rebuild of a tp=2 rank's and of each pp=2 stage's gradient buffer (its local shards, its layers;
     several buckets) equals Megatron-Core's ``_ParamAndGradBuffer`` of that rank's parameters."""
     from megalite.checkpoint.megatron_dist import MegatronDistReader
-    from megalite.checkpoint.megatron_distopt import stage_layout
+    from megalite.checkpoint.megatron_buffers import chunk_layouts
 
     reader = MegatronDistReader(megatron_run[0] + fixture.DISTRIBUTED_TP)
     shapes = reader.megatron_shapes()
@@ -210,8 +210,8 @@ def test_each_model_parallel_ranks_buffer_layout_equals_megatron_cores(megatron_
     sizes = {"tp2": (2, 1, 1, None, False), "tp2_buckets": (2, 1, 3, 2000, True), "pp2": (1, 2, 2, 1500, False)}
     for rank, layouts in enumerate(megatron_run[4][2]):
         for which, (tp, pp, dp, size, high) in sizes.items():
-            local, names, places, unpadded = stage_layout(reader.config, shapes, rank if pp > 1 else 0, tp, pp, dp,
-                                                          size, high)
+            (local, names, places, unpadded), = chunk_layouts(reader.config, shapes, rank if pp > 1 else 0, tp, pp,
+                                                              dp, size, high)
             theirs, their_unpadded = layouts[which]
             assert unpadded == their_unpadded, (rank, which)
             assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs, (rank, which)

@@ -1,0 +1,202 @@
+"""Megatron-Core's gradient-buffer layout under the distributed optimizer, rebuilt from a run's args and shapes.
+
+Megatron-Core's DDP keeps, per model chunk, one buffer (``_ParamAndGradBuffer``) of the chunk's local
+parameters (its stage's layers, its TP shards), and its distributed optimizer shards each bucket of it over DP.
+Where a parameter lies is the rule :func:`bucket_layout` rebuilds: the parameters in reverse module order, each
+start padded to a multiple of 64 elements, a new bucket once a bucket holds ``bucket_size`` elements (only with
+``--overlap-grad-reduce``; ``--ddp-bucket-size``, by default max(40M, 1M x dp); and only in the first chunk of
+the first pipeline stage: Megatron-Core reduces the others off the critical path, and Megatron-LM's ``get_model``
+disables bucketing for chunks after the first), each bucket's end padded to a multiple of lcm(dp, 128)
+(lcm(dp, 128, 2^16) with ``--ddp-pad-buckets-for-high-nccl-busbw``).  With tied embeddings over pipeline stages
+the first stage's word embeddings and the last stage's copy of them (its ``output_layer.weight``) each take a
+bucket of their own (their gradients are all-reduced over the embedding group after the DP reduce-scatter).
+
+Which chunk holds which layers is megalite's one layer split (:func:`megalite.pipeline.split_layers`), the same
+as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from megalite.checkpoint.meta import split_dims
+from megalite.pipeline import split_layers
+
+# The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
+# router, the local experts, the shared experts).
+LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+               "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
+               "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
+               "mlp.linear_fc1.", "mlp.linear_fc2.")
+# megalite's stacked expert weights (``[experts, ...]``) and the names of one local expert's in Megatron-Core's
+# SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
+EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
+_LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+_TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
+        "output_layer.": 4}
+WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
+# Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) a dense layer's norms are fused into
+# the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
+# megalite's norm of each of those modules.
+TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_layernorm.": "mlp.linear_fc1."}
+# Megatron-LM's flags of pipeline splits megalite does not rebuild (the layers' stages would be guessed at).
+OTHER_SPLITS = ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split")
+
+
+def place(name: str, te: bool = False):
+    """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
+    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`).  Each module registers its weight before
+    its bias, after a fused norm's weight and bias."""
+    kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
+    if kind is None:
+        return None
+    fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
+    if te and fused and fused.group(1) in TE_FUSED_NORMS:
+        name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
+    for prefix, rank in _TOP.items():
+        if name.startswith(prefix) and name.count(".") == prefix.count("."):
+            return (rank, 0, 0, 0, kind)
+    expert = _LOCAL_EXPERT.fullmatch(name)
+    if expert:  # a local expert's weight: its experts in order, each fc1 then fc2
+        layer = int(expert.group(1).split(".")[2])
+        return (2, layer, LAYER_ORDER.index("mlp.experts."), 2 * int(expert.group(2)) + (expert.group(3)[-1] == "2"),
+                kind)
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if match is None:
+        return None
+    module = next((i for i, m in enumerate(LAYER_ORDER) if m == match.group(2) + "." and m != "mlp.experts."), None)
+    return None if module is None else (2, int(match.group(1)), module, 0, kind)
+
+
+def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
+                  own_bucket: frozenset[int] = frozenset()):
+    """Megatron-Core's gradient-buffer layout of parameters of ``numels`` elements (module order) under the
+    distributed optimizer: ``([(bucket, start within the bucket)] in module order, [each bucket's unpadded size])``.
+    The parameters at the indices ``own_bucket`` (shared embeddings) each take a bucket of their own."""
+    divisor = math.lcm(dp, 128, 2 ** 16) if high_bandwidth else math.lcm(dp, 128)
+    places, unpadded = {}, []
+    start = bucket_start = end = 0
+    filled = False
+
+    def close(at: int) -> int:
+        nonlocal bucket_start, filled
+        unpadded.append(at - bucket_start)  # the 64-element padding of the next start included, as Megatron's
+        bucket_start, filled = -(-at // divisor) * divisor, False
+        return bucket_start
+
+    for index in reversed(range(len(numels))):
+        start = -(-start // 64) * 64
+        if index in own_bucket and filled:
+            start = close(start)
+        places[index] = (len(unpadded), start - bucket_start)
+        end, filled = start + numels[index], True
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or index in own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if filled:
+        unpadded.append(end - bucket_start)
+    return [places[i] for i in range(len(numels))], unpadded
+
+
+def buffer_args(args: dict) -> dict:
+    """The keyword arguments of :func:`chunk_layouts` that Megatron-LM's saved ``args`` give (a dict)."""
+    dp = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
+    size = None
+    if args.get("overlap_grad_reduce") and not args.get("overlap_param_gather_with_optimizer_step"):
+        size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
+    first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
+    last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
+                high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
+                vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
+                ep=int(args.get("expert_model_parallel_size") or 1),
+                etp=int(args.get("expert_tensor_parallel_size") or tp),
+                te=args.get("transformer_impl") == "transformer_engine")
+
+
+def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
+    """``(pipeline rank, chunk)`` whose model holds ``name``: its layer's, the embeddings on the first chunk of the
+    first stage, the final norm and output layer on the last chunk of the last."""
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if match is None:
+        return (0, 0) if name.startswith("embedding.") else (len(ranges) - 1, len(ranges[-1]) - 1)
+    layer = int(match.group(1))
+    return next((p, c) for p, chunks in enumerate(ranges) for c, (lo, hi) in enumerate(chunks) if lo <= layer < hi)
+
+
+def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
+                  bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
+                  first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
+                  te: bool = False, experts: bool = False) -> list[tuple]:
+    """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
+    whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
+    parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
+    size)``; with ``experts`` the chunks' expert-parallel buffers (ep > 1: Megatron-Core keeps the local experts'
+    weights, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``, in buffers of their own,
+    sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
+    ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
+    With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
+    word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
+    split as given."""
+    ranges = split_layers(config.num_layers, pp, vpp, first, last)
+    dims = split_dims(config)
+    etp = etp or tp
+    tied = pp > 1 and not config.untie_embeddings_and_output_weights
+    if experts:  # the expert data-parallel group: the ranks of one (expert tensor, expert, pipeline) rank
+        dp, tied = dp * tp // (etp * ep), False
+    layouts = []
+    for chunk in range(len(ranges[p])):
+        local = {}
+        names = [n for n in shapes if _chunk_of(n, ranges) == (p, chunk)]
+        if tied and (p, chunk) == (pp - 1, len(ranges[p]) - 1):
+            names.append(OUTPUT_COPY)
+        for name in names:
+            weight = next((w for w in EXPERT_WEIGHTS if name.endswith("." + w)), None)
+            if (experts and weight is None) or (not experts and weight is not None and ep > 1):
+                continue  # in the other buffer
+            if weight is not None:
+                count, *shape = shapes[name]
+                dim = dims[name] - 1
+                if count % ep or shape[dim] % etp:
+                    raise ValueError(f"whose {name} {shapes[name]} does not split over ep={ep}, etp={etp}")
+                shape[dim] //= etp
+                for index in range(count // ep):
+                    local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
+                        tuple(shape)
+                continue
+            source = WORD_EMBEDDINGS if name == OUTPUT_COPY and tied else name
+            dim, shape = dims[source], list(shapes[source])
+            if dim is not None:
+                if shape[dim] % tp:
+                    raise ValueError(f"whose {name} {tuple(shape)} does not split over tp={tp}")
+                shape[dim] //= tp
+            local[name] = tuple(shape)
+        layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
+                                          tied, te)))
+    return layouts
+
+
+def local_expert(name: str) -> tuple[str, int] | None:
+    """``(megalite's stacked expert weight, local expert index)`` of a local expert's weight ``name``
+    (:func:`chunk_layouts`' name of it), or None for another parameter."""
+    match = _LOCAL_EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    weight = next(w for w, theirs in EXPERT_WEIGHTS.items() if theirs == match.group(3))
+    return match.group(1) + weight, int(match.group(2))
+
+
+def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
+              tied: bool = False, te: bool = False):
+    """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
+    a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
+    over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
+    Transformer-Engine spec's parameter order."""
+    order = sorted(local, key=lambda n: place(n, te) or ())
+    shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
+    places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
+    return order, places, unpadded

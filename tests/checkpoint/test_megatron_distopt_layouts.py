@@ -1,0 +1,200 @@
+"""Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
+
+On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in five layouts whose
+gradient buffers differ from an even split of untied dense layers in the local spec's order:
+
+- ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
+  copies are in buckets of their own, their gradients all-reduced over the embedding group);
+- ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
+- ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
+  give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
+  source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
+  way with Megatron-Core's local modules;
+- ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
+  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
+
+Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
+tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+pytestmark = pytest.mark.slow  # Megatron-Core trains five runs on 2 ranks, megalite resumes them
+
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
+from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
+
+
+def _fused_norm_linear():
+    """Megatron-Core's ColumnParallelLinear with an RMSNorm of its input fused in, its parameters registered in the
+    order of Transformer Engine's LayerNormLinear (``layer_norm_weight``, then ``weight``), which
+    ``--transformer-impl transformer_engine`` builds ``linear_qkv`` and ``linear_fc1`` of."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class FusedNormLinear(ColumnParallelLinear):
+        def __init__(self, input_size, output_size, *args, **kwargs):
+            super().__init__(input_size, output_size, *args, **kwargs)
+            norm = torch.nn.Parameter(torch.ones(input_size))
+            self._parameters = {"layer_norm_weight": norm, **self._parameters}  # TE registers it first
+
+        def forward(self, input_, *args, **kwargs):
+            normed = torch.nn.functional.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
+                                                  self.config.layernorm_epsilon)
+            return super().forward(normed, *args, **kwargs)
+
+    return FusedNormLinear
+
+
+def _te_order(spec):
+    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and pre-MLP norms, each
+    fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's TE spec builds the layer."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
+    spec.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
+    spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
+    return spec
+
+
+# The fused norms' names under the TE spec and megalite's names of them.
+_TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+# Each case: (megatron_fixture.build_model's arguments (None: test_megatron_moe's MoE GPT at ep=2), Megatron-LM's
+# args of the run).
+CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
+         "uneven": (dict(num_layers_in_first_pipeline_stage=1),
+                    dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
+         "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
+         "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
+                            expert_model_parallel_size=2))}
+
+
+def _megatron_run(root: str, micro_batches, case: str):
+    """Megatron-Core's run of ``case`` on this rank: ``(its losses (last stage; else None), each model chunk's
+    buffer layout (:func:`megatron_optim_fixture._buffer_layout`; the MoE run's expert buffer after the dense
+    one))``, saved into ``root/case``."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    build, args = CASES[case]
+    if build is None:
+        modules = moe._build(2, seed=1)
+    else:
+        build = dict(build)
+        modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)
+    modules = modules if isinstance(modules, list) else [modules]
+    chunks = []
+    for index, module in enumerate(modules):
+        module.config.finalize_model_grads_func = finalize_model_grads
+        # As Megatron-LM's get_model: chunks after the first are not split into buckets.
+        chunks.append(DistributedDataParallel(module.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), module, disable_bucketing=index > 0))
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=fixture.SCHEDULE["max_lr"], min_lr=fixture.SCHEDULE["min_lr"],
+        weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
+        use_distributed_optimizer=True), chunks)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
+    layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+               for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
+               if buffers]
+    model = chunks if len(chunks) > 1 else chunks[0]
+    per_iteration = len(micro_batches) // fixture.TOTAL
+    losses = []
+    for i in range(fixture.TOTAL):
+        if i == fixture.SAVED_AT:
+            fixture._save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
+                          **args)
+        batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
+        dp = parallel_state.get_data_parallel_world_size()  # the MoE run: each DP rank one of the 2 micro-batches
+        losses.append(fixture._train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
+    parallel_state.destroy_model_parallel()
+    return (None if None in losses else losses), layouts
+
+
+def _run(root: str, micro_batches):
+    """Megatron-Core's three runs, then megalite's resumption of each in the same rank processes."""
+    fixture.patch_cuda()
+    # The distributed optimizer's checks of CUDA tensor types see the CPU tensors as CUDA ones (as in the fixture).
+    cpu_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (cpu_type(self, *args, **kwargs) if args or kwargs else
+                                                        cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    runs = {case: _megatron_run(root, micro_batches, case) for case in CASES}
+    torch.Tensor.type = cpu_type
+    outputs = fixture.resume(
+        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
+        + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
+            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+    return runs, [text for text, *_ in outputs]
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory):
+    """``(save root, {case: (Megatron's losses, [each rank's chunk layouts])}, rank 0's outputs of megalite's
+    resumed runs)``."""
+    from megalite.testing import run_distributed
+
+    root = str(tmp_path_factory.mktemp("megatron_distopt_layouts"))
+    for case in CASES:
+        os.makedirs(os.path.join(root, case))
+    results = run_distributed(_run, 2, root, fixture.micro_batches(), timeout=300)
+    runs = {case: (results[1][0][case][0], [r[0][case][1] for r in results]) for case in CASES}
+    return root, runs, results[0][1]
+
+
+def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
+    """Tied embeddings over stages, uneven stages, interleaved chunks, TE's order and experts in a chained optimizer:
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
+    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    root, runs, outputs = megatron_runs
+    assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
+    for case in CASES:
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+                                    runs[case][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
+                                runs["uneven"][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
+
+
+def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
+    """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
+    included; the MoE run's dense and expert-parallel buffers; Transformer Engine's order, whose fused norms are
+    megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
+    run."""
+    from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    root, runs, _ = megatron_runs
+    for case in CASES:
+        reader = MegatronDistReader(os.path.join(root, case))
+        for rank, theirs in enumerate(runs[case][1]):
+            stage = 0 if case in ("moe", "te") else rank
+            mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
+                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
+                                  experts=experts)]
+            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe") else 1)
+            for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
+                assert unpadded == their_unpadded, (case, rank)
+                theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
+                                for name, place in their_places.items()}
+                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
+        if case == "tied":  # the word embeddings' copies in buckets of their own
+            assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
+        if case == "te":  # the fused norms after linear_proj: another order than the local spec's
+            local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
+                                               **dict(buffer_args(reader.args), te=False))[0]
+            assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
