@@ -150,28 +150,31 @@ class Rollouts:
             rollout.metadata["episodes"] = envs
         return rollout
 
-    def _continue(self, iteration: int) -> Rollout:
+    def _continue(self, iteration: int, attempt: int, groups: int) -> Rollout:
         """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
-        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until a batch of groups
-        has finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
-        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped."""
+        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until ``groups`` groups
+        have finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
+        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped.  ``attempt``
+        (dynamic sampling's refill round) picks the sampling stream."""
         args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
-        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
+        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt
+                                                             + self.topo.dp.rank)
         while True:
-            rollout = self.partial.take(need, self.version, args.max_staleness, self.device)
+            rollout = self.partial.take(groups, self.version, args.max_staleness, self.device)
             if rollout is not None:
                 return rollout
             if len(self.partial) < need * n:
                 self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
             self.partial.round(self.version, generator, self.device)
 
-    def _sample(self, iteration: int, attempt: int) -> Rollout:
-        """One generation round of this DP rank, generated here or received from its rollout rank."""
+    def _sample(self, iteration: int, attempt: int, groups: int | None = None) -> Rollout:
+        """One generation round of this DP rank, generated here or received from its rollout rank; partial
+        rollouts finish ``groups`` groups (default: a batch), the others a whole batch."""
         if self.args.environment:
             return self._play(iteration)
         with self.placement.phase("generation"):
             if self.partial is not None:
-                rollout = self._continue(iteration)
+                rollout = self._continue(iteration, attempt, groups or self.args.prompts_per_rank)
             elif self.rollout_source is None:
                 rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,
                                        self.topo.dp.rank, self.device)
@@ -212,7 +215,9 @@ class Rollouts:
 
     def _refill(self, first: Rollout, iteration: int) -> tuple[Rollout, float]:
         """DAPO dynamic sampling: keep groups whose shaped rewards vary; generate more rounds until the batch
-        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups."""
+        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups.  Partial rollouts filter
+        groups once complete and ask each later round for only the groups still missing, so no kept group is
+        thrown away and the rows in flight carry over to the next iteration."""
         n, need = self.args.n_samples_per_prompt, self.args.prompts_per_rank
         kept, dropped = [], []
         rollout, attempt = first, 0
@@ -223,6 +228,6 @@ class Rollouts:
             attempt += 1
             if len(kept) >= need or attempt >= self.args.max_num_gen_batches:
                 break
-            rollout = self._sample(iteration, attempt)
+            rollout = self._sample(iteration, attempt, need - len(kept))
         fraction = min(len(kept), need) / need
         return Rollout.concat((kept + dropped)[:need]), fraction

@@ -100,10 +100,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (
             not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment or rollout
-            or args.use_scoring_server or args.dynamic_sampling):
+            or args.use_scoring_server):
         raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
                          f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts: no "
-                         f"--environment, --rollout-world-size, --use-scoring-server or --dynamic-sampling")
+                         f"--environment, --rollout-world-size or --use-scoring-server")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):

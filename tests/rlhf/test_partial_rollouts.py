@@ -140,9 +140,67 @@ def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_p
     assert all(r["log_prob_gap"] > 0 and r["is_weight_mean"] > 0 for r in records if r["staleness"] > 0)
 
 
+def parity_reward(prompt: str, response: str) -> float:
+    """A reward whose two-sample groups are all-equal about half the time (dynamic sampling drops those)."""
+    return float(len(response) % 2)
+
+
+def _dynamic_batches(argv):
+    """The trainer's rollouts of a partial, dynamically sampled run, with a weight update (in place) after each
+    batch: per batch, the largest gap between each token's behaviour log-prob and its own version's weights'
+    log-prob, whether the version is the oldest token's, the staleness, the kept fraction and whether each group's
+    rewards vary; and the groups that finished against the groups trained."""
+    trainer = RLTrainer(parse_args(argv))
+    trainer._setup()
+    rollouts, module = trainer.rollouts, trainer.actor.chunk.module
+    taken = []
+    take = rollouts.partial.take
+
+    def counted(groups, *rest):
+        batch = take(groups, *rest)
+        taken.append(0 if batch is None else len(batch) // 2)
+        return batch
+    rollouts.partial.take = counted
+    states, batches = {0: {k: v.clone() for k, v in module.state_dict().items()}}, []
+    for rollout in rollouts:
+        versions, mask = rollout.token_versions, rollout.response_mask
+        expected = torch.zeros_like(rollout.behaviour_log_probs)
+        for version in versions[mask > 0].unique().tolist():
+            expected = torch.where(versions == version, _log_probs(module, rollout, states[version]), expected)
+        rewards = rollout.rewards.view(-1, 2)
+        batches.append((float(((rollout.behaviour_log_probs - expected * mask).abs()).max()),
+                        rollout.version == int(versions[mask > 0].min()), rollouts.version - rollout.version,
+                        rollout.metadata["kept_fraction"], (rewards[:, 0] != rewards[:, 1]).tolist(),
+                        len(rollouts.partial)))
+        _perturb(module, rollouts.version + 10)
+        rollouts.version += 1
+        states[rollouts.version] = {k: v.clone() for k, v in module.state_dict().items()}
+    return batches, sum(taken)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
+    """--partial-rollout-tokens with --dynamic-sampling: groups are filtered once complete (all-equal rewards
+    dropped), a refill round asks only for the groups still missing and the rows in flight carry over; every token
+    of a trained batch keeps the log-prob of the weights (version) that sampled it."""
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--train-iters", "5", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+            "4", "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--partial-rollout-tokens", "1",
+            "--max-staleness", "2", "--dynamic-sampling", "--max-num-gen-batches", "8", "--max-new-tokens", "4",
+            "--reward-fn", "tests.rlhf.test_partial_rollouts:parity_reward"]
+    [(batches, finished)] = run_distributed(_dynamic_batches, 1, argv, timeout=120)
+    assert len(batches) == 5
+    for gap, oldest, staleness, kept, varied, in_flight in batches:
+        assert gap < 1e-5 and oldest and 0 <= staleness <= 2
+        assert varied[:round(kept * 2)] == [True] * round(kept * 2)  # the kept groups lead the batch
+    assert any(staleness > 0 for _, _, staleness, _, _, _ in batches)
+    assert any(in_flight for *_, in_flight in batches)
+    assert finished > 2 * 5  # some finished groups were dropped for all-equal rewards and refilled
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--dynamic-sampling"], "no --environment, --rollout-world-size"),
+    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "no --environment, --rollout-world-size"),
 ])
 def test_partial_rollouts_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
