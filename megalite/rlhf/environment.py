@@ -39,6 +39,10 @@ class StepResult:
     observation: list[int]
     reward: float = 0.0
     done: bool = False
+    branches: list = field(default_factory=list)
+    """Further continuations of the episode from this turn, as ``(environment, observation)`` pairs: the driver
+    plays each as a row of its own right after this one, sharing the tokens so far (several hints to one attempt,
+    ``megalite.rlhf.env_tasks.GuidanceEnvironment``); each environment holds its branch's state from here on."""
 
 
 class Environment:
@@ -101,8 +105,14 @@ def _checked(result, env: Environment) -> StepResult:
     if not isinstance(result.reward, (int, float)) or isinstance(result.reward, bool):
         raise TypeError(f"{type(env).__name__}.step returned a reward of type {type(result.reward).__name__}, "
                         f"not a number")
+    branches = []
+    for branch in result.branches:
+        if not (isinstance(branch, tuple) and len(branch) == 2 and isinstance(branch[0], Environment)):
+            raise TypeError(f"{type(env).__name__}.step returned a branch that is not an (Environment, observation) "
+                            f"pair: {branch!r:.80}")
+        branches.append((branch[0], _token_ids(branch[1], env, "step's branch observation")))
     return replace(result, observation=_token_ids(result.observation, env, "step's observation"),
-                   reward=float(result.reward), done=bool(result.done))
+                   reward=float(result.reward), done=bool(result.done), branches=branches)
 
 
 @dataclass
@@ -127,6 +137,19 @@ class _Episode:
         self.trained += [1.0 if log_probs is not None else 0.0] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
+    def branch(self, env: Environment) -> "_Episode":
+        """A copy of this episode so far that continues in ``env``."""
+        return _Episode(env, list(self.prompt), list(self.tokens), list(self.trained), list(self.log_probs),
+                        list(self.spans), list(self.turn_rewards))
+
+    def observe(self, observation: list[int], done: bool, limits: "EpisodeLimits") -> None:
+        """After a turn's step: the episode ends (``done``, out of turns, or the observation does not fit), or the
+        observation is appended for the next action."""
+        fits = self.length + len(observation) < limits.max_total_tokens
+        self.done = done or len(self.spans) >= limits.max_turns or not fits
+        if not self.done:
+            self.append(observation, None)
+
 
 def _sample_actions(live: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
                     generator, pad_id: int) -> list[tuple[list[int], list[float]]]:
@@ -149,9 +172,11 @@ def _sample_actions(live: list[_Episode], sample: Sampler, sampling: SamplingCon
 
 
 def _play_turn(episodes: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
-               generator, pad_id: int) -> None:
-    """One action of every live episode, then each environment's step."""
+               generator, pad_id: int) -> list[_Episode]:
+    """One action of every live episode, then each environment's step; the episodes after it, each followed by the
+    branches its step opened."""
     live = [e for e in episodes if not e.done]
+    branches: dict[int, list[_Episode]] = {}
     for episode, (action, log_probs) in zip(live, _sample_actions(live, sample, sampling, limits, generator,
                                                                    pad_id)):
         start = episode.length
@@ -167,10 +192,11 @@ def _play_turn(episodes: list[_Episode], sample: Sampler, sampling: SamplingConf
             continue
         result = _checked(result, episode.env)
         episode.turn_rewards.append(result.reward)
-        fits = episode.length + len(result.observation) < limits.max_total_tokens
-        episode.done = result.done or len(episode.spans) >= limits.max_turns or not fits
-        if not episode.done:
-            episode.append(result.observation, None)
+        branches[id(episode)] = [episode.branch(env) for env, _ in result.branches]
+        for played, (_, observation) in zip([episode] + branches[id(episode)],
+                                            [(episode.env, result.observation)] + result.branches):
+            played.observe(observation, result.done, limits)
+    return [e for episode in episodes for e in [episode] + branches.get(id(episode), [])]
 
 
 def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sampling: SamplingConfig,
@@ -181,8 +207,9 @@ def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sam
     longest), then actions and observations in order, padded after to ``response_width`` columns (default: the
     longest).  ``prompts``/``responses`` are decoded once, for logs (special ids dropped).  ``turn_spans`` hold
     the action columns; ``rewards`` each episode's summed turn rewards; metadata
-    ``turn_rewards`` (per row, one per action), ``errors`` (per row, the reason a step raised, else None) and
-    ``turns``."""
+    ``turn_rewards`` (per row, one per action), ``errors`` (per row, the reason a step raised, else None),
+    ``turns`` and ``environments`` (per row).  A step's branches (:attr:`StepResult.branches`) add rows: each
+    follows the row it branched from."""
     if len(envs) != len(seeds) or not envs:
         raise ValueError(f"run_episodes needs one seed per environment, got {len(envs)} environments and "
                          f"{len(seeds)} seeds")
@@ -193,7 +220,7 @@ def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sam
                              f"between 1 and max_total_tokens - 1 = {limits.max_total_tokens - 1}")
     pad = sampling.pad_id
     while any(not e.done for e in episodes):
-        _play_turn(episodes, sample, sampling, limits, generator, pad)
+        episodes = _play_turn(episodes, sample, sampling, limits, generator, pad)
     p = prompt_width or max(len(e.prompt) for e in episodes)
     n = response_width or max(len(e.tokens) for e in episodes)
     if p < max(len(e.prompt) for e in episodes) or n < max(len(e.tokens) for e in episodes):
@@ -217,5 +244,5 @@ def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sam
                       responses=[e.env.tokenizer.detokenize(e.tokens) for e in episodes],
                       rewards=torch.tensor([sum(e.turn_rewards) for e in episodes]))
     rollout.metadata.update(turn_rewards=[e.turn_rewards for e in episodes], errors=[e.error for e in episodes],
-                            turns=[len(e.spans) for e in episodes])
+                            turns=[len(e.spans) for e in episodes], environments=[e.env for e in episodes])
     return rollout

@@ -136,6 +136,10 @@ RL_FLAGS = FlagTable((
     Flag("--warmup-wrong-hint-fraction", TASK, type=float,
          help="--environment guidance: this fraction of the guide's warm-up hints are wrong numbers (a guide RL has "
               "to teach); None: the environment's default, every hint right"),
+    Flag("--guide-samples-per-attempt", TASK, default=1, type=int,
+         help="--environment guidance: hints the guide writes to each attempt, each followed by its own revision "
+              "(a row of the policy's); with more than 1 the guide's advantages are group-relative over the hints "
+              "to one attempt, and a policy group is all revisions to one question"),
     Flag("--prompt-data", TASK,
          help="jsonl of {prompt, answer} records (megalite.rlhf.math_task's file or your own) to draw the prompts "
               "from instead of a+b, scored against the answers (megalite.rlhf.prompt_data); with a completion in "

@@ -146,6 +146,7 @@ class Rollouts:
             rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
+        envs = rollout.metadata.pop("environments")  # one per row: a guide's several hints branch episodes
         if guide is not None:
             rollout.metadata["episodes"] = envs
         return rollout
