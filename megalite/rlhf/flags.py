@@ -61,7 +61,8 @@ RL_FLAGS = FlagTable((
     Flag("--partial-rollout-tokens", ALGO, type=int,
          help="partial rollouts: generate in rounds of at most this many tokens per row; a batch is the first groups "
               "to finish, unfinished rows continue under the next weights, each token keeping its behaviour "
-              "log-prob (groups older than --max-staleness are dropped); None: whole generations"),
+              "log-prob (groups older than --max-staleness are dropped; --environment episodes pause mid-action); "
+              "None: whole generations"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
          help="bound C on the importance weight pi_old / pi_behaviour between the trainer's old log-probs and the "
               "engine's (stale rollouts, or --recompute-old-log-probs); None: no correction"),

@@ -6,7 +6,8 @@ also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
-instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``).  With ``--rollout-world-size`` the rollouts are
+instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``; environment episodes
+too, paused mid-action).  With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -27,7 +28,7 @@ from megalite.rlhf.env_tasks import make_environment
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
-from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
@@ -118,7 +119,10 @@ class Rollouts:
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
         self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting
-        if args.partial_rollout_tokens:
+        if args.partial_rollout_tokens and args.environment:
+            self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
+                                           lambda: make_environment(args), args.n_samples_per_prompt)
+        elif args.partial_rollout_tokens:
             self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
                                            args.n_samples_per_prompt)
 
@@ -134,8 +138,7 @@ class Rollouts:
         """One round of ``--environment`` episodes of this DP rank: ``--n-samples-per-prompt`` episodes per task
         (equal seeds), rewarded by the environment."""
         args = self.args
-        seeds = [s for s in (self.rng.randrange(2 ** 31) for _ in range(args.prompts_per_rank))
-                 for _ in range(args.n_samples_per_prompt)]
+        seeds = self._seeds()
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
         guide = None
         if self.guide is not None:  # the guide samples its hints from a stream of its own
@@ -151,6 +154,11 @@ class Rollouts:
             rollout.metadata["episodes"] = envs
         return rollout
 
+    def _seeds(self) -> list[int]:
+        """A batch of ``--environment`` tasks of this DP rank: ``--n-samples-per-prompt`` equal seeds per task."""
+        return [s for s in (self.rng.randrange(2 ** 31) for _ in range(self.args.prompts_per_rank))
+                for _ in range(self.args.n_samples_per_prompt)]
+
     def _continue(self, iteration: int, attempt: int, groups: int) -> Rollout:
         """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
         (adding a batch of new prompts whenever fewer rows than a batch are in flight) until ``groups`` groups
@@ -165,13 +173,14 @@ class Rollouts:
             if rollout is not None:
                 return rollout
             if len(self.partial) < need * n:
-                self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
+                self.partial.add(self._seeds() if args.environment else
+                                 [TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
             self.partial.round(self.version, generator, self.device)
 
     def _sample(self, iteration: int, attempt: int, groups: int | None = None) -> Rollout:
         """One generation round of this DP rank, generated here or received from its rollout rank; partial
         rollouts finish ``groups`` groups (default: a batch), the others a whole batch."""
-        if self.args.environment:
+        if self.args.environment and self.partial is None:
             return self._play(iteration)
         with self.placement.phase("generation"):
             if self.partial is not None:
@@ -184,6 +193,8 @@ class Rollouts:
                 for t in tensors:
                     dist.recv(t, src=self.rollout_source)
                 rollout = Rollout.from_wire([t.to(self.device) for t in tensors], self.args.prompt_width)
+        if self.args.environment:  # partial episodes, rewarded by their environments
+            return rollout
         decode(rollout)
         if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):

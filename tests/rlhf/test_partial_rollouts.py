@@ -9,17 +9,20 @@ import torch
 
 from megalite import topology
 from megalite.models import GPTModel
+from megalite.data.tokenizer import ByteTokenizer
 from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.env_tasks import CalculatorEnvironment
+from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig
 from megalite.rlhf.objectives import PPOActorObjective
-from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args, validate
 from megalite.rlhf.trainer_models import build
 from megalite.rlhf.update import rl_update
 from megalite.testing import run_distributed
-from tests.rlhf.common import VOCAB, config
+from tests.rlhf.common import VOCAB, config, scripted_output
 
 SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=VOCAB - 1, pad_id=0, temperature=1.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -200,9 +203,82 @@ def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
 
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "no --environment, --rollout-world-size"),
+    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "no --environment guidance"),
+    (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32"],
+     r"no --environment guidance \(its guide samples inside a step\)"),
 ])
 def test_partial_rollouts_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         validate(parse_args(["--tensor-model-parallel-size", "1", "--global-batch-size", "2",
                              "--n-samples-per-prompt", "2", "--micro-batch-size", "4"] + extra), 1)
+
+
+TOK = ByteTokenizer()
+
+
+def _calculator_script(weights: dict):
+    """A sampler that plays the calculator task with the tool, continuing whatever part of its action a row
+    holds: first "<calc>a*b</calc>", then the result it read; each token's log-prob is -(version + 1) / 10 for
+    the ``weights["version"]`` it is sampled under."""
+    def sample(prompts, prompt_mask, sampling, generator):
+        actions = []
+        for row in prompts.tolist():
+            text = TOK.detokenize(row)
+            if "</result>" in text:
+                done, target = text.rsplit("</result>", 1)[1], text.split("<result>")[1].split("</result>")[0]
+            else:
+                done, target = text.split("=", 1)[1], f"<calc>{text.split('=')[0]}</calc>"
+            ids = TOK.tokenize(target) + [TOK.eod]
+            assert TOK.tokenize(done) == ids[:len(TOK.tokenize(done))]  # the action so far is the script's
+            actions.append(ids[len(TOK.tokenize(done)):][:sampling.max_new_tokens])
+        return scripted_output(prompts, prompt_mask, actions, sampling.pad_id, -(weights["version"] + 1) / 10)
+    return sample
+
+
+def _calculator_rounds(partial, weights, rounds, start=0):
+    """``rounds`` rounds from version ``start`` (one weight update each): the groups that finished."""
+    finished = []
+    for version in range(start, start + rounds):
+        weights["version"] = version
+        rollout = partial.advance(version)
+        finished += [] if rollout is None else [rollout]
+    return finished
+
+
+def test_calculator_episodes_paused_mid_action_continue_after_weight_updates():
+    """Environment episodes under partial rollouts: actions of up to 2 tokens per round, so the tool call
+    "<calc>a*b</calc>" spans nine rounds (nine weight versions); the tool's observation keeps loss mask 0 and
+    version -1, every sampled token keeps its version's log-prob, the trained tokens are exactly the sampled ones,
+    and a state saved in the middle of the answer after the tool call (JSON) resumes, the tool call replayed into a
+    fresh environment, to the same batches."""
+    weights = {"version": 0}
+    sampling = SamplingConfig(max_new_tokens=20, eos_id=TOK.eod, pad_id=TOK.pad)
+
+    def make():
+        return PartialEpisodes(_calculator_script(weights), sampling, 2, EpisodeLimits(max_turns=3,
+                                                                                        max_total_tokens=48),
+                               lambda: CalculatorEnvironment(TOK, max_operand=9), group_size=2)
+    partial = make()
+    partial.add([5, 5, 7, 7])
+    first = _calculator_rounds(partial, weights, 10)
+    saved = json.loads(json.dumps(partial.state()))
+    assert not first and any(row["spans"] and row["turn_start"] is not None for row in saved["rows"])
+    rest = _calculator_rounds(partial, weights, 10, start=10)
+    resumed = make()
+    resumed.load_state(saved)
+    assert [r.input_ids.tolist() for r in _calculator_rounds(resumed, weights, 10, start=10)] == \
+        [r.input_ids.tolist() for r in rest]
+    assert sum(len(r) for r in rest) == 4 and len(partial) == 0
+    for rollout in rest:
+        assert rollout.rewards.tolist() == [1.0] * len(rollout) and rollout.metadata["turns"] == [2] * len(rollout)
+        mask, versions = rollout.response_mask, rollout.token_versions
+        assert bool((versions[mask == 0] == -1).all()) and bool((versions[mask > 0] >= 0).all())
+        torch.testing.assert_close(rollout.behaviour_log_probs, -(versions + 1) / 10 * mask, rtol=0, atol=1e-7)
+        assert rollout.version == int(versions[mask > 0].min())
+        for row, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
+            product = eval(prompt[:-1])
+            assert response == f"<calc>{prompt[:-1]}</calc><result>{product}</result>{product}"
+            (s0, e0), (s1, e1) = rollout.turn_spans[row]
+            assert len(set(versions[row, s0 - 1:e0 - 1].tolist())) == 9  # the tool call spans nine versions
+            assert bool((mask[row, e0 - 1:s1 - 1] == 0).all()) and TOK.detokenize(
+                rollout.input_ids[row, e0:s1]) == f"<result>{product}</result>"
