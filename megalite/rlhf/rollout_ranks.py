@@ -47,14 +47,15 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
     pending = []
     for iteration in range(1, args.train_iters + 1):
         if iteration > args.max_staleness + 1:
-            sync.sync()
-            for work, _ in pending:
+            sync.sync()  # the trainers' sync after update i - 1 - S, which they join having received up to it
+            received = iteration - 1 - args.max_staleness  # later sends wait: waiting on them could deadlock
+            for _, work, _ in (p for p in pending if p[0] <= received):
                 work.wait()
-            pending = []
+            pending = [p for p in pending if p[0] > received]
         for shard in shards:
             tensors = sample_shard(sample, args, sampling, rngs[shard], iteration, 0, shard, device).wire_tensors()
             if tp_rank == 0:
                 for dst in (r for r, d in enumerate(trainer_dp) if d == shard):
-                    pending += [(dist.isend(t, dst), t) for t in tensors]
-    for work, _ in pending:
+                    pending += [(iteration, dist.isend(t, dst), t) for t in tensors]
+    for _, work, _ in pending:
         work.wait()
