@@ -106,6 +106,19 @@ class PartialRollouts:
         batch, self.finished = self.finished[:groups * g], self.finished[groups * g:]
         return self.rollout(batch, device)
 
+    def next_batch(self, groups: int, new_rows, batch_rows: int, version: int, generator: torch.Generator | None,
+                   max_staleness: int, trained_at: int | None = None, device="cpu") -> Rollout:
+        """Rounds with policy ``version`` (adding ``new_rows()`` whenever fewer than ``batch_rows`` rows are in
+        flight) until ``groups`` groups have finished: the first ones, as a Rollout (:meth:`take`; groups stale
+        against ``trained_at``, the version that will train on them, default ``version``, are dropped)."""
+        while True:
+            rollout = self.take(groups, version if trained_at is None else trained_at, max_staleness, device)
+            if rollout is not None:
+                return rollout
+            if len(self) < batch_rows:
+                self.add(new_rows())
+            self.round(version, generator, device)
+
     def round(self, version: int, generator: torch.Generator | None = None, device="cpu") -> None:
         """One round: every unfinished row samples up to ``chunk_tokens`` more tokens with the current weights
         (policy ``version``; one ``sample`` call per remaining budget); the groups whose rows have all ended join

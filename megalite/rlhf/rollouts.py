@@ -51,6 +51,12 @@ def draw_prompts(args, rng: random.Random) -> list[str]:
     return [problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)]
 
 
+def prompt_rows(args, rng: random.Random) -> list[list[int]]:
+    """A batch of prompt token rows for partial rollouts: :func:`draw_prompts`, each ``--n-samples-per-prompt``
+    times."""
+    return [TOKENIZER.tokenize(p) for p in draw_prompts(args, rng) for _ in range(args.n_samples_per_prompt)]
+
+
 def sample_shard(sample, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int,
                  device, prompts: list[str] | None = None, n: int | None = None) -> Rollout:
     """One generation round of DP shard ``shard`` with ``sample`` (:func:`rollout_sampler`): prompts (drawn with
@@ -82,10 +88,11 @@ def decode(rollout: Rollout) -> Rollout:
 
 
 def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
-    """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike."""
+    """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike; partial
+    rollouts add their per-token versions."""
     b, width = args.prompts_per_rank * args.n_samples_per_prompt, args.prompt_width + args.max_new_tokens
     return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
-            ((b, width - 1), torch.float32)]
+            ((b, width - 1), torch.float32)] + ([((b, width - 1), torch.long)] if args.partial_rollout_tokens else [])
 
 
 def lookahead(items, depth: int):
@@ -119,7 +126,9 @@ class Rollouts:
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
         self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting
-        if args.partial_rollout_tokens and args.environment:
+        if args.partial_rollout_tokens and self.rollout_source is not None:
+            pass  # the rollout ranks hold the rows in flight (megalite.rlhf.rollout_ranks)
+        elif args.partial_rollout_tokens and args.environment:
             self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
                                            lambda: make_environment(args), args.n_samples_per_prompt)
         elif args.partial_rollout_tokens:
@@ -168,14 +177,11 @@ class Rollouts:
         args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt
                                                              + self.topo.dp.rank)
-        while True:
-            rollout = self.partial.take(groups, self.version, args.max_staleness, self.device)
-            if rollout is not None:
-                return rollout
-            if len(self.partial) < need * n:
-                self.partial.add(self._seeds() if args.environment else
-                                 [TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
-            self.partial.round(self.version, generator, self.device)
+
+        def new_rows():
+            return self._seeds() if args.environment else prompt_rows(args, self.rng)
+        return self.partial.next_batch(groups, new_rows, need * n, self.version, generator, args.max_staleness,
+                                       device=self.device)
 
     def _sample(self, iteration: int, attempt: int, groups: int | None = None) -> Rollout:
         """One generation round of this DP rank, generated here or received from its rollout rank; partial
@@ -192,7 +198,10 @@ class Rollouts:
                 tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
                 for t in tensors:
                     dist.recv(t, src=self.rollout_source)
-                rollout = Rollout.from_wire([t.to(self.device) for t in tensors], self.args.prompt_width)
+                tensors = [t.to(self.device) for t in tensors]
+                rollout = Rollout.from_wire(tensors[:4], self.args.prompt_width)
+                if len(tensors) > 4:  # partial rollouts: each token's version; the batch's is the oldest
+                    rollout.token_versions, rollout.version = tensors[4], int(tensors[4][tensors[4] >= 0].min())
         if self.args.environment:  # partial episodes, rewarded by their environments
             return rollout
         decode(rollout)
@@ -210,7 +219,7 @@ class Rollouts:
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
         rollout.iteration = iteration
-        if self.partial is None:  # a partial rollout's version is its oldest token's
+        if rollout.token_versions is None:  # a partial rollout's version is its oldest token's
             rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
                                                                                      - self.args.max_staleness)
         with self.placement.phase("scoring"):

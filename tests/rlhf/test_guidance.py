@@ -274,7 +274,8 @@ def test_a_run_with_two_hints_per_attempt_trains_both_models(tmp_path):
     trained."""
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
-            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
+            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "2",
+            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
             "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
             "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "4", "--environment", "guidance",
             "--guide-samples-per-attempt", "2", "--tensorboard-dir", "", "--metrics-file", str(metrics)]

@@ -143,6 +143,37 @@ def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_p
     assert all(r["log_prob_gap"] > 0 and r["is_weight_mean"] > 0 for r in records if r["staleness"] > 0)
 
 
+@pytest.mark.slow
+def test_partial_rollouts_on_rollout_ranks_stay_there_across_weight_syncs(tmp_path):
+    """--partial-rollout-tokens with --rollout-world-size: the rollout rank keeps the rows in flight and sends each
+    batch with its per-token versions.  On-policy (--max-staleness 0) the run equals the colocated one; with
+    --max-staleness 2 rows started under older synced weights finish under newer ones (staleness up to 2, the
+    update correcting with each token's behaviour log-prob)."""
+    base = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters",
+            "40", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+            "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "1",
+            "--partial-rollout-tokens", "1", "--tensorboard-dir", "", "--reward-fn",
+            "tests.rlhf.test_example:text_reward"]
+    paths = [tmp_path / "colocated.jsonl", tmp_path / "disaggregated.jsonl", tmp_path / "stale.jsonl"]
+    on_policy = base + ["--train-iters", "3"]
+    assert run_distributed(_train, 1, on_policy + ["--metrics-file", str(paths[0])], timeout=120,
+                           backend="gloo") == [0]
+    assert run_distributed(_train, 2, on_policy + ["--rollout-world-size", "1", "--metrics-file", str(paths[1])],
+                           timeout=120) == [0, 0]
+    colocated, disaggregated = ([json.loads(line) for line in path.read_text().splitlines()] for path in paths[:2])
+    assert len(colocated) == 3 and any(r["policy_loss"] != 0.0 for r in colocated)
+    for a, b in zip(colocated, disaggregated):
+        assert {k: v for k, v in a.items() if not k.startswith(("time_", "samples_per_s"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_", "samples_per_s"))}
+    argv = base + ["--train-iters", "5", "--rollout-world-size", "1", "--max-staleness", "2", "--rollout-is-cap", "2",
+                   "--metrics-file", str(paths[2])]
+    assert run_distributed(_train, 2, argv, timeout=120) == [0, 0]
+    records = [json.loads(line) for line in paths[2].read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 6))
+    assert all(r["staleness"] <= 2 for r in records) and any(r["staleness"] >= 1 for r in records)
+    assert all(r["log_prob_gap"] > 0 for r in records if r["staleness"] > 0)
+
+
 def parity_reward(prompt: str, response: str) -> float:
     """A reward whose two-sample groups are all-equal about half the time (dynamic sampling drops those)."""
     return float(len(response) % 2)
@@ -203,7 +234,7 @@ def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
 
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "no --environment guidance"),
+    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "and no --use-scoring-server"),
     (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32"],
      r"no --environment guidance \(its guide samples inside a step\)"),
 ])

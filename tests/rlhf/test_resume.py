@@ -244,7 +244,8 @@ def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
 
 PARTIAL_CALCULATOR = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1",
                       "--pretrain-iters", "60", "--pretrain-lr", "1e-2", "--global-batch-size", "2",
-                      "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "4",
+                      "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo", "--micro-batch-size", "4",
+                      "--pretrain-global-batch-size", "4",
                       "--ppo-epochs", "1", "--max-new-tokens", "8", "--max-total-tokens", "48", "--environment",
                       "calculator", "--warmup-direct-fraction", "0.5", "--error-reward", "-0.5",
                       "--tensorboard-dir", "", "--partial-rollout-tokens", "2", "--max-staleness", "2",
