@@ -195,7 +195,8 @@ class RLTrainer:
                 else None
             self.scoring_server = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token,
                                                 device=device)
-            self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
+            self.stream = Prefetcher(self.scoring_server, self.rollouts,  # partial rollouts: made in rounds
+                                     0 if args.partial_rollout_tokens else args.max_staleness,
                                      inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
             depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds

@@ -174,6 +174,27 @@ def test_partial_rollouts_on_rollout_ranks_stay_there_across_weight_syncs(tmp_pa
     assert all(r["log_prob_gap"] > 0 for r in records if r["staleness"] > 0)
 
 
+@pytest.mark.slow
+def test_partial_rollouts_scored_on_the_scoring_server_equal_a_local_reward(tmp_path):
+    """--partial-rollout-tokens with --use-scoring-server: each batch of finished groups is scored on the scoring
+    server (no lookahead: the rows are made in rounds), and the run equals the one with a local reward."""
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--train-iters", "4", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+            "4", "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "1",
+            "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2", "--tensorboard-dir", "",
+            "--reward-fn", "tests.rlhf.test_example:text_reward"]
+    paths = [tmp_path / "local.jsonl", tmp_path / "served.jsonl"]
+    assert run_distributed(_train, 1, argv + ["--metrics-file", str(paths[0])], timeout=120) == [0]
+    assert run_distributed(_train, 1, argv + ["--use-scoring-server", "--metrics-file", str(paths[1])],
+                           timeout=120) == [0]
+    local, served = ([json.loads(line) for line in path.read_text().splitlines()] for path in paths)
+    assert len(local) == 4 and any(r["staleness"] > 0 for r in local) and any(r["reward"] > 0 for r in local)
+    for a, b in zip(local, served):
+        assert b["scorer_staleness"] == 0.0
+        assert {k: v for k, v in a.items() if not k.startswith(("time_", "samples_per_s"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "samples_per_s", "scorer_"))}
+
+
 def parity_reward(prompt: str, response: str) -> float:
     """A reward whose two-sample groups are all-equal about half the time (dynamic sampling drops those)."""
     return float(len(response) % 2)
@@ -234,7 +255,6 @@ def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
 
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--use-scoring-server"], "and no --use-scoring-server"),
     (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32"],
      r"no --environment guidance \(its guide samples inside a step\)"),
 ])
