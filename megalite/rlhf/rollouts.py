@@ -125,15 +125,12 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
-        self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting
-        if args.partial_rollout_tokens and self.rollout_source is not None:
-            pass  # the rollout ranks hold the rows in flight (megalite.rlhf.rollout_ranks)
-        elif args.partial_rollout_tokens and args.environment:
+        self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting (on the rollout
+        if args.partial_rollout_tokens and self.rollout_source is None:  # ranks, megalite.rlhf.rollout_ranks)
             self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
-                                           lambda: make_environment(args), args.n_samples_per_prompt)
-        elif args.partial_rollout_tokens:
-            self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
-                                           args.n_samples_per_prompt)
+                                           lambda: make_environment(args), args.n_samples_per_prompt) \
+                if args.environment else PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens,
+                                                         args.prompt_width, args.n_samples_per_prompt)
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
