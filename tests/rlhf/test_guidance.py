@@ -271,7 +271,7 @@ by the placement plan between their phases): the revision's reward ends above th
 @pytest.mark.slow
 def test_a_run_with_two_hints_per_attempt_trains_both_models(tmp_path):
     """--guide-samples-per-attempt 2 through the trainer: twice the rows for both models (one per hint), both
-    trained."""
+    trained, and the throughput counts every revision."""
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
             "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "2",
@@ -283,3 +283,5 @@ def test_a_run_with_two_hints_per_attempt_trains_both_models(tmp_path):
     assert actor_moved > 0 and guide_moved > 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2] and all("guide_policy_loss" in r for r in records)
+    # 2 prompts x 2 attempts x 2 hints: each a revision the policy trains on
+    assert all(r["samples_per_s"] == pytest.approx(8 / r["time_iteration_s"], rel=1e-9) for r in records)
