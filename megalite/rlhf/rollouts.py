@@ -125,8 +125,9 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
-        self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting (on the rollout
-        if args.partial_rollout_tokens and self.rollout_source is None:  # ranks, megalite.rlhf.rollout_ranks)
+        # --partial-rollout-tokens: rows in flight and finished groups waiting (rollout ranks hold their own)
+        self.partial = None
+        if args.partial_rollout_tokens and self.rollout_source is None:
             self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
                                            lambda: make_environment(args), args.n_samples_per_prompt) \
                 if args.environment else PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens,
