@@ -229,20 +229,17 @@ PARTIAL = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-la
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, at", [([], 3), (["--dynamic-sampling"], 2)])
-def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path, extra, at):
+def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
     """``--partial-rollout-tokens``: the save at iteration 3 holds rows still being generated (their tokens, per-token
     behaviour log-probs and versions); the resume continues them, so its batches, staleness and importance weights
-    equal the uninterrupted run's.  With ``--dynamic-sampling`` too (groups filtered once complete)."""
+    equal the uninterrupted run's."""
     from megalite.checkpoint import CheckpointReader
     from megalite.checkpoint.files import iteration_dir
 
-    resumed = _resume_equals_uninterrupted(PARTIAL + extra, tmp_path, 1, also=("staleness", "is_weight_mean",
-                                                                               "kept_group_fraction"), at=at)
+    resumed = _resume_equals_uninterrupted(PARTIAL, tmp_path, 1, also=("staleness", "is_weight_mean"), at=3)
     assert any(r["staleness"] > 0 and r["is_weight_mean"] > 0 for r in resumed.values())
-    saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), at)).rank_state(0)["partial_rollouts"]
-    carried = saved["rows"] if not extra else saved["rows"] + saved["finished"]  # dynamic: a finished group waits
-    assert carried and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in carried)
+    saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 3)).rank_state(0)["partial_rollouts"]
+    assert saved["rows"] and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in saved["rows"])
 
 
 PARTIAL_CALCULATOR = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1",
