@@ -16,6 +16,7 @@ batches (``--environment``).
 from __future__ import annotations
 
 import ast
+import copy
 import operator
 import random
 import re
@@ -144,6 +145,10 @@ class GuidanceEnvironment(Environment):
     (None when the episode ended before a revision: then the attempt stands) and ``guide_turn`` (the guide's
     prompt ids, hint ids and log-probs, None before a hint) describe it.
 
+    With ``hints`` > 1 the guide writes that many hints to the attempt, and the step branches the episode
+    (:attr:`~megalite.rlhf.environment.StepResult.branches`): each hint gets its own copy of this environment and
+    its own revision, as a row of its own right after this one.
+
     ``guide`` may be None for demonstrations only.  In the policy's demonstrations the attempt is right or (half
     of them, drawn with the question) a wrong number, shown but not trained, and the revision copies a right
     hint; in the guide's (:meth:`guide_task`) the hint is the answer, or a wrong number for
@@ -152,10 +157,13 @@ class GuidanceEnvironment(Environment):
     HINT_OPEN, HINT_CLOSE = "<hint>", "</hint>"
 
     def __init__(self, tokenizer, max_operand: int = 9, guide: HintWriter | None = None,
-                 wrong_hint_fraction: float = 0.0):
+                 wrong_hint_fraction: float = 0.0, hints: int = 1):
         super().__init__(tokenizer)
         if not 0.0 <= wrong_hint_fraction <= 1.0:
             raise ValueError(f"wrong_hint_fraction must be in [0, 1], got {wrong_hint_fraction}")
+        if not isinstance(hints, int) or hints < 1:
+            raise ValueError(f"hints must be a positive integer, got {hints!r}")
+        self.hints = hints
         self.task = VerifierEnvironment(tokenizer, lambda rng: _product(rng, max_operand))
         self.max_operand, self.guide, self.wrong_hint_fraction = max_operand, guide, wrong_hint_fraction
         self.attempt_reward, self.revision_reward, self.guide_turn = 0.0, None, None
@@ -197,9 +205,13 @@ class GuidanceEnvironment(Environment):
             raise RuntimeError("GuidanceEnvironment was built without a guide; it can only give demonstrations")
         self.attempt_reward = score
         prompt = self.guide_prompt(action)
-        hint, log_probs = self.guide(prompt)
-        self.guide_turn = (prompt, list(hint), list(log_probs))
-        return StepResult(self.hint_observation(hint))
+        branches = []
+        for _ in range(self.hints):
+            hint, log_probs = self.guide(prompt)
+            branch = copy.copy(self) if branches else self
+            branch.guide_turn = (prompt, list(hint), list(log_probs))
+            branches.append((branch, self.hint_observation(hint)))
+        return StepResult(branches[0][1], branches=branches[1:])
 
     def demonstration(self) -> list[tuple[list[int], bool]]:
         """A right attempt, or a wrong one (shown, not trained); a right hint; the revision copying it."""
@@ -239,11 +251,13 @@ ENVIRONMENTS = {"verifier": VerifierEnvironment, "calculator": CalculatorEnviron
 
 def make_environment(args, guide: HintWriter | None = None) -> Environment:
     """A fresh episode of the trainer's ``--environment`` (``--max-operand``, ``--warmup-direct-fraction``,
-    ``--warmup-wrong-hint-fraction``; ``guide``: the guidance flow's hint writer) on its byte tokenizer."""
+    ``--warmup-wrong-hint-fraction``, ``--guide-samples-per-attempt``; ``guide``: the guidance flow's hint writer)
+    on its byte tokenizer."""
     options = {} if args.warmup_direct_fraction is None else {"direct_fraction": args.warmup_direct_fraction}
     if args.environment == "guidance":
-        options = {"guide": guide} if args.warmup_wrong_hint_fraction is None else \
-            {"guide": guide, "wrong_hint_fraction": args.warmup_wrong_hint_fraction}
+        options = {"guide": guide, "hints": args.guide_samples_per_attempt}
+        if args.warmup_wrong_hint_fraction is not None:
+            options["wrong_hint_fraction"] = args.warmup_wrong_hint_fraction
     return ENVIRONMENTS[args.environment](TOKENIZER, max_operand=args.max_operand, **options)
 
 

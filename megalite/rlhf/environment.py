@@ -39,6 +39,10 @@ class StepResult:
     observation: list[int]
     reward: float = 0.0
     done: bool = False
+    branches: list = field(default_factory=list)
+    """Further continuations of the episode from this turn, as ``(environment, observation)`` pairs: the driver
+    plays each as a row of its own right after this one, sharing the tokens so far (several hints to one attempt,
+    ``megalite.rlhf.env_tasks.GuidanceEnvironment``); each environment holds its branch's state from here on."""
 
 
 class Environment:
@@ -101,40 +105,84 @@ def _checked(result, env: Environment) -> StepResult:
     if not isinstance(result.reward, (int, float)) or isinstance(result.reward, bool):
         raise TypeError(f"{type(env).__name__}.step returned a reward of type {type(result.reward).__name__}, "
                         f"not a number")
+    branches = []
+    for branch in result.branches:
+        if not (isinstance(branch, tuple) and len(branch) == 2 and isinstance(branch[0], Environment)):
+            raise TypeError(f"{type(env).__name__}.step returned a branch that is not an (Environment, observation) "
+                            f"pair: {branch!r:.80}")
+        branches.append((branch[0], _token_ids(branch[1], env, "step's branch observation")))
     return replace(result, observation=_token_ids(result.observation, env, "step's observation"),
-                   reward=float(result.reward), done=bool(result.done))
+                   reward=float(result.reward), done=bool(result.done), branches=branches)
 
 
 @dataclass
-class _Episode:
+class Episode:
+    """One episode being played: its environment, prompt and the tokens after it (actions and observations), with
+    per token whether it is trained (actions), its behaviour log-prob and the policy version that sampled it (-1 on
+    observations); ``spans`` the finished actions' columns, ``turn_rewards`` one per finished action.  While an
+    action is being sampled (partial rollouts pause it between rounds) ``turn_start`` is where it began in
+    ``tokens`` and ``turn_budget`` the tokens it may take; both are None between turns.  ``seed`` reset ``env``."""
+
     env: Environment
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     trained: list[float] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     done: bool = False
     error: str | None = None
+    turn_start: int | None = None
+    turn_budget: int | None = None
+    seed: int = 0
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
 
-    def append(self, ids: list[int], log_probs: list[float] | None) -> None:
-        """Actions (with their behaviour log-probs, trained) or an observation (``None``: not trained)."""
+    def append(self, ids: list[int], log_probs: list[float] | None, version: int = -1) -> None:
+        """Action tokens (with their behaviour log-probs and policy ``version``, trained) or an observation
+        (``None``: not trained)."""
         self.tokens += ids
         self.trained += [1.0 if log_probs is not None else 0.0] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.versions += [version if log_probs is not None else -1] * len(ids)
+
+    def branch(self, env: Environment) -> "Episode":
+        """A copy of this episode so far (between turns) that continues in ``env``."""
+        return Episode(env, list(self.prompt), list(self.tokens), list(self.trained), list(self.log_probs),
+                       list(self.versions), list(self.spans), list(self.turn_rewards), seed=self.seed)
+
+    def observe(self, observation: list[int], done: bool, limits: "EpisodeLimits") -> None:
+        """After a turn's step: the episode ends (``done``, out of turns, or the observation does not fit), or the
+        observation is appended for the next action."""
+        fits = self.length + len(observation) < limits.max_total_tokens
+        self.done = done or len(self.spans) >= limits.max_turns or not fits
+        if not self.done:
+            self.append(observation, None)
 
 
-def _sample_actions(live: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
-                    generator, pad_id: int) -> list[tuple[list[int], list[float]]]:
-    """Each live episode's next action and its log-probs: one batched ``sample`` call per token budget (an episode
-    near ``max_total_tokens`` may sample fewer tokens than ``sampling.max_new_tokens``, and no row may ask for more
-    than it has room for)."""
-    budgets = [min(sampling.max_new_tokens, limits.max_total_tokens - e.length) for e in live]
-    actions: list = [None] * len(live)
+def start_episode(env: Environment, seed: int, limits: EpisodeLimits) -> Episode:
+    """``env.reset(seed)``'s episode, its prompt checked."""
+    episode = Episode(env, _token_ids(env.reset(seed), env, "reset"), seed=seed)
+    if not episode.prompt or len(episode.prompt) >= limits.max_total_tokens:
+        raise ValueError(f"{type(env).__name__}.reset gave a prompt of {len(episode.prompt)} tokens; it needs "
+                         f"between 1 and max_total_tokens - 1 = {limits.max_total_tokens - 1}")
+    return episode
+
+
+def _sample_chunks(live: list[Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
+                   generator, pad_id: int, chunk: int | None, version: int) -> None:
+    """Each live episode's action grows by up to ``chunk`` tokens (None: to its end), sampled with policy
+    ``version``: one batched ``sample`` call per token budget.  A new action may take ``sampling.max_new_tokens``,
+    fewer near ``max_total_tokens`` (no row may ask for more than it has room for)."""
+    for e in live:
+        if e.turn_start is None:
+            e.turn_start, e.turn_budget = len(e.tokens), min(sampling.max_new_tokens,
+                                                             limits.max_total_tokens - e.length)
+    budgets = [e.turn_budget - (len(e.tokens) - e.turn_start) for e in live]
+    budgets = budgets if chunk is None else [min(chunk, b) for b in budgets]
     for budget in sorted(set(budgets), reverse=True):
         index = [i for i, b in enumerate(budgets) if b == budget]
         rows = [live[i].prompt + live[i].tokens for i in index]
@@ -144,19 +192,23 @@ def _sample_actions(live: list[_Episode], sample: Sampler, sampling: SamplingCon
         out = sample(ids, mask, replace(sampling, max_new_tokens=budget), generator)
         for row, i in enumerate(index):
             k = int(out.response_mask[row].sum())
-            actions[i] = (out.tokens[row, width:width + k].tolist(), out.log_probs[row, :k].tolist())
-    return actions
+            live[i].append(out.tokens[row, width:width + k].tolist(), out.log_probs[row, :k].tolist(), version)
 
 
-def _play_turn(episodes: list[_Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
-               generator, pad_id: int) -> None:
-    """One action of every live episode, then each environment's step."""
+def play_round(episodes: list[Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
+               generator=None, chunk: int | None = None, version: int = 0) -> list[Episode]:
+    """Every live episode's action grows by up to ``chunk`` tokens (None: a whole action) with policy ``version``;
+    each action that ended (end-of-document or its budget) goes to its environment's step.  Returns the episodes,
+    each followed by the branches its step opened."""
     live = [e for e in episodes if not e.done]
-    for episode, (action, log_probs) in zip(live, _sample_actions(live, sample, sampling, limits, generator,
-                                                                   pad_id)):
-        start = episode.length
-        episode.append(action, log_probs)
-        episode.spans.append((start, episode.length))
+    _sample_chunks(live, sample, sampling, limits, generator, sampling.pad_id, chunk, version)
+    branches: dict[int, list[Episode]] = {}
+    for episode in live:
+        action = episode.tokens[episode.turn_start:]
+        if action[-1] != sampling.eos_id and len(action) < episode.turn_budget:
+            continue  # paused mid-action: the next round continues it
+        episode.spans.append((len(episode.prompt) + episode.turn_start, episode.length))
+        episode.turn_start = episode.turn_budget = None
         try:
             result = episode.env.step(list(action))
         except Exception as error:  # a failed tool call ends this episode, not the run
@@ -167,33 +219,37 @@ def _play_turn(episodes: list[_Episode], sample: Sampler, sampling: SamplingConf
             continue
         result = _checked(result, episode.env)
         episode.turn_rewards.append(result.reward)
-        fits = episode.length + len(result.observation) < limits.max_total_tokens
-        episode.done = result.done or len(episode.spans) >= limits.max_turns or not fits
-        if not episode.done:
-            episode.append(result.observation, None)
+        branches[id(episode)] = [episode.branch(env) for env, _ in result.branches]
+        for played, (_, observation) in zip([episode] + branches[id(episode)],
+                                            [(episode.env, result.observation)] + result.branches):
+            played.observe(observation, result.done, limits)
+    return [e for episode in episodes for e in [episode] + branches.get(id(episode), [])]
 
 
 def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sampling: SamplingConfig,
                  limits: EpisodeLimits, generator: torch.Generator | None = None,
                  prompt_width: int | None = None, response_width: int | None = None) -> Rollout:
     """Play one episode per environment (``envs[i].reset(seeds[i])``; equal seeds give a GRPO group the same task)
-    to the end and return them as a :class:`Rollout`: each prompt left-padded to ``prompt_width`` (default: the
-    longest), then actions and observations in order, padded after to ``response_width`` columns (default: the
-    longest).  ``prompts``/``responses`` are decoded once, for logs (special ids dropped).  ``turn_spans`` hold
-    the action columns; ``rewards`` each episode's summed turn rewards; metadata
-    ``turn_rewards`` (per row, one per action), ``errors`` (per row, the reason a step raised, else None) and
-    ``turns``."""
+    to the end and return them as a :class:`Rollout` (:func:`episodes_rollout`)."""
     if len(envs) != len(seeds) or not envs:
         raise ValueError(f"run_episodes needs one seed per environment, got {len(envs)} environments and "
                          f"{len(seeds)} seeds")
-    episodes = [_Episode(env, _token_ids(env.reset(seed), env, "reset")) for env, seed in zip(envs, seeds)]
-    for e in episodes:
-        if not e.prompt or len(e.prompt) >= limits.max_total_tokens:
-            raise ValueError(f"{type(e.env).__name__}.reset gave a prompt of {len(e.prompt)} tokens; it needs "
-                             f"between 1 and max_total_tokens - 1 = {limits.max_total_tokens - 1}")
-    pad = sampling.pad_id
+    episodes = [start_episode(env, seed, limits) for env, seed in zip(envs, seeds)]
     while any(not e.done for e in episodes):
-        _play_turn(episodes, sample, sampling, limits, generator, pad)
+        episodes = play_round(episodes, sample, sampling, limits, generator)
+    return episodes_rollout(episodes, sampling.pad_id, prompt_width, response_width)
+
+
+def episodes_rollout(episodes: list[Episode], pad: int, prompt_width: int | None = None,
+                     response_width: int | None = None, token_versions: bool = False) -> Rollout:
+    """Finished episodes as a :class:`Rollout`: each prompt left-padded to ``prompt_width`` (default: the
+    longest), then actions and observations in order, padded after to ``response_width`` columns (default: the
+    longest).  ``prompts``/``responses`` are decoded once, for logs (special ids dropped).  ``turn_spans`` hold
+    the action columns; ``rewards`` each episode's summed turn rewards; metadata
+    ``turn_rewards`` (per row, one per action), ``errors`` (per row, the reason a step raised, else None),
+    ``turns`` and ``environments`` (per row).  A step's branches (:attr:`StepResult.branches`) add rows: each
+    follows the row it branched from.  With ``token_versions`` (partial rollouts) the rollout holds each token's
+    policy version, and its ``version`` is the oldest."""
     p = prompt_width or max(len(e.prompt) for e in episodes)
     n = response_width or max(len(e.tokens) for e in episodes)
     if p < max(len(e.prompt) for e in episodes) or n < max(len(e.tokens) for e in episodes):
@@ -203,6 +259,7 @@ def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sam
     attention = torch.zeros(b, p + n, dtype=torch.long)
     trained = torch.zeros(b, p + n - 1)
     log_probs = torch.zeros(b, p + n - 1)
+    versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
     spans = []
     for i, e in enumerate(episodes):
         start, end = p - len(e.prompt), p + len(e.tokens)
@@ -210,12 +267,15 @@ def run_episodes(envs: list[Environment], seeds: list[int], sample: Sampler, sam
         attention[i, start:end] = 1
         trained[i, p - 1:end - 1] = torch.tensor(e.trained)
         log_probs[i, p - 1:end - 1] = torch.tensor(e.log_probs)
+        versions[i, p - 1:end - 1] = torch.tensor(e.versions, dtype=torch.long)
         shift = p - len(e.prompt)
         spans.append([(s + shift, t + shift) for s, t in e.spans])
     rollout = Rollout(input_ids, attention, trained, log_probs, p, turn_spans=spans,
                       prompts=[e.env.tokenizer.detokenize(e.prompt) for e in episodes],
                       responses=[e.env.tokenizer.detokenize(e.tokens) for e in episodes],
                       rewards=torch.tensor([sum(e.turn_rewards) for e in episodes]))
+    if token_versions:
+        rollout.token_versions, rollout.version = versions, int(versions[versions >= 0].min())
     rollout.metadata.update(turn_rewards=[e.turn_rewards for e in episodes], errors=[e.error for e in episodes],
-                            turns=[len(e.spans) for e in episodes])
+                            turns=[len(e.spans) for e in episodes], environments=[e.env for e in episodes])
     return rollout

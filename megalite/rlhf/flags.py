@@ -61,7 +61,8 @@ RL_FLAGS = FlagTable((
     Flag("--partial-rollout-tokens", ALGO, type=int,
          help="partial rollouts: generate in rounds of at most this many tokens per row; a batch is the first groups "
               "to finish, unfinished rows continue under the next weights, each token keeping its behaviour "
-              "log-prob (groups older than --max-staleness are dropped); None: whole generations"),
+              "log-prob (groups older than --max-staleness are dropped; --environment episodes pause mid-action); "
+              "None: whole generations"),
     Flag("--rollout-is-cap", ALGO, ("PPOConfig.rollout_is_cap",), type=float,
          help="bound C on the importance weight pi_old / pi_behaviour between the trainer's old log-probs and the "
               "engine's (stale rollouts, or --recompute-old-log-probs); None: no correction"),
@@ -136,6 +137,10 @@ RL_FLAGS = FlagTable((
     Flag("--warmup-wrong-hint-fraction", TASK, type=float,
          help="--environment guidance: this fraction of the guide's warm-up hints are wrong numbers (a guide RL has "
               "to teach); None: the environment's default, every hint right"),
+    Flag("--guide-samples-per-attempt", TASK, default=1, type=int,
+         help="--environment guidance: hints the guide writes to each attempt, each followed by its own revision "
+              "(a row of the policy's); with more than 1 the guide's advantages are group-relative over the hints "
+              "to one attempt, and a policy group is all revisions to one question"),
     Flag("--prompt-data", TASK,
          help="jsonl of {prompt, answer} records (megalite.rlhf.math_task's file or your own) to draw the prompts "
               "from instead of a+b, scored against the answers (megalite.rlhf.prompt_data); with a completion in "

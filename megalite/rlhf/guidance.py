@@ -7,11 +7,15 @@ same :func:`~megalite.rlhf.update.rl_update`, with the same algorithm, on its ow
 :class:`~megalite.rlhf.rollout_batch.Rollout`: one row per episode, its prompt (question, attempt, answer) and the
 hint it sampled, with the hint's behaviour log-probs.  Its reward is what the hint did for the policy: the
 revision's reward minus the attempt's (0 when the episode ended before a revision).  Rows keep the episodes'
-order, so a GRPO group of the policy (one question) is a group of the guide too.
+order, so a GRPO group of the policy (one question) is a group of the guide too.  With
+``--guide-samples-per-attempt N`` > 1 each attempt gets N hints, each its own revision (a row of both models): the
+guide's groups are the N hints to one attempt (``args.guide_advantage``), the policy's all revisions to one
+question.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -71,6 +75,7 @@ class Guide:
 
     def __init__(self, backend, reference, args):
         self.backend, self.reference, self.args = backend, reference, args
+        self.update_args = argparse.Namespace(**{**vars(args), "advantage": args.guide_advantage})
         self.sample = rollout_sampler(backend.chunk)
 
     def writer(self, sampling: SamplingConfig, generator: torch.Generator | None) -> HintWriter:
@@ -95,7 +100,7 @@ class Guide:
     def update(self, rollout: Rollout, topo, device, version: int) -> dict:
         """One update of the guide on its rollout (training phase): ``rl_update``'s metrics prefixed ``guide_``
         (``guide_reward`` is the mean improvement), and ``attempt_reward``, the policy's first answers' mean."""
-        metrics = rl_update(rollout, self.args, topo, self.backend, None, device, version)
+        metrics = rl_update(rollout, self.update_args, topo, self.backend, None, device, version)
         attempts = rollout.metadata["attempt_rewards"]
         return {"attempt_reward": dp_mean(sum(attempts) / len(attempts), topo, device),
                 **{f"guide_{key}": value for key, value in metrics.items()

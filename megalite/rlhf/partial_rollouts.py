@@ -14,6 +14,12 @@ each token by its own behaviour log-prob (``--rollout-is-*``).
 Finished groups wait in order until a batch takes them (:meth:`PartialRollouts.take`).  The rows in flight and the
 finished ones (tokens, per-token log-probs and versions) are plain JSON (:meth:`PartialRollouts.state`), which the RL
 checkpoint stores per rank, so a resumed run continues every row where it stopped.
+
+:class:`PartialEpisodes` does the same for multi-turn environment episodes (``megalite.rlhf.environment``): a round
+grows every unfinished action by at most ``chunk_tokens`` tokens, an action that ends goes to its environment's
+step (whose observation tokens keep loss mask 0 and version -1), and an episode paused mid-action continues after
+the weight update.  Its state holds each episode's seed and tokens; a resume rebuilds an episode's environment by
+``reset(seed)`` and replaying its finished actions' steps (environments are deterministic given both).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from megalite.rlhf.environment import Episode, EpisodeLimits, episodes_rollout, play_round, start_episode
 from megalite.rlhf.generation import SamplingConfig
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 
@@ -91,12 +98,26 @@ class PartialRollouts:
         dropping those with a token more than ``max_staleness`` versions older than ``version``."""
         g = self.group_size
         waiting = [self.finished[i:i + g] for i in range(0, len(self.finished), g)]
-        waiting = [group for group in waiting if version - min(min(row.versions) for row in group) <= max_staleness]
+        waiting = [group for group in waiting
+                   if version - min(v for row in group for v in row.versions if v >= 0) <= max_staleness]
         self.finished = [row for group in waiting for row in group]
         if len(waiting) < groups:
             return None
         batch, self.finished = self.finished[:groups * g], self.finished[groups * g:]
         return self.rollout(batch, device)
+
+    def next_batch(self, groups: int, new_rows, batch_rows: int, version: int, generator: torch.Generator | None,
+                   max_staleness: int, trained_at: int | None = None, device="cpu") -> Rollout:
+        """Rounds with policy ``version`` (adding ``new_rows()`` whenever fewer than ``batch_rows`` rows are in
+        flight) until ``groups`` groups have finished: the first ones, as a Rollout (:meth:`take`; groups stale
+        against ``trained_at``, the version that will train on them, default ``version``, are dropped)."""
+        while True:
+            rollout = self.take(groups, version if trained_at is None else trained_at, max_staleness, device)
+            if rollout is not None:
+                return rollout
+            if len(self) < batch_rows:
+                self.add(new_rows())
+            self.round(version, generator, device)
 
     def round(self, version: int, generator: torch.Generator | None = None, device="cpu") -> None:
         """One round: every unfinished row samples up to ``chunk_tokens`` more tokens with the current weights
@@ -117,6 +138,10 @@ class PartialRollouts:
                 row.tokens += out.tokens[r, width:width + k].tolist()
                 row.log_probs += out.log_probs[r, :k].tolist()
                 row.versions += [version] * k
+        self._settle()
+
+    def _settle(self) -> None:
+        """The groups whose rows have all ended join :attr:`finished`, in their order."""
         g = self.group_size
         groups = [self.rows[i:i + g] for i in range(0, len(self.rows), g)]
         self.finished += [row for group in groups if all(map(self._done, group)) for row in group]
@@ -139,3 +164,65 @@ class PartialRollouts:
             versions[i, p - 1:p - 1 + k] = torch.tensor(row.versions)
         return Rollout(input_ids.to(device), attention.to(device), response_mask.to(device), log_probs.to(device), p,
                        token_versions=versions.to(device), version=int(versions[versions >= 0].min()))
+
+
+class PartialEpisodes(PartialRollouts):
+    """Unfinished environment episodes of one rank (rows are :class:`~megalite.rlhf.environment.Episode`):
+    ``make_env()`` makes a fresh environment, :meth:`add` takes seeds (whole groups), ``limits`` bound each
+    episode; ``sampling.max_new_tokens`` is an action's budget and ``chunk_tokens`` what it may gain per round."""
+
+    _FIELDS = ("seed", "prompt", "tokens", "trained", "log_probs", "versions", "spans", "turn_rewards", "done",
+               "error", "turn_start", "turn_budget")
+
+    def __init__(self, sample, sampling: SamplingConfig, chunk_tokens: int, limits: EpisodeLimits, make_env,
+                 group_size: int = 1):
+        super().__init__(sample, sampling, chunk_tokens, limits.max_total_tokens, group_size)
+        self.limits, self.make_env = limits, make_env
+
+    def add(self, seeds: list[int]) -> None:
+        """New episodes (``make_env().reset(seed)`` each; whole groups) after the unfinished ones."""
+        if len(seeds) % self.group_size:
+            raise ValueError(f"{len(seeds)} episodes are not whole groups of {self.group_size}")
+        self.rows += [start_episode(self.make_env(), seed, self.limits) for seed in seeds]
+
+    def _done(self, row: Episode) -> bool:
+        return row.done
+
+    def round(self, version: int, generator: torch.Generator | None = None, device="cpu") -> None:
+        """One round: every unfinished action grows by up to ``chunk_tokens`` tokens with policy ``version``, the
+        ended ones are stepped; the groups whose episodes all ended join :attr:`finished`."""
+        self.rows = play_round(self.rows, self.sample, self.sampling, self.limits, generator, self.chunk_tokens,
+                               version)
+        if len(self.rows) % self.group_size:
+            raise ValueError("an environment branched an episode under partial rollouts, which keep whole groups")
+        self._settle()
+
+    def rollout(self, rows: list[Episode], device="cpu") -> Rollout:
+        rollout = episodes_rollout(rows, self.sampling.pad_id, token_versions=True)
+        rollout.metadata.pop("environments")
+        for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards",
+                     "token_versions"):
+            setattr(rollout, name, getattr(rollout, name).to(device))
+        return rollout
+
+    def state(self) -> dict:
+        """Every episode in flight and finished as JSON: its seed, tokens, per-token flags, log-probs, versions,
+        finished actions' spans and rewards, and the action in progress."""
+        def rows(rows):
+            return [{name: getattr(row, name) for name in self._FIELDS} for row in rows]
+        return {"rows": rows(self.rows), "finished": rows(self.finished)}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state`'s episodes: each environment is reset with its seed and replays its finished
+        actions' steps."""
+        def episode(saved: dict) -> Episode:
+            env = self.make_env()
+            env.reset(saved["seed"])
+            row = Episode(env, **{**saved, "spans": [tuple(span) for span in saved["spans"]]})
+            if not row.done:
+                ids = row.prompt + row.tokens
+                for start, end in row.spans:
+                    env.step(ids[start:end])
+            return row
+        self.rows = [episode(saved) for saved in state["rows"]]
+        self.finished = [episode(saved) for saved in state["finished"]]

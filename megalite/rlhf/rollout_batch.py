@@ -89,12 +89,14 @@ class Rollout:
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """The rows of ``parts`` in order; the scalars and metadata are the first part's."""
+        """The rows of ``parts`` in order; the scalars and metadata are the first part's, but ``version`` is the
+        oldest part's (partial rollouts' parts may be of different versions)."""
         def join(values):
             return torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
         first = parts[0]
-        return replace(first, **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
-                                 if _per_row(getattr(first, f.name))})
+        return replace(first, version=min(p.version for p in parts),
+                       **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
+                          if _per_row(getattr(first, f.name))})
 
 
 def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide
 
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
-instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``).  With ``--rollout-world-size`` the rollouts are
+instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``; environment episodes
+too, paused mid-action).  With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -27,7 +28,7 @@ from megalite.rlhf.env_tasks import make_environment
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
 from megalite.rlhf.flags import RL_FLAGS
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig, engine_supports, generate
-from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
@@ -48,6 +49,12 @@ def draw_prompts(args, rng: random.Random) -> list[str]:
     if args.prompt_set is not None:
         return args.prompt_set.draw(rng, args.prompts_per_rank)
     return [problem(rng, args.max_operand) for _ in range(args.prompts_per_rank)]
+
+
+def prompt_rows(args, rng: random.Random) -> list[list[int]]:
+    """A batch of prompt token rows for partial rollouts: :func:`draw_prompts`, each ``--n-samples-per-prompt``
+    times."""
+    return [TOKENIZER.tokenize(p) for p in draw_prompts(args, rng) for _ in range(args.n_samples_per_prompt)]
 
 
 def sample_shard(sample, args, sampling, rng: random.Random, iteration: int, attempt: int, shard: int,
@@ -81,10 +88,11 @@ def decode(rollout: Rollout) -> Rollout:
 
 
 def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
-    """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike."""
+    """Shapes and dtypes of :func:`sample_shard`'s wire tensors, known to sender and receiver alike; partial
+    rollouts add their per-token versions."""
     b, width = args.prompts_per_rank * args.n_samples_per_prompt, args.prompt_width + args.max_new_tokens
     return [((b, width), torch.long), ((b, width), torch.long), ((b, width - 1), torch.float32),
-            ((b, width - 1), torch.float32)]
+            ((b, width - 1), torch.float32)] + ([((b, width - 1), torch.long)] if args.partial_rollout_tokens else [])
 
 
 def lookahead(items, depth: int):
@@ -117,10 +125,13 @@ class Rollouts:
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
                                        pad_id=TOKENIZER.pad, temperature=args.temperature)
         self.limits = EpisodeLimits(**RL_FLAGS.config_values(args, "EpisodeLimits"))
-        self.partial = None  # --partial-rollout-tokens: rows in flight and finished groups waiting
-        if args.partial_rollout_tokens:
-            self.partial = PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens, args.prompt_width,
-                                           args.n_samples_per_prompt)
+        # --partial-rollout-tokens: rows in flight and finished groups waiting (rollout ranks hold their own)
+        self.partial = None
+        if args.partial_rollout_tokens and self.rollout_source is None:
+            self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
+                                           lambda: make_environment(args), args.n_samples_per_prompt) \
+                if args.environment else PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens,
+                                                         args.prompt_width, args.n_samples_per_prompt)
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
@@ -134,8 +145,7 @@ class Rollouts:
         """One round of ``--environment`` episodes of this DP rank: ``--n-samples-per-prompt`` episodes per task
         (equal seeds), rewarded by the environment."""
         args = self.args
-        seeds = [s for s in (self.rng.randrange(2 ** 31) for _ in range(args.prompts_per_rank))
-                 for _ in range(args.n_samples_per_prompt)]
+        seeds = self._seeds()
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
         guide = None
         if self.guide is not None:  # the guide samples its hints from a stream of its own
@@ -146,32 +156,39 @@ class Rollouts:
             rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
+        envs = rollout.metadata.pop("environments")  # one per row: a guide's several hints branch episodes
         if guide is not None:
             rollout.metadata["episodes"] = envs
         return rollout
 
-    def _continue(self, iteration: int) -> Rollout:
-        """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
-        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until a batch of groups
-        has finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
-        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped."""
-        args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
-        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + self.topo.dp.rank)
-        while True:
-            rollout = self.partial.take(need, self.version, args.max_staleness, self.device)
-            if rollout is not None:
-                return rollout
-            if len(self.partial) < need * n:
-                self.partial.add([TOKENIZER.tokenize(p) for p in draw_prompts(args, self.rng) for _ in range(n)])
-            self.partial.round(self.version, generator, self.device)
+    def _seeds(self) -> list[int]:
+        """A batch of ``--environment`` tasks of this DP rank: ``--n-samples-per-prompt`` equal seeds per task."""
+        return [s for s in (self.rng.randrange(2 ** 31) for _ in range(self.args.prompts_per_rank))
+                for _ in range(self.args.n_samples_per_prompt)]
 
-    def _sample(self, iteration: int, attempt: int) -> Rollout:
-        """One generation round of this DP rank, generated here or received from its rollout rank."""
-        if self.args.environment:
+    def _continue(self, iteration: int, attempt: int, groups: int) -> Rollout:
+        """Partial rollouts: rounds of at most ``--partial-rollout-tokens`` tokens per row with the current weights
+        (adding a batch of new prompts whenever fewer rows than a batch are in flight) until ``groups`` groups
+        have finished; the first finished groups make the batch, the rest wait, unfinished rows continue under the
+        next weights.  Groups with a token more than ``--max-staleness`` updates old are dropped.  ``attempt``
+        (dynamic sampling's refill round) picks the sampling stream."""
+        args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
+        generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt
+                                                             + self.topo.dp.rank)
+
+        def new_rows():
+            return self._seeds() if args.environment else prompt_rows(args, self.rng)
+        return self.partial.next_batch(groups, new_rows, need * n, self.version, generator, args.max_staleness,
+                                       device=self.device)
+
+    def _sample(self, iteration: int, attempt: int, groups: int | None = None) -> Rollout:
+        """One generation round of this DP rank, generated here or received from its rollout rank; partial
+        rollouts finish ``groups`` groups (default: a batch), the others a whole batch."""
+        if self.args.environment and self.partial is None:
             return self._play(iteration)
         with self.placement.phase("generation"):
             if self.partial is not None:
-                rollout = self._continue(iteration)
+                rollout = self._continue(iteration, attempt, groups or self.args.prompts_per_rank)
             elif self.rollout_source is None:
                 rollout = sample_shard(self.sample, self.args, self.sampling, self.rng, iteration, attempt,
                                        self.topo.dp.rank, self.device)
@@ -179,7 +196,12 @@ class Rollouts:
                 tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shard_shapes(self.args)]
                 for t in tensors:
                     dist.recv(t, src=self.rollout_source)
-                rollout = Rollout.from_wire([t.to(self.device) for t in tensors], self.args.prompt_width)
+                tensors = [t.to(self.device) for t in tensors]
+                rollout = Rollout.from_wire(tensors[:4], self.args.prompt_width)
+                if len(tensors) > 4:  # partial rollouts: each token's version; the batch's is the oldest
+                    rollout.token_versions, rollout.version = tensors[4], int(tensors[4][tensors[4] >= 0].min())
+        if self.args.environment:  # partial episodes, rewarded by their environments
+            return rollout
         decode(rollout)
         if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):
@@ -195,7 +217,7 @@ class Rollouts:
         generate_s = time.monotonic() - start
         micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
         rollout.iteration = iteration
-        if self.partial is None:  # a partial rollout's version is its oldest token's
+        if rollout.token_versions is None:  # a partial rollout's version is its oldest token's
             rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
                                                                                      - self.args.max_staleness)
         with self.placement.phase("scoring"):
@@ -212,7 +234,9 @@ class Rollouts:
 
     def _refill(self, first: Rollout, iteration: int) -> tuple[Rollout, float]:
         """DAPO dynamic sampling: keep groups whose shaped rewards vary; generate more rounds until the batch
-        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups."""
+        is full or ``--max-num-gen-batches`` rounds ran, then fill up with dropped groups.  Partial rollouts filter
+        groups once complete and ask each later round for only the groups still missing, so no kept group is
+        thrown away and the rows in flight carry over to the next iteration."""
         n, need = self.args.n_samples_per_prompt, self.args.prompts_per_rank
         kept, dropped = [], []
         rollout, attempt = first, 0
@@ -223,6 +247,6 @@ class Rollouts:
             attempt += 1
             if len(kept) >= need or attempt >= self.args.max_num_gen_batches:
                 break
-            rollout = self._sample(iteration, attempt)
+            rollout = self._sample(iteration, attempt, need - len(kept))
         fraction = min(len(kept), need) / need
         return Rollout.concat((kept + dropped)[:need]), fraction

@@ -195,7 +195,8 @@ class RLTrainer:
                 else None
             self.scoring_server = ScoringServer(serve, owner=args.scoring_server_rank, per_token=per_token,
                                                 device=device)
-            self.stream = Prefetcher(self.scoring_server, self.rollouts, args.max_staleness,
+            self.stream = Prefetcher(self.scoring_server, self.rollouts,  # partial rollouts: made in rounds
+                                     0 if args.partial_rollout_tokens else args.max_staleness,
                                      inputs_of=lambda r: (r.input_ids, r.attention_mask))
         else:
             depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds
@@ -236,7 +237,8 @@ class RLTrainer:
                                sync_bytes_sent=float(self.sync.bytes_sent - sent))
             metrics["time_iteration_s"], last = time.monotonic() - last, time.monotonic()
             metrics["time_iteration_cpu_s"], last_cpu = time.process_time() - last_cpu, time.process_time()
-            metrics["samples_per_s"] = args.global_batch_size * args.n_samples_per_prompt / metrics["time_iteration_s"]
+            metrics["samples_per_s"] = (args.global_batch_size * args.n_samples_per_prompt
+                                        * args.guide_samples_per_attempt / metrics["time_iteration_s"])
             logger.log(rollout.iteration, metrics)
             if topo.global_rank == 0:
                 print(iteration_line(rollout.iteration, args.train_iters, metrics), flush=True)

@@ -9,6 +9,7 @@ default.  :func:`validate` checks every size and combination and fills the deriv
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from megalite.flags import ArgumentParser
 from megalite.lora.state import check_model
@@ -88,22 +89,25 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                              f"data-parallel size {args.dp}")
     args.prompts_per_rank = args.global_batch_size // args.dp
     args.pretrain_batch_per_rank = args.pretrain_global_batch_size // args.dp
-    rows = args.prompts_per_rank * args.n_samples_per_prompt
+    hints = args.guide_samples_per_attempt
+    if hints < 1 or (hints > 1 and args.environment != "guidance"):
+        raise ValueError(f"--guide-samples-per-attempt {hints} needs a positive number and, above 1, --environment "
+                         f"guidance")
+    rows = args.prompts_per_rank * args.n_samples_per_prompt * hints
     if rows % args.micro_batch_size:
         raise ValueError(f"{rows} sequences per DP rank ({args.prompts_per_rank} prompts x "
-                         f"{args.n_samples_per_prompt} samples) are not divisible by --micro-batch-size "
-                         f"{args.micro_batch_size}")
+                         f"{args.n_samples_per_prompt} samples" + (f" x {hints} hints" if hints > 1 else "")
+                         + f") are not divisible by --micro-batch-size {args.micro_batch_size}")
     if args.micro_batch_tokens is not None and (args.micro_batch_tokens < 1 or args.pipeline_model_parallel_size > 1):
         raise ValueError(f"--micro-batch-tokens {args.micro_batch_tokens} needs a positive budget and "
                          f"--pipeline-model-parallel-size 1")
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (
-            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment or rollout
-            or args.use_scoring_server or args.dynamic_sampling):
+            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment == "guidance"):
         raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
-                         f"--max-new-tokens {args.max_new_tokens} and a colocated run of the built-in rollouts: no "
-                         f"--environment, --rollout-world-size, --use-scoring-server or --dynamic-sampling")
+                         f"--max-new-tokens {args.max_new_tokens} and no --environment guidance (its guide samples "
+                         f"inside a step)")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):
@@ -164,6 +168,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         check_model(args.lora, actor_config(args))
     args.offload = OffloadConfig(**RL_FLAGS.config_values(args, "OffloadConfig"))
     args.advantage = AdvantageConfig(**RL_FLAGS.config_values(args, "AdvantageConfig"))
+    args.guide_advantage = args.advantage  # the guidance flow's guide: with several hints, a group is one attempt's
+    if hints > 1:
+        args.guide_advantage = replace(args.advantage, group_size=hints)
+        args.advantage = replace(args.advantage, group_size=args.n_samples_per_prompt * hints)
     args.ppo = PPOConfig(**RL_FLAGS.config_values(args, "PPOConfig"))
     if args.reward_model:
         check_reward_model(args.reward_model, TOKENIZER.vocab_size)

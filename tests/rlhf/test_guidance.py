@@ -11,6 +11,7 @@ import torch
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.models import GPTModel
 from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.advantages import compute_advantages
 from megalite.rlhf.env_tasks import GuidanceEnvironment, longest_demonstration, warmup_batch
 from megalite.rlhf.environment import EpisodeLimits, run_episodes
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig
@@ -156,10 +157,79 @@ RUN = ["--tensor-model-parallel-size", "1", "--hidden-size", "64", "--num-layers
     (["--warmup-wrong-hint-fraction", "2"], r"wrong_hint_fraction must be in \[0, 1\], got 2.0"),
     (["--max-total-tokens", "20"], "--environment guidance warm-up demonstrations up to --max-operand 9 take 25 "
                                    "tokens, more than --max-total-tokens 20"),
+    (["--guide-samples-per-attempt", "0"], "--guide-samples-per-attempt 0 needs a positive number"),
+    (["--guide-samples-per-attempt", "3", "--micro-batch-size", "64"],
+     r"96 sequences per DP rank \(4 prompts x 8 samples x 3 hints\) are not divisible by --micro-batch-size 64"),
 ])
 def test_guidance_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         validate(parse_args(RUN + extra), 1)
+    with pytest.raises(ValueError, match="--guide-samples-per-attempt 2 needs a positive number and, above 1, "
+                                         "--environment guidance"):
+        validate(parse_args(RUN[:-4] + ["--guide-samples-per-attempt", "2"]), 1)
+
+
+def test_several_hints_per_attempt_branch_the_episode_and_group_the_guide_by_attempt():
+    """--guide-samples-per-attempt 2: each attempt gets two hints (right, then wrong), each followed by its own
+    revision as a row of its own after the attempt's first; the guide's reward per hint is its revision's
+    improvement, its GRPO advantage is relative to the other hint to the same attempt, and the policy's group is
+    every revision to one question (two attempts x two hints): all equal to a computation by hand."""
+    args = parse_args(RUN + ["--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size", "4",
+                             "--guide-samples-per-attempt", "2"])
+    validate(args, 1)
+    seeds = [3, 3, 4, 4]  # two questions, two attempts each
+    envs = [GuidanceEnvironment(TOK, max_operand=9, hints=2) for _ in seeds]
+    questions = [TOK.detokenize(env.reset(seed)) for env, seed in zip(envs, seeds)]
+    answers = [str(eval(q[:-1])) for q in questions]
+    attempts = {questions[0]: answers[0], questions[2]: str(int(answers[2]) + 1)}  # right, wrong
+    calls = []
+
+    def guide(prompt):
+        question = TOK.detokenize(prompt).split("=")[0]
+        answer = str(eval(question))
+        ids = TOK.tokenize(answer if len(calls) % 2 == 0 else str(int(answer) + 2)) + [TOK.eod]
+        calls.append(ids)
+        return ids, [-0.5 - 0.1 * len(calls)] * len(ids)
+
+    for env in envs:
+        env.guide = guide
+    rollout = run_episodes(envs, seeds, policy_script(attempts), SAMPLING, EpisodeLimits(max_turns=4,
+                                                                                       max_total_tokens=40))
+    rows = rollout.metadata["environments"]
+    assert len(rollout) == 8 and len(calls) == 8 and rows[0::2] == envs and rollout.metadata["turns"] == [2] * 8
+    hints = [TOK.detokenize(ids[:-1]) for ids in calls]
+    for row in range(8):
+        attempt = attempts[questions[row // 2]]
+        assert rollout.responses[row] == f"{attempt}<hint>{hints[row]}</hint>{hints[row]}"
+        (s0, e0), (s1, _) = rollout.turn_spans[row]
+        assert bool((rollout.response_mask[row, s0 - 1:e0 - 1] == 1).all())  # the shared attempt is trained in both
+        assert bool((rollout.response_mask[row, e0 - 1:s1 - 1] == 0).all())
+    policy_rewards = [1.0, 0.0] * 4  # each revision copies its hint: right, wrong
+    assert rollout.rewards.tolist() == policy_rewards
+    guided = guide_rollout(rows, TOK.pad)
+    improvements = [0.0, -1.0, 0.0, -1.0, 1.0, 0.0, 1.0, 0.0]  # attempts right (question 1), wrong (question 2)
+    assert guided.rewards.tolist() == improvements
+    assert [TOK.detokenize(ids[:-1]) for ids in [rows[i].guide_turn[1] for i in range(8)]] == hints
+    assert [rows[i].guide_turn[2][0] for i in range(8)] == pytest.approx([-0.5 - 0.1 * k for k in range(1, 9)])
+
+    def by_hand(scores, group):
+        out = []
+        for start in range(0, len(scores), group):
+            g = scores[start:start + group]
+            mean = sum(g) / group
+            std = (sum((x - mean) ** 2 for x in g) / (group - 1)) ** 0.5
+            out += [(x - mean) / (std + args.advantage.eps) for x in g]
+        return out
+
+    for config, scored, scores, group in ((args.guide_advantage, guided, improvements, 2),
+                                          (args.advantage, rollout, policy_rewards, 4)):
+        mask = scored.response_mask
+        last = mask * (torch.arange(mask.shape[1]) == (mask * torch.arange(mask.shape[1])).argmax(dim=1,
+                                                                                                    keepdim=True))
+        advantages, _ = compute_advantages(config, last * torch.tensor(scores)[:, None], mask)
+        per_row = [float(a[m > 0][0]) for a, m in zip(advantages, mask)]
+        assert per_row == pytest.approx(by_hand(scores, group), rel=1e-6, abs=1e-7)
+        assert bool(((advantages - torch.tensor(per_row)[:, None]) * mask == 0).all())
 
 
 def _train(argv):
@@ -196,3 +266,22 @@ by the placement plan between their phases): the revision's reward ends above th
     assert mean(last, "reward") > mean(last, "attempt_reward") + 0.05, [(r["reward"], r["attempt_reward"])
                                                                         for r in records]
     assert mean(last, "guide_reward") > mean(first, "guide_reward") + 0.05, [r["guide_reward"] for r in records]
+
+
+@pytest.mark.slow
+def test_a_run_with_two_hints_per_attempt_trains_both_models(tmp_path):
+    """--guide-samples-per-attempt 2 through the trainer: twice the rows for both models (one per hint), both
+    trained, and the throughput counts every revision."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "2",
+            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
+            "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
+            "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "4", "--environment", "guidance",
+            "--guide-samples-per-attempt", "2", "--tensorboard-dir", "", "--metrics-file", str(metrics)]
+    [(actor_moved, guide_moved)] = run_distributed(_train, 1, argv, timeout=120)
+    assert actor_moved > 0 and guide_moved > 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2] and all("guide_policy_loss" in r for r in records)
+    # 2 prompts x 2 attempts x 2 hints: each a revision the policy trains on
+    assert all(r["samples_per_s"] == pytest.approx(8 / r["time_iteration_s"], rel=1e-9) for r in records)

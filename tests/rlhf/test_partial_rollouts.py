@@ -9,17 +9,20 @@ import torch
 
 from megalite import topology
 from megalite.models import GPTModel
+from megalite.data.tokenizer import ByteTokenizer
 from megalite.rlhf.actor import sequence_log_probs
+from megalite.rlhf.env_tasks import CalculatorEnvironment
+from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig
 from megalite.rlhf.objectives import PPOActorObjective
-from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.backend import TrainingBackend
 from megalite.rlhf.trainer import RLTrainer
 from megalite.rlhf.trainer_config import parse_args, validate
 from megalite.rlhf.trainer_models import build
 from megalite.rlhf.update import rl_update
 from megalite.testing import run_distributed
-from tests.rlhf.common import VOCAB, config
+from tests.rlhf.common import VOCAB, config, scripted_output
 
 SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=VOCAB - 1, pad_id=0, temperature=1.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -122,10 +125,12 @@ def _train(argv):
     return RLTrainer(parse_args(argv)).train()
 
 
+@pytest.mark.slow
 def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_path):
     """--partial-rollout-tokens 1: rows grow one token per round; a batch is the first groups to finish, the rest
     continue under the next weights, so some batches hold tokens of an older version (staleness > 0, bounded by
-    --max-staleness), whose per-token behaviour log-probs the update corrects with (log_prob_gap, TIS weights)."""
+    --max-staleness), whose per-token behaviour log-probs the update corrects with (log_prob_gap, TIS weights).
+    With --use-scoring-server each batch is scored there (no lookahead) and the run is the same."""
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
             "--train-iters", "6", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
@@ -137,14 +142,182 @@ def test_rl_trainer_with_partial_rollouts_trains_on_rows_that_span_updates(tmp_p
     assert [r["iteration"] for r in records] == list(range(1, 7))
     assert all(r["staleness"] <= 2 for r in records) and any(r["staleness"] >= 1 for r in records)
     assert all(("log_prob_gap" in r) == (r["staleness"] > 0) for r in records)
+    served = tmp_path / "served.jsonl"
+    assert run_distributed(_train, 1, argv[:-1] + [str(served), "--use-scoring-server"], timeout=120) == [0]
+    assert any(r["reward"] > 0 for r in records)
+    for a, b in zip(records, [json.loads(line) for line in served.read_text().splitlines()], strict=True):
+        assert b["scorer_staleness"] == 0.0
+        assert {k: v for k, v in a.items() if not k.startswith(("time_", "samples_per_s"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "samples_per_s", "scorer_"))}
     assert all(r["log_prob_gap"] > 0 and r["is_weight_mean"] > 0 for r in records if r["staleness"] > 0)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_rollout_ranks_stay_there_across_weight_syncs(tmp_path):
+    """--partial-rollout-tokens with --rollout-world-size: the rollout rank keeps the rows in flight and sends each
+    batch with its per-token versions.  On-policy (--max-staleness 0) the run equals the colocated one; with
+    --max-staleness 2 rows started under older synced weights finish under newer ones (staleness up to 2, the
+    update correcting with each token's behaviour log-prob)."""
+    base = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters",
+            "40", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+            "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--ppo-epochs", "1",
+            "--partial-rollout-tokens", "1", "--tensorboard-dir", "", "--reward-fn",
+            "tests.rlhf.test_example:text_reward"]
+    paths = [tmp_path / "colocated.jsonl", tmp_path / "disaggregated.jsonl", tmp_path / "stale.jsonl"]
+    on_policy = base + ["--train-iters", "2"]
+    assert run_distributed(_train, 1, on_policy + ["--metrics-file", str(paths[0])], timeout=120,
+                           backend="gloo") == [0]
+    assert run_distributed(_train, 2, on_policy + ["--rollout-world-size", "1", "--metrics-file", str(paths[1])],
+                           timeout=120) == [0, 0]
+    colocated, disaggregated = ([json.loads(line) for line in path.read_text().splitlines()] for path in paths[:2])
+    assert len(colocated) == 2 and any(r["policy_loss"] != 0.0 for r in colocated)
+    for a, b in zip(colocated, disaggregated):
+        assert {k: v for k, v in a.items() if not k.startswith(("time_", "samples_per_s"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time_", "sync_", "samples_per_s"))}
+    argv = base + ["--train-iters", "4", "--rollout-world-size", "1", "--max-staleness", "2", "--rollout-is-cap", "2",
+                   "--metrics-file", str(paths[2])]
+    assert run_distributed(_train, 2, argv, timeout=120) == [0, 0]
+    records = [json.loads(line) for line in paths[2].read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 5))
+    assert all(r["staleness"] <= 2 for r in records) and any(r["staleness"] >= 1 for r in records)
+    assert all(r["log_prob_gap"] > 0 for r in records if r["staleness"] > 0)
+
+
+def parity_reward(prompt: str, response: str) -> float:
+    """A reward whose two-sample groups are all-equal about half the time (dynamic sampling drops those)."""
+    return float(len(response) % 2)
+
+
+def _dynamic_batches(argv):
+    """The trainer's rollouts of a partial, dynamically sampled run, with a weight update (in place) after each
+    batch: per batch, the largest gap between each token's behaviour log-prob and its own version's weights'
+    log-prob, whether the version is the oldest token's, the staleness, the kept fraction and whether each group's
+    rewards vary; and the groups that finished against the groups trained."""
+    trainer = RLTrainer(parse_args(argv))
+    trainer._setup()
+    rollouts, module = trainer.rollouts, trainer.actor.chunk.module
+    taken = []
+    take = rollouts.partial.take
+
+    def counted(groups, *rest):
+        batch = take(groups, *rest)
+        taken.append(0 if batch is None else len(batch) // 2)
+        return batch
+    rollouts.partial.take = counted
+    states, batches = {0: {k: v.clone() for k, v in module.state_dict().items()}}, []
+    for rollout in rollouts:
+        versions, mask = rollout.token_versions, rollout.response_mask
+        expected = torch.zeros_like(rollout.behaviour_log_probs)
+        for version in versions[mask > 0].unique().tolist():
+            expected = torch.where(versions == version, _log_probs(module, rollout, states[version]), expected)
+        rewards = rollout.rewards.view(-1, 2)
+        batches.append((float(((rollout.behaviour_log_probs - expected * mask).abs()).max()),
+                        rollout.version == int(versions[mask > 0].min()), rollouts.version - rollout.version,
+                        rollout.metadata["kept_fraction"], (rewards[:, 0] != rewards[:, 1]).tolist(),
+                        len(rollouts.partial)))
+        _perturb(module, rollouts.version + 10)
+        rollouts.version += 1
+        states[rollouts.version] = {k: v.clone() for k, v in module.state_dict().items()}
+    return batches, sum(taken)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
+    """--partial-rollout-tokens with --dynamic-sampling: groups are filtered once complete (all-equal rewards
+    dropped), a refill round asks only for the groups still missing and the rows in flight carry over; every token
+    of a trained batch keeps the log-prob of the weights (version) that sampled it."""
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--train-iters", "5", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+            "4", "--pretrain-global-batch-size", "4", "--advantage-estimator", "grpo", "--partial-rollout-tokens", "1",
+            "--max-staleness", "2", "--dynamic-sampling", "--max-num-gen-batches", "8", "--max-new-tokens", "4",
+            "--reward-fn", "tests.rlhf.test_partial_rollouts:parity_reward"]
+    [(batches, finished)] = run_distributed(_dynamic_batches, 1, argv, timeout=120)
+    assert len(batches) == 5
+    for gap, oldest, staleness, kept, varied, in_flight in batches:
+        assert gap < 1e-5 and oldest and 0 <= staleness <= 2
+        assert varied[:round(kept * 2)] == [True] * round(kept * 2)  # the kept groups lead the batch
+    assert any(staleness > 0 for _, _, staleness, _, _, _ in batches)
+    assert any(in_flight for *_, in_flight in batches)
+    assert finished > 2 * 5  # some finished groups were dropped for all-equal rewards and refilled
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--dynamic-sampling"], "no --environment, --rollout-world-size"),
+    (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32"],
+     r"no --environment guidance \(its guide samples inside a step\)"),
 ])
 def test_partial_rollouts_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         validate(parse_args(["--tensor-model-parallel-size", "1", "--global-batch-size", "2",
                              "--n-samples-per-prompt", "2", "--micro-batch-size", "4"] + extra), 1)
+
+
+TOK = ByteTokenizer()
+
+
+def _calculator_script(weights: dict):
+    """A sampler that plays the calculator task with the tool, continuing whatever part of its action a row
+    holds: first "<calc>a*b</calc>", then the result it read; each token's log-prob is -(version + 1) / 10 for
+    the ``weights["version"]`` it is sampled under."""
+    def sample(prompts, prompt_mask, sampling, generator):
+        actions = []
+        for row in prompts.tolist():
+            text = TOK.detokenize(row)
+            if "</result>" in text:
+                done, target = text.rsplit("</result>", 1)[1], text.split("<result>")[1].split("</result>")[0]
+            else:
+                done, target = text.split("=", 1)[1], f"<calc>{text.split('=')[0]}</calc>"
+            ids = TOK.tokenize(target) + [TOK.eod]
+            assert TOK.tokenize(done) == ids[:len(TOK.tokenize(done))]  # the action so far is the script's
+            actions.append(ids[len(TOK.tokenize(done)):][:sampling.max_new_tokens])
+        return scripted_output(prompts, prompt_mask, actions, sampling.pad_id, -(weights["version"] + 1) / 10)
+    return sample
+
+
+def _calculator_rounds(partial, weights, rounds, start=0):
+    """``rounds`` rounds from version ``start`` (one weight update each): the groups that finished."""
+    finished = []
+    for version in range(start, start + rounds):
+        weights["version"] = version
+        rollout = partial.advance(version)
+        finished += [] if rollout is None else [rollout]
+    return finished
+
+
+def test_calculator_episodes_paused_mid_action_continue_after_weight_updates():
+    """Environment episodes under partial rollouts: actions of up to 2 tokens per round, so the tool call
+    "<calc>a*b</calc>" spans nine rounds (nine weight versions); the tool's observation keeps loss mask 0 and
+    version -1, every sampled token keeps its version's log-prob, the trained tokens are exactly the sampled ones,
+    and a state saved in the middle of the answer after the tool call (JSON) resumes, the tool call replayed into a
+    fresh environment, to the same batches."""
+    weights = {"version": 0}
+    sampling = SamplingConfig(max_new_tokens=20, eos_id=TOK.eod, pad_id=TOK.pad)
+
+    def make():
+        return PartialEpisodes(_calculator_script(weights), sampling, 2, EpisodeLimits(max_turns=3,
+                                                                                        max_total_tokens=48),
+                               lambda: CalculatorEnvironment(TOK, max_operand=9), group_size=2)
+    partial = make()
+    partial.add([5, 5, 7, 7])
+    first = _calculator_rounds(partial, weights, 10)
+    saved = json.loads(json.dumps(partial.state()))
+    assert not first and any(row["spans"] and row["turn_start"] is not None for row in saved["rows"])
+    rest = _calculator_rounds(partial, weights, 10, start=10)
+    resumed = make()
+    resumed.load_state(saved)
+    assert [r.input_ids.tolist() for r in _calculator_rounds(resumed, weights, 10, start=10)] == \
+        [r.input_ids.tolist() for r in rest]
+    assert sum(len(r) for r in rest) == 4 and len(partial) == 0
+    for rollout in rest:
+        assert rollout.rewards.tolist() == [1.0] * len(rollout) and rollout.metadata["turns"] == [2] * len(rollout)
+        mask, versions = rollout.response_mask, rollout.token_versions
+        assert bool((versions[mask == 0] == -1).all()) and bool((versions[mask > 0] >= 0).all())
+        torch.testing.assert_close(rollout.behaviour_log_probs, -(versions + 1) / 10 * mask, rtol=0, atol=1e-7)
+        assert rollout.version == int(versions[mask > 0].min())
+        for row, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
+            product = eval(prompt[:-1])
+            assert response == f"<calc>{prompt[:-1]}</calc><result>{product}</result>{product}"
+            (s0, e0), (s1, e1) = rollout.turn_spans[row]
+            assert len(set(versions[row, s0 - 1:e0 - 1].tolist())) == 9  # the tool call spans nine versions
+            assert bool((mask[row, e0 - 1:s1 - 1] == 0).all()) and TOK.detokenize(
+                rollout.input_ids[row, e0:s1]) == f"<result>{product}</result>"

@@ -8,7 +8,8 @@ error before any collective.
 The modes beside it resume the same way (a run saved at iteration k and resumed in a new run equals the uninterrupted
 run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
 optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
-rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions)."""
+rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions; environment
+episodes paused mid-action too)."""
 
 import json
 import os
@@ -239,6 +240,31 @@ def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
     assert any(r["staleness"] > 0 and r["is_weight_mean"] > 0 for r in resumed.values())
     saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 3)).rank_state(0)["partial_rollouts"]
     assert saved["rows"] and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in saved["rows"])
+
+
+PARTIAL_CALCULATOR = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1",
+                      "--pretrain-iters", "60", "--pretrain-lr", "1e-2", "--global-batch-size", "2",
+                      "--n-samples-per-prompt", "2", "--advantage-estimator", "grpo", "--micro-batch-size", "4",
+                      "--pretrain-global-batch-size", "4",
+                      "--ppo-epochs", "1", "--max-new-tokens", "8", "--max-total-tokens", "48", "--environment",
+                      "calculator", "--warmup-direct-fraction", "0.5", "--error-reward", "-0.5",
+                      "--tensorboard-dir", "", "--partial-rollout-tokens", "2", "--max-staleness", "2",
+                      "--rollout-is-cap", "2"]
+
+
+@pytest.mark.slow
+def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_path):
+    """``--partial-rollout-tokens`` with ``--environment calculator``: the save holds episodes paused mid-action
+    (seed, tokens, per-token log-probs and versions, the action in progress); the resume replays their finished
+    tool calls into fresh environments and continues them, equal to the uninterrupted run."""
+    from megalite.checkpoint import CheckpointReader
+    from megalite.checkpoint.files import iteration_dir
+
+    resumed = _resume_equals_uninterrupted(PARTIAL_CALCULATOR, tmp_path, 1, also=("staleness", "turns"), at=2)
+    assert any(r["staleness"] > 0 for r in resumed.values())
+    saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["partial_rollouts"]
+    assert saved["rows"] and all(len(row["tokens"]) == len(row["log_probs"]) == len(row["versions"])
+                                 for row in saved["rows"])
 
 
 @pytest.mark.parametrize("extra, message", [
