@@ -208,8 +208,10 @@ class SelfAttention(Attention):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # split, not three slices: its backward writes the three gradients into one tensor (a cat), where a
+        # slice's backward zero-fills a whole QKV-sized tensor per slice and autograd then adds the three
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        q, k, v = q.reshape(s, b, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
