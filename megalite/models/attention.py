@@ -213,7 +213,9 @@ class SelfAttention(Attention):
         q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         q, k, v = q.reshape(s, b, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            # k is a strided view into the QKV output: made contiguous it takes the fused norm kernel, not the
+            # reference's several passes (rotary would copy it anyway)
+            q, k = self.q_layernorm(q), self.k_layernorm(k.contiguous())
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary, interleaved=self.rotary_interleaved)
         return self.linear_proj(self.attend(q, k, v, kv_cache, mask, documents))

@@ -1,9 +1,11 @@
-"""The training step's backward allocates no zero-filled copy of the fused QKV output or the padded vocabulary.
+"""What a training step of the GPT should not spend: zero-filled buffers in the backward, reference kernels.
 
-Slicing q/k/v out of the fused QKV projection (or the real rows out of the padded output-layer table) makes
+The backward allocates no zero-filled copy of the fused QKV output or the padded vocabulary: slicing q/k/v out of the fused QKV projection (or the real rows out of the padded output-layer table) makes
 each slice's backward zero-fill a tensor of the whole input's size; on CPU those fills (and the adds that
 sum them) were a visible share of a small model's step.  ``torch.split`` writes the pieces' gradients into
-one tensor instead.  Values are unchanged (the model parity tests cover that); this checks the graph.
+one tensor instead.  The per-head q/k norms both run on the fused kernel (the key, a strided view of the
+QKV output, took the reference's several passes).  Values are unchanged (the model parity tests cover that);
+these check the graph and the kernels called.
 """
 
 from __future__ import annotations
@@ -48,3 +50,26 @@ def test_backward_zero_fills_no_qkv_or_vocab_sized_tensor(kind):
     assert qkv not in fills.shapes
     assert table not in fills.shapes
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _Calls(TorchDispatchMode):
+    """Counts the calls of each op."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_qk_norms_run_on_the_fused_kernel():
+    cfg = config("qwen")
+    model = GPTModel(cfg)
+    tokens, _ = batch(b=2, s=8)
+    with _Calls() as calls:
+        model(tokens)
+    # per layer: input, pre-MLP, query and key norms; then the final norm
+    assert calls.counts.get("rms_norm_fwd") == 4 * cfg.num_layers + 1
