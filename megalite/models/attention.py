@@ -208,10 +208,14 @@ class SelfAttention(Attention):
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # split, not three slices: its backward writes the three gradients into one tensor (a cat), where a
+        # slice's backward zero-fills a whole QKV-sized tensor per slice and autograd then adds the three
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        q, k, v = q.reshape(s, b, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            # k is a strided view into the QKV output: made contiguous it takes the fused norm kernel, not the
+            # reference's several passes (rotary would copy it anyway)
+            q, k = self.q_layernorm(q), self.k_layernorm(k.contiguous())
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary, interleaved=self.rotary_interleaved)
         return self.linear_proj(self.attend(q, k, v, kv_cache, mask, documents))

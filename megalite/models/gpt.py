@@ -266,8 +266,11 @@ class GPTModel(nn.Module):
         """
         layer = self._word_embeddings() if self.output_layer is None else self.output_layer
         weight = layer.weight
-        if self.tp_size == 1:
-            weight = weight[:self.config.vocab_size]
+        padding = weight.shape[0] - self.config.vocab_size
+        if self.tp_size == 1 and padding:
+            # split, not a slice: the gradient of the padding rows is then a small zero block beside the real
+            # rows' (one cat), where a slice's backward zero-fills and copies the whole padded table
+            weight = weight.split([self.config.vocab_size, padding])[0]
         with batch_invariant.mode(self.config.batch_invariant):
             logits = column_parallel_linear(hidden, weight, tp_group=self.tp_group,
                                             sequence_parallel=self.sequence_parallel)
