@@ -74,27 +74,27 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
                 raise ValueError(f"row {r}'s real tokens must be one contiguous run of at least one token")
             spans.append((columns[0], len(columns)))
         tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)])
-        rows.append((tokens, docs))
         offset = trunk
         for c, n in spans:
-            where = [offset - trunk + i if i >= trunk else i for i in range(n)]
+            where = list(range(min(n, trunk))) + list(range(offset, offset + n - trunk))
             index.append([where[0]] * c + where + [where[0]] * (width - c - n))
             offset += n - trunk
+        rows.append((tokens, docs))
     longest = max(len(tokens) for tokens, _ in rows)
     longest = -(-longest // multiple) * multiple
-    packed_ids = torch.full((len(rows), longest), pad_id, dtype=input_ids.dtype)
-    documents = torch.empty(len(rows), longest, dtype=torch.long)
-    fill = torch.zeros(len(rows), longest, dtype=torch.bool)
-    for i, (tokens, docs) in enumerate(rows):
-        packed_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-        documents[i, :len(docs)] = torch.tensor(docs)
-        documents[i, len(docs):] = docs[-1] % BRANCH + 1
-        fill[i, len(docs):] = True
+    packed, documents, fill = [], [], []
+    for tokens, docs in rows:
+        pad = longest - len(tokens)
+        packed.append(tokens + [pad_id] * pad)
+        documents.append(docs + [docs[-1] % BRANCH + 1] * pad)  # the padding is a document of its own
+        fill.append([False] * len(tokens) + [True] * pad)
+    documents = torch.tensor(documents)
     # The padding's positions are 0: a packed row may be longer than the model's position table.
-    positions = reset_position_ids(documents).masked_fill_(fill, 0)
-    flat = torch.tensor(index) + torch.arange(b).div(group, rounding_mode="floor")[:, None] * longest
+    positions = reset_position_ids(documents).masked_fill_(torch.tensor(fill), 0)
+    flat = [[i + r // group * longest for i in row] for r, row in enumerate(index)]
     device = input_ids.device
-    return PackedRows(packed_ids.to(device), positions.to(device), documents.to(device), flat.to(device))
+    return PackedRows(torch.tensor(packed, dtype=input_ids.dtype, device=device), positions.to(device),
+                      documents.to(device), torch.tensor(flat, device=device))
 
 
 def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int | None):
