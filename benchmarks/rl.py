@@ -199,7 +199,8 @@ def trl_run(args, directory: str, hf) -> tuple[list[tuple[float, float]], list[f
     return times, rewards
 
 
-def megalite_run(args, directory: str, checkpoint: str, extra=()) -> tuple[list[tuple[float, float]], list[float]]:
+def megalite_run(args, directory: str, checkpoint: str,
+                 extra=()) -> tuple[list[tuple[float, float]], list[float]]:
     """examples/rlhf_ppo.py, one process, the same settings and initial weights (and ``extra`` flags); (wall, CPU)
     seconds and mean reward of each iteration."""
     records = run_example([*extra, "--tensor-model-parallel-size", "1", "--kl-coef", str(KL_COEF), "--kl-estimator", "k3",

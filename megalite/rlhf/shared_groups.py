@@ -76,7 +76,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
         tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)])
         offset = trunk
         for c, n in spans:
-            where = list(range(min(n, trunk))) + list(range(offset, offset + n - trunk))
+            where = list(range(trunk)) + list(range(offset, offset + n - trunk))  # a row is longer than the trunk
             index.append([where[0]] * c + where + [where[0]] * (width - c - n))
             offset += n - trunk
         rows.append((tokens, docs))
