@@ -7,10 +7,12 @@ script checks that both give the same logits), the same "a+b=" task, group size,
 reward rule, KL coefficient (k3 estimator, the reference model on both sides), fp32 without activation
 recomputation (TRL's defaults bf16 and gradient checkpointing turned off) and one update per iteration:
 examples/rlhf_ppo.py (in a subprocess, ``--load`` of that model) against ``trl.GRPOTrainer`` (HF ``generate`` for
-rollouts), ``--rounds`` times in turns.  Prints samples/s of each side (its best round) per wall second and per
-CPU second of its process (the steadier figure on a loaded machine) and the ratios, then the
-rollout generation alone: megalite's inference engine (the RL path), its static batched decoder and HF
-``generate``.  Needs ``trl`` and ``datasets`` (``pip install trl datasets``; not megalite dependencies).
+rollouts), ``--rounds`` times in turns, with megalite also run with each sample as its own row in the trainer's
+forwards (``--no-shared-prompt-rows``; by default a prompt's samples are one prefix-shared row).  Prints samples/s
+of each side (its best round) per wall second and per CPU second of its process (the steadier figure on a loaded
+machine) and the ratios, then the rollout generation alone: megalite's inference engine (the RL path: a prompt's
+samples one request, its prompt prefilled once), the engine with a request per row, its static batched decoder
+and HF ``generate``.  Needs ``trl`` and ``datasets`` (``pip install trl datasets``; not megalite dependencies).
 
 ``--part placement``: runs examples/rlhf_ppo.py three times on 4 CPU ranks (torch.distributed.run) and prints
 samples/s with the per-iteration time split (generation or waiting for rollouts, log-probs,
@@ -197,16 +199,26 @@ def trl_run(args, directory: str, hf) -> tuple[list[tuple[float, float]], list[f
     return times, rewards
 
 
-def megalite_run(args, directory: str, checkpoint: str) -> tuple[list[tuple[float, float]], list[float]]:
-    """examples/rlhf_ppo.py, one process, the same settings and initial weights; (wall, CPU) seconds and mean
-    reward of each iteration."""
-    records = run_example(["--tensor-model-parallel-size", "1", "--kl-coef", str(KL_COEF), "--kl-estimator", "k3",
+def megalite_run(args, directory: str, checkpoint: str,
+                 extra=()) -> tuple[list[tuple[float, float]], list[float]]:
+    """examples/rlhf_ppo.py, one process, the same settings and initial weights (and ``extra`` flags); (wall, CPU)
+    seconds and mean reward of each iteration."""
+    records = run_example([*extra, "--tensor-model-parallel-size", "1", "--kl-coef", str(KL_COEF), "--kl-estimator", "k3",
                            "--ppo-epochs", "1",
                            "--actor-lr", str(LR), "--load", checkpoint, "--max-new-tokens", str(args.max_new_tokens),
                            "--micro-batch-size", str(args.global_batch_size * args.n_samples_per_prompt),
                            "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
                            "--seed", str(args.seed)], args, directory, procs=1)
     return [(r["time_iteration_s"], r["time_iteration_cpu_s"]) for r in records], [r["reward"] for r in records]
+
+
+UNSHARED = "megalite, unshared rows"
+SIDES = (("megalite", megalite_run),
+         (UNSHARED, lambda args, directory, checkpoint: megalite_run(args, directory, checkpoint,
+                                                                    ["--no-shared-prompt-rows"])),
+         ("trl", trl_run))
+"""--part trl's sides, in turns: megalite (a prompt's samples one prefix-shared row in the trainer's forwards),
+megalite with each sample its own row (``--no-shared-prompt-rows``), TRL."""
 
 
 def compare_with_trl(args) -> None:
@@ -222,40 +234,43 @@ def compare_with_trl(args) -> None:
         generation = rollout_seconds(args, model, hf)
         initial = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
         for _ in range(args.rounds):  # the sides take turns, so a change in the machine's load hits both
-            for name, run in (("megalite", megalite_run), ("trl", trl_run)):
+            for name, run in SIDES:
                 hf.load_state_dict(initial)  # every TRL round starts from the same weights, as megalite's do
-                times, rewards[name] = run(args, directory, checkpoint if name == "megalite" else hf)
+                times, rewards[name] = run(args, directory, hf if name == "trl" else checkpoint)
                 for clock, seconds in zip(("wall", "cpu"), zip(*times[args.warmup:])):
                     rates[clock].setdefault(name, []).append(samples * len(seconds) / sum(seconds))
-    print(f"{'':<10}{'samples/s':>10}{'per CPU s':>10}{'reward, first and last 5 iterations':>38}"
+    print(f"{'':<24}{'samples/s':>10}{'per CPU s':>10}{'reward, first and last 5 iterations':>38}"
           f"   samples/s (wall | CPU) of each round")
     best = {clock: {name: max(values) for name, values in by_name.items()} for clock, by_name in rates.items()}
     for name in best["wall"]:
         first, last = (sum(part) / len(part) for part in (rewards[name][:5], rewards[name][-5:]))
-        print(f"{name:<10}{best['wall'][name]:>10.1f}{best['cpu'][name]:>10.1f}{first:>24.3f}{last:>14.3f}   "
+        print(f"{name:<24}{best['wall'][name]:>10.1f}{best['cpu'][name]:>10.1f}{first:>24.3f}{last:>14.3f}   "
               + " ".join(f"{wall:.1f} | {cpu:.1f}" for wall, cpu in zip(rates["wall"][name], rates["cpu"][name])))
     for clock in ("wall", "cpu"):
         print(f"ratio megalite / trl by {clock} time (best round of each): "
-              f"{best[clock]['megalite'] / best[clock]['trl']:.2f}")
+              f"{best[clock]['megalite'] / best[clock]['trl']:.2f} (unshared rows: "
+              f"{best[clock][UNSHARED] / best[clock]['trl']:.2f})")
     print(f"\nrollout generation alone ({samples} samples, the same prompts; median seconds per call, sides "
           "alternating)")
     for name, seconds in generation.items():
-        print(f"{name:<34}{seconds:>9.4f}")
+        print(f"{name:<36}{seconds:>9.4f}")
 
 
 def rollout_seconds(args, model: GPTModel, hf) -> dict[str, float]:
-    """Median seconds of one rollout generation of the iteration's samples: megalite's RL path (the persistent
-    inference engine), megalite's static batched decoder, and Hugging Face ``generate`` (what TRL calls)."""
+    """Median seconds of one rollout generation of the iteration's samples (``--global-batch-size`` prompts x
+    ``--n-samples-per-prompt``): megalite's RL path (the persistent inference engine, a prompt's samples one
+    request), megalite's static batched decoder, and Hugging Face ``generate`` (what TRL calls)."""
     from megalite.rlhf.generation import RolloutEngine, SamplingConfig, generate
     from megalite.rlhf.rollouts import left_pad
 
     rng = random.Random(args.seed)
-    prompts = [TOKENIZER.tokenize(problem(rng, 9)) for _ in range(args.global_batch_size)
-               for _ in range(args.n_samples_per_prompt)]
+    prompts = [TOKENIZER.tokenize(p) for p in [problem(rng, 9) for _ in range(args.global_batch_size)]
+               for _ in range(args.n_samples_per_prompt)]  # each prompt's samples in consecutive rows, as RL lays out
     ids, mask = left_pad(prompts, TOKENIZER.pad, prompt_width(9))
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad)
-    engine = RolloutEngine(model)
+    engine, per_row = RolloutEngine(model), RolloutEngine(model, share_prompts=False)
     sides = {"megalite inference engine (RL's)": lambda g: engine.generate(ids, mask, sampling, g),
+             "megalite engine, a request per row": lambda g: per_row.generate(ids, mask, sampling, g),
              "megalite static decoder": lambda g: generate(model, ids, mask, sampling, g),
              "HF generate (TRL's)": lambda g: hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                                           max_new_tokens=args.max_new_tokens, top_k=0)}

@@ -106,8 +106,10 @@ class LLMEngine:
         time-limited; a :class:`GrammarError` when it does not compile)."""
         return self.checker.compile_grammar(structured)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Queue a prompt (token ids); returns its :class:`Request` (its grammar compiled here, if any)."""
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    sample_seeds: list[int] | None = None) -> Request:
+        """Queue a prompt (token ids); returns its :class:`Request` (its grammar compiled here, if any).
+        ``sample_seeds``: each sample's generator seed (see :class:`Request`)."""
         prompt = self.check_request(prompt, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else request_id
@@ -115,7 +117,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs is not None else None
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, (), generator=self._seeds))
-        request = Request(request_id, prompt, params, arrival, seed, self.eos_token_ids, self.tokenizer, grammar)
+        request = Request(request_id, prompt, params, arrival, seed, self.eos_token_ids, self.tokenizer, grammar,
+                          sample_seeds)
         request.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request.sequences[0])
@@ -355,8 +358,10 @@ class LLMEngine:
 
     # ---- whole batches ------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Run ``prompts`` to completion on every TP rank (rank 0 drives); outputs in prompt order everywhere."""
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
+                 sample_seeds: list[list[int] | None] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion on every TP rank (rank 0 drives); outputs in prompt order everywhere.
+        ``sample_seeds``: per prompt, its samples' generator seeds or None (:meth:`add_request`)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -373,7 +378,8 @@ class LLMEngine:
             for s in params_list:  # every grammar compiles before any request is queued
                 if s.structured_outputs is not None:
                     self.compile_grammar(s.structured_outputs)
-            requests = [self.add_request(p, s) for p, s in zip(checked, params_list)]
+            requests = [self.add_request(p, s, sample_seeds=seeds) for p, s, seeds in
+                        zip(checked, params_list, sample_seeds or [None] * len(checked))]
             while self.has_unfinished():
                 self.step()
             outputs = [r.output() for r in requests]

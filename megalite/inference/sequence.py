@@ -91,20 +91,30 @@ class Sequence:
                                 stop_reason=self.stop_reason)
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample ``index`` of a request of ``seed``."""
+    return (seed * 1_000_003 + index) % (2 ** 63)
+
+
 class Request:
     """A prompt with its sampling params; its ``best_of`` samples start as one sequence and fork after the prompt.
 
     ``eos_token_ids`` end a sample (unless ``ignore_eos``); ``tokenizer`` (optional) gives each sample its text
     and stop strings; ``grammar`` is ``params.structured_outputs`` compiled (each sample takes its own state).
-    ``error`` is set when the request failed alone (e.g. non-finite logits)."""
+    ``error`` is set when the request failed alone (e.g. non-finite logits).  Sample ``i`` draws from a generator
+    seeded ``sample_seeds[i]`` (default :func:`sample_seed` of ``seed``), so a caller can give the samples of one
+    request the streams of separate requests: the same tokens, the prompt computed once."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int, seed: int,
-                 eos_token_ids=(), tokenizer=None, grammar=None):
+                 eos_token_ids=(), tokenizer=None, grammar=None, sample_seeds: list[int] | None = None):
         self.request_id, self.prompt, self.params, self.arrival = request_id, list(prompt), params, arrival
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer, self.grammar = tokenizer, grammar
-        self.generators = [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2 ** 63))
-                           for i in range(params.best_of)]
+        if sample_seeds is None:
+            sample_seeds = [sample_seed(seed, i) for i in range(params.best_of)]
+        elif len(sample_seeds) != params.best_of:
+            raise ValueError(f"{len(sample_seeds)} sample seeds for best_of={params.best_of} samples")
+        self.generators = [torch.Generator().manual_seed(s) for s in sample_seeds]
         self.prompt_logprobs: dict[int, dict[int, float]] = {}
         self.error: str | None = None
         self.sequences = [Sequence(self, 0, prompt)]

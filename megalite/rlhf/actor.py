@@ -14,6 +14,7 @@ import torch
 from megalite import batch_invariant
 from megalite.distributed.unwrap import unwrap
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
+from megalite.rlhf.shared_groups import forward_rows
 from megalite.tensor_parallel import (gather_from_tensor_parallel_region, vocab_parallel_entropy,
                                       vocab_parallel_log_probs)
 from megalite.topology import resolve_group
@@ -86,13 +87,14 @@ def _iterators(model_chunks, micro_batches):
 
 def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: float = 1.0,
                        chunk_size: int | None = None, with_entropy: bool = False,
-                       pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       pp_group=None, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only log-probs over micro-batches of a pipelined model, on every stage.
 
     ``micro_batches``: dicts with ``input_ids`` and ``attention_mask`` ``[mb, s]``
     (every stage gets the same list).  ``model_chunks`` is this rank's chunk, or
     its list of chunks under an interleaved (vpp > 1) pipeline.  Returns the concatenated ``[B, s-1]``
-    log-probs (and entropy) on every pipeline rank, on the CPU.
+    log-probs (and entropy) on every pipeline rank, on the CPU.  ``group`` > 1: each ``group`` consecutive rows of a
+    micro-batch (a prompt's samples) run as one prefix-shared row (:func:`megalite.rlhf.shared_groups.forward_rows`).
     """
     if not micro_batches:
         raise ValueError("pipeline_log_probs needs at least one micro-batch, got 0")
@@ -100,7 +102,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
     def forward_step(iterator, chunk):
         batch = next(iterator)
-        output = chunk(batch["input_ids"], attention_mask=batch["attention_mask"])
+        output = forward_rows(chunk, batch["input_ids"], batch["attention_mask"], group)
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,

@@ -28,6 +28,9 @@ RL_FLAGS = FlagTable((
          help=f"one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
     Flag("--n-samples-per-prompt", ALGO, ("AdvantageConfig.group_size",), type=int,
          help="responses sampled per prompt (a group)"),
+    Flag("--no-shared-prompt-rows", ALGO, default=False,
+         help="the trainer's forwards (reference, old log-probs, update) run each sample as its own row instead of a "
+              "prompt's samples as one row with the prompt once (megalite.rlhf.shared_groups; the same results)"),
     Flag("--no-norm-adv-by-std", ALGO, ("AdvantageConfig.norm_by_std",), sets=False,
          help="grpo: do not divide by the group's std (Dr. GRPO)"),
     Flag("--gamma", ALGO, ("AdvantageConfig.gamma",), type=float, help="discount"),

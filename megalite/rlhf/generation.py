@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from megalite import batch_invariant, topology
 from megalite.distributed.unwrap import unwrap
 from megalite.inference import EngineConfig, LLMEngine, SamplingParams
+from megalite.inference.sequence import sample_seed
 from megalite.inference.sampler import filter_logits
 from megalite.models import GPTModel
 from megalite.models.kv_cache import KVCache
@@ -202,11 +203,13 @@ class RolloutEngine:
     Prefix caching is off: the weights change between calls, so no cached prefix may outlive one.  The KV pool is
     sized for the largest batch seen and grows (a new engine) only when a call needs more blocks.  Row ``i``
     samples with a seed drawn from ``generator`` (or from the engine's default seed), so rollouts are
-    reproducible and equal those of a fresh engine.
+    reproducible and equal those of a fresh engine.  With ``share_prompts`` consecutive rows of one prompt (a
+    GRPO group) are one request of ``n`` samples: the prompt is prefilled once and its KV blocks are shared by the
+    samples, each sample keeping its row's seed, so the tokens and log-probs are those of one request per row.
     """
 
-    def __init__(self, model, block_size: int = 16):
-        self.model, self.block_size = model, block_size
+    def __init__(self, model, block_size: int = 16, share_prompts: bool = True):
+        self.model, self.block_size, self.share_prompts = model, block_size, share_prompts
         self.engine: LLMEngine | None = None
         self.builds = 0
 
@@ -236,14 +239,24 @@ class RolloutEngine:
             seeds = torch.randint(2 ** 62, (b,), generator=generator, device=generator.device).tolist()
         else:
             seeds = [None] * b
+        runs: list[list[int]] = []  # [first row, rows] of each request
+        for i, row in enumerate(rows):
+            if self.share_prompts and runs and rows[runs[-1][0]] == row:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
         stop = [] if config.eos_id is None else [config.eos_id]
         temperature = 0 if config.greedy else config.temperature
-        params = [SamplingParams(max_tokens=config.max_new_tokens, temperature=temperature,
-                                 top_k=config.top_k, top_p=config.top_p, seed=seed, stop_token_ids=stop,
+        params = [SamplingParams(n=n, max_tokens=config.max_new_tokens, temperature=temperature,
+                                 top_k=config.top_k, top_p=config.top_p, seed=seeds[first], stop_token_ids=stop,
                                  logprobs=0)
-                  for seed in seeds]
+                  for first, n in runs]
+        # Each sample draws from the stream its row would have as a request of its own.
+        sample_seeds = [None if seeds[first] is None else [sample_seed(s, 0) for s in seeds[first:first + n]]
+                        for first, n in runs]
         engine = self._engine_for(b, p + config.max_new_tokens)
-        completions = [o.outputs[0] for o in engine.generate(rows, params)]
+        completions = [c for o in engine.generate([rows[first] for first, _ in runs], params, sample_seeds)
+                       for c in o.outputs]
         n = max(len(c.token_ids) for c in completions)
         pads = [n - len(c.token_ids) for c in completions]  # each response padded on the right, one tensor each
         response = torch.tensor([c.token_ids + [config.pad_id] * k for c, k in zip(completions, pads)],

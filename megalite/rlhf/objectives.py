@@ -16,6 +16,7 @@ import torch
 from megalite.rlhf.actor import invariant_vocab, token_log_probs, tp_group_of
 from megalite.rlhf.distillation import TeacherOutput, forward_kl
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
+from megalite.rlhf.shared_groups import forward_rows
 
 
 class LanguageModelObjective:
@@ -42,20 +43,22 @@ class PPOActorObjective:
     ``ref_log_probs`` (adds ``kl_coef`` x the aggregated KL estimate); an optional
     ``is_weights`` multiplies the surrogate per token (stale rollouts).  ``distill_coef > 0`` adds that
     times the forward KL to a teacher on its support (needs ``teacher_log_probs [b, s, k]`` and, for
-    top-k, ``teacher_indices``; see :mod:`megalite.rlhf.distillation`).
+    top-k, ``teacher_indices``; see :mod:`megalite.rlhf.distillation`).  ``group`` > 1: each ``group``
+    consecutive rows of a micro-batch (a prompt's samples) run as one prefix-shared row
+    (:func:`megalite.rlhf.shared_groups.forward_rows`; the same loss and gradients).
     """
 
     def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None,
-                 distill_coef: float = 0.0):
+                 distill_coef: float = 0.0, group: int | None = None):
         self.config, self.temperature, self.chunk_size = config, temperature, chunk_size
-        self.distill_coef = distill_coef
+        self.distill_coef, self.group = distill_coef, group
         self.mode = config.loss_aggregation
 
     def normalizer_mask(self, batch: dict) -> torch.Tensor:
         return batch["response_mask"]
 
     def forward(self, chunk, mb: dict) -> torch.Tensor:
-        return chunk(mb["input_ids"], attention_mask=mb["attention_mask"])
+        return forward_rows(chunk, mb["input_ids"], mb["attention_mask"], self.group)
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0

@@ -104,33 +104,51 @@ def _pack_two(first, second, seq_length: int, pad_id: int, what: str, parts: str
     return sample
 
 
+def shared_prefix(sequences: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int], list[int], int]:
+    """``(tokens, mask, documents, trunk)`` of ``(ids, mask)`` sequences laid out in one row with the start they all
+    share once (no padding): the trunk (document 0) holds the tokens (and mask values) they share but the last,
+    then branch ``k + 1`` (document ids ``(k + 1) * BRANCH``) holds sequence ``k`` from that token on, its
+    positions continuing from the trunk's (:func:`megalite.context_parallel.reset_position_ids`).
+
+    The last shared token opens every branch because its label differs between the sequences.  Without two
+    shared tokens the trunk is empty (``trunk == 0``) and sequence ``k`` is document ``k`` instead.  Input
+    position ``i`` of sequence ``k`` lies at ``i`` in the row when ``i < trunk``, else at ``trunk + (the
+    lengths of the branches before k) + i - trunk``.
+    """
+    common = 0
+    for column in zip(*(zip(*sequence) for sequence in sequences)):
+        if any(item != column[0] for item in column[1:]):
+            break
+        common += 1
+    trunk = common - 1 if common >= 2 else 0
+    tokens, mask = list(sequences[0][0][:trunk]), list(sequences[0][1][:trunk])
+    docs = [0] * trunk
+    for k, (ids, values) in enumerate(sequences):
+        tokens += list(ids[trunk:])
+        mask += list(values[trunk:])
+        docs += [(k + 1) * BRANCH if trunk else k] * (len(ids) - trunk)
+    return tokens, mask, docs, trunk
+
+
 def pack_shared_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]], seq_length: int,
                      pad_id: int):
-    """:func:`pack_pair`'s sample with the shared prefix once: document 0's trunk holds the tokens (and mask
-    values) the two sequences share but the last, branch 1 chosen from that token on, branch 2 rejected from
-    it on (its positions restart there), then padding (document 1).
+    """:func:`pack_pair`'s sample with the shared prefix once (:func:`shared_prefix`): document 0's trunk holds the
+    tokens (and mask values) the two sequences share but the last, branch 1 chosen from that token on, branch 2
+    rejected from it on (its positions restart there), then padding (document 1).
 
     The last shared token is in both branches because its label differs (the completions' first different
     tokens).  Without two shared tokens it is :func:`pack_pair`'s row.
     """
     _check_pair(chosen, rejected)
-    common = 0
-    for token in zip(*chosen, *rejected):
-        if token[:2] != token[2:]:
-            break
-        common += 1
-    if common < 2:
+    tokens, mask, docs, trunk = shared_prefix([chosen, rejected])
+    if not trunk:
         return pack_pair(chosen, rejected, seq_length, pad_id)
-    trunk = common - 1
-    need = len(chosen[0]) + len(rejected[0]) - trunk
+    need = len(tokens)
     if need > seq_length + 1:
         raise ValueError(f"a preference pair needs {need} tokens (the shared prefix once, then chosen and rejected), "
                          f"more than --seq-length + 1 = {seq_length + 1}")
     fill = seq_length + 1 - need
-    tokens = list(chosen[0]) + list(rejected[0][trunk:]) + [pad_id] * fill
-    mask = list(chosen[1]) + list(rejected[1][trunk:]) + [0] * fill
-    docs = ([0] * trunk + [BRANCH] * (len(chosen[0]) - trunk) + [2 * BRANCH] * (len(rejected[0]) - trunk)
-            + [1] * fill)
+    tokens, mask, docs = tokens + [pad_id] * fill, mask + [0] * fill, docs + [1] * fill
     return tuple(torch.tensor(x, dtype=torch.long) for x in (tokens, mask, docs))
 
 

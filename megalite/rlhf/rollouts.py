@@ -32,6 +32,7 @@ from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
+from megalite.rlhf.shared_groups import row_group
 
 
 def rollout_sampler(model):
@@ -222,7 +223,8 @@ class Rollouts:
                                                                                      - self.args.max_staleness)
         with self.placement.phase("scoring"):
             with self.reference.on_device() as reference:
-                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
+                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature,
+                                                      group=row_group(self.args))
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]

@@ -26,6 +26,7 @@ from megalite.rlhf.ppo import rollout_is_weights
 from megalite.rlhf.rewards import token_rewards
 from megalite.rlhf.rollout_batch import Rollout
 from megalite.rlhf.scoring import shaped_scores
+from megalite.rlhf.shared_groups import row_group
 
 
 def dp_mean(value: float, topo, device) -> float:
@@ -59,7 +60,8 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
         micro_batches = [{"input_ids": rollout.input_ids[i:i + args.micro_batch_size],
                           "attention_mask": rollout.attention_mask[i:i + args.micro_batch_size]}
                          for i in range(0, len(mask), args.micro_batch_size)]
-        old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
+        old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature,
+                                           group=row_group(args))[0].to(device) * mask
         gap = (old_log_probs - rollout.behaviour_log_probs).abs() * mask
         if ppo.rollout_is_cap is not None:
             batch["is_weights"] = rollout_is_weights(old_log_probs, rollout.behaviour_log_probs, mask,

@@ -93,6 +93,13 @@ def _check_pipeline(topo, cfg, ids, mask, ref_lp, ref_ent):
     lp, ent = pipeline_log_probs(chunk, micro_batches, TEMPERATURE, with_entropy=True)
     torch.testing.assert_close(lp, ref_lp.cpu(), rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent.cpu(), rtol=0, atol=1e-5)
+    # Two samples of a prompt as one prefix-shared row (megalite.rlhf.shared_groups), packed alike on both stages.
+    rows = torch.tensor([0, 0, 2, 2])
+    pairs = [{"input_ids": ids[rows[i:i + 2]], "attention_mask": mask[rows[i:i + 2]]} for i in (0, 2)]
+    lp, ent = pipeline_log_probs(chunk, pairs, TEMPERATURE, with_entropy=True, group=2)
+    real = (mask[rows, :-1] * mask[rows, 1:]).cpu()
+    torch.testing.assert_close(lp * real, ref_lp.cpu()[rows] * real, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent * real, ref_ent.cpu()[rows] * real, rtol=0, atol=1e-5)
 
 
 def test_forward_only_pipeline_log_probs_equal_pp1_on_every_stage():

@@ -148,3 +148,27 @@ def test_persistent_engine_is_built_once_and_sees_weight_updates_in_place():
         outputs.append(out)
     assert not torch.equal(outputs[0].log_probs, outputs[1].log_probs)  # the update reached the engine
     assert persistent.builds == 1
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_groups_prompt_is_prefilled_once_with_each_rows_samples(kind):
+    """Three prompts x 4 samples (consecutive rows, as the RL rollouts lay out a GRPO group): one request of 4
+    samples per prompt prefills a quarter of the prompt tokens, and every row samples the tokens, masks and
+    log-probs of one request per row (its own seed), sampled and greedy."""
+    from megalite.rlhf.generation import RolloutEngine
+
+    model = GPTModel(config(kind)).eval()
+    ids, mask = (t.repeat_interleave(4, dim=0) for t in padded_prompts())
+    engines = {share: RolloutEngine(model, share_prompts=share) for share in (True, False)}
+    for sampling in (SAMPLED, GREEDY):
+        outs, prefill = {}, {}
+        for share, engine in engines.items():
+            before = engine.engine.scheduler.prefill_tokens if engine.engine is not None else 0
+            outs[share] = engine.generate(ids, mask, sampling, torch.Generator().manual_seed(5))
+            prefill[share] = engine.engine.scheduler.prefill_tokens - before
+        assert prefill[False] == int(mask.sum()) and prefill[True] * 4 == prefill[False]
+        for name in ("tokens", "attention_mask", "response_mask"):
+            assert torch.equal(getattr(outs[True], name), getattr(outs[False], name)), name
+        torch.testing.assert_close(outs[True].log_probs, outs[False].log_probs, rtol=0, atol=1e-6)
+        if sampling is SAMPLED:  # each sample has its own stream: a group's samples differ
+            assert len({tuple(row) for row in outs[True].tokens[:4].tolist()}) > 1

@@ -1,0 +1,111 @@
+"""Prefix-shared rollout groups: the forward of ``n`` rollouts of one prompt as one row, the prompt computed once.
+
+A GRPO group is ``n`` responses to one prompt, so the trainer's forwards (the reference's and old log-probs, the
+update's forward and backward) would compute every prompt token ``n`` times.  :func:`pack_rows` lays each run of
+``n`` consecutive rows out as one row with the start they share once and each row's rest as a branch
+(:func:`megalite.rlhf.preference.shared_prefix`, the rule DPO's shared pairs use; a branch sees the trunk and
+itself, its positions continue from the trunk's), and :meth:`PackedRows.unpack` gathers the model's output back
+into the rollout's ``[b, s]`` layout.  Every real token's output is the one the unshared row gives (the same
+tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns of padding get
+the output of their row's first real token (finite; every loss masks them).  Rows need not share anything: a
+group whose rows share fewer than two tokens is packed as separate documents of one row.
+
+A model shares prefixes (:func:`shares_prefixes`) when its attention takes packed documents: megalite's GPT
+without context parallelism, sliding window (which counts row distance, across a sibling branch) or
+batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.context_parallel.sequence_split import BRANCH, reset_position_ids
+from megalite.distributed.unwrap import unwrap
+from megalite.rlhf.preference import shared_prefix
+
+
+def row_group(args) -> int | None:
+    """How many consecutive rows the RL trainer's forwards share a prefix over: a prompt's
+    ``--n-samples-per-prompt`` samples, or None under ``--no-shared-prompt-rows``."""
+    return None if args.no_shared_prompt_rows else args.n_samples_per_prompt
+
+
+def shares_prefixes(model) -> bool:
+    """Whether ``model`` (a chunk, optionally wrapped) can run :func:`pack_rows`'s rows exactly."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    return (config is not None and hasattr(inner, "cp_size") and inner.cp_size == 1
+            and getattr(config, "window_size", None) is None and not getattr(config, "batch_invariant", False))
+
+
+@dataclass
+class PackedRows:
+    """``tokens``/``position_ids``/``document_ids`` ``[g, S]``: the packed rows; ``index`` ``[b, s]``: for each
+    column of the unshared rows, the flat position (into ``g * S``) whose output it takes."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    index: torch.Tensor
+
+    def unpack(self, output: torch.Tensor) -> torch.Tensor:
+        """The model's ``[g, S, ...]`` output of the packed rows as ``[b, s, ...]`` of the unshared rows."""
+        g, width = output.shape[:2]
+        return output.reshape(g * width, *output.shape[2:])[self.index]
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int, pad_id: int = 0,
+              multiple: int = 1) -> PackedRows:
+    """Each ``group`` consecutive rows of ``input_ids [b, s]`` (real tokens: ``attention_mask``, contiguous in a
+    row, as left-padded prompts followed by responses are) packed as one row of their shared prefix and branches;
+    the last pack takes the rows left over.  Packed rows are padded with ``pad_id`` (a document of its own) to
+    the longest, rounded up to ``multiple`` (sequence parallelism's TP size)."""
+    b, width = input_ids.shape
+    ids, mask = input_ids.tolist(), attention_mask.tolist()
+    rows, index = [], []
+    for start in range(0, b, group):
+        members = range(start, min(b, start + group))
+        spans = []
+        for r in members:
+            columns = [c for c, keep in enumerate(mask[r]) if keep]
+            if not columns or columns[-1] - columns[0] + 1 != len(columns):
+                raise ValueError(f"row {r}'s real tokens must be one contiguous run of at least one token")
+            spans.append((columns[0], len(columns)))
+        tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)])
+        offset = trunk
+        for c, n in spans:
+            where = list(range(trunk)) + list(range(offset, offset + n - trunk))  # a row is longer than the trunk
+            index.append([where[0]] * c + where + [where[0]] * (width - c - n))
+            offset += n - trunk
+        rows.append((tokens, docs))
+    longest = max(len(tokens) for tokens, _ in rows)
+    longest = -(-longest // multiple) * multiple
+    packed, documents, fill = [], [], []
+    for tokens, docs in rows:
+        pad = longest - len(tokens)
+        packed.append(tokens + [pad_id] * pad)
+        documents.append(docs + [docs[-1] % BRANCH + 1] * pad)  # the padding is a document of its own
+        fill.append([False] * len(tokens) + [True] * pad)
+    documents = torch.tensor(documents)
+    # The padding's positions are 0: a packed row may be longer than the model's position table.
+    positions = reset_position_ids(documents).masked_fill_(torch.tensor(fill), 0)
+    flat = [[i + r // group * longest for i in row] for r, row in enumerate(index)]
+    device = input_ids.device
+    return PackedRows(torch.tensor(packed, dtype=input_ids.dtype, device=device), positions.to(device),
+                      documents.to(device), torch.tensor(flat, device=device))
+
+
+def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int | None):
+    """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: through :func:`pack_rows` when
+    ``group`` > 1 and the model shares prefixes (a last pipeline stage's output unpacked to ``[b, s, ...]``; an
+    earlier stage's hidden states stay packed for the next stage, which packs the same rows alike), else the
+    plain padded forward."""
+    if not group or group < 2 or not shares_prefixes(chunk):
+        return chunk(input_ids, attention_mask=attention_mask)
+    inner = unwrap(chunk)
+    packed = pack_rows(input_ids, attention_mask, group,
+                       multiple=inner.tp_size if getattr(inner, "sequence_parallel", False) else 1)
+    output = chunk(packed.tokens, position_ids=packed.position_ids, document_ids=packed.document_ids)
+    return packed.unpack(output) if inner.post_process else output
