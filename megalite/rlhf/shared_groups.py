@@ -11,8 +11,8 @@ the output of their row's first real token (finite; every loss masks them).  Row
 group whose rows share fewer than two tokens is packed as separate documents of one row.
 
 A model shares prefixes (:func:`shares_prefixes`) when its attention takes packed documents: megalite's GPT
-without context parallelism, sliding window (which counts row distance, across a sibling branch) or
-batch-invariant mode.
+without context parallelism or batch-invariant mode (a sliding window measures distance along each sequence, a
+branch following its trunk, so windowed models share too).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def shares_prefixes(model) -> bool:
     inner = unwrap(model)
     config = getattr(inner, "config", None)
     return (config is not None and hasattr(inner, "cp_size") and inner.cp_size == 1
-            and getattr(config, "window_size", None) is None and not getattr(config, "batch_invariant", False))
+            and not getattr(config, "batch_invariant", False))
 
 
 @dataclass

@@ -77,12 +77,14 @@ def _update(model, batch, group):
     return loss.detach(), metrics, grads, log_probs
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_shared_groups_equal_unshared(kind):
+@pytest.mark.parametrize("kind,overrides", [("gpt2", {}), ("llama", {}), ("llama", {"window_size": 2})],
+                         ids=["gpt2", "llama", "llama-window2"])
+def test_shared_groups_equal_unshared(kind, overrides):
     """Loss, KL and entropy terms, clip fraction, every gradient and the per-token log-probs (hence KL and
-    importance ratios) of shared rows equal the unshared rows' in fp32."""
+    importance ratios) of shared rows equal the unshared rows' in fp32; with a sliding window too (it measures
+    distance along each sequence, so a branch does not reach across its siblings)."""
     torch.manual_seed(0)
-    model = GPTModel(config(kind))
+    model = GPTModel(config(kind, **overrides))
     batch = _rollout()
     want = _update(model, batch, None)
     got = _update(model, batch, GROUP)
@@ -121,14 +123,12 @@ def test_a_packed_row_longer_than_the_position_table():
 
 
 def test_models_without_document_attention_run_unshared():
-    """A sliding window counts row distance (it would reach across a sibling branch) and batch-invariant attention
-    takes no documents: their forwards stay on the padded rows, bit for bit."""
+    """Batch-invariant attention takes no documents: its forwards stay on the padded rows, bit for bit."""
     batch = _rollout()
-    for overrides in ({"window_size": 2}, {"batch_invariant": True}):
-        model = GPTModel(config("llama", **overrides))
-        with torch.no_grad():
-            assert torch.equal(forward_rows(model, batch["input_ids"], batch["attention_mask"], GROUP),
-                               model(batch["input_ids"], attention_mask=batch["attention_mask"]))
+    model = GPTModel(config("llama", batch_invariant=True))
+    with torch.no_grad():
+        assert torch.equal(forward_rows(model, batch["input_ids"], batch["attention_mask"], GROUP),
+                           model(batch["input_ids"], attention_mask=batch["attention_mask"]))
 
 
 def test_the_trainer_shares_a_prompts_samples_unless_told_not_to():
