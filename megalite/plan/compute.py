@@ -15,7 +15,7 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
   (:data:`LAYER_OPS`: the aten ops megalite's layer runs, counted in tests/plan/test_compute.py).
 
 Per rank: the step's tokens over the ranks, each pipeline rank holding ``1 / pp`` of the layers and of the
-embedding and loss.  Where ranks share CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a
+embedding and loss (the average stage: the planner's pipeline model assumes balanced stages).  Where ranks share CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a
 step takes when more ranks than cores compete for them.
 """
 
@@ -33,7 +33,7 @@ ROPE_OPS = {"forward": 10, "backward": 8}
 """The ops RoPE adds to a layer."""
 
 EMBEDDING_AND_LOSS_OPS = {"forward": 28, "backward": 26}
-"""Ops of the embedding, final norm, output layer and loss for one micro-batch."""
+"""Ops of the embedding, final norm, output layer and loss for one micro-batch (and one reduction of the loss)."""
 
 BLOCKWISE_TILE_OPS = {"forward": 9, "backward": 14}
 """Ops of one (query tile, key tile) pair of the blockwise attention (its matmuls, scaling, mask, softmax and
