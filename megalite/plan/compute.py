@@ -8,15 +8,16 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
   more under selective or full recompute) at :meth:`~megalite.hardware.Hardware.attention_rate`; context
   parallelism's blockwise attention (:mod:`megalite.context_parallel.blockwise`) instead runs its tiles' matmuls
   as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
-- the memory-bound ops (norms, residual sums, activation functions, RoPE, the layout copies around attention, bias
+- the memory-bound ops (norms, residual sums, activation functions, RoPE, the fused QKV split's gradient, bias
   gradients, weight-gradient accumulation, the embedding and the loss over the logits): the elements each reads
   and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``;
 - every op's fixed cost (dispatch, autograd, a kernel launch) at ``op_overhead_s``, counted in ops per layer
   (:data:`LAYER_OPS`: the aten ops megalite's layer runs, counted in tests/plan/test_compute.py).
 
 Per rank: the step's tokens over the ranks, each pipeline rank holding ``1 / pp`` of the layers and of the
-embedding and loss (the average stage: the planner's pipeline model assumes balanced stages).  Where ranks share CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a
-step takes when more ranks than cores compete for them.
+embedding and loss (the average stage: the planner's pipeline model assumes balanced stages).  Where ranks share
+CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a step takes when more ranks than cores
+compete for them.
 """
 
 from __future__ import annotations
@@ -168,8 +169,10 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
         recomputed = 4 if layout.recompute in ("full", "selective") else 3
         out["attention"] = tokens * recomputed * attention_forward / hw.attention_rate(layout.precision, rows)
     e = DTYPE_BYTES[layout.precision]
-    elements = sum(count * (forwards * fwd + bwd) for layer, count in _layer_kinds(config)
-                   for fwd, bwd in [layer_elements(config, layout, seq_length, layer)]) / layout.pp
+    elements = 0.0
+    for layer, count in _layer_kinds(config):
+        fwd, bwd = layer_elements(config, layout, seq_length, layer)
+        elements += count * (forwards * fwd + bwd) / layout.pp
     elements += head_elements(config, layout, seq_length) / layout.pp
     out["memory_bound"] += m * elements * e / hw.hbm_bandwidth
     layer_ops = forwards * LAYER_OPS["forward"] + LAYER_OPS["backward"]
