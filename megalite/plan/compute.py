@@ -17,7 +17,7 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
 Per rank: the step's tokens over the ranks, each pipeline rank holding ``1 / pp`` of the layers and of the
 embedding and loss (the average stage: the planner's pipeline model assumes balanced stages).  Where ranks share
 CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a step takes when more ranks than cores
-compete for them.
+compete for them, and :func:`overlaps_communication` whether collectives can hide behind compute at all.
 """
 
 from __future__ import annotations
@@ -181,6 +181,13 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
     ops = layers * layer_ops + sum(EMBEDDING_AND_LOSS_OPS.values()) / layout.pp
     out["op_overhead"] += m * ops * hw.op_overhead_s
     return out
+
+
+def overlaps_communication(hw: Hardware, world: int) -> bool:
+    """Whether communication can run beside compute: on GPUs (copy engines and NICs do it), or on CPUs with a core
+    no rank computes on.  When every core runs a rank's compute, a collective's copies, reductions and socket work
+    take the same cores, so none of it hides."""
+    return hw.cores is None or world < hw.cores
 
 
 def oversubscribed(hw: Hardware, world: int, busy: float, step: float) -> float:

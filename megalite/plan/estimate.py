@@ -9,7 +9,7 @@ memory-bound ops, per-op overhead), stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
-:func:`_exposed_communication`), and the optimizer step at HBM bandwidth; where ranks share CPU cores, at least
+:func:`_exposed_communication`: none where every CPU core computes), and the optimizer step at HBM bandwidth; where ranks share CPU cores, at least
 all ranks' compute and optimizer work over the cores (:func:`~megalite.plan.compute.oversubscribed`).
 """
 
@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
-from megalite.plan.compute import compute_time, oversubscribed
+from megalite.plan.compute import compute_time, overlaps_communication, oversubscribed
 from megalite.pipeline.timeline import analytic_bubble
 from megalite.plan.activations import (layer_activation_bytes, microbatch_activation_bytes,
                                        microbatches_in_flight)
@@ -99,7 +99,8 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
                            global_batch_size: int, compute: float, attention: float, cache: dict | None) -> dict:
     """Seconds of each axis's communication left exposed, from :func:`~megalite.plan.traffic.collective_bytes`
     (the larger of the first and last pipeline rank, per axis) over the link its group spans.  ``compute`` and
-    ``attention`` are the step's compute and attention seconds on a rank.
+    ``attention`` are the step's compute and attention seconds on a rank; nothing overlaps where every CPU core
+    computes (:func:`~megalite.plan.compute.overlaps_communication`).
 
     Overlap: one of a layer's four TP collectives (a column layer's input-gradient reduction) hides behind
     its weight-gradient GEMM; the p2p CP ring behind the attention it feeds (the all-gather and a2a
@@ -118,7 +119,10 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     forwards = 2 if layout.recompute == "full" else 1
     out = {}
     tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
-    out["tp"] = (1 - TP_HIDDEN_SHARE) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
+    hidden_share = TP_HIDDEN_SHARE
+    if not overlaps_communication(hw, world):
+        compute = attention = hidden_share = 0.0
+    out["tp"] = (1 - hidden_share) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
     cp_link = hw.link(tp * cp)
     if layout.cp_comm_type == "p2p":
         # Point-to-point sends: the whole payload crosses the link once.

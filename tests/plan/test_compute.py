@@ -89,3 +89,15 @@ def test_more_ranks_than_cores_take_all_ranks_work_over_the_cores():
     assert own.time["oversubscription"] == 0 and own.step_time_s < shared.step_time_s
     two = estimate(CONFIG, Layout(dp=2, micro_batch_size=4), _cpu(), SEQ, BATCH)
     assert two.time["oversubscription"] == 0
+
+
+def test_collectives_hide_behind_compute_only_where_a_core_is_free():
+    from megalite.plan.traffic import collective_bytes
+
+    layout = Layout(dp=2, micro_batch_size=2)
+    link = {"intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0}
+    busy = estimate(CONFIG, layout, _cpu(**link), SEQ, BATCH)  # two ranks on two cores: no core to spare
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)["dp"]
+    assert busy.time["dp"] == pytest.approx(2 * (1 / 2) * sent / _cpu().intra_node_bandwidth, rel=1e-12)
+    spare = estimate(CONFIG, layout, _cpu(cores=4, **link), SEQ, BATCH)  # the all-reduce overlaps the last backward
+    assert spare.time["dp"] < busy.time["dp"]
