@@ -25,6 +25,7 @@ from __future__ import annotations
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.plan.layout import DTYPE_BYTES, Layout
+from megalite.plan.memory import layer_params
 
 LAYER_OPS = {"forward": 35, "backward": 71}
 """Aten ops (views and gradient accumulation included) of one transformer layer for one micro-batch: LayerNorm,
@@ -47,8 +48,8 @@ output's row dot and the product with the probabilities."""
 
 BLOCKWISE_MATMULS = {"forward": 2, "backward": 5}
 """The blockwise attention's matmuls per tile: scores and output forward; recomputed scores, dv, dprobs, dq and
-dk backward (the fused attention's backward has four: it keeps nothing to recompute on CPU either, but counts as
-:func:`~megalite.models.config.gpt_flops_per_token` counts)."""
+dk backward (:func:`~megalite.models.config.gpt_flops_per_token` counts four for the fused attention's backward,
+which recomputes the scores too)."""
 
 
 def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: int = 0) -> tuple[float, float]:
@@ -93,8 +94,6 @@ def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: in
     backward += (5 if swiglu else 3) * ffn
     if config.add_bias_linear:
         backward += qkv + (2 if swiglu else 1) * ffn + 2 * sp_tokens * h
-    from megalite.plan.memory import layer_params
-
     params = sum(p.numel for p in layer_params(config, layer, layout))
     return forward, backward + 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
 
