@@ -8,25 +8,28 @@ profile's peak (with ``efficiency`` 1: the model's large GEMMs run at what this 
 (its rate over that peak); a 64 MiB copy the memory bandwidth; a chain of one-element multiplications through
 autograd, forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many
 ranks run at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
-all-reduce of one element its latency.  Timings take the best of ten runs, the compute ones in the process's CPU
-time (on a shared machine the time it ran, not the time it waited for a core).
+all-reduce of one element its latency.  The compute timings take the median of ten runs in the process's CPU
+time (what an op typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited
+for a core on a shared machine); the link timings the best of ten wall-clock runs (the least preempted).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from megalite.hardware import Hardware, save_hardware
 
 
-def _best(fn, repeats: int = 10, clock=time.process_time) -> float:
+def _timed(fn, repeats: int = 10, clock=time.process_time, pick=statistics.median) -> float:
+    """``pick`` of ``repeats`` timings of ``fn`` on ``clock``, after one untimed run."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = clock()
         fn()
-        best = min(best, clock() - start)
-    return best
+        times.append(clock() - start)
+    return pick(times)
 
 
 CALIBRATION_ROWS = (16, 64, 256, 1024)
@@ -46,7 +49,7 @@ def gemm_flops(dtype_name: str, n: int = 512, rows: int | None = None) -> float:
         torch.matmul(y, w)
         torch.matmul(y.t(), x)
 
-    return 6 * rows * n * n / _best(linear)
+    return 6 * rows * n * n / _timed(linear)
 
 
 def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: int = 64) -> float:
@@ -62,7 +65,7 @@ def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: in
     def step():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    return 3 * 4 * batch * heads * seq * seq * head_dim / _best(step)
+    return 3 * 4 * batch * heads * seq * seq * head_dim / _timed(step)
 
 
 def op_overhead(chain: int = 200) -> float:
@@ -78,7 +81,7 @@ def op_overhead(chain: int = 200) -> float:
             y = y * 1.0
         y.backward()
 
-    return _best(step) / (2 * chain)
+    return _timed(step) / (2 * chain)
 
 
 def fit_gemm_curve(rows, flops) -> tuple[float, float]:
@@ -97,8 +100,8 @@ def _collective_times(size: int) -> tuple[float, float]:
     import torch.distributed as dist
 
     big, small = torch.ones(size), torch.ones(1)
-    return (_best(lambda: dist.all_reduce(big), clock=time.perf_counter),
-            _best(lambda: dist.all_reduce(small), clock=time.perf_counter))
+    return (_timed(lambda: dist.all_reduce(big), clock=time.perf_counter, pick=min),
+            _timed(lambda: dist.all_reduce(small), clock=time.perf_counter, pick=min))
 
 
 def measure_link(size: int = 1 << 20) -> tuple[float, float]:
@@ -121,7 +124,7 @@ def calibrate(path: str) -> Hardware:
     try:
         copy_src = torch.ones(1 << 24)
         copy_dst = torch.empty_like(copy_src)
-        hbm = 2 * copy_src.numel() * 4 / _best(lambda: copy_dst.copy_(copy_src))
+        hbm = 2 * copy_src.numel() * 4 / _timed(lambda: copy_dst.copy_(copy_src))
         fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS,
                                               [gemm_flops("fp32", rows=r) for r in CALIBRATION_ROWS])
         # The other precisions: their square GEMM's rate, raised to the large-GEMM limit along the fp32 curve.
