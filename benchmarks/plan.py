@@ -8,10 +8,10 @@ of one given layout and do not search.
 ``python benchmarks/plan.py --measure`` runs ``--calibrate`` into a temporary profile, then trains a small GPT
 on CPU ranks (gloo, one thread per rank) at 10 layouts of at most 2 ranks, so each rank has a core of this
 2-core machine to itself and the calibrated per-rank rates hold when nothing else runs.  It prints the
-planner's predicted step time beside the measured median for each (wall clock of the slowest rank, and its
-process CPU time), the median and worst error, and whether the planner's top-ranked layout is within 10% of
-the fastest measured.  On a machine shared with other jobs the wall clock is stretched by the load (printed
-before and after); the CPU time is what the step costs without that contention, but it leaves out the time a
+planner's predicted step time (and its parts) beside the measured median for each (wall clock of the slowest
+rank, and its process CPU time), the median and worst error, and whether the planner's top-ranked layout is
+within 10% of the fastest measured.  On a machine shared with other jobs the wall clock is stretched by the load
+(printed before and after); the CPU time is what the step costs without that contention, but it leaves out the time a
 rank waits (the pipeline bubble, a collective's partner), so it is a lower bound of the uncontended step.
 """
 
@@ -119,8 +119,12 @@ def measure(steps: int, profile: str | None) -> None:
         measured = statistics.median(max(wall for wall, _ in step) for step in zip(*per_rank))
         cpu = statistics.median(max(c for _, c in step) for step in zip(*per_rank))
         rows.append((name, predicted, measured, cpu))
-        print(f"{name}: predicted {predicted.step_time_s:.3f} s, measured {measured:.3f} s "
-              f"({predicted.step_time_s / measured - 1:+.1%}), CPU {cpu:.3f} s", flush=True)
+        parts = ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in predicted.time.items() if seconds > 0)
+        print(f"{name}: predicted {predicted.step_time_s:.3f} s ({parts}), measured {measured:.3f} s "
+              f"({predicted.step_time_s / measured - 1:+.1%}), CPU {cpu:.3f} s "
+              f"({predicted.step_time_s / cpu - 1:+.1%})", flush=True)
+    # The planner's ranking (search.plan) is by the same estimate's tokens/s/GPU, which for a fixed job orders
+    # layouts of one GPU count as their step time does; these mix one and two ranks, so rank by step time.
     top = min(rows, key=lambda row: row[1].step_time_s)
     for column, label in ((2, "wall"), (3, "CPU")):
         errors = [abs(row[1].step_time_s / row[column] - 1) for row in rows]

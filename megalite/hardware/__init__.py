@@ -9,6 +9,14 @@ the peak the model's large GEMMs reach (calibrated on the machine, or set from m
 profiles); ``gemm_half_rows`` the GEMM row count (tokens of one micro-batch on a rank) at which they reach
 half of that, so smaller micro-batches run slower (0: no dependence on the shape); ``device_names`` are
 fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
+
+The work that is not a GEMM has rates of its own: ``attention_efficiency`` is the fraction of the peak the fused
+causal attention (forward and backward, its FLOPs counted as :func:`~megalite.models.config.gpt_flops_per_token`
+counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels); ``hbm_bandwidth`` prices the
+memory-bound ops (norms, activations, residual adds, copies, the loss, gradient accumulation, the optimizer);
+``op_overhead_s`` is the time each op adds beyond its work (eager dispatch and autograd on a CPU; the exposed part
+of a kernel launch on a GPU).  ``cores`` is set where ranks share CPU cores (the ``cpu`` profile): with more
+ranks than cores a step takes at least all ranks' work over the cores (None: each rank has its own device).
 """
 
 from __future__ import annotations
@@ -39,11 +47,20 @@ class Hardware:
     source: str = ""
     device_names: tuple = ()
     gemm_half_rows: float = 0.0
+    attention_efficiency: float | None = None
+    op_overhead_s: float = 0.0
+    cores: int | None = None
 
     def gemm_efficiency(self, rows: float) -> float:
         """Fraction of the peak reached by GEMMs of ``rows`` rows: ``efficiency * rows / (rows + gemm_half_rows)``,
         a fixed cost per GEMM (launch, tile edges) amortised over its rows."""
         return self.efficiency * rows / (rows + self.gemm_half_rows)
+
+    def attention_rate(self, precision: str, rows: float) -> float:
+        """FLOP/s of the fused causal attention's forward and backward at ``rows`` tokens per micro-batch."""
+        if self.attention_efficiency is None:
+            return self.peak(precision) * self.gemm_efficiency(rows)
+        return self.peak(precision) * self.attention_efficiency
 
     def peak(self, precision: str) -> float:
         """Peak dense FLOP/s for ``precision`` (fp32 training runs at the fp32 peak)."""

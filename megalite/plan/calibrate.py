@@ -1,40 +1,87 @@
-"""``--calibrate``: measure this machine's GEMM throughput, memory bandwidth and collective bandwidth.
+"""``--calibrate``: measure this machine's compute rates, memory bandwidth and collective bandwidth, per rank.
 
-GEMMs of a few row counts (``[rows, 512] x [512, 512]``) give how the rate falls with fewer rows: the fit of
-``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's peak (with ``efficiency`` 1: the
-model's large GEMMs run at what this machine's do) and ``gemm_half_rows``; the all-reduce of a few MiB
-between two gloo ranks gives the link bandwidth and the all-reduce of one element its latency.  Timings
-take the best of ten runs (on a shared machine the best is the least preempted).
+A CPU rank runs one thread on a core of its own, so every rate is one thread's.  The linear layer's three GEMMs
+(forward ``[rows, 512] x [512, 512]``, its input gradient and its weight gradient) at a few row counts give how
+the rate falls with fewer rows: the fit of ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the
+profile's peak (with ``efficiency`` 1: the model's large GEMMs run at what this machine's do) and
+``gemm_half_rows``.  Torch's fused causal attention, forward and backward, gives ``attention_efficiency``
+(its rate over that peak); a 64 MiB copy the memory bandwidth; a chain of one-element multiplications through
+autograd, forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many
+ranks run at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
+all-reduce of one element its latency.  The compute timings take the median of ten runs in the process's CPU
+time (what an op typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited
+for a core on a shared machine); the link timings the best of ten wall-clock runs (the least preempted).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from megalite.hardware import Hardware, save_hardware
 
 
-def _best(fn, repeats: int = 10) -> float:
+def _timed(fn, repeats: int = 10, clock=time.process_time, pick=statistics.median) -> float:
+    """``pick`` of ``repeats`` timings of ``fn`` on ``clock``, after one untimed run."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(clock() - start)
+    return pick(times)
 
 
 CALIBRATION_ROWS = (16, 64, 256, 1024)
 
 
 def gemm_flops(dtype_name: str, n: int = 512, rows: int | None = None) -> float:
-    """FLOP/s of a ``[rows, n] x [n, n]`` GEMM (square without ``rows``)."""
+    """FLOP/s of a linear layer's GEMMs: ``[rows, n] x [n, n]``, its input gradient and its weight gradient
+    (square without ``rows``)."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     rows = n if rows is None else rows
-    a, b = torch.randn(rows, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * rows * n * n / _best(lambda: torch.matmul(a, b))
+    x, w = torch.randn(rows, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+
+    def linear():
+        y = torch.matmul(x, w.t())
+        torch.matmul(y, w)
+        torch.matmul(y.t(), x)
+
+    return 6 * rows * n * n / _timed(linear)
+
+
+def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: int = 64) -> float:
+    """FLOP/s of fp32 causal ``scaled_dot_product_attention`` forward and backward, its FLOPs counted as
+    :func:`~megalite.models.config.gpt_flops_per_token` counts them (``3 x 4 b s^2 heads d``, no causal
+    discount)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    grad = torch.ones(batch, heads, seq, head_dim)
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return 3 * 4 * batch * heads * seq * seq * head_dim / _timed(step)
+
+
+def op_overhead(chain: int = 200) -> float:
+    """Seconds an op costs beyond its work: a chain of ``chain`` one-element multiplications through autograd,
+    forward and backward (one op each way), over the ``2 * chain`` ops."""
+    import torch
+
+    x = torch.ones(1, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(chain):
+            y = y * 1.0
+        y.backward()
+
+    return _timed(step) / (2 * chain)
 
 
 def fit_gemm_curve(rows, flops) -> tuple[float, float]:
@@ -53,7 +100,8 @@ def _collective_times(size: int) -> tuple[float, float]:
     import torch.distributed as dist
 
     big, small = torch.ones(size), torch.ones(1)
-    return _best(lambda: dist.all_reduce(big)), _best(lambda: dist.all_reduce(small))
+    return (_timed(lambda: dist.all_reduce(big), clock=time.perf_counter, pick=min),
+            _timed(lambda: dist.all_reduce(small), clock=time.perf_counter, pick=min))
 
 
 def measure_link(size: int = 1 << 20) -> tuple[float, float]:
@@ -71,21 +119,31 @@ def calibrate(path: str) -> Hardware:
 
     import torch
 
-    copy_src = torch.ones(1 << 24)
-    copy_dst = torch.empty_like(copy_src)
-    hbm = 2 * copy_src.numel() * 4 / _best(lambda: copy_dst.copy_(copy_src))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy_src = torch.ones(1 << 24)
+        copy_dst = torch.empty_like(copy_src)
+        hbm = 2 * copy_src.numel() * 4 / _timed(lambda: copy_dst.copy_(copy_src))
+        fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS,
+                                              [gemm_flops("fp32", rows=r) for r in CALIBRATION_ROWS])
+        # The other precisions: their square GEMM's rate, raised to the large-GEMM limit along the fp32 curve.
+        scale = (512 + half_rows) / 512
+        peaks = {"fp32": fp32_peak} | {p: gemm_flops(p) * scale for p in ("bf16", "fp16")}
+        attention = attention_flops() / fp32_peak
+        overhead = op_overhead()
+    finally:
+        torch.set_num_threads(threads)
     bandwidth, latency = measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS, [gemm_flops("fp32", rows=r) for r in CALIBRATION_ROWS])
-    # The other precisions: their square GEMM's rate, raised to the large-GEMM limit along the fp32 curve.
-    scale = (512 + half_rows) / 512
-    hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {os.cpu_count()} cores",
-                  peak_flops={"fp32": fp32_peak} | {p: gemm_flops(p) * scale for p in ("bf16", "fp16")},
-                  efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
-                  gpus_per_node=os.cpu_count() or 1,
-                  intra_node_bandwidth=bandwidth, intra_node_latency_s=latency, inter_node_bandwidth=bandwidth,
-                  inter_node_latency_s=latency)
+    cores = os.cpu_count() or 1
+    hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
+                  peak_flops=peaks, efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
+                  gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency_s=latency,
+                  inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
+                  op_overhead_s=overhead, cores=cores)
     save_hardware(hw, path)
-    print(f"wrote {path}: GEMM fp32 {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
-          f"memory {hbm / 1e9:.1f} GB/s, all-reduce {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
+          f"attention {attention:.2f} of it, memory {hbm / 1e9:.1f} GB/s, {overhead * 1e6:.1f} us per op, "
+          f"{cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
     return hw

@@ -4,13 +4,13 @@ Memory: the exact weights / gradients / optimizer bytes (:mod:`megalite.plan.mem
 micro-batch's activations (:mod:`megalite.plan.activations`) times the micro-batches in flight, plus
 one recomputed layer under full recompute; the larger of the first and last pipeline rank.
 
-Time: model FLOPs (the trainer's :func:`~megalite.models.config.gpt_flops_per_token`, plus what
-recompute adds) at the peak times the GEMM efficiency at one micro-batch's rows
-(:meth:`~megalite.hardware.Hardware.gemm_efficiency`), stretched by the schedule's bubble
+Time: the compute of :func:`~megalite.plan.compute.compute_time` (GEMMs at the GEMM-efficiency curve, attention,
+memory-bound ops, per-op overhead), stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
-:func:`_exposed_communication`), and the optimizer step at HBM bandwidth.
+:func:`_exposed_communication`: none where every CPU core computes), and the optimizer step at HBM bandwidth; where ranks share CPU cores, at least
+all ranks' compute and optimizer work over the cores (:func:`~megalite.plan.compute.oversubscribed`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from functools import lru_cache
 
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
+from megalite.plan.compute import compute_time, overlaps_communication, oversubscribed
 from megalite.pipeline.timeline import analytic_bubble
-from megalite.plan.activations import (TORCHTITAN_OP, layer_activation_bytes, microbatch_activation_bytes,
-                                       microbatches_in_flight, op_recompute_flops_per_token)
+from megalite.plan.activations import layer_activation_bytes, microbatch_activation_bytes, microbatches_in_flight
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 from megalite.plan.traffic import collective_bytes
@@ -95,9 +95,11 @@ def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int
 
 
 def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
-                           global_batch_size: int, compute: float, peak: float, cache: dict | None) -> dict:
+                           global_batch_size: int, compute: float, attention: float, cache: dict | None) -> dict:
     """Seconds of each axis's communication left exposed, from :func:`~megalite.plan.traffic.collective_bytes`
-    (the larger of the first and last pipeline rank, per axis) over the link its group spans.
+    (the larger of the first and last pipeline rank, per axis) over the link its group spans.  ``compute`` and
+    ``attention`` are the step's compute and attention seconds on a rank; nothing overlaps where every CPU core
+    computes (:func:`~megalite.plan.compute.overlaps_communication`).
 
     Overlap: one of a layer's four TP collectives (a column layer's input-gradient reduction) hides behind
     its weight-gradient GEMM; the p2p CP ring behind the attention it feeds (the all-gather and a2a
@@ -116,16 +118,16 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     forwards = 2 if layout.recompute == "full" else 1
     out = {}
     tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
-    out["tp"] = (1 - TP_HIDDEN_SHARE) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
+    hidden_share = TP_HIDDEN_SHARE
+    if not overlaps_communication(hw, world):
+        compute = attention = hidden_share = 0.0
+    out["tp"] = (1 - hidden_share) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
     cp_link = hw.link(tp * cp)
     if layout.cp_comm_type == "p2p":
         # Point-to-point sends: the whole payload crosses the link once.
         sends = m * layers * ((cp - 1) * (forwards + 1) + cp)
         ring = 0.0 if cp == 1 else volume["cp"] / cp_link[0] + sends * cp_link[1]
-        mb_tokens = layout.micro_batch_size * seq_length / cp
-        attention = (forwards + 2) * 4 * mb_tokens * seq_length * config.num_attention_heads / tp \
-            * config.kv_channels / 2 / peak
-        out["cp"] = max(0.0, ring - layers * m * attention)
+        out["cp"] = max(0.0, ring - attention)
     else:
         calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
         out["cp"] = _collective(volume["cp"], cp, cp_link, 1, calls)
@@ -192,29 +194,22 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
                           "microbatches_in_flight": in_flight, "recompute_buffer": extra,
                           "fsdp_gathered": gathered, "total": total, "pp_rank": pp_rank}
 
-    # GEMM rows: one micro-batch's tokens on this rank (sequence-parallel inputs are gathered before the GEMM).
-    peak = hw.peak(layout.precision) * hw.gemm_efficiency(layout.micro_batch_size * seq_length / layout.cp)
     tokens = global_batch_size * seq_length
     flops_per_token = _cached(cache, ("flops", seq_length), lambda: gpt_flops_per_token(config, seq_length))
-    h, d = config.hidden_size, config.kv_channels
-    attention_fwd_per_token = 4 * seq_length * config.num_attention_heads * d * config.num_layers
-    extra = 0.0
-    if layout.recompute == "full":
-        extra = (flops_per_token - 6.0 * h * config.vocab_size) / 3
-    elif layout.recompute == "selective":
-        extra = attention_fwd_per_token
-    elif layout.recompute == TORCHTITAN_OP:
-        extra = op_recompute_flops_per_token(config)
-    compute = tokens * (flops_per_token + extra) / layout.world / peak
+    work = compute_time(config, layout, hw, seq_length, global_batch_size)
+    compute = sum(work.values())
     schedule = schedule_name(layout)
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)
     pipeline = compute / (1 - bubble) - compute
 
-    comm = _exposed_communication(config, layout, hw, seq_length, global_batch_size, compute, peak, cache)
+    comm = _exposed_communication(config, layout, hw, seq_length, global_batch_size, compute, work["attention"],
+                                  cache)
     state_bytes = est.memory["weights"] + est.memory["grads"] + est.memory["optimizer"]
     optimizer_time = 2 * state_bytes / hw.hbm_bandwidth
-    est.time = {"compute": compute, "pipeline_bubble": pipeline, **comm, "optimizer": optimizer_time}
-    est.step_time_s = sum(est.time.values())
+    est.time = {**work, "pipeline_bubble": pipeline, **comm, "optimizer": optimizer_time}
+    step = compute + pipeline + sum(comm.values()) + optimizer_time
+    est.time["oversubscription"] = oversubscribed(hw, layout.world, compute + optimizer_time, step)
+    est.step_time_s = step + est.time["oversubscription"]
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / layout.world
     est.mfu = est.tokens_per_s_per_gpu * flops_per_token / hw.peak(layout.precision)
     return est

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -88,6 +89,8 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert main(["--calibrate", str(path)]) == 0
     hw = load_hardware(str(path))
     assert hw.peak("fp32") > 0 and hw.intra_node_bandwidth > 0 and hw.efficiency == 1.0
+    assert hw.attention_efficiency > 0 and hw.op_overhead_s > 0 and hw.hbm_bandwidth > 0
+    assert hw.cores == hw.gpus_per_node == os.cpu_count()
     assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["layouts"][0]["step_time_s"] > 0

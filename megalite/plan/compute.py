@@ -1,0 +1,201 @@
+"""Compute time of one training step on one rank: GEMMs, attention, memory-bound ops and per-op overhead.
+
+Four kinds of work, each at its own rate from the hardware profile (:class:`~megalite.hardware.Hardware`):
+
+- GEMMs: the model FLOPs of :func:`~megalite.models.config.gpt_flops_per_token` less the core attention's (plus
+  what recompute adds) at the peak times the GEMM efficiency at one micro-batch's rows;
+- the fused causal attention (``4 * seq * heads * d`` FLOPs a token and layer forward, twice that backward, once
+  more under selective or full recompute) at :meth:`~megalite.hardware.Hardware.attention_rate`; context
+  parallelism's blockwise attention (:mod:`megalite.context_parallel.blockwise`) instead runs its tiles' matmuls
+  as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
+- the memory-bound ops (norms, residual sums, activation functions, RoPE, the fused QKV split's gradient, bias
+  gradients, weight-gradient accumulation, the embedding and the loss over the logits): the elements each reads
+  and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``;
+- every op's fixed cost (dispatch, autograd, a kernel launch) at ``op_overhead_s``, counted in ops per layer
+  (:data:`LAYER_OPS`: the aten ops megalite's layer runs, counted in tests/plan/test_compute.py).
+
+Per rank: the step's tokens over the ranks, each pipeline rank holding ``1 / pp`` of the layers and of the
+embedding and loss (the average stage: the planner's pipeline model assumes balanced stages).  Where ranks share
+CPU cores (``hw.cores``), :func:`oversubscribed` says how much longer a step takes when more ranks than cores
+compete for them, and :func:`overlaps_communication` whether collectives can hide behind compute at all.
+"""
+
+from __future__ import annotations
+
+from megalite.hardware import Hardware
+from megalite.models.config import GPTConfig, gpt_flops_per_token
+from megalite.plan.activations import TORCHTITAN_OP, op_recompute_flops_per_token
+from megalite.plan.layout import DTYPE_BYTES, Layout
+from megalite.plan.memory import layer_params
+
+LAYER_OPS = {"forward": 35, "backward": 69}
+"""Aten ops (views and gradient accumulation included) of one transformer layer for one micro-batch: LayerNorm,
+GELU, biases, learned positions."""
+
+ROPE_OPS = {"forward": 10, "backward": 8}
+"""The ops RoPE adds to a layer."""
+
+EMBEDDING_AND_LOSS_OPS = {"forward": 28, "backward": 27}
+"""Ops of the embedding, final norm, output layer and loss for one micro-batch (and one reduction of the loss)."""
+
+BLOCKWISE_TILE_OPS = {"forward": 9, "backward": 14}
+"""Ops of one (query tile, key tile) pair of the blockwise attention (its matmuls, scaling, mask, softmax and
+merge forward; the recomputed scores and the four gradient matmuls backward)."""
+
+BLOCKWISE_SCORE_PASSES = {"forward": 11, "backward": 13}
+"""Reads and writes of a score tile's elements by the blockwise attention's elementwise ops: forward the scale,
+mask, log-sum-exp, shift and exponential; backward the same up to the exponential, then the shift by the
+output's row dot and the product with the probabilities."""
+
+BLOCKWISE_MATMULS = {"forward": 2, "backward": 5}
+"""The blockwise attention's matmuls per tile: scores and output forward; recomputed scores, dv, dprobs, dq and
+dk backward (:func:`~megalite.models.config.gpt_flops_per_token` counts four for the fused attention's backward,
+which recomputes the scores too)."""
+
+
+def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: int = 0) -> tuple[float, float]:
+    """Elements the memory-bound ops of global layer ``layer`` read and write for one micro-batch on one rank,
+    ``(forward, backward)``.
+
+    Forward: the two norms (read, write), the two residual sums (two reads, a write), dropout's (read, write) when
+    on, RoPE's rotation of q and k (a negated half, a concatenation, two products and a sum), the activation
+    function (GELU reads and writes ``ffn``, SwiGLU reads ``2 ffn`` and writes ``ffn``), MoE's token permutation
+    there and back (attention reads q/k/v strided: no layout copies).  Backward: each norm reads its input and
+    output gradient and writes its input gradient, the gradient sums at the two branch points, the fused QKV
+    split's gradient (one concatenation of the three pieces' gradients),
+    RoPE, the activation's (GELU three, SwiGLU five per ``ffn``), the bias gradients' reductions, and the
+    accumulation of the layer's weight gradients (read two, write one).
+    """
+    tp, cp = layout.tp, layout.cp
+    tokens = layout.micro_batch_size * seq_length / cp
+    sp_tokens = tokens / tp if layout.sequence_parallel and tp > 1 else tokens
+    h, d = config.hidden_size, config.kv_channels
+    q = config.num_attention_heads // tp * d
+    kv = max(config.num_query_groups // tp, 1) * d
+    qkv = tokens * (q + 2 * kv)
+    forward = sp_tokens * h * (2 * 2 + 3 * 2)
+    backward = sp_tokens * h * (3 * 2 + 3 * 2) + 2 * qkv
+    if config.hidden_dropout > 0:
+        forward += sp_tokens * h * 2 * 2
+        backward += sp_tokens * h * 2 * 2
+    if config.position_embedding_type == "rope":
+        forward += 12 * tokens * (q + kv)
+        backward += 12 * tokens * (q + kv)
+    swiglu = config.activation == "swiglu"
+    if config.is_moe_layer(layer):
+        moe = config.moe
+        routed = (sp_tokens if layout.sequence_parallel else tokens / tp) * moe.topk
+        ffn = routed * moe.ffn_hidden_size / layout.expert_tp
+        forward += 2 * 2 * routed * h
+        backward += 2 * 2 * routed * h
+        swiglu = moe.activation == "swiglu"
+    else:
+        ffn = tokens * config.ffn_hidden_size / tp
+    forward += (3 if swiglu else 2) * ffn
+    backward += (5 if swiglu else 3) * ffn
+    if config.add_bias_linear:
+        backward += qkv + (2 if swiglu else 1) * ffn + 2 * sp_tokens * h
+    params = sum(p.numel for p in layer_params(config, layer, layout))
+    return forward, backward + 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+
+
+def head_elements(config: GPTConfig, layout: Layout, seq_length: int) -> float:
+    """Elements the embedding, final norm, logits and loss read and write for one micro-batch (forward and
+    backward): the embedding's gather, the final norm, the cross entropy over the logits (log-softmax's max and
+    normalisation, its backward's gradient and the loss's), and the accumulation of the embedding's (and an
+    untied output layer's) weight gradient."""
+    tp = layout.tp
+    tokens = layout.micro_batch_size * seq_length / layout.cp
+    sp_tokens = tokens / tp if layout.sequence_parallel and tp > 1 else tokens
+    h, vocab = config.hidden_size, config.vocab_size / tp
+    matrices = 1 if not config.untie_embeddings_and_output_weights else 2
+    weights = matrices * vocab * h * 3 * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+    return 2 * sp_tokens * h + 5 * sp_tokens * h + 7 * tokens * vocab + weights
+
+
+def _grad_bytes(layout: Layout) -> int:
+    return 4 if layout.grad_reduce_in_fp32 or layout.fsdp else DTYPE_BYTES[layout.precision]
+
+
+def _layer_kinds(config: GPTConfig) -> list[tuple[int, int]]:
+    """``(a layer of each kind, how many)``: dense and MoE layers differ in their memory-bound work."""
+    moe = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    return [(group[0], len(group)) for group in (dense, moe) if group]
+
+
+def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, forwards: int,
+                         gemm_rate: float) -> dict:
+    """Seconds of context parallelism's blockwise attention per micro-batch and layer on one rank.
+
+    Each rank's ``seq / cp`` queries see the keys before them: with the sequence cut into ``2 cp`` load-balanced
+    chunks, ``(2 cp + 1) / (4 cp)`` of the ``[seq / cp, seq]`` scores are computed (the chunk pairs on and below
+    the diagonal), in tiles of one chunk.  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
+    score elements pass through memory :data:`BLOCKWISE_SCORE_PASSES` times in fp32, and each tile pair runs
+    :data:`BLOCKWISE_TILE_OPS`.
+    """
+    cp = layout.cp
+    heads, d = config.num_attention_heads // layout.tp, config.kv_channels
+    scores = layout.micro_batch_size * heads * seq_length / cp * seq_length * (2 * cp + 1) / (4 * cp)
+    tiles = 2 * 2 * cp  # two local query chunks against the two chunks of each of the cp key blocks
+    matmuls = forwards * BLOCKWISE_MATMULS["forward"] + BLOCKWISE_MATMULS["backward"]
+    passes = forwards * BLOCKWISE_SCORE_PASSES["forward"] + BLOCKWISE_SCORE_PASSES["backward"]
+    ops = forwards * BLOCKWISE_TILE_OPS["forward"] + BLOCKWISE_TILE_OPS["backward"]
+    return {"attention": matmuls * 2 * scores * d / gemm_rate, "memory_bound": passes * scores * 4 / hw.hbm_bandwidth,
+            "op_overhead": ops * tiles * hw.op_overhead_s}
+
+
+def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int) -> dict:
+    """Seconds of one step's compute on one rank, by kind: ``gemm``, ``attention``, ``memory_bound``,
+    ``op_overhead``."""
+    m = global_batch_size // (layout.micro_batch_size * layout.dp)
+    rows = layout.micro_batch_size * seq_length / layout.cp
+    gemm_rate = hw.peak(layout.precision) * hw.gemm_efficiency(rows)
+    tokens = global_batch_size * seq_length / layout.world
+    flops_per_token = gpt_flops_per_token(config, seq_length)
+    h, d = config.hidden_size, config.kv_channels
+    attention_forward = 4 * seq_length * config.num_attention_heads * d * config.num_layers
+    forwards = 2 if layout.recompute == "full" else 1
+    gemm = flops_per_token - 3 * attention_forward
+    if layout.recompute == "full":
+        gemm += (flops_per_token - 6.0 * h * config.vocab_size) / 3 - attention_forward
+    elif layout.recompute == TORCHTITAN_OP:
+        gemm += op_recompute_flops_per_token(config)
+    layers = config.num_layers / layout.pp
+    out = {"gemm": tokens * gemm / gemm_rate, "attention": 0.0, "memory_bound": 0.0, "op_overhead": 0.0}
+    if layout.cp > 1:
+        blockwise = _blockwise_attention(config, layout, hw, seq_length, forwards, gemm_rate)
+        for kind, seconds in blockwise.items():
+            out[kind] += m * layers * seconds
+    else:
+        recomputed = 4 if layout.recompute in ("full", "selective") else 3
+        out["attention"] = tokens * recomputed * attention_forward / hw.attention_rate(layout.precision, rows)
+    e = DTYPE_BYTES[layout.precision]
+    elements = 0.0
+    for layer, count in _layer_kinds(config):
+        fwd, bwd = layer_elements(config, layout, seq_length, layer)
+        elements += count * (forwards * fwd + bwd) / layout.pp
+    elements += head_elements(config, layout, seq_length) / layout.pp
+    out["memory_bound"] += m * elements * e / hw.hbm_bandwidth
+    layer_ops = forwards * LAYER_OPS["forward"] + LAYER_OPS["backward"]
+    if config.position_embedding_type == "rope":
+        layer_ops += forwards * ROPE_OPS["forward"] + ROPE_OPS["backward"]
+    ops = layers * layer_ops + sum(EMBEDDING_AND_LOSS_OPS.values()) / layout.pp
+    out["op_overhead"] += m * ops * hw.op_overhead_s
+    return out
+
+
+def overlaps_communication(hw: Hardware, world: int) -> bool:
+    """Whether communication can run beside compute: on GPUs (copy engines and NICs do it), or on CPUs with a core
+    no rank computes on.  When every core runs a rank's compute, a collective's copies, reductions and socket work
+    take the same cores, so none of it hides."""
+    return hw.cores is None or world < hw.cores
+
+
+def oversubscribed(hw: Hardware, world: int, busy: float, step: float) -> float:
+    """Seconds a step of ``step`` seconds is stretched when ``world`` ranks, each busy ``busy`` seconds of it,
+    share ``hw.cores`` cores: the cores run at most ``cores`` ranks' work at a time, so the step takes at least
+    ``world * busy / cores``."""
+    if hw.cores is None or world <= hw.cores:
+        return 0.0
+    return max(0.0, world * busy / hw.cores - step)
