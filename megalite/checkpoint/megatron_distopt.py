@@ -16,9 +16,9 @@ into its global tensor by :func:`megalite.checkpoint.sharding.global_param`, the
 SwiGLU ``[gate_r; up_r]`` rows, padded vocabulary rows cut), as the legacy reader places weights.
 
 Megatron-LM's legacy format (``--ckpt-format torch``) keeps the same state in ``distrib_optim.pt`` beside each
-model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per gradient buffer, the flat state of
-the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same layout
-(:func:`legacy_distributed_optimizer`).
+model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per gradient buffer (model chunk), the
+flat state of the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same
+layout, :func:`megalite.checkpoint.megatron_buffers.chunk_layouts` (:func:`legacy_distributed_optimizer`).
 
 Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
 LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
@@ -33,8 +33,8 @@ megalite's stacked expert weights.
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
 layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
-or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader keeps
-to the local spec, even stages, one chunk, untied embeddings over stages and no experts.  Other saves are
+or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
+the same layouts without experts (megalite reads Megatron's MoE checkpoints in torch_dist).  Other saves are
 named.
 """
 
@@ -45,8 +45,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OTHER_SPLITS, OUTPUT_COPY, buffer_args, buffer_of,
-                                                  chunk_layouts, local_expert, place)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OTHER_SPLITS, OUTPUT_COPY, buffer_args, chunk_layouts,
+                                                  local_expert, place)
 from megalite.checkpoint.megatron_optim import default_groups_problem, expert_groups_problem, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -57,10 +57,6 @@ PREFIX = "optimizer.distributed.dp_group_idx_"
 STATE_KEYS = {"param": "main", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
                      r"\.bucket_idx_(\d+)\.(\w+)$")
-# Pipeline layouts the legacy format's reader does not read (its rank files hold one chunk's state each).
-_LEGACY_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "virtual_pipeline_model_parallel_size")
 
 
 def dp_reshardable(saved) -> list[str] | None:
@@ -88,23 +84,20 @@ def _run_problem(args: dict, config, names, saved, legacy: bool = False):
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")
-    if impl not in ("local", "transformer_engine") or (impl != "local" and (legacy or args.get("num_experts"))):
+    if impl not in ("local", "transformer_engine") or (impl != "local" and args.get("num_experts")):
         return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
-                "Transformer Engine's without experts in the torch_dist format")
+                "Transformer Engine's without experts")
     if args.get("num_experts") and (legacy or args.get("moe_grouped_gemm")):
         return (f"of experts {'in GroupedMLP (--moe-grouped-gemm)' if not legacy else 'in the legacy format'}, "
                 "which megalite does not place")
     layout = buffer_args(args)
-    other = next((flag for flag in OTHER_SPLITS + (_LEGACY_SPLITS if legacy else ()) if args.get(flag)), None)
+    other = next((flag for flag in OTHER_SPLITS if args.get(flag)), None)
     try:
         split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
     except ValueError as err:
         other = other or str(err)
     if other:
         return f"saved with pipeline stages megalite does not place ({other})"
-    if legacy and pp > 1 and not config.untie_embeddings_and_output_weights:
-        return ("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
-                "megalite's legacy reader does not read")
     dims = split_dims(config)
     unknown = [n for n in names if n not in dims or (place(n) is None and not n.endswith(tuple(EXPERT_WEIGHTS)))]
     if unknown:
@@ -220,42 +213,63 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
 
 
 def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local: dict):
-    """``({(tp rank, pp rank): {megalite state key: {parameter: local shard}}}, megalite's optimizer JSON state)``
-    of a legacy save's distributed optimizer, or why it cannot be read (a string).  ``saved``: the
-    ``optimizer`` entry of ``model_optim_rng.pt`` (Megatron's ``DistributedOptimizer.state_dict()``: the inner
-    optimizer's ``param_groups`` with ``step``); ``buffers``: each model-parallel rank's ``distrib_optim.pt``
-    (``save_parameter_state``: per gradient buffer and dtype, the flat ``param``/``exp_avg``/``exp_avg_sq`` of
-    the whole buffer, its buckets' unpadded parts gathered from the DP ranks and concatenated);
-    ``local``: each rank's ``{parameter (global layer numbers): local shape}``."""
+    """``({(tp rank, pp rank): [{megalite state key: {parameter: local shard}} per model chunk]}, megalite's
+    optimizer JSON state)`` of a legacy save's distributed optimizer, or why it cannot be read (a string).
+    ``saved``: the ``optimizer`` entry of ``model_optim_rng.pt`` (Megatron's ``DistributedOptimizer.state_dict()``:
+    the inner optimizer's ``param_groups`` with ``step``); ``buffers``: each model-parallel rank's
+    ``distrib_optim.pt`` (``save_parameter_state``: per gradient buffer (model chunk) and dtype, the flat
+    ``param``/``exp_avg``/``exp_avg_sq`` of the whole buffer, its buckets' unpadded parts gathered from the DP ranks
+    and concatenated); ``local``: each rank's ``[{parameter (global layer numbers): local shape} per model chunk]``.
+    Each buffer is cut by :func:`chunk_layouts`, the torch_dist reader's rule, which must give the rank's saved
+    parameters and shapes; the last stage's copy of tied embeddings is not read (the first stage's has its state)."""
     saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
     inner = saved.get("optimizer") if isinstance(saved, dict) else None
-    found = _run_problem(args, config, {n for names in local.values() for n in names}, inner, legacy=True)
+    tied = not config.untie_embeddings_and_output_weights
+    names = {n for chunks in local.values() for chunk in chunks for n in chunk if not (tied and n == OUTPUT_COPY)}
+    found = _run_problem(args, config, names, inner, legacy=True)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
     groups, _, step, layout, mixed = found
     problem = default_groups_problem(groups)
     if problem:
         return problem
+    dims, shapes = split_dims(config), {}  # Megatron's global shapes (the vocabulary padded), from tensor rank 0's
+    for (t, _), chunks in local.items():
+        for chunk in chunks:
+            shapes.update({n: tuple(d * layout["tp"] if i == dims[n] else d for i, d in enumerate(shape))
+                           for n, shape in chunk.items() if n in names and t == 0})
     out = {}
     for (t, p), buffer in buffers.items():
         where = f"the distrib_optim.pt of tensor rank {t}, pipeline rank {p}"
+        try:
+            chunks = chunk_layouts(config, shapes, p, **layout)
+        except ValueError as err:
+            return f"it is a distributed optimizer's state {err}"
         gbufs = {k: v for k, v in buffer.items() if k != "buckets_coalesced"} if isinstance(buffer, dict) else {}
-        if not buffer.get("buckets_coalesced") or list(gbufs) != [0] or len(gbufs[0]) != 1:
-            return f"{where} is not Megatron-Core's one coalesced gradient buffer (save_parameter_state)"
-        world = next(iter(gbufs[0].values()))
-        names, places, unpadded = buffer_of(local[(t, p)], layout["dp"], layout["bucket_size"] if p == 0 else None,
-                                            layout["high_bandwidth"])
-        if world.get("numel_unpadded") != sum(unpadded) or any(
-                world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
-            return (f"{where} holds {world.get('numel_unpadded')} elements, not the {sum(unpadded)} of megalite's "
-                    "rebuild of Megatron's gradient buffer")
-        offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
-        states = out.setdefault((t, p), {})
-        for name, (bucket, start) in zip(names, places):
-            begin, shape = offsets[bucket] + start, local[(t, p)][name]
-            for state, ours in STATE_KEYS.items():
-                if state in world and (state != "param" or mixed):
-                    states.setdefault(ours, {})[name] = world[state][begin:begin + math.prod(shape)].view(shape)
-        if any(key not in states for key in ("exp_avg", "exp_avg_sq")):
-            return f"{where} holds no Adam moments"
+        if (not buffer.get("buckets_coalesced") or sorted(gbufs) != list(range(len(chunks)))
+                or any(len(by_dtype) != 1 for by_dtype in gbufs.values())):
+            return (f"{where} is not Megatron-Core's coalesced gradient buffers (save_parameter_state), one per model "
+                    f"chunk ({len(chunks)})")
+        per_chunk = out.setdefault((t, p), [])
+        for chunk, (shards, order, places, unpadded) in enumerate(chunks):
+            if shards != local[(t, p)][chunk]:
+                return (f"{where}: the parameters of its model chunk {chunk} are not those megalite's rebuild of "
+                        "Megatron's gradient buffer gives")
+            world = next(iter(gbufs[chunk].values()))
+            if world.get("numel_unpadded") != sum(unpadded) or any(
+                    world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
+                return (f"{where} holds {world.get('numel_unpadded')} elements in its buffer {chunk}, not the "
+                        f"{sum(unpadded)} of megalite's rebuild of Megatron's gradient buffer")
+            offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
+            states = {}
+            for name, (bucket, start) in zip(order, places):
+                if tied and name == OUTPUT_COPY:
+                    continue
+                begin, shape = offsets[bucket] + start, shards[name]
+                for state, ours in STATE_KEYS.items():
+                    if state in world and (state != "param" or mixed):
+                        states.setdefault(ours, {})[name] = world[state][begin:begin + math.prod(shape)].view(shape)
+            if any(key not in states for key in ("exp_avg", "exp_avg_sq")):
+                return f"{where} holds no Adam moments"
+            per_chunk.append(states)
     return out, optimizer_meta(groups, step)

@@ -49,6 +49,7 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_names import megalite_name
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY
 from megalite.checkpoint.megatron_distopt import legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
@@ -234,13 +235,12 @@ def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, directory
     missing = [f for f in files.values() if not os.path.isfile(f)]
     if missing:
         return {}, None, f"it is a distributed optimizer's state whose {missing[0]} is missing"
-    if any(len(per_stage) > 1 for per_stage in chunks.values()):
-        return {}, None, "it is a distributed optimizer's state of virtual pipeline stages, which megalite does not read"
-    offsets = [sum(_layers(chunks[(0, q)][0]) for q in range(p)) for p in range(pp)]
-    names = {key: {_global_name(name, offsets[key[1]]): name for name, t in chunk[0].items()
-                   if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")} for key, chunk in chunks.items()}
-    local = {key: {name: tuple(chunks[key][0][ours].shape) for name, ours in per_rank.items()}
-             for key, per_rank in names.items()}
+    offsets = _offsets(chunks, pp)
+    names = {(t, p): [{_global_name(name, offsets[(v, p)]): name for name, tensor in chunk.items()
+                       if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
+                      for v, chunk in enumerate(per_stage)] for (t, p), per_stage in chunks.items()}
+    local = {key: [{name: tuple(chunks[key][v][ours].shape) for name, ours in chunk.items()}
+                   for v, chunk in enumerate(per_rank)] for key, per_rank in names.items()}
     buffers = {key: _load(f) for key, f in files.items()}
     found = legacy_distributed_optimizer(vars(states[(0, 0)]["args"]), config, states[(0, 0)]["optimizer"], buffers,
                                          local)
@@ -249,9 +249,9 @@ def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, directory
     per_rank, meta = found
     tensors = {}
     for key in ("exp_avg", "exp_avg_sq", "main"):
-        if all(key in by_key for by_key in per_rank.values()):
-            moments = {rank: [{names[rank][name]: t for name, t in by_key[key].items()}]
-                       for rank, by_key in per_rank.items()}
+        if all(key in by_key for per_chunk in per_rank.values() for by_key in per_chunk):
+            moments = {rank: [{names[rank][v][name]: t for name, t in by_key[key].items()}
+                              for v, by_key in enumerate(per_chunk)] for rank, per_chunk in per_rank.items()}
             tensors.update({f"optimizer.{key}.{name}": value
                             for name, value in _assemble(config, moments, tp, pp, directory).items()})
     return tensors, meta, None
@@ -302,17 +302,23 @@ def _optimizer_entries(saved, chunks: list[dict]):
     return entries, optimizer_meta(groups, steps.pop())
 
 
+def _offsets(chunks: dict, pp: int, with_total: bool = False):
+    """``{(virtual stage, pipeline stage): its first layer's global number}`` of ``{(tp_rank, pp_rank): [state dict
+    per virtual stage]}`` (layers are numbered within each chunk; global order is virtual stage, then pipeline
+    stage), and with ``with_total`` the number of layers."""
+    offsets, total = {}, 0
+    for v in range(len(chunks[(0, 0)])):
+        for p in range(pp):
+            offsets[(v, p)] = total
+            total += _layers(chunks[(0, p)][v])
+    return (offsets, total) if with_total else offsets
+
+
 def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
     """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
     dims = split_dims(config)
     expected = global_shapes(config)
-    # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
-    vpp = len(chunks[(0, 0)])
-    offsets, total = {}, 0
-    for v in range(vpp):
-        for p in range(pp):
-            offsets[(v, p)] = total
-            total += _layers(chunks[(0, p)][v])
+    offsets, total = _offsets(chunks, pp, with_total=True)
     if total != config.num_layers:
         raise ValueError(f"{directory} holds {total} transformer layers, but the saved args say num_layers "
                          f"{config.num_layers}")
@@ -323,6 +329,8 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
+                if name == OUTPUT_COPY and not config.untie_embeddings_and_output_weights:
+                    continue  # the last stage's copy of tied word embeddings (pipeline stages)
                 if name not in dims:
                     raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
                                      "the saved args describe")

@@ -53,7 +53,7 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
      "of 1 chained optimizers, not the 2 of its dense and expert parameters"),
     (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, transformer_impl="transformer_engine"),
      "saved with transformer_impl 'transformer_engine'; megalite reads it from runs of the local layer spec, or of "
-     "Transformer Engine's without experts in the torch_dist format"),
+     "Transformer Engine's without experts"),
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's splits that
