@@ -45,8 +45,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OTHER_SPLITS, OUTPUT_COPY, buffer_args, chunk_layouts,
-                                                  local_expert, place)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts, local_expert,
+                                                  place, split_problem)
 from megalite.checkpoint.megatron_optim import default_groups_problem, expert_groups_problem, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -91,7 +91,7 @@ def _run_problem(args: dict, config, names, saved, legacy: bool = False):
         return (f"of experts {'in GroupedMLP (--moe-grouped-gemm)' if not legacy else 'in the legacy format'}, "
                 "which megalite does not place")
     layout = buffer_args(args)
-    other = next((flag for flag in OTHER_SPLITS if args.get(flag)), None)
+    other = split_problem(args)
     try:
         split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
     except ValueError as err:
