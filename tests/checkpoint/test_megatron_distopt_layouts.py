@@ -18,7 +18,7 @@ gradient buffers differ from an even split of untied dense layers in the local s
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
 tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
-The dense cases are also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
+Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
 the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
 """
@@ -83,7 +83,7 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te")
+LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 
 
@@ -210,8 +210,9 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
-    """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``)
-    and TE's order: Megatron-LM's legacy save of the same state as each torch_dist save, read behind the pickle
+    """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
+    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers): Megatron-LM's
+    legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""
     import shutil
@@ -238,6 +239,7 @@ def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     torch.save(buffers, path)
     legacy = read_megatron_legacy(copy, allow_pickle=True, vocab_size=fixture.PADDED_VOCAB)
     assert legacy.optimizer is None and not any(n.startswith("optimizer.") for n in legacy.tensors)
-    assert sorted(legacy.tensors) == sorted(n for n in theirs.shapes if not n.startswith("optimizer."))
+    weights = [n for n in MegatronDistReader(os.path.join(root, "vpp")).shapes if not n.startswith("optimizer.")]
+    assert sorted(legacy.tensors) == sorted(weights)
     assert legacy.optimizer_note == ("the distrib_optim.pt of tensor rank 0, pipeline rank 1 is not Megatron-Core's "
                                      "coalesced gradient buffers (save_parameter_state), one per model chunk (2)")
