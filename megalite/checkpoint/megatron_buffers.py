@@ -12,7 +12,10 @@ the first stage's word embeddings and the last stage's copy of them (its ``outpu
 bucket of their own (their gradients are all-reduced over the embedding group after the DP reduce-scatter).
 
 Which chunk holds which layers is megalite's one layer split (:func:`megalite.pipeline.split_layers`), the same
-as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks.
+as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks, and
+without interleaved chunks for ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+(Megatron-Core splits the layers plus the embedding and the loss evenly, then builds one layer fewer on the first
+and the last stage: megalite's first and last stage layer counts).
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer
 # the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
 # megalite's norm of each of those modules.
 TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_layernorm.": "mlp.linear_fc1."}
-# Megatron-LM's flags of pipeline splits megalite does not rebuild (the layers' stages would be guessed at).
-OTHER_SPLITS = ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                "account_for_loss_in_pipeline_split")
+# Megatron-LM's flags of splits that count the embedding and the loss as a pipeline layer each.
+_ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def place(name: str, te: bool = False):
@@ -101,6 +103,32 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
     return [places[i] for i in range(len(numels))], unpadded
 
 
+def _accounted_stages(args: dict) -> tuple[int, int] | None:
+    """``(first, last)`` stage layer counts of a run (saved ``args``) whose pipeline split counts the embedding
+    and/or the loss as a layer (:data:`_ACCOUNTED`), as Megatron-Core's ``get_num_layers_to_build`` gives them at
+    pp > 1 without interleaved chunks; None for another run, or one megalite's split cannot express
+    (:func:`split_problem`)."""
+    embedding, loss = (bool(args.get(flag)) for flag in _ACCOUNTED)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    total = int(args.get("num_layers") or 0) + embedding + loss
+    if not (embedding or loss) or pp == 1 or args.get("virtual_pipeline_model_parallel_size") or total % pp:
+        return None
+    return total // pp - embedding, total // pp - loss
+
+
+def split_problem(args: dict) -> str | None:
+    """The flag of Megatron-LM's saved ``args`` whose pipeline split megalite does not rebuild (the layers' stages
+    would be guessed at), or None: ``--pipeline-model-parallel-layout``, and a split that counts the embedding or
+    the loss as a layer with interleaved chunks (only the first/last chunk has a layer fewer) or layers that do
+    not split so."""
+    if args.get("pipeline_model_parallel_layout"):
+        return "pipeline_model_parallel_layout"
+    accounted = next((flag for flag in _ACCOUNTED if args.get(flag)), None)
+    if accounted and int(args.get("pipeline_model_parallel_size") or 1) > 1 and _accounted_stages(args) is None:
+        return accounted
+    return None
+
+
 def buffer_args(args: dict) -> dict:
     """The keyword arguments of :func:`chunk_layouts` that Megatron-LM's saved ``args`` give (a dict)."""
     dp = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
@@ -109,6 +137,9 @@ def buffer_args(args: dict) -> dict:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
+    accounted = _accounted_stages(args)
+    if accounted is not None and first is None and last is None:
+        first, last = accounted
     tp = int(args.get("tensor_model_parallel_size") or 1)
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),

@@ -16,9 +16,9 @@ into its global tensor by :func:`megalite.checkpoint.sharding.global_param`, the
 SwiGLU ``[gate_r; up_r]`` rows, padded vocabulary rows cut), as the legacy reader places weights.
 
 Megatron-LM's legacy format (``--ckpt-format torch``) keeps the same state in ``distrib_optim.pt`` beside each
-model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per gradient buffer, the flat state of
-the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same layout
-(:func:`legacy_distributed_optimizer`).
+model-parallel rank's ``model_optim_rng.pt`` (``save_parameter_state``: per gradient buffer (model chunk), the
+flat state of the whole buffer, its buckets' unpadded parts gathered over DP and concatenated), cut by the same
+layout, :func:`megalite.checkpoint.megatron_buffers.chunk_layouts` (:func:`legacy_distributed_optimizer`).
 
 Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
 LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
@@ -33,9 +33,9 @@ megalite's stacked expert weights.
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
 layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
-or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader keeps
-to the local spec, even stages, one chunk, untied embeddings over stages and no experts.  Other saves are
-named.
+or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
+the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
+Other saves are named.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OTHER_SPLITS, OUTPUT_COPY, buffer_args, buffer_of,
-                                                  chunk_layouts, local_expert, place)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts, local_expert,
+                                                  place, split_problem)
 from megalite.checkpoint.megatron_optim import default_groups_problem, expert_groups_problem, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -57,10 +57,6 @@ PREFIX = "optimizer.distributed.dp_group_idx_"
 STATE_KEYS = {"param": "main", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
                      r"\.bucket_idx_(\d+)\.(\w+)$")
-# Pipeline layouts the legacy format's reader does not read (its rank files hold one chunk's state each).
-_LEGACY_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "virtual_pipeline_model_parallel_size")
 
 
 def dp_reshardable(saved) -> list[str] | None:
@@ -80,31 +76,27 @@ def _inners(saved) -> list:
     return [s[0] if isinstance(s, list) and len(s) == 1 else s for s in saved]
 
 
-def _run_problem(args: dict, config, names, saved, legacy: bool = False):
+def _run_problem(args: dict, config, names, saved):
     """What makes a distributed optimizer's save of the model ``config`` (parameters ``names``) unreadable, or
     ``(its dense parameter groups, its inner optimizer states, its Adam step, :func:`buffer_args`, whether it has
     fp32 main weights of half-precision ones)`` from its saved args and Megatron's inner optimizer states ``saved``
-    (:func:`_inners`: ``param_groups`` with ``step``).  ``legacy``: the legacy format's reader."""
+    (:func:`_inners`: ``param_groups`` with ``step``)."""
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")
-    if impl not in ("local", "transformer_engine") or (impl != "local" and (legacy or args.get("num_experts"))):
+    if impl not in ("local", "transformer_engine") or (impl != "local" and args.get("num_experts")):
         return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
-                "Transformer Engine's without experts in the torch_dist format")
-    if args.get("num_experts") and (legacy or args.get("moe_grouped_gemm")):
-        return (f"of experts {'in GroupedMLP (--moe-grouped-gemm)' if not legacy else 'in the legacy format'}, "
-                "which megalite does not place")
+                "Transformer Engine's without experts")
+    if args.get("num_experts") and args.get("moe_grouped_gemm"):
+        return "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"
     layout = buffer_args(args)
-    other = next((flag for flag in OTHER_SPLITS + (_LEGACY_SPLITS if legacy else ()) if args.get(flag)), None)
+    other = split_problem(args)
     try:
         split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
     except ValueError as err:
         other = other or str(err)
     if other:
         return f"saved with pipeline stages megalite does not place ({other})"
-    if legacy and pp > 1 and not config.untie_embeddings_and_output_weights:
-        return ("of tied embeddings over pipeline stages (the last stage's copy has a bucket of its own), which "
-                "megalite's legacy reader does not read")
     dims = split_dims(config)
     unknown = [n for n in names if n not in dims or (place(n) is None and not n.endswith(tuple(EXPERT_WEIGHTS)))]
     if unknown:
@@ -201,17 +193,14 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
                 continue  # the last stage's copy of tied embeddings
             expert = local_expert(name)
             if expert is None:
-                ours, shape, context = name, local[name], replace(ctx, ep_rank=0, ep_size=1)
-                meta = local_meta(shape, dims[name])
                 if dims[name] is None and ctx.tp_rank > 0:
                     continue  # a replica of tensor rank 0's
+                ours, shape = name, local[name]
+                pieces = global_param(name, local_meta(shape, dims[name]), config,
+                                      replace(ctx, ep_rank=0, ep_size=1)).pieces
             else:  # one local expert: its own place along the expert dimension
-                ours, count = expert[0], shapes[expert[0]][0]
-                shape, per_rank = (1, *local[name]), count // ctx.ep_size
-                context = replace(ctx, ep_rank=ctx.ep_rank * per_rank + expert[1], ep_size=count)
-                meta = local_meta(shape, dims[ours])
-                meta.expert_parallel = True
-            pieces = global_param(ours, meta, config, context).pieces
+                ours, shape, found = expert_param(name, local[name], shapes[expert[0]][0], dims, config, ctx)
+                pieces = found.pieces
             for state, key in STATE_KEYS.items():
                 if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
                     flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start, shape,
@@ -219,43 +208,99 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
     return None
 
 
+def expert_param(name: str, shape: tuple[int, ...], count: int, dims: dict, config, ctx: ShardContext):
+    """``(megalite's stacked expert weight, the local shard's shape with its expert dimension (1, ...), its
+    :class:`megalite.checkpoint.sharding.GlobalParam`)`` of one local expert's weight ``name``
+    (:func:`megalite.checkpoint.megatron_buffers.local_expert`'s) of local shape ``shape`` on the (expert tensor,
+    expert) rank of ``ctx`` (``ep_size`` ranks of ``count`` experts), or None for another parameter."""
+    expert = local_expert(name)
+    if expert is None:
+        return None
+    ours, index = expert
+    shape = (1, *shape)
+    meta = local_meta(shape, dims[ours])
+    meta.expert_parallel = True
+    context = replace(ctx, ep_rank=ctx.ep_rank * (count // ctx.ep_size) + index, ep_size=count)
+    return ours, shape, global_param(ours, meta, config, context)
+
+
 def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local: dict):
-    """``({(tp rank, pp rank): {megalite state key: {parameter: local shard}}}, megalite's optimizer JSON state)``
-    of a legacy save's distributed optimizer, or why it cannot be read (a string).  ``saved``: the
-    ``optimizer`` entry of ``model_optim_rng.pt`` (Megatron's ``DistributedOptimizer.state_dict()``: the inner
-    optimizer's ``param_groups`` with ``step``); ``buffers``: each model-parallel rank's ``distrib_optim.pt``
-    (``save_parameter_state``: per gradient buffer and dtype, the flat ``param``/``exp_avg``/``exp_avg_sq`` of
-    the whole buffer, its buckets' unpadded parts gathered from the DP ranks and concatenated);
-    ``local``: each rank's ``{parameter (global layer numbers): local shape}``."""
-    saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
-    inner = saved.get("optimizer") if isinstance(saved, dict) else None
-    found = _run_problem(args, config, {n for names in local.values() for n in names}, inner, legacy=True)
+    """``({(tp rank, pp rank, ep rank): [{megalite state key: {parameter: local shard}} per model chunk]}, megalite's
+    optimizer JSON state)`` of a legacy save's distributed optimizer, or why it cannot be read (a string).
+    ``saved``: the ``optimizer`` entry of ``model_optim_rng.pt`` (Megatron's ``DistributedOptimizer.state_dict()``:
+    the inner optimizer's ``param_groups`` with ``step``; at ep > 1 a list, the dense parameters' and the experts'
+    chained optimizers'); ``buffers``: each model-parallel rank's ``distrib_optim.pt`` (``save_parameter_state``:
+    per gradient buffer (model chunk) and dtype, the flat ``param``/``exp_avg``/``exp_avg_sq`` of the whole buffer,
+    its buckets' unpadded parts gathered from the DP ranks and concatenated; at ep > 1 a list of the chained
+    optimizers' (None where the rank is not the dense optimizer's first DP rank)); ``local``: each rank's
+    ``[{parameter (global layer numbers; Megatron's local expert names): local shape} per model chunk]``.
+    Each buffer is cut by :func:`chunk_layouts`, the torch_dist reader's rule, which must give the rank's saved
+    parameters and shapes; the last stage's copy of tied embeddings is not read (the first stage's has its state),
+    nor the dense state of expert-parallel ranks after the first (the first's has it)."""
+    chain = saved if isinstance(saved, list) else [saved]
+    inners = [s.get("optimizer") if isinstance(s, dict) else None for s in chain]
+    tied = not config.untie_embeddings_and_output_weights
+    dims = split_dims(config)
+    names = {(local_expert(n) or (n,))[0] for chunks in local.values() for chunk in chunks for n in chunk
+             if not (tied and n == OUTPUT_COPY)}
+    found = _run_problem(args, config, names, inners)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
-    groups, _, step, layout, mixed = found
-    problem = default_groups_problem(groups)
+    groups, inners, step, layout, mixed = found
+    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
     if problem:
         return problem
+    expert_chain = layout["ep"] > 1 and bool(args.get("num_experts"))
+    if len(inners) != 1 + expert_chain:
+        return (f"it is a distributed optimizer's state of {len(inners)} chained optimizers, not the "
+                f"{1 + expert_chain} of its dense and expert parameters")
+    shapes = {}  # Megatron's global shapes (the vocabulary padded; experts stacked), from the first ranks' shards
+    for (t, _, e), chunks in local.items():
+        for chunk in chunks:
+            for n, shape in chunk.items():
+                expert = local_expert(n)
+                if t == 0 and e == 0 and (n in names or expert):
+                    ours, lead = (n, ()) if expert is None else (expert[0], (config.moe.num_experts,))
+                    dim = dims[ours] - len(lead) if dims[ours] is not None else None
+                    shapes[ours] = (*lead, *(d * layout["tp"] if i == dim else d for i, d in enumerate(shape)))
     out = {}
-    for (t, p), buffer in buffers.items():
-        where = f"the distrib_optim.pt of tensor rank {t}, pipeline rank {p}"
-        gbufs = {k: v for k, v in buffer.items() if k != "buckets_coalesced"} if isinstance(buffer, dict) else {}
-        if not buffer.get("buckets_coalesced") or list(gbufs) != [0] or len(gbufs[0]) != 1:
-            return f"{where} is not Megatron-Core's one coalesced gradient buffer (save_parameter_state)"
-        world = next(iter(gbufs[0].values()))
-        names, places, unpadded = buffer_of(local[(t, p)], layout["dp"], layout["bucket_size"] if p == 0 else None,
-                                            layout["high_bandwidth"])
-        if world.get("numel_unpadded") != sum(unpadded) or any(
-                world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
-            return (f"{where} holds {world.get('numel_unpadded')} elements, not the {sum(unpadded)} of megalite's "
-                    "rebuild of Megatron's gradient buffer")
-        offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
-        states = out.setdefault((t, p), {})
-        for name, (bucket, start) in zip(names, places):
-            begin, shape = offsets[bucket] + start, local[(t, p)][name]
-            for state, ours in STATE_KEYS.items():
-                if state in world and (state != "param" or mixed):
-                    states.setdefault(ours, {})[name] = world[state][begin:begin + math.prod(shape)].view(shape)
-        if any(key not in states for key in ("exp_avg", "exp_avg_sq")):
-            return f"{where} holds no Adam moments"
+    for (t, p, e), buffer in buffers.items():
+        where = f"the distrib_optim.pt of tensor rank {t}, pipeline rank {p}" + (f", expert rank {e}" if e else "")
+        flats = buffer if expert_chain and isinstance(buffer, list) and len(buffer) == 2 else [buffer]
+        per_chunk = out.setdefault((t, p, e), [{} for _ in local[(t, p, e)]])
+        for experts, flat in enumerate(flats):
+            if not experts and e > 0:
+                continue  # the dense state is the first expert rank's
+            try:
+                chunks = chunk_layouts(config, shapes, p, **layout, experts=bool(experts))
+            except ValueError as err:
+                return f"it is a distributed optimizer's state {err}"
+            gbufs = {k: v for k, v in flat.items() if k != "buckets_coalesced"} if isinstance(flat, dict) else {}
+            if (not isinstance(flat, dict) or not flat.get("buckets_coalesced")
+                    or sorted(gbufs) != list(range(len(chunks))) or any(len(d) != 1 for d in gbufs.values())):
+                return (f"{where} is not Megatron-Core's coalesced gradient buffers (save_parameter_state), one per "
+                        f"model chunk ({len(chunks)})" + (" of its dense and its expert parameters" if expert_chain
+                                                          else ""))
+            for chunk, (shards, order, places, unpadded) in enumerate(chunks):
+                saved_shards = {n: s for n, s in local[(t, p, e)][chunk].items()
+                                if not expert_chain or (local_expert(n) is not None) == bool(experts)}
+                if shards != saved_shards:
+                    return (f"{where}: the parameters of its model chunk {chunk} are not those megalite's rebuild of "
+                            "Megatron's gradient buffer gives")
+                world = next(iter(gbufs[chunk].values()))
+                if world.get("numel_unpadded") != sum(unpadded) or any(
+                        world[k].numel() != sum(unpadded) for k in STATE_KEYS if k in world):
+                    return (f"{where} holds {world.get('numel_unpadded')} elements in its buffer {chunk}, not the "
+                            f"{sum(unpadded)} of megalite's rebuild of Megatron's gradient buffer")
+                if any(key not in world for key in ("exp_avg", "exp_avg_sq")):
+                    return f"{where} holds no Adam moments"
+                offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
+                for name, (bucket, start) in zip(order, places):
+                    if tied and name == OUTPUT_COPY:
+                        continue
+                    begin, shape = offsets[bucket] + start, shards[name]
+                    for state, ours in STATE_KEYS.items():
+                        if state in world and (state != "param" or mixed):
+                            per_chunk[chunk].setdefault(ours, {})[name] = \
+                                world[state][begin:begin + math.prod(shape)].view(shape)
     return out, optimizer_meta(groups, step)

@@ -30,8 +30,12 @@ them).  A distributed optimizer (``--use-distributed-optimizer``) keeps the mome
 rank's whole flat gradient buffer gathered on its first DP rank), read under the same opt-in and cut into local
 shards by the rebuilt buffer layout (:mod:`megalite.checkpoint.megatron_distopt`), then placed like the weights.
 Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: groups with other learning-rate
-multipliers, and anything that does not match.  MoE checkpoints (``args.num_experts``, expert-parallel
-``mp_rank_TT_PPP_EEE``) are refused here: megalite reads Megatron's MoE checkpoints in the torch_dist format.
+multipliers, and anything that does not match.  MoE checkpoints (``args.num_experts``) with SequentialMLP experts
+keep each expert rank's files in ``mp_rank_TT[_PPP]_EEE`` (its local experts, ``mlp.experts.local_experts.<i>.``,
+placed at their indices of megalite's stacked expert weights; the dense tensors, replicated, read from expert rank
+0); with a distributed optimizer each ``distrib_optim.pt`` holds the chained dense and expert optimizers' buffers.
+GroupedMLP experts and an expert tensor-parallel size other than tp are refused: megalite reads those in the
+torch_dist format.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_names import megalite_name
-from megalite.checkpoint.megatron_distopt import legacy_distributed_optimizer
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY
+from megalite.checkpoint.megatron_distopt import expert_param, legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
 from megalite.checkpoint.state import OPTIMIZER_KEYS
@@ -105,9 +110,11 @@ def legacy_directory(path: str) -> str | None:
     return None
 
 
-def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron-LM's file of tensor rank ``tp_rank`` and pipeline rank ``pp_rank`` in an iteration directory."""
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Megatron-LM's file of tensor rank ``tp_rank``, pipeline rank ``pp_rank`` and expert rank ``ep_rank`` in an
+    iteration directory."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "") + \
+        (f"_{ep_rank:03d}" if ep_size > 1 else "")
     return os.path.join(directory, name, MODEL_FILE)
 
 
@@ -171,45 +178,50 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
                          "trust them")
     print(f"warning: unpickling the Megatron-LM checkpoint {directory} (--allow-pickle): this runs whatever code "
           "the files name; only use it for files you trust", file=sys.stderr, flush=True)
-    candidates = [rank_file(directory, 0, 0, 1), rank_file(directory, 0, 0, 2)]
+    candidates = [rank_file(directory, 0, 0, 1), rank_file(directory, 0, 0, 2), rank_file(directory, 0, 0, 2, 0, 2)]
     first = next((f for f in candidates if os.path.isfile(f)), None)
     if first is None:
-        raise ValueError(f"{directory} has neither {os.path.relpath(candidates[0], directory)} nor "
-                         f"{os.path.relpath(candidates[1], directory)}")
+        raise ValueError(f"{directory} has none of {', '.join(os.path.relpath(c, directory) for c in candidates)}")
     state = _unpickle(first)
     args = state["args"]
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
-    if getattr(args, "num_experts", None):
-        raise ValueError(f"{directory}: a legacy-format MoE checkpoint (args.num_experts={args.num_experts}) is not "
-                         "supported; megalite reads Megatron-LM's MoE checkpoints in --ckpt-format torch_dist")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1) if getattr(args, "num_experts", None) else 1
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    if getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or etp != tp):
+        what = "GroupedMLP experts (moe_grouped_gemm)" if getattr(args, "moe_grouped_gemm", False) else \
+            f"expert_tensor_parallel_size {etp} (not the tensor-parallel size {tp})"
+        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with {what} is not supported; megalite reads "
+                         "those in --ckpt-format torch_dist")
     config = config_from_megatron_args(args, vocab_size)
-    files = {(t, p): rank_file(directory, t, p, pp) for p in range(pp) for t in range(tp)}
+    files = {(t, p, e): rank_file(directory, t, p, pp, e, ep) for p in range(pp) for t in range(tp) for e in range(ep)}
+    sizes = f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}" + \
+        (f" x expert_model_parallel_size {ep}" if ep > 1 else "")
     missing = [f for f in files.values() if not os.path.isfile(f)]
     if missing:
-        raise ValueError(f"{missing[0]} is missing ({len(missing)} of the {tp * pp} rank files that the saved args' "
-                         f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} need)")
+        raise ValueError(f"{missing[0]} is missing ({len(missing)} of the {len(files)} rank files that the saved "
+                         f"args' {sizes} need)")
     expected = {os.path.basename(os.path.dirname(f)) for f in files.values()}
     extra = sorted(name for name in os.listdir(directory) if _RANK_DIR.fullmatch(name) and name not in expected)
     if extra:
-        raise ValueError(f"{directory} holds {extra[0]}, which the saved args' tensor_model_parallel_size {tp} x "
-                         f"pipeline_model_parallel_size {pp} do not have")
-    states = {key: state if key == (0, 0) else _unpickle(f) for key, f in files.items()}
+        raise ValueError(f"{directory} holds {extra[0]}, which the saved args' {sizes} do not have")
+    states = {key: state if key == (0, 0, 0) else _unpickle(f) for key, f in files.items()}
     chunks = {key: _chunks(states[key], f) for key, f in files.items()}
     tensors = _assemble(config, chunks, tp, pp, directory)
     meta, note = None, None
     if "optimizer" in state:
-        moments, meta, note = _optimizer(states, chunks, config, tp, pp, directory)
+        moments, meta, note = _optimizer(states, chunks, config, tp, pp, files)
         tensors.update(moments)
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
     return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),
                             meta, note, plain_dict(state.get("opt_param_scheduler")))
 
 
-def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
-    """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer, or
-    ``({}, None, why it cannot be converted)``."""
-    if getattr(states[(0, 0)]["args"], "use_distributed_optimizer", False):
-        return _distributed(states, chunks, config, tp, pp, directory)
+def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, files: dict):
+    """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer
+    (``files``: each rank's :data:`MODEL_FILE`), or ``({}, None, why it cannot be converted)``."""
+    directory = os.path.dirname(os.path.dirname(files[(0, 0, 0)]))
+    if getattr(states[(0, 0, 0)]["args"], "use_distributed_optimizer", False):
+        return _distributed(states, chunks, config, tp, pp, files)
     found = {key: _optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in states}
     note = next((entry for entry in found.values() if isinstance(entry, str)), None)
     if note is None and len({meta["num_steps"] for _, meta in found.values()}) > 1:
@@ -223,35 +235,35 @@ def _optimizer(states: dict, chunks: dict, config, tp: int, pp: int, directory: 
                        for rank, (entries, _) in found.items()}
             tensors.update({f"optimizer.{key}.{name}": value
                             for name, value in _assemble(config, moments, tp, pp, directory).items()})
-    return tensors, found[(0, 0)][1], None
+    return tensors, found[(0, 0, 0)][1], None
 
 
-def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, directory: str):
+def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, files: dict):
     """As :func:`_optimizer`, for a distributed optimizer: each model-parallel rank's ``distrib_optim.pt`` (its
     flat buffer's state, read under the same pickle opt-in) cut into local shards by the rebuilt gradient-buffer
     layout (:func:`megalite.checkpoint.megatron_distopt.legacy_distributed_optimizer`), then placed like weights."""
-    files = {key: os.path.join(os.path.dirname(rank_file(directory, *key, pp)), DISTRIB_FILE) for key in states}
+    directory = os.path.dirname(os.path.dirname(files[(0, 0, 0)]))
+    files = {key: os.path.join(os.path.dirname(f), DISTRIB_FILE) for key, f in files.items()}
     missing = [f for f in files.values() if not os.path.isfile(f)]
     if missing:
         return {}, None, f"it is a distributed optimizer's state whose {missing[0]} is missing"
-    if any(len(per_stage) > 1 for per_stage in chunks.values()):
-        return {}, None, "it is a distributed optimizer's state of virtual pipeline stages, which megalite does not read"
-    offsets = [sum(_layers(chunks[(0, q)][0]) for q in range(p)) for p in range(pp)]
-    names = {key: {_global_name(name, offsets[key[1]]): name for name, t in chunk[0].items()
-                   if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")} for key, chunk in chunks.items()}
-    local = {key: {name: tuple(chunks[key][0][ours].shape) for name, ours in per_rank.items()}
-             for key, per_rank in names.items()}
+    offsets = _offsets(chunks, pp)
+    names = {(t, p, e): [{_global_name(name, offsets[(v, p)]): name for name, tensor in chunk.items()
+                          if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
+                         for v, chunk in enumerate(per_stage)] for (t, p, e), per_stage in chunks.items()}
+    local = {key: [{name: tuple(chunks[key][v][ours].shape) for name, ours in chunk.items()}
+                   for v, chunk in enumerate(per_rank)] for key, per_rank in names.items()}
     buffers = {key: _load(f) for key, f in files.items()}
-    found = legacy_distributed_optimizer(vars(states[(0, 0)]["args"]), config, states[(0, 0)]["optimizer"], buffers,
-                                         local)
+    found = legacy_distributed_optimizer(vars(states[(0, 0, 0)]["args"]), config, states[(0, 0, 0)]["optimizer"],
+                                         buffers, local)
     if isinstance(found, str):
         return {}, None, found
     per_rank, meta = found
     tensors = {}
     for key in ("exp_avg", "exp_avg_sq", "main"):
-        if all(key in by_key for by_key in per_rank.values()):
-            moments = {rank: [{names[rank][name]: t for name, t in by_key[key].items()}]
-                       for rank, by_key in per_rank.items()}
+        if any(key in by_key for per_chunk in per_rank.values() for by_key in per_chunk):
+            moments = {rank: [{names[rank][v][name]: t for name, t in by_key.get(key, {}).items()}
+                              for v, by_key in enumerate(per_chunk)] for rank, per_chunk in per_rank.items()}
             tensors.update({f"optimizer.{key}.{name}": value
                             for name, value in _assemble(config, moments, tp, pp, directory).items()})
     return tensors, meta, None
@@ -302,33 +314,52 @@ def _optimizer_entries(saved, chunks: list[dict]):
     return entries, optimizer_meta(groups, steps.pop())
 
 
-def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
-    """Global tensors from ``{(tp_rank, pp_rank): [state dict per virtual stage]}``."""
-    dims = split_dims(config)
-    expected = global_shapes(config)
-    # Layers are numbered within each stage; global order is virtual stage, then pipeline stage.
-    vpp = len(chunks[(0, 0)])
+def _offsets(chunks: dict, pp: int, with_total: bool = False):
+    """``{(virtual stage, pipeline stage): its first layer's global number}`` of ``{(tp_rank, pp_rank, ep_rank):
+    [state dict per virtual stage]}`` (layers are numbered within each chunk; global order is virtual stage, then
+    pipeline stage), and with ``with_total`` the number of layers."""
     offsets, total = {}, 0
-    for v in range(vpp):
+    for v in range(len(chunks[(0, 0, 0)])):
         for p in range(pp):
             offsets[(v, p)] = total
-            total += _layers(chunks[(0, p)][v])
+            total += _layers(chunks[(0, p, 0)][v])
+    return (offsets, total) if with_total else offsets
+
+
+def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
+    """Global tensors from ``{(tp_rank, pp_rank, ep_rank): [state dict per virtual stage]}`` (each expert rank's
+    local experts placed in megalite's stacked expert weights; the dense tensors read from expert rank 0)."""
+    dims = split_dims(config)
+    expected = global_shapes(config)
+    offsets, total = _offsets(chunks, pp, with_total=True)
     if total != config.num_layers:
         raise ValueError(f"{directory} holds {total} transformer layers, but the saved args say num_layers "
                          f"{config.num_layers}")
     out, filled = {}, {}
-    for (t, p), per_stage in chunks.items():
+    ep = 1 + max(e for _, _, e in chunks)
+    for (t, p, e), per_stage in chunks.items():
         for v, chunk in enumerate(per_stage):
             for key, value in chunk.items():
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
-                if name not in dims:
+                if name == OUTPUT_COPY and not config.untie_embeddings_and_output_weights:
+                    continue  # the last stage's copy of tied word embeddings (pipeline stages)
+                ctx = ShardContext(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, etp_rank=t, etp_size=tp)
+                expert = expert_param(name, tuple(value.shape), config.moe.num_experts, dims, config, ctx) \
+                    if config.moe is not None else None
+                if expert is not None:
+                    value = value.view(expert[1])
+                    gp = expert[2]
+                elif name not in dims:
                     raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
                                      "the saved args describe")
-                gp = global_param(name, local_meta(value.shape, dims[name]), config,
-                                  ShardContext(tp_rank=t, tp_size=tp))
-                if gp.alias or (dims[name] is None and t > 0):
+                elif e > 0:
+                    continue  # an expert rank's replica of expert rank 0's dense tensor
+                else:
+                    gp = global_param(name, local_meta(value.shape, dims[name]), config,
+                                      ShardContext(tp_rank=t, tp_size=tp))
+                if gp.alias or (dims.get(gp.name) is None and t > 0):
                     continue  # a tied output layer's copy, or a TP replica of rank 0's tensor
                 if tuple(gp.shape) != expected.get(gp.name):
                     raise ValueError(f"{directory}: {key} of tensor rank {t} has shape {tuple(value.shape)}, which "

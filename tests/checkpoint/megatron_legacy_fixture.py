@@ -133,17 +133,23 @@ def _adam(model):
 
 
 def write_rank(save_dir: str, model, optimizer, args, tp_rank: int, pp_rank: int, pp: int,
-               iteration: int = ITERATION, scheduler=None) -> None:
+               iteration: int = ITERATION, scheduler=None, ep_rank: int | None = None) -> None:
     """This rank's ``model_optim_rng.pt`` as Megatron-LM's training/checkpointing.py lays it out (with the
-    ``OptimizerParamScheduler``'s state when ``scheduler`` is given)."""
-    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    ``OptimizerParamScheduler``'s state when ``scheduler`` is given); ``model``: the model, or a list of its
+    interleaved chunks (``model0``, ``model1``, ...); ``ep_rank``: the expert-parallel rank at ep > 1 (a third
+    suffix of the rank directory)."""
+    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + \
+        (f"_{ep_rank:03d}" if ep_rank is not None else "")
     directory = os.path.join(save_dir, f"iter_{iteration:07d}", rank_dir)
     os.makedirs(directory, exist_ok=True)
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-             "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(), "rng_state": [rng],
-             "num_floating_point_operations_so_far": 0}
+             "optimizer": optimizer.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0}
+    if isinstance(model, list):
+        state.update({f"model{i}": chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(model)})
+    else:
+        state["model"] = model.state_dict_for_save_checkpoint()
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     torch.save(state, os.path.join(directory, "model_optim_rng.pt"))

@@ -331,30 +331,39 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
     return state["rng_state"].data[0]
 
 
-def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler, distributed: bool = False) -> None:
-    """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_XX/model_optim_rng.pt``
+def _save_legacy(save_dir: str, iteration: int, model, optimizer, scheduler, distributed: bool = False,
+                 **layout) -> None:
+    """The same state in Megatron-LM's legacy format (``--ckpt-format torch``: ``mp_rank_TT[_PPP]/model_optim_rng.pt``
     with ``optimizer.state_dict()`` and the scheduler's, written by :func:`megatron_legacy_fixture.write_rank`);
     with the distributed optimizer, as Megatron-LM's ``save_checkpoint`` does: ``model_optim_rng.pt`` from the
-    first DP rank, and ``distrib_optim.pt`` beside it written by Megatron-Core's ``save_parameter_state``."""
+    first expert-DP rank, and ``distrib_optim.pt`` beside it written by Megatron-Core's ``save_parameter_state``
+    (at ep > 1 each expert-parallel rank's directory has a third suffix).  ``model``: the DDP-wrapped model or a
+    list of its chunks; ``layout``: Megatron-LM's args of the pipeline, embeddings, experts and layer spec, as
+    :func:`_save`'s."""
     from megatron.core import parallel_state
 
     from tests.checkpoint.megatron_legacy_fixture import write_rank
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep > 1 else None
     args = argparse.Namespace(**{**megatron_fixture.ARGS, "vocab_size": None, "consumed_train_samples":
-                                 iteration * GLOBAL_BATCH,
-                                 "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch"},
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                              world_size=dist.get_world_size(), data_parallel_size=dist.get_world_size() // tp,
-                              transformer_impl="local", use_distributed_optimizer=distributed,
-                              overlap_grad_reduce=False)
-    if parallel_state.get_data_parallel_rank() == 0:
-        write_rank(save_dir, _unwrapped(model), optimizer, args, tp_rank, 0, 1, iteration, scheduler)
+                                 iteration * GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "ckpt_format": "torch",
+                                 "transformer_impl": "local", **layout, "pipeline_model_parallel_size": pp},
+                              tensor_model_parallel_size=tp, world_size=dist.get_world_size(),
+                              data_parallel_size=dist.get_world_size() // (tp * pp),
+                              use_distributed_optimizer=distributed, overlap_grad_reduce=False)
+    if parallel_state.get_expert_data_parallel_rank() == 0:
+        chunks = [_unwrapped(chunk) for chunk in model] if isinstance(model, list) else _unwrapped(model)
+        write_rank(save_dir, chunks, optimizer, args, tp_rank, pp_rank, pp, iteration, scheduler, ep_rank)
     dist.barrier()
     if distributed:
-        optimizer.save_parameter_state(os.path.join(save_dir, f"iter_{iteration:07d}", f"mp_rank_{tp_rank:02d}",
-                                                    "distrib_optim.pt"))
+        rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + \
+            (f"_{ep_rank:03d}" if ep_rank is not None else "")
+        optimizer.save_parameter_state(os.path.join(save_dir, f"iter_{iteration:07d}", rank_dir, "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))

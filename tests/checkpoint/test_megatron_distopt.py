@@ -46,6 +46,13 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
      "divisible by pipeline size pp=3; give first/last stage layer counts to split unevenly)"),
     (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True),
      "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
+          account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"),
+     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout)"),
+    (dict(pipeline_model_parallel_size=3, account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), "of model-parallel ranks [0], not the 3 of its tp=1 x pp=3"),
     (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
     (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=True),
      "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"),
@@ -53,11 +60,12 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
      "of 1 chained optimizers, not the 2 of its dense and expert parameters"),
     (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, transformer_impl="transformer_engine"),
      "saved with transformer_impl 'transformer_engine'; megalite reads it from runs of the local layer spec, or of "
-     "Transformer Engine's without experts in the torch_dist format"),
+     "Transformer Engine's without experts"),
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
-    """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's splits that
-    count the embedding or loss as a layer), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
+    """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's layout
+    string, splits that count the embedding or loss as a layer with interleaved chunks or layers that do not split
+    so; without chunks such a split is placed: the next problem is named), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
     run without its experts' chained optimizer, experts under Transformer Engine's spec (whose MoE layers keep
     their pre-MLP norm apart) and a model-parallel rank without buckets are named, not guessed at."""
     from megalite.checkpoint import global_shapes
@@ -73,3 +81,27 @@ def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     flat, meta, why = distributed_optimizer(args, config, global_shapes(config), buckets, {"param_groups": groups})
     assert (flat, meta) == ({}, None)
     assert why == f"it is a distributed optimizer's state ('dp_reshardable') {note}"
+
+
+@pytest.mark.parametrize("num_layers, pp, embedding, loss", [(4, 5, True, False), (4, 3, True, True),
+                                                             (5, 3, False, True), (7, 2, True, False)])
+def test_splits_that_count_the_embedding_or_loss_as_a_layer_are_megatron_cores(num_layers, pp, embedding, loss):
+    """``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` without interleaved
+    chunks: megalite's stages of the saved args (:func:`buffer_args`' first and last stage layer counts in its
+    layer split) hold as many layers as Megatron-Core's ``get_num_layers_to_build`` builds on each stage."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megalite.checkpoint.megatron_buffers import buffer_args, split_problem
+    from megalite.pipeline import split_layers
+
+    flags = dict(account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss)
+    args = dict(num_layers=num_layers, pipeline_model_parallel_size=pp, **flags)
+    layout = buffer_args(args)
+    assert split_problem(args) is None
+    ranges = split_layers(num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, **flags)
+    theirs = [get_num_layers_to_build(config, pp_rank=p) for p in range(pp)]
+    assert [hi - lo for ((lo, hi),) in ranges] == theirs
+    assert len(set(theirs)) > 1  # not an even split: the flags move layers

@@ -18,6 +18,9 @@ gradient buffers differ from an even split of untied dense layers in the local s
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
 tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
+Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
+and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
+the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
 """
 
 import os
@@ -80,6 +83,9 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 
+LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
+"""The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
+
 
 def _megatron_run(root: str, micro_batches, case: str):
     """Megatron-Core's run of ``case`` on this rank: ``(its losses (last stage; else None), each model chunk's
@@ -118,6 +124,9 @@ def _megatron_run(root: str, micro_batches, case: str):
         if i == fixture.SAVED_AT:
             fixture._save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
                           **args)
+            if case in LEGACY_CASES:
+                fixture._save_legacy(os.path.join(root, case + fixture.LEGACY), fixture.SAVED_AT, model, optimizer,
+                                     scheduler, distributed=True, **args)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         dp = parallel_state.get_data_parallel_world_size()  # the MoE run: each DP rank one of the 2 micro-batches
         losses.append(fixture._train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
@@ -198,3 +207,39 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
                                                **dict(buffer_args(reader.args), te=False))[0]
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
+
+
+def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
+    """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
+    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers): Megatron-LM's
+    legacy save of the same state as each torch_dist save, read behind the pickle
+    opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
+    ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""
+    import shutil
+
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    root, _, _ = megatron_runs
+    for case in LEGACY_CASES:
+        legacy = read_megatron_legacy(os.path.join(root, case + fixture.LEGACY), allow_pickle=True,
+                                      vocab_size=fixture.PADDED_VOCAB)
+        theirs = MegatronDistReader(os.path.join(root, case))
+        assert legacy.optimizer_note is None, (case, legacy.optimizer_note)
+        assert legacy.optimizer == theirs.state["optimizer"], case
+        assert sorted(legacy.tensors) == sorted(theirs.shapes), case
+        assert sum(n.startswith("optimizer.") for n in legacy.tensors) == len(theirs._flat) > 0
+        for name in theirs.shapes:
+            assert torch.equal(legacy.tensors[name], theirs.read(name)), (case, name)
+    copy = str(tmp_path / "vpp")
+    shutil.copytree(os.path.join(root, "vpp" + fixture.LEGACY), copy)
+    path = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "mp_rank_00_001", "distrib_optim.pt")
+    buffers = torch.load(path, weights_only=False)
+    del buffers[1]
+    torch.save(buffers, path)
+    legacy = read_megatron_legacy(copy, allow_pickle=True, vocab_size=fixture.PADDED_VOCAB)
+    assert legacy.optimizer is None and not any(n.startswith("optimizer.") for n in legacy.tensors)
+    weights = [n for n in MegatronDistReader(os.path.join(root, "vpp")).shapes if not n.startswith("optimizer.")]
+    assert sorted(legacy.tensors) == sorted(weights)
+    assert legacy.optimizer_note == ("the distrib_optim.pt of tensor rank 0, pipeline rank 1 is not Megatron-Core's "
+                                     "coalesced gradient buffers (save_parameter_state), one per model chunk (2)")
