@@ -1,8 +1,8 @@
 """``--calibrate``: measure this machine's compute rates, memory bandwidth and collective bandwidth, per rank.
 
-A CPU rank runs one thread on a core of its own, so every rate is one thread's.  The GEMMs of a transformer layer
-of width 512 (QKV, projection and MLP; forward, input gradient and weight gradient), each after a pass over 32 MiB
-of memory that evicts its operands from the caches as a step's other ops do, at a few row counts give how the rate
+A CPU rank runs one thread on a core of its own, so every rate is one thread's.  The GEMMs of a micro-batch through
+a one-layer megalite GPT of width 512 (QKV, projection, MLP and output layer; forward, input gradient and weight
+gradient), timed op by op as the step runs them between its other ops, at a few row counts give how the rate
 falls with fewer rows: the fit of ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's
 peak (with ``efficiency`` 1: the model's large GEMMs run at what this machine's do inside a step) and
 ``gemm_half_rows``; the other precisions scale it by their square GEMM's rate over fp32's.  Torch's fused causal
@@ -11,8 +11,8 @@ bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element 
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
-send/recv), timed in process CPU time at one element and at 8 MiB, its CPU cost per call and per byte
-(``collective_cpu``).  The compute timings take the median of ten runs in the process's CPU time (what an op
+send/recv), timed in process CPU time at one element and at 8 MiB (the least of ten), its CPU cost per call and
+per byte (``collective_cpu``).  The compute timings take the median of ten runs in the process's CPU time (what an op
 typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited for a core on a
 shared machine); the link timings the best of ten wall-clock runs (the least preempted).
 """
@@ -56,32 +56,50 @@ def gemm_flops(dtype_name: str, n: int = 512, rows: int | None = None) -> float:
     return 6 * rows * n * n / _timed(linear)
 
 
-def layer_gemm_flops(rows: int, flush, n: int = 512) -> float:
-    """FLOP/s of the fp32 GEMMs one transformer layer of width ``n`` runs on ``rows`` tokens (QKV ``n -> 3n``,
-    projection ``n -> n``, MLP ``n -> 4n -> n``; each forward, input gradient and weight gradient), each started
-    after ``flush()`` (a pass over memory larger than the caches, as a step's other ops make between its GEMMs), so
-    operands come from memory as they do inside a step rather than from the cache of a repeated GEMM.  Only the
-    GEMMs are timed."""
+def step_gemm_flops(rows: int, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of the fp32 GEMMs (``mm``, ``addmm``, ``bmm``) of one micro-batch of ``rows`` tokens through a
+    one-layer megalite GPT of width ``n`` (its QKV, projection, MLP and output-layer GEMMs, forward and backward,
+    accumulating into existing gradients), timed op by op in process CPU time: the GEMMs as a step runs them,
+    between its norms, activations, attention and allocations (operands out of cache, fresh outputs), not one
+    GEMM repeated hot.  Only the GEMMs are timed."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    shapes = [(n, 3 * n), (n, n), (n, 4 * n), (4 * n, n)]
-    weights = [torch.randn(k, m) for k, m in shapes]
-    inputs = [torch.randn(rows, k) for k, _ in shapes]
-    outputs = [torch.randn(rows, m) for _, m in shapes]
+    from megalite.models.config import GPTConfig
+    from megalite.models.gpt import GPTModel
 
-    def layer():
-        seconds = 0.0
-        for x, w, y in zip(inputs, weights, outputs):
-            for a, b in ((x, w), (y, w.t()), (x.t(), y)):
-                flush()
-                start = time.process_time()
-                torch.matmul(a, b)
-                seconds += time.process_time() - start
-        return seconds
+    aten = torch.ops.aten
+    flops_of = {aten.mm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+                aten.addmm.default: lambda c, a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+                aten.bmm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]}
 
-    layer()
-    seconds = statistics.median(layer() for _ in range(5))
-    return 6 * rows * sum(k * m for k, m in shapes) / seconds
+    class GemmTimer(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seconds = self.flops = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in flops_of:
+                return func(*args, **(kwargs or {}))
+            start = time.process_time()
+            out = func(*args, **(kwargs or {}))
+            self.seconds += time.process_time() - start
+            self.flops += flops_of[func](*args[:3])
+            return out
+
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(num_layers=1, hidden_size=n, num_attention_heads=8, vocab_size=n,
+                               max_position_embeddings=rows))
+    ids = torch.randint(0, n, (1, rows))
+
+    def micro_batch() -> GemmTimer:
+        with GemmTimer() as timer:
+            model(ids, ids).sum().backward()
+        return timer
+
+    micro_batch()
+    timers = sorted((micro_batch() for _ in range(repeats)), key=lambda t: t.seconds)
+    return timers[len(timers) // 2].flops / timers[len(timers) // 2].seconds
 
 
 def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: int = 64) -> float:
@@ -163,7 +181,7 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
             start = time.process_time()
             fn()
             return time.process_time() - start
-        return statistics.median(synced() for _ in range(10))
+        return min(synced() for _ in range(10))
 
     large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
     costs = {}
@@ -176,9 +194,11 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
 
 def measure_link(size: int = 1 << 20) -> tuple[float, float, dict]:
     """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements, and the CPU each
-    collective a step runs costs a rank: ``{op: [seconds per call, seconds per byte]}`` from its median process
-    time (gloo's threads included, waits not) on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over
-    the two ranks (a send costs the sender, a receive the receiver)."""
+    collective a step runs costs a rank: ``{op: [seconds per call, seconds per byte]}`` from its least process
+    time of ten (gloo's threads included; a rank waiting for its partner costs none) on one element and on
+    :data:`COLLECTIVE_ELEMENTS`, averaged over the two ranks (a send costs the sender, a receive the receiver).
+    The least, as for the link: on a loaded machine a run's kernel socket work can be charged the time of other
+    jobs' interrupts, and a per-call median moved 5-15x between runs."""
     from megalite.testing import run_distributed
 
     ranks = run_distributed(_collective_times, 2, size, timeout=300)
@@ -200,9 +220,7 @@ def calibrate(path: str) -> Hardware:
         copy_src = torch.ones(1 << 24)
         copy_dst = torch.empty_like(copy_src)
         hbm = 2 * copy_src.numel() * 4 / _timed(lambda: copy_dst.copy_(copy_src))
-        flush = torch.ones(1 << 23)  # 32 MiB, read and written
-        fp32_peak, half_rows = fit_gemm_curve(
-            CALIBRATION_ROWS, [layer_gemm_flops(r, lambda: flush.add_(1.0)) for r in CALIBRATION_ROWS])
+        fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS, [step_gemm_flops(r) for r in CALIBRATION_ROWS])
         # The other precisions: their square GEMM's rate relative to fp32's, on the fp32 layer curve's peak.
         peaks = {"fp32": fp32_peak} | {p: fp32_peak * gemm_flops(p) / gemm_flops("fp32") for p in ("bf16", "fp16")}
         attention = attention_flops() / fp32_peak

@@ -9,7 +9,9 @@ memory-bound ops, per-op overhead), stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
-:func:`_exposed_communication`: none where every CPU core computes), and the optimizer step at HBM bandwidth; where ranks share CPU cores, at least
+:func:`_exposed_communication`: none where every CPU core computes), the CPU the collectives take from the cores
+that compute (``collective_cpu``: gloo's copies, reductions and socket work, where every CPU core computes), and the
+optimizer step at HBM bandwidth; where ranks share CPU cores, at least
 all ranks' compute and optimizer work over the cores (:func:`~megalite.plan.compute.oversubscribed`).
 """
 
