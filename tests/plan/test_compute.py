@@ -80,7 +80,8 @@ def test_each_kind_of_work_is_priced_at_its_own_rate():
 def test_more_ranks_than_cores_take_all_ranks_work_over_the_cores():
     layout = Layout(dp=8, micro_batch_size=1)
     def busy(est):
-        return sum(est.time[k] for k in ("gemm", "attention", "memory_bound", "op_overhead", "optimizer"))
+        return sum(est.time[k] for k in ("gemm", "attention", "memory_bound", "op_overhead", "collective_cpu",
+                                         "optimizer"))
 
     shared = estimate(CONFIG, layout, _cpu(), SEQ, BATCH)
     assert shared.time["oversubscription"] > 0
