@@ -100,8 +100,9 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
                            global_batch_size: int, compute: float, attention: float,
                            cache: dict | None) -> tuple[dict, float]:
     """Seconds of each axis's communication left exposed, and the CPU seconds a rank spends in the collectives
-    where they run on the cores that compute (:meth:`~megalite.hardware.Hardware.collective_cpu_s`; 0 elsewhere), from :func:`~megalite.plan.traffic.collective_bytes`
-    (the larger of the first and last pipeline rank, per axis) over the link its group spans.  ``compute`` and
+    where they run on the cores that compute (:meth:`~megalite.hardware.Hardware.collective_cpu_s`; 0 elsewhere),
+    from :func:`~megalite.plan.traffic.collective_bytes` (the larger of the first and last pipeline rank, per
+    axis) over the link its group spans.  ``compute`` and
     ``attention`` are the step's compute and attention seconds on a rank; nothing overlaps where every CPU core
     computes (:func:`~megalite.plan.compute.overlaps_communication`).
 

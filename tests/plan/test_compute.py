@@ -112,6 +112,9 @@ COSTS = {"all_reduce": [1e-4, 1e-9], "all_gather": [2e-4, 2e-9], "reduce_scatter
     (Layout(dp=2, micro_batch_size=2), lambda sent: {"all_reduce": (sent["dp"], 1)}),
     (Layout(tp=2, sequence_parallel=True, micro_batch_size=2),
      lambda sent: {op: (sent["tp"] / 2, 4 * 2 * 4 * 2 / 2) for op in ("all_gather", "reduce_scatter")}),
+    # the ring's sends, each matched by a receive of as much: twice the (two ranks' mean) cost
+    (Layout(cp=2, micro_batch_size=2),
+     lambda sent: {"send_recv": (2 * sent["cp"], 2 * 4 * 2 * (1 * 2 + 2)), "all_reduce": (sent["dp"], 1)}),
 ])
 def test_collectives_cpu_is_charged_as_compute_where_every_core_computes(layout, priced):
     from megalite.plan.traffic import collective_bytes
