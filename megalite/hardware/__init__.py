@@ -20,8 +20,9 @@ writing them (context parallelism's blockwise score tiles; None: at ``hbm_bandwi
 function units keep up with its memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
 spends in it (gloo's copies, reductions and socket work), measured at two ranks; None where collectives do not run
-on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share CPU cores (the ``cpu`` profile): with more
-ranks than cores a step takes at least all ranks' work over the cores (None: each rank has its own device).
+on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share CPU
+cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
+each rank has its own device).
 """
 
 from __future__ import annotations
