@@ -15,8 +15,14 @@ causal attention (forward and backward, its FLOPs counted as :func:`~megalite.mo
 counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels); ``hbm_bandwidth`` prices the
 memory-bound ops (norms, activations, residual adds, copies, the loss, gradient accumulation, the optimizer);
 ``op_overhead_s`` is the time each op adds beyond its work (eager dispatch and autograd on a CPU; the exposed part
-of a kernel launch on a GPU).  ``cores`` is set where ranks share CPU cores (the ``cpu`` profile): with more
-ranks than cores a step takes at least all ranks' work over the cores (None: each rank has its own device).
+of a kernel launch on a GPU).  ``exp_rate`` is the fp32 elements per second an exponential runs at, reading and
+writing them (context parallelism's blockwise score tiles; None: at ``hbm_bandwidth``, as on a GPU, whose special
+function units keep up with its memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
+``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
+spends in it (gloo's copies, reductions and socket work), measured at two ranks; None where collectives do not run
+on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share CPU
+cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
+each rank has its own device).
 """
 
 from __future__ import annotations
@@ -50,6 +56,21 @@ class Hardware:
     attention_efficiency: float | None = None
     op_overhead_s: float = 0.0
     cores: int | None = None
+    exp_rate: float | None = None
+    collective_cpu: dict | None = None
+
+    def collective_cpu_s(self, op: str, buffer_bytes: float, calls: float, n: int) -> float:
+        """CPU seconds a rank spends in ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all
+        (as :mod:`megalite.plan.traffic` counts them), from the two-rank calibration of ``collective_cpu``: a ring
+        of ``n`` ranks moves ``2 (n-1) / n`` times the bytes of two ranks' and takes ``n - 1`` steps per call.  For
+        ``send_recv`` the bytes and calls are the rank's sends, each matched by a receive of as much (its cost the
+        two ranks' mean): twice the cost, whatever ``n``.  No bytes: no collective runs."""
+        if self.collective_cpu is None or n <= 1 or buffer_bytes <= 0:
+            return 0.0
+        per_call, per_byte = self.collective_cpu[op]
+        if op == "send_recv":
+            return 2 * (calls * per_call + buffer_bytes * per_byte)
+        return calls * (n - 1) * per_call + 2 * (n - 1) / n * buffer_bytes * per_byte
 
     def gemm_efficiency(self, rows: float) -> float:
         """Fraction of the peak reached by GEMMs of ``rows`` rows: ``efficiency * rows / (rows + gemm_half_rows)``,

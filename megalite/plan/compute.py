@@ -42,10 +42,15 @@ BLOCKWISE_TILE_OPS = {"forward": 9, "backward": 14}
 """Ops of one (query tile, key tile) pair of the blockwise attention (its matmuls, scaling, mask, softmax and
 merge forward; the recomputed scores and the four gradient matmuls backward)."""
 
-BLOCKWISE_SCORE_PASSES = {"forward": 11, "backward": 13}
-"""Reads and writes of a score tile's elements by the blockwise attention's elementwise ops: forward the scale,
-mask, log-sum-exp, shift and exponential; backward the same up to the exponential, then the shift by the
-output's row dot and the product with the probabilities."""
+BLOCKWISE_SCORE_PASSES = {"forward": 8, "backward": 11}
+"""Reads and writes of a score tile's elements by the blockwise attention's elementwise ops other than its
+exponentials: forward the scale, mask, log-sum-exp's maximum and the shift (and the exponentials' output read by
+the next matmul); backward the scale, mask and shift, then the shift by the output's row dot and the product with
+the probabilities."""
+
+BLOCKWISE_SCORE_EXPS = {"forward": 2, "backward": 1}
+"""Exponentials of each score element: forward the log-sum-exp's and the probabilities'; backward the
+probabilities' again.  Each reads and writes its elements (two passes where ``exp_rate`` is None)."""
 
 BLOCKWISE_MATMULS = {"forward": 2, "backward": 5}
 """The blockwise attention's matmuls per tile: scores and output forward; recomputed scores, dv, dprobs, dq and
@@ -131,8 +136,9 @@ def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_le
     Each rank's ``seq / cp`` queries see the keys before them: with the sequence cut into ``2 cp`` load-balanced
     chunks, ``(2 cp + 1) / (4 cp)`` of the ``[seq / cp, seq]`` scores are computed (the chunk pairs on and below
     the diagonal), in tiles of one chunk.  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
-    score elements pass through memory :data:`BLOCKWISE_SCORE_PASSES` times in fp32, and each tile pair runs
-    :data:`BLOCKWISE_TILE_OPS`.
+    score elements pass through memory :data:`BLOCKWISE_SCORE_PASSES` times in fp32 and through
+    :data:`BLOCKWISE_SCORE_EXPS` exponentials at ``exp_rate`` (on a CPU far below the memory's rate), and each
+    tile pair runs :data:`BLOCKWISE_TILE_OPS`.
     """
     cp = layout.cp
     heads, d = config.num_attention_heads // layout.tp, config.kv_channels
@@ -141,7 +147,10 @@ def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_le
     matmuls = forwards * BLOCKWISE_MATMULS["forward"] + BLOCKWISE_MATMULS["backward"]
     passes = forwards * BLOCKWISE_SCORE_PASSES["forward"] + BLOCKWISE_SCORE_PASSES["backward"]
     ops = forwards * BLOCKWISE_TILE_OPS["forward"] + BLOCKWISE_TILE_OPS["backward"]
-    return {"attention": matmuls * 2 * scores * d / gemm_rate, "memory_bound": passes * scores * 4 / hw.hbm_bandwidth,
+    exps = forwards * BLOCKWISE_SCORE_EXPS["forward"] + BLOCKWISE_SCORE_EXPS["backward"]
+    exp_rate = hw.hbm_bandwidth / (2 * 4) if hw.exp_rate is None else hw.exp_rate
+    return {"attention": matmuls * 2 * scores * d / gemm_rate,
+            "memory_bound": passes * scores * 4 / hw.hbm_bandwidth + exps * scores / exp_rate,
             "op_overhead": ops * tiles * hw.op_overhead_s}
 
 

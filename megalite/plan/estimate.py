@@ -9,7 +9,9 @@ memory-bound ops, per-op overhead), stretched by the schedule's bubble
 (:func:`~megalite.pipeline.timeline.analytic_bubble`), plus the communication left exposed: the bytes
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
-:func:`_exposed_communication`: none where every CPU core computes), and the optimizer step at HBM bandwidth; where ranks share CPU cores, at least
+:func:`_exposed_communication`: none where every CPU core computes), the CPU the collectives take from the cores
+that compute (``collective_cpu``: gloo's copies, reductions and socket work, where every CPU core computes), and the
+optimizer step at HBM bandwidth; where ranks share CPU cores, at least
 all ranks' compute and optimizer work over the cores (:func:`~megalite.plan.compute.oversubscribed`).
 """
 
@@ -95,9 +97,12 @@ def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int
 
 
 def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
-                           global_batch_size: int, compute: float, attention: float, cache: dict | None) -> dict:
-    """Seconds of each axis's communication left exposed, from :func:`~megalite.plan.traffic.collective_bytes`
-    (the larger of the first and last pipeline rank, per axis) over the link its group spans.  ``compute`` and
+                           global_batch_size: int, compute: float, attention: float,
+                           cache: dict | None) -> tuple[dict, float]:
+    """Seconds of each axis's communication left exposed, and the CPU seconds a rank spends in the collectives
+    where they run on the cores that compute (:meth:`~megalite.hardware.Hardware.collective_cpu_s`; 0 elsewhere),
+    from :func:`~megalite.plan.traffic.collective_bytes` (the larger of the first and last pipeline rank, per
+    axis) over the link its group spans.  ``compute`` and
     ``attention`` are the step's compute and attention seconds on a rank; nothing overlaps where every CPU core
     computes (:func:`~megalite.plan.compute.overlaps_communication`).
 
@@ -106,6 +111,12 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     variants wait); DP gradient reduction behind the last micro-batch's backward (ZeRO-1's parameter
     all-gather follows the step), FSDP2's gathers and reduce-scatters behind the whole step's compute.
     EP and expert-TP all-to-alls (counted together as ``ep``) and PP sends are exposed.  Latency is counted per TP, CP, EP and PP collective.
+
+    The CPU seconds: TP's all-reduces (all-gathers and reduce-scatters under sequence parallelism), the CP ring's
+    sends (the all-gather variant's all-gathers; the all-to-alls' as sends), EP's all-to-alls as sends and expert
+    TP's as all-gathers, PP's sends, the tied embedding's all-reduce, and DP's all-reduce (ZeRO-1: its gradients'
+    reduce-scatter and its parameters' all-gather; FSDP2: each unit's gathers per micro-batch and its gradients'
+    reduce-scatter, their bytes split as gathered in the compute dtype and reduced in fp32).
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -117,46 +128,68 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     sp = layout.sequence_parallel and tp > 1
     forwards = 2 if layout.recompute == "full" else 1
     out = {}
+    cores_busy = not overlaps_communication(hw, world)
+    cpu = {}
     tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
     hidden_share = TP_HIDDEN_SHARE
-    if not overlaps_communication(hw, world):
+    if cores_busy:
         compute = attention = hidden_share = 0.0
     out["tp"] = (1 - hidden_share) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
+    if sp:
+        cpu["tp"] = sum(hw.collective_cpu_s(op, volume["tp"] / 2, tp_calls / 2, tp)
+                        for op in ("all_gather", "reduce_scatter"))
+    else:
+        cpu["tp"] = hw.collective_cpu_s("all_reduce", volume["tp"], tp_calls, tp)
     cp_link = hw.link(tp * cp)
     if layout.cp_comm_type == "p2p":
         # Point-to-point sends: the whole payload crosses the link once.
         sends = m * layers * ((cp - 1) * (forwards + 1) + cp)
         ring = 0.0 if cp == 1 else volume["cp"] / cp_link[0] + sends * cp_link[1]
         out["cp"] = max(0.0, ring - attention)
+        cpu["cp"] = hw.collective_cpu_s("send_recv", volume["cp"], sends, cp)
     else:
         calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
         out["cp"] = _collective(volume["cp"], cp, cp_link, 1, calls)
+        op = "all_gather" if layout.cp_comm_type == "all_gather" else "send_recv"
+        cpu["cp"] = hw.collective_cpu_s(op, volume["cp"], calls, cp)
     moe_layers = 0 if config.moe is None else sum(map(config.is_moe_layer, range(config.num_layers))) / pp
     # per MoE layer and micro-batch: the counts, then rows, expert ids and gates out and rows back, forward; rows
     # both ways and the gates' gradient in the backward
     out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
+    cpu["ep"] = hw.collective_cpu_s("send_recv", volume["ep"], m * moe_layers * 8, ep)
     # expert TP, per MoE layer and micro-batch: the row count, rows, expert ids and gates gathered and the outputs
     # reduce-scattered forward; rows, gates and outputs the other way in the backward
     if moe_layers:
         etp = layout.expert_tp
         out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
+        cpu["ep"] += hw.collective_cpu_s("all_gather", volume["expert_tp"], m * moe_layers * 8, etp)
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
+    cpu["pp"] = hw.collective_cpu_s("send_recv", volume["pp"], m * layout.stage_map().chunks * 2, pp) + \
+        hw.collective_cpu_s("all_reduce", volume["embedding"], 1, 2)
     last_backward = 2 * compute / m / 3
     dp = 0.0
     for axis, n, span in (("dp", layout.dp * cp, tp * layout.dp * cp), ("expert_dp", layout.expert_dp, world // pp)):
         if layout.fsdp:
             dp += max(0.0, _collective(volume[axis], n, hw.link(span), 1) - compute)
+            gathers = m * (1 + layout.reshard_after_forward)
+            share = gathers * layout.param_bytes / (gathers * layout.param_bytes + 4)
+            units = layers + 1
+            cpu[axis] = hw.collective_cpu_s("all_gather", volume[axis] * share, units * gathers, n) + \
+                hw.collective_cpu_s("reduce_scatter", volume[axis] * (1 - share), units, n)
         elif layout.zero1:
             grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
             share = grad_bytes / (grad_bytes + layout.param_bytes)
             grads = _collective(volume[axis] * share, n, hw.link(span), 1)
             dp += max(0.0, grads - last_backward) + _collective(volume[axis] * (1 - share), n, hw.link(span), 1)
+            cpu[axis] = hw.collective_cpu_s("reduce_scatter", volume[axis] * share, 1, n) + \
+                hw.collective_cpu_s("all_gather", volume[axis] * (1 - share), 1, n)
         else:
             dp += max(0.0, _collective(volume[axis], n, hw.link(span), 2) - last_backward)
+            cpu[axis] = hw.collective_cpu_s("all_reduce", volume[axis], 1, n)
     out["dp"] = dp
-    return out
+    return out, sum(cpu.values()) if cores_busy else 0.0
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
@@ -202,13 +235,14 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)
     pipeline = compute / (1 - bubble) - compute
 
-    comm = _exposed_communication(config, layout, hw, seq_length, global_batch_size, compute, work["attention"],
-                                  cache)
+    comm, collective_cpu = _exposed_communication(config, layout, hw, seq_length, global_batch_size, compute,
+                                                  work["attention"], cache)
     state_bytes = est.memory["weights"] + est.memory["grads"] + est.memory["optimizer"]
     optimizer_time = 2 * state_bytes / hw.hbm_bandwidth
-    est.time = {**work, "pipeline_bubble": pipeline, **comm, "optimizer": optimizer_time}
-    step = compute + pipeline + sum(comm.values()) + optimizer_time
-    est.time["oversubscription"] = oversubscribed(hw, layout.world, compute + optimizer_time, step)
+    est.time = {**work, "pipeline_bubble": pipeline, **comm, "collective_cpu": collective_cpu,
+                "optimizer": optimizer_time}
+    step = compute + pipeline + sum(comm.values()) + collective_cpu + optimizer_time
+    est.time["oversubscription"] = oversubscribed(hw, layout.world, compute + collective_cpu + optimizer_time, step)
     est.step_time_s = step + est.time["oversubscription"]
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / layout.world
     est.mfu = est.tokens_per_s_per_gpu * flops_per_token / hw.peak(layout.precision)

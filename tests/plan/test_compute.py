@@ -80,7 +80,8 @@ def test_each_kind_of_work_is_priced_at_its_own_rate():
 def test_more_ranks_than_cores_take_all_ranks_work_over_the_cores():
     layout = Layout(dp=8, micro_batch_size=1)
     def busy(est):
-        return sum(est.time[k] for k in ("gemm", "attention", "memory_bound", "op_overhead", "optimizer"))
+        return sum(est.time[k] for k in ("gemm", "attention", "memory_bound", "op_overhead", "collective_cpu",
+                                         "optimizer"))
 
     shared = estimate(CONFIG, layout, _cpu(), SEQ, BATCH)
     assert shared.time["oversubscription"] > 0
@@ -101,3 +102,44 @@ def test_collectives_hide_behind_compute_only_where_a_core_is_free():
     assert busy.time["dp"] == pytest.approx(2 * (1 / 2) * sent / _cpu().intra_node_bandwidth, rel=1e-12)
     spare = estimate(CONFIG, layout, _cpu(cores=4, **link), SEQ, BATCH)  # the all-reduce overlaps the last backward
     assert spare.time["dp"] < busy.time["dp"]
+
+
+COSTS = {"all_reduce": [1e-4, 1e-9], "all_gather": [2e-4, 2e-9], "reduce_scatter": [3e-4, 3e-9],
+         "send_recv": [4e-5, 4e-10]}
+
+
+@pytest.mark.parametrize("layout, priced", [
+    (Layout(dp=2, micro_batch_size=2), lambda sent: {"all_reduce": (sent["dp"], 1)}),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2),
+     lambda sent: {op: (sent["tp"] / 2, 4 * 2 * 4 * 2 / 2) for op in ("all_gather", "reduce_scatter")}),
+    # the ring's sends, each matched by a receive of as much: twice the (two ranks' mean) cost
+    (Layout(cp=2, micro_batch_size=2),
+     lambda sent: {"send_recv": (2 * sent["cp"], 2 * 4 * 2 * (1 * 2 + 2)), "all_reduce": (sent["dp"], 1)}),
+])
+def test_collectives_cpu_is_charged_as_compute_where_every_core_computes(layout, priced):
+    from megalite.plan.traffic import collective_bytes
+
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)
+    # two ranks: a call costs its per-call CPU, the buffer its bytes at the per-byte CPU
+    expected = sum(COSTS[op][0] * calls + COSTS[op][1] * nbytes for op, (nbytes, calls) in priced(sent).items())
+    busy = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS), SEQ, BATCH)
+    assert busy.time["collective_cpu"] == pytest.approx(expected, rel=1e-12) and expected > 0
+    without = estimate(CONFIG, layout, _cpu(collective_cpu=None), SEQ, BATCH)
+    assert without.time["collective_cpu"] == 0
+    assert busy.step_time_s == pytest.approx(without.step_time_s + expected, rel=1e-12)
+    # a spare core runs the collectives beside the compute
+    assert estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, cores=4), SEQ, BATCH).time["collective_cpu"] == 0
+
+
+def test_blockwise_exponentials_run_at_the_exp_rate():
+    layout = Layout(cp=2, micro_batch_size=2)
+    hw = _cpu()
+    at = {rate: compute_time(CONFIG, layout, _cpu(exp_rate=rate), SEQ, BATCH) for rate in (1e9, 5e8)}
+    heads, m = CONFIG.num_attention_heads, BATCH // 2
+    scores = 2 * heads * SEQ / 2 * SEQ * 5 / 8  # 5 of the 8 chunk pairs of a [seq / 2, seq] score matrix
+    exps = m * CONFIG.num_layers * (2 + 1) * scores  # log-sum-exp and probabilities forward, probabilities backward
+    assert at[5e8]["memory_bound"] - at[1e9]["memory_bound"] == pytest.approx(exps / 1e9, rel=1e-9)
+    assert all(at[5e8][kind] == at[1e9][kind] for kind in ("gemm", "attention", "op_overhead"))
+    # without a calibrated rate (the GPU profiles) an exponential is a read and a write at the memory's bandwidth
+    gpu_like = compute_time(CONFIG, layout, _cpu(exp_rate=hw.hbm_bandwidth / 8), SEQ, BATCH)
+    assert compute_time(CONFIG, layout, _cpu(exp_rate=None), SEQ, BATCH) == pytest.approx(gpu_like, rel=1e-12)
