@@ -64,6 +64,8 @@ class _Model:
     optimizer: object = None
     target: PolyakTarget | None = None
     offloaders: dict[str, Offloader] = field(default_factory=dict)  # state name -> its offloader
+    params: list = field(default_factory=list)  # the module's parameters and buffers, walked once at registration
+    buffers: list = field(default_factory=list)
 
 
 class Placement:
@@ -78,14 +80,17 @@ class Placement:
         self._metrics: dict[str, float] = {}
 
     def _add(self, model: _Model) -> None:
+        """Register ``model``; its module's parameters and buffers are listed here, once (the per-phase memory
+        reads these lists, so a module must have its final structure, adapters included, when added; moves
+        between device and pool swap ``.data`` and keep the tensor objects)."""
         if model.name in self.models:
             raise ValueError(f"placement already has a model named {model.name!r}")
         unknown = [p for p in model.phases if p not in PHASES]
         if unknown or not model.phases:
             raise ValueError(f"model {model.name!r}: phases {list(model.phases)} must be a non-empty subset of "
                              f"{list(PHASES)}")
-        elsewhere = sorted({str(t.device) for t in [*model.module.parameters(), *model.module.buffers()]
-                            if t.device != self.device})
+        model.params, model.buffers = list(model.module.parameters()), list(model.module.buffers())
+        elsewhere = sorted({str(t.device) for t in [*model.params, *model.buffers] if t.device != self.device})
         if elsewhere:
             raise ValueError(f"model {model.name!r} has tensors on {', '.join(elsewhere)}; the placement's device "
                              f"is {self.device}")
@@ -218,9 +223,8 @@ class Placement:
         """(every model's tensors, every pool's tensors)."""
         tensors, pools = [], []
         for model in self.models.values():  # FSDP2 parameters are DTensors: count their local shards
-            params = list(model.module.parameters())  # one walk of the module tree (this runs twice a phase)
-            tensors += params + list(model.module.buffers())
-            tensors += [g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
+            tensors += model.params + model.buffers  # the lists of registration: a module's tree is not walked
+            tensors += [g for p in model.params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
             if model.optimizer is not None:
                 tensors += list(optimizer_tensors(model.optimizer)().values())
             for offloader in model.offloaders.values():
