@@ -232,11 +232,15 @@ class LLMEngine:
         for index, (e, (row, width)) in enumerate(zip(entries, spans)):
             seq, k, request = e.seq, len(e.drafts), e.seq.request
             seq.num_computed = e.start + e.length - k
-            rows, best, ok = logits[row:row + width] if width else None, None, all(finite[row:row + width])
-            if argmax is not None and e.sample:
-                best = argmax[row + len(e.prompt_positions):row + width]
             if request.error is not None:
                 continue
+            pick = picks.get(index)
+            # A sequence whose tokens pick_batch chose needs no logits of its own: no slice per sequence.
+            chosen = e.sample and not e.prompt_positions and pick is not None and None not in pick
+            rows = logits[row:row + width] if width and not chosen else None
+            best, ok = None, all(finite[row:row + width])
+            if argmax is not None and e.sample:
+                best = argmax[row + len(e.prompt_positions):row + width]
             try:
                 if not ok:
                     raise FloatingPointError("the model's logits are not finite (NaN or inf)")
@@ -246,7 +250,7 @@ class LLMEngine:
                 if not e.sample:
                     self.scheduler.cache_blocks(seq)
                     continue
-                targets = self._sample(seq, e.drafts, rows, best, picks.get(index), masked.get(index))
+                targets = self._sample(seq, e.drafts, rows, best, pick, masked.get(index))
             except Exception as error:  # this request's sampling alone: fail it, serve the others
                 touched.update((r.request_id, r) for r in self._fail([request], f"sampling failed: {error}"))
                 continue
@@ -254,7 +258,8 @@ class LLMEngine:
                 if s.finished:
                     self._finish(s)
                 else:
-                    self.scheduler.trim(s)
+                    if self.drafter is not None:  # only drafts (reserved, rejected) leave blocks past the tokens
+                        self.scheduler.trim(s)
                     self.scheduler.cache_blocks(s)
             touched[request.request_id] = request
         return list(touched.values())

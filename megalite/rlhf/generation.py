@@ -234,7 +234,8 @@ class RolloutEngine:
         lengths = prompt_mask.sum(dim=1).tolist()
         if min(lengths) == 0:
             raise ValueError("every prompt needs at least one real token; a row of prompt_mask is all zeros")
-        rows = [prompts[i, p - n:].tolist() for i, n in enumerate(lengths)]
+        table = prompts.tolist()  # one transfer, then each row's real tokens as a list
+        rows = [table[i][p - n:] for i, n in enumerate(lengths)]
         if generator is not None:
             seeds = torch.randint(2 ** 62, (b,), generator=generator, device=generator.device).tolist()
         else:

@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from megalite.rlhf.offload import Offloader, module_tensors, optimizer_tensors
 from megalite.rlhf.target import PolyakTarget
@@ -64,6 +65,15 @@ class _Model:
     optimizer: object = None
     target: PolyakTarget | None = None
     offloaders: dict[str, Offloader] = field(default_factory=dict)  # state name -> its offloader
+    fixed: bool = True  # whether the module keeps its parameter objects (FSDP2 swaps sharded/unsharded ones)
+    params: list = field(default_factory=list)  # the module's parameters and buffers as registered
+    buffers: list = field(default_factory=list)
+
+    def tensors(self) -> tuple[list, list]:
+        """(parameters, buffers): the registration's lists, or a fresh walk where FSDP2 swaps parameters."""
+        if self.fixed:
+            return self.params, self.buffers
+        return list(self.module.parameters()), list(self.module.buffers())
 
 
 class Placement:
@@ -78,14 +88,19 @@ class Placement:
         self._metrics: dict[str, float] = {}
 
     def _add(self, model: _Model) -> None:
+        """Register ``model``; its module's parameters and buffers are listed here, once (the per-phase memory
+        reads these lists, so a module must have its final structure, adapters included, when added; moves
+        between device and pool swap ``.data`` and keep the tensor objects).  An FSDP2 module registers its
+        unsharded parameters in place of the sharded ones while gathered, so it is walked at each measurement."""
         if model.name in self.models:
             raise ValueError(f"placement already has a model named {model.name!r}")
         unknown = [p for p in model.phases if p not in PHASES]
         if unknown or not model.phases:
             raise ValueError(f"model {model.name!r}: phases {list(model.phases)} must be a non-empty subset of "
                              f"{list(PHASES)}")
-        elsewhere = sorted({str(t.device) for t in [*model.module.parameters(), *model.module.buffers()]
-                            if t.device != self.device})
+        model.params, model.buffers = list(model.module.parameters()), list(model.module.buffers())
+        model.fixed = not any(isinstance(m, FSDPModule) for m in model.module.modules())
+        elsewhere = sorted({str(t.device) for t in [*model.params, *model.buffers] if t.device != self.device})
         if elsewhere:
             raise ValueError(f"model {model.name!r} has tensors on {', '.join(elsewhere)}; the placement's device "
                              f"is {self.device}")
@@ -218,8 +233,8 @@ class Placement:
         """(every model's tensors, every pool's tensors)."""
         tensors, pools = [], []
         for model in self.models.values():  # FSDP2 parameters are DTensors: count their local shards
-            params = list(model.module.parameters())  # one walk of the module tree (this runs twice a phase)
-            tensors += params + list(model.module.buffers())
+            params, buffers = model.tensors()  # the registration's lists (walked afresh only under FSDP2)
+            tensors += params + buffers
             tensors += [g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
             if model.optimizer is not None:
                 tensors += list(optimizer_tensors(model.optimizer)().values())

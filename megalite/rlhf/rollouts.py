@@ -65,11 +65,12 @@ def sample_shard(sample, args, sampling, rng: random.Random, iteration: int, att
     ``[b, P + N]`` so rounds concatenate and the tensors can be sent."""
     n = args.n_samples_per_prompt if n is None else n
     width, new = args.prompt_width, args.max_new_tokens
-    prompts = [p for p in (draw_prompts(args, rng) if prompts is None else prompts) for _ in range(n)]
-    ids, mask = left_pad([TOKENIZER.tokenize(p) for p in prompts], TOKENIZER.pad, width)
+    prompts = draw_prompts(args, rng) if prompts is None else prompts
+    rows = [TOKENIZER.tokenize(p) for p in prompts]  # each prompt once, then its n samples' rows
+    ids, mask = left_pad([row for row in rows for _ in range(n)], TOKENIZER.pad, width)
     generator = torch.Generator(device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt + shard)
     out = sample(ids.to(device), mask.to(device), sampling, generator)
-    b, fill = len(prompts), new - out.response_mask.shape[1]
+    b, fill = len(prompts) * n, new - out.response_mask.shape[1]
     tokens = torch.cat([out.tokens, out.tokens.new_full((b, fill), TOKENIZER.pad)], dim=1)
     attention = torch.cat([out.attention_mask, out.attention_mask.new_zeros(b, fill)], dim=1)
     response_mask = torch.cat([out.response_mask.new_zeros(b, width - 1), out.response_mask,

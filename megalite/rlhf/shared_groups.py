@@ -9,6 +9,8 @@ into the rollout's ``[b, s]`` layout.  Every real token's output is the one the 
 tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns of padding get
 the output of their row's first real token (finite; every loss masks them).  Rows need not share anything: a
 group whose rows share fewer than two tokens is packed as separate documents of one row.
+An iteration's reference and update forwards run the same rows, so :func:`forward_rows` keeps the last packing
+(:func:`packed_rows`) and packs once an iteration.
 
 A model shares prefixes (:func:`shares_prefixes`) when its attention takes packed documents: megalite's GPT
 without context parallelism or batch-invariant mode (a sliding window measures distance along each sequence, a
@@ -97,6 +99,26 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
                       documents.to(device), torch.tensor(flat, device=device))
 
 
+_last: tuple = ()
+"""``(input_ids, attention_mask, group, multiple, PackedRows)`` of the last :func:`packed_rows` (copies of the
+rows, so a caller changing its tensors in place cannot make a stale match)."""
+
+
+def packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int, multiple: int = 1) -> PackedRows:
+    """:func:`pack_rows` with the last packing kept: an RL iteration's reference forward and its update's forward
+    run the same rows, so the second reuses the first's packing.  The match is by value (dtype, shape and
+    every entry), so other rows are packed anew and the result is always ``pack_rows``'s."""
+    global _last
+    last = _last
+    if (last and last[2:4] == (group, multiple) and all(
+            a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in ((last[0], input_ids), (last[1], attention_mask)))):
+        return last[4]
+    packed = pack_rows(input_ids, attention_mask, group, multiple=multiple)
+    _last = (input_ids.clone(), attention_mask.clone(), group, multiple, packed)
+    return packed
+
+
 def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int | None):
     """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: through :func:`pack_rows` when
     ``group`` > 1 and the model shares prefixes (a last pipeline stage's output unpacked to ``[b, s, ...]``; an
@@ -105,7 +127,7 @@ def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, g
     if not group or group < 2 or not shares_prefixes(chunk):
         return chunk(input_ids, attention_mask=attention_mask)
     inner = unwrap(chunk)
-    packed = pack_rows(input_ids, attention_mask, group,
-                       multiple=inner.tp_size if getattr(inner, "sequence_parallel", False) else 1)
+    packed = packed_rows(input_ids, attention_mask, group,
+                         multiple=inner.tp_size if getattr(inner, "sequence_parallel", False) else 1)
     output = chunk(packed.tokens, position_ids=packed.position_ids, document_ids=packed.document_ids)
     return packed.unpack(output) if inner.post_process else output

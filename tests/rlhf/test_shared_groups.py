@@ -10,7 +10,7 @@ from megalite.models import GPTModel
 from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.objectives import PPOActorObjective
 from megalite.rlhf.ppo import PPOConfig, kl_penalty
-from megalite.rlhf.shared_groups import forward_rows, pack_rows, row_group
+from megalite.rlhf.shared_groups import forward_rows, pack_rows, packed_rows, row_group
 from megalite.testing import run_distributed
 from tests.models.common import full_to_shard
 from tests.rlhf.common import config
@@ -55,6 +55,26 @@ def test_group_row_layout():
     flat = packed.tokens.reshape(-1)[packed.index]
     real = batch["attention_mask"].bool()
     assert torch.equal(flat[real], batch["input_ids"][real])
+
+
+def test_the_last_packing_is_reused_only_for_the_same_rows():
+    """The update's forward reuses the reference's packing of the same rows (one packing an iteration); rows
+    changed in place, another group size or another dtype pack anew, each equal to pack_rows'."""
+    batch = _rollout()
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    first = packed_rows(ids, mask, GROUP)
+    assert packed_rows(ids.clone(), mask.clone(), GROUP) is first
+    ids[0, -1] = 9  # in place: the kept copy no longer matches
+    changed = packed_rows(ids, mask, GROUP)
+    assert changed is not first
+    assert torch.equal(changed.tokens, pack_rows(ids, mask, GROUP).tokens)
+    two = packed_rows(ids, mask, 2)
+    assert two is not changed
+    assert packed_rows(ids, mask.bool(), 2) is not two
+    for group, packed in ((2, two), (GROUP, packed_rows(ids, mask, GROUP))):
+        expected = pack_rows(ids, mask, group)
+        for name in ("tokens", "position_ids", "document_ids", "index"):
+            assert torch.equal(getattr(packed, name), getattr(expected, name))
 
 
 def _predicted(batch):
