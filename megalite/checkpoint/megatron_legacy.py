@@ -33,7 +33,8 @@ Not converted, with the reason as :attr:`LegacyCheckpoint.optimizer_note`: group
 multipliers, and anything that does not match.  MoE checkpoints (``args.num_experts``) with SequentialMLP experts
 keep each expert rank's files in ``mp_rank_TT[_PPP]_EEE`` (its local experts, ``mlp.experts.local_experts.<i>.``,
 placed at their indices of megalite's stacked expert weights; the dense tensors, replicated, read from expert rank
-0); with a distributed optimizer each ``distrib_optim.pt`` holds the chained dense and expert optimizers' buffers.
+0); their optimizer is Megatron-Core's chain of the dense and the expert optimizers: a list of both states in
+``optimizer``, or with a distributed optimizer both buffers in each ``distrib_optim.pt``.
 GroupedMLP experts and an expert tensor-parallel size other than tp are refused: megalite reads those in the
 torch_dist format.
 """
@@ -53,9 +54,9 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_names import megalite_name
-from megalite.checkpoint.megatron_buffers import OUTPUT_COPY
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, local_expert
 from megalite.checkpoint.megatron_distopt import expert_param, legacy_distributed_optimizer
-from megalite.checkpoint.megatron_optim import default_groups_problem, optimizer_meta
+from megalite.checkpoint.megatron_optim import OPTIMIZER_STATE_KEYS, chain, chain_groups, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
@@ -276,23 +277,39 @@ def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
 
 def _optimizer_entries(saved, chunks: list[dict]):
     """``([{name: {"exp_avg", "exp_avg_sq"[, "main"]}} per chunk], megalite's optimizer JSON state)`` of one rank's
-    saved Megatron optimizer, or the reason it cannot be converted (a string)."""
-    if isinstance(saved, list):
-        if len(saved) != 1:
-            return f"it is a chain of {len(saved)} optimizers"
-        saved = saved[0]
-    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
-    if not isinstance(inner, dict) or not inner.get("state"):
+    saved Megatron optimizer, or the reason it cannot be converted (a string).  An MoE run's ``ChainedOptimizer``
+    saves a list of two: the dense parameters' optimizer, then the local experts' (``mlp.experts.local_experts.``);
+    their groups join megalite's two as in the torch_dist reader (:func:`megalite.checkpoint.megatron_optim.chain_groups`)."""
+    chained = chain(saved)
+    if len(chained) > 2:
+        return f"it is a chain of {len(chained)} optimizers, not a dense and an expert one"
+    inners = [s.get("optimizer", s) if isinstance(s, dict) else None for s in chained]
+    if not all(isinstance(inner, dict) and inner.get("state") for inner in inners):
         return "it holds no Adam moments (a distributed optimizer keeps them in distrib_optim.pt, DP-sharded)"
-    groups = inner.get("param_groups", [])
-    problem = default_groups_problem(groups)
+    if not all(isinstance(inner.get("param_groups"), list) for inner in inners):
+        return "it holds no parameter groups (not Adam)"
+    groups, problem = chain_groups(inners)
     if problem:
         return problem
     params = [(v, name, t) for v, chunk in enumerate(chunks) for name, t in chunk.items()
               if isinstance(t, torch.Tensor) and not name.endswith("_extra_state")]
-    mains = saved.get("fp32_from_fp16_params") if "optimizer" in saved else None
     entries, steps = [{} for _ in chunks], set()
-    for g, group in enumerate(groups):
+    for k, (outer, inner) in enumerate(zip(chained, inners)):
+        mine = [p for p in params if len(chained) == 1 or (local_expert(p[1]) is not None) == (k == 1)]
+        why = _inner_entries(outer, inner, mine, entries, steps)
+        if why is not None:
+            return why if len(chained) == 1 else f"its chained optimizer {k}: {why}"
+    if len(steps) != 1:
+        return f"its parameters have different Adam steps ({sorted(steps)})"
+    return entries, optimizer_meta(groups, steps.pop())
+
+
+def _inner_entries(outer: dict, inner: dict, params: list, entries: list[dict], steps: set) -> str | None:
+    """Fill ``entries`` (per chunk ``{name: {megalite's state key: tensor}}``) and ``steps`` from one of Megatron's
+    optimizers (``outer``: its state dict, with ``fp32_from_fp16_params`` under fp16/bf16; ``inner``: torch Adam's),
+    whose groups hold ``params`` (``(chunk, name, tensor)``) by Megatron's default rule; or say why they cannot be."""
+    mains = outer.get("fp32_from_fp16_params") if "optimizer" in outer else None
+    for g, group in enumerate(inner["param_groups"]):
         undecayed = group.get("wd_mult", 1.0) == 0.0
         members = [p for p in params if _no_weight_decay(p[1], p[2]) == undecayed]
         if len(members) != len(group["params"]):
@@ -303,15 +320,13 @@ def _optimizer_entries(saved, chunks: list[dict]):
             state = inner["state"].get(index, {})
             if "exp_avg" not in state or tuple(state["exp_avg"].shape) != tuple(tensor.shape):
                 return f"its state {index} does not fit {name} {tuple(tensor.shape)}"
-            entries[v][name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            entries[v][name] = {OPTIMIZER_STATE_KEYS[key]: state[key] for key in ("exp_avg", "exp_avg_sq")}
             if mains is not None:
                 if tuple(mains[g][j].shape) != tuple(tensor.shape):
                     return f"its fp32 main weight {g}.{j} does not fit {name} {tuple(tensor.shape)}"
-                entries[v][name]["main"] = mains[g][j]
+                entries[v][name][OPTIMIZER_STATE_KEYS["fp32_param"]] = mains[g][j]
             steps.add(int(state.get("step", 0)))
-    if len(steps) != 1:
-        return f"its parameters have different Adam steps ({sorted(steps)})"
-    return entries, optimizer_meta(groups, steps.pop())
+    return None
 
 
 def _offsets(chunks: dict, pp: int, with_total: bool = False):

@@ -77,11 +77,10 @@ def resumable_optimizer(saved, shapes: dict[str, tuple[int, ...]]) -> tuple[dict
     if isinstance(saved, dict) and "param_state_sharding_type" in saved:
         return None, (f"it is a distributed optimizer's state in the {saved['param_state_sharding_type']!r} "
                       "layout, which megalite does not read")
-    inners = [saved.get("optimizer", saved) if isinstance(saved, dict) else None for saved in _chain(saved)]
+    inners = [saved.get("optimizer", saved) if isinstance(saved, dict) else None for saved in chain(saved)]
     if not all(isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) for inner in inners):
         return None, "its common state holds no parameter groups (not Adam)"
-    groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
-    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
+    groups, problem = chain_groups(inners)
     if problem:
         return None, problem
     for name in (name for name in shapes if not name.startswith("optimizer.")):
@@ -96,12 +95,23 @@ def resumable_optimizer(saved, shapes: dict[str, tuple[int, ...]]) -> tuple[dict
     return optimizer_meta(groups, int(steps[0].item())), None
 
 
-def _chain(saved) -> list:
-    """The optimizers of Megatron-Core's ``ChainedOptimizer`` state ``{0: ..., 1: ...}`` (an MoE run at ep > 1 keeps
-    its expert parameters in a second one), else ``[saved]``."""
+def chain(saved) -> list:
+    """The optimizers of Megatron-Core's ``ChainedOptimizer`` state: ``{0: ..., 1: ...}`` in ``common.pt``, a list
+    ``[...]`` in a legacy ``model_optim_rng.pt`` (an MoE run at ep > 1 keeps its expert parameters in a second one),
+    else ``[saved]``."""
+    if isinstance(saved, list):
+        return saved
     if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
         return [saved[k] for k in sorted(saved)]
     return [saved]
+
+
+def chain_groups(inners: list[dict]) -> tuple[list[dict], str | None]:
+    """``(the groups of the chained inner optimizer states inners that are not expert-parallel, None)`` when all
+    groups join megalite's two (:func:`default_groups_problem`, :func:`expert_groups_problem`), else
+    ``(those groups, why not)``."""
+    groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
+    return groups, default_groups_problem(groups) or expert_groups_problem(inners, groups)
 
 
 def expert_groups_problem(inners: list[dict], groups: list[dict]) -> str | None:

@@ -338,3 +338,46 @@ def test_megatron_attention_options_map_both_ways():
     for changes in ({"rope_scaling": "linear"}, {"rope_high_freq_factor": 2.0}):
         with pytest.raises(ValueError, match="has no Megatron-LM flag"):
             to_megatron(dataclasses.replace(scaled, **changes), 2, ITERATION)
+
+
+def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
+    """A legacy MoE save's chain of two Float16 optimizers (the dense parameters', then the local experts', each with
+    its ``fp32_from_fp16_params``): each parameter gets its own chained optimizer's moments and fp32 main weight, by
+    Megatron's default groups (1-D parameters undecayed), and the optimizer state counts the common step."""
+    from megalite.checkpoint.megatron_legacy import _optimizer_entries
+
+    expert = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    chunk = {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 8, dtype=torch.bfloat16),
+             expert.format(0): torch.zeros(6, 8, dtype=torch.bfloat16),
+             "decoder.final_layernorm.weight": torch.zeros(8, dtype=torch.bfloat16),
+             expert.format(1): torch.zeros(6, 8, dtype=torch.bfloat16)}
+    group = {"lr": 0.1, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "lr_mult": 1.0}
+
+    def adam(params, expert_parallel):
+        """A Float16 optimizer's state of ``params`` (names per group, decayed then undecayed; no empty group)."""
+        shapes = [[chunk[n].shape for n in names] for names in params if names]
+        counter = iter(range(100))
+        state = {i: {"step": 3, "exp_avg": torch.full(s, float(i + 10 * expert_parallel)),
+                     "exp_avg_sq": torch.full(s, float(i + 20))}
+                 for i, s in zip(counter, [s for group_shapes in shapes for s in group_shapes])}
+        groups, start = [], 0
+        for wd_mult, group_shapes in zip((1.0, 0.0)[:len(shapes)], shapes):
+            groups.append({**group, "wd_mult": wd_mult, "is_expert_parallel": expert_parallel,
+                           "params": list(range(start, start + len(group_shapes)))})
+            start += len(group_shapes)
+        mains = [[torch.full(s, -1.0 - i - 10 * expert_parallel, dtype=torch.float32) for i, s in enumerate(g)]
+                 for g in shapes]
+        return {"optimizer": {"state": state, "param_groups": groups}, "fp32_from_fp16_params": mains}
+
+    dense = adam([["decoder.layers.0.mlp.router.weight"], ["decoder.final_layernorm.weight"]], False)
+    experts = adam([[expert.format(0), expert.format(1)]], True)
+    (entries,), meta = _optimizer_entries([dense, experts], [chunk])
+    assert meta["num_steps"] == 3 and [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+    assert sorted(entries) == sorted(chunk)
+    expected = {"decoder.layers.0.mlp.router.weight": (0.0, 20.0, -1.0), "decoder.final_layernorm.weight":
+                (1.0, 21.0, -1.0), expert.format(0): (10.0, 20.0, -11.0), expert.format(1): (11.0, 21.0, -12.0)}
+    for name, (avg, avg_sq, main) in expected.items():
+        assert set(entries[name]) == {"exp_avg", "exp_avg_sq", "main"}
+        assert torch.equal(entries[name]["exp_avg"], torch.full(chunk[name].shape, avg)), name
+        assert torch.equal(entries[name]["exp_avg_sq"], torch.full(chunk[name].shape, avg_sq)), name
+        assert torch.equal(entries[name]["main"], torch.full(chunk[name].shape, main)), name

@@ -8,7 +8,9 @@ its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep
 Both Megatron expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
 GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
 checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
-logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.
+logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.  The same
+state saved in the legacy format (``--ckpt-format torch``, the chained optimizers' states in ``model_optim_rng.pt``)
+reads as the torch_dist save.
 """
 
 import argparse
@@ -117,6 +119,8 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor):
                 state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
                 state["opt_param_scheduler"] = scheduler.state_dict()
                 megatron_fixture.save_state(state, directory, i)
+            run._save_legacy(save_dir + run.LEGACY, i, ddp, optimizer, scheduler, expert_model_parallel_size=ep,
+                             **{k: v for k, v in ARGS.items() if megatron_fixture.ARGS.get(k) != v})
         batch = batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
@@ -165,6 +169,7 @@ def saved(tmp_path_factory):
     files (ep=1, ep=2) and rank 0's output of them)``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     os.makedirs(path)
+    os.makedirs(path + run.LEGACY)
     os.makedirs(path + SINGLETON)
     ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
     moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
@@ -295,6 +300,40 @@ def test_expert_moments_of_the_chained_optimizer_are_read(saved):
     assert [g["weight_decay"] for g in reader.state["optimizer"]["param_groups"]] == [0.1, 0.0]
     for name, expected in saved[3].items():
         torch.testing.assert_close(reader.read(name), expected, rtol=0, atol=0)
+
+
+def test_legacy_chained_optimizer_gives_the_torch_dist_state(saved, tmp_path):
+    """The same state saved in the legacy format (``mp_rank_00_<ep rank>/model_optim_rng.pt``, the non-distributed
+    ChainedOptimizer's list of the dense and the expert Adam states), read behind the pickle opt-in, holds the
+    torch_dist save's weights and Adam moments bit for bit, its optimizer state and its scheduler.  An expert
+    optimizer whose groups train otherwise is named and its moments are not read."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    legacy = read_megatron_legacy(saved[0] + run.LEGACY, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    theirs = MegatronDistReader(saved[0])
+    assert legacy.optimizer_note is None
+    assert legacy.optimizer == theirs.state["optimizer"]
+    assert legacy.scheduler == theirs.state["megatron_scheduler"] is not None
+    assert sorted(legacy.tensors) == sorted(theirs.shapes)
+    assert sum(n.startswith("optimizer.exp_avg") for n in legacy.tensors) == 2 * sum(
+        not n.startswith("optimizer.") for n in theirs.shapes)
+    for name in theirs.shapes:
+        assert torch.equal(legacy.tensors[name], theirs.read(name)), name
+    for name, expected in saved[3].items():  # Megatron-Core's own moments of the run
+        assert torch.equal(legacy.tensors[name], expected), name
+    import shutil
+
+    copy = str(tmp_path / "legacy")
+    shutil.copytree(saved[0] + run.LEGACY, copy)
+    path = os.path.join(copy, f"iter_{run.SAVED_AT:07d}", "mp_rank_00_001", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=False)
+    for group in state["optimizer"][1]["param_groups"]:
+        group["lr"] *= 2
+    torch.save(state, path)
+    changed = read_megatron_legacy(copy, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    assert changed.optimizer is None and not any(n.startswith("optimizer.") for n in changed.tensors)
+    assert changed.optimizer_note == "its expert-parallel parameter groups train otherwise than the other parameters"
 
 
 def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):
