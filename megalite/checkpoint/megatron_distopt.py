@@ -47,7 +47,7 @@ from dataclasses import replace
 
 from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts, local_expert,
                                                   place, split_problem)
-from megalite.checkpoint.megatron_optim import default_groups_problem, expert_groups_problem, optimizer_meta
+from megalite.checkpoint.megatron_optim import chain_groups, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
 from megalite.pipeline import split_layers
@@ -78,9 +78,10 @@ def _inners(saved) -> list:
 
 def _run_problem(args: dict, config, names, saved):
     """What makes a distributed optimizer's save of the model ``config`` (parameters ``names``) unreadable, or
-    ``(its dense parameter groups, its inner optimizer states, its Adam step, :func:`buffer_args`, whether it has
-    fp32 main weights of half-precision ones)`` from its saved args and Megatron's inner optimizer states ``saved``
-    (:func:`_inners`: ``param_groups`` with ``step``)."""
+    ``(its dense parameter groups, why they cannot join megalite's two or None (:func:`chain_groups`), its inner
+    optimizer states, its Adam step, :func:`buffer_args`, whether it has fp32 main weights of half-precision
+    ones)`` from its saved args and Megatron's inner optimizer states ``saved`` (:func:`_inners`: ``param_groups``
+    with ``step``)."""
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")
@@ -108,8 +109,8 @@ def _run_problem(args: dict, config, names, saved):
     step = next(iter(steps), None)
     if len(steps) != 1 or not isinstance(step, (int, float)) or step != int(step) or step < 1:
         return "without one Adam step count in its parameter groups"
-    groups = [g for inner in inners for g in inner["param_groups"] if not g.get("is_expert_parallel")]
-    return groups, inners, int(step), layout, bool(args.get("bf16") or args.get("fp16"))
+    groups, problem = chain_groups(inners)
+    return groups, problem, inners, int(step), layout, bool(args.get("bf16") or args.get("fp16"))
 
 
 def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
@@ -132,8 +133,7 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     found = _run_problem(args, config, shapes, saved)
     if isinstance(found, str):
         return no(found)
-    groups, inners, step, layout, mixed = found
-    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
+    groups, problem, inners, step, layout, mixed = found
     if problem:
         return {}, None, problem
     tp, pp, ep, etp = layout["tp"], layout["pp"], layout["ep"], layout["etp"]
@@ -246,8 +246,7 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
     found = _run_problem(args, config, names, inners)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
-    groups, inners, step, layout, mixed = found
-    problem = default_groups_problem(groups) or expert_groups_problem(inners, groups)
+    groups, problem, inners, step, layout, mixed = found
     if problem:
         return problem
     expert_chain = layout["ep"] > 1 and bool(args.get("num_experts"))
