@@ -15,7 +15,8 @@ Which chunk holds which layers is megalite's one layer split (:func:`megalite.pi
 as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks, and
 without interleaved chunks for ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
 (Megatron-Core splits the layers plus the embedding and the loss evenly, then builds one layer fewer on the first
-and the last stage: megalite's first and last stage layer counts).
+and the last stage: megalite's first and last stage layer counts), and for a ``--pipeline-model-parallel-layout``
+without interleaved chunks whose stage layer counts megalite's split gives (:func:`_layout_stages`).
 """
 
 from __future__ import annotations
@@ -116,13 +117,50 @@ def _accounted_stages(args: dict) -> tuple[int, int] | None:
     return total // pp - embedding, total // pp - loss
 
 
+def _unrolled(layout: str) -> list[str]:
+    """The stages of a ``--pipeline-model-parallel-layout`` string, each a string of its layer letters (``E``
+    embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss): commas dropped, ``(...)*n`` and ``x*n`` repeated,
+    split at ``|`` -- Megatron-Core's reading of the string."""
+    layout = layout.replace(",", "")
+    layout = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
+    return re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout).split("|")
+
+
+def _layout_stages(args: dict) -> tuple[int, int] | None:
+    """``(first, last)`` stage layer counts of a run (saved ``args``) split by ``--pipeline-model-parallel-layout``
+    (the string, or the parsed layout built from one) whose stages megalite's split (:func:`split_layers` with those counts) gives: one chunk per stage (as many
+    stages as ``pp``), the embedding alone at the start of the first, the loss alone at the end of the last, only
+    decoder layers (no MTP layers) between, ``num_layers`` in all, the middle stages of equal counts; else None."""
+    layout, pp = args.get("pipeline_model_parallel_layout"), int(args.get("pipeline_model_parallel_size") or 1)
+    if not isinstance(layout, str):  # Megatron-LM's parsed PipelineParallelLayerLayout keeps its string
+        state = getattr(layout, "state", None)  # as a pickled record (megatron_pickle.Opaque): its __dict__
+        layout = state.get("input_data") if isinstance(state, dict) else getattr(layout, "input_data", None)
+        if not isinstance(layout, str):
+            return None
+    stages = _unrolled(layout)
+    if len(stages) != pp or not (stages[0].startswith("E") and stages[-1].endswith("L")):
+        return None
+    stages[0] = stages[0][1:]
+    stages[-1] = stages[-1][:-1]  # one after the other: at pp=1 both are the one stage
+    counts = [len(stage) for stage in stages]
+    if any(set(stage) - {"t"} for stage in stages) or sum(counts) != int(args.get("num_layers") or 0):
+        return None
+    first, last = (counts[0], counts[-1]) if pp > 1 else (None, None)
+    try:
+        ranges = split_layers(sum(counts), pp, None, first, last)
+    except ValueError:
+        return None
+    return (first, last) if [hi - lo for ((lo, hi),) in ranges] == counts else None
+
+
 def split_problem(args: dict) -> str | None:
     """The flag of Megatron-LM's saved ``args`` whose pipeline split megalite does not rebuild (the layers' stages
-    would be guessed at), or None: ``--pipeline-model-parallel-layout``, and a split that counts the embedding or
+    would be guessed at), or None: ``--pipeline-model-parallel-layout`` but the layouts :func:`_layout_stages`
+    reads, and a split that counts the embedding or
     the loss as a layer with interleaved chunks (only the first/last chunk has a layer fewer) or layers that do
     not split so."""
     if args.get("pipeline_model_parallel_layout"):
-        return "pipeline_model_parallel_layout"
+        return None if _layout_stages(args) else "pipeline_model_parallel_layout"
     accounted = next((flag for flag in _ACCOUNTED if args.get(flag)), None)
     if accounted and int(args.get("pipeline_model_parallel_size") or 1) > 1 and _accounted_stages(args) is None:
         return accounted
@@ -137,9 +175,9 @@ def buffer_args(args: dict) -> dict:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
-    accounted = _accounted_stages(args)
-    if accounted is not None and first is None and last is None:
-        first, last = accounted
+    stages = _layout_stages(args) if args.get("pipeline_model_parallel_layout") else _accounted_stages(args)
+    if stages is not None and first is None and last is None:
+        first, last = stages
     tp = int(args.get("tensor_model_parallel_size") or 1)
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),

@@ -49,8 +49,12 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
           account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
      "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
-    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|t|tL"),
      "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|ttmL"),
+     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tttL"),
+     "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
     (dict(pipeline_model_parallel_size=3, account_for_embedding_in_pipeline_split=True,
           account_for_loss_in_pipeline_split=True), "of model-parallel ranks [0], not the 3 of its tp=1 x pp=3"),
     (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
@@ -64,7 +68,7 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's layout
-    string, splits that count the embedding or loss as a layer with interleaved chunks or layers that do not split
+    string with interleaved chunks or MTP layers (without, the next problem is named), splits that count the embedding or loss as a layer with interleaved chunks or layers that do not split
     so; without chunks such a split is placed: the next problem is named), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
     run without its experts' chained optimizer, experts under Transformer Engine's spec (whose MoE layers keep
     their pre-MLP norm apart) and a model-parallel rank without buckets are named, not guessed at."""
@@ -105,3 +109,59 @@ def test_splits_that_count_the_embedding_or_loss_as_a_layer_are_megatron_cores(n
     theirs = [get_num_layers_to_build(config, pp_rank=p) for p in range(pp)]
     assert [hi - lo for ((lo, hi),) in ranges] == theirs
     assert len(set(theirs)) > 1  # not an even split: the flags move layers
+
+
+@pytest.mark.parametrize("layout, pp", [("Et*3|(tt|)*2,tL", 4), ("E|tttt|L", 3), ("Ett|ttL", 2), ("Et|tt|tt|tL", 4),
+                                        ("EttttL", 1), ("Ettt|t|tL", 3)])
+def test_pipeline_layout_stages_are_megatron_cores(layout, pp):
+    """``--pipeline-model-parallel-layout`` without interleaved chunks: megalite's stages of the saved args
+    (:func:`buffer_args`' first and last stage layer counts in its layer split) hold as many decoder layers as
+    Megatron-Core's ``PipelineParallelLayerLayout`` of the string builds on each stage."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megalite.checkpoint.megatron_buffers import buffer_args, split_problem
+    from megalite.pipeline import split_layers
+
+    theirs = PipelineParallelLayerLayout(layout, pp)
+    counts = [theirs.get_num_layers_to_build(LayerType.decoder, pp_rank=p) for p in range(pp)]
+    args = dict(num_layers=sum(counts), pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout)
+    mine = buffer_args(args)
+    assert split_problem(args) is None
+    ranges = split_layers(sum(counts), pp, mine["vpp"], mine["first"], mine["last"])
+    assert [hi - lo for ((lo, hi),) in ranges] == counts
+
+
+@pytest.mark.parametrize("layout, pp", [("Et|t|t|tL", 2), ("Et|ttt|t|tL", 4), ("Ett|ttmL", 2), ("tEt|ttL", 2)])
+def test_pipeline_layouts_megalite_cannot_split_are_named(layout, pp):
+    """Layouts Megatron-Core reads but megalite's split does not give -- interleaved chunks, middle stages of
+    unequal counts, MTP layers, the embedding after a layer -- are refused by the layout flag's name."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megalite.checkpoint.megatron_buffers import split_problem
+
+    theirs = PipelineParallelLayerLayout(layout, pp)
+    layers = len([t for t in theirs.flatten_layout if t == LayerType.decoder])
+    args = dict(num_layers=layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout)
+    assert split_problem(args) == "pipeline_model_parallel_layout"
+
+
+def test_a_parsed_pipeline_layout_in_the_args_is_read_by_its_string():
+    """Megatron-LM's args may hold the parsed ``PipelineParallelLayerLayout``: loaded as itself (legacy format)
+    or as an inert record of its ``__dict__`` (``common.pt``), its stages are its string's."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megalite.checkpoint.megatron_buffers import buffer_args, split_problem
+    from megalite.checkpoint.megatron_pickle import Opaque
+
+    parsed = PipelineParallelLayerLayout("Et|ttt|tL", 3)
+    record = Opaque()
+    record.__setstate__(dict(vars(parsed)))
+    for layout in (parsed, record):
+        args = dict(num_layers=5, pipeline_model_parallel_size=3, pipeline_model_parallel_layout=layout)
+        assert split_problem(args) is None
+        assert (buffer_args(args)["first"], buffer_args(args)["last"]) == (1, 1)
+    record.__setstate__({"input_data": [["embedding", "decoder"], ["decoder", "loss"]]})  # built from a list
+    args = dict(num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout=record)
+    assert split_problem(args) == "pipeline_model_parallel_layout"

@@ -1,12 +1,13 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in five layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in six layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
   copies are in buckets of their own, their gradients all-reduced over the embedding group);
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
+- ``layout`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tL`` (stages of 3 and 1 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains five runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains six runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -78,6 +79,8 @@ _TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.we
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
                     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
+         "layout": (dict(pipeline_model_parallel_layout="Ettt|tL"),
+                    dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
@@ -166,7 +169,8 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages, interleaved chunks, TE's order and experts in a chained optimizer:
+    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
+    TE's order and experts in a chained optimizer:
     megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
     also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
