@@ -344,7 +344,7 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
     """A legacy MoE save's chain of two Float16 optimizers (the dense parameters', then the local experts', each with
     its ``fp32_from_fp16_params``): each parameter gets its own chained optimizer's moments and fp32 main weight, by
     Megatron's default groups (1-D parameters undecayed), and the optimizer state counts the common step."""
-    from megalite.checkpoint.megatron_legacy import _optimizer_entries
+    from megalite.checkpoint.megatron_legacy_optim import optimizer_entries
 
     expert = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
     chunk = {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 8, dtype=torch.bfloat16),
@@ -371,7 +371,7 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
 
     dense = adam([["decoder.layers.0.mlp.router.weight"], ["decoder.final_layernorm.weight"]], False)
     experts = adam([[expert.format(0), expert.format(1)]], True)
-    (entries,), meta = _optimizer_entries([dense, experts], [chunk])
+    (entries,), meta = optimizer_entries([dense, experts], [chunk])
     assert meta["num_steps"] == 3 and [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
     assert sorted(entries) == sorted(chunk)
     expected = {"decoder.layers.0.mlp.router.weight": (0.0, 20.0, -1.0), "decoder.final_layernorm.weight":
