@@ -8,8 +8,9 @@ so nothing is read without an explicit ``allow_pickle=True`` (``--allow-pickle``
 Only the converter calls this; megalite's own load path never unpickles.
 
 MoE checkpoints (``args.num_experts``) with SequentialMLP experts keep each expert rank's files in
-``mp_rank_TT[_PPP]_EEE``.  GroupedMLP experts and an expert tensor-parallel size other than tp are refused:
-megalite reads those in the torch_dist format.
+``mp_rank_TT[_PPP]_EEE``; with an expert tensor-parallel size other than tp, which files exist and which expert
+shards each holds follows Megatron-Core's rank order (:func:`megalite.checkpoint.megatron_legacy_files.written_ranks`).
+GroupedMLP experts are refused: megalite reads those in the torch_dist format.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_legacy_files import (MODEL_FILE, RANK_DIR, TRACKER, legacy_directory,
-                                                       model_chunks, rank_file, unpickle)
+                                                       model_chunks, rank_file, unpickle, written_ranks)
 from megalite.checkpoint.megatron_legacy_optim import legacy_optimizer
 from megalite.checkpoint.megatron_legacy_shards import assemble
 
@@ -72,14 +73,16 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     args = state["args"]
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1) if getattr(args, "num_experts", None) else 1
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
-    if getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or etp != tp):
-        what = "GroupedMLP experts (moe_grouped_gemm)" if getattr(args, "moe_grouped_gemm", False) else \
-            f"expert_tensor_parallel_size {etp} (not the tensor-parallel size {tp})"
-        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with {what} is not supported; megalite reads "
-                         "those in --ckpt-format torch_dist")
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if getattr(args, "num_experts", None) else tp
+    if getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with GroupedMLP experts (moe_grouped_gemm) is "
+                         "not supported; megalite reads those in --ckpt-format torch_dist")
     config = config_from_megatron_args(args, vocab_size)
-    files = {(t, p, e): rank_file(directory, t, p, pp, e, ep) for p in range(pp) for t in range(tp) for e in range(ep)}
+    try:
+        expert_ranks = written_ranks(args, tp, pp, ep, etp)
+    except ValueError as err:
+        raise ValueError(f"{directory}: {err}") from None
+    files = {key: rank_file(directory, *key[:2], pp, key[2], ep) for key in expert_ranks}
     sizes = f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}" + \
         (f" x expert_model_parallel_size {ep}" if ep > 1 else "")
     missing = [f for f in files.values() if not os.path.isfile(f)]
@@ -92,10 +95,10 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
         raise ValueError(f"{directory} holds {extra[0]}, which the saved args' {sizes} do not have")
     states = {key: state if key == (0, 0, 0) else unpickle(f) for key, f in files.items()}
     chunks = {key: model_chunks(states[key], f) for key, f in files.items()}
-    tensors = assemble(config, chunks, tp, pp, directory)
+    tensors = assemble(config, chunks, tp, pp, directory, (etp, expert_ranks))
     meta, note = None, None
     if "optimizer" in state:
-        moments, meta, note = legacy_optimizer(states, chunks, config, tp, pp, files)
+        moments, meta, note = legacy_optimizer(states, chunks, config, tp, pp, files, (etp, expert_ranks))
         tensors.update(moments)
     iteration = 0 if os.path.basename(directory) == "release" else int(state.get("iteration", 0))
     return LegacyCheckpoint(directory, iteration, config, tensors, getattr(args, "consumed_train_samples", None),

@@ -60,6 +60,51 @@ def rank_file(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank:
     return os.path.join(directory, name, MODEL_FILE)
 
 
+def _coordinates(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """Megatron-Core's ranks of global ``rank`` in each parallel dimension, ``order`` fastest first (its
+    ``RankGenerator``: a global rank is a mixed-radix number whose digits are these ranks)."""
+    found = {}
+    for name in order.split("-"):
+        found[name] = rank % sizes[name]
+        rank //= sizes[name]
+    return found
+
+
+def written_ranks(args, tp: int, pp: int, ep: int, etp: int) -> dict[tuple[int, int, int], int]:
+    """``{(tensor rank, pipeline rank, expert rank) of each rank file: the expert tensor-parallel rank of its
+    experts}`` of a run with the saved ``args``.  Megatron-LM's legacy save writes from the first rank of each
+    expert data-parallel group, into the file of its (dense) tensor and pipeline rank and its expert rank: with
+    ``etp`` = ``tp`` that is every combination, each file's experts cut as its tensor rank; otherwise which global
+    ranks write which file follows Megatron-Core's rank order (``tp-cp-ep-dp-pp``, ``tp-cp-ep-pp-dp`` with
+    ``--use-tp-pp-dp-mapping``) over ``args.world_size``.  ValueError when the args lack the world size or two
+    ranks with different expert shards write one file (the format kept only one of them)."""
+    if etp == tp:
+        return {(t, p, e): t for p in range(pp) for t in range(tp) for e in range(ep)}
+    world = int(getattr(args, "world_size", 0) or 0)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if world < 1 or world % (tp * cp * pp) or world % (etp * ep * pp):
+        raise ValueError(f"the saved args' world_size {world or None} does not give the ranks of tensor_model_parallel"
+                         f"_size {tp} x context_parallel_size {cp} x pipeline_model_parallel_size {pp} and of "
+                         f"expert_tensor_parallel_size {etp} x expert_model_parallel_size {ep}, which a legacy save "
+                         "with expert_tensor_parallel_size other than tp needs to place its files")
+    order = "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+    dense = dict(tp=tp, cp=cp, ep=1, dp=world // (tp * cp * pp), pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=world // (etp * ep * pp), pp=pp)
+    files = {}
+    for rank in range(world):
+        ours, theirs = _coordinates(rank, dense, order), _coordinates(rank, expert, order)
+        if theirs["dp"] > 0:
+            continue  # not the first rank of its expert data-parallel group: it writes nothing
+        key = (ours["tp"], ours["pp"], theirs["ep"])
+        if files.setdefault(key, theirs["tp"]) != theirs["tp"]:
+            raise ValueError(f"Megatron-LM's legacy save of this run (tensor_model_parallel_size {tp}, "
+                             f"expert_tensor_parallel_size {etp}, world_size {world}) writes the experts of expert "
+                             f"tensor ranks {files[key]} and {theirs['tp']} into one file, "
+                             f"{os.path.dirname(rank_file('', key[0], key[1], pp, key[2], ep))}: "
+                             "only one of them is on disk")
+    return files
+
+
 def unpickle(path: str) -> dict:
     """One rank file, memory-mapped (tensors are read when placed) unless torch < 1.6 wrote it (no zip archive)."""
     state = load_pickle(path)

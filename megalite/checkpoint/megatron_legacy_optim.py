@@ -28,11 +28,16 @@ from megalite.checkpoint.megatron_optim import OPTIMIZER_STATE_KEYS, chain, chai
 from megalite.checkpoint.state import OPTIMIZER_KEYS
 
 
-def legacy_optimizer(states: dict, chunks: dict, config, tp: int, pp: int, files: dict):
+def legacy_optimizer(states: dict, chunks: dict, config, tp: int, pp: int, files: dict,
+                     expert_tp: tuple[int, dict]):
     """``(optimizer global tensors, megalite's optimizer JSON state, None)`` from every rank's saved optimizer
-    (``files``: each rank's :data:`MODEL_FILE`), or ``({}, None, why it cannot be converted)``."""
+    (``files``: each rank's :data:`MODEL_FILE`; ``expert_tp``: as :func:`assemble`'s), or ``({}, None, why it cannot
+    be converted)``."""
     directory = os.path.dirname(os.path.dirname(files[(0, 0, 0)]))
     if getattr(states[(0, 0, 0)]["args"], "use_distributed_optimizer", False):
+        if expert_tp[0] != tp:
+            return {}, None, (f"it is a distributed optimizer's state at expert_tensor_parallel_size {expert_tp[0]} "
+                              f"(not the tensor-parallel size {tp}), which megalite reads in --ckpt-format torch_dist")
         return _distributed(states, chunks, config, tp, pp, files)
     found = {key: optimizer_entries(states[key].get("optimizer"), chunks[key]) for key in states}
     note = next((entry for entry in found.values() if isinstance(entry, str)), None)
@@ -46,7 +51,7 @@ def legacy_optimizer(states: dict, chunks: dict, config, tp: int, pp: int, files
             moments = {rank: [{name: e[key] for name, e in chunk.items()} for chunk in entries]
                        for rank, (entries, _) in found.items()}
             tensors.update({f"optimizer.{key}.{name}": value
-                            for name, value in assemble(config, moments, tp, pp, directory).items()})
+                            for name, value in assemble(config, moments, tp, pp, directory, expert_tp).items()})
     return tensors, found[(0, 0, 0)][1], None
 
 

@@ -51,9 +51,18 @@ def layer_offsets(chunks: dict, pp: int, with_total: bool = False):
     return (offsets, total) if with_total else offsets
 
 
-def assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str, torch.Tensor]:
+def assemble(config, chunks: dict, tp: int, pp: int, directory: str,
+             expert_tp: tuple[int, dict] | None = None) -> dict[str, torch.Tensor]:
     """Global tensors from ``{(tp_rank, pp_rank, ep_rank): [state dict per virtual stage]}`` (each expert rank's
-    local experts placed in megalite's stacked expert weights; the dense tensors read from expert rank 0)."""
+    local experts placed in megalite's stacked expert weights; each dense tensor read from the first file of its
+    tensor and pipeline rank, each expert shard from the first file that holds it).  ``expert_tp``: the expert
+    tensor-parallel size and each file's expert tensor-parallel rank
+    (:func:`megalite.checkpoint.megatron_legacy_files.written_ranks`); by default tp and the file's tensor rank."""
+    etp, expert_ranks = expert_tp or (tp, {key: key[0] for key in chunks})
+    dense_from, experts_from = {}, {}
+    for t, p, e in sorted(chunks):
+        dense_from.setdefault((t, p), e)
+        experts_from.setdefault((expert_ranks[(t, p, e)], p, e), t)
     dims = split_dims(config)
     expected = global_shapes(config)
     offsets, total = layer_offsets(chunks, pp, with_total=True)
@@ -70,21 +79,24 @@ def assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[str
                 name = global_name(key, offsets[(v, p)])
                 if name == OUTPUT_COPY and not config.untie_embeddings_and_output_weights:
                     continue  # the last stage's copy of tied word embeddings (pipeline stages)
-                ctx = ShardContext(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, etp_rank=t, etp_size=tp)
+                x = expert_ranks[(t, p, e)]
+                ctx = ShardContext(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, etp_rank=x, etp_size=etp)
                 expert = expert_param(name, tuple(value.shape), config.moe.num_experts, dims, config, ctx) \
                     if config.moe is not None else None
                 if expert is not None:
+                    if experts_from[(x, p, e)] != t:
+                        continue  # another tensor rank's copy of these expert shards
                     value = value.view(expert[1])
                     gp = expert[2]
                 elif name not in dims:
                     raise ValueError(f"{directory}: {key} (stage {p}, tensor rank {t}) is no parameter of the model "
                                      "the saved args describe")
-                elif e > 0:
-                    continue  # an expert rank's replica of expert rank 0's dense tensor
+                elif dense_from[(t, p)] != e:
+                    continue  # an expert rank's replica of another's dense tensor
                 else:
                     gp = global_param(name, local_meta(value.shape, dims[name]), config,
                                       ShardContext(tp_rank=t, tp_size=tp))
-                if gp.alias or (dims.get(gp.name) is None and t > 0):
+                if gp.alias or (dims.get(gp.name) is None and (x if expert is not None else t) > 0):
                     continue  # a tied output layer's copy, or a TP replica of rank 0's tensor
                 if tuple(gp.shape) != expected.get(gp.name):
                     raise ValueError(f"{directory}: {key} of tensor rank {t} has shape {tuple(value.shape)}, which "

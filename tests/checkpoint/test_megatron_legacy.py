@@ -381,3 +381,22 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
         assert torch.equal(entries[name]["exp_avg"], torch.full(chunk[name].shape, avg)), name
         assert torch.equal(entries[name]["exp_avg_sq"], torch.full(chunk[name].shape, avg_sq)), name
         assert torch.equal(entries[name]["main"], torch.full(chunk[name].shape, main)), name
+
+
+def test_the_rank_files_of_a_save_whose_experts_split_otherwise_than_tp():
+    """With expert_tensor_parallel_size other than tp, the first rank of each expert data-parallel group writes its
+    (tensor, pipeline, expert) rank's file, in Megatron-Core's rank order; a file two such ranks with different expert
+    shards would write, and args without the world size, are one clear error."""
+    from megalite.checkpoint.megatron_legacy_files import written_ranks
+
+    Namespace = argparse.Namespace
+
+    assert written_ranks(Namespace(), 2, 1, 2, 2) == {(t, 0, e): t for t in range(2) for e in range(2)}
+    assert written_ranks(Namespace(world_size=2), 2, 1, 2, 1) == {(0, 0, 0): 0, (1, 0, 1): 0}
+    assert written_ranks(Namespace(world_size=8), 2, 1, 4, 1) == {(0, 0, 0): 0, (1, 0, 1): 0, (0, 0, 2): 0,
+                                                                  (1, 0, 3): 0}
+    with pytest.raises(ValueError, match=r"writes the experts of expert tensor ranks 0 and 1 into one file, mp_rank_00: "
+                                         "only one of them is on disk"):
+        written_ranks(Namespace(world_size=2), 1, 1, 1, 2)
+    with pytest.raises(ValueError, match="the saved args' world_size None does not give the ranks"):
+        written_ranks(Namespace(), 2, 1, 2, 1)
