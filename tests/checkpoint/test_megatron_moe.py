@@ -36,10 +36,12 @@ SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
-def _build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | None = None):
+def _build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | None = None, layer_spec=None,
+           gate: bool = False):
     """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp x ep grid (fp32, CPU, local layer spec;
     ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs; ``etp``:
-    the expert tensor-parallel size, by default tp)."""
+    the expert tensor-parallel size, by default tp; ``layer_spec``: a function of the decoder block's spec giving
+    the one to build; ``gate``: the shared expert gated, ``--moe-shared-expert-gate``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -68,8 +70,10 @@ def _build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | No
         moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
         moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
         moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
+        moe_shared_expert_gate=gate,
         moe_use_legacy_grouped_gemm=grouped)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = spec if layer_spec is None else layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     with torch.no_grad():  # non-zero norm weights and a router that separates experts
