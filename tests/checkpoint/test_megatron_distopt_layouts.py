@@ -20,7 +20,8 @@ gradient buffers differ from an even split of untied dense layers in the local s
   ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE ones at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (and the uneven one at its own stages, the local-spec MoE one at ep=2 too) and its 5 losses equal
+Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
@@ -172,9 +173,7 @@ def _run(root: str, micro_batches):
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
         + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2")),
-           (os.path.join(root, "te_moe"), os.path.join(root, "te_moe_ep2.jsonl"),
-            ("--expert-model-parallel-size", "2"))])
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -195,8 +194,8 @@ def megatron_runs(tmp_path_factory):
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
     """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
     TE's order and experts in a chained optimizer (also in TE's order with a gated shared expert):
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE ones
-    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the local-spec
+    MoE one also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
@@ -204,9 +203,7 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
-    for case in ("moe", "te_moe"):
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_ep2.jsonl")),
-                                    runs[case][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
