@@ -28,36 +28,47 @@ from megalite.checkpoint.meta import split_dims
 from megalite.pipeline import split_layers
 
 # The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
-# router, the local experts, the shared experts).
+# router, the local experts, the shared experts; a module's own parameters come before its submodules', so the
+# SharedExpertMLP's gate, Megatron's ``mlp.shared_experts.gate_weight`` and megalite's :data:`SHARED_EXPERT_GATE`,
+# comes before its linears).
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate"
 LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-               "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
-               "mlp.linear_fc1.", "mlp.linear_fc2.")
+               "mlp.router.", "mlp.experts.", SHARED_EXPERT_GATE + ".", "mlp.shared_experts.linear_fc1.",
+               "mlp.shared_experts.linear_fc2.", "mlp.linear_fc1.", "mlp.linear_fc2.")
 # megalite's stacked expert weights (``[experts, ...]``) and the names of one local expert's in Megatron-Core's
 # SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
+_ROUTER = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.")
 _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 _TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
         "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
 # Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) a dense layer's norms are fused into
 # the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
-# megalite's norm of each of those modules.
+# megalite's norm of each of those modules.  An MoE layer's pre-MLP norm stays a module of its own (the spec's
+# TENorm, in the local spec's place): only its input norm is fused.
 TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_layernorm.": "mlp.linear_fc1."}
 # Megatron-LM's flags of splits that count the embedding and the loss as a pipeline layer each.
 _ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def place(name: str, te: bool = False):
+def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset()):
     """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
-    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`).  Each module registers its weight before
-    its bias, after a fused norm's weight and bias."""
+    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; ``moe_layers``: the MoE layers, whose
+    pre-MLP norm is not fused).  Each module registers its weight before its bias, after a fused norm's weight and
+    bias."""
+    gate = re.fullmatch(r"decoder\.layers\.(\d+)\." + re.escape(SHARED_EXPERT_GATE), name)
+    if gate:  # megalite's name of Megatron's mlp.shared_experts.gate_weight
+        return (2, int(gate.group(1)), LAYER_ORDER.index(SHARED_EXPERT_GATE + "."), 0, 2)
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
     if kind is None:
         return None
-    fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
-    if te and fused and fused.group(1) in TE_FUSED_NORMS:
-        name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
+    fused = re.fullmatch(r"decoder\.layers\.(\d+)\.(\w+\.)(weight|bias)", name)
+    if fused and int(fused.group(1)) in moe_layers and fused.group(2) == "pre_mlp_layernorm.":
+        fused = None
+    if te and fused and fused.group(2) in TE_FUSED_NORMS:
+        name, kind = name.replace(fused.group(2), TE_FUSED_NORMS[fused.group(2)]), kind - 2
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
@@ -264,8 +275,9 @@ def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | Non
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
     a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
     over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
-    Transformer-Engine spec's parameter order."""
-    order = sorted(local, key=lambda n: place(n, te) or ())
+    Transformer-Engine spec's parameter order (a layer with a router is an MoE layer)."""
+    moe_layers = frozenset(int(m.group(1)) for m in map(_ROUTER.match, local) if m)
+    order = sorted(local, key=lambda n: place(n, te, moe_layers) or ())
     shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
     places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
     return order, places, unpadded

@@ -22,8 +22,9 @@ layout, :func:`megalite.checkpoint.megatron_buffers.chunk_layouts` (:func:`legac
 
 Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
 LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
-``linear_qkv`` (after ``linear_proj``) and ``linear_fc1``
-(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`).
+``linear_qkv`` (after ``linear_proj``) and, in a dense layer, ``linear_fc1``
+(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`; an MoE layer keeps its pre-MLP norm apart).  A
+shared expert's gate (``--moe-shared-expert-gate``, ``mlp.shared_experts.gate_weight``) precedes its linears.
 
 An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
 each expert-model-parallel rank keeps its local experts' weights (SequentialMLP's) in buffers of their own,
@@ -33,7 +34,7 @@ megalite's stacked expert weights.
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
 layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
-or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
+or Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
 """
@@ -85,9 +86,9 @@ def _run_problem(args: dict, config, names, saved):
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")
-    if impl not in ("local", "transformer_engine") or (impl != "local" and args.get("num_experts")):
-        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
-                "Transformer Engine's without experts")
+    if impl not in ("local", "transformer_engine"):
+        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec or of "
+                "Transformer Engine's")
     if args.get("num_experts") and args.get("moe_grouped_gemm"):
         return "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"
     layout = buffer_args(args)

@@ -34,7 +34,8 @@ TOTAL = SAVED_AT + CONTINUED
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
 LEGACY = "_legacy"
-"""The suffix of the save directory of the fp32 run's legacy-format save (``--ckpt-format torch``)."""
+"""The suffix of the save directory of a run's legacy-format save (``--ckpt-format torch``): the fp32 run's, and
+after BF16 the bf16 run's."""
 DISTRIBUTED = "_distopt"
 """The suffix of the save directory of the run with Megatron-Core's distributed optimizer (tp=1 x dp=2)."""
 DISTRIBUTED_TP = "_distopt_tp2"
@@ -227,6 +228,8 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT):  # the first iteration runs at the warmup's LR 0
         _train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
     _save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
+    _save_legacy(save_dir + BF16 + LEGACY, SAVED_AT, model, optimizer, scheduler, bf16=True,
+                 params_dtype=torch.bfloat16)
     weight = _unwrapped(model).output_layer.weight
     inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
     main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
@@ -407,8 +410,8 @@ def _rng_state():
 
 def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
-    bf16 run saved into ``save_dir + BF16`` at the same iteration (the fp32 run in the legacy format too, into
-    ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
+    bf16 run saved into ``save_dir + BF16`` at the same iteration (both in the legacy format too, into
+    ``save_dir + LEGACY`` and ``save_dir + BF16 + LEGACY``); then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
     saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued, and so is one at tp=2 x dp=1 (into
     ``save_dir + DISTRIBUTED_TP``); both in the legacy format too (``+ LEGACY``, with ``distrib_optim.pt``).  Returns ``(the losses of all

@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in six layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in seven layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -14,10 +14,14 @@ gradient buffers differ from an even split of untied dense layers in the local s
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
   way with Megatron-Core's local modules;
 - ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
-  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
+  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group);
+- ``te_moe`` (ep=2 x dp=2): that MoE GPT in TE's order (:func:`_te_block_order`: the MoE layer's pre-MLP norm a
+  module of its own, as the TE spec's TENorm) with a gated shared expert (``--moe-shared-expert-gate``: its
+  ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (and the uneven one at its own stages, the local-spec MoE one at ep=2 too) and its 5 losses equal
+Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains six runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains seven runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -57,25 +61,42 @@ def _fused_norm_linear():
     return FusedNormLinear
 
 
-def _te_order(spec):
-    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and pre-MLP norms, each
-    fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's TE spec builds the layer."""
+def _te_order(spec, moe: bool = False):
+    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and (but in an MoE
+    layer, ``moe``) pre-MLP norms, each fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's
+    TE spec builds the layer (its MoE layer's pre-MLP norm a TENorm of its own)."""
     import copy
 
     from megatron.core.transformer.identity_op import IdentityOp
 
     spec = copy.deepcopy(spec)
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
+    spec.submodules.input_layernorm = IdentityOp
     spec.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
-    spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
+    if not moe:
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+        spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
     return spec
 
 
-# The fused norms' names under the TE spec and megalite's names of them.
-_TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
-# Each case: (megatron_fixture.build_model's arguments (None: test_megatron_moe's MoE GPT at ep=2), Megatron-LM's
-# args of the run).
+def _te_block_order(block):
+    """The local decoder ``block`` spec of :mod:`test_megatron_moe`'s MoE GPT (an MoE and a dense layer) with each
+    layer in Transformer Engine's order (:func:`_te_order`)."""
+    import copy
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    block = copy.copy(block)
+    block.layer_specs = [_te_order(layer, layer.submodules.mlp.module is MoELayer) for layer in block.layer_specs]
+    return block
+
+
+# Megatron-Core's names that megalite names otherwise: the fused norms under the TE spec, a shared expert's gate.
+_RENAMED = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+            ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate"))
+MOE_ARGS = {k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v}
+# Each case: (megatron_fixture.build_model's arguments (cases named moe: test_megatron_moe's MoE GPT at ep=2, built
+# with these further arguments or None), Megatron-LM's args of the run).
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
                     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
@@ -83,10 +104,12 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
                     dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
-         "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
-                            expert_model_parallel_size=2))}
+         "moe": (None, dict(MOE_ARGS, expert_model_parallel_size=2)),
+         "te_moe": (dict(layer_spec=_te_block_order, gate=True),
+                    dict(MOE_ARGS, expert_model_parallel_size=2, transformer_impl="transformer_engine",
+                         moe_shared_expert_gate=True))}
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "te_moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 
 
@@ -100,8 +123,8 @@ def _megatron_run(root: str, micro_batches, case: str):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     build, args = CASES[case]
-    if build is None:
-        modules = moe._build(2, seed=1)
+    if case.endswith("moe"):
+        modules = moe._build(2, seed=1, **(build or {}))
     else:
         build = dict(build)
         modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)
@@ -138,7 +161,7 @@ def _megatron_run(root: str, micro_batches, case: str):
 
 
 def _run(root: str, micro_batches):
-    """Megatron-Core's three runs, then megalite's resumption of each in the same rank processes."""
+    """Megatron-Core's runs of every case, then megalite's resumption of each in the same rank processes."""
     fixture.patch_cuda()
     # The distributed optimizer's checks of CUDA tensor types see the CPU tensors as CUDA ones (as in the fixture).
     cpu_type = torch.Tensor.type
@@ -170,9 +193,9 @@ def megatron_runs(tmp_path_factory):
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
     """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer:
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
-    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    TE's order and experts in a chained optimizer (also in TE's order with a gated shared expert):
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the local-spec
+    MoE one also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
@@ -195,27 +218,33 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     for case in CASES:
         reader = MegatronDistReader(os.path.join(root, case))
         for rank, theirs in enumerate(runs[case][1]):
-            stage = 0 if case in ("moe", "te") else rank
-            mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
+            stage = 0 if case in ("moe", "te", "te_moe") else rank
+            mine = [layout for experts in (False, True) if not experts or case.endswith("moe") for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe") else 1)
+            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe", "te_moe") else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
-                theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
+                theirs_named = {name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", ""))): place
                                 for name, place in their_places.items()}
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
         if case == "tied":  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
-        if case == "te":  # the fused norms after linear_proj: another order than the local spec's
+        if case in ("te", "te_moe"):  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
                                                **dict(buffer_args(reader.args), te=False))[0]
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
+        if case == "te_moe":  # the MoE layer's own pre-MLP norm; the gate, the shared expert's own, before its linears
+            names = mine[0][1]
+            assert "decoder.layers.0.pre_mlp_layernorm.weight" in names
+            assert names.index("decoder.layers.0.mlp.shared_expert_gate") + 1 == \
+                names.index("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
 
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
-    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers): Megatron-LM's
+    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
+    with a gated shared expert): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 
 
 from megalite.testing import run_distributed  # noqa: E402
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run  # noqa: E402
+from tests.checkpoint.megatron_moe_etp_fixture import EXPERT_TP, save_expert_tp  # noqa: E402
 
 ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
             qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
@@ -35,9 +36,12 @@ SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
-def _build(ep: int, seed: int, grouped: bool = False):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
-    ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs)."""
+def _build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | None = None, layer_spec=None,
+           gate: bool = False):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp x ep grid (fp32, CPU, local layer spec;
+    ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs; ``etp``:
+    the expert tensor-parallel size, by default tp; ``layer_spec``: a function of the decoder block's spec giving
+    the one to build; ``gate``: the shared expert gated, ``--moe-shared-expert-gate``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -49,7 +53,8 @@ def _build(ep: int, seed: int, grouped: bool = False):
     moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp or tp)
     torch.manual_seed(seed)
     a = ARGS
     config = TransformerConfig(
@@ -58,14 +63,17 @@ def _build(ep: int, seed: int, grouped: bool = False):
         attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
         add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp or tp,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
         moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
         moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
         moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
+        moe_shared_expert_gate=gate,
         moe_use_legacy_grouped_gemm=grouped)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = spec if layer_spec is None else layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     with torch.no_grad():  # non-zero norm weights and a router that separates experts
@@ -125,10 +133,12 @@ def _save(save_dir: str, ep: int, ids: torch.Tensor):
         losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
     parallel_state.destroy_model_parallel()
     logits = _megatron_logits(save_dir, ids)
+    parallel_state.destroy_model_parallel()
+    expert_tp_logits = save_expert_tp(save_dir, ids)
     root = os.path.dirname(save_dir)
     metrics = [os.path.join(root, f"ep{ep}.jsonl") for ep in (1, 2)]
     outputs = run.resume([(save_dir, metrics[0], ()), (save_dir, metrics[1], ("--expert-model-parallel-size", "2"))])
-    return logits, grouped_same, moments, losses, metrics, [text for text, *_ in outputs]
+    return logits, grouped_same, moments, losses, metrics, [text for text, *_ in outputs], expert_tp_logits
 
 
 def _moments(model, optimizer):
@@ -166,7 +176,8 @@ def saved(tmp_path_factory):
     """``(save directory, Megatron-Core's logits of IDS (its padded vocabulary, the model's: the save has no
     args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments (:func:`_moments`,
     the experts' from both EP ranks), Megatron's losses of iterations 1..TOTAL, megalite's resumed runs' metrics
-    files (ep=1, ep=2) and rank 0's output of them)``."""
+    files (ep=1, ep=2), rank 0's output of them, Megatron-Core's logits of IDS of the expert-tensor-parallel save
+    (:func:`megatron_moe_etp_fixture.save_expert_tp`))``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     os.makedirs(path)
     os.makedirs(path + run.LEGACY)
@@ -334,6 +345,34 @@ def test_legacy_chained_optimizer_gives_the_torch_dist_state(saved, tmp_path):
     changed = read_megatron_legacy(copy, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
     assert changed.optimizer is None and not any(n.startswith("optimizer.") for n in changed.tensors)
     assert changed.optimizer_note == "its expert-parallel parameter groups train otherwise than the other parameters"
+
+
+def test_a_legacy_save_with_experts_not_tensor_parallel_equals_megatron(saved, tmp_path):
+    """tp=2 with expert_tensor_parallel_size 1 at ep=2 (:func:`megatron_moe_etp_fixture.save_expert_tp`): Megatron-LM's
+    legacy save writes mp_rank_00_000 and mp_rank_01_001 only, each a tensor rank's dense shards and an expert rank's
+    whole experts.  Read behind the pickle opt-in, the weights equal the torch_dist save's of the same state, the
+    Adam moments are Megatron-Core's (set to 2 w + 1 and w * w), and megalite's logits of the conversion equal
+    Megatron-Core's own (its load of the torch_dist save at tp=1)."""
+    from megalite.checkpoint import load_model
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
+
+    source = saved[0] + EXPERT_TP + run.LEGACY
+    assert sorted(os.listdir(os.path.join(source, f"iter_{run.SAVED_AT:07d}"))) == ["mp_rank_00_000", "mp_rank_01_001"]
+    converted = str(tmp_path / "megalite")
+    legacy = convert_megatron_legacy(source, converted, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    theirs = MegatronDistReader(saved[0] + EXPERT_TP)
+    weights = sorted(n for n in theirs.shapes if not n.startswith("optimizer."))
+    assert legacy.optimizer_note is None
+    assert sorted(n for n in legacy.tensors if not n.startswith("optimizer.")) == weights
+    assert "decoder.layers.0.mlp.experts.fc1_weight" in weights
+    for name in weights:
+        weight = legacy.tensors[name]
+        assert torch.equal(weight, theirs.read(name)), name
+        assert torch.equal(legacy.tensors[f"optimizer.exp_avg.{name}"], 2 * weight + 1), name
+        assert torch.equal(legacy.tensors[f"optimizer.exp_avg_sq.{name}"], weight * weight), name
+    with torch.no_grad():
+        _close(load_model(converted)(IDS), saved[7])
 
 
 def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):
