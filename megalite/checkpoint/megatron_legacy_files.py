@@ -16,15 +16,15 @@ code the file names: the readers here are called only behind the converter's exp
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megalite.checkpoint.locate import MEGATRON_LEGACY_RANK_DIR as RANK_DIR
+from megalite.checkpoint.locate import MEGATRON_TRACKER as TRACKER
+
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_FILE = "distrib_optim.pt"
 """A distributed optimizer's state beside each rank's MODEL_FILE (Megatron-Core's ``save_parameter_state``)."""
-RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 
 
 def legacy_directory(path: str) -> str | None:
