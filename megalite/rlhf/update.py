@@ -26,7 +26,7 @@ from megalite.rlhf.ppo import rollout_is_weights
 from megalite.rlhf.rewards import token_rewards
 from megalite.rlhf.rollout_batch import Rollout
 from megalite.rlhf.scoring import shaped_scores
-from megalite.rlhf.shared_groups import row_group
+from megalite.rlhf.shared_groups import pack_micro_batches, row_group
 
 
 def dp_mean(value: float, topo, device) -> float:
@@ -56,12 +56,12 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
     old_log_probs, old_values = rollout.behaviour_log_probs, rollout.old_values
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_mask": mask}
     gap = None
+    if rollout.packing is None:  # a rollout scoring did not pack (the guide's): packed here, once
+        rollout.packing = pack_micro_batches(rollout.micro_batches(args.micro_batch_size), row_group(args),
+                                             actor.chunk)
     if staleness or args.recompute_old_log_probs:
-        micro_batches = [{"input_ids": rollout.input_ids[i:i + args.micro_batch_size],
-                          "attention_mask": rollout.attention_mask[i:i + args.micro_batch_size]}
-                         for i in range(0, len(mask), args.micro_batch_size)]
-        old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature,
-                                           group=row_group(args))[0].to(device) * mask
+        micro_batches = rollout.micro_batches(args.micro_batch_size)
+        old_log_probs = pipeline_log_probs(actor.chunk, micro_batches, args.temperature)[0].to(device) * mask
         gap = (old_log_probs - rollout.behaviour_log_probs).abs() * mask
         if ppo.rollout_is_cap is not None:
             batch["is_weights"] = rollout_is_weights(old_log_probs, rollout.behaviour_log_probs, mask,
@@ -85,13 +85,15 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
     if critic is not None:
         critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
                         "old_values": old_values, "returns": returns}
-    dp_tokens = None
+    dp_tokens, packing = None, rollout.packing
     if args.balance_dp_tokens and topo.dp.size > 1:  # after the advantages: GRPO groups are one rank's rows
         balanced, dp_tokens = balance_batches([batch] + ([critic_batch] if critic is not None else []),
                                               batch["attention_mask"], topo.dp.group)
         batch, critic_batch = balanced[0], balanced[-1] if critic is not None else None
+    if dp_tokens is not None or args.micro_batch_tokens is not None:  # other rows than scoring's micro-batches
+        packing = pack_micro_batches(actor.micro_batches(batch), row_group(args), actor.chunk)
     for _ in range(args.ppo_epochs):
-        actor_metrics = actor.forward_backward(batch)
+        actor_metrics = actor.forward_backward(batch, packing)
         actor.optim_step()
         if critic is not None:
             critic_metrics = critic.forward_backward(critic_batch)
