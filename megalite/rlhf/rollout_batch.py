@@ -83,7 +83,8 @@ class Rollout:
     def micro_batches(self, size: int) -> list[dict]:
         """The rows as forward micro-batches of ``size`` rows (``input_ids``, ``attention_mask``, and ``packed``
         where the rollout carries a packing of micro-batches of that size)."""
-        return with_packing([{"input_ids": self.input_ids[i:i + size], "attention_mask": self.attention_mask[i:i + size]}
+        ids, mask = self.input_ids, self.attention_mask
+        return with_packing([{"input_ids": ids[i:i + size], "attention_mask": mask[i:i + size]}
                              for i in range(0, len(self), size)], self.packing)
 
     def wire_tensors(self) -> list[torch.Tensor]:
