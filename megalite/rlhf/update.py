@@ -7,7 +7,9 @@ When the old log-probs are recomputed by the actor (stale rollouts, ``--recomput
 the train/inference gap ``log_prob_gap`` (mean) and ``log_prob_gap_max`` of ``|old - behaviour|`` over response
 tokens, and ``is_weight_mean``, the mean TIS/MIS weight (``--rollout-is-*``).  With ``--balance-dp-tokens`` the
 rows are redistributed over the DP ranks by token count before the passes (``megalite.rlhf.dp_balance``; the same
-global mean) and ``dp_tokens_max_over_min`` logs the ranks' token spread after it.
+global mean) and ``dp_tokens_max_over_min`` logs the ranks' token spread after it.  Every forward of the rows runs
+the rollout's one prefix-shared packing (``Rollout.packing``; packed here once where scoring made none, and for the
+update once more only where balancing or ``--micro-batch-tokens`` cut other micro-batches).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def rl_update(rollout: Rollout, args, topo, actor, critic, device, version: int,
     old_log_probs, old_values = rollout.behaviour_log_probs, rollout.old_values
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_mask": mask}
     gap = None
-    if rollout.packing is None:  # a rollout scoring did not pack (the guide's): packed here, once
+    if rollout.packing is None:  # none made when scoring (the guide's rollout): packed here, once (None: unshared)
         rollout.packing = pack_micro_batches(rollout.micro_batches(args.micro_batch_size), row_group(args),
                                              actor.chunk)
     if staleness or args.recompute_old_log_probs:
