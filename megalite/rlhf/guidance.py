@@ -88,10 +88,8 @@ class Guide:
         rollout = guide_rollout(envs, envs[0].tokenizer.pad)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(device))
-        mb = self.args.micro_batch_size
-        micro_batches = [{"input_ids": rollout.input_ids[i:i + mb], "attention_mask": rollout.attention_mask[i:i + mb]}
-                         for i in range(0, len(rollout), mb)]
-        rollout.ref_log_probs = pipeline_log_probs(self.reference.module, micro_batches,
+        rollout.ref_log_probs = pipeline_log_probs(self.reference.module,
+                                                   rollout.micro_batches(self.args.micro_batch_size),
                                                    self.args.temperature)[0].to(device)
         rollout.iteration, rollout.version = policy.iteration, policy.version
         rollout.metadata.update(kept_fraction=1.0, generate_s=0.0, log_probs_s=time.monotonic() - start)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from megalite.rlhf.shared_groups import PackedRows, with_packing
+
 WIRE = ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs")
 """The token tensors a rollout rank sends, in this order."""
 
@@ -29,7 +31,9 @@ class Rollout:
     before shaping), ``ref_log_probs`` and ``old_values`` (aligned like ``response_mask``) are filled by scoring.
     ``iteration`` and ``version`` (the policy version that sampled it; the oldest one for partial rollouts) place
     the batch in the run; ``token_versions`` (partial rollouts, ``megalite.rlhf.partial_rollouts``; aligned like
-    ``response_mask``, -1 off the response) the version that sampled each token; ``metadata`` holds the rest
+    ``response_mask``, -1 off the response) the version that sampled each token; ``packing`` (set once by
+    scoring, :func:`~megalite.rlhf.shared_groups.pack_micro_batches`) the rows' prefix-shared packing per
+    micro-batch, which every forward of these rows runs (:meth:`micro_batches`); ``metadata`` holds the rest
     (kept group fraction, phase timings).
     """
 
@@ -47,6 +51,7 @@ class Rollout:
     token_versions: torch.Tensor | None = None
     iteration: int = 0
     version: int = 0
+    packing: tuple[PackedRows, ...] | None = None
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,6 +80,13 @@ class Rollout:
         """``[b, N]``, padded after end-of-document."""
         return self.input_ids[:, self.prompt_width:]
 
+    def micro_batches(self, size: int) -> list[dict]:
+        """The rows as forward micro-batches of ``size`` rows (``input_ids``, ``attention_mask``, and ``packed``
+        where the rollout carries a packing of micro-batches of that size)."""
+        ids, mask = self.input_ids, self.attention_mask
+        return with_packing([{"input_ids": ids[i:i + size], "attention_mask": mask[i:i + size]}
+                             for i in range(0, len(self), size)], self.packing)
+
     def wire_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in WIRE]
 
@@ -83,18 +95,18 @@ class Rollout:
         return cls(**dict(zip(WIRE, tensors)), prompt_width=prompt_width, **rest)
 
     def rows(self, start: int, end: int) -> "Rollout":
-        """Rows ``start:end`` (every per-row field sliced alike)."""
-        return replace(self, **{f.name: value[start:end] for f in fields(self)
-                                if _per_row(value := getattr(self, f.name))})
+        """Rows ``start:end`` (every per-row field sliced alike; no packing, which was the whole batch's)."""
+        return replace(self, packing=None, **{f.name: value[start:end] for f in fields(self)
+                                              if _per_row(value := getattr(self, f.name))})
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """The rows of ``parts`` in order; the scalars and metadata are the first part's, but ``version`` is the
-        oldest part's (partial rollouts' parts may be of different versions)."""
+        """The rows of ``parts`` in order, without a packing; the scalars and metadata are the first part's, but
+        ``version`` is the oldest part's (partial rollouts' parts may be of different versions)."""
         def join(values):
             return torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
         first = parts[0]
-        return replace(first, version=min(p.version for p in parts),
+        return replace(first, version=min(p.version for p in parts), packing=None,
                        **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
                           if _per_row(getattr(first, f.name))})
 

@@ -32,7 +32,7 @@ from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
-from megalite.rlhf.shared_groups import row_group
+from megalite.rlhf.shared_groups import pack_micro_batches, row_group
 
 
 def rollout_sampler(model):
@@ -139,10 +139,6 @@ class Rollouts:
         for iteration in range(self.start, self.args.train_iters + 1):
             yield self.rollout(iteration)
 
-    def _micro_batches(self, ids, mask):
-        mb = self.args.micro_batch_size
-        return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
-
     def _play(self, iteration: int) -> Rollout:
         """One round of ``--environment`` episodes of this DP rank: ``--n-samples-per-prompt`` episodes per task
         (equal seeds), rewarded by the environment."""
@@ -217,15 +213,17 @@ class Rollouts:
         if self.args.dynamic_sampling:
             rollout, kept_fraction = self._refill(rollout, iteration)
         generate_s = time.monotonic() - start
-        micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
+        # The iteration's one packing of its rows: the reference's forward, the old log-probs and the update's run it.
+        rollout.packing = pack_micro_batches(rollout.micro_batches(self.args.micro_batch_size),
+                                             row_group(self.args), self.actor.chunk)
+        micro_batches = rollout.micro_batches(self.args.micro_batch_size)
         rollout.iteration = iteration
         if rollout.token_versions is None:  # a partial rollout's version is its oldest token's
             rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
                                                                                      - self.args.max_staleness)
         with self.placement.phase("scoring"):
             with self.reference.on_device() as reference:
-                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature,
-                                                      group=row_group(self.args))
+                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]

@@ -40,7 +40,6 @@ from megalite.rlhf.rollout_ranks import serve_rollouts
 from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
 from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served_scores
 from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
-from megalite.rlhf.shared_groups import row_group
 from megalite.rlhf.target import PolyakTarget
 from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
 from megalite.rlhf.trainer_config import actor_config, validate
@@ -103,8 +102,7 @@ class RLTrainer:
         args, trained = self.args, trained or [chunk]
         optimizer = get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), trained)
         return TrainingBackend(chunk, optimizer, PPOActorObjective(args.ppo, args.temperature,
-                                                                   distill_coef=args.distill_coef,
-                                                                   group=row_group(args)),
+                                                                   distill_coef=args.distill_coef),
                                args.micro_batch_size, self.topo, trained, micro_batch_tokens=args.micro_batch_tokens)
 
     def train(self) -> int:

@@ -45,3 +45,19 @@ def test_bad_shapes_are_clear_errors():
         Rollout(r.input_ids, r.attention_mask, torch.zeros(3, 6), r.behaviour_log_probs, 3)
     with pytest.raises(ValueError, match="prompt_width 6 leaves no response columns"):
         Rollout(r.input_ids, r.attention_mask, r.response_mask, r.behaviour_log_probs, 6)
+
+
+def test_micro_batches_carry_the_packing_and_row_subsets_drop_it():
+    """A packed rollout's micro-batches carry their packed rows; its rows and concatenations (other rows than the
+    packing's) carry none, so no forward runs a stale packing."""
+    from megalite.rlhf.shared_groups import pack_rows
+
+    r = _rollout(lengths=(2, 1, 3, 3))
+    assert [sorted(mb) for mb in r.micro_batches(2)] == [["attention_mask", "input_ids"]] * 2
+    r.packing = tuple(pack_rows(mb["input_ids"], mb["attention_mask"], 2) for mb in r.micro_batches(2))
+    micro_batches = r.micro_batches(2)
+    assert [mb["packed"] for mb in micro_batches] == list(r.packing)
+    assert torch.equal(micro_batches[1]["input_ids"], r.input_ids[2:])
+    with pytest.raises(ValueError, match="does not fit"):
+        r.micro_batches(4)
+    assert r.rows(0, 2).packing is None and Rollout.concat([r, r]).packing is None
