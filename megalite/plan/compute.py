@@ -22,6 +22,8 @@ compete for them, and :func:`overlaps_communication` whether collectives can hid
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.plan.activations import TORCHTITAN_OP, op_recompute_flops_per_token
@@ -38,9 +40,25 @@ ROPE_OPS = {"forward": 10, "backward": 8}
 EMBEDDING_AND_LOSS_OPS = {"forward": 28, "backward": 27}
 """Ops of the embedding, final norm, output layer and loss for one micro-batch (and one reduction of the loss)."""
 
-BLOCKWISE_TILE_OPS = {"forward": 9, "backward": 14}
-"""Ops of one (query tile, key tile) pair of the blockwise attention (its matmuls, scaling, mask, softmax and
-merge forward; the recomputed scores and the four gradient matmuls backward)."""
+BLOCKWISE_PAIR_OPS = {"forward": 24, "backward": 60}
+"""Aten ops of one computed (query tile, key tile) pair of the blockwise attention, wholly visible: its slices,
+matmuls, scaling, log-sum-exp and probabilities forward; the recomputed scores and probabilities and the four
+gradient matmuls with their accumulations backward (counted in tests/plan/test_compute.py)."""
+
+BLOCKWISE_MASK_OPS = {"forward": 8, "backward": 8}
+"""The ops a pair adds where it is partly masked (the mask's build and the masked fill)."""
+
+BLOCKWISE_CALL_OPS = {"forward": 2, "backward": 8}
+"""Ops of one blockwise call (one key block) beside its pairs: the output and log-sum-exp buffers forward; the
+output's row dot, the safe log-sum-exp and the three gradient buffers backward."""
+
+BLOCKWISE_WRITE_OPS = {"tile": 4, "whole": 2}
+"""Forward ops writing one query tile's output and log-sum-exp into the call's buffers: a slice of them, or the
+whole (a rank's queries in one tile)."""
+
+BLOCKWISE_MERGE_OPS = 13
+"""Forward ops of one exact merge of two partial outputs by their log-sum-exp: between the key tiles of a query
+tile, and between the ring's steps."""
 
 BLOCKWISE_SCORE_PASSES = {"forward": 8, "backward": 11}
 """Reads and writes of a score tile's elements by the blockwise attention's elementwise ops other than its
@@ -129,29 +147,87 @@ def _layer_kinds(config: GPTConfig) -> list[tuple[int, int]]:
     return [(group[0], len(group)) for group in (dense, moe) if group]
 
 
+@lru_cache(maxsize=256)
+def blockwise_tiles(seq_length: int, cp: int, comm_type: str) -> tuple[dict, ...]:
+    """The blockwise attention's tile work on each CP rank for one sequence, layer and micro-batch, by the rule
+    the attention runs (:func:`~megalite.context_parallel.blockwise.tile_pairs` over the tokens of
+    :func:`~megalite.context_parallel.sequence_split.chunk_indices`, default tile): ``pairs`` computed,
+    ``masked`` (partly), ``scores`` (score elements per head: each pair's whole tile), ``calls`` (key blocks: the
+    ring's ``cp`` steps, else one), ``written`` (query tiles with a pair, summed over calls; ``whole`` of them the
+    rank's whole query block) and ``merges`` (of
+    partial outputs: within a query tile's pairs, and between the ring's steps).  The all-gather variant attends
+    the rank's queries to every rank's keys; the all-to-all one the whole sequence (with ``1 / cp`` of the
+    heads, the same on every rank)."""
+    import torch
+
+    from megalite.context_parallel.blockwise import DEFAULT_TILE, Tokens, tile_pairs
+    from megalite.context_parallel.sequence_split import chunk_indices
+
+    def tokens(ranks) -> Tokens:
+        return Tokens(torch.cat([chunk_indices(seq_length, cp, r) for r in ranks]), None, DEFAULT_TILE)
+
+    everyone, own = tokens(range(cp)), [tokens([r]) for r in range(cp)]
+    out = []
+    for rank in range(1 if comm_type == "a2a" else cp):
+        if comm_type == "p2p":
+            calls = [(own[rank], own[r]) for r in range(cp)]
+        else:
+            calls = [(everyone if comm_type == "a2a" else own[rank], everyone)]
+        work = {"pairs": 0, "masked": 0, "scores": 0, "calls": len(calls), "written": 0, "whole": 0,
+                "merges": len(calls) - 1}
+        for queries, keys in calls:
+            per_tile: dict = {}
+            for qt, kt, whole in tile_pairs(queries, keys):
+                (qa, qb), (ka, kb) = queries.tiles[qt], keys.tiles[kt]
+                work["pairs"] += 1
+                work["masked"] += not whole
+                work["scores"] += (qb - qa) * (kb - ka)
+                per_tile[qt] = per_tile.get(qt, 0) + 1
+            work["written"] += len(per_tile)
+            work["whole"] += len(per_tile) if len(queries.tiles) == 1 else 0
+            work["merges"] += sum(n - 1 for n in per_tile.values())
+        out.append(work)
+    return tuple(out)
+
+
+def blockwise_forward_extra_ops(work: dict) -> int:
+    """Forward ops of one rank's blockwise attention beside its pairs and calls: its tiles' writes and merges."""
+    whole = work["whole"]
+    return ((work["written"] - whole) * BLOCKWISE_WRITE_OPS["tile"] + whole * BLOCKWISE_WRITE_OPS["whole"]
+            + work["merges"] * BLOCKWISE_MERGE_OPS)
+
+
 def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, forwards: int,
                          gemm_rate: float) -> dict:
-    """Seconds of context parallelism's blockwise attention per micro-batch and layer on one rank.
+    """Seconds of context parallelism's blockwise attention per micro-batch and layer on the slowest CP rank.
 
-    Each rank's ``seq / cp`` queries see the keys before them: with the sequence cut into ``2 cp`` load-balanced
-    chunks, ``(2 cp + 1) / (4 cp)`` of the ``[seq / cp, seq]`` scores are computed (the chunk pairs on and below
-    the diagonal), in tiles of one chunk.  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
+    Each rank computes the tile pairs of :func:`blockwise_tiles` (the load-balanced chunks give every rank the
+    same causal share, but not the same tiles: a rank whose two chunks are adjacent holds one tile, and
+    the diagonal pairs are computed whole).  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
     score elements pass through memory :data:`BLOCKWISE_SCORE_PASSES` times in fp32 and through
     :data:`BLOCKWISE_SCORE_EXPS` exponentials at ``exp_rate`` (on a CPU far below the memory's rate), and each
-    tile pair runs :data:`BLOCKWISE_TILE_OPS`.
+    pair, call, written tile and merge runs its ops (:data:`BLOCKWISE_PAIR_OPS` and those after it).
     """
-    cp = layout.cp
     heads, d = config.num_attention_heads // layout.tp, config.kv_channels
-    scores = layout.micro_batch_size * heads * seq_length / cp * seq_length * (2 * cp + 1) / (4 * cp)
-    tiles = 2 * 2 * cp  # two local query chunks against the two chunks of each of the cp key blocks
+    if layout.cp_comm_type == "a2a":
+        heads //= layout.cp
     matmuls = forwards * BLOCKWISE_MATMULS["forward"] + BLOCKWISE_MATMULS["backward"]
     passes = forwards * BLOCKWISE_SCORE_PASSES["forward"] + BLOCKWISE_SCORE_PASSES["backward"]
-    ops = forwards * BLOCKWISE_TILE_OPS["forward"] + BLOCKWISE_TILE_OPS["backward"]
     exps = forwards * BLOCKWISE_SCORE_EXPS["forward"] + BLOCKWISE_SCORE_EXPS["backward"]
     exp_rate = hw.hbm_bandwidth / (2 * 4) if hw.exp_rate is None else hw.exp_rate
-    return {"attention": matmuls * 2 * scores * d / gemm_rate,
-            "memory_bound": passes * scores * 4 / hw.hbm_bandwidth + exps * scores / exp_rate,
-            "op_overhead": ops * tiles * hw.op_overhead_s}
+    slowest = None
+    for work in blockwise_tiles(seq_length, layout.cp, layout.cp_comm_type):
+        scores = layout.micro_batch_size * heads * work["scores"]
+        ops = forwards * blockwise_forward_extra_ops(work)
+        for phase, times in (("forward", forwards), ("backward", 1)):
+            ops += times * (work["pairs"] * BLOCKWISE_PAIR_OPS[phase] + work["masked"] * BLOCKWISE_MASK_OPS[phase]
+                            + work["calls"] * BLOCKWISE_CALL_OPS[phase])
+        seconds = {"attention": matmuls * 2 * scores * d / gemm_rate,
+                   "memory_bound": passes * scores * 4 / hw.hbm_bandwidth + exps * scores / exp_rate,
+                   "op_overhead": ops * hw.op_overhead_s}
+        if slowest is None or sum(seconds.values()) > sum(slowest.values()):
+            slowest = seconds
+    return slowest
 
 
 def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int) -> dict:

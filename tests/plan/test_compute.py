@@ -143,3 +143,39 @@ def test_blockwise_exponentials_run_at_the_exp_rate():
     # without a calibrated rate (the GPU profiles) an exponential is a read and a write at the memory's bandwidth
     gpu_like = compute_time(CONFIG, layout, _cpu(exp_rate=hw.hbm_bandwidth / 8), SEQ, BATCH)
     assert compute_time(CONFIG, layout, _cpu(exp_rate=None), SEQ, BATCH) == pytest.approx(gpu_like, rel=1e-12)
+
+
+@pytest.mark.parametrize("seq, cp", [(256, 2), (2048, 4)])
+def test_blockwise_op_counts_are_the_ops_the_ring_runs(seq, cp):
+    """The blockwise attention's ops on every CP rank (its calls over each ring step's key block and the merges
+    between steps, forward; its calls backward), counted, against :func:`blockwise_tiles` priced at the op
+    constants; and its tile pairs, which differ between ranks (cp 2: rank 1's chunks 1 and 2 are adjacent, one
+    tile)."""
+    from megalite.context_parallel.blockwise import DEFAULT_TILE, Tokens, attention_backward, attention_forward, merge
+    from megalite.context_parallel.sequence_split import chunk_indices
+    from megalite.plan.compute import (BLOCKWISE_CALL_OPS, BLOCKWISE_MASK_OPS, BLOCKWISE_PAIR_OPS,
+                                       blockwise_forward_extra_ops, blockwise_tiles)
+
+    tokens = [Tokens(chunk_indices(seq, cp, rank), None, DEFAULT_TILE) for rank in range(cp)]
+    q, k, v = (torch.randn(1, 1, seq // cp, 2) for _ in range(3))
+    work = blockwise_tiles(seq, cp, "p2p")
+    for rank in range(cp):
+        counted = {}
+        with _CountOps() as counter:
+            out = lse = None
+            for step in range(cp):
+                out, lse = merge(out, lse, *attention_forward(q, k, v, tokens[rank], tokens[(rank - step) % cp], 1.0))
+        counted["forward"] = counter.count
+        with _CountOps() as counter:
+            for step in range(cp):
+                attention_backward(out, q, k, v, out, lse, tokens[rank], tokens[(rank - step) % cp], 1.0)
+        counted["backward"] = counter.count
+        w = work[rank]
+        priced = {phase: w["pairs"] * BLOCKWISE_PAIR_OPS[phase] + w["masked"] * BLOCKWISE_MASK_OPS[phase]
+                  + w["calls"] * BLOCKWISE_CALL_OPS[phase] for phase in ("forward", "backward")}
+        priced["forward"] += blockwise_forward_extra_ops(w)
+        for phase in ("forward", "backward"):
+            assert priced[phase] == pytest.approx(counted[phase], rel=0.03)
+    if cp == 2:
+        assert [(w["pairs"], w["masked"], w["scores"]) for w in work] == [(4, 2, 3 * 64 * 64 + 64 * 128),
+                                                                          (2, 1, 128 * 128 + 128 * 64)]
