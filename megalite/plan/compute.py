@@ -10,7 +10,9 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
   as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
 - the memory-bound ops (norms, residual sums, activation functions, RoPE, the fused QKV split's gradient, bias
   gradients, weight-gradient accumulation, the embedding and the loss over the logits): the elements each reads
-  and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``;
+  and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``, and on a CPU (a profile with
+  ``exp_rate``) what the elements the activation function and the loss pass through exp, erf or tanh take at that
+  rate beyond a read and a write (:func:`transcendental_elements`, :func:`head_transcendentals`);
 - every op's fixed cost (dispatch, autograd, a kernel launch) at ``op_overhead_s``, counted in ops per layer
   (:data:`LAYER_OPS`: the aten ops megalite's layer runs, counted in tests/plan/test_compute.py).
 
@@ -104,22 +106,53 @@ def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: in
     if config.position_embedding_type == "rope":
         forward += 12 * tokens * (q + kv)
         backward += 12 * tokens * (q + kv)
-    swiglu = config.activation == "swiglu"
-    if config.is_moe_layer(layer):
-        moe = config.moe
-        routed = (sp_tokens if layout.sequence_parallel else tokens / tp) * moe.topk
-        ffn = routed * moe.ffn_hidden_size / layout.expert_tp
-        forward += 2 * 2 * routed * h
-        backward += 2 * 2 * routed * h
-        swiglu = moe.activation == "swiglu"
-    else:
-        ffn = tokens * config.ffn_hidden_size / tp
+    ffn, routed, swiglu = _activation_input(config, layout, seq_length, layer)
+    forward += 2 * 2 * routed * h
+    backward += 2 * 2 * routed * h
     forward += (3 if swiglu else 2) * ffn
     backward += (5 if swiglu else 3) * ffn
     if config.add_bias_linear:
         backward += qkv + (2 if swiglu else 1) * ffn + 2 * sp_tokens * h
     params = sum(p.numel for p in layer_params(config, layer, layout))
     return forward, backward + 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+
+
+def _activation_input(config: GPTConfig, layout: Layout, seq_length: int, layer: int) -> tuple[float, float, bool]:
+    """``(elements, routed rows, SwiGLU)`` of global layer ``layer``'s activation function for one micro-batch on one
+    rank: its ``ffn`` (per token, of this rank's MLP or experts), the rows an MoE layer routes (0 for a dense
+    one), and whether it is SwiGLU."""
+    tp = layout.tp
+    tokens = layout.micro_batch_size * seq_length / layout.cp
+    if not config.is_moe_layer(layer):
+        return tokens * config.ffn_hidden_size / tp, 0.0, config.activation == "swiglu"
+    moe = config.moe
+    sp_tokens = tokens / tp if layout.sequence_parallel and tp > 1 else tokens
+    routed = (sp_tokens if layout.sequence_parallel else tokens / tp) * moe.topk
+    return routed * moe.ffn_hidden_size / layout.expert_tp, routed, moe.activation == "swiglu"
+
+
+ACTIVATION_TRANSCENDENTALS = {"gelu": (1, 2), "swiglu": (1, 1)}
+"""Transcendental functions per element of the activation's input, forward and backward: GELU's erf (or tanh)
+forward, its cumulative distribution and density backward; SwiGLU's sigmoid forward and again backward."""
+
+LOSS_TRANSCENDENTALS = (1, 1)
+"""Per logit: the log-softmax's exponential forward, the softmax its gradient recomputes backward."""
+
+
+def transcendental_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: int) -> tuple[float, float]:
+    """Elements global layer ``layer`` passes through a transcendental function (exp, erf, tanh) for one micro-batch
+    on one rank, ``(forward, backward)``: its activation function's (:data:`ACTIVATION_TRANSCENDENTALS`).  A CPU
+    core runs them far below its memory's rate (``exp_rate``); :func:`head_transcendentals` gives the loss's."""
+    ffn, _, swiglu = _activation_input(config, layout, seq_length, layer)
+    forward, backward = ACTIVATION_TRANSCENDENTALS["swiglu" if swiglu else "gelu"]
+    return forward * ffn, backward * ffn
+
+
+def head_transcendentals(config: GPTConfig, layout: Layout, seq_length: int) -> float:
+    """Elements the loss passes through an exponential for one micro-batch on one rank (forward and backward):
+    :data:`LOSS_TRANSCENDENTALS` per logit of the rank's vocabulary shard."""
+    logits = layout.micro_batch_size * seq_length / layout.cp * config.vocab_size / layout.tp
+    return sum(LOSS_TRANSCENDENTALS) * logits
 
 
 def head_elements(config: GPTConfig, layout: Layout, seq_length: int) -> float:
@@ -262,6 +295,13 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
         elements += count * (forwards * fwd + bwd) / layout.pp
     elements += head_elements(config, layout, seq_length) / layout.pp
     out["memory_bound"] += m * elements * e / hw.hbm_bandwidth
+    if hw.exp_rate is not None:  # on a GPU the special function units keep up with the memory's passes above
+        functions = head_transcendentals(config, layout, seq_length) / layout.pp
+        for layer, count in _layer_kinds(config):
+            fwd, bwd = transcendental_elements(config, layout, seq_length, layer)
+            functions += count * (forwards * fwd + bwd) / layout.pp
+        # each costs what an exponential (a read and a write, as exp_rate is timed) takes beyond such a pass
+        out["memory_bound"] += m * functions * max(0.0, 1 / hw.exp_rate - 2 * e / hw.hbm_bandwidth)
     layer_ops = forwards * LAYER_OPS["forward"] + LAYER_OPS["backward"]
     if config.position_embedding_type == "rope":
         layer_ops += forwards * ROPE_OPS["forward"] + ROPE_OPS["backward"]
