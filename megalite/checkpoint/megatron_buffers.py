@@ -12,11 +12,11 @@ the first stage's word embeddings and the last stage's copy of them (its ``outpu
 bucket of their own (their gradients are all-reduced over the embedding group after the DP reduce-scatter).
 
 Which chunk holds which layers is megalite's one layer split (:func:`megalite.pipeline.split_layers`), the same
-as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks, and
-without interleaved chunks for ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
-(Megatron-Core splits the layers plus the embedding and the loss evenly, then builds one layer fewer on the first
-and the last stage: megalite's first and last stage layer counts), and for a ``--pipeline-model-parallel-layout``
-without interleaved chunks whose stage layer counts megalite's split gives (:func:`_layout_stages`).
+as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks; for
+``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` (Megatron-Core splits the
+layers plus the embedding and the loss evenly over the stages, then builds one layer fewer on the first and the
+last: :func:`_accounted_stages`) and for a ``--pipeline-model-parallel-layout`` (:func:`megalite.pipeline.parse_layout`)
+it is given each stage's layer count.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import re
 
 from megalite.checkpoint.meta import split_dims
-from megalite.pipeline import split_layers
+from megalite.pipeline import LayerLayout, parse_layout, split_layers
 
 # The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
 # router, the local experts, the shared experts).
@@ -104,63 +104,53 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
     return [places[i] for i in range(len(numels))], unpadded
 
 
-def _accounted_stages(args: dict) -> tuple[int, int] | None:
-    """``(first, last)`` stage layer counts of a run (saved ``args``) whose pipeline split counts the embedding
-    and/or the loss as a layer (:data:`_ACCOUNTED`), as Megatron-Core's ``get_num_layers_to_build`` gives them at
-    pp > 1 without interleaved chunks; None for another run, or one megalite's split cannot express
-    (:func:`split_problem`)."""
+def _accounted_stages(args: dict) -> list[int] | None:
+    """Each stage's layer count (in stage order) of a run (saved ``args``) whose pipeline split counts the
+    embedding and/or the loss as a layer (:data:`_ACCOUNTED`), as Megatron-Core's ``get_num_layers_to_build``
+    gives them at pp > 1: the layers plus the embedding and the loss split evenly over the stages (each rank's
+    share evenly over its interleaved chunks), one layer fewer on the first and on the last stage; None for
+    another run, or one whose layers do not split so (:func:`split_problem`)."""
     embedding, loss = (bool(args.get(flag)) for flag in _ACCOUNTED)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
+    chunks = int(args.get("virtual_pipeline_model_parallel_size") or 1)
     total = int(args.get("num_layers") or 0) + embedding + loss
-    if not (embedding or loss) or pp == 1 or args.get("virtual_pipeline_model_parallel_size") or total % pp:
+    if not (embedding or loss) or pp == 1 or total % (pp * chunks):
         return None
-    return total // pp - embedding, total // pp - loss
+    counts = [total // (pp * chunks)] * (pp * chunks)
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return None if min(counts) < 0 else counts
 
 
-def _unrolled(layout: str) -> list[str]:
-    """The stages of a ``--pipeline-model-parallel-layout`` string, each a string of its layer letters (``E``
-    embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss): commas dropped, ``(...)*n`` and ``x*n`` repeated,
-    split at ``|`` -- Megatron-Core's reading of the string."""
-    layout = layout.replace(",", "")
-    layout = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
-    return re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout).split("|")
-
-
-def _layout_stages(args: dict) -> tuple[int, int] | None:
-    """``(first, last)`` stage layer counts of a run (saved ``args``) split by ``--pipeline-model-parallel-layout``
-    (the string, or the parsed layout built from one) whose stages megalite's split (:func:`split_layers` with those counts) gives: one chunk per stage (as many
-    stages as ``pp``), the embedding alone at the start of the first, the loss alone at the end of the last, only
-    decoder layers (no MTP layers) between, ``num_layers`` in all, the middle stages of equal counts; else None."""
+def _layout(args: dict) -> LayerLayout:
+    """The :class:`~megalite.pipeline.LayerLayout` of a run (saved ``args``) split by
+    ``--pipeline-model-parallel-layout`` (the string, or the parsed layout built from one); ValueError naming
+    what megalite does not build (:func:`megalite.pipeline.parse_layout`)."""
     layout, pp = args.get("pipeline_model_parallel_layout"), int(args.get("pipeline_model_parallel_size") or 1)
     if not isinstance(layout, str):  # Megatron-LM's parsed PipelineParallelLayerLayout keeps its string
         state = getattr(layout, "state", None)  # as a pickled record (megatron_pickle.Opaque): its __dict__
         layout = state.get("input_data") if isinstance(state, dict) else getattr(layout, "input_data", None)
         if not isinstance(layout, str):
-            return None
-    stages = _unrolled(layout)
-    if len(stages) != pp or not (stages[0].startswith("E") and stages[-1].endswith("L")):
-        return None
-    stages[0] = stages[0][1:]
-    stages[-1] = stages[-1][:-1]  # one after the other: at pp=1 both are the one stage
-    counts = [len(stage) for stage in stages]
-    if any(set(stage) - {"t"} for stage in stages) or sum(counts) != int(args.get("num_layers") or 0):
-        return None
-    first, last = (counts[0], counts[-1]) if pp > 1 else (None, None)
-    try:
-        ranges = split_layers(sum(counts), pp, None, first, last)
-    except ValueError:
-        return None
-    return (first, last) if [hi - lo for ((lo, hi),) in ranges] == counts else None
+            raise ValueError("the saved layout holds no layout string")
+    parsed = parse_layout(layout, pp, int(args.get("num_layers") or 0), args.get("mtp_num_layers"))
+    saved = args.get("virtual_pipeline_model_parallel_size") or None
+    if saved is not None and saved != (parsed.vpp or 1):
+        raise ValueError(f"pipeline layout {layout!r} has {parsed.vpp or 1} stage(s) per pipeline rank, but the saved "
+                         f"virtual_pipeline_model_parallel_size is {saved}")
+    return parsed
 
 
 def split_problem(args: dict) -> str | None:
-    """The flag of Megatron-LM's saved ``args`` whose pipeline split megalite does not rebuild (the layers' stages
-    would be guessed at), or None: ``--pipeline-model-parallel-layout`` but the layouts :func:`_layout_stages`
-    reads, and a split that counts the embedding or
-    the loss as a layer with interleaved chunks (only the first/last chunk has a layer fewer) or layers that do
-    not split so."""
+    """What of Megatron-LM's saved ``args`` megalite's layer split does not rebuild (the layers' stages would be
+    guessed at), led by its flag, or None: a ``--pipeline-model-parallel-layout`` that
+    :func:`megalite.pipeline.parse_layout` refuses, and a split that counts the embedding or the loss as a layer
+    whose layers do not split so."""
     if args.get("pipeline_model_parallel_layout"):
-        return None if _layout_stages(args) else "pipeline_model_parallel_layout"
+        try:
+            _layout(args)
+        except ValueError as err:
+            return f"pipeline_model_parallel_layout: {err}"
+        return None
     accounted = next((flag for flag in _ACCOUNTED if args.get(flag)), None)
     if accounted and int(args.get("pipeline_model_parallel_size") or 1) > 1 and _accounted_stages(args) is None:
         return accounted
@@ -175,13 +165,16 @@ def buffer_args(args: dict) -> dict:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
-    stages = _layout_stages(args) if args.get("pipeline_model_parallel_layout") else _accounted_stages(args)
-    if stages is not None and first is None and last is None:
-        first, last = stages
+    vpp, stages = args.get("virtual_pipeline_model_parallel_size") or None, None
+    if args.get("pipeline_model_parallel_layout") and split_problem(args) is None:
+        layout = _layout(args)
+        vpp, stages = layout.vpp, list(layout.stage_layers)
+    elif first is None and last is None:
+        stages = _accounted_stages(args)
     tp = int(args.get("tensor_model_parallel_size") or 1)
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
-                vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
+                vpp=vpp, first=None if stages else first, last=None if stages else last, stage_layers=stages,
                 ep=int(args.get("expert_model_parallel_size") or 1),
                 etp=int(args.get("expert_tensor_parallel_size") or tp),
                 te=args.get("transformer_impl") == "transformer_engine")
@@ -200,7 +193,7 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
                   first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
-                  te: bool = False, experts: bool = False) -> list[tuple]:
+                  te: bool = False, experts: bool = False, stage_layers: list[int] | None = None) -> list[tuple]:
     """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
     whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
     parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
@@ -211,7 +204,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
     word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
     split as given."""
-    ranges = split_layers(config.num_layers, pp, vpp, first, last)
+    ranges = split_layers(config.num_layers, pp, vpp, first, last, stage_layers=stage_layers)
     dims = split_dims(config)
     etp = etp or tp
     tied = pp > 1 and not config.untie_embeddings_and_output_weights

@@ -31,7 +31,8 @@ sharded over the expert data-parallel group; each local expert's state is placed
 megalite's stacked expert weights.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
-interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
+interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
+loss as a layer, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
 layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
 or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
@@ -93,7 +94,8 @@ def _run_problem(args: dict, config, names, saved):
     layout = buffer_args(args)
     other = split_problem(args)
     try:
-        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"],
+                     stage_layers=layout["stage_layers"])
     except ValueError as err:
         other = other or str(err)
     if other:
