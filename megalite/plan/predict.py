@@ -66,6 +66,8 @@ def predict_run(args, world: int) -> RunPrediction:
         hardware = load_hardware("cpu")
     if args.lora_rank:
         return RunPrediction(hardware, reason="the planner does not model LoRA fine-tuning (frozen base weights)")
+    if args.pipeline_model_parallel_layout:
+        return RunPrediction(hardware, reason="the planner does not model a --pipeline-model-parallel-layout split")
     config = gpt_config(args)
     if config.multi_latent_attention:
         return RunPrediction(hardware, reason="the planner does not model multi-latent attention")
