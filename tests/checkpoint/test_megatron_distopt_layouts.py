@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in six layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in seven layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -9,6 +9,8 @@ gradient buffers differ from an even split of untied dense layers in the local s
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
 - ``layout`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tL`` (stages of 3 and 1 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``layout_vpp`` (pp=2): ``--pipeline-model-parallel-layout Et|tt|t|L``, 2 interleaved chunks of uneven counts
+  (1 and 1 layers on rank 0, 2 and none on rank 1: its last chunk holds only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
@@ -17,7 +19,7 @@ gradient buffers differ from an even split of untied dense layers in the local s
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (and the uneven ones at their own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains six runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains seven runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -82,6 +84,9 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout": (dict(pipeline_model_parallel_layout="Ettt|tL"),
                     dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "layout_vpp": (dict(vpp=2, pipeline_model_parallel_layout="Et|tt|t|L"),
+                        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                             pipeline_model_parallel_layout="Et|tt|t|L")),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
@@ -117,7 +122,8 @@ def _megatron_run(root: str, micro_batches, case: str):
         weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=True), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
-    layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+    layouts = [fixture._buffer_layout(buffers[0], module,
+                                      module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
     model = chunks if len(chunks) > 1 else chunks[0]
@@ -150,6 +156,8 @@ def _run(root: str, micro_batches):
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
         + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
+           (os.path.join(root, "layout_vpp"), os.path.join(root, "layout_vpp_pp2.jsonl"),
+            ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|L")),
            (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
@@ -169,10 +177,11 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer:
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
-    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string, the latter also with
+    uneven interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer:
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven ones also at their own stages, pp=2, the layout
+    by the same ``--pipeline-model-parallel-layout``; the MoE one also at ep=2) with Megatron's next 5 losses,
+    without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
@@ -180,6 +189,8 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "layout_vpp_pp2.jsonl")),
+                                runs["layout_vpp"][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
@@ -199,7 +210,7 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe") else 1)
+            assert len(mine) == len(theirs) == (2 if case in ("vpp", "layout_vpp", "moe") else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
