@@ -37,9 +37,15 @@ LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attentio
 # SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
 _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
-_TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
-        "output_layer.": 4}
+_TOP = {"embedding.word_embeddings.": 0, "mtp.embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1,
+        "decoder.final_layernorm.": 3, "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
+# The word embeddings' copy on a last stage with multi-token prediction (pp > 1: its MTP depths embed the shifted
+# tokens), megalite's name of it; Megatron-Core's GPTModel registers it first, as ``embedding.word_embeddings``.
+MTP_EMBEDDING_COPY = "mtp.embedding.word_embeddings.weight"
+# The modules of a multi-token prediction depth (``mtp.layers.<k>.``) in Megatron-Core's registration order; its
+# ``transformer_layer.`` in :data:`LAYER_ORDER`.  The depths follow the decoder's final norm.
+MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
 # Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) a dense layer's norms are fused into
 # the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
 # megalite's norm of each of those modules.
@@ -55,7 +61,7 @@ def place(name: str, te: bool = False):
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
     if kind is None:
         return None
-    fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
+    fused = re.fullmatch(r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(\w+\.)(weight|bias)", name)
     if te and fused and fused.group(1) in TE_FUSED_NORMS:
         name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
     for prefix, rank in _TOP.items():
@@ -66,6 +72,14 @@ def place(name: str, te: bool = False):
         layer = int(expert.group(1).split(".")[2])
         return (2, layer, LAYER_ORDER.index("mlp.experts."), 2 * int(expert.group(2)) + (expert.group(3)[-1] == "2"),
                 kind)
+    depth = re.fullmatch(r"mtp\.layers\.(\d+)\.(\w+\.)(?:(.+)\.)?(weight|bias)", name)
+    if depth and depth.group(2) in MTP_ORDER:  # after the final norm: (3, 1 + depth, module, inner module, kind)
+        outer, inner = MTP_ORDER.index(depth.group(2)), depth.group(3)
+        if (inner is None) != (depth.group(2) != "transformer_layer."):
+            return None
+        module = 0 if inner is None else next((i for i, m in enumerate(LAYER_ORDER)
+                                               if m == inner + "." and m != "mlp.experts."), None)
+        return None if module is None else (3, 1 + int(depth.group(1)), outer, module, kind)
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if match is None:
         return None
@@ -202,12 +216,17 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
     sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
     ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
-    word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
+    word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
     split as given."""
     ranges = split_layers(config.num_layers, pp, vpp, first, last, stage_layers=stage_layers)
     dims = split_dims(config)
     etp = etp or tp
-    tied = pp > 1 and not config.untie_embeddings_and_output_weights
+    mtp = pp > 1 and bool(config.mtp_num_layers)
+    if mtp and not config.untie_embeddings_and_output_weights:
+        raise ValueError("with MTP layers and embeddings tied over pipeline stages, whose last stage keeps an unused "
+                         "output layer of its own, which megalite does not place")
+    tied = pp > 1 and (mtp or not config.untie_embeddings_and_output_weights)
+    copy = MTP_EMBEDDING_COPY if mtp else OUTPUT_COPY
     if experts:  # the expert data-parallel group: the ranks of one (expert tensor, expert, pipeline) rank
         dp, tied = dp * tp // (etp * ep), False
     layouts = []
@@ -215,7 +234,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
         local = {}
         names = [n for n in shapes if _chunk_of(n, ranges) == (p, chunk)]
         if tied and (p, chunk) == (pp - 1, len(ranges[p]) - 1):
-            names.append(OUTPUT_COPY)
+            names.append(copy)
         for name in names:
             weight = next((w for w in EXPERT_WEIGHTS if name.endswith("." + w)), None)
             if (experts and weight is None) or (not experts and weight is not None and ep > 1):
@@ -230,7 +249,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                     local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
                         tuple(shape)
                 continue
-            source = WORD_EMBEDDINGS if name == OUTPUT_COPY and tied else name
+            source = WORD_EMBEDDINGS if name == copy and tied else name
             dim, shape = dims[source], list(shapes[source])
             if dim is not None:
                 if shape[dim] % tp:
@@ -238,7 +257,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 shape[dim] //= tp
             local[name] = tuple(shape)
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
-                                          tied, te)))
+                                          (WORD_EMBEDDINGS, copy) if tied else (), te)))
     return layouts
 
 
@@ -253,12 +272,13 @@ def local_expert(name: str) -> tuple[str, int] | None:
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
-              tied: bool = False, te: bool = False):
+              shared: tuple[str, ...] = (), te: bool = False):
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
-    a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
-    over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
-    Transformer-Engine spec's parameter order."""
+    a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``shared``: the word
+    embeddings and their copy on another stage (tied embeddings or MTP layers over pipeline stages:
+    :data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` or :data:`MTP_EMBEDDING_COPY`), each in a bucket of its own;
+    ``te``: the Transformer-Engine spec's parameter order."""
     order = sorted(local, key=lambda n: place(n, te) or ())
-    shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
-    places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
+    own = frozenset(i for i, n in enumerate(order) if n in shared)
+    places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, own)
     return order, places, unpadded

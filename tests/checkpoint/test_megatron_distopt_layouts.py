@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in seven layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in eight layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -11,6 +11,9 @@ gradient buffers differ from an even split of untied dense layers in the local s
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
 - ``layout_vpp`` (pp=2): ``--pipeline-model-parallel-layout Et|tt|t|L``, 2 interleaved chunks of uneven counts
   (1 and 1 layers on rank 0, 2 and none on rank 1: its last chunk holds only the output layer);
+- ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` with a multi-token prediction depth on
+  the last stage (whose buffer holds, first, a copy of the word embeddings in a bucket of its own, and the
+  depth's parameters after the final norm);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains seven runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains eight runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -87,11 +90,14 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout_vpp": (dict(vpp=2, pipeline_model_parallel_layout="Et|tt|t|L"),
                         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                              pipeline_model_parallel_layout="Et|tt|t|L")),
+         "layout_mtp": (dict(mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
+                        dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
+                             mtp_num_layers=1, mtp_loss_scaling_factor=0.1)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 
 
@@ -158,6 +164,8 @@ def _run(root: str, micro_batches):
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
            (os.path.join(root, "layout_vpp"), os.path.join(root, "layout_vpp_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|L")),
+           (os.path.join(root, "layout_mtp"), os.path.join(root, "layout_mtp_pp2.jsonl"),
+            ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tmL")),
            (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
@@ -178,7 +186,7 @@ def megatron_runs(tmp_path_factory):
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
     """Tied embeddings over stages, uneven stages (by first-stage count and by layout string, the latter also with
-    uneven interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer:
+    uneven interleaved chunks and with an MTP depth on the last stage), interleaved chunks, TE's order and experts in a chained optimizer:
     megalite resumes each Megatron save at tp=1 x dp=2 (the uneven ones also at their own stages, pp=2, the layout
     by the same ``--pipeline-model-parallel-layout``; the MoE one also at ep=2) with Megatron's next 5 losses,
     without a warning about the optimizer state."""
@@ -189,17 +197,19 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
-    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "layout_vpp_pp2.jsonl")),
-                                runs["layout_vpp"][0][fixture.SAVED_AT:])
+    for case in ("layout_vpp", "layout_mtp"):
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_pp2.jsonl")),
+                                    runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included; the MoE run's dense and expert-parallel buffers; Transformer Engine's order, whose fused norms are
-    megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
+    included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE run's dense and
+    expert-parallel buffers; Transformer Engine's order, whose fused norms are megalite's
+    ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
     run."""
-    from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+    from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, WORD_EMBEDDINGS, buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
     root, runs, _ = megatron_runs
@@ -215,8 +225,10 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
                                 for name, place in their_places.items()}
+                if case == "layout_mtp" and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
+                    theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
-        if case == "tied":  # the word embeddings' copies in buckets of their own
+        if case in ("tied", "layout_mtp"):  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
         if case == "te":  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
