@@ -25,7 +25,7 @@ import math
 import re
 
 from megalite.checkpoint.meta import split_dims
-from megalite.pipeline import LayerLayout, parse_layout, split_layers
+from megalite.pipeline import LayerLayout, accounted_layout, parse_layout, split_layers
 
 # The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
 # router, the local experts, the shared experts).
@@ -119,21 +119,19 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
 
 
 def _accounted_stages(args: dict) -> list[int] | None:
-    """Each stage's layer count (in stage order) of a run (saved ``args``) whose pipeline split counts the
-    embedding and/or the loss as a layer (:data:`_ACCOUNTED`), as Megatron-Core's ``get_num_layers_to_build``
-    gives them at pp > 1: the layers plus the embedding and the loss split evenly over the stages (each rank's
-    share evenly over its interleaved chunks), one layer fewer on the first and on the last stage; None for
-    another run, or one whose layers do not split so (:func:`split_problem`)."""
+    """Each stage's layer count (in stage order) of a run (saved ``args``) at pp > 1 whose pipeline split counts
+    the embedding and/or the loss as a layer (:data:`_ACCOUNTED`, :func:`megalite.pipeline.accounted_layout`);
+    None for another run, or one whose layers do not split so (:func:`split_problem`)."""
     embedding, loss = (bool(args.get(flag)) for flag in _ACCOUNTED)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
-    chunks = int(args.get("virtual_pipeline_model_parallel_size") or 1)
-    total = int(args.get("num_layers") or 0) + embedding + loss
-    if not (embedding or loss) or pp == 1 or total % (pp * chunks):
+    if not (embedding or loss) or pp == 1:
         return None
-    counts = [total // (pp * chunks)] * (pp * chunks)
-    counts[0] -= embedding
-    counts[-1] -= loss
-    return None if min(counts) < 0 else counts
+    try:
+        layout = accounted_layout(int(args.get("num_layers") or 0), pp,
+                                  args.get("virtual_pipeline_model_parallel_size") or None, embedding, loss)
+    except ValueError:
+        return None
+    return list(layout.stage_layers)
 
 
 def _layout(args: dict) -> LayerLayout:

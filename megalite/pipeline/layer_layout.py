@@ -1,4 +1,5 @@
-"""Megatron-LM's ``--pipeline-model-parallel-layout`` string as megalite's per-stage layer counts.
+"""Megatron-LM's ``--pipeline-model-parallel-layout`` string, and its splits that count the embedding or the loss
+as a layer, as megalite's per-stage layer counts.
 
 The string lists the pipeline stages in stage order (``|`` between stages; stage ``c * pp + r`` is model
 chunk ``c`` of pipeline rank ``r``, :class:`~megalite.pipeline.stages.StageMap`), each a run of letters:
@@ -7,7 +8,8 @@ Commas are cosmetic; ``x*n`` and ``(...)*n`` repeat.  E.g. ``Ettt|(tt|)*2,tL`` a
 3, 2, 2 and 1 decoder layers.  megalite builds what the string describes when its layers are where
 megalite's model puts them -- the embedding first, the loss last, MTP depths on the last stage after its
 decoder layers (:class:`~megalite.models.gpt.GPTModel` computes them with the loss) -- and names the
-first thing that is not.
+first thing that is not.  ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+(:func:`accounted_layout`) split the layers plus the embedding and the loss evenly over the stages instead.
 """
 
 from __future__ import annotations
@@ -62,3 +64,20 @@ def parse_layout(layout: str, pp: int, num_layers: int, mtp_num_layers: int | No
                          f"together on the last stage, after its decoder layers (last stage {stages[-1]!r})")
     vpp = len(stages) // pp
     return LayerLayout(vpp if vpp > 1 else None, tuple(stage.count("t") for stage in stages))
+
+
+def accounted_layout(num_layers: int, pp: int, vpp: int | None, embedding: bool, loss: bool) -> LayerLayout:
+    """The :class:`LayerLayout` of a split that counts the embedding and/or the loss as a layer, as Megatron-Core's
+    ``get_num_layers_to_build`` builds it: the layers plus those counted split evenly over the ``pp x vpp``
+    stages, the first stage one layer fewer for the embedding, the last one fewer for the loss; ValueError when
+    they do not split so."""
+    stages = pp * (vpp or 1)
+    total = num_layers + embedding + loss
+    if total % stages or total // stages < max(embedding, loss):
+        counted = " + ".join(["embedding"] * embedding + ["loss"] * loss)
+        raise ValueError(f"num_layers={num_layers} + {counted} = {total} layers do not split evenly over "
+                         f"pp={pp} x vpp={vpp or 1} stages, each holding at least the layer counted")
+    counts = [total // stages] * stages
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return LayerLayout(vpp, tuple(counts))

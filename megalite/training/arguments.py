@@ -19,7 +19,7 @@ from megalite.lora.state import check_model
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
 from megalite.models.mtp import check_mtp_layout
-from megalite.pipeline import parse_layout, split_layers
+from megalite.pipeline import accounted_layout, parse_layout, split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp
 from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
@@ -258,23 +258,33 @@ def _check_pipeline_schedule(args):
 
 
 def stage_layers(args) -> tuple[int, ...] | None:
-    """Every pipeline stage's layer count that ``--pipeline-model-parallel-layout`` gives (None without it)."""
-    layout = args.pipeline_model_parallel_layout
-    if layout is None:
+    """Every pipeline stage's layer count that ``--pipeline-model-parallel-layout`` or, at pp > 1,
+    ``--account-for-embedding/loss-in-pipeline-split`` give (None without them)."""
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    if layout is not None:
+        return parse_layout(layout, pp, args.num_layers, args.mtp_num_layers).stage_layers
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    if pp == 1 or not (embedding or loss):
         return None
-    return parse_layout(layout, args.pipeline_model_parallel_size, args.num_layers, args.mtp_num_layers).stage_layers
+    return accounted_layout(args.num_layers, pp, args.virtual_pipeline_model_parallel_size, embedding,
+                            loss).stage_layers
 
 
 def _check_pipeline_layout(args):
     """``--pipeline-model-parallel-layout``: a layout megalite builds, alone of the split flags; it sets the
-    virtual pipeline size (its stages per pipeline rank)."""
+    virtual pipeline size (its stages per pipeline rank).  The embedding/loss-as-a-layer splits exclude first/last
+    stage layer counts (as in Megatron-LM)."""
+    accounted = [f"--account-for-{what}-in-pipeline-split" for what in ("embedding", "loss")
+                 if getattr(args, f"account_for_{what}_in_pipeline_split")]
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    _require(not (accounted and uneven), f"{' and '.join(accounted)} split the layers evenly; drop "
+             "--decoder-first/last-pipeline-num-layers")
     if args.pipeline_model_parallel_layout is None:
         return
     layout = parse_layout(args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size, args.num_layers,
                           args.mtp_num_layers)
-    _require(args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None,
-             "--pipeline-model-parallel-layout gives every stage's layers; drop --decoder-first/last-pipeline-"
-             "num-layers")
+    _require(not uneven and not accounted, "--pipeline-model-parallel-layout gives every stage's layers; drop "
+             f"{' and '.join(accounted) or '--decoder-first/last-pipeline-num-layers'}")
     _require(args.pipeline_schedule != "zbv", "--pipeline-model-parallel-layout orders stages as interleaved "
              "chunks; --pipeline-schedule zbv places them in a V")
     vpp = args.virtual_pipeline_model_parallel_size
