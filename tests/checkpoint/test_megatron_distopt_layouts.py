@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in eight layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in nine layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -14,6 +14,8 @@ gradient buffers differ from an even split of untied dense layers in the local s
 - ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` with a multi-token prediction depth on
   the last stage (whose buffer holds, first, a copy of the word embeddings in a bucket of its own, and the
   depth's parameters after the final norm);
+- ``accounted_vpp`` (pp=2, vpp=3): ``--account-for-embedding/loss-in-pipeline-split`` (stages of 0, 1, 1, 1, 1, 0
+  layers: the first chunk holds only the embedding, the last only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
@@ -22,9 +24,10 @@ gradient buffers differ from an even split of untied dense layers in the local s
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven ones at their own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (but ``accounted_vpp``), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the MoE one at ep=2
+too, and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
-Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
+The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
 the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
 """
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains eight runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains nine runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -93,12 +96,25 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout_mtp": (dict(mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
                         dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
                              mtp_num_layers=1, mtp_loss_scaling_factor=0.1)),
+         "accounted_vpp": (dict(vpp=3, account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True),
+                           dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
+                                account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 
 LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
+_PP2 = ("--pipeline-model-parallel-size", "2")
+OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
+              "layout_vpp": (*_PP2, "--pipeline-model-parallel-layout", "Et|tt|t|L"),
+              "layout_mtp": (*_PP2, "--pipeline-model-parallel-layout", "Ettt|tmL"),
+              "accounted_vpp": (*_PP2, "--virtual-pipeline-model-parallel-size", "3",
+                                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")}
+"""megalite's flags of the cases it also resumes at their own stages (``<case>_own.jsonl``); the last only there
+(its tp=1 x dp=2 resumption would add time, not a rule: the others show the state maps at another layout)."""
 
 
 def _megatron_run(root: str, micro_batches, case: str):
@@ -159,14 +175,11 @@ def _run(root: str, micro_batches):
     runs = {case: _megatron_run(root, micro_batches, case) for case in CASES}
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
-        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
-        + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "layout_vpp"), os.path.join(root, "layout_vpp_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|L")),
-           (os.path.join(root, "layout_mtp"), os.path.join(root, "layout_mtp_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tmL")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
+         if case != "accounted_vpp"]
+        + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
+           for case, flags in OWN_LAYOUT.items()]
+        + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -185,20 +198,20 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string, the latter also with
-    uneven interleaved chunks and with an MTP depth on the last stage), interleaved chunks, TE's order and experts in a chained optimizer:
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven ones also at their own stages, pp=2, the layout
-    by the same ``--pipeline-model-parallel-layout``; the MoE one also at ep=2) with Megatron's next 5 losses,
-    without a warning about the optimizer state."""
+    """Tied embeddings over stages, uneven stages (by first-stage count, by layout string, the latter also with
+    uneven interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
+    layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer: megalite
+    resumes each Megatron save at tp=1 x dp=2 (but the last uneven one) and the uneven ones at their own stages,
+    pp=2, by the same flags (:data:`OWN_LAYOUT`; the MoE one also at ep=2) with Megatron's next 5 losses, without a
+    warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
-                                    runs[case][0][fixture.SAVED_AT:])
-    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
-                                runs["uneven"][0][fixture.SAVED_AT:])
-    for case in ("layout_vpp", "layout_mtp"):
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_pp2.jsonl")),
+        if case != "accounted_vpp":
+            fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+                                        runs[case][0][fixture.SAVED_AT:])
+    for case in OWN_LAYOUT:
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_own.jsonl")),
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
@@ -220,7 +233,7 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp", "layout_vpp", "moe") else 1)
+            assert len(mine) == len(theirs) == {"vpp": 2, "layout_vpp": 2, "moe": 2, "accounted_vpp": 3}.get(case, 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
