@@ -214,8 +214,9 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
     sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
     ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
-    word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
-    split as given."""
+    word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer
+    apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not split as
+    given."""
     ranges = split_layers(config.num_layers, pp, vpp, first, last, stage_layers=stage_layers)
     dims = split_dims(config)
     etp = etp or tp

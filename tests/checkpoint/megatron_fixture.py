@@ -89,7 +89,8 @@ def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | 
                          post_process=parallel_state.is_pipeline_last_stage(**virtual),
                          share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                          vp_stage=virtual["vp_stage"],
-                         mtp_block_spec=mtp and get_gpt_mtp_block_spec(config, spec, False, vp_stage=virtual["vp_stage"]))
+                         mtp_block_spec=mtp and get_gpt_mtp_block_spec(config, spec, False,
+                                                                       vp_stage=virtual["vp_stage"]))
         # Non-zero norm weights so a misplaced norm shows in the logits.
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -27,9 +27,10 @@ Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; 
 tp=1 x dp=2 (but ``accounted_vpp``), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the MoE one at ep=2
 too, and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
-The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
-and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
-the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
+The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state
+(``mp_rank_TT_PPP/model_optim_rng.pt`` and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``):
+read behind ``--allow-pickle``, each gives the torch_dist save's weights, Adam moments and optimizer state
+exactly, so it resumes with the same losses.
 """
 
 import os
