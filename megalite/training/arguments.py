@@ -287,6 +287,9 @@ def _check_pipeline_layout(args):
              f"{' and '.join(accounted) or '--decoder-first/last-pipeline-num-layers'}")
     _require(args.pipeline_schedule != "zbv", "--pipeline-model-parallel-layout orders stages as interleaved "
              "chunks; --pipeline-schedule zbv places them in a V")
+    _require(args.pipeline_model_parallel_size > 1 or layout.vpp is None,
+             f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} has {layout.vpp} stages; "
+             "without --pipeline-model-parallel-size it holds one")
     vpp = args.virtual_pipeline_model_parallel_size
     _require(vpp is None or vpp == (layout.vpp or 1),
              f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} has {layout.vpp or 1} "

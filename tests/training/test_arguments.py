@@ -75,6 +75,8 @@ def test_megatron_spellings_and_defaults():
      "pipeline layout 'Et|tt|tL' has 3 stages, not a multiple of the pipeline size pp=2"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|ttx|t|L"], 2,
      "pipeline layout 'Et|ttx|t|L' has unknown layer letter"),
+    (["--pipeline-model-parallel-layout", "Ett|ttL"], 1,
+     "--pipeline-model-parallel-layout 'Ett|ttL' has 2 stages; without --pipeline-model-parallel-size it holds one"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|tL"], 2,
      "pipeline layout 'Ett|tL' has 3 decoder layers t, not num_layers=4"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL",
