@@ -24,7 +24,7 @@ gradient buffers differ from an even split of untied dense layers in the local s
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (but ``accounted_vpp``), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the MoE one at ep=2
+tp=1 x dp=2 (but those of :data:`AT_OWN_ONLY`), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the MoE one at ep=2
 too, and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state
@@ -114,8 +114,10 @@ OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
               "layout_mtp": (*_PP2, "--pipeline-model-parallel-layout", "Ettt|tmL"),
               "accounted_vpp": (*_PP2, "--virtual-pipeline-model-parallel-size", "3",
                                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")}
-"""megalite's flags of the cases it also resumes at their own stages (``<case>_own.jsonl``); the last only there
-(its tp=1 x dp=2 resumption would add time, not a rule: the others show the state maps at another layout)."""
+AT_OWN_ONLY = ("layout_mtp", "accounted_vpp")
+"""megalite's flags of the cases it also resumes at their own stages (``<case>_own.jsonl``), those of
+:data:`AT_OWN_ONLY` only there (their tp=1 x dp=2 resumptions would add time, not a rule: the others show the state
+maps at another layout)."""
 
 
 def _megatron_run(root: str, micro_batches, case: str):
@@ -177,7 +179,7 @@ def _run(root: str, micro_batches):
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
-         if case != "accounted_vpp"]
+         if case not in AT_OWN_ONLY]
         + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
            for case, flags in OWN_LAYOUT.items()]
         + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
@@ -202,13 +204,13 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
     """Tied embeddings over stages, uneven stages (by first-stage count, by layout string, the latter also with
     uneven interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
     layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer: megalite
-    resumes each Megatron save at tp=1 x dp=2 (but the last uneven one) and the uneven ones at their own stages,
+    resumes each Megatron save at tp=1 x dp=2 (but the last two uneven ones) and the uneven ones at their own stages,
     pp=2, by the same flags (:data:`OWN_LAYOUT`; the MoE one also at ep=2) with Megatron's next 5 losses, without a
     warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
-        if case != "accounted_vpp":
+        if case not in AT_OWN_ONLY:
             fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
                                         runs[case][0][fixture.SAVED_AT:])
     for case in OWN_LAYOUT:
