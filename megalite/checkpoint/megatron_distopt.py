@@ -32,9 +32,11 @@ sharded over the expert data-parallel group; each local expert's state is placed
 megalite's stacked expert weights.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
-interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
-layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
-or Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
+interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
+loss as a layer, MTP depths on the last stage (untied embeddings; the stage's copy of the word embeddings
+unread), tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local layer spec
+(``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
+Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
 """
@@ -46,8 +48,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts, local_expert,
-                                                  place, split_problem)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, MTP_EMBEDDING_COPY, OUTPUT_COPY, buffer_args,
+                                                  chunk_layouts, local_expert, place, split_problem)
 from megalite.checkpoint.megatron_optim import chain_groups, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -94,7 +96,8 @@ def _run_problem(args: dict, config, names, saved):
     layout = buffer_args(args)
     other = split_problem(args)
     try:
-        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"],
+                     stage_layers=layout["stage_layers"])
     except ValueError as err:
         other = other or str(err)
     if other:
@@ -190,8 +193,8 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
             return f"whose buckets ({sizes}) are not the {unpadded} elements megalite's rebuild of Megatron's " \
                    "gradient buffer gives"
         for name, (bucket, start) in zip(names, places):
-            if name == OUTPUT_COPY and name not in shapes:
-                continue  # the last stage's copy of tied embeddings
+            if name in (OUTPUT_COPY, MTP_EMBEDDING_COPY) and name not in shapes:
+                continue  # the last stage's copy of the word embeddings (tied, or for MTP layers)
             expert = local_expert(name)
             if expert is None:
                 if dims[name] is None and ctx.tp_rank > 0:

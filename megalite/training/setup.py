@@ -23,8 +23,8 @@ from megalite.optim import get_optimizer
 from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import build_chunks
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, format_args, use_checkpoint_architecture,
-                                         validate_args)
+from megalite.training.arguments import (architecture_differences, format_args, stage_layers,
+                                         use_checkpoint_architecture, validate_args)
 from megalite.training.checkpointing import checkpoint_info
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.flags import (ddp_config, fsdp_config, gpt_config, lora_config, optimizer_config, packing_config,
@@ -118,7 +118,8 @@ def build_model(model_provider, args, topo) -> list:
     modules = build_chunks(partial(model_provider, args), args.num_layers, topo.pp.group,
                            vpp=args.virtual_pipeline_model_parallel_size, schedule=args.pipeline_schedule,
                            first_stage_layers=args.decoder_first_pipeline_num_layers,
-                           last_stage_layers=args.decoder_last_pipeline_num_layers)
+                           last_stage_layers=args.decoder_last_pipeline_num_layers,
+                           stage_layers=stage_layers(args))
     chunks = []
     for module in modules:
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).

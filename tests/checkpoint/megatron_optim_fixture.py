@@ -322,10 +322,16 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
                               tensor_model_parallel_size=tp, world_size=world,
                               data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    from megatron.core import parallel_state
+
+    # As Megatron-LM's generate_state_dict: with the DP x CP group in the metadata (an MTP stage's tied copy of the
+    # word embeddings needs it).
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     if isinstance(model, list):
-        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})
+        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict(metadata=metadata)
+                      for i, chunk in enumerate(model)})
     else:
-        state["model"] = _unwrapped(model).sharded_state_dict()
+        state["model"] = _unwrapped(model).sharded_state_dict(metadata=metadata)
     state["optimizer"] = optimizer.sharded_state_dict(
         state, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if distributed else None)
     state["opt_param_scheduler"] = scheduler.state_dict()

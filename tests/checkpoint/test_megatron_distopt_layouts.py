@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in seven layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in ten layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -9,6 +9,13 @@ gradient buffers differ from an even split of untied dense layers in the local s
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
 - ``layout`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tL`` (stages of 3 and 1 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``layout_vpp`` (pp=2): ``--pipeline-model-parallel-layout Et|tt|t|L``, 2 interleaved chunks of uneven counts
+  (1 and 1 layers on rank 0, 2 and none on rank 1: its last chunk holds only the output layer);
+- ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` with a multi-token prediction depth on
+  the last stage (whose buffer holds, first, a copy of the word embeddings in a bucket of its own, and the
+  depth's parameters after the final norm);
+- ``accounted_vpp`` (pp=2, vpp=3): ``--account-for-embedding/loss-in-pipeline-split`` (stages of 0, 1, 1, 1, 1, 0
+  layers: the first chunk holds only the embedding, the last only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
@@ -20,12 +27,13 @@ gradient buffers differ from an even split of untied dense layers in the local s
   ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the local-spec MoE one at ep=2 too) and its 5 losses equal
-Megatron's.
+tp=1 x dp=2 (but those of :data:`AT_OWN_ONLY`), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the local-spec MoE one at
+ep=2 too, and its 5 losses equal Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
-Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
-and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
-the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
+The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state
+(``mp_rank_TT_PPP/model_optim_rng.pt`` and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``):
+read behind ``--allow-pickle``, each gives the torch_dist save's weights, Adam moments and optimizer state
+exactly, so it resumes with the same losses.
 """
 
 import os
@@ -35,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains seven runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains ten runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
@@ -103,14 +111,35 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout": (dict(pipeline_model_parallel_layout="Ettt|tL"),
                     dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "layout_vpp": (dict(vpp=2, pipeline_model_parallel_layout="Et|tt|t|L"),
+                        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                             pipeline_model_parallel_layout="Et|tt|t|L")),
+         "layout_mtp": (dict(mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
+                        dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
+                             mtp_num_layers=1, mtp_loss_scaling_factor=0.1)),
+         "accounted_vpp": (dict(vpp=3, account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True),
+                           dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
+                                account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict(MOE_ARGS, expert_model_parallel_size=2)),
          "te_moe": (dict(layer_spec=_te_block_order, gate=True),
                     dict(MOE_ARGS, expert_model_parallel_size=2, transformer_impl="transformer_engine",
                          moe_shared_expert_gate=True))}
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "te_moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
+_PP2 = ("--pipeline-model-parallel-size", "2")
+OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
+              "layout_vpp": (*_PP2, "--pipeline-model-parallel-layout", "Et|tt|t|L"),
+              "layout_mtp": (*_PP2, "--pipeline-model-parallel-layout", "Ettt|tmL"),
+              "accounted_vpp": (*_PP2, "--virtual-pipeline-model-parallel-size", "3",
+                                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")}
+AT_OWN_ONLY = ("layout_mtp", "accounted_vpp")
+"""megalite's flags of the cases it also resumes at their own stages (``<case>_own.jsonl``), those of
+:data:`AT_OWN_ONLY` only there (their tp=1 x dp=2 resumptions would add time, not a rule: the others show the state
+maps at another layout)."""
 
 
 def _megatron_run(root: str, micro_batches, case: str):
@@ -140,7 +169,8 @@ def _megatron_run(root: str, micro_batches, case: str):
         weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=True), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
-    layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+    layouts = [fixture._buffer_layout(buffers[0], module,
+                                      module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
     model = chunks if len(chunks) > 1 else chunks[0]
@@ -170,10 +200,11 @@ def _run(root: str, micro_batches):
     runs = {case: _megatron_run(root, micro_batches, case) for case in CASES}
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
-        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
-        + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
+         if case not in AT_OWN_ONLY]
+        + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
+           for case, flags in OWN_LAYOUT.items()]
+        + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -192,26 +223,32 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer (also in TE's order with a gated shared expert):
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the local-spec
-    MoE one also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    """Tied embeddings over stages, uneven stages (by first-stage count, by layout string, the latter also with
+    uneven interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
+    layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer (also in TE's order with a gated shared expert):
+    megalite
+    resumes each Megatron save at tp=1 x dp=2 (but the last two uneven ones) and the uneven ones at their own stages,
+    pp=2, by the same flags (:data:`OWN_LAYOUT`; the local-spec MoE one also at ep=2) with Megatron's next 5 losses, without a
+    warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+        if case not in AT_OWN_ONLY:
+            fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+                                        runs[case][0][fixture.SAVED_AT:])
+    for case in OWN_LAYOUT:
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_own.jsonl")),
                                     runs[case][0][fixture.SAVED_AT:])
-    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
-                                runs["uneven"][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included; the MoE run's dense and expert-parallel buffers; Transformer Engine's order, whose fused norms are
-    megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
+    included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE run's dense and
+    expert-parallel buffers; Transformer Engine's order, whose fused norms are megalite's
+    ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
     run."""
-    from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+    from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, WORD_EMBEDDINGS, buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
     root, runs, _ = megatron_runs
@@ -222,13 +259,15 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             mine = [layout for experts in (False, True) if not experts or case.endswith("moe") for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe", "te_moe") else 1)
+            assert len(mine) == len(theirs) == {"vpp": 2, "layout_vpp": 2, "moe": 2, "te_moe": 2, "accounted_vpp": 3}.get(case, 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = {name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", ""))): place
                                 for name, place in their_places.items()}
+                if case == "layout_mtp" and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
+                    theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
-        if case == "tied":  # the word embeddings' copies in buckets of their own
+        if case in ("tied", "layout_mtp"):  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
         if case in ("te", "te_moe"):  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
