@@ -76,19 +76,12 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's layout
-<<<<<<< HEAD
-    string with interleaved chunks or MTP layers (without, the next problem is named), splits that count the embedding or loss as a layer with interleaved chunks or layers that do not split
-    so; without chunks such a split is placed: the next problem is named), GroupedMLP experts (their weights are not SequentialMLP's), an ep > 1
-    run without its experts' chained optimizer, a layer spec other than the local and Transformer Engine's, and a
-    model-parallel rank without buckets are named, not guessed at."""
-=======
     string with another chunk count than the saved one or MTP layers the model lacks (a layout megalite builds,
     interleaved chunks included, is placed: the next problem is named), splits that count the embedding or loss
     as a layer whose layers do not split so (with or without chunks, such a split that does is placed), GroupedMLP
-    experts (their weights are not SequentialMLP's), an ep > 1 run without its experts' chained optimizer, experts
-    under Transformer Engine's spec (whose MoE layers keep their pre-MLP norm apart) and a model-parallel rank
-    without buckets are named, not guessed at."""
->>>>>>> wt-megpipe
+    experts (their weights are not SequentialMLP's), an ep > 1 run without its experts' chained optimizer, a layer
+    spec other than the local and Transformer Engine's, and a model-parallel rank without buckets are named, not
+    guessed at."""
     from megalite.checkpoint import global_shapes
     from megalite.checkpoint.megatron_args import config_from_megatron_args
     from megalite.checkpoint.megatron_distopt import distributed_optimizer
