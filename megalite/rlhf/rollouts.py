@@ -7,7 +7,8 @@ also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
 instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``; environment episodes
-too, paused mid-action).  With ``--rollout-world-size`` the rollouts are
+too, paused mid-action, and the guidance flow's hints, written in rounds by the guide's weights of the time).
+With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -131,7 +132,8 @@ class Rollouts:
         self.partial = None
         if args.partial_rollout_tokens and self.rollout_source is None:
             self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
-                                           lambda: make_environment(args), args.n_samples_per_prompt) \
+                                           lambda: make_environment(args, guide and guide.partial_writer(
+                                               self.sampling)), args.n_samples_per_prompt) \
                 if args.environment else PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens,
                                                          args.prompt_width, args.n_samples_per_prompt)
 
@@ -158,8 +160,13 @@ class Rollouts:
             rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
-        envs = rollout.metadata.pop("environments")  # one per row: a guide's several hints branch episodes
-        if guide is not None:
+        return self._episodes(rollout)
+
+    def _episodes(self, rollout: Rollout) -> Rollout:
+        """An episodes' rollout with its environments (one per row: a guide's several hints branch episodes) kept
+        as metadata ``episodes`` for the guide's rollout (the guidance flow), else dropped."""
+        envs = rollout.metadata.pop("environments")
+        if self.guide is not None:
             rollout.metadata["episodes"] = envs
         return rollout
 
@@ -177,6 +184,11 @@ class Rollouts:
         args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt
                                                              + self.topo.dp.rank)
+
+        if self.guide is not None:  # the hints written in these rounds: the guide's weights now, its own stream
+            self.guide.clock.version = self.version
+            self.guide.clock.generator = torch.Generator(self.device).manual_seed(
+                args.seed + 7919 * iteration + 104729 * attempt + self.topo.dp.rank + 104723)
 
         def new_rows():
             return self._seeds() if args.environment else prompt_rows(args, self.rng)
@@ -203,7 +215,7 @@ class Rollouts:
                 if len(tensors) > 4:  # partial rollouts: each token's version; the batch's is the oldest
                     rollout.token_versions, rollout.version = tensors[4], int(tensors[4][tensors[4] >= 0].min())
         if self.args.environment:  # partial episodes, rewarded by their environments
-            return rollout
+            return self._episodes(rollout)
         decode(rollout)
         if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):

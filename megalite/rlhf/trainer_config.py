@@ -104,10 +104,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (
-            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment == "guidance"):
+            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or hints > 1):
         raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
-                         f"--max-new-tokens {args.max_new_tokens} and no --environment guidance (its guide samples "
-                         f"inside a step)")
+                         f"--max-new-tokens {args.max_new_tokens} and --guide-samples-per-attempt 1 (several hints "
+                         f"branch an episode; partial rollouts keep whole groups)")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):
