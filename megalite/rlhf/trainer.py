@@ -66,10 +66,10 @@ class RLTrainer:
         validate(args, world_size)
         self.resume = check_resume(args)
         if self.resume is not None and (args.max_staleness and not args.partial_rollout_tokens
-                                        or args.rollout_world_size or args.use_scoring_server):
-            raise ValueError("a resume (--load of an RL checkpoint) needs a colocated run that draws no rollouts "
-                             "ahead: --max-staleness 0 (unless --partial-rollout-tokens) and no --rollout-world-size "
-                             "or --use-scoring-server")
+                                        or args.rollout_world_size):
+            raise ValueError("a resume (--load of an RL checkpoint) needs a run that draws no rollouts ahead on its "
+                             "training ranks: --max-staleness 0 (unless --partial-rollout-tokens) and no "
+                             "--rollout-world-size")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,

@@ -21,8 +21,11 @@ and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
 RNG streams, prompt positions and partial rows are restored when the layout matches the saved one (as in
 pretraining); after resharding the run's seeds apply and generation starts afresh.  The staleness buffer is
-otherwise empty by construction: saving needs a colocated run that draws no rollouts ahead (``--max-staleness 0``
-unless partial rollouts bound it, no rollout ranks, no scoring server; ``trainer_config.validate``).
+otherwise empty by construction: saving needs a run that draws no rollouts ahead of the update
+(``--max-staleness 0`` unless partial rollouts bound it; ``trainer_config.validate``).  The scoring server
+(``--use-scoring-server``) then holds no request in flight at a save (its prefetch depth is 0) and serves frozen
+models, so its runs save and resume too.  Rollout ranks (``--rollout-world-size``) do not: every write and read
+here is collective over the default group, which they are part of without holding these models.
 """
 
 from __future__ import annotations

@@ -119,10 +119,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
-    if args.save and (args.max_staleness and not args.partial_rollout_tokens or rollout or args.use_scoring_server):
-        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 (unless "
-                         "--partial-rollout-tokens, whose rows it saves) and no --rollout-world-size or "
-                         "--use-scoring-server")
+    if args.save and (args.max_staleness and not args.partial_rollout_tokens or rollout):
+        raise ValueError("--save checkpoints a run that draws no rollouts ahead on its training ranks: it needs "
+                         "--max-staleness 0 (unless --partial-rollout-tokens, whose rows it saves) and no "
+                         "--rollout-world-size")
     if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
                          f"and a local reward (not --use-scoring-server)")

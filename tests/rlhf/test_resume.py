@@ -267,11 +267,30 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
                                  for row in saved["rows"])
 
 
+@pytest.mark.slow
+def test_partial_rollouts_with_the_scoring_server_resume_equals_an_uninterrupted_run(tmp_path):
+    """``--use-scoring-server`` with ``--partial-rollout-tokens``: each batch is scored there without prefetching,
+    so the save at iteration 3 holds the whole state (rows in flight, RNG) and the resume equals the uninterrupted
+    run, served rewards included."""
+    resumed = _resume_equals_uninterrupted(PARTIAL + ["--use-scoring-server"], tmp_path, 1,
+                                           also=("staleness", "is_weight_mean", "scorer_staleness"), at=3)
+    assert any(r["staleness"] > 0 for r in resumed.values())
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--save", "x", "--max-staleness", "1"], "--save checkpoints an on-policy, colocated run"),
-    (["--save", "x", "--use-scoring-server"], "--save checkpoints an on-policy, colocated run"),
+    (["--save", "x", "--max-staleness", "1"], "--save checkpoints a run that draws no rollouts ahead"),
+    (["--save", "x", "--use-scoring-server", "--max-staleness", "1"],
+     "--save checkpoints a run that draws no rollouts ahead"),
     (["--save-interval", "2"], "--save-interval 2 needs --save"),
 ])
 def test_checkpoint_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         RLTrainer(parse_args(ARGV + extra), world_size=2)
+
+
+def test_saving_with_rollout_ranks_is_a_clear_error():
+    """Rollout ranks are part of the default group every checkpoint write and read is collective over, without
+    holding the trained models: a run with them cannot save (one error line before any collective)."""
+    with pytest.raises(ValueError, match="--save checkpoints a run that draws no rollouts ahead on its training "
+                                         r"ranks: .* and no --rollout-world-size"):
+        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1"]), world_size=3)
