@@ -288,9 +288,36 @@ def test_checkpoint_bad_input(extra, message):
         RLTrainer(parse_args(ARGV + extra), world_size=2)
 
 
-def test_saving_with_rollout_ranks_is_a_clear_error():
-    """Rollout ranks are part of the default group every checkpoint write and read is collective over, without
-    holding the trained models: a run with them cannot save (one error line before any collective)."""
+@pytest.mark.slow
+def test_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
+    """--rollout-world-size with --max-staleness 2 and --partial-rollout-tokens: the save at iteration 2 holds the
+    rollout rank's state (its prompt stream, rows in flight, and batches 3 and 4, generated ahead with older
+    weights); a run resumed from it (``latest`` moved back to 2, as a kill after that save leaves it) sends those
+    batches again and continues the rest, equal to the uninterrupted run."""
+    from megalite.checkpoint import read_checkpoint_info
+    from megalite.checkpoint.files import iteration_dir
+
+    argv = PARTIAL + ["--rollout-world-size", "1", "--train-iters", "5"]
+    whole, save = tmp_path / "whole.jsonl", tmp_path / "save"
+    assert run_distributed(_run, 2, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
+                                            str(whole)], timeout=240) == [0, 0]
+    saved = read_checkpoint_info(iteration_dir(str(save / "actor"), 2))["state"]["rl"]["rollout_ranks"]
+    assert [i for i, _, _ in saved["ranks"][0]["ahead"]] == [3, 4] and saved["ranks"][0]["partial"][0]["rows"]
+    (save / "actor" / "latest").write_text("2")
+    resumed = tmp_path / "resumed.jsonl"
+    assert run_distributed(_run, 2, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
+                                            "--metrics-file", str(resumed)], timeout=240) == [0, 0]
+    expected, records = _records(whole), _records(resumed)
+    assert sorted(records) == [3, 4, 5]
+    compared = [k for k in COMPARED if k in expected[3]] + ["staleness", "is_weight_mean"]
+    for iteration, record in records.items():
+        assert {k: record.get(k) for k in compared} == {k: expected[iteration].get(k) for k in compared}, iteration
+    assert any(r["staleness"] > 0 for r in records.values()) and any(r["policy_loss"] != 0 for r in records.values())
+
+
+def test_saving_lora_with_rollout_ranks_is_a_clear_error():
+    """Rollout ranks receive a LoRA run's base once and then its adapters: such a run cannot save (one error line
+    before any collective)."""
     with pytest.raises(ValueError, match="--save checkpoints a run that draws no rollouts ahead on its training "
-                                         r"ranks: .* and no --rollout-world-size"):
-        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1"]), world_size=3)
+                                         r"ranks: .* and no --lora-rank with --rollout-world-size"):
+        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1", "--lora-rank", "2"]), world_size=3)
