@@ -9,7 +9,8 @@ The modes beside it resume the same way (a run saved at iteration k and resumed 
 run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
 optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
 rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions; environment
-episodes paused mid-action too)."""
+episodes paused mid-action too; rewards served by the scoring server).  A run with rollout ranks saves their rows in
+flight and the batches they generated ahead, and resumes from them."""
 
 import json
 import os
@@ -232,11 +233,13 @@ PARTIAL = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-la
 def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
     """``--partial-rollout-tokens``: the save at iteration 3 holds rows still being generated (their tokens, per-token
     behaviour log-probs and versions); the resume continues them, so its batches, staleness and importance weights
-    equal the uninterrupted run's."""
+    equal the uninterrupted run's.  The rewards come from ``--use-scoring-server``, which prefetches nothing here,
+    so the save holds the whole state of a served run too (other resume tests score locally)."""
     from megalite.checkpoint import CheckpointReader
     from megalite.checkpoint.files import iteration_dir
 
-    resumed = _resume_equals_uninterrupted(PARTIAL, tmp_path, 1, also=("staleness", "is_weight_mean"), at=3)
+    resumed = _resume_equals_uninterrupted(PARTIAL + ["--use-scoring-server"], tmp_path, 1,
+                                           also=("staleness", "is_weight_mean", "scorer_staleness"), at=3)
     assert any(r["staleness"] > 0 and r["is_weight_mean"] > 0 for r in resumed.values())
     saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 3)).rank_state(0)["partial_rollouts"]
     assert saved["rows"] and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in saved["rows"])
@@ -265,16 +268,6 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
     saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["partial_rollouts"]
     assert saved["rows"] and all(len(row["tokens"]) == len(row["log_probs"]) == len(row["versions"])
                                  for row in saved["rows"])
-
-
-@pytest.mark.slow
-def test_partial_rollouts_with_the_scoring_server_resume_equals_an_uninterrupted_run(tmp_path):
-    """``--use-scoring-server`` with ``--partial-rollout-tokens``: each batch is scored there without prefetching,
-    so the save at iteration 3 holds the whole state (rows in flight, RNG) and the resume equals the uninterrupted
-    run, served rewards included."""
-    resumed = _resume_equals_uninterrupted(PARTIAL + ["--use-scoring-server"], tmp_path, 1,
-                                           also=("staleness", "is_weight_mean", "scorer_staleness"), at=3)
-    assert any(r["staleness"] > 0 for r in resumed.values())
 
 
 @pytest.mark.parametrize("extra, message", [
