@@ -20,7 +20,10 @@ the previous complete set.  The policy is a plain megalite checkpoint: ``tools/c
 and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
 RNG streams, prompt positions and partial rows are restored when the layout matches the saved one (as in
-pretraining); after resharding the run's seeds apply and generation starts afresh.  The staleness buffer is
+pretraining); after resharding the run's seeds apply and generation starts afresh.  A resharded resume cannot
+equal the uninterrupted run: each DP rank draws its own prompts and samples from streams seeded by its DP rank
+(another DP size splits the batch, and so draws, differently), and another TP size changes the reduction order of
+every matmul and so the sampled tokens.  The staleness buffer is
 otherwise empty by construction: saving needs a run that draws no rollouts ahead of the update
 (``--max-staleness 0`` unless partial rollouts bound it; ``trainer_config.validate``).  The scoring server
 (``--use-scoring-server``) then holds no request in flight at a save (its prefetch depth is 0) and serves frozen
