@@ -30,6 +30,7 @@ from megalite.models import GPTModel
 from megalite.rlhf.arithmetic import TOKENIZER
 from megalite.rlhf.generation import SamplingConfig
 from megalite.rlhf.partial_rollouts import PartialRollouts
+from megalite.rlhf.rollout_batch import tensors_from_state, tensors_state
 from megalite.rlhf.rollouts import prompt_rows, rollout_sampler, sample_shard
 from megalite.rlhf.trainer_checkpoint import ACTOR
 from megalite.rlhf.weight_sync import ROLLOUT, SyncRole, WeightSync
@@ -64,15 +65,6 @@ def saved_state(args, iteration: int, local: int) -> dict | None:
     if not saved or saved["layout"] != rollout_layout(args):
         return None
     return saved["ranks"][local]
-
-
-def _to_json(tensors: list[torch.Tensor]) -> list:
-    return [[str(t.dtype).removeprefix("torch."), list(t.shape), t.flatten().tolist()] for t in tensors]
-
-
-def _from_json(saved: list, device) -> list[torch.Tensor]:
-    return [torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape).to(device)
-            for dtype, shape, values in saved]
 
 
 def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int], resume: int | None = None) -> None:
@@ -110,14 +102,15 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
             rngs[shard].setstate((version_, tuple(internal), gauss))
         for shard, rows in zip(shards, saved["partial"] or []):
             partial[shard].load_state(rows)
-        ahead = {(iteration, shard): _from_json(tensors, device) for iteration, shard, tensors in saved["ahead"]}
+        ahead = {(iteration, shard): tensors_from_state(tensors, device)
+                 for iteration, shard, tensors in saved["ahead"]}
 
     def state(received: int) -> dict:
         """This rank's state once the trainers have received iteration ``received``."""
         return {"rngs": [[version_, list(internal), gauss] for version_, internal, gauss in
                          (rngs[d].getstate() for d in shards)],
                 "partial": [partial[d].state() for d in shards] if partial else None,
-                "ahead": [[i, d, _to_json(tensors)] for (i, d), tensors in sorted(ahead.items()) if i > received]}
+                "ahead": [[i, d, tensors_state(tensors)] for (i, d), tensors in sorted(ahead.items()) if i > received]}
 
     pending = []
     for iteration in range((resume or 0) + 1, args.train_iters + 1):

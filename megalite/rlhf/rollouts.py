@@ -98,9 +98,10 @@ def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
             ((b, width - 1), torch.float32)] + ([((b, width - 1), torch.long)] if args.partial_rollout_tokens else [])
 
 
-def lookahead(items, depth: int):
-    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily)."""
-    pending: deque = deque()
+def lookahead(items, depth: int, pending: deque | None = None):
+    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily);
+    ``pending`` (default: a fresh deque) holds those drawn and not yet handed out, for a checkpoint to read."""
+    pending = deque() if pending is None else pending
     for item in items:
         pending.append(item)
         if len(pending) > depth:
@@ -123,6 +124,8 @@ class Rollouts:
             self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
         self.version, self.start = 0, 1
+        self.ahead: deque = deque()  # the trainer's lookahead: rollouts drawn ahead of the update (--max-staleness)
+        self.restored: list[Rollout] = []  # a resume's saved ``ahead``, handed out before iteration ``start``
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
@@ -138,6 +141,7 @@ class Rollouts:
                                                          args.prompt_width, args.n_samples_per_prompt)
 
     def __iter__(self):
+        yield from self.restored
         for iteration in range(self.start, self.args.train_iters + 1):
             yield self.rollout(iteration)
 

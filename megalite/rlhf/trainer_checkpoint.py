@@ -7,7 +7,8 @@ optimizer) and ``SAVE/guide_reference``.  The actor's JSON state adds the RL sta
 iteration, policy version, environment, the actor's and critic's LR schedules, layout); each rank's adds its RNG
 streams, its prompt stream's position and, with ``--partial-rollout-tokens``, its rows in flight and finished
 rows waiting for a batch (tokens, per-token behaviour log-probs and policy versions: ``PartialRollouts.state``),
-so a resume continues every one of them.
+and with ``--max-staleness`` its rollouts drawn ahead of the update (``Rollout.state``, scored with the weights
+of their time), so a resume continues every one of them.
 
 Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
 first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
@@ -19,19 +20,17 @@ the previous complete set.  The policy is a plain megalite checkpoint: ``tools/c
 --to hf --input SAVE/actor`` exports it to Hugging Face (a LoRA policy: ``SAVE/reference`` is the base to convert,
 and ``megalite.lora.peft`` exports ``SAVE/actor``'s adapters to PEFT).
 
-RNG streams, prompt positions and partial rows are restored when the layout matches the saved one (as in
-pretraining); after resharding the run's seeds apply and generation starts afresh.  A resharded resume cannot
-equal the uninterrupted run: each DP rank draws its own prompts and samples from streams seeded by its DP rank
-(another DP size splits the batch, and so draws, differently), and another TP size changes the reduction order of
-every matmul and so the sampled tokens.  The staleness buffer is
-otherwise empty by construction: saving needs a run that draws no rollouts ahead of the update
-(``--max-staleness 0`` unless partial rollouts bound it; ``trainer_config.validate``).  The scoring server
-(``--use-scoring-server``) then holds no request in flight at a save (its prefetch depth is 0) and serves frozen
-models, so its runs save and resume too.  Beside rollout ranks (``--rollout-world-size``) every write and read here
-is collective over the trainer ranks' group only; the rollout ranks' own state (prompt streams, rows in flight and
-the batches generated ahead, ``megalite.rlhf.rollout_ranks``) is gathered to rank 0 at each save and kept in the RL
-state (``rl["rollout_ranks"]``), so any ``--max-staleness`` saves there (not under ``--lora-rank``, whose base
-and adapters the rollout ranks receive once in order).
+RNG streams, prompt positions, partial rows and the lookahead are restored when the layout matches the saved one
+(as in pretraining); after resharding the run's seeds apply and generation starts afresh.  A resharded resume
+cannot equal the uninterrupted run: each DP rank draws its own prompts and samples from streams seeded by its DP
+rank (another DP size splits the batch, and so the draws, differently), and another TP size changes the reduction
+order of every matmul and so the sampled tokens.  The scoring server (``--use-scoring-server``) serves frozen
+models; it holds no request in flight at a save where it prefetches nothing (``--max-staleness 0`` or partial
+rollouts), and otherwise the run cannot save (``trainer_config.validate``).  Beside rollout ranks
+(``--rollout-world-size``) every write and read here is collective over the trainer ranks' group only; the rollout
+ranks' own state (prompt streams, rows in flight and the batches generated ahead, ``megalite.rlhf.rollout_ranks``)
+is gathered to rank 0 at each save and kept in the RL state (``rl["rollout_ranks"]``), so any ``--max-staleness``
+saves there too (not under ``--lora-rank``, whose base and adapters the rollout ranks receive once, in order).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from megalite.distributed.unwrap import unwrap
 from megalite.lora import LoRAConfig
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.rlhf.reference import ReferenceModel
+from megalite.rlhf.rollout_batch import Rollout
 from megalite.training.checkpointing import get_rng_state, set_rng_state
 from megalite.training.save_dir import checkpoint_bytes
 from megalite.training.setup import claim_save_dir
@@ -156,6 +156,8 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollo
     rank_extra = {"rng": get_rng_state(), "prompt_rng": [version_, list(internal), gauss]}
     if rollouts.partial is not None:
         rank_extra["partial_rollouts"] = rollouts.partial.state()
+    if rollouts.ahead:
+        rank_extra["ahead"] = [rollout.state() for rollout in rollouts.ahead]
     if args.lora is not None:
         save_adapters(os.path.join(save_dir, ACTOR), iteration, unwrap(actor.trained[0]), optimizer=actor.optimizer,
                       extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra)
@@ -210,5 +212,6 @@ def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, rollo
         rollouts.rng.setstate((version_, tuple(internal), gauss))
         if rollouts.partial is not None and "partial_rollouts" in state:
             rollouts.partial.load_state(state["partial_rollouts"])
+        rollouts.restored = [Rollout.from_state(saved, rollouts.device) for saved in state.get("ahead", [])]
     rollouts.version = reader.state["rl"]["version"]
     return reader.state["rl"]

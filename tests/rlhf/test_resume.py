@@ -271,9 +271,8 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--save", "x", "--max-staleness", "1"], "--save checkpoints a run that draws no rollouts ahead"),
     (["--save", "x", "--use-scoring-server", "--max-staleness", "1"],
-     "--save checkpoints a run that draws no rollouts ahead"),
+     r"--save with --max-staleness > 0 and --use-scoring-server needs --partial-rollout-tokens"),
     (["--save-interval", "2"], "--save-interval 2 needs --save"),
 ])
 def test_checkpoint_bad_input(extra, message):
@@ -281,36 +280,58 @@ def test_checkpoint_bad_input(extra, message):
         RLTrainer(parse_args(ARGV + extra), world_size=2)
 
 
-@pytest.mark.slow
-def test_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
-    """--rollout-world-size with --max-staleness 2 and --partial-rollout-tokens: the save at iteration 2 holds the
-    rollout rank's state (its prompt stream, rows in flight, and batches 3 and 4, generated ahead with older
-    weights); a run resumed from it (``latest`` moved back to 2, as a kill after that save leaves it) sends those
-    batches again and continues the rest, equal to the uninterrupted run."""
+def _resume_from_interval_save(argv, tmp_path, ranks: int) -> dict:
+    """Runs ``argv`` (5 iterations) saving every 2; then resumes its save at iteration 2 (``latest`` moved back to
+    2, as a kill after that save leaves it) and asserts iterations 3-5 log what the uninterrupted run did (rewards,
+    KL, losses, staleness, IS weights) and that the policy moved; returns the save's RL state at iteration 2."""
     from megalite.checkpoint import read_checkpoint_info
     from megalite.checkpoint.files import iteration_dir
 
-    argv = PARTIAL + ["--rollout-world-size", "1", "--train-iters", "5"]
-    whole, save = tmp_path / "whole.jsonl", tmp_path / "save"
-    assert run_distributed(_run, 2, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
-                                            str(whole)], timeout=240) == [0, 0]
-    saved = read_checkpoint_info(iteration_dir(str(save / "actor"), 2))["state"]["rl"]["rollout_ranks"]
-    assert [i for i, _, _ in saved["ranks"][0]["ahead"]] == [3, 4] and saved["ranks"][0]["partial"][0]["rows"]
+    whole, save, resumed = tmp_path / "whole.jsonl", tmp_path / "save", tmp_path / "resumed.jsonl"
+    argv = argv + ["--train-iters", "5"]
+    assert run_distributed(_run, ranks, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
+                                                str(whole)], timeout=240) == [0] * ranks
+    state = read_checkpoint_info(iteration_dir(str(save / "actor"), 2))["state"]
     (save / "actor" / "latest").write_text("2")
-    resumed = tmp_path / "resumed.jsonl"
-    assert run_distributed(_run, 2, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
-                                            "--metrics-file", str(resumed)], timeout=240) == [0, 0]
+    assert run_distributed(_run, ranks, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
+                                                "--metrics-file", str(resumed)], timeout=240) == [0] * ranks
     expected, records = _records(whole), _records(resumed)
     assert sorted(records) == [3, 4, 5]
     compared = [k for k in COMPARED if k in expected[3]] + ["staleness", "is_weight_mean"]
     for iteration, record in records.items():
         assert {k: record.get(k) for k in compared} == {k: expected[iteration].get(k) for k in compared}, iteration
     assert any(r["staleness"] > 0 for r in records.values()) and any(r["policy_loss"] != 0 for r in records.values())
+    return state
+
+
+@pytest.mark.slow
+def test_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
+    """--rollout-world-size with --max-staleness 2 and --partial-rollout-tokens: the save at iteration 2 holds the
+    rollout rank's state (its prompt stream, rows in flight, and batches 3 and 4, generated ahead with older
+    weights); the resume sends those batches again and continues the rest, equal to the uninterrupted run."""
+    state = _resume_from_interval_save(PARTIAL + ["--rollout-world-size", "1"], tmp_path, 2)
+    saved = state["rl"]["rollout_ranks"]["ranks"][0]
+    assert [i for i, _, _ in saved["ahead"]] == [3, 4] and saved["partial"][0]["rows"]
+
+
+@pytest.mark.slow
+def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path):
+    """A colocated run at --max-staleness 1 draws each rollout one update ahead: the save at iteration 2 holds
+    rollout 3 (sampled and scored with the weights after update 1); the resume trains on it, then draws on, equal
+    to the uninterrupted run."""
+    from megalite.checkpoint import CheckpointReader
+    from megalite.checkpoint.files import iteration_dir
+
+    lookahead = PARTIAL[:PARTIAL.index("--partial-rollout-tokens")] + [
+        "--max-staleness", "1", "--rollout-is-cap", "2", "--reward-fn", "tests.rlhf.test_example:text_reward"]
+    _resume_from_interval_save(lookahead, tmp_path, 1)
+    ahead = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["ahead"]
+    assert [(saved["iteration"]["json"], saved["version"]["json"]) for saved in ahead] == [(3, 1)]
 
 
 def test_saving_lora_with_rollout_ranks_is_a_clear_error():
     """Rollout ranks receive a LoRA run's base once and then its adapters: such a run cannot save (one error line
     before any collective)."""
-    with pytest.raises(ValueError, match="--save checkpoints a run that draws no rollouts ahead on its training "
-                                         r"ranks: .* and no --lora-rank with --rollout-world-size"):
+    with pytest.raises(ValueError, match=r"--save with --rollout-world-size takes no --lora-rank \(the rollout "
+                                         r"ranks receive the base once, then the adapters\)"):
         RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1", "--lora-rank", "2"]), world_size=3)
