@@ -323,7 +323,8 @@ def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path):
     from megalite.checkpoint.files import iteration_dir
 
     lookahead = PARTIAL[:PARTIAL.index("--partial-rollout-tokens")] + [
-        "--max-staleness", "1", "--rollout-is-cap", "2", "--reward-fn", "tests.rlhf.test_example:text_reward"]
+        "--max-staleness", "1", "--rollout-is-cap", "2", "--reward-fn", "tests.rlhf.test_example:text_reward",
+        "--pretrain-iters", "2"]
     _resume_from_interval_save(lookahead, tmp_path, 1)
     ahead = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["ahead"]
     assert [(saved["iteration"]["json"], saved["version"]["json"]) for saved in ahead] == [(3, 1)]
