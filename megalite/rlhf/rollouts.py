@@ -124,8 +124,8 @@ class Rollouts:
             self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
         self.version, self.start = 0, 1
-        self.ahead: deque = deque()  # the trainer's lookahead: rollouts drawn ahead of the update (--max-staleness)
-        self.restored: list[Rollout] = []  # a resume's saved ``ahead``, handed out before iteration ``start``
+        self.ahead: deque = deque()  # drawn ahead of the update (--max-staleness): rollouts, or (rollout, future)
+        # pairs the scoring server's Prefetcher issued; a resume refills it from the checkpoint
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
@@ -141,7 +141,6 @@ class Rollouts:
                                                          args.prompt_width, args.n_samples_per_prompt)
 
     def __iter__(self):
-        yield from self.restored
         for iteration in range(self.start, self.args.train_iters + 1):
             yield self.rollout(iteration)
 

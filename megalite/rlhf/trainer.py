@@ -65,11 +65,8 @@ class RLTrainer:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
         self.resume = check_resume(args)
-        if self.resume is not None and (args.max_staleness and args.use_scoring_server
-                                        and not args.partial_rollout_tokens or args.rollout_world_size and args.lora):
-            raise ValueError("a resume (--load of an RL checkpoint) takes neither --max-staleness > 0 with "
-                             "--use-scoring-server (unless --partial-rollout-tokens) nor --lora-rank with "
-                             "--rollout-world-size")
+        if self.resume is not None and args.rollout_world_size and args.lora:
+            raise ValueError("a resume (--load of an RL checkpoint) with --rollout-world-size takes no --lora-rank")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
@@ -202,7 +199,7 @@ class RLTrainer:
                                                 device=device)
             self.stream = Prefetcher(self.scoring_server, self.rollouts,  # partial rollouts: made in rounds
                                      0 if args.partial_rollout_tokens else args.max_staleness,
-                                     inputs_of=lambda r: (r.input_ids, r.attention_mask))
+                                     inputs_of=lambda r: (r.input_ids, r.attention_mask), pending=self.rollouts.ahead)
         else:
             depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds
             self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts, depth, self.rollouts.ahead))
@@ -293,6 +290,6 @@ class RLTrainer:
                               self.rollouts, self.schedulers, self.guide, self.group)
         if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
             self.base = rl.get("base")  # a LoRA base already saved there
-        self.rollouts.start = self.resume + 1 + len(self.rollouts.restored)  # after the saved lookahead
+        self.rollouts.start = self.resume + 1 + len(self.rollouts.ahead)  # after the rollouts saved ahead
         if self.topo.global_rank == 0:
             print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

@@ -8,7 +8,7 @@ iteration, policy version, environment, the actor's and critic's LR schedules, l
 streams, its prompt stream's position and, with ``--partial-rollout-tokens``, its rows in flight and finished
 rows waiting for a batch (tokens, per-token behaviour log-probs and policy versions: ``PartialRollouts.state``),
 and with ``--max-staleness`` its rollouts drawn ahead of the update (``Rollout.state``, scored with the weights
-of their time), so a resume continues every one of them.
+of their time, with the scoring server's results for them), so a resume continues every one of them.
 
 Under ``--lora-rank`` the base is frozen and is the reference: ``SAVE/reference`` holds it once (written at the run's
 first save into ``SAVE``, in the training phase where the actor's weights are resident; ``rl["base"]`` is that
@@ -25,8 +25,7 @@ RNG streams, prompt positions, partial rows and the lookahead are restored when 
 cannot equal the uninterrupted run: each DP rank draws its own prompts and samples from streams seeded by its DP
 rank (another DP size splits the batch, and so the draws, differently), and another TP size changes the reduction
 order of every matmul and so the sampled tokens.  The scoring server (``--use-scoring-server``) serves frozen
-models; it holds no request in flight at a save where it prefetches nothing (``--max-staleness 0`` or partial
-rollouts), and otherwise the run cannot save (``trainer_config.validate``).  Beside rollout ranks
+models; a save waits for the requests it prefetched and keeps their results with their rollouts.  Beside rollout ranks
 (``--rollout-world-size``) every write and read here is collective over the trainer ranks' group only; the rollout
 ranks' own state (prompt streams, rows in flight and the batches generated ahead, ``megalite.rlhf.rollout_ranks``)
 is gathered to rank 0 at each save and kept in the RL state (``rl["rollout_ranks"]``), so any ``--max-staleness``
@@ -36,6 +35,7 @@ saves there too (not under ``--lora-rank``, whose base and adapters the rollout 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -46,7 +46,8 @@ from megalite.distributed.unwrap import unwrap
 from megalite.lora import LoRAConfig
 from megalite.lora.state import load_adapters, save_adapters
 from megalite.rlhf.reference import ReferenceModel
-from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollout_batch import Rollout, tensors_from_state, tensors_state
+from megalite.rlhf.scoring_server import Served
 from megalite.training.checkpointing import get_rng_state, set_rng_state
 from megalite.training.save_dir import checkpoint_bytes
 from megalite.training.setup import claim_save_dir
@@ -157,7 +158,7 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollo
     if rollouts.partial is not None:
         rank_extra["partial_rollouts"] = rollouts.partial.state()
     if rollouts.ahead:
-        rank_extra["ahead"] = [rollout.state() for rollout in rollouts.ahead]
+        rank_extra["ahead"] = [_ahead_state(item) for item in rollouts.ahead]
     if args.lora is not None:
         save_adapters(os.path.join(save_dir, ACTOR), iteration, unwrap(actor.trained[0]), optimizer=actor.optimizer,
                       extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra)
@@ -165,6 +166,28 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollo
         save_sharded(os.path.join(save_dir, ACTOR), iteration, [actor.chunk], actor.optimizer, extra={"rl": rl},
                      rank_extra=rank_extra, layout=_layout(topo), group=group)
     return base
+
+
+def _ahead_state(item) -> dict:
+    """A rollout drawn ahead of the update as JSON, with the scoring server's results for it (waited for) when it
+    was issued there."""
+    if isinstance(item, Rollout):
+        return {"rollout": item.state()}
+    rollout, future = item
+    served = future.result()
+    return {"rollout": rollout.state(), "served": {"version": served.version,
+                                                   "outputs": tensors_state(list(served.outputs))}}
+
+
+def _ahead_item(saved: dict, device):
+    """:func:`_ahead_state`'s item again (the served results as a finished future)."""
+    rollout = Rollout.from_state(saved["rollout"], device)
+    if "served" not in saved:
+        return rollout
+    future = Future()
+    future.set_result(Served(tuple(tensors_from_state(saved["served"]["outputs"], device)),
+                             saved["served"]["version"]))
+    return rollout, future
 
 
 def load_frozen(load_dir: str, iteration: int, reference, target, guide=None, group=None) -> None:
@@ -212,6 +235,6 @@ def load_trained(load_dir: str, iteration: int, args, topo, actor, critic, rollo
         rollouts.rng.setstate((version_, tuple(internal), gauss))
         if rollouts.partial is not None and "partial_rollouts" in state:
             rollouts.partial.load_state(state["partial_rollouts"])
-        rollouts.restored = [Rollout.from_state(saved, rollouts.device) for saved in state.get("ahead", [])]
+        rollouts.ahead.extend(_ahead_item(saved, rollouts.device) for saved in state.get("ahead", []))
     rollouts.version = reader.state["rl"]["version"]
     return reader.state["rl"]

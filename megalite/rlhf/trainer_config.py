@@ -119,9 +119,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
-    if args.save and args.max_staleness and args.use_scoring_server and not args.partial_rollout_tokens:
-        raise ValueError("--save with --max-staleness > 0 and --use-scoring-server needs --partial-rollout-tokens "
-                         "(the scoring requests prefetched ahead of the update are not saved)")
     if args.save and rollout and args.lora_rank is not None:
         raise ValueError("--save with --rollout-world-size takes no --lora-rank (the rollout ranks receive the base "
                          "once, then the adapters)")

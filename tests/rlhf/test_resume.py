@@ -271,8 +271,6 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--save", "x", "--use-scoring-server", "--max-staleness", "1"],
-     r"--save with --max-staleness > 0 and --use-scoring-server needs --partial-rollout-tokens"),
     (["--save-interval", "2"], "--save-interval 2 needs --save"),
 ])
 def test_checkpoint_bad_input(extra, message):
@@ -315,19 +313,23 @@ def test_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("served", [False, True])
+def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path, served):
     """A colocated run at --max-staleness 1 draws each rollout one update ahead: the save at iteration 2 holds
-    rollout 3 (sampled and scored with the weights after update 1); the resume trains on it, then draws on, equal
-    to the uninterrupted run."""
+    rollout 3 (sampled and scored with the weights after update 1; with --use-scoring-server its request was
+    prefetched, and the save holds the server's rewards for it); the resume trains on it, then draws on, equal to
+    the uninterrupted run."""
     from megalite.checkpoint import CheckpointReader
     from megalite.checkpoint.files import iteration_dir
 
     lookahead = PARTIAL[:PARTIAL.index("--partial-rollout-tokens")] + [
         "--max-staleness", "1", "--rollout-is-cap", "2", "--reward-fn", "tests.rlhf.test_example:text_reward",
-        "--pretrain-iters", "2"]
+        "--pretrain-iters", "2"] + (["--use-scoring-server"] if served else [])
     _resume_from_interval_save(lookahead, tmp_path, 1)
     ahead = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["ahead"]
-    assert [(saved["iteration"]["json"], saved["version"]["json"]) for saved in ahead] == [(3, 1)]
+    assert [(saved["rollout"]["iteration"]["json"], saved["rollout"]["version"]["json"]) for saved in ahead] == \
+        [(3, 1)]
+    assert [("served" in saved) for saved in ahead] == [served]
 
 
 def test_saving_lora_with_rollout_ranks_is_a_clear_error():
