@@ -217,9 +217,10 @@ def print_parameter_count(chunks, topo) -> None:
         print(f"model: {count.item():,} parameters", flush=True)
 
 
-def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_dir: str | None = None
-                   ) -> SaveDirLock | None:
-    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
+def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_dir: str | None = None,
+                   group=None) -> SaveDirLock | None:
+    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank of ``group`` (default: the default
+    group) raises the same error.
 
     ``load_dir``: where this run resumed from (None: ``--load``; a LoRA run resumes from ``--save``).
     Returns rank 0's lock, None elsewhere.
@@ -238,7 +239,7 @@ def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_di
             if lock is not None:
                 lock.release()
     holder = [message]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group)
     if holder[0] is not None:
         raise ValueError(holder[0])
     return lock
