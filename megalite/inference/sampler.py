@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megalite import batch_invariant
+from megalite.inference import noise
 from megalite.inference.params import SamplingParams
 
 
@@ -85,24 +86,19 @@ def _chunks(members: list[int], vocab: int):
     return (members[i:i + size] for i in range(0, len(members), size))
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-    """One token per row of ``probs`` ``[r, v]`` (CPU), row ``i`` drawn with ``generators[i]``.
-
-    The draw is ``argmax(p / q)`` with ``q ~ Exp(1)`` from the row's generator: what ``torch.multinomial(p, 1)``
-    computes, so a request's seed gives the tokens it gave when each row called ``multinomial`` alone
-    (``tests/inference/test_sampling.py`` checks the two agree).  Only the noise is drawn per row; the division
-    and the argmax run once for the batch, and the tokens come back in one transfer.
+def draw(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> list[int]:
+    """One token per row of ``probs`` ``[r, v]``: ``argmax(p / q)`` with ``q`` the ``Exp(1)`` noise of sample
+    ``seeds[i]`` at token position ``positions[i]`` (:func:`megalite.inference.noise.exponential`), which picks
+    token ``j`` with probability ``p_j``.  The noise of every row is computed at once and is a function of its
+    own seed and position alone, so a row draws the same token in any batch; the tokens come back in one transfer.
     """
-    noise = torch.empty_like(probs)
-    for row, generator in zip(noise, generators):
-        row.exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1).tolist()
+    return (probs / noise.exponential(seeds, positions, probs.shape[-1], probs.device)).argmax(dim=-1).tolist()
 
 
-def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                 generators: list[torch.Generator], argmax: list[int] | None = None) -> list[int | None]:
-    """The next token of draw ``i`` from ``logits[rows[i]]`` under ``params[i]`` with ``generators[i]``: what
-    :func:`verify` chooses without drafts, for a whole batch at once.
+def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
+                 positions: list[int], argmax: list[int] | None = None) -> list[int | None]:
+    """The next token of draw ``i`` from ``logits[rows[i]]`` under ``params[i]`` for sample ``seeds[i]`` at token
+    position ``positions[i]``: what :func:`verify` chooses without drafts, for a whole batch at once.
 
     Greedy draws take the argmax (``argmax`` may pass it precomputed, indexed by logits row); sampled draws that
     share temperature, top-k, top-p and min-p share one :func:`target_probs` and one :func:`draw`.  A group whose
@@ -123,7 +119,7 @@ def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingPar
             probs = target_probs(logits[[rows[i] for i in chunk]], params[chunk[0]]).cpu()
         except FloatingPointError:
             continue
-        for i, token in zip(chunk, draw(probs, [generators[i] for i in chunk])):
+        for i, token in zip(chunk, draw(probs, [seeds[i] for i in chunk], [positions[i] for i in chunk])):
             out[i] = token
     return out
 
@@ -162,14 +158,17 @@ def batch_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], par
     return out
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator,
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int, position: int,
            argmax: list[int] | None = None) -> list[int]:
-    """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``.
+    """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``, for sample
+    ``seed`` whose next token has position ``position`` (draft ``i`` sits at ``position + i``).
 
     Drafts are proposed deterministically (a point mass ``q``), so draft ``x``
-    is accepted with probability ``p(x)`` and a rejection draws from ``p``
-    without ``x``.  ``argmax`` may pass precomputed greedy choices.  Without
-    drafts this samples one token.
+    is accepted with probability ``p(x)`` (the sample's ``accept`` uniform at
+    the draft's position) and a rejection draws from ``p`` without ``x`` with
+    the position's token noise, as does the token after the last accepted draft.
+    ``argmax`` may pass precomputed greedy choices.  Without drafts this samples
+    one token, as :func:`choose_batch` does.
     """
     if params.greedy:
         best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
@@ -180,16 +179,17 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
             out.append(draft)
         return out + [best[len(out)]]
     probs = target_probs(logits, params).cpu()
+    accept = noise.uniform([seed] * len(drafts), [position + i for i in range(len(drafts))], 1, "accept")
     out = []
     for i, draft in enumerate(drafts):
         p = probs[i]
-        if float(torch.rand((), generator=generator)) < float(p[draft]):
+        if float(accept[i, 0]) < float(p[draft]):
             out.append(draft)
             continue
         residual = p.clone()
         residual[draft] = 0.0
-        return out + draw(residual[None], [generator])
-    return out + draw(probs[len(drafts):], [generator])
+        return out + draw(residual[None], [seed], [position + i])
+    return out + draw(probs[len(drafts):], [seed], [position + len(drafts)])
 
 
 def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:
@@ -199,18 +199,19 @@ def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]
     entry emits to (all ``best_of`` of a request that forks this step).  The rest go through the engine's own
     row-by-row choice (penalties, grammar, drafts).  ``entries`` are the scheduler's step entries, ``spans``
     their ``(first logits row, rows)``, ``finite`` per row, ``argmax`` per row or None."""
-    draws = []  # (entry index, logits row, params, generator)
+    draws = []  # (entry index, logits row, params, seed)
     for index, (e, (row, width)) in enumerate(zip(entries, spans)):
         request, params = e.seq.request, e.seq.request.params
         if (not e.sample or e.drafts or request.error is not None or params.adjusts_logits
                 or e.seq.grammar is not None or not all(finite[row:row + width])):
             continue
-        generators = [e.seq.generator] if request.forked else request.generators
-        draws += [(index, row + width - 1, params, g) for g in generators]
+        seeds = [e.seq.seed] if request.forked else request.seeds
+        draws += [(index, row + width - 1, params, s) for s in seeds]
     if not draws:
         return {}
     rows = [d[1] for d in draws]
-    tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], argmax)
+    positions = [len(entries[d[0]].seq.tokens) for d in draws]
+    tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], positions, argmax)
     wanted = [i for i, (d, t) in enumerate(zip(draws, tokens))
               if t is not None and entries[d[0]].seq.request.needs_logprobs]
     found = dict(zip(wanted, batch_logprobs(logits, [rows[i] for i in wanted], [tokens[i] for i in wanted],
