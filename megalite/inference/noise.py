@@ -1,9 +1,9 @@
 """The engine's random numbers: a stateless, counter-based stream per sample, computed for a whole batch at once.
 
 A sample's randomness at token position ``t`` (the index in its sequence, prompt included, of the token being
-chosen) is a pure function of ``(seed, t)``: one uniform per vocabulary entry (turned into ``Exp(1)`` noise for
-the draw ``argmax(p / q)``, which picks token ``j`` with probability ``p_j``) and one more uniform for accepting a
-speculative draft.  There is no generator state: a sample's tokens depend only on its seed and its own logits,
+chosen) is a pure function of ``(seed, t)``: one uniform per vocabulary entry, turned into ``Exp(1)`` noise for
+the draw ``argmax(p / q)``, which picks token ``j`` with probability ``p_j`` (speculative verification compares
+each draft with this draw at the draft's position).  There is no generator state: a sample's tokens depend only on its seed and its own logits,
 whatever batch it runs in, and a generation resumed at position ``t`` (a partial rollout continued after a weight
 update) draws what an uninterrupted one would have drawn there.
 
@@ -11,9 +11,9 @@ The mixing function is the 32-bit "lowbias32" integer hash (Wellons' hash prospe
 ``0x7feb352d``, xor-shift 15, multiply ``0x846ca68b``, xor-shift 16), evaluated on int64 tensors holding 32-bit
 values: each product is reduced mod 2^32 by a mask, and the multiplier above 2^31 is used as its negative
 representative ``0x846ca68b - 2^32``, so no product leaves the signed 64-bit range.  The uniform of
-``(seed, t, stream, j)`` is ``((h >> 9) + 1/2) / 2^23`` (exact in fp32, never 0 or 1) with
-``h = mix(mix(k1 ^ j) ^ k2)``, where the row keys are ``k = mix(mix(mix(t ^ c) ^ lo) ^ hi)`` for ``c`` the
-stream's constant (``k1``) and that constant xor ``KEY2`` (``k2``), ``lo`` and ``hi`` the low and high 32 bits of
+``(seed, t, j)`` is ``((h >> 9) + 1/2) / 2^23`` (exact in fp32, never 0 or 1) with
+``h = mix(mix(k1 ^ j) ^ k2)``, where the row keys are ``k = mix(mix(mix(t ^ c) ^ lo) ^ hi)`` for ``c`` = ``KEY1``
+(``k1``) and ``KEY2`` (``k2``), ``lo`` and ``hi`` the low and high 32 bits of
 the seed (a signed 64-bit integer: :func:`as_seed`): three rounds of mixing per row, two per entry.
 """
 
@@ -24,8 +24,7 @@ import torch
 MASK = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 _SIGNED = tuple(m - 2 ** 32 if m >= 2 ** 31 else m for m in _MULTIPLIERS)  # congruent mod 2^32, |m| < 2^31
-STREAMS = {"token": 0x2545F491, "accept": 0x6A09E667}  # the vocabulary-wide draw and the draft-acceptance test
-KEY2 = 0x3C6EF372
+KEY1, KEY2 = 0x2545F491, 0x192B07E3
 
 
 def as_seed(seed: int) -> int:
@@ -43,26 +42,25 @@ def mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _row_keys(seeds: list[int], positions: list[int], stream: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two 32-bit keys ``[r]`` of each row's ``(seed, position)`` in ``stream``."""
+def _row_keys(seeds: list[int], positions: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit keys ``[r]`` of each row's ``(seed, position)``."""
     position, seed = torch.tensor([positions, seeds], dtype=torch.int64, device=device)
-    constants = torch.tensor([STREAMS[stream], STREAMS[stream] ^ KEY2], dtype=torch.int64, device=device)
+    constants = torch.tensor([KEY1, KEY2], dtype=torch.int64, device=device)
     keys = mix(position.bitwise_and_(MASK)[:, None] ^ constants)
     keys = mix(keys.bitwise_xor_((seed & MASK)[:, None]))
     return mix(keys.bitwise_xor_((seed >> 32).bitwise_and_(MASK)[:, None])).unbind(1)
 
 
-def uniform(seeds: list[int], positions: list[int], width: int, stream: str = "token", device="cpu"
-            ) -> torch.Tensor:
+def uniform(seeds: list[int], positions: list[int], width: int, device="cpu") -> torch.Tensor:
     """Uniforms in (0, 1) ``[r, width]`` (fp32, each a multiple of 2^-24 in ``[2^-24, 1 - 2^-24]``): row ``i``
     is sample ``seeds[i]``'s (signed 64-bit, :func:`as_seed`) at ``positions[i]``."""
-    k1, k2 = _row_keys(seeds, positions, stream, device)
+    k1, k2 = _row_keys(seeds, positions, device)
     x = mix(k1[:, None] ^ torch.arange(width, dtype=torch.int64, device=device))
     x = mix(x.bitwise_xor_(k2[:, None]))
     return (x >> 9).float().add_(0.5).mul_(2.0 ** -23)
 
 
 def exponential(seeds: list[int], positions: list[int], width: int, device="cpu") -> torch.Tensor:
-    """``Exp(1)`` noise ``[r, width]`` (fp32, every entry > 0): ``-log`` of :func:`uniform`'s token stream."""
-    return uniform(seeds, positions, width, "token", device).log_().neg_()
+    """``Exp(1)`` noise ``[r, width]`` (fp32, every entry > 0): ``-log`` of :func:`uniform`."""
+    return uniform(seeds, positions, width, device).log_().neg_()
 

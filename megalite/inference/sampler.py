@@ -1,14 +1,15 @@
 """Choosing tokens from logits: penalties and biases, greedy, temperature / top-k / top-p / min-p sampling,
 log-probs, and speculative verification.
 
-Verification is exact rejection sampling (Leviathan et al., Chen et al.):
-draft token ``x`` proposed with probability ``q(x)`` is accepted with
-probability ``min(1, p(x) / q(x))``; on rejection the token is drawn from
-``max(p - q, 0)`` renormalised, and when every draft is accepted one more is
-drawn from the target's next distribution.  megalite's drafters propose
-deterministically (``q`` a point mass).  The emitted tokens then follow
-the target distribution ``p`` exactly.  Greedy verification accepts a draft
-iff it is the target's argmax, so greedy output is unchanged.
+Verification is exact rejection sampling (Leviathan et al., Chen et al.) for
+megalite's drafters, which propose deterministically (``q`` a point mass):
+draft ``x`` is accepted with probability ``p(x)``, a rejection draws from
+``p`` without ``x`` renormalised, and when every draft is accepted one more
+is drawn from the target's next distribution.  :func:`verify` realises it by
+choosing each position's token with the sample's own noise at that position
+and accepting a draft iff it equals that token, so the emitted tokens follow
+``p`` exactly and are the ones the sample draws without speculation (greedy:
+the argmax).
 """
 
 from __future__ import annotations
@@ -163,33 +164,23 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed
     """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``, for sample
     ``seed`` whose next token has position ``position`` (draft ``i`` sits at ``position + i``).
 
-    Drafts are proposed deterministically (a point mass ``q``), so draft ``x``
-    is accepted with probability ``p(x)`` (the sample's ``accept`` uniform at
-    the draft's position) and a rejection draws from ``p`` without ``x`` with
-    the position's token noise, as does the token after the last accepted draft.
-    ``argmax`` may pass precomputed greedy choices.  Without drafts this samples
-    one token, as :func:`choose_batch` does.
+    Each position's token is the one the sample chooses there without drafts (the argmax when greedy, else
+    :func:`draw` with its noise at that position; ``argmax`` may pass the greedy choices precomputed).  Drafts are
+    accepted while they equal those tokens, and the first that differs is replaced by its position's token.
+    For point-mass drafts this is exact rejection sampling: draft ``x`` is accepted with probability ``p(x)``,
+    and a rejection's token follows ``p`` without ``x``.  Speculation therefore never changes a seed's tokens.
     """
     if params.greedy:
-        best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
-        out = []
-        for i, draft in enumerate(drafts):
-            if draft != best[i]:
-                break
-            out.append(draft)
-        return out + [best[len(out)]]
-    probs = target_probs(logits, params).cpu()
-    accept = noise.uniform([seed] * len(drafts), [position + i for i in range(len(drafts))], 1, "accept")
+        chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
+    else:
+        probs = target_probs(logits, params).cpu()
+        chosen = draw(probs, [seed] * len(probs), list(range(position, position + len(probs))))
     out = []
-    for i, draft in enumerate(drafts):
-        p = probs[i]
-        if float(accept[i, 0]) < float(p[draft]):
-            out.append(draft)
-            continue
-        residual = p.clone()
-        residual[draft] = 0.0
-        return out + draw(residual[None], [seed], [position + i])
-    return out + draw(probs[len(drafts):], [seed], [position + len(drafts)])
+    for draft, token in zip(drafts, chosen):
+        if draft != token:
+            break
+        out.append(draft)
+    return out + [chosen[len(out)]]
 
 
 def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:

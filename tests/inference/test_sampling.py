@@ -59,6 +59,23 @@ def test_verify_accepts_with_target_probability():
     assert chi_square_p(counts, logits[0].double().softmax(-1)) > 1e-3
 
 
+def test_verify_emits_the_tokens_the_sample_draws_without_drafts():
+    """Each position's token is the sample's own draw there: drafts equal to it are accepted, the first that differs
+    is replaced by it, so speculation cannot change a seed's tokens (sampled and greedy)."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    seen = set()
+    for temperature in (1.0, 0.0):
+        params = SamplingParams(temperature=temperature, top_k=5)
+        for seed in range(30):
+            alone = [verify(logits[i:i + 1], [], params, seed, 20 + i)[0] for i in range(4)]
+            for drafts in (alone[:3], alone[:1] + [(alone[1] + 1) % VOCAB, alone[2]], [(alone[0] + 1) % VOCAB] * 3):
+                emitted = verify(logits, drafts, params, seed, 20)
+                accepted = next((i for i, (d, t) in enumerate(zip(drafts, alone)) if d != t), 3)
+                assert emitted == alone[:accepted + 1], (temperature, seed, drafts)
+                seen.add(accepted)
+    assert seen == {0, 1, 3}
+
+
 def test_seeded_requests_reproduce_in_any_batch():
     model = tiny_model("gpt2")
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, top_p=0.95, seed=42)
@@ -80,31 +97,28 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _reference_uniform(seed: int, position: int, stream: str, j: int) -> float:
-    """The documented uniform of ``(seed, position, stream, j)`` (megalite/inference/noise.py), on Python integers
-    with unsigned 32-bit arithmetic: the tensor version's signed tricks must give the same values."""
+def _reference_uniform(seed: int, position: int, j: int) -> float:
+    """The documented uniform of ``(seed, position, j)`` (megalite/inference/noise.py), on Python integers with
+    unsigned 32-bit arithmetic: the tensor version's signed tricks must give the same values."""
     seed %= 2 ** 64
     keys = [_mix32(_mix32(_mix32((position & 0xFFFFFFFF) ^ c) ^ (seed & 0xFFFFFFFF)) ^ (seed >> 32))
-            for c in (noise.STREAMS[stream], noise.STREAMS[stream] ^ noise.KEY2)]
+            for c in (noise.KEY1, noise.KEY2)]
     return ((_mix32(_mix32(keys[0] ^ j) ^ keys[1]) >> 9) + 0.5) / 2 ** 23
 
 
 def test_noise_is_the_documented_counter_based_hash():
     seeds = [0, 1, 2 ** 40 + 7, 2 ** 63 - 1, -5, 2 ** 64 + 3]
     positions = [0, 3, 17, 2 ** 31 + 1, 5, 0]
-    for stream in noise.STREAMS:
-        got = noise.uniform([noise.as_seed(s) for s in seeds], positions, VOCAB, stream)
-        expected = torch.tensor([[_reference_uniform(s, t, stream, j) for j in range(VOCAB)]
-                                 for s, t in zip(seeds, positions)], dtype=torch.float32)
-        assert torch.equal(got, expected), stream
-        assert 0 < float(got.min()) and float(got.max()) < 1
+    got = noise.uniform([noise.as_seed(s) for s in seeds], positions, VOCAB)
+    expected = torch.tensor([[_reference_uniform(s, t, j) for j in range(VOCAB)] for s, t in zip(seeds, positions)],
+                            dtype=torch.float32)
+    assert torch.equal(got, expected)
+    assert 0 < float(got.min()) and float(got.max()) < 1
     assert torch.equal(noise.exponential([3], [4], VOCAB), -noise.uniform([3], [4], VOCAB).log())
-    # seeds equal mod 2^64 are one seed; another seed, position or stream is another stream
+    # seeds equal mod 2^64 are one seed; another seed or position is another stream
     assert torch.equal(noise.uniform([noise.as_seed(-5)], [2], 8), noise.uniform([2 ** 64 - 5 - 2 ** 64], [2], 8))
     rows = noise.uniform([7, 8, 7, 7], [2, 2, 3, 2], VOCAB)
-    accept = noise.uniform([7], [2], VOCAB, "accept")
-    for other in (rows[1], rows[2], accept[0]):
-        assert not torch.equal(rows[0], other)
+    assert torch.equal(rows[0], rows[3]) and not torch.equal(rows[0], rows[1]) and not torch.equal(rows[0], rows[2])
 
 
 def test_draw_is_each_rows_own_noise_whatever_the_batch():
@@ -132,8 +146,8 @@ def test_draw_frequencies_follow_p_across_seeds_and_positions():
         counts = torch.bincount(tokens, minlength=len(probs))
         assert counts[-2:].sum() == 0
         assert chi_square_p(counts, probs) > 1e-3
-    accept = noise.uniform(list(range(n)), [3] * n, 1, "accept")[:, 0]  # the draft test's uniforms: 20 equal bins
-    assert chi_square_p(torch.bincount((accept * 20).long(), minlength=20), torch.full((20,), 0.05)) > 1e-3
+    uniforms = noise.uniform(list(range(n)), [3] * n, 1)[:, 0]  # entry 0 of 4000 seeds in 20 equal bins
+    assert chi_square_p(torch.bincount((uniforms * 20).long(), minlength=20), torch.full((20,), 0.05)) > 1e-3
 
 
 def test_mixed_batch_samples_once_and_gives_each_request_its_tokens_alone(monkeypatch):
