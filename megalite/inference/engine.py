@@ -109,7 +109,7 @@ class LLMEngine:
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                     sample_seeds: list[int] | None = None) -> Request:
         """Queue a prompt (token ids); returns its :class:`Request` (its grammar compiled here, if any).
-        ``sample_seeds``: each sample's generator seed (see :class:`Request`)."""
+        ``sample_seeds``: each sample's noise seed (see :class:`Request`)."""
         prompt = self.check_request(prompt, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else request_id
@@ -314,7 +314,7 @@ class LLMEngine:
             histories = [seq.tokens + drafts[:i] for i in range(len(drafts) + 1)]
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             rows, best = adjust_logits(rows, histories, len(seq.request.prompt), params, frozenset(stop_ids)), None
-        return verify(rows, drafts, params, seq.generator, argmax=best)
+        return verify(rows, drafts, params, seq.seed, len(seq.tokens), argmax=best)
 
     def _prompt_logprobs(self, request: Request, positions: list[int], rows: torch.Tensor) -> None:
         """Record the log-probs of the prompt tokens after ``positions`` (and the top alternatives)."""
@@ -366,7 +366,7 @@ class LLMEngine:
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  sample_seeds: list[list[int] | None] | None = None) -> list[RequestOutput]:
         """Run ``prompts`` to completion on every TP rank (rank 0 drives); outputs in prompt order everywhere.
-        ``sample_seeds``: per prompt, its samples' generator seeds or None (:meth:`add_request`)."""
+        ``sample_seeds``: per prompt, its samples' noise seeds or None (:meth:`add_request`)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")

@@ -1,14 +1,15 @@
 """Choosing tokens from logits: penalties and biases, greedy, temperature / top-k / top-p / min-p sampling,
 log-probs, and speculative verification.
 
-Verification is exact rejection sampling (Leviathan et al., Chen et al.):
-draft token ``x`` proposed with probability ``q(x)`` is accepted with
-probability ``min(1, p(x) / q(x))``; on rejection the token is drawn from
-``max(p - q, 0)`` renormalised, and when every draft is accepted one more is
-drawn from the target's next distribution.  megalite's drafters propose
-deterministically (``q`` a point mass).  The emitted tokens then follow
-the target distribution ``p`` exactly.  Greedy verification accepts a draft
-iff it is the target's argmax, so greedy output is unchanged.
+Verification is exact rejection sampling (Leviathan et al., Chen et al.) for
+megalite's drafters, which propose deterministically (``q`` a point mass):
+draft ``x`` is accepted with probability ``p(x)``, a rejection draws from
+``p`` without ``x`` renormalised, and when every draft is accepted one more
+is drawn from the target's next distribution.  :func:`verify` realises it by
+choosing each position's token with the sample's own noise at that position
+and accepting a draft iff it equals that token, so the emitted tokens follow
+``p`` exactly and are the ones the sample draws without speculation (greedy:
+the argmax).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from megalite import batch_invariant
+from megalite.inference import noise
 from megalite.inference.params import SamplingParams
 
 
@@ -85,24 +87,19 @@ def _chunks(members: list[int], vocab: int):
     return (members[i:i + size] for i in range(0, len(members), size))
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-    """One token per row of ``probs`` ``[r, v]`` (CPU), row ``i`` drawn with ``generators[i]``.
-
-    The draw is ``argmax(p / q)`` with ``q ~ Exp(1)`` from the row's generator: what ``torch.multinomial(p, 1)``
-    computes, so a request's seed gives the tokens it gave when each row called ``multinomial`` alone
-    (``tests/inference/test_sampling.py`` checks the two agree).  Only the noise is drawn per row; the division
-    and the argmax run once for the batch, and the tokens come back in one transfer.
+def draw(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> list[int]:
+    """One token per row of ``probs`` ``[r, v]``: ``argmax(p / q)`` with ``q`` the ``Exp(1)`` noise of sample
+    ``seeds[i]`` at token position ``positions[i]`` (:func:`megalite.inference.noise.exponential`), which picks
+    token ``j`` with probability ``p_j``.  The noise of every row is computed at once and is a function of its
+    own seed and position alone, so a row draws the same token in any batch; the tokens come back in one transfer.
     """
-    noise = torch.empty_like(probs)
-    for row, generator in zip(noise, generators):
-        row.exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1).tolist()
+    return (probs / noise.exponential(seeds, positions, probs.shape[-1], probs.device)).argmax(dim=-1).tolist()
 
 
-def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                 generators: list[torch.Generator], argmax: list[int] | None = None) -> list[int | None]:
-    """The next token of draw ``i`` from ``logits[rows[i]]`` under ``params[i]`` with ``generators[i]``: what
-    :func:`verify` chooses without drafts, for a whole batch at once.
+def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], seeds: list[int],
+                 positions: list[int], argmax: list[int] | None = None) -> list[int | None]:
+    """The next token of draw ``i`` from ``logits[rows[i]]`` under ``params[i]`` for sample ``seeds[i]`` at token
+    position ``positions[i]``: what :func:`verify` chooses without drafts, for a whole batch at once.
 
     Greedy draws take the argmax (``argmax`` may pass it precomputed, indexed by logits row); sampled draws that
     share temperature, top-k, top-p and min-p share one :func:`target_probs` and one :func:`draw`.  A group whose
@@ -123,7 +120,7 @@ def choose_batch(logits: torch.Tensor, rows: list[int], params: list[SamplingPar
             probs = target_probs(logits[[rows[i] for i in chunk]], params[chunk[0]]).cpu()
         except FloatingPointError:
             continue
-        for i, token in zip(chunk, draw(probs, [generators[i] for i in chunk])):
+        for i, token in zip(chunk, draw(probs, [seeds[i] for i in chunk], [positions[i] for i in chunk])):
             out[i] = token
     return out
 
@@ -162,34 +159,28 @@ def batch_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], par
     return out
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator,
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int, position: int,
            argmax: list[int] | None = None) -> list[int]:
-    """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``.
+    """Tokens to emit after ``len(drafts)`` drafts, given the target's logits ``[len(drafts) + 1, v]``, for sample
+    ``seed`` whose next token has position ``position`` (draft ``i`` sits at ``position + i``).
 
-    Drafts are proposed deterministically (a point mass ``q``), so draft ``x``
-    is accepted with probability ``p(x)`` and a rejection draws from ``p``
-    without ``x``.  ``argmax`` may pass precomputed greedy choices.  Without
-    drafts this samples one token.
+    Each position's token is the one the sample chooses there without drafts (the argmax when greedy, else
+    :func:`draw` with its noise at that position; ``argmax`` may pass the greedy choices precomputed).  Drafts are
+    accepted while they equal those tokens, and the first that differs is replaced by its position's token.
+    For point-mass drafts this is exact rejection sampling: draft ``x`` is accepted with probability ``p(x)``,
+    and a rejection's token follows ``p`` without ``x``.  Speculation therefore never changes a seed's tokens.
     """
     if params.greedy:
-        best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
-        out = []
-        for i, draft in enumerate(drafts):
-            if draft != best[i]:
-                break
-            out.append(draft)
-        return out + [best[len(out)]]
-    probs = target_probs(logits, params).cpu()
+        chosen = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
+    else:
+        probs = target_probs(logits, params).cpu()
+        chosen = draw(probs, [seed] * len(probs), list(range(position, position + len(probs))))
     out = []
-    for i, draft in enumerate(drafts):
-        p = probs[i]
-        if float(torch.rand((), generator=generator)) < float(p[draft]):
-            out.append(draft)
-            continue
-        residual = p.clone()
-        residual[draft] = 0.0
-        return out + draw(residual[None], [generator])
-    return out + draw(probs[len(drafts):], [generator])
+    for draft, token in zip(drafts, chosen):
+        if draft != token:
+            break
+        out.append(draft)
+    return out + [chosen[len(out)]]
 
 
 def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]:
@@ -199,18 +190,19 @@ def pick_batch(entries, spans, logits, finite, argmax) -> dict[int, list[tuple]]
     entry emits to (all ``best_of`` of a request that forks this step).  The rest go through the engine's own
     row-by-row choice (penalties, grammar, drafts).  ``entries`` are the scheduler's step entries, ``spans``
     their ``(first logits row, rows)``, ``finite`` per row, ``argmax`` per row or None."""
-    draws = []  # (entry index, logits row, params, generator)
+    draws = []  # (entry index, logits row, params, seed)
     for index, (e, (row, width)) in enumerate(zip(entries, spans)):
         request, params = e.seq.request, e.seq.request.params
         if (not e.sample or e.drafts or request.error is not None or params.adjusts_logits
                 or e.seq.grammar is not None or not all(finite[row:row + width])):
             continue
-        generators = [e.seq.generator] if request.forked else request.generators
-        draws += [(index, row + width - 1, params, g) for g in generators]
+        seeds = [e.seq.seed] if request.forked else request.seeds
+        draws += [(index, row + width - 1, params, s) for s in seeds]
     if not draws:
         return {}
     rows = [d[1] for d in draws]
-    tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], argmax)
+    positions = [len(entries[d[0]].seq.tokens) for d in draws]
+    tokens = choose_batch(logits, rows, [d[2] for d in draws], [d[3] for d in draws], positions, argmax)
     wanted = [i for i, (d, t) in enumerate(zip(draws, tokens))
               if t is not None and entries[d[0]].seq.request.needs_logprobs]
     found = dict(zip(wanted, batch_logprobs(logits, [rows[i] for i in wanted], [tokens[i] for i in wanted],

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from megalite.inference.detokenizer import IncrementalDetokenizer
+from megalite.inference.noise import as_seed
 from megalite.inference.params import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -21,7 +20,7 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.generator = request.generators[index]
+        self.seed = request.seeds[index]
         self.detokenizer = request.new_detokenizer()
         self.grammar = request.grammar.new_state() if request.grammar is not None else None  # each its own
 
@@ -92,7 +91,7 @@ class Sequence:
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """The generator seed of sample ``index`` of a request of ``seed``."""
+    """The noise seed of sample ``index`` of a request of ``seed``."""
     return (seed * 1_000_003 + index) % (2 ** 63)
 
 
@@ -101,9 +100,10 @@ class Request:
 
     ``eos_token_ids`` end a sample (unless ``ignore_eos``); ``tokenizer`` (optional) gives each sample its text
     and stop strings; ``grammar`` is ``params.structured_outputs`` compiled (each sample takes its own state).
-    ``error`` is set when the request failed alone (e.g. non-finite logits).  Sample ``i`` draws from a generator
-    seeded ``sample_seeds[i]`` (default :func:`sample_seed` of ``seed``), so a caller can give the samples of one
-    request the streams of separate requests: the same tokens, the prompt computed once."""
+    ``error`` is set when the request failed alone (e.g. non-finite logits).  Sample ``i`` draws with the noise of
+    seed ``sample_seeds[i]`` (default :func:`sample_seed` of ``seed``; :mod:`megalite.inference.noise`: a function of
+    the seed and the token position, no generator state), so a caller can give the samples of one request the
+    streams of separate requests: the same tokens, the prompt computed once."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: int, seed: int,
                  eos_token_ids=(), tokenizer=None, grammar=None, sample_seeds: list[int] | None = None):
@@ -114,7 +114,7 @@ class Request:
             sample_seeds = [sample_seed(seed, i) for i in range(params.best_of)]
         elif len(sample_seeds) != params.best_of:
             raise ValueError(f"{len(sample_seeds)} sample seeds for best_of={params.best_of} samples")
-        self.generators = [torch.Generator().manual_seed(s) for s in sample_seeds]
+        self.seeds = [as_seed(s) for s in sample_seeds]
         self.prompt_logprobs: dict[int, dict[int, float]] = {}
         self.error: str | None = None
         self.sequences = [Sequence(self, 0, prompt)]

@@ -77,11 +77,17 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of observed ``counts`` under ``probs`` (cells with zero probability must be empty)."""
+    """P-value of observed ``counts`` under ``probs`` (cells with zero probability must be empty).  Cells expecting
+    fewer than 5 samples are pooled into one: the chi-square approximation needs about 5 per cell, and a single
+    draw of a token expected 0.02 times would otherwise weigh like a gross error."""
     support = probs > 0
     assert counts[~support].sum() == 0, "samples outside the support"
     n = counts.sum().double()
-    expected = probs[support].double() * n
-    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
-    df = int(support.sum()) - 1
+    expected, observed = probs[support].double() * n, counts[support].double()
+    rare = expected < 5
+    if rare.any():
+        expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
+        observed = torch.cat([observed[~rare], observed[rare].sum()[None]])
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = len(expected) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

@@ -15,7 +15,7 @@ import torch
 
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.inference.params import SamplingParams, StructuredOutputsParams
-from megalite.inference.sampler import target_probs, verify
+from megalite.inference.sampler import draw, target_probs, verify
 from megalite.models.kv_cache import KVCache
 from tests.inference.common import tiny_model
 
@@ -41,19 +41,21 @@ def compiler():
 
 def sample_under(grammar, prompts: list[bytes], n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """``n`` samples per prompt (prompts of one length) at temperature 1, decoded together with a KV cache,
-    all rows masked in one batched step; each sample has its own grammar state."""
+    all rows masked in one batched step and drawn with the engine's :func:`draw` (row ``i``'s noise seed
+    ``seed * 10^6 + i``); each sample has its own grammar state."""
     model = tiny_model(vocab_size=TOKENIZER.vocab_size, max_position_embeddings=256, hidden_size=32)
     ids = torch.tensor([list(p) for p in prompts for _ in range(n)])
     states = [grammar.new_state() for _ in range(ids.shape[0])]
     outputs: list[list[int]] = [[] for _ in states]
     done = [False] * len(states)
-    cache, generator, params = KVCache(), torch.Generator().manual_seed(seed), SamplingParams(temperature=1.0)
-    for _ in range(max_tokens):
+    cache, params = KVCache(), SamplingParams(temperature=1.0)
+    seeds, start = [seed * 10 ** 6 + i for i in range(len(states))], ids.shape[1]
+    for step in range(max_tokens):
         with torch.no_grad():
             logits = model(ids, kv_cache=cache)[:, -1, :TOKENIZER.vocab_size].float()
         live = [None if finished else state for state, finished in zip(states, done)]
         probs = target_probs(apply_grammar(logits, live), params)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        tokens = draw(probs, seeds, [start + step] * len(seeds))
         for i, token in enumerate(tokens):
             if done[i]:
                 continue
@@ -84,7 +86,7 @@ def test_json_schema_samples_all_validate_with_n_above_one(compiler):
 
 
 def test_json_object_regex_and_ebnf(compiler):
-    for text in (TOKENIZER.detokenize(o) for o in sample_under(compiler.compile("json_object"), [b"x"], 8, 200, 1)):
+    for text in (TOKENIZER.detokenize(o) for o in sample_under(compiler.compile("json_object"), [b"x"], 8, 200, 4)):
         assert isinstance(json.loads(text), dict)
     regex = r"(yes|no|[0-9]{1,4}-[a-c]{2})"
     for text in (TOKENIZER.detokenize(o) for o in sample_under(compiler.compile("regex", regex), [b"?"], 16, 16, 2)):
@@ -132,7 +134,7 @@ def test_speculative_verification_under_draft_masks(compiler):
         logits = torch.randn(len(drafts) + 1, TOKENIZER.vocab_size, generator=generator)
         masked = logits.masked_fill(~state.draft_masks(drafts), float("-inf"))
         params = SamplingParams(temperature=0.0 if trial % 2 else 1.0)
-        emitted = verify(masked, drafts, params, generator)
+        emitted = verify(masked, drafts, params, trial, 3 + trial % 5)
         for token in emitted:
             state.advance(token)  # raises GrammarError on a token the grammar forbids
         accepted = len(emitted) - 1

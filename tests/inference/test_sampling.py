@@ -3,7 +3,7 @@
 import torch
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
-from megalite.inference import sampler
+from megalite.inference import noise, sampler
 from megalite.inference.sampler import choose_batch, draw, verify
 from tests.inference.common import VOCAB, chi_square_p, poison_logits, reference_probs, tiny_model
 
@@ -53,11 +53,27 @@ def test_verify_accepts_with_target_probability():
     """One draft token against fixed target logits: the emitted first token follows the target exactly."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.3, 0.1, 0.2, -0.5]])
     params = SamplingParams(temperature=1.0)
-    generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(5, dtype=torch.long)
-    for _ in range(2000):
-        counts[verify(logits, [1], params, generator)[0]] += 1
+    for seed in range(2000):
+        counts[verify(logits, [1], params, seed, 9)[0]] += 1
     assert chi_square_p(counts, logits[0].double().softmax(-1)) > 1e-3
+
+
+def test_verify_emits_the_tokens_the_sample_draws_without_drafts():
+    """Each position's token is the sample's own draw there: drafts equal to it are accepted, the first that differs
+    is replaced by it, so speculation cannot change a seed's tokens (sampled and greedy)."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    seen = set()
+    for temperature in (1.0, 0.0):
+        params = SamplingParams(temperature=temperature, top_k=5)
+        for seed in range(30):
+            alone = [verify(logits[i:i + 1], [], params, seed, 20 + i)[0] for i in range(4)]
+            for drafts in (alone[:3], alone[:1] + [(alone[1] + 1) % VOCAB, alone[2]], [(alone[0] + 1) % VOCAB] * 3):
+                emitted = verify(logits, drafts, params, seed, 20)
+                accepted = next((i for i, (d, t) in enumerate(zip(drafts, alone)) if d != t), 3)
+                assert emitted == alone[:accepted + 1], (temperature, seed, drafts)
+                seen.add(accepted)
+    assert seen == {0, 1, 3}
 
 
 def test_seeded_requests_reproduce_in_any_batch():
@@ -73,14 +89,65 @@ def test_seeded_requests_reproduce_in_any_batch():
     assert [c.token_ids for c in other_seed.outputs] != [c.token_ids for c in alone.outputs]
 
 
-def test_draw_gives_what_multinomial_gives_for_the_same_generator_state():
-    probs = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)).mul(3).softmax(dim=-1)
-    for seed in range(4):
-        batched = [torch.Generator().manual_seed(seed + 10 * i) for i in range(3)]
-        alone = [torch.Generator().manual_seed(seed + 10 * i) for i in range(3)]
-        for _ in range(3):  # the generators' states advance alike, draw after draw
-            expected = [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, alone)]
-            assert draw(probs, batched) == expected
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _reference_uniform(seed: int, position: int, j: int) -> float:
+    """The documented uniform of ``(seed, position, j)`` (megalite/inference/noise.py), on Python integers with
+    unsigned 32-bit arithmetic: the tensor version's signed tricks must give the same values."""
+    seed %= 2 ** 64
+    keys = [_mix32(_mix32(_mix32((position & 0xFFFFFFFF) ^ c) ^ (seed & 0xFFFFFFFF)) ^ (seed >> 32))
+            for c in (noise.KEY1, noise.KEY2)]
+    return ((_mix32(_mix32(keys[0] ^ j) ^ keys[1]) >> 9) + 0.5) / 2 ** 23
+
+
+def test_noise_is_the_documented_counter_based_hash():
+    seeds = [0, 1, 2 ** 40 + 7, 2 ** 63 - 1, -5, 2 ** 64 + 3]
+    positions = [0, 3, 17, 2 ** 31 + 1, 5, 0]
+    got = noise.uniform([noise.as_seed(s) for s in seeds], positions, VOCAB)
+    expected = torch.tensor([[_reference_uniform(s, t, j) for j in range(VOCAB)] for s, t in zip(seeds, positions)],
+                            dtype=torch.float32)
+    assert torch.equal(got, expected)
+    assert 0 < float(got.min()) and float(got.max()) < 1
+    assert torch.equal(noise.exponential([3], [4], VOCAB), -noise.uniform([3], [4], VOCAB).log())
+    # seeds equal mod 2^64 are one seed; another seed or position is another stream
+    assert torch.equal(noise.uniform([noise.as_seed(-5)], [2], 8), noise.uniform([2 ** 64 - 5 - 2 ** 64], [2], 8))
+    rows = noise.uniform([7, 8, 7, 7], [2, 2, 3, 2], VOCAB)
+    assert torch.equal(rows[0], rows[3]) and not torch.equal(rows[0], rows[1]) and not torch.equal(rows[0], rows[2])
+
+
+def test_draw_is_each_rows_own_noise_whatever_the_batch():
+    """A row's token is ``argmax(p / q)`` with its own seed and position's noise: the same in any batch, order or
+    chunk, and the same on every call (no generator state advances)."""
+    probs = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0)).mul(3).softmax(dim=-1)
+    seeds, positions = [11, 12, 13, 11, 11, 2 ** 62], [5, 5, 5, 6, 7, 5]
+    whole = draw(probs, seeds, positions)
+    alone = [int((p / noise.exponential([s], [t], VOCAB)[0]).argmax()) for p, s, t in zip(probs, seeds, positions)]
+    assert whole == alone and draw(probs, seeds, positions) == whole
+    order = [4, 0, 5, 2, 1, 3]
+    assert draw(probs[order], [seeds[i] for i in order], [positions[i] for i in order]) == [whole[i] for i in order]
+    assert draw(probs[2:3], seeds[2:3], positions[2:3]) == whole[2:3]
+    flat = torch.full((64, VOCAB), 1.0 / VOCAB)  # every token equally likely: each stream picks its own
+    assert len(set(draw(flat, [1] * 64, list(range(64))))) > 20 and len(set(draw(flat, list(range(64)), [0] * 64))) > 20
+
+
+def test_draw_frequencies_follow_p_across_seeds_and_positions():
+    """Chi-square of 4000 draws from one fixed distribution (zeros included), over seeds at one position and over
+    positions of one seed: the noise is Exp(1), so tokens come with probability ``p`` (seeded: cannot flake)."""
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01, 0.0, 0.0], dtype=torch.float64)
+    n = 4000
+    for seeds, positions in ((list(range(n)), [7] * n), ([12345] * n, list(range(n)))):
+        tokens = torch.tensor(draw(probs.float().expand(n, -1), seeds, positions))
+        counts = torch.bincount(tokens, minlength=len(probs))
+        assert counts[-2:].sum() == 0
+        assert chi_square_p(counts, probs) > 1e-3
+    uniforms = noise.uniform(list(range(n)), [3] * n, 1)[:, 0]  # entry 0 of 4000 seeds in 20 equal bins
+    assert chi_square_p(torch.bincount((uniforms * 20).long(), minlength=20), torch.full((20,), 0.05)) > 1e-3
 
 
 def test_mixed_batch_samples_once_and_gives_each_request_its_tokens_alone(monkeypatch):
@@ -97,8 +164,8 @@ def test_mixed_batch_samples_once_and_gives_each_request_its_tokens_alone(monkey
     alone = [LLM.from_model(model).generate([p], s)[0].outputs for p, s in zip(prompts, params)]
     sizes = []
     real_draw = sampler.draw
-    monkeypatch.setattr(sampler, "draw", lambda probs, generators: sizes.append(len(probs)) or
-                        real_draw(probs, generators))
+    monkeypatch.setattr(sampler, "draw", lambda probs, seeds, positions: sizes.append(len(probs)) or
+                        real_draw(probs, seeds, positions))
     mixed = LLM.from_model(model).generate(prompts, params)
     for single, batched in zip(alone, mixed):
         assert [(c.token_ids, c.logprobs, c.top_logprobs) for c in single] == \
@@ -130,8 +197,23 @@ def test_chunked_batches_choose_what_one_batch_chooses(monkeypatch):
     rows = [0, 1, 2, 2, 3, 5, 6]
 
     def choose():
-        return choose_batch(logits, rows, params, [torch.Generator().manual_seed(i) for i in range(7)])
+        return choose_batch(logits, rows, params, list(range(7)), [4] * 7)
 
     whole = choose()
     monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 2 * VOCAB)
     assert choose() == whole and None not in whole
+
+
+def test_a_generation_resumed_at_its_position_continues_the_same_stream():
+    """The noise is a function of (seed, position) alone: a request whose prompt is another's prompt plus its first
+    tokens, with the same sample seed, samples that one's remaining tokens (a partial rollout continued after a
+    weight update needs no saved generator state); a different seed does not."""
+    model = tiny_model("gpt2", batch_invariant=True)
+
+    def tokens(prompt, max_tokens, seed):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+        return LLM.from_model(model).engine.generate([prompt], params, sample_seeds=[[seed]])[0].outputs[0].token_ids
+
+    whole = tokens([1, 2, 3], 8, 77)
+    assert tokens([1, 2, 3] + whole[:3], 5, 77) == whole[3:]
+    assert whole[3:] not in [tokens([1, 2, 3] + whole[:3], 5, seed) for seed in (78, 79)]

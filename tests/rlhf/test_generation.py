@@ -175,22 +175,23 @@ def test_a_groups_prompt_is_prefilled_once_with_each_rows_samples(kind):
 
 
 def _row_by_row(model, ids, mask, sampling, seed):
-    """The rollout engine's documented sampling, one row at a time and without a KV cache: row ``i`` draws with a
-    generator seeded ``sample_seed(s_i, 0)``, ``s_i`` the ``i``-th of ``b`` seeds drawn from ``seed``, each token
-    ``multinomial`` of the filtered ``softmax(logits / T)`` of the row's whole sequence; log-probs unfiltered."""
+    """The rollout engine's documented sampling, one row at a time and without a KV cache: row ``i`` draws with the
+    noise of seed ``sample_seed(s_i, 0)``, ``s_i`` the ``i``-th of ``b`` seeds drawn from ``seed``, each token the
+    ``argmax(p / q)`` of the filtered ``p = softmax(logits / T)`` of the row's whole sequence and ``q`` the seed's
+    ``Exp(1)`` noise at the token's position in the row's unpadded sequence; log-probs unfiltered."""
+    from megalite.inference.noise import exponential
     from megalite.inference.sequence import sample_seed
 
     seeds = torch.randint(2 ** 62, (len(ids),), generator=torch.Generator().manual_seed(seed)).tolist()
     out = []
     for row, keep, s in zip(ids.tolist(), mask.tolist(), seeds):
-        tokens, generator, new, log_probs = [t for t, k in zip(row, keep) if k], torch.Generator(), [], []
-        generator.manual_seed(sample_seed(s, 0))
+        tokens, new, log_probs = [t for t, k in zip(row, keep) if k], [], []
         for _ in range(sampling.max_new_tokens):
             with torch.no_grad():
                 logits = model(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long))
             scaled = logits[0, -1, :model.config.vocab_size].float() / sampling.temperature
             probs = filter_logits(scaled[None], sampling.top_k, sampling.top_p).softmax(dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            token = int((probs[0] / exponential([sample_seed(s, 0)], [len(tokens)], probs.shape[-1])[0]).argmax())
             new.append(token)
             log_probs.append(float(scaled.log_softmax(dim=-1)[token]))
             tokens.append(token)

@@ -263,7 +263,9 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
     from megalite.checkpoint import CheckpointReader
     from megalite.checkpoint.files import iteration_dir
 
-    resumed = _resume_equals_uninterrupted(PARTIAL_CALCULATOR, tmp_path, 1, also=("staleness", "turns"), at=2)
+    # seed 3: rows in flight at the save, and a resumed iteration that trains on rows begun under older weights
+    resumed = _resume_equals_uninterrupted(PARTIAL_CALCULATOR + ["--seed", "3"], tmp_path, 1,
+                                           also=("staleness", "turns"), at=2)
     assert any(r["staleness"] > 0 for r in resumed.values())
     saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["partial_rollouts"]
     assert saved["rows"] and all(len(row["tokens"]) == len(row["log_probs"]) == len(row["versions"])
