@@ -17,6 +17,17 @@ without interleaved chunks for ``--account-for-embedding-in-pipeline-split`` / `
 (Megatron-Core splits the layers plus the embedding and the loss evenly, then builds one layer fewer on the first
 and the last stage: megalite's first and last stage layer counts), and for a ``--pipeline-model-parallel-layout``
 without interleaved chunks whose stage layer counts megalite's split gives (:func:`_layout_stages`).
+
+A layer's local experts lie in the buffer as the run's expert module registers them (:data:`EXPERT_MODULES`):
+SequentialMLP each expert's ``linear_fc1`` then ``linear_fc2`` weight; Transformer Engine's TEGroupedMLP
+(``--moe-grouped-gemm`` under ``--transformer-impl transformer_engine``) its ``linear_fc1``, a TE ``GroupedLinear``
+that registers ``weight0`` .. ``weight{E-1}`` (each ``[out, in]``, one expert's; TransformerEngine
+``transformer_engine/pytorch/module/grouped_linear.py``, ``GroupedLinear.__init__``), then its ``linear_fc2``'s;
+GroupedMLP (``--moe-grouped-gemm`` with the local spec, or ``--moe-use-legacy-grouped-gemm``) two parameters,
+``weight1`` ``[hidden, E x fc1 rows]`` and ``weight2`` ``[E x ffn, hidden]``, whose memory its forward views as
+``[E, hidden, fc1 rows]`` and ``[E, ffn, hidden]``: each expert's matrix transposed (Megatron-Core 0.16
+``megatron/core/transformer/moe/experts.py``; :func:`grouped_experts`).  Under the Transformer-Engine spec an MoE
+layer keeps its pre-MLP norm as a module of its own (only the input norm is fused into ``linear_qkv``).
 """
 
 from __future__ import annotations
@@ -37,6 +48,11 @@ LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attentio
 # SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
 _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+# GroupedMLP's parameters of a layer's local experts, ``decoder.layers.<l>.mlp.experts.weight1|2``.
+_GROUPED = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.weight([12])")
+EXPERT_MODULES = ("sequential", "te_grouped", "grouped")
+"""Megatron-Core's expert modules by how they register a layer's local experts: SequentialMLP, TEGroupedMLP,
+GroupedMLP (module docstring)."""
 _TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
         "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -48,24 +64,29 @@ TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_lay
 _ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def place(name: str, te: bool = False):
+def place(name: str, te: bool = False, expert_module: str = "sequential", moe: bool = False):
     """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
-    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`).  Each module registers its weight before
-    its bias, after a fused norm's weight and bias."""
+    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; in an MoE layer, ``moe``, only the input
+    norm is fused); ``expert_module``: the order of the local experts' weights (:data:`EXPERT_MODULES`).  Each
+    module registers its weight before its bias, after a fused norm's weight and bias."""
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
-    if kind is None:
+    grouped = _GROUPED.fullmatch(name)
+    if kind is None and not grouped:
         return None
     fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
-    if te and fused and fused.group(1) in TE_FUSED_NORMS:
+    if te and fused and fused.group(1) in TE_FUSED_NORMS and not (moe and fused.group(1) == "pre_mlp_layernorm."):
         name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
-    expert = _LOCAL_EXPERT.fullmatch(name)
-    if expert:  # a local expert's weight: its experts in order, each fc1 then fc2
-        layer = int(expert.group(1).split(".")[2])
-        return (2, layer, LAYER_ORDER.index("mlp.experts."), 2 * int(expert.group(2)) + (expert.group(3)[-1] == "2"),
-                kind)
+    expert = _LOCAL_EXPERT.fullmatch(name) if expert_module != "grouped" else None
+    if expert or grouped:  # GroupedMLP's weight1, weight2; SequentialMLP's experts in order, each fc1 then fc2;
+        match = expert or grouped  # TEGroupedMLP's fc1 of every expert, then fc2
+        layer, module = int(match.group(1).split(".")[2]), LAYER_ORDER.index("mlp.experts.")
+        if grouped:
+            return (2, layer, module, int(grouped.group(2)), 0, 2)
+        index, linear = int(expert.group(2)), int(expert.group(3)[-1])
+        return (2, layer, module) + ((linear, index) if expert_module == "te_grouped" else (index, linear)) + (kind,)
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if match is None:
         return None
@@ -179,12 +200,21 @@ def buffer_args(args: dict) -> dict:
     if stages is not None and first is None and last is None:
         first, last = stages
     tp = int(args.get("tensor_model_parallel_size") or 1)
+    te = args.get("transformer_impl") == "transformer_engine"
+    expert_module = "sequential" if not (args.get("num_experts") and args.get("moe_grouped_gemm")) else \
+        "te_grouped" if te and not args.get("moe_use_legacy_grouped_gemm") else "grouped"
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
                 vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
                 ep=int(args.get("expert_model_parallel_size") or 1),
                 etp=int(args.get("expert_tensor_parallel_size") or tp),
-                te=args.get("transformer_impl") == "transformer_engine")
+                te=te, expert_module=expert_module)
+
+
+def _layer(name: str) -> str | None:
+    """The layer number of a decoder layer's parameter ``name``, else None."""
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    return match and match.group(1)
 
 
 def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
@@ -200,14 +230,15 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
                   first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
-                  te: bool = False, experts: bool = False) -> list[tuple]:
+                  te: bool = False, experts: bool = False, expert_module: str = "sequential") -> list[tuple]:
     """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
     whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
     parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
     size)``; with ``experts`` the chunks' expert-parallel buffers (ep > 1: Megatron-Core keeps the local experts'
     weights, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``, in buffers of their own,
     sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
-    ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
+    ``te``: the Transformer-Engine spec's parameter order (:func:`place`); ``expert_module``: how the local experts
+    are registered (:data:`EXPERT_MODULES`; GroupedMLP's as ``decoder.layers.<l>.mlp.experts.weight1|2``).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
     word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
     split as given."""
@@ -233,6 +264,12 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 if count % ep or shape[dim] % etp:
                     raise ValueError(f"whose {name} {shapes[name]} does not split over ep={ep}, etp={etp}")
                 shape[dim] //= etp
+                if expert_module == "grouped":  # each expert's matrix transposed, the local experts side by side
+                    rows, cols = shape
+                    fc1 = EXPERT_WEIGHTS[weight] == "linear_fc1"
+                    local[f"{name[:-len(weight)]}mlp.experts.weight{2 - fc1}"] = \
+                        (cols, count // ep * rows) if fc1 else (count // ep * cols, rows)
+                    continue
                 for index in range(count // ep):
                     local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
                         tuple(shape)
@@ -245,8 +282,21 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 shape[dim] //= tp
             local[name] = tuple(shape)
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
-                                          tied, te)))
+                                          tied, te, expert_module)))
     return layouts
+
+
+def grouped_experts(name: str, shape: tuple[int, ...], count: int) -> list[tuple[str, int, tuple[int, int]]] | None:
+    """The ``count`` local experts in GroupedMLP's parameter ``name`` (``decoder.layers.<l>.mlp.experts.weight1|2``)
+    of local shape ``shape``: ``[(the expert's weight as :func:`chunk_layouts` names SequentialMLP's, its first
+    element in the parameter, its shape there, the transpose of megalite's)]``; None for another parameter."""
+    match = _GROUPED.fullmatch(name)
+    if match is None:
+        return None
+    fc1 = match.group(2) == "1"
+    stored = (shape[0], shape[1] // count) if fc1 else (shape[0] // count, shape[1])
+    return [(f"{match.group(1)}mlp.experts.local_experts.{index}.linear_fc{2 - fc1}.weight",
+             index * stored[0] * stored[1], stored) for index in range(count)]
 
 
 def local_expert(name: str) -> tuple[str, int] | None:
@@ -260,12 +310,13 @@ def local_expert(name: str) -> tuple[str, int] | None:
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
-              tied: bool = False, te: bool = False):
+              tied: bool = False, te: bool = False, expert_module: str = "sequential"):
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
     a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
     over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
-    Transformer-Engine spec's parameter order."""
-    order = sorted(local, key=lambda n: place(n, te) or ())
+    Transformer-Engine spec's parameter order; ``expert_module``: the local experts' (:func:`place`)."""
+    moe = {_layer(n) for n in local if ".mlp.router." in n}  # the MoE layers (a router each)
+    order = sorted(local, key=lambda n: place(n, te, expert_module, _layer(n) in moe) or ())
     shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
     places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
     return order, places, unpadded

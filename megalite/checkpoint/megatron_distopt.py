@@ -26,14 +26,17 @@ LayerNormLinear registers its fused norm's parameters before its own weight and 
 (:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`).
 
 An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
-each expert-model-parallel rank keeps its local experts' weights (SequentialMLP's) in buffers of their own,
-sharded over the expert data-parallel group; each local expert's state is placed at its expert's index of
-megalite's stacked expert weights.
+each expert-model-parallel rank keeps its local experts' weights in buffers of their own, sharded over the expert
+data-parallel group; each local expert's state is placed at its expert's index of megalite's stacked expert
+weights.  SequentialMLP, TEGroupedMLP and GroupedMLP (``--moe-grouped-gemm``) register the local experts
+differently (:data:`megalite.checkpoint.megatron_buffers.EXPERT_MODULES`): GroupedMLP's ``weight1``/``weight2``
+hold each local expert's matrix transposed, read back into megalite's layout.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
-interleaved chunks, tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local
-layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`)
-or, without experts, Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
+interleaved chunks, tied embeddings: the first stage's copy's state; the experts of any of the three modules) with
+the local layer spec (``--transformer-impl local``, module order
+:data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or Transformer Engine's; megalite resumes it at any
+layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
 """
@@ -45,8 +48,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts, local_expert,
-                                                  place, split_problem)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts,
+                                                  grouped_experts, local_expert, place, split_problem)
 from megalite.checkpoint.megatron_optim import chain_groups, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -85,11 +88,9 @@ def _run_problem(args: dict, config, names, saved):
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")
-    if impl not in ("local", "transformer_engine") or (impl != "local" and args.get("num_experts")):
-        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec, or of "
-                "Transformer Engine's without experts")
-    if args.get("num_experts") and args.get("moe_grouped_gemm"):
-        return "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"
+    if impl not in ("local", "transformer_engine"):
+        return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec or of "
+                "Transformer Engine's")
     layout = buffer_args(args)
     other = split_problem(args)
     try:
@@ -115,7 +116,7 @@ def _run_problem(args: dict, config, names, saved):
 
 def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
                           saved) -> tuple[dict, dict | None, str | None]:
-    """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces)]}, megalite's
+    """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces, transposed)]}, megalite's
     optimizer JSON state, None)`` for a 'dp_reshardable' save of the model ``config`` whose model tensors have
     Megatron's global shapes ``shapes`` (megalite names; the vocabulary padded), whose flat bucket tensors have the
     lengths ``bucket_sizes`` (DCP key: length), and whose sharded objects ``saved`` (:func:`_inners`) hold
@@ -124,7 +125,8 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     own buffer of each model chunk's local parameters (``gbuf_idx`` the chunk); at ep > 1 each expert-model-parallel
     rank (etp_rank + etp x (ep_rank + ep x pp_rank)) has one of its local experts in the second chained optimizer
     (``chained_1.``).  Each of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
-    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor.  The last stage's copy of
+    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor (``transposed``: the bucket
+    holds the shard's last two dimensions swapped, a GroupedMLP expert's).  The last stage's copy of
     tied embeddings is not read: the first stage's copy has the same state."""
 
     def no(why):
@@ -191,20 +193,24 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
         for name, (bucket, start) in zip(names, places):
             if name == OUTPUT_COPY and name not in shapes:
                 continue  # the last stage's copy of tied embeddings
-            expert = local_expert(name)
-            if expert is None:
-                if dims[name] is None and ctx.tp_rank > 0:
-                    continue  # a replica of tensor rank 0's
-                ours, shape = name, local[name]
-                pieces = global_param(name, local_meta(shape, dims[name]), config,
-                                      replace(ctx, ep_rank=0, ep_size=1)).pieces
-            else:  # one local expert: its own place along the expert dimension
-                ours, shape, found = expert_param(name, local[name], shapes[expert[0]][0], dims, config, ctx)
-                pieces = found.pieces
-            for state, key in STATE_KEYS.items():
-                if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
-                    flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start, shape,
-                                                                           pieces))
+            # GroupedMLP's weight1|2: its local experts one after the other, each matrix transposed
+            grouped = grouped_experts(name, local[name], config.moe.num_experts // ctx.ep_size if config.moe else 1)
+            for part, at, stored in grouped or [(name, 0, None)]:
+                expert = local_expert(part)
+                if expert is None:
+                    if dims[name] is None and ctx.tp_rank > 0:
+                        break  # a replica of tensor rank 0's
+                    ours, shape = name, local[name]
+                    pieces = global_param(name, local_meta(shape, dims[name]), config,
+                                          replace(ctx, ep_rank=0, ep_size=1)).pieces
+                else:  # one local expert: its own place along the expert dimension
+                    ours, shape, found = expert_param(part, stored[::-1] if stored else local[part],
+                                                      shapes[expert[0]][0], dims, config, ctx)
+                    pieces = found.pieces
+                for state, key in STATE_KEYS.items():
+                    if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
+                        flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start + at,
+                                                                               shape, pieces, stored is not None))
     return None
 
 

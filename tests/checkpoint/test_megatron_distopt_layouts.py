@@ -14,10 +14,20 @@ gradient buffers differ from an even split of untied dense layers in the local s
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
   way with Megatron-Core's local modules;
 - ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
-  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group).
+  optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group);
+- ``grouped`` (ep=2 x dp=2): the same GPT with GroupedMLP experts (``--moe-grouped-gemm``, their grouped GEMM on
+  the CPU: :mod:`megatron_grouped_fixture`), each layer's local experts two parameters ``weight1``/``weight2``,
+  each expert's matrix transposed;
+- ``te_grouped`` (ep=2 x dp=2): the same GPT as ``--transformer-impl transformer_engine --moe-grouped-gemm``
+  registers it (TEGroupedMLP), which TE cannot give here: :func:`_te_moe_order` builds it with Megatron-Core's
+  local modules in TE's order (the input norm fused into ``linear_qkv``, the pre-MLP norm fused into
+  ``linear_fc1`` only in the dense layer, and each layer's experts as TEGroupedMLP's two GroupedLinear register
+  them: ``linear_fc1.weight0..weight{E-1}`` then ``linear_fc2``'s, TransformerEngine's
+  ``transformer_engine/pytorch/module/grouped_linear.py`` ``GroupedLinear.__init__``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's.
+tp=1 x dp=2 (and the uneven one at its own stages, the MoE and GroupedMLP ones at ep=2 too) and its 5 losses equal
+Megatron's.
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
@@ -71,11 +81,62 @@ def _te_order(spec):
     return spec
 
 
+def _te_moe_order(block):
+    """The local MoE decoder ``block`` spec in the order of the Transformer-Engine spec with TEGroupedMLP experts
+    (module docstring): :func:`_te_order`'s fused norms, but an MoE layer keeps its pre-MLP norm (TE's spec gives
+    MoE layers a norm module of their own), and SequentialMLP experts register their weights at the experts module,
+    every expert's fc1 before the fc2s (:func:`_te_grouped_experts`)."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    block = copy.deepcopy(block)
+    for index, layer in enumerate(block.layer_specs):
+        if layer.submodules.mlp.module is not MoELayer:
+            block.layer_specs[index] = _te_order(layer)
+            continue
+        layer.submodules.input_layernorm = IdentityOp
+        layer.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
+        layer.submodules.mlp.submodules.experts.module = _te_grouped_experts()
+    return block
+
+
+def _te_grouped_experts():
+    """Megatron-Core's SequentialMLP with its experts' weights registered in TEGroupedMLP's order (its
+    ``linear_fc1``'s ``weight0``.. ``weight{E-1}``, then ``linear_fc2``'s: TE's ``GroupedLinear`` registers one
+    ``[out, in]`` weight per expert, SequentialMLP's own layout) ahead of the experts' modules, so its
+    ``parameters()`` (Megatron-Core's gradient buffer) follow that order; its sharded state (TEGroupedMLP's equals
+    SequentialMLP's) is unchanged."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class TEGroupedOrder(SequentialMLP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._parameters = {f"linear_fc{k}_weight{i}": getattr(expert, f"linear_fc{k}").weight
+                                for k in (1, 2) for i, expert in enumerate(self.local_experts)}
+
+    return TEGroupedOrder
+
+
+def _megatron_names(layout: dict) -> dict:
+    """A Megatron-Core buffer layout (:func:`megatron_optim_fixture._buffer_layout`) in megalite's names: TE's fused
+    norms, and :func:`_te_grouped_experts`' weights as SequentialMLP names them."""
+    import re
+
+    named = {}
+    for name, place in layout.items():
+        name = name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", "")))
+        named[re.sub(r"experts\.linear_fc(\d)_weight(\d+)$", r"experts.local_experts.\2.linear_fc\1.weight", name)] = \
+            place
+    return named
+
+
 # The fused norms' names under the TE spec and megalite's names of them.
 _TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
              ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
-# Each case: (megatron_fixture.build_model's arguments (None: test_megatron_moe's MoE GPT at ep=2), Megatron-LM's
-# args of the run).
+# Each case: (megatron_fixture.build_model's arguments (or test_megatron_moe's _build's: MOE_CASES, at ep=2),
+# Megatron-LM's args of the run).
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
                     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
@@ -85,6 +146,11 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
+CASES["grouped"] = (dict(grouped=True), dict(CASES["moe"][1], moe_grouped_gemm=True))
+CASES["te_grouped"] = (dict(spec_of=_te_moe_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
+                                                          transformer_impl="transformer_engine"))
+MOE_CASES = ("moe", "grouped", "te_grouped")
+"""The cases of :mod:`test_megatron_moe`'s MoE GPT at ep=2 (CASES' first item: its ``_build``'s arguments)."""
 
 LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
@@ -100,8 +166,8 @@ def _megatron_run(root: str, micro_batches, case: str):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     build, args = CASES[case]
-    if build is None:
-        modules = moe._build(2, seed=1)
+    if case in MOE_CASES:
+        modules = moe._build(2, seed=1, **(build or {}))
     else:
         build = dict(build)
         modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)
@@ -150,7 +216,9 @@ def _run(root: str, micro_batches):
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
         + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2")),
+           (os.path.join(root, "grouped"), os.path.join(root, "grouped_ep2.jsonl"),
+            ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -170,9 +238,9 @@ def megatron_runs(tmp_path_factory):
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
     """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer:
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
-    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    TE's order and experts in a chained optimizer (SequentialMLP's, GroupedMLP's, TEGroupedMLP's order):
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE and
+    GroupedMLP ones also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
@@ -180,14 +248,16 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
-    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
+    for case in ("moe", "grouped"):
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_ep2.jsonl")),
+                                    runs[case][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included; the MoE run's dense and expert-parallel buffers; Transformer Engine's order, whose fused norms are
-    megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
-    run."""
+    included; the MoE runs' dense and expert-parallel buffers, GroupedMLP's weight1/weight2 and TEGroupedMLP's
+    order; Transformer Engine's order, whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``)
+    equals Megatron-Core's ``_ParamAndGradBuffer`` in each run."""
     from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
@@ -195,22 +265,25 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     for case in CASES:
         reader = MegatronDistReader(os.path.join(root, case))
         for rank, theirs in enumerate(runs[case][1]):
-            stage = 0 if case in ("moe", "te") else rank
-            mine = [layout for experts in (False, True) if not experts or case == "moe" for layout in
+            stage = 0 if case in ("te",) + MOE_CASES else rank
+            mine = [layout for experts in (False, True) if not experts or case in MOE_CASES for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp", "moe") else 1)
+            assert len(mine) == len(theirs) == (2 if case in ("vpp",) + MOE_CASES else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
-                theirs_named = {name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", ""))): place
-                                for name, place in their_places.items()}
-                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
+                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == _megatron_names(their_places), \
+                    (case, rank)
         if case == "tied":  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
         if case == "te":  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
                                                **dict(buffer_args(reader.args), te=False))[0]
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
+        if case == "te_grouped":  # the experts' buffer: every fc1 before the fc2s, not SequentialMLP's order
+            local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0, experts=True,
+                                               **dict(buffer_args(reader.args), expert_module="sequential"))[0]
+            assert names != mine[1][1] and sorted(names) == sorted(mine[1][1])
 
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):

@@ -39,9 +39,10 @@ SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
-def _build(ep: int, seed: int, grouped: bool = False):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
-    ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU (:mod:`megatron_grouped_fixture`))."""
+def _build(ep: int, seed: int, grouped: bool = False, spec_of=None):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec, or
+    ``spec_of(its decoder block spec)``; ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU
+    (:mod:`megatron_grouped_fixture`))."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -70,6 +71,7 @@ def _build(ep: int, seed: int, grouped: bool = False):
         moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
         moe_use_legacy_grouped_gemm=grouped)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = spec_of(spec) if spec_of else spec
     model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     with torch.no_grad():  # non-zero norm weights and a router that separates experts
