@@ -299,9 +299,13 @@ def grouped_experts(name: str, shape: tuple[int, ...], count: int) -> list[tuple
              index * stored[0] * stored[1], stored) for index in range(count)]
 
 
-def local_expert(name: str) -> tuple[str, int] | None:
+def local_expert(name: str) -> tuple[str, int | None] | None:
     """``(megalite's stacked expert weight, local expert index)`` of a local expert's weight ``name``
-    (:func:`chunk_layouts`' name of it), or None for another parameter."""
+    (:func:`chunk_layouts`' name of it; the index None for GroupedMLP's ``weight1|2``, all the local experts), or None
+    for another parameter."""
+    grouped = _GROUPED.fullmatch(name)
+    if grouped:
+        return f"{grouped.group(1)}mlp.experts.fc{grouped.group(2)}_weight", None
     match = _LOCAL_EXPERT.fullmatch(name)
     if match is None:
         return None

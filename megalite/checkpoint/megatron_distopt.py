@@ -264,6 +264,8 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
         for chunk in chunks:
             for n, shape in chunk.items():
                 expert = local_expert(n)
+                if expert and expert[1] is None:  # GroupedMLP's weight1|2: one expert's shape
+                    shape = grouped_experts(n, shape, config.moe.num_experts // layout["ep"])[0][2][::-1]
                 if t == 0 and e == 0 and (n in names or expert):
                     ours, lead = (n, ()) if expert is None else (expert[0], (config.moe.num_experts,))
                     dim = dims[ours] - len(lead) if dims[ours] is not None else None

@@ -35,8 +35,9 @@ keep each expert rank's files in ``mp_rank_TT[_PPP]_EEE`` (its local experts, ``
 placed at their indices of megalite's stacked expert weights; the dense tensors, replicated, read from expert rank
 0); their optimizer is Megatron-Core's chain of the dense and the expert optimizers: a list of both states in
 ``optimizer``, or with a distributed optimizer both buffers in each ``distrib_optim.pt``.
-GroupedMLP experts and an expert tensor-parallel size other than tp are refused: megalite reads those in the
-torch_dist format.
+GroupedMLP experts (``--moe-grouped-gemm``: ``mlp.experts.weight1|2``, every local expert's matrix transposed side by
+side) are split into those experts, weights and moments alike.  An expert tensor-parallel size other than tp is
+refused: megalite reads it in the torch_dist format.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_names import megalite_name
-from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, local_expert
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, grouped_experts, local_expert
 from megalite.checkpoint.megatron_distopt import expert_param, legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import OPTIMIZER_STATE_KEYS, chain, chain_groups, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
@@ -188,11 +189,10 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1) if getattr(args, "num_experts", None) else 1
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
-    if getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or etp != tp):
-        what = "GroupedMLP experts (moe_grouped_gemm)" if getattr(args, "moe_grouped_gemm", False) else \
-            f"expert_tensor_parallel_size {etp} (not the tensor-parallel size {tp})"
-        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with {what} is not supported; megalite reads "
-                         "those in --ckpt-format torch_dist")
+    if getattr(args, "num_experts", None) and etp != tp:
+        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with expert_tensor_parallel_size {etp} (not the "
+                         f"tensor-parallel size {tp}) is not supported; megalite reads those in --ckpt-format "
+                         "torch_dist")
     config = config_from_megatron_args(args, vocab_size)
     files = {(t, p, e): rank_file(directory, t, p, pp, e, ep) for p in range(pp) for t in range(tp) for e in range(ep)}
     sizes = f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}" + \
@@ -354,7 +354,7 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
     ep = 1 + max(e for _, _, e in chunks)
     for (t, p, e), per_stage in chunks.items():
         for v, chunk in enumerate(per_stage):
-            for key, value in chunk.items():
+            for key, value in _experts_split(chunk, config.moe.num_experts // ep if config.moe else 1):
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
@@ -385,6 +385,20 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
     if missing:
         raise ValueError(f"{directory} does not hold all of {missing[0]} (nor of {len(missing) - 1} other tensors)")
     return out
+
+
+def _experts_split(chunk: dict, count: int):
+    """The ``(name, tensor)`` items of a rank's state dict ``chunk``, GroupedMLP's ``weight1|2`` (or their moments)
+    each split into its ``count`` local experts' weights as SequentialMLP names them, in megalite's layout (views,
+    each expert's matrix transposed back: :func:`megalite.checkpoint.megatron_buffers.grouped_experts`)."""
+    for key, value in chunk.items():
+        experts = grouped_experts(key, tuple(value.shape), count) if isinstance(value, torch.Tensor) else None
+        if experts is None:
+            yield key, value
+            continue
+        flat = value.reshape(-1)
+        for name, at, stored in experts:
+            yield name, flat[at:at + stored[0] * stored[1]].view(stored).t()
 
 
 def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = False,

@@ -152,7 +152,7 @@ CASES["te_grouped"] = (dict(spec_of=_te_moe_order), dict(CASES["moe"][1], moe_gr
 MOE_CASES = ("moe", "grouped", "te_grouped")
 """The cases of :mod:`test_megatron_moe`'s MoE GPT at ep=2 (CASES' first item: its ``_build``'s arguments)."""
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "grouped")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 
 
@@ -288,7 +288,8 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
-    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers): Megatron-LM's
+    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; SequentialMLP's and
+    GroupedMLP's ``weight1|2``): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""

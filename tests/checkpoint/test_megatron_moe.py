@@ -98,8 +98,8 @@ def _sharded_shapes(model) -> dict:
 def _train(model, ep: int, save_dir: str, grouped: bool = False):
     """Megatron-LM's run of ``model`` on an ep grid (tp=1, dp=2: each rank one micro-batch of an iteration) with
     Megatron-Core's DDP, (non-distributed) Adam and scheduler, saved into ``save_dir`` after SAVED_AT iterations
-    (SequentialMLP's also with ``singleton_local_shards`` and in the legacy format; ``grouped``: GroupedMLP's, its
-    args saying ``--moe-grouped-gemm``) and continued to TOTAL.  Returns this rank's saved Adam moments
+    (and in the legacy format into ``save_dir + LEGACY``; SequentialMLP's also with ``singleton_local_shards``;
+    ``grouped``: GroupedMLP's, its args saying ``--moe-grouped-gemm``) and continued to TOTAL.  Returns this rank's saved Adam moments
     (:func:`_moments`) and Megatron's losses of every iteration."""
     import torch.distributed as dist
 
@@ -123,9 +123,9 @@ def _train(model, ep: int, save_dir: str, grouped: bool = False):
                 state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
                 state["opt_param_scheduler"] = scheduler.state_dict()
                 megatron_fixture.save_state(state, directory, i)
-            if not grouped:
-                run._save_legacy(save_dir + run.LEGACY, i, ddp, optimizer, scheduler, expert_model_parallel_size=ep,
-                                 **{k: v for k, v in ARGS.items() if megatron_fixture.ARGS.get(k) != v})
+            run._save_legacy(save_dir + run.LEGACY, i, ddp, optimizer, scheduler, **{
+                **{k: v for k, v in ARGS.items() if megatron_fixture.ARGS.get(k) != v},
+                "expert_model_parallel_size": ep, "moe_grouped_gemm": grouped})
         batch = batches[i * per_iteration:(i + 1) * per_iteration]
         losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
     return moments, losses
@@ -207,7 +207,7 @@ def saved(tmp_path_factory):
     the experts' from both EP ranks), Megatron's losses of iterations 1..TOTAL, megalite's resumed runs' metrics
     files (ep=1, ep=2), rank 0's output of them, and the same from the GroupedMLP run (its save directory first))``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
-    for suffix in ("", run.LEGACY, SINGLETON, GROUPED):
+    for suffix in ("", run.LEGACY, SINGLETON, GROUPED, GROUPED + run.LEGACY):
         os.makedirs(path + suffix)
     ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
     runs = []
@@ -275,6 +275,22 @@ def test_a_grouped_gemm_run_loads_and_continues(saved):
                for text in outputs), outputs
     for file in metrics:
         run.assert_equal_losses(run.losses(file), losses[run.SAVED_AT:])
+
+
+def test_a_legacy_grouped_gemm_save_gives_the_torch_dist_state(saved):
+    """The GroupedMLP run's legacy save (``model_optim_rng.pt``: ``mlp.experts.weight1|2``, every local expert's matrix
+    transposed side by side, and their Adam moments in the chained optimizers' lists), read behind the pickle opt-in,
+    holds the torch_dist save's weights and moments bit for bit and its optimizer state."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    path = saved[7][0]
+    legacy = read_megatron_legacy(path + run.LEGACY, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    theirs = MegatronDistReader(path)
+    assert legacy.optimizer_note is None and legacy.optimizer == theirs.state["optimizer"]
+    assert sorted(legacy.tensors) == sorted(theirs.shapes)
+    for name in theirs.shapes:
+        assert torch.equal(legacy.tensors[name], theirs.read(name)), name
 
 
 def test_moe_config_from_megatron_args(saved):
