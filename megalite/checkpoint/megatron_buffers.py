@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 import re
 
+import torch
+
 from megalite.checkpoint.meta import split_dims
 from megalite.pipeline import split_layers
 
@@ -79,7 +81,7 @@ def place(name: str, te: bool = False, expert_module: str = "sequential", moe: b
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
-    expert = _LOCAL_EXPERT.fullmatch(name) if expert_module != "grouped" else None
+    expert = _LOCAL_EXPERT.fullmatch(name)
     if expert or grouped:  # GroupedMLP's weight1, weight2; SequentialMLP's experts in order, each fc1 then fc2;
         match = expert or grouped  # TEGroupedMLP's fc1 of every expert, then fc2
         layer, module = int(match.group(1).split(".")[2]), LAYER_ORDER.index("mlp.experts.")
@@ -297,6 +299,20 @@ def grouped_experts(name: str, shape: tuple[int, ...], count: int) -> list[tuple
     stored = (shape[0], shape[1] // count) if fc1 else (shape[0] // count, shape[1])
     return [(f"{match.group(1)}mlp.experts.local_experts.{index}.linear_fc{2 - fc1}.weight",
              index * stored[0] * stored[1], stored) for index in range(count)]
+
+
+def grouped_split(state: dict, count: int):
+    """The ``(name, value)`` items of a rank's state dict ``state``, GroupedMLP's ``weight1|2`` (or their moments) each
+    split into its ``count`` local experts' weights as SequentialMLP names them, in megalite's layout (views, each
+    expert's matrix transposed back: :func:`grouped_experts`)."""
+    for key, value in state.items():
+        experts = grouped_experts(key, tuple(value.shape), count) if isinstance(value, torch.Tensor) else None
+        if experts is None:
+            yield key, value
+            continue
+        flat = value.reshape(-1)
+        for name, at, stored in experts:
+            yield name, flat[at:at + stored[0] * stored[1]].view(stored).t()
 
 
 def local_expert(name: str) -> tuple[str, int | None] | None:

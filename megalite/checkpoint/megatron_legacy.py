@@ -55,7 +55,7 @@ from megalite.checkpoint.files import fresh_output, move_into_place
 from megalite.checkpoint.megatron_args import config_from_megatron_args
 from megalite.checkpoint.megatron_dist import plain_dict
 from megalite.checkpoint.megatron_names import megalite_name
-from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, grouped_experts, local_expert
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, grouped_split, local_expert
 from megalite.checkpoint.megatron_distopt import expert_param, legacy_distributed_optimizer
 from megalite.checkpoint.megatron_optim import OPTIMIZER_STATE_KEYS, chain, chain_groups, optimizer_meta
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
@@ -354,7 +354,7 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
     ep = 1 + max(e for _, _, e in chunks)
     for (t, p, e), per_stage in chunks.items():
         for v, chunk in enumerate(per_stage):
-            for key, value in _experts_split(chunk, config.moe.num_experts // ep if config.moe else 1):
+            for key, value in grouped_split(chunk, config.moe.num_experts // ep if config.moe else 1):
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = _global_name(key, offsets[(v, p)])
@@ -385,20 +385,6 @@ def _assemble(config, chunks: dict, tp: int, pp: int, directory: str) -> dict[st
     if missing:
         raise ValueError(f"{directory} does not hold all of {missing[0]} (nor of {len(missing) - 1} other tensors)")
     return out
-
-
-def _experts_split(chunk: dict, count: int):
-    """The ``(name, tensor)`` items of a rank's state dict ``chunk``, GroupedMLP's ``weight1|2`` (or their moments)
-    each split into its ``count`` local experts' weights as SequentialMLP names them, in megalite's layout (views,
-    each expert's matrix transposed back: :func:`megalite.checkpoint.megatron_buffers.grouped_experts`)."""
-    for key, value in chunk.items():
-        experts = grouped_experts(key, tuple(value.shape), count) if isinstance(value, torch.Tensor) else None
-        if experts is None:
-            yield key, value
-            continue
-        flat = value.reshape(-1)
-        for name, at, stored in experts:
-            yield name, flat[at:at + stored[0] * stored[1]].view(stored).t()
 
 
 def convert_megatron_legacy(path: str, output: str, *, allow_pickle: bool = False,

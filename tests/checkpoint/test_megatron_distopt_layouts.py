@@ -13,7 +13,7 @@ gradient buffers differ from an even split of untied dense layers in the local s
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
   way with Megatron-Core's local modules;
-- ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
+- ``moe`` (ep=2 x dp=2): :mod:`megatron_moe_fixture`'s MoE GPT, whose local experts are in a second chained
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group);
 - ``grouped`` (ep=2 x dp=2): the same GPT with GroupedMLP experts (``--moe-grouped-gemm``, their grouped GEMM on
   the CPU: :mod:`megatron_grouped_fixture`), each layer's local experts two parameters ``weight1``/``weight2``,
@@ -44,7 +44,7 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core trains six runs on 2 ranks, megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
-from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
+from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
 
 
 def _fused_norm_linear():
@@ -135,7 +135,7 @@ def _megatron_names(layout: dict) -> dict:
 # The fused norms' names under the TE spec and megalite's names of them.
 _TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
              ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
-# Each case: (megatron_fixture.build_model's arguments (or test_megatron_moe's _build's: MOE_CASES, at ep=2),
+# Each case: (megatron_fixture.build_model's arguments (or megatron_moe_fixture.build's: MOE_CASES, at ep=2),
 # Megatron-LM's args of the run).
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
@@ -150,7 +150,7 @@ CASES["grouped"] = (dict(grouped=True), dict(CASES["moe"][1], moe_grouped_gemm=T
 CASES["te_grouped"] = (dict(spec_of=_te_moe_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
                                                           transformer_impl="transformer_engine"))
 MOE_CASES = ("moe", "grouped", "te_grouped")
-"""The cases of :mod:`test_megatron_moe`'s MoE GPT at ep=2 (CASES' first item: its ``_build``'s arguments)."""
+"""The cases of :mod:`megatron_moe_fixture`'s MoE GPT at ep=2 (CASES' first item: its ``build``'s arguments)."""
 
 LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "grouped")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
@@ -167,7 +167,7 @@ def _megatron_run(root: str, micro_batches, case: str):
 
     build, args = CASES[case]
     if case in MOE_CASES:
-        modules = moe._build(2, seed=1, **(build or {}))
+        modules = moe.build(2, seed=1, **(build or {}))
     else:
         build = dict(build)
         modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)

@@ -1,20 +1,19 @@
 """Megatron-LM torch_dist MoE checkpoints, written by Megatron-Core at ep=2, load into megalite at ep=1 and ep=2.
 
-Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU experts, top-2, dropless, a shared
-expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
-two expert-parallel ranks after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained
-CONTINUED more (:mod:`megatron_optim_fixture`'s run).  megalite reads the architecture from the saved args and
-its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.
-Both Megatron expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
-GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension); a GroupedMLP
-run (``--moe-grouped-gemm``, its grouped GEMM on the CPU: :mod:`megatron_grouped_fixture`) is trained and saved beside
-the SequentialMLP one, and megalite loads and continues it at ep=1 and ep=2 likewise.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
-logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.  The same
-state saved in the legacy format (``--ckpt-format torch``, the chained optimizers' states in ``model_optim_rng.pt``)
-reads as the torch_dist save.
+Megatron-Core's MoE GPT (:mod:`megatron_moe_fixture`: a routed MoE MLP of 4 SwiGLU experts, top-2, dropless, with a
+shared expert, in layer 0 and a dense MLP in layer 1), saved by ``dist_checkpointing`` from two expert-parallel ranks
+after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained CONTINUED more
+(:mod:`megatron_optim_fixture`'s run). megalite reads the architecture from the saved args and its logits equal
+Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens. Both Megatron expert
+implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and GroupedMLP's
+``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension); a GroupedMLP run
+(``--moe-grouped-gemm``, its grouped GEMM on the CPU: :mod:`megatron_grouped_fixture`) is trained and saved beside the
+SequentialMLP one, and megalite loads and continues it at ep=1 and ep=2 likewise. Converted to megalite and back
+(``--to megatron``), Megatron-Core's own load gives its logits again. megalite's ``pretrain --load`` of the save at
+ep=1 and at ep=2 continues Megatron's losses. The same state saved in the legacy format (``--ckpt-format torch``, the
+chained optimizers' states in ``model_optim_rng.pt``) reads as the torch_dist save.
 """
 
-import argparse
 import os
 
 import pytest
@@ -24,192 +23,22 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 ranks
 
 from megalite.testing import run_distributed  # noqa: E402
-from tests.checkpoint import megatron_fixture, megatron_grouped_fixture as grouped_fixture  # noqa: E402
-from tests.checkpoint import megatron_optim_fixture as run  # noqa: E402
-
-ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
-            qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
-            moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
-            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
-GROUPED = "_grouped"
-"""The suffix of the directory of the GroupedMLP run's save (``--moe-grouped-gemm``)."""
-SINGLETON = "_singleton"
-"""The suffix of the directory of the same save with Megatron-Core's ``singleton_local_shards`` (per-expert tensors,
-SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
-IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
-
-
-def _build(ep: int, seed: int, grouped: bool = False, spec_of=None):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec, or
-    ``spec_of(its decoder block spec)``; ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU
-    (:mod:`megatron_grouped_fixture`))."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron.core.transformer.moe import moe_utils
-
-    megatron_fixture.patch_cuda()
-    moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
-    grouped_fixture.patch_grouped_gemm()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-    torch.manual_seed(seed)
-    a = ARGS
-    config = TransformerConfig(
-        num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
-        ffn_hidden_size=a["ffn_hidden_size"], kv_channels=a["kv_channels"], hidden_dropout=0.0,
-        attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
-        add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
-        moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
-        moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
-        moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
-        moe_use_legacy_grouped_gemm=grouped)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    spec = spec_of(spec) if spec_of else spec
-    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    with torch.no_grad():  # non-zero norm weights and a router that separates experts
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif "router" in name:
-                param.normal_(0.0, 0.5)
-    grouped_fixture.allow_fp32(model)
-    return model
-
-
-def _sharded_shapes(model) -> dict:
-    """``{sharded key: global shape}`` of the tensors ``model`` saves."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-
-    state = model.sharded_state_dict()
-    apply_factories(state)
-    return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
-
-
-def _train(model, ep: int, save_dir: str, grouped: bool = False):
-    """Megatron-LM's run of ``model`` on an ep grid (tp=1, dp=2: each rank one micro-batch of an iteration) with
-    Megatron-Core's DDP, (non-distributed) Adam and scheduler, saved into ``save_dir`` after SAVED_AT iterations
-    (and in the legacy format into ``save_dir + LEGACY``; SequentialMLP's also with ``singleton_local_shards``;
-    ``grouped``: GroupedMLP's, its args saying ``--moe-grouped-gemm``) and continued to TOTAL.  Returns this rank's saved Adam moments
-    (:func:`_moments`) and Megatron's losses of every iteration."""
-    import torch.distributed as dist
-
-    ddp, optimizer, scheduler = run.wrap(model)
-    batches = run.micro_batches()
-    per_iteration = len(batches) // run.TOTAL
-    losses = []
-    for i in range(run.TOTAL):
-        if i == run.SAVED_AT:
-            moments = _moments(model, optimizer)
-            args = argparse.Namespace(**{**ARGS, "vocab_size": None, "global_batch_size": run.GLOBAL_BATCH,
-                                         "consumed_train_samples": i * run.GLOBAL_BATCH, "moe_grouped_gemm": grouped},
-                                      tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                      expert_model_parallel_size=ep, world_size=dist.get_world_size(),
-                                      data_parallel_size=dist.get_world_size(), transformer_impl="local")
-            saves = ((save_dir, None),) if grouped else \
-                ((save_dir, None), (save_dir + SINGLETON, {"singleton_local_shards": True}))
-            for directory, metadata in saves:
-                state = {"args": args, "checkpoint_version": 3.0, "iteration": i,
-                         "model": model.sharded_state_dict(metadata=metadata)}
-                state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
-                state["opt_param_scheduler"] = scheduler.state_dict()
-                megatron_fixture.save_state(state, directory, i)
-            run._save_legacy(save_dir + run.LEGACY, i, ddp, optimizer, scheduler, **{
-                **{k: v for k, v in ARGS.items() if megatron_fixture.ARGS.get(k) != v},
-                "expert_model_parallel_size": ep, "moe_grouped_gemm": grouped})
-        batch = batches[i * per_iteration:(i + 1) * per_iteration]
-        losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
-    return moments, losses
-
-
-def _save(save_dir: str, ep: int, ids: torch.Tensor):
-    """:func:`_train` of the SequentialMLP model into ``save_dir`` and of a GroupedMLP one into ``save_dir +
-    GROUPED``; then megalite resumes each save (:func:`megatron_optim_fixture.resume`) at ep=1 and at ep=2 in these
-    rank processes.  Returns, for each run (SequentialMLP's, GroupedMLP's), Megatron-Core's logits of ``ids`` after
-    its own load of the save into an ep=1 model, this rank's saved Adam moments (:func:`_moments`), Megatron's
-    losses of every iteration, the resumed runs' metrics files and rank 0's output of them; and whether GroupedMLP
-    experts save the same tensors as the SequentialMLP ones."""
-    from megatron.core import parallel_state
-
-    model = _build(ep, seed=1)
-    grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
-    run.patch_cuda()
-    results = [_train(model, ep, save_dir)]
-    parallel_state.destroy_model_parallel()
-    results.append(_train(_build(ep, seed=3, grouped=True), ep, save_dir + GROUPED, grouped=True))
-    parallel_state.destroy_model_parallel()
-    root = os.path.dirname(save_dir)
-    out = []
-    for (moments, losses), directory, grouped in zip(results, (save_dir, save_dir + GROUPED), (False, True)):
-        logits = _megatron_logits(directory, ids, grouped)
-        metrics = [os.path.join(root, f"{os.path.basename(directory)}_ep{ep}.jsonl") for ep in (1, 2)]
-        outputs = run.resume([(directory, metrics[0], ()),
-                              (directory, metrics[1], ("--expert-model-parallel-size", "2"))])
-        out.append((logits, moments, losses, metrics, [text for text, *_ in outputs]))
-    return out, grouped_same
-
-
-def _moments(model, optimizer):
-    """This rank's Adam moments in megalite's names (at ep > 1 Megatron-Core chains a second optimizer for the
-    experts): layer 0's router's first moment and the first moment of its local experts' fc1 and second of their
-    fc2, stacked in expert order (GroupedMLP's ``weight1`` ``[hidden, experts x 2 ffn]`` and ``weight2`` ``[experts
-    x ffn, hidden]`` as its forward views them, ``[experts, hidden, 2 ffn]`` and ``[experts, ffn, hidden]``, each
-    expert's matrix transposed)."""
-    state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
-    params = dict(model.named_parameters())
-    layer = "decoder.layers.0.mlp."
-    moments = {f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"].clone()}
-    if layer + "experts.weight1" in params:
-        hidden = ARGS["hidden_size"]
-        one, two = (state[params[f"{layer}experts.weight{k}"]] for k in (1, 2))
-        count = one["exp_avg"].numel() // (hidden * 2 * ARGS["moe_ffn_hidden_size"])
-        moments[f"optimizer.exp_avg.{layer}experts.fc1_weight"] = \
-            one["exp_avg"].view(count, hidden, -1).transpose(1, 2).clone()
-        moments[f"optimizer.exp_avg_sq.{layer}experts.fc2_weight"] = \
-            two["exp_avg_sq"].view(count, -1, hidden).transpose(1, 2).clone()
-        return moments
-    experts = sorted(n for n in params if n.startswith(layer + "experts.local_experts.") and "fc1" in n)
-    moments[f"optimizer.exp_avg.{layer}experts.fc1_weight"] = torch.stack([state[params[n]]["exp_avg"]
-                                                                           for n in experts])
-    moments[f"optimizer.exp_avg_sq.{layer}experts.fc2_weight"] = torch.stack(
-        [state[params[n.replace("fc1", "fc2")]]["exp_avg_sq"] for n in experts])
-    return moments
-
-
-def _megatron_logits(save_dir: str, ids: torch.Tensor, grouped: bool = False) -> torch.Tensor:
-    """Megatron-Core's logits of ``ids`` after its own ``dist_checkpointing.load`` of ``save_dir`` into an ep=1
-    model (``grouped``: of GroupedMLP experts)."""
-    from megatron.core import dist_checkpointing
-
-    model = _build(1, seed=7, grouped=grouped)
-    directory = os.path.join(save_dir, f"iter_{run.SAVED_AT:07d}")
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
-    model.eval()
-    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        return model(ids, positions, causal)
+from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run  # noqa: E402
+from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
+from tests.checkpoint.megatron_moe_fixture import GROUPED, IDS, SINGLETON  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """``(save directory, Megatron-Core's logits of IDS (its padded vocabulary, the model's: the save has no
-    args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments (:func:`_moments`,
-    the experts' from both EP ranks), Megatron's losses of iterations 1..TOTAL, megalite's resumed runs' metrics
-    files (ep=1, ep=2), rank 0's output of them, and the same from the GroupedMLP run (its save directory first))``."""
+    args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments
+    (:func:`megatron_moe_fixture.adam_moments`, the experts' from both EP ranks), Megatron's losses of iterations
+    1..TOTAL, megalite's resumed runs' metrics files (ep=1, ep=2), rank 0's output of them, and the same from the
+    GroupedMLP run (its save directory first))``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     for suffix in ("", run.LEGACY, SINGLETON, GROUPED, GROUPED + run.LEGACY):
         os.makedirs(path + suffix)
-    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
+    ranks = run_distributed(moe.run_and_resume, 2, path, 2, IDS, timeout=300)
     runs = []
     for index in range(2):
         moments = {name: torch.cat([r[0][index][1][name] for r in ranks]) if "experts" in name
@@ -343,7 +172,7 @@ def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
         _close(load_model(ours)(IDS), saved[1])
     assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
                                     "--output", theirs) == 0
-    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0], saved[1])
+    _close(run_distributed(moe.megatron_logits, 1, theirs, IDS, timeout=120)[0], saved[1])
 
 
 def test_moe_args_map_both_ways():
