@@ -49,6 +49,7 @@ LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attentio
 # megalite's stacked expert weights (``[experts, ...]``) and the names of one local expert's in Megatron-Core's
 # SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
+_ROUTER = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.")
 _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 # GroupedMLP's parameters of a layer's local experts, ``decoder.layers.<l>.mlp.experts.weight1|2``.
 _GROUPED = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.weight([12])")
@@ -66,18 +67,20 @@ TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_lay
 _ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def place(name: str, te: bool = False, expert_module: str = "sequential", moe: bool = False):
+def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset(), expert_module: str = "sequential"):
     """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
-    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; in an MoE layer, ``moe``, only the input
-    norm is fused); ``expert_module``: the order of the local experts' weights (:data:`EXPERT_MODULES`).  Each
-    module registers its weight before its bias, after a fused norm's weight and bias."""
+    ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; ``moe_layers``: the MoE layers, whose
+    pre-MLP norm is not fused); ``expert_module``: the order of the local experts' weights (:data:`EXPERT_MODULES`).
+    Each module registers its weight before its bias, after a fused norm's weight and bias."""
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
     grouped = _GROUPED.fullmatch(name)
     if kind is None and not grouped:
         return None
-    fused = re.fullmatch(r"decoder\.layers\.\d+\.(\w+\.)(weight|bias)", name)
-    if te and fused and fused.group(1) in TE_FUSED_NORMS and not (moe and fused.group(1) == "pre_mlp_layernorm."):
-        name, kind = name.replace(fused.group(1), TE_FUSED_NORMS[fused.group(1)]), kind - 2
+    fused = re.fullmatch(r"decoder\.layers\.(\d+)\.(\w+\.)(weight|bias)", name)
+    if fused and int(fused.group(1)) in moe_layers and fused.group(2) == "pre_mlp_layernorm.":
+        fused = None
+    if te and fused and fused.group(2) in TE_FUSED_NORMS:
+        name, kind = name.replace(fused.group(2), TE_FUSED_NORMS[fused.group(2)]), kind - 2
     for prefix, rank in _TOP.items():
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
@@ -213,12 +216,6 @@ def buffer_args(args: dict) -> dict:
                 te=te, expert_module=expert_module)
 
 
-def _layer(name: str) -> str | None:
-    """The layer number of a decoder layer's parameter ``name``, else None."""
-    match = re.match(r"decoder\.layers\.(\d+)\.", name)
-    return match and match.group(1)
-
-
 def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
     """``(pipeline rank, chunk)`` whose model holds ``name``: its layer's, the embeddings on the first chunk of the
     first stage, the final norm and output layer on the last chunk of the last."""
@@ -334,9 +331,10 @@ def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | Non
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
     a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
     over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
-    Transformer-Engine spec's parameter order; ``expert_module``: the local experts' (:func:`place`)."""
-    moe = {_layer(n) for n in local if ".mlp.router." in n}  # the MoE layers (a router each)
-    order = sorted(local, key=lambda n: place(n, te, expert_module, _layer(n) in moe) or ())
+    Transformer-Engine spec's parameter order (a layer with a router is an MoE layer); ``expert_module``: the local
+    experts' (:func:`place`)."""
+    moe_layers = frozenset(int(m.group(1)) for m in map(_ROUTER.match, local) if m)
+    order = sorted(local, key=lambda n: place(n, te, moe_layers, expert_module) or ())
     shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
     places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
     return order, places, unpadded

@@ -30,10 +30,10 @@ SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
-def build(ep: int, seed: int, grouped: bool = False, spec_of=None):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec, or
-    ``spec_of(its decoder block spec)``; ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU
-    (:mod:`megatron_grouped_fixture`))."""
+def build(ep: int, seed: int, grouped: bool = False, layer_spec=None):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
+    ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU (:mod:`megatron_grouped_fixture`); ``layer_spec``:
+    a function of the decoder block's spec giving the one to build)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -62,7 +62,7 @@ def build(ep: int, seed: int, grouped: bool = False, spec_of=None):
         moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
         moe_use_legacy_grouped_gemm=grouped)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    spec = spec_of(spec) if spec_of else spec
+    spec = spec if layer_spec is None else layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     with torch.no_grad():  # non-zero norm weights and a router that separates experts
@@ -124,28 +124,30 @@ def train(model, ep: int, save_dir: str, grouped: bool = False):
 
 def run_and_resume(save_dir: str, ep: int, ids: torch.Tensor):
     """:func:`train` of the SequentialMLP model into ``save_dir`` and of a GroupedMLP one into ``save_dir +
-    GROUPED``; then megalite resumes each save (:func:`megatron_optim_fixture.resume`) at ep=1 and at ep=2 in these
+    GROUPED``; then megalite resumes each save (:func:`megatron_optim_fixture.resume`) at ep=1 (and the SequentialMLP
+    one at ep=2: the GroupedMLP save's state is read into ep=2 by the same rule, checked by its moments) in these
     rank processes.  Returns, for each run (SequentialMLP's, GroupedMLP's), Megatron-Core's logits of ``ids`` after
     its own load of the save into an ep=1 model, this rank's saved Adam moments (:func:`adam_moments`), Megatron's
     losses of every iteration, the resumed runs' metrics files and rank 0's output of them; and whether GroupedMLP
     experts save the same tensors as the SequentialMLP ones."""
     from megatron.core import parallel_state
 
-    model = build(ep, seed=1)
-    grouped_same = sharded_shapes(build(ep, seed=1, grouped=True)) == sharded_shapes(model)
+    model, grouped_model = build(ep, seed=1), build(ep, seed=1, grouped=True)
+    grouped_same = sharded_shapes(grouped_model) == sharded_shapes(model)
     run.patch_cuda()
     results = [train(model, ep, save_dir)]
-    parallel_state.destroy_model_parallel()
-    results.append(train(build(ep, seed=3, grouped=True), ep, save_dir + GROUPED, grouped=True))
+    results.append(train(grouped_model, ep, save_dir + GROUPED, grouped=True))
     parallel_state.destroy_model_parallel()
     root = os.path.dirname(save_dir)
     out = []
     for (moments, losses), directory, grouped in zip(results, (save_dir, save_dir + GROUPED), (False, True)):
         logits = megatron_logits(directory, ids, grouped)
-        metrics = [os.path.join(root, f"{os.path.basename(directory)}_ep{ep}.jsonl") for ep in (1, 2)]
-        outputs = run.resume([(directory, metrics[0], ()),
-                              (directory, metrics[1], ("--expert-model-parallel-size", "2"))])
-        out.append((logits, moments, losses, metrics, [text for text, *_ in outputs]))
+        name = os.path.basename(directory)
+        runs = [(directory, os.path.join(root, f"{name}_ep1.jsonl"), ())]
+        if not grouped:
+            runs.append((directory, os.path.join(root, f"{name}_ep2.jsonl"), ("--expert-model-parallel-size", "2")))
+        outputs = run.resume(runs)
+        out.append((logits, moments, losses, [metrics for _, metrics, _ in runs], [text for text, *_ in outputs]))
     return out, grouped_same
 
 

@@ -19,15 +19,15 @@ gradient buffers differ from an even split of untied dense layers in the local s
   the CPU: :mod:`megatron_grouped_fixture`), each layer's local experts two parameters ``weight1``/``weight2``,
   each expert's matrix transposed;
 - ``te_grouped`` (ep=2 x dp=2): the same GPT as ``--transformer-impl transformer_engine --moe-grouped-gemm``
-  registers it (TEGroupedMLP), which TE cannot give here: :func:`_te_moe_order` builds it with Megatron-Core's
+  registers it (TEGroupedMLP), which TE cannot give here: :func:`_te_grouped_order` builds it with Megatron-Core's
   local modules in TE's order (the input norm fused into ``linear_qkv``, the pre-MLP norm fused into
   ``linear_fc1`` only in the dense layer, and each layer's experts as TEGroupedMLP's two GroupedLinear register
   them: ``linear_fc1.weight0..weight{E-1}`` then ``linear_fc2``'s, TransformerEngine's
   ``transformer_engine/pytorch/module/grouped_linear.py`` ``GroupedLinear.__init__``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE and GroupedMLP ones at ep=2 too) and its 5 losses equal
-Megatron's.
+tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's
+(``te_grouped`` is built, not trained: its buffers are compared, :data:`LAYOUT_ONLY`).
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
 and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
@@ -67,38 +67,44 @@ def _fused_norm_linear():
     return FusedNormLinear
 
 
-def _te_order(spec):
-    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and pre-MLP norms, each
-    fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's TE spec builds the layer."""
+def _te_order(spec, moe: bool = False):
+    """The local layer ``spec`` with Transformer Engine's parameter order: no separate input and (but in an MoE
+    layer, ``moe``) pre-MLP norms, each fused into the next linear (:func:`_fused_norm_linear`), as Megatron-Core's
+    TE spec builds the layer (its MoE layer's pre-MLP norm a TENorm of its own)."""
     import copy
 
     from megatron.core.transformer.identity_op import IdentityOp
 
     spec = copy.deepcopy(spec)
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
+    spec.submodules.input_layernorm = IdentityOp
     spec.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
-    spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
+    if not moe:
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+        spec.submodules.mlp.submodules.linear_fc1 = _fused_norm_linear()
     return spec
 
 
-def _te_moe_order(block):
-    """The local MoE decoder ``block`` spec in the order of the Transformer-Engine spec with TEGroupedMLP experts
-    (module docstring): :func:`_te_order`'s fused norms, but an MoE layer keeps its pre-MLP norm (TE's spec gives
-    MoE layers a norm module of their own), and SequentialMLP experts register their weights at the experts module,
-    every expert's fc1 before the fc2s (:func:`_te_grouped_experts`)."""
+def _te_block_order(block):
+    """The local decoder ``block`` spec of :mod:`test_megatron_moe`'s MoE GPT (an MoE and a dense layer) with each
+    layer in Transformer Engine's order (:func:`_te_order`)."""
     import copy
 
-    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    block = copy.deepcopy(block)
-    for index, layer in enumerate(block.layer_specs):
-        if layer.submodules.mlp.module is not MoELayer:
-            block.layer_specs[index] = _te_order(layer)
-            continue
-        layer.submodules.input_layernorm = IdentityOp
-        layer.submodules.self_attention.submodules.linear_qkv = _fused_norm_linear()
-        layer.submodules.mlp.submodules.experts.module = _te_grouped_experts()
+    block = copy.copy(block)
+    block.layer_specs = [_te_order(layer, layer.submodules.mlp.module is MoELayer) for layer in block.layer_specs]
+    return block
+
+
+def _te_grouped_order(block):
+    """:func:`_te_block_order` with the MoE layer's experts registered as TEGroupedMLP registers them
+    (:func:`_te_grouped_experts`)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    block = _te_block_order(block)
+    for layer in block.layer_specs:  # each a deep copy
+        if layer.submodules.mlp.module is MoELayer:
+            layer.submodules.mlp.submodules.experts.module = _te_grouped_experts()
     return block
 
 
@@ -147,9 +153,13 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
                             expert_model_parallel_size=2))}
 CASES["grouped"] = (dict(grouped=True), dict(CASES["moe"][1], moe_grouped_gemm=True))
-CASES["te_grouped"] = (dict(spec_of=_te_moe_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
+CASES["te_grouped"] = (dict(layer_spec=_te_grouped_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
                                                           transformer_impl="transformer_engine"))
 MOE_CASES = ("moe", "grouped", "te_grouped")
+LAYOUT_ONLY = ("te_grouped",)
+"""The cases whose gradient buffers are only built and compared (not trained, saved nor resumed): their state is
+read by the rule of a case that is (TEGroupedMLP's experts in their order, as SequentialMLP's), so the layout is
+what they add."""
 """The cases of :mod:`megatron_moe_fixture`'s MoE GPT at ep=2 (CASES' first item: its ``build``'s arguments)."""
 
 LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "grouped")
@@ -186,6 +196,9 @@ def _megatron_run(root: str, micro_batches, case: str):
     layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
+    if case in LAYOUT_ONLY:
+        parallel_state.destroy_model_parallel()
+        return None, layouts
     model = chunks if len(chunks) > 1 else chunks[0]
     per_iteration = len(micro_batches) // fixture.TOTAL
     losses = []
@@ -213,12 +226,11 @@ def _run(root: str, micro_batches):
     runs = {case: _megatron_run(root, micro_batches, case) for case in CASES}
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
-        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES]
+        [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
+         if case not in LAYOUT_ONLY]
         + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
             ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2")),
-           (os.path.join(root, "grouped"), os.path.join(root, "grouped_ep2.jsonl"),
-            ("--expert-model-parallel-size", "2"))])
+           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -238,19 +250,17 @@ def megatron_runs(tmp_path_factory):
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
     """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer (SequentialMLP's, GroupedMLP's, TEGroupedMLP's order):
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE and
-    GroupedMLP ones also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    TE's order and experts in a chained optimizer (SequentialMLP's, GroupedMLP's):
+    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
+    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
-    for case in CASES:
+    for case in (c for c in CASES if c not in LAYOUT_ONLY):
         fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
                                     runs[case][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
                                 runs["uneven"][0][fixture.SAVED_AT:])
-    for case in ("moe", "grouped"):
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_ep2.jsonl")),
-                                    runs[case][0][fixture.SAVED_AT:])
+    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
@@ -263,11 +273,12 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 
     root, runs, _ = megatron_runs
     for case in CASES:
-        reader = MegatronDistReader(os.path.join(root, case))
+        reader = MegatronDistReader(os.path.join(root, "moe" if case in LAYOUT_ONLY else case))
+        args = {**reader.args, **CASES[case][1]}  # a layout-only case: the MoE save's model, the case's args
         for rank, theirs in enumerate(runs[case][1]):
             stage = 0 if case in ("te",) + MOE_CASES else rank
             mine = [layout for experts in (False, True) if not experts or case in MOE_CASES for layout in
-                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
+                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(args),
                                   experts=experts)]
             assert len(mine) == len(theirs) == (2 if case in ("vpp",) + MOE_CASES else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
@@ -282,7 +293,7 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
         if case == "te_grouped":  # the experts' buffer: every fc1 before the fc2s, not SequentialMLP's order
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0, experts=True,
-                                               **dict(buffer_args(reader.args), expert_module="sequential"))[0]
+                                               **dict(buffer_args(args), expert_module="sequential"))[0]
             assert names != mine[1][1] and sorted(names) == sorted(mine[1][1])
 
 

@@ -8,7 +8,7 @@ Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the 
 implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and GroupedMLP's
 ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension); a GroupedMLP run
 (``--moe-grouped-gemm``, its grouped GEMM on the CPU: :mod:`megatron_grouped_fixture`) is trained and saved beside the
-SequentialMLP one, and megalite loads and continues it at ep=1 and ep=2 likewise. Converted to megalite and back
+SequentialMLP one; megalite loads it at ep=1 and ep=2 and continues it at ep=1. Converted to megalite and back
 (``--to megatron``), Megatron-Core's own load gives its logits again. megalite's ``pretrain --load`` of the save at
 ep=1 and at ep=2 continues Megatron's losses. The same state saved in the legacy format (``--ckpt-format torch``, the
 chained optimizers' states in ``model_optim_rng.pt``) reads as the torch_dist save.
@@ -55,36 +55,48 @@ def _close(actual, expected):
     assert rel <= 1e-5, f"relative difference {rel.item():.3g}"
 
 
-def _ep_logits(path, ep):
-    """megalite's logits of IDS at ep (the model and its optimizer loaded as the trainer builds them), the Adam step
-    count, and this rank's first moment of layer 0's expert fc1 weights."""
+def _ep_logits(paths, ep):
+    """For each checkpoint of ``paths``: megalite's logits of IDS at ep (the model and its optimizer loaded as the
+    trainer builds them), the Adam step count, and this rank's first moment of layer 0's expert fc1 weights."""
     from megalite import checkpoint, topology
     from megalite.distributed import DDPConfig, DistributedDataParallel
     from megalite.models import GPTModel
     from megalite.optim import OptimizerConfig, get_optimizer
 
     topology.initialize(ep=ep)
-    config = checkpoint.read_checkpoint_info(path)["config"]
-    chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
-    optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
-    checkpoint.load_sharded(path, [chunk], optimizer)
-    fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
-    shard = next(s for s in optimizer.shards if s.param is fc1)
-    with torch.no_grad():
-        logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
-    logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
-    return logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)
+    out = []
+    for path in paths:
+        config = checkpoint.read_checkpoint_info(path)["config"]
+        chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
+        optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
+        checkpoint.load_sharded(path, [chunk], optimizer)
+        fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
+        shard = next(s for s in optimizer.shards if s.param is fc1)
+        with torch.no_grad():
+            logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
+        logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+        out.append((logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2_loads(saved):
+    """``{save directory: each rank's :func:`_ep_logits` at ep=2}`` of the SequentialMLP and the GroupedMLP saves (one
+    2-rank run)."""
+    paths = [saved[0], saved[7][0]]
+    ranks = run_distributed(_ep_logits, 2, paths, 2, timeout=120)
+    return {path: [rank[index] for rank in ranks] for index, path in enumerate(paths)}
 
 
 def test_grouped_experts_save_the_sequential_layout(saved):
     assert saved[2]
 
 
-def test_a_grouped_gemm_run_loads_and_continues(saved):
+def test_a_grouped_gemm_run_loads_and_continues(saved, ep2_loads):
     """Megatron-Core's GroupedMLP run (``--moe-grouped-gemm``: the experts' ``weight1``/``weight2``, whose sharded
     state transposes each expert's matrix into SequentialMLP's layout, moments too) saved at ep=2: megalite reads its
-    weights with Megatron's logits at ep=1 and ep=2, its experts' Adam moments equal Megatron-Core's, and
-    ``pretrain --load`` continues its losses at ep=1 and ep=2."""
+    weights with Megatron's logits at ep=1 and ep=2, its experts' Adam moments equal Megatron-Core's (in the
+    checkpoint and in each ep=2 rank's optimizer), and ``pretrain --load`` continues its losses at ep=1."""
     from megalite.checkpoint import load_model, read_checkpoint_info
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
@@ -92,7 +104,7 @@ def test_a_grouped_gemm_run_loads_and_continues(saved):
     assert read_checkpoint_info(path)["config"].moe.grouped_gemm
     with torch.no_grad():
         _close(load_model(path)(IDS), logits)
-    for rank, (ours, steps, exp_avg) in enumerate(run_distributed(_ep_logits, 2, path, 2, timeout=120)):
+    for rank, (ours, steps, exp_avg) in enumerate(ep2_loads[path]):
         _close(ours, logits)
         expected = moments["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"][2 * rank:2 * rank + 2]
         assert steps == run.SAVED_AT and torch.equal(exp_avg, expected)
@@ -140,9 +152,9 @@ def test_load_model_ep1_equals_megatron(saved):
     _close(logits, saved[1])
 
 
-def test_ep2_load_equals_megatron(saved):
+def test_ep2_load_equals_megatron(saved, ep2_loads):
     """At ep=2 the logits equal Megatron's, and each rank's optimizer resumes its experts' moments."""
-    ranks = run_distributed(_ep_logits, 2, saved[0], 2, timeout=120)
+    ranks = ep2_loads[saved[0]]
     expected = saved[3]["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"]
     for rank, (logits, steps, exp_avg) in enumerate(ranks):
         _close(logits, saved[1])
