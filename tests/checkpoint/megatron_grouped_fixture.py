@@ -26,11 +26,14 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
 
 
 def patch_grouped_gemm() -> None:
-    """Megatron-Core's grouped_gemm hooks (availability check and ``ops``) pointed at :func:`gmm`."""
-    from megatron.core.transformer.moe import grouped_gemm_util
+    """Megatron-Core's grouped_gemm hooks (availability check and ``ops``) pointed at :func:`gmm`; GroupedMLP's
+    activation closures run eagerly (``jit_fuser``, torch.compile, is a fusion that would compile them on each rank:
+    seconds of CPU for the same fp32 values)."""
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
 
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     grouped_gemm_util.ops = types.SimpleNamespace(gmm=gmm)
+    experts.jit_fuser = lambda function: function
 
 
 def allow_fp32(model) -> None:
