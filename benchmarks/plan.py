@@ -7,9 +7,10 @@ of one given layout and do not search.
 
 ``python benchmarks/plan.py --measure`` runs ``--calibrate`` into a temporary profile, then trains a small GPT
 on CPU ranks (gloo, one thread per rank) at 10 layouts of at most 2 ranks, so each rank has a core of this
-2-core machine to itself and the calibrated per-rank rates hold when nothing else runs.  It prints the
-planner's predicted step time (and its parts) beside the measured median for each (wall clock of the slowest
-rank, and its process CPU time), the median and worst error, and whether the planner's top-ranked layout is
+2-core machine to itself, and one of 4 ranks (tp2 dp2), more ranks than cores, which the planner prices as all
+ranks' work over the cores.  It prints the planner's predicted step time (and its parts) beside the measured
+median for each (wall clock of the slowest rank, and CPU time: the slowest rank's process CPU time, or all ranks'
+over the cores where that is more), the median and worst error, and whether the planner's top-ranked layout is
 within 10% of the fastest measured.  On a machine shared with other jobs the wall clock is stretched by the load
 (printed before and after); the CPU time is what the step costs without that contention, but it leaves out the time a
 rank waits (the pipeline bubble, a collective's partner), so it is a lower bound of the uncontended step.
@@ -44,6 +45,7 @@ LAYOUTS = [  # (name, ranks, flags)
     ("tp2 SP, mbs 2", 2, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2, mbs 1", 2, ["--micro-batch-size", "1", "--pipeline-model-parallel-size", "2"]),
     ("cp2 p2p, mbs 2", 2, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
+    ("tp2 dp2, 4 ranks on the cores, mbs 2", 4, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"]),
 ]
 
 
@@ -117,7 +119,10 @@ def measure(steps: int, profile: str | None) -> None:
         per_rank = run_distributed(_train_steps, ranks, flags, steps, timeout=600)
         # A step ends when its last rank does.
         measured = statistics.median(max(wall for wall, _ in step) for step in zip(*per_rank))
-        cpu = statistics.median(max(c for _, c in step) for step in zip(*per_rank))
+        # CPU: the slowest rank's, or, with more ranks than cores, all ranks' work over the cores.
+        cores = os.cpu_count() or 1
+        cpu = statistics.median(max(max(c for _, c in step), sum(c for _, c in step) / cores)
+                                for step in zip(*per_rank))
         rows.append((name, predicted, measured, cpu))
         parts = ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in predicted.time.items() if seconds > 0)
         print(f"{name}: predicted {predicted.step_time_s:.3f} s ({parts}), measured {measured:.3f} s "

@@ -1,5 +1,6 @@
-"""``run_once``: a scenario that two tests check (a unit test, and the fault campaign in tests/faults that replays
-it) runs once per test session; the later caller checks the earlier call's result instead of running it again."""
+"""``run_once``: a scenario that several checks share (a unit test and the fault campaign in tests/faults that
+replays it, or several campaign cases observing one run) runs once per test session; a later caller checks the
+earlier call's result instead of running it again."""
 
 import functools
 import inspect

@@ -22,7 +22,8 @@ from megalite.checkpoint.integrity import read_manifest, verify_files
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_DIST_METADATA = "metadata.json"
-_MEGATRON_LEGACY_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3})?")
+MEGATRON_LEGACY_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
+"""A Megatron-LM legacy rank directory: ``mp_rank_TT``, then ``_PPP`` when pp > 1 and ``_EEE`` when ep > 1."""
 
 
 def checkpoint_format(directory: str) -> str | None:
@@ -35,7 +36,7 @@ def checkpoint_format(directory: str) -> str | None:
         return "megalite"
     if MEGATRON_DIST_METADATA in names:
         return "megatron_dist"
-    if any(_MEGATRON_LEGACY_RANK_DIR.fullmatch(name) for name in names):
+    if any(MEGATRON_LEGACY_RANK_DIR.fullmatch(name) for name in names):
         return "megatron_legacy"
     if DCP_METADATA in names:
         return "megalite"  # a megalite directory that lost its manifest: its reader names what is missing

@@ -12,11 +12,11 @@ the first stage's word embeddings and the last stage's copy of them (its ``outpu
 bucket of their own (their gradients are all-reduced over the embedding group after the DP reduce-scatter).
 
 Which chunk holds which layers is megalite's one layer split (:func:`megalite.pipeline.split_layers`), the same
-as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks, and
-without interleaved chunks for ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
-(Megatron-Core splits the layers plus the embedding and the loss evenly, then builds one layer fewer on the first
-and the last stage: megalite's first and last stage layer counts), and for a ``--pipeline-model-parallel-layout``
-without interleaved chunks whose stage layer counts megalite's split gives (:func:`_layout_stages`).
+as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks; for
+``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` (Megatron-Core splits the
+layers plus the embedding and the loss evenly over the stages, then builds one layer fewer on the first and the
+last: :func:`_accounted_stages`) and for a ``--pipeline-model-parallel-layout`` (:func:`megalite.pipeline.parse_layout`)
+it is given each stage's layer count.
 
 A layer's local experts lie in the buffer as the run's expert module registers them (:data:`EXPERT_MODULES`):
 SequentialMLP each expert's ``linear_fc1`` then ``linear_fc2`` weight; Transformer Engine's TEGroupedMLP
@@ -38,14 +38,17 @@ import re
 import torch
 
 from megalite.checkpoint.meta import split_dims
-from megalite.pipeline import split_layers
+from megalite.pipeline import LayerLayout, accounted_layout, parse_layout, split_layers
 
 # The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
-# router, the local experts, the shared experts).
+# router, the local experts, the shared experts; a module's own parameters come before its submodules', so the
+# SharedExpertMLP's gate, Megatron's ``mlp.shared_experts.gate_weight`` and megalite's :data:`SHARED_EXPERT_GATE`,
+# comes before its linears).
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate"
 LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-               "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
-               "mlp.linear_fc1.", "mlp.linear_fc2.")
+               "mlp.router.", "mlp.experts.", SHARED_EXPERT_GATE + ".", "mlp.shared_experts.linear_fc1.",
+               "mlp.shared_experts.linear_fc2.", "mlp.linear_fc1.", "mlp.linear_fc2.")
 # megalite's stacked expert weights (``[experts, ...]``) and the names of one local expert's in Megatron-Core's
 # SequentialMLP, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``.
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
@@ -56,12 +59,19 @@ _GROUPED = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.weight([12])")
 EXPERT_MODULES = ("sequential", "te_grouped", "grouped")
 """Megatron-Core's expert modules by how they register a layer's local experts: SequentialMLP, TEGroupedMLP,
 GroupedMLP (module docstring)."""
-_TOP = {"embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1, "decoder.final_layernorm.": 3,
-        "output_layer.": 4}
+_TOP = {"embedding.word_embeddings.": 0, "mtp.embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1,
+        "decoder.final_layernorm.": 3, "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
+# The word embeddings' copy on a last stage with multi-token prediction (pp > 1: its MTP depths embed the shifted
+# tokens), megalite's name of it; Megatron-Core's GPTModel registers it first, as ``embedding.word_embeddings``.
+MTP_EMBEDDING_COPY = "mtp.embedding.word_embeddings.weight"
+# The modules of a multi-token prediction depth (``mtp.layers.<k>.``) in Megatron-Core's registration order; its
+# ``transformer_layer.`` in :data:`LAYER_ORDER`.  The depths follow the decoder's final norm.
+MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
 # Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) a dense layer's norms are fused into
 # the next linear (TE's LayerNormLinear: ``layer_norm_weight``, ``layer_norm_bias``, then ``weight``, ``bias``):
-# megalite's norm of each of those modules.
+# megalite's norm of each of those modules.  An MoE layer's pre-MLP norm stays a module of its own (the spec's
+# TENorm, in the local spec's place): only its input norm is fused.
 TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_layernorm.": "mlp.linear_fc1."}
 # Megatron-LM's flags of splits that count the embedding and the loss as a pipeline layer each.
 _ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
@@ -72,12 +82,16 @@ def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset(),
     ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; ``moe_layers``: the MoE layers, whose
     pre-MLP norm is not fused); ``expert_module``: the order of the local experts' weights (:data:`EXPERT_MODULES`).
     Each module registers its weight before its bias, after a fused norm's weight and bias."""
+    gate = re.fullmatch(r"decoder\.layers\.(\d+)\." + re.escape(SHARED_EXPERT_GATE), name)
+    if gate:  # megalite's name of Megatron's mlp.shared_experts.gate_weight
+        return (2, int(gate.group(1)), LAYER_ORDER.index(SHARED_EXPERT_GATE + "."), 0, 2)
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
     grouped = _GROUPED.fullmatch(name)
     if kind is None and not grouped:
         return None
-    fused = re.fullmatch(r"decoder\.layers\.(\d+)\.(\w+\.)(weight|bias)", name)
-    if fused and int(fused.group(1)) in moe_layers and fused.group(2) == "pre_mlp_layernorm.":
+    fused = re.fullmatch(r"(?:decoder\.layers\.(\d+)|mtp\.layers\.\d+\.transformer_layer)\.(\w+\.)(weight|bias)",
+                         name)
+    if fused and fused.group(1) and int(fused.group(1)) in moe_layers and fused.group(2) == "pre_mlp_layernorm.":
         fused = None
     if te and fused and fused.group(2) in TE_FUSED_NORMS:
         name, kind = name.replace(fused.group(2), TE_FUSED_NORMS[fused.group(2)]), kind - 2
@@ -92,6 +106,14 @@ def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset(),
             return (2, layer, module, int(grouped.group(2)), 0, 2)
         index, linear = int(expert.group(2)), int(expert.group(3)[-1])
         return (2, layer, module) + ((linear, index) if expert_module == "te_grouped" else (index, linear)) + (kind,)
+    depth = re.fullmatch(r"mtp\.layers\.(\d+)\.(\w+\.)(?:(.+)\.)?(weight|bias)", name)
+    if depth and depth.group(2) in MTP_ORDER:  # after the final norm: (3, 1 + depth, module, inner module, kind)
+        outer, inner = MTP_ORDER.index(depth.group(2)), depth.group(3)
+        if (inner is None) != (depth.group(2) != "transformer_layer."):
+            return None
+        module = 0 if inner is None else next((i for i, m in enumerate(LAYER_ORDER)
+                                               if m == inner + "." and m != "mlp.experts."), None)
+        return None if module is None else (3, 1 + int(depth.group(1)), outer, module, kind)
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if match is None:
         return None
@@ -130,63 +152,51 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
     return [places[i] for i in range(len(numels))], unpadded
 
 
-def _accounted_stages(args: dict) -> tuple[int, int] | None:
-    """``(first, last)`` stage layer counts of a run (saved ``args``) whose pipeline split counts the embedding
-    and/or the loss as a layer (:data:`_ACCOUNTED`), as Megatron-Core's ``get_num_layers_to_build`` gives them at
-    pp > 1 without interleaved chunks; None for another run, or one megalite's split cannot express
-    (:func:`split_problem`)."""
+def _accounted_stages(args: dict) -> list[int] | None:
+    """Each stage's layer count (in stage order) of a run (saved ``args``) at pp > 1 whose pipeline split counts
+    the embedding and/or the loss as a layer (:data:`_ACCOUNTED`, :func:`megalite.pipeline.accounted_layout`);
+    None for another run, or one whose layers do not split so (:func:`split_problem`)."""
     embedding, loss = (bool(args.get(flag)) for flag in _ACCOUNTED)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
-    total = int(args.get("num_layers") or 0) + embedding + loss
-    if not (embedding or loss) or pp == 1 or args.get("virtual_pipeline_model_parallel_size") or total % pp:
+    if not (embedding or loss) or pp == 1:
         return None
-    return total // pp - embedding, total // pp - loss
+    try:
+        layout = accounted_layout(int(args.get("num_layers") or 0), pp,
+                                  args.get("virtual_pipeline_model_parallel_size") or None, embedding, loss)
+    except ValueError:
+        return None
+    return list(layout.stage_layers)
 
 
-def _unrolled(layout: str) -> list[str]:
-    """The stages of a ``--pipeline-model-parallel-layout`` string, each a string of its layer letters (``E``
-    embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss): commas dropped, ``(...)*n`` and ``x*n`` repeated,
-    split at ``|`` -- Megatron-Core's reading of the string."""
-    layout = layout.replace(",", "")
-    layout = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
-    return re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout).split("|")
-
-
-def _layout_stages(args: dict) -> tuple[int, int] | None:
-    """``(first, last)`` stage layer counts of a run (saved ``args``) split by ``--pipeline-model-parallel-layout``
-    (the string, or the parsed layout built from one) whose stages megalite's split (:func:`split_layers` with those counts) gives: one chunk per stage (as many
-    stages as ``pp``), the embedding alone at the start of the first, the loss alone at the end of the last, only
-    decoder layers (no MTP layers) between, ``num_layers`` in all, the middle stages of equal counts; else None."""
+def _layout(args: dict) -> LayerLayout:
+    """The :class:`~megalite.pipeline.LayerLayout` of a run (saved ``args``) split by
+    ``--pipeline-model-parallel-layout`` (the string, or the parsed layout built from one); ValueError naming
+    what megalite does not build (:func:`megalite.pipeline.parse_layout`)."""
     layout, pp = args.get("pipeline_model_parallel_layout"), int(args.get("pipeline_model_parallel_size") or 1)
     if not isinstance(layout, str):  # Megatron-LM's parsed PipelineParallelLayerLayout keeps its string
         state = getattr(layout, "state", None)  # as a pickled record (megatron_pickle.Opaque): its __dict__
         layout = state.get("input_data") if isinstance(state, dict) else getattr(layout, "input_data", None)
         if not isinstance(layout, str):
-            return None
-    stages = _unrolled(layout)
-    if len(stages) != pp or not (stages[0].startswith("E") and stages[-1].endswith("L")):
-        return None
-    stages[0] = stages[0][1:]
-    stages[-1] = stages[-1][:-1]  # one after the other: at pp=1 both are the one stage
-    counts = [len(stage) for stage in stages]
-    if any(set(stage) - {"t"} for stage in stages) or sum(counts) != int(args.get("num_layers") or 0):
-        return None
-    first, last = (counts[0], counts[-1]) if pp > 1 else (None, None)
-    try:
-        ranges = split_layers(sum(counts), pp, None, first, last)
-    except ValueError:
-        return None
-    return (first, last) if [hi - lo for ((lo, hi),) in ranges] == counts else None
+            raise ValueError("the saved layout holds no layout string")
+    parsed = parse_layout(layout, pp, int(args.get("num_layers") or 0), args.get("mtp_num_layers"))
+    saved = args.get("virtual_pipeline_model_parallel_size") or None
+    if saved is not None and saved != (parsed.vpp or 1):
+        raise ValueError(f"pipeline layout {layout!r} has {parsed.vpp or 1} stage(s) per pipeline rank, but the saved "
+                         f"virtual_pipeline_model_parallel_size is {saved}")
+    return parsed
 
 
 def split_problem(args: dict) -> str | None:
-    """The flag of Megatron-LM's saved ``args`` whose pipeline split megalite does not rebuild (the layers' stages
-    would be guessed at), or None: ``--pipeline-model-parallel-layout`` but the layouts :func:`_layout_stages`
-    reads, and a split that counts the embedding or
-    the loss as a layer with interleaved chunks (only the first/last chunk has a layer fewer) or layers that do
-    not split so."""
+    """What of Megatron-LM's saved ``args`` megalite's layer split does not rebuild (the layers' stages would be
+    guessed at), led by its flag, or None: a ``--pipeline-model-parallel-layout`` that
+    :func:`megalite.pipeline.parse_layout` refuses, and a split that counts the embedding or the loss as a layer
+    whose layers do not split so."""
     if args.get("pipeline_model_parallel_layout"):
-        return None if _layout_stages(args) else "pipeline_model_parallel_layout"
+        try:
+            _layout(args)
+        except ValueError as err:
+            return f"pipeline_model_parallel_layout: {err}"
+        return None
     accounted = next((flag for flag in _ACCOUNTED if args.get(flag)), None)
     if accounted and int(args.get("pipeline_model_parallel_size") or 1) > 1 and _accounted_stages(args) is None:
         return accounted
@@ -201,16 +211,19 @@ def buffer_args(args: dict) -> dict:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
-    stages = _layout_stages(args) if args.get("pipeline_model_parallel_layout") else _accounted_stages(args)
-    if stages is not None and first is None and last is None:
-        first, last = stages
+    vpp, stages = args.get("virtual_pipeline_model_parallel_size") or None, None
+    if args.get("pipeline_model_parallel_layout") and split_problem(args) is None:
+        layout = _layout(args)
+        vpp, stages = layout.vpp, list(layout.stage_layers)
+    elif first is None and last is None:
+        stages = _accounted_stages(args)
     tp = int(args.get("tensor_model_parallel_size") or 1)
     te = args.get("transformer_impl") == "transformer_engine"
     expert_module = "sequential" if not (args.get("num_experts") and args.get("moe_grouped_gemm")) else \
         "te_grouped" if te and not args.get("moe_use_legacy_grouped_gemm") else "grouped"
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
-                vpp=args.get("virtual_pipeline_model_parallel_size") or None, first=first, last=last,
+                vpp=vpp, first=None if stages else first, last=None if stages else last, stage_layers=stages,
                 ep=int(args.get("expert_model_parallel_size") or 1),
                 etp=int(args.get("expert_tensor_parallel_size") or tp),
                 te=te, expert_module=expert_module)
@@ -229,7 +242,8 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
                   first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
-                  te: bool = False, experts: bool = False, expert_module: str = "sequential") -> list[tuple]:
+                  te: bool = False, experts: bool = False, stage_layers: list[int] | None = None,
+                  expert_module: str = "sequential") -> list[tuple]:
     """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
     whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
     parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
@@ -239,12 +253,18 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
     ``te``: the Transformer-Engine spec's parameter order (:func:`place`); ``expert_module``: how the local experts
     are registered (:data:`EXPERT_MODULES`; GroupedMLP's as ``decoder.layers.<l>.mlp.experts.weight1|2``).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
-    word embeddings.  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not
-    split as given."""
-    ranges = split_layers(config.num_layers, pp, vpp, first, last)
+    word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer
+    apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not split as
+    given."""
+    ranges = split_layers(config.num_layers, pp, vpp, first, last, stage_layers=stage_layers)
     dims = split_dims(config)
     etp = etp or tp
-    tied = pp > 1 and not config.untie_embeddings_and_output_weights
+    mtp = pp > 1 and bool(config.mtp_num_layers)
+    if mtp and not config.untie_embeddings_and_output_weights:
+        raise ValueError("with MTP layers and embeddings tied over pipeline stages, whose last stage keeps an unused "
+                         "output layer of its own, which megalite does not place")
+    tied = pp > 1 and (mtp or not config.untie_embeddings_and_output_weights)
+    copy = MTP_EMBEDDING_COPY if mtp else OUTPUT_COPY
     if experts:  # the expert data-parallel group: the ranks of one (expert tensor, expert, pipeline) rank
         dp, tied = dp * tp // (etp * ep), False
     layouts = []
@@ -252,7 +272,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
         local = {}
         names = [n for n in shapes if _chunk_of(n, ranges) == (p, chunk)]
         if tied and (p, chunk) == (pp - 1, len(ranges[p]) - 1):
-            names.append(OUTPUT_COPY)
+            names.append(copy)
         for name in names:
             weight = next((w for w in EXPERT_WEIGHTS if name.endswith("." + w)), None)
             if (experts and weight is None) or (not experts and weight is not None and ep > 1):
@@ -273,7 +293,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                     local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
                         tuple(shape)
                 continue
-            source = WORD_EMBEDDINGS if name == OUTPUT_COPY and tied else name
+            source = WORD_EMBEDDINGS if name == copy and tied else name
             dim, shape = dims[source], list(shapes[source])
             if dim is not None:
                 if shape[dim] % tp:
@@ -281,7 +301,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 shape[dim] //= tp
             local[name] = tuple(shape)
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
-                                          tied, te, expert_module)))
+                                          (WORD_EMBEDDINGS, copy) if tied else (), te, expert_module)))
     return layouts
 
 
@@ -327,14 +347,15 @@ def local_expert(name: str) -> tuple[str, int | None] | None:
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
-              tied: bool = False, te: bool = False, expert_module: str = "sequential"):
+              shared: tuple[str, ...] = (), te: bool = False, expert_module: str = "sequential"):
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
-    a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``tied``: tied embeddings
-    over pipeline stages (:data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` in buckets of their own); ``te``: the
-    Transformer-Engine spec's parameter order (a layer with a router is an MoE layer); ``expert_module``: the local
-    experts' (:func:`place`)."""
+    a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``shared``: the word
+    embeddings and their copy on another stage (tied embeddings or MTP layers over pipeline stages:
+    :data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` or :data:`MTP_EMBEDDING_COPY`), each in a bucket of its own;
+    ``te``: the Transformer-Engine spec's parameter order (a layer with a router is an MoE layer); ``expert_module``:
+    the local experts' (:func:`place`)."""
     moe_layers = frozenset(int(m.group(1)) for m in map(_ROUTER.match, local) if m)
     order = sorted(local, key=lambda n: place(n, te, moe_layers, expert_module) or ())
-    shared = frozenset(i for i, n in enumerate(order) if tied and n in (WORD_EMBEDDINGS, OUTPUT_COPY))
-    places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, shared)
+    own = frozenset(i for i, n in enumerate(order) if n in shared)
+    places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, own)
     return order, places, unpadded

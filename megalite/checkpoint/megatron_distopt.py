@@ -22,8 +22,9 @@ layout, :func:`megalite.checkpoint.megatron_buffers.chunk_layouts` (:func:`legac
 
 Under the Transformer-Engine spec (``--transformer-impl transformer_engine``) the order differs: TE's
 LayerNormLinear registers its fused norm's parameters before its own weight and bias, and the fused norms sit in
-``linear_qkv`` (after ``linear_proj``) and ``linear_fc1``
-(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`).
+``linear_qkv`` (after ``linear_proj``) and, in a dense layer, ``linear_fc1``
+(:data:`megalite.checkpoint.megatron_buffers.TE_FUSED_NORMS`; an MoE layer keeps its pre-MLP norm apart).  A
+shared expert's gate (``--moe-shared-expert-gate``, ``mlp.shared_experts.gate_weight``) precedes its linears.
 
 An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
 each expert-model-parallel rank keeps its local experts' weights in buffers of their own, sharded over the expert
@@ -33,10 +34,11 @@ differently (:data:`megalite.checkpoint.megatron_buffers.EXPERT_MODULES`): Group
 hold each local expert's matrix transposed, read back into megalite's layout.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
-interleaved chunks, tied embeddings: the first stage's copy's state; the experts of any of the three modules) with
-the local layer spec (``--transformer-impl local``, module order
-:data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or Transformer Engine's; megalite resumes it at any
-layout.  The legacy format's reader reads
+interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
+loss as a layer, MTP depths on the last stage (untied embeddings; the stage's copy of the word embeddings
+unread), tied embeddings: the first stage's copy's state; the experts of any of the three modules) with the local
+layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
+Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
 """
@@ -48,8 +50,8 @@ import re
 
 from dataclasses import replace
 
-from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, OUTPUT_COPY, buffer_args, chunk_layouts,
-                                                  grouped_experts, local_expert, place, split_problem)
+from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, MTP_EMBEDDING_COPY, OUTPUT_COPY, buffer_args,
+                                                  chunk_layouts, grouped_experts, local_expert, place, split_problem)
 from megalite.checkpoint.megatron_optim import chain_groups, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -94,7 +96,8 @@ def _run_problem(args: dict, config, names, saved):
     layout = buffer_args(args)
     other = split_problem(args)
     try:
-        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+        split_layers(config.num_layers, pp, layout["vpp"], layout["first"], layout["last"],
+                     stage_layers=layout["stage_layers"])
     except ValueError as err:
         other = other or str(err)
     if other:
@@ -191,8 +194,8 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
             return f"whose buckets ({sizes}) are not the {unpadded} elements megalite's rebuild of Megatron's " \
                    "gradient buffer gives"
         for name, (bucket, start) in zip(names, places):
-            if name == OUTPUT_COPY and name not in shapes:
-                continue  # the last stage's copy of tied embeddings
+            if name in (OUTPUT_COPY, MTP_EMBEDDING_COPY) and name not in shapes:
+                continue  # the last stage's copy of the word embeddings (tied, or for MTP layers)
             # GroupedMLP's weight1|2: its local experts one after the other, each matrix transposed
             grouped = grouped_experts(name, local[name], config.moe.num_experts // ctx.ep_size if config.moe else 1)
             for part, at, stored in grouped or [(name, 0, None)]:

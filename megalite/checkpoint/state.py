@@ -118,10 +118,11 @@ def local_shards(model_chunks, optimizer=None, *, tp_group=None, ep_group=None, 
 def save_sharded(save_dir: str, iteration: int, model_chunks, optimizer=None, *, extra: dict | None = None,
                  rank_extra: dict | None = None, layout: dict | None = None, saver: AsyncSaver | None = None,
                  tp_group=None, ep_group=None, expert_tp_group=None, dp_group=None,
-                 expert_dp_group=None) -> str:
+                 expert_dp_group=None, group=None) -> str:
     """Save this rank's model chunks (and optimizer) as global-tensor shards; returns the iteration directory.
 
-    Collective over the default process group when one exists.  ``extra`` is JSON state stored
+    Collective over ``group`` (default: the default process group, when one exists; the RL trainer's ranks
+    beside rollout ranks pass theirs), without ``saver``.  ``extra`` is JSON state stored
     once (from rank 0: scheduler, data position, flags); ``rank_extra`` JSON state of this rank
     (RNG).  With ``saver`` the tensors are copied (into buffers the saver keeps) and the write runs in
     the background (at most one in flight; ``latest`` moves once every rank's files are written and hashed).
@@ -134,7 +135,7 @@ def save_sharded(save_dir: str, iteration: int, model_chunks, optimizer=None, *,
     check_jsonable(state, "checkpoint state")
     check_jsonable(rank_extra or {}, "per-rank checkpoint state")
     if saver is None:
-        return write_checkpoint(save_dir, iteration, shards, state, rank_extra)
+        return write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group)
     saver.wait()  # the write in flight reads the staging buffers that stage() refills
     shards = saver.stage(shards)
     saver.submit(lambda group: write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group))

@@ -106,6 +106,19 @@ def _tile_mask(queries: Tokens, qt: int, keys: Tokens, kt: int, window: int | No
                    *sequence)
 
 
+def tile_pairs(queries: Tokens, keys: Tokens, window: int | None = None) -> list[tuple[int, int, bool]]:
+    """``(query tile, key tile, wholly visible)`` of every tile pair :func:`attention_forward` and
+    :func:`attention_backward` compute (wholly masked pairs are skipped): what the run planner counts the
+    blockwise attention's work and ops from."""
+    out = []
+    for qt in range(len(queries.tiles)):
+        for kt in range(len(keys.tiles)):
+            mask = _tile_mask(queries, qt, keys, kt, window)
+            if mask is not None:
+                out.append((qt, kt, mask is True))
+    return out
+
+
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
             k_documents: torch.Tensor | None = None, window: int | None = None,
             q_sequence: torch.Tensor | None = None, k_sequence: torch.Tensor | None = None) -> torch.Tensor:

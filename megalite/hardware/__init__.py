@@ -16,8 +16,9 @@ counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels);
 memory-bound ops (norms, activations, residual adds, copies, the loss, gradient accumulation, the optimizer);
 ``op_overhead_s`` is the time each op adds beyond its work (eager dispatch and autograd on a CPU; the exposed part
 of a kernel launch on a GPU).  ``exp_rate`` is the fp32 elements per second an exponential runs at, reading and
-writing them (context parallelism's blockwise score tiles; None: at ``hbm_bandwidth``, as on a GPU, whose special
-function units keep up with its memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
+writing them (context parallelism's blockwise score tiles, the activation function's erf, tanh or sigmoid and the
+loss's exponentials; None: at ``hbm_bandwidth``, as on a GPU, whose special function units keep up with its
+memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
 spends in it (gloo's copies, reductions and socket work), measured at two ranks; None where collectives do not run
 on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share CPU

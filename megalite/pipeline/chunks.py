@@ -14,7 +14,8 @@ from megalite.pipeline.stages import StageMap
 
 
 def build_chunks(provider, num_layers: int, pp_group, *, vpp: int | None = None, schedule: str | None = None,
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list:
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                 stage_layers=None) -> list:
     """This pipeline rank's model chunks, in chunk order (a list even for one chunk).
 
     ``provider(*, pre_process, post_process, layer_range)`` builds one chunk holding global
@@ -27,7 +28,8 @@ def build_chunks(provider, num_layers: int, pp_group, *, vpp: int | None = None,
     group = topology.resolve_group(pp_group, "pp")
     pp, rank = topology.group_size(group), topology.group_rank(group)
     stages = StageMap.for_schedule(schedule, pp, vpp)
-    ranges = split_layers(num_layers, pp, stages.chunks, first_stage_layers, last_stage_layers, stages.v_shape)
+    ranges = split_layers(num_layers, pp, stages.chunks, first_stage_layers, last_stage_layers, stages.v_shape,
+                          stage_layers)
     return [provider(pre_process=stages.is_first(rank, chunk), post_process=stages.is_last(rank, chunk),
                      layer_range=layer_range)
             for chunk, layer_range in enumerate(ranges[rank])]

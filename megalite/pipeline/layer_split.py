@@ -6,6 +6,8 @@ Stages run layers in global order; which (rank, chunk) holds which stage is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megalite.pipeline.stages import StageMap
 
 
@@ -46,14 +48,42 @@ def _stage_counts(num_layers: int, pp: int, first: int | None, last: int | None)
     return [fixed.get(r, rest // middle) for r in range(pp)]
 
 
+def _virtual_counts(num_layers: int, stages: StageMap, first: int | None, last: int | None,
+                    stage_layers) -> list[int]:
+    """Number of layers of each stage, in stage order: ``stage_layers`` as given, else each rank's count
+    (:func:`_stage_counts`) spread evenly over its chunks."""
+    if stage_layers is not None:
+        if first is not None or last is not None:
+            raise ValueError(f"give either per-stage layer counts or first/last stage layer counts, not both "
+                             f"(stage_layers={list(stage_layers)}, first={first}, last={last})")
+        counts = list(stage_layers)
+        for count in counts:
+            _check_count("a stage's layer count", count, allow_zero=True)
+        if len(counts) != stages.num_stages:
+            raise ValueError(f"{len(counts)} per-stage layer counts for {stages.num_stages} stages "
+                             f"(pp={stages.pp} x vpp={stages.chunks})")
+        if sum(counts) != num_layers:
+            raise ValueError(f"the per-stage layer counts {counts} sum to {sum(counts)}, not num_layers={num_layers}")
+        return counts
+    per_rank = _stage_counts(num_layers, stages.pp, first, last)
+    for rank, count in enumerate(per_rank):
+        if count % stages.chunks:
+            raise ValueError(f"pipeline stage {rank} has {count} layers, not divisible by vpp={stages.chunks} "
+                             f"model chunks (num_layers={num_layers}, pp={stages.pp})")
+    return [per_rank[stages.rank_of(stage)] // stages.chunks for stage in range(stages.num_stages)]
+
+
 def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | None = None,
-                 last: int | None = None, v_shape: bool = False) -> list[list[tuple[int, int]]]:
+                 last: int | None = None, v_shape: bool = False,
+                 stage_layers: Sequence[int] | None = None) -> list[list[tuple[int, int]]]:
     """Global layer range ``(start, end)`` of every model chunk: ``result[pp_rank][chunk]``.
 
     Layers spread evenly over the ``pp`` stages unless ``first``/``last`` fix
     the layer count of the first/last pipeline stage; the other stages then
     share the rest evenly.  With ``vpp`` chunks per rank, each rank's layers
-    divide evenly over its chunks.  ``v_shape`` places the two chunks of each rank
+    divide evenly over its chunks.  ``stage_layers`` instead gives the layer count
+    of every stage (``pp x vpp`` of them, in stage order, zero allowed), as a
+    Megatron ``--pipeline-model-parallel-layout`` does.  ``v_shape`` places the two chunks of each rank
     in a V (see :class:`StageMap`).  Raises ValueError naming the numbers when
     the split is not even.
     """
@@ -65,16 +95,10 @@ def split_layers(num_layers: int, pp: int, vpp: int | None = None, first: int | 
         if value is not None:
             _check_count(name, value, allow_zero=True)
     stages = StageMap(pp, chunks, v_shape)
-    per_rank = _stage_counts(num_layers, pp, first, last)
-    for rank, count in enumerate(per_rank):
-        if count % chunks:
-            raise ValueError(f"pipeline stage {rank} has {count} layers, not divisible by vpp={chunks} "
-                             f"model chunks (num_layers={num_layers}, pp={pp})")
+    counts = _virtual_counts(num_layers, stages, first, last, stage_layers)
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     start = 0
-    for virtual in range(stages.num_stages):
-        rank = stages.rank_of(virtual)
-        size = per_rank[rank] // chunks
-        ranges[rank].append((start, start + size))
+    for virtual, size in enumerate(counts):
+        ranges[stages.rank_of(virtual)].append((start, start + size))
         start += size
     return ranges

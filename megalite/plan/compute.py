@@ -10,7 +10,9 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
   as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
 - the memory-bound ops (norms, residual sums, activation functions, RoPE, the fused QKV split's gradient, bias
   gradients, weight-gradient accumulation, the embedding and the loss over the logits): the elements each reads
-  and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``;
+  and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``, and on a CPU (a profile with
+  ``exp_rate``) what the elements the activation function and the loss pass through exp, erf or tanh take at that
+  rate beyond a read and a write (:func:`transcendental_elements`, :func:`head_transcendentals`);
 - every op's fixed cost (dispatch, autograd, a kernel launch) at ``op_overhead_s``, counted in ops per layer
   (:data:`LAYER_OPS`: the aten ops megalite's layer runs, counted in tests/plan/test_compute.py).
 
@@ -21,6 +23,8 @@ compete for them, and :func:`overlaps_communication` whether collectives can hid
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
@@ -38,9 +42,25 @@ ROPE_OPS = {"forward": 10, "backward": 8}
 EMBEDDING_AND_LOSS_OPS = {"forward": 28, "backward": 27}
 """Ops of the embedding, final norm, output layer and loss for one micro-batch (and one reduction of the loss)."""
 
-BLOCKWISE_TILE_OPS = {"forward": 9, "backward": 14}
-"""Ops of one (query tile, key tile) pair of the blockwise attention (its matmuls, scaling, mask, softmax and
-merge forward; the recomputed scores and the four gradient matmuls backward)."""
+BLOCKWISE_PAIR_OPS = {"forward": 24, "backward": 60}
+"""Aten ops of one computed (query tile, key tile) pair of the blockwise attention, wholly visible: its slices,
+matmuls, scaling, log-sum-exp and probabilities forward; the recomputed scores and probabilities and the four
+gradient matmuls with their accumulations backward (counted in tests/plan/test_compute.py)."""
+
+BLOCKWISE_MASK_OPS = {"forward": 8, "backward": 8}
+"""The ops a pair adds where it is partly masked (the mask's build and the masked fill)."""
+
+BLOCKWISE_CALL_OPS = {"forward": 2, "backward": 8}
+"""Ops of one blockwise call (one key block) beside its pairs: the output and log-sum-exp buffers forward; the
+output's row dot, the safe log-sum-exp and the three gradient buffers backward."""
+
+BLOCKWISE_WRITE_OPS = {"tile": 4, "whole": 2}
+"""Forward ops writing one query tile's output and log-sum-exp into the call's buffers: a slice of them, or the
+whole (a rank's queries in one tile)."""
+
+BLOCKWISE_MERGE_OPS = 13
+"""Forward ops of one exact merge of two partial outputs by their log-sum-exp: between the key tiles of a query
+tile, and between the ring's steps."""
 
 BLOCKWISE_SCORE_PASSES = {"forward": 8, "backward": 11}
 """Reads and writes of a score tile's elements by the blockwise attention's elementwise ops other than its
@@ -86,22 +106,53 @@ def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: in
     if config.position_embedding_type == "rope":
         forward += 12 * tokens * (q + kv)
         backward += 12 * tokens * (q + kv)
-    swiglu = config.activation == "swiglu"
-    if config.is_moe_layer(layer):
-        moe = config.moe
-        routed = (sp_tokens if layout.sequence_parallel else tokens / tp) * moe.topk
-        ffn = routed * moe.ffn_hidden_size / layout.expert_tp
-        forward += 2 * 2 * routed * h
-        backward += 2 * 2 * routed * h
-        swiglu = moe.activation == "swiglu"
-    else:
-        ffn = tokens * config.ffn_hidden_size / tp
+    ffn, routed, swiglu = _activation_input(config, layout, seq_length, layer)
+    forward += 2 * 2 * routed * h
+    backward += 2 * 2 * routed * h
     forward += (3 if swiglu else 2) * ffn
     backward += (5 if swiglu else 3) * ffn
     if config.add_bias_linear:
         backward += qkv + (2 if swiglu else 1) * ffn + 2 * sp_tokens * h
     params = sum(p.numel for p in layer_params(config, layer, layout))
     return forward, backward + 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+
+
+def _activation_input(config: GPTConfig, layout: Layout, seq_length: int, layer: int) -> tuple[float, float, bool]:
+    """``(elements, routed rows, SwiGLU)`` of global layer ``layer``'s activation function for one micro-batch on one
+    rank: its ``ffn`` (per token, of this rank's MLP or experts), the rows an MoE layer routes (0 for a dense
+    one), and whether it is SwiGLU."""
+    tp = layout.tp
+    tokens = layout.micro_batch_size * seq_length / layout.cp
+    if not config.is_moe_layer(layer):
+        return tokens * config.ffn_hidden_size / tp, 0.0, config.activation == "swiglu"
+    moe = config.moe
+    sp_tokens = tokens / tp if layout.sequence_parallel and tp > 1 else tokens
+    routed = (sp_tokens if layout.sequence_parallel else tokens / tp) * moe.topk
+    return routed * moe.ffn_hidden_size / layout.expert_tp, routed, moe.activation == "swiglu"
+
+
+ACTIVATION_TRANSCENDENTALS = {"gelu": (1, 2), "swiglu": (1, 1)}
+"""Transcendental functions per element of the activation's input, forward and backward: GELU's erf (or tanh)
+forward, its cumulative distribution and density backward; SwiGLU's sigmoid forward and again backward."""
+
+LOSS_TRANSCENDENTALS = (1, 1)
+"""Per logit: the log-softmax's exponential forward, the softmax its gradient recomputes backward."""
+
+
+def transcendental_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: int) -> tuple[float, float]:
+    """Elements global layer ``layer`` passes through a transcendental function (exp, erf, tanh) for one micro-batch
+    on one rank, ``(forward, backward)``: its activation function's (:data:`ACTIVATION_TRANSCENDENTALS`).  A CPU
+    core runs them far below its memory's rate (``exp_rate``); :func:`head_transcendentals` gives the loss's."""
+    ffn, _, swiglu = _activation_input(config, layout, seq_length, layer)
+    forward, backward = ACTIVATION_TRANSCENDENTALS["swiglu" if swiglu else "gelu"]
+    return forward * ffn, backward * ffn
+
+
+def head_transcendentals(config: GPTConfig, layout: Layout, seq_length: int) -> float:
+    """Elements the loss passes through an exponential for one micro-batch on one rank (forward and backward):
+    :data:`LOSS_TRANSCENDENTALS` per logit of the rank's vocabulary shard."""
+    logits = layout.micro_batch_size * seq_length / layout.cp * config.vocab_size / layout.tp
+    return sum(LOSS_TRANSCENDENTALS) * logits
 
 
 def head_elements(config: GPTConfig, layout: Layout, seq_length: int) -> float:
@@ -129,29 +180,87 @@ def _layer_kinds(config: GPTConfig) -> list[tuple[int, int]]:
     return [(group[0], len(group)) for group in (dense, moe) if group]
 
 
+@lru_cache(maxsize=256)
+def blockwise_tiles(seq_length: int, cp: int, comm_type: str) -> tuple[dict, ...]:
+    """The blockwise attention's tile work on each CP rank for one sequence, layer and micro-batch, by the rule
+    the attention runs (:func:`~megalite.context_parallel.blockwise.tile_pairs` over the tokens of
+    :func:`~megalite.context_parallel.sequence_split.chunk_indices`, default tile): ``pairs`` computed,
+    ``masked`` (partly), ``scores`` (score elements per head: each pair's whole tile), ``calls`` (key blocks: the
+    ring's ``cp`` steps, else one), ``written`` (query tiles with a pair, summed over calls; ``whole`` of them the
+    rank's whole query block) and ``merges`` (of
+    partial outputs: within a query tile's pairs, and between the ring's steps).  The all-gather variant attends
+    the rank's queries to every rank's keys; the all-to-all one the whole sequence (with ``1 / cp`` of the
+    heads, the same on every rank)."""
+    import torch
+
+    from megalite.context_parallel.blockwise import DEFAULT_TILE, Tokens, tile_pairs
+    from megalite.context_parallel.sequence_split import chunk_indices
+
+    def tokens(ranks) -> Tokens:
+        return Tokens(torch.cat([chunk_indices(seq_length, cp, r) for r in ranks]), None, DEFAULT_TILE)
+
+    everyone, own = tokens(range(cp)), [tokens([r]) for r in range(cp)]
+    out = []
+    for rank in range(1 if comm_type == "a2a" else cp):
+        if comm_type == "p2p":
+            calls = [(own[rank], own[r]) for r in range(cp)]
+        else:
+            calls = [(everyone if comm_type == "a2a" else own[rank], everyone)]
+        work = {"pairs": 0, "masked": 0, "scores": 0, "calls": len(calls), "written": 0, "whole": 0,
+                "merges": len(calls) - 1}
+        for queries, keys in calls:
+            per_tile: dict = {}
+            for qt, kt, whole in tile_pairs(queries, keys):
+                (qa, qb), (ka, kb) = queries.tiles[qt], keys.tiles[kt]
+                work["pairs"] += 1
+                work["masked"] += not whole
+                work["scores"] += (qb - qa) * (kb - ka)
+                per_tile[qt] = per_tile.get(qt, 0) + 1
+            work["written"] += len(per_tile)
+            work["whole"] += len(per_tile) if len(queries.tiles) == 1 else 0
+            work["merges"] += sum(n - 1 for n in per_tile.values())
+        out.append(work)
+    return tuple(out)
+
+
+def blockwise_forward_extra_ops(work: dict) -> int:
+    """Forward ops of one rank's blockwise attention beside its pairs and calls: its tiles' writes and merges."""
+    whole = work["whole"]
+    return ((work["written"] - whole) * BLOCKWISE_WRITE_OPS["tile"] + whole * BLOCKWISE_WRITE_OPS["whole"]
+            + work["merges"] * BLOCKWISE_MERGE_OPS)
+
+
 def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, forwards: int,
                          gemm_rate: float) -> dict:
-    """Seconds of context parallelism's blockwise attention per micro-batch and layer on one rank.
+    """Seconds of context parallelism's blockwise attention per micro-batch and layer on the slowest CP rank.
 
-    Each rank's ``seq / cp`` queries see the keys before them: with the sequence cut into ``2 cp`` load-balanced
-    chunks, ``(2 cp + 1) / (4 cp)`` of the ``[seq / cp, seq]`` scores are computed (the chunk pairs on and below
-    the diagonal), in tiles of one chunk.  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
+    Each rank computes the tile pairs of :func:`blockwise_tiles` (the load-balanced chunks give every rank the
+    same causal share, but not the same tiles: a rank whose two chunks are adjacent holds one tile, and
+    the diagonal pairs are computed whole).  Their matmuls (:data:`BLOCKWISE_MATMULS`) run at the GEMM rate, their
     score elements pass through memory :data:`BLOCKWISE_SCORE_PASSES` times in fp32 and through
     :data:`BLOCKWISE_SCORE_EXPS` exponentials at ``exp_rate`` (on a CPU far below the memory's rate), and each
-    tile pair runs :data:`BLOCKWISE_TILE_OPS`.
+    pair, call, written tile and merge runs its ops (:data:`BLOCKWISE_PAIR_OPS` and those after it).
     """
-    cp = layout.cp
     heads, d = config.num_attention_heads // layout.tp, config.kv_channels
-    scores = layout.micro_batch_size * heads * seq_length / cp * seq_length * (2 * cp + 1) / (4 * cp)
-    tiles = 2 * 2 * cp  # two local query chunks against the two chunks of each of the cp key blocks
+    if layout.cp_comm_type == "a2a":
+        heads //= layout.cp
     matmuls = forwards * BLOCKWISE_MATMULS["forward"] + BLOCKWISE_MATMULS["backward"]
     passes = forwards * BLOCKWISE_SCORE_PASSES["forward"] + BLOCKWISE_SCORE_PASSES["backward"]
-    ops = forwards * BLOCKWISE_TILE_OPS["forward"] + BLOCKWISE_TILE_OPS["backward"]
     exps = forwards * BLOCKWISE_SCORE_EXPS["forward"] + BLOCKWISE_SCORE_EXPS["backward"]
     exp_rate = hw.hbm_bandwidth / (2 * 4) if hw.exp_rate is None else hw.exp_rate
-    return {"attention": matmuls * 2 * scores * d / gemm_rate,
-            "memory_bound": passes * scores * 4 / hw.hbm_bandwidth + exps * scores / exp_rate,
-            "op_overhead": ops * tiles * hw.op_overhead_s}
+    slowest = None
+    for work in blockwise_tiles(seq_length, layout.cp, layout.cp_comm_type):
+        scores = layout.micro_batch_size * heads * work["scores"]
+        ops = forwards * blockwise_forward_extra_ops(work)
+        for phase, times in (("forward", forwards), ("backward", 1)):
+            ops += times * (work["pairs"] * BLOCKWISE_PAIR_OPS[phase] + work["masked"] * BLOCKWISE_MASK_OPS[phase]
+                            + work["calls"] * BLOCKWISE_CALL_OPS[phase])
+        seconds = {"attention": matmuls * 2 * scores * d / gemm_rate,
+                   "memory_bound": passes * scores * 4 / hw.hbm_bandwidth + exps * scores / exp_rate,
+                   "op_overhead": ops * hw.op_overhead_s}
+        if slowest is None or sum(seconds.values()) > sum(slowest.values()):
+            slowest = seconds
+    return slowest
 
 
 def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int) -> dict:
@@ -186,6 +295,13 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
         elements += count * (forwards * fwd + bwd) / layout.pp
     elements += head_elements(config, layout, seq_length) / layout.pp
     out["memory_bound"] += m * elements * e / hw.hbm_bandwidth
+    if hw.exp_rate is not None:  # on a GPU the special function units keep up with the memory's passes above
+        functions = head_transcendentals(config, layout, seq_length) / layout.pp
+        for layer, count in _layer_kinds(config):
+            fwd, bwd = transcendental_elements(config, layout, seq_length, layer)
+            functions += count * (forwards * fwd + bwd) / layout.pp
+        # each costs what an exponential (a read and a write, as exp_rate is timed) takes beyond such a pass
+        out["memory_bound"] += m * functions * max(0.0, 1 / hw.exp_rate - 2 * e / hw.hbm_bandwidth)
     layer_ops = forwards * LAYER_OPS["forward"] + LAYER_OPS["backward"]
     if config.position_embedding_type == "rope":
         layer_ops += forwards * ROPE_OPS["forward"] + ROPE_OPS["backward"]

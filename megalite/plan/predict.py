@@ -66,6 +66,10 @@ def predict_run(args, world: int) -> RunPrediction:
         hardware = load_hardware("cpu")
     if args.lora_rank:
         return RunPrediction(hardware, reason="the planner does not model LoRA fine-tuning (frozen base weights)")
+    if args.pipeline_model_parallel_size > 1 and (args.pipeline_model_parallel_layout or (
+            args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split)):
+        return RunPrediction(hardware, reason="the planner does not model a split of given stage layer counts "
+                             "(--pipeline-model-parallel-layout, --account-for-embedding/loss-in-pipeline-split)")
     config = gpt_config(args)
     if config.multi_latent_attention:
         return RunPrediction(hardware, reason="the planner does not model multi-latent attention")

@@ -87,14 +87,14 @@ def _iterators(model_chunks, micro_batches):
 
 def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: float = 1.0,
                        chunk_size: int | None = None, with_entropy: bool = False,
-                       pp_group=None, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only log-probs over micro-batches of a pipelined model, on every stage.
 
     ``micro_batches``: dicts with ``input_ids`` and ``attention_mask`` ``[mb, s]``
     (every stage gets the same list).  ``model_chunks`` is this rank's chunk, or
     its list of chunks under an interleaved (vpp > 1) pipeline.  Returns the concatenated ``[B, s-1]``
-    log-probs (and entropy) on every pipeline rank, on the CPU.  ``group`` > 1: each ``group`` consecutive rows of a
-    micro-batch (a prompt's samples) run as one prefix-shared row (:func:`megalite.rlhf.shared_groups.forward_rows`).
+    log-probs (and entropy) on every pipeline rank, on the CPU.  A micro-batch with ``packed`` rows (a prompt's
+    samples as one prefix-shared row, :func:`megalite.rlhf.shared_groups.with_packing`) runs them.
     """
     if not micro_batches:
         raise ValueError("pipeline_log_probs needs at least one micro-batch, got 0")
@@ -102,7 +102,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
 
     def forward_step(iterator, chunk):
         batch = next(iterator)
-        output = forward_rows(chunk, batch["input_ids"], batch["attention_mask"], group)
+        output = forward_rows(chunk, batch["input_ids"], batch["attention_mask"], batch.get("packed"))
 
         def collect(logits):
             lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,

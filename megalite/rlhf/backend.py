@@ -19,6 +19,7 @@ from megalite.distributed import finalize_model_grads
 from megalite.rlhf.dp_balance import token_micro_batches
 from megalite.rlhf.generation import GenerationOutput, RolloutEngine, SamplingConfig, engine_supports, generate
 from megalite.rlhf.ppo import global_normalizer
+from megalite.rlhf.shared_groups import with_packing
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
 
 
@@ -51,7 +52,9 @@ class TrainingBackend:
         self._pending = False
         self.rollout_engine = RolloutEngine(chunk) if engine_supports(chunk) else None
 
-    def _micro_batches(self, batch: dict) -> list[dict]:
+    def micro_batches(self, batch: dict) -> list[dict]:
+        """``batch`` cut into this backend's micro-batches (of ``micro_batch_size`` rows, or by
+        ``micro_batch_tokens``), as :meth:`forward_backward` runs them."""
         first = next(iter(batch))  # input_ids for megalite's objectives; a user objective's batch may lack it
         size = batch[first].shape[0]
         for key, value in batch.items():
@@ -64,11 +67,13 @@ class TrainingBackend:
         return [{k: v[i:i + self.micro_batch_size] for k, v in batch.items()}
                 for i in range(0, size, self.micro_batch_size)]
 
-    def forward_backward(self, batch: dict) -> dict[str, float]:
-        """Accumulate the gradient of the objective's global mean over ``batch``; return its metrics."""
+    def forward_backward(self, batch: dict, packing: tuple | None = None) -> dict[str, float]:
+        """Accumulate the gradient of the objective's global mean over ``batch``; return its metrics.  ``packing``:
+        the prefix-shared packing of :meth:`micro_batches` (``shared_groups.pack_micro_batches``), handed to the
+        objective's forward as each micro-batch's ``packed``; None: the plain rows."""
         if self._pending:
             raise RuntimeError("forward_backward was called twice without optim_step in between")
-        micro_batches = self._micro_batches(batch)
+        micro_batches = with_packing(self.micro_batches(batch), packing)
         topo = self.topo
         normalizer = global_normalizer(self.objective.normalizer_mask(batch), self.objective.mode, topo.dp.group)
         scale = len(micro_batches) * topo.dp.size

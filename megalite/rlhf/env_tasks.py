@@ -124,10 +124,13 @@ class CalculatorEnvironment(Environment):
         return StepResult([], float(text.strip() == str(self.answer)), done=True)
 
 
-HintWriter = Callable[[list[int]], tuple[list[int], list[float]]]
+HintWriter = Callable[[list[int]], tuple]
 """The guide of :class:`GuidanceEnvironment`: its prompt's token ids -> the hint's sampled ids (ending in
-end-of-document unless cut) and their behaviour log-probs (``megalite.rlhf.guidance.hint_writer`` builds one on a
-sampler)."""
+end-of-document unless cut) and their behaviour log-probs, and optionally each token's policy version
+(``megalite.rlhf.guidance.hint_writer`` builds one on a sampler).  A writer that writes the hint over several
+rounds (partial rollouts: ``megalite.rlhf.guidance.PartialHintWriter``) raises
+:class:`~megalite.rlhf.environment.StepPending` until it is done, and keeps the hint so far: its ``state()`` and
+``load_state()`` are saved and restored with the environment's."""
 
 
 def _product(rng: random.Random, max_operand: int) -> str:
@@ -143,7 +146,8 @@ class GuidanceEnvironment(Environment):
     as the observation ``<hint>HINT</hint>`` (the guide's sampled ids as they are) and answers again: the
     revision, rewarded 1 when it is the product.  After the episode ``attempt_reward``, ``revision_reward``
     (None when the episode ended before a revision: then the attempt stands) and ``guide_turn`` (the guide's
-    prompt ids, hint ids and log-probs, None before a hint) describe it.
+    prompt ids, hint ids and log-probs, None before a hint) describe it; ``guide_versions`` holds each hint
+    token's guide version when the writer gives them (partial rollouts), else None.
 
     With ``hints`` > 1 the guide writes that many hints to the attempt, and the step branches the episode
     (:attr:`~megalite.rlhf.environment.StepResult.branches`): each hint gets its own copy of this environment and
@@ -166,7 +170,7 @@ class GuidanceEnvironment(Environment):
         self.hints = hints
         self.task = VerifierEnvironment(tokenizer, lambda rng: _product(rng, max_operand))
         self.max_operand, self.guide, self.wrong_hint_fraction = max_operand, guide, wrong_hint_fraction
-        self.attempt_reward, self.revision_reward, self.guide_turn = 0.0, None, None
+        self.attempt_reward, self.revision_reward, self.guide_turn, self.guide_versions = 0.0, None, None, None
         self.wrong_attempt, self.wrong_hint = "", ""
 
     def reset(self, seed: int) -> list[int]:
@@ -179,8 +183,24 @@ class GuidanceEnvironment(Environment):
         wrong = lambda: str((answer + rng.randint(1, largest)) % (largest + 1))  # noqa: E731  (0..largest, not answer)
         self.wrong_attempt = wrong() if rng.random() < 0.5 else ""
         self.wrong_hint = wrong() if rng.random() < self.wrong_hint_fraction else ""
-        self.attempt_reward, self.revision_reward, self.guide_turn = 0.0, None, None
+        self.attempt_reward, self.revision_reward, self.guide_turn, self.guide_versions = 0.0, None, None, None
         return prompt
+
+    _STATE = ("attempt_reward", "revision_reward", "guide_turn", "guide_versions")
+
+    def state(self) -> dict:
+        """The rewards, the guide's turn and its writer's hint in progress: the hint was sampled by another model,
+        so a replay of the policy's actions could not redraw it."""
+        writer = getattr(self.guide, "state", None)
+        return {**{name: getattr(self, name) for name in self._STATE}, "writer": writer and writer()}
+
+    def load_state(self, state: dict) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
+        if self.guide_turn is not None:
+            self.guide_turn = tuple(map(list, self.guide_turn))
+        if state["writer"] is not None:
+            self.guide.load_state(state["writer"])
 
     def guide_prompt(self, attempt: list[int]) -> list[int]:
         """What the guide reads: the question, the attempt's ids (without end-of-document) and the answer."""
@@ -207,9 +227,10 @@ class GuidanceEnvironment(Environment):
         prompt = self.guide_prompt(action)
         branches = []
         for _ in range(self.hints):
-            hint, log_probs = self.guide(prompt)
+            hint, log_probs, *versions = self.guide(prompt)
             branch = copy.copy(self) if branches else self
             branch.guide_turn = (prompt, list(hint), list(log_probs))
+            branch.guide_versions = list(versions[0]) if versions else None
             branches.append((branch, self.hint_observation(hint)))
         return StepResult(branches[0][1], branches=branches[1:])
 

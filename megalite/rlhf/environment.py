@@ -32,6 +32,11 @@ Sampler = Callable[[torch.Tensor, torch.Tensor, SamplingConfig, "torch.Generator
 contract (``megalite.rlhf.rollouts.rollout_sampler`` picks one)."""
 
 
+class StepPending(Exception):
+    """Raised by :meth:`Environment.step` while the step waits on another model's generation (partial rollouts): the
+    driver calls the same step with the same action again in its next round, so the step must be safe to repeat."""
+
+
 @dataclass
 class StepResult:
     """What :meth:`Environment.step` returns: the next observation's token ids, the turn's reward, and ``done``."""
@@ -60,6 +65,16 @@ class Environment:
     def step(self, action: list[int]) -> StepResult:
         """Apply one turn's sampled token ids (ending in ``tokenizer.eod`` unless cut by a budget)."""
         raise NotImplementedError
+
+    def state(self) -> dict | None:
+        """JSON of what this episode's world holds beyond its seed and the actions played (another model's
+        samples, which a replay could not redraw), for partial rollouts' checkpoint; None (the default): replaying
+        ``reset(seed)`` and the finished actions' steps rebuilds it."""
+        return None
+
+    def load_state(self, state: dict) -> None:
+        """After ``reset(seed)``, restore :meth:`state` (environments whose ``state`` is not None)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state beyond its seed and actions")
 
     def demonstration(self) -> list[tuple[list[int], bool]]:
         """After :meth:`reset`, a good episode's turns after the prompt as ``(token ids, is an action)`` segments:
@@ -121,7 +136,8 @@ class Episode:
     per token whether it is trained (actions), its behaviour log-prob and the policy version that sampled it (-1 on
     observations); ``spans`` the finished actions' columns, ``turn_rewards`` one per finished action.  While an
     action is being sampled (partial rollouts pause it between rounds) ``turn_start`` is where it began in
-    ``tokens`` and ``turn_budget`` the tokens it may take; both are None between turns.  ``seed`` reset ``env``."""
+    ``tokens`` and ``turn_budget`` the tokens it may take; both are None between turns.  ``pending``: the last
+    finished action's step raised :class:`StepPending` and is called again next round.  ``seed`` reset ``env``."""
 
     env: Environment
     prompt: list[int]
@@ -135,6 +151,7 @@ class Episode:
     error: str | None = None
     turn_start: int | None = None
     turn_budget: int | None = None
+    pending: bool = False
     seed: int = 0
 
     @property
@@ -198,25 +215,34 @@ def _sample_chunks(live: list[Episode], sample: Sampler, sampling: SamplingConfi
 def play_round(episodes: list[Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
                generator=None, chunk: int | None = None, version: int = 0) -> list[Episode]:
     """Every live episode's action grows by up to ``chunk`` tokens (None: a whole action) with policy ``version``;
-    each action that ended (end-of-document or its budget) goes to its environment's step.  Returns the episodes,
-    each followed by the branches its step opened."""
+    each action that ended (end-of-document or its budget) goes to its environment's step, and each step that was
+    pending (:class:`StepPending`) is called again instead of sampling.  Returns the episodes, each followed by the
+    branches its step opened."""
     live = [e for e in episodes if not e.done]
-    _sample_chunks(live, sample, sampling, limits, generator, sampling.pad_id, chunk, version)
+    _sample_chunks([e for e in live if not e.pending], sample, sampling, limits, generator, sampling.pad_id, chunk,
+                   version)
     branches: dict[int, list[Episode]] = {}
     for episode in live:
-        action = episode.tokens[episode.turn_start:]
-        if action[-1] != sampling.eos_id and len(action) < episode.turn_budget:
-            continue  # paused mid-action: the next round continues it
-        episode.spans.append((len(episode.prompt) + episode.turn_start, episode.length))
-        episode.turn_start = episode.turn_budget = None
+        if not episode.pending:
+            action = episode.tokens[episode.turn_start:]
+            if action[-1] != sampling.eos_id and len(action) < episode.turn_budget:
+                continue  # paused mid-action: the next round continues it
+            episode.spans.append((len(episode.prompt) + episode.turn_start, episode.length))
+            episode.turn_start = episode.turn_budget = None
+        start, end = episode.spans[-1]
+        action = (episode.prompt + episode.tokens)[start:end]
         try:
-            result = episode.env.step(list(action))
+            result = episode.env.step(action)
+        except StepPending:  # the step waits on another model: called again next round
+            episode.pending = True
+            continue
         except Exception as error:  # a failed tool call ends this episode, not the run
             episode.error = f"{type(error).__name__}: {error}"
             log.warning("episode ended by %s.step raising %s", type(episode.env).__name__, episode.error)
             episode.turn_rewards.append(limits.error_reward)
-            episode.done = True
+            episode.done, episode.pending = True, False
             continue
+        episode.pending = False
         result = _checked(result, episode.env)
         episode.turn_rewards.append(result.reward)
         branches[id(episode)] = [episode.branch(env) for env, _ in result.branches]

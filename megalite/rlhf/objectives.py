@@ -43,22 +43,22 @@ class PPOActorObjective:
     ``ref_log_probs`` (adds ``kl_coef`` x the aggregated KL estimate); an optional
     ``is_weights`` multiplies the surrogate per token (stale rollouts).  ``distill_coef > 0`` adds that
     times the forward KL to a teacher on its support (needs ``teacher_log_probs [b, s, k]`` and, for
-    top-k, ``teacher_indices``; see :mod:`megalite.rlhf.distillation`).  ``group`` > 1: each ``group``
-    consecutive rows of a micro-batch (a prompt's samples) run as one prefix-shared row
-    (:func:`megalite.rlhf.shared_groups.forward_rows`; the same loss and gradients).
+    top-k, ``teacher_indices``; see :mod:`megalite.rlhf.distillation`).  A micro-batch with ``packed`` rows (a
+    prompt's samples as one prefix-shared row, :func:`megalite.rlhf.shared_groups.pack_micro_batches`) runs them
+    (the same loss and gradients).
     """
 
     def __init__(self, config: PPOConfig, temperature: float = 1.0, chunk_size: int | None = None,
-                 distill_coef: float = 0.0, group: int | None = None):
+                 distill_coef: float = 0.0):
         self.config, self.temperature, self.chunk_size = config, temperature, chunk_size
-        self.distill_coef, self.group = distill_coef, group
+        self.distill_coef = distill_coef
         self.mode = config.loss_aggregation
 
     def normalizer_mask(self, batch: dict) -> torch.Tensor:
         return batch["response_mask"]
 
     def forward(self, chunk, mb: dict) -> torch.Tensor:
-        return forward_rows(chunk, mb["input_ids"], mb["attention_mask"], self.group)
+        return forward_rows(chunk, mb["input_ids"], mb["attention_mask"], mb.get("packed"))
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0

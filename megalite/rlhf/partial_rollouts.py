@@ -19,7 +19,9 @@ checkpoint stores per rank, so a resumed run continues every row where it stoppe
 grows every unfinished action by at most ``chunk_tokens`` tokens, an action that ends goes to its environment's
 step (whose observation tokens keep loss mask 0 and version -1), and an episode paused mid-action continues after
 the weight update.  Its state holds each episode's seed and tokens; a resume rebuilds an episode's environment by
-``reset(seed)`` and replaying its finished actions' steps (environments are deterministic given both).
+``reset(seed)`` and replaying its finished actions' steps (environments are deterministic given both), or, for
+an environment that holds another model's samples (the guidance flow's hint, itself written in rounds), by
+restoring its own :meth:`~megalite.rlhf.environment.Environment.state`.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class PartialEpisodes(PartialRollouts):
     episode; ``sampling.max_new_tokens`` is an action's budget and ``chunk_tokens`` what it may gain per round."""
 
     _FIELDS = ("seed", "prompt", "tokens", "trained", "log_probs", "versions", "spans", "turn_rewards", "done",
-               "error", "turn_start", "turn_budget")
+               "error", "turn_start", "turn_budget", "pending")
 
     def __init__(self, sample, sampling: SamplingConfig, chunk_tokens: int, limits: EpisodeLimits, make_env,
                  group_size: int = 1):
@@ -198,8 +200,9 @@ class PartialEpisodes(PartialRollouts):
         self._settle()
 
     def rollout(self, rows: list[Episode], device="cpu") -> Rollout:
+        """``rows`` (finished) as a Rollout with each token's version; metadata ``environments`` holds the rows'
+        environments."""
         rollout = episodes_rollout(rows, self.sampling.pad_id, token_versions=True)
-        rollout.metadata.pop("environments")
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards",
                      "token_versions"):
             setattr(rollout, name, getattr(rollout, name).to(device))
@@ -207,19 +210,24 @@ class PartialEpisodes(PartialRollouts):
 
     def state(self) -> dict:
         """Every episode in flight and finished as JSON: its seed, tokens, per-token flags, log-probs, versions,
-        finished actions' spans and rewards, and the action in progress."""
+        finished actions' spans and rewards, the action in progress and its environment's own state (None for
+        one a replay rebuilds)."""
         def rows(rows):
-            return [{name: getattr(row, name) for name in self._FIELDS} for row in rows]
+            return [{**{name: getattr(row, name) for name in self._FIELDS}, "env": row.env.state()} for row in rows]
         return {"rows": rows(self.rows), "finished": rows(self.finished)}
 
     def load_state(self, state: dict) -> None:
-        """Restore :meth:`state`'s episodes: each environment is reset with its seed and replays its finished
-        actions' steps."""
+        """Restore :meth:`state`'s episodes: each environment is reset with its seed and restores its own state, or
+        replays its finished actions' steps."""
         def episode(saved: dict) -> Episode:
             env = self.make_env()
             env.reset(saved["seed"])
-            row = Episode(env, **{**saved, "spans": [tuple(span) for span in saved["spans"]]})
-            if not row.done:
+            env_state = saved.get("env")
+            row = Episode(env, **{**{name: saved[name] for name in self._FIELDS if name in saved},
+                                  "spans": [tuple(span) for span in saved["spans"]]})
+            if env_state is not None:
+                env.load_state(env_state)
+            elif not row.done:
                 ids = row.prompt + row.tokens
                 for start, end in row.spans:
                     env.step(ids[start:end])

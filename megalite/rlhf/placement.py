@@ -247,8 +247,8 @@ class Placement:
     def resident_bytes(self) -> dict[str, int]:
         """``{"device": bytes on the compute device, "pool": bytes parked in host pools}``, each storage once."""
         tensors, pools = self._tensors()
-        parked = dict(map(_storage, pools))
-        on_device = dict(_storage(t) for t in tensors if t.device == self.device)
+        parked = _storages(pools)
+        on_device = _storages(tensors, self.device)
         return {"device": sum(n for key, n in on_device.items() if key not in parked), "pool": sum(parked.values())}
 
     def _record(self, phase: str, values: dict[str, int]) -> None:
@@ -263,7 +263,13 @@ class Placement:
         return metrics
 
 
-def _storage(tensor: torch.Tensor) -> tuple[tuple, int]:
-    """``((device, storage address), storage bytes)``: a storage counted once however many tensors view it."""
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr()), storage.nbytes()
+def _storages(tensors: list[torch.Tensor], device: torch.device | None = None) -> dict[tuple, int]:
+    """``{(device, storage address): storage bytes}`` of ``tensors`` (those on ``device`` when given): a storage
+    counted once however many tensors view it.  One loop, no call per tensor: it runs twice per phase."""
+    found = {}
+    for tensor in tensors:
+        where = tensor.device
+        if device is None or where == device:
+            storage = tensor.untyped_storage()
+            found[(where, storage.data_ptr())] = storage.nbytes()
+    return found

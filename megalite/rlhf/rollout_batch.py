@@ -4,7 +4,8 @@ Generation fills the token tensors and the behaviour policy's log-probs, scoring
 reference log-probs and the critic's values, and the update reads them; nothing is re-tokenised on the way
 (the text in ``prompts``/``responses`` is decoded once, for reward functions and logs).  The four token tensors
 have fixed shapes for a given config (:meth:`Rollout.wire_tensors`), so a rollout rank can send them and a
-trainer rebuild the batch (:meth:`Rollout.from_wire`).
+trainer rebuild the batch (:meth:`Rollout.from_wire`).  :meth:`Rollout.state` is the whole batch as JSON (tensors
+as :func:`tensors_state`), for checkpoints of batches drawn ahead of the update.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+from megalite.rlhf.shared_groups import PackedRows, with_packing
 
 WIRE = ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs")
 """The token tensors a rollout rank sends, in this order."""
@@ -29,7 +32,9 @@ class Rollout:
     before shaping), ``ref_log_probs`` and ``old_values`` (aligned like ``response_mask``) are filled by scoring.
     ``iteration`` and ``version`` (the policy version that sampled it; the oldest one for partial rollouts) place
     the batch in the run; ``token_versions`` (partial rollouts, ``megalite.rlhf.partial_rollouts``; aligned like
-    ``response_mask``, -1 off the response) the version that sampled each token; ``metadata`` holds the rest
+    ``response_mask``, -1 off the response) the version that sampled each token; ``packing`` (set once by
+    scoring, :func:`~megalite.rlhf.shared_groups.pack_micro_batches`) the rows' prefix-shared packing per
+    micro-batch, which every forward of these rows runs (:meth:`micro_batches`); ``metadata`` holds the rest
     (kept group fraction, phase timings).
     """
 
@@ -47,6 +52,7 @@ class Rollout:
     token_versions: torch.Tensor | None = None
     iteration: int = 0
     version: int = 0
+    packing: tuple[PackedRows, ...] | None = None
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,6 +81,13 @@ class Rollout:
         """``[b, N]``, padded after end-of-document."""
         return self.input_ids[:, self.prompt_width:]
 
+    def micro_batches(self, size: int) -> list[dict]:
+        """The rows as forward micro-batches of ``size`` rows (``input_ids``, ``attention_mask``, and ``packed``
+        where the rollout carries a packing of micro-batches of that size)."""
+        ids, mask = self.input_ids, self.attention_mask
+        return with_packing([{"input_ids": ids[i:i + size], "attention_mask": mask[i:i + size]}
+                             for i in range(0, len(self), size)], self.packing)
+
     def wire_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in WIRE]
 
@@ -82,21 +95,58 @@ class Rollout:
     def from_wire(cls, tensors: list[torch.Tensor], prompt_width: int, **rest) -> "Rollout":
         return cls(**dict(zip(WIRE, tensors)), prompt_width=prompt_width, **rest)
 
+    def state(self) -> dict:
+        """The whole batch as JSON: every field but ``packing`` (derived from the rows; scoring packs again),
+        tensors as :func:`tensors_state` (a Rollout in ``metadata``, the guidance flow's guide rollout, as its own
+        state)."""
+        def value(v):
+            if isinstance(v, torch.Tensor):
+                return {"tensor": tensors_state([v])[0]}
+            if isinstance(v, Rollout):
+                return {"rollout": v.state()}
+            return {"json": v}
+        return {f.name: value(getattr(self, f.name)) if f.name != "metadata" else
+                {key: value(v) for key, v in self.metadata.items()} for f in fields(self) if f.name != "packing"}
+
+    @classmethod
+    def from_state(cls, state: dict, device="cpu") -> "Rollout":
+        """:meth:`state`'s batch, its tensors on ``device``."""
+        def value(v):
+            if "tensor" in v:
+                return tensors_from_state([v["tensor"]], device)[0]
+            if "rollout" in v:
+                return cls.from_state(v["rollout"], device)
+            return v["json"]
+        values = {name: value(v) for name, v in state.items() if name != "metadata"}
+        values["turn_spans"] = [[tuple(span) for span in row] for row in values["turn_spans"]]
+        return cls(**values, metadata={key: value(v) for key, v in state["metadata"].items()})
+
     def rows(self, start: int, end: int) -> "Rollout":
-        """Rows ``start:end`` (every per-row field sliced alike)."""
-        return replace(self, **{f.name: value[start:end] for f in fields(self)
-                                if _per_row(value := getattr(self, f.name))})
+        """Rows ``start:end`` (every per-row field sliced alike; no packing, which was the whole batch's)."""
+        return replace(self, packing=None, **{f.name: value[start:end] for f in fields(self)
+                                              if _per_row(value := getattr(self, f.name))})
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """The rows of ``parts`` in order; the scalars and metadata are the first part's, but ``version`` is the
-        oldest part's (partial rollouts' parts may be of different versions)."""
+        """The rows of ``parts`` in order, without a packing; the scalars and metadata are the first part's, but
+        ``version`` is the oldest part's (partial rollouts' parts may be of different versions)."""
         def join(values):
             return torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
         first = parts[0]
-        return replace(first, version=min(p.version for p in parts),
+        return replace(first, version=min(p.version for p in parts), packing=None,
                        **{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(first)
                           if _per_row(getattr(first, f.name))})
+
+
+def tensors_state(tensors: list[torch.Tensor]) -> list:
+    """``tensors`` as JSON: ``[dtype, shape, values]`` each."""
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape), t.flatten().tolist()] for t in tensors]
+
+
+def tensors_from_state(state: list, device="cpu") -> list[torch.Tensor]:
+    """:func:`tensors_state`'s tensors, on ``device``."""
+    return [torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape).to(device)
+            for dtype, shape, values in state]
 
 
 def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ also give the guide's rollout (``megalite.rlhf.guidance``), in ``metadata["guide
 Each rollout records the policy version that made it; :func:`lookahead` draws up to ``--max-staleness`` later
 rollouts ahead of the update that trains on the current one.  With ``--partial-rollout-tokens`` generations are
 instead cut into rounds that continue across updates (``megalite.rlhf.partial_rollouts``; environment episodes
-too, paused mid-action).  With ``--rollout-world-size`` the rollouts are
+too, paused mid-action, and the guidance flow's hints, written in rounds by the guide's weights of the time).
+With ``--rollout-world-size`` the rollouts are
 generated on the rollout ranks (``megalite.rlhf.rollout_ranks``) and received here as tensors of fixed shapes
 (:func:`shard_shapes`).
 """
@@ -32,7 +33,7 @@ from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.rewards import varied_groups
 from megalite.rlhf.rollout_batch import Rollout, left_pad
 from megalite.rlhf.scoring import score_batches, shaped_scores
-from megalite.rlhf.shared_groups import row_group
+from megalite.rlhf.shared_groups import pack_micro_batches, row_group
 
 
 def rollout_sampler(model):
@@ -97,9 +98,10 @@ def shard_shapes(args) -> list[tuple[tuple[int, int], torch.dtype]]:
             ((b, width - 1), torch.float32)] + ([((b, width - 1), torch.long)] if args.partial_rollout_tokens else [])
 
 
-def lookahead(items, depth: int):
-    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily)."""
-    pending: deque = deque()
+def lookahead(items, depth: int, pending: deque | None = None):
+    """Yield ``items`` in order, drawing up to ``depth`` later ones before handing each out (0: lazily);
+    ``pending`` (default: a fresh deque) holds those drawn and not yet handed out, for a checkpoint to read."""
+    pending = deque() if pending is None else pending
     for item in items:
         pending.append(item)
         if len(pending) > depth:
@@ -122,6 +124,8 @@ class Rollouts:
             self.rollout_source = topo.world_size + topo.dp.rank % replicas * args.rollout_tensor_parallel_size
         self.device = device
         self.version, self.start = 0, 1
+        self.ahead: deque = deque()  # drawn ahead of the update (--max-staleness): rollouts, or (rollout, future)
+        # pairs the scoring server's Prefetcher issued; a resume refills it from the checkpoint
         self.rng = random.Random(args.seed * 1000 + topo.dp.rank)
         self.sample = rollout_sampler(actor.chunk) if self.rollout_source is None else None
         self.sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod,
@@ -131,17 +135,14 @@ class Rollouts:
         self.partial = None
         if args.partial_rollout_tokens and self.rollout_source is None:
             self.partial = PartialEpisodes(self.sample, self.sampling, args.partial_rollout_tokens, self.limits,
-                                           lambda: make_environment(args), args.n_samples_per_prompt) \
+                                           lambda: make_environment(args, guide and guide.partial_writer(
+                                               self.sampling)), args.n_samples_per_prompt) \
                 if args.environment else PartialRollouts(self.sample, self.sampling, args.partial_rollout_tokens,
                                                          args.prompt_width, args.n_samples_per_prompt)
 
     def __iter__(self):
         for iteration in range(self.start, self.args.train_iters + 1):
             yield self.rollout(iteration)
-
-    def _micro_batches(self, ids, mask):
-        mb = self.args.micro_batch_size
-        return [{"input_ids": ids[i:i + mb], "attention_mask": mask[i:i + mb]} for i in range(0, len(ids), mb)]
 
     def _play(self, iteration: int) -> Rollout:
         """One round of ``--environment`` episodes of this DP rank: ``--n-samples-per-prompt`` episodes per task
@@ -158,8 +159,13 @@ class Rollouts:
             rollout = run_episodes(envs, seeds, self.sample, self.sampling, self.limits, generator)
         for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards"):
             setattr(rollout, name, getattr(rollout, name).to(self.device))
-        envs = rollout.metadata.pop("environments")  # one per row: a guide's several hints branch episodes
-        if guide is not None:
+        return self._episodes(rollout)
+
+    def _episodes(self, rollout: Rollout) -> Rollout:
+        """An episodes' rollout with its environments (one per row: a guide's several hints branch episodes) kept
+        as metadata ``episodes`` for the guide's rollout (the guidance flow), else dropped."""
+        envs = rollout.metadata.pop("environments")
+        if self.guide is not None:
             rollout.metadata["episodes"] = envs
         return rollout
 
@@ -177,6 +183,11 @@ class Rollouts:
         args, n, need = self.args, self.args.n_samples_per_prompt, self.args.prompts_per_rank
         generator = torch.Generator(self.device).manual_seed(args.seed + 7919 * iteration + 104729 * attempt
                                                              + self.topo.dp.rank)
+
+        if self.guide is not None:  # the hints written in these rounds: the guide's weights now, its own stream
+            self.guide.clock.version = self.version
+            self.guide.clock.generator = torch.Generator(self.device).manual_seed(
+                args.seed + 7919 * iteration + 104729 * attempt + self.topo.dp.rank + 104723)
 
         def new_rows():
             return self._seeds() if args.environment else prompt_rows(args, self.rng)
@@ -203,7 +214,7 @@ class Rollouts:
                 if len(tensors) > 4:  # partial rollouts: each token's version; the batch's is the oldest
                     rollout.token_versions, rollout.version = tensors[4], int(tensors[4][tensors[4] >= 0].min())
         if self.args.environment:  # partial episodes, rewarded by their environments
-            return rollout
+            return self._episodes(rollout)
         decode(rollout)
         if not self.args.use_scoring_server:
             with self.placement.phase("scoring"):
@@ -217,15 +228,17 @@ class Rollouts:
         if self.args.dynamic_sampling:
             rollout, kept_fraction = self._refill(rollout, iteration)
         generate_s = time.monotonic() - start
-        micro_batches = self._micro_batches(rollout.input_ids, rollout.attention_mask)
+        # The iteration's one packing of its rows: the reference's forward, the old log-probs and the update's run it.
+        rollout.packing = pack_micro_batches(rollout.micro_batches(self.args.micro_batch_size),
+                                             row_group(self.args), self.actor.chunk)
+        micro_batches = rollout.micro_batches(self.args.micro_batch_size)
         rollout.iteration = iteration
         if rollout.token_versions is None:  # a partial rollout's version is its oldest token's
             rollout.version = self.version if self.rollout_source is None else max(0, iteration - 1
                                                                                      - self.args.max_staleness)
         with self.placement.phase("scoring"):
             with self.reference.on_device() as reference:
-                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature,
-                                                      group=row_group(self.args))
+                ref_log_probs, _ = pipeline_log_probs(reference, micro_batches, self.args.temperature)
             rollout.ref_log_probs = ref_log_probs.to(self.device)
             if self.value_model is not None:
                 rollout.old_values = pipeline_values(self.value_model, micro_batches).to(self.device)[:, :-1]

@@ -273,20 +273,24 @@ class Prefetcher:
     ``inputs_of(batch)`` gives the ``(ids, mask)`` sent.  ``current_version()``
     is the caller's version of the served model when a result is used (default:
     the served model is frozen); :attr:`staleness` records, per batch, how many
-    versions older the result is, and each is logged.
+    versions older the result is, and each is logged.  ``pending`` (default: a
+    fresh deque) holds the ``(batch, future)`` pairs issued and not yet handed
+    out, for a checkpoint to read; a resume may fill it with finished futures.
     """
 
     def __init__(self, model: ScoringServer, batches: Iterable, depth: int = 1,
-                 inputs_of: Callable | None = None, current_version: Callable[[], int] | None = None):
+                 inputs_of: Callable | None = None, current_version: Callable[[], int] | None = None,
+                 pending: deque | None = None):
         if not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be a non-negative integer, got {depth!r}")
         self.model, self.batches, self.depth = model, iter(batches), depth
         self.inputs_of = inputs_of or (lambda batch: batch)
         self.current_version = current_version
         self.staleness: list[int] = []
+        self.pending = deque() if pending is None else pending
 
     def __iter__(self) -> Iterator:
-        pending: deque = deque()
+        pending = self.pending
         exhausted = False
         while True:
             while not exhausted and len(pending) < self.depth + 1:

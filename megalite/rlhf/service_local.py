@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import sys
 
 from megalite.rlhf.service_config import ServiceSpec
 from megalite.rlhf.service_transport import Reply, Transport
@@ -66,7 +67,11 @@ class LocalTransport(Transport):
 
 
 def _serve(rank: int, spec: ServiceSpec, inbox, replies, driver: int) -> None:
-    """A worker process: answer calls in order until ``shutdown``; it dies with ``driver``."""
+    """A worker process: answer calls in order until ``shutdown``; it dies with ``driver``.
+
+    After answering ``shutdown`` it flushes its reply and its output and exits at once, as a forked process
+    does: a spawned one would otherwise tear down every module it imported (torch's included), which takes
+    about a second that the driver's ``shutdown`` waits out."""
     die_with_parent(driver)
     worker = ServiceWorker(rank, spec)
     while True:
@@ -74,4 +79,8 @@ def _serve(rank: int, spec: ServiceSpec, inbox, replies, driver: int) -> None:
         ok, value = worker.handle(method, payload)
         replies.put((call_id, rank, ok, value))
         if method == "shutdown":
-            return
+            replies.close()
+            replies.join_thread()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

@@ -9,8 +9,9 @@ into the rollout's ``[b, s]`` layout.  Every real token's output is the one the 
 tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns of padding get
 the output of their row's first real token (finite; every loss masks them).  Rows need not share anything: a
 group whose rows share fewer than two tokens is packed as separate documents of one row.
-An iteration's reference and update forwards run the same rows, so :func:`forward_rows` keeps the last packing
-(:func:`packed_rows`) and packs once an iteration.
+An iteration's forwards (reference, old log-probs, each update epoch) run the same rows, so the trainer packs them
+once (:func:`pack_micro_batches`, kept on the :class:`~megalite.rlhf.rollout_batch.Rollout`) and hands that
+packing to each forward (:func:`with_packing`, a micro-batch's ``"packed"``, which :func:`forward_rows` runs).
 
 A model shares prefixes (:func:`shares_prefixes`) when its attention takes packed documents: megalite's GPT
 without context parallelism or batch-invariant mode (a sliding window measures distance along each sequence, a
@@ -99,35 +100,35 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
                       documents.to(device), torch.tensor(flat, device=device))
 
 
-_last: tuple = ()
-"""``(input_ids, attention_mask, group, multiple, PackedRows)`` of the last :func:`packed_rows` (copies of the
-rows, so a caller changing its tensors in place cannot make a stale match)."""
+def pack_micro_batches(micro_batches: list[dict], group: int | None, model) -> tuple[PackedRows, ...] | None:
+    """Each micro-batch's rows (``input_ids``/``attention_mask``) packed by :func:`pack_rows` for ``model``'s
+    forwards (padded to its sequence-parallel TP size), one :class:`PackedRows` per micro-batch; None (the plain
+    padded forwards) when ``group`` < 2 or the model does not share prefixes (:func:`shares_prefixes`).  Pack once
+    and hand the result to every forward of these rows (:func:`with_packing`)."""
+    if not group or group < 2 or not shares_prefixes(model):
+        return None
+    inner = unwrap(model)
+    multiple = inner.tp_size if getattr(inner, "sequence_parallel", False) else 1
+    return tuple(pack_rows(mb["input_ids"], mb["attention_mask"], group, multiple=multiple) for mb in micro_batches)
 
 
-def packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int, multiple: int = 1) -> PackedRows:
-    """:func:`pack_rows` with the last packing kept: an RL iteration's reference forward and its update's forward
-    run the same rows, so the second reuses the first's packing.  The match is by value (dtype, shape and
-    every entry), so other rows are packed anew and the result is always ``pack_rows``'s."""
-    global _last
-    last = _last
-    if (last and last[2:4] == (group, multiple) and all(
-            a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-            for a, b in ((last[0], input_ids), (last[1], attention_mask)))):
-        return last[4]
-    packed = pack_rows(input_ids, attention_mask, group, multiple=multiple)
-    _last = (input_ids.clone(), attention_mask.clone(), group, multiple, packed)
-    return packed
+def with_packing(micro_batches: list[dict], packing: tuple[PackedRows, ...] | None) -> list[dict]:
+    """``micro_batches`` each with its packed rows under ``"packed"`` (``packing`` from :func:`pack_micro_batches`
+    of the same micro-batches); unchanged for None.  A packing of other rows is a ValueError."""
+    if packing is None:
+        return micro_batches
+    if len(packing) != len(micro_batches) or any(tuple(p.index.shape) != tuple(mb["input_ids"].shape)
+                                                 for p, mb in zip(packing, micro_batches)):
+        raise ValueError(f"a packing of {[list(p.index.shape) for p in packing]} rows does not fit micro-batches "
+                         f"of {[list(mb['input_ids'].shape) for mb in micro_batches]}")
+    return [{**mb, "packed": packed} for mb, packed in zip(micro_batches, packing)]
 
 
-def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int | None):
-    """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: through :func:`pack_rows` when
-    ``group`` > 1 and the model shares prefixes (a last pipeline stage's output unpacked to ``[b, s, ...]``; an
-    earlier stage's hidden states stay packed for the next stage, which packs the same rows alike), else the
-    plain padded forward."""
-    if not group or group < 2 or not shares_prefixes(chunk):
+def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: PackedRows | None = None):
+    """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: through their ``packed`` rows
+    (:func:`pack_micro_batches`; a last pipeline stage's output unpacked to ``[b, s, ...]``, an earlier stage's
+    hidden states stay packed for the next stage, which runs the same packing), else the plain padded forward."""
+    if packed is None:
         return chunk(input_ids, attention_mask=attention_mask)
-    inner = unwrap(chunk)
-    packed = packed_rows(input_ids, attention_mask, group,
-                         multiple=inner.tp_size if getattr(inner, "sequence_parallel", False) else 1)
     output = chunk(packed.tokens, position_ids=packed.position_ids, document_ids=packed.document_ids)
-    return packed.unpack(output) if inner.post_process else output
+    return packed.unpack(output) if unwrap(chunk).post_process else output

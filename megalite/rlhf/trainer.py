@@ -36,11 +36,10 @@ from megalite.rlhf.objectives import PPOActorObjective, PPOCriticObjective
 from megalite.rlhf.placement import Placement
 from megalite.rlhf.reference import LoRABaseReference, ReferenceModel
 from megalite.rlhf.reward_model import RewardModelScorer
-from megalite.rlhf.rollout_ranks import serve_rollouts
+from megalite.rlhf.rollout_ranks import exchange_state, rollout_layout, saves_at, serve_rollouts
 from megalite.rlhf.rollouts import Rollouts, lookahead, rollout_sampler
 from megalite.rlhf.scoring import REWARD_MODEL, TEACHER, reward_function, served_scores
 from megalite.rlhf.scoring_server import Prefetcher, ScoringServer
-from megalite.rlhf.shared_groups import row_group
 from megalite.rlhf.target import PolyakTarget
 from megalite.rlhf.trainer_checkpoint import check_resume, claim, load_frozen, load_trained, save_frozen, save_trained
 from megalite.rlhf.trainer_config import actor_config, validate
@@ -65,11 +64,8 @@ class RLTrainer:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
         self.resume = check_resume(args)
-        if self.resume is not None and (args.max_staleness and not args.partial_rollout_tokens
-                                        or args.rollout_world_size or args.use_scoring_server):
-            raise ValueError("a resume (--load of an RL checkpoint) needs a colocated run that draws no rollouts "
-                             "ahead: --max-staleness 0 (unless --partial-rollout-tokens) and no --rollout-world-size "
-                             "or --use-scoring-server")
+        if self.resume is not None and args.rollout_world_size and args.lora:
+            raise ValueError("a resume (--load of an RL checkpoint) with --rollout-world-size takes no --lora-rank")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
@@ -103,8 +99,7 @@ class RLTrainer:
         args, trained = self.args, trained or [chunk]
         optimizer = get_optimizer(OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0), trained)
         return TrainingBackend(chunk, optimizer, PPOActorObjective(args.ppo, args.temperature,
-                                                                   distill_coef=args.distill_coef,
-                                                                   group=row_group(args)),
+                                                                   distill_coef=args.distill_coef),
                                args.micro_batch_size, self.topo, trained, micro_batch_tokens=args.micro_batch_tokens)
 
     def train(self) -> int:
@@ -128,8 +123,9 @@ class RLTrainer:
         torch.manual_seed(args.seed)
         config = actor_config(args)
         single_group = dist.new_subgroups(group_size=1)[0] if args.reward_model or args.use_teacher else None
-        self.sync = None
+        self.sync = self.group = None  # group: the trainer ranks' (None: the world's) for checkpoints
         if args.rollout_world_size:
+            self.group = dist.new_group(list(range(trainers)))
             rtp = args.rollout_tensor_parallel_size
             rollout_tp_groups = {start: dist.new_group(list(range(start, start + rtp)))
                                  for start in range(trainers, world_size, rtp)}
@@ -137,10 +133,10 @@ class RLTrainer:
             dist.all_gather_object(trainer_dp, topo.dp.rank if topo.global_rank < trainers else -1)
             if topo.global_rank >= trainers:
                 start = trainers + (topo.global_rank - trainers) // rtp * rtp
-                serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp)
+                serve_rollouts(args, config, device, rollout_tp_groups[start], trainer_dp, self.resume)
                 return False
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
-        self.lock = claim(args, actor_chunk, self.resume or 0, topo) if args.save else None
+        self.lock = claim(args, actor_chunk, self.resume or 0, topo, self.group) if args.save else None
         role = SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size)
         if args.rollout_world_size:
             self.sync = WeightSync(actor_chunk, role)
@@ -190,6 +186,8 @@ class RLTrainer:
         self.base = None  # a LoRA run: the iteration --save holds its base at
         if self.resume is not None:
             self._load()
+            if self.sync is not None:  # the rollout ranks generate with the loaded weights
+                self.sync.sync()
         self.scoring_server = None
         if args.use_scoring_server:
             per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())
@@ -199,10 +197,10 @@ class RLTrainer:
                                                 device=device)
             self.stream = Prefetcher(self.scoring_server, self.rollouts,  # partial rollouts: made in rounds
                                      0 if args.partial_rollout_tokens else args.max_staleness,
-                                     inputs_of=lambda r: (r.input_ids, r.attention_mask))
+                                     inputs_of=lambda r: (r.input_ids, r.attention_mask), pending=self.rollouts.ahead)
         else:
             depth = 0 if self.sync or args.partial_rollout_tokens else args.max_staleness  # partial: made in rounds
-            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts, depth))
+            self.stream = ((r, (r.rewards,)) for r in lookahead(self.rollouts, depth, self.rollouts.ahead))
         self.eval_sample = (self.rollouts.sample or rollout_sampler(actor_chunk)) if args.eval_interval else None
         return True
 
@@ -248,8 +246,7 @@ class RLTrainer:
                     print("\n".join(sample_lines(rollout)), flush=True)
             if args.eval_interval and rollout.iteration % args.eval_interval == 0:
                 self._evaluate(rollout.iteration, logger)
-            if args.save and (rollout.iteration == args.train_iters
-                              or (args.save_interval and rollout.iteration % args.save_interval == 0)):
+            if saves_at(args, rollout.iteration):
                 self._save(rollout.iteration)
         if self.scoring_server is not None:
             self.scoring_server.close()
@@ -268,22 +265,29 @@ class RLTrainer:
             print(eval_line(iteration, valid), flush=True)
 
     def _save(self, iteration: int) -> None:
-        """The whole RL state (``trainer_checkpoint``), each model in the phase where it is resident."""
+        """The whole RL state (``trainer_checkpoint``; the rollout ranks' gathered on rank 0), each model in the
+        phase where it is resident."""
+        rollout_ranks = None
+        if self.args.rollout_world_size:
+            gathered = exchange_state(None)
+            rollout_ranks = gathered and {"layout": rollout_layout(self.args),
+                                          "ranks": gathered[self.world_size - self.args.rollout_world_size:]}
         with self.placement.phase("scoring"):
-            save_frozen(self.args.save, iteration, self.reference, self.target, self.guide)
+            save_frozen(self.args.save, iteration, self.reference, self.target, self.guide, self.group)
         with self.placement.phase("training"):
             self.base = save_trained(self.args.save, iteration, self.args, self.topo, self.actor, self.critic,
-                                     self.rollouts, self.schedulers, self.base, self.guide)
+                                     self.rollouts, self.schedulers, self.base, self.guide, self.group,
+                                     rollout_ranks)
 
     def _load(self) -> None:
         """The RL state of ``--load`` at iteration ``self.resume``; the rollouts continue after it."""
         with self.placement.phase("scoring"):
-            load_frozen(self.args.load, self.resume, self.reference, self.target, self.guide)
+            load_frozen(self.args.load, self.resume, self.reference, self.target, self.guide, self.group)
         with self.placement.phase("training"):
             rl = load_trained(self.args.load, self.resume, self.args, self.topo, self.actor, self.critic,
-                              self.rollouts, self.schedulers, self.guide)
+                              self.rollouts, self.schedulers, self.guide, self.group)
         if self.args.save and os.path.realpath(self.args.save) == os.path.realpath(self.args.load):
             self.base = rl.get("base")  # a LoRA base already saved there
-        self.rollouts.start = self.resume + 1
+        self.rollouts.start = self.resume + 1 + len(self.rollouts.ahead)  # after the rollouts saved ahead
         if self.topo.global_rank == 0:
             print(f"resumed the RL run of {self.args.load} at iteration {self.resume}", flush=True)

@@ -104,10 +104,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.partial_rollout_tokens is not None and (
-            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or args.environment == "guidance"):
+            not 1 <= args.partial_rollout_tokens <= args.max_new_tokens or hints > 1):
         raise ValueError(f"--partial-rollout-tokens {args.partial_rollout_tokens} needs 1 <= tokens <= "
-                         f"--max-new-tokens {args.max_new_tokens} and no --environment guidance (its guide samples "
-                         f"inside a step)")
+                         f"--max-new-tokens {args.max_new_tokens} and --guide-samples-per-attempt 1 (several hints "
+                         f"branch an episode; partial rollouts keep whole groups)")
     if args.save_interval is not None and (not args.save or args.save_interval < 1):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and a positive number of iterations")
     for name in ("eval_interval", "sample_interval"):
@@ -119,10 +119,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
-    if args.save and (args.max_staleness and not args.partial_rollout_tokens or rollout or args.use_scoring_server):
-        raise ValueError("--save checkpoints an on-policy, colocated run: it needs --max-staleness 0 (unless "
-                         "--partial-rollout-tokens, whose rows it saves) and no --rollout-world-size or "
-                         "--use-scoring-server")
+    if args.save and rollout and args.lora_rank is not None:
+        raise ValueError("--save with --rollout-world-size takes no --lora-rank (the rollout ranks receive the base "
+                         "once, then the adapters)")
     if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
                          f"and a local reward (not --use-scoring-server)")

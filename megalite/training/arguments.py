@@ -19,7 +19,7 @@ from megalite.lora.state import check_model
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
 from megalite.models.mtp import check_mtp_layout
-from megalite.pipeline import split_layers
+from megalite.pipeline import accounted_layout, parse_layout, split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp
 from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
@@ -188,6 +188,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "seq_length", "micro_batch_size", "log_interval")
     _check_model(args)
+    _check_pipeline_layout(args)
     _check_parallel(args, world_size)
     _check_fsdp(args)
     _check_batch(args)
@@ -256,11 +257,51 @@ def _check_pipeline_schedule(args):
         check_schedule(schedule, pp, args.virtual_pipeline_model_parallel_size or 1, batch // micro_times_dp)
 
 
+def stage_layers(args) -> tuple[int, ...] | None:
+    """Every pipeline stage's layer count that ``--pipeline-model-parallel-layout`` or, at pp > 1,
+    ``--account-for-embedding/loss-in-pipeline-split`` give (None without them)."""
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    if layout is not None:
+        return parse_layout(layout, pp, args.num_layers, args.mtp_num_layers).stage_layers
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    if pp == 1 or not (embedding or loss):
+        return None
+    return accounted_layout(args.num_layers, pp, args.virtual_pipeline_model_parallel_size, embedding,
+                            loss).stage_layers
+
+
+def _check_pipeline_layout(args):
+    """``--pipeline-model-parallel-layout``: a layout megalite builds, alone of the split flags; it sets the
+    virtual pipeline size (its stages per pipeline rank).  The embedding/loss-as-a-layer splits exclude first/last
+    stage layer counts (as in Megatron-LM)."""
+    accounted = [f"--account-for-{what}-in-pipeline-split" for what in ("embedding", "loss")
+                 if getattr(args, f"account_for_{what}_in_pipeline_split")]
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    _require(not (accounted and uneven), f"{' and '.join(accounted)} split the layers evenly; drop "
+             "--decoder-first/last-pipeline-num-layers")
+    if args.pipeline_model_parallel_layout is None:
+        return
+    layout = parse_layout(args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size, args.num_layers,
+                          args.mtp_num_layers)
+    _require(not uneven and not accounted, "--pipeline-model-parallel-layout gives every stage's layers; drop "
+             f"{' and '.join(accounted) or '--decoder-first/last-pipeline-num-layers'}")
+    _require(args.pipeline_schedule != "zbv", "--pipeline-model-parallel-layout orders stages as interleaved "
+             "chunks; --pipeline-schedule zbv places them in a V")
+    _require(args.pipeline_model_parallel_size > 1 or layout.vpp is None,
+             f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} has {layout.vpp} stages; "
+             "without --pipeline-model-parallel-size it holds one")
+    vpp = args.virtual_pipeline_model_parallel_size
+    _require(vpp is None or vpp == (layout.vpp or 1),
+             f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} has {layout.vpp or 1} "
+             f"stage(s) per pipeline rank, but --virtual-pipeline-model-parallel-size is {vpp}")
+    args.virtual_pipeline_model_parallel_size = layout.vpp
+
+
 def _check_pipeline_split(args):
     """Let the pipeline package reject layer counts that do not split over the stages."""
     split_layers(args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-                 v_shape=args.pipeline_schedule == "zbv")
+                 v_shape=args.pipeline_schedule == "zbv", stage_layers=stage_layers(args))
 
 
 def _flag_target(field: str) -> str:

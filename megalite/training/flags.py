@@ -43,6 +43,13 @@ _TRAINING_ROWS = (
          help="None: 1f1b, or interleaved-1f1b with a virtual size; zbv implies a virtual size of 2"),
     Flag("--decoder-first-pipeline-num-layers", PAR, type=int),
     Flag("--decoder-last-pipeline-num-layers", PAR, type=int),
+    Flag("--account-for-embedding-in-pipeline-split", PAR, default=False,
+         help="count the embedding as a layer in the pipeline split (the first stage builds one layer fewer)"),
+    Flag("--account-for-loss-in-pipeline-split", PAR, default=False,
+         help="count the loss as a layer in the pipeline split (the last stage builds one layer fewer)"),
+    Flag("--pipeline-model-parallel-layout", PAR,
+         help="Megatron-LM's stage string, e.g. 'Ettt|(tt|)*2,tL' (E embedding, t layer, m MTP layer, L loss): "
+              "each stage's layers; its stage count sets the virtual size"),
     Flag("--cp-comm-type", PAR, ("ContextParallelConfig.comm_type",), choices=COMM_TYPES,
          help="context-parallel attention: ring (p2p), all-gathered keys/values, or Ulysses all-to-all (a2a)"),
     Flag("--sequence-parallel", PAR, default=False),

@@ -95,8 +95,9 @@ def check_not_overwriting(save_dir: str, load_dir: str | None, loaded_iteration:
                      f"another {names.save}, or pass {names.override} to write over them")
 
 
-def checkpoint_bytes(model_chunks, dp_size: int) -> int:
-    """An upper estimate of one checkpoint's size over all ranks (collective over the default group).
+def checkpoint_bytes(model_chunks, dp_size: int, group=None) -> int:
+    """An upper estimate of one checkpoint's size over all ranks (collective over ``group``, default: the default
+    group).
 
     Weights are written once per model-parallel shard, plus three fp32 tensors per weight for
     the optimizer (main copy, two Adam moments); each DP replica counts 1/dp of its shard.
@@ -109,7 +110,7 @@ def checkpoint_bytes(model_chunks, dp_size: int) -> int:
     if dist.is_initialized():
         if dist.get_backend() == "nccl":
             total = total.cuda()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
     return int(total.item() * 1.05) + (1 << 20)
 
 

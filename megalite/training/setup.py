@@ -23,8 +23,8 @@ from megalite.optim import get_optimizer
 from megalite.optim.replicas import counts_on_this_rank
 from megalite.pipeline import build_chunks
 from megalite.tensor_parallel import model_parallel_seed
-from megalite.training.arguments import (architecture_differences, format_args, use_checkpoint_architecture,
-                                         validate_args)
+from megalite.training.arguments import (architecture_differences, format_args, stage_layers,
+                                         use_checkpoint_architecture, validate_args)
 from megalite.training.checkpointing import checkpoint_info
 from megalite.training.data_checks import check_data, eod_token_id
 from megalite.training.flags import (ddp_config, fsdp_config, gpt_config, lora_config, optimizer_config, packing_config,
@@ -118,7 +118,8 @@ def build_model(model_provider, args, topo) -> list:
     modules = build_chunks(partial(model_provider, args), args.num_layers, topo.pp.group,
                            vpp=args.virtual_pipeline_model_parallel_size, schedule=args.pipeline_schedule,
                            first_stage_layers=args.decoder_first_pipeline_num_layers,
-                           last_stage_layers=args.decoder_last_pipeline_num_layers)
+                           last_stage_layers=args.decoder_last_pipeline_num_layers,
+                           stage_layers=stage_layers(args))
     chunks = []
     for module in modules:
         # Dense weights are replicated over dp x cp (each CP rank sees other tokens of the same samples).
@@ -216,9 +217,10 @@ def print_parameter_count(chunks, topo) -> None:
         print(f"model: {count.item():,} parameters", flush=True)
 
 
-def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_dir: str | None = None
-                   ) -> SaveDirLock | None:
-    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank raises the same error.
+def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_dir: str | None = None,
+                   group=None) -> SaveDirLock | None:
+    """Rank 0 checks and locks ``--save`` (see :mod:`save_dir`); every rank of ``group`` (default: the default
+    group) raises the same error.
 
     ``load_dir``: where this run resumed from (None: ``--load``; a LoRA run resumes from ``--save``).
     Returns rank 0's lock, None elsewhere.
@@ -237,7 +239,7 @@ def claim_save_dir(args, loaded_iteration: int, needed_bytes: int, topo, load_di
             if lock is not None:
                 lock.release()
     holder = [message]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group)
     if holder[0] is not None:
         raise ValueError(holder[0])
     return lock

@@ -53,14 +53,15 @@ def stop_writer_manager() -> None:
 
 
 def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | None = None, layer_spec=None,
-                **stages):
+                mtp: int | None = None, **stages):
     """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec, or
     ``layer_spec(local spec)``); with ``tied`` its output layer shares the word embeddings; with ``vpp`` this
-    rank's list of model chunks; ``stages``: TransformerConfig's uneven-stage fields
+    rank's list of model chunks; with ``mtp`` that many multi-token prediction depths (on the stages
+    Megatron-Core places them); ``stages``: TransformerConfig's uneven-stage fields
     (``num_layers_in_first_pipeline_stage``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     patch_cuda()
@@ -76,7 +77,7 @@ def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | 
         pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=a["qk_layernorm"],
-        virtual_pipeline_model_parallel_size=vpp, **stages)
+        virtual_pipeline_model_parallel_size=vpp, mtp_num_layers=mtp, **stages)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=a["qk_layernorm"])
     spec = spec if layer_spec is None else layer_spec(spec)
     chunks = []
@@ -87,7 +88,9 @@ def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | 
                          pre_process=parallel_state.is_pipeline_first_stage(**virtual),
                          post_process=parallel_state.is_pipeline_last_stage(**virtual),
                          share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-                         vp_stage=virtual["vp_stage"])
+                         vp_stage=virtual["vp_stage"],
+                         mtp_block_spec=mtp and get_gpt_mtp_block_spec(config, spec, False,
+                                                                       vp_stage=virtual["vp_stage"]))
         # Non-zero norm weights so a misplaced norm shows in the logits.
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -17,6 +17,7 @@ import torch
 
 from tests.checkpoint import megatron_fixture, megatron_grouped_fixture as grouped_fixture
 from tests.checkpoint import megatron_optim_fixture as run
+from tests.checkpoint.megatron_moe_etp_fixture import save_expert_tp
 
 ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
             qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
@@ -30,10 +31,12 @@ SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
 IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
 
 
-def build(ep: int, seed: int, grouped: bool = False, layer_spec=None):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp=1 x ep grid (fp32, CPU, local layer spec;
-    ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU (:mod:`megatron_grouped_fixture`); ``layer_spec``:
-    a function of the decoder block's spec giving the one to build)."""
+def build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | None = None, layer_spec=None,
+          gate: bool = False):
+    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp x ep grid (fp32, CPU, local layer spec;
+    ``grouped``: GroupedMLP experts, their grouped GEMM on the CPU (:mod:`megatron_grouped_fixture`); ``etp``: the
+    expert tensor-parallel size, by default tp; ``layer_spec``: a function of the decoder block's spec giving the one
+    to build; ``gate``: the shared expert gated, ``--moe-shared-expert-gate``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -45,7 +48,8 @@ def build(ep: int, seed: int, grouped: bool = False, layer_spec=None):
     moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
     grouped_fixture.patch_grouped_gemm()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp or tp)
     torch.manual_seed(seed)
     a = ARGS
     config = TransformerConfig(
@@ -54,13 +58,14 @@ def build(ep: int, seed: int, grouped: bool = False, layer_spec=None):
         attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
         add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp or tp,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
         moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
         moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
         moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
-        moe_use_legacy_grouped_gemm=grouped)
+        moe_shared_expert_gate=gate, moe_use_legacy_grouped_gemm=grouped)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec = spec if layer_spec is None else layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
@@ -128,8 +133,9 @@ def run_and_resume(save_dir: str, ep: int, ids: torch.Tensor):
     one at ep=2: the GroupedMLP save's state is read into ep=2 by the same rule, checked by its moments) in these
     rank processes.  Returns, for each run (SequentialMLP's, GroupedMLP's), Megatron-Core's logits of ``ids`` after
     its own load of the save into an ep=1 model, this rank's saved Adam moments (:func:`adam_moments`), Megatron's
-    losses of every iteration, the resumed runs' metrics files and rank 0's output of them; and whether GroupedMLP
-    experts save the same tensors as the SequentialMLP ones."""
+    losses of every iteration, the resumed runs' metrics files and rank 0's output of them; whether GroupedMLP
+    experts save the same tensors as the SequentialMLP ones; and Megatron-Core's logits of ``ids`` of the
+    expert-tensor-parallel save (:func:`megatron_moe_etp_fixture.save_expert_tp`, made between the two)."""
     from megatron.core import parallel_state
 
     model, grouped_model = build(ep, seed=1), build(ep, seed=1, grouped=True)
@@ -138,17 +144,20 @@ def run_and_resume(save_dir: str, ep: int, ids: torch.Tensor):
     results = [train(model, ep, save_dir)]
     results.append(train(grouped_model, ep, save_dir + GROUPED, grouped=True))
     parallel_state.destroy_model_parallel()
+    directories = (save_dir, save_dir + GROUPED)
+    logits = [megatron_logits(directory, ids, grouped) for directory, grouped in zip(directories, (False, True))]
+    parallel_state.destroy_model_parallel()
+    expert_tp_logits = save_expert_tp(save_dir, ids)
     root = os.path.dirname(save_dir)
     out = []
-    for (moments, losses), directory, grouped in zip(results, (save_dir, save_dir + GROUPED), (False, True)):
-        logits = megatron_logits(directory, ids, grouped)
+    for (moments, losses), directory, grouped, logits in zip(results, directories, (False, True), logits):
         name = os.path.basename(directory)
         runs = [(directory, os.path.join(root, f"{name}_ep1.jsonl"), ())]
         if not grouped:
             runs.append((directory, os.path.join(root, f"{name}_ep2.jsonl"), ("--expert-model-parallel-size", "2")))
         outputs = run.resume(runs)
         out.append((logits, moments, losses, [metrics for _, metrics, _ in runs], [text for text, *_ in outputs]))
-    return out, grouped_same
+    return out, grouped_same, expert_tp_logits
 
 
 def adam_moments(model, optimizer):

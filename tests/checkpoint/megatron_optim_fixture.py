@@ -34,7 +34,8 @@ TOTAL = SAVED_AT + CONTINUED
 BF16 = "_bf16"
 """The suffix of the bf16 run's save directory."""
 LEGACY = "_legacy"
-"""The suffix of the save directory of the fp32 run's legacy-format save (``--ckpt-format torch``)."""
+"""The suffix of the save directory of a run's legacy-format save (``--ckpt-format torch``): the fp32 run's, and
+after BF16 the bf16 run's."""
 DISTRIBUTED = "_distopt"
 """The suffix of the save directory of the run with Megatron-Core's distributed optimizer (tp=1 x dp=2)."""
 DISTRIBUTED_TP = "_distopt_tp2"
@@ -227,6 +228,8 @@ def _run(save_dir: str, micro_batches: list[torch.Tensor], then, then_args):
     for i in range(SAVED_AT):  # the first iteration runs at the warmup's LR 0
         _train_step(model, optimizer, scheduler, micro_batches[i * per_iteration:(i + 1) * per_iteration])
     _save(save_dir + BF16, SAVED_AT, model, optimizer, scheduler, bf16=True)
+    _save_legacy(save_dir + BF16 + LEGACY, SAVED_AT, model, optimizer, scheduler, bf16=True,
+                 params_dtype=torch.bfloat16)
     weight = _unwrapped(model).output_layer.weight
     inner = optimizer.chained_optimizers[0]  # get_megatron_optimizer chains the dense parameters' one
     main = next(fp32 for half, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
@@ -319,10 +322,16 @@ def _save(save_dir: str, iteration: int, model, optimizer, scheduler, bf16: bool
                               tensor_model_parallel_size=tp, world_size=world,
                               data_parallel_size=dp, use_distributed_optimizer=distributed, overlap_grad_reduce=False)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    from megatron.core import parallel_state
+
+    # As Megatron-LM's generate_state_dict: with the DP x CP group in the metadata (an MTP stage's tied copy of the
+    # word embeddings needs it).
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     if isinstance(model, list):
-        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict() for i, chunk in enumerate(model)})
+        state.update({f"model{i}": _unwrapped(chunk).sharded_state_dict(metadata=metadata)
+                      for i, chunk in enumerate(model)})
     else:
-        state["model"] = _unwrapped(model).sharded_state_dict()
+        state["model"] = _unwrapped(model).sharded_state_dict(metadata=metadata)
     state["optimizer"] = optimizer.sharded_state_dict(
         state, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if distributed else None)
     state["opt_param_scheduler"] = scheduler.state_dict()
@@ -407,8 +416,8 @@ def _rng_state():
 
 def train_and_save(save_dir: str, micro_batches: list[torch.Tensor], then=None, *then_args):
     """Megatron-Core's run on 2 ranks (tp=2), saved into ``save_dir`` after :data:`SAVED_AT` iterations, and a
-    bf16 run saved into ``save_dir + BF16`` at the same iteration (the fp32 run in the legacy format too, into
-    ``save_dir + LEGACY``); then ``then(*then_args)`` in the same rank
+    bf16 run saved into ``save_dir + BF16`` at the same iteration (both in the legacy format too, into
+    ``save_dir + LEGACY`` and ``save_dir + BF16 + LEGACY``); then ``then(*then_args)`` in the same rank
     processes (which saves starting new ones).  Between them, a tp=1 x dp=2 run with the distributed optimizer is
     saved into ``save_dir + DISTRIBUTED`` at the same iteration and continued, and so is one at tp=2 x dp=1 (into
     ``save_dir + DISTRIBUTED_TP``); both in the legacy format too (``+ LEGACY``, with ``distrib_optim.pt``).  Returns ``(the losses of all

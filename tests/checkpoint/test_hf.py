@@ -4,8 +4,6 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 from megalite.checkpoint import CheckpointReader, load_model
 from megalite.checkpoint.hf import convert_hf_to_megalite, convert_megalite_to_hf, read_hf_checkpoint
 from megalite.testing import run_distributed
+from tests.forked_commands import ForkedCommands
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,30 +79,33 @@ def assert_same_hf_model(original, back, model_class, ids, expected_logits):
 @pytest.mark.slow
 def test_command_line_and_bad_input(tmp_path):
     _hf_model("gpt2").save_pretrained(tmp_path / "hf")
-    tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
+    tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-
-    def run(*args):
-        return subprocess.run(tool + list(args), capture_output=True, text=True, env=env, timeout=120)
-
-    done = run("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "m"))
-    assert done.returncode == 0, done.stderr
-    inspect = subprocess.run([sys.executable, "-m", "megalite.checkpoint", "inspect", str(tmp_path / "m")],
-                             capture_output=True, text=True, env=env, timeout=120)
+    # Each command is its own process, forked from one helper that imported torch and the converters once
+    # (tests/forked_commands.py); the second batch reads what the first one wrote.
+    with ForkedCommands(env, ("torch", "megalite.checkpoint.hf", "megalite.checkpoint.megatron_convert",
+                              "megalite.lora.peft"), timeout=120) as helper:
+        done, missing = helper.run([
+            ([tool, "--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output",
+              str(tmp_path / "m")], tmp_path, {}),
+            ([tool, "--from", "hf", "--to", "megalite", "--input", str(tmp_path / "nowhere"), "--output",
+              str(tmp_path / "m2")], tmp_path, {})])
+        assert done.returncode == 0, done.stderr
+        (tmp_path / "taken").mkdir()
+        (tmp_path / "taken" / "keep.txt").write_text("mine")
+        inspect, taken = helper.run([
+            (["-m", "megalite.checkpoint", "inspect", str(tmp_path / "m")], tmp_path, {}),
+            ([tool, "--from", "megalite", "--to", "hf", "--input", str(tmp_path / "m"), "--output",
+              str(tmp_path / "taken")], tmp_path, {})])
     assert inspect.returncode == 0, inspect.stderr
     assert "iteration 0, written by 1 rank(s)" in inspect.stdout and "all match their sha256" in inspect.stdout
     assert re.search(r"decoder\.layers\.1\.self_attention\.linear_qkv\.weight +96x32 +float32 +1 +12\.0 KiB",
                      inspect.stdout)
 
-    missing = run("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "nowhere"), "--output",
-                  str(tmp_path / "m2"))
     assert missing.returncode == 2
     assert f"error: Hugging Face directory {tmp_path / 'nowhere'} does not exist" in missing.stderr
     assert not os.path.exists(tmp_path / "m2")
 
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "keep.txt").write_text("mine")
-    taken = run("--from", "megalite", "--to", "hf", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "taken"))
     assert taken.returncode == 2 and "already exists and is not empty; refusing to overwrite" in taken.stderr
     assert os.listdir(tmp_path / "taken") == ["keep.txt"]
 

@@ -231,3 +231,13 @@ def test_a_run_killed_before_its_first_save_leaves_nothing_to_load(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=f"{tmp_path} holds notes.txt, but no checkpoint"):
         find_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("rank_dir", ["mp_rank_00", "mp_rank_01_002", "mp_rank_00_000_001"])
+def test_every_megatron_legacy_rank_directory_names_a_legacy_checkpoint(tmp_path, rank_dir):
+    """tp only, tp and pp (or ep), and tp, pp and ep suffixes: each is Megatron-LM's legacy layout (the one rank
+    directory pattern the legacy reader uses too)."""
+    from megalite.checkpoint.locate import checkpoint_format
+
+    (tmp_path / rank_dir).mkdir()
+    assert checkpoint_format(str(tmp_path)) == "megatron_legacy"

@@ -46,13 +46,21 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
      "divisible by pipeline size pp=3; give first/last stage layer counts to split unevenly)"),
     (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True),
      "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          account_for_embedding_in_pipeline_split=True),
+     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tt|t|L",
+          virtual_pipeline_model_parallel_size=3),
+     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout: pipeline layout "
+     "'Et|tt|t|L' has 2 stage(s) per pipeline rank, but the saved virtual_pipeline_model_parallel_size is 3)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tttmL"),
+     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout: pipeline layout "
+     "'Et|tttmL' has 1 MTP layers m, not mtp_num_layers=0)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|t|tL"),
+     "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
           account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
-    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|t|tL"),
-     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout)"),
-    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|ttmL"),
-     "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout)"),
+     "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tttL"),
      "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
     (dict(pipeline_model_parallel_size=3, account_for_embedding_in_pipeline_split=True,
@@ -65,10 +73,11 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's layout
-    string with interleaved chunks or MTP layers (without, the next problem is named), splits that count the embedding or loss as a layer with interleaved chunks or layers that do not split
-    so; without chunks such a split is placed: the next problem is named), a layer spec other than the local and
-    Transformer Engine's, an ep > 1 run without its experts' chained optimizer and a model-parallel rank without
-    buckets are named, not guessed at."""
+    string with another chunk count than the saved one or MTP layers the model lacks (a layout megalite builds,
+    interleaved chunks included, is placed: the next problem is named), splits that count the embedding or loss
+    as a layer whose layers do not split so (with or without chunks, such a split that does is placed), an ep > 1
+    run without its experts' chained optimizer, a layer spec other than the local and Transformer Engine's, and a
+    model-parallel rank without buckets are named, not guessed at."""
     from megalite.checkpoint import global_shapes
     from megalite.checkpoint.megatron_args import config_from_megatron_args
     from megalite.checkpoint.megatron_distopt import distributed_optimizer
@@ -84,36 +93,48 @@ def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     assert why == f"it is a distributed optimizer's state ('dp_reshardable') {note}"
 
 
-@pytest.mark.parametrize("num_layers, pp, embedding, loss", [(4, 5, True, False), (4, 3, True, True),
-                                                             (5, 3, False, True), (7, 2, True, False)])
-def test_splits_that_count_the_embedding_or_loss_as_a_layer_are_megatron_cores(num_layers, pp, embedding, loss):
-    """``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` without interleaved
-    chunks: megalite's stages of the saved args (:func:`buffer_args`' first and last stage layer counts in its
-    layer split) hold as many layers as Megatron-Core's ``get_num_layers_to_build`` builds on each stage."""
+@pytest.mark.parametrize("num_layers, pp, vpp, embedding, loss", [
+    (4, 5, None, True, False), (4, 3, None, True, True), (5, 3, None, False, True), (7, 2, None, True, False),
+    (6, 2, 2, True, True), (7, 2, 2, True, False), (11, 3, 2, False, True), (4, 2, 3, True, True)])
+def test_splits_that_count_the_embedding_or_loss_as_a_layer_are_megatron_cores(num_layers, pp, vpp, embedding, loss):
+    """``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``, with and without
+    interleaved chunks: megalite's stages of the saved args (:func:`buffer_args`' stage layer counts in its layer
+    split) hold the layers Megatron-Core's ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` give
+    each stage and chunk."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megalite.checkpoint.megatron_buffers import buffer_args, split_problem
     from megalite.pipeline import split_layers
 
     flags = dict(account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss)
-    args = dict(num_layers=num_layers, pipeline_model_parallel_size=pp, **flags)
+    args = dict(num_layers=num_layers, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                **flags)
     layout = buffer_args(args)
     assert split_problem(args) is None
-    ranges = split_layers(num_layers, pp, layout["vpp"], layout["first"], layout["last"])
+    ranges = split_layers(num_layers, pp, layout["vpp"], layout["first"], layout["last"],
+                          stage_layers=layout["stage_layers"])
     config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1,
-                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, **flags)
-    theirs = [get_num_layers_to_build(config, pp_rank=p) for p in range(pp)]
-    assert [hi - lo for ((lo, hi),) in ranges] == theirs
-    assert len(set(theirs)) > 1  # not an even split: the flags move layers
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               pipeline_dtype=torch.float32, **flags)
+    theirs = [[(offset, offset + get_num_layers_to_build(config, vp_stage=v if vpp else None, pp_rank=p))
+               for v in range(vpp or 1)
+               for offset in [get_transformer_layer_offset(config, vp_stage=v if vpp else None, pp_rank=p)]]
+              for p in range(pp)]
+    assert ranges == theirs
+    assert len({hi - lo for chunks in theirs for lo, hi in chunks}) > 1  # not an even split: the flags move layers
 
 
 @pytest.mark.parametrize("layout, pp", [("Et*3|(tt|)*2,tL", 4), ("E|tttt|L", 3), ("Ett|ttL", 2), ("Et|tt|tt|tL", 4),
-                                        ("EttttL", 1), ("Ettt|t|tL", 3)])
-def test_pipeline_layout_stages_are_megatron_cores(layout, pp):
-    """``--pipeline-model-parallel-layout`` without interleaved chunks: megalite's stages of the saved args
-    (:func:`buffer_args`' first and last stage layer counts in its layer split) hold as many decoder layers as
-    Megatron-Core's ``PipelineParallelLayerLayout`` of the string builds on each stage."""
+                                        ("EttttL", 1), ("Ettt|t|tL", 3), ("Et|ttt|t|tL", 4), ("Et|t|tt|tL", 2),
+                                        ("E|tt|ttt|t|t|L", 3), ("Ett|tt|t|tmL", 2), ("Et|tt|mL", 3), ("EttmmL", 1)])
+def test_pipeline_layout_stages_are_megatron_cores(monkeypatch, layout, pp):
+    """``--pipeline-model-parallel-layout`` -- uneven middle stages, interleaved chunks (the stage count a multiple
+    of ``pp``), empty stages, MTP layers on the last stage: megalite's stages of the saved args
+    (:func:`buffer_args`' chunk and stage layer counts in its layer split) hold the decoder layers Megatron-Core's
+    ``PipelineParallelLayerLayout`` of the string builds on each stage and chunk."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
@@ -121,27 +142,38 @@ def test_pipeline_layout_stages_are_megatron_cores(layout, pp):
     from megalite.pipeline import split_layers
 
     theirs = PipelineParallelLayerLayout(layout, pp)
-    counts = [theirs.get_num_layers_to_build(LayerType.decoder, pp_rank=p) for p in range(pp)]
-    args = dict(num_layers=sum(counts), pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout)
+    layers, mtp = (theirs.flatten_layout.count(kind) for kind in (LayerType.decoder, LayerType.mtp))
+    theirs.validate_layer_layout(layers, mtp or None)
+    vpp = theirs.virtual_pipeline_model_parallel_size
+    # As in a run with interleaved chunks (else Megatron-Core reads every chunk as the first).
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size",
+                        lambda: vpp if vpp > 1 else None)
+    ranges = [[(start, start + theirs.get_num_layers_to_build(LayerType.decoder, vp_stage=v, pp_rank=p))
+               for v in range(vpp) for start in [theirs.get_layer_offset(LayerType.decoder, vp_stage=v, pp_rank=p)]]
+              for p in range(pp)]
+    args = dict(num_layers=layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout,
+                mtp_num_layers=mtp or None)
     mine = buffer_args(args)
     assert split_problem(args) is None
-    ranges = split_layers(sum(counts), pp, mine["vpp"], mine["first"], mine["last"])
-    assert [hi - lo for ((lo, hi),) in ranges] == counts
+    assert mine["vpp"] == (vpp if vpp > 1 else None)
+    assert split_layers(layers, pp, mine["vpp"], mine["first"], mine["last"],
+                        stage_layers=mine["stage_layers"]) == ranges
 
 
-@pytest.mark.parametrize("layout, pp", [("Et|t|t|tL", 2), ("Et|ttt|t|tL", 4), ("Ett|ttmL", 2), ("tEt|ttL", 2)])
-def test_pipeline_layouts_megalite_cannot_split_are_named(layout, pp):
-    """Layouts Megatron-Core reads but megalite's split does not give -- interleaved chunks, middle stages of
-    unequal counts, MTP layers, the embedding after a layer -- are refused by the layout flag's name."""
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
+@pytest.mark.parametrize("layout, pp, mtp, error", [
+    ("Et|tt|tm|L", 2, 1, "does not end with its MTP layers m and the loss: megalite computes them together on the "
+                         "last stage, after its decoder layers (last stage 'L')"),
+    ("tEt|ttL", 2, None, "must start with the embedding E and end with the loss L, each once"),
+    ("Et|tt|tL", 2, None, "has 3 stages, not a multiple of the pipeline size pp=2")])
+def test_pipeline_layouts_megalite_cannot_split_are_named(layout, pp, mtp, error):
+    """Layouts megalite does not build -- MTP layers on a stage of their own before the loss's (Megatron-Core's
+    standalone MTP stage), the embedding after a layer, stages that do not divide over ``pp`` -- are refused by
+    the layout flag's name and the reason."""
     from megalite.checkpoint.megatron_buffers import split_problem
 
-    theirs = PipelineParallelLayerLayout(layout, pp)
-    layers = len([t for t in theirs.flatten_layout if t == LayerType.decoder])
-    args = dict(num_layers=layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout)
-    assert split_problem(args) == "pipeline_model_parallel_layout"
+    args = dict(num_layers=4, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=layout,
+                mtp_num_layers=mtp)
+    assert split_problem(args) == f"pipeline_model_parallel_layout: pipeline layout {layout!r} {error}"
 
 
 def test_a_parsed_pipeline_layout_in_the_args_is_read_by_its_string():
@@ -158,7 +190,7 @@ def test_a_parsed_pipeline_layout_in_the_args_is_read_by_its_string():
     for layout in (parsed, record):
         args = dict(num_layers=5, pipeline_model_parallel_size=3, pipeline_model_parallel_layout=layout)
         assert split_problem(args) is None
-        assert (buffer_args(args)["first"], buffer_args(args)["last"]) == (1, 1)
+        assert buffer_args(args)["stage_layers"] == [1, 3, 1]
     record.__setstate__({"input_data": [["embedding", "decoder"], ["decoder", "loss"]]})  # built from a list
     args = dict(num_layers=2, pipeline_model_parallel_size=2, pipeline_model_parallel_layout=record)
-    assert split_problem(args) == "pipeline_model_parallel_layout"
+    assert split_problem(args) == "pipeline_model_parallel_layout: the saved layout holds no layout string"

@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in six layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in twelve layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
@@ -9,12 +9,22 @@ gradient buffers differ from an even split of untied dense layers in the local s
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
 - ``layout`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tL`` (stages of 3 and 1 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
+- ``layout_vpp`` (pp=2): ``--pipeline-model-parallel-layout Et|tt|t|L``, 2 interleaved chunks of uneven counts
+  (1 and 1 layers on rank 0, 2 and none on rank 1: its last chunk holds only the output layer);
+- ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` with a multi-token prediction depth on
+  the last stage (whose buffer holds, first, a copy of the word embeddings in a bucket of its own, and the
+  depth's parameters after the final norm);
+- ``accounted_vpp`` (pp=2, vpp=3): ``--account-for-embedding/loss-in-pipeline-split`` (stages of 0, 1, 1, 1, 1, 0
+  layers: the first chunk holds only the embedding, the last only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
   way with Megatron-Core's local modules;
 - ``moe`` (ep=2 x dp=2): :mod:`megatron_moe_fixture`'s MoE GPT, whose local experts are in a second chained
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group);
+- ``te_moe`` (ep=2 x dp=2): that MoE GPT in TE's order (:func:`_te_block_order`: the MoE layer's pre-MLP norm a
+  module of its own, as the TE spec's TENorm) with a gated shared expert (``--moe-shared-expert-gate``: its
+  ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``);
 - ``grouped`` (ep=2 x dp=2): the same GPT with GroupedMLP experts (``--moe-grouped-gemm``, their grouped GEMM on
   the CPU: :mod:`megatron_grouped_fixture`), each layer's local experts two parameters ``weight1``/``weight2``,
   each expert's matrix transposed;
@@ -26,12 +36,14 @@ gradient buffers differ from an even split of untied dense layers in the local s
   ``transformer_engine/pytorch/module/grouped_linear.py`` ``GroupedLinear.__init__``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (and the uneven one at its own stages, the MoE one at ep=2 too) and its 5 losses equal Megatron's
-(``te_grouped`` is built, not trained: its buffers are compared, :data:`LAYOUT_ONLY`).
+tp=1 x dp=2 (but those of :data:`AT_OWN_ONLY`), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the
+local-spec MoE one at ep=2 too, and its 5 losses equal Megatron's (``te_grouped`` is built, not trained: its
+buffers are compared, :data:`LAYOUT_ONLY`).
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
-Each case is also saved in the legacy format from the same state (``mp_rank_TT_PPP/model_optim_rng.pt``
-and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``): read behind ``--allow-pickle``, each gives
-the torch_dist save's weights, Adam moments and optimizer state exactly, so it resumes with the same losses.
+The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state
+(``mp_rank_TT_PPP/model_optim_rng.pt`` and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``):
+read behind ``--allow-pickle``, each gives the torch_dist save's weights, Adam moments and optimizer state
+exactly, so it resumes with the same losses.
 """
 
 import os
@@ -41,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains six runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains eleven runs on 2 ranks (builds a twelfth), megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
@@ -126,21 +138,23 @@ def _te_grouped_experts():
 
 
 def _megatron_names(layout: dict) -> dict:
-    """A Megatron-Core buffer layout (:func:`megatron_optim_fixture._buffer_layout`) in megalite's names: TE's fused
-    norms, and :func:`_te_grouped_experts`' weights as SequentialMLP names them."""
+    """A Megatron-Core buffer layout (:func:`megatron_optim_fixture._buffer_layout`) in megalite's names
+    (:data:`_RENAMED`), :func:`_te_grouped_experts`' weights as SequentialMLP names them."""
     import re
 
     named = {}
     for name, place in layout.items():
-        name = name.replace(*next((te for te in _TE_NORMS if te[0] in name), ("", "")))
+        name = name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", "")))
         named[re.sub(r"experts\.linear_fc(\d)_weight(\d+)$", r"experts.local_experts.\2.linear_fc\1.weight", name)] = \
             place
     return named
 
 
-# The fused norms' names under the TE spec and megalite's names of them.
-_TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+# Megatron-Core's names that megalite names otherwise: the fused norms under the TE spec, a shared expert's gate.
+_RENAMED = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+            ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate"))
+MOE_ARGS = {k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v}
 # Each case: (megatron_fixture.build_model's arguments (or megatron_moe_fixture.build's: MOE_CASES, at ep=2),
 # Megatron-LM's args of the run).
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
@@ -149,21 +163,44 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout": (dict(pipeline_model_parallel_layout="Ettt|tL"),
                     dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         "layout_vpp": (dict(vpp=2, pipeline_model_parallel_layout="Et|tt|t|L"),
+                        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                             pipeline_model_parallel_layout="Et|tt|t|L")),
+         "layout_mtp": (dict(mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
+                        dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
+                             mtp_num_layers=1, mtp_loss_scaling_factor=0.1)),
+         "accounted_vpp": (dict(vpp=3, account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True),
+                           dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
+                                account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True)),
          "te": (dict(pp=1, layer_spec=_te_order), dict(transformer_impl="transformer_engine")),
-         "moe": (None, dict({k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v},
-                            expert_model_parallel_size=2))}
+         "moe": (None, dict(MOE_ARGS, expert_model_parallel_size=2)),
+         "te_moe": (dict(layer_spec=_te_block_order, gate=True),
+                    dict(MOE_ARGS, expert_model_parallel_size=2, transformer_impl="transformer_engine",
+                         moe_shared_expert_gate=True))}
 CASES["grouped"] = (dict(grouped=True), dict(CASES["moe"][1], moe_grouped_gemm=True))
 CASES["te_grouped"] = (dict(layer_spec=_te_grouped_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
                                                           transformer_impl="transformer_engine"))
-MOE_CASES = ("moe", "grouped", "te_grouped")
+MOE_CASES = ("moe", "te_moe", "grouped", "te_grouped")
+"""The cases of :mod:`megatron_moe_fixture`'s MoE GPT at ep=2 (CASES' first item: its ``build``'s arguments)."""
 LAYOUT_ONLY = ("te_grouped",)
 """The cases whose gradient buffers are only built and compared (not trained, saved nor resumed): their state is
 read by the rule of a case that is (TEGroupedMLP's experts in their order, as SequentialMLP's), so the layout is
 what they add."""
-"""The cases of :mod:`megatron_moe_fixture`'s MoE GPT at ep=2 (CASES' first item: its ``build``'s arguments)."""
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "te", "moe", "grouped")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe", "grouped")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
+_PP2 = ("--pipeline-model-parallel-size", "2")
+OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
+              "layout_vpp": (*_PP2, "--pipeline-model-parallel-layout", "Et|tt|t|L"),
+              "layout_mtp": (*_PP2, "--pipeline-model-parallel-layout", "Ettt|tmL"),
+              "accounted_vpp": (*_PP2, "--virtual-pipeline-model-parallel-size", "3",
+                                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")}
+AT_OWN_ONLY = ("layout_mtp", "accounted_vpp")
+"""megalite's flags of the cases it also resumes at their own stages (``<case>_own.jsonl``), those of
+:data:`AT_OWN_ONLY` only there (their tp=1 x dp=2 resumptions would add time, not a rule: the others show the state
+maps at another layout)."""
 
 
 def _megatron_run(root: str, micro_batches, case: str):
@@ -193,7 +230,8 @@ def _megatron_run(root: str, micro_batches, case: str):
         weight_decay=fixture.SCHEDULE["start_wd"], adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=True), chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, **fixture.SCHEDULE)
-    layouts = [fixture._buffer_layout(buffers[0], module, module.decoder.layers[0].layer_number - 1)
+    layouts = [fixture._buffer_layout(buffers[0], module,
+                                      module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
     if case in LAYOUT_ONLY:
@@ -217,7 +255,7 @@ def _megatron_run(root: str, micro_batches, case: str):
 
 
 def _run(root: str, micro_batches):
-    """Megatron-Core's three runs, then megalite's resumption of each in the same rank processes."""
+    """Megatron-Core's runs of every case, then megalite's resumption of each in the same rank processes."""
     fixture.patch_cuda()
     # The distributed optimizer's checks of CUDA tensor types see the CPU tensors as CUDA ones (as in the fixture).
     cpu_type = torch.Tensor.type
@@ -227,10 +265,10 @@ def _run(root: str, micro_batches):
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
-         if case not in LAYOUT_ONLY]
-        + [(os.path.join(root, "uneven"), os.path.join(root, "uneven_pp2.jsonl"),
-            ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1")),
-           (os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
+         if case not in AT_OWN_ONLY + LAYOUT_ONLY]
+        + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
+           for case, flags in OWN_LAYOUT.items()]
+        + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
     return runs, [text for text, *_ in outputs]
 
 
@@ -249,45 +287,55 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages (by first-stage count and by layout string), interleaved chunks,
-    TE's order and experts in a chained optimizer (SequentialMLP's, GroupedMLP's):
-    megalite resumes each Megatron save at tp=1 x dp=2 (the uneven one also at its own stages, pp=2; the MoE one
-    also at ep=2) with Megatron's next 5 losses, without a warning about the optimizer state."""
+    """Tied embeddings over stages, uneven stages (by first-stage count, by layout string, the latter also with
+    uneven interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
+    layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer
+    (SequentialMLP's, also in TE's order with a gated shared expert, and GroupedMLP's): megalite resumes each
+    Megatron save at tp=1 x dp=2 (but the last two uneven ones) and the uneven ones at their own stages, pp=2, by
+    the same flags (:data:`OWN_LAYOUT`; the local-spec MoE one also at ep=2) with Megatron's next 5 losses, without
+    a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
-    for case in (c for c in CASES if c not in LAYOUT_ONLY):
-        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+    for case in CASES:
+        if case not in AT_OWN_ONLY + LAYOUT_ONLY:
+            fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
+                                        runs[case][0][fixture.SAVED_AT:])
+    for case in OWN_LAYOUT:
+        fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}_own.jsonl")),
                                     runs[case][0][fixture.SAVED_AT:])
-    fixture.assert_equal_losses(fixture.losses(os.path.join(root, "uneven_pp2.jsonl")),
-                                runs["uneven"][0][fixture.SAVED_AT:])
     fixture.assert_equal_losses(fixture.losses(os.path.join(root, "moe_ep2.jsonl")), runs["moe"][0][fixture.SAVED_AT:])
 
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included; the MoE runs' dense and expert-parallel buffers, GroupedMLP's weight1/weight2 and TEGroupedMLP's
-    order; Transformer Engine's order, whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``)
-    equals Megatron-Core's ``_ParamAndGradBuffer`` in each run."""
-    from megalite.checkpoint.megatron_buffers import buffer_args, chunk_layouts
+    included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE runs' dense and
+    expert-parallel buffers, GroupedMLP's weight1/weight2 and TEGroupedMLP's order; Transformer Engine's order,
+    whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's
+    ``_ParamAndGradBuffer`` in each run."""
+    from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, WORD_EMBEDDINGS, buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
     root, runs, _ = megatron_runs
     for case in CASES:
         reader = MegatronDistReader(os.path.join(root, "moe" if case in LAYOUT_ONLY else case))
-        args = {**reader.args, **CASES[case][1]}  # a layout-only case: the MoE save's model, the case's args
+        # a layout-only case: the MoE save's model, the case's args
+        args = {**reader.args, **CASES[case][1]} if case in LAYOUT_ONLY else reader.args
         for rank, theirs in enumerate(runs[case][1]):
             stage = 0 if case in ("te",) + MOE_CASES else rank
             mine = [layout for experts in (False, True) if not experts or case in MOE_CASES for layout in
                     chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == (2 if case in ("vpp",) + MOE_CASES else 1)
+            assert len(mine) == len(theirs) == \
+                {"vpp": 2, "layout_vpp": 2, "accounted_vpp": 3}.get(case, 2 if case in MOE_CASES else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
-                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == _megatron_names(their_places), \
-                    (case, rank)
-        if case == "tied":  # the word embeddings' copies in buckets of their own
+                theirs_named = _megatron_names(their_places)
+                if case == "layout_mtp" and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
+                    theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
+                assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
+        if case in ("tied", "layout_mtp"):  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
-        if case == "te":  # the fused norms after linear_proj: another order than the local spec's
+        if case in ("te", "te_moe"):  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
                                                **dict(buffer_args(reader.args), te=False))[0]
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
@@ -295,12 +343,17 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0, experts=True,
                                                **dict(buffer_args(args), expert_module="sequential"))[0]
             assert names != mine[1][1] and sorted(names) == sorted(mine[1][1])
+        if case == "te_moe":  # the MoE layer's own pre-MLP norm; the gate, the shared expert's own, before its linears
+            names = mine[0][1]
+            assert "decoder.layers.0.pre_mlp_layernorm.weight" in names
+            assert names.index("decoder.layers.0.mlp.shared_expert_gate") + 1 == \
+                names.index("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
 
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
-    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; SequentialMLP's and
-    GroupedMLP's ``weight1|2``): Megatron-LM's
+    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
+    with a gated shared expert, and GroupedMLP's ``weight1|2``): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""

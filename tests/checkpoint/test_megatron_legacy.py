@@ -266,8 +266,10 @@ def test_bad_input_is_one_error_line_and_exit_2(megatron, tmp_path, capsys):
     _rewrite(save, tmp_path / "moe", with_experts)
     status, err = _convert(capsys, tmp_path / "moe", tmp_path / "f", "--allow-pickle")
     assert status == 2 and err.count("error:") == 1 and not os.path.exists(tmp_path / "f")
-    assert "a legacy-format MoE checkpoint with expert_tensor_parallel_size 1 (not the tensor-parallel size 2) is not " \
-           "supported; megalite reads those in --ckpt-format torch_dist" in err
+    assert "the saved args' world_size None does not give the ranks of tensor_model_parallel_size 2 x " \
+           "context_parallel_size 1 x pipeline_model_parallel_size 2 and of expert_tensor_parallel_size 1 x " \
+           "expert_model_parallel_size 1, which a legacy save with expert_tensor_parallel_size other than tp needs " \
+           "to place its files" in err
 
     def without_vocab_size(state, rank_dir):
         state["args"].vocab_size = None
@@ -344,7 +346,7 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
     """A legacy MoE save's chain of two Float16 optimizers (the dense parameters', then the local experts', each with
     its ``fp32_from_fp16_params``): each parameter gets its own chained optimizer's moments and fp32 main weight, by
     Megatron's default groups (1-D parameters undecayed), and the optimizer state counts the common step."""
-    from megalite.checkpoint.megatron_legacy import _optimizer_entries
+    from megalite.checkpoint.megatron_legacy_optim import optimizer_entries
 
     expert = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
     chunk = {"decoder.layers.0.mlp.router.weight": torch.zeros(4, 8, dtype=torch.bfloat16),
@@ -371,7 +373,7 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
 
     dense = adam([["decoder.layers.0.mlp.router.weight"], ["decoder.final_layernorm.weight"]], False)
     experts = adam([[expert.format(0), expert.format(1)]], True)
-    (entries,), meta = _optimizer_entries([dense, experts], [chunk])
+    (entries,), meta = optimizer_entries([dense, experts], [chunk])
     assert meta["num_steps"] == 3 and [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
     assert sorted(entries) == sorted(chunk)
     expected = {"decoder.layers.0.mlp.router.weight": (0.0, 20.0, -1.0), "decoder.final_layernorm.weight":
@@ -381,3 +383,22 @@ def test_chained_half_precision_optimizers_give_each_parameters_main_weight():
         assert torch.equal(entries[name]["exp_avg"], torch.full(chunk[name].shape, avg)), name
         assert torch.equal(entries[name]["exp_avg_sq"], torch.full(chunk[name].shape, avg_sq)), name
         assert torch.equal(entries[name]["main"], torch.full(chunk[name].shape, main)), name
+
+
+def test_the_rank_files_of_a_save_whose_experts_split_otherwise_than_tp():
+    """With expert_tensor_parallel_size other than tp, the first rank of each expert data-parallel group writes its
+    (tensor, pipeline, expert) rank's file, in Megatron-Core's rank order; a file two such ranks with different expert
+    shards would write, and args without the world size, are one clear error."""
+    from megalite.checkpoint.megatron_legacy_files import written_ranks
+
+    Namespace = argparse.Namespace
+
+    assert written_ranks(Namespace(), 2, 1, 2, 2) == {(t, 0, e): t for t in range(2) for e in range(2)}
+    assert written_ranks(Namespace(world_size=2), 2, 1, 2, 1) == {(0, 0, 0): 0, (1, 0, 1): 0}
+    assert written_ranks(Namespace(world_size=8), 2, 1, 4, 1) == {(0, 0, 0): 0, (1, 0, 1): 0, (0, 0, 2): 0,
+                                                                  (1, 0, 3): 0}
+    with pytest.raises(ValueError, match=r"writes the experts of expert tensor ranks 0 and 1 into one file, mp_rank_00: "
+                                         "only one of them is on disk"):
+        written_ranks(Namespace(world_size=2), 1, 1, 1, 2)
+    with pytest.raises(ValueError, match="the saved args' world_size None does not give the ranks"):
+        written_ranks(Namespace(), 2, 1, 2, 1)

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 
 from megalite.testing import run_distributed  # noqa: E402
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run  # noqa: E402
 from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
+from tests.checkpoint.megatron_moe_etp_fixture import EXPERT_TP  # noqa: E402
 from tests.checkpoint.megatron_moe_fixture import GROUPED, IDS, SINGLETON  # noqa: E402
 
 
@@ -33,8 +34,9 @@ def saved(tmp_path_factory):
     """``(save directory, Megatron-Core's logits of IDS (its padded vocabulary, the model's: the save has no
     args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments
     (:func:`megatron_moe_fixture.adam_moments`, the experts' from both EP ranks), Megatron's losses of iterations
-    1..TOTAL, megalite's resumed runs' metrics files (ep=1, ep=2), rank 0's output of them, and the same from the
-    GroupedMLP run (its save directory first))``."""
+    1..TOTAL, megalite's resumed runs' metrics files (ep=1, ep=2), rank 0's output of them, the same from the
+    GroupedMLP run (its save directory first), and Megatron-Core's logits of IDS of the expert-tensor-parallel save
+    (:func:`megatron_moe_etp_fixture.save_expert_tp`))``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
     for suffix in ("", run.LEGACY, SINGLETON, GROUPED, GROUPED + run.LEGACY):
         os.makedirs(path + suffix)
@@ -46,7 +48,7 @@ def saved(tmp_path_factory):
         logits, _, losses, metrics, outputs = ranks[0][0][index]
         runs.append((logits, moments, losses, metrics, outputs))
     (logits, moments, *rest), grouped = runs
-    return (path, logits, ranks[0][1], moments, *rest, (path + GROUPED, *grouped))
+    return (path, logits, ranks[0][1], moments, *rest, (path + GROUPED, *grouped), ranks[0][2])
 
 
 def _close(actual, expected):
@@ -260,6 +262,34 @@ def test_legacy_chained_optimizer_gives_the_torch_dist_state(saved, tmp_path):
     changed = read_megatron_legacy(copy, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
     assert changed.optimizer is None and not any(n.startswith("optimizer.") for n in changed.tensors)
     assert changed.optimizer_note == "its expert-parallel parameter groups train otherwise than the other parameters"
+
+
+def test_a_legacy_save_with_experts_not_tensor_parallel_equals_megatron(saved, tmp_path):
+    """tp=2 with expert_tensor_parallel_size 1 at ep=2 (:func:`megatron_moe_etp_fixture.save_expert_tp`): Megatron-LM's
+    legacy save writes mp_rank_00_000 and mp_rank_01_001 only, each a tensor rank's dense shards and an expert rank's
+    whole experts.  Read behind the pickle opt-in, the weights equal the torch_dist save's of the same state, the
+    Adam moments are Megatron-Core's (set to 2 w + 1 and w * w), and megalite's logits of the conversion equal
+    Megatron-Core's own (its load of the torch_dist save at tp=1)."""
+    from megalite.checkpoint import load_model
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import convert_megatron_legacy
+
+    source = saved[0] + EXPERT_TP + run.LEGACY
+    assert sorted(os.listdir(os.path.join(source, f"iter_{run.SAVED_AT:07d}"))) == ["mp_rank_00_000", "mp_rank_01_001"]
+    converted = str(tmp_path / "megalite")
+    legacy = convert_megatron_legacy(source, converted, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    theirs = MegatronDistReader(saved[0] + EXPERT_TP)
+    weights = sorted(n for n in theirs.shapes if not n.startswith("optimizer."))
+    assert legacy.optimizer_note is None
+    assert sorted(n for n in legacy.tensors if not n.startswith("optimizer.")) == weights
+    assert "decoder.layers.0.mlp.experts.fc1_weight" in weights
+    for name in weights:
+        weight = legacy.tensors[name]
+        assert torch.equal(weight, theirs.read(name)), name
+        assert torch.equal(legacy.tensors[f"optimizer.exp_avg.{name}"], 2 * weight + 1), name
+        assert torch.equal(legacy.tensors[f"optimizer.exp_avg_sq.{name}"], weight * weight), name
+    with torch.no_grad():
+        _close(load_model(converted)(IDS), saved[8])
 
 
 def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):

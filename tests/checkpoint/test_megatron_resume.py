@@ -74,6 +74,7 @@ def megatron_run(tmp_path_factory):
     os.makedirs(path + fixture.DISTRIBUTED)
     os.makedirs(path + fixture.DISTRIBUTED_TP)
     os.makedirs(path + fixture.LEGACY)
+    os.makedirs(path + fixture.BF16 + fixture.LEGACY)
     return (path, *fixture.train_and_save(path, _micro_batches(), _convert_and_resume, path, root))
 
 
@@ -111,6 +112,33 @@ def test_reader_maps_the_fp32_main_weights_of_a_bf16_run(megatron_run):
     assert torch.equal(main, torch.cat(megatron_run[2]))
     assert torch.equal(main.bfloat16(), reader.read("output_layer.weight"))
     assert not torch.equal(main, main.bfloat16().float())  # fp32 information the bf16 weights do not hold
+
+
+def test_a_legacy_bf16_save_gives_the_fp32_main_weights_and_moments(megatron_run):
+    """The bf16 run saved in the legacy format: ``optimizer.state_dict()`` of Megatron-Core's
+    Float16OptimizerWithFloat16Params (chained), torch Adam's moments inside and the fp32 main weights in
+    ``fp32_from_fp16_params``.  Read behind the pickle opt-in, every weight (bf16), moment and main weight (fp32)
+    equals the torch_dist save's bit for bit, the output layer's main weight Megatron-Core's own, and the optimizer
+    state (step, groups) is the torch_dist one's.  (Not resumed: megalite's bf16 losses on the CPU would not equal
+    Megatron's within fp32 tolerances.)"""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    legacy = read_megatron_legacy(megatron_run[0] + fixture.BF16 + fixture.LEGACY, allow_pickle=True,
+                                  vocab_size=fixture.PADDED_VOCAB)
+    theirs = MegatronDistReader(megatron_run[0] + fixture.BF16)
+    assert legacy.optimizer_note is None and legacy.optimizer == theirs.state["optimizer"]
+    assert legacy.scheduler == theirs.state["megatron_scheduler"] is not None
+    assert sorted(legacy.tensors) == sorted(theirs.shapes)
+    params = [name for name in theirs.shapes if not name.startswith("optimizer.")]
+    for name in params:
+        assert legacy.tensors[name].dtype == torch.bfloat16, name
+        for key in ("main", "exp_avg", "exp_avg_sq"):
+            assert legacy.tensors[f"optimizer.{key}.{name}"].dtype == torch.float32, (key, name)
+    for name in theirs.shapes:
+        assert torch.equal(legacy.tensors[name], theirs.read(name)), name
+    main = legacy.tensors["optimizer.main.output_layer.weight"]
+    assert torch.equal(main, torch.cat(megatron_run[2])) and not torch.equal(main, main.bfloat16().float())
 
 
 def test_pretrain_load_continues_the_megatron_losses(megatron_run):

@@ -9,7 +9,6 @@ import signal
 
 import torch
 
-from megalite.rlhf import ParallelLayout
 from megalite.training.nan_guard import NanGuardConfig
 from tests.data.test_gpt_dataset import cached_samples, make_indexed
 from tests.faults.campaign import Case, in_scratch, outcome
@@ -17,21 +16,8 @@ from tests.rlhf.common import VOCAB
 from tests.rlhf.test_service import stopped_worker
 from tests.rlhf.test_service_faults import (assert_same_step, flagged_batch, left_after_signalling_the_driver,
                                             open_service)
+from tests.run_once import run_once
 from tests.training.test_supervise import sigterm_during_the_restart_delay
-
-
-def _with_service(body, **extra):
-    """A ``run()``: open a one-worker service on a scratch ``checkpoint_dir``, await ``body(service, scratch)``,
-    then shut the service down."""
-
-    async def serve(scratch):
-        service = await open_service(scratch / "service", **extra)
-        try:
-            return await body(service, scratch)
-        finally:
-            await service.shutdown()
-
-    return in_scratch(lambda scratch: asyncio.run(serve(scratch)))
 
 
 async def _async_outcome(awaitable) -> str:
@@ -42,18 +28,7 @@ async def _async_outcome(awaitable) -> str:
     return "returned"
 
 
-async def _retry_after_failure(scratch) -> str:
-    """A call failing in its second micro-batch, then a retry: the same step as a fresh service's."""
-    failed, fresh = await asyncio.gather(open_service(scratch / "failed"), open_service(scratch / "fresh"))
-    try:
-        error = await _async_outcome(failed.forward_backward(flagged_batch(0, failing_rows=(2, 3))))
-        same = await _async_outcome(assert_same_step(failed, fresh, flagged_batch(0)))
-        return f"{error.split(':')[0]}; retry {'equals a fresh step' if same == 'returned' else same}"
-    finally:
-        await asyncio.gather(failed.shutdown(), fresh.shutdown())
-
-
-async def _nan_loss_mask(service, scratch) -> str:
+async def _nan_loss_mask(service) -> str:
     poisoned = flagged_batch(1)
     poisoned["loss_mask"][1, 2] = float("nan")
     before = await service.get_weights()
@@ -63,19 +38,33 @@ async def _nan_loss_mask(service, scratch) -> str:
     return f"weights {'unchanged' if unchanged else 'CHANGED'}; {error}"
 
 
-async def _out_of_vocab(service, scratch) -> str:
-    outside = flagged_batch(0)
-    outside["input_ids"][3, 1] = VOCAB
-    return outcome(lambda: service.forward_backward(outside))
+@run_once
+async def _service_faults(scratch) -> dict[str, str]:
+    """The service cases' observations, from two one-worker services started once for all of them (a start is
+    seconds of worker imports): ``guarded`` stops on a non-finite step (the default), ``skipping`` skips one.
+    In order: a NaN in loss_mask on each; then a call failing in its second micro-batch on ``guarded``, and a
+    retry that must equal ``skipping``'s step (neither kept a gradient); then the bad input the driver refuses."""
+    guarded, skipping = await asyncio.gather(open_service(scratch / "service"), open_service(
+        scratch / "skipping", nan_guard=NanGuardConfig(skip_nan_iterations=1)))
+    try:
+        seen = {"nan": await _nan_loss_mask(guarded), "nan, skip": await _nan_loss_mask(skipping)}
+        error = await _async_outcome(guarded.forward_backward(flagged_batch(0, failing_rows=(2, 3))))
+        same = await _async_outcome(assert_same_step(guarded, skipping, flagged_batch(0)))
+        seen["retry"] = f"{error.split(':')[0]}; retry {'equals a fresh step' if same == 'returned' else same}"
+        outside = flagged_batch(0)
+        outside["input_ids"][3, 1] = VOCAB
+        seen["out of vocab"] = outcome(lambda: guarded.forward_backward(outside))
+        seen["save(-1)"] = outcome(lambda: guarded.save(-1))
+        second = await _async_outcome(open_service(scratch / "service"))
+        seen["second service"] = second.replace(str(scratch), "DIR").replace(f"pid {os.getpid()}", "pid DRIVER")
+        return seen
+    finally:
+        await asyncio.gather(guarded.shutdown(), skipping.shutdown())
 
 
-async def _negative_save(service, scratch) -> str:
-    return outcome(lambda: service.save(-1))
-
-
-async def _second_service(service, scratch) -> str:
-    error = await _async_outcome(open_service(scratch / "service"))
-    return error.replace(str(scratch), "DIR").replace(f"pid {os.getpid()}", "pid DRIVER")
+def _service_fault(name: str):
+    """A ``run()``: the observation ``name`` of :func:`_service_faults` (run by the first such case)."""
+    return in_scratch(lambda scratch: asyncio.run(_service_faults(scratch))[name])
 
 
 def _stalled_worker(scratch) -> str:
@@ -112,18 +101,18 @@ CASES = [
     Case("stale dataset index cache", "cache rebuilt; samples equal an uncached dataset's", in_scratch(_stale_cache),
          fast=True),
     Case("service: forward_backward fails, then retry", "RuntimeError; retry equals a fresh step",
-         in_scratch(lambda scratch: asyncio.run(_retry_after_failure(scratch)))),
+         _service_fault("retry")),
     Case("service: NaN in loss_mask", "weights unchanged; RuntimeError: optim_step failed on worker 0: "
          "NonFiniteError: iteration 1: the loss is nan and gradients hold nan/inf on ranks [0]; stopping before the "
-         "update", _with_service(_nan_loss_mask)),
+         "update", _service_fault("nan")),
     Case("service: NaN in loss_mask, skip_nan_iterations=1", "weights unchanged; returned",
-         _with_service(_nan_loss_mask, nan_guard=NanGuardConfig(skip_nan_iterations=1))),
+         _service_fault("nan, skip")),
     Case("service: out-of-vocab token id", f"ValueError: batch['input_ids'] holds token id {VOCAB}, outside the "
-         f"vocabulary of {VOCAB} ids", _with_service(_out_of_vocab)),
+         f"vocabulary of {VOCAB} ids", _service_fault("out of vocab")),
     Case("service: save(-1)", "ValueError: save step must be a non-negative integer, got -1",
-         _with_service(_negative_save)),
+         _service_fault("save(-1)")),
     Case("service: two services on one checkpoint_dir", "ValueError: checkpoint_dir DIR/service is in use by another "
-         "job (pid DRIVER on", _with_service(_second_service)),
+         "job (pid DRIVER on", _service_fault("second service")),
     Case("service worker stalled (SIGSTOP), the other waits", "0 workers left after shutdown; RuntimeError: "
          "training worker 1 did not answer forward_backward #", in_scratch(_stalled_worker)),
     Case("service driver killed (kill -9)", "processes it started left running: none",

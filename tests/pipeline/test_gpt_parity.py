@@ -68,17 +68,18 @@ def _shard(full, param, tp, tp_rank):
     return full
 
 
-def _gpt_pipeline(tp, pp, vpp, m, num_layers, known_shape, first=None):
+def _gpt_pipeline(tp, pp, vpp, m, num_layers, known_shape, first=None, stage_layers=None):
     """Run ITERS SGD iterations through forward_backward; return the rel. errors against one rank.
 
-    ``first`` sets the first stage's layer count (the rest split evenly over the other stages)."""
+    ``first`` sets the first stage's layer count (the rest split evenly over the other stages);
+    ``stage_layers`` every stage's (as a Megatron ``--pipeline-model-parallel-layout`` does)."""
     dp = torch.distributed.get_world_size() // (tp * pp)
     ref_losses, ref_grads = _reference(_config(num_layers), dp * m)
     topo = topology.initialize(tp=tp, pp=pp, vpp=vpp)
     rank, chunks_per_rank = topo.pp.rank, vpp or 1
     config = _config(num_layers)
     chunks = []
-    for c, layer_range in enumerate(split_layers(num_layers, pp, vpp, first)[rank]):
+    for c, layer_range in enumerate(split_layers(num_layers, pp, vpp, first, stage_layers=stage_layers)[rank]):
         model = GPTModel(config, pre_process=rank == 0 and c == 0,
                          post_process=rank == pp - 1 and c == chunks_per_rank - 1, layer_range=layer_range)
         chunks.append(DistributedDataParallel(model, DDPConfig(bucket_size=2000)))
@@ -105,14 +106,15 @@ def _gpt_pipeline(tp, pp, vpp, m, num_layers, known_shape, first=None):
 
 def _two_stage_cases():
     return [_gpt_pipeline(1, 2, None, 4, 4, known_shape=True), _gpt_pipeline(1, 2, 2, 4, 4, known_shape=False),
-            _gpt_pipeline(1, 2, None, 2, 3, known_shape=True, first=1)]
+            _gpt_pipeline(1, 2, None, 2, 3, known_shape=True, first=1),
+            _gpt_pipeline(1, 2, 2, 2, 5, known_shape=True, stage_layers=[1, 3, 0, 1])]
 
 
 @pytest.mark.parametrize("world, fn, args", [
     (2, _two_stage_cases, ()),
     (4, _gpt_pipeline, (1, 4, None, 4, 4, False)),
     (8, _gpt_pipeline, (2, 2, None, 2, 2, True)),
-], ids=["pp2-pp2xvpp2-uneven", "pp4", "tp2xdp2xpp2"])
+], ids=["pp2-pp2xvpp2-uneven-stages", "pp4", "tp2xdp2xpp2"])
 def test_gpt_pipeline_matches_single_rank(world, fn, args):
     for rank, result in enumerate(run_distributed(fn, world, *args, timeout=240)):
         for loss_err, grad_err in (result if isinstance(result, list) else [result]):

@@ -31,7 +31,21 @@ def test_first_and_last_stage_overrides():
     assert split_layers(6, 3, first=0, last=0) == [[(0, 0)], [(0, 6)], [(6, 6)]]
 
 
+def test_per_stage_layer_counts():
+    """``stage_layers``: every stage's count in stage order (stage ``c * pp + r`` is chunk ``c`` of rank ``r``),
+    uneven middle stages, uneven chunks and empty stages included."""
+    assert split_layers(7, 4, stage_layers=[1, 3, 1, 2]) == [[(0, 1)], [(1, 4)], [(4, 5)], [(5, 7)]]
+    assert split_layers(5, 2, vpp=2, stage_layers=[1, 1, 2, 1]) == [[(0, 1), (2, 4)], [(1, 2), (4, 5)]]
+    assert split_layers(4, 2, vpp=2, stage_layers=[0, 2, 2, 0]) == [[(0, 0), (2, 4)], [(0, 2), (4, 4)]]
+    assert split_layers(5, 2, vpp=2, v_shape=True, stage_layers=[1, 1, 2, 1]) == [[(0, 1), (4, 5)], [(1, 2), (2, 4)]]
+    assert split_layers(3, 1, stage_layers=(3,)) == [[(0, 3)]]
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
+    ((5, 2), {"vpp": 2, "stage_layers": [1, 1, 3]}, r"3 per-stage layer counts for 4 stages \(pp=2 x vpp=2\)"),
+    ((5, 2), {"stage_layers": [1, 3]}, r"the per-stage layer counts \[1, 3\] sum to 4, not num_layers=5"),
+    ((5, 2), {"stage_layers": [6, -1]}, "a stage's layer count must be a non-negative integer, got -1"),
+    ((5, 2), {"first": 1, "stage_layers": [1, 4]}, "give either per-stage layer counts or first/last stage layer"),
     ((6, 4), {}, "num_layers=6 is not divisible by pipeline size pp=4"),
     ((8, 2), {"vpp": 3}, "stage 0 has 4 layers, not divisible by vpp=3"),
     ((10, 4), {"first": 2}, "the 8 layers left after first=2, last=None do not divide evenly over the other 3"),

@@ -67,7 +67,9 @@ def test_each_kind_of_work_is_priced_at_its_own_rate():
     ops = CONFIG.num_layers * sum(LAYER_OPS.values()) + sum(EMBEDDING_AND_LOSS_OPS.values())
     assert base["op_overhead"] == pytest.approx(m * ops * 5e-6, rel=1e-12)
     faster = {"attention": compute_time(CONFIG, layout, _cpu(attention_efficiency=1.0), SEQ, BATCH),
-              "memory_bound": compute_time(CONFIG, layout, _cpu(hbm_bandwidth=2 * _cpu().hbm_bandwidth), SEQ, BATCH)}
+              # the memory-bound ops' passes at the memory's bandwidth, their exp/erf/tanh at the exponential rate
+              "memory_bound": compute_time(CONFIG, layout, _cpu(hbm_bandwidth=2 * _cpu().hbm_bandwidth,
+                                                                exp_rate=2 * _cpu().exp_rate), SEQ, BATCH)}
     for kind, changed in faster.items():
         assert changed[kind] == pytest.approx(base[kind] / 2, rel=1e-12)
         assert all(changed[other] == base[other] for other in base if other != kind)
@@ -75,6 +77,22 @@ def test_each_kind_of_work_is_priced_at_its_own_rate():
     est = estimate(CONFIG, layout, _cpu(), SEQ, BATCH)
     assert est.step_time_s == pytest.approx(sum(est.time.values()), rel=1e-12)
     assert est.time["gemm"] == base["gemm"] and est.time["memory_bound"] == base["memory_bound"]
+
+
+@pytest.mark.parametrize("activation, per_element", [("gelu", 1 + 2), ("swiglu", 1 + 1)])
+def test_activation_and_loss_functions_run_at_the_exp_rate_on_a_cpu(activation, per_element):
+    """GELU's erf (forward; its distribution and density backward), SwiGLU's sigmoid (each way) and the loss's
+    exponentials (each way) are priced at the calibrated exponential rate, beyond the read and write their memory
+    passes count; without one (the GPU profiles) nothing is added to those passes."""
+    config = dataclasses.replace(CONFIG, activation=activation)
+    layout = Layout(micro_batch_size=2)
+    at = {rate: compute_time(config, layout, _cpu(exp_rate=rate), SEQ, BATCH) for rate in (1e9, 5e8, None)}
+    m, tokens = BATCH // 2, 2 * SEQ
+    functions = m * (config.num_layers * per_element * tokens * config.ffn_hidden_size + 2 * tokens * config.vocab_size)
+    assert at[5e8]["memory_bound"] - at[1e9]["memory_bound"] == pytest.approx(functions / 1e9, rel=1e-9)
+    # each beyond the read and write of a memory pass, which the elements' passes already count
+    beyond = 1 / 1e9 - 2 * 4 / _cpu().hbm_bandwidth
+    assert at[1e9]["memory_bound"] - at[None]["memory_bound"] == pytest.approx(functions * beyond, rel=1e-9)
 
 
 def test_more_ranks_than_cores_take_all_ranks_work_over_the_cores():
@@ -138,8 +156,46 @@ def test_blockwise_exponentials_run_at_the_exp_rate():
     heads, m = CONFIG.num_attention_heads, BATCH // 2
     scores = 2 * heads * SEQ / 2 * SEQ * 5 / 8  # 5 of the 8 chunk pairs of a [seq / 2, seq] score matrix
     exps = m * CONFIG.num_layers * (2 + 1) * scores  # log-sum-exp and probabilities forward, probabilities backward
+    tokens = 2 * SEQ / 2  # and GELU's erf (1 forward, 2 backward) and the loss's exponentials (1 and 1)
+    exps += m * (CONFIG.num_layers * (1 + 2) * tokens * CONFIG.ffn_hidden_size + 2 * tokens * CONFIG.vocab_size)
     assert at[5e8]["memory_bound"] - at[1e9]["memory_bound"] == pytest.approx(exps / 1e9, rel=1e-9)
     assert all(at[5e8][kind] == at[1e9][kind] for kind in ("gemm", "attention", "op_overhead"))
     # without a calibrated rate (the GPU profiles) an exponential is a read and a write at the memory's bandwidth
     gpu_like = compute_time(CONFIG, layout, _cpu(exp_rate=hw.hbm_bandwidth / 8), SEQ, BATCH)
     assert compute_time(CONFIG, layout, _cpu(exp_rate=None), SEQ, BATCH) == pytest.approx(gpu_like, rel=1e-12)
+
+
+@pytest.mark.parametrize("seq, cp", [(256, 2), (2048, 4)])
+def test_blockwise_op_counts_are_the_ops_the_ring_runs(seq, cp):
+    """The blockwise attention's ops on every CP rank (its calls over each ring step's key block and the merges
+    between steps, forward; its calls backward), counted, against :func:`blockwise_tiles` priced at the op
+    constants; and its tile pairs, which differ between ranks (cp 2: rank 1's chunks 1 and 2 are adjacent, one
+    tile)."""
+    from megalite.context_parallel.blockwise import DEFAULT_TILE, Tokens, attention_backward, attention_forward, merge
+    from megalite.context_parallel.sequence_split import chunk_indices
+    from megalite.plan.compute import (BLOCKWISE_CALL_OPS, BLOCKWISE_MASK_OPS, BLOCKWISE_PAIR_OPS,
+                                       blockwise_forward_extra_ops, blockwise_tiles)
+
+    tokens = [Tokens(chunk_indices(seq, cp, rank), None, DEFAULT_TILE) for rank in range(cp)]
+    q, k, v = (torch.randn(1, 1, seq // cp, 2) for _ in range(3))
+    work = blockwise_tiles(seq, cp, "p2p")
+    for rank in range(cp):
+        counted = {}
+        with _CountOps() as counter:
+            out = lse = None
+            for step in range(cp):
+                out, lse = merge(out, lse, *attention_forward(q, k, v, tokens[rank], tokens[(rank - step) % cp], 1.0))
+        counted["forward"] = counter.count
+        with _CountOps() as counter:
+            for step in range(cp):
+                attention_backward(out, q, k, v, out, lse, tokens[rank], tokens[(rank - step) % cp], 1.0)
+        counted["backward"] = counter.count
+        w = work[rank]
+        priced = {phase: w["pairs"] * BLOCKWISE_PAIR_OPS[phase] + w["masked"] * BLOCKWISE_MASK_OPS[phase]
+                  + w["calls"] * BLOCKWISE_CALL_OPS[phase] for phase in ("forward", "backward")}
+        priced["forward"] += blockwise_forward_extra_ops(w)
+        for phase in ("forward", "backward"):
+            assert priced[phase] == pytest.approx(counted[phase], rel=0.03)
+    if cp == 2:
+        assert [(w["pairs"], w["masked"], w["scores"]) for w in work] == [(4, 2, 3 * 64 * 64 + 64 * 128),
+                                                                          (2, 1, 128 * 128 + 128 * 64)]

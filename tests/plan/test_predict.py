@@ -36,6 +36,12 @@ def test_prediction_is_the_estimate_of_the_flags_layout_and_measured_mfu_uses_it
     (["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "16", "--kv-lora-rank", "8",
       "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8"],
      "the planner does not model multi-latent attention"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|tt|L"],
+     "the planner does not model a split of given stage layer counts (--pipeline-model-parallel-layout, "
+     "--account-for-embedding/loss-in-pipeline-split)"),
+    (["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split", "--num-layers", "3"],
+     "the planner does not model a split of given stage layer counts (--pipeline-model-parallel-layout, "
+     "--account-for-embedding/loss-in-pipeline-split)"),
 ])
 def test_a_run_the_planner_does_not_model_says_so(extra, reason):
     prediction = predict_run(parse_args(FLAGS + extra), 4)

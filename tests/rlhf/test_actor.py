@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from megalite import topology
 from megalite.models import GPTModel
 from megalite.rlhf.actor import pipeline_log_probs, sequence_log_probs, token_log_probs
+from megalite.rlhf.shared_groups import pack_micro_batches, with_packing
 from megalite.testing import run_distributed
 from megalite.topology import device
 from tests.rlhf.common import config, padded_prompts
@@ -96,7 +97,8 @@ def _check_pipeline(topo, cfg, ids, mask, ref_lp, ref_ent):
     # Two samples of a prompt as one prefix-shared row (megalite.rlhf.shared_groups), packed alike on both stages.
     rows = torch.tensor([0, 0, 2, 2])
     pairs = [{"input_ids": ids[rows[i:i + 2]], "attention_mask": mask[rows[i:i + 2]]} for i in (0, 2)]
-    lp, ent = pipeline_log_probs(chunk, pairs, TEMPERATURE, with_entropy=True, group=2)
+    lp, ent = pipeline_log_probs(chunk, with_packing(pairs, pack_micro_batches(pairs, 2, chunk)), TEMPERATURE,
+                                 with_entropy=True)
     real = (mask[rows, :-1] * mask[rows, 1:]).cpu()
     torch.testing.assert_close(lp * real, ref_lp.cpu()[rows] * real, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent * real, ref_ent.cpu()[rows] * real, rtol=0, atol=1e-5)

@@ -172,3 +172,49 @@ def test_a_groups_prompt_is_prefilled_once_with_each_rows_samples(kind):
         torch.testing.assert_close(outs[True].log_probs, outs[False].log_probs, rtol=0, atol=1e-6)
         if sampling is SAMPLED:  # each sample has its own stream: a group's samples differ
             assert len({tuple(row) for row in outs[True].tokens[:4].tolist()}) > 1
+
+
+def _row_by_row(model, ids, mask, sampling, seed):
+    """The rollout engine's documented sampling, one row at a time and without a KV cache: row ``i`` draws with a
+    generator seeded ``sample_seed(s_i, 0)``, ``s_i`` the ``i``-th of ``b`` seeds drawn from ``seed``, each token
+    ``multinomial`` of the filtered ``softmax(logits / T)`` of the row's whole sequence; log-probs unfiltered."""
+    from megalite.inference.sequence import sample_seed
+
+    seeds = torch.randint(2 ** 62, (len(ids),), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = []
+    for row, keep, s in zip(ids.tolist(), mask.tolist(), seeds):
+        tokens, generator, new, log_probs = [t for t, k in zip(row, keep) if k], torch.Generator(), [], []
+        generator.manual_seed(sample_seed(s, 0))
+        for _ in range(sampling.max_new_tokens):
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long))
+            scaled = logits[0, -1, :model.config.vocab_size].float() / sampling.temperature
+            probs = filter_logits(scaled[None], sampling.top_k, sampling.top_p).softmax(dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            new.append(token)
+            log_probs.append(float(scaled.log_softmax(dim=-1)[token]))
+            tokens.append(token)
+            if token == sampling.eos_id:
+                break
+        out.append((new, log_probs))
+    return out
+
+
+def test_rollout_engine_samples_each_rows_seeded_stream():
+    """The rollout engine's sampled tokens, pinned to what each row's own seeded stream gives when decoded alone
+    without a cache (rows in pairs of one prompt, so a group's prompt is prefilled once and its samples fork): a
+    change to the engine's batching, scheduling or bookkeeping must keep every row's tokens and log-probs."""
+    from megalite.rlhf.generation import RolloutEngine
+
+    model = GPTModel(config("gpt2")).eval()
+    ids, mask = (t.repeat_interleave(2, dim=0) for t in padded_prompts(b=4))
+    engine = RolloutEngine(model)
+    for seed in (3, 4):
+        out = engine.generate(ids, mask, SAMPLED, torch.Generator().manual_seed(seed))
+        expected = _row_by_row(model, ids, mask, SAMPLED, seed)
+        p = ids.shape[1]
+        assert len({tuple(new) for new, _ in expected}) > 2  # the rows sample different continuations
+        for i, (new, log_probs) in enumerate(expected):
+            assert out.tokens[i, p:p + len(new)].tolist() == new, (seed, i)
+            assert out.response_mask[i].tolist() == [1] * len(new) + [0] * (out.response_mask.shape[1] - len(new))
+            torch.testing.assert_close(out.log_probs[i, :len(new)], torch.tensor(log_probs), rtol=0, atol=1e-5)

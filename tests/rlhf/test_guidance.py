@@ -232,15 +232,19 @@ def test_several_hints_per_attempt_branch_the_episode_and_group_the_guide_by_att
         assert bool(((advantages - torch.tensor(per_row)[:, None]) * mask == 0).all())
 
 
+def moved(trainer) -> tuple[float, float]:
+    """How far the trainer's policy and guide moved from their warm-up weights (their reference copies)."""
+    def distance(model, reference):
+        return max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    return (distance(trainer.actor.chunk.module, trainer.reference.module),
+            distance(trainer.guide.backend.chunk.module, trainer.guide.reference.module))
+
+
 def _train(argv):
-    """The run, and how far each trained model moved from its warm-up weights (its reference copy)."""
+    """The run, and how far each trained model moved (:func:`moved`)."""
     trainer = RLTrainer(parse_args(argv))
     trainer.train()
-
-    def moved(model, reference):
-        return max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
-    return (moved(trainer.actor.chunk.module, trainer.reference.module),
-            moved(trainer.guide.backend.chunk.module, trainer.guide.reference.module))
+    return moved(trainer)
 
 
 @pytest.mark.slow

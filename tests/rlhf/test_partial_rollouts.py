@@ -11,9 +11,10 @@ from megalite import topology
 from megalite.models import GPTModel
 from megalite.data.tokenizer import ByteTokenizer
 from megalite.rlhf.actor import sequence_log_probs
-from megalite.rlhf.env_tasks import CalculatorEnvironment
+from megalite.rlhf.env_tasks import CalculatorEnvironment, GuidanceEnvironment
 from megalite.rlhf.environment import EpisodeLimits
 from megalite.rlhf.generation import RolloutEngine, SamplingConfig
+from megalite.rlhf.guidance import GuideClock, PartialHintWriter, guide_rollout
 from megalite.rlhf.objectives import PPOActorObjective
 from megalite.rlhf.partial_rollouts import PartialEpisodes, PartialRollouts
 from megalite.rlhf.backend import TrainingBackend
@@ -23,6 +24,7 @@ from megalite.rlhf.trainer_models import build
 from megalite.rlhf.update import rl_update
 from megalite.testing import run_distributed
 from tests.rlhf.common import VOCAB, config, scripted_output
+from tests.rlhf.test_guidance import moved
 
 SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=VOCAB - 1, pad_id=0, temperature=1.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -243,8 +245,9 @@ def test_partial_rollouts_with_dynamic_sampling_train_varied_complete_groups():
 
 @pytest.mark.parametrize("extra, message", [
     (["--partial-rollout-tokens", "4"], r"--partial-rollout-tokens 4 needs 1 <= tokens <= --max-new-tokens 3"),
-    (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32"],
-     r"no --environment guidance \(its guide samples inside a step\)"),
+    (["--partial-rollout-tokens", "1", "--environment", "guidance", "--max-total-tokens", "32",
+      "--guide-samples-per-attempt", "2", "--advantage-estimator", "grpo"],
+     r"and --guide-samples-per-attempt 1 \(several hints branch an episode; partial rollouts keep whole groups\)"),
 ])
 def test_partial_rollouts_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
@@ -321,3 +324,164 @@ def test_calculator_episodes_paused_mid_action_continue_after_weight_updates():
             assert len(set(versions[row, s0 - 1:e0 - 1].tolist())) == 9  # the tool call spans nine versions
             assert bool((mask[row, e0 - 1:s1 - 1] == 0).all()) and TOK.detokenize(
                 rollout.input_ids[row, e0:s1]) == f"<result>{product}</result>"
+
+
+def _guidance_scripts(weights: dict):
+    """A policy and a guide that continue whatever part of their turn a row holds: the policy attempts the product
+    + 1 (wrong) and revises by copying the hint; the guide hints the product.  Each token's log-prob is
+    -(version + 1) / 10 for the policy's ``weights["version"]``, -(version + 1) / 10 - 0.05 for the guide's
+    ``weights["clock"].version``."""
+    def continue_script(prompts, prompt_mask, sampling, target_of, log_prob):
+        actions = []
+        for row in prompts.tolist():
+            done, target = target_of(TOK.detokenize(row))
+            ids = TOK.tokenize(target) + [TOK.eod]
+            assert TOK.tokenize(done) == ids[:len(TOK.tokenize(done))]  # the turn so far is the script's
+            actions.append(ids[len(TOK.tokenize(done)):][:sampling.max_new_tokens])
+        return scripted_output(prompts, prompt_mask, actions, sampling.pad_id, log_prob)
+
+    def policy_target(text):
+        if "</hint>" in text:
+            return text.rsplit("</hint>", 1)[1], text.split("<hint>")[1].split("</hint>")[0]
+        return text.split("=", 1)[1], str(eval(text.split("=")[0]) + 1)
+
+    def guide_target(text):
+        return text.rsplit("|", 1)[1], text.split("|")[1]
+
+    def policy(prompts, prompt_mask, sampling, generator):
+        return continue_script(prompts, prompt_mask, sampling, policy_target, -(weights["version"] + 1) / 10)
+
+    def guide(prompts, prompt_mask, sampling, generator):
+        return continue_script(prompts, prompt_mask, sampling, guide_target,
+                               -(weights["clock"].version + 1) / 10 - 0.05)
+    return policy, guide
+
+
+def _guidance_rounds(partial, weights, rounds, start=0):
+    """``rounds`` rounds from version ``start``, both models updated after each: the groups that finished."""
+    finished = []
+    for version in range(start, start + rounds):
+        weights["version"] = weights["clock"].version = version
+        rollout = partial.advance(version)
+        finished += [] if rollout is None else [rollout]
+    return finished
+
+
+def test_guidance_episodes_pause_in_the_attempt_the_hint_and_the_revision_across_weight_updates():
+    """The guidance flow under partial rollouts, one token per round: the attempt, the guide's hint and the
+    revision each span several weight versions; every policy token keeps its version's log-prob, every hint token
+    its guide version's (in the guide's rollout, with its token versions), the hint reaches the policy as an
+    untrained observation, and a state saved while a hint is half written (JSON) resumes into fresh environments and
+    writers to the same batches of both models."""
+    weights = {"version": 0, "clock": GuideClock()}
+    sampling = SamplingConfig(max_new_tokens=6, eos_id=TOK.eod, pad_id=TOK.pad)
+    policy, guide = _guidance_scripts(weights)
+
+    def make():
+        return PartialEpisodes(policy, sampling, 1, EpisodeLimits(max_turns=3, max_total_tokens=40),
+                               lambda: GuidanceEnvironment(TOK, max_operand=9, guide=PartialHintWriter(
+                                   guide, sampling, 1, weights["clock"])), group_size=2)
+    partial = make()
+    partial.add([5, 5, 6, 6])
+    first = _guidance_rounds(partial, weights, 4)
+    saved = json.loads(json.dumps(partial.state()))
+    assert not first and any(row["pending"] and row["env"]["writer"]["tokens"] for row in saved["rows"])
+    rest = _guidance_rounds(partial, weights, 30, start=4)
+    resumed = make()
+    resumed.load_state(saved)
+    again = _guidance_rounds(resumed, weights, 30, start=4)
+
+    def both(rollouts):
+        return [(r.input_ids.tolist(), r.behaviour_log_probs.tolist(), g.input_ids.tolist(),
+                 g.behaviour_log_probs.tolist(), g.token_versions.tolist(), g.rewards.tolist())
+                for r, g in ((r, guide_rollout(r.metadata["environments"], TOK.pad)) for r in rollouts)]
+    assert both(again) == both(rest)
+    assert sum(len(r) for r in rest) == 4 and len(partial) == 0
+    for rollout in rest:
+        envs = rollout.metadata["environments"]
+        mask, versions = rollout.response_mask, rollout.token_versions
+        assert rollout.rewards.tolist() == [1.0] * len(rollout) and rollout.metadata["turns"] == [2] * len(rollout)
+        assert bool((versions[mask == 0] == -1).all()) and bool((versions[mask > 0] >= 0).all())
+        torch.testing.assert_close(rollout.behaviour_log_probs, -(versions + 1) / 10 * mask, rtol=0, atol=1e-7)
+        guided = guide_rollout(envs, TOK.pad)
+        g_mask, g_versions = guided.response_mask, guided.token_versions
+        assert bool((g_versions[g_mask == 0] == -1).all()) and bool((g_versions[g_mask > 0] >= 0).all())
+        torch.testing.assert_close(guided.behaviour_log_probs, (-(g_versions + 1) / 10 - 0.05) * g_mask, rtol=0,
+                                   atol=1e-7)
+        assert guided.version == int(g_versions[g_mask > 0].min()) and guided.rewards.tolist() == [1.0] * len(envs)
+        for row, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
+            product = eval(prompt[:-1])
+            assert response == f"{product + 1}<hint>{product}</hint>{product}"
+            (s0, e0), (s1, e1) = rollout.turn_spans[row]
+            hint_versions = envs[row].guide_versions
+            assert len(set(versions[row, s0 - 1:e0 - 1].tolist())) == e0 - s0 > 1  # one version per attempt token
+            assert len(set(hint_versions)) == len(hint_versions) > 1
+            assert len(set(versions[row, s1 - 1:e1 - 1].tolist())) == e1 - s1 > 1
+            # the hint was written after the attempt (from the round that ended it) and before the revision
+            assert max(versions[row, s0 - 1:e0 - 1].tolist()) <= min(hint_versions)
+            assert max(hint_versions) < min(versions[row, s1 - 1:e1 - 1].tolist())
+            assert bool((mask[row, e0 - 1:s1 - 1] == 0).all()) and TOK.detokenize(
+                rollout.input_ids[row, e0:s1]) == f"<hint>{product}</hint>"
+
+
+def _guidance_run(argv):
+    """A partial-rollout guidance run: per batch, the largest gap between each token's behaviour log-prob and the
+    log-prob under the weights of its version, for the policy's rollout and the guide's (the weights of both models
+    snapshotted at every version), their staleness and how many versions their tokens span; and how far each model
+    moved from its warm-up (``test_guidance.moved``)."""
+    trainer = RLTrainer(parse_args(argv))
+    setup, batches = trainer._setup, []
+
+    def snapshot(module):
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    def watched_setup():
+        ready = setup()
+        rollouts, states = trainer.rollouts, {}
+        models = (trainer.actor.chunk.module, trainer.guide.backend.chunk.module)
+        make = rollouts.rollout
+
+        def rollout(iteration):
+            states[rollouts.version] = [snapshot(model) for model in models]
+            batch = make(iteration)
+            row = []
+            for which, (model, made) in enumerate(zip(models, (batch, batch.metadata["guide"]))):
+                versions, mask = made.token_versions, made.response_mask
+                expected = torch.zeros_like(made.behaviour_log_probs)
+                for version in versions[mask > 0].unique().tolist():
+                    expected = torch.where(versions == version, _log_probs(model, made, states[version][which]),
+                                           expected)
+                row.append((float((made.behaviour_log_probs - expected * mask).abs().max()),
+                            rollouts.version - made.version, len(versions[mask > 0].unique())))
+            batches.append(row)
+            return batch
+        rollouts.rollout = rollout
+        return ready
+    trainer._setup = watched_setup
+    trainer.train()
+    return (batches, *moved(trainer))
+
+
+@pytest.mark.slow
+def test_a_guidance_run_with_partial_rollouts_trains_both_models_on_tokens_of_several_versions(tmp_path):
+    """--partial-rollout-tokens 1 with --environment guidance: episodes pause in any turn (the guide's hint
+    included) and continue under the next weights of both models; in every batch each policy token and each hint
+    token carries the log-prob of the weights (of its model, at its version) that sampled it, some batches span
+    several versions, and the run trains the policy and the guide."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "5",
+            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
+            "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
+            "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "9", "--environment", "guidance",
+            "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2", "--tensorboard-dir", "",
+            "--metrics-file", str(metrics)]
+    [(batches, actor_moved, guide_moved)] = run_distributed(_guidance_run, 1, argv, timeout=120)
+    assert len(batches) == 5 and actor_moved > 0 and guide_moved > 0
+    for policy, guide in batches:
+        assert policy[0] < 1e-5 and guide[0] < 1e-5
+        assert 0 <= policy[1] <= 2 and 0 <= guide[1] <= policy[1]
+    assert any(policy[2] > 1 for policy, _ in batches) and any(guide[2] > 1 for _, guide in batches)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]
+    assert all("guide_policy_loss" in r and r["staleness"] == p[1] for r, (p, _) in zip(records, batches))

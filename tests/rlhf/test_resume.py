@@ -9,7 +9,8 @@ The modes beside it resume the same way (a run saved at iteration k and resumed 
 run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base saved once, the adapters and their
 optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
 rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions; environment
-episodes paused mid-action too)."""
+episodes paused mid-action too; rewards served by the scoring server).  A run with rollout ranks saves their rows in
+flight and the batches they generated ahead, and resumes from them."""
 
 import json
 import os
@@ -232,11 +233,13 @@ PARTIAL = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-la
 def test_partial_rollouts_resume_equals_an_uninterrupted_run(tmp_path):
     """``--partial-rollout-tokens``: the save at iteration 3 holds rows still being generated (their tokens, per-token
     behaviour log-probs and versions); the resume continues them, so its batches, staleness and importance weights
-    equal the uninterrupted run's."""
+    equal the uninterrupted run's.  The rewards come from ``--use-scoring-server``, which prefetches nothing here,
+    so the save holds the whole state of a served run too (other resume tests score locally)."""
     from megalite.checkpoint import CheckpointReader
     from megalite.checkpoint.files import iteration_dir
 
-    resumed = _resume_equals_uninterrupted(PARTIAL, tmp_path, 1, also=("staleness", "is_weight_mean"), at=3)
+    resumed = _resume_equals_uninterrupted(PARTIAL + ["--use-scoring-server"], tmp_path, 1,
+                                           also=("staleness", "is_weight_mean", "scorer_staleness"), at=3)
     assert any(r["staleness"] > 0 and r["is_weight_mean"] > 0 for r in resumed.values())
     saved = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 3)).rank_state(0)["partial_rollouts"]
     assert saved["rows"] and all(len(row[1]) == len(row[2]) == len(row[3]) > 0 for row in saved["rows"])
@@ -268,10 +271,70 @@ def test_partial_environment_episodes_resume_equals_an_uninterrupted_run(tmp_pat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--save", "x", "--max-staleness", "1"], "--save checkpoints an on-policy, colocated run"),
-    (["--save", "x", "--use-scoring-server"], "--save checkpoints an on-policy, colocated run"),
     (["--save-interval", "2"], "--save-interval 2 needs --save"),
 ])
 def test_checkpoint_bad_input(extra, message):
     with pytest.raises(ValueError, match=message):
         RLTrainer(parse_args(ARGV + extra), world_size=2)
+
+
+def _resume_from_interval_save(argv, tmp_path, ranks: int) -> dict:
+    """Runs ``argv`` (5 iterations) saving every 2; then resumes its save at iteration 2 (``latest`` moved back to
+    2, as a kill after that save leaves it) and asserts iterations 3-5 log what the uninterrupted run did (rewards,
+    KL, losses, staleness, IS weights) and that the policy moved; returns the save's RL state at iteration 2."""
+    from megalite.checkpoint import read_checkpoint_info
+    from megalite.checkpoint.files import iteration_dir
+
+    whole, save, resumed = tmp_path / "whole.jsonl", tmp_path / "save", tmp_path / "resumed.jsonl"
+    argv = argv + ["--train-iters", "5"]
+    assert run_distributed(_run, ranks, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
+                                                str(whole)], timeout=240) == [0] * ranks
+    state = read_checkpoint_info(iteration_dir(str(save / "actor"), 2))["state"]
+    (save / "actor" / "latest").write_text("2")
+    assert run_distributed(_run, ranks, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
+                                                "--metrics-file", str(resumed)], timeout=240) == [0] * ranks
+    expected, records = _records(whole), _records(resumed)
+    assert sorted(records) == [3, 4, 5]
+    compared = [k for k in COMPARED if k in expected[3]] + ["staleness", "is_weight_mean"]
+    for iteration, record in records.items():
+        assert {k: record.get(k) for k in compared} == {k: expected[iteration].get(k) for k in compared}, iteration
+    assert any(r["staleness"] > 0 for r in records.values()) and any(r["policy_loss"] != 0 for r in records.values())
+    return state
+
+
+@pytest.mark.slow
+def test_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
+    """--rollout-world-size with --max-staleness 2 and --partial-rollout-tokens: the save at iteration 2 holds the
+    rollout rank's state (its prompt stream, rows in flight, and batches 3 and 4, generated ahead with older
+    weights); the resume sends those batches again and continues the rest, equal to the uninterrupted run."""
+    state = _resume_from_interval_save(PARTIAL + ["--rollout-world-size", "1"], tmp_path, 2)
+    saved = state["rl"]["rollout_ranks"]["ranks"][0]
+    assert [i for i, _, _ in saved["ahead"]] == [3, 4] and saved["partial"][0]["rows"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("served", [False, True])
+def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path, served):
+    """A colocated run at --max-staleness 1 draws each rollout one update ahead: the save at iteration 2 holds
+    rollout 3 (sampled and scored with the weights after update 1; with --use-scoring-server its request was
+    prefetched, and the save holds the server's rewards for it); the resume trains on it, then draws on, equal to
+    the uninterrupted run."""
+    from megalite.checkpoint import CheckpointReader
+    from megalite.checkpoint.files import iteration_dir
+
+    lookahead = PARTIAL[:PARTIAL.index("--partial-rollout-tokens")] + [
+        "--max-staleness", "1", "--rollout-is-cap", "2", "--reward-fn", "tests.rlhf.test_example:text_reward",
+        "--pretrain-iters", "2"] + (["--use-scoring-server"] if served else [])
+    _resume_from_interval_save(lookahead, tmp_path, 1)
+    ahead = CheckpointReader(iteration_dir(str(tmp_path / "save" / "actor"), 2)).rank_state(0)["ahead"]
+    assert [(saved["rollout"]["iteration"]["json"], saved["rollout"]["version"]["json"]) for saved in ahead] == \
+        [(3, 1)]
+    assert [("served" in saved) for saved in ahead] == [served]
+
+
+def test_saving_lora_with_rollout_ranks_is_a_clear_error():
+    """Rollout ranks receive a LoRA run's base once and then its adapters: such a run cannot save (one error line
+    before any collective)."""
+    with pytest.raises(ValueError, match=r"--save with --rollout-world-size takes no --lora-rank \(the rollout "
+                                         r"ranks receive the base once, then the adapters\)"):
+        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1", "--lora-rank", "2"]), world_size=3)

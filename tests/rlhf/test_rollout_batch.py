@@ -45,3 +45,43 @@ def test_bad_shapes_are_clear_errors():
         Rollout(r.input_ids, r.attention_mask, torch.zeros(3, 6), r.behaviour_log_probs, 3)
     with pytest.raises(ValueError, match="prompt_width 6 leaves no response columns"):
         Rollout(r.input_ids, r.attention_mask, r.response_mask, r.behaviour_log_probs, 6)
+
+
+def test_micro_batches_carry_the_packing_and_row_subsets_drop_it():
+    """A packed rollout's micro-batches carry their packed rows; its rows and concatenations (other rows than the
+    packing's) carry none, so no forward runs a stale packing."""
+    from megalite.rlhf.shared_groups import pack_rows
+
+    r = _rollout(lengths=(2, 1, 3, 3))
+    assert [sorted(mb) for mb in r.micro_batches(2)] == [["attention_mask", "input_ids"]] * 2
+    r.packing = tuple(pack_rows(mb["input_ids"], mb["attention_mask"], 2) for mb in r.micro_batches(2))
+    micro_batches = r.micro_batches(2)
+    assert [mb["packed"] for mb in micro_batches] == list(r.packing)
+    assert torch.equal(micro_batches[1]["input_ids"], r.input_ids[2:])
+    with pytest.raises(ValueError, match="does not fit"):
+        r.micro_batches(4)
+    assert r.rows(0, 2).packing is None and Rollout.concat([r, r]).packing is None
+
+
+def test_state_round_trips_through_json():
+    """``Rollout.state`` (a lookahead's batches in the RL checkpoint) is JSON and rebuilds the same batch: every
+    tensor with its dtype and shape, the unset ones None, the turn spans as tuples, and a rollout in the metadata
+    (the guidance flow's guide rollout) as a Rollout."""
+    import json
+
+    r = _rollout()
+    r.ref_log_probs = torch.randn(3, 5, dtype=torch.float64)
+    r.metadata.update(turns=[1, 0, 2], guide=_rollout(offset=7))
+    from megalite.rlhf.shared_groups import pack_rows
+    r.packing = tuple(pack_rows(mb["input_ids"], mb["attention_mask"], 2) for mb in r.micro_batches(3))
+    back = Rollout.from_state(json.loads(json.dumps(r.state())))
+    assert back.packing is None  # derived from the rows: scoring packs again
+    for name in ("input_ids", "attention_mask", "response_mask", "behaviour_log_probs", "rewards", "ref_log_probs"):
+        saved, rebuilt = getattr(r, name), getattr(back, name)
+        assert torch.equal(rebuilt, saved) and rebuilt.dtype == saved.dtype
+    assert back.old_values is None and back.token_versions is None
+    assert (back.turn_spans, back.prompts, back.responses, back.iteration, back.version, back.prompt_width) == \
+        (r.turn_spans, r.prompts, r.responses, 4, 3, 3)
+    assert back.metadata["turns"] == [1, 0, 2] and back.metadata["kept_fraction"] == 1.0
+    assert torch.equal(back.metadata["guide"].input_ids, r.metadata["guide"].input_ids)
+    assert back.metadata["guide"].prompts == ["p7", "p8", "p9"]

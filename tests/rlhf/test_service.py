@@ -123,10 +123,10 @@ def test_killed_worker_fails_pending_and_later_calls(tmp_path):
 
 @run_once
 async def stopped_worker(tmp_path) -> tuple[Exception | None, list[int]]:
-    """Stop (SIGSTOP) worker 1 of a two-worker service with a 5 s timeout, then call forward_backward: worker 0
+    """Stop (SIGSTOP) worker 1 of a two-worker service with a 3 s timeout, then call forward_backward: worker 0
     waits for it in a collective.  Returns the call's exception (None if it returned) and the workers still alive
-    after shutdown."""
-    service = await TrainingService.options(procs=2, timeout=5.0).as_service(
+    after shutdown.  Worker 1 is silent for the whole timeout, longer than the service's SILENT_SECONDS (2 s)."""
+    service = await TrainingService.options(procs=2, timeout=3.0).as_service(
         model=config(), optimizer=OPTIM, loss_fn="language_model", parallel=ParallelLayout(dp=2, micro_batch_size=2),
         checkpoint_dir=str(tmp_path))
     os.kill(service.pids[1], signal.SIGSTOP)
@@ -144,7 +144,7 @@ def test_hung_worker_times_out(tmp_path):
     # The stopped one is named, by its silent heartbeat.
     error, alive = asyncio.run(stopped_worker(tmp_path))
     assert isinstance(error, RuntimeError) and re.search(
-        r"training worker 1 did not answer forward_backward #\d+ within 5 s and sent no heartbeat for \d+ s \(stopped "
+        r"training worker 1 did not answer forward_backward #\d+ within 3 s and sent no heartbeat for \d+ s \(stopped "
         r"or frozen\); its last message: ready #\d+ \(ok\)", str(error)), error
     assert alive == []
 

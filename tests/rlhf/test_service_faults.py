@@ -16,6 +16,7 @@ import torch
 
 from megalite.checkpoint import read_latest
 from megalite.rlhf import ParallelLayout, TrainingService
+from megalite.rlhf import service as service_module
 from megalite.rlhf.service_ray_reaper import children, descendants, processes
 from megalite.training.nan_guard import NanGuardConfig
 from tests.rlhf.common import VOCAB, config
@@ -135,10 +136,11 @@ async def _peer_failure(tmp_path):
     with pytest.raises(ValueError, match=rf"^batch\['input_ids'\] holds token id {VOCAB}, outside the vocabulary "
                                          rf"of {VOCAB} ids$"):
         service.forward_backward(outside)
-    # Only worker 1's shard (rows 2 and 3) fails; worker 0 waits for it in a collective.
+    # Only worker 1's shard (rows 2 and 3) fails; worker 0 waits for it in a collective, and the service gives
+    # it PEER_FAILURE_SECONDS (1 s here, 10 s by default) before it reports worker 1's error.
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"forward_backward #\d+ failed on worker 1: IndexError: index out of range "
-                                           r"in self \(test failure\); worker 0 did not finish it within 10 s"):
+                                           r"in self \(test failure\); worker 0 did not finish it within 1 s"):
         await service.forward_backward(flagged_batch(0, failing_rows=(2, 3)))
     assert time.monotonic() - start < 60  # not the service timeout (300 s)
     pids = service.pids
@@ -146,13 +148,15 @@ async def _peer_failure(tmp_path):
     assert alive_pids(pids) == []
 
 
-def test_one_workers_error_reaches_the_caller_in_seconds(tmp_path):
+def test_one_workers_error_reaches_the_caller_in_seconds(tmp_path, monkeypatch):
+    monkeypatch.setattr(service_module, "PEER_FAILURE_SECONDS", 1.0)
     asyncio.run(_peer_failure(tmp_path))
 
 
 DRIVER = """
 import asyncio, sys, time
 from megalite.rlhf import ParallelLayout, TrainingService
+from megalite.rlhf import service as service_module
 from tests.rlhf.common import config
 from tests.rlhf.test_service import OPTIM
 

@@ -10,7 +10,8 @@ from megalite.models import GPTModel
 from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.objectives import PPOActorObjective
 from megalite.rlhf.ppo import PPOConfig, kl_penalty
-from megalite.rlhf.shared_groups import forward_rows, pack_rows, packed_rows, row_group
+from megalite.rlhf import shared_groups
+from megalite.rlhf.shared_groups import forward_rows, pack_micro_batches, pack_rows, row_group, with_packing
 from megalite.testing import run_distributed
 from tests.models.common import full_to_shard
 from tests.rlhf.common import config
@@ -57,24 +58,16 @@ def test_group_row_layout():
     assert torch.equal(flat[real], batch["input_ids"][real])
 
 
-def test_the_last_packing_is_reused_only_for_the_same_rows():
-    """The update's forward reuses the reference's packing of the same rows (one packing an iteration); rows
-    changed in place, another group size or another dtype pack anew, each equal to pack_rows'."""
+def test_a_packing_of_other_rows_is_refused():
+    """A packing handed to micro-batches of other rows (another cut of the batch) is a clear error, not a forward
+    of the wrong tokens."""
     batch = _rollout()
-    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
-    first = packed_rows(ids, mask, GROUP)
-    assert packed_rows(ids.clone(), mask.clone(), GROUP) is first
-    ids[0, -1] = 9  # in place: the kept copy no longer matches
-    changed = packed_rows(ids, mask, GROUP)
-    assert changed is not first
-    assert torch.equal(changed.tokens, pack_rows(ids, mask, GROUP).tokens)
-    two = packed_rows(ids, mask, 2)
-    assert two is not changed
-    assert packed_rows(ids, mask.bool(), 2) is not two
-    for group, packed in ((2, two), (GROUP, packed_rows(ids, mask, GROUP))):
-        expected = pack_rows(ids, mask, group)
-        for name in ("tokens", "position_ids", "document_ids", "index"):
-            assert torch.equal(getattr(packed, name), getattr(expected, name))
+    model = GPTModel(config("gpt2"))
+    halves = [{k: batch[k][i:i + 3] for k in ("input_ids", "attention_mask")} for i in (0, 3)]
+    packing = pack_micro_batches(halves, GROUP, model)
+    assert [mb["packed"] for mb in with_packing(halves, packing)] == list(packing)
+    with pytest.raises(ValueError, match="does not fit micro-batches"):
+        with_packing([{k: batch[k] for k in ("input_ids", "attention_mask")}], packing)
 
 
 def _predicted(batch):
@@ -86,14 +79,15 @@ def _predicted(batch):
 
 def _update(model, batch, group):
     """The actor objective's loss, metrics and gradients, and forward-only log-probs, on ``group``-shared rows."""
-    objective = PPOActorObjective(PPO, temperature=0.7, group=group)
+    objective = PPOActorObjective(PPO, temperature=0.7)
     normalizer = float(batch["response_mask"].sum())
     model.zero_grad()
-    loss, metrics = objective.loss(objective.forward(model, batch), batch, normalizer, model)
+    [packed] = with_packing([batch], pack_micro_batches([batch], group, model))
+    loss, metrics = objective.loss(objective.forward(model, packed), batch, normalizer, model)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    log_probs, _ = pipeline_log_probs(model, [{k: batch[k][i:i + 3] for k in ("input_ids", "attention_mask")}
-                                              for i in (0, 3)], 0.7, group=group)
+    halves = [{k: batch[k][i:i + 3] for k in ("input_ids", "attention_mask")} for i in (0, 3)]
+    log_probs, _ = pipeline_log_probs(model, with_packing(halves, pack_micro_batches(halves, group, model)), 0.7)
     return loss.detach(), metrics, grads, log_probs
 
 
@@ -137,17 +131,20 @@ def test_a_packed_row_longer_than_the_position_table():
     assert packed.tokens.shape[1] > ids.shape[1] and int(packed.position_ids.max()) < ids.shape[1]
     model = GPTModel(config("gpt2", max_position_embeddings=8))
     with torch.no_grad():
-        want, got = model(ids, attention_mask=mask), forward_rows(model, ids, mask, GROUP)
+        want, got = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
 def test_models_without_document_attention_run_unshared():
-    """Batch-invariant attention takes no documents: its forwards stay on the padded rows, bit for bit."""
+    """Batch-invariant attention takes no documents: its rows are not packed, so its forwards stay on the padded
+    rows, bit for bit."""
     batch = _rollout()
     model = GPTModel(config("llama", batch_invariant=True))
+    [mb] = with_packing([batch], pack_micro_batches([batch], GROUP, model))
+    assert "packed" not in mb and pack_micro_batches([batch], GROUP, GPTModel(config("llama"))) is not None
     with torch.no_grad():
-        assert torch.equal(forward_rows(model, batch["input_ids"], batch["attention_mask"], GROUP),
+        assert torch.equal(forward_rows(model, mb["input_ids"], mb["attention_mask"], mb.get("packed")),
                            model(batch["input_ids"], attention_mask=batch["attention_mask"]))
 
 
@@ -181,3 +178,23 @@ def test_tp2_shared_equals_one_rank_unshared():
     want = _update(GPTModel(config("llama")), _rollout(), None)
     for error in run_distributed(_tp2_rank, 2, want, timeout=120):
         assert error < 1e-5, error
+
+
+def test_an_iteration_packs_its_rows_once(monkeypatch):
+    """Each iteration packs each of its two micro-batches once, though its rows run four forwards with them (the
+    reference's, the recomputed old log-probs' and two PPO epochs)."""
+    from megalite.rlhf.trainer import RLTrainer
+    from megalite.rlhf.trainer_config import parse_args
+
+    calls, pack = [], shared_groups.pack_rows
+
+    def counted(input_ids, *rest, **options):
+        calls.append(tuple(input_ids.shape))
+        return pack(input_ids, *rest, **options)
+    monkeypatch.setattr(shared_groups, "pack_rows", counted)
+    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "1",
+            "--train-iters", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
+            "--pretrain-global-batch-size", "2", "--advantage-estimator", "grpo", "--ppo-epochs", "2",
+            "--recompute-old-log-probs", "--tensorboard-dir", ""]
+    assert RLTrainer(parse_args(argv)).train() == 0
+    assert calls == [(2, calls[0][1])] * 4

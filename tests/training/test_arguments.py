@@ -71,10 +71,54 @@ def test_megatron_spellings_and_defaults():
     (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
      "--profile-step-start 5 must be at least 1 and below --profile-step-end 5"),
     (["--num-layers"], 1, "argument --num-layers: expected one argument"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|tL"], 2,
+     "pipeline layout 'Et|tt|tL' has 3 stages, not a multiple of the pipeline size pp=2"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|ttx|t|L"], 2,
+     "pipeline layout 'Et|ttx|t|L' has unknown layer letter"),
+    (["--pipeline-model-parallel-layout", "Ett|ttL"], 1,
+     "--pipeline-model-parallel-layout 'Ett|ttL' has 2 stages; without --pipeline-model-parallel-size it holds one"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|tL"], 2,
+     "pipeline layout 'Ett|tL' has 3 decoder layers t, not num_layers=4"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL",
+      "--decoder-first-pipeline-num-layers", "2"], 2, "drop --decoder-first/last-pipeline-num-layers"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL",
+      "--account-for-loss-in-pipeline-split"], 2, "drop --account-for-loss-in-pipeline-split"),
+    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+      "--decoder-last-pipeline-num-layers", "2", "--num-layers", "5"], 2,
+     "--account-for-embedding-in-pipeline-split split the layers evenly; drop --decoder-first/last"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+      "--account-for-embedding-in-pipeline-split", "--global-batch-size", "2"], 2,
+     r"num_layers=4 \+ embedding = 5 layers do not split evenly over pp=2 x vpp=2 stages"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|L",
+      "--virtual-pipeline-model-parallel-size", "3"], 2,
+     r"has 2 stage\(s\) per pipeline rank, but --virtual-pipeline-model-parallel-size is 3"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL", "--pipeline-schedule",
+      "zbv", "--untie-embeddings-and-output-weights"], 2, "--pipeline-schedule zbv places them in a V"),
 ])
 def test_bad_flags(argv, world, message):
     with pytest.raises(ValueError, match=message):
         _args(*argv, world=world)
+
+
+def test_pipeline_layout_sets_the_stages_and_virtual_size():
+    """``--pipeline-model-parallel-layout`` gives each stage's layers (uneven middle stages and chunks, empty
+    stages) and its stage count over pp the virtual size, which the split the trainer builds uses; so do the
+    splits that count the embedding and the loss as a layer (with interleaved chunks too)."""
+    from megalite.pipeline import split_layers
+    from megalite.training.arguments import stage_layers
+
+    args = _args("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|t*3|t,t|tL",
+                 "--num-layers", "6", "--global-batch-size", "4", world=2)
+    assert (args.virtual_pipeline_model_parallel_size, stage_layers(args)) == (2, (0, 3, 2, 1))
+    assert split_layers(6, 2, 2, stage_layers=stage_layers(args)) == [[(0, 0), (3, 5)], [(0, 3), (5, 6)]]
+    plain = _args("--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout", "Et|ttt|L", world=3)
+    assert (plain.virtual_pipeline_model_parallel_size, stage_layers(plain)) == (None, (1, 3, 0))
+    assert stage_layers(_args()) is None
+    counted = _args("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3",
+                    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                    "--global-batch-size", "4", world=2)
+    assert stage_layers(counted) == (0, 1, 1, 1, 1, 0)
+    assert stage_layers(_args("--account-for-loss-in-pipeline-split")) is None  # one stage builds every layer
 
 
 def test_unknown_default_is_rejected():
