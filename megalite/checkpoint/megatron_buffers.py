@@ -17,12 +17,25 @@ as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers``
 layers plus the embedding and the loss evenly over the stages, then builds one layer fewer on the first and the
 last: :func:`_accounted_stages`) and for a ``--pipeline-model-parallel-layout`` (:func:`megalite.pipeline.parse_layout`)
 it is given each stage's layer count.
+
+A layer's local experts lie in the buffer as the run's expert module registers them (:data:`EXPERT_MODULES`):
+SequentialMLP each expert's ``linear_fc1`` then ``linear_fc2`` weight; Transformer Engine's TEGroupedMLP
+(``--moe-grouped-gemm`` under ``--transformer-impl transformer_engine``) its ``linear_fc1``, a TE ``GroupedLinear``
+that registers ``weight0`` .. ``weight{E-1}`` (each ``[out, in]``, one expert's; TransformerEngine
+``transformer_engine/pytorch/module/grouped_linear.py``, ``GroupedLinear.__init__``), then its ``linear_fc2``'s;
+GroupedMLP (``--moe-grouped-gemm`` with the local spec, or ``--moe-use-legacy-grouped-gemm``) two parameters,
+``weight1`` ``[hidden, E x fc1 rows]`` and ``weight2`` ``[E x ffn, hidden]``, whose memory its forward views as
+``[E, hidden, fc1 rows]`` and ``[E, ffn, hidden]``: each expert's matrix transposed (Megatron-Core 0.16
+``megatron/core/transformer/moe/experts.py``; :func:`grouped_experts`).  Under the Transformer-Engine spec an MoE
+layer keeps its pre-MLP norm as a module of its own (only the input norm is fused into ``linear_qkv``).
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+import torch
 
 from megalite.checkpoint.meta import split_dims
 from megalite.pipeline import LayerLayout, accounted_layout, parse_layout, split_layers
@@ -41,6 +54,11 @@ LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attentio
 EXPERT_WEIGHTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
 _ROUTER = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.")
 _LOCAL_EXPERT = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+# GroupedMLP's parameters of a layer's local experts, ``decoder.layers.<l>.mlp.experts.weight1|2``.
+_GROUPED = re.compile(r"(decoder\.layers\.\d+\.)mlp\.experts\.weight([12])")
+EXPERT_MODULES = ("sequential", "te_grouped", "grouped")
+"""Megatron-Core's expert modules by how they register a layer's local experts: SequentialMLP, TEGroupedMLP,
+GroupedMLP (module docstring)."""
 _TOP = {"embedding.word_embeddings.": 0, "mtp.embedding.word_embeddings.": 0, "embedding.position_embeddings.": 1,
         "decoder.final_layernorm.": 3, "output_layer.": 4}
 WORD_EMBEDDINGS, OUTPUT_COPY = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -59,16 +77,17 @@ TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.", "pre_mlp_lay
 _ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset()):
+def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset(), expert_module: str = "sequential"):
     """A sort key of ``name`` in Megatron-Core's GPTModel parameter order, or None when megalite does not know it;
     ``te``: the Transformer-Engine spec's order (:data:`TE_FUSED_NORMS`; ``moe_layers``: the MoE layers, whose
-    pre-MLP norm is not fused).  Each module registers its weight before its bias, after a fused norm's weight and
-    bias."""
+    pre-MLP norm is not fused); ``expert_module``: the order of the local experts' weights (:data:`EXPERT_MODULES`).
+    Each module registers its weight before its bias, after a fused norm's weight and bias."""
     gate = re.fullmatch(r"decoder\.layers\.(\d+)\." + re.escape(SHARED_EXPERT_GATE), name)
     if gate:  # megalite's name of Megatron's mlp.shared_experts.gate_weight
         return (2, int(gate.group(1)), LAYER_ORDER.index(SHARED_EXPERT_GATE + "."), 0, 2)
     kind = 2 if name.endswith(".weight") else 3 if name.endswith(".bias") else None
-    if kind is None:
+    grouped = _GROUPED.fullmatch(name)
+    if kind is None and not grouped:
         return None
     fused = re.fullmatch(r"(?:decoder\.layers\.(\d+)|mtp\.layers\.\d+\.transformer_layer)\.(\w+\.)(weight|bias)",
                          name)
@@ -80,10 +99,13 @@ def place(name: str, te: bool = False, moe_layers: frozenset[int] = frozenset())
         if name.startswith(prefix) and name.count(".") == prefix.count("."):
             return (rank, 0, 0, 0, kind)
     expert = _LOCAL_EXPERT.fullmatch(name)
-    if expert:  # a local expert's weight: its experts in order, each fc1 then fc2
-        layer = int(expert.group(1).split(".")[2])
-        return (2, layer, LAYER_ORDER.index("mlp.experts."), 2 * int(expert.group(2)) + (expert.group(3)[-1] == "2"),
-                kind)
+    if expert or grouped:  # GroupedMLP's weight1, weight2; SequentialMLP's experts in order, each fc1 then fc2;
+        match = expert or grouped  # TEGroupedMLP's fc1 of every expert, then fc2
+        layer, module = int(match.group(1).split(".")[2]), LAYER_ORDER.index("mlp.experts.")
+        if grouped:
+            return (2, layer, module, int(grouped.group(2)), 0, 2)
+        index, linear = int(expert.group(2)), int(expert.group(3)[-1])
+        return (2, layer, module) + ((linear, index) if expert_module == "te_grouped" else (index, linear)) + (kind,)
     depth = re.fullmatch(r"mtp\.layers\.(\d+)\.(\w+\.)(?:(.+)\.)?(weight|bias)", name)
     if depth and depth.group(2) in MTP_ORDER:  # after the final norm: (3, 1 + depth, module, inner module, kind)
         outer, inner = MTP_ORDER.index(depth.group(2)), depth.group(3)
@@ -196,12 +218,15 @@ def buffer_args(args: dict) -> dict:
     elif first is None and last is None:
         stages = _accounted_stages(args)
     tp = int(args.get("tensor_model_parallel_size") or 1)
+    te = args.get("transformer_impl") == "transformer_engine"
+    expert_module = "sequential" if not (args.get("num_experts") and args.get("moe_grouped_gemm")) else \
+        "te_grouped" if te and not args.get("moe_use_legacy_grouped_gemm") else "grouped"
     return dict(tp=tp, pp=int(args.get("pipeline_model_parallel_size") or 1), dp=dp, bucket_size=size,
                 high_bandwidth=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
                 vpp=vpp, first=None if stages else first, last=None if stages else last, stage_layers=stages,
                 ep=int(args.get("expert_model_parallel_size") or 1),
                 etp=int(args.get("expert_tensor_parallel_size") or tp),
-                te=args.get("transformer_impl") == "transformer_engine")
+                te=te, expert_module=expert_module)
 
 
 def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]:
@@ -217,14 +242,16 @@ def _chunk_of(name: str, ranges: list[list[tuple[int, int]]]) -> tuple[int, int]
 def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, pp: int, dp: int,
                   bucket_size: int | None, high_bandwidth: bool = False, vpp: int | None = None,
                   first: int | None = None, last: int | None = None, ep: int = 1, etp: int | None = None,
-                  te: bool = False, experts: bool = False, stage_layers: list[int] | None = None) -> list[tuple]:
+                  te: bool = False, experts: bool = False, stage_layers: list[int] | None = None,
+                  expert_module: str = "sequential") -> list[tuple]:
     """The gradient buffer of each model chunk of a (tensor, expert) rank of pipeline stage ``p`` (model ``config``
     whose tensors have Megatron's global shapes ``shapes``), one per chunk: ``({parameter: local shape}, its
     parameters in module order, their (bucket, start) as :func:`bucket_layout` gives them, each bucket's unpadded
     size)``; with ``experts`` the chunks' expert-parallel buffers (ep > 1: Megatron-Core keeps the local experts'
     weights, ``decoder.layers.<l>.mlp.experts.local_experts.<i>.linear_fc<k>.weight``, in buffers of their own,
     sharded over the expert data-parallel group), else the dense ones (which hold the local experts at ep=1);
-    ``te``: the Transformer-Engine spec's parameter order (:func:`place`).
+    ``te``: the Transformer-Engine spec's parameter order (:func:`place`); ``expert_module``: how the local experts
+    are registered (:data:`EXPERT_MODULES`; GroupedMLP's as ``decoder.layers.<l>.mlp.experts.weight1|2``).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
     word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer
     apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not split as
@@ -256,6 +283,12 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 if count % ep or shape[dim] % etp:
                     raise ValueError(f"whose {name} {shapes[name]} does not split over ep={ep}, etp={etp}")
                 shape[dim] //= etp
+                if expert_module == "grouped":  # each expert's matrix transposed, the local experts side by side
+                    rows, cols = shape
+                    fc1 = EXPERT_WEIGHTS[weight] == "linear_fc1"
+                    local[f"{name[:-len(weight)]}mlp.experts.weight{2 - fc1}"] = \
+                        (cols, count // ep * rows) if fc1 else (count // ep * cols, rows)
+                    continue
                 for index in range(count // ep):
                     local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
                         tuple(shape)
@@ -268,13 +301,44 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                 shape[dim] //= tp
             local[name] = tuple(shape)
         layouts.append((local, *buffer_of(local, dp, bucket_size if (p, chunk) == (0, 0) else None, high_bandwidth,
-                                          (WORD_EMBEDDINGS, copy) if tied else (), te)))
+                                          (WORD_EMBEDDINGS, copy) if tied else (), te, expert_module)))
     return layouts
 
 
-def local_expert(name: str) -> tuple[str, int] | None:
+def grouped_experts(name: str, shape: tuple[int, ...], count: int) -> list[tuple[str, int, tuple[int, int]]] | None:
+    """The ``count`` local experts in GroupedMLP's parameter ``name`` (``decoder.layers.<l>.mlp.experts.weight1|2``)
+    of local shape ``shape``: ``[(the expert's weight as :func:`chunk_layouts` names SequentialMLP's, its first
+    element in the parameter, its shape there, the transpose of megalite's)]``; None for another parameter."""
+    match = _GROUPED.fullmatch(name)
+    if match is None:
+        return None
+    fc1 = match.group(2) == "1"
+    stored = (shape[0], shape[1] // count) if fc1 else (shape[0] // count, shape[1])
+    return [(f"{match.group(1)}mlp.experts.local_experts.{index}.linear_fc{2 - fc1}.weight",
+             index * stored[0] * stored[1], stored) for index in range(count)]
+
+
+def grouped_split(state: dict, count: int):
+    """The ``(name, value)`` items of a rank's state dict ``state``, GroupedMLP's ``weight1|2`` (or their moments) each
+    split into its ``count`` local experts' weights as SequentialMLP names them, in megalite's layout (views, each
+    expert's matrix transposed back: :func:`grouped_experts`)."""
+    for key, value in state.items():
+        experts = grouped_experts(key, tuple(value.shape), count) if isinstance(value, torch.Tensor) else None
+        if experts is None:
+            yield key, value
+            continue
+        flat = value.reshape(-1)
+        for name, at, stored in experts:
+            yield name, flat[at:at + stored[0] * stored[1]].view(stored).t()
+
+
+def local_expert(name: str) -> tuple[str, int | None] | None:
     """``(megalite's stacked expert weight, local expert index)`` of a local expert's weight ``name``
-    (:func:`chunk_layouts`' name of it), or None for another parameter."""
+    (:func:`chunk_layouts`' name of it; the index None for GroupedMLP's ``weight1|2``, all the local experts), or None
+    for another parameter."""
+    grouped = _GROUPED.fullmatch(name)
+    if grouped:
+        return f"{grouped.group(1)}mlp.experts.fc{grouped.group(2)}_weight", None
     match = _LOCAL_EXPERT.fullmatch(name)
     if match is None:
         return None
@@ -283,14 +347,15 @@ def local_expert(name: str) -> tuple[str, int] | None:
 
 
 def buffer_of(local: dict[str, tuple[int, ...]], dp: int, bucket_size: int | None, high_bandwidth: bool = False,
-              shared: tuple[str, ...] = (), te: bool = False):
+              shared: tuple[str, ...] = (), te: bool = False, expert_module: str = "sequential"):
     """``(parameters in module order, their (bucket, start), each bucket's unpadded size)`` of the gradient buffer of
     a model chunk that holds the local shards ``local`` (``{parameter: local shape}``); ``shared``: the word
     embeddings and their copy on another stage (tied embeddings or MTP layers over pipeline stages:
     :data:`WORD_EMBEDDINGS` and :data:`OUTPUT_COPY` or :data:`MTP_EMBEDDING_COPY`), each in a bucket of its own;
-    ``te``: the Transformer-Engine spec's parameter order (a layer with a router is an MoE layer)."""
+    ``te``: the Transformer-Engine spec's parameter order (a layer with a router is an MoE layer); ``expert_module``:
+    the local experts' (:func:`place`)."""
     moe_layers = frozenset(int(m.group(1)) for m in map(_ROUTER.match, local) if m)
-    order = sorted(local, key=lambda n: place(n, te, moe_layers) or ())
+    order = sorted(local, key=lambda n: place(n, te, moe_layers, expert_module) or ())
     own = frozenset(i for i, n in enumerate(order) if n in shared)
     places, unpadded = bucket_layout([math.prod(local[n]) for n in order], dp, bucket_size, high_bandwidth, own)
     return order, places, unpadded

@@ -200,7 +200,7 @@ class MegatronDistReader:
         chunks = chunks or StoredChunks(self.directory, {"files": {}}, self.metadata, hashed=False)
         out = torch.empty(self._sources[name].shape, dtype=self.dtype(name))
         placed = 0
-        for key, start, shape, pieces in self._flat[name]:
+        for key, start, shape, pieces, transposed in self._flat[name]:
             local = torch.empty(math.prod(shape), dtype=out.dtype)
             filled = 0
             for ((lo, hi),), view in overlapping_views(chunks, key, self.metadata.state_dict_metadata[key].chunks,
@@ -210,7 +210,8 @@ class MegatronDistReader:
             if filled != local.numel():
                 raise ValueError(f"Megatron-LM checkpoint {self.directory}: {key} covers only {filled} of the "
                                  f"{local.numel()} elements of a shard of {name}")
-            placed += place(out, local.view(shape), pieces)
+            local = local.view(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2) if transposed else local.view(shape)
+            placed += place(out, local, pieces)
         if placed != out.numel():
             raise ValueError(f"Megatron-LM checkpoint {self.directory}: its buckets hold only {placed} of the "
                              f"{out.numel()} elements of {name}")

@@ -27,15 +27,17 @@ LayerNormLinear registers its fused norm's parameters before its own weight and 
 shared expert's gate (``--moe-shared-expert-gate``, ``mlp.shared_experts.gate_weight``) precedes its linears.
 
 An MoE run at ep > 1 chains two optimizers (``chained_0.`` the dense parameters', ``chained_1.`` the experts'):
-each expert-model-parallel rank keeps its local experts' weights (SequentialMLP's) in buffers of their own,
-sharded over the expert data-parallel group; each local expert's state is placed at its expert's index of
-megalite's stacked expert weights.
+each expert-model-parallel rank keeps its local experts' weights in buffers of their own, sharded over the expert
+data-parallel group; each local expert's state is placed at its expert's index of megalite's stacked expert
+weights.  SequentialMLP, TEGroupedMLP and GroupedMLP (``--moe-grouped-gemm``) register the local experts
+differently (:data:`megalite.checkpoint.megatron_buffers.EXPERT_MODULES`): GroupedMLP's ``weight1``/``weight2``
+hold each local expert's matrix transposed, read back into megalite's layout.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
 loss as a layer, MTP depths on the last stage (untied embeddings; the stage's copy of the word embeddings
-unread), tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local layer spec
-(``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
+unread), tied embeddings: the first stage's copy's state; the experts of any of the three modules) with the local
+layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
 Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
@@ -49,7 +51,7 @@ import re
 from dataclasses import replace
 
 from megalite.checkpoint.megatron_buffers import (EXPERT_WEIGHTS, MTP_EMBEDDING_COPY, OUTPUT_COPY, buffer_args,
-                                                  chunk_layouts, local_expert, place, split_problem)
+                                                  chunk_layouts, grouped_experts, local_expert, place, split_problem)
 from megalite.checkpoint.megatron_optim import chain_groups, optimizer_meta
 from megalite.checkpoint.meta import split_dims
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta
@@ -91,8 +93,6 @@ def _run_problem(args: dict, config, names, saved):
     if impl not in ("local", "transformer_engine"):
         return (f"saved with transformer_impl {impl!r}; megalite reads it from runs of the local layer spec or of "
                 "Transformer Engine's")
-    if args.get("num_experts") and args.get("moe_grouped_gemm"):
-        return "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"
     layout = buffer_args(args)
     other = split_problem(args)
     try:
@@ -119,7 +119,7 @@ def _run_problem(args: dict, config, names, saved):
 
 def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]], bucket_sizes: dict,
                           saved) -> tuple[dict, dict | None, str | None]:
-    """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces)]}, megalite's
+    """``({megalite optimizer tensor name: [(Megatron bucket key, start, local shape, pieces, transposed)]}, megalite's
     optimizer JSON state, None)`` for a 'dp_reshardable' save of the model ``config`` whose model tensors have
     Megatron's global shapes ``shapes`` (megalite names; the vocabulary padded), whose flat bucket tensors have the
     lengths ``bucket_sizes`` (DCP key: length), and whose sharded objects ``saved`` (:func:`_inners`) hold
@@ -128,7 +128,8 @@ def distributed_optimizer(args: dict, config, shapes: dict[str, tuple[int, ...]]
     own buffer of each model chunk's local parameters (``gbuf_idx`` the chunk); at ep > 1 each expert-model-parallel
     rank (etp_rank + etp x (ep_rank + ep x pp_rank)) has one of its local experts in the second chained optimizer
     (``chained_1.``).  Each of a tensor's parts is one rank's local shard at ``start`` of a bucket, whose ``pieces``
-    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor.  The last stage's copy of
+    (:func:`megalite.checkpoint.sharding.global_param`) place it in the global tensor (``transposed``: the bucket
+    holds the shard's last two dimensions swapped, a GroupedMLP expert's).  The last stage's copy of
     tied embeddings is not read: the first stage's copy has the same state."""
 
     def no(why):
@@ -195,20 +196,24 @@ def _read_rank(flat: dict, buffers: dict, chunks: list, config, shapes: dict, mi
         for name, (bucket, start) in zip(names, places):
             if name in (OUTPUT_COPY, MTP_EMBEDDING_COPY) and name not in shapes:
                 continue  # the last stage's copy of the word embeddings (tied, or for MTP layers)
-            expert = local_expert(name)
-            if expert is None:
-                if dims[name] is None and ctx.tp_rank > 0:
-                    continue  # a replica of tensor rank 0's
-                ours, shape = name, local[name]
-                pieces = global_param(name, local_meta(shape, dims[name]), config,
-                                      replace(ctx, ep_rank=0, ep_size=1)).pieces
-            else:  # one local expert: its own place along the expert dimension
-                ours, shape, found = expert_param(name, local[name], shapes[expert[0]][0], dims, config, ctx)
-                pieces = found.pieces
-            for state, key in STATE_KEYS.items():
-                if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
-                    flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start, shape,
-                                                                           pieces))
+            # GroupedMLP's weight1|2: its local experts one after the other, each matrix transposed
+            grouped = grouped_experts(name, local[name], config.moe.num_experts // ctx.ep_size if config.moe else 1)
+            for part, at, stored in grouped or [(name, 0, None)]:
+                expert = local_expert(part)
+                if expert is None:
+                    if dims[name] is None and ctx.tp_rank > 0:
+                        break  # a replica of tensor rank 0's
+                    ours, shape = name, local[name]
+                    pieces = global_param(name, local_meta(shape, dims[name]), config,
+                                          replace(ctx, ep_rank=0, ep_size=1)).pieces
+                else:  # one local expert: its own place along the expert dimension
+                    ours, shape, found = expert_param(part, stored[::-1] if stored else local[part],
+                                                      shapes[expert[0]][0], dims, config, ctx)
+                    pieces = found.pieces
+                for state, key in STATE_KEYS.items():
+                    if state in rank[bucket] and (state != "param" or mixed):  # fp32: the main weights are the model's
+                        flat.setdefault(f"optimizer.{key}.{ours}", []).append((rank[bucket][state][0], start + at,
+                                                                               shape, pieces, stored is not None))
     return None
 
 
@@ -262,6 +267,8 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
         for chunk in chunks:
             for n, shape in chunk.items():
                 expert = local_expert(n)
+                if expert and expert[1] is None:  # GroupedMLP's weight1|2: one expert's shape
+                    shape = grouped_experts(n, shape, config.moe.num_experts // layout["ep"])[0][2][::-1]
                 if t == 0 and e == 0 and (n in names or expert):
                     ours, lead = (n, ()) if expert is None else (expert[0], (config.moe.num_experts,))
                     dim = dims[ours] - len(lead) if dims[ours] is not None else None

@@ -10,7 +10,9 @@ Only the converter calls this; megalite's own load path never unpickles.
 MoE checkpoints (``args.num_experts``) with SequentialMLP experts keep each expert rank's files in
 ``mp_rank_TT[_PPP]_EEE``; with an expert tensor-parallel size other than tp, which files exist and which expert
 shards each holds follows Megatron-Core's rank order (:func:`megalite.checkpoint.megatron_legacy_files.written_ranks`).
-GroupedMLP experts are refused: megalite reads those in the torch_dist format.
+GroupedMLP experts (``--moe-grouped-gemm``: ``mlp.experts.weight1|2``, every local expert's matrix transposed side by
+side) are split into those experts, weights and moments alike
+(:func:`megalite.checkpoint.megatron_buffers.grouped_split`), then placed by the same rule.
 """
 
 from __future__ import annotations
@@ -74,9 +76,6 @@ def read_megatron_legacy(path: str, *, allow_pickle: bool = False, vocab_size: i
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1) if getattr(args, "num_experts", None) else 1
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if getattr(args, "num_experts", None) else tp
-    if getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
-        raise ValueError(f"{directory}: a legacy-format MoE checkpoint with GroupedMLP experts (moe_grouped_gemm) is "
-                         "not supported; megalite reads those in --ckpt-format torch_dist")
     config = config_from_megatron_args(args, vocab_size)
     try:
         expert_ranks = written_ranks(args, tp, pp, ep, etp)

@@ -6,9 +6,10 @@ shard is placed into its global tensor by :func:`megalite.checkpoint.sharding.gl
 which already knows the per-rank SwiGLU ``[gate_r; up_r]`` rows, the per-group QKV rows and the vocabulary padding
 (cut to the real size).  Transformer Engine names of the fused norms are renamed to the local layers' names and its
 ``_extra_state`` entries (FP8 metadata, no weights) are dropped.  MoE experts (SequentialMLP,
-``mlp.experts.local_experts.<i>.``) of each expert rank land at their indices of megalite's stacked expert weights;
-the dense tensors, replicated over expert ranks, are read from expert rank 0.  The optimizer's moments take the
-same way (:mod:`megalite.checkpoint.megatron_legacy_optim`).
+``mlp.experts.local_experts.<i>.``; GroupedMLP's ``mlp.experts.weight1|2`` first split into those by
+:func:`megalite.checkpoint.megatron_buffers.grouped_split`) of each expert rank land at their indices of megalite's
+stacked expert weights; the dense tensors, replicated over expert ranks, are read from expert rank 0.  The
+optimizer's moments take the same way (:mod:`megalite.checkpoint.megatron_legacy_optim`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from megalite.checkpoint import global_shapes
 from megalite.checkpoint.meta import split_dims
-from megalite.checkpoint.megatron_buffers import OUTPUT_COPY
+from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, grouped_split
 from megalite.checkpoint.megatron_distopt import expert_param
 from megalite.checkpoint.megatron_names import megalite_name
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
@@ -73,7 +74,7 @@ def assemble(config, chunks: dict, tp: int, pp: int, directory: str,
     ep = 1 + max(e for _, _, e in chunks)
     for (t, p, e), per_stage in chunks.items():
         for v, chunk in enumerate(per_stage):
-            for key, value in chunk.items():
+            for key, value in grouped_split(chunk, config.moe.num_experts // ep if config.moe else 1):
                 if key.endswith("_extra_state") or value is None:
                     continue
                 name = global_name(key, offsets[(v, p)])

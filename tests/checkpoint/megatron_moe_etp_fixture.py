@@ -21,7 +21,7 @@ EXPERT_TP = "_etp"
 
 
 def save_expert_tp(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    """On this rank of 2: :mod:`test_megatron_moe`'s MoE GPT at tp=2, ep=2, expert_tensor_parallel_size 1, after
+    """On this rank of 2: :mod:`megatron_moe_fixture`'s MoE GPT at tp=2, ep=2, expert_tensor_parallel_size 1, after
     Megatron-Core's Adam step, saved into ``save_dir + EXPERT_TP`` (torch_dist, the model) and ``save_dir +
     EXPERT_TP + LEGACY`` (``model_optim_rng.pt`` with the optimizer); returns Megatron-Core's logits of ``ids`` after
     its own load of the torch_dist save into a tp=1, ep=1 model."""
@@ -30,9 +30,9 @@ def save_expert_tp(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
 
     from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run
     from tests.checkpoint.megatron_legacy_fixture import _adam, write_rank
-    from tests.checkpoint.test_megatron_moe import ARGS, _build, _megatron_logits
+    from tests.checkpoint.megatron_moe_fixture import ARGS, build, megatron_logits
 
-    model = _build(2, seed=3, tp=2, etp=1)
+    model = build(2, seed=3, tp=2, etp=1)
     optimizer = _adam(model)
     args = argparse.Namespace(**{**ARGS, "vocab_size": None, "consumed_train_samples": 0, "ckpt_format": "torch",
                                  "transformer_impl": "local"}, tensor_model_parallel_size=2,
@@ -50,4 +50,4 @@ def save_expert_tp(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
         with open(os.path.join(legacy, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(run.SAVED_AT))
     parallel_state.destroy_model_parallel()
-    return _megatron_logits(save_dir + EXPERT_TP, ids)
+    return megatron_logits(save_dir + EXPERT_TP, ids)

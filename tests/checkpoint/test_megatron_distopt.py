@@ -66,22 +66,18 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     (dict(pipeline_model_parallel_size=3, account_for_embedding_in_pipeline_split=True,
           account_for_loss_in_pipeline_split=True), "of model-parallel ranks [0], not the 3 of its tp=1 x pp=3"),
     (dict(pipeline_model_parallel_size=2), "of model-parallel ranks [0], not the 2 of its tp=1 x pp=2"),
-    (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=True),
-     "of experts in GroupedMLP (--moe-grouped-gemm), which megalite does not place"),
+    (dict(transformer_impl="inference_optimized"), "saved with transformer_impl 'inference_optimized'; megalite "
+     "reads it from runs of the local layer spec or of Transformer Engine's"),
     (dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=2),
      "of 1 chained optimizers, not the 2 of its dense and expert parameters"),
-    (dict(transformer_impl="inference_optimized"),
-     "saved with transformer_impl 'inference_optimized'; megalite reads it from runs of the local layer spec or of "
-     "Transformer Engine's"),
 ])
 def test_saves_whose_buffers_megalite_cannot_place_are_named(change, note):
     """Pipeline splits megalite does not rebuild (layers that do not split over the stages, Megatron's layout
     string with another chunk count than the saved one or MTP layers the model lacks (a layout megalite builds,
     interleaved chunks included, is placed: the next problem is named), splits that count the embedding or loss
-    as a layer whose layers do not split so (with or without chunks, such a split that does is placed), GroupedMLP
-    experts (their weights are not SequentialMLP's), an ep > 1 run without its experts' chained optimizer, a layer
-    spec other than the local and Transformer Engine's, and a model-parallel rank without buckets are named, not
-    guessed at."""
+    as a layer whose layers do not split so (with or without chunks, such a split that does is placed), an ep > 1
+    run without its experts' chained optimizer, a layer spec other than the local and Transformer Engine's, and a
+    model-parallel rank without buckets are named, not guessed at."""
     from megalite.checkpoint import global_shapes
     from megalite.checkpoint.megatron_args import config_from_megatron_args
     from megalite.checkpoint.megatron_distopt import distributed_optimizer

@@ -1,34 +1,45 @@
 """Megatron-Core's distributed optimizer beyond even dense stages, resumed in megalite with Megatron's next losses.
 
 On 2 CPU ranks (gloo, fp32) Megatron-Core trains :mod:`megatron_fixture`'s GPT with its own DDP, distributed
-optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in ten layouts whose
+optimizer, scheduler and (pipeline) schedule, the way :mod:`megatron_optim_fixture` runs it, in eleven layouts whose
 gradient buffers differ from an even split of untied dense layers in the local spec's order:
 
 - ``tied`` (pp=2): tied embeddings over 2 even stages (the last stage keeps a copy of the word embeddings; both
   copies are in buckets of their own, their gradients all-reduced over the embedding group);
 - ``uneven`` (pp=2): ``--decoder-first-pipeline-num-layers 1`` (stages of 1 and 3 layers);
-- ``layout`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tL`` (stages of 3 and 1 layers);
 - ``vpp`` (pp=2): 2 interleaved model chunks per stage (a buffer per chunk, ``gbuf_idx_<chunk>``);
 - ``layout_vpp`` (pp=2): ``--pipeline-model-parallel-layout Et|tt|t|L``, 2 interleaved chunks of uneven counts
   (1 and 1 layers on rank 0, 2 and none on rank 1: its last chunk holds only the output layer);
-- ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` with a multi-token prediction depth on
-  the last stage (whose buffer holds, first, a copy of the word embeddings in a bucket of its own, and the
-  depth's parameters after the final norm);
+- ``layout_mtp`` (pp=2): ``--pipeline-model-parallel-layout Ettt|tmL`` (stages of 3 and 1 layers) with a
+  multi-token prediction depth on the last stage (whose buffer holds, first, a copy of the word embeddings in a
+  bucket of its own, and the depth's parameters after the final norm); a layout string's stages without MTP are
+  this case's less the depth, and a layout-string save read at another layout is ``layout_vpp``'s, so no case of
+  ``Ettt|tL`` alone;
 - ``accounted_vpp`` (pp=2, vpp=3): ``--account-for-embedding/loss-in-pipeline-split`` (stages of 0, 1, 1, 1, 1, 0
   layers: the first chunk holds only the embedding, the last only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
   give on this machine: its LayerNormLinear registers its fused norm's weight before its own (established from TE's
   source), so :func:`_te_order` fuses the input and pre-MLP norms into ``linear_qkv`` and ``linear_fc1`` the same
   way with Megatron-Core's local modules;
-- ``moe`` (ep=2 x dp=2): :mod:`test_megatron_moe`'s MoE GPT, whose local experts are in a second chained
+- ``moe`` (ep=2 x dp=2): :mod:`megatron_moe_fixture`'s MoE GPT, whose local experts are in a second chained
   optimizer's buffers (``chained_1.``, sharded over the expert data-parallel group);
 - ``te_moe`` (ep=2 x dp=2): that MoE GPT in TE's order (:func:`_te_block_order`: the MoE layer's pre-MLP norm a
   module of its own, as the TE spec's TENorm) with a gated shared expert (``--moe-shared-expert-gate``: its
-  ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``).
+  ``gate_weight``, registered before the shared expert's linears, is megalite's ``mlp.shared_expert_gate``);
+- ``grouped`` (ep=2 x dp=2): the same GPT with GroupedMLP experts (``--moe-grouped-gemm``, their grouped GEMM on
+  the CPU: :mod:`megatron_grouped_fixture`), each layer's local experts two parameters ``weight1``/``weight2``,
+  each expert's matrix transposed;
+- ``te_grouped`` (ep=2 x dp=2): the same GPT as ``--transformer-impl transformer_engine --moe-grouped-gemm``
+  registers it (TEGroupedMLP), which TE cannot give here: :func:`_te_grouped_order` builds it with Megatron-Core's
+  local modules in TE's order (the input norm fused into ``linear_qkv``, the pre-MLP norm fused into
+  ``linear_fc1`` only in the dense layer, and each layer's experts as TEGroupedMLP's two GroupedLinear register
+  them: ``linear_fc1.weight0..weight{E-1}`` then ``linear_fc2``'s, TransformerEngine's
+  ``transformer_engine/pytorch/module/grouped_linear.py`` ``GroupedLinear.__init__``).
 
 Each is saved at iteration 2 (torch_dist, 'dp_reshardable') and trained 5 more; megalite resumes each save at
-tp=1 x dp=2 (but those of :data:`AT_OWN_ONLY`), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the local-spec MoE one at
-ep=2 too, and its 5 losses equal Megatron's.
+tp=1 x dp=2 (but those of :data:`AT_OWN_ONLY`), the uneven ones at their own stages (:data:`OWN_LAYOUT`), the
+local-spec MoE one at ep=2 too, and its 5 losses equal Megatron's (``te_grouped`` is built, not trained: its
+buffers are compared, :data:`LAYOUT_ONLY`).
 Each chunk's buffer layout megalite rebuilds equals Megatron-Core's ``_ParamAndGradBuffer`` of that chunk.
 The cases of :data:`LEGACY_CASES` are also saved in the legacy format from the same state
 (``mp_rank_TT_PPP/model_optim_rng.pt`` and Megatron-Core's ``save_parameter_state`` into ``distrib_optim.pt``):
@@ -43,10 +54,10 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains ten runs on 2 ranks, megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains ten runs on 2 ranks (builds an eleventh), megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
-from tests.checkpoint import test_megatron_moe as moe  # noqa: E402
+from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
 
 
 def _fused_norm_linear():
@@ -98,18 +109,58 @@ def _te_block_order(block):
     return block
 
 
+def _te_grouped_order(block):
+    """:func:`_te_block_order` with the MoE layer's experts registered as TEGroupedMLP registers them
+    (:func:`_te_grouped_experts`)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    block = _te_block_order(block)
+    for layer in block.layer_specs:  # each a deep copy
+        if layer.submodules.mlp.module is MoELayer:
+            layer.submodules.mlp.submodules.experts.module = _te_grouped_experts()
+    return block
+
+
+def _te_grouped_experts():
+    """Megatron-Core's SequentialMLP with its experts' weights registered in TEGroupedMLP's order (its
+    ``linear_fc1``'s ``weight0``.. ``weight{E-1}``, then ``linear_fc2``'s: TE's ``GroupedLinear`` registers one
+    ``[out, in]`` weight per expert, SequentialMLP's own layout) ahead of the experts' modules, so its
+    ``parameters()`` (Megatron-Core's gradient buffer) follow that order; its sharded state (TEGroupedMLP's equals
+    SequentialMLP's) is unchanged."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class TEGroupedOrder(SequentialMLP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._parameters = {f"linear_fc{k}_weight{i}": getattr(expert, f"linear_fc{k}").weight
+                                for k in (1, 2) for i, expert in enumerate(self.local_experts)}
+
+    return TEGroupedOrder
+
+
+def _megatron_names(layout: dict) -> dict:
+    """A Megatron-Core buffer layout (:func:`megatron_optim_fixture._buffer_layout`) in megalite's names
+    (:data:`_RENAMED`), :func:`_te_grouped_experts`' weights as SequentialMLP names them."""
+    import re
+
+    named = {}
+    for name, place in layout.items():
+        name = name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", "")))
+        named[re.sub(r"experts\.linear_fc(\d)_weight(\d+)$", r"experts.local_experts.\2.linear_fc\1.weight", name)] = \
+            place
+    return named
+
+
 # Megatron-Core's names that megalite names otherwise: the fused norms under the TE spec, a shared expert's gate.
 _RENAMED = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
             ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate"))
 MOE_ARGS = {k: v for k, v in moe.ARGS.items() if megatron_fixture.ARGS.get(k) != v}
-# Each case: (megatron_fixture.build_model's arguments (cases named moe: test_megatron_moe's MoE GPT at ep=2, built
-# with these further arguments or None), Megatron-LM's args of the run).
+# Each case: (megatron_fixture.build_model's arguments (or megatron_moe_fixture.build's: MOE_CASES, at ep=2),
+# Megatron-LM's args of the run).
 CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)),
          "uneven": (dict(num_layers_in_first_pipeline_stage=1),
                     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)),
-         "layout": (dict(pipeline_model_parallel_layout="Ettt|tL"),
-                    dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL")),
          "vpp": (dict(vpp=2), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
          "layout_vpp": (dict(vpp=2, pipeline_model_parallel_layout="Et|tt|t|L"),
                         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
@@ -127,8 +178,17 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "te_moe": (dict(layer_spec=_te_block_order, gate=True),
                     dict(MOE_ARGS, expert_model_parallel_size=2, transformer_impl="transformer_engine",
                          moe_shared_expert_gate=True))}
+CASES["grouped"] = (dict(grouped=True), dict(CASES["moe"][1], moe_grouped_gemm=True))
+CASES["te_grouped"] = (dict(layer_spec=_te_grouped_order), dict(CASES["moe"][1], moe_grouped_gemm=True,
+                                                          transformer_impl="transformer_engine"))
+MOE_CASES = ("moe", "te_moe", "grouped", "te_grouped")
+"""The cases of :mod:`megatron_moe_fixture`'s MoE GPT at ep=2 (CASES' first item: its ``build``'s arguments)."""
+LAYOUT_ONLY = ("te_grouped",)
+"""The cases whose gradient buffers are only built and compared (not trained, saved nor resumed): their state is
+read by the rule of a case that is (TEGroupedMLP's experts in their order, as SequentialMLP's), so the layout is
+what they add."""
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe", "grouped")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 _PP2 = ("--pipeline-model-parallel-size", "2")
 OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
@@ -152,8 +212,8 @@ def _megatron_run(root: str, micro_batches, case: str):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     build, args = CASES[case]
-    if case.endswith("moe"):
-        modules = moe._build(2, seed=1, **(build or {}))
+    if case in MOE_CASES:
+        modules = moe.build(2, seed=1, **(build or {}))
     else:
         build = dict(build)
         modules = megatron_fixture.build_model(1, build.pop("pp", 2), **build)
@@ -173,6 +233,9 @@ def _megatron_run(root: str, micro_batches, case: str):
                                       module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0)
                for chunk, module in zip(chunks, modules) for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
                if buffers]
+    if case in LAYOUT_ONLY:
+        parallel_state.destroy_model_parallel()
+        return None, layouts
     model = chunks if len(chunks) > 1 else chunks[0]
     per_iteration = len(micro_batches) // fixture.TOTAL
     losses = []
@@ -201,7 +264,7 @@ def _run(root: str, micro_batches):
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
-         if case not in AT_OWN_ONLY]
+         if case not in AT_OWN_ONLY + LAYOUT_ONLY]
         + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
            for case, flags in OWN_LAYOUT.items()]
         + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
@@ -223,17 +286,17 @@ def megatron_runs(tmp_path_factory):
 
 
 def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs):
-    """Tied embeddings over stages, uneven stages (by first-stage count, by layout string, the latter also with
-    uneven interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
-    layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer (also in TE's order with a gated shared expert):
-    megalite
-    resumes each Megatron save at tp=1 x dp=2 (but the last two uneven ones) and the uneven ones at their own stages,
-    pp=2, by the same flags (:data:`OWN_LAYOUT`; the local-spec MoE one also at ep=2) with Megatron's next 5 losses, without a
-    warning about the optimizer state."""
+    """Tied embeddings over stages, uneven stages (by first-stage count, by layout string with uneven
+    interleaved chunks and with an MTP depth on the last stage, and by counting the embedding and loss as a
+    layer with 3 interleaved chunks), interleaved chunks, TE's order and experts in a chained optimizer
+    (SequentialMLP's, also in TE's order with a gated shared expert, and GroupedMLP's): megalite resumes each
+    Megatron save at tp=1 x dp=2 (but the last two uneven ones) and the uneven ones at their own stages, pp=2, by
+    the same flags (:data:`OWN_LAYOUT`; the local-spec MoE one also at ep=2) with Megatron's next 5 losses, without
+    a warning about the optimizer state."""
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
-        if case not in AT_OWN_ONLY:
+        if case not in AT_OWN_ONLY + LAYOUT_ONLY:
             fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
                                         runs[case][0][fixture.SAVED_AT:])
     for case in OWN_LAYOUT:
@@ -244,26 +307,28 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
 
 def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
-    included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE run's dense and
-    expert-parallel buffers; Transformer Engine's order, whose fused norms are megalite's
-    ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's ``_ParamAndGradBuffer`` in each
-    run."""
+    included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE runs' dense and
+    expert-parallel buffers, GroupedMLP's weight1/weight2 and TEGroupedMLP's order; Transformer Engine's order,
+    whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's
+    ``_ParamAndGradBuffer`` in each run."""
     from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, WORD_EMBEDDINGS, buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
 
     root, runs, _ = megatron_runs
     for case in CASES:
-        reader = MegatronDistReader(os.path.join(root, case))
+        reader = MegatronDistReader(os.path.join(root, "moe" if case in LAYOUT_ONLY else case))
+        # a layout-only case: the MoE save's model, the case's args
+        args = {**reader.args, **CASES[case][1]} if case in LAYOUT_ONLY else reader.args
         for rank, theirs in enumerate(runs[case][1]):
-            stage = 0 if case in ("moe", "te", "te_moe") else rank
-            mine = [layout for experts in (False, True) if not experts or case.endswith("moe") for layout in
-                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(reader.args),
+            stage = 0 if case in ("te",) + MOE_CASES else rank
+            mine = [layout for experts in (False, True) if not experts or case in MOE_CASES for layout in
+                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(args),
                                   experts=experts)]
-            assert len(mine) == len(theirs) == {"vpp": 2, "layout_vpp": 2, "moe": 2, "te_moe": 2, "accounted_vpp": 3}.get(case, 1)
+            assert len(mine) == len(theirs) == \
+                {"vpp": 2, "layout_vpp": 2, "accounted_vpp": 3}.get(case, 2 if case in MOE_CASES else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
-                theirs_named = {name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", ""))): place
-                                for name, place in their_places.items()}
+                theirs_named = _megatron_names(their_places)
                 if case == "layout_mtp" and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
                     theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
@@ -273,6 +338,10 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
                                                **dict(buffer_args(reader.args), te=False))[0]
             assert names != mine[0][1] and sorted(names) == sorted(mine[0][1])
+        if case == "te_grouped":  # the experts' buffer: every fc1 before the fc2s, not SequentialMLP's order
+            local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0, experts=True,
+                                               **dict(buffer_args(args), expert_module="sequential"))[0]
+            assert names != mine[1][1] and sorted(names) == sorted(mine[1][1])
         if case == "te_moe":  # the MoE layer's own pre-MLP norm; the gate, the shared expert's own, before its linears
             names = mine[0][1]
             assert "decoder.layers.0.pre_mlp_layernorm.weight" in names
@@ -283,7 +352,7 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
     TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
-    with a gated shared expert): Megatron-LM's
+    with a gated shared expert, and GroupedMLP's ``weight1|2``): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""

@@ -261,13 +261,15 @@ def test_bad_input_is_one_error_line_and_exit_2(megatron, tmp_path, capsys):
            "pipeline_model_parallel_size 2 do not have" in err
 
     def with_experts(state, rank_dir):
-        state["args"].num_experts, state["args"].moe_grouped_gemm = 4, True
+        state["args"].num_experts, state["args"].expert_tensor_parallel_size = 4, 1
 
     _rewrite(save, tmp_path / "moe", with_experts)
     status, err = _convert(capsys, tmp_path / "moe", tmp_path / "f", "--allow-pickle")
     assert status == 2 and err.count("error:") == 1 and not os.path.exists(tmp_path / "f")
-    assert "a legacy-format MoE checkpoint with GroupedMLP experts (moe_grouped_gemm) is not supported; megalite " \
-           "reads those in --ckpt-format torch_dist" in err
+    assert "the saved args' world_size None does not give the ranks of tensor_model_parallel_size 2 x " \
+           "context_parallel_size 1 x pipeline_model_parallel_size 2 and of expert_tensor_parallel_size 1 x " \
+           "expert_model_parallel_size 1, which a legacy save with expert_tensor_parallel_size other than tp needs " \
+           "to place its files" in err
 
     def without_vocab_size(state, rank_dir):
         state["args"].vocab_size = None

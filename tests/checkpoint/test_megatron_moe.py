@@ -1,19 +1,19 @@
 """Megatron-LM torch_dist MoE checkpoints, written by Megatron-Core at ep=2, load into megalite at ep=1 and ep=2.
 
-Megatron-Core's GPT with the local layer spec, a routed MoE MLP (4 SwiGLU experts, top-2, dropless, a shared
-expert) in layer 0 and a dense MLP in layer 1 (``moe_layer_freq=[1, 0]``), saved by ``dist_checkpointing`` from
-two expert-parallel ranks after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained
-CONTINUED more (:mod:`megatron_optim_fixture`'s run).  megalite reads the architecture from the saved args and
-its logits equal Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens.
-Both Megatron expert implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and
-GroupedMLP's ``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension), so one
-checkpoint covers both.  Converted to megalite and back (``--to megatron``), Megatron-Core's own load gives its
-logits again.  megalite's ``pretrain --load`` of the save at ep=1 and at ep=2 continues Megatron's losses.  The same
-state saved in the legacy format (``--ckpt-format torch``, the chained optimizers' states in ``model_optim_rng.pt``)
-reads as the torch_dist save.
+Megatron-Core's MoE GPT (:mod:`megatron_moe_fixture`: a routed MoE MLP of 4 SwiGLU experts, top-2, dropless, with a
+shared expert, in layer 0 and a dense MLP in layer 1), saved by ``dist_checkpointing`` from two expert-parallel ranks
+after SAVED_AT iterations of Megatron-Core's DDP and (non-distributed) Adam, then trained CONTINUED more
+(:mod:`megatron_optim_fixture`'s run). megalite reads the architecture from the saved args and its logits equal
+Megatron-Core's own (its ``dist_checkpointing.load`` into an ep=1 model) on the same tokens. Both Megatron expert
+implementations save the same sharded names (SequentialMLP's per-expert ``local_experts.<i>`` and GroupedMLP's
+``weight1/weight2`` alike become ``experts.experts.linear_fc1|2`` with an expert dimension); a GroupedMLP run
+(``--moe-grouped-gemm``, its grouped GEMM on the CPU: :mod:`megatron_grouped_fixture`) is trained and saved beside the
+SequentialMLP one; megalite loads it at ep=1 and ep=2 and continues it at ep=1. Converted to megalite and back
+(``--to megatron``), Megatron-Core's own load gives its logits again. megalite's ``pretrain --load`` of the save at
+ep=1 and at ep=2 continues Megatron's losses. The same state saved in the legacy format (``--ckpt-format torch``, the
+chained optimizers' states in ``model_optim_rng.pt``) reads as the torch_dist save.
 """
 
-import argparse
 import os
 
 import pytest
@@ -24,168 +24,31 @@ pytestmark = pytest.mark.slow  # Megatron-Core writes the save directory from 2 
 
 from megalite.testing import run_distributed  # noqa: E402
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as run  # noqa: E402
-from tests.checkpoint.megatron_moe_etp_fixture import EXPERT_TP, save_expert_tp  # noqa: E402
-
-ARGS = dict(megatron_fixture.ARGS, num_layers=2, num_query_groups=4, group_query_attention=False,
-            qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
-            moe_shared_expert_intermediate_size=40, moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
-            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
-SINGLETON = "_singleton"
-"""The suffix of the directory of the same save with Megatron-Core's ``singleton_local_shards`` (per-expert tensors,
-SwiGLU fc1 halves ``weight_w``/``weight_v``)."""
-IDS = torch.arange(2 * 12).reshape(2, 12).mul(7).remainder(90)
-
-
-def _build(ep: int, seed: int, grouped: bool = False, tp: int = 1, etp: int | None = None, layer_spec=None,
-           gate: bool = False):
-    """Megatron-Core's MoE GPT of :data:`ARGS` on this rank of a tp x ep grid (fp32, CPU, local layer spec;
-    ``grouped``: GroupedMLP experts, built without the grouped_gemm package, which only their forward needs; ``etp``:
-    the expert tensor-parallel size, by default tp; ``layer_spec``: a function of the decoder block's spec giving
-    the one to build; ``gate``: the shared expert gated, ``--moe-shared-expert-gate``)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
-
-    megatron_fixture.patch_cuda()
-    moe_utils.te_general_gemm = None  # its failed Transformer-Engine import leaves the name undefined
-    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
-                                                 expert_tensor_parallel_size=etp or tp)
-    torch.manual_seed(seed)
-    a = ARGS
-    config = TransformerConfig(
-        num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
-        ffn_hidden_size=a["ffn_hidden_size"], kv_channels=a["kv_channels"], hidden_dropout=0.0,
-        attention_dropout=0.0, init_method_std=a["init_method_std"], gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=a["norm_epsilon"],
-        add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
-        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp or tp,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        num_moe_experts=a["num_experts"], moe_router_topk=a["moe_router_topk"],
-        moe_ffn_hidden_size=a["moe_ffn_hidden_size"], moe_layer_freq=a["moe_layer_freq"],
-        moe_shared_expert_intermediate_size=a["moe_shared_expert_intermediate_size"],
-        moe_token_dispatcher_type=a["moe_token_dispatcher_type"], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
-        moe_shared_expert_gate=gate,
-        moe_use_legacy_grouped_gemm=grouped)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    spec = spec if layer_spec is None else layer_spec(spec)
-    model = GPTModel(config, spec, vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    with torch.no_grad():  # non-zero norm weights and a router that separates experts
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif "router" in name:
-                param.normal_(0.0, 0.5)
-    return model
-
-
-def _sharded_shapes(model) -> dict:
-    """``{sharded key: global shape}`` of the tensors ``model`` saves."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-
-    state = model.sharded_state_dict()
-    apply_factories(state)
-    return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
-
-
-def _save(save_dir: str, ep: int, ids: torch.Tensor):
-    """Megatron-LM's run on an ep grid (tp=1, dp=2: each rank one micro-batch of an iteration) with Megatron-Core's
-    DDP, (non-distributed) Adam and scheduler, saved after SAVED_AT iterations and continued to TOTAL; then megalite
-    resumes the save (:func:`megatron_optim_fixture.resume`) at ep=1 and at ep=2 in these rank processes.  Returns
-    Megatron-Core's logits of ``ids`` after its own load of the save into an ep=1 model, whether GroupedMLP experts
-    (``--moe-grouped-gemm``) save the same tensors as the SequentialMLP ones, this rank's saved Adam moments
-    (:func:`_moments`), Megatron's losses of every iteration and the resumed runs' metrics files."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    model = _build(ep, seed=1)
-    grouped_same = _sharded_shapes(_build(ep, seed=1, grouped=True)) == _sharded_shapes(model)
-    run.patch_cuda()
-    ddp, optimizer, scheduler = run.wrap(model)
-    batches = run.micro_batches()
-    per_iteration = len(batches) // run.TOTAL
-    losses = []
-    for i in range(run.TOTAL):
-        if i == run.SAVED_AT:
-            moments = _moments(model, optimizer)
-            args = argparse.Namespace(**{**ARGS, "vocab_size": None, "global_batch_size": run.GLOBAL_BATCH,
-                                         "consumed_train_samples": i * run.GLOBAL_BATCH},
-                                      tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                      expert_model_parallel_size=ep, world_size=dist.get_world_size(),
-                                      data_parallel_size=dist.get_world_size(), transformer_impl="local")
-            for directory, metadata in ((save_dir, None), (save_dir + SINGLETON, {"singleton_local_shards": True})):
-                state = {"args": args, "checkpoint_version": 3.0, "iteration": i,
-                         "model": model.sharded_state_dict(metadata=metadata)}
-                state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
-                state["opt_param_scheduler"] = scheduler.state_dict()
-                megatron_fixture.save_state(state, directory, i)
-            run._save_legacy(save_dir + run.LEGACY, i, ddp, optimizer, scheduler, expert_model_parallel_size=ep,
-                             **{k: v for k, v in ARGS.items() if megatron_fixture.ARGS.get(k) != v})
-        batch = batches[i * per_iteration:(i + 1) * per_iteration]
-        losses.append(run._train_step(ddp, optimizer, scheduler, batch[dist.get_rank()::2]))
-    parallel_state.destroy_model_parallel()
-    logits = _megatron_logits(save_dir, ids)
-    parallel_state.destroy_model_parallel()
-    expert_tp_logits = save_expert_tp(save_dir, ids)
-    root = os.path.dirname(save_dir)
-    metrics = [os.path.join(root, f"ep{ep}.jsonl") for ep in (1, 2)]
-    outputs = run.resume([(save_dir, metrics[0], ()), (save_dir, metrics[1], ("--expert-model-parallel-size", "2"))])
-    return logits, grouped_same, moments, losses, metrics, [text for text, *_ in outputs], expert_tp_logits
-
-
-def _moments(model, optimizer):
-    """This rank's Adam moments in megalite's names (at ep > 1 Megatron-Core chains a second optimizer for the
-    experts): layer 0's router's first moment and the first moment of its local experts' fc1 and second of their
-    fc2, stacked in expert order."""
-    state = {p: s for chained in optimizer.chained_optimizers for p, s in chained.optimizer.state.items()}
-    params = dict(model.named_parameters())
-    layer = "decoder.layers.0.mlp."
-    experts = sorted(n for n in params if n.startswith(layer + "experts.local_experts.") and "fc1" in n)
-    return {
-        f"optimizer.exp_avg.{layer}router.weight": state[params[layer + "router.weight"]]["exp_avg"].clone(),
-        f"optimizer.exp_avg.{layer}experts.fc1_weight": torch.stack([state[params[n]]["exp_avg"] for n in experts]),
-        f"optimizer.exp_avg_sq.{layer}experts.fc2_weight": torch.stack(
-            [state[params[n.replace("fc1", "fc2")]]["exp_avg_sq"] for n in experts])}
-
-
-def _megatron_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    """Megatron-Core's logits of ``ids`` after its own ``dist_checkpointing.load`` of ``save_dir`` into an ep=1
-    model."""
-    from megatron.core import dist_checkpointing
-
-    model = _build(1, seed=7)
-    directory = os.path.join(save_dir, f"iter_{run.SAVED_AT:07d}")
-    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)["model"])
-    model.eval()
-    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        return model(ids, positions, causal)
+from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
+from tests.checkpoint.megatron_moe_etp_fixture import EXPERT_TP  # noqa: E402
+from tests.checkpoint.megatron_moe_fixture import GROUPED, IDS, SINGLETON  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """``(save directory, Megatron-Core's logits of IDS (its padded vocabulary, the model's: the save has no
-    args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments (:func:`_moments`,
-    the experts' from both EP ranks), Megatron's losses of iterations 1..TOTAL, megalite's resumed runs' metrics
-    files (ep=1, ep=2), rank 0's output of them, Megatron-Core's logits of IDS of the expert-tensor-parallel save
+    args.vocab_size), whether GroupedMLP saves SequentialMLP's tensors, the saved Adam moments
+    (:func:`megatron_moe_fixture.adam_moments`, the experts' from both EP ranks), Megatron's losses of iterations
+    1..TOTAL, megalite's resumed runs' metrics files (ep=1, ep=2), rank 0's output of them, the same from the
+    GroupedMLP run (its save directory first), and Megatron-Core's logits of IDS of the expert-tensor-parallel save
     (:func:`megatron_moe_etp_fixture.save_expert_tp`))``."""
     path = str(tmp_path_factory.mktemp("megatron_moe") / "save")
-    os.makedirs(path)
-    os.makedirs(path + run.LEGACY)
-    os.makedirs(path + SINGLETON)
-    ranks = run_distributed(_save, 2, path, 2, IDS, timeout=300)
-    moments = {name: torch.cat([r[2][name] for r in ranks]) if "experts" in name else ranks[0][2][name]
-               for name in ranks[0][2]}
-    return (path, ranks[0][0], ranks[0][1], moments, *ranks[0][3:])
+    for suffix in ("", run.LEGACY, SINGLETON, GROUPED, GROUPED + run.LEGACY):
+        os.makedirs(path + suffix)
+    ranks = run_distributed(moe.run_and_resume, 2, path, 2, IDS, timeout=300)
+    runs = []
+    for index in range(2):
+        moments = {name: torch.cat([r[0][index][1][name] for r in ranks]) if "experts" in name
+                   else ranks[0][0][index][1][name] for name in ranks[0][0][index][1]}
+        logits, _, losses, metrics, outputs = ranks[0][0][index]
+        runs.append((logits, moments, losses, metrics, outputs))
+    (logits, moments, *rest), grouped = runs
+    return (path, logits, ranks[0][1], moments, *rest, (path + GROUPED, *grouped), ranks[0][2])
 
 
 def _close(actual, expected):
@@ -194,29 +57,83 @@ def _close(actual, expected):
     assert rel <= 1e-5, f"relative difference {rel.item():.3g}"
 
 
-def _ep_logits(path, ep):
-    """megalite's logits of IDS at ep (the model and its optimizer loaded as the trainer builds them), the Adam step
-    count, and this rank's first moment of layer 0's expert fc1 weights."""
+def _ep_logits(paths, ep):
+    """For each checkpoint of ``paths``: megalite's logits of IDS at ep (the model and its optimizer loaded as the
+    trainer builds them), the Adam step count, and this rank's first moment of layer 0's expert fc1 weights."""
     from megalite import checkpoint, topology
     from megalite.distributed import DDPConfig, DistributedDataParallel
     from megalite.models import GPTModel
     from megalite.optim import OptimizerConfig, get_optimizer
 
     topology.initialize(ep=ep)
-    config = checkpoint.read_checkpoint_info(path)["config"]
-    chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
-    optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
-    checkpoint.load_sharded(path, [chunk], optimizer)
-    fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
-    shard = next(s for s in optimizer.shards if s.param is fc1)
-    with torch.no_grad():
-        logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
-    logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
-    return logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)
+    out = []
+    for path in paths:
+        config = checkpoint.read_checkpoint_info(path)["config"]
+        chunk = DistributedDataParallel(GPTModel(config), DDPConfig())
+        optimizer = get_optimizer(OptimizerConfig(lr=1e-2), [chunk])
+        checkpoint.load_sharded(path, [chunk], optimizer)
+        fc1 = dict(chunk.module.named_parameters())["decoder.layers.0.mlp.experts.fc1_weight"]
+        shard = next(s for s in optimizer.shards if s.param is fc1)
+        with torch.no_grad():
+            logits = chunk.module.eval()(IDS)[..., :config.vocab_size]
+        logits = logits.transpose(0, 1) if logits.shape[0] != IDS.shape[0] else logits
+        out.append((logits, optimizer.num_steps, optimizer.optimizer.state[shard.main]["exp_avg"].view(fc1.shape)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2_loads(saved):
+    """``{save directory: each rank's :func:`_ep_logits` at ep=2}`` of the SequentialMLP and the GroupedMLP saves (one
+    2-rank run)."""
+    paths = [saved[0], saved[7][0]]
+    ranks = run_distributed(_ep_logits, 2, paths, 2, timeout=120)
+    return {path: [rank[index] for rank in ranks] for index, path in enumerate(paths)}
 
 
 def test_grouped_experts_save_the_sequential_layout(saved):
     assert saved[2]
+
+
+def test_a_grouped_gemm_run_loads_and_continues(saved, ep2_loads):
+    """Megatron-Core's GroupedMLP run (``--moe-grouped-gemm``: the experts' ``weight1``/``weight2``, whose sharded
+    state transposes each expert's matrix into SequentialMLP's layout, moments too) saved at ep=2: megalite reads its
+    weights with Megatron's logits at ep=1 and ep=2, its experts' Adam moments equal Megatron-Core's (in the
+    checkpoint and in each ep=2 rank's optimizer), and ``pretrain --load`` continues its losses at ep=1."""
+    from megalite.checkpoint import load_model, read_checkpoint_info
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+
+    path, logits, moments, losses, metrics, outputs = saved[7]
+    assert read_checkpoint_info(path)["config"].moe.grouped_gemm
+    with torch.no_grad():
+        _close(load_model(path)(IDS), logits)
+    for rank, (ours, steps, exp_avg) in enumerate(ep2_loads[path]):
+        _close(ours, logits)
+        expected = moments["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"][2 * rank:2 * rank + 2]
+        assert steps == run.SAVED_AT and torch.equal(exp_avg, expected)
+    reader = MegatronDistReader(path)
+    assert reader.optimizer_note is None
+    for name, expected in moments.items():
+        assert torch.equal(reader.read(name), expected), name
+    assert all(f"loaded checkpoint {path} at iteration {run.SAVED_AT}" in text and "warning" not in text
+               for text in outputs), outputs
+    for file in metrics:
+        run.assert_equal_losses(run.losses(file), losses[run.SAVED_AT:])
+
+
+def test_a_legacy_grouped_gemm_save_gives_the_torch_dist_state(saved):
+    """The GroupedMLP run's legacy save (``model_optim_rng.pt``: ``mlp.experts.weight1|2``, every local expert's matrix
+    transposed side by side, and their Adam moments in the chained optimizers' lists), read behind the pickle opt-in,
+    holds the torch_dist save's weights and moments bit for bit and its optimizer state."""
+    from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
+
+    path = saved[7][0]
+    legacy = read_megatron_legacy(path + run.LEGACY, allow_pickle=True, vocab_size=run.PADDED_VOCAB)
+    theirs = MegatronDistReader(path)
+    assert legacy.optimizer_note is None and legacy.optimizer == theirs.state["optimizer"]
+    assert sorted(legacy.tensors) == sorted(theirs.shapes)
+    for name in theirs.shapes:
+        assert torch.equal(legacy.tensors[name], theirs.read(name)), name
 
 
 def test_moe_config_from_megatron_args(saved):
@@ -237,9 +154,9 @@ def test_load_model_ep1_equals_megatron(saved):
     _close(logits, saved[1])
 
 
-def test_ep2_load_equals_megatron(saved):
+def test_ep2_load_equals_megatron(saved, ep2_loads):
     """At ep=2 the logits equal Megatron's, and each rank's optimizer resumes its experts' moments."""
-    ranks = run_distributed(_ep_logits, 2, saved[0], 2, timeout=120)
+    ranks = ep2_loads[saved[0]]
     expected = saved[3]["optimizer.exp_avg.decoder.layers.0.mlp.experts.fc1_weight"]
     for rank, (logits, steps, exp_avg) in enumerate(ranks):
         _close(logits, saved[1])
@@ -269,7 +186,7 @@ def test_convert_to_megalite_and_back_to_megatron(saved, tmp_path):
         _close(load_model(ours)(IDS), saved[1])
     assert megatron_fixture.convert("--from", "megalite", "--to", "megatron", "--input", ours,
                                     "--output", theirs) == 0
-    _close(run_distributed(_megatron_logits, 1, theirs, IDS, timeout=120)[0], saved[1])
+    _close(run_distributed(moe.megatron_logits, 1, theirs, IDS, timeout=120)[0], saved[1])
 
 
 def test_moe_args_map_both_ways():
@@ -372,7 +289,7 @@ def test_a_legacy_save_with_experts_not_tensor_parallel_equals_megatron(saved, t
         assert torch.equal(legacy.tensors[f"optimizer.exp_avg.{name}"], 2 * weight + 1), name
         assert torch.equal(legacy.tensors[f"optimizer.exp_avg_sq.{name}"], weight * weight), name
     with torch.no_grad():
-        _close(load_model(converted)(IDS), saved[7])
+        _close(load_model(converted)(IDS), saved[8])
 
 
 def test_an_moe_setting_megalite_lacks_is_one_error_line(saved, tmp_path, capsys):

@@ -219,7 +219,8 @@ def test_a_tp2_distributed_optimizer_state_is_placed_in_the_global_tensors(megat
             parts = reader._flat[f"optimizer.exp_avg.{name}"]
             if rank > 0 and len(parts) == 1:
                 continue  # a replicated parameter: megalite reads tensor rank 0's copy
-            key, begin, local, _ = parts[rank]
+            key, begin, local, _, transposed = parts[rank]
+            assert not transposed
             assert (key, begin, tuple(local)) == (f"{PREFIX}{rank}.gbuf_idx_0.dtype_(torch.float32, torch.float32)."
                                                   f"bucket_idx_{bucket}.exp_avg", start, shape), name
     for name in reader._flat:
