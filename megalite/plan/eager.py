@@ -14,7 +14,8 @@ keeps only matmuls, attention and reduce-scatters) every elementwise op of a blo
 as under full recompute; the final norm and the loss sit outside the blocks and run once.
 
 Nothing here is fitted: bytes move at the profile's ``hbm_bandwidth`` and each kernel costs ``op_overhead_s``.
-The weight-gradient passes are priced as for megalite (:func:`megalite.plan.compute.layer_elements`: read two, write one per parameter).
+The weight-gradient passes are priced as for megalite (:func:`megalite.plan.compute.layer_elements`: read two,
+write one per parameter).
 """
 
 from __future__ import annotations
