@@ -29,6 +29,7 @@ from functools import lru_cache
 from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.plan.activations import TORCHTITAN_OP, op_recompute_flops_per_token
+from megalite.plan.eager import TORCHTITAN_EAGER, eager_time
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import layer_params
 
@@ -113,8 +114,21 @@ def layer_elements(config: GPTConfig, layout: Layout, seq_length: int, layer: in
     backward += (5 if swiglu else 3) * ffn
     if config.add_bias_linear:
         backward += qkv + (2 if swiglu else 1) * ffn + 2 * sp_tokens * h
+    return forward, backward + _layer_weight_elements(config, layout, layer)
+
+
+def _layer_weight_elements(config: GPTConfig, layout: Layout, layer: int) -> float:
+    """Elements (of the activations' dtype) the accumulation of global layer ``layer``'s weight gradients reads
+    and writes on one rank (read two, write one)."""
     params = sum(p.numel for p in layer_params(config, layer, layout))
-    return forward, backward + 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+    return 3 * params * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
+
+
+def _head_weight_elements(config: GPTConfig, layout: Layout) -> float:
+    """The same for the embedding's (and an untied output layer's) weight gradient."""
+    matrices = 1 if not config.untie_embeddings_and_output_weights else 2
+    return matrices * config.vocab_size / layout.tp * config.hidden_size * 3 * _grad_bytes(layout) \
+        / DTYPE_BYTES[layout.precision]
 
 
 def _activation_input(config: GPTConfig, layout: Layout, seq_length: int, layer: int) -> tuple[float, float, bool]:
@@ -164,9 +178,7 @@ def head_elements(config: GPTConfig, layout: Layout, seq_length: int) -> float:
     tokens = layout.micro_batch_size * seq_length / layout.cp
     sp_tokens = tokens / tp if layout.sequence_parallel and tp > 1 else tokens
     h, vocab = config.hidden_size, config.vocab_size / tp
-    matrices = 1 if not config.untie_embeddings_and_output_weights else 2
-    weights = matrices * vocab * h * 3 * _grad_bytes(layout) / DTYPE_BYTES[layout.precision]
-    return 2 * sp_tokens * h + 5 * sp_tokens * h + 7 * tokens * vocab + weights
+    return 2 * sp_tokens * h + 5 * sp_tokens * h + 7 * tokens * vocab + _head_weight_elements(config, layout)
 
 
 def _grad_bytes(layout: Layout) -> int:
@@ -263,9 +275,13 @@ def _blockwise_attention(config: GPTConfig, layout: Layout, hw: Hardware, seq_le
     return slowest
 
 
-def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int) -> dict:
+def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
+                 ops: str | None = None) -> dict:
     """Seconds of one step's compute on one rank, by kind: ``gemm``, ``attention``, ``memory_bound``,
-    ``op_overhead``."""
+    ``op_overhead``.
+
+    ``ops``: whose memory-bound ops run: megalite's (None), or torchtitan's eager Llama
+    (:data:`~megalite.plan.eager.TORCHTITAN_EAGER`, on a GPU profile and without context parallelism)."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     rows = layout.micro_batch_size * seq_length / layout.cp
     gemm_rate = hw.peak(layout.precision) * hw.gemm_efficiency(rows)
@@ -289,6 +305,13 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
         recomputed = 4 if layout.recompute in ("full", "selective") else 3
         out["attention"] = tokens * recomputed * attention_forward / hw.attention_rate(layout.precision, rows)
     e = DTYPE_BYTES[layout.precision]
+    if ops == TORCHTITAN_EAGER:
+        if hw.exp_rate is not None or layout.cp > 1:
+            raise ValueError(f"ops {ops!r} models torchtitan's eager Llama on a GPU without context parallelism")
+        weights = sum(count * _layer_weight_elements(config, layout, layer) for layer, count in _layer_kinds(config))
+        weights = (weights + _head_weight_elements(config, layout)) * e / layout.pp
+        out.update(eager_time(config, layout, hw.hbm_bandwidth, hw.op_overhead_s, seq_length, m, weights))
+        return out
     elements = 0.0
     for layer, count in _layer_kinds(config):
         fwd, bwd = layer_elements(config, layout, seq_length, layer)

@@ -193,11 +193,12 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
-             cache: dict | None = None) -> Estimate:
+             cache: dict | None = None, ops: str | None = None) -> Estimate:
     """Memory per GPU and step time of ``layout`` (assumed valid: see :func:`megalite.plan.search.check_layout`).
 
     ``cache``: a dict shared by the estimates of one model, holding what does not depend on the
-    micro-batch size and recompute (the state bytes and parameter counts of each rank).
+    micro-batch size and recompute (the state bytes and parameter counts of each rank).  ``ops``: whose
+    memory-bound ops run (:func:`~megalite.plan.compute.compute_time`).
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     est = Estimate(layout, m)
@@ -229,7 +230,7 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
 
     tokens = global_batch_size * seq_length
     flops_per_token = _cached(cache, ("flops", seq_length), lambda: gpt_flops_per_token(config, seq_length))
-    work = compute_time(config, layout, hw, seq_length, global_batch_size)
+    work = compute_time(config, layout, hw, seq_length, global_batch_size, ops)
     compute = sum(work.values())
     schedule = schedule_name(layout)
     bubble = _bubble(schedule, layout.pp, m, layout.stage_map().chunks)

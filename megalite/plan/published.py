@@ -4,7 +4,9 @@ A row gives the model, the layout, the batch and the published figure: achieved 
 counted with the source's own FLOPs formula (Megatron-LM SC 2021: ``96 B s l h^2 (1 + s/6h + V/16lh)``
 per iteration, which includes the recomputed forward), model FLOPs utilization (Korthikanti et al. 2022:
 ``72 B s l h^2 (1 + s/6h + V/12lh)`` over the peak), or tokens/s per GPU.  The prediction's step
-time is converted into the same unit, so the two are comparable as published.
+time is converted into the same unit, so the two are comparable as published.  A row with ``"compile": false``
+ran torchtitan's Llama in eager PyTorch: its memory-bound ops are torchtitan's unfused ones
+(:mod:`megalite.plan.eager`), not megalite's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 from megalite.hardware import load_hardware
 from megalite.models.config import GPTConfig
+from megalite.plan.eager import TORCHTITAN_EAGER
 from megalite.plan.estimate import estimate
 from megalite.plan.layout import Layout
 
@@ -53,7 +56,8 @@ def predict(row: dict) -> tuple[float, float]:
                     schedule=row.get("schedule"), vpp=row.get("vpp"), first_stage_layers=row.get("first_stage_layers"),
                     last_stage_layers=row.get("last_stage_layers"))
     hardware = load_hardware(row["hardware"])
-    est = estimate(config, layout, hardware, seq, row["global_batch_size"])
+    ops = TORCHTITAN_EAGER if row.get("compile") is False else None
+    est = estimate(config, layout, hardware, seq, row["global_batch_size"], ops=ops)
     shape = (row["global_batch_size"], seq, config.num_layers, config.hidden_size, config.vocab_size)
     if "achieved_tflops_per_gpu" in row:
         return sc21_flops_per_iteration(*shape) / est.step_time_s / row["gpus"] / 1e12, \
