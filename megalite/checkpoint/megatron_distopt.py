@@ -245,8 +245,9 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
     inners = [s.get("optimizer") if isinstance(s, dict) else None for s in chain]
     tied = not config.untie_embeddings_and_output_weights
     dims = split_dims(config)
+    copies = (OUTPUT_COPY, MTP_EMBEDDING_COPY) if tied else (MTP_EMBEDDING_COPY,)  # not read: as the first stage's
     names = {(local_expert(n) or (n,))[0] for chunks in local.values() for chunk in chunks for n in chunk
-             if not (tied and n == OUTPUT_COPY)}
+             if n not in copies}
     found = _run_problem(args, config, names, inners)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
@@ -299,7 +300,7 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
                     return f"{where} holds no Adam moments"
                 offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
                 for name, (bucket, start) in zip(order, places):
-                    if tied and name == OUTPUT_COPY:
+                    if name in copies:
                         continue
                     begin, shape = offsets[bucket] + start, shards[name]
                     for state, ours in STATE_KEYS.items():

@@ -128,7 +128,7 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
                     dict(MOE_ARGS, expert_model_parallel_size=2, transformer_impl="transformer_engine",
                          moe_shared_expert_gate=True))}
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "layout_mtp", "te", "moe", "te_moe")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
 _PP2 = ("--pipeline-model-parallel-size", "2")
 OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
@@ -282,7 +282,8 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
-    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
+    an MTP depth on the last stage of a layout (whose copy of the word embeddings, Megatron's
+    ``embedding.word_embeddings.weight`` there, is not read), TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
     with a gated shared expert): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
