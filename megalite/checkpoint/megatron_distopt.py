@@ -35,7 +35,8 @@ Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-
 interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
 loss as a layer, MTP depths on the last stage (the stage's copy of the word embeddings unread; with tied
 embeddings also its unused output layer, a save only the legacy format holds: Megatron-Core 0.16's torch_dist
-save of such a run fails its own check that the stage has no output weight), tied embeddings: the first stage's copy's state; SequentialMLP experts) with the local layer spec
+save of such a run fails its own check that the stage has no output weight), tied embeddings: the first stage's
+copy's state; SequentialMLP experts) with the local layer spec
 (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
 Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).

@@ -304,7 +304,7 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = {name.replace(*next((ours for ours in _RENAMED if ours[0] in name), ("", ""))): place
                                 for name, place in their_places.items()}
-                if case in ("layout_mtp", "tied_mtp") and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
+                if case in ("layout_mtp", "tied_mtp") and rank == 1:  # the MTP stage's embedding copy: megalite's name
                     theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
         if case in ("tied", "layout_mtp", "tied_mtp"):  # the word embeddings' copies in buckets of their own
@@ -323,8 +323,9 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
     an MTP depth on the last stage of a layout (whose copy of the word embeddings, Megatron's
-    ``embedding.word_embeddings.weight`` there, is not read), TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
-    with a gated shared expert): Megatron-LM's
+    ``embedding.word_embeddings.weight`` there, is not read), TE's order and experts at ep=2
+    (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order with a gated shared expert):
+    Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
     opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  Tied embeddings
     with an MTP depth (:data:`LEGACY_ONLY`): the legacy save holds Megatron's live weights and moments at the save,
