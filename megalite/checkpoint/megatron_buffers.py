@@ -254,17 +254,17 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
     are registered (:data:`EXPERT_MODULES`; GroupedMLP's as ``decoder.layers.<l>.mlp.experts.weight1|2``).
     With tied embeddings over stages the last chunk of the last stage holds :data:`OUTPUT_COPY`, the copy of the
     word embeddings; with MTP layers over stages :data:`MTP_EMBEDDING_COPY` instead (its own output layer
-    apart).  ValueError when a tensor does not split over ``tp`` (``etp``, ``ep``) or the layers do not split as
-    given."""
+    apart, also with tied embeddings: then an unused :data:`OUTPUT_COPY`).  ValueError when a tensor does not split
+    over ``tp`` (``etp``, ``ep``) or the layers do not split as given."""
     ranges = split_layers(config.num_layers, pp, vpp, first, last, stage_layers=stage_layers)
     dims = split_dims(config)
     etp = etp or tp
     mtp = pp > 1 and bool(config.mtp_num_layers)
-    if mtp and not config.untie_embeddings_and_output_weights:
-        raise ValueError("with MTP layers and embeddings tied over pipeline stages, whose last stage keeps an unused "
-                         "output layer of its own, which megalite does not place")
     tied = pp > 1 and (mtp or not config.untie_embeddings_and_output_weights)
     copy = MTP_EMBEDDING_COPY if mtp else OUTPUT_COPY
+    # Tied embeddings with MTP layers over stages: Megatron-Core's last stage also allocates an output layer of its
+    # own (a parameter in the buffer, after the MTP depths; its logits use the stage's embedding copy).
+    unused = (OUTPUT_COPY,) if mtp and not config.untie_embeddings_and_output_weights else ()
     if experts:  # the expert data-parallel group: the ranks of one (expert tensor, expert, pipeline) rank
         dp, tied = dp * tp // (etp * ep), False
     layouts = []
@@ -272,7 +272,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
         local = {}
         names = [n for n in shapes if _chunk_of(n, ranges) == (p, chunk)]
         if tied and (p, chunk) == (pp - 1, len(ranges[p]) - 1):
-            names.append(copy)
+            names += [copy, *unused]
         for name in names:
             weight = next((w for w in EXPERT_WEIGHTS if name.endswith("." + w)), None)
             if (experts and weight is None) or (not experts and weight is not None and ep > 1):
@@ -293,7 +293,7 @@ def chunk_layouts(config, shapes: dict[str, tuple[int, ...]], p: int, tp: int, p
                     local[f"{name[:-len(weight)]}mlp.experts.local_experts.{index}.{EXPERT_WEIGHTS[weight]}.weight"] = \
                         tuple(shape)
                 continue
-            source = WORD_EMBEDDINGS if name == copy and tied else name
+            source = WORD_EMBEDDINGS if name in (copy, *unused) and tied else name
             dim, shape = dims[source], list(shapes[source])
             if dim is not None:
                 if shape[dim] % tp:

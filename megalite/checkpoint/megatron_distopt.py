@@ -35,9 +35,11 @@ hold each local expert's matrix transposed, read back into megalite's layout.
 
 Read: a GPT saved at any tp, pp and ep (even or ``--decoder-first/last-pipeline-num-layers`` stages,
 interleaved chunks, the stages of ``--pipeline-model-parallel-layout`` or of a split that counts the embedding or
-loss as a layer, MTP depths on the last stage (untied embeddings; the stage's copy of the word embeddings
-unread), tied embeddings: the first stage's copy's state; the experts of any of the three modules) with the local
-layer spec (``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
+loss as a layer, MTP depths on the last stage (the stage's copy of the word embeddings unread; with tied
+embeddings also its unused output layer, a save only the legacy format holds: Megatron-Core 0.16's torch_dist
+save of such a run fails its own check that the stage has no output weight), tied embeddings: the first stage's
+copy's state; the experts of any of the three modules) with the local layer spec
+(``--transformer-impl local``, module order :data:`megalite.checkpoint.megatron_buffers.LAYER_ORDER`) or
 Transformer Engine's; megalite resumes it at any layout.  The legacy format's reader reads
 the same layouts (the chained optimizers' buffers of an MoE run at ep > 1 in a list in ``distrib_optim.pt``).
 Other saves are named.
@@ -250,8 +252,9 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
     inners = [s.get("optimizer") if isinstance(s, dict) else None for s in chain]
     tied = not config.untie_embeddings_and_output_weights
     dims = split_dims(config)
+    copies = (OUTPUT_COPY, MTP_EMBEDDING_COPY) if tied else (MTP_EMBEDDING_COPY,)  # not read: as the first stage's
     names = {(local_expert(n) or (n,))[0] for chunks in local.values() for chunk in chunks for n in chunk
-             if not (tied and n == OUTPUT_COPY)}
+             if n not in copies}
     found = _run_problem(args, config, names, inners)
     if isinstance(found, str):
         return f"it is a distributed optimizer's state {found}"
@@ -306,7 +309,7 @@ def legacy_distributed_optimizer(args: dict, config, saved, buffers: dict, local
                     return f"{where} holds no Adam moments"
                 offsets = [sum(unpadded[:b]) for b in range(len(unpadded))]
                 for name, (bucket, start) in zip(order, places):
-                    if tied and name == OUTPUT_COPY:
+                    if name in copies:
                         continue
                     begin, shape = offsets[bucket] + start, shards[name]
                     for state, ours in STATE_KEYS.items():

@@ -65,7 +65,7 @@ def _distributed(states: dict, chunks: dict, config, tp: int, pp: int, files: di
     if missing:
         return {}, None, f"it is a distributed optimizer's state whose {missing[0]} is missing"
     offsets = layer_offsets(chunks, pp)
-    names = {(t, p, e): [{global_name(name, offsets[(v, p)]): name for name, tensor in chunk.items()
+    names = {(t, p, e): [{global_name(name, offsets[(v, p)], p): name for name, tensor in chunk.items()
                           if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
                          for v, chunk in enumerate(per_stage)] for (t, p, e), per_stage in chunks.items()}
     local = {key: [{name: tuple(chunks[key][v][ours].shape) for name, ours in chunk.items()}

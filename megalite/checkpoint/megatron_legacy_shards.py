@@ -20,7 +20,7 @@ import torch
 
 from megalite.checkpoint import global_shapes
 from megalite.checkpoint.meta import split_dims
-from megalite.checkpoint.megatron_buffers import OUTPUT_COPY, grouped_split
+from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, OUTPUT_COPY, WORD_EMBEDDINGS, grouped_split
 from megalite.checkpoint.megatron_distopt import expert_param
 from megalite.checkpoint.megatron_names import megalite_name
 from megalite.checkpoint.sharding import ShardContext, global_param, local_meta, place
@@ -32,10 +32,13 @@ def _layers(chunk: dict) -> int:
     return len({int(m.group(1)) for m in map(_LAYER.match, chunk) if m})
 
 
-def global_name(name: str, offset: int) -> str:
+def global_name(name: str, offset: int, stage: int = 0) -> str:
+    """megalite's name of the entry ``name`` of pipeline stage ``stage`` whose first layer is global layer
+    ``offset``: the layer renumbered; the word embeddings on a stage after the first are the copy of a last stage
+    with MTP depths (:data:`MTP_EMBEDDING_COPY`, its name in megalite and in the torch_dist reader)."""
     match = _LAYER.match(name)
     if match is None:
-        return name
+        return MTP_EMBEDDING_COPY if stage > 0 and name == WORD_EMBEDDINGS else name
     rest = name[match.end():]
     return f"decoder.layers.{int(match.group(1)) + offset}.{megalite_name(rest)}"
 
@@ -77,9 +80,10 @@ def assemble(config, chunks: dict, tp: int, pp: int, directory: str,
             for key, value in grouped_split(chunk, config.moe.num_experts // ep if config.moe else 1):
                 if key.endswith("_extra_state") or value is None:
                     continue
-                name = global_name(key, offsets[(v, p)])
-                if name == OUTPUT_COPY and not config.untie_embeddings_and_output_weights:
-                    continue  # the last stage's copy of tied word embeddings (pipeline stages)
+                name = global_name(key, offsets[(v, p)], p)
+                if name == MTP_EMBEDDING_COPY or (name == OUTPUT_COPY
+                                                  and not config.untie_embeddings_and_output_weights):
+                    continue  # the last stage's copy of the word embeddings (tied, or for MTP depths)
                 x = expert_ranks[(t, p, e)]
                 ctx = ShardContext(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, etp_rank=x, etp_size=etp)
                 expert = expert_param(name, tuple(value.shape), config.moe.num_experts, dims, config, ctx) \

@@ -15,6 +15,7 @@ gradient buffers differ from an even split of untied dense layers in the local s
   bucket of its own, and the depth's parameters after the final norm); a layout string's stages without MTP are
   this case's less the depth, and a layout-string save read at another layout is ``layout_vpp``'s, so no case of
   ``Ettt|tL`` alone;
+- ``tied_mtp`` (pp=2): ``layout_mtp`` with tied embeddings, saved only in the legacy format (:data:`LEGACY_ONLY`);
 - ``accounted_vpp`` (pp=2, vpp=3): ``--account-for-embedding/loss-in-pipeline-split`` (stages of 0, 1, 1, 1, 1, 0
   layers: the first chunk holds only the embedding, the last only the output layer);
 - ``te`` (dp=2): Transformer Engine's parameter order (``--transformer-impl transformer_engine``), which TE cannot
@@ -54,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core.dist_checkpointing")
-pytestmark = pytest.mark.slow  # Megatron-Core trains ten runs on 2 ranks (builds an eleventh), megalite resumes them
+pytestmark = pytest.mark.slow  # Megatron-Core trains eleven runs on 2 ranks (builds a twelfth), megalite resumes them
 
 from tests.checkpoint import megatron_fixture, megatron_optim_fixture as fixture  # noqa: E402
 from tests.checkpoint import megatron_moe_fixture as moe  # noqa: E402
@@ -168,6 +169,9 @@ CASES = {"tied": (dict(tied=True), dict(pipeline_model_parallel_size=2, untie_em
          "layout_mtp": (dict(mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
                         dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
                              mtp_num_layers=1, mtp_loss_scaling_factor=0.1)),
+         "tied_mtp": (dict(tied=True, mtp=1, pipeline_model_parallel_layout="Ettt|tmL"),
+                      dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tmL",
+                           mtp_num_layers=1, mtp_loss_scaling_factor=0.1, untie_embeddings_and_output_weights=False)),
          "accounted_vpp": (dict(vpp=3, account_for_embedding_in_pipeline_split=True,
                                 account_for_loss_in_pipeline_split=True),
                            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3,
@@ -188,8 +192,13 @@ LAYOUT_ONLY = ("te_grouped",)
 read by the rule of a case that is (TEGroupedMLP's experts in their order, as SequentialMLP's), so the layout is
 what they add."""
 
-LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "te", "moe", "te_moe", "grouped")
+LEGACY_CASES = ("tied", "uneven", "vpp", "layout_vpp", "layout_mtp", "te", "moe", "te_moe", "grouped")
 """The cases also saved in the legacy format (``--ckpt-format torch``, ``distrib_optim.pt``) from the same state."""
+LEGACY_ONLY = ("tied_mtp",)
+"""The cases saved only in the legacy format: Megatron-Core 0.16 trains tied embeddings with MTP layers over
+stages, but its torch_dist save of them fails its own check (``tie_embeddings_and_output_weights_state_dict``
+asserts that the MTP stage has no output weight, yet that stage allocates one, unused).  Their oracle is Megatron's
+live state at the save (:func:`_live_state`), not resumed by megalite."""
 _PP2 = ("--pipeline-model-parallel-size", "2")
 OWN_LAYOUT = {"uneven": (*_PP2, "--decoder-first-pipeline-num-layers", "1"),
               "layout_vpp": (*_PP2, "--pipeline-model-parallel-layout", "Et|tt|t|L"),
@@ -202,10 +211,29 @@ AT_OWN_ONLY = ("layout_mtp", "accounted_vpp")
 maps at another layout)."""
 
 
+def _live_state(module, optimizer) -> dict:
+    """``{name (global layer numbers): (weight, exp_avg, exp_avg_sq)}`` of this rank's parameters of ``module`` in
+    Megatron-Core's distributed optimizer ``optimizer`` at dp=1 (each main shard the whole fp32 parameter)."""
+    import re
+
+    offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
+    names = {param: re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", n)
+             for n, param in module.named_parameters()}
+    state = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for params, shards in zip(inner.model_fp32_groups, inner.shard_fp32_groups):
+            for param, shard in zip(params, shards):
+                moments = inner.optimizer.state[shard]
+                state[names[param]] = tuple(t.detach().view(param.shape).clone() for t in
+                                            (param, moments["exp_avg"], moments["exp_avg_sq"]))
+    return state
+
+
 def _megatron_run(root: str, micro_batches, case: str):
     """Megatron-Core's run of ``case`` on this rank: ``(its losses (last stage; else None), each model chunk's
     buffer layout (:func:`megatron_optim_fixture._buffer_layout`; the MoE run's expert buffer after the dense
-    one))``, saved into ``root/case``."""
+    one), for :data:`LEGACY_ONLY` cases its live state at the save (:func:`_live_state`))``, saved into
+    ``root/case``."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -235,22 +263,25 @@ def _megatron_run(root: str, micro_batches, case: str):
                if buffers]
     if case in LAYOUT_ONLY:
         parallel_state.destroy_model_parallel()
-        return None, layouts
+        return None, layouts, None
     model = chunks if len(chunks) > 1 else chunks[0]
     per_iteration = len(micro_batches) // fixture.TOTAL
-    losses = []
+    losses, live = [], None
     for i in range(fixture.TOTAL):
         if i == fixture.SAVED_AT:
-            fixture._save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler, distributed=True,
-                          **args)
-            if case in LEGACY_CASES:
+            if case in LEGACY_ONLY:
+                live = _live_state(modules[0], optimizer)
+            else:
+                fixture._save(os.path.join(root, case), fixture.SAVED_AT, model, optimizer, scheduler,
+                              distributed=True, **args)
+            if case in LEGACY_CASES + LEGACY_ONLY:
                 fixture._save_legacy(os.path.join(root, case + fixture.LEGACY), fixture.SAVED_AT, model, optimizer,
                                      scheduler, distributed=True, **args)
         batch = micro_batches[i * per_iteration:(i + 1) * per_iteration]
         dp = parallel_state.get_data_parallel_world_size()  # the MoE run: each DP rank one of the 2 micro-batches
         losses.append(fixture._train_step(model, optimizer, scheduler, batch[dist.get_rank() % dp::dp]))
     parallel_state.destroy_model_parallel()
-    return (None if None in losses else losses), layouts
+    return (None if None in losses else losses), layouts, live
 
 
 def _run(root: str, micro_batches):
@@ -264,7 +295,7 @@ def _run(root: str, micro_batches):
     torch.Tensor.type = cpu_type
     outputs = fixture.resume(
         [(os.path.join(root, case), os.path.join(root, f"{case}.jsonl"), ()) for case in CASES
-         if case not in AT_OWN_ONLY + LAYOUT_ONLY]
+         if case not in AT_OWN_ONLY + LAYOUT_ONLY + LEGACY_ONLY]
         + [(os.path.join(root, case), os.path.join(root, f"{case}_own.jsonl"), flags)
            for case, flags in OWN_LAYOUT.items()]
         + [(os.path.join(root, "moe"), os.path.join(root, "moe_ep2.jsonl"), ("--expert-model-parallel-size", "2"))])
@@ -281,7 +312,8 @@ def megatron_runs(tmp_path_factory):
     for case in CASES:
         os.makedirs(os.path.join(root, case))
     results = run_distributed(_run, 2, root, fixture.micro_batches(), timeout=300)
-    runs = {case: (results[1][0][case][0], [r[0][case][1] for r in results]) for case in CASES}
+    runs = {case: (results[1][0][case][0], [r[0][case][1] for r in results], [r[0][case][2] for r in results])
+            for case in CASES}
     return root, runs, results[0][1]
 
 
@@ -296,7 +328,7 @@ def test_distributed_optimizer_states_continue_the_megatron_losses(megatron_runs
     root, runs, outputs = megatron_runs
     assert not any("warning: the Megatron optimizer state" in out for out in outputs), outputs
     for case in CASES:
-        if case not in AT_OWN_ONLY + LAYOUT_ONLY:
+        if case not in AT_OWN_ONLY + LAYOUT_ONLY + LEGACY_ONLY:
             fixture.assert_equal_losses(fixture.losses(os.path.join(root, f"{case}.jsonl")),
                                         runs[case][0][fixture.SAVED_AT:])
     for case in OWN_LAYOUT:
@@ -309,30 +341,38 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
     """megalite's rebuild of every stage's and chunk's gradient buffer (the last stage's copy of tied embeddings
     included, and an MTP stage's copy of the word embeddings with the depth's parameters; the MoE runs' dense and
     expert-parallel buffers, GroupedMLP's weight1/weight2 and TEGroupedMLP's order; Transformer Engine's order,
-    whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``) equals Megatron-Core's
-    ``_ParamAndGradBuffer`` in each run."""
+    whose fused norms are megalite's ``input_layernorm``/``pre_mlp_layernorm``; with tied embeddings also the MTP
+    stage's unused output layer) equals Megatron-Core's ``_ParamAndGradBuffer`` in each run (a :data:`LEGACY_ONLY`
+    one's model from its legacy save)."""
     from megalite.checkpoint.megatron_buffers import MTP_EMBEDDING_COPY, WORD_EMBEDDINGS, buffer_args, chunk_layouts
     from megalite.checkpoint.megatron_dist import MegatronDistReader
+    from megalite.checkpoint.megatron_legacy import read_megatron_legacy
 
     root, runs, _ = megatron_runs
     for case in CASES:
-        reader = MegatronDistReader(os.path.join(root, "moe" if case in LAYOUT_ONLY else case))
-        # a layout-only case: the MoE save's model, the case's args
-        args = {**reader.args, **CASES[case][1]} if case in LAYOUT_ONLY else reader.args
+        if case in LEGACY_ONLY:
+            legacy = read_megatron_legacy(os.path.join(root, case + fixture.LEGACY), allow_pickle=True,
+                                          vocab_size=fixture.PADDED_VOCAB)
+            config, args = legacy.config, {**megatron_fixture.ARGS, **CASES[case][1]}
+            shapes = {n: tuple(t.shape) for n, t in legacy.tensors.items() if not n.startswith("optimizer.")}
+        else:
+            reader = MegatronDistReader(os.path.join(root, "moe" if case in LAYOUT_ONLY else case))
+            # a layout-only case: the MoE save's model, the case's args
+            config, shapes = reader.config, reader.megatron_shapes()
+            args = {**reader.args, **CASES[case][1]} if case in LAYOUT_ONLY else reader.args
         for rank, theirs in enumerate(runs[case][1]):
             stage = 0 if case in ("te",) + MOE_CASES else rank
             mine = [layout for experts in (False, True) if not experts or case in MOE_CASES for layout in
-                    chunk_layouts(reader.config, reader.megatron_shapes(), stage, **buffer_args(args),
-                                  experts=experts)]
+                    chunk_layouts(config, shapes, stage, **buffer_args(args), experts=experts)]
             assert len(mine) == len(theirs) == \
                 {"vpp": 2, "layout_vpp": 2, "accounted_vpp": 3}.get(case, 2 if case in MOE_CASES else 1)
             for (local, names, places, unpadded), (their_places, their_unpadded) in zip(mine, theirs):
                 assert unpadded == their_unpadded, (case, rank)
                 theirs_named = _megatron_names(their_places)
-                if case == "layout_mtp" and rank == 1:  # the MTP stage's copy of the word embeddings, megalite's name
+                if case in ("layout_mtp", "tied_mtp") and rank == 1:  # the MTP stage's embedding copy: megalite's name
                     theirs_named[MTP_EMBEDDING_COPY] = theirs_named.pop(WORD_EMBEDDINGS)
                 assert {n: (b, s, local[n]) for n, (b, s) in zip(names, places)} == theirs_named, (case, rank)
-        if case in ("tied", "layout_mtp"):  # the word embeddings' copies in buckets of their own
+        if case in ("tied", "layout_mtp", "tied_mtp"):  # the word embeddings' copies in buckets of their own
             assert [len(chunks[0][1]) for chunks in runs[case][1]] == [2, 2]
         if case in ("te", "te_moe"):  # the fused norms after linear_proj: another order than the local spec's
             local, names, _, _ = chunk_layouts(reader.config, reader.megatron_shapes(), 0,
@@ -351,17 +391,22 @@ def test_each_chunks_buffer_layout_equals_megatron_cores(megatron_runs):
 
 def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
     """Tied embeddings over stages, uneven stages, interleaved chunks (a buffer per chunk in ``distrib_optim.pt``),
-    TE's order and experts at ep=2 (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order
-    with a gated shared expert, and GroupedMLP's ``weight1|2``): Megatron-LM's
+    an MTP depth on the last stage of a layout (whose copy of the word embeddings, Megatron's
+    ``embedding.word_embeddings.weight`` there, is not read), TE's order and experts at ep=2
+    (``mp_rank_00_<ep rank>``, chained dense and expert buffers; also in TE's order with a gated shared expert, and
+    GroupedMLP's ``weight1|2``): Megatron-LM's
     legacy save of the same state as each torch_dist save, read behind the pickle
-    opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  A
+    opt-in, holds the same weights and Adam moments, bit for bit, and the same optimizer state.  Tied embeddings
+    with an MTP depth (:data:`LEGACY_ONLY`): the legacy save holds Megatron's live weights and moments at the save,
+    bit for bit (the MTP stage's copy of the word embeddings, equal to the first stage's, and its unused output
+    layer not read), and its learning rate.  A
     ``distrib_optim.pt`` without a chunk's buffer is named; the weights still convert."""
     import shutil
 
     from megalite.checkpoint.megatron_dist import MegatronDistReader
     from megalite.checkpoint.megatron_legacy import read_megatron_legacy
 
-    root, _, _ = megatron_runs
+    root, runs, _ = megatron_runs
     for case in LEGACY_CASES:
         legacy = read_megatron_legacy(os.path.join(root, case + fixture.LEGACY), allow_pickle=True,
                                       vocab_size=fixture.PADDED_VOCAB)
@@ -372,6 +417,22 @@ def test_legacy_saves_give_the_torch_dist_saves_state(megatron_runs, tmp_path):
         assert sum(n.startswith("optimizer.") for n in legacy.tensors) == len(theirs._flat) > 0
         for name in theirs.shapes:
             assert torch.equal(legacy.tensors[name], theirs.read(name)), (case, name)
+    for case in LEGACY_ONLY:
+        legacy = read_megatron_legacy(os.path.join(root, case + fixture.LEGACY), allow_pickle=True,
+                                      vocab_size=fixture.PADDED_VOCAB)
+        assert legacy.optimizer_note is None, (case, legacy.optimizer_note)
+        first, last = runs[case][2]
+        copy = last.pop("embedding.word_embeddings.weight")
+        assert all(torch.equal(a, b) for a, b in zip(copy, first["embedding.word_embeddings.weight"]))
+        last.pop("output_layer.weight")  # the MTP stage's unused output layer, which the sorted names below lack
+        live = {**first, **last}
+        assert sorted(legacy.tensors) == sorted(f"{kind}{name}" for name in live
+                                                for kind in ("", "optimizer.exp_avg.", "optimizer.exp_avg_sq."))
+        for name, tensors in live.items():
+            for kind, tensor in zip(("", "optimizer.exp_avg.", "optimizer.exp_avg_sq."), tensors):
+                assert torch.equal(legacy.tensors[kind + name], tensor), (case, kind + name)
+        assert legacy.optimizer["num_steps"] == fixture.SAVED_AT
+        assert legacy.scheduler["num_steps"] == fixture.SAVED_AT * fixture.GLOBAL_BATCH
     copy = str(tmp_path / "vpp")
     shutil.copytree(os.path.join(root, "vpp" + fixture.LEGACY), copy)
     path = os.path.join(copy, f"iter_{fixture.SAVED_AT:07d}", "mp_rank_00_001", "distrib_optim.pt")
