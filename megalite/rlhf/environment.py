@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from megalite.rlhf.generation import GenerationOutput, SamplingConfig
-from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollout_batch import Rollout, left_pad, response_rows
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +204,9 @@ def _sample_chunks(live: list[Episode], sample: Sampler, sampling: SamplingConfi
         index = [i for i, b in enumerate(budgets) if b == budget]
         rows = [live[i].prompt + live[i].tokens for i in index]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        out = sample(ids, mask, replace(sampling, max_new_tokens=budget), generator)
+        out = sample(*left_pad(rows, pad_id, width), replace(sampling, max_new_tokens=budget), generator)
         for row, i in enumerate(index):
-            k = int(out.response_mask[row].sum())
-            live[i].append(out.tokens[row, width:width + k].tolist(), out.log_probs[row, :k].tolist(), version)
+            live[i].append(*out.sampled(row, width), version)
 
 
 def play_round(episodes: list[Episode], sample: Sampler, sampling: SamplingConfig, limits: EpisodeLimits,
@@ -280,22 +277,10 @@ def episodes_rollout(episodes: list[Episode], pad: int, prompt_width: int | None
     n = response_width or max(len(e.tokens) for e in episodes)
     if p < max(len(e.prompt) for e in episodes) or n < max(len(e.tokens) for e in episodes):
         raise ValueError(f"prompt_width {p} / response_width {n} are narrower than the episodes played")
-    b = len(episodes)
-    input_ids = torch.full((b, p + n), pad, dtype=torch.long)
-    attention = torch.zeros(b, p + n, dtype=torch.long)
-    trained = torch.zeros(b, p + n - 1)
-    log_probs = torch.zeros(b, p + n - 1)
-    versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
-    spans = []
-    for i, e in enumerate(episodes):
-        start, end = p - len(e.prompt), p + len(e.tokens)
-        input_ids[i, start:end] = torch.tensor(e.prompt + e.tokens)
-        attention[i, start:end] = 1
-        trained[i, p - 1:end - 1] = torch.tensor(e.trained)
-        log_probs[i, p - 1:end - 1] = torch.tensor(e.log_probs)
-        versions[i, p - 1:end - 1] = torch.tensor(e.versions, dtype=torch.long)
-        shift = p - len(e.prompt)
-        spans.append([(s + shift, t + shift) for s, t in e.spans])
+    input_ids, attention, trained, log_probs, versions = response_rows(
+        [e.prompt for e in episodes], [e.tokens for e in episodes], pad, p, n, [e.log_probs for e in episodes],
+        trained=[e.trained for e in episodes], versions=[e.versions for e in episodes])
+    spans = [[(s + p - len(e.prompt), t + p - len(e.prompt)) for s, t in e.spans] for e in episodes]
     rollout = Rollout(input_ids, attention, trained, log_probs, p, turn_spans=spans,
                       prompts=[e.env.tokenizer.detokenize(e.prompt) for e in episodes],
                       responses=[e.env.tokenizer.detokenize(e.tokens) for e in episodes],

@@ -67,6 +67,12 @@ class GenerationOutput:
     log_probs: torch.Tensor
     response_mask: torch.Tensor
 
+    def sampled(self, row: int, prompt_width: int) -> tuple[list[int], list[float]]:
+        """Row ``row``'s generated token ids and their log-probs (EOS included, nothing after it), for prompts
+        of ``prompt_width`` columns."""
+        k = int(self.response_mask[row].sum())
+        return self.tokens[row, prompt_width:prompt_width + k].tolist(), self.log_probs[row, :k].tolist()
+
 
 def choose_tokens(logits: torch.Tensor, config: SamplingConfig,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from megalite.rlhf.actor import pipeline_log_probs
 from megalite.rlhf.env_tasks import GuidanceEnvironment, HintWriter
 from megalite.rlhf.environment import StepPending
 from megalite.rlhf.generation import SamplingConfig
-from megalite.rlhf.rollout_batch import Rollout
+from megalite.rlhf.rollout_batch import Rollout, response_rows
 from megalite.rlhf.rollouts import rollout_sampler
 from megalite.rlhf.update import dp_mean, rl_update
 
@@ -44,9 +44,7 @@ def hint_writer(sample, sampling: SamplingConfig, generator: torch.Generator | N
     (up to ``sampling.max_new_tokens``, ending in end-of-document unless cut) and their log-probs out."""
     def write(prompt: list[int]) -> tuple[list[int], list[float]]:
         ids = torch.tensor([prompt])
-        out = sample(ids, torch.ones_like(ids), sampling, generator)
-        k = int(out.response_mask[0].sum())
-        return out.tokens[0, len(prompt):len(prompt) + k].tolist(), out.log_probs[0, :k].tolist()
+        return sample(ids, torch.ones_like(ids), sampling, generator).sampled(0, len(prompt))
     return write
 
 
@@ -82,10 +80,10 @@ class PartialHintWriter:
             ids = torch.tensor([prompt + hint["tokens"]])
             out = self.sample(ids, torch.ones_like(ids), replace(self.sampling, max_new_tokens=budget),
                               self.clock.generator)
-            k = int(out.response_mask[0].sum())
-            hint["tokens"] += out.tokens[0, ids.shape[1]:ids.shape[1] + k].tolist()
-            hint["log_probs"] += out.log_probs[0, :k].tolist()
-            hint["versions"] += [self.clock.version] * k
+            tokens, log_probs = out.sampled(0, ids.shape[1])
+            hint["tokens"] += tokens
+            hint["log_probs"] += log_probs
+            hint["versions"] += [self.clock.version] * len(tokens)
             if not self._done():
                 raise StepPending(f"the guide's hint has {len(hint['tokens'])} tokens so far")
         return list(hint["tokens"]), list(hint["log_probs"]), list(hint["versions"])
@@ -106,19 +104,9 @@ def guide_rollout(envs: list[GuidanceEnvironment], pad: int) -> Rollout:
     turns = [env.guide_turn or (env.guide_prompt([]), [], []) for env in envs]
     p = max(len(prompt) for prompt, _, _ in turns)
     n = max(1, max(len(hint) for _, hint, _ in turns))
-    b = len(envs)
-    input_ids = torch.full((b, p + n), pad, dtype=torch.long)
-    attention = torch.zeros(b, p + n, dtype=torch.long)
-    response_mask = torch.zeros(b, p + n - 1)
-    log_probs = torch.zeros(b, p + n - 1)
-    versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
-    for i, (prompt, hint, hint_log_probs) in enumerate(turns):
-        input_ids[i, p - len(prompt):p + len(hint)] = torch.tensor(prompt + hint)
-        attention[i, p - len(prompt):p + len(hint)] = 1
-        response_mask[i, p - 1:p - 1 + len(hint)] = 1
-        log_probs[i, p - 1:p - 1 + len(hint)] = torch.tensor(hint_log_probs)
-        if envs[i].guide_versions:
-            versions[i, p - 1:p - 1 + len(hint)] = torch.tensor(envs[i].guide_versions)
+    input_ids, attention, response_mask, log_probs, versions = response_rows(
+        [prompt for prompt, _, _ in turns], [hint for _, hint, _ in turns], pad, p, n,
+        [hint_log_probs for _, _, hint_log_probs in turns], versions=[env.guide_versions or None for env in envs])
     improvement = [0.0 if env.revision_reward is None else env.revision_reward - env.attempt_reward for env in envs]
     tokenizer = envs[0].tokenizer
     rollout = Rollout(input_ids, attention, response_mask, log_probs, p,

@@ -32,7 +32,7 @@ import torch
 
 from megalite.rlhf.environment import Episode, EpisodeLimits, episodes_rollout, play_round, start_episode
 from megalite.rlhf.generation import SamplingConfig
-from megalite.rlhf.rollout_batch import Rollout, left_pad
+from megalite.rlhf.rollout_batch import Rollout, left_pad, response_rows
 
 
 @dataclass
@@ -135,11 +135,11 @@ class PartialRollouts:
             out = self.sample(ids.to(device), mask.to(device), replace(self.sampling, max_new_tokens=budget),
                               generator)
             for r, i in enumerate(index):
-                k = int(out.response_mask[r].sum())
+                tokens, log_probs = out.sampled(r, width)
                 row = self.rows[i]
-                row.tokens += out.tokens[r, width:width + k].tolist()
-                row.log_probs += out.log_probs[r, :k].tolist()
-                row.versions += [version] * k
+                row.tokens += tokens
+                row.log_probs += log_probs
+                row.versions += [version] * len(tokens)
         self._settle()
 
     def _settle(self) -> None:
@@ -151,19 +151,10 @@ class PartialRollouts:
 
     def rollout(self, rows: list[_Row], device="cpu") -> Rollout:
         """``rows`` (finished) as a Rollout; its ``version`` is its oldest token's."""
-        p, n, b = self.prompt_width, self.sampling.max_new_tokens, len(rows)
-        input_ids = torch.full((b, p + n), self.sampling.pad_id, dtype=torch.long)
-        attention = torch.zeros(b, p + n, dtype=torch.long)
-        response_mask = torch.zeros(b, p + n - 1)
-        log_probs = torch.zeros(b, p + n - 1)
-        versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
-        for i, row in enumerate(rows):
-            start, k = p - len(row.prompt), len(row.tokens)
-            input_ids[i, start:p + k] = torch.tensor(row.prompt + row.tokens)
-            attention[i, start:p + k] = 1
-            response_mask[i, p - 1:p - 1 + k] = 1
-            log_probs[i, p - 1:p - 1 + k] = torch.tensor(row.log_probs)
-            versions[i, p - 1:p - 1 + k] = torch.tensor(row.versions)
+        p = self.prompt_width
+        input_ids, attention, response_mask, log_probs, versions = response_rows(
+            [row.prompt for row in rows], [row.tokens for row in rows], self.sampling.pad_id, p,
+            self.sampling.max_new_tokens, [row.log_probs for row in rows], versions=[row.versions for row in rows])
         return Rollout(input_ids.to(device), attention.to(device), response_mask.to(device), log_probs.to(device), p,
                        token_versions=versions.to(device), version=int(versions[versions >= 0].min()))
 

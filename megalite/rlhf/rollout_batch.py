@@ -149,6 +149,31 @@ def tensors_from_state(state: list, device="cpu") -> list[torch.Tensor]:
             for dtype, shape, values in state]
 
 
+def response_rows(prompts: list[list[int]], responses: list[list[int]], pad: int, prompt_width: int,
+                  response_width: int, log_probs: list[list[float]], trained: list[list[float]] | None = None,
+                  versions: list[list[int] | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """The token tensors of rows each a prompt left-padded with ``pad`` to ``prompt_width`` columns, then its
+    response padded after to ``response_width`` more: ``input_ids`` and ``attention_mask`` ``[b, p + n]``, then,
+    aligned with the next-token predictions ``[b, p + n - 1]``, the response mask (``trained[i]`` per response
+    token, default 1 each), the log-probs ``log_probs[i]`` and each token's policy version (``versions[i]``; -1
+    off the response and for a row whose versions are None)."""
+    b, p, n = len(prompts), prompt_width, response_width
+    input_ids = torch.full((b, p + n), pad, dtype=torch.long)
+    attention = torch.zeros(b, p + n, dtype=torch.long)
+    response_mask = torch.zeros(b, p + n - 1)
+    token_log_probs = torch.zeros(b, p + n - 1)
+    token_versions = torch.full((b, p + n - 1), -1, dtype=torch.long)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        start, end = p - len(prompt), p + len(response)
+        input_ids[i, start:end] = torch.tensor(prompt + response)
+        attention[i, start:end] = 1
+        response_mask[i, p - 1:end - 1] = 1 if trained is None else torch.tensor(trained[i])
+        token_log_probs[i, p - 1:end - 1] = torch.tensor(log_probs[i])
+        if versions is not None and versions[i] is not None:
+            token_versions[i, p - 1:end - 1] = torch.tensor(versions[i], dtype=torch.long)
+    return input_ids, attention, response_mask, token_log_probs, token_versions
+
+
 def left_pad(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows left-padded with ``pad`` to ``width`` columns, and their attention mask."""
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
