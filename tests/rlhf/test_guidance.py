@@ -272,17 +272,23 @@ by the placement plan between their phases): the revision's reward ends above th
     assert mean(last, "guide_reward") > mean(first, "guide_reward") + 0.05, [r["guide_reward"] for r in records]
 
 
+def small_guidance_argv(metrics, train_iters: int, max_operand: int, *extra: str) -> list[str]:
+    """The trainer's flags of a short guidance run (a one-layer width-32 policy and guide, 2 prompts x 2 samples)
+    writing ``metrics``, with ``extra`` flags."""
+    return ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
+            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", str(train_iters),
+            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
+            "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
+            "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", str(max_operand),
+            "--environment", "guidance", *extra, "--tensorboard-dir", "", "--metrics-file", str(metrics)]
+
+
 @pytest.mark.slow
 def test_a_run_with_two_hints_per_attempt_trains_both_models(tmp_path):
     """--guide-samples-per-attempt 2 through the trainer: twice the rows for both models (one per hint), both
     trained, and the throughput counts every revision."""
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
-            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "2",
-            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
-            "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
-            "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "4", "--environment", "guidance",
-            "--guide-samples-per-attempt", "2", "--tensorboard-dir", "", "--metrics-file", str(metrics)]
+    argv = small_guidance_argv(metrics, 2, 4, "--guide-samples-per-attempt", "2")
     [(actor_moved, guide_moved)] = run_distributed(_train, 1, argv, timeout=120)
     assert actor_moved > 0 and guide_moved > 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

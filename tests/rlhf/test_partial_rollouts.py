@@ -24,7 +24,7 @@ from megalite.rlhf.trainer_models import build
 from megalite.rlhf.update import rl_update
 from megalite.testing import run_distributed
 from tests.rlhf.common import VOCAB, config, scripted_output
-from tests.rlhf.test_guidance import moved
+from tests.rlhf.test_guidance import moved, small_guidance_argv
 
 SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=VOCAB - 1, pad_id=0, temperature=1.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -469,13 +469,8 @@ def test_a_guidance_run_with_partial_rollouts_trains_both_models_on_tokens_of_se
     token carries the log-prob of the weights (of its model, at its version) that sampled it, some batches span
     several versions, and the run trains the policy and the guide."""
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--tensor-model-parallel-size", "1", "--hidden-size", "32", "--num-layers", "1", "--pretrain-iters", "40",
-            "--pretrain-lr", "1e-2", "--actor-lr", "1e-2", "--guide-lr", "1e-2", "--train-iters", "5",
-            "--global-batch-size", "2", "--n-samples-per-prompt", "2", "--advantage-estimator",
-            "grpo", "--micro-batch-size", "4", "--pretrain-global-batch-size", "8", "--ppo-epochs", "1",
-            "--max-new-tokens", "4", "--max-total-tokens", "32", "--max-operand", "9", "--environment", "guidance",
-            "--partial-rollout-tokens", "1", "--max-staleness", "2", "--rollout-is-cap", "2", "--tensorboard-dir", "",
-            "--metrics-file", str(metrics)]
+    argv = small_guidance_argv(metrics, 5, 9, "--partial-rollout-tokens", "1", "--max-staleness", "2",
+                               "--rollout-is-cap", "2")
     [(batches, actor_moved, guide_moved)] = run_distributed(_guidance_run, 1, argv, timeout=120)
     assert len(batches) == 5 and actor_moved > 0 and guide_moved > 0
     for policy, guide in batches:
