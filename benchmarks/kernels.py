@@ -6,7 +6,12 @@ Times every megalite.kernels op (fused path) on one process next to its plain
 torch reference (megalite.kernels.reference) run eagerly and compiled with
 torch.compile, and prints the times and the eager/fused and compiled/fused
 ratios (> 1 means the fused op is faster).  On a GPU it also prints the fused
-op's forward bandwidth in GB/s next to a measured device copy bandwidth.
+op's forward bandwidth in GB/s next to a measured device copy bandwidth, twice:
+as Python calls it (CUDA events around one call: custom-op dispatch and the
+host's launch included, which at GPU shapes can exceed the kernel) and as the
+device runs it (the kernel durations of ten no-grad forward calls, as the CUDA
+profiler records them, so the host's gaps are out of the time), with
+torch.compile of the reference timed the same way.
 """
 
 from __future__ import annotations
@@ -124,6 +129,23 @@ def _time(fn, args, device, repeats, forward_only=False):
     return statistics.median(samples)
 
 
+def _device_seconds(fn, args, calls=10):
+    """Device seconds per no-grad forward call: the summed durations of the kernels that ``calls`` calls ran, as
+    the CUDA profiler records them (the host's dispatch and launch gaps between kernels are not in it)."""
+    def run():
+        with torch.no_grad():
+            for _ in range(calls):
+                fn(*args)
+
+    run()  # warm-up: compiles, allocator, lazy initialisation
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    micros = sum(event.self_device_time_total for event in profile.key_averages())
+    return micros / 1e6 / calls
+
+
 def _copy_bandwidth(device):
     """Device-to-device copy bandwidth in GB/s (read + write), the practical peak."""
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
@@ -154,7 +176,8 @@ def main() -> None:
         print(f"measured copy bandwidth: {peak:.0f} GB/s")
     header = f"{'op':18s} {'fused ms':>9s} {'eager ms':>9s} {'eager/fused':>11s}"
     header += "" if args.no_compile else f" {'compile ms':>10s} {'compile/fused':>13s}"
-    header += "" if not peak else f" {'fwd GB/s':>9s} {'% of copy':>9s}"
+    header += "" if not peak else f" {'fwd GB/s':>9s} {'% of copy':>9s} {'dev GB/s':>9s} {'dev % copy':>10s}"
+    header += "" if not peak or args.no_compile else f" {'compile dev %':>13s}"
     print(header)
     results = {}
     for name, (fused_fn, reference_fn, make_args) in _cases(device, dtype, args.small).items():
@@ -177,6 +200,16 @@ def main() -> None:
             gb_per_s = moved / forward_s / 1e9
             line += f" {gb_per_s:9.0f} {100 * gb_per_s / peak:8.0f}%"
             results[name].update(forward_gb_per_s=gb_per_s, fraction_of_copy=gb_per_s / peak)
+            device_s = _device_seconds(fused_fn, inputs)
+            device_gb = moved / device_s / 1e9
+            line += f" {device_gb:9.0f} {100 * device_gb / peak:9.0f}%"
+            results[name].update(device_forward_ms=device_s * 1e3, device_forward_gb_per_s=device_gb,
+                                 device_fraction_of_copy=device_gb / peak)
+            if not args.no_compile:
+                torch._dynamo.reset()
+                compiled_device_s = _device_seconds(torch.compile(reference_fn), inputs)
+                line += f" {100 * moved / compiled_device_s / 1e9 / peak:12.0f}%"
+                results[name].update(compiled_device_forward_ms=compiled_device_s * 1e3)
         print(line, flush=True)
     if device.type == "cuda":
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu_kernels_{args.dtype}.json")
