@@ -21,6 +21,9 @@ class EngineConfig:
     :class:`GrammarError` after; the server's 400), so a hostile schema cannot stall the engine.  A sliding-window
     model (``GPTConfig.window_size``) runs without prefix caching: its blocks
     older than the window are freed while it decodes.
+    ``cuda_graphs``: on CUDA, run decode-only steps at static shapes and replay them as CUDA graphs, one per
+    batch and context bucket (:mod:`megalite.inference.static_decode`); no effect elsewhere, nor under
+    tensor parallelism, speculative decoding, multi-latent attention, MoE or batch-invariant mode.
     """
 
     block_size: int = 16
@@ -34,6 +37,7 @@ class EngineConfig:
     ngram_max: int = 3
     seed: int = 0
     grammar_compile_time_limit_s: float = 1.0
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens"):

@@ -56,6 +56,8 @@ SERVE_FLAGS = FlagTable((
     Flag("--max-num-batched-tokens", _ENGINE, ("EngineConfig.max_num_batched_tokens",), type=int),
     Flag("--max-num-seqs", _ENGINE, ("EngineConfig.max_num_seqs",), type=int),
     Flag("--no-prefix-caching", _ENGINE, ("EngineConfig.enable_prefix_caching",), sets=False),
+    Flag("--no-cuda-graphs", _ENGINE, ("EngineConfig.cuda_graphs",), sets=False,
+         help="run decode steps eagerly on CUDA"),
 ), (EngineConfig, ServerConfig))
 """The server's own rows; ``--load`` and ``--tensor-model-parallel-size`` are ``megalite.flags.SHARED_FLAGS``'."""
 

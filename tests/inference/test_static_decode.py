@@ -1,0 +1,79 @@
+"""Static-shape decode steps (megalite.inference.static_decode) against the engine's eager paged step, in fp32 on
+CPU: the same logits for sequences of different lengths padded to a bucket, the same pool contents (padding rows
+write only the scratch block), and the same greedy tokens for a whole ``LLM.generate``."""
+
+import pytest
+import torch
+
+from megalite.inference import LLM, EngineConfig, SamplingParams
+from megalite.inference.static_decode import StaticDecode, batch_buckets, context_buckets
+from tests.inference.common import VOCAB, logprob_model, tiny_model
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(3) == [1, 2, 3] and batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert context_buckets(16) == [1, 2, 4, 8, 16] and context_buckets(24) == [1, 2, 4, 8, 16, 24]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_step_matches_the_eager_step(window):
+    """Three sequences (contexts 4, 10, 15 tokens: 1 to 4 blocks of 4) in a batch bucket of 4 and a context
+    bucket of 4 blocks: fp32 logits equal to the eager step's, and every real block of the pool the same."""
+    model = tiny_model(init_method_std=0.3, window_size=window)  # logprob_model's std, with the window
+    llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=32, max_num_seqs=8,
+                                                           enable_prefix_caching=False))
+    engine = llm.engine
+    g = torch.Generator().manual_seed(0)
+    for length in (3, 9, 14):
+        engine.add_request(torch.randint(0, VOCAB, (length,), generator=g).tolist(),
+                           SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # the three prefills
+    plan, _ = engine.scheduler.schedule()
+    assert plan.lengths == [1, 1, 1] and [s + 1 for s in plan.starts] == [4, 10, 15]
+    if window is not None:
+        assert any(b < 0 for table in plan.block_tables for b in table)  # blocks freed outside the window
+    eager = engine.execute(plan)
+    keys = {n: k[:, :-1].clone() for n, k in engine.pool.keys.items()}
+    static = StaticDecode.for_engine(engine, graphs=False)
+    assert static.accepts(plan)
+    got = static.run(plan)
+    assert got.dtype == torch.float32 and got.shape == eager.shape == (3, VOCAB)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    for n, k in engine.pool.keys.items():  # the same keys rewritten (layer 2's to rounding: its input went
+        # through layer 1's attention); padding touched the scratch block only
+        torch.testing.assert_close(k[:, :-1], keys[n], rtol=1e-5, atol=1e-5)
+
+
+def test_static_path_generates_the_eager_greedy_tokens(monkeypatch):
+    """A whole generate with decode steps on the static path (prompts of 1-13 tokens, 2-9 new tokens, so the
+    batch shrinks through its buckets) gives exactly the eager engine's greedy tokens."""
+    model = logprob_model()
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=6)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 14, (6,), generator=g)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+              for m in torch.randint(2, 10, (6,), generator=g)]
+    eager = [o.outputs[0].token_ids for o in LLM.from_model(model, engine_config=config).generate(prompts, params)]
+    llm = LLM.from_model(model, engine_config=config)
+    assert llm.engine.static_decode is None  # CPU: eager by default
+    llm.engine.static_decode = StaticDecode.for_engine(llm.engine, graphs=False)
+    shapes = []
+    real = StaticDecode.run
+
+    def counted(self, plan):
+        shapes.append(len(plan.lengths))
+        return real(self, plan)
+
+    monkeypatch.setattr(StaticDecode, "run", counted)
+    static = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert static == eager
+    assert len(set(shapes)) > 2  # decode steps of several batch sizes went through the static path
+    assert llm.engine.allocator.num_used() == 0
+
+
+def test_unsupported_engines_say_why():
+    llm = LLM.from_model(logprob_model(), engine_config=EngineConfig(block_size=4, num_blocks=16,
+                                                                    speculative="ngram"))
+    with pytest.raises(ValueError, match="static decode steps do not support speculative decoding"):
+        StaticDecode.for_engine(llm.engine, graphs=False)
