@@ -152,6 +152,7 @@ class StaticDecode:
         n = len(plan.lengths)
         return 0 < n <= self.batch_sizes[-1] and len(plan.sample_rows) == n and all(x == 1 for x in plan.lengths)
 
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """The step's fp32 logits ``[len(plan.lengths), vocab]`` (writes the new keys and values to the pool)."""
         n, bs = len(plan.lengths), self.pool.block_size

@@ -1,0 +1,65 @@
+"""The engine's CUDA-graphed decode steps on a GPU: the eager engine's greedy tokens in fp32 (also after the
+weights move, which needs new graphs), and bf16 logits close to the eager step's."""
+
+import pytest
+import torch
+
+from megalite.inference import LLM, EngineConfig, SamplingParams
+from tests.inference.common import VOCAB, logprob_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _work(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 14, (6,), generator=g)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+              for m in torch.randint(2, 10, (6,), generator=g)]
+    return prompts, params
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_graph_replay_gives_the_eager_greedy_tokens():
+    model = logprob_model().cuda()
+    prompts, params = _work()
+    config = dict(block_size=4, num_blocks=64, max_num_seqs=6)
+    eager_llm = LLM.from_model(model, engine_config=EngineConfig(**config, cuda_graphs=False))
+    assert eager_llm.engine.static_decode is None
+    llm = LLM.from_model(model, engine_config=EngineConfig(**config))
+    graphs = llm.engine.static_decode
+    assert graphs is not None and graphs.graphs is not None
+    eager = _tokens(eager_llm, prompts, params)
+    assert _tokens(llm, prompts, params) == eager
+    captured = len(graphs.graphs)
+    assert captured > 2  # the batch shrank through several buckets
+    assert _tokens(llm, prompts, params) == eager and len(graphs.graphs) == captured  # replayed, not recaptured
+    with torch.no_grad():  # new storage (and values) for every weight: the old graphs would read freed memory
+        for p in model.parameters():
+            p.data = p.data * 0.9
+    assert _tokens(llm, prompts, params) == _tokens(eager_llm, prompts, params)
+
+
+def test_bf16_graph_logits_close_to_the_eager_step():
+    """Three sequences of different lengths (batch bucket 4): the replayed graph's logits within 4 bf16 steps
+    (at the logits' size, about 4) of the eager paged step's; on CPU the two paths differ by 2."""
+    model = logprob_model().cuda().to(torch.bfloat16)
+    llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=32, max_num_seqs=8,
+                                                           enable_prefix_caching=False))
+    engine = llm.engine
+    g = torch.Generator().manual_seed(0)
+    for length in (3, 9, 14):
+        engine.add_request(torch.randint(0, VOCAB, (length,), generator=g).tolist(),
+                           SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    plan, _ = engine.scheduler.schedule()
+    static = engine.static_decode
+    assert static.accepts(plan) and static.graphs is not None
+    graphed = static.run(plan).clone()
+    assert len(static.graphs) == 1
+    engine.static_decode = None
+    eager = engine.execute(plan)
+    assert graphed.dtype == torch.float32 and graphed.shape == eager.shape == (3, VOCAB)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0.125)
