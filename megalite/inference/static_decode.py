@@ -44,8 +44,27 @@ def context_buckets(max_blocks: int) -> list[int]:
     return sizes + [max_blocks]
 
 
-def _bucket(sizes: list[int], n: int) -> int:
+def bucket(sizes: list[int], n: int) -> int:
+    """The smallest of the ascending ``sizes`` that holds ``n``."""
     return sizes[bisect.bisect_left(sizes, n)]
+
+
+# ids, positions, slots, contexts: the leading columns of a packed decode step; its block table follows
+COLUMNS = 4
+
+
+def pack_decode(plan: StepPlan, block_size: int, scratch: int, batch: int, blocks: int) -> torch.Tensor:
+    """A decode-only ``plan`` as int64 rows ``[batch, COLUMNS + blocks]`` (host): token, position, the slot its key
+    goes to, context length, then ``blocks`` block ids (freed ``-1`` entries and padding: ``scratch``); padding
+    rows decode at position 0 of the scratch block."""
+    bs, n = block_size, len(plan.lengths)
+    rows = []
+    for token, position, start, table in zip(plan.token_ids, plan.positions, plan.starts, plan.block_tables):
+        table = [b if b >= 0 else scratch for b in table[:blocks]]
+        rows.append([token, position, table[start // bs] * bs + start % bs, start + 1, *table,
+                     *[scratch] * (blocks - len(table))])
+    rows.extend([[0, 0, scratch * bs, 1, *[scratch] * blocks]] * (batch - n))
+    return torch.tensor(rows)
 
 
 class StaticDecodeCache:
@@ -100,9 +119,6 @@ class StaticDecode:
     nothing from the host (a host copy cannot be captured).
     """
 
-    # ids, positions, slots, contexts: the leading columns of the input buffer; the block table follows
-    COLUMNS = 4
-
     def __init__(self, model, pool: KVPool, scratch_block: int, max_num_seqs: int, max_context: int,
                  window: int | None, vocab_size: int, graphs: bool):
         self.model, self.pool, self.window, self.vocab_size = model, pool, window, vocab_size
@@ -110,7 +126,7 @@ class StaticDecode:
         self.max_blocks = -(-max_context // pool.block_size)
         self.batch_sizes, self.block_counts = batch_buckets(max_num_seqs), context_buckets(self.max_blocks)
         device = next(iter(pool.keys.values())).device
-        self.inputs = torch.zeros(self.batch_sizes[-1], self.COLUMNS + self.max_blocks, dtype=torch.long,
+        self.inputs = torch.zeros(self.batch_sizes[-1], COLUMNS + self.max_blocks, dtype=torch.long,
                                   device=device)
         self.graphs = GraphCache() if graphs else None
         self._weights = None  # where the parameters lived when the graphs were captured
@@ -155,18 +171,11 @@ class StaticDecode:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """The step's fp32 logits ``[len(plan.lengths), vocab]`` (writes the new keys and values to the pool)."""
-        n, bs = len(plan.lengths), self.pool.block_size
-        batch = _bucket(self.batch_sizes, n)
-        blocks = _bucket(self.block_counts, max(start // bs for start in plan.starts) + 1)
-        scratch = self.scratch
-        rows = []
-        for token, position, start, table in zip(plan.token_ids, plan.positions, plan.starts, plan.block_tables):
-            table = [b if b >= 0 else scratch for b in table[:blocks]]
-            rows.append([token, position, table[start // bs] * bs + start % bs, start + 1, *table,
-                         *[scratch] * (blocks - len(table))])
-        padding = [0, 0, scratch * bs, 1, *[scratch] * blocks]
-        rows.extend([padding] * (batch - n))
-        self.inputs[:batch, :self.COLUMNS + blocks].copy_(torch.tensor(rows), non_blocking=True)
+        n = len(plan.lengths)
+        batch = bucket(self.batch_sizes, n)
+        blocks = bucket(self.block_counts, max(start // self.pool.block_size for start in plan.starts) + 1)
+        rows = pack_decode(plan, self.pool.block_size, self.scratch, batch, blocks)
+        self.inputs[:batch, :COLUMNS + blocks].copy_(rows, non_blocking=True)
         if self.graphs is None:
             logits = self._forward(batch, blocks)
         else:
@@ -181,8 +190,8 @@ class StaticDecode:
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """Logits ``[batch, v]`` of the buffered inputs of ``batch`` rows and ``blocks`` blocks of context."""
         inputs = self.inputs[:batch]
-        ids, positions, slots, contexts = (inputs[:, i].contiguous() for i in range(self.COLUMNS))
-        cache = StaticDecodeCache(self.pool, inputs[:, self.COLUMNS:self.COLUMNS + blocks], slots, contexts,
+        ids, positions, slots, contexts = (inputs[:, i].contiguous() for i in range(COLUMNS))
+        cache = StaticDecodeCache(self.pool, inputs[:, COLUMNS:COLUMNS + blocks], slots, contexts,
                                   self.window)
         hidden = self.model(ids[None], position_ids=positions[None], kv_cache=cache, return_hidden=True)
         return self.model.output_logits(hidden[0].unsqueeze(1))[:, 0]
