@@ -21,6 +21,7 @@ grouped-query attention needs no expansion of the keys.  Sampling stays outside:
 from __future__ import annotations
 
 import bisect
+from array import array
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +57,20 @@ COLUMNS = 4
 def pack_decode(plan: StepPlan, block_size: int, scratch: int, batch: int, blocks: int) -> torch.Tensor:
     """A decode-only ``plan`` as int64 rows ``[batch, COLUMNS + blocks]`` (host): token, position, the slot its key
     goes to, context length, then ``blocks`` block ids (freed ``-1`` entries and padding: ``scratch``); padding
-    rows decode at position 0 of the scratch block."""
+    rows decode at position 0 of the scratch block.  Built in an ``array`` (a nested list through
+    ``torch.tensor`` costs 8x more, a millisecond per step at 128 sequences)."""
     bs, n = block_size, len(plan.lengths)
-    rows = []
+    flat = array("q")
     for token, position, start, table in zip(plan.token_ids, plan.positions, plan.starts, plan.block_tables):
-        table = [b if b >= 0 else scratch for b in table[:blocks]]
-        rows.append([token, position, table[start // bs] * bs + start % bs, start + 1, *table,
-                     *[scratch] * (blocks - len(table))])
-    rows.extend([[0, 0, scratch * bs, 1, *[scratch] * blocks]] * (batch - n))
-    return torch.tensor(rows)
+        table = table[:blocks]
+        flat.extend((token, position, table[start // bs] * bs + start % bs, start + 1))
+        flat.extend(table)
+        flat.extend([scratch] * (blocks - len(table)))
+    flat.extend([0, 0, scratch * bs, 1, *[scratch] * blocks] * (batch - n))
+    rows = torch.frombuffer(flat, dtype=torch.long).view(batch, COLUMNS + blocks)
+    tables = rows[:n, COLUMNS:]
+    tables.masked_fill_(tables < 0, scratch)
+    return rows
 
 
 class StaticDecodeCache:
@@ -175,7 +181,7 @@ class StaticDecode:
         batch = bucket(self.batch_sizes, n)
         blocks = bucket(self.block_counts, max(start // self.pool.block_size for start in plan.starts) + 1)
         rows = pack_decode(plan, self.pool.block_size, self.scratch, batch, blocks)
-        self.inputs[:batch, :COLUMNS + blocks].copy_(rows, non_blocking=True)
+        self.inputs[:batch, :COLUMNS + blocks].copy_(rows)
         if self.graphs is None:
             logits = self._forward(batch, blocks)
         else:
