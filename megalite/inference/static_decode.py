@@ -3,7 +3,7 @@
 A step in which every scheduled sequence decodes exactly one token (no prefill chunk, no speculative
 verification) runs here instead of through :class:`PagedStep`: its inputs are copied into persistent device
 buffers padded to a *batch bucket* (1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``, vLLM's sizes)
-and a *context bucket* (a power of two of blocks, up to the blocks of the model's whole context), and the
+and a *context bucket* (the same sizes in blocks, up to the blocks of the model's whole context), and the
 forward reads nothing else.  One shape per pair of buckets, and no host work inside the forward, is what lets
 :class:`megalite.inference.cuda_graphs.GraphCache` capture it once and replay it every step after.  Off CUDA
 (and in the tests) the same forward runs eagerly.
@@ -30,19 +30,10 @@ from megalite.inference.cuda_graphs import GraphCache
 from megalite.inference.paged_cache import KVPool, StepPlan
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes: 1, 2, 4, 8, 16, 24, ... (multiples of 8) and ``max_num_seqs`` last."""
-    sizes = {1, 2, 4, *range(8, max_num_seqs, 8), max_num_seqs}
-    return sorted(s for s in sizes if s <= max_num_seqs)
-
-
-def context_buckets(max_blocks: int) -> list[int]:
-    """The padded context lengths in blocks: powers of two below ``max_blocks``, then ``max_blocks``."""
-    sizes, size = [], 1
-    while size < max_blocks:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_blocks]
+def buckets(limit: int) -> list[int]:
+    """The padded sizes up to ``limit``: 1, 2, 4, 8, then multiples of 8, and ``limit`` last (vLLM's batch sizes;
+    here also the context lengths in blocks, so padding wastes at most a third of a gather past 16 blocks)."""
+    return sorted(s for s in {1, 2, 4, *range(8, limit, 8), limit} if s <= limit)
 
 
 def bucket(sizes: list[int], n: int) -> int:
@@ -130,7 +121,7 @@ class StaticDecode:
         self.model, self.pool, self.window, self.vocab_size = model, pool, window, vocab_size
         self.scratch = scratch_block
         self.max_blocks = -(-max_context // pool.block_size)
-        self.batch_sizes, self.block_counts = batch_buckets(max_num_seqs), context_buckets(self.max_blocks)
+        self.batch_sizes, self.block_counts = buckets(max_num_seqs), buckets(self.max_blocks)
         device = next(iter(pool.keys.values())).device
         self.inputs = torch.zeros(self.batch_sizes[-1], COLUMNS + self.max_blocks, dtype=torch.long,
                                   device=device)

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
-from megalite.inference.static_decode import StaticDecode, batch_buckets, context_buckets
+from megalite.inference.static_decode import StaticDecode, buckets
 from tests.inference.common import VOCAB, logprob_model, tiny_model
 
 
 def test_buckets():
-    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert batch_buckets(3) == [1, 2, 3] and batch_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert context_buckets(16) == [1, 2, 4, 8, 16] and context_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert buckets(3) == [1, 2, 3] and buckets(20) == [1, 2, 4, 8, 16, 20] and buckets(1) == [1]
 
 
 @pytest.mark.parametrize("window", [None, 5])
