@@ -11,15 +11,17 @@ tokens each.  transformers runs padded static batches at each size of ``--batche
 tokens as its batch's longest; only the tokens a request asked for count) and is compared at its best size;
 the engine takes all requests at once (continuous batching over its paged KV cache), in the ``--modes`` given:
 ``eager`` (``EngineConfig(cuda_graphs=False)``: every step through the paged step's bucketed attention),
-``static`` (decode-only steps at static shapes, run eagerly) and ``graphs`` (the default on CUDA: those steps
-replayed as CUDA graphs, one per batch and context bucket, captured during the warm-up pass).  A mode that
-fails is reported and the others go on.  Times
+``static`` (decode-only steps at static shapes, run eagerly), ``graphs`` (the default on CUDA: those steps
+replayed as CUDA graphs, one per batch and context bucket, captured during the warm-up pass) and
+``graphs-triton`` (the same with ``decode_attention="triton"``).  A mode that fails is reported and the
+others go on.  Times
 are wall seconds after one warm-up pass of each, with the GPU synchronised.  Prints output tokens/s for each,
 each mode's ratio to transformers at its best batch, and the share of requests whose greedy tokens agree (bf16
 argmax ties on random weights make some differ).
 
-First it times the attention of one decode step over the paged KV cache on both paths, at this model's shape:
-the first 128 requests halfway through their outputs, 16 layers' calls (each path's per-step setup included).
+First it times the attention of one decode step over the paged KV cache on each path (the eager paged step,
+the static step's gather + SDPA and, on CUDA, its Triton kernel) at this model's shape: the first 128 requests
+halfway through their outputs, 16 layers' calls (each path's per-step setup included).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from extras import require  # noqa: E402
 from inference import run_hf_static, workload  # noqa: E402
 from megalite.checkpoint import load_model  # noqa: E402
 from megalite.checkpoint.hf import convert_hf_to_megalite  # noqa: E402
-from megalite.inference import LLM, EngineConfig, SamplingParams  # noqa: E402
+from megalite.inference import LLM, EngineConfig, SamplingParams, triton_attention  # noqa: E402
 from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan  # noqa: E402
 from megalite.inference.static_decode import (COLUMNS, StaticDecode, StaticDecodeCache, bucket,  # noqa: E402
                                               buckets, pack_decode)
@@ -101,27 +103,38 @@ def attention_paths(work, shape: dict, device: str, dtype: torch.dtype, rows: in
         step = PagedStep(pool, plan, device)
         return [step.attend(1, q, k, v, 0.0, None) for _ in range(layers)][-1]
 
-    def static():
-        packed = pack_decode(plan, BLOCK, used, n, blocks).to(device)
-        cache = StaticDecodeCache(pool, packed[:, COLUMNS:], packed[:, 2], packed[:, 3], None)
-        return [cache.attend(1, q, k, v, 0.0, None) for _ in range(layers)][-1]
+    def static(attention):
+        def step():
+            packed = pack_decode(plan, BLOCK, used, n, blocks).to(device)
+            cache = StaticDecodeCache(pool, packed[:, COLUMNS:], packed[:, 2], packed[:, 3], None, attention)
+            return [cache.attend(1, q, k, v, 0.0, None) for _ in range(layers)][-1]
+        return step
 
-    results = {}
-    with torch.inference_mode():
-        for name, fn in (("eager paged step (buckets, batched matmuls)", eager),
-                         ("static gather + SDPA with a length mask", static)):
-            fn()
-            seconds = [timed(fn, device)[0] for _ in range(iters)]
-            results[name] = (statistics.median(seconds), fn())
-    (a, (ta, oa)), (b, (tb, ob)) = results.items()
+    paths = [("eager paged step (buckets, batched matmuls)", eager),
+             (f"static gather + SDPA with a length mask ({blocks * BLOCK} keys)", static("sdpa"))]
+    if device == "cuda" and triton_attention.available():
+        paths.append(("static Triton kernel (blocks in place)", static("triton")))
     print(f"attention of one decode step ({n} sequences, contexts {min(contexts)}-{max(contexts)}, {layers} layers, "
-          f"{dtype}): {a}: {ta * 1e3:.2f} ms; {b} ({blocks * BLOCK} keys): {tb * 1e3:.2f} ms "
-          f"({ta / tb:.2f}x); max |difference| {(oa.float() - ob.float()).abs().max().item():.2e}", flush=True)
+          f"{dtype}), median of {iters}:", flush=True)
+    first = None
+    with torch.inference_mode():
+        for name, fn in paths:
+            try:
+                fn()
+                seconds = statistics.median(timed(fn, device)[0] for _ in range(iters))
+                out = fn().float()
+            except Exception as error:  # report it and go on: one GPU run should measure what works
+                print(f"  {name}: FAILED: {type(error).__name__}: {error}", flush=True)
+                continue
+            first = first or (seconds, out)
+            print(f"  {name}: {seconds * 1e3:.2f} ms ({first[0] / seconds:.2f}x of the eager path; max |difference| "
+                  f"{(out - first[1]).abs().max().item():.2e})", flush=True)
 
 
 def run_engine(model, work, blocks: int, max_num_seqs: int, mode: str, device: str):
     """(seconds of the timed pass, each request's tokens, graphs captured) of the engine in ``mode``."""
-    config = EngineConfig(block_size=BLOCK, num_blocks=blocks, max_num_seqs=max_num_seqs, cuda_graphs=mode == "graphs")
+    config = EngineConfig(block_size=BLOCK, num_blocks=blocks, max_num_seqs=max_num_seqs,
+                          cuda_graphs=mode.startswith("graphs"), decode_attention="triton" if "triton" in mode else "sdpa")
     llm = LLM.from_model(model, engine_config=config)
     if mode == "static":
         llm.engine.static_decode = StaticDecode.for_engine(llm.engine, graphs=False)
@@ -142,7 +155,7 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--batches", default="32,64,128")
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--modes", default="eager,static,graphs", help="engine modes to run (see above)")
+    parser.add_argument("--modes", default="eager,static,graphs,graphs-triton", help="engine modes to run (see above)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a 2-layer h=64 model (a smoke run on CPU)")
     args = parser.parse_args()
@@ -152,12 +165,12 @@ def main():
         print("error: this benchmark needs a CUDA GPU (or --device cpu --tiny for a smoke run)", file=sys.stderr)
         sys.exit(2)
     modes = args.modes.split(",")
-    if any(m not in ("graphs", "static", "eager") for m in modes):
-        print(f"error: --modes takes graphs, static and eager, got {args.modes!r}", file=sys.stderr)
+    if any(m not in ("eager", "static", "graphs", "graphs-triton") for m in modes):
+        print(f"error: --modes takes eager, static, graphs and graphs-triton, got {args.modes!r}", file=sys.stderr)
         sys.exit(2)
-    if device == "cpu" and "graphs" in modes:
-        print("note: no CUDA graphs on CPU; the graphs mode is skipped", flush=True)
-        modes.remove("graphs")
+    if device == "cpu" and any(m.startswith("graphs") for m in modes):
+        print("note: no CUDA graphs on CPU; the graphs modes are skipped", flush=True)
+        modes = [m for m in modes if not m.startswith("graphs")]
     shape = TINY if args.tiny else FULL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     work = workload(args.requests, vocab=VOCAB)
@@ -187,7 +200,7 @@ def main():
             print(f"megalite engine, {mode}: FAILED: {type(error).__name__}: {error}", flush=True)
             continue
         engines[mode] = (seconds, out)
-        graphs = f"; {captured} graphs captured in the warm-up pass ({warm:.2f} s)" if mode == "graphs" else ""
+        graphs = f"; {captured} graphs captured in the warm-up pass ({warm:.2f} s)" if captured else ""
         print(f"megalite engine, {mode}: {seconds:.2f} s, {asked / seconds:,.0f} output tokens/s{graphs}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -15,7 +15,9 @@ touch no real sequence; their logits are dropped.
 Attention (:class:`StaticDecodeCache`): each sequence's blocks are gathered through its padded block table to
 ``[bucket, groups, keys, d]`` and SDPA runs with a length mask (and the sliding window, if any).  A group's
 query heads become the query rows of one SDPA head, since every one of them attends to the same keys, so
-grouped-query attention needs no expansion of the keys.  Sampling stays outside: the step returns the logits.
+grouped-query attention needs no expansion of the keys.  With ``EngineConfig.decode_attention = "triton"``,
+:mod:`megalite.inference.triton_attention`'s kernel reads the blocks in place instead (no gathered copy).
+Sampling stays outside: the step returns the logits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from array import array
 import torch
 import torch.nn.functional as F
 
+from megalite.inference import triton_attention
 from megalite.inference.cuda_graphs import GraphCache
 from megalite.inference.paged_cache import KVPool, StepPlan
 
@@ -69,21 +72,24 @@ class StaticDecodeCache:
 
     ``tables [B, C]`` (block ids), ``slots [B]`` (where each row's new key goes) and ``contexts [B]`` (keys
     each row sees, itself included) are device tensors; the mask is built from them on the device.
+    ``attention``: ``"sdpa"`` (gather, then SDPA) or ``"triton"`` (:func:`triton_attention.paged_decode`).
     """
 
     offset = 0
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, slots: torch.Tensor, contexts: torch.Tensor,
-                 window: int | None):
-        self.pool, self.window, self.slots = pool, window, slots
+                 window: int | None, attention: str = "sdpa"):
+        self.pool, self.window, self.slots, self.tables, self.contexts = pool, window, slots, tables, contexts
+        self.attention = attention
         self.batch, blocks = tables.shape
-        self.index = tables.reshape(-1)
         self.keys = blocks * pool.block_size
-        key_pos = torch.arange(self.keys, device=tables.device)[None, :]
-        allowed = key_pos < contexts[:, None]
-        if window is not None:  # a token sees itself and the ``window`` tokens before it
-            allowed &= key_pos >= contexts[:, None] - 1 - window
-        self.mask = allowed[:, None, None, :]  # [B, 1 (groups), 1 (queries), keys]
+        if attention == "sdpa":
+            self.index = tables.reshape(-1)
+            key_pos = torch.arange(self.keys, device=tables.device)[None, :]
+            allowed = key_pos < contexts[:, None]
+            if window is not None:  # a token sees itself and the ``window`` tokens before it
+                allowed &= key_pos >= contexts[:, None] - 1 - window
+            self.mask = allowed[:, None, None, :]  # [B, 1 (groups), 1 (queries), keys]
 
     def attend(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -95,6 +101,10 @@ class StaticDecodeCache:
         heads = q.shape[2]
         for cache, new in ((keys, k), (values, v)):
             cache.view(groups, -1, d).index_copy_(1, self.slots, new[:, 0].transpose(0, 1).to(cache.dtype))
+        if self.attention == "triton":
+            out = triton_attention.paged_decode(q[:, 0].contiguous(), keys, values, self.tables, self.contexts,
+                                                d ** -0.5, self.window)
+            return out.view(self.batch, 1, heads * d)
 
         def gather(cache):
             return cache.index_select(1, self.index).view(groups, self.batch, self.keys, d).transpose(0, 1)
@@ -117,8 +127,9 @@ class StaticDecode:
     """
 
     def __init__(self, model, pool: KVPool, scratch_block: int, max_num_seqs: int, max_context: int,
-                 window: int | None, vocab_size: int, graphs: bool):
+                 window: int | None, vocab_size: int, graphs: bool, attention: str = "sdpa"):
         self.model, self.pool, self.window, self.vocab_size = model, pool, window, vocab_size
+        self.attention = attention
         self.scratch = scratch_block
         self.max_blocks = -(-max_context // pool.block_size)
         self.batch_sizes, self.block_counts = buckets(max_num_seqs), buckets(self.max_blocks)
@@ -143,8 +154,10 @@ class StaticDecode:
             raise ValueError("static decode steps do not support multi-latent attention")
         if engine.model.config.batch_invariant:
             raise ValueError("static decode steps do not support batch-invariant mode")
+        if engine.config.decode_attention == "triton" and not triton_attention.available():
+            raise ValueError("EngineConfig.decode_attention='triton' needs Triton installed")
         return cls(engine.model, engine.pool, engine.config.num_blocks, engine.config.max_num_seqs,
-                   engine.max_context, engine.window, engine.vocab_size, graphs)
+                   engine.max_context, engine.window, engine.vocab_size, graphs, engine.config.decode_attention)
 
     @classmethod
     def default_for(cls, engine) -> StaticDecode | None:
@@ -189,6 +202,6 @@ class StaticDecode:
         inputs = self.inputs[:batch]
         ids, positions, slots, contexts = (inputs[:, i].contiguous() for i in range(COLUMNS))
         cache = StaticDecodeCache(self.pool, inputs[:, COLUMNS:COLUMNS + blocks], slots, contexts,
-                                  self.window)
+                                  self.window, self.attention)
         hidden = self.model(ids[None], position_ids=positions[None], kv_cache=cache, return_hidden=True)
         return self.model.output_logits(hidden[0].unsqueeze(1))[:, 0]

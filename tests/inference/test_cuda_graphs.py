@@ -1,5 +1,6 @@
-"""The engine's CUDA-graphed decode steps on a GPU: the eager engine's greedy tokens in fp32 (also after the
-weights move, which needs new graphs), and bf16 logits close to the eager step's."""
+"""The engine's CUDA-graphed decode steps on a GPU, with SDPA or the Triton kernel as their attention: the eager
+engine's greedy tokens in fp32 (also after the weights move, which needs new graphs), and bf16 logits close to
+the eager step's."""
 
 import pytest
 import torch
@@ -22,10 +23,11 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_graph_replay_gives_the_eager_greedy_tokens():
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_graph_replay_gives_the_eager_greedy_tokens(attention):
     model = logprob_model().cuda()
     prompts, params = _work()
-    config = dict(block_size=4, num_blocks=64, max_num_seqs=6)
+    config = dict(block_size=4, num_blocks=64, max_num_seqs=6, decode_attention=attention)
     eager_llm = LLM.from_model(model, engine_config=EngineConfig(**config, cuda_graphs=False))
     assert eager_llm.engine.static_decode is None
     llm = LLM.from_model(model, engine_config=EngineConfig(**config))
@@ -42,12 +44,13 @@ def test_graph_replay_gives_the_eager_greedy_tokens():
     assert _tokens(llm, prompts, params) == _tokens(eager_llm, prompts, params)
 
 
-def test_bf16_graph_logits_close_to_the_eager_step():
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_bf16_graph_logits_close_to_the_eager_step(attention):
     """Three sequences of different lengths (batch bucket 4): the replayed graph's logits within 4 bf16 steps
     (at the logits' size, about 4) of the eager paged step's; on CPU the two paths differ by 2."""
     model = logprob_model().cuda().to(torch.bfloat16)
     llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=32, max_num_seqs=8,
-                                                           enable_prefix_caching=False))
+                                                           enable_prefix_caching=False, decode_attention=attention))
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     for length in (3, 9, 14):

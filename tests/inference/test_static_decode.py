@@ -2,6 +2,8 @@
 CPU: the same logits for sequences of different lengths padded to a bucket, the same pool contents (padding rows
 write only the scratch block), and the same greedy tokens for a whole ``LLM.generate``."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,18 +12,29 @@ from megalite.inference.static_decode import StaticDecode, buckets
 from tests.inference.common import VOCAB, logprob_model, tiny_model
 
 
+def _engine_config(attention: str, **fields) -> EngineConfig:
+    """``fields`` with ``decode_attention=attention``; the Triton kernel runs here only in Triton's interpreter
+    (``TRITON_INTERPRET=1``: CPU tensors), on a GPU in test_cuda_graphs.py."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+    return EngineConfig(decode_attention=attention, **fields)
+
+
 def test_buckets():
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert buckets(3) == [1, 2, 3] and buckets(20) == [1, 2, 4, 8, 16, 20] and buckets(1) == [1]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_static_step_matches_the_eager_step(window):
+def test_static_step_matches_the_eager_step(window, attention):
     """Three sequences (contexts 4, 10, 15 tokens: 1 to 4 blocks of 4) in a batch bucket of 4 and a context
     bucket of 4 blocks: fp32 logits equal to the eager step's, and every real block of the pool the same."""
     model = tiny_model(init_method_std=0.3, window_size=window)  # logprob_model's std, with the window
-    llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=32, max_num_seqs=8,
-                                                           enable_prefix_caching=False))
+    llm = LLM.from_model(model, engine_config=_engine_config(attention, block_size=4, num_blocks=32, max_num_seqs=8,
+                                                             enable_prefix_caching=False))
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     for length in (3, 9, 14):
@@ -44,11 +57,12 @@ def test_static_step_matches_the_eager_step(window):
         torch.testing.assert_close(k[:, :-1], keys[n], rtol=1e-5, atol=1e-5)
 
 
-def test_static_path_generates_the_eager_greedy_tokens(monkeypatch):
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_static_path_generates_the_eager_greedy_tokens(monkeypatch, attention):
     """A whole generate with decode steps on the static path (prompts of 1-13 tokens, 2-9 new tokens, so the
     batch shrinks through its buckets) gives exactly the eager engine's greedy tokens."""
     model = logprob_model()
-    config = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=6)
+    config = _engine_config(attention, block_size=4, num_blocks=64, max_num_seqs=6)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 14, (6,), generator=g)]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
@@ -71,8 +85,12 @@ def test_static_path_generates_the_eager_greedy_tokens(monkeypatch):
     assert llm.engine.allocator.num_used() == 0
 
 
-def test_unsupported_engines_say_why():
+def test_unsupported_engines_and_bad_config_say_why():
     llm = LLM.from_model(logprob_model(), engine_config=EngineConfig(block_size=4, num_blocks=16,
                                                                     speculative="ngram"))
     with pytest.raises(ValueError, match="static decode steps do not support speculative decoding"):
         StaticDecode.for_engine(llm.engine, graphs=False)
+    with pytest.raises(ValueError, match="decode_attention must be 'sdpa' or 'triton', got 'flash'"):
+        EngineConfig(decode_attention="flash")
+    with pytest.raises(ValueError, match="decode_attention='triton' needs a power-of-two block_size, got 12"):
+        EngineConfig(decode_attention="triton", block_size=12)
