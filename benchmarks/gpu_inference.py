@@ -134,7 +134,8 @@ def attention_paths(work, shape: dict, device: str, dtype: torch.dtype, rows: in
 def run_engine(model, work, blocks: int, max_num_seqs: int, mode: str, device: str):
     """(seconds of the timed pass, each request's tokens, graphs captured) of the engine in ``mode``."""
     config = EngineConfig(block_size=BLOCK, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                          cuda_graphs=mode.startswith("graphs"), decode_attention="triton" if "triton" in mode else "sdpa")
+                          cuda_graphs=mode.startswith("graphs"),
+                          decode_attention="triton" if mode.endswith("triton") else "sdpa")
     llm = LLM.from_model(model, engine_config=config)
     if mode == "static":
         llm.engine.static_decode = StaticDecode.for_engine(llm.engine, graphs=False)

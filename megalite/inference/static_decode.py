@@ -121,9 +121,10 @@ class StaticDecodeCache:
 class StaticDecode:
     """Runs the decode-only steps of one engine at static shapes, through CUDA graphs when ``graphs``.
 
-    ``pool`` must hold ``scratch_block`` (the engine's pool has one block past its allocator's); ``max_context`` is the model's
-    longest context.  The rotary frequencies move to the pool's device once here, so the forward copies
-    nothing from the host (a host copy cannot be captured).
+    ``pool`` must hold ``scratch_block`` (the engine's pool has one block past its allocator's);
+    ``max_context`` is the model's longest context.  The rotary frequencies move to the pool's device once
+    here, so the forward copies nothing from the host (a host copy cannot be captured).  ``attention``: see
+    :class:`StaticDecodeCache`.
     """
 
     def __init__(self, model, pool: KVPool, scratch_block: int, max_num_seqs: int, max_context: int,

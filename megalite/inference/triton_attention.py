@@ -41,7 +41,7 @@ if triton is not None:
         acc = tl.zeros([PG, DP], tl.float32)
         for j in range(first, tl.cdiv(context, BS)):
             block = tl.load(tables_ptr + row * stride_tb + j)
-            where = group * stride_kg + block * stride_kb + slots[:, None] * stride_kt + dims[None, :]
+            where = group.to(tl.int64) * stride_kg + block * stride_kb + slots[:, None] * stride_kt + dims[None, :]
             k = tl.load(k_ptr + where, mask=dim_ok[None, :], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + where, mask=dim_ok[None, :], other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
