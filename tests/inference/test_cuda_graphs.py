@@ -5,18 +5,11 @@ the eager step's."""
 import pytest
 import torch
 
-from megalite.inference import LLM, EngineConfig, SamplingParams
+from megalite.inference import LLM, EngineConfig
 from tests.inference.common import VOCAB, logprob_model
+from tests.inference.test_static_decode import decode_plan, decode_work
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-
-def _work(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 14, (6,), generator=g)]
-    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
-              for m in torch.randint(2, 10, (6,), generator=g)]
-    return prompts, params
 
 
 def _tokens(llm, prompts, params):
@@ -26,7 +19,7 @@ def _tokens(llm, prompts, params):
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_graph_replay_gives_the_eager_greedy_tokens(attention):
     model = logprob_model().cuda()
-    prompts, params = _work()
+    prompts, params = decode_work()
     config = dict(block_size=4, num_blocks=64, max_num_seqs=6, decode_attention=attention)
     eager_llm = LLM.from_model(model, engine_config=EngineConfig(**config, cuda_graphs=False))
     assert eager_llm.engine.static_decode is None
@@ -52,12 +45,7 @@ def test_bf16_graph_logits_close_to_the_eager_step(attention):
     llm = LLM.from_model(model, engine_config=EngineConfig(block_size=4, num_blocks=32, max_num_seqs=8,
                                                            enable_prefix_caching=False, decode_attention=attention))
     engine = llm.engine
-    g = torch.Generator().manual_seed(0)
-    for length in (3, 9, 14):
-        engine.add_request(torch.randint(0, VOCAB, (length,), generator=g).tolist(),
-                           SamplingParams(max_tokens=4, temperature=0))
-    engine.step()
-    plan, _ = engine.scheduler.schedule()
+    plan = decode_plan(engine)
     static = engine.static_decode
     assert static.accepts(plan) and static.graphs is not None
     graphed = static.run(plan).clone()

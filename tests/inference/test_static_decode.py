@@ -22,6 +22,29 @@ def _engine_config(attention: str, **fields) -> EngineConfig:
     return EngineConfig(decode_attention=attention, **fields)
 
 
+def decode_plan(engine):
+    """Three requests (prompts of 3, 9 and 14 tokens) prefilled, then their first decode-only plan (contexts 4,
+    10 and 15), scheduled but not run."""
+    g = torch.Generator().manual_seed(0)
+    for length in (3, 9, 14):
+        engine.add_request(torch.randint(0, VOCAB, (length,), generator=g).tolist(),
+                           SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # the three prefills
+    plan, _ = engine.scheduler.schedule()
+    assert plan.lengths == [1, 1, 1] and [s + 1 for s in plan.starts] == [4, 10, 15]
+    return plan
+
+
+def decode_work():
+    """Six greedy requests, prompts of 1-13 tokens and 2-9 new tokens (so the batch shrinks through buckets)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 14, (6,), generator=g)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+              for m in torch.randint(2, 10, (6,), generator=g)]
+    return prompts, params
+
+
 def test_buckets():
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert buckets(3) == [1, 2, 3] and buckets(20) == [1, 2, 4, 8, 16, 20] and buckets(1) == [1]
@@ -36,13 +59,7 @@ def test_static_step_matches_the_eager_step(window, attention):
     llm = LLM.from_model(model, engine_config=_engine_config(attention, block_size=4, num_blocks=32, max_num_seqs=8,
                                                              enable_prefix_caching=False))
     engine = llm.engine
-    g = torch.Generator().manual_seed(0)
-    for length in (3, 9, 14):
-        engine.add_request(torch.randint(0, VOCAB, (length,), generator=g).tolist(),
-                           SamplingParams(max_tokens=4, temperature=0))
-    engine.step()  # the three prefills
-    plan, _ = engine.scheduler.schedule()
-    assert plan.lengths == [1, 1, 1] and [s + 1 for s in plan.starts] == [4, 10, 15]
+    plan = decode_plan(engine)
     if window is not None:
         assert any(b < 0 for table in plan.block_tables for b in table)  # blocks freed outside the window
     eager = engine.execute(plan)
@@ -63,10 +80,7 @@ def test_static_path_generates_the_eager_greedy_tokens(monkeypatch, attention):
     batch shrinks through its buckets) gives exactly the eager engine's greedy tokens."""
     model = logprob_model()
     config = _engine_config(attention, block_size=4, num_blocks=64, max_num_seqs=6)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 14, (6,), generator=g)]
-    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
-              for m in torch.randint(2, 10, (6,), generator=g)]
+    prompts, params = decode_work()
     eager = [o.outputs[0].token_ids for o in LLM.from_model(model, engine_config=config).generate(prompts, params)]
     llm = LLM.from_model(model, engine_config=config)
     assert llm.engine.static_decode is None  # CPU: eager by default
