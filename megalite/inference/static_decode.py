@@ -177,7 +177,8 @@ class StaticDecode:
     def accepts(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is decode-only: one sampled token per sequence, within the largest batch bucket."""
         n = len(plan.lengths)
-        return 0 < n <= self.batch_sizes[-1] and len(plan.sample_rows) == n and all(x == 1 for x in plan.lengths)
+        return (0 < n <= self.batch_sizes[-1] and all(x == 1 for x in plan.lengths)
+                and plan.sample_rows == list(range(n)))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:

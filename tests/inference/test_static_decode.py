@@ -2,6 +2,7 @@
 CPU: the same logits for sequences of different lengths padded to a bucket, the same pool contents (padding rows
 write only the scratch block), and the same greedy tokens for a whole ``LLM.generate``."""
 
+import dataclasses
 import os
 
 import pytest
@@ -66,6 +67,8 @@ def test_static_step_matches_the_eager_step(window, attention):
     keys = {n: k[:, :-1].clone() for n, k in engine.pool.keys.items()}
     static = StaticDecode.for_engine(engine, graphs=False)
     assert static.accepts(plan)
+    assert not static.accepts(dataclasses.replace(plan, lengths=[1, 2, 1]))  # a chunk or drafts: eager
+    assert not static.accepts(dataclasses.replace(plan, sample_rows=[0, 2]))  # a row without logits: eager
     got = static.run(plan)
     assert got.dtype == torch.float32 and got.shape == eager.shape == (3, VOCAB)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
