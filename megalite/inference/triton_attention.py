@@ -23,7 +23,7 @@ except ImportError:  # CPU-only installs: the engine keeps the SDPA path
 if triton is not None:
     @triton.jit
     def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, contexts_ptr, out_ptr, scale, window,
-                      stride_qb, stride_qh, stride_kg, stride_kb, stride_kt, stride_tb, stride_ob, stride_oh,
+                      stride_qb, stride_qh, stride_kg, stride_kb, stride_kt, stride_tb, stride_c, stride_ob, stride_oh,
                       PER_GROUP: tl.constexpr, PG: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, WINDOWED: tl.constexpr):
         row = tl.program_id(0)
@@ -32,7 +32,7 @@ if triton is not None:
         head_ok, dim_ok = heads < PER_GROUP, dims < D
         q = tl.load(q_ptr + row * stride_qb + (group * PER_GROUP + heads)[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-        context = tl.load(contexts_ptr + row)
+        context = tl.load(contexts_ptr + row * stride_c)
         first = 0
         if WINDOWED:  # every block walked holds at least one visible key, so the running max is finite
             first = tl.maximum(context - 1 - window, 0) // BS
@@ -72,12 +72,14 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     ``block_size`` must be a power of two."""
     b, heads, d = q.shape
     groups, _, bs, _ = keys.shape
-    if q.stride(2) != 1 or keys.stride(3) != 1 or values.stride() != keys.stride():
-        raise ValueError("paged_decode needs the head dimension contiguous and keys and values laid out alike")
+    if q.stride(2) != 1 or keys.stride(3) != 1 or values.stride() != keys.stride() or tables.stride(1) != 1:
+        raise ValueError("paged_decode needs the head dimension and each row of block ids contiguous, and keys and "
+                         "values laid out alike")
     out = torch.empty_like(q)
     _paged_decode[(b, groups)](
         q, keys, values, tables, contexts, out, scale, 0 if window is None else window,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), PER_GROUP=heads // groups, PG=triton.next_power_of_2(heads // groups),
-        BS=bs, D=d, DP=triton.next_power_of_2(d), WINDOWED=window is not None)
+        contexts.stride(0), out.stride(0), out.stride(1), PER_GROUP=heads // groups,
+        PG=triton.next_power_of_2(heads // groups), BS=bs, D=d, DP=triton.next_power_of_2(d),
+        WINDOWED=window is not None)
     return out

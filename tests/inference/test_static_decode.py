@@ -7,19 +7,24 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
 from megalite.inference.static_decode import StaticDecode, buckets
 from tests.inference.common import VOCAB, logprob_model, tiny_model
 
 
+def _triton_on_cpu_or_skip() -> None:
+    """The Triton kernel runs on CPU tensors only in Triton's interpreter (``TRITON_INTERPRET=1``); on a GPU in
+    test_cuda_graphs.py."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+
+
 def _engine_config(attention: str, **fields) -> EngineConfig:
-    """``fields`` with ``decode_attention=attention``; the Triton kernel runs here only in Triton's interpreter
-    (``TRITON_INTERPRET=1``: CPU tensors), on a GPU in test_cuda_graphs.py."""
     if attention == "triton":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+        _triton_on_cpu_or_skip()
     return EngineConfig(decode_attention=attention, **fields)
 
 
@@ -100,6 +105,36 @@ def test_static_path_generates_the_eager_greedy_tokens(monkeypatch, attention):
     assert static == eager
     assert len(set(shapes)) > 2  # decode steps of several batch sizes went through the static path
     assert llm.engine.allocator.num_used() == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_triton_kernel_matches_sdpa_per_row(device):
+    """The kernel against SDPA over each row's own keys: 3 of 6 query heads per group (padded to 4 in the
+    kernel), a head dim of 12 (padded to 16), contexts of 1-16 keys through shuffled tables, the lengths a strided
+    column (as the engine's packed inputs hold them), with and without a window of 3 (and 0: itself only)."""
+    if device == "cpu":
+        _triton_on_cpu_or_skip()
+    elif not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from megalite.inference.triton_attention import paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    groups, blocks, bs, d, heads, rows = 2, 40, 4, 12, 6, 5
+    keys, values = (torch.randn(groups, blocks, bs, d, generator=g).to(device) for _ in range(2))
+    packed = torch.zeros(rows, 8, dtype=torch.long)
+    packed[:, 0] = torch.tensor([1, 5, 9, 16, 13])
+    packed[:, 4:] = torch.randperm(blocks, generator=g)[:rows * 4].view(rows, 4)
+    packed = packed.to(device)
+    contexts, tables = packed[:, 0], packed[:, 4:]
+    q = torch.randn(rows, heads, d, generator=g).to(device)
+    for window in (None, 3, 0):
+        out = paged_decode(q, keys, values, tables, contexts, d ** -0.5, window)
+        for i, c in enumerate(contexts.tolist()):
+            k, v = (x[:, tables[i]].reshape(groups, -1, d)[:, :c] for x in (keys, values))
+            visible = torch.arange(c, device=device) >= (0 if window is None else c - 1 - window)
+            expected = F.scaled_dot_product_attention(q[i].view(groups, heads // groups, d), k, v,
+                                                      attn_mask=visible, scale=d ** -0.5)
+            torch.testing.assert_close(out[i], expected.reshape(heads, d), rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_engines_and_bad_config_say_why():
