@@ -6,7 +6,8 @@ buffers padded to a *batch bucket* (1, 2, 4, 8, then multiples of 8 up to ``max_
 and a *context bucket* (the same sizes in blocks, up to the blocks of the model's whole context), and the
 forward reads nothing else.  One shape per pair of buckets, and no host work inside the forward, is what lets
 :class:`megalite.inference.cuda_graphs.GraphCache` capture it once and replay it every step after.  Off CUDA
-(and in the tests) the same forward runs eagerly.
+the engine keeps its eager paged step (the static one is no faster on CPU); the tests run the static step
+eagerly there.
 
 Padding rows decode at position 0 of the pool's *scratch block*, a block past the allocator's that no
 sequence owns: they write their keys and values there and attend to that one slot, so they stay finite and
