@@ -21,6 +21,12 @@ class EngineConfig:
     :class:`GrammarError` after; the server's 400), so a hostile schema cannot stall the engine.  A sliding-window
     model (``GPTConfig.window_size``) runs without prefix caching: its blocks
     older than the window are freed while it decodes.
+    ``cuda_graphs``: on CUDA, run decode-only steps at static shapes and replay them as CUDA graphs, one per
+    batch and context bucket (:mod:`megalite.inference.static_decode`); no effect elsewhere, nor under
+    tensor parallelism, speculative decoding, multi-latent attention, MoE or batch-invariant mode.
+    ``decode_attention``: those steps' attention, ``"sdpa"`` (gather each row's blocks, SDPA with a length mask)
+    or ``"triton"`` (:mod:`megalite.inference.triton_attention`: blocks read in place; a power-of-two
+    ``block_size``).
     """
 
     block_size: int = 16
@@ -34,6 +40,8 @@ class EngineConfig:
     ngram_max: int = 3
     seed: int = 0
     grammar_compile_time_limit_s: float = 1.0
+    cuda_graphs: bool = True
+    decode_attention: str = "sdpa"
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens"):
@@ -46,3 +54,8 @@ class EngineConfig:
         limit = self.grammar_compile_time_limit_s
         if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
             raise ValueError(f"EngineConfig.grammar_compile_time_limit_s must be positive, got {limit!r}")
+        if self.decode_attention not in ("sdpa", "triton"):
+            raise ValueError(f"EngineConfig.decode_attention must be 'sdpa' or 'triton', got {self.decode_attention!r}")
+        if self.decode_attention == "triton" and self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig.decode_attention='triton' needs a power-of-two block_size, got "
+                             f"{self.block_size}")

@@ -37,6 +37,7 @@ from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
 from megalite.inference.mtp_drafter import MTPDrafter
 from megalite.inference.speculative import DraftModelDrafter, NgramDrafter
+from megalite.inference.static_decode import StaticDecode
 from megalite.tensor_parallel import gather_from_tensor_parallel_region
 
 
@@ -63,7 +64,8 @@ class LLMEngine:
         mc = model.config
         self.vocab_size, self.max_context = mc.vocab_size, mc.max_position_embeddings
         self.device = next(model.parameters()).device
-        self.pool = KVPool.for_model(model, config.num_blocks, config.block_size, self.tp_size)
+        # one block more than the allocator hands out: the scratch block of static decode steps' padding rows
+        self.pool = KVPool.for_model(model, config.num_blocks + 1, config.block_size, self.tp_size)
         self.allocator = BlockAllocator(config.num_blocks)
         # A sliding-window model frees its early blocks, so its block tables cannot feed the prefix cache.
         self.window = mc.window_size
@@ -94,6 +96,7 @@ class LLMEngine:
         self.stats = {"steps": 0, "target_forwards_decoding": 0, "tokens_from_decoding": 0, "draft_tokens": 0,
                       "generated_tokens": 0}
         self._hidden = None  # the last step's final-norm hidden states [T, h] (execute), for the drafter
+        self.static_decode = StaticDecode.default_for(self)  # decode-only steps: static shapes, CUDA graphs
 
     # ---- requests (TP rank 0) ----------------------------------------------------------------------------------
 
@@ -198,15 +201,19 @@ class LLMEngine:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one packed forward; full-vocabulary fp32 logits ``[len(plan.sample_rows), v]``."""
+        """Run one packed forward; full-vocabulary fp32 logits ``[len(plan.sample_rows), v]``.  A decode-only
+        step goes to :attr:`static_decode` when there is one (then no hidden states are kept)."""
         model = self.model
         was_training = model.training
         if was_training:
             model.eval()
         self.pool.copy_blocks(plan.copies)
-        ids = torch.tensor([plan.token_ids], device=self.device)
-        positions = torch.tensor([plan.positions], device=self.device)
         try:
+            if self.static_decode is not None and self.static_decode.accepts(plan):
+                self._hidden = None
+                return self.static_decode.run(plan)
+            ids = torch.tensor([plan.token_ids], device=self.device)
+            positions = torch.tensor([plan.positions], device=self.device)
             hidden = model(ids, position_ids=positions, kv_cache=PagedStep(self.pool, plan, self.device, self.window),
                            return_hidden=True)
         finally:

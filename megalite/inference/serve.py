@@ -56,6 +56,10 @@ SERVE_FLAGS = FlagTable((
     Flag("--max-num-batched-tokens", _ENGINE, ("EngineConfig.max_num_batched_tokens",), type=int),
     Flag("--max-num-seqs", _ENGINE, ("EngineConfig.max_num_seqs",), type=int),
     Flag("--no-prefix-caching", _ENGINE, ("EngineConfig.enable_prefix_caching",), sets=False),
+    Flag("--no-cuda-graphs", _ENGINE, ("EngineConfig.cuda_graphs",), sets=False,
+         help="run decode steps eagerly on CUDA"),
+    Flag("--decode-attention", _ENGINE, ("EngineConfig.decode_attention",), choices=("sdpa", "triton"),
+         help="attention of the CUDA-graphed decode steps"),
 ), (EngineConfig, ServerConfig))
 """The server's own rows; ``--load`` and ``--tensor-model-parallel-size`` are ``megalite.flags.SHARED_FLAGS``'."""
 

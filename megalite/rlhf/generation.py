@@ -225,7 +225,10 @@ class RolloutEngine:
         if config is None or config.num_blocks < blocks or config.max_num_seqs < rows:
             self.engine = LLMEngine(self.model, EngineConfig(
                 block_size=self.block_size, num_blocks=blocks, max_num_batched_tokens=max(512, width),
-                max_num_seqs=rows, enable_prefix_caching=False))
+                max_num_seqs=rows, enable_prefix_caching=False,
+                # no CUDA graphs: their memory pool would stay on the device through training, and offloading
+                # moves the weights between rollouts (each move would capture them again)
+                cuda_graphs=False))
             self.builds += 1
         return self.engine
 
