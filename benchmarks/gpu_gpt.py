@@ -85,8 +85,8 @@ def run_megalite(micro_batch: int, global_batch: int, iters: int, warmup: int, p
 
 
 KERNEL_KINDS = (  # (label, substrings of the kernel's name), first match wins
-    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("norm / softmax / activation (fused)", ("megalite", "layer_norm", "rms_norm", "softmax", "gelu", "swiglu",
                                              "rotary", "dropout")),

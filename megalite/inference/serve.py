@@ -58,7 +58,7 @@ SERVE_FLAGS = FlagTable((
     Flag("--no-prefix-caching", _ENGINE, ("EngineConfig.enable_prefix_caching",), sets=False),
     Flag("--no-cuda-graphs", _ENGINE, ("EngineConfig.cuda_graphs",), sets=False,
          help="run decode steps eagerly on CUDA"),
-    Flag("--decode-attention", _ENGINE, ("EngineConfig.decode_attention",), choices=("sdpa", "triton"),
+    Flag("--decode-attention", _ENGINE, ("EngineConfig.decode_attention",), choices=("auto", "sdpa", "triton"),
          help="attention of the CUDA-graphed decode steps"),
 ), (EngineConfig, ServerConfig))
 """The server's own rows; ``--load`` and ``--tensor-model-parallel-size`` are ``megalite.flags.SHARED_FLAGS``'."""

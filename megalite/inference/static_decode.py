@@ -68,6 +68,20 @@ def pack_decode(plan: StepPlan, block_size: int, scratch: int, batch: int, block
     return rows
 
 
+def decode_attention_for(config, device: torch.device) -> str:
+    """The attention the static steps of an engine with ``config`` on ``device`` run: ``EngineConfig.decode_attention``,
+    its ``"auto"`` resolved to the Triton kernel on CUDA where Triton is installed and the block size is a power
+    of two, else SDPA (a ValueError for ``"triton"`` without Triton)."""
+    attention = config.decode_attention
+    if attention == "triton" and not triton_attention.available():
+        raise ValueError("EngineConfig.decode_attention='triton' needs Triton installed")
+    if attention == "auto":
+        usable = (device.type == "cuda" and triton_attention.available()
+                  and not config.block_size & (config.block_size - 1))
+        attention = "triton" if usable else "sdpa"
+    return attention
+
+
 class StaticDecodeCache:
     """The KV cache of one static decode forward (a :class:`megalite.models.attention.AttentionCache`).
 
@@ -156,10 +170,9 @@ class StaticDecode:
             raise ValueError("static decode steps do not support multi-latent attention")
         if engine.model.config.batch_invariant:
             raise ValueError("static decode steps do not support batch-invariant mode")
-        if engine.config.decode_attention == "triton" and not triton_attention.available():
-            raise ValueError("EngineConfig.decode_attention='triton' needs Triton installed")
+        attention = decode_attention_for(engine.config, engine.device)
         return cls(engine.model, engine.pool, engine.config.num_blocks, engine.config.max_num_seqs,
-                   engine.max_context, engine.window, engine.vocab_size, graphs, engine.config.decode_attention)
+                   engine.max_context, engine.window, engine.vocab_size, graphs, attention)
 
     @classmethod
     def default_for(cls, engine) -> StaticDecode | None:
