@@ -11,8 +11,9 @@ bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element 
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
-send/recv), timed in process CPU time at one element and at 8 MiB (the least of ten), its CPU cost per call and
-per byte (``collective_cpu``).  The compute timings take the median of ten runs in the process's CPU time (what an op
+send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
+in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
+time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`).  The compute timings take the median of ten runs in the process's CPU time (what an op
 typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited for a core on a
 shared machine); the link timings the best of ten wall-clock runs (the least preempted).
 """
@@ -154,7 +155,46 @@ def fit_gemm_curve(rows, flops) -> tuple[float, float]:
 
 
 COLLECTIVE_ELEMENTS = 1 << 21
-"""fp32 elements of the buffer the collectives' per-byte CPU cost is measured with (8 MiB)."""
+"""fp32 elements of the buffer the collectives' per-byte costs are measured with (8 MiB)."""
+
+BUSY_ROWS = 128
+"""Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
+cost to a step is measured (about a millisecond per core: a layer's share of work between its collectives)."""
+
+BUSY_CALLS = {"one": 10, "buffer": 4}
+"""Calls of one collective per timed block (see :func:`_busy_cost`), on one element and on
+:data:`COLLECTIVE_ELEMENTS`."""
+
+
+def _busy_cost(op, compute, calls: int, blocks: int = 4) -> tuple[float, float]:
+    """(process CPU seconds, seconds of waiting beyond it) one call of ``op`` adds to a loop in which every rank
+    computes ``compute`` before each call, as in a step where every core computes: blocks of ``calls`` iterations
+    without the collective and with it alternate, and each pair's per-iteration difference is taken.  The CPU (the
+    median pair) is what the call costs the rank as a step pays it (gloo's threads woken on a core that computes,
+    its copies, reductions and socket work), more than a lone call after a barrier costs; the wait (the wall
+    clock's difference beyond the CPU's, of the least preempted pair, as the link's timings take the best run)
+    is the time a rank waits for its partner, whose compute runs a little longer or shorter each time, and for the
+    link."""
+    import torch.distributed as dist
+
+    def block(with_op: bool) -> tuple[float, float]:
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            compute()
+            if with_op:
+                op()
+        # the last call's partner may still be computing: end where both ranks have finished
+        dist.barrier()
+        return time.process_time() - cpu, time.perf_counter() - start
+
+    block(True)
+    cpu, wait = [], []
+    for _ in range(blocks):
+        alone, both = block(False), block(True)
+        cpu.append((both[0] - alone[0]) / calls)
+        wait.append((both[1] - alone[1]) / calls - cpu[-1])
+    return statistics.median(cpu), min(wait)
 
 
 def _collective_times(size: int) -> tuple[float, float, dict]:
@@ -175,37 +215,40 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
                 "reduce_scatter": lambda: reduce_scatter_single(half, out),
                 "send_recv": lambda: dist.send(whole, 1) if rank == 0 else dist.recv(whole, 0)}
 
-    def cpu(fn) -> float:
-        def synced():
-            dist.barrier()
-            start = time.process_time()
-            fn()
-            return time.process_time() - start
-        return min(synced() for _ in range(10))
+    x, w = torch.randn(BUSY_ROWS, 512), torch.randn(1024, 512)
+
+    def compute():
+        torch.matmul(x, w.t())
 
     large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
     costs = {}
+    nbytes = COLLECTIVE_ELEMENTS * 4
     for name in large:
-        large[name]()
-        per_call = cpu(one[name])
-        costs[name] = (per_call, max(cpu(large[name]) - per_call, 0.0) / (COLLECTIVE_ELEMENTS * 4))
+        call_cpu, call_wait = _busy_cost(one[name], compute, BUSY_CALLS["one"])
+        buffer_cpu, buffer_wait = _busy_cost(large[name], compute, BUSY_CALLS["buffer"])
+        costs[name] = (max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, max(call_wait, 0.0),
+                       max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes)
     return times + (costs,)
 
 
-def measure_link(size: int = 1 << 20) -> tuple[float, float, dict]:
-    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements, and the CPU each
-    collective a step runs costs a rank: ``{op: [seconds per call, seconds per byte]}`` from its least process
-    time of ten (gloo's threads included; a rank waiting for its partner costs none) on one element and on
-    :data:`COLLECTIVE_ELEMENTS`, averaged over the two ranks (a send costs the sender, a receive the receiver).
-    The least, as for the link: on a loaded machine a run's kernel socket work can be charged the time of other
-    jobs' interrupts, and a per-call median moved 5-15x between runs."""
+def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict]:
+    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
+    wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
+    computes (:func:`_busy_cost`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
+    ranks: a send costs the sender, a receive the receiver): ``{op: [seconds per call, seconds per byte]}`` of
+    CPU (``collective_cpu``) and of waiting beyond it (``collective_wait``)."""
     from megalite.testing import run_distributed
 
     ranks = run_distributed(_collective_times, 2, size, timeout=300)
     big, small, _ = ranks[0]
-    costs = {op: [statistics.mean(r[2][op][i] for r in ranks) for i in range(2)] for op in ranks[0][2]}
+
+    def mean(op: str, i: int) -> float:
+        return statistics.mean(r[2][op][i] for r in ranks)
+
+    cpu = {op: [mean(op, 0), mean(op, 1)] for op in ranks[0][2]}
+    wait = {op: [mean(op, 2), mean(op, 3)] for op in ranks[0][2]}
     # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
-    return size * 4 / max(big - small, 1e-9), small, costs
+    return size * 4 / max(big - small, 1e-9), small, cpu, wait
 
 
 def calibrate(path: str) -> Hardware:
@@ -228,18 +271,21 @@ def calibrate(path: str) -> Hardware:
         exps = exp_rate()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency, collective_cpu = measure_link()
+    bandwidth, latency, collective_cpu, collective_wait = measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
                   peak_flops=peaks, efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
                   gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency_s=latency,
                   inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
-                  op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu)
+                  op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
+                  collective_wait=collective_wait)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
           f"attention {attention:.2f} of it, memory {hbm / 1e9:.1f} GB/s, {overhead * 1e6:.1f} us per op, "
           f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency "
-          f"{latency * 1e6:.0f} us; CPU per collective call / GB: "
-          + ", ".join(f"{op} {c * 1e6:.0f} us / {b * 1e9:.2f} s" for op, (c, b) in collective_cpu.items()))
+          f"{latency * 1e6:.0f} us; per collective call / GB, CPU and wait beyond it, every core computing: "
+          + ", ".join(f"{op} {collective_cpu[op][0] * 1e6:.0f} + {collective_wait[op][0] * 1e6:.0f} us / "
+                      f"{collective_cpu[op][1] * 1e9:.2f} + {collective_wait[op][1] * 1e9:.2f} s"
+                      for op in collective_cpu))
     return hw
