@@ -161,12 +161,12 @@ BUSY_ROWS = 128
 """Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
 cost to a step is measured (about a millisecond per core: a layer's share of work between its collectives)."""
 
-BUSY_CALLS = {"one": 10, "buffer": 4}
-"""Calls of one collective per timed block (see :func:`_busy_cost`), on one element and on
+BUSY_BLOCKS = {"one": (10, 8), "buffer": (4, 4)}
+"""(calls of one collective per timed block, pairs of blocks) of :func:`_busy_cost`, on one element and on
 :data:`COLLECTIVE_ELEMENTS`."""
 
 
-def _busy_cost(op, compute, calls: int, blocks: int = 4) -> tuple[float, float]:
+def _busy_cost(op, compute, calls: int, blocks: int) -> tuple[float, float]:
     """(process CPU seconds, seconds of waiting beyond it) one call of ``op`` adds to a loop in which every rank
     computes ``compute`` before each call, as in a step where every core computes: blocks of ``calls`` iterations
     without the collective and with it alternate, and each pair's per-iteration difference is taken.  The CPU (the
@@ -210,10 +210,18 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
 
     def ops(n: int) -> dict:
         whole, half, out = torch.ones(n), torch.ones(n // 2 or 1), torch.empty(2 * (n // 2 or 1))
+        received = torch.empty(n)
+
+        def exchange():
+            # as the CP ring and the pipeline exchange: one batch of a send to the other rank and a receive from it
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, whole, 1 - rank),
+                                                dist.P2POp(dist.irecv, received, 1 - rank)]):
+                work.wait()
+
         return {"all_reduce": lambda: dist.all_reduce(whole),
                 "all_gather": lambda: all_gather_single(out, half),
                 "reduce_scatter": lambda: reduce_scatter_single(half, out),
-                "send_recv": lambda: dist.send(whole, 1) if rank == 0 else dist.recv(whole, 0)}
+                "send_recv": exchange}
 
     x, w = torch.randn(BUSY_ROWS, 512), torch.randn(1024, 512)
 
@@ -224,10 +232,13 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
     costs = {}
     nbytes = COLLECTIVE_ELEMENTS * 4
     for name in large:
-        call_cpu, call_wait = _busy_cost(one[name], compute, BUSY_CALLS["one"])
-        buffer_cpu, buffer_wait = _busy_cost(large[name], compute, BUSY_CALLS["buffer"])
-        costs[name] = (max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, max(call_wait, 0.0),
-                       max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes)
+        call_cpu, call_wait = _busy_cost(one[name], compute, *BUSY_BLOCKS["one"])
+        buffer_cpu, buffer_wait = _busy_cost(large[name], compute, *BUSY_BLOCKS["buffer"])
+        # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
+        calls = 2 if name == "send_recv" else 1
+        costs[name] = tuple(cost / calls for cost in (
+            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, max(call_wait, 0.0),
+            max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
     return times + (costs,)
 
 
@@ -235,8 +246,9 @@ def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict]:
     """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
     wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
     computes (:func:`_busy_cost`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
-    ranks: a send costs the sender, a receive the receiver): ``{op: [seconds per call, seconds per byte]}`` of
-    CPU (``collective_cpu``) and of waiting beyond it (``collective_wait``)."""
+    ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
+    ``{op: [seconds per call, seconds per byte]}`` of CPU (``collective_cpu``) and of waiting beyond it
+    (``collective_wait``)."""
     from megalite.testing import run_distributed
 
     ranks = run_distributed(_collective_times, 2, size, timeout=300)
