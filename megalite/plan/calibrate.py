@@ -13,9 +13,10 @@ at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives t
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
 send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
 in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
-time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`).  The compute timings take the median of ten runs in the process's CPU time (what an op
-typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited for a core on a
-shared machine); the link timings the best of ten wall-clock runs (the least preempted).
+time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`).  The compute timings take the
+median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest run;
+the time it ran, not the time it waited for a core on a shared machine); the link timings the best of ten
+wall-clock runs (the least preempted).
 """
 
 from __future__ import annotations
