@@ -12,7 +12,9 @@ fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
 
 The work that is not a GEMM has rates of its own: ``attention_efficiency`` is the fraction of the peak the fused
 causal attention (forward and backward, its FLOPs counted as :func:`~megalite.models.config.gpt_flops_per_token`
-counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels); ``hbm_bandwidth`` prices the
+counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels) and ``attention_score_s`` what each
+of its scores costs beyond that (the softmax's work, forward and backward, per query and key of a head, counted over
+the whole square as the FLOPs are; 0 on the GPU profiles); ``hbm_bandwidth`` prices the
 memory-bound ops (norms, activations, residual adds, copies, the loss, gradient accumulation, the optimizer);
 ``op_overhead_s`` is the time each op adds beyond its work (eager dispatch and autograd on a CPU; the exposed part
 of a kernel launch on a GPU).  ``exp_rate`` is the fp32 elements per second an exponential runs at, reading and
@@ -57,6 +59,7 @@ class Hardware:
     device_names: tuple = ()
     gemm_half_rows: float = 0.0
     attention_efficiency: float | None = None
+    attention_score_s: float = 0.0
     op_overhead_s: float = 0.0
     cores: int | None = None
     exp_rate: float | None = None

@@ -6,7 +6,8 @@ gradient), timed op by op as the step runs them between its other ops, at a few 
 falls with fewer rows: the fit of ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's
 peak (with ``efficiency`` 1: the model's large GEMMs run at what this machine's do inside a step) and
 ``gemm_half_rows``; the other precisions scale it by their square GEMM's rate over fp32's.  Torch's fused causal
-attention, forward and backward, gives ``attention_efficiency`` (its rate over that peak); a 64 MiB copy the memory
+attention, forward and backward, at head dimensions 32 and 64 gives ``attention_efficiency`` (its FLOPs' rate over
+that peak) and ``attention_score_s`` (its softmax's cost per score, :func:`fit_attention`); a 64 MiB copy the memory
 bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element multiplications through autograd,
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
@@ -118,6 +119,22 @@ def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: in
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
     return 3 * 4 * batch * heads * seq * seq * head_dim / _timed(step)
+
+
+def fit_attention(head_dims=(32, 64)) -> tuple[float, float]:
+    """``(FLOP/s, seconds per score)`` of fp32 causal attention, forward and backward: its time at two head
+    dimensions (same heads and sequence, so the same ``heads x seq^2`` scores and FLOPs in proportion to the head
+    dimension) split as ``FLOPs / rate + scores x seconds per score``, the latter the softmax's work per score
+    (exponentials, scaling, masking), which does not shrink with the head dimension.  Scores and FLOPs are counted
+    over the whole ``seq x seq``, as :func:`attention_flops` counts them."""
+    batch, heads, seq = 1, 8, 512
+    seconds = [3 * 4 * batch * heads * seq * seq * d / attention_flops(batch, heads, seq, d) for d in head_dims]
+    flops = [3 * 4 * batch * heads * seq * seq * d for d in head_dims]
+    per_flop = (seconds[1] - seconds[0]) / (flops[1] - flops[0])
+    per_score = (seconds[0] - flops[0] * per_flop) / (batch * heads * seq * seq)
+    if per_flop <= 0 or per_score < 0:  # a noisy pair: all of it FLOPs, at the larger head dimension's rate
+        return flops[1] / seconds[1], 0.0
+    return 1 / per_flop, per_score
 
 
 def op_overhead(chain: int = 200) -> float:
@@ -279,7 +296,8 @@ def calibrate(path: str) -> Hardware:
         fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS, [step_gemm_flops(r) for r in CALIBRATION_ROWS])
         # The other precisions: their square GEMM's rate relative to fp32's, on the fp32 layer curve's peak.
         peaks = {"fp32": fp32_peak} | {p: fp32_peak * gemm_flops(p) / gemm_flops("fp32") for p in ("bf16", "fp16")}
-        attention = attention_flops() / fp32_peak
+        attention_rate, score_s = fit_attention()
+        attention = attention_rate / fp32_peak
         overhead = op_overhead()
         exps = exp_rate()
     finally:
@@ -291,11 +309,13 @@ def calibrate(path: str) -> Hardware:
                   peak_flops=peaks, efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
                   gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency_s=latency,
                   inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
+                  attention_score_s=score_s,
                   op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
                   collective_wait=collective_wait)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
-          f"attention {attention:.2f} of it, memory {hbm / 1e9:.1f} GB/s, {overhead * 1e6:.1f} us per op, "
+          f"attention {attention:.2f} of it and {score_s * 1e9:.2f} ns per score, memory {hbm / 1e9:.1f} GB/s, "
+          f"{overhead * 1e6:.1f} us per op, "
           f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency "
           f"{latency * 1e6:.0f} us; per collective call / GB, CPU and wait beyond it, every core computing: "
           + ", ".join(f"{op} {collective_cpu[op][0] * 1e6:.0f} + {collective_wait[op][0] * 1e6:.0f} us / "

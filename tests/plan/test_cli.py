@@ -90,6 +90,7 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     hw = load_hardware(str(path))
     assert hw.peak("fp32") > 0 and hw.intra_node_bandwidth > 0 and hw.efficiency == 1.0
     assert hw.attention_efficiency > 0 and hw.op_overhead_s > 0 and hw.hbm_bandwidth > 0 and hw.exp_rate > 0
+    assert hw.attention_score_s >= 0
     assert set(hw.collective_cpu) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert all(per_call > 0 and per_byte >= 0 for per_call, per_byte in hw.collective_cpu.values())
     assert set(hw.collective_wait) == set(hw.collective_cpu)

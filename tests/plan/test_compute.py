@@ -226,3 +226,15 @@ def test_blockwise_op_counts_are_the_ops_the_ring_runs(seq, cp):
     if cp == 2:
         assert [(w["pairs"], w["masked"], w["scores"]) for w in work] == [(4, 2, 3 * 64 * 64 + 64 * 128),
                                                                           (2, 1, 128 * 128 + 128 * 64)]
+
+
+@pytest.mark.parametrize("recompute, passes", [(None, 3), ("selective", 4)])
+def test_fused_attention_pays_its_softmax_per_score_beyond_its_flops(recompute, passes):
+    """Each token's query meets ``seq`` keys per head and layer; a score costs ``attention_score_s`` over the forward
+    and backward (a third of it again where the forward is recomputed), whatever the head dimension."""
+    layout = Layout(micro_batch_size=2, recompute=recompute)
+    without, with_scores = (compute_time(CONFIG, layout, _cpu(attention_score_s=cost), SEQ, BATCH)
+                            for cost in (0, 2e-9))
+    scores = BATCH * SEQ * SEQ * CONFIG.num_attention_heads * CONFIG.num_layers
+    assert with_scores["attention"] - without["attention"] == pytest.approx(passes / 3 * scores * 2e-9, rel=1e-12)
+    assert all(with_scores[kind] == without[kind] for kind in without if kind != "attention")
