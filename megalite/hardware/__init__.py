@@ -12,7 +12,9 @@ fragments of ``torch.cuda.get_device_name()`` that mean this accelerator.
 
 The work that is not a GEMM has rates of its own: ``attention_efficiency`` is the fraction of the peak the fused
 causal attention (forward and backward, its FLOPs counted as :func:`~megalite.models.config.gpt_flops_per_token`
-counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels); ``hbm_bandwidth`` prices the
+counts them) reaches (None: that of large GEMMs, as on the GPUs' flash kernels) and ``attention_score_s`` what each
+of its scores costs beyond that (the softmax's work, forward and backward, per query and key of a head, counted over
+the whole square as the FLOPs are; 0 on the GPU profiles); ``hbm_bandwidth`` prices the
 memory-bound ops (norms, activations, residual adds, copies, the loss, gradient accumulation, the optimizer);
 ``op_overhead_s`` is the time each op adds beyond its work (eager dispatch and autograd on a CPU; the exposed part
 of a kernel launch on a GPU).  ``exp_rate`` is the fp32 elements per second an exponential runs at, reading and
@@ -20,8 +22,10 @@ writing them (context parallelism's blockwise score tiles, the activation functi
 loss's exponentials; None: at ``hbm_bandwidth``, as on a GPU, whose special function units keep up with its
 memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
-spends in it (gloo's copies, reductions and socket work), measured at two ranks; None where collectives do not run
-on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share CPU
+spends in it (gloo's copies, reductions and socket work), and ``collective_wait`` the same for the time a rank
+waits in it beyond that CPU (for its partner and the link), both measured at two ranks as a step pays them, every
+core computing between the calls; None where collectives do not run on the cores that compute (a GPU's NCCL, whose
+time the link terms price).  ``cores`` is set where ranks share CPU
 cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
 each rank has its own device).
 """
@@ -55,23 +59,23 @@ class Hardware:
     device_names: tuple = ()
     gemm_half_rows: float = 0.0
     attention_efficiency: float | None = None
+    attention_score_s: float = 0.0
     op_overhead_s: float = 0.0
     cores: int | None = None
     exp_rate: float | None = None
     collective_cpu: dict | None = None
+    collective_wait: dict | None = None
 
     def collective_cpu_s(self, op: str, buffer_bytes: float, calls: float, n: int) -> float:
         """CPU seconds a rank spends in ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all
-        (as :mod:`megalite.plan.traffic` counts them), from the two-rank calibration of ``collective_cpu``: a ring
-        of ``n`` ranks moves ``2 (n-1) / n`` times the bytes of two ranks' and takes ``n - 1`` steps per call.  For
-        ``send_recv`` the bytes and calls are the rank's sends, each matched by a receive of as much (its cost the
-        two ranks' mean): twice the cost, whatever ``n``.  No bytes: no collective runs."""
-        if self.collective_cpu is None or n <= 1 or buffer_bytes <= 0:
-            return 0.0
-        per_call, per_byte = self.collective_cpu[op]
-        if op == "send_recv":
-            return 2 * (calls * per_call + buffer_bytes * per_byte)
-        return calls * (n - 1) * per_call + 2 * (n - 1) / n * buffer_bytes * per_byte
+        (as :mod:`megalite.plan.traffic` counts them), from the two-rank calibration of ``collective_cpu``
+        (:func:`_two_rank_costs_at`)."""
+        return _two_rank_costs_at(self.collective_cpu, op, buffer_bytes, calls, n)
+
+    def collective_wait_s(self, op: str, buffer_bytes: float, calls: float, n: int) -> float:
+        """Seconds a rank waits in those collectives beyond their CPU, where every core computes, from the two-rank
+        calibration of ``collective_wait`` (:func:`_two_rank_costs_at`)."""
+        return _two_rank_costs_at(self.collective_wait, op, buffer_bytes, calls, n)
 
     def gemm_efficiency(self, rows: float) -> float:
         """Fraction of the peak reached by GEMMs of ``rows`` rows: ``efficiency * rows / (rows + gemm_half_rows)``,
@@ -95,6 +99,20 @@ class Hardware:
         if span <= self.gpus_per_node:
             return self.intra_node_bandwidth, self.intra_node_latency_s
         return self.inter_node_bandwidth, self.inter_node_latency_s
+
+
+def _two_rank_costs_at(costs: dict | None, op: str, buffer_bytes: float, calls: float, n: int) -> float:
+    """Seconds of ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all, from ``costs``'
+    two-rank ``[seconds per call, seconds per byte]`` of ``op``: a ring of ``n`` ranks moves ``2 (n-1) / n`` times
+    the bytes of two ranks' and takes ``n - 1`` steps per call.  For ``send_recv`` the bytes and calls are the
+    rank's sends, each matched by a receive of as much (its cost the two ranks' mean): twice the cost, whatever
+    ``n``.  No bytes: no collective runs; no ``costs``: nothing is priced."""
+    if costs is None or n <= 1 or buffer_bytes <= 0:
+        return 0.0
+    per_call, per_byte = costs[op]
+    if op == "send_recv":
+        return 2 * (calls * per_call + buffer_bytes * per_byte)
+    return calls * (n - 1) * per_call + 2 * (n - 1) / n * buffer_bytes * per_byte
 
 
 def load_hardware(name_or_path: str) -> Hardware:

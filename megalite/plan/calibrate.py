@@ -6,15 +6,18 @@ gradient), timed op by op as the step runs them between its other ops, at a few 
 falls with fewer rows: the fit of ``seconds per FLOP = (1 + gemm_half_rows / rows) / peak`` gives the profile's
 peak (with ``efficiency`` 1: the model's large GEMMs run at what this machine's do inside a step) and
 ``gemm_half_rows``; the other precisions scale it by their square GEMM's rate over fp32's.  Torch's fused causal
-attention, forward and backward, gives ``attention_efficiency`` (its rate over that peak); a 64 MiB copy the memory
+attention, forward and backward, at head dimensions 32 and 64 gives ``attention_efficiency`` (its FLOPs' rate over
+that peak) and ``attention_score_s`` (its softmax's cost per score, :func:`fit_attention`); a 64 MiB copy the memory
 bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element multiplications through autograd,
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
-send/recv), timed in process CPU time at one element and at 8 MiB (the least of ten), its CPU cost per call and
-per byte (``collective_cpu``).  The compute timings take the median of ten runs in the process's CPU time (what an op
-typically costs as a step pays it, not the luckiest run; the time it ran, not the time it waited for a core on a
-shared machine); the link timings the best of ten wall-clock runs (the least preempted).
+send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
+in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
+time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`).  The compute timings take the
+median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest run;
+the time it ran, not the time it waited for a core on a shared machine); the link timings the best of ten
+wall-clock runs (the least preempted).
 """
 
 from __future__ import annotations
@@ -118,6 +121,22 @@ def attention_flops(batch: int = 1, heads: int = 8, seq: int = 512, head_dim: in
     return 3 * 4 * batch * heads * seq * seq * head_dim / _timed(step)
 
 
+def fit_attention(head_dims=(32, 64)) -> tuple[float, float]:
+    """``(FLOP/s, seconds per score)`` of fp32 causal attention, forward and backward: its time at two head
+    dimensions (same heads and sequence, so the same ``heads x seq^2`` scores and FLOPs in proportion to the head
+    dimension) split as ``FLOPs / rate + scores x seconds per score``, the latter the softmax's work per score
+    (exponentials, scaling, masking), which does not shrink with the head dimension.  Scores and FLOPs are counted
+    over the whole ``seq x seq``, as :func:`attention_flops` counts them."""
+    batch, heads, seq = 1, 8, 512
+    seconds = [3 * 4 * batch * heads * seq * seq * d / attention_flops(batch, heads, seq, d) for d in head_dims]
+    flops = [3 * 4 * batch * heads * seq * seq * d for d in head_dims]
+    per_flop = (seconds[1] - seconds[0]) / (flops[1] - flops[0])
+    per_score = (seconds[0] - flops[0] * per_flop) / (batch * heads * seq * seq)
+    if per_flop <= 0 or per_score < 0:  # a noisy pair: all of it FLOPs, at the larger head dimension's rate
+        return flops[1] / seconds[1], 0.0
+    return 1 / per_flop, per_score
+
+
 def op_overhead(chain: int = 200) -> float:
     """Seconds an op costs beyond its work: a chain of ``chain`` one-element multiplications through autograd,
     forward and backward (one op each way), over the ``2 * chain`` ops."""
@@ -154,7 +173,46 @@ def fit_gemm_curve(rows, flops) -> tuple[float, float]:
 
 
 COLLECTIVE_ELEMENTS = 1 << 21
-"""fp32 elements of the buffer the collectives' per-byte CPU cost is measured with (8 MiB)."""
+"""fp32 elements of the buffer the collectives' per-byte costs are measured with (8 MiB)."""
+
+BUSY_ROWS = 128
+"""Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
+cost to a step is measured (about a millisecond per core: a layer's share of work between its collectives)."""
+
+BUSY_BLOCKS = {"one": (10, 8), "buffer": (4, 4)}
+"""(calls of one collective per timed block, pairs of blocks) of :func:`_busy_cost`, on one element and on
+:data:`COLLECTIVE_ELEMENTS`."""
+
+
+def _busy_cost(op, compute, calls: int, blocks: int) -> tuple[float, float]:
+    """(process CPU seconds, seconds of waiting beyond it) one call of ``op`` adds to a loop in which every rank
+    computes ``compute`` before each call, as in a step where every core computes: blocks of ``calls`` iterations
+    without the collective and with it alternate, and each pair's per-iteration difference is taken.  The CPU (the
+    median pair) is what the call costs the rank as a step pays it (gloo's threads woken on a core that computes,
+    its copies, reductions and socket work), more than a lone call after a barrier costs; the wait (the wall
+    clock's difference beyond the CPU's, of the least preempted pair, as the link's timings take the best run)
+    is the time a rank waits for its partner, whose compute runs a little longer or shorter each time, and for the
+    link."""
+    import torch.distributed as dist
+
+    def block(with_op: bool) -> tuple[float, float]:
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            compute()
+            if with_op:
+                op()
+        # the last call's partner may still be computing: end where both ranks have finished
+        dist.barrier()
+        return time.process_time() - cpu, time.perf_counter() - start
+
+    block(True)
+    cpu, wait = [], []
+    for _ in range(blocks):
+        alone, both = block(False), block(True)
+        cpu.append((both[0] - alone[0]) / calls)
+        wait.append((both[1] - alone[1]) / calls - cpu[-1])
+    return statistics.median(cpu), min(wait)
 
 
 def _collective_times(size: int) -> tuple[float, float, dict]:
@@ -170,42 +228,57 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
 
     def ops(n: int) -> dict:
         whole, half, out = torch.ones(n), torch.ones(n // 2 or 1), torch.empty(2 * (n // 2 or 1))
+        received = torch.empty(n)
+
+        def exchange():
+            # as the CP ring and the pipeline exchange: one batch of a send to the other rank and a receive from it
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, whole, 1 - rank),
+                                                dist.P2POp(dist.irecv, received, 1 - rank)]):
+                work.wait()
+
         return {"all_reduce": lambda: dist.all_reduce(whole),
                 "all_gather": lambda: all_gather_single(out, half),
                 "reduce_scatter": lambda: reduce_scatter_single(half, out),
-                "send_recv": lambda: dist.send(whole, 1) if rank == 0 else dist.recv(whole, 0)}
+                "send_recv": exchange}
 
-    def cpu(fn) -> float:
-        def synced():
-            dist.barrier()
-            start = time.process_time()
-            fn()
-            return time.process_time() - start
-        return min(synced() for _ in range(10))
+    x, w = torch.randn(BUSY_ROWS, 512), torch.randn(1024, 512)
+
+    def compute():
+        torch.matmul(x, w.t())
 
     large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
     costs = {}
+    nbytes = COLLECTIVE_ELEMENTS * 4
     for name in large:
-        large[name]()
-        per_call = cpu(one[name])
-        costs[name] = (per_call, max(cpu(large[name]) - per_call, 0.0) / (COLLECTIVE_ELEMENTS * 4))
+        call_cpu, call_wait = _busy_cost(one[name], compute, *BUSY_BLOCKS["one"])
+        buffer_cpu, buffer_wait = _busy_cost(large[name], compute, *BUSY_BLOCKS["buffer"])
+        # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
+        calls = 2 if name == "send_recv" else 1
+        costs[name] = tuple(cost / calls for cost in (
+            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, max(call_wait, 0.0),
+            max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
     return times + (costs,)
 
 
-def measure_link(size: int = 1 << 20) -> tuple[float, float, dict]:
-    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements, and the CPU each
-    collective a step runs costs a rank: ``{op: [seconds per call, seconds per byte]}`` from its least process
-    time of ten (gloo's threads included; a rank waiting for its partner costs none) on one element and on
-    :data:`COLLECTIVE_ELEMENTS`, averaged over the two ranks (a send costs the sender, a receive the receiver).
-    The least, as for the link: on a loaded machine a run's kernel socket work can be charged the time of other
-    jobs' interrupts, and a per-call median moved 5-15x between runs."""
+def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict]:
+    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
+    wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
+    computes (:func:`_busy_cost`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
+    ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
+    ``{op: [seconds per call, seconds per byte]}`` of CPU (``collective_cpu``) and of waiting beyond it
+    (``collective_wait``)."""
     from megalite.testing import run_distributed
 
     ranks = run_distributed(_collective_times, 2, size, timeout=300)
     big, small, _ = ranks[0]
-    costs = {op: [statistics.mean(r[2][op][i] for r in ranks) for i in range(2)] for op in ranks[0][2]}
+
+    def mean(op: str, i: int) -> float:
+        return statistics.mean(r[2][op][i] for r in ranks)
+
+    cpu = {op: [mean(op, 0), mean(op, 1)] for op in ranks[0][2]}
+    wait = {op: [mean(op, 2), mean(op, 3)] for op in ranks[0][2]}
     # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
-    return size * 4 / max(big - small, 1e-9), small, costs
+    return size * 4 / max(big - small, 1e-9), small, cpu, wait
 
 
 def calibrate(path: str) -> Hardware:
@@ -223,23 +296,29 @@ def calibrate(path: str) -> Hardware:
         fp32_peak, half_rows = fit_gemm_curve(CALIBRATION_ROWS, [step_gemm_flops(r) for r in CALIBRATION_ROWS])
         # The other precisions: their square GEMM's rate relative to fp32's, on the fp32 layer curve's peak.
         peaks = {"fp32": fp32_peak} | {p: fp32_peak * gemm_flops(p) / gemm_flops("fp32") for p in ("bf16", "fp16")}
-        attention = attention_flops() / fp32_peak
+        attention_rate, score_s = fit_attention()
+        attention = attention_rate / fp32_peak
         overhead = op_overhead()
         exps = exp_rate()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency, collective_cpu = measure_link()
+    bandwidth, latency, collective_cpu, collective_wait = measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
                   peak_flops=peaks, efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
                   gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency_s=latency,
                   inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
-                  op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu)
+                  attention_score_s=score_s,
+                  op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
+                  collective_wait=collective_wait)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
-          f"attention {attention:.2f} of it, memory {hbm / 1e9:.1f} GB/s, {overhead * 1e6:.1f} us per op, "
+          f"attention {attention:.2f} of it and {score_s * 1e9:.2f} ns per score, memory {hbm / 1e9:.1f} GB/s, "
+          f"{overhead * 1e6:.1f} us per op, "
           f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency "
-          f"{latency * 1e6:.0f} us; CPU per collective call / GB: "
-          + ", ".join(f"{op} {c * 1e6:.0f} us / {b * 1e9:.2f} s" for op, (c, b) in collective_cpu.items()))
+          f"{latency * 1e6:.0f} us; per collective call / GB, CPU and wait beyond it, every core computing: "
+          + ", ".join(f"{op} {collective_cpu[op][0] * 1e6:.0f} + {collective_wait[op][0] * 1e6:.0f} us / "
+                      f"{collective_cpu[op][1] * 1e9:.2f} + {collective_wait[op][1] * 1e9:.2f} s"
+                      for op in collective_cpu))
     return hw

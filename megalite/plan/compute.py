@@ -5,9 +5,10 @@ Four kinds of work, each at its own rate from the hardware profile (:class:`~meg
 - GEMMs: the model FLOPs of :func:`~megalite.models.config.gpt_flops_per_token` less the core attention's (plus
   what recompute adds) at the peak times the GEMM efficiency at one micro-batch's rows;
 - the fused causal attention (``4 * seq * heads * d`` FLOPs a token and layer forward, twice that backward, once
-  more under selective or full recompute) at :meth:`~megalite.hardware.Hardware.attention_rate`; context
-  parallelism's blockwise attention (:mod:`megalite.context_parallel.blockwise`) instead runs its tiles' matmuls
-  as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
+  more under selective or full recompute) at :meth:`~megalite.hardware.Hardware.attention_rate`, and its
+  ``seq * heads`` scores a token and layer at ``attention_score_s`` (the softmax's work, which does not shrink with
+  ``d``); context parallelism's blockwise attention (:mod:`megalite.context_parallel.blockwise`) instead runs its
+  tiles' matmuls as GEMMs and their score tiles through memory (see :func:`_blockwise_attention`);
 - the memory-bound ops (norms, residual sums, activation functions, RoPE, the fused QKV split's gradient, bias
   gradients, weight-gradient accumulation, the embedding and the loss over the logits): the elements each reads
   and writes (:func:`layer_elements`, :func:`head_elements`) at ``hbm_bandwidth``, and on a CPU (a profile with
@@ -304,6 +305,9 @@ def compute_time(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: in
     else:
         recomputed = 4 if layout.recompute in ("full", "selective") else 3
         out["attention"] = tokens * recomputed * attention_forward / hw.attention_rate(layout.precision, rows)
+        # each token's query meets seq keys per head and layer; the softmax's cost per score, forward and backward
+        scores = seq_length * config.num_attention_heads * config.num_layers
+        out["attention"] += tokens * recomputed / 3 * scores * hw.attention_score_s
     e = DTYPE_BYTES[layout.precision]
     if ops == TORCHTITAN_EAGER:
         if hw.exp_rate is not None or layout.cp > 1:

@@ -10,7 +10,8 @@ memory-bound ops, per-op overhead), stretched by the schedule's bubble
 :func:`~megalite.plan.traffic.collective_bytes` counts per axis (the one count of them), over the link each
 group spans (NVLink within a node, else the network) as ring collectives, less what overlaps compute (see
 :func:`_exposed_communication`: none where every CPU core computes), the CPU the collectives take from the cores
-that compute (``collective_cpu``: gloo's copies, reductions and socket work, where every CPU core computes), and the
+that compute (``collective_cpu``: gloo's copies, reductions and socket work, where every CPU core computes; the
+time they wait beyond it, ``collective_wait``, in place of the link's terms there), and the
 optimizer step at HBM bandwidth; where ranks share CPU cores, at least
 all ranks' compute and optimizer work over the cores (:func:`~megalite.plan.compute.oversubscribed`).
 """
@@ -116,7 +117,10 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     sends (the all-gather variant's all-gathers; the all-to-alls' as sends), EP's all-to-alls as sends and expert
     TP's as all-gathers, PP's sends, the tied embedding's all-reduce, and DP's all-reduce (ZeRO-1: its gradients'
     reduce-scatter and its parameters' all-gather; FSDP2: each unit's gathers per micro-batch and its gradients'
-    reduce-scatter, their bytes split as gathered in the compute dtype and reduced in fp32).
+    reduce-scatter, their bytes split as gathered in the compute dtype and reduced in fp32).  Where every core
+    computes and the profile measured ``collective_wait`` (what those calls wait beyond their CPU, between ranks
+    that compute: the partner's lag, the link), each axis's exposed seconds are its calls' waits in place of the
+    link's latency and transfer terms.
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -129,67 +133,73 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     forwards = 2 if layout.recompute == "full" else 1
     out = {}
     cores_busy = not overlaps_communication(hw, world)
-    cpu = {}
+    # each axis's collectives as (op, bytes, calls, ranks), for the CPU and the waits they cost on busy cores
+    calls: dict = {}
     tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
     hidden_share = TP_HIDDEN_SHARE
     if cores_busy:
         compute = attention = hidden_share = 0.0
     out["tp"] = (1 - hidden_share) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
     if sp:
-        cpu["tp"] = sum(hw.collective_cpu_s(op, volume["tp"] / 2, tp_calls / 2, tp)
-                        for op in ("all_gather", "reduce_scatter"))
+        calls["tp"] = [(op, volume["tp"] / 2, tp_calls / 2, tp) for op in ("all_gather", "reduce_scatter")]
     else:
-        cpu["tp"] = hw.collective_cpu_s("all_reduce", volume["tp"], tp_calls, tp)
+        calls["tp"] = [("all_reduce", volume["tp"], tp_calls, tp)]
     cp_link = hw.link(tp * cp)
     if layout.cp_comm_type == "p2p":
         # Point-to-point sends: the whole payload crosses the link once.
         sends = m * layers * ((cp - 1) * (forwards + 1) + cp)
         ring = 0.0 if cp == 1 else volume["cp"] / cp_link[0] + sends * cp_link[1]
         out["cp"] = max(0.0, ring - attention)
-        cpu["cp"] = hw.collective_cpu_s("send_recv", volume["cp"], sends, cp)
+        calls["cp"] = [("send_recv", volume["cp"], sends, cp)]
     else:
-        calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
-        out["cp"] = _collective(volume["cp"], cp, cp_link, 1, calls)
+        n_calls = m * layers * (forwards + 1) * (2 if layout.cp_comm_type == "all_gather" else 4)
+        out["cp"] = _collective(volume["cp"], cp, cp_link, 1, n_calls)
         op = "all_gather" if layout.cp_comm_type == "all_gather" else "send_recv"
-        cpu["cp"] = hw.collective_cpu_s(op, volume["cp"], calls, cp)
+        calls["cp"] = [(op, volume["cp"], n_calls, cp)]
     moe_layers = 0 if config.moe is None else sum(map(config.is_moe_layer, range(config.num_layers))) / pp
     # per MoE layer and micro-batch: the counts, then rows, expert ids and gates out and rows back, forward; rows
     # both ways and the gates' gradient in the backward
     out["ep"] = _collective(volume["ep"], ep, hw.link(layout.expert_tp * ep), 1, m * moe_layers * 8)
-    cpu["ep"] = hw.collective_cpu_s("send_recv", volume["ep"], m * moe_layers * 8, ep)
+    calls["ep"] = [("send_recv", volume["ep"], m * moe_layers * 8, ep)]
     # expert TP, per MoE layer and micro-batch: the row count, rows, expert ids and gates gathered and the outputs
     # reduce-scattered forward; rows, gates and outputs the other way in the backward
     if moe_layers:
         etp = layout.expert_tp
         out["ep"] += _collective(volume["expert_tp"], etp, hw.link(etp), 1, m * moe_layers * 8)
-        cpu["ep"] += hw.collective_cpu_s("all_gather", volume["expert_tp"], m * moe_layers * 8, etp)
+        calls["ep"].append(("all_gather", volume["expert_tp"], m * moe_layers * 8, etp))
     link = hw.link(world)
     out["pp"] = volume["pp"] / link[0] + m * layout.stage_map().chunks * 2 * link[1] if pp > 1 else 0.0
     out["pp"] += _collective(volume["embedding"], 2, link, 2)
-    cpu["pp"] = hw.collective_cpu_s("send_recv", volume["pp"], m * layout.stage_map().chunks * 2, pp) + \
-        hw.collective_cpu_s("all_reduce", volume["embedding"], 1, 2)
+    calls["pp"] = [("send_recv", volume["pp"], m * layout.stage_map().chunks * 2, pp),
+                   ("all_reduce", volume["embedding"], 1, 2)]
     last_backward = 2 * compute / m / 3
     dp = 0.0
+    calls["dp"] = []
     for axis, n, span in (("dp", layout.dp * cp, tp * layout.dp * cp), ("expert_dp", layout.expert_dp, world // pp)):
         if layout.fsdp:
             dp += max(0.0, _collective(volume[axis], n, hw.link(span), 1) - compute)
             gathers = m * (1 + layout.reshard_after_forward)
             share = gathers * layout.param_bytes / (gathers * layout.param_bytes + 4)
             units = layers + 1
-            cpu[axis] = hw.collective_cpu_s("all_gather", volume[axis] * share, units * gathers, n) + \
-                hw.collective_cpu_s("reduce_scatter", volume[axis] * (1 - share), units, n)
+            calls["dp"] += [("all_gather", volume[axis] * share, units * gathers, n),
+                            ("reduce_scatter", volume[axis] * (1 - share), units, n)]
         elif layout.zero1:
             grad_bytes = 4 if layout.grad_reduce_in_fp32 else layout.param_bytes
             share = grad_bytes / (grad_bytes + layout.param_bytes)
             grads = _collective(volume[axis] * share, n, hw.link(span), 1)
             dp += max(0.0, grads - last_backward) + _collective(volume[axis] * (1 - share), n, hw.link(span), 1)
-            cpu[axis] = hw.collective_cpu_s("reduce_scatter", volume[axis] * share, 1, n) + \
-                hw.collective_cpu_s("all_gather", volume[axis] * (1 - share), 1, n)
+            calls["dp"] += [("reduce_scatter", volume[axis] * share, 1, n),
+                            ("all_gather", volume[axis] * (1 - share), 1, n)]
         else:
             dp += max(0.0, _collective(volume[axis], n, hw.link(span), 2) - last_backward)
-            cpu[axis] = hw.collective_cpu_s("all_reduce", volume[axis], 1, n)
+            calls["dp"].append(("all_reduce", volume[axis], 1, n))
     out["dp"] = dp
-    return out, sum(cpu.values()) if cores_busy else 0.0
+    if not cores_busy:
+        return out, 0.0
+    if hw.collective_wait is not None:
+        # measured where every core computes: the waits replace the link's terms (its latency and transfer)
+        out = {axis: sum(hw.collective_wait_s(*c) for c in axis_calls) for axis, axis_calls in calls.items()}
+    return out, sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,

@@ -90,8 +90,11 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     hw = load_hardware(str(path))
     assert hw.peak("fp32") > 0 and hw.intra_node_bandwidth > 0 and hw.efficiency == 1.0
     assert hw.attention_efficiency > 0 and hw.op_overhead_s > 0 and hw.hbm_bandwidth > 0 and hw.exp_rate > 0
+    assert hw.attention_score_s >= 0
     assert set(hw.collective_cpu) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert all(per_call > 0 and per_byte >= 0 for per_call, per_byte in hw.collective_cpu.values())
+    assert set(hw.collective_wait) == set(hw.collective_cpu)
+    assert all(per_call >= 0 and per_byte >= 0 for per_call, per_byte in hw.collective_wait.values())
     assert hw.cores == hw.gpus_per_node == os.cpu_count()
     assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
     out = capsys.readouterr().out

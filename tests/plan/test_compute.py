@@ -126,14 +126,17 @@ COSTS = {"all_reduce": [1e-4, 1e-9], "all_gather": [2e-4, 2e-9], "reduce_scatter
          "send_recv": [4e-5, 4e-10]}
 
 
-@pytest.mark.parametrize("layout, priced", [
+PRICED = [  # (layout, {op: (bytes, calls)} of its collectives from collective_bytes' counts per axis)
     (Layout(dp=2, micro_batch_size=2), lambda sent: {"all_reduce": (sent["dp"], 1)}),
     (Layout(tp=2, sequence_parallel=True, micro_batch_size=2),
      lambda sent: {op: (sent["tp"] / 2, 4 * 2 * 4 * 2 / 2) for op in ("all_gather", "reduce_scatter")}),
     # the ring's sends, each matched by a receive of as much: twice the (two ranks' mean) cost
     (Layout(cp=2, micro_batch_size=2),
      lambda sent: {"send_recv": (2 * sent["cp"], 2 * 4 * 2 * (1 * 2 + 2)), "all_reduce": (sent["dp"], 1)}),
-])
+]
+
+
+@pytest.mark.parametrize("layout, priced", PRICED)
 def test_collectives_cpu_is_charged_as_compute_where_every_core_computes(layout, priced):
     from megalite.plan.traffic import collective_bytes
 
@@ -147,6 +150,30 @@ def test_collectives_cpu_is_charged_as_compute_where_every_core_computes(layout,
     assert busy.step_time_s == pytest.approx(without.step_time_s + expected, rel=1e-12)
     # a spare core runs the collectives beside the compute
     assert estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, cores=4), SEQ, BATCH).time["collective_cpu"] == 0
+
+
+WAITS = {"all_reduce": [5e-4, 5e-9], "all_gather": [6e-4, 6e-9], "reduce_scatter": [7e-4, 7e-9],
+         "send_recv": [8e-5, 8e-10]}
+COMMUNICATION = ("tp", "cp", "ep", "pp", "dp")
+
+
+@pytest.mark.parametrize("layout, priced", PRICED)
+def test_collectives_waits_replace_the_link_terms_where_every_core_computes(layout, priced):
+    from megalite.plan.traffic import collective_bytes
+
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)
+    expected = sum(WAITS[op][0] * calls + WAITS[op][1] * nbytes for op, (nbytes, calls) in priced(sent).items())
+    busy = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, collective_wait=WAITS), SEQ, BATCH)
+    assert sum(busy.time[axis] for axis in COMMUNICATION) == pytest.approx(expected, rel=1e-12) and expected > 0
+    link = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, collective_wait=None), SEQ, BATCH)
+    assert busy.time["collective_cpu"] == link.time["collective_cpu"] > 0
+    assert busy.step_time_s == pytest.approx(sum(busy.time.values()), rel=1e-12)
+    assert busy.step_time_s - link.step_time_s == pytest.approx(
+        expected - sum(link.time[axis] for axis in COMMUNICATION), rel=1e-9)
+    # with a core to spare the link terms price the collectives (hidden behind compute where they can be)
+    with_waits, without = (estimate(CONFIG, layout, _cpu(collective_wait=waits, cores=4), SEQ, BATCH)
+                           for waits in (WAITS, None))
+    assert with_waits.time == without.time
 
 
 def test_blockwise_exponentials_run_at_the_exp_rate():
@@ -199,3 +226,15 @@ def test_blockwise_op_counts_are_the_ops_the_ring_runs(seq, cp):
     if cp == 2:
         assert [(w["pairs"], w["masked"], w["scores"]) for w in work] == [(4, 2, 3 * 64 * 64 + 64 * 128),
                                                                           (2, 1, 128 * 128 + 128 * 64)]
+
+
+@pytest.mark.parametrize("recompute, passes", [(None, 3), ("selective", 4)])
+def test_fused_attention_pays_its_softmax_per_score_beyond_its_flops(recompute, passes):
+    """Each token's query meets ``seq`` keys per head and layer; a score costs ``attention_score_s`` over the forward
+    and backward (a third of it again where the forward is recomputed), whatever the head dimension."""
+    layout = Layout(micro_batch_size=2, recompute=recompute)
+    without, with_scores = (compute_time(CONFIG, layout, _cpu(attention_score_s=cost), SEQ, BATCH)
+                            for cost in (0, 2e-9))
+    scores = BATCH * SEQ * SEQ * CONFIG.num_attention_heads * CONFIG.num_layers
+    assert with_scores["attention"] - without["attention"] == pytest.approx(passes / 3 * scores * 2e-9, rel=1e-12)
+    assert all(with_scores[kind] == without[kind] for kind in without if kind != "attention")
