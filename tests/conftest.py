@@ -1,12 +1,21 @@
 """Fixtures shared by every test package: the tiny indexed dataset the training-loop tests train on; the imports
-run_distributed's fork server does once for every rank; how pytest-xdist shares the tests among its workers."""
+run_distributed's fork server does once for every rank; how pytest-xdist shares the tests among its workers; the
+check that a session leaves no process behind."""
+
+import os
+import sys
+import uuid
 
 import numpy as np
 import pytest
 
 from megalite import testing
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
+from tests import leftover_processes
 from tests.training.helpers import VOCAB
+
+# Inherited by every process this session's tests start (tests/leftover_processes.py).
+SESSION = os.environ[leftover_processes.VARIABLE] = uuid.uuid4().hex
 
 # What the multi-rank test modules import, imported once by run_distributed's fork server instead of by every rank
 # of every run (transformers and its GPT-2 model, or Megatron-Core, take a rank over a second of CPU each).
@@ -64,6 +73,16 @@ def write_arithmetic_documents(prefix: str, count: int, seed: int, vocab: int, l
             document = (start + step * np.arange(rng.randint(*lengths))) % vocab
             builder.add_document(document if eod is None else np.append(document, eod))
     return prefix
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """After the session: a process one of its tests started that was orphaned (outlives its parent, so nothing
+    stops it) fails the session, named, and is killed."""
+    yield
+    if sys.platform.startswith("linux"):
+        left = leftover_processes.stop_orphans(SESSION, os.getpid())
+        assert not left, f"processes the tests started were left running (now killed): {left}"
 
 
 @pytest.fixture(scope="session")
