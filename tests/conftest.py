@@ -39,7 +39,8 @@ SERIAL = (
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadscope`` a scope is a whole module (its module-scoped fixtures, a Megatron-Core run or a
-    ForkedCommands batch, built once, on one worker) and the :data:`SERIAL` tests are one more; pytest-xdist's own
+    ForkedCommands batch, built once, on one worker) and the :data:`SERIAL` tests are one more, handed out first: the
+    longest scope (minutes), it would otherwise leave the other worker idle at the end.  pytest-xdist's own
     ``loadgroup`` marks do not group under pytest 9 (its node ids are no longer strings it can suffix)."""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -48,6 +49,11 @@ def pytest_xdist_make_scheduler(config, log):
     class ModulesAndSerial(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return "serial" if nodeid.startswith(SERIAL) else nodeid.split("::")[0]
+
+        def _assign_work_unit(self, node) -> None:
+            if "serial" in self.workqueue:
+                self.workqueue.move_to_end("serial", last=False)
+            super()._assign_work_unit(node)
 
     return ModulesAndSerial(config, log)
 
