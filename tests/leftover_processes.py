@@ -16,6 +16,15 @@ import time
 VARIABLE = "MEGALITE_TEST_SESSION"
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _processes() -> dict[int, tuple[int, bytes]]:
     """``{pid: (parent pid, environment block)}`` of every live (not zombie) process this user may read."""
     found = {}

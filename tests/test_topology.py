@@ -9,6 +9,7 @@ import pytest
 from megalite import topology
 from megalite.testing import run_distributed
 from megalite.topology import rank_groups
+from tests.leftover_processes import running
 
 
 def test_worked_example():
@@ -159,13 +160,6 @@ def _rank_hangs(path):
 
 def _assert_children_stopped(path, ranks):
     """The children that :func:`_start_a_child` started on ``ranks`` are gone (or dead, not yet reaped)."""
-    def running(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split(")")[-1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
     pids = [int(open(os.path.join(path, str(rank))).read()) for rank in range(ranks)]
     deadline = time.monotonic() + 10
     while any(map(running, pids)) and time.monotonic() < deadline:
