@@ -26,10 +26,11 @@ OPTIONAL = {
 TEST = ["pytest>=8", "pytest-xdist>=3", "megatron-core", "openai>=1.0", "requests"]
 TEST += ["trl>=1.16", "jsonschema"]  # peers: chat templates and response parsers, schema validation
 TEST += ["lm-eval[api]"]  # its local-completions and local-chat-completions clients drive the server (< 60 s)
-"""The test extra: pytest, xdist for tools/gpu_check.sh's ``-n 12``, Megatron-Core (the peer the LR schedule is
-tested against), the official ``openai`` client and ``requests`` (the server's tests drive it with them), TRL
-(its chat templates and response schemas are the chat tests' references), jsonschema (structured output and
-tool calls are checked with it), lm-evaluation-harness with its API clients, and every optional extra."""
+"""The test extra: pytest, xdist for tools/test.sh's ``-n 2`` and tools/gpu_check.sh's ``-n 12``, Megatron-Core
+(the peer the LR schedule is tested against), the official ``openai`` client and ``requests`` (the server's tests
+drive it with them), TRL (its chat templates and response schemas are the chat tests' references), jsonschema
+(structured output and tool calls are checked with it), lm-evaluation-harness with its API clients, and every
+optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)

@@ -6,6 +6,9 @@ are enough GPUs), calls ``fn(*args)`` on every rank and returns the list of
 per-rank results.  If any rank raises, or the whole run exceeds ``timeout``,
 every rank is killed and an AssertionError reports each failing rank's
 traceback and the ranks that hung.  A failing test never hangs the suite.
+Each rank leads a process group of its own, so whatever it started (a
+Megatron-Core save's Manager process, a subprocess) is stopped with it: a run
+leaves no process behind.
 
 Processes come from a fork server that has imported torch once (and whatever
 ``preload`` named), so starting ranks is cheap; ``fn`` and its arguments must be
@@ -21,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 
@@ -50,6 +54,7 @@ def use_gpus(world_size: int) -> bool:
 
 
 def _worker(rank, world_size, host, port, backend, timeout_s, fn, args, kwargs, results):
+    os.setpgrp()  # the rank's group: what it starts is stopped with it (_stop)
     os.environ.update({
         "MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
@@ -78,6 +83,23 @@ def _worker(rank, world_size, host, port, backend, timeout_s, fn, args, kwargs, 
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _stop(procs, exit_by: float) -> None:
+    """Let the ranks exit on their own until ``exit_by`` (``time.monotonic()``): their multiprocessing finalizers
+    stop what they started (a Manager's server process would outlive a rank killed during its exit), then kill each
+    rank's process group: the rank if still running and anything it started that is."""
+    for p in procs:
+        p.join(timeout=max(0.0, exit_by - time.monotonic()))
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the rank and all it started have exited (or it never made its group)
+            pass
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str | None = None,
                     **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result."""
@@ -99,28 +121,25 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
     outcome: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + timeout
     first_error = None
-    while len(outcome) < world_size:
-        now = time.monotonic()
-        limit = deadline if first_error is None else min(deadline, first_error + _GRACE_S)
-        if now >= limit:
-            break
-        try:
-            rank, status, value = results.get(timeout=min(0.2, limit - now))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
-            for r in dead:
-                outcome[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}\n")
-                first_error = first_error or time.monotonic()
-            continue
-        outcome[rank] = (status, value)
-        if status == "error" and first_error is None:
-            first_error = time.monotonic()
-
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=5)
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            limit = deadline if first_error is None else min(deadline, first_error + _GRACE_S)
+            if now >= limit:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(0.2, limit - now))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                for r in dead:
+                    outcome[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}\n")
+                    first_error = first_error or time.monotonic()
+                continue
+            outcome[rank] = (status, value)
+            if status == "error" and first_error is None:
+                first_error = time.monotonic()
+    finally:  # also on KeyboardInterrupt: the ranks are in groups of their own, out of a terminal's reach
+        _stop(procs, exit_by=time.monotonic() + _GRACE_S if len(outcome) == world_size else 0.0)
     del store
 
     errors = {r: v for r, (s, v) in outcome.items() if s == "error"}

@@ -1,12 +1,15 @@
 import itertools
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from megalite import topology
 from megalite.testing import run_distributed
 from megalite.topology import rank_groups
+from tests.leftover_processes import running
 
 
 def test_worked_example():
@@ -137,12 +140,31 @@ def _rank_fails():
     dist.barrier()
 
 
-def _rank_hangs():
-    import time
+def _start_a_child(path):
+    """Start a process that outlives this rank unless the harness stops it (as a Megatron-Core save's Manager server
+    process outlived a rank killed while it exited); its pid in ``path/<rank>``."""
     import torch.distributed as dist
 
+    child = subprocess.Popen(["sleep", "60"])
+    with open(os.path.join(path, str(dist.get_rank())), "w") as f:
+        f.write(str(child.pid))
+
+
+def _rank_hangs(path):
+    import torch.distributed as dist
+
+    _start_a_child(path)
     if dist.get_rank() == 0:
         time.sleep(60)
+
+
+def _assert_children_stopped(path, ranks):
+    """The children that :func:`_start_a_child` started on ``ranks`` are gone (or dead, not yet reaped)."""
+    pids = [int(open(os.path.join(path, str(rank))).read()) for rank in range(ranks)]
+    deadline = time.monotonic() + 10
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, pids)), pids
 
 
 def test_harness_reports_failing_rank():
@@ -160,9 +182,17 @@ def test_ranks_start_with_what_the_conftest_preloads():
     assert run_distributed(_imported, 1, "megalite.rlhf.trainer") == [True]
 
 
-def test_harness_kills_hanging_ranks():
+def test_harness_kills_hanging_ranks(tmp_path):
+    """Hung ranks are killed with what they started."""
     with pytest.raises(AssertionError, match=r"ranks \[0, 1\] did not finish and were killed after the 3s timeout"):
-        run_distributed(_rank_hangs, 2, timeout=3)
+        run_distributed(_rank_hangs, 2, str(tmp_path), timeout=3)
+    _assert_children_stopped(tmp_path, 2)
+
+
+def test_what_a_rank_starts_ends_with_the_run(tmp_path):
+    """A run leaves no process behind: what a rank started and left running is stopped when the rank is done."""
+    run_distributed(_start_a_child, 2, str(tmp_path), timeout=30)
+    _assert_children_stopped(tmp_path, 2)
 
 
 def _bad_layout():

@@ -42,16 +42,6 @@ def patch_cuda() -> None:
     multiprocessing.current_process()._config["daemon"] = False
 
 
-def stop_writer_manager() -> None:
-    """Shut down the ``multiprocessing`` manager process that Megatron-Core's checkpoint writer starts for its results
-    queue: a test rank exits without running exit handlers, which would leave it running after the test."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue, filesystem_async._results_queue = filesystem_async._results_queue, None
-    if queue is not None and getattr(queue, "_manager", None) is not None:
-        queue._manager.shutdown()
-
-
 def build_model(tp: int, pp: int, seed: int = 1, tied: bool = False, vpp: int | None = None, layer_spec=None,
                 mtp: int | None = None, **stages):
     """Megatron-Core's GPT of :data:`ARGS` on this rank of a tp x pp grid (fp32, CPU, local layer spec, or
@@ -131,7 +121,11 @@ def _save(save_dir: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor:
 
 def save_state(state: dict, save_dir: str, iteration: int) -> None:
     """Save Megatron-LM's state dict as ``--ckpt-format torch_dist`` does: ``dist_checkpointing.save`` into
-    ``iter_XXXXXXX/``, published by ``latest_checkpointed_iteration.txt`` (collective over every rank)."""
+    ``iter_XXXXXXX/``, published by ``latest_checkpointed_iteration.txt`` (collective over every rank).
+
+    The first save of a rank process starts the ``multiprocessing`` Manager process that Megatron-Core's writer
+    keeps for its results queue; the later saves share it (a new one would import torch again to unpickle the write
+    results: seconds each), and it stops with the rank (its exit handlers, then ``run_distributed``)."""
     from megatron.core import dist_checkpointing
 
     directory = os.path.join(save_dir, f"iter_{iteration:07d}")
@@ -143,7 +137,6 @@ def save_state(state: dict, save_dir: str, iteration: int) -> None:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     dist.barrier()
-    stop_writer_manager()
 
 
 def convert(*argv) -> int:

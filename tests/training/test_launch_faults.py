@@ -13,6 +13,7 @@ import pytest
 
 from megalite.testing import run_distributed
 from megalite.training.checkpointing import read_latest
+from tests.leftover_processes import running
 from tests.training.helpers import pretrain_on_rank, read_metrics, tiny_argv
 
 pytestmark = pytest.mark.slow
@@ -42,14 +43,6 @@ def _wait_for(condition, timeout, what):
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _pids(pid_dir, attempt, ranks=(0, 1)):
@@ -85,7 +78,7 @@ def test_sigterm_while_blocked_in_a_collective_exits_within_30s(tiny_data, tmp_p
         workers = _pids(pid_dir, 0)
         for pid in workers:
             os.kill(pid, signal.SIGTERM)
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), 30, "the workers to exit after SIGTERM")
+        _wait_for(lambda: not any(running(pid) for pid in workers), 30, "the workers to exit after SIGTERM")
     finally:
         proc.kill()
         proc.communicate()
@@ -141,7 +134,7 @@ def test_supervisor_restarts_killed_worker_and_launcher_without_orphans(tiny_dat
         _wait_for(lambda: os.path.exists(pid_dir / "attempt2_rank0"), 240, "the third attempt")
         # The launcher of attempt 1 died before attempt 2 started (1 s delay): its workers must be gone.
         orphans = _pids(pid_dir, 1)
-        _wait_for(lambda: not any(_alive(pid) for pid in orphans), 10, "attempt 1's workers to die with torchrun")
+        _wait_for(lambda: not any(running(pid) for pid in orphans), 10, "attempt 1's workers to die with torchrun")
         out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
