@@ -2,13 +2,14 @@
 
 A GRPO group is ``n`` responses to one prompt, so the trainer's forwards (the reference's and old log-probs, the
 update's forward and backward) would compute every prompt token ``n`` times.  :func:`pack_rows` lays each run of
-``n`` consecutive rows out as one row with the start they share once and each row's rest as a branch
+``n`` consecutive rows out as one row with every token they share once and each row's rest as a branch
 (:func:`megalite.rlhf.preference.shared_prefix`, the rule DPO's shared pairs use; a branch sees the trunk and
 itself, its positions continue from the trunk's), and :meth:`PackedRows.unpack` gathers the model's output back
-into the rollout's ``[b, s]`` layout.  Every real token's output is the one the unshared row gives (the same
-tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns of padding get
-the output of their row's first real token (finite; every loss masks them).  Rows need not share anything: a
-group whose rows share fewer than two tokens is packed as separate documents of one row.
+into the rollout's ``[b, s]`` layout.  A row's last real token is not packed at all: its output would predict
+the token after the row, which no log-prob reads.  Every other real token's output is the one the unshared row
+gives (the same tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns
+of padding and each row's last real token get the packed row's first output (finite; every loss masks them).
+Rows need not share anything: a group whose rows share no token is packed as separate documents of one row.
 An iteration's forwards (reference, old log-probs, each update epoch) run the same rows, so the trainer packs them
 once (:func:`pack_micro_batches`, kept on the :class:`~megalite.rlhf.rollout_batch.Rollout`) and hands that
 packing to each forward (:func:`with_packing`, a micro-batch's ``"packed"``, which :func:`forward_rows` runs).
@@ -63,8 +64,12 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
               multiple: int = 1) -> PackedRows:
     """Each ``group`` consecutive rows of ``input_ids [b, s]`` (real tokens: ``attention_mask``, contiguous in a
     row, as left-padded prompts followed by responses are) packed as one row of their shared prefix and branches;
-    the last pack takes the rows left over.  Packed rows are padded with ``pad_id`` (a document of its own) to
-    the longest, rounded up to ``multiple`` (sequence parallelism's TP size)."""
+    the last pack takes the rows left over.  A row's last real token is left out: its output predicts the token
+    after the row, which no log-prob reads (:meth:`PackedRows.unpack` gives that column, like the padding's, the
+    packed row's first output).  The trunk holds every token the rows share (``shared_prefix`` with
+    ``label_split=False``): their one output is gathered into each row.  Packed rows are padded with ``pad_id``
+    (a document of its own) to the longest (at least one token), rounded up to ``multiple`` (sequence
+    parallelism's TP size)."""
     b, width = input_ids.shape
     ids, mask = input_ids.tolist(), attention_mask.tolist()
     rows, index = [], []
@@ -75,21 +80,22 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
             columns = [c for c, keep in enumerate(mask[r]) if keep]
             if not columns or columns[-1] - columns[0] + 1 != len(columns):
                 raise ValueError(f"row {r}'s real tokens must be one contiguous run of at least one token")
-            spans.append((columns[0], len(columns)))
-        tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)])
+            spans.append((columns[0], len(columns) - 1))  # the last real token is not packed
+        tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)],
+                                               label_split=False)
         offset = trunk
         for c, n in spans:
-            where = list(range(trunk)) + list(range(offset, offset + n - trunk))  # a row is longer than the trunk
-            index.append([where[0]] * c + where + [where[0]] * (width - c - n))
+            where = list(range(trunk)) + list(range(offset, offset + n - trunk))  # every row holds the trunk
+            index.append([0] * c + where + [0] * (width - c - n))
             offset += n - trunk
         rows.append((tokens, docs))
-    longest = max(len(tokens) for tokens, _ in rows)
+    longest = max(1, max(len(tokens) for tokens, _ in rows))
     longest = -(-longest // multiple) * multiple
     packed, documents, fill = [], [], []
     for tokens, docs in rows:
         pad = longest - len(tokens)
         packed.append(tokens + [pad_id] * pad)
-        documents.append(docs + [docs[-1] % BRANCH + 1] * pad)  # the padding is a document of its own
+        documents.append(docs + [(docs[-1] % BRANCH + 1) if docs else 0] * pad)  # the padding: a document of its own
         fill.append([False] * len(tokens) + [True] * pad)
     documents = torch.tensor(documents)
     # The padding's positions are 0: a packed row may be longer than the model's position table.

@@ -40,22 +40,30 @@ def _rollout():
             "ref_log_probs": -torch.rand(shape, generator=g) - 3.0, "is_weights": torch.rand(shape, generator=g) + 0.5}
 
 
+def _read(mask):
+    """The columns whose output a log-prob reads: real tokens but each row's last (its output predicts the token
+    after the row, so packing leaves that token out)."""
+    return mask.bool() & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1).bool()
+
+
 def test_group_row_layout():
-    """Group 0: the prompt's first two tokens once, each branch from the prompt's last token; group 1: the trunk
-    runs through the shared response token 3, the shortest sample's branch is its last token alone."""
+    """Group 0: the prompt once, each branch from the first response token; group 1: the trunk runs through the
+    shared response token 3, and the shortest sample, its only response token left out, has no branch.  Each
+    row's last real token is left out, and every token shared by a group is packed once."""
     batch = _rollout()
     packed = pack_rows(batch["input_ids"], batch["attention_mask"], GROUP)
-    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 3, 4, 7, 3, 9, 5, 6],
-                                      [8, 2, 3, 3, 3, 3, 3, 3, 3, 0, 0, 0, 0]]
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 4, 9, 5], [8, 2, 3, 3, 3, 3, 0, 0]]
     branch = (packed.document_ids >> 32).tolist()
-    assert branch == [[0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3], [0, 0, 1, 1, 1, 2, 2, 2, 3, 0, 0, 0, 0]]
-    assert (packed.document_ids[1, 9:] == 1).all()  # the padding is a document of its own
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 2, 3, 4, 2, 3, 4, 5],
-                                            [0, 1, 2, 3, 4, 2, 3, 4, 2, 0, 0, 0, 0]]
-    # Every real token of a row reads the packed position holding the same token.
+    assert branch == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 0, 1, 1, 2, 2, 0, 0]]
+    assert (packed.document_ids[1, 6:] == 1).all()  # the padding is a document of its own
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4], [0, 1, 2, 3, 2, 3, 0, 0]]
+    # Every read token of a row reads the packed position holding the same token.
     flat = packed.tokens.reshape(-1)[packed.index]
-    real = batch["attention_mask"].bool()
-    assert torch.equal(flat[real], batch["input_ids"][real])
+    read = _read(batch["attention_mask"])
+    assert torch.equal(flat[read], batch["input_ids"][read])
+    # Rows of one token each: nothing to pack but a row of padding, whose output every column takes.
+    single = pack_rows(torch.tensor([[0, 5], [0, 6]]), torch.tensor([[0, 1], [0, 1]]), 2)
+    assert single.tokens.tolist() == [[0]] and single.index.tolist() == [[0, 0], [0, 0]]
 
 
 def test_a_packing_of_other_rows_is_refused():
@@ -120,8 +128,8 @@ def test_shared_groups_equal_unshared(kind, overrides):
 
 def test_a_packed_row_longer_than_the_position_table():
     """A group of distinct samples packs to more tokens than a row's width; the padding of a shorter packed row
-    takes position 0 (it counted on past the learned position table before), and every output still equals the
-    unshared rows'."""
+    takes position 0 (it counted on past the learned position table before), and every output a log-prob reads
+    still equals the unshared rows'."""
     rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9, 1]] + [[8, 2, 3]] * 3
     ids = torch.zeros(6, 8, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -132,8 +140,8 @@ def test_a_packed_row_longer_than_the_position_table():
     model = GPTModel(config("gpt2", max_position_embeddings=8))
     with torch.no_grad():
         want, got = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
-    real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    read = _read(mask)
+    torch.testing.assert_close(got[read], want[read], rtol=1e-5, atol=1e-5)
 
 
 def test_models_without_document_attention_run_unshared():
