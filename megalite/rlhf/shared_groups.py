@@ -4,11 +4,12 @@ A GRPO group is ``n`` responses to one prompt, so the trainer's forwards (the re
 update's forward and backward) would compute every prompt token ``n`` times.  :func:`pack_rows` lays each run of
 ``n`` consecutive rows out as one row with every token they share once and each row's rest as a branch
 (:func:`megalite.rlhf.preference.shared_prefix`, the rule DPO's shared pairs use; a branch sees the trunk and
-itself, its positions continue from the trunk's), and :meth:`PackedRows.unpack` gathers the model's output back
-into the rollout's ``[b, s]`` layout.  A row's last real token is not packed at all: its output would predict
-the token after the row, which no log-prob reads.  Every other real token's output is the one the unshared row
-gives (the same tokens before it, the same positions), so log-probs, losses and gradients are unchanged; columns
-of padding and each row's last real token get the packed row's first output (finite; every loss masks them).
+itself, its positions continue from the trunk's), and the output layer runs only on the packed positions some
+row reads (:class:`RowLogits`: each once, each column of the rollout's ``[b, s]`` layout pointing at its own).
+A row's last real token is not packed at all: its output would predict the token after the row, which no
+log-prob reads.  Every other real token's output is the one the unshared row gives (the same tokens before it,
+the same positions), so log-probs, losses and gradients are unchanged; columns of padding and each row's last
+real token take the packed row's first output (finite; every loss masks them).
 Rows need not share anything: a group whose rows share no token is packed as separate documents of one row.
 An iteration's forwards (reference, old log-probs, each update epoch) run the same rows, so the trainer packs them
 once (:func:`pack_micro_batches`, kept on the :class:`~megalite.rlhf.rollout_batch.Rollout`) and hands that
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.context_parallel.sequence_split import BRANCH, reset_position_ids
+from megalite.distributed import FullyShardedDataParallel
 from megalite.distributed.unwrap import unwrap
 from megalite.rlhf.preference import shared_prefix
 
@@ -47,17 +49,30 @@ def shares_prefixes(model) -> bool:
 @dataclass
 class PackedRows:
     """``tokens``/``position_ids``/``document_ids`` ``[g, S]``: the packed rows; ``index`` ``[b, s]``: for each
-    column of the unshared rows, the flat position (into ``g * S``) whose output it takes."""
+    column of the unshared rows, the flat position (into ``g * S``) whose output it takes; ``outputs`` ``[u]``: the
+    distinct positions some column takes (sorted), and ``rows`` ``[b, s]``: each column's one among them."""
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     document_ids: torch.Tensor
     index: torch.Tensor
+    outputs: torch.Tensor
+    rows: torch.Tensor
 
-    def unpack(self, output: torch.Tensor) -> torch.Tensor:
-        """The model's ``[g, S, ...]`` output of the packed rows as ``[b, s, ...]`` of the unshared rows."""
-        g, width = output.shape[:2]
-        return output.reshape(g * width, *output.shape[2:])[self.index]
+
+@dataclass
+class RowLogits:
+    """A packed forward's logits (:func:`forward_rows` on the last stage): ``logits [u, v/tp]`` at the packed
+    positions the rows read, each once however many rows read it (a GRPO group's last prompt token is read by all
+    its samples), and ``rows [b, s]``: for each column of the unshared rows, its row of ``logits``.
+    :func:`megalite.rlhf.actor.next_token_log_probs` scores tokens on them without expanding them to ``[b, s]``."""
+
+    logits: torch.Tensor
+    rows: torch.Tensor
+
+    def expand(self) -> torch.Tensor:
+        """The unshared rows' logits ``[b, s, v/tp]``."""
+        return self.logits[self.rows]
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int, pad_id: int = 0,
@@ -100,10 +115,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
     documents = torch.tensor(documents)
     # The padding's positions are 0: a packed row may be longer than the model's position table.
     positions = reset_position_ids(documents).masked_fill_(torch.tensor(fill), 0)
-    flat = [[i + r // group * longest for i in row] for r, row in enumerate(index)]
+    flat = torch.tensor([[i + r // group * longest for i in row] for r, row in enumerate(index)])
+    outputs, rows = torch.unique(flat, return_inverse=True)
     device = input_ids.device
     return PackedRows(torch.tensor(packed, dtype=input_ids.dtype, device=device), positions.to(device),
-                      documents.to(device), torch.tensor(flat, device=device))
+                      documents.to(device), flat.to(device), outputs.to(device), rows.to(device))
 
 
 def pack_micro_batches(micro_batches: list[dict], group: int | None, model) -> tuple[PackedRows, ...] | None:
@@ -131,10 +147,20 @@ def with_packing(micro_batches: list[dict], packing: tuple[PackedRows, ...] | No
 
 
 def forward_rows(chunk, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: PackedRows | None = None):
-    """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: through their ``packed`` rows
-    (:func:`pack_micro_batches`; a last pipeline stage's output unpacked to ``[b, s, ...]``, an earlier stage's
-    hidden states stay packed for the next stage, which runs the same packing), else the plain padded forward."""
+    """``chunk``'s output for the rows ``input_ids``/``attention_mask`` ``[b, s]``: the plain padded forward, or
+    through their ``packed`` rows (:func:`pack_micro_batches`): an earlier pipeline stage's hidden states stay packed
+    for the next stage, which runs the same packing, and the last stage gives :class:`RowLogits`, the output layer
+    run on the packed positions some row reads (on every packed position under sequence parallelism, whose
+    hidden states are split over TP by position, or FSDP2, whose weights are gathered only inside its forward)."""
     if packed is None:
         return chunk(input_ids, attention_mask=attention_mask)
-    output = chunk(packed.tokens, position_ids=packed.position_ids, document_ids=packed.document_ids)
-    return packed.unpack(output) if unwrap(chunk).post_process else output
+    inner = unwrap(chunk)
+    inputs = {"position_ids": packed.position_ids, "document_ids": packed.document_ids}
+    if not inner.post_process:
+        return chunk(packed.tokens, **inputs)
+    if inner.sequence_parallel or isinstance(chunk, FullyShardedDataParallel):
+        logits = chunk(packed.tokens, **inputs)
+        return RowLogits(logits.reshape(-1, logits.shape[-1]), packed.index)
+    hidden = chunk(packed.tokens, return_hidden=True, **inputs)
+    read = hidden.reshape(-1, 1, hidden.shape[-1])[packed.outputs]
+    return RowLogits(inner.output_logits(read)[:, 0], packed.rows)

@@ -61,6 +61,9 @@ def test_group_row_layout():
     flat = packed.tokens.reshape(-1)[packed.index]
     read = _read(batch["attention_mask"])
     assert torch.equal(flat[read], batch["input_ids"][read])
+    # Each read packed position once (the trunk's last token serves every row of its group), each column its own.
+    assert packed.outputs.tolist() == sorted(set(packed.index.flatten().tolist()))
+    assert torch.equal(packed.outputs[packed.rows], packed.index)
     # Rows of one token each: nothing to pack but a row of padding, whose output every column takes.
     single = pack_rows(torch.tensor([[0, 5], [0, 6]]), torch.tensor([[0, 1], [0, 1]]), 2)
     assert single.tokens.tolist() == [[0]] and single.index.tolist() == [[0, 0], [0, 0]]
@@ -139,7 +142,10 @@ def test_a_packed_row_longer_than_the_position_table():
     assert packed.tokens.shape[1] > ids.shape[1] and int(packed.position_ids.max()) < ids.shape[1]
     model = GPTModel(config("gpt2", max_position_embeddings=8))
     with torch.no_grad():
-        want, got = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
+        want, out = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
+    # the output layer ran on the packed positions the rows read, not on every packed position
+    assert out.logits.shape[0] == packed.outputs.numel() < packed.tokens.numel()
+    got = out.expand()
     read = _read(mask)
     torch.testing.assert_close(got[read], want[read], rtol=1e-5, atol=1e-5)
 
