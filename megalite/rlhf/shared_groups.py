@@ -22,7 +22,9 @@ branch following its trunk, so windowed models share too).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -80,46 +82,53 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
     """Each ``group`` consecutive rows of ``input_ids [b, s]`` (real tokens: ``attention_mask``, contiguous in a
     row, as left-padded prompts followed by responses are) packed as one row of their shared prefix and branches;
     the last pack takes the rows left over.  A row's last real token is left out: its output predicts the token
-    after the row, which no log-prob reads (:meth:`PackedRows.unpack` gives that column, like the padding's, the
-    packed row's first output).  The trunk holds every token the rows share (``shared_prefix`` with
+    after the row, which no log-prob reads (that column, like the padding's, takes the packed row's first
+    output).  The trunk holds every token the rows share (``shared_prefix`` with
     ``label_split=False``): their one output is gathered into each row.  Packed rows are padded with ``pad_id``
     (a document of its own) to the longest (at least one token), rounded up to ``multiple`` (sequence
     parallelism's TP size)."""
     b, width = input_ids.shape
-    ids, mask = input_ids.tolist(), attention_mask.tolist()
+    real = attention_mask.bool()
+    runs = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(dim=1)  # runs of real tokens per row
+    if bool((runs != 1).any()):
+        row = int((runs != 1).nonzero()[0, 0])
+        raise ValueError(f"row {row}'s real tokens must be one contiguous run of at least one token")
+    firsts, lengths = real.long().argmax(dim=1).tolist(), real.sum(dim=1).tolist()
+    ids = input_ids.tolist()
     rows, index = [], []
     for start in range(0, b, group):
-        members = range(start, min(b, start + group))
-        spans = []
-        for r in members:
-            columns = [c for c, keep in enumerate(mask[r]) if keep]
-            if not columns or columns[-1] - columns[0] + 1 != len(columns):
-                raise ValueError(f"row {r}'s real tokens must be one contiguous run of at least one token")
-            spans.append((columns[0], len(columns) - 1))  # the last real token is not packed
-        tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in zip(members, spans)],
-                                               label_split=False)
+        spans = [(firsts[r], lengths[r] - 1) for r in range(start, min(b, start + group))]  # the last token left out
+        tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in
+                                                enumerate(spans, start)], label_split=False)
         offset = trunk
-        for c, n in spans:
-            where = list(range(trunk)) + list(range(offset, offset + n - trunk))  # every row holds the trunk
-            index.append([0] * c + where + [0] * (width - c - n))
+        for c, n in spans:  # every row holds the trunk, then its branch
+            index.append([0] * c + list(range(trunk)) + list(range(offset, offset + n - trunk)) + [0] * (width - c - n))
             offset += n - trunk
         rows.append((tokens, docs))
-    longest = max(1, max(len(tokens) for tokens, _ in rows))
-    longest = -(-longest // multiple) * multiple
-    packed, documents, fill = [], [], []
+    sizes = [len(tokens) for tokens, _ in rows]
+    longest = -(-max(1, *sizes) // multiple) * multiple
+    packed, documents = [], []
     for tokens, docs in rows:
         pad = longest - len(tokens)
         packed.append(tokens + [pad_id] * pad)
         documents.append(docs + [(docs[-1] % BRANCH + 1) if docs else 0] * pad)  # the padding: a document of its own
-        fill.append([False] * len(tokens) + [True] * pad)
-    documents = torch.tensor(documents)
+    documents = _long_tensor(documents, longest)
     # The padding's positions are 0: a packed row may be longer than the model's position table.
-    positions = reset_position_ids(documents).masked_fill_(torch.tensor(fill), 0)
-    flat = torch.tensor([[i + r // group * longest for i in row] for r, row in enumerate(index)])
+    fill = torch.arange(longest) >= torch.tensor(sizes)[:, None]
+    positions = reset_position_ids(documents).masked_fill_(fill, 0)
+    flat = _long_tensor(index, width).add_((torch.arange(b) // group * longest)[:, None])
     outputs, rows = torch.unique(flat, return_inverse=True)
     device = input_ids.device
-    return PackedRows(torch.tensor(packed, dtype=input_ids.dtype, device=device), positions.to(device),
+    return PackedRows(_long_tensor(packed, longest).to(device=device, dtype=input_ids.dtype), positions.to(device),
                       documents.to(device), flat.to(device), outputs.to(device), rows.to(device))
+
+
+def _long_tensor(rows: list[list[int]], width: int) -> torch.Tensor:
+    """``torch.tensor(rows)`` (int64) of rows of ``width`` ints, built through one flat array: several times faster
+    than from the nested lists, which matters at one packing per iteration."""
+    flat = array("q", chain.from_iterable(rows))
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width) if flat else torch.zeros(
+        len(rows), width, dtype=torch.int64)
 
 
 def pack_micro_batches(micro_batches: list[dict], group: int | None, model) -> tuple[PackedRows, ...] | None:
