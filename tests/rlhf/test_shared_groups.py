@@ -69,6 +69,15 @@ def test_group_row_layout():
     assert single.tokens.tolist() == [[0]] and single.index.tolist() == [[0, 0], [0, 0]]
 
 
+@pytest.mark.parametrize("bad", [[1, 0, 1, 1], [0, 0, 0, 0]], ids=["gap", "empty"])
+def test_rows_that_are_not_one_run_of_tokens_are_refused(bad):
+    """A row whose real tokens have a gap, or that has none, is one clear error naming it."""
+    ids = torch.arange(12).view(3, 4)
+    mask = torch.tensor([[0, 1, 1, 1], bad, [1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="row 1's real tokens must be one contiguous run"):
+        pack_rows(ids, mask, GROUP)
+
+
 def test_a_packing_of_other_rows_is_refused():
     """A packing handed to micro-batches of other rows (another cut of the batch) is a clear error, not a forward
     of the wrong tokens."""
