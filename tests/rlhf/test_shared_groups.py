@@ -221,3 +221,29 @@ def test_an_iteration_packs_its_rows_once(monkeypatch):
             "--recompute-old-log-probs", "--tensorboard-dir", ""]
     assert RLTrainer(parse_args(argv)).train() == 0
     assert calls == [(2, calls[0][1])] * 4
+
+
+def test_distillation_on_shared_rows_equals_unshared():
+    """The distillation term reads the student's logits of every column (expanded from the packed forward's
+    rows): with a top-k teacher, the loss, its ``distill_kl`` and the gradients equal the unshared rows'."""
+    torch.manual_seed(0)
+    model = GPTModel(config("gpt2"))
+    batch = _rollout()
+    g = torch.Generator().manual_seed(5)
+    b, s = batch["input_ids"].shape
+    batch["teacher_log_probs"] = torch.randn(b, s, 4, generator=g).log_softmax(-1)
+    batch["teacher_indices"] = torch.randint(0, 16, (b, s, 4), generator=g)
+    objective = PPOActorObjective(PPO, temperature=0.7, distill_coef=0.2)
+    results = []
+    for group in (None, GROUP):
+        model.zero_grad()
+        [mb] = with_packing([batch], pack_micro_batches([batch], group, model))
+        loss, metrics = objective.loss(objective.forward(model, mb), batch, float(batch["response_mask"].sum()), model)
+        loss.backward()
+        results.append((loss.detach(), metrics["distill_kl"], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want_loss, want_kl, want_grads), (loss, kl, grads) = results
+    assert want_kl > 0
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl, want_kl, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
