@@ -49,14 +49,15 @@ def _read(mask):
 def test_group_row_layout():
     """Group 0: the prompt once, each branch from the first response token; group 1: the trunk runs through the
     shared response token 3, and the shortest sample, its only response token left out, has no branch.  Each
-    row's last real token is left out, and every token shared by a group is packed once."""
+    row's last real token is left out, every token shared by a group is packed once, and the two short groups
+    share one packed row as documents 0 and 1 (their own positions and branches)."""
     batch = _rollout()
     packed = pack_rows(batch["input_ids"], batch["attention_mask"], GROUP)
-    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 4, 9, 5], [8, 2, 3, 3, 3, 3, 0, 0]]
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 4, 9, 5, 8, 2, 3, 3, 3, 3]]
+    assert (packed.document_ids % (1 << 32)).tolist() == [[0] * 8 + [1] * 6]
     branch = (packed.document_ids >> 32).tolist()
-    assert branch == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 0, 1, 1, 2, 2, 0, 0]]
-    assert (packed.document_ids[1, 6:] == 1).all()  # the padding is a document of its own
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4], [0, 1, 2, 3, 2, 3, 0, 0]]
+    assert branch == [[0, 0, 0, 1, 1, 2, 3, 3, 0, 0, 1, 1, 2, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 0, 1, 2, 3, 2, 3]]
     # Every read token of a row reads the packed position holding the same token.
     flat = packed.tokens.reshape(-1)[packed.index]
     read = _read(batch["attention_mask"])
@@ -142,13 +143,14 @@ def test_a_packed_row_longer_than_the_position_table():
     """A group of distinct samples packs to more tokens than a row's width; the padding of a shorter packed row
     takes position 0 (it counted on past the learned position table before), and every output a log-prob reads
     still equals the unshared rows'."""
-    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9, 1]] + [[8, 2, 3]] * 3
-    ids = torch.zeros(6, 8, dtype=torch.long)
+    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9, 1]] * 3  # groups of 14 tokens
+    ids = torch.zeros(9, 8, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
     packed = pack_rows(ids, mask, GROUP)
-    assert packed.tokens.shape[1] > ids.shape[1] and int(packed.position_ids.max()) < ids.shape[1]
+    assert packed.tokens.shape == (2, 28) and int(packed.position_ids.max()) < ids.shape[1]  # two groups, then one
+    assert (packed.position_ids[1, 14:] == 0).all() and (packed.document_ids[1, 14:] == 1).all()  # its padding
     model = GPTModel(config("gpt2", max_position_embeddings=8))
     with torch.no_grad():
         want, out = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
