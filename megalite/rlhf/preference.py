@@ -32,6 +32,7 @@ a frozen reference model's forward under ``torch.no_grad()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from os.path import commonprefix
 
 import torch
 import torch.nn.functional as F
@@ -120,11 +121,10 @@ def shared_prefix(sequences: list[tuple[list[int], list[int]]],
     position ``i`` of sequence ``k`` lies at ``i`` in the row when ``i < trunk``, else at ``trunk + (the
     lengths of the branches before k) + i - trunk``.
     """
-    common = 0
-    for column in zip(*(zip(*sequence) for sequence in sequences)):
-        if any(item != column[0] for item in column[1:]):
-            break
-        common += 1
+    # the first column where some sequence's id or mask differs (or the shortest ends); commonprefix compares
+    # only the lexicographically first and last sequences, in C
+    common = min(len(commonprefix([list(ids) for ids, _ in sequences])),
+                 len(commonprefix([list(mask) for _, mask in sequences])))
     trunk = (common - 1 if common >= 2 else 0) if label_split else common
     tokens, mask = list(sequences[0][0][:trunk]), list(sequences[0][1][:trunk])
     docs = [0] * trunk

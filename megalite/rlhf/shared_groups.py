@@ -102,18 +102,18 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
         raise ValueError(f"row {row}'s real tokens must be one contiguous run of at least one token")
     firsts, lengths = real.long().argmax(dim=1).tolist(), real.sum(dim=1).tolist()
     ids = input_ids.tolist()
-    groups = []  # (tokens, documents, each member row's packed positions within the group, or -1)
+    groups, where = [], []  # (tokens, documents) per group; per row, each column's position in its group or -1
     for start in range(0, b, group):
         spans = [(firsts[r], lengths[r] - 1) for r in range(start, min(b, start + group))]  # the last token left out
         tokens, _, docs, trunk = shared_prefix([(ids[r][c:c + n], [1] * n) for r, (c, n) in
                                                 enumerate(spans, start)], label_split=False)
-        offset, where = trunk, []
+        offset = trunk
         for c, n in spans:  # every row holds the trunk, then its branch
             where.append([-1] * c + list(range(trunk)) + list(range(offset, offset + n - trunk))
                          + [-1] * (width - c - n))
             offset += n - trunk
-        groups.append((tokens, docs, where))
-    capacity = max(ROW_TOKENS, *(len(tokens) for tokens, _, _ in groups))
+        groups.append((tokens, docs))
+    capacity = max(ROW_TOKENS, *(len(tokens) for tokens, _ in groups))
     rows: list[list[int]] = []  # the groups of each packed row
     used: list[int] = []
     for g in sorted(range(len(groups)), key=lambda g: -len(groups[g][0])):
@@ -125,12 +125,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
         rows[row].append(g)
         used[row] += size
     longest = -(-max(1, *used) // multiple) * multiple
-    packed, documents, index = [], [], [None] * len(groups)
+    packed, documents, starts = [], [], [0] * len(groups)
     for r, members in enumerate(rows):
         tokens, docs, next_doc = [], [], 0
         for g in sorted(members):  # each group's documents numbered after the row's earlier groups'
-            base = r * longest + len(tokens)
-            index[g] = [[base + i if i >= 0 else 0 for i in row] for row in groups[g][2]]
+            starts[g] = r * longest + len(tokens)
             tokens += groups[g][0]
             docs += [d + next_doc for d in groups[g][1]]
             next_doc += max((d % BRANCH for d in groups[g][1]), default=-1) + 1
@@ -141,7 +140,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: int,
     # The padding's positions are 0: a packed row may be longer than the model's position table.
     fill = torch.arange(longest) >= torch.tensor([sum(len(groups[g][0]) for g in m) for m in rows])[:, None]
     positions = reset_position_ids(documents).masked_fill_(fill, 0)
-    flat = _long_tensor([row for rows_of_group in index for row in rows_of_group], width)
+    local = _long_tensor(where, width)
+    flat = torch.where(local >= 0, local + torch.tensor(starts).repeat_interleave(group)[:b, None], 0)
     outputs, rows_read = torch.unique(flat, return_inverse=True)
     device = input_ids.device
     return PackedRows(_long_tensor(packed, longest).to(device=device, dtype=input_ids.dtype), positions.to(device),
