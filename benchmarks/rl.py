@@ -58,8 +58,10 @@ SPLIT = ("time_generate_s", "time_log_probs_s", "time_train_s", "time_sync_s")
 
 
 def run_example(extra, args, directory, procs: int = 4, port: int = 29700) -> list[dict]:
-    """examples/rlhf_ppo.py with GRPO and these flags on ``procs`` CPU ranks; its per-iteration metrics."""
-    metrics = os.path.join(directory, f"{port}.jsonl")
+    """examples/rlhf_ppo.py with GRPO and these flags on ``procs`` CPU ranks; its per-iteration metrics (its own
+    file: the metrics logger appends, so a shared one would mix in the earlier runs' iterations)."""
+    handle, metrics = tempfile.mkstemp(prefix=f"{port}-", suffix=".jsonl", dir=directory)
+    os.close(handle)
     launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(port)]
     cmd = [sys.executable, *(launch if procs > 1 else []), os.path.join(ROOT, "examples", "rlhf_ppo.py"),
            "--advantage-estimator", "grpo", "--use-kl-loss", "--n-samples-per-prompt", str(args.n_samples_per_prompt),

@@ -121,4 +121,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / temperature)`` in fp32 over full-vocabulary rows ``[..., v]``: the one expression of
     sampled tokens' log-probs, for the engine and (in batch-invariant mode) the trainer."""
-    return (logits.float() / temperature).log_softmax(dim=-1)
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # x / 1 is x: skip the pass
+    return scaled.log_softmax(dim=-1)

@@ -32,7 +32,7 @@ from megalite.inference.paged_cache import KVPool, PagedStep, StepPlan
 from megalite.inference.params import RequestOutput, SamplingParams, StructuredOutputsParams
 from megalite.inference.prefix_cache import PrefixCache
 from megalite.inference.request_check import EngineFacts, RequestChecker
-from megalite.inference.sampler import adjust_logits, pick_batch, token_logprobs, verify
+from megalite.inference.sampler import adjust_logits, finite_rows, pick_batch, token_logprobs, verify
 from megalite.inference.scheduler import Scheduler
 from megalite.inference.sequence import Request, Sequence
 from megalite.inference.mtp_drafter import MTPDrafter
@@ -227,7 +227,7 @@ class LLMEngine:
         return gather_from_tensor_parallel_region(logits, self.tp_group)[:, 0, :self.vocab_size].float()
 
     def _process(self, entries, logits: torch.Tensor | None) -> list[Request]:
-        finite = torch.isfinite(logits).all(dim=-1).tolist() if logits is not None else []
+        finite = finite_rows(logits) if logits is not None else []
         greedy = any(e.sample and e.seq.request.params.greedy and not e.seq.request.params.adjusts_logits
                      and e.seq.grammar is None for e in entries)
         argmax = logits.argmax(dim=-1).tolist() if greedy else None

@@ -14,7 +14,7 @@ import torch
 from megalite import batch_invariant
 from megalite.distributed.unwrap import unwrap
 from megalite.pipeline import broadcast_from_last_stage, forward_backward
-from megalite.rlhf.shared_groups import forward_rows
+from megalite.rlhf.shared_groups import RowLogits, forward_rows
 from megalite.tensor_parallel import (gather_from_tensor_parallel_region, vocab_parallel_entropy,
                                       vocab_parallel_log_probs)
 from megalite.topology import resolve_group
@@ -22,10 +22,14 @@ from megalite.topology import resolve_group
 
 def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
                     chunk_size: int | None = None, with_entropy: bool = False,
-                    tp_group=None, invariant_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    tp_group=None, invariant_vocab: int | None = None,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / temperature)[token]`` ``[b, s]`` and optionally the entropy ``[b, s]`` (fp32).
 
-    ``logits_shard [b, s, v/tp]``.  ``chunk_size`` bounds how many sequence
+    ``logits_shard [b, s, v/tp]``, or with ``rows [b, s]`` (a packed forward's
+    :class:`~megalite.rlhf.shared_groups.RowLogits`) ``[u, v/tp]`` rows of which column ``(i, j)`` reads
+    ``rows[i, j]``: each row's softmax is then computed once however many columns read it (expanded to ``[b, s]``
+    first with ``chunk_size`` or ``invariant_vocab``).  ``chunk_size`` bounds how many sequence
     positions are processed at once, which bounds the fp32 temporaries.
     ``invariant_vocab`` (a batch-invariant model's vocabulary size, see :func:`invariant_vocab`): the log-probs
     come from the gathered first ``invariant_vocab`` logits by ``batch_invariant.log_probs``, the rollout engine's
@@ -33,6 +37,12 @@ def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperatur
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if rows is not None and (chunk_size is not None or invariant_vocab is not None):
+        logits_shard, rows = logits_shard[rows], None
+    if rows is not None:
+        logits = logits_shard / temperature if temperature != 1.0 else logits_shard
+        log_probs = vocab_parallel_log_probs(logits, tokens, tp_group=tp_group, rows=rows)
+        return log_probs, vocab_parallel_entropy(logits, tp_group=tp_group)[rows] if with_entropy else None
     if tuple(tokens.shape) != tuple(logits_shard.shape[:2]):
         raise ValueError(f"tokens {tuple(tokens.shape)} do not match logits {tuple(logits_shard.shape)}")
     seq = tokens.shape[1]
@@ -55,15 +65,26 @@ def token_log_probs(logits_shard: torch.Tensor, tokens: torch.Tensor, temperatur
     return torch.cat(log_probs, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
 
+def next_token_log_probs(output, input_ids: torch.Tensor, model, temperature: float = 1.0,
+                         chunk_size: int | None = None,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_log_probs` ``[b, s-1]`` of ``input_ids[:, 1:]`` from ``model``'s last-stage ``output`` for
+    ``input_ids``: logits ``[b, s, v/tp]``, or a packed forward's :class:`RowLogits` (``shared_groups``)."""
+    options = {"tp_group": tp_group_of(model), "invariant_vocab": invariant_vocab(model)}
+    if isinstance(output, RowLogits):
+        return token_log_probs(output.logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
+                               rows=output.rows[:, :-1], **options)
+    return token_log_probs(output[:, :-1], input_ids[:, 1:], temperature, chunk_size, with_entropy, **options)
+
+
 def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        temperature: float = 1.0, chunk_size: int | None = None,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, s-1]`` of ``input_ids[:, 1:]`` given their prefixes, with a whole (unpipelined) model."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
-    return token_log_probs(logits, input_ids[:, 1:], temperature, chunk_size, with_entropy,
-                           tp_group=tp_group_of(model), invariant_vocab=invariant_vocab(model))
+    return next_token_log_probs(model(input_ids, attention_mask=attention_mask), input_ids, model, temperature,
+                                chunk_size, with_entropy)
 
 
 def tp_group_of(model):
@@ -105,8 +126,7 @@ def pipeline_log_probs(model_chunks, micro_batches: list[dict], temperature: flo
         output = forward_rows(chunk, batch["input_ids"], batch["attention_mask"], batch.get("packed"))
 
         def collect(logits):
-            lp, ent = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:], temperature, chunk_size,
-                                      with_entropy, tp_group=tp_group_of(chunk), invariant_vocab=invariant_vocab(chunk))
+            lp, ent = next_token_log_probs(logits, batch["input_ids"], chunk, temperature, chunk_size, with_entropy)
             return lp.sum() * 0.0, {"log_probs": lp, "entropy": ent}
 
         return output, collect

@@ -265,8 +265,13 @@ class RolloutEngine:
         sample_seeds = [None if seeds[first] is None else [sample_seed(s, 0) for s in seeds[first:first + n]]
                         for first, n in runs]
         engine = self._engine_for(b, p + config.max_new_tokens)
-        completions = [c for o in engine.generate([rows[first] for first, _ in runs], params, sample_seeds)
-                       for c in o.outputs]
+        training = engine.model.training  # eval mode once for the call, not switched around each engine step
+        engine.model.eval()
+        try:
+            outputs = engine.generate([rows[first] for first, _ in runs], params, sample_seeds)
+        finally:
+            engine.model.train(training)
+        completions = [c for o in outputs for c in o.outputs]
         n = max(len(c.token_ids) for c in completions)
         pads = [n - len(c.token_ids) for c in completions]  # each response padded on the right, one tensor each
         response = torch.tensor([c.token_ids + [config.pad_id] * k for c, k in zip(completions, pads)],

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from megalite.rlhf.actor import invariant_vocab, token_log_probs, tp_group_of
+from megalite.rlhf.actor import next_token_log_probs, token_log_probs, tp_group_of
 from megalite.rlhf.distillation import TeacherOutput, forward_kl
 from megalite.rlhf.ppo import PPOConfig, aggregate, kl_penalty, policy_loss, value_loss
-from megalite.rlhf.shared_groups import forward_rows
+from megalite.rlhf.shared_groups import RowLogits, forward_rows
 
 
 class LanguageModelObjective:
@@ -62,9 +62,8 @@ class PPOActorObjective:
 
     def loss(self, logits, mb: dict, normalizer: float, chunk):
         with_entropy = self.config.entropy_coef > 0
-        log_probs, entropy = token_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], self.temperature,
-                                             self.chunk_size, with_entropy, tp_group=tp_group_of(chunk),
-                                             invariant_vocab=invariant_vocab(chunk))
+        log_probs, entropy = next_token_log_probs(logits, mb["input_ids"], chunk, self.temperature, self.chunk_size,
+                                                  with_entropy)
         mask = mb["response_mask"]
         loss, metrics = policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, self.config, normalizer,
                                     mb.get("is_weights"))
@@ -78,8 +77,8 @@ class PPOActorObjective:
             indices = mb.get("teacher_indices")
             teacher = TeacherOutput(mb["teacher_log_probs"][:, :-1], None if indices is None else indices[:, :-1],
                                     None)
-            distill = aggregate(forward_kl(logits[:, :-1], teacher, tp_group_of(chunk)), mask, self.mode,
-                                normalizer)
+            full = logits.expand() if isinstance(logits, RowLogits) else logits
+            distill = aggregate(forward_kl(full[:, :-1], teacher, tp_group_of(chunk)), mask, self.mode, normalizer)
             metrics["distill_kl"] = distill.detach()
             loss = loss + self.distill_coef * distill
         if with_entropy:

@@ -32,6 +32,7 @@ a frozen reference model's forward under ``torch.no_grad()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from os.path import commonprefix
 
 import torch
 import torch.nn.functional as F
@@ -104,23 +105,27 @@ def _pack_two(first, second, seq_length: int, pad_id: int, what: str, parts: str
     return sample
 
 
-def shared_prefix(sequences: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int], list[int], int]:
+def shared_prefix(sequences: list[tuple[list[int], list[int]]],
+                  label_split: bool = True) -> tuple[list[int], list[int], list[int], int]:
     """``(tokens, mask, documents, trunk)`` of ``(ids, mask)`` sequences laid out in one row with the start they all
     share once (no padding): the trunk (document 0) holds the tokens (and mask values) they share but the last,
     then branch ``k + 1`` (document ids ``(k + 1) * BRANCH``) holds sequence ``k`` from that token on, its
     positions continuing from the trunk's (:func:`megalite.context_parallel.reset_position_ids`).
 
-    The last shared token opens every branch because its label differs between the sequences.  Without two
-    shared tokens the trunk is empty (``trunk == 0``) and sequence ``k`` is document ``k`` instead.  Input
+    The last shared token opens every branch because its label differs between the sequences (the row is the
+    loss's input, labels in place).  With ``label_split=False`` the trunk holds every shared token instead and a
+    branch only the sequence's own (possibly none): for callers that gather each sequence's outputs by position
+    (the RL trainer's packed rows, :func:`megalite.rlhf.shared_groups.pack_rows`), where the last shared token's
+    one output serves every sequence.  Without enough shared tokens for a trunk (two, or one without
+    ``label_split``) the trunk is empty (``trunk == 0``) and sequence ``k`` is document ``k`` instead.  Input
     position ``i`` of sequence ``k`` lies at ``i`` in the row when ``i < trunk``, else at ``trunk + (the
     lengths of the branches before k) + i - trunk``.
     """
-    common = 0
-    for column in zip(*(zip(*sequence) for sequence in sequences)):
-        if any(item != column[0] for item in column[1:]):
-            break
-        common += 1
-    trunk = common - 1 if common >= 2 else 0
+    # the first column where some sequence's id or mask differs (or the shortest ends); commonprefix compares
+    # only the lexicographically first and last sequences, in C
+    common = min(len(commonprefix([list(ids) for ids, _ in sequences])),
+                 len(commonprefix([list(mask) for _, mask in sequences])))
+    trunk = (common - 1 if common >= 2 else 0) if label_split else common
     tokens, mask = list(sequences[0][0][:trunk]), list(sequences[0][1][:trunk])
     docs = [0] * trunk
     for k, (ids, values) in enumerate(sequences):

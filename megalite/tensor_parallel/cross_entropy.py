@@ -119,9 +119,23 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     return _VocabParallelCrossEntropy.apply(logits_shard, target, float(label_smoothing), group)
 
 
-def vocab_parallel_log_probs(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Per-token ``log p(target)`` ``[...]`` (fp32) of vocabulary-sharded logits."""
-    return -vocab_parallel_cross_entropy(logits_shard, target, tp_group=tp_group)
+def vocab_parallel_log_probs(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=None,
+                             rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token ``log p(target)`` ``[...]`` (fp32) of vocabulary-sharded logits.
+
+    ``rows`` (``target``'s shape): ``logits_shard`` is ``[u, v/tp]`` and ``target[i]`` is scored against row
+    ``rows[i]``, the same values as ``logits_shard[rows]`` gives.  On one rank a row that several targets read is
+    normalized once (one log-softmax over the ``u`` rows, then one gather); under TP the rows are gathered first.
+    """
+    if rows is None:
+        return -vocab_parallel_cross_entropy(logits_shard, target, tp_group=tp_group)
+    if tuple(rows.shape) != tuple(target.shape) or logits_shard.dim() != 2:
+        raise ValueError(f"rows {tuple(rows.shape)} must match target {tuple(target.shape)} and index the rows of "
+                         f"[u, v] logits, got {tuple(logits_shard.shape)}")
+    vocab = logits_shard.shape[-1]
+    if _resolve(tp_group) is None and not bool(((target < 0) | (target >= vocab)).any()):
+        return F.log_softmax(logits_shard.float(), dim=-1)[rows, target]
+    return -vocab_parallel_cross_entropy(logits_shard[rows], target, tp_group=tp_group)
 
 
 def vocab_parallel_entropy(logits_shard: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Sampling: per-request seeds reproduce; first-token (and speculative) frequencies match the target distribution."""
 
+import pytest
 import torch
 
 from megalite.inference import LLM, EngineConfig, SamplingParams
@@ -217,3 +218,19 @@ def test_a_generation_resumed_at_its_position_continues_the_same_stream():
     whole = tokens([1, 2, 3], 8, 77)
     assert tokens([1, 2, 3] + whole[:3], 5, 77) == whole[3:]
     assert whole[3:] not in [tokens([1, 2, 3] + whole[:3], 5, seed) for seed in (78, 79)]
+
+
+def test_finite_rows_and_consecutive_row_selection():
+    """``finite_rows`` flags exactly the rows with a NaN or an inf (a row near the fp32 limit is finite), as
+    ``isfinite(...).all(-1)`` does; ``select_rows`` gives ``logits[rows]``, a view where the rows run consecutively;
+    a NaN in a group's probabilities is refused."""
+    logits = torch.randn(6, 7)
+    logits[1, 3], logits[2, 0], logits[3, 6] = float("inf"), float("-inf"), float("nan")
+    logits[4] = torch.finfo(torch.float32).max
+    assert sampler.finite_rows(logits) == torch.isfinite(logits).all(dim=-1).tolist() == [True, False, False, False,
+                                                                                            True, True]
+    for rows in ([2, 3, 4], [0, 2, 3], [5, 4], [1]):
+        torch.testing.assert_close(sampler.select_rows(logits, rows), logits[rows], rtol=0, atol=0, equal_nan=True)
+    assert sampler.select_rows(logits, [2, 3, 4]).data_ptr() == logits[2].data_ptr()
+    with pytest.raises(FloatingPointError, match="not finite"):
+        sampler.target_probs(logits[3:4], SamplingParams(temperature=1.0))

@@ -219,3 +219,20 @@ def test_rollout_engine_samples_each_rows_seeded_stream():
             assert out.tokens[i, p:p + len(new)].tolist() == new, (seed, i)
             assert out.response_mask[i].tolist() == [1] * len(new) + [0] * (out.response_mask.shape[1] - len(new))
             torch.testing.assert_close(out.log_probs[i, :len(new)], torch.tensor(log_probs), rtol=0, atol=1e-5)
+
+
+def test_rollout_engine_switches_a_training_model_to_eval_once_per_call(monkeypatch):
+    """A training-mode actor is put in eval mode once for a whole rollout call (not around each engine step) and
+    given back in training mode."""
+    from megalite.rlhf.generation import RolloutEngine
+
+    model = GPTModel(config("gpt2")).train()
+    ids, mask = padded_prompts()
+    switches, train = [], model.train
+
+    def counted(mode=True):
+        switches.append(mode)
+        return train(mode)
+    monkeypatch.setattr(model, "train", counted)
+    RolloutEngine(model).generate(ids, mask, SAMPLED, torch.Generator().manual_seed(7))
+    assert switches == [False, True] and model.training

@@ -127,3 +127,16 @@ def test_trim_is_exact():
         return torch.stack(pair_log_probs(log_probs, b["loss_mask"], b["document_ids"]))
 
     torch.testing.assert_close(sums(cut), sums(batch), rtol=1e-6, atol=1e-6)
+
+
+def test_shared_prefix_ends_where_an_id_or_a_mask_value_first_differs():
+    """The shared start ends at the first column where any sequence's id or mask value differs (or the shortest
+    sequence ends); DPO's layout keeps its last token in the branches, ``label_split=False`` in the trunk."""
+    from megalite.rlhf.preference import shared_prefix
+
+    ids_differ = [([1, 2, 3, 4], [0, 0, 1, 1]), ([1, 2, 3, 5], [0, 0, 1, 1]), ([1, 2, 3], [0, 0, 1])]
+    mask_differs = [([1, 2, 3, 4], [0, 0, 1, 1]), ([1, 2, 3, 4], [0, 1, 1, 1])]
+    assert shared_prefix(ids_differ)[3] == 2 and shared_prefix(ids_differ, label_split=False)[3] == 3
+    assert shared_prefix(mask_differs)[3] == 0 and shared_prefix(mask_differs, label_split=False)[3] == 1
+    tokens, mask, docs, trunk = shared_prefix(mask_differs, label_split=False)
+    assert tokens == [1, 2, 3, 4, 2, 3, 4] and mask == [0, 0, 1, 1, 1, 1, 1] and docs[:1] == [0]

@@ -40,22 +40,43 @@ def _rollout():
             "ref_log_probs": -torch.rand(shape, generator=g) - 3.0, "is_weights": torch.rand(shape, generator=g) + 0.5}
 
 
+def _read(mask):
+    """The columns whose output a log-prob reads: real tokens but each row's last (its output predicts the token
+    after the row, so packing leaves that token out)."""
+    return mask.bool() & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1).bool()
+
+
 def test_group_row_layout():
-    """Group 0: the prompt's first two tokens once, each branch from the prompt's last token; group 1: the trunk
-    runs through the shared response token 3, the shortest sample's branch is its last token alone."""
+    """Group 0: the prompt once, each branch from the first response token; group 1: the trunk runs through the
+    shared response token 3, and the shortest sample, its only response token left out, has no branch.  Each
+    row's last real token is left out, every token shared by a group is packed once, and the two short groups
+    share one packed row as documents 0 and 1 (their own positions and branches)."""
     batch = _rollout()
     packed = pack_rows(batch["input_ids"], batch["attention_mask"], GROUP)
-    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 3, 4, 7, 3, 9, 5, 6],
-                                      [8, 2, 3, 3, 3, 3, 3, 3, 3, 0, 0, 0, 0]]
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 4, 9, 5, 8, 2, 3, 3, 3, 3]]
+    assert (packed.document_ids % (1 << 32)).tolist() == [[0] * 8 + [1] * 6]
     branch = (packed.document_ids >> 32).tolist()
-    assert branch == [[0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3], [0, 0, 1, 1, 1, 2, 2, 2, 3, 0, 0, 0, 0]]
-    assert (packed.document_ids[1, 9:] == 1).all()  # the padding is a document of its own
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 2, 3, 4, 2, 3, 4, 5],
-                                            [0, 1, 2, 3, 4, 2, 3, 4, 2, 0, 0, 0, 0]]
-    # Every real token of a row reads the packed position holding the same token.
+    assert branch == [[0, 0, 0, 1, 1, 2, 3, 3, 0, 0, 1, 1, 2, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 0, 1, 2, 3, 2, 3]]
+    # Every read token of a row reads the packed position holding the same token.
     flat = packed.tokens.reshape(-1)[packed.index]
-    real = batch["attention_mask"].bool()
-    assert torch.equal(flat[real], batch["input_ids"][real])
+    read = _read(batch["attention_mask"])
+    assert torch.equal(flat[read], batch["input_ids"][read])
+    # Each read packed position once (the trunk's last token serves every row of its group), each column its own.
+    assert packed.outputs.tolist() == sorted(set(packed.index.flatten().tolist()))
+    assert torch.equal(packed.outputs[packed.rows], packed.index)
+    # Rows of one token each: nothing to pack but a row of padding, whose output every column takes.
+    single = pack_rows(torch.tensor([[0, 5], [0, 6]]), torch.tensor([[0, 1], [0, 1]]), 2)
+    assert single.tokens.tolist() == [[0]] and single.index.tolist() == [[0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("bad", [[1, 0, 1, 1], [0, 0, 0, 0]], ids=["gap", "empty"])
+def test_rows_that_are_not_one_run_of_tokens_are_refused(bad):
+    """A row whose real tokens have a gap, or that has none, is one clear error naming it."""
+    ids = torch.arange(12).view(3, 4)
+    mask = torch.tensor([[0, 1, 1, 1], bad, [1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="row 1's real tokens must be one contiguous run"):
+        pack_rows(ids, mask, GROUP)
 
 
 def test_a_packing_of_other_rows_is_refused():
@@ -120,20 +141,24 @@ def test_shared_groups_equal_unshared(kind, overrides):
 
 def test_a_packed_row_longer_than_the_position_table():
     """A group of distinct samples packs to more tokens than a row's width; the padding of a shorter packed row
-    takes position 0 (it counted on past the learned position table before), and every output still equals the
-    unshared rows'."""
-    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9, 1]] + [[8, 2, 3]] * 3
-    ids = torch.zeros(6, 8, dtype=torch.long)
+    takes position 0 (it counted on past the learned position table before), and every output a log-prob reads
+    still equals the unshared rows'."""
+    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9, 1]] * 3  # groups of 14 tokens
+    ids = torch.zeros(9, 8, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
     packed = pack_rows(ids, mask, GROUP)
-    assert packed.tokens.shape[1] > ids.shape[1] and int(packed.position_ids.max()) < ids.shape[1]
+    assert packed.tokens.shape == (2, 28) and int(packed.position_ids.max()) < ids.shape[1]  # two groups, then one
+    assert (packed.position_ids[1, 14:] == 0).all() and (packed.document_ids[1, 14:] == 1).all()  # its padding
     model = GPTModel(config("gpt2", max_position_embeddings=8))
     with torch.no_grad():
-        want, got = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
-    real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+        want, out = model(ids, attention_mask=mask), forward_rows(model, ids, mask, packed)
+    # the output layer ran on the packed positions the rows read, not on every packed position
+    assert out.logits.shape[0] == packed.outputs.numel() < packed.tokens.numel()
+    got = out.expand()
+    read = _read(mask)
+    torch.testing.assert_close(got[read], want[read], rtol=1e-5, atol=1e-5)
 
 
 def test_models_without_document_attention_run_unshared():
@@ -198,3 +223,29 @@ def test_an_iteration_packs_its_rows_once(monkeypatch):
             "--recompute-old-log-probs", "--tensorboard-dir", ""]
     assert RLTrainer(parse_args(argv)).train() == 0
     assert calls == [(2, calls[0][1])] * 4
+
+
+def test_distillation_on_shared_rows_equals_unshared():
+    """The distillation term reads the student's logits of every column (expanded from the packed forward's
+    rows): with a top-k teacher, the loss, its ``distill_kl`` and the gradients equal the unshared rows'."""
+    torch.manual_seed(0)
+    model = GPTModel(config("gpt2"))
+    batch = _rollout()
+    g = torch.Generator().manual_seed(5)
+    b, s = batch["input_ids"].shape
+    batch["teacher_log_probs"] = torch.randn(b, s, 4, generator=g).log_softmax(-1)
+    batch["teacher_indices"] = torch.randint(0, 16, (b, s, 4), generator=g)
+    objective = PPOActorObjective(PPO, temperature=0.7, distill_coef=0.2)
+    results = []
+    for group in (None, GROUP):
+        model.zero_grad()
+        [mb] = with_packing([batch], pack_micro_batches([batch], group, model))
+        loss, metrics = objective.loss(objective.forward(model, mb), batch, float(batch["response_mask"].sum()), model)
+        loss.backward()
+        results.append((loss.detach(), metrics["distill_kl"], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want_loss, want_kl, want_grads), (loss, kl, grads) = results
+    assert want_kl > 0
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl, want_kl, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)

@@ -27,3 +27,17 @@ def test_fast_path_matches_general_path(smoothing, out_of_range):
     assert got[0].dtype == torch.float32 and got[0].shape == (3, 5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_log_probs_of_shared_rows_equal_the_expanded_rows():
+    """``rows``: each of 4 logits rows normalized once for the 9 targets reading them gives the values of the rows
+    expanded first, bit for bit on one rank, and the same gradient; mismatched shapes are refused."""
+    torch.manual_seed(0)
+    logits, dy = torch.randn(4, 11) * 3, torch.randn(3, 3)
+    rows, target = torch.tensor([[0, 0, 1], [0, 2, 3], [0, 3, 3]]), torch.randint(0, 11, (3, 3))
+    got = _loss_and_grad(lambda x: ce.vocab_parallel_log_probs(x, target, rows=rows), logits, dy)
+    want = _loss_and_grad(lambda x: ce.vocab_parallel_log_probs(x[rows], target), logits, dy)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="must match target"):
+        ce.vocab_parallel_log_probs(logits, target, rows=rows[:, :2])
