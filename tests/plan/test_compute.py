@@ -66,7 +66,10 @@ def test_each_kind_of_work_is_priced_at_its_own_rate():
     m = BATCH // 2
     ops = CONFIG.num_layers * sum(LAYER_OPS.values()) + sum(EMBEDDING_AND_LOSS_OPS.values())
     assert base["op_overhead"] == pytest.approx(m * ops * 5e-6, rel=1e-12)
-    faster = {"attention": compute_time(CONFIG, layout, _cpu(attention_efficiency=1.0), SEQ, BATCH),
+    # attention at twice its FLOP rate and half its per-score softmax cost
+    faster = {"attention": compute_time(CONFIG, layout, _cpu(attention_efficiency=1.0,
+                                                               attention_score_s=_cpu().attention_score_s / 2),
+                                        SEQ, BATCH),
               # the memory-bound ops' passes at the memory's bandwidth, their exp/erf/tanh at the exponential rate
               "memory_bound": compute_time(CONFIG, layout, _cpu(hbm_bandwidth=2 * _cpu().hbm_bandwidth,
                                                                 exp_rate=2 * _cpu().exp_rate), SEQ, BATCH)}
@@ -114,7 +117,8 @@ def test_collectives_hide_behind_compute_only_where_a_core_is_free():
     from megalite.plan.traffic import collective_bytes
 
     layout = Layout(dp=2, micro_batch_size=2)
-    link = {"intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0}
+    # the link's terms (a calibrated collective_wait replaces them where every core computes: the test below)
+    link = {"intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0, "collective_wait": None}
     busy = estimate(CONFIG, layout, _cpu(**link), SEQ, BATCH)  # two ranks on two cores: no core to spare
     sent = collective_bytes(CONFIG, layout, SEQ, BATCH)["dp"]
     assert busy.time["dp"] == pytest.approx(2 * (1 / 2) * sent / _cpu().intra_node_bandwidth, rel=1e-12)
