@@ -10,7 +10,8 @@ run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base
 optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
 rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions; environment
 episodes paused mid-action too; rewards served by the scoring server).  A run with rollout ranks saves their rows in
-flight and the batches they generated ahead, and resumes from them."""
+flight and the batches they generated ahead, and resumes from them; under LoRA too (the rollout ranks receive the
+loaded base once, then the loaded adapters)."""
 
 import json
 import os
@@ -334,9 +335,14 @@ def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path, served):
     assert [("served" in saved) for saved in ahead] == [served]
 
 
-def test_saving_lora_with_rollout_ranks_is_a_clear_error():
-    """Rollout ranks receive a LoRA run's base once and then its adapters: such a run cannot save (one error line
-    before any collective)."""
-    with pytest.raises(ValueError, match=r"--save with --rollout-world-size takes no --lora-rank \(the rollout "
-                                         r"ranks receive the base once, then the adapters\)"):
-        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1", "--lora-rank", "2"]), world_size=3)
+@pytest.mark.slow
+def test_lora_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
+    """--lora-rank beside a rollout rank at --max-staleness 1: the saves write the base once (``SAVE/reference``)
+    and the adapters, with the rollout rank's batch 3 generated ahead; the resume sends the rollout rank the loaded
+    base, then the loaded adapters, and equals the uninterrupted run."""
+    from megalite.checkpoint.files import read_latest
+
+    state = _resume_from_interval_save(LORA + ["--max-staleness", "1", "--rollout-is-cap", "2",
+                                               "--rollout-world-size", "1"], tmp_path, 2)
+    assert [i for i, _, _ in state["rl"]["rollout_ranks"]["ranks"][0]["ahead"]] == [3]
+    assert state["rl"]["base"] == 2 and read_latest(str(tmp_path / "save" / "reference")) == 2
