@@ -104,10 +104,11 @@ def _check_unsharded(optimizer) -> None:
 
 
 def save_adapters(save_dir: str, iteration: int, lora: LoRAModel, *, optimizer=None, extra: dict | None = None,
-                  rank_extra: dict | None = None) -> str:
+                  rank_extra: dict | None = None, group=None) -> str:
     """Write the adapters only (each global tensor once) as a megalite checkpoint; returns its directory.
 
-    Collective over the default process group when one exists; the state records the LoRA settings
+    Collective over ``group`` (default: the default process group when one exists; the RL trainer's ranks beside
+    rollout ranks pass their own); the state records the LoRA settings
     and the base model's config, so :func:`load_adapters` can check it is loaded on the right base.
     ``optimizer`` (built on ``DistributedDataParallel(lora)``): its Adam moments and step count are
     saved too, so a run resumes; ``extra``/``rank_extra``: JSON state stored once / per rank.
@@ -133,7 +134,7 @@ def save_adapters(save_dir: str, iteration: int, lora: LoRAModel, *, optimizer=N
             shards.append(TensorShard(name, gp.shape, piece.offset, param.detach()[box_slices(piece.local)]))
     state = {"config": config_to_dict(_model_config(lora)), "layout": {}, "optimizer": meta,
              "lora": dataclasses.asdict(lora.config), **(extra or {})}
-    return write_checkpoint(save_dir, iteration, shards, state, rank_extra)
+    return write_checkpoint(save_dir, iteration, shards, state, rank_extra, group=group)
 
 
 def read_adapter_checkpoint(path: str) -> tuple[LoRAConfig, object, dict[str, torch.Tensor]]:

@@ -12,7 +12,9 @@ With ``--save`` a rollout rank's state joins the RL checkpoint (:func:`exchange_
 at each save, stored with the actor's RL state): its shards' prompt streams, their partial rows, and the batches
 it generated ahead that the trainers have not received yet (up to ``--max-staleness`` iterations, made with
 older weights).  A resume (:func:`saved_state`) sends those batches again and continues from the rest, so the run
-equals an uninterrupted one; under another rollout layout the rollout ranks start afresh from the run's seeds.
+equals an uninterrupted one; under another rollout layout the rollout ranks start afresh from the run's seeds.  The
+weights come once the trainers hold their final ones (warmed up, or loaded by a resume): the model's, or under
+``--lora-rank`` the base's and then the adapters'.
 """
 
 from __future__ import annotations
@@ -82,12 +84,10 @@ def serve_rollouts(args, config, device, rollout_tp_group, trainer_dp: list[int]
     model = GPTModel(config, tp_group=rollout_tp_group).to(device)
     role = SyncRole(ROLLOUT, replica, tp_rank, rtp)
     sync = WeightSync(model, role)
-    sync.sync()
-    if resume is not None:
-        sync.sync()  # the weights the trainers loaded
-    if args.lora is not None:  # the base came once; from now on only the adapters, hooked onto the model
-        sync = WeightSync(apply_lora(model, args.lora).to(device), role)
-        sync.sync()
+    if args.lora is not None:  # the base comes once; from then on only the adapters, hooked onto the model
+        base_sync, sync = sync, WeightSync(apply_lora(model, args.lora).to(device), role)
+        base_sync.sync()
+    sync.sync()  # the trainers' warmed-up weights, or those a resume loaded
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, eos_id=TOKENIZER.eod, pad_id=TOKENIZER.pad,
                               temperature=args.temperature)
     shards = [d for d in range(args.dp) if d % replicas == replica]

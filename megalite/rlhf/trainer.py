@@ -64,8 +64,6 @@ class RLTrainer:
             world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         validate(args, world_size)
         self.resume = check_resume(args)
-        if self.resume is not None and args.rollout_world_size and args.lora:
-            raise ValueError("a resume (--load of an RL checkpoint) with --rollout-world-size takes no --lora-rank")
         self.args, self.world_size = args, world_size
 
     def build_placement(self, device, actor, critic, reference, reward, teacher_model, target,
@@ -138,18 +136,16 @@ class RLTrainer:
         actor_chunk = pretrain(args, topo, config, device, resume=self.resume is not None)
         self.lock = claim(args, actor_chunk, self.resume or 0, topo, self.group) if args.save else None
         role = SyncRole(TRAINER, topo.dp.rank, topo.tp.rank, topo.tp.size)
-        if args.rollout_world_size:
-            self.sync = WeightSync(actor_chunk, role)
-            self.sync.sync()
+        if args.rollout_world_size:  # the plans now; the weights go once they are final (after a resume's load)
+            self.sync = base_sync = WeightSync(actor_chunk, role)
         trained = [actor_chunk]
         if args.lora is None:
             self.reference = ReferenceModel(pipeline_chunk(GPTModel, config, topo, device), source=actor_chunk)
         else:  # the base is frozen from here on (and is the reference); the engines apply the adapters unmerged
             actor_chunk, adapters = attach_adapters(args, actor_chunk, topo, device)
             self.reference, trained = LoRABaseReference(actor_chunk), [adapters]
-            if self.sync is not None:
+            if self.sync is not None:  # the base goes once, then every sync moves the adapters alone
                 self.sync = WeightSync(adapters, role)
-                self.sync.sync()
         self.actor = self._policy_backend(actor_chunk, args.actor_lr, trained)
         self.guide = None
         if args.environment == "guidance":  # a second actor: its own warm-up, optimizer and reference
@@ -186,8 +182,10 @@ class RLTrainer:
         self.base = None  # a LoRA run: the iteration --save holds its base at
         if self.resume is not None:
             self._load()
-            if self.sync is not None:  # the rollout ranks generate with the loaded weights
-                self.sync.sync()
+        if self.sync is not None:  # the rollout ranks generate with the warmed-up or loaded weights: the base, then
+            if base_sync is not self.sync:  # a LoRA run's adapters (rollout_ranks.serve_rollouts receives them so)
+                base_sync.sync()
+            self.sync.sync()
         self.scoring_server = None
         if args.use_scoring_server:
             per_token = (False,) + ((True,) * (2 if args.teacher_topk is None else 3) if args.use_teacher else ())

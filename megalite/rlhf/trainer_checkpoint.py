@@ -29,7 +29,8 @@ models; a save waits for the requests it prefetched and keeps their results with
 (``--rollout-world-size``) every write and read here is collective over the trainer ranks' group only; the rollout
 ranks' own state (prompt streams, rows in flight and the batches generated ahead, ``megalite.rlhf.rollout_ranks``)
 is gathered to rank 0 at each save and kept in the RL state (``rl["rollout_ranks"]``), so any ``--max-staleness``
-saves there too (not under ``--lora-rank``, whose base and adapters the rollout ranks receive once, in order).
+saves there too, ``--lora-rank`` included (a resume sends the rollout ranks the loaded base once, then the loaded
+adapters, as a fresh run sends its warmed-up ones).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollo
     (None without LoRA).  ``rollout_ranks``: the rollout ranks' states (``rollout_ranks.exchange_state``, on
     rank 0), kept in the RL state."""
     if args.lora is not None and base is None:
-        save_sharded(os.path.join(save_dir, REFERENCE), iteration, [actor.chunk])
+        save_sharded(os.path.join(save_dir, REFERENCE), iteration, [actor.chunk], group=group)
         base = iteration
     if critic is not None:
         save_sharded(os.path.join(save_dir, CRITIC), iteration, [critic.chunk], critic.optimizer, group=group)
@@ -161,7 +162,7 @@ def save_trained(save_dir: str, iteration: int, args, topo, actor, critic, rollo
         rank_extra["ahead"] = [_ahead_state(item) for item in rollouts.ahead]
     if args.lora is not None:
         save_adapters(os.path.join(save_dir, ACTOR), iteration, unwrap(actor.trained[0]), optimizer=actor.optimizer,
-                      extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra)
+                      extra={"rl": rl, "layout": _layout(topo)}, rank_extra=rank_extra, group=group)
     else:
         save_sharded(os.path.join(save_dir, ACTOR), iteration, [actor.chunk], actor.optimizer, extra={"rl": rl},
                      rank_extra=rank_extra, layout=_layout(topo), group=group)

@@ -119,9 +119,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_interval and (args.use_scoring_server or args.reward_model):
         raise ValueError("--eval-interval scores with a --reward-fn on every rank (not --use-scoring-server or "
                          "--reward-model)")
-    if args.save and rollout and args.lora_rank is not None:
-        raise ValueError("--save with --rollout-world-size takes no --lora-rank (the rollout ranks receive the base "
-                         "once, then the adapters)")
     if args.dynamic_sampling and (args.n_samples_per_prompt < 2 or args.use_scoring_server):
         raise ValueError(f"--dynamic-sampling needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}) "
                          f"and a local reward (not --use-scoring-server)")

@@ -10,7 +10,8 @@ run's next two iterations, :func:`_resume_equals_uninterrupted`): LoRA (the base
 optimizer each save), the guidance flow (the guide, its optimizer and its reference beside the policy's) and partial
 rollouts (the rows in flight and the finished ones waiting, with their per-token log-probs and versions; environment
 episodes paused mid-action too; rewards served by the scoring server).  A run with rollout ranks saves their rows in
-flight and the batches they generated ahead, and resumes from them."""
+flight and the batches they generated ahead, and resumes from them; under LoRA too (the rollout ranks receive the
+loaded base once, then the loaded adapters)."""
 
 import json
 import os
@@ -280,21 +281,22 @@ def test_checkpoint_bad_input(extra, message):
         RLTrainer(parse_args(ARGV + extra), world_size=2)
 
 
-def _resume_from_interval_save(argv, tmp_path, ranks: int) -> dict:
-    """Runs ``argv`` (5 iterations) saving every 2; then resumes its save at iteration 2 (``latest`` moved back to
-    2, as a kill after that save leaves it) and asserts iterations 3-5 log what the uninterrupted run did (rewards,
-    KL, losses, staleness, IS weights) and that the policy moved; returns the save's RL state at iteration 2."""
+def _resume_from_interval_save(argv, tmp_path, ranks: int, run=_run) -> dict:
+    """Runs ``argv`` (5 iterations, each rank running ``run``) saving every 2; then resumes its save at iteration 2
+    (``latest`` moved back to 2, as a kill after that save leaves it) and asserts iterations 3-5 log what the
+    uninterrupted run did (rewards, KL, losses, staleness, IS weights) and that the policy moved; returns the save's
+    RL state at iteration 2."""
     from megalite.checkpoint import read_checkpoint_info
     from megalite.checkpoint.files import iteration_dir
 
     whole, save, resumed = tmp_path / "whole.jsonl", tmp_path / "save", tmp_path / "resumed.jsonl"
     argv = argv + ["--train-iters", "5"]
-    assert run_distributed(_run, ranks, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
-                                                str(whole)], timeout=240) == [0] * ranks
+    assert run_distributed(run, ranks, argv + ["--save", str(save), "--save-interval", "2", "--metrics-file",
+                                               str(whole)], timeout=240) == [0] * ranks
     state = read_checkpoint_info(iteration_dir(str(save / "actor"), 2))["state"]
     (save / "actor" / "latest").write_text("2")
-    assert run_distributed(_run, ranks, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
-                                                "--metrics-file", str(resumed)], timeout=240) == [0] * ranks
+    assert run_distributed(run, ranks, argv + ["--load", str(save), "--save", str(tmp_path / "again"),
+                                               "--metrics-file", str(resumed)], timeout=240) == [0] * ranks
     expected, records = _records(whole), _records(resumed)
     assert sorted(records) == [3, 4, 5]
     compared = [k for k in COMPARED if k in expected[3]] + ["staleness", "is_weight_mean"]
@@ -334,9 +336,38 @@ def test_lookahead_resume_equals_an_uninterrupted_run(tmp_path, served):
     assert [("served" in saved) for saved in ahead] == [served]
 
 
-def test_saving_lora_with_rollout_ranks_is_a_clear_error():
-    """Rollout ranks receive a LoRA run's base once and then its adapters: such a run cannot save (one error line
-    before any collective)."""
-    with pytest.raises(ValueError, match=r"--save with --rollout-world-size takes no --lora-rank \(the rollout "
-                                         r"ranks receive the base once, then the adapters\)"):
-        RLTrainer(parse_args(ARGV + ["--save", "x", "--rollout-world-size", "1", "--lora-rank", "2"]), world_size=3)
+def _run_logging_syncs(argv):
+    """``_run``; each rank appends what each of its weight syncs moved (``base`` or ``adapters``) to
+    ``<--metrics-file>.syncs<rank>``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megalite.lora import LoRAModel
+    from megalite.rlhf.weight_sync import WeightSync
+
+    sync = WeightSync.sync
+
+    def logged(self):
+        with open(f"{argv[argv.index('--metrics-file') + 1]}.syncs{dist.get_rank()}", "a") as log:
+            log.write(("adapters" if isinstance(self.model, LoRAModel) else "base") + "\n")
+        sync(self)
+
+    with mock.patch.object(WeightSync, "sync", logged):
+        return _run(argv)
+
+
+@pytest.mark.slow
+def test_lora_rollout_ranks_resume_equals_an_uninterrupted_run(tmp_path):
+    """--lora-rank beside a rollout rank at --max-staleness 1: the saves write the base once (``SAVE/reference``)
+    and the adapters, with the rollout rank's batch 3 generated ahead; the resume sends the rollout rank the loaded
+    base once, then the loaded adapters (and the adapters alone at its one sync after update 3), and equals the
+    uninterrupted run."""
+    from megalite.checkpoint.files import read_latest
+
+    state = _resume_from_interval_save(LORA + ["--max-staleness", "1", "--rollout-is-cap", "2",
+                                               "--rollout-world-size", "1"], tmp_path, 2, _run_logging_syncs)
+    assert [i for i, _, _ in state["rl"]["rollout_ranks"]["ranks"][0]["ahead"]] == [3]
+    assert state["rl"]["base"] == 2 and read_latest(str(tmp_path / "save" / "reference")) == 2
+    for rank in (0, 1):  # the trainer rank sends what the rollout rank receives
+        assert (tmp_path / f"resumed.jsonl.syncs{rank}").read_text().split() == ["base", "adapters", "adapters"]
