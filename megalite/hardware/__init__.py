@@ -24,7 +24,8 @@ memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
 spends in it (gloo's copies, reductions and socket work), and ``collective_wait`` the same for the time a rank
 waits in it beyond that CPU (for its partner and the link), both measured at two ranks as a step pays them, every
-core computing between the calls; None where collectives do not run on the cores that compute (a GPU's NCCL, whose
+core computing between the calls, and ``collective_wait_per_compute`` the seconds each call waits beyond those per
+second of compute since the rank's previous call (the wait grows with the work between the calls); None where collectives do not run on the cores that compute (a GPU's NCCL, whose
 time the link terms price).  ``cores`` is set where ranks share CPU
 cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
 each rank has its own device).
@@ -65,6 +66,7 @@ class Hardware:
     exp_rate: float | None = None
     collective_cpu: dict | None = None
     collective_wait: dict | None = None
+    collective_wait_per_compute: float = 0.0
 
     def collective_cpu_s(self, op: str, buffer_bytes: float, calls: float, n: int) -> float:
         """CPU seconds a rank spends in ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all

@@ -14,7 +14,8 @@ at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives t
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
 send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
 in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
-time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`).  The compute timings take the
+time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`), at two lengths of the compute
+between the calls (``collective_wait_per_compute``: how the wait grows with it).  The compute timings take the
 median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest run;
 the time it ran, not the time it waited for a core on a shared machine); the link timings the best of ten
 wall-clock runs (the least preempted).
@@ -175,9 +176,10 @@ def fit_gemm_curve(rows, flops) -> tuple[float, float]:
 COLLECTIVE_ELEMENTS = 1 << 21
 """fp32 elements of the buffer the collectives' per-byte costs are measured with (8 MiB)."""
 
-BUSY_ROWS = 128
+BUSY_ROWS = (128, 512)
 """Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
-cost to a step is measured (about a millisecond per core: a layer's share of work between its collectives)."""
+cost to a step is measured (about 1 and 5 ms per core, the range of a layer's work between its collectives): the
+first prices the calls and their bytes, the two the growth of the wait with the compute between the calls."""
 
 BUSY_BLOCKS = {"one": (10, 8), "buffer": (4, 4)}
 """(calls of one collective per timed block, pairs of blocks) of :func:`_busy_cost`, on one element and on
@@ -190,9 +192,10 @@ def _busy_cost(op, compute, calls: int, blocks: int) -> tuple[float, float]:
     without the collective and with it alternate, and each pair's per-iteration difference is taken.  The CPU (the
     median pair) is what the call costs the rank as a step pays it (gloo's threads woken on a core that computes,
     its copies, reductions and socket work), more than a lone call after a barrier costs; the wait (the wall
-    clock's difference beyond the CPU's, of the least preempted pair, as the link's timings take the best run)
-    is the time a rank waits for its partner, whose compute runs a little longer or shorter each time, and for the
-    link."""
+    clock's difference beyond the CPU's, the median pair too: a step pays the typical wait, 0.5-1.2 ms a call
+    inside a tp2 + SP step on this machine where the least preempted pair saw 0.02-0.06 ms) is the time a rank
+    waits for its partner, whose compute runs a little longer or shorter each time, for the link and for its
+    threads to be scheduled beside the compute."""
     import torch.distributed as dist
 
     def block(with_op: bool) -> tuple[float, float]:
@@ -212,7 +215,7 @@ def _busy_cost(op, compute, calls: int, blocks: int) -> tuple[float, float]:
         alone, both = block(False), block(True)
         cpu.append((both[0] - alone[0]) / calls)
         wait.append((both[1] - alone[1]) / calls - cpu[-1])
-    return statistics.median(cpu), min(wait)
+    return statistics.median(cpu), statistics.median(wait)
 
 
 def _collective_times(size: int) -> tuple[float, float, dict]:
@@ -241,36 +244,45 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
                 "reduce_scatter": lambda: reduce_scatter_single(half, out),
                 "send_recv": exchange}
 
-    x, w = torch.randn(BUSY_ROWS, 512), torch.randn(1024, 512)
-
-    def compute():
-        torch.matmul(x, w.t())
+    w = torch.randn(1024, 512)
+    computes, segments = [], []
+    for rows in BUSY_ROWS:
+        x = torch.randn(rows, 512)
+        computes.append(lambda x=x: torch.matmul(x, w.t()))
+        segments.append(_timed(computes[-1]))
 
     large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
-    costs = {}
+    costs, slopes = {}, []
     nbytes = COLLECTIVE_ELEMENTS * 4
     for name in large:
-        call_cpu, call_wait = _busy_cost(one[name], compute, *BUSY_BLOCKS["one"])
-        buffer_cpu, buffer_wait = _busy_cost(large[name], compute, *BUSY_BLOCKS["buffer"])
+        call_cpu, call_wait = _busy_cost(one[name], computes[0], *BUSY_BLOCKS["one"])
+        long_wait = _busy_cost(one[name], computes[1], *BUSY_BLOCKS["one"])[1]
+        buffer_cpu, buffer_wait = _busy_cost(large[name], computes[0], *BUSY_BLOCKS["buffer"])
         # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
         calls = 2 if name == "send_recv" else 1
+        slope = max((long_wait - call_wait) / (segments[1] - segments[0]), 0.0)
+        slopes.append(slope)
+        # the wait at no compute between the calls, and its bytes' beyond the one element's at the same compute
+        base_wait = max(call_wait - slope * segments[0], 0.0)
         costs[name] = tuple(cost / calls for cost in (
-            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, max(call_wait, 0.0),
+            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, base_wait,
             max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
-    return times + (costs,)
+    return times + (costs, statistics.median(slopes))
 
 
-def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict]:
+def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict, float]:
     """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
     wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
     computes (:func:`_busy_cost`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
     ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
     ``{op: [seconds per call, seconds per byte]}`` of CPU (``collective_cpu``) and of waiting beyond it
-    (``collective_wait``)."""
+    (``collective_wait``: its per-call part at no compute between the calls), and the seconds a call's wait grows
+    by per second of compute between the calls (``collective_wait_per_compute``: the one-element calls' waits at
+    the two :data:`BUSY_ROWS`, the median over the ops)."""
     from megalite.testing import run_distributed
 
     ranks = run_distributed(_collective_times, 2, size, timeout=300)
-    big, small, _ = ranks[0]
+    big, small = ranks[0][:2]
 
     def mean(op: str, i: int) -> float:
         return statistics.mean(r[2][op][i] for r in ranks)
@@ -278,7 +290,8 @@ def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict]:
     cpu = {op: [mean(op, 0), mean(op, 1)] for op in ranks[0][2]}
     wait = {op: [mean(op, 2), mean(op, 3)] for op in ranks[0][2]}
     # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
-    return size * 4 / max(big - small, 1e-9), small, cpu, wait
+    per_compute = statistics.mean(r[3] for r in ranks)
+    return size * 4 / max(big - small, 1e-9), small, cpu, wait, per_compute
 
 
 def calibrate(path: str) -> Hardware:
@@ -302,7 +315,7 @@ def calibrate(path: str) -> Hardware:
         exps = exp_rate()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency, collective_cpu, collective_wait = measure_link()
+    bandwidth, latency, collective_cpu, collective_wait, wait_per_compute = measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
@@ -311,7 +324,7 @@ def calibrate(path: str) -> Hardware:
                   inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
                   attention_score_s=score_s,
                   op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
-                  collective_wait=collective_wait)
+                  collective_wait=collective_wait, collective_wait_per_compute=wait_per_compute)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
           f"attention {attention:.2f} of it and {score_s * 1e9:.2f} ns per score, memory {hbm / 1e9:.1f} GB/s, "
@@ -320,5 +333,6 @@ def calibrate(path: str) -> Hardware:
           f"{latency * 1e6:.0f} us; per collective call / GB, CPU and wait beyond it, every core computing: "
           + ", ".join(f"{op} {collective_cpu[op][0] * 1e6:.0f} + {collective_wait[op][0] * 1e6:.0f} us / "
                       f"{collective_cpu[op][1] * 1e9:.2f} + {collective_wait[op][1] * 1e9:.2f} s"
-                      for op in collective_cpu))
+                      for op in collective_cpu)
+          + f"; wait {wait_per_compute * 1e3:.0f} us per ms of compute between the calls")
     return hw

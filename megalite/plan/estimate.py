@@ -120,7 +120,8 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     reduce-scatter, their bytes split as gathered in the compute dtype and reduced in fp32).  Where every core
     computes and the profile measured ``collective_wait`` (what those calls wait beyond their CPU, between ranks
     that compute: the partner's lag, the link), each axis's exposed seconds are its calls' waits in place of the
-    link's latency and transfer terms.
+    link's latency and transfer terms, plus ``collective_wait_per_compute`` times the compute between its calls (the
+    step's compute over all its calls that run, each taken to follow an equal share of it).
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -137,6 +138,7 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     calls: dict = {}
     tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
     hidden_share = TP_HIDDEN_SHARE
+    step_compute = compute
     if cores_busy:
         compute = attention = hidden_share = 0.0
     out["tp"] = (1 - hidden_share) * _collective(volume["tp"], tp, hw.link(tp), 1 if sp else 2, tp_calls)
@@ -197,8 +199,12 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     if not cores_busy:
         return out, 0.0
     if hw.collective_wait is not None:
-        # measured where every core computes: the waits replace the link's terms (its latency and transfer)
-        out = {axis: sum(hw.collective_wait_s(*c) for c in axis_calls) for axis, axis_calls in calls.items()}
+        # measured where every core computes: the waits replace the link's terms (its latency and transfer), and
+        # each call that runs waits in proportion to the rank's compute since its previous call
+        runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
+        segment = step_compute / max(sum(runs.values()), 1)
+        out = {axis: sum(hw.collective_wait_s(*c) for c in axis_calls)
+               + runs[axis] * segment * hw.collective_wait_per_compute for axis, axis_calls in calls.items()}
     return out, sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
 
 

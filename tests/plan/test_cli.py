@@ -95,7 +95,26 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert all(per_call > 0 and per_byte >= 0 for per_call, per_byte in hw.collective_cpu.values())
     assert set(hw.collective_wait) == set(hw.collective_cpu)
     assert all(per_call >= 0 and per_byte >= 0 for per_call, per_byte in hw.collective_wait.values())
+    assert hw.collective_wait_per_compute >= 0
     assert hw.cores == hw.gpus_per_node == os.cpu_count()
     assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["layouts"][0]["step_time_s"] > 0
+
+
+def test_busy_cost_takes_the_typical_wait_not_the_luckiest(monkeypatch):
+    """A step pays the typical wait of its collectives: one pair of blocks whose calls did not wait must not price
+    them all at nothing (the least preempted pair underpriced tp2 + SP's waits 15-50x)."""
+    import time
+
+    import torch.distributed as dist
+
+    from megalite.plan.calibrate import _busy_cost
+
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    calls, blocks = 2, 3
+    # the warm-up block's and the first pair's calls do not wait; every later call waits 3 ms
+    waits = iter([0.0] * (2 * calls) + [3e-3] * (blocks - 1) * calls)
+    cpu, wait = _busy_cost(lambda: time.sleep(next(waits)), lambda: None, calls, blocks)
+    assert 2e-3 < wait < 6e-3
+    assert cpu < 1e-3

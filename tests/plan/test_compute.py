@@ -167,7 +167,9 @@ def test_collectives_waits_replace_the_link_terms_where_every_core_computes(layo
 
     sent = collective_bytes(CONFIG, layout, SEQ, BATCH)
     expected = sum(WAITS[op][0] * calls + WAITS[op][1] * nbytes for op, (nbytes, calls) in priced(sent).items())
-    busy = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, collective_wait=WAITS), SEQ, BATCH)
+    # the wait's growth with the compute between the calls: the test below
+    busy = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, collective_wait=WAITS, collective_wait_per_compute=0.0),
+                    SEQ, BATCH)
     assert sum(busy.time[axis] for axis in COMMUNICATION) == pytest.approx(expected, rel=1e-12) and expected > 0
     link = estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, collective_wait=None), SEQ, BATCH)
     assert busy.time["collective_cpu"] == link.time["collective_cpu"] > 0
@@ -178,6 +180,33 @@ def test_collectives_waits_replace_the_link_terms_where_every_core_computes(layo
     with_waits, without = (estimate(CONFIG, layout, _cpu(collective_wait=waits, cores=4), SEQ, BATCH)
                            for waits in (WAITS, None))
     assert with_waits.time == without.time
+
+
+@pytest.mark.parametrize("layout, calls", [
+    (Layout(dp=2, micro_batch_size=2), {"dp": 1}),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), {"tp": 4 * 2 * 4 * 2}),
+    # the ring's sends (micro-batches x layers x (one forward and one backward step + the cp sends)) and the
+    # gradients' all-reduce
+    (Layout(cp=2, micro_batch_size=2), {"cp": 4 * 2 * (1 * 2 + 2), "dp": 1}),
+])
+def test_collectives_wait_in_proportion_to_the_compute_between_the_calls(layout, calls):
+    fraction = 0.05
+    at = {f: estimate(CONFIG, layout, _cpu(collective_wait=WAITS, collective_wait_per_compute=f), SEQ, BATCH)
+          for f in (0.0, fraction)}
+    compute = sum(compute_time(CONFIG, layout, _cpu(), SEQ, BATCH).values())
+    # each call follows an equal share of the step's compute, and waits the fraction of it
+    for axis in COMMUNICATION:
+        share = calls.get(axis, 0) / sum(calls.values())
+        assert at[fraction].time[axis] - at[0.0].time[axis] == pytest.approx(fraction * compute * share, rel=1e-9)
+    assert at[fraction].step_time_s - at[0.0].step_time_s == pytest.approx(fraction * compute, rel=1e-9)
+    # no collective, no wait (one rank on one busy core); a core to spare, the link's terms
+    alone = {f: estimate(CONFIG, Layout(micro_batch_size=2),
+                         _cpu(collective_wait=WAITS, collective_wait_per_compute=f, cores=1), SEQ, BATCH)
+             for f in (0.0, fraction)}
+    assert alone[fraction].time == alone[0.0].time
+    spare = {f: estimate(CONFIG, layout, _cpu(collective_wait=WAITS, collective_wait_per_compute=f, cores=4), SEQ,
+                         BATCH) for f in (0.0, fraction)}
+    assert spare[fraction].time == spare[0.0].time
 
 
 def test_blockwise_exponentials_run_at_the_exp_rate():
