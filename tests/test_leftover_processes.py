@@ -28,3 +28,24 @@ def test_an_orphan_is_found_and_stopped_a_child_is_not():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_that_exits_while_read_is_not_running(monkeypatch):
+    """/proc/PID/stat of a process that exits between the open and the read raises ESRCH (ProcessLookupError, as a
+    test_launch_faults wait saw): not running, not an error."""
+    import builtins
+
+    class Vanished:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise ProcessLookupError(3, "No such process")
+
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: Vanished() if str(path).startswith("/proc/")
+                        else real_open(path, *a, **k))
+    assert leftover_processes.running(os.getpid()) is False
