@@ -157,19 +157,27 @@ class StaticDecode:
         if model.rotary is not None:
             model.rotary.inv_freq = model.rotary.inv_freq.to(device)
 
+    @staticmethod
+    def unsupported(engine) -> str | None:
+        """What of ``engine`` the static steps do not support, or None."""
+        if engine.tp_size > 1:
+            return "static decode steps do not support tensor parallelism (the step's all-gather)"
+        if engine.drafter is not None:
+            return "static decode steps do not support speculative decoding (verification steps are not decode-only)"
+        if engine.pool.latent_values is not None:
+            return "static decode steps do not support multi-latent attention"
+        if engine.model.config.batch_invariant:
+            return "static decode steps do not support batch-invariant mode"
+        return None
+
     @classmethod
     def for_engine(cls, engine, graphs: bool) -> StaticDecode:
         """The runner of ``engine``'s decode-only steps (a ValueError naming what the engine uses that it does
-        not support); the engine builds one on CUDA (:meth:`default_for`), a test may install one elsewhere."""
-        if engine.tp_size > 1:
-            raise ValueError("static decode steps do not support tensor parallelism (the step's all-gather)")
-        if engine.drafter is not None:
-            raise ValueError("static decode steps do not support speculative decoding (verification steps are "
-                             "not decode-only)")
-        if engine.pool.latent_values is not None:
-            raise ValueError("static decode steps do not support multi-latent attention")
-        if engine.model.config.batch_invariant:
-            raise ValueError("static decode steps do not support batch-invariant mode")
+        not support, or an attention its config asks for that cannot run); the engine builds one on CUDA
+        (:meth:`default_for`), a test may install one elsewhere."""
+        reason = cls.unsupported(engine)
+        if reason is not None:
+            raise ValueError(reason)
         attention = decode_attention_for(engine.config, engine.device)
         return cls(engine.model, engine.pool, engine.config.num_blocks, engine.config.max_num_seqs,
                    engine.max_context, engine.window, engine.vocab_size, graphs, attention)
@@ -178,15 +186,13 @@ class StaticDecode:
     def default_for(cls, engine) -> StaticDecode | None:
         """CUDA-graphed decode steps where ``EngineConfig.cuda_graphs`` asks and the engine runs on CUDA with
         a model whose forward can be captured (no MoE routing or learned-position range check: both read
-        device values on the host), else None (eager steps)."""
+        device values on the host) and that :meth:`unsupported` accepts, else None (eager steps).  An attention
+        the config names that cannot run (``"triton"`` without Triton) is an error, not a silent eager engine."""
         model = engine.model
         if not (engine.config.cuda_graphs and engine.device.type == "cuda" and model.config.moe is None
-                and model.embedding.position_embeddings is None):
+                and model.embedding.position_embeddings is None) or cls.unsupported(engine) is not None:
             return None
-        try:
-            return cls.for_engine(engine, graphs=True)
-        except ValueError:
-            return None
+        return cls.for_engine(engine, graphs=True)
 
     def accepts(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is decode-only: one sampled token per sequence, within the largest batch bucket."""

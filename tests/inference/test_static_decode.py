@@ -162,3 +162,17 @@ def test_auto_attention_is_triton_on_cuda_where_it_can_run(monkeypatch):
     assert EngineConfig().decode_attention == "auto"
     with pytest.raises(ValueError, match="decode_attention='triton' needs Triton installed"):
         decode_attention_for(EngineConfig(decode_attention="triton"), cuda)
+
+
+def test_an_engine_asking_for_triton_without_it_is_an_error_not_an_eager_engine(monkeypatch):
+    """On CUDA, ``decode_attention="triton"`` without Triton fails when the engine is built: it is not swallowed
+    with the cases the static steps do not support (which keep eager steps)."""
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    llm = LLM.from_model(logprob_model(), engine_config=EngineConfig(block_size=4, num_blocks=16,
+                                                                    decode_attention="triton"))
+    engine = llm.engine
+    engine.device = torch.device("cuda")  # what default_for reads; nothing runs on it
+    with pytest.raises(ValueError, match="decode_attention='triton' needs Triton installed"):
+        StaticDecode.default_for(engine)
+    engine.drafter = object()  # an unsupported engine keeps its eager steps, whatever its attention
+    assert StaticDecode.default_for(engine) is None
