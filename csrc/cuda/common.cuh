@@ -52,6 +52,45 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pack;
 }
 
+// N floats (weights, statistics, cos/sin tables, fp32 partial sums) as 16-byte loads and stores when N is a
+// multiple of 4 (the launcher checked 16-byte alignment), else one at a time.
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float (&out)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      out[i] = f.x, out[i + 1] = f.y, out[i + 2] = f.z, out[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_floats(float* p, const float (&in)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(in[i], in[i + 1], in[i + 2], in[i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = in[i];
+  }
+}
+
+// a / b and a % b for a >= 0, b > 0.  A 64-bit division is a long software routine on the GPU (dozens of
+// instructions, enough to make an elementwise kernel compute-bound); 32-bit is a few, so take it when both fit.
+__device__ __forceinline__ int64_t fast_div(int64_t a, int64_t b) {
+  if (((a | b) >> 32) == 0) return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  return a / b;
+}
+
+__device__ __forceinline__ int64_t fast_mod(int64_t a, int64_t b) { return a - fast_div(a, b) * b; }
+
+// exp(v) as exp2(v * log2 e): the hardware's exp2 unit (2 ulp), without expf's longer range reduction.
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <int N>
 __device__ __forceinline__ void load_mask(const bool* p, bool (&out)[N]) {
   const Pack<bool, N> pack = *reinterpret_cast<const Pack<bool, N>*>(p);
@@ -74,9 +113,12 @@ inline bool vectorizable(int64_t inner, std::initializer_list<const void*> point
 
 // ---- Row kernels.  A row of h elements is held in registers by the G threads of its row group
 // (G = blockDim.x, a multiple of 32): thread t keeps packs t, t + G, ..., up to P packs of N elements,
-// so the row is read from global memory once.  Short rows (G = 32) are one warp each, several rows
-// per block (blockDim.y); longer rows take one block each.  Row kernels are compiled for 1024-thread
-// blocks (__launch_bounds__), so rows past 8 floats per thread spill to local memory rather than fail.
+// so the row is read from global memory once.  Each thread keeps the fewest floats (8, 16 or 32) that
+// let at most 128 threads hold the row, as Transformer Engine's tuned norms do for h = 4096: several
+// 16-byte loads in flight per thread, and many rows resident per SM to hide the memory's latency.
+// Short rows (G = 32) are one warp each, several rows per block (blockDim.y); longer rows take one
+// block each.  Rows past 32 x 128 floats keep 64 floats per thread in up to 1024 threads.
+#define ROW_BOUNDS(N, P) __launch_bounds__((N) * (P) <= 32 ? 256 : 1024)
 
 // Sum / max over the threads of a row group; every thread gets the result.  `scratch` holds 32 floats.
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
@@ -143,16 +185,18 @@ inline RowLaunch row_launch(int64_t rows, int64_t packs, int per_thread) {
           dim3(static_cast<unsigned int>(threads), per_block)};
 }
 
-// Calls launch(Int<N>, Int<P>, RowLaunch) with N = kVec<T> when `vec`, else 1, and the fewest floats
-// per thread (8, 32 or 64) that fit a row of h elements in at most 1024 threads.
+// Calls launch(Int<N>, Int<P>, RowLaunch) with N = kVec<T> when `vec`, else 1, and the fewest floats per
+// thread (8, 16, 32) that fit a row of h elements in at most 128 threads, else 64 floats (up to 1024 threads).
 template <typename T, typename Launch>
 cudaError_t row_dispatch(bool vec, int64_t rows, int64_t h, Launch&& launch) {
   if (h > kMaxRow) return cudaErrorInvalidValue;
   auto with = [&](auto n) {
     constexpr int N = decltype(n)::value;
     const int64_t packs = h / N;
-    if (packs <= 1024 * (8 / N)) return launch(n, Int<8 / N>{}, row_launch(rows, packs, 8 / N));
-    if (packs <= 1024 * (32 / N)) return launch(n, Int<32 / N>{}, row_launch(rows, packs, 32 / N));
+    auto fits = [&](int floats) { return (packs + floats / N - 1) / (floats / N) <= 128; };
+    if (fits(8)) return launch(n, Int<8 / N>{}, row_launch(rows, packs, 8 / N));
+    if (fits(16)) return launch(n, Int<16 / N>{}, row_launch(rows, packs, 16 / N));
+    if (fits(32)) return launch(n, Int<32 / N>{}, row_launch(rows, packs, 32 / N));
     return launch(n, Int<64 / N>{}, row_launch(rows, packs, 64 / N));
   };
   return vec ? with(Int<kVec<T>>{}) : with(Int<1>{});

@@ -18,8 +18,8 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // longer rows elsewhere (megalite.kernels uses the torch reference).
 constexpr int64_t kMaxRow = 1024 * 64;
 
-// Row chunks of the deterministic two-stage weight-gradient reduction;
-// norm backward launchers need a float workspace of chunks * h (* 2 for LayerNorm).
+// Row slots of the deterministic two-stage weight-gradient reduction (each slot sums its rows, then the
+// slots are summed in order); norm backward launchers need a float workspace of chunks * h (* 2 for LayerNorm).
 int64_t norm_bwd_chunks(int64_t rows);
 
 cudaError_t layer_norm_fwd(int dtype, const void* x, const float* weight, const float* bias, void* y, float* mean,

@@ -19,7 +19,7 @@ __global__ void gather_kernel(const T* tokens, const int64_t* row_map, T* out, i
   const bool valid = a >= 0 && a < assignments;
   for (int64_t c = threadIdx.x * N; c < h; c += blockDim.x * N) {
     float v[N] = {};
-    if (valid) load<N>(tokens + (a / k) * h + c, v);
+    if (valid) load<N>(tokens + fast_div(a, k) * h + c, v);
     store<N>(out + j * h + c, v);
   }
 }
@@ -51,7 +51,7 @@ __global__ void unpermute_bwd_kernel(const T* grad, const T* permuted, const int
   const int64_t j = blockIdx.x, a = row_map[j];
   const bool valid = a >= 0 && a < assignments;
   const float w = valid ? probs[a] : 0.0f;
-  const T* g = grad + (valid ? a / k : 0) * h;
+  const T* g = grad + (valid ? fast_div(a, k) : 0) * h;
   float dot = 0.0f;
   for (int64_t c = threadIdx.x * N; c < h; c += blockDim.x * N) {
     float gc[N] = {}, pv[N], out[N];

@@ -15,12 +15,17 @@ __device__ __forceinline__ void load_biased(const T* x, const T* bias, int64_t i
   load<N>(x + i, v);
   if (bias == nullptr) return;
   float b[N];
-  load<N>(bias + i % h, b);
+  load<N>(bias + fast_mod(i, h), b);
 #pragma unroll
   for (int k = 0; k < N; ++k) v[k] += b[k];
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+// 1 / (1 + e^-v) with the fast division (2 ulp; 0 once e^-v passes 2^126, the limit anyway).
+__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + exp2f(-v * kLog2e)); }
+
+// tanh(u) = 1 - 2 / (e^2u + 1): one exp2 and a fast division instead of tanhf's longer sequence; near 0
+// its absolute error is about float epsilon, which GeLU's 0.5 v (1 + tanh) carries as a relative one.
+__device__ __forceinline__ float fast_tanh(float u) { return 1.0f - __fdividef(2.0f, exp2f(2.0f * kLog2e * u) + 1.0f); }
 
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -31,7 +36,7 @@ __global__ void gelu_fwd_kernel(const T* x, const T* bias, T* y, int64_t n, int6
     float v[N];
     load_biased<N>(x, bias, p * N, h, v);
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = 0.5f * v[k] * (1.0f + tanhf(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k])));
+    for (int k = 0; k < N; ++k) v[k] = 0.5f * v[k] * (1.0f + fast_tanh(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k])));
     store<N>(y + p * N, v);
   }
 }
@@ -44,7 +49,7 @@ __global__ void gelu_bwd_kernel(const T* grad, const T* x, const T* bias, T* gra
     load<N>(grad + p * N, g);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const float t = tanhf(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k]));
+      const float t = fast_tanh(kGeluC0 * (v[k] + kGeluC1 * v[k] * v[k] * v[k]));
       g[k] *= 0.5f * (1.0f + t) + 0.5f * v[k] * (1.0f - t * t) * kGeluC0 * (1.0f + 3.0f * kGeluC1 * v[k] * v[k]);
     }
     store<N>(grad_x + p * N, g);
@@ -56,7 +61,7 @@ template <typename T, int N>
 __global__ void swiglu_fwd_kernel(const T* x, const T* bias, T* y, int64_t n, int64_t h) {
   const int64_t half = h / 2;
   GRID_STRIDE(p, n / N) {
-    const int64_t i = p * N, gate_at = (i / half) * h + i % half;
+    const int64_t i = p * N, row = fast_div(i, half), gate_at = row * h + (i - row * half);
     float gate[N], up[N];
     load_biased<N>(x, bias, gate_at, h, gate);
     load_biased<N>(x, bias, gate_at + half, h, up);
@@ -70,7 +75,7 @@ template <typename T, int N>
 __global__ void swiglu_bwd_kernel(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, int64_t h) {
   const int64_t half = h / 2;
   GRID_STRIDE(p, n / N) {
-    const int64_t i = p * N, gate_at = (i / half) * h + i % half;
+    const int64_t i = p * N, row = fast_div(i, half), gate_at = row * h + (i - row * half);
     float gate[N], up[N], g[N];
     load_biased<N>(x, bias, gate_at, h, gate);
     load_biased<N>(x, bias, gate_at + half, h, up);
@@ -93,20 +98,22 @@ __global__ void rotary_kernel(const T* x, const float* cos, const float* sin, T*
                               int64_t d, bool backward) {
   const int64_t half = d / 2;
   GRID_STRIDE(p, n / N) {
-    const int64_t r = (p * N) / half, j = (p * N) % half;
-    const float* c = cos + (r / per_pos) * d;
-    const float* sn = sin + (r / per_pos) * d;
-    float a[N], b[N], lo[N], hi[N];
+    const int64_t r = fast_div(p * N, half), j = p * N - r * half, at = fast_div(r, per_pos) * d + j;
+    float a[N], b[N], lo[N], hi[N], c_lo[N], c_hi[N], s_lo[N], s_hi[N];
     load<N>(x + r * d + j, a);
     load<N>(x + r * d + j + half, b);
+    load_floats<N>(cos + at, c_lo);
+    load_floats<N>(cos + at + half, c_hi);
+    load_floats<N>(sin + at, s_lo);
+    load_floats<N>(sin + at + half, s_hi);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       if (backward) {
-        lo[k] = a[k] * c[j + k] + b[k] * sn[j + k + half];
-        hi[k] = b[k] * c[j + k + half] - a[k] * sn[j + k];
+        lo[k] = a[k] * c_lo[k] + b[k] * s_hi[k];
+        hi[k] = b[k] * c_hi[k] - a[k] * s_lo[k];
       } else {
-        lo[k] = a[k] * c[j + k] - b[k] * sn[j + k];
-        hi[k] = b[k] * c[j + k + half] + a[k] * sn[j + k + half];
+        lo[k] = a[k] * c_lo[k] - b[k] * s_lo[k];
+        hi[k] = b[k] * c_hi[k] + a[k] * s_hi[k];
       }
     }
     store<N>(out + r * d + j, lo);
@@ -196,7 +203,7 @@ cudaError_t rotary(int dtype, const void* x, const float* cos, const float* sin,
                    int64_t per_pos, int64_t d, bool backward, cudaStream_t stream) {
   const int64_t n = s * per_pos * (d / 2);
   if (n == 0) return cudaSuccess;
-  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(d / 2, {x, out}), n, rotary_kernel, static_cast<const T*>(x),
+  MEGALITE_DISPATCH(dtype, LAUNCH_PACKED(vectorizable<T>(d / 2, {x, out, cos, sin}), n, rotary_kernel, static_cast<const T*>(x),
                                          cos, sin, static_cast<T*>(out), n, per_pos, d, backward));
   return cudaGetLastError();
 }

@@ -13,12 +13,14 @@ __device__ void softmax_row(const T* x, T* y, const bool (&keep)[P][N], int64_t 
                             float* scratch) {
   float v[P][N];
   load_row<N, P>(x, limit, v);
+  // Scores in base 2 (x * scale * log2 e), so each exponential is one exp2.
+  const float scale2 = scale * kLog2e;
   float mx = -INFINITY;
 #pragma unroll
   for (int q = 0; q < P; ++q)
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      v[q][i] *= scale;
+      v[q][i] *= scale2;
       if (keep[q][i]) mx = fmaxf(mx, v[q][i]);
     }
   mx = row_max(mx, scratch);
@@ -27,7 +29,7 @@ __device__ void softmax_row(const T* x, T* y, const bool (&keep)[P][N], int64_t 
   for (int q = 0; q < P; ++q)
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      v[q][i] = keep[q][i] ? expf(v[q][i] - mx) : 0.0f;
+      v[q][i] = keep[q][i] ? exp2f(v[q][i] - mx) : 0.0f;
       sum += v[q][i];
     }
   sum = row_sum(sum, scratch);
@@ -44,11 +46,11 @@ __device__ void softmax_row(const T* x, T* y, const bool (&keep)[P][N], int64_t 
 
 // Row r of [.., s, s] is at position r % s: entries j <= r % s are kept.
 template <typename T, int N, int P>
-__global__ void __launch_bounds__(1024) causal_softmax_kernel(const T* x, T* y, int64_t rows, int64_t s, float scale) {
+__global__ void ROW_BOUNDS(N, P) causal_softmax_kernel(const T* x, T* y, int64_t rows, int64_t s, float scale) {
   __shared__ float scratch[32];
   const int64_t r = row_index(rows);
   if (r < 0) return;
-  const int64_t n = r % s + 1, packs = s / N;
+  const int64_t n = fast_mod(r, s) + 1, packs = s / N;
   bool keep[P][N];
 #pragma unroll
   for (int q = 0; q < P; ++q)
@@ -58,12 +60,12 @@ __global__ void __launch_bounds__(1024) causal_softmax_kernel(const T* x, T* y, 
 }
 
 template <typename T, int N, int P>
-__global__ void __launch_bounds__(1024) masked_softmax_kernel(const T* x, const bool* mask, T* y, int64_t rows, int64_t d1, int64_t d2,
+__global__ void ROW_BOUNDS(N, P) masked_softmax_kernel(const T* x, const bool* mask, T* y, int64_t rows, int64_t d1, int64_t d2,
                                       int64_t n, int64_t s0, int64_t s1, int64_t s2, float scale) {
   __shared__ float scratch[32];
   const int64_t r = row_index(rows);
   if (r < 0) return;
-  const int64_t i2 = r % d2, i1 = (r / d2) % d1, i0 = r / (d2 * d1), packs = n / N;
+  const int64_t i2 = fast_mod(r, d2), i1 = fast_mod(fast_div(r, d2), d1), i0 = fast_div(r, d2 * d1), packs = n / N;
   const bool* m = mask + i0 * s0 + i1 * s1 + i2 * s2;
   bool keep[P][N];
 #pragma unroll
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(1024) masked_softmax_kernel(const T* x, const 
 }
 
 template <typename T, int N, int P>
-__global__ void __launch_bounds__(1024) softmax_bwd_kernel(const T* grad, const T* y, T* grad_x, int64_t rows, int64_t n, float scale) {
+__global__ void ROW_BOUNDS(N, P) softmax_bwd_kernel(const T* grad, const T* y, T* grad_x, int64_t rows, int64_t n, float scale) {
   __shared__ float scratch[32];
   const int64_t r = row_index(rows);
   if (r < 0) return;

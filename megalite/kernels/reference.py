@@ -58,9 +58,13 @@ def dropout_mask(x, p: float):
 
     Drawn from the default generator of x's device, so RNG forks and
     activation recompute reproduce it; the fused op uses the same mask.
-    One fp32 uniform per element compared with 1 - p: on CPU this is about
-    three times cheaper than ``bernoulli_`` into a bool tensor.
+    On CPU one fp32 uniform per element compared with 1 - p (about three
+    times cheaper there than ``bernoulli_`` into a bool tensor); on CUDA one
+    ``bernoulli_`` kernel writing a byte per element (the uniform and the
+    comparison move nine).
     """
+    if x.device.type == "cuda":
+        return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
     return torch.rand(x.shape, device=x.device) < (1.0 - p)
 
 
@@ -92,7 +96,8 @@ def scaled_masked_softmax(x, mask, scale: float):
 def permute_row_map(expert_indices):
     """Flat (token * k + slot) indices of kept assignments, stably sorted by expert id."""
     flat = expert_indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    # On CUDA the radix sort makes a pass per key byte: int32 keys (any expert count) take half of int64's.
+    order = torch.argsort(flat.int() if flat.is_cuda else flat, stable=True)
     dropped = int((flat < 0).sum())
     return order[dropped:]
 

@@ -223,6 +223,30 @@ def test_cuda_packed_paths_match_reference(name, dtype, h, offset, monkeypatch):
 
 @pytest.mark.usefixtures("require_extension")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("h", [64, 4096])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_cuda_norm_backward_with_more_rows_than_slots(name, h):
+    """The backward's row slots (at most 1024) each walk several rows, summing their weight gradients in
+    registers.  Against the reference: the input gradient at the fp32 tolerance, the weight (and bias)
+    gradients within 1e-5 of the sum of their terms' magnitudes (fp32 summation of 2,085 rows in another order
+    stays well inside it; a row missed or counted twice moves it by about 1/2,085 of that sum)."""
+    rows = 2 * 1024 + 37
+    torch.manual_seed(0)
+    x, grad = torch.randn(rows, h, device="cuda", requires_grad=True), torch.randn(rows, h, device="cuda")
+    params = [torch.randn(h, device="cuda", requires_grad=True) for _ in range(2 if name == "layer_norm" else 1)]
+    got = torch.autograd.grad(getattr(K, name)(x, *params, 1e-5), [x, *params], grad)
+    want = torch.autograd.grad(getattr(R, name)(x, *params, 1e-5), [x, *params], grad)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    x64 = x.detach().double()
+    centred = x64 - x64.mean(-1, keepdim=True) if name == "layer_norm" else x64
+    xhat = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)
+    magnitudes = [(grad.double() * xhat).abs().sum(0), grad.double().abs().sum(0)]
+    for g, w, m in zip(got[1:], want[1:], magnitudes):
+        assert ((g.double() - w.double()).abs() <= 1e-5 * m).all()
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_rows_past_the_register_limit_use_the_reference(monkeypatch):
     h = fused.CUDA_MAX_ROW + 8
     x, weight = torch.randn(2, h, device="cuda"), torch.randn(h, device="cuda")
