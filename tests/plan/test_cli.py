@@ -122,32 +122,40 @@ def test_median_of_means_pays_the_skewed_tail_and_ignores_a_burst():
 def test_busy_costs_take_the_mean_wait_not_the_typical_block(monkeypatch):
     """A step pays the mean wait of its collectives: where one block in three waits 3 ms a call and the others do
     not, the call costs 1 ms of waiting (the median block pair, as ``--calibrate`` took before, priced it at
-    nothing), and no CPU."""
+    nothing), and no CPU; calls after 3 ms more compute waiting 0.6 ms more grow 0.2 s per s of compute, so the
+    wait at no compute is 0.8 ms.  On a virtual clock: what each call and compute costs is exact."""
     import itertools
-    import time
+    import types
 
     import torch.distributed as dist
 
-    from megalite.plan.calibrate import _busy_costs, _busy_rounds
+    from megalite.plan import calibrate
 
+    clock = types.SimpleNamespace(wall=0.0, cpu=0.0)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock.wall,
+                                                                 process_time=lambda: clock.cpu))
     monkeypatch.setattr(dist, "barrier", lambda: None)
     calls = 2
 
-    def waits_one_block_in_three():
+    def waits_one_block_in_three(more: float = 0.0):
         count = itertools.count()  # the warm-up block is block 0, the rounds' blocks 1, 2, ...
-        return lambda: time.sleep(3e-3 if next(count) // calls % 3 == 1 else 0.0)
 
-    def spin():  # 1 ms of CPU: the longer compute between the calls
-        end = time.process_time() + 1e-3
-        while time.process_time() < end:
-            pass
+        def op():
+            clock.wall += more + (3e-3 if next(count) // calls % 3 == 1 else 0.0)
+        return op
 
-    computes = (lambda: None, spin)
-    kinds = {("alone", i): (compute, None, calls) for i, compute in enumerate(computes)}
-    kinds |= {("op", i): (compute, waits_one_block_in_three(), calls) for i, compute in enumerate(computes)}
-    kinds["op", "buffer"] = (computes[0], waits_one_block_in_three(), calls)
-    costs, slope = _busy_costs(_busy_rounds(kinds, 15), ["op"], {"op": 1})
+    def computes(seconds):
+        def compute():
+            clock.wall += seconds
+            clock.cpu += seconds
+        return compute
+
+    short, long = computes(1e-3), computes(4e-3)
+    kinds = {("alone", 0): (short, None, calls), ("alone", 1): (long, None, calls)}
+    kinds |= {("op", 0): (short, waits_one_block_in_three(), calls),
+              ("op", 1): (long, waits_one_block_in_three(more=0.6e-3), calls),
+              ("op", "buffer"): (short, waits_one_block_in_three(), calls)}
+    costs, slope = calibrate._busy_costs(calibrate._busy_rounds(kinds, 15), ["op"], {"op": 1})
     cpu, cpu_per_byte, wait, wait_per_byte = costs["op"]
-    assert 0.7e-3 < wait < 1.4e-3
-    assert cpu < 0.3e-3 and cpu_per_byte < 1e-12 and wait_per_byte < 1e-12
-    assert 0 <= slope < 0.5
+    assert slope == pytest.approx(0.2) and wait == pytest.approx(0.8e-3)
+    assert cpu == pytest.approx(0.0, abs=1e-12) and cpu_per_byte == wait_per_byte == 0.0
