@@ -14,11 +14,12 @@ at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives t
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
 send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
 in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
-time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_cost`), at two lengths of the compute
-between the calls (``collective_wait_per_compute``: how the wait grows with it).  The compute timings take the
-median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest run;
-the time it ran, not the time it waited for a core on a shared machine); the link timings the best of ten
-wall-clock runs (the least preempted).
+time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_rounds`), at two lengths of the
+compute between the calls (``collective_wait_per_compute``: how the wait grows with it).  The compute timings take
+the median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest
+run; the time it ran, not the time it waited for a core on a shared machine); the link's bandwidth and latency the
+best of ten wall-clock runs (the least preempted); the collectives' costs where every core computes the mean a step
+pays, robustly (:func:`median_of_means` over interleaved rounds).
 """
 
 from __future__ import annotations
@@ -178,47 +179,104 @@ COLLECTIVE_ELEMENTS = 1 << 21
 
 BUSY_ROWS = (128, 512)
 """Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
-cost to a step is measured (about 1 and 5 ms per core, the range of a layer's work between its collectives): the
+cost to a step is measured (about 1.5 and 6 ms per core, the range of a layer's work between its collectives): the
 first prices the calls and their bytes, the two the growth of the wait with the compute between the calls."""
 
-BUSY_BLOCKS = {"one": (10, 8), "buffer": (4, 4)}
-"""(calls of one collective per timed block, pairs of blocks) of :func:`_busy_cost`, on one element and on
-:data:`COLLECTIVE_ELEMENTS`."""
+BUSY_CALLS = {"one": (16, 8), "buffer": 2}
+"""Iterations per timed block of :func:`_busy_rounds`: with a one-element collective (and the blocks without one)
+at each of :data:`BUSY_ROWS` (more of the short ones, which are cheap and price every call's CPU and wait), and with
+one of :data:`COLLECTIVE_ELEMENTS`."""
+
+BUSY_ROUNDS, BUSY_GROUPS = 30, 5
+"""Rounds of :func:`_busy_rounds` (each times one block of every kind), and the groups of consecutive rounds whose
+means :func:`median_of_means` takes the median of."""
 
 
-def _busy_cost(op, compute, calls: int, blocks: int) -> tuple[float, float]:
-    """(process CPU seconds, seconds of waiting beyond it) one call of ``op`` adds to a loop in which every rank
-    computes ``compute`` before each call, as in a step where every core computes: blocks of ``calls`` iterations
-    without the collective and with it alternate, and each pair's per-iteration difference is taken.  The CPU (the
-    median pair) is what the call costs the rank as a step pays it (gloo's threads woken on a core that computes,
-    its copies, reductions and socket work), more than a lone call after a barrier costs; the wait (the wall
-    clock's difference beyond the CPU's, the median pair too: a step pays the typical wait, 0.5-1.2 ms a call
-    inside a tp2 + SP step on this machine where the least preempted pair saw 0.02-0.06 ms) is the time a rank
-    waits for its partner, whose compute runs a little longer or shorter each time, for the link and for its
-    threads to be scheduled beside the compute."""
+def median_of_means(values, groups: int) -> float:
+    """Median over ``groups`` consecutive, near-equal groups of ``values`` of each group's mean.
+
+    The collectives' per-call costs where every core computes are skewed: most calls wait well under 0.1 ms, a
+    quarter to a third wait about a scheduler slice (1.5-3.5 ms, a gloo thread woken behind a computing thread),
+    so a step pays their mean, which the median call underprices 5-8x and the median of ten-call blocks' means by
+    up to 40%.  A group's mean pays the tail its share; the median over groups keeps a burst of load on the shared machine (a group a
+    few-fold off) from moving the result, as one such burst moves a plain mean."""
+    values = list(values)
+    if not 1 <= groups <= len(values):
+        raise ValueError(f"median_of_means needs 1 to {len(values)} groups, got {groups}")
+    bounds = [len(values) * g // groups for g in range(groups + 1)]
+    return statistics.median(statistics.mean(values[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def _busy_rounds(kinds: dict, rounds: int) -> dict:
+    """``{kind: [(process CPU seconds, wall seconds beyond them) per iteration, one per round]}`` of blocks of
+    iterations in which every rank computes, then calls a collective (or not), as in a step where every core
+    computes.  ``kinds`` maps each kind to ``(compute, collective or None, iterations)``.  Every round times one
+    block of each kind, in an order rotated round by round, so a drift of the machine's load hits every kind
+    alike, and a kind's cost is its difference from the block without a collective of the same round and
+    compute.  Each block starts where both ranks are (a barrier) and is timed without the barriers."""
     import torch.distributed as dist
 
-    def block(with_op: bool) -> tuple[float, float]:
+    def block(compute, op, calls: int) -> tuple[float, float]:
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(calls):
             compute()
-            if with_op:
+            if op is not None:
                 op()
-        # the last call's partner may still be computing: end where both ranks have finished
+        cpu = time.process_time() - cpu
+        wall = time.perf_counter() - start
         dist.barrier()
-        return time.process_time() - cpu, time.perf_counter() - start
+        return cpu / calls, (wall - cpu) / calls
 
-    block(True)
-    cpu, wait = [], []
-    for _ in range(blocks):
-        alone, both = block(False), block(True)
-        cpu.append((both[0] - alone[0]) / calls)
-        wait.append((both[1] - alone[1]) / calls - cpu[-1])
-    return statistics.median(cpu), statistics.median(wait)
+    order = list(kinds)
+    for kind in order:  # warm-up
+        block(*kinds[kind])
+    out = {kind: [] for kind in order}
+    for r in range(rounds):
+        for kind in order[r % len(order):] + order[:r % len(order)]:
+            out[kind].append(block(*kinds[kind]))
+    return out
 
 
-def _collective_times(size: int) -> tuple[float, float, dict]:
+def _busy_costs(rounds: dict, names, calls: dict) -> tuple[dict, float]:
+    """From :func:`_busy_rounds`' blocks (kinds ``"alone", i`` and ``name, i`` at the compute of ``BUSY_ROWS[i]``,
+    ``name, "buffer"`` with :data:`COLLECTIVE_ELEMENTS`): ``{name: (CPU per call, CPU per byte, wait per call at
+    no compute between the calls, wait per byte)}`` (``calls[name]`` collectives per blocking call), and the
+    seconds a call's wait grows by per second of compute between the calls.  Each figure is the
+    :func:`median_of_means` over the rounds of the difference from the round's block without a collective.  The
+    one-element calls' waits are taken over every collective (each blocking call's, an exchange's for
+    ``send_recv``): they are the scheduler's, a gloo thread woken beside a computing one, and came out alike for
+    the four collectives within their sampling noise, which pooling them quarters; their CPU and every buffer's
+    cost are each collective's own."""
+    def diff(kind, i: int, field: int) -> list:
+        return [a[field] - b[field] for a, b in zip(rounds[kind], rounds["alone", i])]
+
+    def typical(values) -> float:
+        return median_of_means(values, BUSY_GROUPS)
+
+    def over_names(i: int) -> list:  # per round: the one-element calls' wait at BUSY_ROWS[i], over the collectives
+        return [statistics.mean(waits) for waits in zip(*(diff((name, i), i, 1) for name in names))]
+
+    segments = [statistics.mean(cpu for cpu, _ in rounds["alone", i]) for i in range(2)]
+    waits = over_names(0)
+    slope = max(typical([long - short for long, short in zip(over_names(1), waits)])
+                / (segments[1] - segments[0]), 0.0)
+    call_wait = typical(waits)
+    # the wait at no compute between the calls
+    base_wait = max(call_wait - slope * segments[0], 0.0)
+    nbytes = COLLECTIVE_ELEMENTS * 4
+    costs = {}
+    for name in names:
+        call_cpu = typical(diff((name, 0), 0, 0))
+        buffer_cpu, buffer_wait = typical(diff((name, "buffer"), 0, 0)), typical(diff((name, "buffer"), 0, 1))
+        # the buffer's bytes' cost beyond the one element's at the same compute
+        costs[name] = tuple(cost / calls[name] for cost in (
+            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, base_wait,
+            max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
+    return costs, slope
+
+
+def _collective_times(size: int, rounds: int) -> tuple[float, float, dict, float]:
     import torch
     import torch.distributed as dist
 
@@ -245,43 +303,29 @@ def _collective_times(size: int) -> tuple[float, float, dict]:
                 "send_recv": exchange}
 
     w = torch.randn(1024, 512)
-    computes, segments = [], []
-    for rows in BUSY_ROWS:
-        x = torch.randn(rows, 512)
-        computes.append(lambda x=x: torch.matmul(x, w.t()))
-        segments.append(_timed(computes[-1]))
-
+    computes = [lambda x=torch.randn(rows, 512): torch.matmul(x, w.t()) for rows in BUSY_ROWS]
     large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
-    costs, slopes = {}, []
-    nbytes = COLLECTIVE_ELEMENTS * 4
-    for name in large:
-        call_cpu, call_wait = _busy_cost(one[name], computes[0], *BUSY_BLOCKS["one"])
-        long_wait = _busy_cost(one[name], computes[1], *BUSY_BLOCKS["one"])[1]
-        buffer_cpu, buffer_wait = _busy_cost(large[name], computes[0], *BUSY_BLOCKS["buffer"])
-        # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
-        calls = 2 if name == "send_recv" else 1
-        slope = max((long_wait - call_wait) / (segments[1] - segments[0]), 0.0)
-        slopes.append(slope)
-        # the wait at no compute between the calls, and its bytes' beyond the one element's at the same compute
-        base_wait = max(call_wait - slope * segments[0], 0.0)
-        costs[name] = tuple(cost / calls for cost in (
-            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, base_wait,
-            max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
-    return times + (costs, statistics.median(slopes))
+    kinds = {("alone", i): (compute, None, BUSY_CALLS["one"][i]) for i, compute in enumerate(computes)}
+    for name in one:
+        kinds |= {(name, i): (compute, one[name], BUSY_CALLS["one"][i]) for i, compute in enumerate(computes)}
+        kinds[name, "buffer"] = (computes[0], large[name], BUSY_CALLS["buffer"])
+    # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
+    calls = {name: 2 if name == "send_recv" else 1 for name in one}
+    return times + _busy_costs(_busy_rounds(kinds, rounds), list(one), calls)
 
 
-def measure_link(size: int = 1 << 20) -> tuple[float, float, dict, dict, float]:
+def measure_link(size: int = 1 << 20, rounds: int | None = None) -> tuple[float, float, dict, dict, float]:
     """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
     wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
-    computes (:func:`_busy_cost`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
+    computes (:func:`_busy_costs`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
     ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
     ``{op: [seconds per call, seconds per byte]}`` of CPU (``collective_cpu``) and of waiting beyond it
     (``collective_wait``: its per-call part at no compute between the calls), and the seconds a call's wait grows
     by per second of compute between the calls (``collective_wait_per_compute``: the one-element calls' waits at
-    the two :data:`BUSY_ROWS`, the median over the ops)."""
+    the two :data:`BUSY_ROWS`, over the ops), from ``rounds`` of :func:`_busy_rounds` (:data:`BUSY_ROUNDS`)."""
     from megalite.testing import run_distributed
 
-    ranks = run_distributed(_collective_times, 2, size, timeout=300)
+    ranks = run_distributed(_collective_times, 2, size, BUSY_ROUNDS if rounds is None else rounds, timeout=300)
     big, small = ranks[0][:2]
 
     def mean(op: str, i: int) -> float:

@@ -84,7 +84,11 @@ def test_hugging_face_config_json_is_the_same_model_as_the_preset(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
+def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys, monkeypatch):
+    from megalite.plan import calibrate
+
+    # the fewest rounds the collectives' statistic takes: this checks the profile, not its precision
+    monkeypatch.setattr(calibrate, "BUSY_ROUNDS", calibrate.BUSY_GROUPS)
     path = tmp_path / "here.json"
     assert main(["--calibrate", str(path)]) == 0
     hw = load_hardware(str(path))
@@ -102,19 +106,56 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert json.loads(out[out.index("{"):])["layouts"][0]["step_time_s"] > 0
 
 
-def test_busy_cost_takes_the_typical_wait_not_the_luckiest(monkeypatch):
-    """A step pays the typical wait of its collectives: one pair of blocks whose calls did not wait must not price
-    them all at nothing (the least preempted pair underpriced tp2 + SP's waits 15-50x)."""
-    import time
+def test_median_of_means_pays_the_skewed_tail_and_ignores_a_burst():
+    """Most collective calls wait little and a third wait a scheduler slice: the step pays their mean, which the
+    median of the calls misses; a burst of load in one group must not move it as it moves a plain mean."""
+    from megalite.plan.calibrate import median_of_means
+
+    calls = [2e-3 if i % 3 == 0 else 0.0 for i in range(60)]  # mean 0.67 ms, median 0
+    calls[7] = 0.1  # one call preempted for 100 ms
+    assert median_of_means(calls, 5) == pytest.approx(2e-3 / 3)
+    assert median_of_means([1.0, 2.0, 3.0, 4.0], 1) == 2.5
+    with pytest.raises(ValueError, match="groups"):
+        median_of_means([1.0, 2.0], 3)
+
+
+def test_busy_costs_take_the_mean_wait_not_the_typical_block(monkeypatch):
+    """A step pays the mean wait of its collectives: where one block in three waits 3 ms a call and the others do
+    not, the call costs 1 ms of waiting (the median block pair, as ``--calibrate`` took before, priced it at
+    nothing), and no CPU; calls after 3 ms more compute waiting 0.6 ms more grow 0.2 s per s of compute, so the
+    wait at no compute is 0.8 ms.  On a virtual clock: what each call and compute costs is exact."""
+    import itertools
+    import types
 
     import torch.distributed as dist
 
-    from megalite.plan.calibrate import _busy_cost
+    from megalite.plan import calibrate
 
+    clock = types.SimpleNamespace(wall=0.0, cpu=0.0)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock.wall,
+                                                                 process_time=lambda: clock.cpu))
     monkeypatch.setattr(dist, "barrier", lambda: None)
-    calls, blocks = 2, 3
-    # the warm-up block's and the first pair's calls do not wait; every later call waits 3 ms
-    waits = iter([0.0] * (2 * calls) + [3e-3] * (blocks - 1) * calls)
-    cpu, wait = _busy_cost(lambda: time.sleep(next(waits)), lambda: None, calls, blocks)
-    assert 2e-3 < wait < 6e-3
-    assert cpu < 1e-3
+    calls = 2
+
+    def waits_one_block_in_three(more: float = 0.0):
+        count = itertools.count()  # the warm-up block is block 0, the rounds' blocks 1, 2, ...
+
+        def op():
+            clock.wall += more + (3e-3 if next(count) // calls % 3 == 1 else 0.0)
+        return op
+
+    def computes(seconds):
+        def compute():
+            clock.wall += seconds
+            clock.cpu += seconds
+        return compute
+
+    short, long = computes(1e-3), computes(4e-3)
+    kinds = {("alone", 0): (short, None, calls), ("alone", 1): (long, None, calls)}
+    kinds |= {("op", 0): (short, waits_one_block_in_three(), calls),
+              ("op", 1): (long, waits_one_block_in_three(more=0.6e-3), calls),
+              ("op", "buffer"): (short, waits_one_block_in_three(), calls)}
+    costs, slope = calibrate._busy_costs(calibrate._busy_rounds(kinds, 15), ["op"], {"op": 1})
+    cpu, cpu_per_byte, wait, wait_per_byte = costs["op"]
+    assert slope == pytest.approx(0.2) and wait == pytest.approx(0.8e-3)
+    assert cpu == pytest.approx(0.0, abs=1e-12) and cpu_per_byte == wait_per_byte == 0.0
