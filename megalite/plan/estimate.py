@@ -121,7 +121,8 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     computes and the profile measured ``collective_wait`` (what those calls wait beyond their CPU, between ranks
     that compute: the partner's lag, the link), each axis's exposed seconds are its calls' waits in place of the
     link's latency and transfer terms, plus ``collective_wait_per_compute`` times the compute between its calls (the
-    step's compute over all its calls that run, each taken to follow an equal share of it).
+    step's compute over all its calls that run, each taken to follow an equal share of it); each call's CPU grows
+    likewise, by ``collective_cpu_per_compute`` times that compute up to ``collective_cpu_compute_s``.
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -198,14 +199,18 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     out["dp"] = dp
     if not cores_busy:
         return out, 0.0
+    # the calls that run, each taken to follow an equal share of the rank's compute
+    runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
+    segment = step_compute / max(sum(runs.values()), 1)
     if hw.collective_wait is not None:
         # measured where every core computes: the waits replace the link's terms (its latency and transfer), and
         # each call that runs waits in proportion to the rank's compute since its previous call
-        runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
-        segment = step_compute / max(sum(runs.values()), 1)
         out = {axis: sum(hw.collective_wait_s(*c) for c in axis_calls)
                + runs[axis] * segment * hw.collective_wait_per_compute for axis, axis_calls in calls.items()}
-    return out, sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
+    cpu = sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
+    if hw.collective_cpu is not None:  # and each spends CPU in proportion to that compute, up to the measured
+        cpu += sum(runs.values()) * min(segment, hw.collective_cpu_compute_s) * hw.collective_cpu_per_compute
+    return out, cpu
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,
