@@ -12,10 +12,11 @@ bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element 
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
-send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
-in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
-time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_rounds`), at two lengths of the
-compute between the calls (``collective_wait_per_compute``: how the wait grows with it).  The compute timings take
+send/recv), at one element and at 128 KiB, 1 MiB and 8 MiB between two ranks that both compute between the calls
+(as every core does in a step of a layout with as many ranks as cores), its CPU cost per call by its bytes
+(``collective_cpu``) and the time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_rounds`), at
+two lengths of the compute between the calls (``collective_wait_per_compute`` and ``collective_cpu_per_compute``:
+how the wait and the CPU grow with it).  The compute timings take
 the median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest
 run; the time it ran, not the time it waited for a core on a shared machine); the link's bandwidth and latency the
 best of ten wall-clock runs (the least preempted); the collectives' costs where every core computes the mean a step
