@@ -97,6 +97,20 @@ def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int
     return (held + 2 * layer) * DTYPE_BYTES[layout.precision]
 
 
+def tensor_parallel_calls(config: GPTConfig, layout: Layout, microbatches: int) -> float:
+    """Tensor-parallel collectives a rank calls for ``microbatches`` micro-batches: each layer's four (a column
+    layer's input gather or its gradient's reduction and a row layer's output reduction, each way; under sequence
+    parallelism an all-gather and a reduce-scatter for each), again for a full recompute's forward, and beyond the
+    layers the vocabulary-parallel embedding's reduction (and under SP its gradient's gather), the output layer's
+    input gradient (and under SP its input's gather) and the loss's maximum and sums.  With a pipeline the
+    embedding's are the first stage's and the rest the last's, whose count (the larger) this is, with the stages'
+    mean layers.  The step's few calls that do not repeat per micro-batch (the gradient norm's sums) are left out."""
+    sp = layout.sequence_parallel and layout.tp > 1
+    forwards = 2 if layout.recompute == "full" else 1
+    ends = (1 + sp) * (1 + (layout.pp == 1)) + 2
+    return microbatches * (config.num_layers / layout.pp * (4 + 2 * (forwards - 1)) * (1 + sp) + ends)
+
+
 def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
                            global_batch_size: int, compute: float, attention: float,
                            cache: dict | None) -> tuple[dict, float]:
@@ -137,7 +151,7 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     cores_busy = not overlaps_communication(hw, world)
     # each axis's collectives as (op, bytes, calls, ranks), for the CPU and the waits they cost on busy cores
     calls: dict = {}
-    tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
+    tp_calls = tensor_parallel_calls(config, layout, m)
     hidden_share = TP_HIDDEN_SHARE
     step_compute = compute
     if cores_busy:

@@ -132,10 +132,15 @@ COSTS = {"all_reduce": [1e-4, 1e-9], "all_gather": [2e-4, 2e-9], "reduce_scatter
          "send_recv": [4e-5, 4e-10]}
 
 
+TP_SP_CALLS = 4 * (2 * 4 * 2 + 2 + 2 + 2)
+"""A tp2 + SP step's TP calls (4 micro-batches): each layer's 4 all-gathers and 4 reduce-scatters, the embedding's
+reduction and its gradient's gather, the output layer's gather and its gradient's reduction, the loss's maximum and
+sums (as the step counted them: tests/plan/test_traffic.py::test_tensor_parallel_calls_are_the_calls_a_step_makes)."""
+
 PRICED = [  # (layout, {op: (bytes, calls)} of its collectives from collective_bytes' counts per axis)
     (Layout(dp=2, micro_batch_size=2), lambda sent: {"all_reduce": (sent["dp"], 1)}),
     (Layout(tp=2, sequence_parallel=True, micro_batch_size=2),
-     lambda sent: {op: (sent["tp"] / 2, 4 * 2 * 4 * 2 / 2) for op in ("all_gather", "reduce_scatter")}),
+     lambda sent: {op: (sent["tp"] / 2, TP_SP_CALLS / 2) for op in ("all_gather", "reduce_scatter")}),
     # the ring's sends, each matched by a receive of as much: twice the (two ranks' mean) cost
     (Layout(cp=2, micro_batch_size=2),
      lambda sent: {"send_recv": (2 * sent["cp"], 2 * 4 * 2 * (1 * 2 + 2)), "all_reduce": (sent["dp"], 1)}),
@@ -203,7 +208,7 @@ def test_collective_table_extends_its_last_slope_and_rings_scale_the_bytes():
 
 @pytest.mark.parametrize("layout, runs", [
     (Layout(dp=2, micro_batch_size=2), 1),
-    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), 4 * 2 * 4 * 2),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), TP_SP_CALLS),
     (Layout(cp=2, micro_batch_size=2), 4 * 2 * (1 * 2 + 2) + 1),
 ])
 def test_collectives_cpu_grows_with_the_compute_between_the_calls_up_to_the_calibrated(layout, runs):
@@ -278,7 +283,7 @@ def test_collectives_waits_replace_the_link_terms_where_every_core_computes(layo
 
 @pytest.mark.parametrize("layout, calls", [
     (Layout(dp=2, micro_batch_size=2), {"dp": 1}),
-    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), {"tp": 4 * 2 * 4 * 2}),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), {"tp": TP_SP_CALLS}),
     # the ring's sends (micro-batches x layers x (one forward and one backward step + the cp sends)) and the
     # gradients' all-reduce
     (Layout(cp=2, micro_batch_size=2), {"cp": 4 * 2 * (1 * 2 + 2), "dp": 1}),
