@@ -245,12 +245,12 @@ def _busy_rounds(kinds: dict, rounds: int) -> dict:
 def _busy_costs(rounds: dict, names, calls: dict) -> tuple[dict, float, float, float]:
     """From :func:`_busy_rounds`' blocks (kinds ``"alone", i`` and ``name, i`` at the compute of ``BUSY_ROWS[i]``,
     ``name, "buffer", elements`` with each of :data:`COLLECTIVE_ELEMENTS`' sizes at the first): ``{name: (CPU
-    table, wait table)}``, each ``[[bytes, seconds per call], ...]`` from 0 bytes (the one-element call) up, taken at no compute
-    between the calls (``calls[name]`` collectives per blocking call); the seconds a call's wait grows by per second
-    of compute between the calls; the CPU seconds it grows by per second of it; and the compute it was measured
-    to grow over (the second of ``BUSY_ROWS``).  Each figure is the :func:`median_of_means` over the rounds of the
-    difference from the round's block without a collective.  The one-element calls' waits and both growths are
-    taken over every collective (each blocking call's, an exchange's for ``send_recv``): the waits are the
+    table, wait table)}``, each ``[[bytes, seconds per call], ...]`` from 0 bytes (the one-element call) up, taken
+    at no compute between the calls (``calls[name]`` collectives per blocking call); the seconds a call's wait grows
+    by per second of compute between the calls; the CPU seconds it grows by per second of it; and the compute it
+    was measured to grow over (the second of ``BUSY_ROWS``).  Each figure is the :func:`median_of_means` over the
+    rounds of the difference from the round's block without a collective.  The one-element calls' waits and both
+    growths are taken over every collective (each blocking call's, an exchange's for ``send_recv``): the waits are the
     scheduler's, a gloo thread woken beside a computing one, and came out alike for the four collectives within
     their sampling noise, which pooling them quarters; their CPU and every buffer's cost are each collective's
     own.  A table never falls with more bytes (a point below the one before it is sampling noise)."""
