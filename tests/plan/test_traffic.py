@@ -264,7 +264,6 @@ def _tensor_parallel_call_counts(layouts):
     return results
 
 
-@pytest.mark.slow
 def test_tensor_parallel_calls_are_the_calls_a_step_makes():
     """The planner prices each TP call's fixed cost (its latency, gloo's CPU and wait per call): its count per
     micro-batch is the step's, the embedding's, output layer's and loss's calls included."""
