@@ -21,13 +21,19 @@ of a kernel launch on a GPU).  ``exp_rate`` is the fp32 elements per second an e
 writing them (context parallelism's blockwise score tiles, the activation function's erf, tanh or sigmoid and the
 loss's exponentials; None: at ``hbm_bandwidth``, as on a GPU, whose special function units keep up with its
 memory).  ``collective_cpu`` maps each collective a step runs (``all_reduce``,
-``all_gather``, ``reduce_scatter``, ``send_recv``) to the ``[seconds per call, seconds per byte]`` of CPU a rank
-spends in it (gloo's copies, reductions and socket work), and ``collective_wait`` the same for the time a rank
-waits in it beyond that CPU (for its partner and the link), both measured at two ranks as a step pays them, every
-core computing between the calls, and ``collective_wait_per_compute`` the seconds each call waits beyond those per
-second of compute since the rank's previous call (the wait grows with the work between the calls); None where collectives do not run on the cores that compute (a GPU's NCCL, whose
-time the link terms price).  ``cores`` is set where ranks share CPU
-cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
+``all_gather``, ``reduce_scatter``, ``send_recv``) to the CPU a rank spends in one call (gloo's copies, reductions
+and socket work) by the call's buffer bytes, as ``[[bytes, seconds], ...]`` points from 0 bytes up, priced between
+them by straight lines and beyond the last by the last one's slope (gloo's cost per byte is far from constant: a
+512 KiB all-reduce costs 2-3 times the per-byte rate of an 8 MiB one); a profile written before the table may
+give ``[seconds per call, seconds per byte]`` instead, the straight line from 0 bytes.  ``collective_wait`` is the
+same for the time a rank waits in a call beyond that CPU (for its partner and the link); both are measured at two
+ranks as a step pays them, every core computing between the calls, and taken at no compute between them:
+``collective_wait_per_compute`` is the seconds each call waits beyond that per second of compute since the rank's
+previous call (the wait grows with the work between the calls), and ``collective_cpu_per_compute`` the CPU seconds
+each call spends beyond it per second of that compute, up to ``collective_cpu_compute_s`` of it (a call after
+27 ms of compute measured no more CPU than one after 6 ms); None or 0 where collectives do
+not run on the cores that compute (a GPU's NCCL, whose time the link terms price).  ``cores`` is set where ranks share
+CPU cores (the ``cpu`` profile): with more ranks than cores a step takes at least all ranks' work over the cores (None:
 each rank has its own device).
 """
 
@@ -67,6 +73,8 @@ class Hardware:
     collective_cpu: dict | None = None
     collective_wait: dict | None = None
     collective_wait_per_compute: float = 0.0
+    collective_cpu_per_compute: float = 0.0
+    collective_cpu_compute_s: float = 0.0
 
     def collective_cpu_s(self, op: str, buffer_bytes: float, calls: float, n: int) -> float:
         """CPU seconds a rank spends in ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all
@@ -103,18 +111,32 @@ class Hardware:
         return self.inter_node_bandwidth, self.inter_node_latency_s
 
 
+def _per_call_s(points: list, nbytes: float) -> float:
+    """Seconds of one call moving ``nbytes`` from a ``[[bytes, seconds], ...]`` table (or the legacy ``[seconds
+    per call, seconds per byte]``): straight lines between the points, the last one's slope beyond them."""
+    if not isinstance(points[0], (list, tuple)):
+        per_call, per_byte = points
+        points = [[0.0, per_call], [1.0, per_call + per_byte]]
+    i = next((i for i in range(1, len(points) - 1) if nbytes <= points[i][0]), len(points) - 1)
+    (b0, s0), (b1, s1) = points[i - 1], points[i]
+    return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
+
+
 def _two_rank_costs_at(costs: dict | None, op: str, buffer_bytes: float, calls: float, n: int) -> float:
     """Seconds of ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all, from ``costs``'
-    two-rank ``[seconds per call, seconds per byte]`` of ``op``: a ring of ``n`` ranks moves ``2 (n-1) / n`` times
-    the bytes of two ranks' and takes ``n - 1`` steps per call.  For ``send_recv`` the bytes and calls are the
-    rank's sends, each matched by a receive of as much (its cost the two ranks' mean): twice the cost, whatever
-    ``n``.  No bytes: no collective runs; no ``costs``: nothing is priced."""
+    two-rank table of ``op`` (see :class:`Hardware`) at each call's share of the bytes: its cost at 0 bytes per
+    call and the rest per byte, of which a ring of ``n`` ranks moves ``2 (n-1) / n`` times the two ranks' and takes
+    ``n - 1`` steps per call.  For ``send_recv`` the bytes and calls are the rank's sends, each matched by a receive
+    of as much (its cost the two ranks' mean): twice the cost, whatever ``n``.  No bytes: no collective runs; no
+    ``costs``: nothing is priced."""
     if costs is None or n <= 1 or buffer_bytes <= 0:
         return 0.0
-    per_call, per_byte = costs[op]
+    per_call = buffer_bytes / calls if calls > 0 else buffer_bytes
+    fixed = _per_call_s(costs[op], 0.0)
+    per_byte = (_per_call_s(costs[op], per_call) - fixed) / per_call  # the call's mean cost per byte
     if op == "send_recv":
-        return 2 * (calls * per_call + buffer_bytes * per_byte)
-    return calls * (n - 1) * per_call + 2 * (n - 1) / n * buffer_bytes * per_byte
+        return 2 * (calls * fixed + buffer_bytes * per_byte)
+    return calls * (n - 1) * fixed + 2 * (n - 1) / n * buffer_bytes * per_byte
 
 
 def load_hardware(name_or_path: str) -> Hardware:

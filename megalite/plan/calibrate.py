@@ -12,10 +12,11 @@ bandwidth; ``torch.exp`` over a score tile ``exp_rate``; a chain of one-element 
 forward and backward, the time an op costs beyond its work (``op_overhead_s``); the core count how many ranks run
 at once (``cores``).  The all-reduce of a few MiB between two gloo ranks gives the link bandwidth and the
 all-reduce of one element its latency; each collective a step runs (all-reduce, all-gather, reduce-scatter,
-send/recv), at one element and at 8 MiB between two ranks that both compute between the calls (as every core does
-in a step of a layout with as many ranks as cores), its CPU cost per call and per byte (``collective_cpu``) and the
-time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_rounds`), at two lengths of the
-compute between the calls (``collective_wait_per_compute``: how the wait grows with it).  The compute timings take
+send/recv), at one element and at 128 KiB, 1 MiB and 8 MiB between two ranks that both compute between the calls
+(as every core does in a step of a layout with as many ranks as cores), its CPU cost per call by its bytes
+(``collective_cpu``) and the time a rank waits in it beyond that CPU (``collective_wait``; :func:`_busy_rounds`), at
+two lengths of the compute between the calls (``collective_wait_per_compute`` and ``collective_cpu_per_compute``:
+how the wait and the CPU grow with it).  The compute timings take
 the median of ten runs in the process's CPU time (what an op typically costs as a step pays it, not the luckiest
 run; the time it ran, not the time it waited for a core on a shared machine); the link's bandwidth and latency the
 best of ten wall-clock runs (the least preempted); the collectives' costs where every core computes the mean a step
@@ -174,18 +175,21 @@ def fit_gemm_curve(rows, flops) -> tuple[float, float]:
     return 1 / intercept, max(0.0, slope / intercept)
 
 
-COLLECTIVE_ELEMENTS = 1 << 21
-"""fp32 elements of the buffer the collectives' per-byte costs are measured with (8 MiB)."""
+COLLECTIVE_ELEMENTS = {1 << 15: 8, 1 << 18: 4, 1 << 21: 2}
+"""fp32 elements of the buffers the collectives' costs by size are measured with (128 KiB, 1 MiB and 8 MiB: log-spaced
+over a step's activations and gradient buckets; gloo's cost per byte falls 2-3-fold from 512 KiB to 8 MiB, so a
+straight line from one element to 8 MiB underprices the activations' calls), and the iterations of each one's timed
+block in :func:`_busy_rounds`."""
 
 BUSY_ROWS = (128, 512)
 """Rows of the ``[rows, 512] x [512, 1024]`` GEMM each rank computes between two collectives when the collectives'
 cost to a step is measured (about 1.5 and 6 ms per core, the range of a layer's work between its collectives): the
-first prices the calls and their bytes, the two the growth of the wait with the compute between the calls."""
+first prices the calls and their bytes, the two the growth of the wait and the CPU with the compute between the
+calls (a call's CPU measured no higher after 27 ms than after 6)."""
 
-BUSY_CALLS = {"one": (16, 8), "buffer": 2}
-"""Iterations per timed block of :func:`_busy_rounds`: with a one-element collective (and the blocks without one)
-at each of :data:`BUSY_ROWS` (more of the short ones, which are cheap and price every call's CPU and wait), and with
-one of :data:`COLLECTIVE_ELEMENTS`."""
+BUSY_CALLS = (16, 8)
+"""Iterations per timed block of :func:`_busy_rounds` with a one-element collective (and the blocks without one) at
+each of :data:`BUSY_ROWS` (more of the short ones, which are cheap and price every call's CPU and wait)."""
 
 BUSY_ROUNDS, BUSY_GROUPS = 30, 5
 """Rounds of :func:`_busy_rounds` (each times one block of every kind), and the groups of consecutive rounds whose
@@ -238,45 +242,55 @@ def _busy_rounds(kinds: dict, rounds: int) -> dict:
     return out
 
 
-def _busy_costs(rounds: dict, names, calls: dict) -> tuple[dict, float]:
+def _busy_costs(rounds: dict, names, calls: dict) -> tuple[dict, float, float, float]:
     """From :func:`_busy_rounds`' blocks (kinds ``"alone", i`` and ``name, i`` at the compute of ``BUSY_ROWS[i]``,
-    ``name, "buffer"`` with :data:`COLLECTIVE_ELEMENTS`): ``{name: (CPU per call, CPU per byte, wait per call at
-    no compute between the calls, wait per byte)}`` (``calls[name]`` collectives per blocking call), and the
-    seconds a call's wait grows by per second of compute between the calls.  Each figure is the
-    :func:`median_of_means` over the rounds of the difference from the round's block without a collective.  The
-    one-element calls' waits are taken over every collective (each blocking call's, an exchange's for
-    ``send_recv``): they are the scheduler's, a gloo thread woken beside a computing one, and came out alike for
-    the four collectives within their sampling noise, which pooling them quarters; their CPU and every buffer's
-    cost are each collective's own."""
+    ``name, "buffer", elements`` with each of :data:`COLLECTIVE_ELEMENTS`' sizes at the first): ``{name: (CPU
+    table, wait table)}``, each ``[[bytes, seconds per call], ...]`` from 0 bytes (the one-element call) up, taken
+    at no compute between the calls (``calls[name]`` collectives per blocking call); the seconds a call's wait grows
+    by per second of compute between the calls; the CPU seconds it grows by per second of it; and the compute it
+    was measured to grow over (the second of ``BUSY_ROWS``).  Each figure is the :func:`median_of_means` over the
+    rounds of the difference from the round's block without a collective.  The one-element calls' waits and both
+    growths are taken over every collective (each blocking call's, an exchange's for ``send_recv``): the waits are the
+    scheduler's, a gloo thread woken beside a computing one, and came out alike for the four collectives within
+    their sampling noise, which pooling them quarters; their CPU and every buffer's cost are each collective's
+    own.  A table never falls with more bytes (a point below the one before it is sampling noise)."""
+    elements = sorted(kind[2] for kind in rounds if kind[0] == names[0] and kind[1] == "buffer")
+
     def diff(kind, i: int, field: int) -> list:
         return [a[field] - b[field] for a, b in zip(rounds[kind], rounds["alone", i])]
 
     def typical(values) -> float:
         return median_of_means(values, BUSY_GROUPS)
 
-    def over_names(i: int) -> list:  # per round: the one-element calls' wait at BUSY_ROWS[i], over the collectives
-        return [statistics.mean(waits) for waits in zip(*(diff((name, i), i, 1) for name in names))]
+    def over_names(i: int, field: int) -> list:  # per round: the one-element calls' cost at BUSY_ROWS[i]
+        return [statistics.mean(costs) for costs in zip(*(diff((name, i), i, field) for name in names))]
 
     segments = [statistics.mean(cpu for cpu, _ in rounds["alone", i]) for i in range(2)]
-    waits = over_names(0)
-    slope = max(typical([long - short for long, short in zip(over_names(1), waits)])
-                / (segments[1] - segments[0]), 0.0)
-    call_wait = typical(waits)
+    slopes = [max(typical([long - short for long, short in zip(over_names(1, field), over_names(0, field))])
+                  / (segments[1] - segments[0]), 0.0) for field in (0, 1)]
+    call_wait = typical(over_names(0, 1))
     # the wait at no compute between the calls
-    base_wait = max(call_wait - slope * segments[0], 0.0)
-    nbytes = COLLECTIVE_ELEMENTS * 4
+    base_wait = max(call_wait - slopes[1] * segments[0], 0.0)
+
+    def table(costs: list, slope: float) -> list:
+        points, floor = [], 0.0
+        for nbytes, cost in zip([0] + [4 * e for e in elements], costs):
+            floor = max(floor, cost - slope * segments[0])
+            points.append([nbytes, floor])
+        return points
+
     costs = {}
     for name in names:
-        call_cpu = typical(diff((name, 0), 0, 0))
-        buffer_cpu, buffer_wait = typical(diff((name, "buffer"), 0, 0)), typical(diff((name, "buffer"), 0, 1))
-        # the buffer's bytes' cost beyond the one element's at the same compute
-        costs[name] = tuple(cost / calls[name] for cost in (
-            max(call_cpu, 0.0), max(buffer_cpu - call_cpu, 0.0) / nbytes, base_wait,
-            max(buffer_wait - max(call_wait, 0.0), 0.0) / nbytes))
-    return costs, slope
+        buffers = [(name, "buffer", e) for e in elements]
+        cpu = table([typical(diff((name, 0), 0, 0))] + [typical(diff(kind, 0, 0)) for kind in buffers], slopes[0])
+        # each buffer's wait beyond the one element's (the pooled one) at the same compute
+        wait = [[nbytes, base_wait + max(extra - call_wait, 0.0)] for nbytes, extra in
+                table([call_wait] + [typical(diff(kind, 0, 1)) for kind in buffers], 0.0)]
+        costs[name] = tuple([[nbytes, cost / calls[name]] for nbytes, cost in points] for points in (cpu, wait))
+    return costs, slopes[1], slopes[0], segments[1]
 
 
-def _collective_times(size: int, rounds: int) -> tuple[float, float, dict, float]:
+def _collective_times(size: int, rounds: int, elements: dict) -> tuple:
     import torch
     import torch.distributed as dist
 
@@ -304,38 +318,43 @@ def _collective_times(size: int, rounds: int) -> tuple[float, float, dict, float
 
     w = torch.randn(1024, 512)
     computes = [lambda x=torch.randn(rows, 512): torch.matmul(x, w.t()) for rows in BUSY_ROWS]
-    large, one = ops(COLLECTIVE_ELEMENTS), ops(2)
-    kinds = {("alone", i): (compute, None, BUSY_CALLS["one"][i]) for i, compute in enumerate(computes)}
+    buffers, one = {e: ops(e) for e in elements}, ops(2)
+    kinds = {("alone", i): (compute, None, BUSY_CALLS[i]) for i, compute in enumerate(computes)}
     for name in one:
-        kinds |= {(name, i): (compute, one[name], BUSY_CALLS["one"][i]) for i, compute in enumerate(computes)}
-        kinds[name, "buffer"] = (computes[0], large[name], BUSY_CALLS["buffer"])
+        kinds |= {(name, i): (compute, one[name], BUSY_CALLS[i]) for i, compute in enumerate(computes)}
+        kinds |= {(name, "buffer", e): (computes[0], buffers[e][name], iterations)
+                  for e, iterations in elements.items()}
     # an exchange is a send and a receive on each rank: the profile's send_recv is one of them
     calls = {name: 2 if name == "send_recv" else 1 for name in one}
     return times + _busy_costs(_busy_rounds(kinds, rounds), list(one), calls)
 
 
-def measure_link(size: int = 1 << 20, rounds: int | None = None) -> tuple[float, float, dict, dict, float]:
+def measure_link(size: int = 1 << 20, rounds: int | None = None) -> tuple[float, float, dict, dict, float, float,
+                                                                          float]:
     """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
     wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
-    computes (:func:`_busy_costs`, on one element and on :data:`COLLECTIVE_ELEMENTS`, averaged over the two
-    ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
-    ``{op: [seconds per call, seconds per byte]}`` of CPU (``collective_cpu``) and of waiting beyond it
-    (``collective_wait``: its per-call part at no compute between the calls), and the seconds a call's wait grows
-    by per second of compute between the calls (``collective_wait_per_compute``: the one-element calls' waits at
-    the two :data:`BUSY_ROWS`, over the ops), from ``rounds`` of :func:`_busy_rounds` (:data:`BUSY_ROUNDS`)."""
+    computes (:func:`_busy_costs`, on one element and on each of :data:`COLLECTIVE_ELEMENTS`, averaged over the
+    two ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
+    ``{op: [[bytes, seconds per call], ...]}`` of CPU (``collective_cpu``) and of waiting beyond it
+    (``collective_wait``), both at no compute between the calls, the seconds a call's wait grows by per second of
+    compute between the calls (``collective_wait_per_compute``), the CPU seconds it grows by
+    (``collective_cpu_per_compute``) and over how much compute (``collective_cpu_compute_s``), from ``rounds`` of
+    :func:`_busy_rounds` (:data:`BUSY_ROUNDS`)."""
     from megalite.testing import run_distributed
 
-    ranks = run_distributed(_collective_times, 2, size, BUSY_ROUNDS if rounds is None else rounds, timeout=300)
+    ranks = run_distributed(_collective_times, 2, size, BUSY_ROUNDS if rounds is None else rounds,
+                            COLLECTIVE_ELEMENTS, timeout=300)
     big, small = ranks[0][:2]
 
-    def mean(op: str, i: int) -> float:
-        return statistics.mean(r[2][op][i] for r in ranks)
+    def mean_table(op: str, i: int) -> list:
+        return [[nbytes, statistics.mean(r[2][op][i][p][1] for r in ranks)]
+                for p, (nbytes, _) in enumerate(ranks[0][2][op][i])]
 
-    cpu = {op: [mean(op, 0), mean(op, 1)] for op in ranks[0][2]}
-    wait = {op: [mean(op, 2), mean(op, 3)] for op in ranks[0][2]}
+    cpu = {op: mean_table(op, 0) for op in ranks[0][2]}
+    wait = {op: mean_table(op, 1) for op in ranks[0][2]}
+    wait_per_compute, cpu_per_compute, compute = (statistics.mean(r[i] for r in ranks) for i in (3, 4, 5))
     # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
-    per_compute = statistics.mean(r[3] for r in ranks)
-    return size * 4 / max(big - small, 1e-9), small, cpu, wait, per_compute
+    return (size * 4 / max(big - small, 1e-9), small, cpu, wait, wait_per_compute, cpu_per_compute, compute)
 
 
 def calibrate(path: str) -> Hardware:
@@ -359,7 +378,8 @@ def calibrate(path: str) -> Hardware:
         exps = exp_rate()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency, collective_cpu, collective_wait, wait_per_compute = measure_link()
+    bandwidth, latency, collective_cpu, collective_wait, wait_per_compute, cpu_per_compute, cpu_compute = \
+        measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
@@ -368,15 +388,18 @@ def calibrate(path: str) -> Hardware:
                   inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
                   attention_score_s=score_s,
                   op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
-                  collective_wait=collective_wait, collective_wait_per_compute=wait_per_compute)
+                  collective_wait=collective_wait, collective_wait_per_compute=wait_per_compute,
+                  collective_cpu_per_compute=cpu_per_compute, collective_cpu_compute_s=cpu_compute)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
           f"attention {attention:.2f} of it and {score_s * 1e9:.2f} ns per score, memory {hbm / 1e9:.1f} GB/s, "
           f"{overhead * 1e6:.1f} us per op, "
           f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency "
-          f"{latency * 1e6:.0f} us; per collective call / GB, CPU and wait beyond it, every core computing: "
-          + ", ".join(f"{op} {collective_cpu[op][0] * 1e6:.0f} + {collective_wait[op][0] * 1e6:.0f} us / "
-                      f"{collective_cpu[op][1] * 1e9:.2f} + {collective_wait[op][1] * 1e9:.2f} s"
-                      for op in collective_cpu)
-          + f"; wait {wait_per_compute * 1e3:.0f} us per ms of compute between the calls")
+          f"{latency * 1e6:.0f} us; per collective call at "
+          + " / ".join(f"{nbytes / 1024:.0f}" for nbytes, _ in collective_cpu["all_reduce"])
+          + " KiB, CPU + wait beyond it in us, every core computing: "
+          + ", ".join(f"{op} " + " / ".join(f"{c * 1e6:.0f} + {w * 1e6:.0f}" for (_, c), (_, w) in
+                                            zip(collective_cpu[op], collective_wait[op])) for op in collective_cpu)
+          + f"; per ms of compute between the calls (up to {cpu_compute * 1e3:.1f} ms for the CPU), CPU "
+          f"{cpu_per_compute * 1e3:.0f} us and wait {wait_per_compute * 1e3:.0f} us")
     return hw

@@ -97,6 +97,20 @@ def _fsdp_gathered_bytes(config: GPTConfig, layout: Layout, pp_rank: int) -> int
     return (held + 2 * layer) * DTYPE_BYTES[layout.precision]
 
 
+def tensor_parallel_calls(config: GPTConfig, layout: Layout, microbatches: int) -> float:
+    """Tensor-parallel collectives a rank calls for ``microbatches`` micro-batches: each layer's four (a column
+    layer's input gather or its gradient's reduction and a row layer's output reduction, each way; under sequence
+    parallelism an all-gather and a reduce-scatter for each), again for a full recompute's forward, and beyond the
+    layers the vocabulary-parallel embedding's reduction (and under SP its gradient's gather), the output layer's
+    input gradient (and under SP its input's gather) and the loss's maximum and sums.  With a pipeline the
+    embedding's are the first stage's and the rest the last's, whose count (the larger) this is, with the stages'
+    mean layers.  The step's few calls that do not repeat per micro-batch (the gradient norm's sums) are left out."""
+    sp = layout.sequence_parallel and layout.tp > 1
+    forwards = 2 if layout.recompute == "full" else 1
+    ends = (1 + sp) * (1 + (layout.pp == 1)) + 2
+    return microbatches * (config.num_layers / layout.pp * (4 + 2 * (forwards - 1)) * (1 + sp) + ends)
+
+
 def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int,
                            global_batch_size: int, compute: float, attention: float,
                            cache: dict | None) -> tuple[dict, float]:
@@ -121,7 +135,8 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     computes and the profile measured ``collective_wait`` (what those calls wait beyond their CPU, between ranks
     that compute: the partner's lag, the link), each axis's exposed seconds are its calls' waits in place of the
     link's latency and transfer terms, plus ``collective_wait_per_compute`` times the compute between its calls (the
-    step's compute over all its calls that run, each taken to follow an equal share of it).
+    step's compute over all its calls that run, each taken to follow an equal share of it); each call's CPU grows
+    likewise, by ``collective_cpu_per_compute`` times that compute up to ``collective_cpu_compute_s``.
     """
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     tp, cp, pp, ep, world = layout.tp, layout.cp, layout.pp, layout.ep, layout.world
@@ -136,7 +151,7 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     cores_busy = not overlaps_communication(hw, world)
     # each axis's collectives as (op, bytes, calls, ranks), for the CPU and the waits they cost on busy cores
     calls: dict = {}
-    tp_calls = m * layers * (4 + 2 * (forwards - 1)) * (2 if sp else 1)
+    tp_calls = tensor_parallel_calls(config, layout, m)
     hidden_share = TP_HIDDEN_SHARE
     step_compute = compute
     if cores_busy:
@@ -198,14 +213,18 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     out["dp"] = dp
     if not cores_busy:
         return out, 0.0
+    # the calls that run, each taken to follow an equal share of the rank's compute
+    runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
+    segment = step_compute / max(sum(runs.values()), 1)
     if hw.collective_wait is not None:
         # measured where every core computes: the waits replace the link's terms (its latency and transfer), and
         # each call that runs waits in proportion to the rank's compute since its previous call
-        runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
-        segment = step_compute / max(sum(runs.values()), 1)
         out = {axis: sum(hw.collective_wait_s(*c) for c in axis_calls)
                + runs[axis] * segment * hw.collective_wait_per_compute for axis, axis_calls in calls.items()}
-    return out, sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
+    cpu = sum(hw.collective_cpu_s(*c) for axis_calls in calls.values() for c in axis_calls)
+    if hw.collective_cpu is not None:  # and each spends CPU in proportion to that compute, up to the measured
+        cpu += sum(runs.values()) * min(segment, hw.collective_cpu_compute_s) * hw.collective_cpu_per_compute
+    return out, cpu
 
 
 def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, global_batch_size: int,

@@ -87,8 +87,10 @@ def test_hugging_face_config_json_is_the_same_model_as_the_preset(tmp_path, caps
 def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys, monkeypatch):
     from megalite.plan import calibrate
 
-    # the fewest rounds the collectives' statistic takes: this checks the profile, not its precision
+    # the fewest rounds the collectives' statistic takes, and small buffers: this checks the profile, not its
+    # precision
     monkeypatch.setattr(calibrate, "BUSY_ROUNDS", calibrate.BUSY_GROUPS)
+    monkeypatch.setattr(calibrate, "COLLECTIVE_ELEMENTS", {1 << 10: 1, 1 << 12: 1, 1 << 14: 1})
     path = tmp_path / "here.json"
     assert main(["--calibrate", str(path)]) == 0
     hw = load_hardware(str(path))
@@ -96,10 +98,14 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys, monkeypa
     assert hw.attention_efficiency > 0 and hw.op_overhead_s > 0 and hw.hbm_bandwidth > 0 and hw.exp_rate > 0
     assert hw.attention_score_s >= 0
     assert set(hw.collective_cpu) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
-    assert all(per_call > 0 and per_byte >= 0 for per_call, per_byte in hw.collective_cpu.values())
     assert set(hw.collective_wait) == set(hw.collective_cpu)
-    assert all(per_call >= 0 and per_byte >= 0 for per_call, per_byte in hw.collective_wait.values())
-    assert hw.collective_wait_per_compute >= 0
+    sizes = [0] + [4 * e for e in sorted(calibrate.COLLECTIVE_ELEMENTS)]
+    for table in (*hw.collective_cpu.values(), *hw.collective_wait.values()):  # by bytes, never cheaper for more
+        assert [nbytes for nbytes, _ in table] == sizes
+        assert all(0 <= a[1] <= b[1] for a, b in zip(table, table[1:]))
+    assert all(table[0][1] > 0 for table in hw.collective_cpu.values())
+    assert hw.collective_wait_per_compute >= 0 and hw.collective_cpu_per_compute >= 0
+    assert hw.collective_cpu_compute_s > 0
     assert hw.cores == hw.gpus_per_node == os.cpu_count()
     assert main(SMALL + ["--num-gpus", "2", "--hardware", str(path), "--json", "--top", "1"]) == 0
     out = capsys.readouterr().out
@@ -122,8 +128,10 @@ def test_median_of_means_pays_the_skewed_tail_and_ignores_a_burst():
 def test_busy_costs_take_the_mean_wait_not_the_typical_block(monkeypatch):
     """A step pays the mean wait of its collectives: where one block in three waits 3 ms a call and the others do
     not, the call costs 1 ms of waiting (the median block pair, as ``--calibrate`` took before, priced it at
-    nothing), and no CPU; calls after 3 ms more compute waiting 0.6 ms more grow 0.2 s per s of compute, so the
-    wait at no compute is 0.8 ms.  On a virtual clock: what each call and compute costs is exact."""
+    nothing); calls after 3 ms more compute waiting 0.6 ms more grow 0.2 s per s of compute, so the wait at no
+    compute is 0.8 ms.  Their CPU, 0.5 ms a call after 1 ms of compute and 0.8 ms after 4, grows 0.1 s per s of
+    compute up to 4 ms, 0.4 ms at none; the buffers' CPU is each size's (a point below the one before it is noise,
+    and raised to it), taken at no compute alike.  On a virtual clock: what each call and compute costs is exact."""
     import itertools
     import types
 
@@ -137,11 +145,12 @@ def test_busy_costs_take_the_mean_wait_not_the_typical_block(monkeypatch):
     monkeypatch.setattr(dist, "barrier", lambda: None)
     calls = 2
 
-    def waits_one_block_in_three(more: float = 0.0):
+    def waits_one_block_in_three(cpu: float, more: float = 0.0):
         count = itertools.count()  # the warm-up block is block 0, the rounds' blocks 1, 2, ...
 
         def op():
-            clock.wall += more + (3e-3 if next(count) // calls % 3 == 1 else 0.0)
+            clock.cpu += cpu
+            clock.wall += cpu + more + (3e-3 if next(count) // calls % 3 == 1 else 0.0)
         return op
 
     def computes(seconds):
@@ -152,10 +161,15 @@ def test_busy_costs_take_the_mean_wait_not_the_typical_block(monkeypatch):
 
     short, long = computes(1e-3), computes(4e-3)
     kinds = {("alone", 0): (short, None, calls), ("alone", 1): (long, None, calls)}
-    kinds |= {("op", 0): (short, waits_one_block_in_three(), calls),
-              ("op", 1): (long, waits_one_block_in_three(more=0.6e-3), calls),
-              ("op", "buffer"): (short, waits_one_block_in_three(), calls)}
-    costs, slope = calibrate._busy_costs(calibrate._busy_rounds(kinds, 15), ["op"], {"op": 1})
-    cpu, cpu_per_byte, wait, wait_per_byte = costs["op"]
-    assert slope == pytest.approx(0.2) and wait == pytest.approx(0.8e-3)
-    assert cpu == pytest.approx(0.0, abs=1e-12) and cpu_per_byte == wait_per_byte == 0.0
+    kinds |= {("op", 0): (short, waits_one_block_in_three(0.5e-3), calls),
+              ("op", 1): (long, waits_one_block_in_three(0.8e-3, more=0.6e-3), calls)}
+    buffers = dict(zip(sorted(calibrate.COLLECTIVE_ELEMENTS), (1.0e-3, 0.9e-3, 3e-3)))
+    kinds |= {("op", "buffer", e): (short, waits_one_block_in_three(cpu), calls) for e, cpu in buffers.items()}
+    costs, slope, cpu_slope, cpu_compute = calibrate._busy_costs(calibrate._busy_rounds(kinds, 15), ["op"],
+                                                                 {"op": 1})
+    cpu, wait = costs["op"]
+    assert slope == pytest.approx(0.2) and cpu_slope == pytest.approx(0.1) and cpu_compute == pytest.approx(4e-3)
+    sizes = [0] + [4 * e for e in sorted(calibrate.COLLECTIVE_ELEMENTS)]
+    assert [nbytes for nbytes, _ in cpu] == [nbytes for nbytes, _ in wait] == sizes
+    assert [c for _, c in cpu] == pytest.approx([0.4e-3, 0.9e-3, 0.9e-3, 2.9e-3])
+    assert [w for _, w in wait] == pytest.approx([0.8e-3] * 4)

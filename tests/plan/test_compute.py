@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,8 +56,9 @@ def test_op_counts_are_the_ops_megalites_gpt_runs(kwargs, extra):
 
 
 def _cpu(**changes):
+    # the collectives' CPU growth with the compute between the calls: its own test
     return dataclasses.replace(load_hardware("cpu"), **{"attention_efficiency": 0.5, "op_overhead_s": 5e-6,
-                                                        "cores": 2, **changes})
+                                                        "cores": 2, "collective_cpu_per_compute": 0.0, **changes})
 
 
 def test_each_kind_of_work_is_priced_at_its_own_rate():
@@ -130,10 +132,15 @@ COSTS = {"all_reduce": [1e-4, 1e-9], "all_gather": [2e-4, 2e-9], "reduce_scatter
          "send_recv": [4e-5, 4e-10]}
 
 
+TP_SP_CALLS = 4 * (2 * 4 * 2 + 2 + 2 + 2)
+"""A tp2 + SP step's TP calls (4 micro-batches): each layer's 4 all-gathers and 4 reduce-scatters, the embedding's
+reduction and its gradient's gather, the output layer's gather and its gradient's reduction, the loss's maximum and
+sums (as the step counted them: tests/plan/test_traffic.py::test_tensor_parallel_calls_are_the_calls_a_step_makes)."""
+
 PRICED = [  # (layout, {op: (bytes, calls)} of its collectives from collective_bytes' counts per axis)
     (Layout(dp=2, micro_batch_size=2), lambda sent: {"all_reduce": (sent["dp"], 1)}),
     (Layout(tp=2, sequence_parallel=True, micro_batch_size=2),
-     lambda sent: {op: (sent["tp"] / 2, 4 * 2 * 4 * 2 / 2) for op in ("all_gather", "reduce_scatter")}),
+     lambda sent: {op: (sent["tp"] / 2, TP_SP_CALLS / 2) for op in ("all_gather", "reduce_scatter")}),
     # the ring's sends, each matched by a receive of as much: twice the (two ranks' mean) cost
     (Layout(cp=2, micro_batch_size=2),
      lambda sent: {"send_recv": (2 * sent["cp"], 2 * 4 * 2 * (1 * 2 + 2)), "all_reduce": (sent["dp"], 1)}),
@@ -154,6 +161,98 @@ def test_collectives_cpu_is_charged_as_compute_where_every_core_computes(layout,
     assert busy.step_time_s == pytest.approx(without.step_time_s + expected, rel=1e-12)
     # a spare core runs the collectives beside the compute
     assert estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, cores=4), SEQ, BATCH).time["collective_cpu"] == 0
+
+
+# by bytes per call: steeper per byte at the small sizes than at the large ones, as gloo's calls measured
+TABLES = {op: [[0, c], [16 << 10, c + 64e-6], [256 << 10, c + 400e-6], [1 << 20, c + 1e-3]]
+          for op, c in (("all_reduce", 1e-4), ("all_gather", 2e-4), ("reduce_scatter", 3e-4), ("send_recv", 4e-5))}
+
+
+def _by_size(points, nbytes):
+    """A call's seconds from ``points``, straight lines between them and the last one's slope beyond."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    if nbytes <= xs[-1]:
+        return float(np.interp(nbytes, xs, ys))
+    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (nbytes - xs[-1])
+
+
+@pytest.mark.parametrize("layout, priced", PRICED)
+def test_collectives_cpu_is_priced_by_each_calls_bytes_from_the_calibrated_table(layout, priced):
+    """Each call costs the table's seconds at its share of the axis's bytes (two ranks: its whole cost per call);
+    a profile written before the table, ``[per call, per byte]``, prices the straight line as before."""
+    from megalite.plan.traffic import collective_bytes
+
+    sent = collective_bytes(CONFIG, layout, SEQ, BATCH)
+    expected = sum(calls * _by_size(TABLES[op], nbytes / calls) for op, (nbytes, calls) in priced(sent).items())
+    table = estimate(CONFIG, layout, _cpu(collective_cpu=TABLES), SEQ, BATCH)
+    assert table.time["collective_cpu"] == pytest.approx(expected, rel=1e-12) and expected > 0
+    straight = {op: [[0, c], [1, c + b]] for op, (c, b) in COSTS.items()}
+    assert estimate(CONFIG, layout, _cpu(collective_cpu=straight), SEQ, BATCH).time["collective_cpu"] == \
+        pytest.approx(estimate(CONFIG, layout, _cpu(collective_cpu=COSTS), SEQ, BATCH).time["collective_cpu"],
+                      rel=1e-12)
+
+
+def test_collective_table_extends_its_last_slope_and_rings_scale_the_bytes():
+    hw = _cpu(collective_cpu=TABLES)
+    c = TABLES["all_reduce"][0][1]
+    # 2 MiB, beyond the last point: its slope (1 MiB - 256 KiB cost 600 us)
+    beyond = c + 1e-3 + 600e-6 * (1 << 20) / (768 << 10)
+    assert hw.collective_cpu_s("all_reduce", 3 * (2 << 20), 3, 2) == pytest.approx(3 * beyond, rel=1e-12)
+    # four ranks: a ring of three steps per call, 2 x 3/4 of the two ranks' bytes, at the same bytes per call
+    middle = 64e-6 + (400e-6 - 64e-6) * (64 << 10) / (240 << 10)
+    assert hw.collective_cpu_s("all_reduce", 2 * (80 << 10), 2, 4) == pytest.approx(2 * (3 * c + 1.5 * middle),
+                                                                                   rel=1e-12)
+    # a send: twice the half exchange the table holds, whatever the ranks
+    assert hw.collective_cpu_s("send_recv", 16 << 10, 1, 4) == pytest.approx(2 * (4e-5 + 64e-6), rel=1e-12)
+
+
+@pytest.mark.parametrize("layout, runs", [
+    (Layout(dp=2, micro_batch_size=2), 1),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), TP_SP_CALLS),
+    (Layout(cp=2, micro_batch_size=2), 4 * 2 * (1 * 2 + 2) + 1),
+])
+def test_collectives_cpu_grows_with_the_compute_between_the_calls_up_to_the_calibrated(layout, runs):
+    """Each call that runs spends ``collective_cpu_per_compute`` of the compute since the rank's previous call
+    (an equal share of the step's) beyond its table, but no more than after ``collective_cpu_compute_s`` of it."""
+    fraction = 0.07
+    compute = sum(compute_time(CONFIG, layout, _cpu(), SEQ, BATCH).values())
+    segment = compute / runs
+
+    def cpu(**changes):
+        return estimate(CONFIG, layout, _cpu(collective_cpu=COSTS, **changes), SEQ, BATCH).time["collective_cpu"]
+
+    base = cpu()
+    for limit, seconds in ((1.0, segment), (segment / 3, segment / 3)):
+        grown = cpu(collective_cpu_per_compute=fraction, collective_cpu_compute_s=limit)
+        assert grown - base == pytest.approx(fraction * runs * seconds, rel=1e-9) and grown > base
+    # one rank runs no collective; a spare core, or no calibrated CPU, prices none
+    alone = Layout(micro_batch_size=2)
+    assert estimate(CONFIG, alone, _cpu(collective_cpu=COSTS, collective_cpu_per_compute=fraction,
+                                        collective_cpu_compute_s=1.0, cores=1), SEQ, BATCH).time["collective_cpu"] == 0
+    for changes in ({"cores": 4}, {"collective_cpu": None}):
+        priced = estimate(CONFIG, layout, _cpu(**{"collective_cpu": COSTS, "collective_cpu_per_compute": fraction,
+                                                  "collective_cpu_compute_s": 1.0, **changes}), SEQ, BATCH)
+        assert priced.time["collective_cpu"] == 0
+
+
+def test_a_profile_without_the_tables_loads_and_prices_as_before(tmp_path):
+    """The profiles written before the by-size tables and the CPU's growth (and the GPU ones, which have neither)
+    load; their collectives cost the straight line and nothing grows with the compute."""
+    import json
+
+    from megalite.hardware import save_hardware
+
+    old = {k: v for k, v in vars(_cpu(collective_cpu=COSTS)).items()
+           if k not in ("collective_cpu_per_compute", "collective_cpu_compute_s")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**old, "device_names": []}))
+    hw = load_hardware(str(path))
+    assert hw.collective_cpu_per_compute == hw.collective_cpu_compute_s == 0
+    layout = Layout(tp=2, sequence_parallel=True, micro_batch_size=2)
+    assert estimate(CONFIG, layout, hw, SEQ, BATCH).time == estimate(CONFIG, layout, _cpu(collective_cpu=COSTS),
+                                                                     SEQ, BATCH).time
+    save_hardware(_cpu(collective_cpu=TABLES), str(path))  # and a table survives the round trip
+    assert load_hardware(str(path)).collective_cpu == TABLES
 
 
 WAITS = {"all_reduce": [5e-4, 5e-9], "all_gather": [6e-4, 6e-9], "reduce_scatter": [7e-4, 7e-9],
@@ -184,7 +283,7 @@ def test_collectives_waits_replace_the_link_terms_where_every_core_computes(layo
 
 @pytest.mark.parametrize("layout, calls", [
     (Layout(dp=2, micro_batch_size=2), {"dp": 1}),
-    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), {"tp": 4 * 2 * 4 * 2}),
+    (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), {"tp": TP_SP_CALLS}),
     # the ring's sends (micro-batches x layers x (one forward and one backward step + the cp sends)) and the
     # gradients' all-reduce
     (Layout(cp=2, micro_batch_size=2), {"cp": 4 * 2 * (1 * 2 + 2), "dp": 1}),

@@ -203,3 +203,72 @@ def test_predicted_bytes_per_axis_equal_the_collectives_issued():
             if counted_sum != predicted_sum:
                 mismatches.append(f"{name} EP group {ranks}: counted {counted_sum}, predicted {predicted_sum}")
     assert not mismatches, "\n".join(mismatches)
+
+
+def _tensor_parallel_call_counts(layouts):
+    """Per layout: the TP collectives a step of one more micro-batch calls, counted, and the planner's count of
+    them."""
+    import torch
+    import torch.distributed as dist
+
+    from megalite import topology
+    from megalite.plan import Layout
+    from megalite.plan.estimate import tensor_parallel_calls
+    from megalite.training import gpt, setup
+    from megalite.training.arguments import lr_schedule_settings, validate_args
+    from megalite.training.flags import gpt_config, parse_args
+    from megalite.training.lr_schedule import LRScheduler
+    from megalite.training.trainer import Trainer
+
+    world = dist.get_world_size()
+    calls = [0]
+    tp_ranks = [None]
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        def counted_call(*args, **kwargs):
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            calls[0] += group is not None and tuple(dist.get_process_group_ranks(group)) == tp_ranks[0]
+            return fn(*args, **kwargs)
+        return counted_call
+
+    original = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    for name, fn in original.items():
+        setattr(dist, name, wrap(fn))
+    results = []
+    try:
+        for extra in layouts:
+            args = validate_args(parse_args(MODEL + extra), world)
+            topo = topology.initialize(tp=args.tensor_model_parallel_size)
+            tp_ranks[0] = tuple(topo.tp.ranks)
+            chunks = setup.build_model(gpt.model_provider, args, topo)
+            optimizer = setup.build_optimizer(args, chunks)
+            trainer = Trainer(args, topo, chunks, optimizer, LRScheduler(optimizer, lr_schedule_settings(args)),
+                              gpt.forward_step)
+            generator = torch.Generator().manual_seed(0)
+            data = iter([{"tokens": torch.randint(0, 100, (2, 17), generator=generator)} for _ in range(64)])
+            counted = []
+            for iteration, samples in enumerate((2, 4), 1):
+                calls[0] = 0
+                trainer.train_step(data, iteration, samples)
+                counted.append(calls[0])
+            trainer.logger.close()
+            layout, config = Layout.from_args(args, world), gpt_config(args)
+            m = [samples // (args.micro_batch_size * layout.dp) for samples in (2, 4)]
+            results.append((counted[1] - counted[0],
+                            tensor_parallel_calls(config, layout, m[1]) - tensor_parallel_calls(config, layout, m[0])))
+    finally:
+        for name, fn in original.items():
+            setattr(dist, name, fn)
+    return results
+
+
+def test_tensor_parallel_calls_are_the_calls_a_step_makes():
+    """The planner prices each TP call's fixed cost (its latency, gloo's CPU and wait per call): its count per
+    micro-batch is the step's, the embedding's, output layer's and loss's calls included."""
+    layouts = [["--tensor-model-parallel-size", "2"],
+               ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full"]]
+    for rank in run_distributed(_tensor_parallel_call_counts, 2, layouts, timeout=120):
+        for extra, (counted, predicted) in zip(layouts, rank):
+            assert counted == predicted > 0, (extra, counted, predicted)
