@@ -57,11 +57,17 @@ __global__ void gelu_bwd_kernel(const T* grad, const T* x, const T* bias, T* gra
 }
 
 // Output pack p covers (row r, columns j..j+N) of [rows, h / 2]; gate at x[r, j], up at x[r, j + h / 2].
+// gate_index: where output element i of [rows, half] finds its gate in x [rows, 2 * half].
+__device__ __forceinline__ int64_t gate_index(int64_t i, int64_t half) {
+  const int64_t row = fast_div(i, half);
+  return row * 2 * half + (i - row * half);
+}
+
 template <typename T, int N>
 __global__ void swiglu_fwd_kernel(const T* x, const T* bias, T* y, int64_t n, int64_t h) {
   const int64_t half = h / 2;
   GRID_STRIDE(p, n / N) {
-    const int64_t i = p * N, row = fast_div(i, half), gate_at = row * h + (i - row * half);
+    const int64_t i = p * N, gate_at = gate_index(i, half);
     float gate[N], up[N];
     load_biased<N>(x, bias, gate_at, h, gate);
     load_biased<N>(x, bias, gate_at + half, h, up);
@@ -75,7 +81,7 @@ template <typename T, int N>
 __global__ void swiglu_bwd_kernel(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, int64_t h) {
   const int64_t half = h / 2;
   GRID_STRIDE(p, n / N) {
-    const int64_t i = p * N, row = fast_div(i, half), gate_at = row * h + (i - row * half);
+    const int64_t i = p * N, gate_at = gate_index(i, half);
     float gate[N], up[N], g[N];
     load_biased<N>(x, bias, gate_at, h, gate);
     load_biased<N>(x, bias, gate_at + half, h, up);
