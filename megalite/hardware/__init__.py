@@ -122,6 +122,11 @@ def _per_call_s(points: list, nbytes: float) -> float:
     return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
 
 
+def collective_runs(buffer_bytes: float, n: int) -> bool:
+    """Whether a collective over ``n`` ranks moving ``buffer_bytes`` runs at all (one rank or no bytes: none)."""
+    return n > 1 and buffer_bytes > 0
+
+
 def _two_rank_costs_at(costs: dict | None, op: str, buffer_bytes: float, calls: float, n: int) -> float:
     """Seconds of ``calls`` collectives ``op`` over ``n`` ranks moving ``buffer_bytes`` in all, from ``costs``'
     two-rank table of ``op`` (see :class:`Hardware`) at each call's share of the bytes: its cost at 0 bytes per
@@ -129,7 +134,7 @@ def _two_rank_costs_at(costs: dict | None, op: str, buffer_bytes: float, calls: 
     ``n - 1`` steps per call.  For ``send_recv`` the bytes and calls are the rank's sends, each matched by a receive
     of as much (its cost the two ranks' mean): twice the cost, whatever ``n``.  No bytes: no collective runs; no
     ``costs``: nothing is priced."""
-    if costs is None or n <= 1 or buffer_bytes <= 0:
+    if costs is None or not collective_runs(buffer_bytes, n):
         return 0.0
     per_call = buffer_bytes / calls if calls > 0 else buffer_bytes
     fixed = _per_call_s(costs[op], 0.0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megalite.hardware import Hardware
+from megalite.hardware import Hardware, collective_runs
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.plan.compute import compute_time, overlaps_communication, oversubscribed
 from megalite.pipeline.timeline import analytic_bubble
@@ -214,7 +214,8 @@ def _exposed_communication(config: GPTConfig, layout: Layout, hw: Hardware, seq_
     if not cores_busy:
         return out, 0.0
     # the calls that run, each taken to follow an equal share of the rank's compute
-    runs = {axis: sum(c[2] for c in axis_calls if c[1] > 0 and c[3] > 1) for axis, axis_calls in calls.items()}
+    runs = {axis: sum(count for _, nbytes, count, n in axis_calls if collective_runs(nbytes, n))
+            for axis, axis_calls in calls.items()}
     segment = step_compute / max(sum(runs.values()), 1)
     if hw.collective_wait is not None:
         # measured where every core computes: the waits replace the link's terms (its latency and transfer), and
