@@ -58,6 +58,11 @@ class EngineConfig:
         if self.decode_attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"EngineConfig.decode_attention must be 'auto', 'sdpa' or 'triton', got "
                              f"{self.decode_attention!r}")
-        if self.decode_attention == "triton" and self.block_size & (self.block_size - 1):
+        if self.decode_attention == "triton" and not self.blocks_fit_triton:
             raise ValueError(f"EngineConfig.decode_attention='triton' needs a power-of-two block_size, got "
                              f"{self.block_size}")
+
+    @property
+    def blocks_fit_triton(self) -> bool:
+        """Whether ``block_size`` suits the Triton decode-attention kernel (a power of two: its block tile)."""
+        return self.block_size & (self.block_size - 1) == 0

@@ -76,8 +76,7 @@ def decode_attention_for(config, device: torch.device) -> str:
     if attention == "triton" and not triton_attention.available():
         raise ValueError("EngineConfig.decode_attention='triton' needs Triton installed")
     if attention == "auto":
-        usable = (device.type == "cuda" and triton_attention.available()
-                  and not config.block_size & (config.block_size - 1))
+        usable = device.type == "cuda" and triton_attention.available() and config.blocks_fit_triton
         attention = "triton" if usable else "sdpa"
     return attention
 

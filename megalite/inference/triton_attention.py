@@ -1,13 +1,13 @@
 """A Triton kernel for decode attention over the paged KV cache, read in place through the block tables.
 
-The static decode step's default attention (:class:`megalite.inference.static_decode.StaticDecodeCache`, SDPA)
+The static decode step's SDPA attention (:class:`megalite.inference.static_decode.StaticDecodeCache`)
 first gathers every row's blocks, padded to its context bucket, into a new tensor: it writes and reads the keys
 and values once more than attention needs.  This kernel reads each block where it lies instead: one program per
 (row, KV group) walks the row's blocks up to its context length (from the window's first block on a
 sliding-window model), keeps the group's query heads in registers and accumulates an online softmax in fp32.
 Shapes and launch grid depend only on the bucket, and the lengths are read on the device, so it can be captured
-in a CUDA graph.  ``EngineConfig.decode_attention = "triton"`` selects it; Triton must be installed (it comes with
-PyTorch's CUDA builds).
+in a CUDA graph.  ``EngineConfig.decode_attention`` ``"triton"`` selects it, and its default ``"auto"`` on CUDA;
+Triton must be installed (it comes with PyTorch's CUDA builds).
 """
 
 from __future__ import annotations
