@@ -24,6 +24,10 @@ TORCH_LIBRARY(megalite, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
   m.def("bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor? mask, float scale) -> Tensor");
   m.def("dropout_bwd(Tensor grad, Tensor mask, float scale) -> Tensor");
+  // CUDA draws the keep-mask inside the kernel from a seed (megalite/kernels/philox.py says how); CPU reads it.
+  m.def("bias_dropout_add_philox_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor seed, int threshold, "
+        "float scale) -> Tensor");
+  m.def("dropout_philox_bwd(Tensor grad, Tensor seed, int threshold, float scale) -> Tensor");
   m.def("causal_softmax_fwd(Tensor x, float scale) -> Tensor");
   m.def("masked_softmax_fwd(Tensor x, Tensor mask, float scale) -> Tensor");
   m.def("softmax_bwd(Tensor grad, Tensor y, float scale) -> Tensor");

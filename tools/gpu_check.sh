@@ -49,7 +49,8 @@ step build 200 "MEGALITE_NO_EXT=1 python3 -m pip install -q --no-deps --no-build
     CXX=/usr/bin/g++ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace &&
     python3 -m megalite.kernels && cp megalite/_C*.so \"$logs/\""
 step kernels 90 "python3 -m pytest -q -n 12 -rf tests/kernels"
-step gputests 150 "python3 -m pytest -q -n 2 -rf tests/rlhf/test_placement.py::test_offload_on_one_gpu tests/training/test_gpu.py"
+step gputests 200 "python3 -m pytest -q -n 2 -rf tests/rlhf/test_placement.py::test_offload_on_one_gpu tests/training/test_gpu.py \
+    tests/inference/test_cuda_graphs.py"
 step features 120 "python3 -m pytest -q -rfs -s tests/test_gpu_features.py"
 step bench 200 "python3 benchmarks/kernels.py --dtype bfloat16 && cp benchmarks/results/gpu_kernels_bfloat16.json \"$logs/\""
 step bench32 120 "python3 benchmarks/kernels.py --dtype float32 --no-compile &&

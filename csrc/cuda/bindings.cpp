@@ -184,35 +184,43 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-const bool* mask_ptr(const c10::optional<at::Tensor>& mask, const at::Tensor& x) {
-  if (!mask.has_value() || !mask->defined()) return nullptr;
-  check_cuda(*mask, "mask");
-  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == x.sizes(), "megalite: mask must be bool shaped like x");
-  return mask->data_ptr<bool>();
+const int64_t* seed_ptr(const at::Tensor& seed, const at::Tensor& x) {
+  check_cuda(seed, "seed");
+  TORCH_CHECK(seed.scalar_type() == at::kLong && seed.numel() == 1 && seed.device() == x.device(),
+              "megalite: the dropout seed must be one int64 on the device of x");
+  return seed.data_ptr<int64_t>();
 }
 
-at::Tensor bias_dropout_add_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& residual,
-                                const c10::optional<at::Tensor>& mask, double scale) {
+uint32_t keep_threshold(int64_t threshold) {
+  TORCH_CHECK(threshold >= 0 && threshold < (int64_t{1} << 32), "megalite: dropout threshold ", threshold,
+              " outside [0, 2^32)");
+  return static_cast<uint32_t>(threshold);
+}
+
+at::Tensor bias_dropout_add_philox_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                                       const at::Tensor& residual, const at::Tensor& seed, int64_t threshold,
+                                       double scale) {
   check_cuda(x, "x");
   check_cuda(residual, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "megalite::bias_dropout_add_fwd: residual/x mismatch");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "megalite::bias_dropout_add_philox_fwd: residual/x mismatch");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
   check_status(cuda::bias_dropout_add_fwd(dtype_code(x), x.data_ptr(), optional_ptr(bias, x, "bias"),
-                                          residual.data_ptr(), mask_ptr(mask, x), out.data_ptr(), rows_of(x),
-                                          last_dim(x), static_cast<float>(scale), stream()),
-               "bias_dropout_add_fwd");
+                                          residual.data_ptr(), seed_ptr(seed, x), keep_threshold(threshold),
+                                          out.data_ptr(), rows_of(x), last_dim(x), static_cast<float>(scale),
+                                          stream()),
+               "bias_dropout_add_philox_fwd");
   return out;
 }
 
-at::Tensor dropout_bwd(const at::Tensor& grad, const at::Tensor& mask, double scale) {
+at::Tensor dropout_philox_bwd(const at::Tensor& grad, const at::Tensor& seed, int64_t threshold, double scale) {
   check_cuda(grad, "grad");
-  const bool* m = mask_ptr(mask, grad);
   const c10::cuda::CUDAGuard guard(grad.device());
   at::Tensor out = at::empty_like(grad);
-  check_status(cuda::dropout_bwd(dtype_code(grad), grad.data_ptr(), m, out.data_ptr(), grad.numel(),
-                                 static_cast<float>(scale), stream()),
-               "dropout_bwd");
+  check_status(cuda::dropout_bwd(dtype_code(grad), grad.data_ptr(), seed_ptr(seed, grad), keep_threshold(threshold),
+                                 out.data_ptr(), grad.numel(), static_cast<float>(scale), stream()),
+               "dropout_philox_bwd");
   return out;
 }
 
@@ -256,6 +264,31 @@ at::Tensor softmax_bwd(const at::Tensor& grad, const at::Tensor& y, double scale
 void check_row_map(const at::Tensor& row_map) {
   check_cuda(row_map, "row_map");
   TORCH_CHECK(row_map.scalar_type() == at::kLong && row_map.dim() == 1, "megalite: row_map must be 1-d int64");
+}
+
+// The CPU op's counting sort on the GPU.  The row map's length comes from the data, so the host reads the kept
+// count (one sync, as torch's nonzero makes); past kMaxSortExperts experts a stable argsort, as the CPU op's
+// fallback for very many experts.
+at::Tensor permute_row_map(const at::Tensor& expert_indices) {
+  check_cuda(expert_indices, "expert_indices");
+  TORCH_CHECK(expert_indices.scalar_type() == at::kLong, "megalite::permute_row_map: expert_indices must be int64");
+  const c10::cuda::CUDAGuard guard(expert_indices.device());
+  const int64_t n = expert_indices.numel();
+  const int64_t* ids = expert_indices.data_ptr<int64_t>();
+  at::Tensor stats = at::empty({2}, expert_indices.options());
+  check_status(cuda::row_map_stats(ids, n, stats.data_ptr<int64_t>(), stream()), "permute_row_map");
+  const at::Tensor host = stats.cpu();
+  const int64_t experts = host.data_ptr<int64_t>()[0], kept = host.data_ptr<int64_t>()[1];
+  if (experts > cuda::kMaxSortExperts) {
+    return at::argsort(expert_indices.reshape({-1}), /*stable=*/true).slice(0, n - kept);
+  }
+  at::Tensor row_map = at::empty({kept}, expert_indices.options());
+  if (kept == 0) return row_map;
+  at::Tensor hist = at::empty({experts * ((n + cuda::kSortTile - 1) / cuda::kSortTile)}, expert_indices.options());
+  check_status(cuda::row_map_counting_sort(ids, n, static_cast<int>(experts), hist.data_ptr<int64_t>(),
+                                           row_map.data_ptr<int64_t>(), stream()),
+               "permute_row_map");
+  return row_map;
 }
 
 at::Tensor permute_fwd(const at::Tensor& tokens, const at::Tensor& row_map, int64_t k) {
@@ -334,11 +367,12 @@ TORCH_LIBRARY_IMPL(megalite, CUDA, m) {
   m.impl("bias_swiglu_fwd", &bias_swiglu_fwd);
   m.impl("bias_swiglu_bwd", &bias_swiglu_bwd);
   m.impl("rotary", &rotary);
-  m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd);
-  m.impl("dropout_bwd", &dropout_bwd);
+  m.impl("bias_dropout_add_philox_fwd", &bias_dropout_add_philox_fwd);
+  m.impl("dropout_philox_bwd", &dropout_philox_bwd);
   m.impl("causal_softmax_fwd", &causal_softmax_fwd);
   m.impl("masked_softmax_fwd", &masked_softmax_fwd);
   m.impl("softmax_bwd", &softmax_bwd);
+  m.impl("permute_row_map", &permute_row_map);
   m.impl("permute_fwd", &permute_fwd);
   m.impl("permute_bwd", &permute_bwd);
   m.impl("unpermute_fwd", &unpermute_fwd);

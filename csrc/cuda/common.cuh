@@ -91,6 +91,51 @@ __device__ __forceinline__ int64_t fast_mod(int64_t a, int64_t b) { return a - f
 // exp(v) as exp2(v * log2 e): the hardware's exp2 unit (2 ulp), without expf's longer range reduction.
 constexpr float kLog2e = 1.4426950408889634f;
 
+// ---- Counter-based random numbers for dropout: Philox4x32-10 (Salmon et al., SC'11), the generator behind
+// Triton's tl.randint4x, which megalite/kernels/philox.py uses to compute the same draws for the reference.
+// Draw g under a 64-bit seed is philox(counter (g, 0, 0, 0), key (seed low word, seed high word)); element e
+// of a tensor takes word e % 4 of draw e / 4 (the counter keeps the low 32 bits of e / 4).
+__device__ __forceinline__ uint4 philox(uint32_t counter, uint64_t seed) {
+  uint32_t c0 = counter, c1 = 0, c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi_a = __umulhi(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;
+    const uint32_t hi_b = __umulhi(0xCD9E8D57u, c2), lo_b = 0xCD9E8D57u * c2;
+    c0 = hi_b ^ c1 ^ k0;
+    c2 = hi_a ^ c3 ^ k1;
+    c1 = lo_b;
+    c3 = lo_a;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// keep[i] for elements e .. e + N of a dropout under `seed`: kept when the element's word is below
+// `threshold` (kept with probability threshold / 2^32).  A pack of N = 4 or 8 starts at a multiple of N,
+// so it is one or two whole draws; N = 1 draws for its one element.
+template <int N>
+__device__ __forceinline__ void keep_mask(uint64_t seed, int64_t e, uint32_t threshold, bool (&keep)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int g = 0; g < N / 4; ++g) {
+      const uint4 r = philox(static_cast<uint32_t>((e >> 2) + g), seed);
+      keep[4 * g] = r.x < threshold;
+      keep[4 * g + 1] = r.y < threshold;
+      keep[4 * g + 2] = r.z < threshold;
+      keep[4 * g + 3] = r.w < threshold;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const uint4 r = philox(static_cast<uint32_t>((e + i) >> 2), seed);
+      const int word = static_cast<int>((e + i) & 3);
+      keep[i] = (word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w) < threshold;
+    }
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void load_mask(const bool* p, bool (&out)[N]) {
   const Pack<bool, N> pack = *reinterpret_cast<const Pack<bool, N>*>(p);

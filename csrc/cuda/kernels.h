@@ -55,11 +55,22 @@ cudaError_t bias_swiglu_bwd(int dtype, const void* grad, const void* x, const vo
 // x is [s, per_pos, d]; cos/sin are [s, d].
 cudaError_t rotary(int dtype, const void* x, const float* cos, const float* sin, void* out, int64_t s,
                    int64_t per_pos, int64_t d, bool backward, cudaStream_t stream);
-// mask may be null (no dropout); kept elements are scaled by `scale`.
-cudaError_t bias_dropout_add_fwd(int dtype, const void* x, const void* bias, const void* residual, const bool* mask,
-                                 void* out, int64_t rows, int64_t h, float scale, cudaStream_t stream);
-cudaError_t dropout_bwd(int dtype, const void* grad, const bool* mask, void* grad_x, int64_t n, float scale,
-                        cudaStream_t stream);
+// Dropout draws its keep-mask from *seed (a device int64): element e is kept, and scaled by `scale`, when
+// word e % 4 of Philox draw e / 4 is below `threshold` (common.cuh); the backward draws the same mask.
+cudaError_t bias_dropout_add_fwd(int dtype, const void* x, const void* bias, const void* residual, const int64_t* seed,
+                                 uint32_t threshold, void* out, int64_t rows, int64_t h, float scale,
+                                 cudaStream_t stream);
+cudaError_t dropout_bwd(int dtype, const void* grad, const int64_t* seed, uint32_t threshold, void* grad_x, int64_t n,
+                        float scale, cudaStream_t stream);
+
+// MoE row map (megalite::permute_row_map): the kept assignments (id >= 0) of ids [n], stably sorted by id.
+// row_map_stats writes stats[0] = largest id + 1 and stats[1] = the kept count; with at most kMaxSortExperts
+// experts, row_map_counting_sort fills row_map [kept] using hist [experts * ceil(n / kSortTile)] as scratch.
+constexpr int kMaxSortExperts = 256;
+constexpr int kSortTile = 1024;
+cudaError_t row_map_stats(const int64_t* ids, int64_t n, int64_t* stats, cudaStream_t stream);
+cudaError_t row_map_counting_sort(const int64_t* ids, int64_t n, int experts, int64_t* hist, int64_t* row_map,
+                                  cudaStream_t stream);
 
 // MoE: row_map[j] = t * k + slot; inverse (num_tokens * k, filled with -1 by the caller) is built here.
 // Entries outside [0, num_tokens * k) are ignored; such rows come out as zeros.

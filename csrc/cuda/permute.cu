@@ -68,6 +68,92 @@ __global__ void unpermute_bwd_kernel(const T* grad, const T* permuted, const int
   if (threadIdx.x == 0 && valid) grad_probs[a] = dot;
 }
 
+// ---- The row map: kept assignments (expert id >= 0) stably sorted by expert id, as a counting sort over tiles
+// of kSortTile assignments.  row_map_stats_kernel finds the largest id and the kept count (the host sizes the
+// row map from them); tile_counts_kernel counts each tile's assignments per expert into hist[expert][tile];
+// tile_offsets_kernel turns hist into where each (expert, tile) run starts in the row map (an exclusive scan
+// in expert-major order); tile_rank_kernel places each assignment at its run's start plus the number of
+// same-expert assignments before it in its tile (warps matched on the id, then the warps before it).
+constexpr int kStatsThreads = 1024;
+
+__global__ void row_map_stats_kernel(const int64_t* ids, int64_t n, int64_t* stats) {
+  __shared__ int64_t top[kStatsThreads / 32], kept[kStatsThreads / 32];
+  int64_t m = -1, k = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    m = ids[i] > m ? ids[i] : m;
+    k += ids[i] >= 0;
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const int64_t other = __shfl_xor_sync(0xffffffffu, m, offset);
+    m = other > m ? other : m;
+    k += __shfl_xor_sync(0xffffffffu, k, offset);
+  }
+  if ((threadIdx.x & 31) == 0) top[threadIdx.x >> 5] = m, kept[threadIdx.x >> 5] = k;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      m = top[w] > m ? top[w] : m;
+      k += kept[w];
+    }
+    stats[0] = m + 1;
+    stats[1] = k;
+  }
+}
+
+__global__ void tile_counts_kernel(const int64_t* ids, int64_t n, int experts, int64_t* hist) {
+  __shared__ int counts[kMaxSortExperts];
+  const int64_t tiles = gridDim.x, i = static_cast<int64_t>(blockIdx.x) * kSortTile + threadIdx.x;
+  if (threadIdx.x < experts) counts[threadIdx.x] = 0;
+  __syncthreads();
+  if (i < n && ids[i] >= 0) atomicAdd(&counts[ids[i]], 1);
+  __syncthreads();
+  if (threadIdx.x < experts) hist[threadIdx.x * tiles + blockIdx.x] = counts[threadIdx.x];
+}
+
+__global__ void tile_offsets_kernel(int64_t* hist, int experts, int64_t tiles) {
+  __shared__ int64_t base[kMaxSortExperts];
+  const int e = threadIdx.x;
+  int64_t running = 0;
+  if (e < experts) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t count = hist[e * tiles + t];
+      hist[e * tiles + t] = running;
+      running += count;
+    }
+    base[e] = running;
+  }
+  __syncthreads();
+  if (e == 0) {
+    int64_t sum = 0;
+    for (int x = 0; x < experts; ++x) {
+      const int64_t total = base[x];
+      base[x] = sum;
+      sum += total;
+    }
+  }
+  __syncthreads();
+  if (e < experts) {
+    for (int64_t t = 0; t < tiles; ++t) hist[e * tiles + t] += base[e];
+  }
+}
+
+__global__ void tile_rank_kernel(const int64_t* ids, int64_t n, int experts, const int64_t* hist, int64_t* row_map) {
+  __shared__ int warp_counts[kSortTile / 32][kMaxSortExperts];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int j = threadIdx.x; j < (kSortTile / 32) * experts; j += blockDim.x) warp_counts[j / experts][j % experts] = 0;
+  __syncthreads();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kSortTile + threadIdx.x;
+  const int e = i < n && ids[i] >= 0 ? static_cast<int>(ids[i]) : -1;
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const int rank = __popc(peers & ((1u << lane) - 1u));
+  if (e >= 0 && lane == __ffs(peers) - 1) warp_counts[warp][e] = __popc(peers);
+  __syncthreads();
+  if (e < 0) return;
+  int before = rank;
+  for (int w = 0; w < warp; ++w) before += warp_counts[w][e];
+  row_map[hist[e * static_cast<int64_t>(gridDim.x) + blockIdx.x] + before] = i;
+}
+
 // Launches kernel<T, N> with one block per row of h columns, N = kVec<T> when `vec`, else 1.
 #define LAUNCH_ROWS(vec, blocks, h, kernel, ...)                                                       \
   do {                                                                                                 \
@@ -85,6 +171,26 @@ cudaError_t build_inverse(const int64_t* row_map, int64_t* inverse, int64_t n, i
 }
 
 }  // namespace
+
+cudaError_t row_map_stats(const int64_t* ids, int64_t n, int64_t* stats, cudaStream_t stream) {
+  row_map_stats_kernel<<<1, kStatsThreads, 0, stream>>>(ids, n, stats);
+  return cudaGetLastError();
+}
+
+cudaError_t row_map_counting_sort(const int64_t* ids, int64_t n, int experts, int64_t* hist, int64_t* row_map,
+                                  cudaStream_t stream) {
+  if (experts < 1 || experts > kMaxSortExperts) return cudaErrorInvalidValue;
+  const int64_t tiles = (n + kSortTile - 1) / kSortTile;
+  if (tiles == 0) return cudaSuccess;
+  // Each launch is checked before the next: the last one writes where the others' results say.
+  tile_counts_kernel<<<static_cast<unsigned int>(tiles), kSortTile, 0, stream>>>(ids, n, experts, hist);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  tile_offsets_kernel<<<1, kMaxSortExperts, 0, stream>>>(hist, experts, tiles);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  tile_rank_kernel<<<static_cast<unsigned int>(tiles), kSortTile, 0, stream>>>(ids, n, experts, hist, row_map);
+  return cudaGetLastError();
+}
 
 cudaError_t permute_fwd(int dtype, const void* tokens, const int64_t* row_map, void* out, int64_t n, int64_t h,
                         int64_t k, int64_t num_tokens, cudaStream_t stream) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import philox, reference
 
 try:
     from megalite import _C
@@ -145,7 +145,8 @@ def _register() -> None:
 
     autograd("megalite::rotary", rotary_backward, setup_context=rotary_setup)
 
-    # Bias + dropout + residual: the keep-mask comes in from torch's generator.
+    # Bias + dropout + residual.  CPU: the keep-mask comes in, drawn by torch's generator.  CUDA: the kernels
+    # draw it from a seed (megalite.kernels.philox), and the backward draws it again: no mask is saved.
     @fake("megalite::bias_dropout_add_fwd")
     def _(x, bias, residual, mask, scale):
         return torch.empty_like(x)
@@ -154,20 +155,31 @@ def _register() -> None:
     def _(grad, mask, scale):
         return torch.empty_like(grad)
 
+    @fake("megalite::bias_dropout_add_philox_fwd")
+    def _(x, bias, residual, seed, threshold, scale):
+        return torch.empty_like(x)
+
+    @fake("megalite::dropout_philox_bwd")
+    def _(grad, seed, threshold, scale):
+        return torch.empty_like(grad)
+
     def bias_dropout_add_setup(ctx, inputs, output):
-        _, bias, _, mask, scale = inputs
-        ctx.scale = scale
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(mask)
+        _, bias, _, keep, *threshold, scale = inputs  # keep: the CPU's mask, or the CUDA seed and its threshold
+        ctx.threshold, ctx.scale, ctx.has_bias = threshold, scale, bias is not None
+        ctx.save_for_backward(keep)
 
     def bias_dropout_add_backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
+        (keep,) = ctx.saved_tensors
         grad = grad.contiguous()
-        gx = grad if mask is None else ops.dropout_bwd(grad, mask, ctx.scale)
+        if ctx.threshold:
+            gx = ops.dropout_philox_bwd(grad, keep, ctx.threshold[0], ctx.scale)
+        else:
+            gx = grad if keep is None else ops.dropout_bwd(grad, keep, ctx.scale)
         gb = gx.reshape(-1, gx.shape[-1]).sum(0) if ctx.has_bias else None
-        return gx, gb, grad, None, None
+        return (gx, gb, grad) + (None,) * (2 + len(ctx.threshold))
 
     autograd("megalite::bias_dropout_add_fwd", bias_dropout_add_backward, setup_context=bias_dropout_add_setup)
+    autograd("megalite::bias_dropout_add_philox_fwd", bias_dropout_add_backward, setup_context=bias_dropout_add_setup)
 
     # Softmax: both masked variants share the backward, which needs only the output.
     @fake("megalite::causal_softmax_fwd")
@@ -279,6 +291,9 @@ def apply_rotary(q, k, cos, sin):
 def bias_dropout_add(x, bias, residual, p, training):
     """Without dropout nothing is left to fuse but two adds: torch's add (the bias added in place)
     costs less than a custom op's autograd wrapper at transformer sizes, and no mask is drawn."""
+    if training and p > 0.0 and x.device.type == "cuda":
+        return torch.ops.megalite.bias_dropout_add_philox_fwd(x, bias, residual, philox.dropout_seed(x.device),
+                                                              philox.keep_threshold(p), 1.0 / (1.0 - p))
     if training and p > 0.0:
         return torch.ops.megalite.bias_dropout_add_fwd(x, bias, residual, reference.dropout_mask(x, p), 1.0 / (1.0 - p))
     out = torch.add(residual, x)
@@ -299,11 +314,8 @@ def scaled_masked_softmax(x, mask, scale):
 
 
 def permute(tokens, expert_indices):
-    """On CPU the row map comes from the extension's counting sort (same order as the stable argsort)."""
-    if expert_indices.device.type == "cpu":
-        row_map = torch.ops.megalite.permute_row_map(expert_indices)
-    else:
-        row_map = reference.permute_row_map(expert_indices)
+    """The row map comes from the extension's counting sort (the order of the reference's stable argsort)."""
+    row_map = torch.ops.megalite.permute_row_map(expert_indices)
     return torch.ops.megalite.permute_fwd(tokens, row_map, expert_indices.shape[1]), row_map
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import philox
+
 
 def layer_norm(x, weight, bias, eps: float):
     """LayerNorm over the last dim."""
@@ -57,14 +59,14 @@ def dropout_mask(x, p: float):
     """Keep-mask (bool, True = kept) for dropout with drop probability p.
 
     Drawn from the default generator of x's device, so RNG forks and
-    activation recompute reproduce it; the fused op uses the same mask.
-    On CPU one fp32 uniform per element compared with 1 - p (about three
-    times cheaper there than ``bernoulli_`` into a bool tensor); on CUDA one
-    ``bernoulli_`` kernel writing a byte per element (the uniform and the
-    comparison move nine).
+    activation recompute reproduce it, and the same mask the fused op
+    draws.  On CPU one fp32 uniform per element compared with 1 - p (about
+    three times cheaper there than ``bernoulli_`` into a bool tensor), which
+    the CPU kernel reads; on CUDA the counter-based draw the CUDA kernels
+    make inside themselves from a seed (megalite.kernels.philox).
     """
     if x.device.type == "cuda":
-        return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+        return philox.keep_mask(philox.dropout_seed(x.device), x.shape, philox.keep_threshold(p))
     return torch.rand(x.shape, device=x.device) < (1.0 - p)
 
 

@@ -223,6 +223,33 @@ def test_cuda_packed_paths_match_reference(name, dtype, h, offset, monkeypatch):
 
 @pytest.mark.usefixtures("require_extension")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens, k, experts", [(1, 1, 1), (700, 2, 8), (5000, 8, 256), (3000, 2, 300), (40, 2, 1)])
+def test_cuda_row_map_is_the_stable_argsort(tokens, k, experts):
+    """The counting sort over tiles of 1,024 assignments (one tile, several, the last one partial, 256 experts: the
+    most it sorts) and its argsort past that (300 experts), with a fifth of the assignments dropped (-1)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, experts, (tokens, k), device="cuda")
+    ids[torch.rand(tokens, k, device="cuda") < 0.2] = -1
+    assert torch.equal(torch.ops.megalite.permute_row_map(ids), R.permute_row_map(ids))
+    assert torch.ops.megalite.permute_row_map(torch.full((5, 2), -1, device="cuda")).numel() == 0
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_permute_zeroes_the_rows_of_ignored_entries():
+    """A row whose entry is outside [0, tokens * k) comes out as zeros (three of 600 rows); every other row is its
+    assignment's token row."""
+    tokens = torch.randn(300, 64, device="cuda")
+    row_map = torch.arange(600, device="cuda").flip(0)
+    ignored = torch.tensor([5, 299, 599], device="cuda")
+    row_map[ignored] = torch.tensor([-1, 600, 10**6], device="cuda")
+    want = tokens[row_map.clamp(0, 599) // 2]
+    want[ignored] = 0
+    assert torch.equal(torch.ops.megalite.permute_fwd(tokens, row_map, 2), want)
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("h", [64, 4096])
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
 def test_cuda_norm_backward_with_more_rows_than_slots(name, h):
