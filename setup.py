@@ -29,11 +29,14 @@ TEST += ["lm-eval[api]"]  # its local-completions and local-chat-completions cli
 """The test extra: pytest, xdist for tools/test.sh's ``-n 2`` and tools/gpu_check.sh's ``-n 12``, Megatron-Core
 (the peer the LR schedule is tested against), the official ``openai`` client and ``requests`` (the server's tests
 drive it with them), TRL (its chat templates and response schemas are the chat tests' references), jsonschema
-(structured output and tool calls are checked with it), lm-evaluation-harness with its API clients, and every
-optional extra."""
+(structured output and tool calls are checked with it), lm-evaluation-harness with its API clients, Triton (on
+Linux: its interpreter runs the CUDA dropout reference on CPU), and every optional extra."""
 TORCH_PIN = "torch==2.13.0"
 TORCH_MIN = (2, 11)
 TEST += ["peft"]  # peer: LoRA adapters in PEFT's format (tests/lora/test_peft.py)
+# Triton's interpreter draws the CUDA dropout reference's mask on CPU (tests/kernels/test_philox.py); unpinned, so
+# pip keeps the Triton a CUDA torch wheel brought.
+TEST += ["triton; platform_system == 'Linux'"]
 
 
 def torch_requirement() -> str:
