@@ -329,9 +329,9 @@ def _collective_times(size: int, rounds: int, elements: dict) -> tuple:
     return times + _busy_costs(_busy_rounds(kinds, rounds), list(one), calls)
 
 
-def measure_link(size: int = 1 << 20, rounds: int | None = None) -> tuple[float, float, dict, dict, float, float,
-                                                                          float]:
-    """(bandwidth bytes/s, latency s) of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
+def measure_link(size: int = 1 << 20, rounds: int | None = None) -> dict:
+    """The link's fields of a :class:`~megalite.hardware.Hardware` profile, by name: ``intra_node_bandwidth``
+    (bytes/s) and ``intra_node_latency_s`` of a two-rank gloo all-reduce of ``size`` fp32 elements (the best of ten
     wall-clock runs: the least preempted), and what each collective a step runs costs a rank where every core
     computes (:func:`_busy_costs`, on one element and on each of :data:`COLLECTIVE_ELEMENTS`, averaged over the
     two ranks; ``send_recv`` is half of an exchange, a send and a receive on each rank, and its bytes those sent):
@@ -350,11 +350,13 @@ def measure_link(size: int = 1 << 20, rounds: int | None = None) -> tuple[float,
         return [[nbytes, statistics.mean(r[2][op][i][p][1] for r in ranks)]
                 for p, (nbytes, _) in enumerate(ranks[0][2][op][i])]
 
-    cpu = {op: mean_table(op, 0) for op in ranks[0][2]}
-    wait = {op: mean_table(op, 1) for op in ranks[0][2]}
     wait_per_compute, cpu_per_compute, compute = (statistics.mean(r[i] for r in ranks) for i in (3, 4, 5))
     # A two-rank ring all-reduce moves 2 * (n-1)/n = 1 x the buffer over the link.
-    return (size * 4 / max(big - small, 1e-9), small, cpu, wait, wait_per_compute, cpu_per_compute, compute)
+    return {"intra_node_bandwidth": size * 4 / max(big - small, 1e-9), "intra_node_latency_s": small,
+            "collective_cpu": {op: mean_table(op, 0) for op in ranks[0][2]},
+            "collective_wait": {op: mean_table(op, 1) for op in ranks[0][2]},
+            "collective_wait_per_compute": wait_per_compute, "collective_cpu_per_compute": cpu_per_compute,
+            "collective_cpu_compute_s": compute}
 
 
 def calibrate(path: str) -> Hardware:
@@ -378,28 +380,26 @@ def calibrate(path: str) -> Hardware:
         exps = exp_rate()
     finally:
         torch.set_num_threads(threads)
-    bandwidth, latency, collective_cpu, collective_wait, wait_per_compute, cpu_per_compute, cpu_compute = \
-        measure_link()
+    link = measure_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
+    # One machine: the "inter-node" link of its ranks is the same loopback as the intra-node one.
     hw = Hardware(name="calibrated CPU", source=f"python -m megalite.plan --calibrate on {cores} cores",
                   peak_flops=peaks, efficiency=1.0, gemm_half_rows=half_rows, hbm_bytes=memory, hbm_bandwidth=hbm,
-                  gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency_s=latency,
-                  inter_node_bandwidth=bandwidth, inter_node_latency_s=latency, attention_efficiency=attention,
-                  attention_score_s=score_s,
-                  op_overhead_s=overhead, cores=cores, exp_rate=exps, collective_cpu=collective_cpu,
-                  collective_wait=collective_wait, collective_wait_per_compute=wait_per_compute,
-                  collective_cpu_per_compute=cpu_per_compute, collective_cpu_compute_s=cpu_compute)
+                  gpus_per_node=cores, inter_node_bandwidth=link["intra_node_bandwidth"],
+                  inter_node_latency_s=link["intra_node_latency_s"], attention_efficiency=attention,
+                  attention_score_s=score_s, op_overhead_s=overhead, cores=cores, exp_rate=exps, **link)
     save_hardware(hw, path)
     print(f"wrote {path}: per core GEMM fp32 {fp32_peak / 1e9:.1f} GFLOP/s (half of it at {half_rows:.0f} rows), "
           f"attention {attention:.2f} of it and {score_s * 1e9:.2f} ns per score, memory {hbm / 1e9:.1f} GB/s, "
           f"{overhead * 1e6:.1f} us per op, "
-          f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {bandwidth / 1e9:.2f} GB/s, latency "
-          f"{latency * 1e6:.0f} us; per collective call at "
-          + " / ".join(f"{nbytes / 1024:.0f}" for nbytes, _ in collective_cpu["all_reduce"])
+          f"exp {exps / 1e9:.2f} G elements/s, {cores} cores; all-reduce {hw.intra_node_bandwidth / 1e9:.2f} GB/s, "
+          f"latency {hw.intra_node_latency_s * 1e6:.0f} us; per collective call at "
+          + " / ".join(f"{nbytes / 1024:.0f}" for nbytes, _ in hw.collective_cpu["all_reduce"])
           + " KiB, CPU + wait beyond it in us, every core computing: "
           + ", ".join(f"{op} " + " / ".join(f"{c * 1e6:.0f} + {w * 1e6:.0f}" for (_, c), (_, w) in
-                                            zip(collective_cpu[op], collective_wait[op])) for op in collective_cpu)
-          + f"; per ms of compute between the calls (up to {cpu_compute * 1e3:.1f} ms for the CPU), CPU "
-          f"{cpu_per_compute * 1e3:.0f} us and wait {wait_per_compute * 1e3:.0f} us")
+                                            zip(hw.collective_cpu[op], hw.collective_wait[op]))
+                     for op in hw.collective_cpu)
+          + f"; per ms of compute between the calls (up to {hw.collective_cpu_compute_s * 1e3:.1f} ms for the CPU), "
+          f"CPU {hw.collective_cpu_per_compute * 1e3:.0f} us and wait {hw.collective_wait_per_compute * 1e3:.0f} us")
     return hw
