@@ -3,7 +3,9 @@
 These define what each fused op must compute, and they are what megalite
 runs whenever the extension is not built or the inputs do not qualify.
 Reductions run in fp32 and results come back in the input dtype, as the
-fused kernels do.
+fused kernels do.  One piece is not plain torch: on CUDA, dropout's
+keep-mask is the counter-based draw of megalite.kernels.philox (a Triton
+kernel), the one the CUDA kernels make.
 """
 
 from __future__ import annotations
