@@ -9,7 +9,8 @@ regions.  Per transformer layer, without recompute:
   output ``heads * d / tp``, the attention's fp32
   log-sum-exp per head;
 - fc1's output and the activation's output (``2 * ffn`` and ``ffn`` for SwiGLU);
-- each norm's fp32 statistics (two per token), one-byte dropout masks when dropout is on.
+- each norm's fp32 statistics (two per token), one-byte dropout masks when dropout is on and the run keeps them
+  (:func:`keeps_dropout_masks`: megalite's CUDA kernels draw the mask again in the backward and keep none).
 
 Selective recompute drops the core attention's saved state (the log-sum-exp: flash-style attention
 keeps no ``s x s`` matrix to begin with); full recompute keeps only each layer's input.  The last
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megalite.hardware import Hardware
 from megalite.models.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.tensor_parallel.vocab_embedding import pad_vocab_size
@@ -60,9 +62,17 @@ def op_recompute_flops_per_token(config: GPTConfig) -> float:
     return config.num_layers * sum(2 * i * o for i, o in _block_matmuls(config, 1)[1::2])
 
 
+def keeps_dropout_masks(hw: Hardware, ops: str | None = None) -> bool:
+    """Whether a run on ``hw`` keeps dropout's keep-masks for the backward: a calibrated CPU (a profile with
+    ``cores``) runs the CPU kernels, which read a mask drawn by torch and keep it, as torch's own dropout does for
+    another system's ops (``ops``); megalite's CUDA kernels, which a GPU profile prices, draw it again instead."""
+    return hw.cores is not None or ops is not None
+
+
 def layer_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, layer: int = 0,
-                           recompute: str | None = None) -> int:
-    """Bytes one transformer layer saves for one micro-batch on one rank."""
+                           recompute: str | None = None, dropout_masks: bool = True) -> int:
+    """Bytes one transformer layer saves for one micro-batch on one rank (``dropout_masks``:
+    :func:`keeps_dropout_masks`)."""
     e = DTYPE_BYTES[layout.precision]
     tp, cp = layout.tp, layout.cp
     tokens = layout.micro_batch_size * seq_length // cp
@@ -91,7 +101,7 @@ def layer_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, l
     stats = 4 * sp_tokens
     if recompute != "selective":
         stats += tokens * heads
-    masks = 2 * sp_tokens * h if config.hidden_dropout > 0 else 0
+    masks = 2 * sp_tokens * h if config.hidden_dropout > 0 and dropout_masks else 0
     return e * elements + STAT_BYTES * stats + masks
 
 
@@ -107,8 +117,10 @@ def head_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int) ->
     return e * (sp_tokens * h + tokens * h + tokens * vocab) + STAT_BYTES * 2 * sp_tokens + 8 * tokens
 
 
-def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, pp_rank: int = 0) -> int:
-    """Bytes all of pipeline rank ``pp_rank``'s chunks save for one micro-batch (under ``layout.recompute``)."""
+def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: int, pp_rank: int = 0,
+                                dropout_masks: bool = True) -> int:
+    """Bytes all of pipeline rank ``pp_rank``'s chunks save for one micro-batch (under ``layout.recompute``;
+    ``dropout_masks``: :func:`keeps_dropout_masks`)."""
     stages = layout.stage_map()
     e = DTYPE_BYTES[layout.precision]
     tokens = layout.micro_batch_size * seq_length // layout.cp
@@ -120,11 +132,12 @@ def microbatch_activation_bytes(config: GPTConfig, layout: Layout, seq_length: i
         moe_layers = sum(config.is_moe_layer(i) for i in range(start, end))
         if moe_layers:
             first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
-            total += moe_layers * layer_activation_bytes(config, layout, seq_length, first_moe, layout.recompute)
+            total += moe_layers * layer_activation_bytes(config, layout, seq_length, first_moe, layout.recompute,
+                                                         dropout_masks)
         if end - start - moe_layers:
             first_dense = next(i for i in range(config.num_layers) if not config.is_moe_layer(i))
             total += (end - start - moe_layers) * layer_activation_bytes(config, layout, seq_length, first_dense,
-                                                                         layout.recompute)
+                                                                         layout.recompute, dropout_masks)
         if stages.is_last(pp_rank, chunk):
             total += head_activation_bytes(config, layout, seq_length)
     return total

@@ -25,7 +25,8 @@ from megalite.hardware import Hardware, collective_runs
 from megalite.models.config import GPTConfig, gpt_flops_per_token
 from megalite.plan.compute import compute_time, overlaps_communication, oversubscribed
 from megalite.pipeline.timeline import analytic_bubble
-from megalite.plan.activations import layer_activation_bytes, microbatch_activation_bytes, microbatches_in_flight
+from megalite.plan.activations import (keeps_dropout_masks, layer_activation_bytes, microbatch_activation_bytes,
+                                       microbatches_in_flight)
 from megalite.plan.layout import DTYPE_BYTES, Layout
 from megalite.plan.memory import rank_chunks, rank_state_bytes
 from megalite.plan.traffic import collective_bytes
@@ -241,18 +242,20 @@ def estimate(config: GPTConfig, layout: Layout, hw: Hardware, seq_length: int, g
     base = (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.etp, layout.vpp, layout.schedule,
             layout.zero1, layout.fsdp, layout.precision, layout.first_stage_layers, layout.last_stage_layers,
             layout.grad_reduce_in_fp32, layout.bucket_size)
+    masks = keeps_dropout_masks(hw, ops)
     shape = (layout.tp, layout.pp, layout.cp, layout.vpp, layout.schedule, layout.first_stage_layers,
              layout.last_stage_layers, layout.sequence_parallel, layout.micro_batch_size, layout.recompute,
-             layout.precision)
+             layout.precision, masks)
     # Memory on the first and the last pipeline rank (the first holds the most micro-batches, the last the logits).
     for pp_rank in sorted({0, layout.pp - 1}):
         state = _cached(cache, ("state", base, pp_rank), lambda: rank_state_bytes(config, layout, pp_rank))
         act = _cached(cache, ("act", shape, pp_rank),
-                      lambda: microbatch_activation_bytes(config, layout, seq_length, pp_rank))
+                      lambda: microbatch_activation_bytes(config, layout, seq_length, pp_rank, masks))
         in_flight = microbatches_in_flight(layout, m, pp_rank)
         extra = 0
         if layout.recompute == "full":
-            extra = _cached(cache, ("layer", shape), lambda: layer_activation_bytes(config, layout, seq_length, 0))
+            extra = _cached(cache, ("layer", shape),
+                            lambda: layer_activation_bytes(config, layout, seq_length, 0, dropout_masks=masks))
         gathered = 0
         if layout.fsdp:
             gathered = _cached(cache, ("gathered", base, layout.reshard_after_forward, pp_rank),

@@ -176,3 +176,26 @@ def test_torchtitan_op_recompute_matches_torch_selective_checkpointing():
             forward(x, selective).sum().backward()
         flops.append(counter.get_total_flops())
     assert flops[1] - flops[0] == op_recompute_flops_per_token(config) * batch * seq > 0
+
+
+def test_gpu_profiles_price_no_dropout_masks():
+    """megalite's CUDA dropout draws its mask again in the backward (megalite/kernels/philox.py), so a GPU profile's
+    layer keeps no mask; the calibrated CPU's kernels keep one byte an element, as torch's dropout does for another
+    system's ops.  The difference is exactly the layers' two masks."""
+    from megalite.hardware import load_hardware
+    from megalite.models import GPTConfig
+    from megalite.plan.activations import keeps_dropout_masks, microbatch_activation_bytes
+    from megalite.plan.eager import TORCHTITAN_EAGER
+    from megalite.plan.estimate import estimate
+    from megalite.plan.layout import Layout
+
+    gpu, cpu = load_hardware("h100"), load_hardware("cpu")
+    assert not keeps_dropout_masks(gpu) and keeps_dropout_masks(cpu) and keeps_dropout_masks(gpu, TORCHTITAN_EAGER)
+    config = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=512, max_position_embeddings=64,
+                       hidden_dropout=0.1)
+    layout = Layout(tp=2, sequence_parallel=True, micro_batch_size=2)
+    masks = 4 * 2 * (2 * 64 // 2) * 256  # layers x two masks x the rank's sequence-parallel tokens x h, a byte each
+    assert microbatch_activation_bytes(config, layout, 64) - microbatch_activation_bytes(
+        config, layout, 64, dropout_masks=False) == masks
+    on_gpu, on_cpu = (estimate(config, layout, hw, 64, 8).memory for hw in (gpu, cpu))
+    assert on_gpu["microbatches_in_flight"] == 1 and on_cpu["activations"] - on_gpu["activations"] == masks
