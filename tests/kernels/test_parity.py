@@ -236,6 +236,21 @@ def test_cuda_row_map_is_the_stable_argsort(tokens, k, experts):
 
 @pytest.mark.usefixtures("require_extension")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_swiglu_rows_past_the_grid_walk_the_rows():
+    """SwiGLU's grid holds at most 65,535 rows; its threads walk the rest (70,001 rows here), forward and
+    backward against the reference in fp32."""
+    torch.manual_seed(0)
+    x, bias = torch.randn(70_001, 16, device="cuda", requires_grad=True), torch.randn(16, device="cuda")
+    grad = torch.randn(70_001, 8, device="cuda")
+    got = K.bias_swiglu(x, bias)
+    want = R.bias_swiglu(x, bias)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0],
+                               **TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("require_extension")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_permute_zeroes_the_rows_of_ignored_entries():
     """A row whose entry is outside [0, tokens * k) comes out as zeros (three of 600 rows); every other row is its
     assignment's token row."""
