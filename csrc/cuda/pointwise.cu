@@ -1,5 +1,7 @@
 // Elementwise fused ops: bias + GeLU(tanh), bias + SwiGLU, rotary embedding, bias + dropout + residual.
 // Grid-stride loops over packs of N elements (16-byte accesses when aligned, else N = 1), float math.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace megalite {
@@ -68,11 +70,19 @@ __device__ __forceinline__ void load_bias_halves(const T* bias, int64_t c, int64
   load<N>(bias + half + c, up);
 }
 
-template <int N>
-__device__ __forceinline__ void add_to(float (&v)[N], const float (&b)[N], bool has_bias) {
+// The gate and up packs of row r at column c, plus the bias packs the caller holds when there is a bias.
+template <int N, typename T>
+__device__ __forceinline__ void load_gate_up(const T* x, int64_t r, int64_t h, int64_t c, bool has_bias,
+                                             const float (&bias_gate)[N], const float (&bias_up)[N],
+                                             float (&gate)[N], float (&up)[N]) {
+  load<N>(x + r * h + c, gate);
+  load<N>(x + r * h + h / 2 + c, up);
   if (!has_bias) return;
 #pragma unroll
-  for (int k = 0; k < N; ++k) v[k] += b[k];
+  for (int k = 0; k < N; ++k) {
+    gate[k] += bias_gate[k];
+    up[k] += bias_up[k];
+  }
 }
 
 __device__ __forceinline__ int64_t swiglu_column(int n) {
@@ -87,10 +97,7 @@ __global__ void swiglu_fwd_kernel(const T* x, const T* bias, T* y, int64_t rows,
   load_bias_halves<N>(bias, c, half, bias_gate, bias_up);
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     float gate[N], up[N];
-    load<N>(x + r * h + c, gate);
-    load<N>(x + r * h + half + c, up);
-    add_to<N>(gate, bias_gate, bias != nullptr);
-    add_to<N>(up, bias_up, bias != nullptr);
+    load_gate_up<N>(x, r, h, c, bias != nullptr, bias_gate, bias_up, gate, up);
 #pragma unroll
     for (int k = 0; k < N; ++k) up[k] *= gate[k] * sigmoid(gate[k]);
     store<N>(y + r * half + c, up);
@@ -105,11 +112,8 @@ __global__ void swiglu_bwd_kernel(const T* grad, const T* x, const T* bias, T* g
   load_bias_halves<N>(bias, c, half, bias_gate, bias_up);
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     float gate[N], up[N], g[N], d_gate[N], d_up[N];
-    load<N>(x + r * h + c, gate);
-    load<N>(x + r * h + half + c, up);
+    load_gate_up<N>(x, r, h, c, bias != nullptr, bias_gate, bias_up, gate, up);
     load<N>(grad + r * half + c, g);
-    add_to<N>(gate, bias_gate, bias != nullptr);
-    add_to<N>(up, bias_up, bias != nullptr);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float s = sigmoid(gate[k]);
@@ -200,7 +204,7 @@ __global__ void dropout_bwd_kernel(const T* grad, const int64_t* seed, uint32_t 
   do {                                                                                               \
     const int n_ = (vec) ? kVec<T> : 1;                                                              \
     const int64_t packs_ = (h) / 2 / n_;                                                             \
-    const int threads_ = row_threads(packs_) < 256 ? row_threads(packs_) : 256;                      \
+    const int threads_ = std::min(row_threads(packs_), 256);                                         \
     const dim3 grid_(static_cast<unsigned int>((packs_ + threads_ - 1) / threads_),                  \
                      static_cast<unsigned int>((rows) < 65535 ? (rows) : 65535));                    \
     if (vec) {                                                                                       \

@@ -291,10 +291,10 @@ def apply_rotary(q, k, cos, sin):
 def bias_dropout_add(x, bias, residual, p, training):
     """Without dropout nothing is left to fuse but two adds: torch's add (the bias added in place)
     costs less than a custom op's autograd wrapper at transformer sizes, and no mask is drawn."""
-    if training and p > 0.0 and x.device.type == "cuda":
-        return torch.ops.megalite.bias_dropout_add_philox_fwd(x, bias, residual, philox.dropout_seed(x.device),
-                                                              philox.keep_threshold(p), 1.0 / (1.0 - p))
     if training and p > 0.0:
+        if x.device.type == "cuda":
+            return torch.ops.megalite.bias_dropout_add_philox_fwd(x, bias, residual, philox.dropout_seed(x.device),
+                                                                  philox.keep_threshold(p), 1.0 / (1.0 - p))
         return torch.ops.megalite.bias_dropout_add_fwd(x, bias, residual, reference.dropout_mask(x, p), 1.0 / (1.0 - p))
     out = torch.add(residual, x)
     return out if bias is None else out.add_(bias)
