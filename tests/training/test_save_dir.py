@@ -82,5 +82,5 @@ def test_preflight_rejects_unwritable_or_full_save_dir(tiny_data, tmp_path):
         train(tiny_data, tmp_path / "w", 1, "--save", str(blocker / "ckpt"), iters=3)
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
     free = shutil.disk_usage(tmp_path).free
-    with pytest.raises(ValueError, match=r"--save .* has [0-9.]+ GiB free, but one checkpoint needs about [0-9.]+ GiB"):
+    with pytest.raises(ValueError, match=r"--save .* has [0-9.]+ [MG]iB free, but one checkpoint needs about [0-9.]+ [MG]iB"):
         check_writable_with_room(str(tmp_path / "full"), 2 * free)
