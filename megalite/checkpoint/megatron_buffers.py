@@ -15,8 +15,8 @@ Which chunk holds which layers is megalite's one layer split (:func:`megalite.pi
 as Megatron-Core's for even stages, ``--decoder-first/last-pipeline-num-layers`` and interleaved chunks; for
 ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` (Megatron-Core splits the
 layers plus the embedding and the loss evenly over the stages, then builds one layer fewer on the first and the
-last: :func:`_accounted_stages`) and for a ``--pipeline-model-parallel-layout`` (:func:`megalite.pipeline.parse_layout`)
-it is given each stage's layer count.
+last) and for a ``--pipeline-model-parallel-layout`` it is given each stage's layer count
+(:func:`megalite.pipeline.split_flags_layout`, the rule training's flags use too).
 
 A layer's local experts lie in the buffer as the run's expert module registers them (:data:`EXPERT_MODULES`):
 SequentialMLP each expert's ``linear_fc1`` then ``linear_fc2`` weight; Transformer Engine's TEGroupedMLP
@@ -38,7 +38,7 @@ import re
 import torch
 
 from megalite.checkpoint.meta import split_dims
-from megalite.pipeline import LayerLayout, accounted_layout, parse_layout, split_layers
+from megalite.pipeline import LayerLayout, split_flags_layout, split_layers
 
 # The order Megatron-Core's TransformerLayer (local spec) registers its parameters in (an MoE layer's MLP: the
 # router, the local experts, the shared experts; a module's own parameters come before its submodules', so the
@@ -152,38 +152,25 @@ def bucket_layout(numels: list[int], dp: int, bucket_size: int | None, high_band
     return [places[i] for i in range(len(numels))], unpadded
 
 
-def _accounted_stages(args: dict) -> list[int] | None:
-    """Each stage's layer count (in stage order) of a run (saved ``args``) at pp > 1 whose pipeline split counts
-    the embedding and/or the loss as a layer (:data:`_ACCOUNTED`, :func:`megalite.pipeline.accounted_layout`);
-    None for another run, or one whose layers do not split so (:func:`split_problem`)."""
-    embedding, loss = (bool(args.get(flag)) for flag in _ACCOUNTED)
-    pp = int(args.get("pipeline_model_parallel_size") or 1)
-    if not (embedding or loss) or pp == 1:
-        return None
-    try:
-        layout = accounted_layout(int(args.get("num_layers") or 0), pp,
-                                  args.get("virtual_pipeline_model_parallel_size") or None, embedding, loss)
-    except ValueError:
-        return None
-    return list(layout.stage_layers)
-
-
-def _layout(args: dict) -> LayerLayout:
-    """The :class:`~megalite.pipeline.LayerLayout` of a run (saved ``args``) split by
-    ``--pipeline-model-parallel-layout`` (the string, or the parsed layout built from one); ValueError naming
-    what megalite does not build (:func:`megalite.pipeline.parse_layout`)."""
-    layout, pp = args.get("pipeline_model_parallel_layout"), int(args.get("pipeline_model_parallel_size") or 1)
-    if not isinstance(layout, str):  # Megatron-LM's parsed PipelineParallelLayerLayout keeps its string
-        state = getattr(layout, "state", None)  # as a pickled record (megatron_pickle.Opaque): its __dict__
+def _split(args: dict) -> LayerLayout | None:
+    """The :class:`~megalite.pipeline.LayerLayout` a run's saved ``args`` split its layers by
+    (:func:`megalite.pipeline.split_flags_layout`): its ``--pipeline-model-parallel-layout`` (the string, or the
+    parsed layout built from one), or its split counting the embedding and/or the loss as a layer
+    (:data:`_ACCOUNTED`); None for an even or first/last split; ValueError naming what megalite does not build."""
+    layout = args.get("pipeline_model_parallel_layout") or None
+    if layout is not None and not isinstance(layout, str):  # Megatron-LM's parsed PipelineParallelLayerLayout keeps
+        state = getattr(layout, "state", None)  # its string as a pickled record (megatron_pickle.Opaque): __dict__
         layout = state.get("input_data") if isinstance(state, dict) else getattr(layout, "input_data", None)
         if not isinstance(layout, str):
             raise ValueError("the saved layout holds no layout string")
-    parsed = parse_layout(layout, pp, int(args.get("num_layers") or 0), args.get("mtp_num_layers"))
     saved = args.get("virtual_pipeline_model_parallel_size") or None
-    if saved is not None and saved != (parsed.vpp or 1):
-        raise ValueError(f"pipeline layout {layout!r} has {parsed.vpp or 1} stage(s) per pipeline rank, but the saved "
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    split = split_flags_layout(int(args.get("num_layers") or 0), pp, saved, layout, args.get("mtp_num_layers"),
+                               *(bool(args.get(flag)) for flag in _ACCOUNTED))
+    if layout is not None and saved is not None and saved != (split.vpp or 1):
+        raise ValueError(f"pipeline layout {layout!r} has {split.vpp or 1} stage(s) per pipeline rank, but the saved "
                          f"virtual_pipeline_model_parallel_size is {saved}")
-    return parsed
+    return split
 
 
 def split_problem(args: dict) -> str | None:
@@ -191,15 +178,12 @@ def split_problem(args: dict) -> str | None:
     guessed at), led by its flag, or None: a ``--pipeline-model-parallel-layout`` that
     :func:`megalite.pipeline.parse_layout` refuses, and a split that counts the embedding or the loss as a layer
     whose layers do not split so."""
-    if args.get("pipeline_model_parallel_layout"):
-        try:
-            _layout(args)
-        except ValueError as err:
-            return f"pipeline_model_parallel_layout: {err}"
-        return None
-    accounted = next((flag for flag in _ACCOUNTED if args.get(flag)), None)
-    if accounted and int(args.get("pipeline_model_parallel_size") or 1) > 1 and _accounted_stages(args) is None:
-        return accounted
+    try:
+        _split(args)
+    except ValueError as err:
+        flag = "pipeline_model_parallel_layout" if args.get("pipeline_model_parallel_layout") else \
+            next(flag for flag in _ACCOUNTED if args.get(flag))
+        return f"{flag}: {err}"
     return None
 
 
@@ -212,11 +196,12 @@ def buffer_args(args: dict) -> dict:
     first = args.get("decoder_first_pipeline_num_layers") or args.get("num_layers_in_first_pipeline_stage")
     last = args.get("decoder_last_pipeline_num_layers") or args.get("num_layers_in_last_pipeline_stage")
     vpp, stages = args.get("virtual_pipeline_model_parallel_size") or None, None
-    if args.get("pipeline_model_parallel_layout") and split_problem(args) is None:
-        layout = _layout(args)
-        vpp, stages = layout.vpp, list(layout.stage_layers)
-    elif first is None and last is None:
-        stages = _accounted_stages(args)
+    try:
+        split = _split(args)
+    except ValueError:  # split_problem names it
+        split = None
+    if split is not None:
+        vpp, stages = split.vpp, list(split.stage_layers)
     tp = int(args.get("tensor_model_parallel_size") or 1)
     te = args.get("transformer_impl") == "transformer_engine"
     expert_module = "sequential" if not (args.get("num_experts") and args.get("moe_grouped_gemm")) else \

@@ -81,3 +81,19 @@ def accounted_layout(num_layers: int, pp: int, vpp: int | None, embedding: bool,
     counts[0] -= embedding
     counts[-1] -= loss
     return LayerLayout(vpp, tuple(counts))
+
+
+def split_flags_layout(num_layers: int, pp: int, vpp: int | None = None, layout: str | None = None,
+                       mtp_num_layers: int | None = None, embedding: bool = False,
+                       loss: bool = False) -> LayerLayout | None:
+    """The :class:`LayerLayout` that Megatron-LM's pipeline-split flags give a run: ``--pipeline-model-parallel-layout``
+    (``layout``) when set (:func:`parse_layout`), else at ``pp`` > 1 the split counting the embedding and/or the
+    loss as a layer (:func:`accounted_layout`, ``vpp`` model chunks per rank); None when neither applies and
+    :func:`megalite.pipeline.split_layers` splits evenly or by ``--decoder-first/last-pipeline-num-layers``.
+    One rule for a run's flags (:func:`megalite.training.arguments.stage_layers`) and a checkpoint's saved args
+    (:mod:`megalite.checkpoint.megatron_buffers`); ValueError as theirs."""
+    if layout is not None:
+        return parse_layout(layout, pp, num_layers, mtp_num_layers)
+    if pp == 1 or not (embedding or loss):
+        return None
+    return accounted_layout(num_layers, pp, vpp, embedding, loss)

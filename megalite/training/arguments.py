@@ -19,7 +19,7 @@ from megalite.lora.state import check_model
 from megalite.models import GPTConfig
 from megalite.models.architecture import architecture_values, compare_architecture, config_from_dict
 from megalite.models.mtp import check_mtp_layout
-from megalite.pipeline import accounted_layout, parse_layout, split_layers
+from megalite.pipeline import parse_layout, split_flags_layout, split_layers
 from megalite.pipeline.schedules import check_schedule
 from megalite.training.batch_ramp import batch_ramp
 from megalite.training.flags import (FLAGS, context_parallel_config, ddp_config, gpt_config, lr_schedule_config,
@@ -259,15 +259,12 @@ def _check_pipeline_schedule(args):
 
 def stage_layers(args) -> tuple[int, ...] | None:
     """Every pipeline stage's layer count that ``--pipeline-model-parallel-layout`` or, at pp > 1,
-    ``--account-for-embedding/loss-in-pipeline-split`` give (None without them)."""
-    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
-    if layout is not None:
-        return parse_layout(layout, pp, args.num_layers, args.mtp_num_layers).stage_layers
-    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
-    if pp == 1 or not (embedding or loss):
-        return None
-    return accounted_layout(args.num_layers, pp, args.virtual_pipeline_model_parallel_size, embedding,
-                            loss).stage_layers
+    ``--account-for-embedding/loss-in-pipeline-split`` give (None without them: :func:`split_flags_layout`)."""
+    layout = split_flags_layout(args.num_layers, args.pipeline_model_parallel_size,
+                                args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_layout,
+                                args.mtp_num_layers, args.account_for_embedding_in_pipeline_split,
+                                args.account_for_loss_in_pipeline_split)
+    return None if layout is None else layout.stage_layers
 
 
 def _check_pipeline_layout(args):

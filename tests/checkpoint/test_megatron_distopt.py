@@ -45,10 +45,12 @@ def test_bucket_layout_equals_megatron_cores_buffer(monkeypatch, dp, bucket_size
     (dict(pipeline_model_parallel_size=3), "saved with pipeline stages megalite does not place (num_layers=4 is not "
      "divisible by pipeline size pp=3; give first/last stage layer counts to split unevenly)"),
     (dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True),
-     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split: num_layers=4 + "
+     "embedding = 5 layers do not split evenly over pp=2 x vpp=1 stages, each holding at least the layer counted)"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
           account_for_embedding_in_pipeline_split=True),
-     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split)"),
+     "saved with pipeline stages megalite does not place (account_for_embedding_in_pipeline_split: num_layers=4 + "
+     "embedding = 5 layers do not split evenly over pp=2 x vpp=2 stages, each holding at least the layer counted)"),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tt|t|L",
           virtual_pipeline_model_parallel_size=3),
      "saved with pipeline stages megalite does not place (pipeline_model_parallel_layout: pipeline layout "

@@ -1,6 +1,6 @@
 import pytest
 
-from megalite.pipeline import split_layers
+from megalite.pipeline import LayerLayout, split_flags_layout, split_layers
 
 
 def _flatten_in_virtual_order(ranges):
@@ -58,3 +58,16 @@ def test_per_stage_layer_counts():
 def test_bad_splits(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         split_layers(*args, **kwargs)
+
+
+def test_split_flags_layout_picks_the_layout_then_the_counted_split():
+    """One rule for which split flag decides the stages: the layout string first, else (pp > 1) the embedding
+    and/or loss counted as a layer, else None (the even or first/last split)."""
+    assert split_flags_layout(3, 2, layout="Et|ttL") == LayerLayout(None, (1, 2))
+    assert split_flags_layout(3, 2, layout="Et|t|t|L", embedding=True) == LayerLayout(2, (1, 1, 1, 0))
+    assert split_flags_layout(4, 2, vpp=3, embedding=True, loss=True) == LayerLayout(3, (0, 1, 1, 1, 1, 0))
+    assert split_flags_layout(5, 2, loss=True) == LayerLayout(None, (3, 2))
+    assert split_flags_layout(5, 1, embedding=True, loss=True) is None
+    assert split_flags_layout(4, 2, vpp=2) is None
+    with pytest.raises(ValueError, match=r"num_layers=4 \+ embedding = 5 layers do not split evenly"):
+        split_flags_layout(4, 2, embedding=True)
