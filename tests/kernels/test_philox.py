@@ -3,6 +3,7 @@ use.  The CUDA kernels themselves are held to it by the parity tests on a GPU (f
 seed); here, on CPU, the reference's Triton kernel (in Triton's interpreter) against Philox written out from its
 paper, which first meets Random123's known answers."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_reference_keep_mask_is_philox_per_element():
     run = subprocess.run([sys.executable, "-c", _DRAW.format(seed=seed)], env=env, capture_output=True, text=True,
                          timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
-    got = eval(run.stdout.strip().splitlines()[-1])
+    got = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     cases = ((42, 4, 2**32 - 1), (seed, 4103, philox.keep_threshold(0.3)), ((1 << 40) + 12345, 9, 2**31))
     for mask, (key, n, threshold) in zip(got, cases):
         words = [_philox((e // 4, 0, 0, 0), (key & MASK32, key >> 32))[e % 4] for e in range(n)]
